@@ -1,0 +1,1 @@
+//! The .rpx pipeline language.

@@ -1,0 +1,1 @@
+//! Kernels: CPU reference ops and CUDA kernels.

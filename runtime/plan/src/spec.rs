@@ -1,0 +1,353 @@
+//! The job specification: everything a `.rpx` pipeline says, resolved and checked.
+//!
+//! This is the one description of a job that crosses every boundary: the DSL produces it
+//! (after name resolution and semantic checks), the compiler lowers it into a [`crate::Plan`],
+//! and the plan carries a copy so that the runtime can build the models, the data and the RL
+//! loop without knowing the DSL. All sizes are in plain units: bytes, bytes/s, FLOP/s.
+//!
+//! Invariant: nothing here depends on the DSL, the solver or the GPU; every type is plain data
+//! with a stable serde form (field order is the YAML order).
+
+use serde::{Deserialize, Serialize};
+
+/// One RL post-training job.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JobSpec {
+    /// The pipeline's name (`pipeline <name> { ... }`).
+    pub name: String,
+    /// Global seed: weights (when random), sampling, data order.
+    pub seed: u64,
+    pub cluster: ClusterSpec,
+    /// The actor (trained) model; the reference model is a frozen copy of its initial weights.
+    pub actor: ModelSpec,
+    pub reference: ReferenceSpec,
+    pub rollout: RolloutSpec,
+    pub reward: RewardSpec,
+    pub train: TrainSpec,
+    pub schedule: ScheduleSpec,
+}
+
+/// The GPUs of the job.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ClusterSpec {
+    pub gpu: GpuSpec,
+    /// Total number of GPUs.
+    pub count: u32,
+    /// GPUs per node (the rest of `count` is spread over further nodes).
+    pub gpus_per_node: u32,
+    /// GPU-GPU bandwidth inside a node, bytes/s per direction (NVLink).
+    pub intra_node_bw: f64,
+    /// GPU-GPU bandwidth across nodes, bytes/s per GPU (InfiniBand).
+    pub inter_node_bw: f64,
+}
+
+/// One GPU model, as the cost model sees it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GpuSpec {
+    /// e.g. "H200", "H800", or "cpu" for the CPU backend.
+    pub name: String,
+    /// Streaming multiprocessors.
+    pub sms: u32,
+    /// SM partitions come in multiples of this (8 on Hopper green contexts).
+    pub sm_granularity: u32,
+    /// Device memory, bytes.
+    pub hbm_bytes: u64,
+    /// Device memory bandwidth, bytes/s (datasheet or measured).
+    pub hbm_bw: f64,
+    /// Dense bf16 tensor-core rate, FLOP/s.
+    pub bf16_flops: f64,
+    /// Host <-> device bandwidth, bytes/s per direction.
+    pub host_bw: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    Bf16,
+    F16,
+    F32,
+}
+
+impl DType {
+    pub fn bytes(self) -> u64 {
+        match self {
+            DType::Bf16 | DType::F16 => 2,
+            DType::F32 => 4,
+        }
+    }
+}
+
+/// A Qwen2.5-VL-family model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelSpec {
+    /// Human name ("qwen2.5-vl-3b", "tiny").
+    pub name: String,
+    pub vision: VisionDims,
+    pub text: TextDims,
+    pub tokens: SpecialTokens,
+    /// Compute dtype of weights and activations on the GPU (the CPU backend computes in f32).
+    pub dtype: DType,
+    pub weights: WeightsSource,
+}
+
+/// Vision tower dimensions (Hugging Face `vision_config`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct VisionDims {
+    pub depth: u32,
+    pub hidden_size: u32,
+    pub num_heads: u32,
+    pub intermediate_size: u32,
+    pub patch_size: u32,
+    pub temporal_patch_size: u32,
+    pub spatial_merge_size: u32,
+    /// Window attention window, in pixels (112 in Qwen2.5-VL).
+    pub window_size: u32,
+    /// Blocks that use full attention instead of window attention.
+    pub fullatt_block_indexes: Vec<u32>,
+    pub in_channels: u32,
+    /// Width of the merger output (= the text hidden size).
+    pub out_hidden_size: u32,
+}
+
+/// Text decoder dimensions (Hugging Face `text_config`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TextDims {
+    pub num_layers: u32,
+    pub hidden_size: u32,
+    pub num_heads: u32,
+    pub num_kv_heads: u32,
+    pub intermediate_size: u32,
+    pub vocab_size: u32,
+    pub rope_theta: f64,
+    /// M-RoPE sections (temporal, height, width), in rotary half-dims; sum = head_dim / 2.
+    pub mrope_section: [u32; 3],
+    pub tie_word_embeddings: bool,
+    pub rms_norm_eps: f64,
+    pub max_position_embeddings: u32,
+}
+
+impl TextDims {
+    pub fn head_dim(&self) -> u32 {
+        self.hidden_size / self.num_heads
+    }
+}
+
+/// Token ids with a meaning to the model (Qwen2.5-VL defaults for the real vocabulary).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SpecialTokens {
+    pub image_token_id: u32,
+    pub video_token_id: u32,
+    pub vision_start_token_id: u32,
+    pub vision_end_token_id: u32,
+    /// End-of-sequence ids (generation stops on any of them unless the rollout overrides).
+    pub eos_token_ids: Vec<u32>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightsSource {
+    /// A Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json).
+    Checkpoint { path: String },
+    /// Random initialisation from a seed (benchmarks, tests).
+    Random { seed: u64 },
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReferenceSpec {
+    /// Whether a reference model is scored at all (false when the KL coefficient is 0).
+    pub enabled: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RolloutSpec {
+    pub tp: u32,
+    /// Distinct prompts per iteration.
+    pub prompts_per_iter: u32,
+    /// GRPO group size: samples per prompt.
+    pub group_size: u32,
+    pub media: MediaSpec,
+    /// Text tokens of each prompt (besides the media tokens).
+    pub prompt_text_tokens: u32,
+    pub max_new_tokens: u32,
+    /// Expected response lengths: the planner sizes decode windows with it, and benchmarks with
+    /// random weights stop each sample at a length drawn from it.
+    pub response_len: LengthDist,
+    pub sampling: SamplingSpec,
+    /// Dataset: JSONL/Parquet path, or a built-in generator name.
+    pub dataset: DatasetSpec,
+}
+
+impl RolloutSpec {
+    /// Samples per iteration (prompts x group size).
+    pub fn samples(&self) -> u32 {
+        self.prompts_per_iter * self.group_size
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MediaSpec {
+    None,
+    /// `count` images per prompt, each `height` x `width` pixels.
+    Image { count: u32, height: u32, width: u32 },
+    /// One video per prompt, `frames` frames of `height` x `width` pixels.
+    Video { frames: u32, height: u32, width: u32 },
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LengthDist {
+    /// Every response has this many tokens (capped at max_new_tokens).
+    Fixed { tokens: u32 },
+    Uniform { min: u32, max: u32 },
+    /// Log-normal with the given median and sigma (of the log), capped at max_new_tokens.
+    LogNormal { median: f64, sigma: f64 },
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SamplingSpec {
+    pub temperature: f64,
+    pub top_p: f64,
+    /// 0 disables top-k.
+    pub top_k: u32,
+    /// Extra stop token ids besides the model's EOS ids.
+    pub stop_token_ids: Vec<u32>,
+    /// Benchmarks with random weights: stop each sample at a length drawn from `response_len`.
+    pub forced_lengths: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DatasetSpec {
+    /// JSONL or Parquet file with prompt, media paths, answer.
+    File { path: String },
+    /// A built-in generator (e.g. "moving_shapes"), deterministic from the job seed.
+    Generated { name: String, size: u32 },
+    /// Synthetic prompts of the declared shape (benchmarks).
+    Synthetic,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RewardSpec {
+    /// A built-in reward by name: "exact_match", "choice_letter", "numeric".
+    Builtin { name: String, tolerance: f64 },
+    /// An external command speaking JSON lines over stdin/stdout.
+    Command { argv: Vec<String>, timeout_s: f64 },
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainSpec {
+    pub tp: u32,
+    pub algorithm: Algorithm,
+    pub optimizer: AdamWSpec,
+    /// Samples per micro-batch (one forward/backward).
+    pub micro_batch: u32,
+    /// Samples per optimizer step; samples per iteration / mini_batch = optimizer steps.
+    pub mini_batch: u32,
+    /// Passes over the iteration's samples (PPO epochs).
+    pub epochs: u32,
+    pub freeze_vision: bool,
+    pub freeze_merger: bool,
+    pub recompute: Recompute,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Algorithm {
+    /// Group-normalised advantages, clipped ratio, KL to the reference.
+    Grpo(PolicyLoss),
+    /// PPO-clip with advantages given per sample (same loss code path).
+    PpoClip(PolicyLoss),
+}
+
+impl Algorithm {
+    pub fn loss(&self) -> &PolicyLoss {
+        match self {
+            Algorithm::Grpo(l) | Algorithm::PpoClip(l) => l,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PolicyLoss {
+    /// Lower clip: ratio >= 1 - clip_low.
+    pub clip_low: f64,
+    /// Upper clip: ratio <= 1 + clip_high.
+    pub clip_high: f64,
+    pub kl_coef: f64,
+    pub kl_estimator: KlEstimator,
+    pub loss_agg: LossAgg,
+    /// Divide advantages by the group's std (GRPO); false keeps mean-centring only.
+    pub norm_adv_by_std: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KlEstimator {
+    K1,
+    K2,
+    K3,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossAgg {
+    /// Mean over all response tokens of the mini-batch.
+    TokenMean,
+    /// Mean over sequences of each sequence's token mean.
+    SeqMeanTokenMean,
+    /// Mean over sequences of each sequence's token sum.
+    SeqMeanTokenSum,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AdamWSpec {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// Global grad-norm clip; 0 disables.
+    pub grad_clip: f64,
+    pub lr_schedule: LrSchedule,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LrSchedule {
+    Constant,
+    LinearWarmup { warmup_steps: u32 },
+    Cosine { warmup_steps: u32, total_steps: u32, min_lr_ratio: f64 },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Recompute {
+    /// Keep every activation backward needs.
+    None,
+    /// Keep only each layer's input and recompute the layer in backward.
+    Full,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    Serial,
+    Overlap,
+    Disaggregated,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ScheduleSpec {
+    pub mode: Mode,
+    /// One prefix per GRPO group and one vision encoding per media item (true), or every phase
+    /// recomputes every sample's prefix (false, as veRL does).
+    pub prefix_dedup: bool,
+    /// Decode steps per window.
+    pub decode_window: u32,
+    /// Device memory the plan may use per GPU, bytes (defaults to the GPU's HBM).
+    pub memory_budget: u64,
+    /// Host memory available for offload per GPU, bytes.
+    pub host_memory: u64,
+}
