@@ -351,3 +351,43 @@ pub struct ScheduleSpec {
     /// Host memory available for offload per GPU, bytes.
     pub host_memory: u64,
 }
+
+/// Parameter counts of a model, by part (weights only; biases included).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParamCount {
+    pub vision: u64,
+    pub merger: u64,
+    pub text: u64,
+}
+
+impl ParamCount {
+    pub fn total(&self) -> u64 {
+        self.vision + self.merger + self.text
+    }
+}
+
+impl ModelSpec {
+    /// Parameters of each part, as the Hugging Face Qwen2.5-VL implementation lays them out.
+    pub fn param_count(&self) -> ParamCount {
+        let v = &self.vision;
+        let (vh, vi) = (v.hidden_size as u64, v.intermediate_size as u64);
+        let patch_in = (v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size) as u64;
+        // per block: norm1, norm2 (RMSNorm weights), qkv (+bias), proj (+bias), gate/up (+bias), down (+bias)
+        let block = 2 * vh + (3 * vh * vh + 3 * vh) + (vh * vh + vh) + 2 * (vh * vi + vi) + (vi * vh + vh);
+        let vision = patch_in * vh + v.depth as u64 * block;
+        // merger: ln_q (RMSNorm over vh), mlp: Linear(vh*m^2 -> vh*m^2) GELU Linear(vh*m^2 -> out)
+        let m2 = (v.spatial_merge_size * v.spatial_merge_size) as u64;
+        let mh = vh * m2;
+        let out = v.out_hidden_size as u64;
+        let merger = vh + (mh * mh + mh) + (mh * out + out);
+        let t = &self.text;
+        let (h, f, voc) = (t.hidden_size as u64, t.intermediate_size as u64, t.vocab_size as u64);
+        let hd = t.head_dim() as u64;
+        let (nq, nkv) = (t.num_heads as u64, t.num_kv_heads as u64);
+        let attn = h * nq * hd + nq * hd + 2 * (h * nkv * hd + nkv * hd) + nq * hd * h;
+        let layer = 2 * h + attn + 3 * h * f;
+        let head = if t.tie_word_embeddings { 0 } else { voc * h };
+        let text = voc * h + t.num_layers as u64 * layer + h + head;
+        ParamCount { vision, merger, text }
+    }
+}
