@@ -1,0 +1,470 @@
+//! Fitting a [`Profile`] from measurements.
+//!
+//! Per kind, the six curve parameters minimise the mean squared log error of the predicted
+//! times of that kind's points (alone points plus both sides of every co-run point, each with
+//! its time alone), plus a weak pull towards the datasheet default that only matters for
+//! parameters the points cannot see (a kind measured only while compute-bound says nothing of
+//! its memory roof). The search is Nelder-Mead over an unconstrained vector mapped into
+//! [`Bounds`], restarted from several sharpness values; it is deterministic.
+//!
+//! Co-run slowdowns: one value per unordered pair of kinds, fitted by golden-section search
+//! against the co-run makespans given the *measured* times alone (so curve errors do not leak
+//! into it). The measurements of `shared/bench/` do not separate who slows whom, so both orders
+//! get the same value.
+
+use std::collections::BTreeMap;
+
+use rollplex_plan::spec::GpuSpec;
+use rollplex_plan::work::WorkKind;
+
+use crate::curve::{Bounds, KindCurve};
+use crate::defaults::{default_curve, kind_name, DEFAULT_CORUN};
+use crate::profile::{CorunEntry, CorunPoint, Point, Profile, ProfileError};
+use crate::{corun_pair_time, CostModel};
+
+/// Weight of the pull towards the default curve (in mapped-parameter units squared).
+const PRIOR: f64 = 1e-4;
+
+fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+fn logit(y: f64) -> f64 {
+    let y = y.clamp(1e-9, 1.0 - 1e-9);
+    (y / (1.0 - y)).ln()
+}
+
+/// Maps between a curve and an unconstrained vector (sm_bw on a log scale).
+struct Mapping {
+    unit_bw: f64,
+}
+
+impl Mapping {
+    fn lin(x: f64, (lo, hi): (f64, f64)) -> f64 {
+        lo + (hi - lo) * sigmoid(x)
+    }
+    fn unlin(v: f64, (lo, hi): (f64, f64)) -> f64 {
+        logit((v - lo) / (hi - lo))
+    }
+    fn to_curve(&self, x: &[f64]) -> KindCurve {
+        let (lo, hi) = Bounds::SM_BW_REL;
+        let rel = (lo.ln() + (hi.ln() - lo.ln()) * sigmoid(x[3])).exp();
+        KindCurve {
+            eff_compute: Self::lin(x[0], Bounds::EFF),
+            eff_memory: Self::lin(x[1], Bounds::EFF),
+            compute_exponent: Self::lin(x[2], Bounds::EXPONENT),
+            sm_bw: rel * self.unit_bw,
+            sharpness: Self::lin(x[4], Bounds::SHARPNESS),
+            step_overhead_s: Self::lin(x[5], Bounds::OVERHEAD_S),
+        }
+    }
+    fn from_curve(&self, c: &KindCurve) -> Vec<f64> {
+        let (lo, hi) = Bounds::SM_BW_REL;
+        let rel = (c.sm_bw / self.unit_bw).clamp(lo, hi);
+        vec![
+            Self::unlin(c.eff_compute, Bounds::EFF),
+            Self::unlin(c.eff_memory, Bounds::EFF),
+            Self::unlin(c.compute_exponent, Bounds::EXPONENT),
+            logit((rel.ln() - lo.ln()) / (hi.ln() - lo.ln())),
+            Self::unlin(c.sharpness, Bounds::SHARPNESS),
+            Self::unlin(c.step_overhead_s, Bounds::OVERHEAD_S),
+        ]
+    }
+}
+
+/// Nelder-Mead minimisation of `f` from `x0` (standard coefficients), `iters` evaluations max.
+fn nelder_mead(f: &dyn Fn(&[f64]) -> f64, x0: &[f64], step: f64, iters: usize) -> (Vec<f64>, f64) {
+    let n = x0.len();
+    let mut simplex: Vec<(Vec<f64>, f64)> = Vec::with_capacity(n + 1);
+    simplex.push((x0.to_vec(), f(x0)));
+    for i in 0..n {
+        let mut x = x0.to_vec();
+        x[i] += step;
+        let v = f(&x);
+        simplex.push((x, v));
+    }
+    let mut evals = n + 1;
+    let order = |s: &mut Vec<(Vec<f64>, f64)>| s.sort_by(|a, b| a.1.total_cmp(&b.1));
+    while evals < iters {
+        order(&mut simplex);
+        let spread = simplex[n].1 - simplex[0].1;
+        if spread.abs() < 1e-14 {
+            break;
+        }
+        let centroid: Vec<f64> = (0..n)
+            .map(|j| simplex[..n].iter().map(|p| p.0[j]).sum::<f64>() / n as f64)
+            .collect();
+        let along = |t: f64| -> Vec<f64> {
+            centroid
+                .iter()
+                .zip(&simplex[n].0)
+                .map(|(c, w)| c + t * (w - c))
+                .collect()
+        };
+        let xr = along(-1.0);
+        let fr = f(&xr);
+        evals += 1;
+        if fr < simplex[0].1 {
+            let xe = along(-2.0);
+            let fe = f(&xe);
+            evals += 1;
+            simplex[n] = if fe < fr { (xe, fe) } else { (xr, fr) };
+        } else if fr < simplex[n - 1].1 {
+            simplex[n] = (xr, fr);
+        } else {
+            let xc = if fr < simplex[n].1 {
+                along(-0.5)
+            } else {
+                along(0.5)
+            };
+            let fc = f(&xc);
+            evals += 1;
+            if fc < fr.min(simplex[n].1) {
+                simplex[n] = (xc, fc);
+            } else {
+                let best = simplex[0].0.clone();
+                for p in simplex.iter_mut().skip(1) {
+                    p.0 = best
+                        .iter()
+                        .zip(&p.0)
+                        .map(|(b, x)| b + 0.5 * (x - b))
+                        .collect();
+                    p.1 = f(&p.0);
+                    evals += 1;
+                }
+            }
+        }
+    }
+    order(&mut simplex);
+    simplex.swap_remove(0)
+}
+
+/// Golden-section minimisation of a unimodal `f` on `[lo, hi]`.
+fn golden(f: &dyn Fn(f64) -> f64, mut lo: f64, mut hi: f64) -> f64 {
+    let r = (5f64.sqrt() - 1.0) / 2.0;
+    let (mut c, mut d) = (hi - r * (hi - lo), lo + r * (hi - lo));
+    let (mut fc, mut fd) = (f(c), f(d));
+    for _ in 0..100 {
+        if fc < fd {
+            hi = d;
+            d = c;
+            fd = fc;
+            c = hi - r * (hi - lo);
+            fc = f(c);
+        } else {
+            lo = c;
+            c = d;
+            fc = fd;
+            d = lo + r * (hi - lo);
+            fd = f(d);
+        }
+    }
+    (lo + hi) / 2.0
+}
+
+/// Predicted time of a point under `curve` on `gpu` (the same terms as [`CostModel::time`]).
+fn predict(gpu: &GpuSpec, curve: &KindCurve, p: &Point) -> f64 {
+    crate::time_parts(gpu, curve, gpu.host_bw, gpu.host_bw, p.kind, &p.work, p.sms).total()
+}
+
+fn log_err(pred: f64, meas: f64) -> f64 {
+    if pred > 0.0 && pred.is_finite() {
+        (pred / meas).ln()
+    } else {
+        1e3
+    }
+}
+
+/// One row of [`Profile::residuals`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Residual {
+    /// `kind@sms` or `kind@sms || kind@sms` for a co-run.
+    pub what: String,
+    pub note: String,
+    pub measured_s: f64,
+    pub predicted_s: f64,
+}
+
+impl Residual {
+    /// predicted / measured - 1.
+    pub fn rel_err(&self) -> f64 {
+        self.predicted_s / self.measured_s - 1.0
+    }
+}
+
+impl Profile {
+    /// Fits curves and co-run slowdowns to measurements taken on `gpu` (see the module doc).
+    /// Kinds without points are left out (the cost model uses their defaults).
+    pub fn fit(
+        gpu: &GpuSpec,
+        points: Vec<Point>,
+        corun_points: Vec<CorunPoint>,
+    ) -> Result<Profile, ProfileError> {
+        if points.is_empty() && corun_points.is_empty() {
+            return Err(ProfileError::Fit("no measurements were given".into()));
+        }
+        let mut profile = Profile {
+            gpu: gpu.clone(),
+            source: String::new(),
+            host_bw: None,
+            net_bw: None,
+            default_corun: DEFAULT_CORUN,
+            kinds: BTreeMap::new(),
+            corun: Vec::new(),
+            points,
+            corun_points,
+        };
+        profile.validate()?;
+
+        let mut by_kind: BTreeMap<WorkKind, Vec<&Point>> = BTreeMap::new();
+        for p in profile
+            .points
+            .iter()
+            .chain(profile.corun_points.iter().flat_map(|c| [&c.a, &c.b]))
+        {
+            by_kind.entry(p.kind).or_default().push(p);
+        }
+        let map = Mapping {
+            unit_bw: gpu.hbm_bw / gpu.sms.max(1) as f64,
+        };
+        let mut kinds = BTreeMap::new();
+        for (kind, pts) in &by_kind {
+            let x0 = map.from_curve(&default_curve(gpu, *kind));
+            let objective = |x: &[f64]| {
+                let c = map.to_curve(x);
+                let fit: f64 = pts
+                    .iter()
+                    .map(|p| log_err(predict(gpu, &c, p), p.seconds).powi(2))
+                    .sum::<f64>()
+                    / pts.len() as f64;
+                let prior: f64 = x.iter().zip(&x0).map(|(a, b)| (a - b).powi(2)).sum();
+                fit + PRIOR * prior
+            };
+            let mut best: Option<(Vec<f64>, f64)> = None;
+            for sharp in [1.0, 2.0, 4.0, 8.0] {
+                let mut start = x0.clone();
+                start[4] = Mapping::unlin(sharp, Bounds::SHARPNESS);
+                let mut cur = nelder_mead(&objective, &start, 0.5, 4000);
+                for _ in 0..3 {
+                    cur = nelder_mead(&objective, &cur.0, 0.2, 3000);
+                }
+                if best.as_ref().is_none_or(|b| cur.1 < b.1) {
+                    best = Some(cur);
+                }
+            }
+            let (x, _) = best.ok_or_else(|| ProfileError::Fit("empty search".into()))?;
+            let c = map.to_curve(&x);
+            c.validate(kind_name(*kind), gpu.hbm_bw, gpu.sms)
+                .map_err(ProfileError::Fit)?;
+            kinds.insert(*kind, c);
+        }
+        profile.kinds = kinds;
+
+        let mut pairs: BTreeMap<(WorkKind, WorkKind), Vec<&CorunPoint>> = BTreeMap::new();
+        for c in &profile.corun_points {
+            let key = if c.a.kind <= c.b.kind {
+                (c.a.kind, c.b.kind)
+            } else {
+                (c.b.kind, c.a.kind)
+            };
+            pairs.entry(key).or_default().push(c);
+        }
+        let mut corun = Vec::new();
+        for ((k1, k2), cps) in &pairs {
+            let err = |s: f64| -> f64 {
+                cps.iter()
+                    .map(|c| {
+                        log_err(corun_pair_time(c.a.seconds, c.b.seconds, s, s), c.seconds).powi(2)
+                    })
+                    .sum()
+            };
+            let s = (golden(&err, 1.0, 3.0) * 1e4).round() / 1e4;
+            corun.push(CorunEntry {
+                kind: *k1,
+                other: *k2,
+                slowdown: s,
+            });
+            if k1 != k2 {
+                corun.push(CorunEntry {
+                    kind: *k2,
+                    other: *k1,
+                    slowdown: s,
+                });
+            }
+        }
+        if !corun.is_empty() {
+            let mean = corun.iter().map(|e| e.slowdown).sum::<f64>() / corun.len() as f64;
+            profile.default_corun = (mean * 1e4).round() / 1e4;
+        }
+        profile.corun = corun;
+        profile.validate()?;
+        Ok(profile)
+    }
+
+    /// Each stored measurement next to what this profile's model predicts for it (co-runs with
+    /// the model's own times alone, as a planner would see them).
+    pub fn residuals(&self) -> Vec<Residual> {
+        let model = CostModel::new(&self.gpu, Some(self));
+        let mut out = Vec::new();
+        let at = |p: &Point| format!("{}@{}", kind_name(p.kind), p.sms);
+        for p in self
+            .points
+            .iter()
+            .chain(self.corun_points.iter().flat_map(|c| [&c.a, &c.b]))
+        {
+            out.push(Residual {
+                what: at(p),
+                note: p.note.clone(),
+                measured_s: p.seconds,
+                predicted_s: model.time(p.kind, &p.work, p.sms),
+            });
+        }
+        for c in &self.corun_points {
+            out.push(Residual {
+                what: format!("{} || {}", at(&c.a), at(&c.b)),
+                note: c.note.clone(),
+                measured_s: c.seconds,
+                predicted_s: model.corun_time(
+                    (c.a.kind, &c.a.work, c.a.sms),
+                    (c.b.kind, &c.b.work, c.b.sms),
+                ),
+            });
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::defaults::datasheet;
+    use rollplex_plan::work::Work;
+
+    #[test]
+    fn nelder_mead_finds_a_quadratic_minimum() {
+        let f = |x: &[f64]| (x[0] - 1.0).powi(2) + 3.0 * (x[1] + 2.0).powi(2);
+        let (x, v) = nelder_mead(&f, &[0.0, 0.0], 0.5, 2000);
+        assert!(
+            v < 1e-10 && (x[0] - 1.0).abs() < 1e-4 && (x[1] + 2.0).abs() < 1e-4,
+            "{x:?}"
+        );
+    }
+
+    #[test]
+    fn golden_finds_a_minimum() {
+        let x = golden(&|s| (s - 1.37).powi(2), 1.0, 3.0);
+        assert!((x - 1.37).abs() < 1e-6);
+    }
+
+    #[test]
+    fn mapping_round_trips() {
+        let gpu = datasheet("H200").unwrap();
+        let map = Mapping {
+            unit_bw: gpu.hbm_bw / 132.0,
+        };
+        let c = default_curve(&gpu, WorkKind::Decode);
+        let back = map.to_curve(&map.from_curve(&c));
+        for (a, b) in [
+            (c.eff_compute, back.eff_compute),
+            (c.eff_memory, back.eff_memory),
+            (c.compute_exponent, back.compute_exponent),
+            (c.sm_bw, back.sm_bw),
+            (c.sharpness, back.sharpness),
+            (c.step_overhead_s, back.step_overhead_s),
+        ] {
+            assert!((a - b).abs() <= 1e-6 * a.abs().max(1e-9), "{a} vs {b}");
+        }
+    }
+
+    /// Points generated by a known curve are fitted back to (nearly) the same times, on SM
+    /// counts the fit never saw.
+    #[test]
+    fn fit_recovers_a_synthetic_curve() {
+        let gpu = datasheet("H200").unwrap();
+        let truth = KindCurve {
+            eff_compute: 0.45,
+            eff_memory: 0.8,
+            compute_exponent: 0.9,
+            sm_bw: 55e9,
+            sharpness: 3.0,
+            step_overhead_s: 25e-6,
+        };
+        let work = |b: f64, f: f64, steps: u32| Work {
+            flops: f,
+            bytes: b,
+            steps,
+            ..Work::default()
+        };
+        let shapes = [
+            work(16e9 * 100.0, 0.8e12 * 100.0, 2800),
+            work(6e9 * 150.0, 0.1e12 * 150.0, 5400),
+        ];
+        let mut points = Vec::new();
+        for w in &shapes {
+            for sms in [16, 32, 48, 64, 96, 132] {
+                let p = Point {
+                    kind: WorkKind::Decode,
+                    sms,
+                    work: w.clone(),
+                    seconds: 1.0,
+                    note: String::new(),
+                };
+                let seconds = predict(&gpu, &truth, &p);
+                points.push(Point { seconds, ..p });
+            }
+        }
+        let prof = Profile::fit(&gpu, points, vec![]).unwrap();
+        let fitted = &prof.kinds[&WorkKind::Decode];
+        for w in &shapes {
+            for sms in [24, 40, 56, 80, 120] {
+                let p = Point {
+                    kind: WorkKind::Decode,
+                    sms,
+                    work: w.clone(),
+                    seconds: 1.0,
+                    note: String::new(),
+                };
+                let (a, b) = (predict(&gpu, &truth, &p), predict(&gpu, fitted, &p));
+                assert!(
+                    (b / a - 1.0).abs() < 0.02,
+                    "sms {sms}: truth {a} fitted {b}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn fit_recovers_a_corun_slowdown() {
+        let gpu = datasheet("H200").unwrap();
+        let pt = |kind, sms, seconds| Point {
+            kind,
+            sms,
+            work: Work {
+                flops: 1e12,
+                ..Work::default()
+            },
+            seconds,
+            note: String::new(),
+        };
+        let corun: Vec<CorunPoint> = [(40, 0.6, 0.5), (64, 0.45, 0.7), (80, 0.42, 0.9)]
+            .into_iter()
+            .map(|(s, d, p)| CorunPoint {
+                seconds: corun_pair_time(d, p, 1.2, 1.2),
+                a: pt(WorkKind::Decode, s, d),
+                b: pt(WorkKind::Prefill, 132 - s, p),
+                note: String::new(),
+            })
+            .collect();
+        let prof = Profile::fit(&gpu, vec![], corun).unwrap();
+        let s = prof.corun_of(WorkKind::Decode, WorkKind::Prefill).unwrap();
+        assert!((s - 1.2).abs() < 1e-3, "{s}");
+        assert_eq!(prof.corun_of(WorkKind::Prefill, WorkKind::Decode), Some(s));
+    }
+
+    #[test]
+    fn fit_without_points_is_an_error() {
+        let gpu = datasheet("H200").unwrap();
+        let e = Profile::fit(&gpu, vec![], vec![]).unwrap_err();
+        assert!(e.to_string().contains("no measurements"), "{e}");
+    }
+}

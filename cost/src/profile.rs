@@ -1,0 +1,204 @@
+//! Measured profiles: what a GPU really does, as per-kind efficiency curves plus the raw
+//! measurements they were fitted from.
+//!
+//! A profile is YAML (`cost/profiles/h200.yaml` is the shipped one; `rollplex-run --profile`
+//! writes new ones). It keeps the points it was fitted from, so a profile can be refitted,
+//! reviewed and extended; [`Profile::fit`] turns points into curves.
+//!
+//! Efficiencies are fractions of the peaks of [`Profile::gpu`] (the GPU the points were measured
+//! on). On that same GPU the cost model reproduces the measured absolute speeds even if the job
+//! declares other peak numbers; on another GPU the fractions carry over to its peaks.
+//!
+//! Invariants checked by [`Profile::validate`] (run by `from_yaml` and `fit`): every curve is
+//! inside [`crate::curve::Bounds`], slowdowns are finite and >= 1, points have positive times
+//! and SM counts within the GPU.
+
+use std::collections::BTreeMap;
+
+use rollplex_plan::spec::GpuSpec;
+use rollplex_plan::work::{Work, WorkKind};
+use serde::{Deserialize, Serialize};
+
+use crate::curve::KindCurve;
+use crate::defaults::kind_name;
+
+/// Errors of reading, checking and fitting profiles.
+#[derive(Debug, thiserror::Error)]
+pub enum ProfileError {
+    #[error("profile is not valid YAML for this format: {0}")]
+    Yaml(String),
+    #[error("profile is inconsistent: {0}")]
+    Invalid(String),
+    #[error("cannot fit a profile: {0}")]
+    Fit(String),
+}
+
+/// A measured GPU profile.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Profile {
+    /// The GPU the points were measured on; efficiencies are fractions of its peaks.
+    pub gpu: GpuSpec,
+    /// Where the numbers come from (tool, date, versions).
+    #[serde(default)]
+    pub source: String,
+    /// Measured host <-> device bandwidth, bytes/s per direction (else the GPU spec's).
+    #[serde(default)]
+    pub host_bw: Option<f64>,
+    /// Measured GPU <-> GPU bandwidth, bytes/s per direction (else the cluster's, else none).
+    #[serde(default)]
+    pub net_bw: Option<f64>,
+    /// Slowdown of co-running GPU work for pairs `corun` does not list.
+    pub default_corun: f64,
+    /// Fitted curve per kind; kinds not listed use the datasheet defaults.
+    pub kinds: BTreeMap<WorkKind, KindCurve>,
+    /// Fitted slowdown of `kind` while `other` runs beside it.
+    #[serde(default)]
+    pub corun: Vec<CorunEntry>,
+    /// Measurements of one task running alone.
+    #[serde(default)]
+    pub points: Vec<Point>,
+    /// Measurements of two tasks co-running on disjoint SM partitions.
+    #[serde(default)]
+    pub corun_points: Vec<CorunPoint>,
+}
+
+/// `kind` runs `slowdown` times slower while `other` runs beside it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CorunEntry {
+    pub kind: WorkKind,
+    pub other: WorkKind,
+    pub slowdown: f64,
+}
+
+/// One measurement: `work` of `kind` alone on `sms` SMs took `seconds`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Point {
+    pub kind: WorkKind,
+    pub sms: u32,
+    pub work: Work,
+    pub seconds: f64,
+    /// Provenance (file and field), free text.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub note: String,
+}
+
+/// One co-run measurement: `a` and `b` started together on disjoint partitions and both were
+/// done after `seconds`. Each side also carries its time alone on its partition.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CorunPoint {
+    pub a: Point,
+    pub b: Point,
+    pub seconds: f64,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub note: String,
+}
+
+impl Profile {
+    /// Parses and validates a profile.
+    pub fn from_yaml(text: &str) -> Result<Self, ProfileError> {
+        let p: Profile =
+            serde_yaml::from_str(text).map_err(|e| ProfileError::Yaml(e.to_string()))?;
+        p.validate()?;
+        Ok(p)
+    }
+
+    /// The YAML form (deterministic: kinds in declaration order, lists as stored).
+    pub fn to_yaml(&self) -> String {
+        // Serialising plain data with string keys cannot fail.
+        serde_yaml::to_string(self).unwrap_or_else(|e| format!("# cannot serialise: {e}\n"))
+    }
+
+    /// The slowdown of `kind` beside `other`, if the profile lists it.
+    pub fn corun_of(&self, kind: WorkKind, other: WorkKind) -> Option<f64> {
+        self.corun
+            .iter()
+            .find(|e| e.kind == kind && e.other == other)
+            .map(|e| e.slowdown)
+    }
+
+    /// Checks the invariants listed in the module doc.
+    pub fn validate(&self) -> Result<(), ProfileError> {
+        let bad = |m: String| Err(ProfileError::Invalid(m));
+        let gpu = &self.gpu;
+        if gpu.sms == 0 || !(gpu.hbm_bw > 0.0) || !(gpu.bf16_flops > 0.0) {
+            return bad(format!(
+                "gpu {}: sms, hbm_bw and bf16_flops must be positive (got {}, {}, {})",
+                gpu.name, gpu.sms, gpu.hbm_bw, gpu.bf16_flops
+            ));
+        }
+        for (kind, c) in &self.kinds {
+            c.validate(kind_name(*kind), gpu.hbm_bw, gpu.sms)
+                .map_err(ProfileError::Invalid)?;
+        }
+        let slow_ok = |s: f64| s.is_finite() && (1.0..=10.0).contains(&s);
+        if !slow_ok(self.default_corun) {
+            return bad(format!(
+                "default_corun = {} must be in [1, 10]",
+                self.default_corun
+            ));
+        }
+        for e in &self.corun {
+            if !slow_ok(e.slowdown) {
+                return bad(format!(
+                    "corun {} beside {}: slowdown {} must be in [1, 10]",
+                    kind_name(e.kind),
+                    kind_name(e.other),
+                    e.slowdown
+                ));
+            }
+        }
+        for bw in [self.host_bw, self.net_bw].into_iter().flatten() {
+            if !(bw > 0.0 && bw.is_finite()) {
+                return bad(format!("host_bw/net_bw = {bw} must be positive"));
+            }
+        }
+        let check_point = |p: &Point, what: &str| -> Result<(), ProfileError> {
+            if p.sms == 0 || p.sms > gpu.sms {
+                return bad(format!(
+                    "{what} ({}): sms = {} must be in 1..={}",
+                    kind_name(p.kind),
+                    p.sms,
+                    gpu.sms
+                ));
+            }
+            if !(p.seconds > 0.0 && p.seconds.is_finite()) {
+                return bad(format!(
+                    "{what} ({}): seconds = {} must be positive",
+                    kind_name(p.kind),
+                    p.seconds
+                ));
+            }
+            let w = &p.work;
+            for v in [w.flops, w.bytes, w.host_bytes, w.net_bytes] {
+                if !(v >= 0.0 && v.is_finite()) {
+                    return bad(format!(
+                        "{what} ({}): work amounts must be >= 0",
+                        kind_name(p.kind)
+                    ));
+                }
+            }
+            Ok(())
+        };
+        for (i, p) in self.points.iter().enumerate() {
+            check_point(p, &format!("point {i}"))?;
+        }
+        for (i, c) in self.corun_points.iter().enumerate() {
+            check_point(&c.a, &format!("corun point {i} side a"))?;
+            check_point(&c.b, &format!("corun point {i} side b"))?;
+            if c.a.sms + c.b.sms > gpu.sms {
+                return bad(format!(
+                    "corun point {i}: partitions {} + {} exceed the GPU's {} SMs",
+                    c.a.sms, c.b.sms, gpu.sms
+                ));
+            }
+            if !(c.seconds > 0.0 && c.seconds.is_finite()) {
+                return bad(format!("corun point {i}: seconds must be positive"));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,247 @@
+//! API-level tests of the cost model: defaults, invariants (property tests), profiles.
+
+use proptest::prelude::*;
+use rollplex_plan::work::{Work, WorkKind};
+
+use crate::defaults::{datasheet, ALL_KINDS};
+use crate::*;
+
+fn h200() -> GpuSpec {
+    datasheet("H200").expect("H200 is a known datasheet")
+}
+
+fn work(flops: f64, bytes: f64, steps: u32) -> Work {
+    Work {
+        flops,
+        bytes,
+        steps,
+        ..Work::default()
+    }
+}
+
+#[test]
+fn default_model_is_a_roofline_on_the_whole_gpu() {
+    let m = CostModel::new(&h200(), None);
+    // compute-bound: 1 PFLOP at 0.6 * 989 TFLOP/s
+    let t = m.time(WorkKind::Prefill, &work(1e15, 1e9, 0), 132);
+    assert!((t - 1e15 / (0.6 * 989e12)).abs() < 1e-9, "{t}");
+    // memory-bound: 10 GB at 0.7 * 4.8 TB/s, plus 100 steps of 20 us
+    let t = m.time(WorkKind::Decode, &work(1e9, 10e9, 100), 132);
+    assert!(
+        (t - (10e9 / (0.7 * 4.8e12) + 100.0 * 20e-6)).abs() < 1e-9,
+        "{t}"
+    );
+}
+
+#[test]
+fn host_and_network_terms_add() {
+    let m = CostModel::new(&h200(), None).with_net_bw(400e9);
+    let w = Work {
+        host_bytes: 64e9,
+        net_bytes: 400e9,
+        ..Work::default()
+    };
+    let p = m.time_parts(WorkKind::Transfer, &w, 8);
+    assert!(
+        (p.host_s - 1.0).abs() < 1e-12 && (p.net_s - 1.0).abs() < 1e-12,
+        "{p:?}"
+    );
+    assert!((p.total() - 2.0).abs() < 1e-12);
+}
+
+#[test]
+fn zero_sms_is_infinite_for_gpu_work_and_harmless_for_host_work() {
+    let m = CostModel::new(&h200(), None);
+    assert!(m
+        .time(WorkKind::Decode, &work(1.0, 1.0, 1), 0)
+        .is_infinite());
+    let host = Work {
+        host_bytes: 1e9,
+        ..Work::default()
+    };
+    assert!(m.time(WorkKind::Reward, &host, 0).is_finite());
+    assert_eq!(m.time(WorkKind::Decode, &Work::default(), 0), 0.0);
+}
+
+#[test]
+fn sm_options_follow_the_granularity_and_its_remainders() {
+    let m = CostModel::new(&h200(), None);
+    let v = m.sm_options();
+    assert_eq!(v.first(), Some(&4));
+    assert_eq!(v.last(), Some(&132));
+    assert!(v.contains(&48) && v.contains(&84) && v.contains(&128) && !v.contains(&50));
+    assert!(v.windows(2).all(|w| w[0] < w[1]));
+    let splits = m.split_options();
+    assert_eq!(splits.len(), 16);
+    assert!(splits.iter().all(|&(a, b)| a % 8 == 0 && a + b == 132));
+    let mut odd = h200();
+    odd.sm_granularity = 0;
+    odd.sms = 3;
+    assert_eq!(CostModel::new(&odd, None).sm_options(), vec![1, 2, 3]);
+}
+
+#[test]
+fn host_work_corun_is_free_and_gpu_work_is_not() {
+    let m = CostModel::new(&h200(), None);
+    assert_eq!(m.corun_slowdown(WorkKind::Reward, WorkKind::Decode), 1.0);
+    assert_eq!(m.corun_slowdown(WorkKind::Decode, WorkKind::Reward), 1.0);
+    assert!(m.corun_slowdown(WorkKind::Decode, WorkKind::Prefill) > 1.0);
+}
+
+#[test]
+fn corun_pair_time_cases() {
+    // no slowdown: the longer one
+    assert_eq!(corun_pair_time(2.0, 1.0, 1.0, 1.0), 2.0);
+    // b (1 s) runs at half speed for 2 s, a finishes its remaining 2 - 2/2 = 1 s alone
+    assert!((corun_pair_time(2.0, 1.0, 2.0, 2.0) - 3.0).abs() < 1e-12);
+    assert!((corun_pair_time(1.0, 2.0, 2.0, 2.0) - 3.0).abs() < 1e-12);
+    assert_eq!(corun_pair_time(0.0, 1.5, 1.2, 1.2), 1.5);
+    // never better than the longer alone, never worse than serial * slowdown
+    let t = corun_pair_time(0.7, 0.9, 1.2, 1.3);
+    assert!(t >= 0.9 && t <= 1.6 * 1.3);
+}
+
+#[test]
+fn profile_from_the_same_gpu_keeps_absolute_rates() {
+    let gpu = h200();
+    let mut prof = Profile::fit(
+        &gpu,
+        vec![Point {
+            kind: WorkKind::Prefill,
+            sms: 132,
+            work: work(1e15, 1e9, 0),
+            seconds: 2.0,
+            note: String::new(),
+        }],
+        vec![],
+    )
+    .unwrap();
+    prof.source = "test".into();
+    let a = CostModel::new(&gpu, Some(&prof)).time(WorkKind::Prefill, &work(1e15, 1e9, 0), 132);
+    let mut declared = gpu.clone();
+    declared.bf16_flops *= 2.0; // the job declares other peaks: measured speed still holds
+    let b =
+        CostModel::new(&declared, Some(&prof)).time(WorkKind::Prefill, &work(1e15, 1e9, 0), 132);
+    assert!((a - 2.0).abs() < 0.02 && (b - a).abs() < 1e-9, "{a} {b}");
+    let mut other = datasheet("H800").unwrap();
+    other.bf16_flops *= 2.0; // another GPU: the fraction carries over to its peak
+    let c = CostModel::new(&other, Some(&prof)).time(WorkKind::Prefill, &work(1e15, 1e9, 0), 132);
+    assert!((c - a / 2.0).abs() < 1e-6, "{c}");
+    assert!(CostModel::new(&gpu, Some(&prof)).source().contains("test"));
+}
+
+#[test]
+fn profile_yaml_round_trips_and_rejects_bad_input() {
+    let gpu = h200();
+    let prof = Profile::fit(
+        &gpu,
+        vec![Point {
+            kind: WorkKind::Decode,
+            sms: 64,
+            work: work(1e12, 1e10, 280),
+            seconds: 0.01,
+            note: "x".into(),
+        }],
+        vec![],
+    )
+    .unwrap();
+    let text = prof.to_yaml();
+    assert_eq!(Profile::from_yaml(&text).unwrap(), prof);
+    assert!(text.contains("decode:"), "{text}");
+
+    let e = Profile::from_yaml("gpu: 3").unwrap_err();
+    assert!(matches!(e, ProfileError::Yaml(_)), "{e}");
+    let mut bad = prof.clone();
+    bad.default_corun = 0.5;
+    let e = Profile::from_yaml(&bad.to_yaml()).unwrap_err();
+    assert!(e.to_string().contains("default_corun"), "{e}");
+    let mut bad = prof.clone();
+    bad.points[0].sms = 500;
+    assert!(Profile::from_yaml(&bad.to_yaml())
+        .unwrap_err()
+        .to_string()
+        .contains("sms = 500"));
+    let mut bad = prof;
+    bad.kinds.get_mut(&WorkKind::Decode).unwrap().eff_memory = 2.0;
+    assert!(Profile::from_yaml(&bad.to_yaml())
+        .unwrap_err()
+        .to_string()
+        .contains("eff_memory"));
+}
+
+fn any_kind() -> impl Strategy<Value = WorkKind> {
+    (0..ALL_KINDS.len()).prop_map(|i| ALL_KINDS[i])
+}
+
+fn any_work() -> impl Strategy<Value = Work> {
+    (
+        0.0..1e16f64,
+        0.0..1e12f64,
+        0u32..100_000,
+        0.0..1e11f64,
+        0.0..1e11f64,
+    )
+        .prop_map(|(flops, bytes, steps, host_bytes, net_bytes)| Work {
+            flops,
+            bytes,
+            steps,
+            host_bytes,
+            net_bytes,
+        })
+}
+
+fn models() -> Vec<CostModel> {
+    let gpu = h200();
+    let mut v = vec![
+        CostModel::new(&gpu, None),
+        CostModel::new(&datasheet("H800").unwrap(), None),
+    ];
+    let shipped =
+        Profile::from_yaml(include_str!("../profiles/h200.yaml")).expect("shipped profile parses");
+    v.push(CostModel::new(&gpu, Some(&shipped)));
+    v
+}
+
+proptest! {
+    #[test]
+    fn more_sms_never_slower(kind in any_kind(), w in any_work(), s in 1u32..132, extra in 1u32..132) {
+        for m in models() {
+            let a = m.time(kind, &w, s);
+            let b = m.time(kind, &w, s + extra);
+            prop_assert!(b <= a * (1.0 + 1e-12), "{kind:?} {s}->{}: {a} -> {b}", s + extra);
+        }
+    }
+
+    #[test]
+    fn more_work_never_faster(kind in any_kind(), w in any_work(), s in 1u32..=132,
+                              which in 0usize..5, factor in 1.0..10.0f64) {
+        let mut more = w.clone();
+        match which {
+            0 => more.flops *= factor,
+            1 => more.bytes *= factor,
+            2 => more.steps = more.steps.saturating_mul(factor as u32),
+            3 => more.host_bytes *= factor,
+            _ => more.net_bytes *= factor,
+        }
+        for m in models() {
+            let (a, b) = (m.time(kind, &w, s), m.time(kind, &more, s));
+            prop_assert!(b >= a, "{kind:?}: {a} -> {b}");
+            prop_assert!(a.is_finite() && a >= 0.0);
+        }
+    }
+
+    #[test]
+    fn slowdowns_are_at_least_one(a in any_kind(), b in any_kind()) {
+        for m in models() {
+            prop_assert!(m.corun_slowdown(a, b) >= 1.0);
+        }
+    }
+
+    #[test]
+    fn corun_is_between_max_and_slowed_sum(a in 0.0..10.0f64, b in 0.0..10.0f64,
+                                           sa in 1.0..2.0f64, sb in 1.0..2.0f64) {
+        let t = corun_pair_time(a, b, sa, sb);
+        prop_assert!(t >= a.max(b) - 1e-12);
+        prop_assert!(t <= (a + b) * sa.max(sb) + 1e-12);
+    }
+}
