@@ -7,6 +7,13 @@
 //! its memory roof). The search is Nelder-Mead over an unconstrained vector mapped into
 //! [`Bounds`], restarted from several sharpness values; it is deterministic.
 //!
+//! The per-step latency (`step_overhead_s`: kernel launches and tails of one layer pass) is a
+//! property of the runtime more than of the kind, and two workload shapes cannot tell it from
+//! efficiency: a free fit of prefill on the bench explains the 3B model's lower GEMM rate with
+//! 0.4 ms per layer, which would then be charged to every small forward pass. So it is fitted
+//! freely first; the kind where it takes the largest share of the time (decode: many short
+//! steps) fixes it, if that share is at least 5%, and the other kinds are refitted with it.
+//!
 //! Co-run slowdowns: one value per unordered pair of kinds, fitted by golden-section search
 //! against the co-run makespans given the *measured* times alone (so curve errors do not leak
 //! into it). The measurements of `shared/bench/` do not separate who slows whom, so both orders
@@ -24,6 +31,10 @@ use crate::{corun_pair_time, CostModel};
 
 /// Weight of the pull towards the default curve (in mapped-parameter units squared).
 const PRIOR: f64 = 1e-4;
+
+/// A kind whose points spend at least this share of their time in per-step latency fixes the
+/// latency for every kind.
+const MIN_OVERHEAD_SHARE: f64 = 0.05;
 
 fn sigmoid(x: f64) -> f64 {
     1.0 / (1.0 + (-x).exp())
@@ -162,6 +173,54 @@ fn golden(f: &dyn Fn(f64) -> f64, mut lo: f64, mut hi: f64) -> f64 {
     (lo + hi) / 2.0
 }
 
+/// Fits one kind's curve to its points; `overhead` fixes the per-step latency.
+fn fit_kind(
+    gpu: &GpuSpec,
+    map: &Mapping,
+    kind: WorkKind,
+    pts: &[&Point],
+    overhead: Option<f64>,
+) -> Result<KindCurve, ProfileError> {
+    let mut x0 = map.from_curve(&default_curve(gpu, kind));
+    if let Some(o) = overhead {
+        x0[5] = Mapping::unlin(o, Bounds::OVERHEAD_S);
+    }
+    let curve_of = |x: &[f64]| {
+        let mut c = map.to_curve(x);
+        if let Some(o) = overhead {
+            c.step_overhead_s = o;
+        }
+        c
+    };
+    let objective = |x: &[f64]| {
+        let c = curve_of(x);
+        let fit: f64 = pts
+            .iter()
+            .map(|p| log_err(predict(gpu, &c, p), p.seconds).powi(2))
+            .sum::<f64>()
+            / pts.len() as f64;
+        let prior: f64 = x.iter().zip(&x0).map(|(a, b)| (a - b).powi(2)).sum();
+        fit + PRIOR * prior
+    };
+    let mut best: Option<(Vec<f64>, f64)> = None;
+    for sharp in [1.0, 2.0, 4.0, 8.0] {
+        let mut start = x0.clone();
+        start[4] = Mapping::unlin(sharp, Bounds::SHARPNESS);
+        let mut cur = nelder_mead(&objective, &start, 0.5, 4000);
+        for _ in 0..3 {
+            cur = nelder_mead(&objective, &cur.0, 0.2, 3000);
+        }
+        if best.as_ref().is_none_or(|b| cur.1 < b.1) {
+            best = Some(cur);
+        }
+    }
+    let (x, _) = best.ok_or_else(|| ProfileError::Fit("empty search".into()))?;
+    let c = curve_of(&x);
+    c.validate(kind_name(kind), gpu.hbm_bw, gpu.sms)
+        .map_err(ProfileError::Fit)?;
+    Ok(c)
+}
+
 /// Predicted time of a point under `curve` on `gpu` (the same terms as [`CostModel::time`]).
 fn predict(gpu: &GpuSpec, curve: &KindCurve, p: &Point) -> f64 {
     crate::time_parts(gpu, curve, gpu.host_bw, gpu.host_bw, p.kind, &p.work, p.sms).total()
@@ -229,34 +288,31 @@ impl Profile {
         };
         let mut kinds = BTreeMap::new();
         for (kind, pts) in &by_kind {
-            let x0 = map.from_curve(&default_curve(gpu, *kind));
-            let objective = |x: &[f64]| {
-                let c = map.to_curve(x);
-                let fit: f64 = pts
-                    .iter()
-                    .map(|p| log_err(predict(gpu, &c, p), p.seconds).powi(2))
-                    .sum::<f64>()
-                    / pts.len() as f64;
-                let prior: f64 = x.iter().zip(&x0).map(|(a, b)| (a - b).powi(2)).sum();
-                fit + PRIOR * prior
-            };
-            let mut best: Option<(Vec<f64>, f64)> = None;
-            for sharp in [1.0, 2.0, 4.0, 8.0] {
-                let mut start = x0.clone();
-                start[4] = Mapping::unlin(sharp, Bounds::SHARPNESS);
-                let mut cur = nelder_mead(&objective, &start, 0.5, 4000);
-                for _ in 0..3 {
-                    cur = nelder_mead(&objective, &cur.0, 0.2, 3000);
-                }
-                if best.as_ref().is_none_or(|b| cur.1 < b.1) {
-                    best = Some(cur);
+            kinds.insert(*kind, fit_kind(gpu, &map, *kind, pts, None)?);
+        }
+        // The per-step latency is measured where it shows: the kind whose points spend the
+        // largest share of their time in it. Every other kind reuses that value instead of
+        // letting it absorb differences in efficiency (see the module doc).
+        let share = |kind: &WorkKind, pts: &[&Point]| {
+            let c = &kinds[kind];
+            pts.iter()
+                .map(|p| p.work.steps as f64 * c.step_overhead_s / predict(gpu, c, p))
+                .sum::<f64>()
+                / pts.len() as f64
+        };
+        let leader = by_kind
+            .iter()
+            .map(|(k, pts)| (*k, share(k, pts)))
+            .max_by(|a, b| a.1.total_cmp(&b.1));
+        if let Some((lead, s)) = leader {
+            if s >= MIN_OVERHEAD_SHARE {
+                let overhead = kinds[&lead].step_overhead_s;
+                for (kind, pts) in &by_kind {
+                    if *kind != lead {
+                        kinds.insert(*kind, fit_kind(gpu, &map, *kind, pts, Some(overhead))?);
+                    }
                 }
             }
-            let (x, _) = best.ok_or_else(|| ProfileError::Fit("empty search".into()))?;
-            let c = map.to_curve(&x);
-            c.validate(kind_name(*kind), gpu.hbm_bw, gpu.sms)
-                .map_err(ProfileError::Fit)?;
-            kinds.insert(*kind, c);
         }
         profile.kinds = kinds;
 
