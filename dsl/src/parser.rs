@@ -1,0 +1,822 @@
+//! Text -> [`ast::File`], reporting every syntax error of the file.
+//!
+//! The pest grammar (`rpx.pest`) parses one statement at a time (a `const`, a `pipeline`
+//! head, an assignment, a section head); this driver walks the statement structure — top
+//! level, `{ ... }` bodies, block calls — itself. When a statement does not parse, the error
+//! is reported at pest's furthest position and the driver skips to the statement's end (the
+//! end of its line, past any brackets it opened; or the start of the next line, when that line
+//! begins a new statement and the broken one left a bracket open). So one mistake costs one
+//! statement and one diagnostic, and the rest of the file is still parsed and checked.
+//!
+//! Invariant: never panics, on any input. Recursion depth follows brace nesting, so deep
+//! nesting is refused with an error before it could exhaust the stack.
+
+use crate::ast::*;
+use crate::diag::Diagnostic;
+use crate::span::{line_col, Span};
+use crate::suggest;
+use crate::units;
+use pest::iterators::Pair;
+use pest::Parser;
+use pest_derive::Parser;
+
+#[derive(Parser)]
+#[grammar = "rpx.pest"]
+struct RpxParser;
+
+/// Deepest `{ }` nesting accepted (the language needs 4).
+const MAX_DEPTH: usize = 32;
+/// Deepest bracket nesting inside one statement accepted before pest is asked.
+const MAX_EXPR_NESTING: usize = 64;
+/// Most operators (`+ - * /`, also counting those in comments) in one statement or block.
+const MAX_OPERATORS: usize = 4096;
+
+/// Parses a whole file. The diagnostics are syntax errors (and literal errors: unknown
+/// units, bad escapes); the tree holds every statement that did parse.
+pub fn parse(src: &str) -> (File, Vec<Diagnostic>) {
+    pest::set_error_detail(true);
+    let mut p = Driver {
+        src,
+        diags: Vec::new(),
+        base: 0,
+    };
+    let file = p.file();
+    (file, p.diags)
+}
+
+struct Driver<'s> {
+    src: &'s str,
+    diags: Vec<Diagnostic>,
+    /// Offset of the slice the current pest pairs were parsed from.
+    base: usize,
+}
+
+/// One statement's parse failure: where, and what was expected there.
+struct Failure {
+    pos: usize,
+    expected: Vec<String>,
+}
+
+impl<'s> Driver<'s> {
+    fn file(&mut self) -> File {
+        let mut file = File::default();
+        let mut p = 0;
+        loop {
+            p = self.skip_trivia(p);
+            if p >= self.src.len() {
+                break;
+            }
+            match self.try_rule(Rule::const_def, p) {
+                Ok((pair, end)) => {
+                    self.base = p;
+                    let span = self.span(&pair);
+                    let mut it = pair.into_inner();
+                    let _kw = it.next();
+                    let name = self.ident(it.next());
+                    let value = self.expr_opt(it.next(), span);
+                    file.consts.push(ConstDef { name, value, span });
+                    p = end;
+                    continue;
+                }
+                Err(f1) => match self.try_rule(Rule::pipeline_head, p) {
+                    Ok((pair, end)) => {
+                        self.base = p;
+                        let head = self.span(&pair);
+                        let mut it = pair.into_inner();
+                        let _kw = it.next();
+                        let name = self.ident(it.next());
+                        let open = Span::new(end - 1, end);
+                        let (body, after) = self.body(end, open, "pipeline", 1);
+                        if let Some(first) = &file.pipeline {
+                            let (l, _) = line_col(self.src, first.name.span.start);
+                            self.diags.push(
+                                Diagnostic::error(
+                                    "duplicate-pipeline",
+                                    head,
+                                    format!("a second pipeline `{}`", name.name),
+                                )
+                                .with_label("only one pipeline per file")
+                                .with_help(format!(
+                                    "pipeline `{}` is defined at line {l}; put each job in its own file",
+                                    first.name.name
+                                )),
+                            );
+                        } else {
+                            file.pipeline = Some(Pipeline { name, body });
+                        }
+                        p = after;
+                    }
+                    Err(f2) => {
+                        file.broken = true;
+                        let f = furthest(f1, f2);
+                        let word = self.word_at(p);
+                        if f.pos == p && word != "const" && word != "pipeline" {
+                            let found = self.found(p);
+                            self.diags.push(
+                                Diagnostic::error("syntax", self.token_span(p), format!("expected `const` or `pipeline`, found {found}"))
+                                    .with_label("not allowed at the top of a file")
+                                    .with_help("a file holds constants (`const G = 8`) and one `pipeline NAME { ... }`; settings go inside the pipeline"),
+                            );
+                        } else {
+                            self.report(&f, "");
+                        }
+                        p = self.recover(p, f.pos);
+                    }
+                },
+            }
+        }
+        file
+    }
+
+    /// Parses items from `p` up to and including the closing `}`; returns the body and the
+    /// position after the `}`.
+    fn body(&mut self, mut p: usize, open: Span, what: &str, depth: usize) -> (Body, usize) {
+        let mut body = Body::default();
+        if depth > MAX_DEPTH {
+            self.diags.push(
+                Diagnostic::error(
+                    "syntax",
+                    open,
+                    format!("blocks nested more than {MAX_DEPTH} deep"),
+                )
+                .with_help("the language needs at most 4 levels"),
+            );
+            body.broken = true;
+            return (body, self.src.len());
+        }
+        loop {
+            p = self.skip_trivia(p);
+            if p >= self.src.len() {
+                let (l, _) = line_col(self.src, open.start);
+                self.diags.push(
+                    Diagnostic::error(
+                        "syntax",
+                        open,
+                        format!("this `{{` of `{what}` is never closed"),
+                    )
+                    .with_label("opened here")
+                    .with_help(format!("add a `}}` to close the block opened at line {l}")),
+                );
+                body.broken = true;
+                return (body, p);
+            }
+            let c = self.src.as_bytes()[p];
+            if c == b'}' {
+                return (body, p + 1);
+            }
+            if c == b',' {
+                p += 1;
+                continue;
+            }
+            if let Ok((pair, end)) = self.try_rule(Rule::assign_block_head, p) {
+                self.base = p;
+                let mut it = pair.into_inner();
+                let key = self.ident(it.next());
+                let callee = self.ident(it.next());
+                let inner_what = callee.name.clone();
+                let (inner, after) =
+                    self.body(end, Span::new(end - 1, end), &inner_what, depth + 1);
+                let span = Span::new(callee.span.start, after);
+                let value = Expr {
+                    kind: ExprKind::Call {
+                        name: callee,
+                        args: Vec::new(),
+                        body: Some(inner),
+                    },
+                    span,
+                };
+                body.items.push(Item::Assign { key, value });
+                p = after;
+                continue;
+            }
+            let f1 = match self.try_rule(Rule::assign, p) {
+                Ok((pair, end)) => {
+                    self.base = p;
+                    let span = self.span(&pair);
+                    let mut it = pair.into_inner();
+                    let key = self.ident(it.next());
+                    let value = self.expr_opt(it.next(), span);
+                    body.items.push(Item::Assign { key, value });
+                    p = end;
+                    continue;
+                }
+                Err(f) => f,
+            };
+            let f2 = match self.try_rule(Rule::section_head, p) {
+                Ok((pair, end)) => {
+                    self.base = p;
+                    let mut it = pair.into_inner();
+                    let name = self.ident(it.next());
+                    let label = it.next().map(|x| self.ident(Some(x)));
+                    let head = name.span.to(label.as_ref().map_or(name.span, |l| l.span));
+                    let sub_what = name.name.clone();
+                    let (inner, after) =
+                        self.body(end, Span::new(end - 1, end), &sub_what, depth + 1);
+                    body.items.push(Item::Section {
+                        name,
+                        label,
+                        head,
+                        body: inner,
+                    });
+                    p = after;
+                    continue;
+                }
+                Err(f) => f,
+            };
+            body.broken = true;
+            let f = furthest(f1, f2);
+            if self.word_at(p) == "const" {
+                self.diags.push(
+                    Diagnostic::error("syntax", self.token_span(p), "a constant inside a block")
+                        .with_label("constants go at the top of the file")
+                        .with_help("move this `const` above `pipeline`"),
+                );
+            } else if self.word_at(p) == "pipeline" {
+                self.diags.push(
+                    Diagnostic::error("syntax", self.token_span(p), "a pipeline inside a block")
+                        .with_help("a file holds one `pipeline`; is a `}` missing above?"),
+                );
+            } else {
+                self.report(&f, what);
+            }
+            p = self.recover(p, f.pos);
+        }
+    }
+
+    /// Tries `rule` at `p`; on success the pair and the end position.
+    fn try_rule(&self, rule: Rule, p: usize) -> Result<(Pair<'s, Rule>, usize), Failure> {
+        let rest = &self.src[p..];
+        // pest recurses once per bracket/operator level; refuse absurd nesting up front.
+        let stmt_end = self.statement_extent(p);
+        if too_complex(&self.src[p..stmt_end]) {
+            return Err(Failure {
+                pos: p,
+                expected: vec![format!(
+                    "a statement with at most {MAX_EXPR_NESTING} nested brackets and {MAX_OPERATORS} operators"
+                )],
+            });
+        }
+        match RpxParser::parse(rule, rest) {
+            Ok(mut pairs) => match pairs.next() {
+                Some(pair) => {
+                    let end = p + pair.as_span().end();
+                    Ok((pair, end))
+                }
+                None => Err(Failure {
+                    pos: p,
+                    expected: vec![],
+                }),
+            },
+            Err(e) => {
+                let pos = match e.location {
+                    pest::error::InputLocation::Pos(x) => x,
+                    pest::error::InputLocation::Span((x, _)) => x,
+                };
+                let mut expected = Vec::new();
+                if let pest::error::ErrorVariant::ParsingError { positives, .. } = &e.variant {
+                    for r in positives {
+                        if let Some(d) = describe(*r) {
+                            expected.push(d.to_string());
+                        }
+                    }
+                }
+                if let Some(att) = e.parse_attempts() {
+                    for t in att.expected_tokens() {
+                        let token = t.to_string();
+                        if matches!(
+                            token.as_str(),
+                            "=" | "{" | "}" | "(" | ")" | "[" | "]" | ","
+                        ) {
+                            expected.push(format!("`{token}`"));
+                        }
+                    }
+                }
+                expected.sort();
+                expected.dedup();
+                Err(Failure {
+                    pos: p + pos,
+                    expected,
+                })
+            }
+        }
+    }
+
+    fn report(&mut self, f: &Failure, what: &str) {
+        let found = self.found(f.pos);
+        let mut expected = f.expected.clone();
+        if expected.is_empty() {
+            expected.push("a statement".into());
+        }
+        let msg = format!("expected {}, found {found}", join_or(&expected));
+        let mut d = Diagnostic::error("syntax", self.token_span(f.pos), msg);
+        let rest = &self.src[f.pos.min(self.src.len())..];
+        if rest.starts_with("/*") {
+            d = d.with_help("this comment is never closed with `*/`");
+        } else if rest.starts_with('"') {
+            d = d.with_help("a string ends with `\"` on the same line");
+        } else if rest.starts_with(';') {
+            d = d.with_help("statements end at the end of the line (or at a `,`): drop the `;`");
+        } else if !what.is_empty() && expected.iter().any(|e| e == "a key") {
+            d = d.with_help(format!(
+                "inside `{what} {{ }}` write `key = value`, one per line"
+            ));
+        }
+        self.diags.push(d);
+    }
+
+    /// Where parsing resumes after a statement at `start` failed at `err`.
+    fn recover(&self, start: usize, err: usize) -> usize {
+        let b = self.src.as_bytes();
+        // A new line that starts a statement: the broken one ended before it.
+        if err > start && err < b.len() && self.at_line_start(err) && self.looks_like_statement(err)
+        {
+            return err;
+        }
+        let end = self.statement_extent(start).max(err.min(b.len()));
+        let end = if end > start {
+            end
+        } else {
+            self.next_char(start)
+        };
+        // statement_extent stops at the end of the line of `start`; resume past the error's line
+        if end < err {
+            return self.line_end(err);
+        }
+        end
+    }
+
+    /// The end of the statement starting at `start`: the first newline (or `}` closing an
+    /// enclosing block) outside the brackets that the statement opens.
+    fn statement_extent(&self, start: usize) -> usize {
+        let b = self.src.as_bytes();
+        let mut stack: Vec<u8> = Vec::new();
+        let mut i = start;
+        while i < b.len() {
+            match b[i] {
+                b'\n' if stack.is_empty() => return i,
+                b'"' => {
+                    i += 1;
+                    while i < b.len() && b[i] != b'"' && b[i] != b'\n' {
+                        i += if b[i] == b'\\' { 2 } else { 1 };
+                    }
+                }
+                b'/' if b.get(i + 1) == Some(&b'/') => {
+                    while i < b.len() && b[i] != b'\n' {
+                        i += 1;
+                    }
+                    continue;
+                }
+                b'/' if b.get(i + 1) == Some(&b'*') => match self.src[i + 2..].find("*/") {
+                    Some(k) => i = i + 2 + k + 1,
+                    None => return b.len(),
+                },
+                c @ (b'(' | b'[' | b'{') => stack.push(c),
+                c @ (b')' | b']' | b'}') => {
+                    let open = match c {
+                        b')' => b'(',
+                        b']' => b'[',
+                        _ => b'{',
+                    };
+                    if let Some(k) = stack.iter().rposition(|&o| o == open) {
+                        stack.truncate(k);
+                    } else if c == b'}' && stack.is_empty() {
+                        return i;
+                    }
+                }
+                _ => {}
+            }
+            i += 1;
+        }
+        b.len().min(i)
+    }
+
+    fn line_end(&self, p: usize) -> usize {
+        let p = p.min(self.src.len());
+        self.src[p..].find('\n').map_or(self.src.len(), |k| p + k)
+    }
+
+    fn next_char(&self, p: usize) -> usize {
+        let mut q = p + 1;
+        while q < self.src.len() && !self.src.is_char_boundary(q) {
+            q += 1;
+        }
+        q.min(self.src.len())
+    }
+
+    fn at_line_start(&self, p: usize) -> bool {
+        let before = &self.src[..p];
+        let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+        before[line_start..].trim().is_empty()
+    }
+
+    /// `}`, `key =`, `name {`, `name label {`, `const`, `pipeline`.
+    fn looks_like_statement(&self, p: usize) -> bool {
+        let rest = &self.src[p..];
+        if rest.starts_with('}') {
+            return true;
+        }
+        let w1 = self.word_at(p);
+        if w1.is_empty() {
+            return false;
+        }
+        if w1 == "const" || w1 == "pipeline" {
+            return true;
+        }
+        let after = rest[w1.len()..].trim_start_matches([' ', '\t']);
+        if after.starts_with('=') || after.starts_with('{') {
+            return true;
+        }
+        let w2: String = after
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        !w2.is_empty() && after[w2.len()..].trim_start().starts_with('{')
+    }
+
+    fn word_at(&self, p: usize) -> &'s str {
+        let rest = &self.src[p.min(self.src.len())..];
+        let n = rest
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(rest.len());
+        &rest[..n]
+    }
+
+    /// The span of the token at `p` (a word, or one character; empty at the end).
+    fn token_span(&self, p: usize) -> Span {
+        if p >= self.src.len() {
+            return Span::new(self.src.len(), self.src.len());
+        }
+        let w = self.word_at(p);
+        if !w.is_empty() {
+            Span::new(p, p + w.len())
+        } else {
+            Span::new(p, self.next_char(p))
+        }
+    }
+
+    fn found(&self, p: usize) -> String {
+        if p >= self.src.len() {
+            return "the end of the file".into();
+        }
+        let s = self.token_span(p);
+        let t = &self.src[s.start..s.end];
+        match t {
+            "\n" | "\r" => "the end of the line".into(),
+            _ => format!("`{t}`"),
+        }
+    }
+
+    /// Skips whitespace and comments; an unterminated `/*` is reported and skips to the end.
+    fn skip_trivia(&mut self, mut p: usize) -> usize {
+        let b = self.src.as_bytes();
+        loop {
+            while p < b.len() && matches!(b[p], b' ' | b'\t' | b'\r' | b'\n') {
+                p += 1;
+            }
+            if b[p.min(b.len())..].starts_with(b"//") {
+                p = self.line_end(p);
+                continue;
+            }
+            if b[p.min(b.len())..].starts_with(b"/*") {
+                match self.src[p + 2..].find("*/") {
+                    Some(k) => {
+                        p = p + 2 + k + 2;
+                        continue;
+                    }
+                    None => {
+                        self.diags.push(
+                            Diagnostic::error(
+                                "syntax",
+                                Span::new(p, p + 2),
+                                "this comment is never closed",
+                            )
+                            .with_label("opened here")
+                            .with_help("close it with `*/`"),
+                        );
+                        return b.len();
+                    }
+                }
+            }
+            return p;
+        }
+    }
+
+    // ---- pairs -> AST ----
+
+    fn span(&self, pair: &Pair<'_, Rule>) -> Span {
+        let s = pair.as_span();
+        Span::new(self.base + s.start(), self.base + s.end())
+    }
+
+    fn ident(&self, pair: Option<Pair<'_, Rule>>) -> Ident {
+        match pair {
+            Some(p) => Ident {
+                name: p.as_str().to_string(),
+                span: self.span(&p),
+            },
+            None => Ident {
+                name: String::new(),
+                span: Span::default(),
+            },
+        }
+    }
+
+    fn expr_opt(&mut self, pair: Option<Pair<'_, Rule>>, fallback: Span) -> Expr {
+        match pair {
+            Some(p) => self.expr(p),
+            None => Expr {
+                kind: ExprKind::Error,
+                span: fallback,
+            },
+        }
+    }
+
+    fn expr(&mut self, pair: Pair<'_, Rule>) -> Expr {
+        let span = self.span(&pair);
+        match pair.as_rule() {
+            Rule::expr | Rule::term => {
+                let mut it = pair.into_inner();
+                let mut acc = match it.next() {
+                    Some(first) => self.expr(first),
+                    None => {
+                        return Expr {
+                            kind: ExprKind::Error,
+                            span,
+                        }
+                    }
+                };
+                while let (Some(op), Some(rhs)) = (it.next(), it.next()) {
+                    let op = match op.as_str() {
+                        "+" => BinOp::Add,
+                        "-" => BinOp::Sub,
+                        "*" => BinOp::Mul,
+                        _ => BinOp::Div,
+                    };
+                    let rhs = self.expr(rhs);
+                    let s = acc.span.to(rhs.span);
+                    acc = Expr {
+                        kind: ExprKind::Binary(op, Box::new(acc), Box::new(rhs)),
+                        span: s,
+                    };
+                }
+                acc
+            }
+            Rule::factor => {
+                let inner: Vec<_> = pair.into_inner().collect();
+                let negs = inner.iter().filter(|p| p.as_rule() == Rule::neg).count();
+                let mut e = match inner.into_iter().find(|p| p.as_rule() != Rule::neg) {
+                    Some(a) => self.expr(a),
+                    None => {
+                        return Expr {
+                            kind: ExprKind::Error,
+                            span,
+                        }
+                    }
+                };
+                for _ in 0..negs {
+                    e = Expr {
+                        kind: ExprKind::Neg(Box::new(e)),
+                        span,
+                    };
+                }
+                e
+            }
+            Rule::dims => {
+                let t = pair.as_str();
+                let (w, h) = t.split_once('x').unwrap_or((t, "0"));
+                match (units::parse_number(w), units::parse_number(h)) {
+                    (Ok(units::Number::Int(w)), Ok(units::Number::Int(h))) if w >= 0 && h >= 0 => {
+                        Expr {
+                            kind: ExprKind::Dims(w as u64, h as u64),
+                            span,
+                        }
+                    }
+                    _ => self.literal_error(
+                        span,
+                        format!("`{t}` is not a valid `WIDTHxHEIGHT`"),
+                        None,
+                    ),
+                }
+            }
+            Rule::quantity => {
+                let t = pair.as_str();
+                let (num, unit) = units::split_quantity(t);
+                match units::parse_number(num) {
+                    Err(m) => self.literal_error(span, m, None),
+                    Ok(n) => match units::unit(unit) {
+                        Some((dim, f)) => Expr {
+                            kind: ExprKind::Quantity(n.as_f64() * f, dim),
+                            span,
+                        },
+                        None => {
+                            let names = units::unit_names();
+                            let help = match suggest::closest(unit, names.iter().copied()) {
+                                Some(c) => format!("did you mean `{num}{c}`?"),
+                                None => format!("known units: {}", names.join(", ")),
+                            };
+                            let us = Span::new(span.start + num.len(), span.end);
+                            self.literal_error(us, format!("unknown unit `{unit}`"), Some(help))
+                        }
+                    },
+                }
+            }
+            Rule::number => match units::parse_number(pair.as_str()) {
+                Ok(units::Number::Int(i)) => Expr {
+                    kind: ExprKind::Int(i),
+                    span,
+                },
+                Ok(units::Number::Float(f)) => Expr {
+                    kind: ExprKind::Float(f),
+                    span,
+                },
+                Err(m) => self.literal_error(span, m, None),
+            },
+            Rule::string => {
+                let raw = pair.into_inner().next().map_or("", |p| p.as_str());
+                match unescape(raw) {
+                    Ok(s) => Expr {
+                        kind: ExprKind::Str(s),
+                        span,
+                    },
+                    Err((k, m)) => {
+                        let at = span.start + 1 + k;
+                        self.literal_error(
+                            Span::new(at, at + 2),
+                            m,
+                            Some("known escapes: \\\" \\\\ \\n \\t".into()),
+                        )
+                    }
+                }
+            }
+            Rule::boolean => Expr {
+                kind: ExprKind::Bool(matches!(pair.as_str(), "true" | "on")),
+                span,
+            },
+            Rule::ident => Expr {
+                kind: ExprKind::Name(pair.as_str().to_string()),
+                span,
+            },
+            Rule::list | Rule::tuple => {
+                let rule = pair.as_rule();
+                let items: Vec<Expr> = pair.into_inner().map(|p| self.expr(p)).collect();
+                let kind = if rule == Rule::list {
+                    ExprKind::List(items)
+                } else {
+                    ExprKind::Tuple(items)
+                };
+                Expr { kind, span }
+            }
+            Rule::paren => match pair.into_inner().next() {
+                Some(inner) => {
+                    let mut e = self.expr(inner);
+                    e.span = span;
+                    e
+                }
+                None => Expr {
+                    kind: ExprKind::Error,
+                    span,
+                },
+            },
+            Rule::call => {
+                let mut it = pair.into_inner();
+                let name = self.ident(it.next());
+                let mut args = Vec::new();
+                for arg in it {
+                    let a = match arg.into_inner().next() {
+                        Some(a) => a,
+                        None => continue,
+                    };
+                    if a.as_rule() == Rule::named_arg {
+                        let mut ni = a.into_inner();
+                        let n = self.ident(ni.next());
+                        let v = self.expr_opt(ni.next(), n.span);
+                        args.push(Arg {
+                            name: Some(n),
+                            value: v,
+                        });
+                    } else {
+                        args.push(Arg {
+                            name: None,
+                            value: self.expr(a),
+                        });
+                    }
+                }
+                Expr {
+                    kind: ExprKind::Call {
+                        name,
+                        args,
+                        body: None,
+                    },
+                    span,
+                }
+            }
+            _ => Expr {
+                kind: ExprKind::Error,
+                span,
+            },
+        }
+    }
+
+    fn literal_error(&mut self, span: Span, msg: String, help: Option<String>) -> Expr {
+        self.diags
+            .push(Diagnostic::error("literal", span, msg).with_help_opt(help));
+        Expr {
+            kind: ExprKind::Error,
+            span,
+        }
+    }
+}
+
+fn furthest(a: Failure, b: Failure) -> Failure {
+    match a.pos.cmp(&b.pos) {
+        std::cmp::Ordering::Greater => a,
+        std::cmp::Ordering::Less => b,
+        std::cmp::Ordering::Equal => {
+            let mut expected = a.expected;
+            expected.extend(b.expected);
+            expected.sort();
+            expected.dedup();
+            Failure {
+                pos: a.pos,
+                expected,
+            }
+        }
+    }
+}
+
+/// What a rule looks like, in words; `None` for rules never worth naming.
+fn describe(r: Rule) -> Option<&'static str> {
+    Some(match r {
+        Rule::ident => "a name",
+        Rule::kw_const => "`const`",
+        Rule::kw_pipeline => "`pipeline`",
+        Rule::expr | Rule::term | Rule::factor | Rule::neg => "a value",
+        Rule::add_op | Rule::mul_op => "an operator",
+        Rule::arg | Rule::named_arg => "an argument",
+        Rule::number | Rule::quantity | Rule::dims => "a number",
+        Rule::string => "a string",
+        Rule::boolean => "a value",
+        Rule::call | Rule::list | Rule::tuple | Rule::paren => "a value",
+        _ => return None,
+    })
+}
+
+fn join_or(items: &[String]) -> String {
+    match items {
+        [] => String::new(),
+        [a] => a.clone(),
+        [rest @ .., last] => format!("{} or {last}", rest.join(", ")),
+    }
+}
+
+/// Decodes `\"`, `\\`, `\n`, `\t`; on an unknown escape, its byte offset and a message.
+fn unescape(raw: &str) -> Result<String, (usize, String)> {
+    let mut out = String::new();
+    let mut it = raw.char_indices();
+    while let Some((i, c)) = it.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match it.next() {
+            Some((_, '"')) => out.push('"'),
+            Some((_, '\\')) => out.push('\\'),
+            Some((_, 'n')) => out.push('\n'),
+            Some((_, 't')) => out.push('\t'),
+            Some((_, o)) => return Err((i, format!("unknown escape `\\{o}` in a string"))),
+            None => return Err((i, "a string cannot end with `\\`".into())),
+        }
+    }
+    Ok(out)
+}
+
+/// Whether a statement nests brackets deeper than [`MAX_EXPR_NESTING`] or chains more than
+/// [`MAX_OPERATORS`] operators (strings skipped): bounds on the recursion of parsing and
+/// evaluation.
+fn too_complex(s: &str) -> bool {
+    let (mut depth, mut ops, mut in_str, mut escaped) = (0usize, 0usize, false, false);
+    for c in s.chars() {
+        if in_str {
+            match c {
+                _ if escaped => escaped = false,
+                '\\' => escaped = true,
+                '"' => in_str = false,
+                _ => {}
+            }
+            continue;
+        }
+        match c {
+            '"' => in_str = true,
+            '(' | '[' => {
+                depth += 1;
+                if depth > MAX_EXPR_NESTING {
+                    return true;
+                }
+            }
+            ')' | ']' => depth = depth.saturating_sub(1),
+            '+' | '-' | '*' | '/' => ops += 1,
+            _ => {}
+        }
+    }
+    ops > MAX_OPERATORS
+}
