@@ -1,0 +1,357 @@
+// Attention over keys held as rows: K and V rows are bf16 with kv head g of a row at columns
+// [g*HEAD_DIM, (g+1)*HEAD_DIM). A sequence (AttnSeq, common.cuh) reads a prefix segment (rows
+// of pk/pv, shared by the G samples of a GRPO group) and then its own keys (rows of k/v); for
+// decode both are the same KV arena.
+// Softmax in fp32 (log2 domain: scores are pre-multiplied by scale*log2(e)).
+//
+// HEAD_DIM is a compile-time constant (-DHEAD_DIM=...), a multiple of 16. Every launch below
+// is deterministic: the work split depends only on the launch arguments, never on timing or on
+// how many SMs the stream may use.
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#define KT 64    // keys per shared-memory tile
+#define KPAD 8   // bf16 padding per shared row (16 bytes) against bank conflicts
+#define NT 128   // threads per block, both kernels
+
+static_assert(HEAD_DIM % 16 == 0, "HEAD_DIM must be a multiple of 16");
+static_assert((KT * (HEAD_DIM / 8)) % NT == 0, "tile must split evenly over the block");
+
+// Where the keys come from: prefix rows then own rows, each with its own row stride.
+struct KvSrc {
+    const bf16* pk;
+    const bf16* pv;
+    u32 p_stride;
+    const bf16* k;
+    const bf16* v;
+    u32 kv_stride;
+};
+
+// Loads N consecutive bf16 (N even) from p into f as floats; 16-byte loads when N % 8 == 0.
+template <int N>
+__device__ __forceinline__ void load_bf(const bf16* p, float* f) {
+    if (N % 8 == 0) {
+#pragma unroll
+        for (int i = 0; i < N / 8; i++) unpack8(((const uint4*)p)[i], f + 8 * i);
+    } else {
+#pragma unroll
+        for (int i = 0; i < N / 2; i++) {
+            const u32 w = ((const u32*)p)[i];
+            f[2 * i] = bf_lo(w);
+            f[2 * i + 1] = bf_hi(w);
+        }
+    }
+}
+template <int N>
+__device__ __forceinline__ void store_bf(bf16* p, const float* f) {
+    if (N % 8 == 0) {
+#pragma unroll
+        for (int i = 0; i < N / 8; i++) ((uint4*)p)[i] = pack8(f + 8 * i);
+    } else {
+#pragma unroll
+        for (int i = 0; i < N / 2; i++) ((u32*)p)[i] = pack_bf2(f[2 * i], f[2 * i + 1]);
+    }
+}
+
+// Loads logical keys [t0, t0 + KT) of kv head kvh into shared memory; rows at or past `end` are
+// zero. All loads are issued before the first store, so each thread has 2*PER 16-byte loads in
+// flight.
+__device__ __forceinline__ void load_kv_tile(bf16 (*Ks)[HEAD_DIM + KPAD], bf16 (*Vs)[HEAD_DIM + KPAD],
+                                             const KvSrc& src, u32 kvh, const AttnSeq& s, u32 t0,
+                                             u32 end) {
+    constexpr int VPR = HEAD_DIM / 8;
+    constexpr int PER = KT * VPR / NT;
+    uint4 kr[PER], vr[PER];
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+        const u32 v = threadIdx.x + i * NT, row = v / VPR, col = v % VPR, kk = t0 + row;
+        if (kk < end) {
+            const bool pre = kk < s.p_len;
+            const u64 off = pre ? (u64)(s.p_start + kk) * src.p_stride
+                                : (u64)(s.k_start + kk - s.p_len) * src.kv_stride;
+            const u32 col_off = kvh * HEAD_DIM + col * 8;
+            kr[i] = *(const uint4*)((pre ? src.pk : src.k) + off + col_off);
+            vr[i] = *(const uint4*)((pre ? src.pv : src.v) + off + col_off);
+        } else {
+            kr[i] = make_uint4(0, 0, 0, 0);
+            vr[i] = make_uint4(0, 0, 0, 0);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+        const u32 v = threadIdx.x + i * NT, row = v / VPR, col = v % VPR;
+        *(uint4*)&Ks[row][col * 8] = kr[i];
+        *(uint4*)&Vs[row][col * 8] = vr[i];
+    }
+}
+
+// Sums N partial values held by each of W lanes (W = N, a power of two, aligned lane groups) so
+// that lane c of the group ends with the total of value c, using N-1 shuffles.
+template <int N>
+__device__ __forceinline__ float transpose_reduce(float* v, u32 c) {
+#pragma unroll
+    for (int s = N / 2; s >= 1; s >>= 1) {
+        const bool upper = (c & s) != 0;
+#pragma unroll
+        for (int i = 0; i < s; i++) {
+            const float send = upper ? v[i] : v[i + s];
+            const float keep = upper ? v[i + s] : v[i];
+            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, s);
+        }
+    }
+    return v[0];
+}
+
+template <int W>
+__device__ __forceinline__ float group_max(float x) {
+#pragma unroll
+    for (int s = W / 2; s >= 1; s >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, s));
+    return x;
+}
+template <int W>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+    for (int s = W / 2; s >= 1; s >>= 1) x += __shfl_xor_sync(0xffffffffu, x, s);
+    return x;
+}
+
+// Decode, split-K pass. Grid (splits, n_kv * ceil(r/8), batch) with r = n_heads / n_kv; block
+// NT = 128 threads = 8 heads of one kv group x 16 lanes, each lane owning HEAD_DIM/16 dims.
+// Block (split, kv group, b) reads logical keys [split*chunk, min(L, (split+1)*chunk)) of
+// sequence b once from HBM and uses them for all the group's query heads. Writes unnormalised
+// partial outputs part_o[b, h, split, :] and (max, sum) part_ml[b, h, split, 0..2].
+extern "C" __global__ void __launch_bounds__(NT)
+attention_decode_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
+                      const bf16* __restrict__ q, u32 q_stride, KvSrc src,
+                      const AttnSeq* __restrict__ seqs, u32 n_heads, u32 n_kv, u32 chunk,
+                      u32 splits, float scale_log2, u32 p_rows, u32 kv_rows) {
+    constexpr int DS = HEAD_DIM / 16;
+    __shared__ __align__(16) bf16 Ks[KT][HEAD_DIM + KPAD];
+    __shared__ __align__(16) bf16 Vs[KT][HEAD_DIM + KPAD];
+    __shared__ __align__(16) float Ps[8][KT + 4];
+    const u32 split = blockIdx.x, b = blockIdx.z;
+    const u32 r = n_heads / n_kv, n_hg = (r + 7) / 8;
+    const u32 kvh = blockIdx.y / n_hg, hg = blockIdx.y % n_hg;
+    const u32 hl = threadIdx.x >> 4, c = threadIdx.x & 15;
+    const u32 hr = hg * 8 + hl;
+    const bool active = hr < r;
+    const u32 h = kvh * r + (active ? hr : 0);
+    const AttnSeq s = seqs[b];
+    // A descriptor outside the buffers reads nothing and yields NaN (loud, never out of bounds).
+    const bool ok = (u64)s.p_start + s.p_len <= p_rows && (u64)s.k_start + s.k_len <= kv_rows;
+    const u32 L = ok ? s.p_len + s.k_len : 0;
+    // The last split takes every key left, so a length past splits*chunk is still attended.
+    const u32 start = split * chunk, end = split + 1 == splits ? L : min(L, start + chunk);
+
+    float qv[DS], o[DS];
+    load_bf<DS>(q + (u64)b * q_stride + h * HEAD_DIM + c * DS, qv);
+#pragma unroll
+    for (int d = 0; d < DS; d++) {
+        qv[d] = active ? qv[d] * scale_log2 : 0.0f;
+        o[d] = 0.0f;
+    }
+    float m = NEG_INF_F, l = 0.0f;
+
+    for (u32 t0 = start; t0 < end; t0 += KT) {
+        __syncthreads();
+        load_kv_tile(Ks, Vs, src, kvh, s, t0, end);
+        __syncthreads();
+        float sc[KT / 16];
+#pragma unroll
+        for (int jb = 0; jb < KT / 16; jb++) {
+            float v[16];
+#pragma unroll
+            for (int jj = 0; jj < 16; jj++) {
+                float kf[DS];
+                load_bf<DS>(&Ks[jb * 16 + jj][c * DS], kf);
+                float acc = 0.0f;
+#pragma unroll
+                for (int d = 0; d < DS; d++) acc = fmaf(qv[d], kf[d], acc);
+                v[jj] = acc;
+            }
+            const float x = transpose_reduce<16>(v, c);
+            sc[jb] = (t0 + jb * 16 + c < end) ? x : NEG_INF_F;
+        }
+        float mt = sc[0];
+#pragma unroll
+        for (int jb = 1; jb < KT / 16; jb++) mt = fmaxf(mt, sc[jb]);
+        mt = group_max<16>(mt);
+        const float m_new = fmaxf(m, mt);  // finite: key t0 < end is always valid
+        const float corr = exp2f(m - m_new);
+        float ls = 0.0f;
+#pragma unroll
+        for (int jb = 0; jb < KT / 16; jb++) {
+            const float p = exp2f(sc[jb] - m_new);
+            Ps[hl][jb * 16 + c] = p;
+            ls += p;
+        }
+        ls = group_sum<16>(ls);
+        l = l * corr + ls;
+        m = m_new;
+        __syncwarp();
+#pragma unroll
+        for (int d = 0; d < DS; d++) o[d] *= corr;
+#pragma unroll 4
+        for (int j4 = 0; j4 < KT; j4 += 4) {
+            const float4 p4 = *(const float4*)&Ps[hl][j4];
+            const float pj[4] = {p4.x, p4.y, p4.z, p4.w};
+#pragma unroll
+            for (int jj = 0; jj < 4; jj++) {
+                float vf[DS];
+                load_bf<DS>(&Vs[j4 + jj][c * DS], vf);
+#pragma unroll
+                for (int d = 0; d < DS; d++) o[d] = fmaf(pj[jj], vf[d], o[d]);
+            }
+        }
+        __syncwarp();
+    }
+    if (active) {
+        const u64 pidx = ((u64)b * n_heads + h) * splits + split;
+        float* po = part_o + pidx * HEAD_DIM + c * DS;
+#pragma unroll
+        for (int d = 0; d < DS; d++) po[d] = ok ? o[d] : __int_as_float(0x7fc00000);
+        if (c == 0) {
+            part_ml[pidx * 2] = ok ? m : __int_as_float(0x7fc00000);
+            part_ml[pidx * 2 + 1] = l;
+        }
+    }
+}
+
+// Decode, reduction pass: out[b, h, :] = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s over the
+// splits in order (fixed order: deterministic). Grid (n_heads, batch); an empty sequence gives 0
+// (and lse -inf). lse (may be null): [batch, n_heads], natural-log logsumexp of scaled scores.
+extern "C" __global__ void attention_decode_reduce_bf16(bf16* __restrict__ out, u32 out_stride,
+                                                        float* __restrict__ lse,
+                                                        const float* __restrict__ part_o,
+                                                        const float* __restrict__ part_ml,
+                                                        u32 n_heads, u32 splits) {
+    const u32 h = blockIdx.x, b = blockIdx.y;
+    const u64 base = ((u64)b * n_heads + h) * splits;
+    float M = NEG_INF_F;
+    bool bad = false;  // a split flagged an invalid descriptor (NaN max)
+    for (u32 s = 0; s < splits; s++) {
+        const float ms = part_ml[(base + s) * 2];
+        bad |= isnan(ms);
+        M = fmaxf(M, ms);
+    }
+    float Lsum = 0.0f;
+    if (M != NEG_INF_F)
+        for (u32 s = 0; s < splits; s++)
+            Lsum += exp2f(part_ml[(base + s) * 2] - M) * part_ml[(base + s) * 2 + 1];
+    if (lse != nullptr && threadIdx.x == 0)
+        lse[(u64)b * n_heads + h] = bad ? __int_as_float(0x7fc00000)
+                                        : (M == NEG_INF_F ? NEG_INF_F : (M + log2f(Lsum)) * LN2_F);
+    bf16* orow = out + (u64)b * out_stride + h * HEAD_DIM;
+    for (u32 d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
+        float acc = 0.0f;
+        if (M != NEG_INF_F)
+            for (u32 s = 0; s < splits; s++)
+                acc += exp2f(part_ml[(base + s) * 2] - M) * part_o[(base + s) * HEAD_DIM + d];
+        orow[d] = bad ? (bf16)0x7fc0 : f2bf(Lsum > 0.0f ? acc / Lsum : 0.0f);
+    }
+}
+
+// Prefill / scoring attention (the CUDA twin of cpu::attention_fwd) (varlen, GQA, optional causal mask, shared prefix). Grid
+// (ceil(max_q_len / 16), n_heads, n_seqs); block NT = 128 threads = 16 queries x 8 lanes, each
+// lane owning HEAD_DIM/8 dims of its query. Writes out[q_start + i, h, :] (bf16) and, when lse
+// is not null, lse[q_start + i, h] = natural-log logsumexp of the scaled scores (for backward).
+extern "C" __global__ void __launch_bounds__(NT)
+attention_fwd_bf16(bf16* __restrict__ out, u32 o_stride, float* __restrict__ lse,
+                   const bf16* __restrict__ q, u32 q_stride, KvSrc src,
+                   const AttnSeq* __restrict__ seqs, u32 n_heads, u32 n_kv, u32 causal,
+                   float scale_log2, u32 q_rows, u32 p_rows, u32 kv_rows) {
+    constexpr int QT = 16;
+    constexpr int DS = HEAD_DIM / 8;
+    __shared__ __align__(16) bf16 Ks[KT][HEAD_DIM + KPAD];
+    __shared__ __align__(16) bf16 Vs[KT][HEAD_DIM + KPAD];
+    __shared__ __align__(16) float Ps[QT][KT + 4];
+    const AttnSeq s = seqs[blockIdx.z];
+    const u32 h = blockIdx.y, kvh = h / (n_heads / n_kv);
+    // A descriptor outside the buffers (or with more queries than own keys) writes nothing.
+    if ((u64)s.q_start + s.q_len > q_rows || (u64)s.p_start + s.p_len > p_rows ||
+        (u64)s.k_start + s.k_len > kv_rows || s.q_len > s.k_len)
+        return;
+    const u32 L = s.p_len + s.k_len;
+    const u32 off = L - s.q_len;  // logical index of query 0's own key
+    // Query tiles blockIdx.x, blockIdx.x + gridDim.x, ...: every query is covered whatever the
+    // grid's x size (the launcher sizes it from a hint).
+    for (u32 q0 = blockIdx.x * QT; q0 < s.q_len; q0 += gridDim.x * QT) {
+    const u32 qi = threadIdx.x >> 3, c = threadIdx.x & 7, i = q0 + qi;
+    const bool valid = i < s.q_len;
+    const u32 lim = causal ? off + i + 1 : L;
+    const u32 block_end = causal ? min(L, off + min(q0 + QT, s.q_len)) : L;
+
+    float qv[DS], o[DS];
+    load_bf<DS>(q + (u64)(s.q_start + (valid ? i : 0)) * q_stride + h * HEAD_DIM + c * DS, qv);
+#pragma unroll
+    for (int d = 0; d < DS; d++) {
+        qv[d] = valid ? qv[d] * scale_log2 : 0.0f;
+        o[d] = 0.0f;
+    }
+    float m = NEG_INF_F, l = 0.0f;
+
+    for (u32 t0 = 0; t0 < block_end; t0 += KT) {
+        __syncthreads();
+        load_kv_tile(Ks, Vs, src, kvh, s, t0, block_end);
+        __syncthreads();
+        float sc[KT / 8];
+#pragma unroll
+        for (int jb = 0; jb < KT / 8; jb++) {
+            float v[8];
+#pragma unroll
+            for (int jj = 0; jj < 8; jj++) {
+                float kf[DS];
+                load_bf<DS>(&Ks[jb * 8 + jj][c * DS], kf);
+                float acc = 0.0f;
+#pragma unroll
+                for (int d = 0; d < DS; d++) acc = fmaf(qv[d], kf[d], acc);
+                v[jj] = acc;
+            }
+            const float x = transpose_reduce<8>(v, c);
+            sc[jb] = (valid && t0 + jb * 8 + c < lim) ? x : NEG_INF_F;
+        }
+        float mt = sc[0];
+#pragma unroll
+        for (int jb = 1; jb < KT / 8; jb++) mt = fmaxf(mt, sc[jb]);
+        mt = group_max<8>(mt);
+        const float m_new = fmaxf(m, mt);
+        const bool none = (m_new == NEG_INF_F);  // nothing visible yet (invalid query)
+        const float corr = none ? 1.0f : exp2f(m - m_new);
+        float ls = 0.0f;
+#pragma unroll
+        for (int jb = 0; jb < KT / 8; jb++) {
+            const float p = none ? 0.0f : exp2f(sc[jb] - m_new);
+            Ps[qi][jb * 8 + c] = p;
+            ls += p;
+        }
+        ls = group_sum<8>(ls);
+        l = l * corr + ls;
+        m = m_new;
+        __syncwarp();
+#pragma unroll
+        for (int d = 0; d < DS; d++) o[d] *= corr;
+#pragma unroll 2
+        for (int j4 = 0; j4 < KT; j4 += 4) {
+            const float4 p4 = *(const float4*)&Ps[qi][j4];
+            const float pj[4] = {p4.x, p4.y, p4.z, p4.w};
+#pragma unroll
+            for (int jj = 0; jj < 4; jj++) {
+                float vf[DS];
+                load_bf<DS>(&Vs[j4 + jj][c * DS], vf);
+#pragma unroll
+                for (int d = 0; d < DS; d++) o[d] = fmaf(pj[jj], vf[d], o[d]);
+            }
+        }
+        __syncwarp();
+    }
+    if (valid) {
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma unroll
+        for (int d = 0; d < DS; d++) o[d] *= inv;
+        store_bf<DS>(out + (u64)(s.q_start + i) * o_stride + h * HEAD_DIM + c * DS, o);
+        if (lse != nullptr && c == 0)
+            lse[(u64)(s.q_start + i) * n_heads + h] = (m + log2f(l)) * LN2_F;
+    }
+    }  // query tiles
+}

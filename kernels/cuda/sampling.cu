@@ -1,0 +1,192 @@
+// Token sampling: temperature, top-k, top-p, with a counter-based RNG so that a token depends
+// only on (logits, seed, iteration, sample, step), never on the batch it ran in or the schedule.
+// The definition (the CPU twin in src/cuda/sampling.rs computes the same):
+//   - temperature <= 0: greedy argmax, lowest index on ties.
+//   - z_i = logit_i / T (IEEE division). Ranks use the bf16 logit's order key (NaN ranks lowest
+//     and is never drawn).
+//   - top-k (0 < k < vocab): keep logits >= the k-th largest (ties at the threshold all kept).
+//   - top-p (p < 1): q_i = trunc(exp(z_i - z_max) * 2^32) as an integer (so the sum is exact and
+//     order-free); Z = sum of q over kept; keep logits >= tau, tau the largest logit with
+//     sum_{kept, logit >= tau} q >= ceil(p * Z).
+//   - draw: argmax over kept of z_i + g_i, g_i = -ln(-ln(u_i)) (Gumbel-max), ties to the lowest
+//     index; u_i = ((x >> 8) + 0.5) * 2^-24 with x word (i mod 4) of
+//     Philox4x32-10(counter = (i / 4, step, sample, iteration), key = (seed_lo, seed_hi)).
+// One block of 1024 threads per row; all reductions are integer or fixed-order: deterministic.
+
+#define SAMPLE_THREADS 1024
+
+__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
+#pragma unroll
+    for (int r = 0; r < 10; r++) {
+        const u32 hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
+        const u32 hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
+        c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
+        k.x += 0x9E3779B9u;
+        k.y += 0xBB67AE85u;
+    }
+    return c;
+}
+
+// Order-preserving 16-bit key of a bf16 value; NaN maps to 0 (below -inf, which maps to 0x7f).
+__device__ __forceinline__ u32 bf_key(bf16 b) {
+    const u32 x = b;
+    if ((x & 0x7fffu) > 0x7f80u) return 0;
+    return (x & 0x8000u) ? (~x & 0xffffu) : (x | 0x8000u);
+}
+
+// Test hook: fills out[4*i .. 4*i+4] with Philox4x32-10(counter = (i, c1, c2, c3), key).
+extern "C" __global__ void philox_fill(u32* out, u32 n_blocks, u32 c1, u32 c2, u32 c3, u32 k0,
+                                       u32 k1) {
+    const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_blocks) return;
+    const uint4 r = philox4x32_10(make_uint4(i, c1, c2, c3), make_uint2(k0, k1));
+    out[4 * i] = r.x; out[4 * i + 1] = r.y; out[4 * i + 2] = r.z; out[4 * i + 3] = r.w;
+}
+
+// Radix select over the 16-bit keys of the row (two 8-bit digits, most significant first):
+// returns the largest key t with sum_{key_i >= t, key_i >= kmin} w_i >= need, or kmin when the
+// total weight is below need. w_i = 1 (counts) when `weighted` is false, else the fixed-point
+// probability weight. hist: 256 u64 in shared memory; res: 4 u64 of shared scratch.
+__device__ u32 radix_select(const bf16* x, u32 vocab, u32 kmin, u64 need, bool weighted,
+                            float zmax, float temperature, u64* hist, u64* res) {
+    u32 prefix = 0;  // selected high digit (valid in pass 1)
+    u64 above = 0;   // weight strictly above the selected bucket
+    for (int pass = 0; pass < 2; pass++) {
+        for (u32 i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) {
+            const u32 key = bf_key(x[i]);
+            if (key < kmin) continue;
+            if (pass == 1 && (key >> 8) != prefix) continue;
+            u64 w = 1;
+            if (weighted) w = __float2ull_rz(expf(bf2f(x[i]) / temperature - zmax) * 4294967296.0f);
+            atomicAdd(&hist[pass == 0 ? (key >> 8) : (key & 255u)], w);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const u64 want = need - above;
+            u64 cum = 0;
+            int sel = -1;
+            for (int b = 255; b >= 0; b--) {
+                if (cum + hist[b] >= want) { sel = b; break; }
+                cum += hist[b];
+            }
+            res[0] = (u64)sel;
+            res[1] = cum;
+        }
+        __syncthreads();
+        const int sel = (int)(long long)res[0];
+        const u64 cum = res[1];
+        __syncthreads();
+        if (sel < 0) return kmin;  // uniform: total weight below need, keep all
+        if (pass == 0) {
+            prefix = (u32)sel;
+            above = cum;
+        } else {
+            const u32 t = (prefix << 8) | (u32)sel;
+            return t > kmin ? t : kmin;
+        }
+    }
+    return kmin;
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+sample_bf16(const bf16* __restrict__ logits, u32 row_stride, u32 rows, u32 vocab,
+            float temperature, u32 top_k, float top_p, u32 seed_lo, u32 seed_hi, u32 iteration,
+            const u32* __restrict__ sample_ids, const u32* __restrict__ steps,
+            u32* __restrict__ tokens) {
+    __shared__ u64 hist[256];
+    __shared__ u64 res[4];
+    __shared__ u64 red64[32];
+    __shared__ float redf[32];
+    __shared__ u32 redi[32];
+    const u32 row = blockIdx.x;
+    if (row >= rows) return;
+    const bf16* x = logits + (u64)row * row_stride;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+
+    // Pass 1: the largest key, lowest index among equals.
+    u64 best = 0;
+    for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const u64 cand = ((u64)bf_key(x[i]) << 32) | (u64)(0xffffffffu - i);
+        best = cand > best ? cand : best;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 other = __shfl_xor_sync(0xffffffffu, best, o);
+        best = other > best ? other : best;
+    }
+    if (lane == 0) red64[warp] = best;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u64 b = red64[0];
+        for (int w = 1; w < nw; w++) b = red64[w] > b ? red64[w] : b;
+        res[2] = b;
+    }
+    __syncthreads();
+    best = res[2];
+    const u32 argmax = 0xffffffffu - (u32)(best & 0xffffffffu);
+    if (!(temperature > 0.0f)) {
+        if (threadIdx.x == 0) tokens[row] = argmax;
+        return;
+    }
+    const float zmax = bf2f(x[argmax]) / temperature;
+    u32 kmin = 1;  // excludes NaN
+    if (top_k > 0 && top_k < vocab)
+        kmin = radix_select(x, vocab, kmin, (u64)top_k, false, zmax, temperature, hist, res);
+    if (top_p < 1.0f) {
+        // Z: the exact integer sum of the kept weights (fixed-order block reduction).
+        u64 z = 0;
+        for (u32 i = threadIdx.x; i < vocab; i += blockDim.x)
+            if (bf_key(x[i]) >= kmin)
+                z += __float2ull_rz(expf(bf2f(x[i]) / temperature - zmax) * 4294967296.0f);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
+        __syncthreads();
+        if (lane == 0) red64[warp] = z;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u64 t = 0;
+            for (int w = 0; w < nw; w++) t += red64[w];
+            u64 need = (u64)ceil((double)top_p * (double)t);
+            res[3] = need > 0 ? need : 1;
+        }
+        __syncthreads();
+        const u64 need = res[3];
+        kmin = radix_select(x, vocab, kmin, need, true, zmax, temperature, hist, res);
+    }
+
+    // Gumbel-max draw over the kept set.
+    const uint2 key = make_uint2(seed_lo, seed_hi);
+    const u32 sample = sample_ids[row], step = steps[row];
+    float bs = NEG_INF_F;
+    u32 bi = 0xffffffffu;
+    for (u32 g = threadIdx.x; g * 4 < vocab; g += blockDim.x) {
+        const uint4 r = philox4x32_10(make_uint4(g, step, sample, iteration), key);
+        const u32 words[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const u32 i = g * 4 + k;
+            if (i >= vocab) break;
+            if (bf_key(x[i]) < kmin) continue;
+            const float u = ((float)(words[k] >> 8) + 0.5f) * 5.9604644775390625e-08f;
+            const float sc = bf2f(x[i]) / temperature - logf(-logf(u));
+            if (sc > bs || (sc == bs && i < bi)) { bs = sc; bi = i; }
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float s2 = __shfl_xor_sync(0xffffffffu, bs, o);
+        const u32 i2 = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (s2 > bs || (s2 == bs && i2 < bi)) { bs = s2; bi = i2; }
+    }
+    if (lane == 0) { redf[warp] = bs; redi[warp] = bi; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float s = redf[0];
+        u32 i = redi[0];
+        for (int w = 1; w < nw; w++)
+            if (redf[w] > s || (redf[w] == s && redi[w] < i)) { s = redf[w]; i = redi[w]; }
+        tokens[row] = i == 0xffffffffu ? argmax : i;
+    }
+}

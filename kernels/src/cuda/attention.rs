@@ -1,0 +1,429 @@
+//! Attention launchers (kernels in `cuda/attention.cu`): `attention_fwd_bf16`, the twin of
+//! [`crate::cpu::attention_fwd`] (varlen, causal or full, GQA, shared prefix), and
+//! `attention_decode_bf16`, the twin of [`crate::cpu::attention_decode`] (one query per sequence
+//! over a KV arena whose prefix rows are shared by a group's samples).
+//!
+//! Sequence descriptors live on the device ([`AttnSeqGpu`], one per sequence) so that a captured
+//! CUDA graph can be replayed after the caller rewrites them in place. The kernels check every
+//! descriptor against the buffers' row counts: a bad one reads and writes nothing (fwd) or gives
+//! NaN (decode), never out of bounds. Host-side hints (`max_q_len`, [`DecodePlan`]) only size the
+//! grid; every query and key is attended whatever they say.
+//!
+//! Decode runs split-K: [`decode_plan`] cuts each sequence into `splits` chunks of `chunk` keys
+//! (a multiple of 64) so that about 528 blocks run (4 per SM of an H200) whatever the batch; the
+//! split depends on (batch, heads, max length) only, never on the stream's SM partition, so a
+//! result is the same on any stream. A second kernel merges the chunks in order. The partials
+//! need a workspace of [`DecodePlan::workspace_len`] floats.
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use half::bf16;
+
+use super::launch::{aligned16, need, ptr, ptr_mut, u32_of};
+use super::nvrtc::ATTENTION;
+use super::{shape, Gpu, Result};
+use crate::cpu::{AttnDims, AttnMask, AttnSeq, DecodeSeq};
+
+/// One sequence as the kernels read it: queries are rows `q_start..q_start + q_len` of `q`; keys
+/// are prefix rows `p_start..p_start + p_len` then own rows `k_start..k_start + k_len`; the
+/// queries are the last `q_len` own keys (causal: query `i` sees logical keys
+/// `< p_len + k_len - q_len + i + 1`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AttnSeqGpu {
+    pub q_start: u32,
+    pub q_len: u32,
+    pub p_start: u32,
+    pub p_len: u32,
+    pub k_start: u32,
+    pub k_len: u32,
+}
+
+// SAFETY: plain `repr(C)` struct of u32, the same layout as `struct AttnSeq` in common.cuh.
+unsafe impl DeviceRepr for AttnSeqGpu {}
+
+impl AttnSeqGpu {
+    /// The descriptor of a [`crate::cpu::attention_fwd`] sequence (queries = own keys).
+    pub fn from_fwd(s: &AttnSeq) -> Self {
+        AttnSeqGpu {
+            q_start: s.start,
+            q_len: s.len,
+            p_start: s.prefix_start,
+            p_len: s.prefix_len,
+            k_start: s.start,
+            k_len: s.len,
+        }
+    }
+    /// The descriptor of decode sequence `b` ([`crate::cpu::attention_decode`]; query row `b`).
+    pub fn from_decode(b: u32, s: &DecodeSeq) -> Self {
+        AttnSeqGpu {
+            q_start: b,
+            q_len: 1,
+            p_start: s.prefix_offset,
+            p_len: s.prefix_len,
+            k_start: s.suffix_offset,
+            k_len: s.suffix_len,
+        }
+    }
+}
+
+/// Where keys come from (`struct KvSrc` in attention.cu; same field order and padding).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct KvSrc {
+    pk: u64,
+    pv: u64,
+    p_stride: u32,
+    k: u64,
+    v: u64,
+    kv_stride: u32,
+}
+// SAFETY: repr(C) mirror of the device struct; passed by value.
+unsafe impl DeviceRepr for KvSrc {}
+
+/// Elements between consecutive rows of each buffer (a fused qkv output is read in place by
+/// giving its row width as the q/kv stride and a view starting at the part).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowStrides {
+    pub q: usize,
+    pub kv: usize,
+    pub prefix: usize,
+    pub out: usize,
+}
+
+impl RowStrides {
+    /// Contiguous rows, as the CPU twins take them.
+    pub fn contiguous(d: AttnDims) -> Self {
+        RowStrides {
+            q: d.q_width(),
+            kv: d.kv_width(),
+            prefix: d.kv_width(),
+            out: d.q_width(),
+        }
+    }
+}
+
+fn check_dims(op: &'static str, d: &AttnDims, decode: bool) -> Result<()> {
+    if d.num_heads == 0 || d.num_kv_heads == 0 || d.num_heads % d.num_kv_heads != 0 {
+        return Err(shape(
+            op,
+            format!(
+                "{} heads is not a multiple of {} kv heads",
+                d.num_heads, d.num_kv_heads
+            ),
+        ));
+    }
+    let m = if decode { 32 } else { 16 };
+    if d.head_dim == 0 || d.head_dim % m != 0 || d.head_dim > 256 {
+        return Err(shape(
+            op,
+            format!(
+                "head_dim {} must be a multiple of {m} up to 256",
+                d.head_dim
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Rows of a buffer of `len` elements whose rows are `stride` apart and `width` wide.
+fn rows_of(len: usize, width: usize, stride: usize) -> usize {
+    if len < width {
+        0
+    } else {
+        (len - width) / stride + 1
+    }
+}
+
+fn check_stride(op: &'static str, name: &str, stride: usize, width: usize) -> Result<()> {
+    if stride < width || stride % 8 != 0 {
+        return Err(shape(
+            op,
+            format!("{name} row stride {stride} must be >= {width} and a multiple of 8"),
+        ));
+    }
+    Ok(())
+}
+
+/// Varlen attention over a packed batch, as [`crate::cpu::attention_fwd`]: `out`, `q`
+/// `[T, heads*hd]`; `k`, `v` `[T, kv_heads*hd]`; `prefix_k`, `prefix_v` `[P, kv_heads*hd]` (pass
+/// `k`, `v` again when no sequence has a prefix); `lse` `[T, heads]` if given; rows `strides`
+/// apart. `seqs` holds `n_seqs` descriptors on the device; `max_q_len` (a hint) sizes the grid.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_fwd_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    out: &mut impl DevicePtrMut<bf16>,
+    lse: Option<&mut dyn DevicePtrMut<f32>>,
+    q: &impl DevicePtr<bf16>,
+    k: &impl DevicePtr<bf16>,
+    v: &impl DevicePtr<bf16>,
+    prefix_k: &impl DevicePtr<bf16>,
+    prefix_v: &impl DevicePtr<bf16>,
+    seqs: &impl DevicePtr<AttnSeqGpu>,
+    n_seqs: usize,
+    max_q_len: usize,
+    dims: AttnDims,
+    mask: AttnMask,
+    scale: f32,
+    strides: RowStrides,
+) -> Result<()> {
+    const OP: &str = "attention_fwd_bf16";
+    check_dims(OP, &dims, false)?;
+    let (qw, kvw) = (dims.q_width(), dims.kv_width());
+    check_stride(OP, "q", strides.q, qw)?;
+    check_stride(OP, "out", strides.out, qw)?;
+    check_stride(OP, "kv", strides.kv, kvw)?;
+    check_stride(OP, "prefix", strides.prefix, kvw)?;
+    need(OP, "seqs", seqs, n_seqs)?;
+    if v.len() < k.len() || prefix_v.len() < prefix_k.len() {
+        return Err(shape(
+            OP,
+            "v (prefix_v) must hold as many elements as k (prefix_k)",
+        ));
+    }
+    let q_rows = rows_of(q.len(), qw, strides.q).min(rows_of(out.len(), qw, strides.out));
+    let kv_rows = rows_of(k.len(), kvw, strides.kv);
+    let p_rows = rows_of(prefix_k.len(), kvw, strides.prefix);
+    let lse_p = match lse {
+        Some(l) => {
+            need(OP, "lse", l, q_rows * dims.num_heads)?;
+            ptr_mut(l, stream)
+        }
+        None => 0,
+    };
+    if n_seqs == 0 || max_q_len == 0 {
+        return Ok(());
+    }
+    let src = KvSrc {
+        pk: ptr(prefix_k, stream),
+        pv: ptr(prefix_v, stream),
+        p_stride: strides.prefix as u32,
+        k: ptr(k, stream),
+        v: ptr(v, stream),
+        kv_stride: strides.kv as u32,
+    };
+    let (op_, qp, sp) = (ptr_mut(out, stream), ptr(q, stream), ptr(seqs, stream));
+    for (name, p) in [
+        ("out", op_),
+        ("q", qp),
+        ("k", src.k),
+        ("v", src.v),
+        ("prefix_k", src.pk),
+        ("prefix_v", src.pv),
+    ] {
+        aligned16(OP, name, p)?;
+    }
+    let hd = dims.head_dim as u32;
+    let f = gpu.function(&ATTENTION, &[("HEAD_DIM", hd)], "attention_fwd_bf16")?;
+    let (os, qs) = (strides.out as u32, strides.q as u32);
+    let (nh, nkv) = (dims.num_heads as u32, dims.num_kv_heads as u32);
+    let causal = matches!(mask, AttnMask::Causal) as u32;
+    let scale_log2 = scale * std::f32::consts::LOG2_E;
+    let (qr, pr, kr) = (
+        u32_of(OP, "q rows", q_rows)?,
+        u32_of(OP, "prefix rows", p_rows)?,
+        u32_of(OP, "kv rows", kv_rows)?,
+    );
+    let gx = u32_of(OP, "max_q_len", max_q_len.div_ceil(16))?.min(65535);
+    let gz = u32_of(OP, "n_seqs", n_seqs)?;
+    let cfg = LaunchConfig {
+        grid_dim: (gx, nh, gz),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = stream.launch_builder(&f);
+    b.arg(&op_)
+        .arg(&os)
+        .arg(&lse_p)
+        .arg(&qp)
+        .arg(&qs)
+        .arg(&src)
+        .arg(&sp)
+        .arg(&nh)
+        .arg(&nkv)
+        .arg(&causal);
+    b.arg(&scale_log2).arg(&qr).arg(&pr).arg(&kr);
+    // SAFETY: the kernel checks each descriptor against q_rows / p_rows / kv_rows (computed from
+    // the buffers' lengths and strides, out and lse included) and touches only rows inside them;
+    // rows are 16-byte aligned (checked); arguments match the kernel's signature
+    // (out, o_stride, lse, q, q_stride, src, seqs, n_heads, n_kv, causal, scale_log2, q_rows,
+    // p_rows, kv_rows).
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// How a decode attention is split over the keys (see the module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodePlan {
+    pub batch: usize,
+    pub num_heads: usize,
+    pub head_dim: usize,
+    pub splits: usize,
+    pub chunk: usize,
+}
+
+impl DecodePlan {
+    /// f32 elements of scratch the decode needs (partial outputs, then (max, sum) pairs).
+    pub fn workspace_len(&self) -> usize {
+        self.batch * self.num_heads * self.splits * (self.head_dim + 2)
+    }
+}
+
+/// Blocks the split aims at: 4 per SM of a 132-SM H200. A constant, so that the split (and the
+/// rounding) never depends on which partition runs the kernel.
+pub const DECODE_TARGET_BLOCKS: usize = 528;
+
+/// The split of a decode over `batch` sequences of at most `max_kv_len` keys.
+pub fn decode_plan(batch: usize, dims: AttnDims, max_kv_len: usize) -> DecodePlan {
+    let rep = (dims.num_heads / dims.num_kv_heads.max(1)).max(1);
+    let units = (batch * dims.num_kv_heads * rep.div_ceil(8)).max(1);
+    let max_splits = max_kv_len.div_ceil(64).max(1);
+    let splits = DECODE_TARGET_BLOCKS.div_ceil(units).clamp(1, max_splits);
+    let chunk = (max_kv_len.max(1).div_ceil(splits)).div_ceil(64) * 64;
+    let splits = max_kv_len.max(1).div_ceil(chunk);
+    DecodePlan {
+        batch,
+        num_heads: dims.num_heads,
+        head_dim: dims.head_dim,
+        splits,
+        chunk,
+    }
+}
+
+/// Decode attention, as [`crate::cpu::attention_decode`]: `out`, `q` `[B, heads*hd]` (rows
+/// `strides.out` / `strides.q` apart), `k_cache`, `v_cache` `[S, kv_heads*hd]` (rows `strides.kv`
+/// apart; prefix and suffix rows in the same arena), `seqs` `[B]` on the device (see
+/// [`AttnSeqGpu::from_decode`]), `lse` `[B, heads]` if given; `workspace` holds
+/// `plan.workspace_len()` floats.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_decode_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    out: &mut impl DevicePtrMut<bf16>,
+    lse: Option<&mut dyn DevicePtrMut<f32>>,
+    workspace: &mut impl DevicePtrMut<f32>,
+    q: &impl DevicePtr<bf16>,
+    k_cache: &impl DevicePtr<bf16>,
+    v_cache: &impl DevicePtr<bf16>,
+    seqs: &impl DevicePtr<AttnSeqGpu>,
+    dims: AttnDims,
+    scale: f32,
+    strides: RowStrides,
+    plan: DecodePlan,
+) -> Result<()> {
+    const OP: &str = "attention_decode_bf16";
+    check_dims(OP, &dims, true)?;
+    let b = plan.batch;
+    if plan.num_heads != dims.num_heads
+        || plan.head_dim != dims.head_dim
+        || plan.splits == 0
+        || plan.chunk == 0
+    {
+        return Err(shape(
+            OP,
+            format!("plan {plan:?} was made for other dims than {dims:?}"),
+        ));
+    }
+    if b == 0 {
+        return Ok(());
+    }
+    let (qw, kvw) = (dims.q_width(), dims.kv_width());
+    check_stride(OP, "q", strides.q, qw)?;
+    check_stride(OP, "out", strides.out, qw)?;
+    check_stride(OP, "kv", strides.kv, kvw)?;
+    need(OP, "q", q, (b - 1) * strides.q + qw)?;
+    need(OP, "out", out, (b - 1) * strides.out + qw)?;
+    need(OP, "seqs", seqs, b)?;
+    need(OP, "workspace", workspace, plan.workspace_len())?;
+    if v_cache.len() < k_cache.len() {
+        return Err(shape(OP, "v_cache must hold as many elements as k_cache"));
+    }
+    let kv_rows = u32_of(OP, "cache rows", rows_of(k_cache.len(), kvw, strides.kv))?;
+    let lse_p = match lse {
+        Some(l) => {
+            need(OP, "lse", l, b * dims.num_heads)?;
+            ptr_mut(l, stream)
+        }
+        None => 0,
+    };
+    let kp = ptr(k_cache, stream);
+    let vp = ptr(v_cache, stream);
+    let src = KvSrc {
+        pk: kp,
+        pv: vp,
+        p_stride: strides.kv as u32,
+        k: kp,
+        v: vp,
+        kv_stride: strides.kv as u32,
+    };
+    let (op_, qp, sp) = (ptr_mut(out, stream), ptr(q, stream), ptr(seqs, stream));
+    for (name, p) in [("q", qp), ("k_cache", kp), ("v_cache", vp)] {
+        aligned16(OP, name, p)?;
+    }
+    let wp = ptr_mut(workspace, stream);
+    let part_o = wp;
+    let part_ml = wp + (b * dims.num_heads * plan.splits * dims.head_dim * 4) as u64;
+    let hd = dims.head_dim as u32;
+    let f1 = gpu.function(&ATTENTION, &[("HEAD_DIM", hd)], "attention_decode_bf16")?;
+    let f2 = gpu.function(
+        &ATTENTION,
+        &[("HEAD_DIM", hd)],
+        "attention_decode_reduce_bf16",
+    )?;
+    let (nh, nkv) = (dims.num_heads as u32, dims.num_kv_heads as u32);
+    let (chunk, splits) = (
+        u32_of(OP, "chunk", plan.chunk)?,
+        u32_of(OP, "splits", plan.splits)?,
+    );
+    let scale_log2 = scale * std::f32::consts::LOG2_E;
+    let qs = strides.q as u32;
+    let hg = ((dims.num_heads / dims.num_kv_heads).div_ceil(8) * dims.num_kv_heads) as u32;
+    let bz = u32_of(OP, "batch", b)?;
+    let cfg1 = LaunchConfig {
+        grid_dim: (splits, hg, bz),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut l1 = stream.launch_builder(&f1);
+    l1.arg(&part_o)
+        .arg(&part_ml)
+        .arg(&qp)
+        .arg(&qs)
+        .arg(&src)
+        .arg(&sp)
+        .arg(&nh)
+        .arg(&nkv);
+    l1.arg(&chunk)
+        .arg(&splits)
+        .arg(&scale_log2)
+        .arg(&kv_rows)
+        .arg(&kv_rows);
+    // SAFETY: q holds b rows; the workspace holds b*heads*splits*(hd+2) floats, exactly the
+    // partials' extent; the kernel checks each descriptor against kv_rows and reads only rows
+    // inside the caches; arguments match (part_o, part_ml, q, q_stride, src, seqs, n_heads, n_kv,
+    // chunk, splits, scale_log2, p_rows, kv_rows).
+    unsafe { l1.launch(cfg1) }?;
+    let os = strides.out as u32;
+    let cfg2 = LaunchConfig {
+        grid_dim: (nh, bz, 1),
+        block_dim: (hd.min(128), 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut l2 = stream.launch_builder(&f2);
+    l2.arg(&op_)
+        .arg(&os)
+        .arg(&lse_p)
+        .arg(&part_o)
+        .arg(&part_ml)
+        .arg(&nh)
+        .arg(&splits);
+    // SAFETY: out holds b rows of heads*hd (checked), lse b*heads (checked); the partials were
+    // written by the launch above on the same stream; arguments match (out, out_stride, lse,
+    // part_o, part_ml, n_heads, splits).
+    unsafe { l2.launch(cfg2) }?;
+    Ok(())
+}

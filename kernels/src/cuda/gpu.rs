@@ -1,0 +1,205 @@
+//! [`Gpu`]: one device's context, its compiled kernels, and its GEMM handles.
+//!
+//! Kernels are compiled on first use for the device's architecture (through the disk cache of
+//! [`super::nvrtc`]) and kept per (module, defines). cuBLASLt runs with one handle, one GEMM plan
+//! per shape (algorithm chosen once, so every stream runs the same algorithm and gets the same
+//! bits), and one 32 MiB workspace per stream (two streams never share a workspace). cuBLAS (the
+//! classic API, kept for comparison) gets one handle per stream.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{
+    sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream,
+};
+
+use super::gemm::LtState;
+use super::nvrtc::{self, KernelModule};
+use super::{cuda_available, CudaError, Result};
+
+type ModuleKey = (&'static str, Vec<(&'static str, u32)>);
+
+/// A CUDA device ready to run this crate's kernels. Cheap to share (`&Gpu` across threads).
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    arch: String,
+    name: String,
+    sm_count: u32,
+    modules: Mutex<HashMap<ModuleKey, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<(ModuleKey, &'static str), CudaFunction>>,
+    compile_logs: Mutex<Vec<(String, String)>>,
+    pub(crate) lt: Mutex<LtState>,
+    blas: Mutex<HashMap<usize, CudaBlas>>,
+}
+
+impl Gpu {
+    /// Opens device `ordinal` (its primary context) and turns off cudarc's per-buffer event
+    /// tracking (see the module invariants in [`super`]).
+    pub fn new(ordinal: usize) -> Result<Gpu> {
+        let n = cuda_available()?;
+        if ordinal >= n {
+            return Err(CudaError::Unavailable(format!(
+                "device {ordinal} asked for, {n} present"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        // SAFETY: from here on buffers of this context carry no events; ordering across streams
+        // is the caller's (the crate's invariant), and no buffer was allocated before this call.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx.compute_capability()?;
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+            as u32;
+        let lt = LtState::new()?;
+        Ok(Gpu {
+            arch: format!("sm_{major}{minor}"),
+            name: ctx.name()?,
+            sm_count,
+            ctx,
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+            compile_logs: Mutex::new(Vec::new()),
+            lt: Mutex::new(lt),
+            blas: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn ctx(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    /// `sm_XY` of the device (what NVRTC compiles for).
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// Streaming multiprocessors of the whole device.
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
+    }
+
+    /// A new non-blocking stream. `priority`: lower is more urgent; clamped to the device's range.
+    pub fn stream(&self, priority: i32) -> Result<Arc<CudaStream>> {
+        let (least, greatest) = self.priority_range()?;
+        Ok(self
+            .ctx
+            .new_stream_with_priority(priority.clamp(greatest, least))?)
+    }
+
+    /// The device's stream priority range as (least urgent, most urgent), e.g. (0, -5).
+    pub fn priority_range(&self) -> Result<(i32, i32)> {
+        self.ctx.bind_to_thread()?;
+        let (mut least, mut greatest) = (0, 0);
+        // SAFETY: two valid out-pointers; the context is current.
+        unsafe { sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest) }.result()?;
+        Ok((least, greatest))
+    }
+
+    /// An event for cross-stream ordering (timing disabled, the cheap kind):
+    /// `ev.record(&producer)?; consumer.wait(&ev)?`.
+    pub fn event(&self) -> Result<CudaEvent> {
+        Ok(self
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?)
+    }
+
+    /// An event that can time (`start.elapsed_ms(&end)`).
+    pub fn timing_event(&self) -> Result<CudaEvent> {
+        Ok(self
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?)
+    }
+
+    /// Allocates `n` elements on `stream` (not initialised: poison or fill before reading).
+    pub fn alloc<T: cudarc::driver::DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        n: usize,
+    ) -> Result<CudaSlice<T>> {
+        // SAFETY: the memory is uninitialised; every kernel here writes its outputs before
+        // anything reads them, and callers fill inputs before launching.
+        Ok(unsafe { stream.alloc::<T>(n.max(1)) }?)
+    }
+
+    /// Creates what GEMMs on `stream` need (the cuBLASLt workspace) ahead of a graph capture.
+    pub fn prepare_stream(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        self.lt()?.workspace(stream)?;
+        Ok(())
+    }
+
+    pub(crate) fn lt(&self) -> Result<MutexGuard<'_, LtState>> {
+        self.lt
+            .lock()
+            .map_err(|_| CudaError::Nvrtc("cuBLASLt state poisoned by a panic".into()))
+    }
+
+    /// The classic cuBLAS handle bound to `stream` (created on first use).
+    pub(crate) fn with_blas<R>(
+        &self,
+        stream: &Arc<CudaStream>,
+        f: impl FnOnce(&CudaBlas) -> Result<R>,
+    ) -> Result<R> {
+        let mut map = self
+            .blas
+            .lock()
+            .map_err(|_| CudaError::Nvrtc("cuBLAS state poisoned by a panic".into()))?;
+        let key = stream.cu_stream() as usize;
+        if !map.contains_key(&key) {
+            map.insert(key, CudaBlas::new(stream.clone())?);
+        }
+        f(&map[&key])
+    }
+
+    /// The kernel `func` of `module` compiled with `defines` (compiled and loaded on first use).
+    pub fn function(
+        &self,
+        module: &KernelModule,
+        defines: &[(&'static str, u32)],
+        func: &'static str,
+    ) -> Result<CudaFunction> {
+        let mkey: ModuleKey = (module.name, defines.to_vec());
+        let fkey = (mkey.clone(), func);
+        if let Some(f) = self.functions.lock().expect("kernel table lock").get(&fkey) {
+            return Ok(f.clone());
+        }
+        let m = self.module(module, defines, mkey)?;
+        let f = m.load_function(func)?;
+        self.functions
+            .lock()
+            .expect("kernel table lock")
+            .insert(fkey, f.clone());
+        Ok(f)
+    }
+
+    fn module(
+        &self,
+        module: &KernelModule,
+        defines: &[(&'static str, u32)],
+        key: ModuleKey,
+    ) -> Result<Arc<CudaModule>> {
+        let mut mods = self.modules.lock().expect("module table lock");
+        if let Some(m) = mods.get(&key) {
+            return Ok(m.clone());
+        }
+        let c = nvrtc::compile(module, &self.arch, defines)?;
+        if !c.log.is_empty() {
+            self.compile_logs
+                .lock()
+                .expect("log lock")
+                .push((format!("{}{defines:?}", module.name), c.log));
+        }
+        let m = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin))?;
+        mods.insert(key, m.clone());
+        Ok(m)
+    }
+
+    /// Compile logs (ptxas register / spill reports) of the modules compiled by this process
+    /// (cache hits have none).
+    pub fn compile_logs(&self) -> Vec<(String, String)> {
+        self.compile_logs.lock().expect("log lock").clone()
+    }
+}

@@ -1,0 +1,117 @@
+//! CUDA twins of the CPU ops (module [`crate::cpu`]), their launchers, cuBLAS(Lt) GEMMs, SM
+//! partitions through green contexts, and the run-time compilation cache.
+//!
+//! What this module knows: device buffers (`cudarc` slices and views), streams, events, and the
+//! shapes each op takes. It knows nothing of plans, models or RL; the runtime decides which
+//! stream runs what and where buffers live (one arena per lifetime class, carved into views).
+//!
+//! | op (CUDA symbol = Rust launcher) | CPU twin | file |
+//! |---|---|---|
+//! | `matmul_bf16`, `linear_fwd_bf16` (cuBLASLt, fp32 accumulate) | `matmul`, `linear_fwd` | `gemm.rs` |
+//! | `rmsnorm_fwd_bf16` | `rmsnorm_fwd` | `norm.rs`, `norm.cu` |
+//! | `rope_fwd_bf16`, `swiglu_fwd_bf16`, `gelu_fwd_bf16`, `add_fwd_bf16`, `embedding_fwd_bf16`, `kv_append_bf16` | `rope_fwd`, `swiglu_fwd`, `gelu_fwd`, `add_fwd`, `embedding_fwd` | `pointwise.rs`, `pointwise.cu` |
+//! | `attention_fwd_bf16`, `attention_decode_bf16` (+ `attention_decode_reduce_bf16`) | `attention_fwd`, `attention_decode` | `attention.rs`, `attention.cu` |
+//! | `logprobs_fwd_bf16` | `logprobs_fwd` | `logprobs.rs`, `logprobs.cu` |
+//! | `sample_bf16` (Philox4x32-10, temperature / top-k / top-p) | [`sampling::sample_ref`] | `sampling.rs`, `sampling.cu` |
+//! | `adamw_step_f32` | `runtime::train::adamw` (bitwise) | `adamw.rs`, `adamw.cu` |
+//!
+//! Invariants:
+//! - Every launch takes an explicit `&CudaStream`; nothing here synchronises a stream or
+//!   allocates on one, except [`Gpu`] creating per-stream GEMM workspaces on first use (call
+//!   [`Gpu::prepare_stream`] before capturing a graph on a new stream).
+//! - [`Gpu::new`] turns off cudarc's per-buffer event tracking: ordering between streams is the
+//!   caller's, through events ([`Gpu::event`], `CudaStream::wait`), as the plan says.
+//! - Results depend only on the inputs and launch arguments, never on the stream's SM partition or
+//!   on timing: work splits are functions of shapes, reductions run in a fixed order, and cuBLASLt
+//!   algorithms are chosen once per GEMM shape and reused on every stream.
+//! - Launchers check buffer lengths, strides and alignment and return [`CudaError::Shape`]; a
+//!   launch that passes the checks reads and writes only inside the buffers it was given.
+
+pub mod adamw;
+pub mod attention;
+pub mod gemm;
+mod gpu;
+pub mod green;
+mod launch;
+pub mod logprobs;
+pub mod norm;
+pub mod nvrtc;
+pub mod pointwise;
+pub mod sampling;
+
+pub use adamw::{adamw_step_f32, AdamWScalars};
+pub use attention::{
+    attention_decode_bf16, attention_fwd_bf16, decode_plan, AttnSeqGpu, DecodePlan,
+};
+pub use gemm::{linear_fwd_bf16, matmul_bf16, matmul_bf16_cublas};
+pub use gpu::Gpu;
+pub use green::{SmPartition, SmPartitionKind};
+pub use logprobs::logprobs_fwd_bf16;
+pub use norm::rmsnorm_fwd_bf16;
+pub use pointwise::{
+    add_fwd_bf16, embedding_fwd_bf16, gelu_fwd_bf16, kv_append_bf16, rope_fwd_bf16, swiglu_fwd_bf16,
+};
+pub use sampling::{philox4x32_10, sample_bf16, sample_ref, SampleParams};
+
+pub use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut};
+pub use half::bf16;
+
+/// What can go wrong on the CUDA side. Each variant says what to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// No usable CUDA driver or device on this machine.
+    #[error("CUDA is not available: {0}")]
+    Unavailable(String),
+    #[error("CUDA driver call failed: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+    #[error("cuBLAS call failed: {0}")]
+    Blas(#[from] cudarc::cublas::result::CublasError),
+    #[error("cuBLASLt call failed: {0}")]
+    BlasLt(#[from] cudarc::cublaslt::result::CublasError),
+    #[error("NVRTC could not compile {name} with options {options:?}:\n{log}")]
+    Compile {
+        name: String,
+        options: Vec<String>,
+        log: String,
+    },
+    #[error("NVRTC call failed: {0}")]
+    Nvrtc(String),
+    /// A launcher was handed buffers that do not fit the sizes it was given.
+    #[error("{op}: {what}")]
+    Shape { op: &'static str, what: String },
+    #[error("kernel cache {path}: {source}")]
+    Cache {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+pub type Result<T> = std::result::Result<T, CudaError>;
+
+pub(crate) fn shape(op: &'static str, what: impl Into<String>) -> CudaError {
+    CudaError::Shape {
+        op,
+        what: what.into(),
+    }
+}
+
+/// Whether a CUDA driver with at least one device can be used here, without panicking: checks
+/// that `libcuda` can be loaded (cudarc's loader panics when it cannot), then initialises the
+/// driver and counts devices. `Err` says why not, for a "skipped: no CUDA device" message.
+pub fn cuda_available() -> Result<usize> {
+    // SAFETY: only probes whether the shared library can be opened; calls nothing in it.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(CudaError::Unavailable(
+            "libcuda (the NVIDIA driver library) was not found".into(),
+        ));
+    }
+    let n = std::panic::catch_unwind(cudarc::driver::CudaContext::device_count)
+        .map_err(|_| CudaError::Unavailable("the CUDA driver library failed to load".into()))?
+        .map_err(|e| CudaError::Unavailable(format!("cuInit / cuDeviceGetCount failed: {e}")))?;
+    if n < 1 {
+        return Err(CudaError::Unavailable(
+            "the driver reports no CUDA device".into(),
+        ));
+    }
+    Ok(n as usize)
+}

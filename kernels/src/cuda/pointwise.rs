@@ -1,0 +1,317 @@
+//! Pointwise launchers (kernels in `cuda/pointwise.cu`): the CUDA twins of
+//! [`crate::cpu::rope_fwd`], [`crate::cpu::swiglu_fwd`], [`crate::cpu::gelu_fwd`],
+//! [`crate::cpu::add_fwd`], [`crate::cpu::embedding_fwd`], and the KV-cache append.
+//! Each rounds to bf16 where Hugging Face's bf16 code rounds (see the kernel comments).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use super::launch::{grid_for, need, ptr, ptr_mut, u32_of};
+use super::nvrtc::POINTWISE;
+use super::{shape, Gpu, Result};
+
+fn cfg(grid: (u32, u32), threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid.0, grid.1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Rotary embedding in place on `x` rows of `row_stride` elements: heads `0..heads` (each
+/// `head_dim` wide, from the start of the row) of token `t` use `cos[t, :]`, `sin[t, :]`
+/// (`[tokens, head_dim]` f32, as [`crate::cpu::rope_fwd`]). A fused qkv row rotates q and k in
+/// one call (`heads = n_heads + n_kv_heads`). `hf_text_rounding` rounds as the HF text decoder
+/// (bf16 tables and products); false computes in f32 (the vision tower).
+#[allow(clippy::too_many_arguments)]
+pub fn rope_fwd_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    x: &mut impl DevicePtrMut<bf16>,
+    cos: &impl DevicePtr<f32>,
+    sin: &impl DevicePtr<f32>,
+    tokens: usize,
+    row_stride: usize,
+    heads: usize,
+    head_dim: usize,
+    hf_text_rounding: bool,
+) -> Result<()> {
+    const OP: &str = "rope_fwd_bf16";
+    if head_dim % 2 != 0 || heads * head_dim > row_stride {
+        return Err(shape(
+            OP,
+            format!(
+                "head_dim {head_dim} must be even and {heads} heads fit in a row of {row_stride}"
+            ),
+        ));
+    }
+    if tokens == 0 || heads == 0 {
+        return Ok(());
+    }
+    need(OP, "x", x, (tokens - 1) * row_stride + heads * head_dim)?;
+    need(OP, "cos", cos, tokens * head_dim)?;
+    need(OP, "sin", sin, tokens * head_dim)?;
+    let f = gpu.function(&POINTWISE, &[], "rope_fwd_bf16")?;
+    let (xp, cp, sp) = (ptr_mut(x, stream), ptr(cos, stream), ptr(sin, stream));
+    let (t, rs, h, hd) = (
+        u32_of(OP, "tokens", tokens)?,
+        u32_of(OP, "row_stride", row_stride)?,
+        heads as u32,
+        head_dim as u32,
+    );
+    let mode = hf_text_rounding as u32;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&xp)
+        .arg(&cp)
+        .arg(&sp)
+        .arg(&t)
+        .arg(&rs)
+        .arg(&h)
+        .arg(&hd)
+        .arg(&mode);
+    // SAFETY: x covers every rotated element of every token row, cos/sin hold tokens*head_dim;
+    // arguments match (x, cos, sin, tokens, row_stride, n_heads, head_dim, hf_text_rounding).
+    unsafe { b.launch(cfg((t, 1), 128)) }?;
+    Ok(())
+}
+
+/// `out[r, i] = bf16(bf16(silu(gate[r, i])) * up[r, i])` for `rows x cols`; rows of each buffer
+/// are `*_stride` elements apart (a fused `[rows, 2F]` gate|up output: `up` is a view starting at
+/// F, both strides 2F).
+#[allow(clippy::too_many_arguments)]
+pub fn swiglu_fwd_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    out: &mut impl DevicePtrMut<bf16>,
+    gate: &impl DevicePtr<bf16>,
+    up: &impl DevicePtr<bf16>,
+    rows: usize,
+    cols: usize,
+    out_stride: usize,
+    gate_stride: usize,
+    up_stride: usize,
+) -> Result<()> {
+    const OP: &str = "swiglu_fwd_bf16";
+    if rows == 0 || cols == 0 {
+        return Ok(());
+    }
+    if cols > out_stride.min(gate_stride).min(up_stride) {
+        return Err(shape(OP, format!("cols {cols} exceeds a row stride")));
+    }
+    need(OP, "out", out, (rows - 1) * out_stride + cols)?;
+    need(OP, "gate", gate, (rows - 1) * gate_stride + cols)?;
+    need(OP, "up", up, (rows - 1) * up_stride + cols)?;
+    let f = gpu.function(&POINTWISE, &[], "swiglu_fwd_bf16")?;
+    let (op_, gp, upp) = (ptr_mut(out, stream), ptr(gate, stream), ptr(up, stream));
+    let r = u32_of(OP, "rows", rows)?;
+    let c = u32_of(OP, "cols", cols)?;
+    let (gs, us, os) = (gate_stride as u32, up_stride as u32, out_stride as u32);
+    let bx = grid_for(cols / 8 + 1, 256, 64);
+    let mut b = stream.launch_builder(&f);
+    b.arg(&gp)
+        .arg(&upp)
+        .arg(&op_)
+        .arg(&r)
+        .arg(&c)
+        .arg(&gs)
+        .arg(&us)
+        .arg(&os);
+    // SAFETY: each buffer covers (rows-1)*stride + cols elements (checked); arguments match
+    // (gate, up, out, rows, cols, gate_stride, up_stride, out_stride).
+    unsafe { b.launch(cfg((bx, r), 256)) }?;
+    Ok(())
+}
+
+/// `y = gelu(x)` over `n` elements: exact erf form, or the tanh approximation.
+pub fn gelu_fwd_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    y: &mut impl DevicePtrMut<bf16>,
+    x: &impl DevicePtr<bf16>,
+    n: usize,
+    tanh_approx: bool,
+) -> Result<()> {
+    const OP: &str = "gelu_fwd_bf16";
+    need(OP, "x", x, n)?;
+    need(OP, "y", y, n)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(&POINTWISE, &[], "gelu_fwd_bf16")?;
+    let (xp, yp) = (ptr(x, stream), ptr_mut(y, stream));
+    let (n64, t) = (n as u64, tanh_approx as u32);
+    let mut b = stream.launch_builder(&f);
+    b.arg(&xp).arg(&yp).arg(&n64).arg(&t);
+    // SAFETY: x and y hold n elements; arguments match (x, y, n, tanh_approx).
+    unsafe { b.launch(cfg((grid_for(n, 256, 4096), 1), 256)) }?;
+    Ok(())
+}
+
+/// `out = bf16(a + b)` over `n` elements (the residual add). For in place, use
+/// [`add_fwd_bf16_inplace`].
+pub fn add_fwd_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    out: &mut impl DevicePtrMut<bf16>,
+    a: &impl DevicePtr<bf16>,
+    b: &impl DevicePtr<bf16>,
+    n: usize,
+) -> Result<()> {
+    const OP: &str = "add_fwd_bf16";
+    need(OP, "a", a, n)?;
+    need(OP, "b", b, n)?;
+    need(OP, "out", out, n)?;
+    let (ap, bp, op_) = (ptr(a, stream), ptr(b, stream), ptr_mut(out, stream));
+    launch_add(gpu, stream, op_, ap, bp, n)
+}
+
+/// `y = bf16(y + x)` in place over `n` elements, as [`crate::cpu::add_fwd`].
+pub fn add_fwd_bf16_inplace(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    y: &mut impl DevicePtrMut<bf16>,
+    x: &impl DevicePtr<bf16>,
+    n: usize,
+) -> Result<()> {
+    const OP: &str = "add_fwd_bf16";
+    need(OP, "x", x, n)?;
+    need(OP, "y", y, n)?;
+    let (yp, xp) = (ptr_mut(y, stream), ptr(x, stream));
+    launch_add(gpu, stream, yp, yp, xp, n)
+}
+
+fn launch_add(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    out: u64,
+    a: u64,
+    b: u64,
+    n: usize,
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(&POINTWISE, &[], "add_fwd_bf16")?;
+    let n64 = n as u64;
+    let mut l = stream.launch_builder(&f);
+    l.arg(&a).arg(&b).arg(&out).arg(&n64);
+    // SAFETY: all three buffers hold n elements (checked by the callers); each element is read
+    // and written by the same thread, so out may alias a or b; arguments match (a, b, out, n).
+    unsafe { l.launch(cfg((grid_for(n / 8 + 1, 256, 4096), 1), 256)) }?;
+    Ok(())
+}
+
+/// `out[t, :] = table[ids[t], :]` for `tokens` ids; `table` is `[vocab, d]`, `out` rows are
+/// `out_stride` apart. An id >= vocab yields a row of NaN (it cannot be reported from the device
+/// without a sync; [`crate::cpu::embedding_fwd`] returns an error instead).
+#[allow(clippy::too_many_arguments)]
+pub fn embedding_fwd_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    out: &mut impl DevicePtrMut<bf16>,
+    table: &impl DevicePtr<bf16>,
+    ids: &impl DevicePtr<u32>,
+    tokens: usize,
+    d: usize,
+    out_stride: usize,
+) -> Result<()> {
+    const OP: &str = "embedding_fwd_bf16";
+    if tokens == 0 || d == 0 {
+        return Ok(());
+    }
+    if d > out_stride {
+        return Err(shape(
+            OP,
+            format!("row width {d} exceeds out_stride {out_stride}"),
+        ));
+    }
+    need(OP, "ids", ids, tokens)?;
+    need(OP, "out", out, (tokens - 1) * out_stride + d)?;
+    let vocab = table.len() / d;
+    if vocab == 0 {
+        return Err(shape(
+            OP,
+            format!(
+                "table holds {} elements, less than one row of {d}",
+                table.len()
+            ),
+        ));
+    }
+    let f = gpu.function(&POINTWISE, &[], "embedding_fwd_bf16")?;
+    let (tp, ip, op_) = (ptr(table, stream), ptr(ids, stream), ptr_mut(out, stream));
+    let (t, d32, v, os) = (
+        u32_of(OP, "tokens", tokens)?,
+        d as u32,
+        u32_of(OP, "vocab", vocab)?,
+        out_stride as u32,
+    );
+    let mut b = stream.launch_builder(&f);
+    b.arg(&tp)
+        .arg(&ip)
+        .arg(&op_)
+        .arg(&t)
+        .arg(&d32)
+        .arg(&v)
+        .arg(&os);
+    // SAFETY: ids holds `tokens` entries, each checked against `vocab` in the kernel before the
+    // table is read; out covers every written row; arguments match
+    // (table, ids, out, tokens, hidden, vocab, out_stride).
+    unsafe { b.launch(cfg((t, 1), 128)) }?;
+    Ok(())
+}
+
+/// KV-cache append: `cache[slots[t], :] = src[t, :]` for `tokens` rows of `width` elements;
+/// `src` rows are `src_stride` apart (read the K or V part of a fused qkv output in place),
+/// `cache` rows `cache_stride` apart. Slots past the cache's rows are skipped by the kernel.
+#[allow(clippy::too_many_arguments)]
+pub fn kv_append_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    cache: &mut impl DevicePtrMut<bf16>,
+    src: &impl DevicePtr<bf16>,
+    slots: &impl DevicePtr<u32>,
+    tokens: usize,
+    width: usize,
+    src_stride: usize,
+    cache_stride: usize,
+) -> Result<()> {
+    const OP: &str = "kv_append_bf16";
+    if tokens == 0 || width == 0 {
+        return Ok(());
+    }
+    if width > src_stride || width > cache_stride {
+        return Err(shape(OP, format!("width {width} exceeds a row stride")));
+    }
+    need(OP, "slots", slots, tokens)?;
+    need(OP, "src", src, (tokens - 1) * src_stride + width)?;
+    let n_slots = if cache.len() < width {
+        0
+    } else {
+        (cache.len() - width) / cache_stride + 1
+    };
+    let f = gpu.function(&POINTWISE, &[], "kv_append_bf16")?;
+    let (sp, slp, cp) = (ptr(src, stream), ptr(slots, stream), ptr_mut(cache, stream));
+    let (t, w, ss, cs, ns) = (
+        u32_of(OP, "tokens", tokens)?,
+        width as u32,
+        src_stride as u32,
+        cache_stride as u32,
+        u32_of(OP, "slots", n_slots)?,
+    );
+    let mut b = stream.launch_builder(&f);
+    b.arg(&sp)
+        .arg(&slp)
+        .arg(&cp)
+        .arg(&t)
+        .arg(&w)
+        .arg(&ss)
+        .arg(&cs)
+        .arg(&ns);
+    // SAFETY: src covers `tokens` rows; the kernel writes only slots < n_slots, each of whose
+    // rows lies inside `cache`; arguments match
+    // (src, slots, cache, tokens, width, src_stride, cache_stride, n_slots).
+    unsafe { b.launch(cfg((t, 1), 128)) }?;
+    Ok(())
+}

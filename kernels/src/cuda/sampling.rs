@@ -1,0 +1,383 @@
+//! Token sampling (kernel `sample_bf16` in `cuda/sampling.cu`) and its CPU twin [`sample_ref`].
+//!
+//! Definition (both sides compute exactly this; see the kernel's header for the same text):
+//! - `temperature <= 0`: greedy argmax, the lowest index on ties.
+//! - `z_i = logit_i / T` (IEEE division). Ranks use the bf16 logit's order key; NaN ranks lowest
+//!   and is never drawn.
+//! - top-k (`0 < k < vocab`): keep logits `>=` the k-th largest (ties at the threshold all kept).
+//! - top-p (`p < 1`): `q_i = trunc(exp(z_i - z_max) * 2^32)` (integers: the sum is exact and
+//!   order-free); `Z` = sum of `q` over the kept set; keep logits `>= tau`, `tau` the largest
+//!   logit with `sum_{kept, logit >= tau} q >= ceil(p * Z)`.
+//! - draw: the argmax over the kept set of `z_i + g_i`, `g_i = -ln(-ln(u_i))` (Gumbel-max, an
+//!   exact sample of `softmax(z)` restricted to the kept set), ties to the lowest index;
+//!   `u_i = ((x >> 8) + 0.5) * 2^-24`, `x` word `i mod 4` of
+//!   `Philox4x32-10(counter = (i / 4, step, sample, iteration), key = (seed_lo, seed_hi))`.
+//!
+//! So a token depends only on the logits and (seed, iteration, sample, step): not on the batch it
+//! ran in, nor on the schedule. CPU and CUDA pick the same token unless two candidates' scores
+//! differ by about one ulp of `ln` (the libraries' `ln` may differ in the last bit) or a top-p
+//! boundary falls within that rounding.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use super::launch::{need, ptr, ptr_mut, u32_of};
+use super::nvrtc::SAMPLING;
+use super::{shape, Gpu, Result};
+
+/// Philox4x32-10 (Salmon et al., Random123): 4 words from a 128-bit counter and a 64-bit key.
+pub fn philox4x32_10(mut c: [u32; 4], mut k: [u32; 2]) -> [u32; 4] {
+    for _ in 0..10 {
+        let p0 = 0xD251_1F53u64 * c[0] as u64;
+        let p1 = 0xCD9E_8D57u64 * c[2] as u64;
+        let (hi0, lo0) = ((p0 >> 32) as u32, p0 as u32);
+        let (hi1, lo1) = ((p1 >> 32) as u32, p1 as u32);
+        c = [hi1 ^ c[1] ^ k[0], lo1, hi0 ^ c[3] ^ k[1], lo0];
+        k[0] = k[0].wrapping_add(0x9E37_79B9);
+        k[1] = k[1].wrapping_add(0xBB67_AE85);
+    }
+    c
+}
+
+/// Sampling settings shared by a batch of rows.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SampleParams {
+    /// `<= 0`: greedy.
+    pub temperature: f32,
+    /// 0: off.
+    pub top_k: u32,
+    /// 1.0: off.
+    pub top_p: f32,
+    pub seed: u64,
+    pub iteration: u32,
+}
+
+/// Order key of a bf16 (NaN -> 0, below -inf).
+fn bf_key(b: bf16) -> u32 {
+    let x = b.to_bits() as u32;
+    if x & 0x7fff > 0x7f80 {
+        return 0;
+    }
+    if x & 0x8000 != 0 {
+        !x & 0xffff
+    } else {
+        x | 0x8000
+    }
+}
+
+fn fixed_weight(l: bf16, t: f32, zmax: f32) -> u64 {
+    let w = (l.to_f32() / t - zmax).exp() * 4_294_967_296.0f32;
+    w as u64
+}
+
+/// The CPU twin of `sample_bf16`: the token drawn from one row of logits for sample `sample` at
+/// decode step `step` (see the module doc for the definition).
+pub fn sample_ref(logits: &[bf16], p: &SampleParams, sample: u32, step: u32) -> u32 {
+    let vocab = logits.len();
+    if vocab == 0 {
+        return 0;
+    }
+    let mut argmax = 0usize;
+    for (i, &l) in logits.iter().enumerate() {
+        if bf_key(l) > bf_key(logits[argmax]) {
+            argmax = i;
+        }
+    }
+    if !(p.temperature > 0.0) {
+        return argmax as u32;
+    }
+    let t = p.temperature;
+    let zmax = logits[argmax].to_f32() / t;
+    let mut kmin = 1u32;
+    if p.top_k > 0 && (p.top_k as usize) < vocab {
+        let mut keys: Vec<u32> = logits
+            .iter()
+            .map(|&l| bf_key(l))
+            .filter(|&k| k >= kmin)
+            .collect();
+        keys.sort_unstable_by(|a, b| b.cmp(a));
+        if keys.len() >= p.top_k as usize {
+            kmin = kmin.max(keys[p.top_k as usize - 1]);
+        }
+    }
+    if p.top_p < 1.0 {
+        let mut by_key: Vec<(u32, u64)> = logits
+            .iter()
+            .filter(|&&l| bf_key(l) >= kmin)
+            .map(|&l| (bf_key(l), fixed_weight(l, t, zmax)))
+            .collect();
+        let z: u64 = by_key.iter().map(|x| x.1).sum();
+        let need = ((p.top_p as f64 * z as f64).ceil() as u64).max(1);
+        by_key.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        let mut cum = 0u64;
+        let mut i = 0;
+        while i < by_key.len() {
+            let key = by_key[i].0;
+            while i < by_key.len() && by_key[i].0 == key {
+                cum += by_key[i].1;
+                i += 1;
+            }
+            if cum >= need {
+                kmin = kmin.max(key);
+                break;
+            }
+        }
+    }
+    let key = [p.seed as u32, (p.seed >> 32) as u32];
+    let mut best = (f32::NEG_INFINITY, u32::MAX);
+    for g in 0..vocab.div_ceil(4) {
+        let r = philox4x32_10([g as u32, step, sample, p.iteration], key);
+        for (w, word) in r.iter().enumerate() {
+            let i = g * 4 + w;
+            if i >= vocab || bf_key(logits[i]) < kmin {
+                continue;
+            }
+            let u = ((word >> 8) as f32 + 0.5) * 5.960_464_5e-8f32;
+            let sc = logits[i].to_f32() / t - (-(u.ln())).ln();
+            if sc > best.0 || (sc == best.0 && (i as u32) < best.1) {
+                best = (sc, i as u32);
+            }
+        }
+    }
+    if best.1 == u32::MAX {
+        argmax as u32
+    } else {
+        best.1
+    }
+}
+
+/// Draws one token per row of `logits` (`rows` rows of `vocab`, `row_stride` apart) into
+/// `tokens`; row `r` is sample `sample_ids[r]` at decode step `steps[r]` (both on the device).
+#[allow(clippy::too_many_arguments)]
+pub fn sample_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    tokens: &mut impl DevicePtrMut<u32>,
+    logits: &impl DevicePtr<bf16>,
+    sample_ids: &impl DevicePtr<u32>,
+    steps: &impl DevicePtr<u32>,
+    rows: usize,
+    vocab: usize,
+    row_stride: usize,
+    params: &SampleParams,
+) -> Result<()> {
+    const OP: &str = "sample_bf16";
+    if vocab == 0 || row_stride < vocab || vocab >= (1usize << 31) {
+        return Err(shape(
+            OP,
+            format!("vocab {vocab} must be positive, < 2^31 and fit in row_stride {row_stride}"),
+        ));
+    }
+    if !(params.top_p > 0.0 && params.top_p <= 1.0) || params.temperature.is_nan() {
+        return Err(shape(
+            OP,
+            format!(
+                "top_p {} must be in (0, 1]; temperature not NaN",
+                params.top_p
+            ),
+        ));
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    need(OP, "logits", logits, (rows - 1) * row_stride + vocab)?;
+    need(OP, "tokens", tokens, rows)?;
+    need(OP, "sample_ids", sample_ids, rows)?;
+    need(OP, "steps", steps, rows)?;
+    let f = gpu.function(&SAMPLING, &[], "sample_bf16")?;
+    let (xp, tp, sp, stp) = (
+        ptr(logits, stream),
+        ptr_mut(tokens, stream),
+        ptr(sample_ids, stream),
+        ptr(steps, stream),
+    );
+    let (rs, r, v) = (
+        u32_of(OP, "row_stride", row_stride)?,
+        u32_of(OP, "rows", rows)?,
+        vocab as u32,
+    );
+    let (s0, s1) = (params.seed as u32, (params.seed >> 32) as u32);
+    let cfg = LaunchConfig {
+        grid_dim: (r, 1, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = stream.launch_builder(&f);
+    b.arg(&xp)
+        .arg(&rs)
+        .arg(&r)
+        .arg(&v)
+        .arg(&params.temperature)
+        .arg(&params.top_k)
+        .arg(&params.top_p);
+    b.arg(&s0)
+        .arg(&s1)
+        .arg(&params.iteration)
+        .arg(&sp)
+        .arg(&stp)
+        .arg(&tp);
+    // SAFETY: logits cover rows*row_stride, the per-row arrays hold `rows` (checked); arguments
+    // match (logits, row_stride, rows, vocab, temperature, top_k, top_p, seed_lo, seed_hi,
+    // iteration, sample_ids, steps, tokens).
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// Test hook: `out[4i..4i+4] = Philox4x32-10((i, c1, c2, c3), key)` for `i < n_blocks`.
+pub fn philox_fill(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    out: &mut impl DevicePtrMut<u32>,
+    n_blocks: usize,
+    c: [u32; 3],
+    key: [u32; 2],
+) -> Result<()> {
+    const OP: &str = "philox_fill";
+    need(OP, "out", out, n_blocks * 4)?;
+    if n_blocks == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(&SAMPLING, &[], "philox_fill")?;
+    let op_ = ptr_mut(out, stream);
+    let n = u32_of(OP, "n_blocks", n_blocks)?;
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(256), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = stream.launch_builder(&f);
+    b.arg(&op_)
+        .arg(&n)
+        .arg(&c[0])
+        .arg(&c[1])
+        .arg(&c[2])
+        .arg(&key[0])
+        .arg(&key[1]);
+    // SAFETY: out holds 4*n_blocks words (checked); arguments match (out, n_blocks, c1, c2, c3,
+    // k0, k1).
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Known-answer vectors of Random123's kat_vectors for philox4x32_10.
+    #[test]
+    fn philox_known_answers() {
+        assert_eq!(
+            philox4x32_10([0; 4], [0; 2]),
+            [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8]
+        );
+        assert_eq!(
+            philox4x32_10([u32::MAX; 4], [u32::MAX; 2]),
+            [0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd]
+        );
+        assert_eq!(
+            philox4x32_10(
+                [0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344],
+                [0xa4093822, 0x299f31d0]
+            ),
+            [0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1]
+        );
+    }
+
+    fn row(vals: &[f32]) -> Vec<bf16> {
+        vals.iter().map(|&v| bf16::from_f32(v)).collect()
+    }
+
+    #[test]
+    fn greedy_takes_first_maximum_and_skips_nan() {
+        let p = SampleParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 1,
+            iteration: 0,
+        };
+        assert_eq!(sample_ref(&row(&[1.0, 3.0, f32::NAN, 3.0]), &p, 0, 0), 1);
+    }
+
+    #[test]
+    fn top_k_one_is_greedy() {
+        let x = row(&[0.5, 2.0, -1.0, 1.9, 0.0]);
+        for s in 0..50 {
+            let p = SampleParams {
+                temperature: 1.0,
+                top_k: 1,
+                top_p: 1.0,
+                seed: s,
+                iteration: 3,
+            };
+            assert_eq!(sample_ref(&x, &p, 7, 11), 1);
+        }
+    }
+
+    #[test]
+    fn top_p_keeps_the_nucleus() {
+        // probabilities ~ [0.64, 0.24, 0.09, 0.03]: p = 0.7 keeps the first two.
+        let x = row(&[3.0, 2.0, 1.0, 0.0]);
+        let mut seen = [0usize; 4];
+        for s in 0..400 {
+            let p = SampleParams {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 0.7,
+                seed: s,
+                iteration: 0,
+            };
+            seen[sample_ref(&x, &p, 0, 0) as usize] += 1;
+        }
+        assert!(seen[0] > 0 && seen[1] > 0, "{seen:?}");
+        assert_eq!(seen[2] + seen[3], 0, "{seen:?}");
+    }
+
+    #[test]
+    fn draws_follow_the_softmax() {
+        // 4 tokens with probabilities proportional to e^z; 20000 draws over steps.
+        let z = [0.0f32, 1.0, 2.0, -1.0];
+        let x = row(&z);
+        let mut count = [0f64; 4];
+        let n = 20000;
+        for step in 0..n {
+            let p = SampleParams {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 1.0,
+                seed: 42,
+                iteration: 1,
+            };
+            count[sample_ref(&x, &p, 5, step) as usize] += 1.0;
+        }
+        let zs: f64 = z.iter().map(|v| (*v as f64).exp()).sum();
+        for i in 0..4 {
+            let want = (z[i] as f64).exp() / zs;
+            let got = count[i] / n as f64;
+            assert!((got - want).abs() < 0.015, "token {i}: {got} vs {want}");
+        }
+    }
+
+    #[test]
+    fn token_depends_on_the_key_only() {
+        let x = row(&(0..1000)
+            .map(|i| ((i * 37 % 101) as f32) / 25.0)
+            .collect::<Vec<_>>());
+        let p = SampleParams {
+            temperature: 0.8,
+            top_k: 50,
+            top_p: 0.9,
+            seed: 9,
+            iteration: 2,
+        };
+        let a = sample_ref(&x, &p, 3, 4);
+        assert_eq!(a, sample_ref(&x, &p, 3, 4));
+        let others: Vec<u32> = (0..20).map(|s| sample_ref(&x, &p, 3, 5 + s)).collect();
+        assert!(
+            others.iter().any(|&t| t != a),
+            "different steps should not all agree"
+        );
+    }
+}
