@@ -1,4 +1,17 @@
 //! The Rollplex plan format: the job spec every plan carries ([`spec`]), machine-independent
-//! work descriptors ([`work`]), the plan types, binary and YAML codecs, validation.
+//! work descriptors ([`work`]), typed ids ([`ids`]), the plan types ([`plan`]), the binary and
+//! YAML codecs ([`codec`]) and the verifier ([`validate`]).
+//!
+//! Invariant: this crate knows nothing of the DSL, the solver or the GPU. It is the only thing
+//! that crosses from the compiler to the runtime.
+pub mod codec;
+pub mod ids;
+pub mod plan;
 pub mod spec;
+pub mod validate;
 pub mod work;
+
+pub use codec::{decode, encode, from_yaml, to_yaml, DecodeError, Header, FORMAT_VERSION};
+pub use ids::{ArenaId, BufferId, GpuId, Groups, Span, StreamId, TaskId, WindowId};
+pub use plan::*;
+pub use validate::{validate, Violation, Violations};

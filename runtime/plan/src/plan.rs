@@ -1,0 +1,474 @@
+//! The plan: a static execution schedule of one RL iteration, as the compiler emits it and the
+//! runtime executes it.
+//!
+//! Shape of a plan (field order is the YAML order; tables are `Vec`s indexed by typed ids):
+//! - [`Target`], [`Mode`], [`Parallelism`]: what machine and layout the plan was compiled for;
+//! - [`Predicted`], [`SolverStats`]: the planner's prediction and how it was found;
+//! - `gpus`: the GPU programs. One [`Gpu`] is a set of ranks that run the same schedule SPMD,
+//!   each on its own data shard (tensor-parallel peers and data-parallel replicas run identical
+//!   schedules, so a 32-GPU colocated plan has one program);
+//! - `streams` per GPU program, `windows` (decode windows with their SM split), `tasks` in
+//!   issue order, `buffers` with their arena offsets, `reshards`, `memory` (arenas and peaks);
+//! - `spec`: the job spec the plan was compiled from (the runtime builds models, data and the
+//!   RL loop from it).
+//!
+//! Indexing conventions the runtime relies on:
+//! - *groups* (prompt indices) are local to a replica: group `g` of rollout replica `r` is the
+//!   global prompt `r * prompts_per_rollout_replica + g`; training-layout ops use the training
+//!   replica the same way (a training replica with a larger TP degree covers consecutive rollout
+//!   replicas). *Samples* are `group * group_size + member`.
+//! - *slots* name groups by completion: slot `k` is the `k`-th group of the training replica to
+//!   finish decoding, ordered by (finish step, group index). The order is a function of the
+//!   sampled tokens only (not of timing), so it is identical in every mode; a slot is bound as
+//!   soon as its group has finished, and a task naming a slot waits until it is bound.
+//!
+//! Invariant: these types are plain data; everything a runtime needs to execute a task is in
+//! its [`Op`], its buffers and its dependencies. `crate::validate` lists the checked invariants.
+
+use crate::ids::{ArenaId, BufferId, GpuId, Groups, Span, StreamId, TaskId, WindowId};
+use crate::spec::{JobSpec, Mode};
+use crate::work::{Work, WorkKind};
+use serde::{Deserialize, Serialize};
+
+/// A compiled plan. See the module docs for the layout.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    pub target: Target,
+    pub mode: Mode,
+    pub parallel: Parallelism,
+    pub predicted: Predicted,
+    pub solver: SolverStats,
+    pub gpus: Vec<Gpu>,
+    pub streams: Vec<Stream>,
+    pub windows: Vec<Window>,
+    pub tasks: Vec<Task>,
+    pub buffers: Vec<Buffer>,
+    pub reshards: Vec<Reshard>,
+    pub memory: Memory,
+    pub spec: JobSpec,
+}
+
+/// The machine a plan was compiled for; the runtime refuses to run on a different one.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Target {
+    /// GPU kind (`H200`, `H800`, `cpu`).
+    pub gpu: String,
+    /// Total GPUs (ranks).
+    pub count: u32,
+    /// Device memory of one GPU, bytes.
+    pub hbm_bytes: u64,
+    /// SMs of one GPU.
+    pub sms: u32,
+    /// SM partitions come in multiples of this.
+    pub sm_granularity: u32,
+}
+
+/// How ranks are grouped into tensor-parallel replicas.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Parallelism {
+    pub rollout_tp: u32,
+    pub train_tp: u32,
+    pub rollout_replicas: u32,
+    pub train_replicas: u32,
+    /// Prompts (GRPO groups) each rollout replica generates.
+    pub prompts_per_rollout_replica: u32,
+    /// Prompts (GRPO groups) each training replica scores and trains on.
+    pub prompts_per_train_replica: u32,
+    pub group_size: u32,
+}
+
+/// One GPU program: the ranks `first_rank .. first_rank + ranks` run this schedule.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Gpu {
+    pub id: GpuId,
+    pub role: GpuRole,
+    pub first_rank: u32,
+    pub ranks: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GpuRole {
+    /// Rollout and training on the same GPUs (serial and overlap modes).
+    Colocated,
+    /// Rollout only (disaggregated mode).
+    Rollout,
+    /// Scoring and training only (disaggregated mode).
+    Train,
+}
+
+/// A CUDA stream (or the CPU backend's equivalent queue) of one GPU program.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Stream {
+    pub id: StreamId,
+    pub gpu: GpuId,
+    /// `main`, `side`, `copy`.
+    pub name: String,
+    pub priority: Priority,
+    /// SMs this stream may use outside decode windows (the whole GPU unless partitioned).
+    pub sms: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Priority {
+    High,
+    Normal,
+}
+
+/// A decode window: a run of decode steps during which the GPU is split between decode (on
+/// `decode_stream`, `decode_sms` SMs) and side work (on `side_stream`, `side_sms` SMs).
+/// `decode_sms` is a multiple of the SM granularity; `side_sms` is a multiple of it or the
+/// remainder of the GPU. `side_sms == 0` means decode has the whole GPU.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Window {
+    pub id: WindowId,
+    pub gpu: GpuId,
+    /// First decode step (0-based) of the window.
+    pub first_step: u32,
+    /// Planned steps; the last window runs until every sample has stopped.
+    pub steps: u32,
+    pub decode_stream: StreamId,
+    pub side_stream: StreamId,
+    pub decode_sms: u32,
+    pub side_sms: u32,
+    /// Expected samples still decoding at the window's first step (from the length distribution).
+    pub expected_active: f64,
+    /// Expected groups finished when the window starts.
+    pub expected_groups_done: u32,
+    pub start_s: f64,
+    pub end_s: f64,
+}
+
+/// One unit of work on one stream. Tasks are listed in issue order: each stream executes its
+/// tasks in the order they appear in `plan.tasks`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Task {
+    pub id: TaskId,
+    /// Readable name, unique in the plan (`ref_prefix.g3`).
+    pub name: String,
+    pub kind: WorkKind,
+    pub op: Op,
+    pub gpu: GpuId,
+    pub stream: StreamId,
+    /// The decode window the task runs in (its SM share is the window's), if any.
+    pub window: Option<WindowId>,
+    /// Tasks that must finish before this one starts (besides stream order).
+    pub deps: Vec<TaskId>,
+    pub reads: Vec<BufferId>,
+    pub writes: Vec<BufferId>,
+    pub work: Work,
+    /// SMs the prediction assumed.
+    pub sms: u32,
+    /// Predicted start and end, seconds from the iteration's start.
+    pub start_s: f64,
+    pub end_s: f64,
+}
+
+/// What a task computes. Ranges of groups/samples are local to the task's replica (see module
+/// docs); `copies` is how many times each group's prefix is computed: 1 with prefix dedup (one
+/// prefix per GRPO group), `group_size` without (every sample recomputes, as veRL does).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Op {
+    /// Vision tower and merger over the media of `groups` (rollout layout); writes the merged
+    /// embeddings that prefill (and, with a frozen tower, the reference and actor) read.
+    EncodeMedia { groups: Span, copies: u32 },
+    /// Rollout prompt prefill of `groups`: the prompt KV, shared by the group's samples when
+    /// `copies == 1`; samples the first response token.
+    Prefill { groups: Span, copies: u32 },
+    /// Decode steps `first_step .. first_step + steps` of every unfinished sample of the
+    /// replica; `until_done`: keep stepping until every sample has stopped (the last window).
+    /// Publishes each finished group's slot at the end of the window.
+    DecodeWindow {
+        first_step: u32,
+        steps: u32,
+        until_done: bool,
+    },
+    /// Reference model over the prompts of `groups` (response-independent): keeps the prefix
+    /// KV that [`Op::RefSuffix`] attends to.
+    RefPrefix { groups: Span, copies: u32 },
+    /// Reference model over the response tokens of the group in `slot`, attending to its kept
+    /// prefix: per-token reference log-probs.
+    RefSuffix { slot: u32 },
+    /// Actor forward over the prompts of `groups` with the weights `purpose` names; with
+    /// `Purpose::Train` it keeps what backward needs (activations or layer inputs, by the
+    /// job's recompute policy). Groups are prompts when the work may run during decode, slots
+    /// when it follows an optimizer step (mini-batches are formed in slot order).
+    ActorPrefix {
+        groups: Groups,
+        copies: u32,
+        purpose: Purpose,
+    },
+    /// Actor forward (no grad) over the response tokens of the group in `slot`: old log-probs.
+    ActorSuffix { slot: u32, purpose: Purpose },
+    /// Rewards of the samples of the group in `slot`.
+    Reward { slot: u32 },
+    /// Advantages of the samples of the group in `slot` (GRPO: group-normalised).
+    Advantages { slot: u32 },
+    /// Actor forward over the response tokens of `samples` with autograd, the policy loss
+    /// (unscaled token sum; the mini-batch's normaliser is applied before the optimizer step),
+    /// and backward, accumulating gradients in micro-batch order. `samples` count in slot
+    /// order (`slot * group_size + member`). Backward also runs through the kept prefix of the
+    /// groups in `prefix_bwd_slots` (those whose last sample is in this micro-batch).
+    TrainMicroBatch {
+        step: u32,
+        micro_batch: u32,
+        samples: Span,
+        prefix_bwd_slots: Span,
+    },
+    /// Scale the accumulated gradients by the mini-batch normaliser, clip, AdamW update of the
+    /// master weights, cast to the compute dtype; zero the gradients. `step` counts optimizer
+    /// steps within the iteration (epoch * steps_per_epoch + mini-batch).
+    OptimizerStep { step: u32 },
+    /// Make the updated actor weights visible to the rollout engine (see `plan.reshards`).
+    WeightSync { from_tp: u32, to_tp: u32 },
+    /// Move data between layouts or GPU sets (see `plan.reshards`).
+    Reshard {
+        what: ReshardWhat,
+        from_tp: u32,
+        to_tp: u32,
+    },
+    /// Copy `from` (device) to `to` (host); `from`'s memory may be reused afterwards.
+    Offload { from: BufferId, to: BufferId },
+    /// Copy `from` (host) to `to` (device).
+    Reload { from: BufferId, to: BufferId },
+}
+
+impl Op {
+    /// The optimizer step whose weights an actor op uses (`None`: not an actor-weight op).
+    pub fn actor_weight_version(&self) -> Option<u32> {
+        match self {
+            Op::ActorPrefix { purpose, .. } | Op::ActorSuffix { purpose, .. } => {
+                Some(purpose.weight_version())
+            }
+            Op::TrainMicroBatch { step, .. } => Some(*step),
+            _ => None,
+        }
+    }
+}
+
+/// Why the actor runs a forward: which weights it must see.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Purpose {
+    /// Old log-probs with the rollout's weights (version 0), no grad.
+    OldLogProb,
+    /// The prefix of optimizer step `step`'s micro-batches, with grad; uses the weights after
+    /// `step` optimizer steps of this iteration.
+    Train { step: u32 },
+}
+
+impl Purpose {
+    pub fn weight_version(self) -> u32 {
+        match self {
+            Purpose::OldLogProb => 0,
+            Purpose::Train { step } => step,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReshardWhat {
+    /// Actor weights, training layout -> rollout layout.
+    Weights,
+    /// Merged vision embeddings, rollout replicas -> training replica.
+    Embeddings,
+    /// Sampled tokens and lengths, rollout replicas -> training replica.
+    Samples,
+}
+
+/// A buffer: `bytes` at `offset` of `arena`, alive from its first to its last task (or for the
+/// whole run when `lifetime` is persistent).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Buffer {
+    pub id: BufferId,
+    /// Unique readable name (`kv.prefix`, `ref_weights.hbm`).
+    pub name: String,
+    pub class: BufferClass,
+    pub gpu: GpuId,
+    pub bytes: u64,
+    /// Shape comment, e.g. `(groups 2, tokens 1126, layers 36, kv 2, heads 2, dim 128) bf16`.
+    pub shape: String,
+    pub lifetime: Lifetime,
+    /// Where the buffer's data lives in each phase of the iteration.
+    pub residency: Vec<PhaseResidency>,
+    pub arena: ArenaId,
+    pub offset: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BufferClass {
+    ActorWeights,
+    RolloutWeights,
+    RefWeights,
+    MasterWeights,
+    OptimizerMoments,
+    Grads,
+    VisionEmbeddings,
+    KvPrefix,
+    KvSuffix,
+    PrefixState,
+    Activations,
+    Logits,
+    LogProbs,
+    Samples,
+    Scalars,
+    /// One task's transient working set.
+    Scratch,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Lifetime {
+    /// Alive for the whole run (loop-carried: weights, optimizer state).
+    Persistent,
+    /// Alive from the start of `first` to the end of `last` within each iteration.
+    Tasks { first: TaskId, last: TaskId },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Media encoding, prefill and decode windows (with the side work inside them).
+    Rollout,
+    /// After decode: suffix scoring, rewards, advantages.
+    Scoring,
+    /// Actor micro-batches and optimizer steps.
+    Training,
+    /// Weight sync to the rollout layout.
+    Sync,
+}
+
+impl Phase {
+    pub const ALL: [Phase; 4] = [Phase::Rollout, Phase::Scoring, Phase::Training, Phase::Sync];
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Residency {
+    /// In device memory.
+    Hbm,
+    /// Offloaded to pinned host memory.
+    Host,
+    /// Dropped; recomputed by its consumer.
+    Recompute,
+    /// Not alive in this phase.
+    Absent,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PhaseResidency {
+    pub phase: Phase,
+    pub residency: Residency,
+}
+
+/// A point where data crosses layouts: weights from the training to the rollout TP layout, or
+/// rollout outputs into the training replicas.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Reshard {
+    pub task: TaskId,
+    pub what: ReshardWhat,
+    pub from_tp: u32,
+    pub to_tp: u32,
+    /// Bytes each rank receives.
+    pub bytes_moved: u64,
+    /// Bytes each rank reuses in place (aliased between the layouts).
+    pub bytes_aliased: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Memory {
+    pub arenas: Vec<Arena>,
+    pub gpus: Vec<GpuMemory>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Arena {
+    pub id: ArenaId,
+    pub gpu: GpuId,
+    pub kind: ArenaKind,
+    /// Bytes to allocate: the highest `offset + bytes` of its buffers.
+    pub bytes: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ArenaKind {
+    Device,
+    Host,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GpuMemory {
+    pub gpu: GpuId,
+    /// Device bytes the plan may use (the job's memory budget).
+    pub budget: u64,
+    /// Device arena bytes (what the runtime allocates).
+    pub peak: u64,
+    /// Largest sum of buffers alive at one task (a lower bound of `peak`).
+    pub live_peak: u64,
+    /// Where `live_peak` is reached.
+    pub live_peak_at: TaskId,
+    /// Pinned host bytes.
+    pub host: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Predicted {
+    /// Predicted time of one iteration, seconds.
+    pub iteration_s: f64,
+    pub phases: Vec<PhaseTime>,
+    /// Side work (seconds on the whole GPU) moved into decode windows.
+    pub hidden_s: f64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PhaseTime {
+    pub phase: Phase,
+    pub start_s: f64,
+    pub end_s: f64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SolverStats {
+    /// `highs`, or `none` when the mode needs no optimisation.
+    pub solver: String,
+    pub status: SolveStatus,
+    pub variables: u32,
+    pub integer_variables: u32,
+    pub constraints: u32,
+    /// The objective of the accepted solution (predicted seconds, with tie-breakers).
+    pub objective: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SolveStatus {
+    /// No solver ran (serial and disaggregated plans are fixed by construction).
+    NotRun,
+    Optimal,
+    /// The time limit stopped the solver; the plan uses its best feasible answer.
+    TimeLimit,
+}
+
+impl Plan {
+    pub fn task(&self, id: TaskId) -> Option<&Task> {
+        self.tasks.get(id.index())
+    }
+    pub fn buffer(&self, id: BufferId) -> Option<&Buffer> {
+        self.buffers.get(id.index())
+    }
+    pub fn stream(&self, id: StreamId) -> Option<&Stream> {
+        self.streams.get(id.index())
+    }
+    pub fn window(&self, id: WindowId) -> Option<&Window> {
+        self.windows.get(id.index())
+    }
+    /// Tasks of one stream in execution order.
+    pub fn stream_tasks(&self, s: StreamId) -> impl Iterator<Item = &Task> {
+        self.tasks.iter().filter(move |t| t.stream == s)
+    }
+}
