@@ -27,8 +27,10 @@ pub fn check(cx: &mut Cx<'_>, spec: &JobSpec) {
     fits(cx, spec);
 }
 
+/// Reports an error at `path` and marks it bad, so later checks do not report its consequences.
 fn err(cx: &mut Cx<'_>, code: &'static str, path: &str, msg: String, help: Option<String>) {
     let sp = cx.span(path);
+    cx.mark_bad(path);
     cx.error(Diagnostic::error(code, sp, msg).with_help_opt(help));
 }
 
@@ -216,7 +218,7 @@ fn tp_divides(cx: &mut Cx<'_>, which: &str, tp: u32, m: &ModelSpec) {
             Some(format!("tensor parallelism splits heads and MLP columns evenly; degrees that work for this model: {}", list(&ok))),
         );
     }
-    if v.intermediate_size % tp != 0 {
+    if bad.is_empty() && v.intermediate_size % tp != 0 {
         let hi = v.intermediate_size.div_ceil(tp);
         warn(
             cx,
@@ -294,10 +296,16 @@ fn batches(cx: &mut Cx<'_>, s: &JobSpec) {
         } else {
             "train.micro_batch"
         };
+        let micro_ok = cx.ok(&["train.micro_batch"]);
         let ok: Vec<u32> = divisors_up_to(samples, samples)
             .into_iter()
-            .filter(|d| d % micro == 0)
+            .filter(|d| !micro_ok || d % micro == 0)
             .collect();
+        let with = if micro_ok {
+            format!(" and be a multiple of micro_batch = {micro}")
+        } else {
+            String::new()
+        };
         err(
             cx,
             "batch-divides",
@@ -306,7 +314,7 @@ fn batches(cx: &mut Cx<'_>, s: &JobSpec) {
                 "{} samples per iteration (prompts {} x group {}) do not split into mini-batches of {mini}",
                 samples, s.rollout.prompts_per_iter, s.rollout.group_size
             ),
-            Some(format!("mini_batch must divide {samples}; with micro_batch = {micro}: {}", list(&ok))),
+            Some(format!("mini_batch must divide {samples}{with}: {}", list(&ok))),
         );
     } else if cx.ok(&["train.mini_batch", "train.micro_batch"])
         && (micro > mini || mini % micro != 0)

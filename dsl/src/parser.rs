@@ -1,15 +1,19 @@
 //! Text -> [`ast::File`], reporting every syntax error of the file.
 //!
-//! The pest grammar (`rpx.pest`) parses one statement at a time (a `const`, a `pipeline`
-//! head, an assignment, a section head); this driver walks the statement structure — top
-//! level, `{ ... }` bodies, block calls — itself. When a statement does not parse, the error
-//! is reported at pest's furthest position and the driver skips to the statement's end (the
-//! end of its line, past any brackets it opened; or the start of the next line, when that line
-//! begins a new statement and the broken one left a bracket open). So one mistake costs one
-//! statement and one diagnostic, and the rest of the file is still parsed and checked.
+//! The pest grammar (`rpx.pest`) parses one statement at a time; this driver walks the
+//! statement structure — top level, `{ ... }` bodies, block calls — itself:
 //!
-//! Invariant: never panics, on any input. Recursion depth follows brace nesting, so deep
-//! nesting is refused with an error before it could exhaust the stack.
+//! 1. A statement's extent is found first ([`Driver::statement_end`]): it ends at a newline or
+//!    `,` outside brackets, or before the `}` closing the enclosing block. A `(` or `[` left open
+//!    at the end of a line ends the statement too when the next line plainly starts a new one
+//!    (`key = ...`, `name {`, `}`), so an unclosed call costs one statement, not the file.
+//! 2. pest parses exactly that extent (`SOI ~ ... ~ EOI`), so an error is reported where the
+//!    statement goes wrong ("expected `,` or `)`, found the end of the line").
+//! 3. After an error the driver resumes at the statement's end: one mistake, one diagnostic,
+//!    and the rest of the file is still parsed and checked.
+//!
+//! Invariant: never panics, on any input. Recursion follows brace nesting (bounded by
+//! [`MAX_DEPTH`]) and expression nesting (bounded before pest is asked).
 
 use crate::ast::*;
 use crate::diag::Diagnostic;
@@ -28,7 +32,18 @@ struct RpxParser;
 const MAX_DEPTH: usize = 32;
 /// Deepest bracket nesting inside one statement accepted before pest is asked.
 const MAX_EXPR_NESTING: usize = 64;
-/// Most operators (`+ - * /`, also counting those in comments) in one statement or block.
+/// The items of a pipeline body (used only to notice a forgotten `}` of a section).
+const PIPELINE_ITEMS: &[&str] = &[
+    "gpu",
+    "model",
+    "rollout",
+    "reward",
+    "reference",
+    "train",
+    "schedule",
+    "seed",
+];
+/// Most operators (`+ - * /`, also counting those in comments) in one statement.
 const MAX_OPERATORS: usize = 4096;
 
 /// Parses a whole file. The diagnostics are syntax errors (and literal errors: unknown
@@ -55,6 +70,8 @@ struct Driver<'s> {
 struct Failure {
     pos: usize,
     expected: Vec<String>,
+    /// Nothing of the statement parsed: the failure is at its first token.
+    at_start: bool,
 }
 
 impl<'s> Driver<'s> {
@@ -66,10 +83,10 @@ impl<'s> Driver<'s> {
             if p >= self.src.len() {
                 break;
             }
-            match self.try_rule(Rule::const_def, p) {
-                Ok((pair, end)) => {
-                    self.base = p;
-                    let span = self.span(&pair);
+            let end = self.statement_end(p);
+            let f1 = match self.try_rule(Rule::const_def, p, end) {
+                Ok(pair) => {
+                    let span = Span::new(p, end);
                     let mut it = pair.into_inner();
                     let _kw = it.next();
                     let name = self.ident(it.next());
@@ -78,52 +95,59 @@ impl<'s> Driver<'s> {
                     p = end;
                     continue;
                 }
-                Err(f1) => match self.try_rule(Rule::pipeline_head, p) {
-                    Ok((pair, end)) => {
-                        self.base = p;
-                        let head = self.span(&pair);
-                        let mut it = pair.into_inner();
-                        let _kw = it.next();
-                        let name = self.ident(it.next());
-                        let open = Span::new(end - 1, end);
-                        let (body, after) = self.body(end, open, "pipeline", 1);
-                        if let Some(first) = &file.pipeline {
-                            let (l, _) = line_col(self.src, first.name.span.start);
-                            self.diags.push(
-                                Diagnostic::error(
-                                    "duplicate-pipeline",
-                                    head,
-                                    format!("a second pipeline `{}`", name.name),
-                                )
-                                .with_label("only one pipeline per file")
-                                .with_help(format!(
-                                    "pipeline `{}` is defined at line {l}; put each job in its own file",
-                                    first.name.name
-                                )),
-                            );
-                        } else {
-                            file.pipeline = Some(Pipeline { name, body });
-                        }
-                        p = after;
+                Err(f) => f,
+            };
+            let f2 = match self.try_rule(Rule::pipeline_head, p, self.src.len()) {
+                Ok(pair) => {
+                    let head = self.span(&pair);
+                    let mut it = pair.into_inner();
+                    let _kw = it.next();
+                    let name = self.ident(it.next());
+                    let open = Span::new(head.end - 1, head.end);
+                    let (body, after) = self.body(head.end, open, "pipeline", 1);
+                    if let Some(first) = &file.pipeline {
+                        let (l, _) = line_col(self.src, first.name.span.start);
+                        self.diags.push(
+                            Diagnostic::error(
+                                "duplicate-pipeline",
+                                head,
+                                format!("a second pipeline `{}`", name.name),
+                            )
+                            .with_label("only one pipeline per file")
+                            .with_help(format!(
+                                "pipeline `{}` is defined at line {l}; put each job in its own file",
+                                first.name.name
+                            )),
+                        );
+                    } else {
+                        file.pipeline = Some(Pipeline { name, body });
                     }
-                    Err(f2) => {
-                        file.broken = true;
-                        let f = furthest(f1, f2);
-                        let word = self.word_at(p);
-                        if f.pos == p && word != "const" && word != "pipeline" {
-                            let found = self.found(p);
-                            self.diags.push(
-                                Diagnostic::error("syntax", self.token_span(p), format!("expected `const` or `pipeline`, found {found}"))
-                                    .with_label("not allowed at the top of a file")
-                                    .with_help("a file holds constants (`const G = 8`) and one `pipeline NAME { ... }`; settings go inside the pipeline"),
-                            );
-                        } else {
-                            self.report(&f, "");
-                        }
-                        p = self.recover(p, f.pos);
-                    }
-                },
+                    p = after;
+                    continue;
+                }
+                Err(f) => f,
+            };
+            file.broken = true;
+            let f = furthest(f1, f2);
+            let word = self.word_at(p);
+            if f.at_start && word != "const" && word != "pipeline" {
+                let found = self.found(p);
+                self.diags.push(
+                    Diagnostic::error(
+                        "syntax",
+                        self.token_span(p),
+                        format!("expected `const` or `pipeline`, found {found}"),
+                    )
+                    .with_label("not allowed at the top of a file")
+                    .with_help(
+                        "a file holds constants (`const G = 8`) and one `pipeline NAME { ... }`; \
+                         settings go inside the pipeline",
+                    ),
+                );
+            } else {
+                self.report(&f, "", p);
             }
+            p = self.resume(p, end);
         }
         file
     }
@@ -164,12 +188,28 @@ impl<'s> Driver<'s> {
             if c == b'}' {
                 return (body, p + 1);
             }
+            if depth > 1 && self.dedented_pipeline_item(p, open.start) {
+                // `gpu { preset = H200` followed by `model actor { ... }` at the indentation
+                // of `gpu`: the `}` was forgotten. Close here so the rest parses in place.
+                let (l, _) = line_col(self.src, open.start);
+                self.diags.push(
+                    Diagnostic::error(
+                        "syntax",
+                        open,
+                        format!("this `{{` of `{what}` is never closed"),
+                    )
+                    .with_label("opened here")
+                    .with_help(format!("add a `}}` to close the block opened at line {l}")),
+                );
+                body.broken = true;
+                return (body, p);
+            }
             if c == b',' {
                 p += 1;
                 continue;
             }
-            if let Ok((pair, end)) = self.try_rule(Rule::assign_block_head, p) {
-                self.base = p;
+            if let Ok(pair) = self.try_rule(Rule::assign_block_head, p, self.src.len()) {
+                let end = self.span(&pair).end;
                 let mut it = pair.into_inner();
                 let key = self.ident(it.next());
                 let callee = self.ident(it.next());
@@ -189,10 +229,10 @@ impl<'s> Driver<'s> {
                 p = after;
                 continue;
             }
-            let f1 = match self.try_rule(Rule::assign, p) {
-                Ok((pair, end)) => {
-                    self.base = p;
-                    let span = self.span(&pair);
+            let end = self.statement_end(p);
+            let f1 = match self.try_rule(Rule::assign, p, end) {
+                Ok(pair) => {
+                    let span = Span::new(p, end);
                     let mut it = pair.into_inner();
                     let key = self.ident(it.next());
                     let value = self.expr_opt(it.next(), span);
@@ -202,16 +242,16 @@ impl<'s> Driver<'s> {
                 }
                 Err(f) => f,
             };
-            let f2 = match self.try_rule(Rule::section_head, p) {
-                Ok((pair, end)) => {
-                    self.base = p;
+            let f2 = match self.try_rule(Rule::section_head, p, self.src.len()) {
+                Ok(pair) => {
+                    let hs = self.span(&pair);
                     let mut it = pair.into_inner();
                     let name = self.ident(it.next());
                     let label = it.next().map(|x| self.ident(Some(x)));
                     let head = name.span.to(label.as_ref().map_or(name.span, |l| l.span));
                     let sub_what = name.name.clone();
                     let (inner, after) =
-                        self.body(end, Span::new(end - 1, end), &sub_what, depth + 1);
+                        self.body(hs.end, Span::new(hs.end - 1, hs.end), &sub_what, depth + 1);
                     body.items.push(Item::Section {
                         name,
                         label,
@@ -225,46 +265,72 @@ impl<'s> Driver<'s> {
             };
             body.broken = true;
             let f = furthest(f1, f2);
-            if self.word_at(p) == "const" {
-                self.diags.push(
+            match self.word_at(p) {
+                "const" => self.diags.push(
                     Diagnostic::error("syntax", self.token_span(p), "a constant inside a block")
                         .with_label("constants go at the top of the file")
                         .with_help("move this `const` above `pipeline`"),
-                );
-            } else if self.word_at(p) == "pipeline" {
-                self.diags.push(
+                ),
+                "pipeline" => self.diags.push(
                     Diagnostic::error("syntax", self.token_span(p), "a pipeline inside a block")
                         .with_help("a file holds one `pipeline`; is a `}` missing above?"),
-                );
-            } else {
-                self.report(&f, what);
+                ),
+                _ => self.report(&f, what, p),
             }
-            p = self.recover(p, f.pos);
+            p = self.resume(p, end);
         }
     }
 
-    /// Tries `rule` at `p`; on success the pair and the end position.
-    fn try_rule(&self, rule: Rule, p: usize) -> Result<(Pair<'s, Rule>, usize), Failure> {
-        let rest = &self.src[p..];
-        // pest recurses once per bracket/operator level; refuse absurd nesting up front.
-        let stmt_end = self.statement_extent(p);
-        if too_complex(&self.src[p..stmt_end]) {
+    /// Whether the statement at `p` starts its line, no deeper indented than the line that
+    /// opened the enclosing block (at `open`), and is a pipeline-level item: then that block's
+    /// `}` is missing.
+    fn dedented_pipeline_item(&self, p: usize, open: usize) -> bool {
+        let indent = |at: usize| -> Option<usize> {
+            let line_start = self.src[..at].rfind('\n').map_or(0, |i| i + 1);
+            let lead = &self.src[line_start..at];
+            lead.chars()
+                .all(|c| c == ' ' || c == '\t')
+                .then(|| lead.chars().count())
+        };
+        let open_indent = {
+            let line_start = self.src[..open].rfind('\n').map_or(0, |i| i + 1);
+            self.src[line_start..open]
+                .chars()
+                .take_while(|c| *c == ' ' || *c == '\t')
+                .count()
+        };
+        match indent(p) {
+            Some(i) => i <= open_indent && PIPELINE_ITEMS.contains(&self.word_at(p)),
+            None => false,
+        }
+    }
+
+    /// Tries `rule` on `src[p..end]`; on success the pair (positions relative to `p`, which
+    /// becomes [`Driver::base`]).
+    fn try_rule(&mut self, rule: Rule, p: usize, end: usize) -> Result<Pair<'s, Rule>, Failure> {
+        let text = &self.src[p..end];
+        // pest recurses once per bracket level; refuse absurd nesting up front.
+        let limit = self.statement_end(p).max(p);
+        if too_complex(&self.src[p..limit.min(end)]) {
             return Err(Failure {
                 pos: p,
                 expected: vec![format!(
-                    "a statement with at most {MAX_EXPR_NESTING} nested brackets and {MAX_OPERATORS} operators"
+                    "a statement with at most {MAX_EXPR_NESTING} nested brackets and \
+                     {MAX_OPERATORS} operators"
                 )],
+                at_start: true,
             });
         }
-        match RpxParser::parse(rule, rest) {
+        match RpxParser::parse(rule, text) {
             Ok(mut pairs) => match pairs.next() {
                 Some(pair) => {
-                    let end = p + pair.as_span().end();
-                    Ok((pair, end))
+                    self.base = p;
+                    Ok(pair)
                 }
                 None => Err(Failure {
                     pos: p,
                     expected: vec![],
+                    at_start: true,
                 }),
             },
             Err(e) => {
@@ -283,10 +349,8 @@ impl<'s> Driver<'s> {
                 if let Some(att) = e.parse_attempts() {
                     for t in att.expected_tokens() {
                         let token = t.to_string();
-                        if matches!(
-                            token.as_str(),
-                            "=" | "{" | "}" | "(" | ")" | "[" | "]" | ","
-                        ) {
+                        // `(` and `[` would only say "a call or a list could start here"
+                        if matches!(token.as_str(), "=" | "{" | "}" | ")" | "]" | ",") {
                             expected.push(format!("`{token}`"));
                         }
                     }
@@ -296,27 +360,45 @@ impl<'s> Driver<'s> {
                 Err(Failure {
                     pos: p + pos,
                     expected,
+                    at_start: pos == 0,
                 })
             }
         }
     }
 
-    fn report(&mut self, f: &Failure, what: &str) {
+    fn report(&mut self, f: &Failure, what: &str, stmt_start: usize) {
         let found = self.found(f.pos);
         let mut expected = f.expected.clone();
         if expected.is_empty() {
             expected.push("a statement".into());
         }
+        if f.at_start && !what.is_empty() {
+            expected = vec![
+                "`key = value`".into(),
+                "`name { ... }`".into(),
+                "`}`".into(),
+            ];
+        }
         let msg = format!("expected {}, found {found}", join_or(&expected));
         let mut d = Diagnostic::error("syntax", self.token_span(f.pos), msg);
         let rest = &self.src[f.pos.min(self.src.len())..];
-        if rest.starts_with("/*") {
-            d = d.with_help("this comment is never closed with `*/`");
+        let at_eol = rest.is_empty() || rest.starts_with(['\n', '\r']);
+        let unclosed = self.unclosed_bracket(stmt_start, f.pos);
+        if let (true, Some(open)) = (at_eol, unclosed) {
+            let (l, c) = line_col(self.src, open);
+            let ch = &self.src[open..open + 1];
+            d = d.with_help(format!(
+                "the `{ch}` at line {l}, column {c} is never closed"
+            ));
         } else if rest.starts_with('"') {
             d = d.with_help("a string ends with `\"` on the same line");
         } else if rest.starts_with(';') {
             d = d.with_help("statements end at the end of the line (or at a `,`): drop the `;`");
-        } else if !what.is_empty() && expected.iter().any(|e| e == "a key") {
+        } else if unclosed.is_some() && expected.iter().any(|e| e == "`,`") {
+            d = d.with_help("separate items with `,`");
+        } else if !f.at_start && expected.iter().any(|e| e == "the end of the statement") {
+            d = d.with_help("one statement per line, or separate them with `,`");
+        } else if f.at_start && !what.is_empty() {
             d = d.with_help(format!(
                 "inside `{what} {{ }}` write `key = value`, one per line"
             ));
@@ -324,40 +406,74 @@ impl<'s> Driver<'s> {
         self.diags.push(d);
     }
 
-    /// Where parsing resumes after a statement at `start` failed at `err`.
-    fn recover(&self, start: usize, err: usize) -> usize {
+    /// The innermost `(` or `[` opened in `src[start..end]` and not closed there.
+    fn unclosed_bracket(&self, start: usize, end: usize) -> Option<usize> {
         let b = self.src.as_bytes();
-        // A new line that starts a statement: the broken one ended before it.
-        if err > start && err < b.len() && self.at_line_start(err) && self.looks_like_statement(err)
-        {
-            return err;
-        }
-        let end = self.statement_extent(start).max(err.min(b.len()));
-        let end = if end > start {
-            end
-        } else {
-            self.next_char(start)
-        };
-        // statement_extent stops at the end of the line of `start`; resume past the error's line
-        if end < err {
-            return self.line_end(err);
-        }
-        end
-    }
-
-    /// The end of the statement starting at `start`: the first newline (or `}` closing an
-    /// enclosing block) outside the brackets that the statement opens.
-    fn statement_extent(&self, start: usize) -> usize {
-        let b = self.src.as_bytes();
-        let mut stack: Vec<u8> = Vec::new();
+        let mut stack = Vec::new();
         let mut i = start;
-        while i < b.len() {
+        while i < end.min(b.len()) {
             match b[i] {
-                b'\n' if stack.is_empty() => return i,
                 b'"' => {
                     i += 1;
                     while i < b.len() && b[i] != b'"' && b[i] != b'\n' {
                         i += if b[i] == b'\\' { 2 } else { 1 };
+                    }
+                }
+                b'(' | b'[' => stack.push(i),
+                b')' | b']' => {
+                    stack.pop();
+                }
+                _ => {}
+            }
+            i += 1;
+        }
+        stack.pop()
+    }
+
+    /// Where to go on after a failed statement at `p` whose extent ends at `end`.
+    fn resume(&self, p: usize, end: usize) -> usize {
+        if end > p {
+            end
+        } else {
+            self.next_char(p)
+        }
+    }
+
+    /// The end of the statement starting at `start` (see the module doc): a newline or `,`
+    /// outside brackets, a `}` closing an enclosing block (not consumed), the end of a line
+    /// that leaves a `(`/`[` open when the next line starts a new statement, or the end.
+    fn statement_end(&self, start: usize) -> usize {
+        let b = self.src.as_bytes();
+        let mut stack: Vec<u8> = Vec::new();
+        let mut last = b' '; // last significant byte of the current line
+        let mut i = start;
+        while i < b.len() {
+            let c = b[i];
+            match c {
+                b'\n' => {
+                    match stack.last() {
+                        None => return i,
+                        Some(b'(' | b'[')
+                            if !matches!(
+                                last,
+                                b',' | b'(' | b'[' | b'{' | b'=' | b'+' | b'-' | b'*' | b'/'
+                            ) && self.starts_statement(i + 1) =>
+                        {
+                            return i
+                        }
+                        _ => {}
+                    }
+                    last = b' ';
+                }
+                b',' if stack.is_empty() => return i,
+                b'"' => {
+                    i += 1;
+                    while i < b.len() && b[i] != b'"' && b[i] != b'\n' {
+                        i += if b[i] == b'\\' { 2 } else { 1 };
+                    }
+                    last = b'"';
+                    if i >= b.len() || b[i] == b'\n' {
+                        continue;
                     }
                 }
                 b'/' if b.get(i + 1) == Some(&b'/') => {
@@ -367,11 +483,14 @@ impl<'s> Driver<'s> {
                     continue;
                 }
                 b'/' if b.get(i + 1) == Some(&b'*') => match self.src[i + 2..].find("*/") {
-                    Some(k) => i = i + 2 + k + 1,
+                    Some(k) => {
+                        i = i + 2 + k + 2;
+                        continue;
+                    }
                     None => return b.len(),
                 },
-                c @ (b'(' | b'[' | b'{') => stack.push(c),
-                c @ (b')' | b']' | b'}') => {
+                b'(' | b'[' | b'{' => stack.push(c),
+                b')' | b']' | b'}' => {
                     let open = match c {
                         b')' => b'(',
                         b']' => b'[',
@@ -379,15 +498,45 @@ impl<'s> Driver<'s> {
                     };
                     if let Some(k) = stack.iter().rposition(|&o| o == open) {
                         stack.truncate(k);
-                    } else if c == b'}' && stack.is_empty() {
+                    } else if c == b'}' {
                         return i;
                     }
                 }
                 _ => {}
             }
+            if !matches!(c, b' ' | b'\t' | b'\r' | b'\n') {
+                last = c;
+            }
             i += 1;
         }
-        b.len().min(i)
+        b.len()
+    }
+
+    /// Whether the line from `p` (after indentation) plainly starts a statement: `}`,
+    /// `key =`, `name {`, `name label {`, `const`, `pipeline`.
+    fn starts_statement(&self, p: usize) -> bool {
+        let rest = &self.src[p.min(self.src.len())..];
+        let rest = rest.trim_start_matches([' ', '\t', '\r']);
+        if rest.starts_with('}') {
+            return true;
+        }
+        let w1: &str = &rest[..rest
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(rest.len())];
+        if w1.is_empty() || w1.starts_with(|c: char| c.is_ascii_digit()) {
+            return false;
+        }
+        if w1 == "const" || w1 == "pipeline" {
+            return true;
+        }
+        let after = rest[w1.len()..].trim_start_matches([' ', '\t']);
+        if (after.starts_with('=') && !after.starts_with("==")) || after.starts_with('{') {
+            return true;
+        }
+        let n2 = after
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(after.len());
+        n2 > 0 && after[n2..].trim_start_matches([' ', '\t']).starts_with('{')
     }
 
     fn line_end(&self, p: usize) -> usize {
@@ -401,36 +550,6 @@ impl<'s> Driver<'s> {
             q += 1;
         }
         q.min(self.src.len())
-    }
-
-    fn at_line_start(&self, p: usize) -> bool {
-        let before = &self.src[..p];
-        let line_start = before.rfind('\n').map_or(0, |i| i + 1);
-        before[line_start..].trim().is_empty()
-    }
-
-    /// `}`, `key =`, `name {`, `name label {`, `const`, `pipeline`.
-    fn looks_like_statement(&self, p: usize) -> bool {
-        let rest = &self.src[p..];
-        if rest.starts_with('}') {
-            return true;
-        }
-        let w1 = self.word_at(p);
-        if w1.is_empty() {
-            return false;
-        }
-        if w1 == "const" || w1 == "pipeline" {
-            return true;
-        }
-        let after = rest[w1.len()..].trim_start_matches([' ', '\t']);
-        if after.starts_with('=') || after.starts_with('{') {
-            return true;
-        }
-        let w2: String = after
-            .chars()
-            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-            .collect();
-        !w2.is_empty() && after[w2.len()..].trim_start().starts_with('{')
     }
 
     fn word_at(&self, p: usize) -> &'s str {
@@ -459,10 +578,10 @@ impl<'s> Driver<'s> {
             return "the end of the file".into();
         }
         let s = self.token_span(p);
-        let t = &self.src[s.start..s.end];
-        match t {
+        match &self.src[s.start..s.end] {
             "\n" | "\r" => "the end of the line".into(),
-            _ => format!("`{t}`"),
+            "," => "`,`".into(),
+            t => format!("`{t}`"),
         }
     }
 
@@ -739,6 +858,7 @@ fn furthest(a: Failure, b: Failure) -> Failure {
             Failure {
                 pos: a.pos,
                 expected,
+                at_start: a.at_start && b.at_start,
             }
         }
     }
@@ -748,6 +868,7 @@ fn furthest(a: Failure, b: Failure) -> Failure {
 fn describe(r: Rule) -> Option<&'static str> {
     Some(match r {
         Rule::ident => "a name",
+        Rule::EOI => "the end of the statement",
         Rule::kw_const => "`const`",
         Rule::kw_pipeline => "`pipeline`",
         Rule::expr | Rule::term | Rule::factor | Rule::neg => "a value",

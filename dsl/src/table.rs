@@ -279,7 +279,7 @@ impl<'b> Table<'b> {
     pub fn missing(&mut self, cx: &mut Cx<'_>, key: &'static str, what: &str, example: &str) {
         let path = self.key_path(key);
         cx.mark_bad(&path);
-        if self.broken {
+        if self.broken || self.misspelt(key) {
             return;
         }
         let msg = format!("{} needs `{key}` ({what})", self.title);
@@ -293,6 +293,15 @@ impl<'b> Table<'b> {
                 .with_label(format!("`{key}` missing here"))
                 .with_help(help),
         );
+    }
+
+    /// Whether a written key looks like a misspelling of `key`: then the unknown-key report
+    /// (with its "did you mean `key`?") says all there is to say.
+    fn misspelt(&self, key: &str) -> bool {
+        let known = |k: &str| self.asked.contains(&k) && k != key;
+        self.entries
+            .iter()
+            .any(|e| !known(&e.key) && e.key != key && suggest::closest(&e.key, [key]).is_some())
     }
 
     /// Reports section `key` as missing (unless this table had a syntax error).
