@@ -8,6 +8,7 @@
 //! | `swiglu_fwd`, `gelu_fwd`, `add_fwd`, `embedding_fwd` | elementwise, gather | `act.rs` |
 //! | `attention_fwd`, `attention_decode` | varlen / windowed / shared-prefix attention, decode | `attention.rs` |
 //! | `softmax`, `logprobs_fwd`, `argmax` | row reductions over the vocabulary | `softmax.rs` |
+//! | `*_bwd` | backward of every op above | `backward.rs` |
 //!
 //! Invariant: every op is deterministic and batch-composition independent: an output row's
 //! bits depend only on the inputs it reads, never on the other rows of the batch or on the
@@ -15,6 +16,7 @@
 
 pub mod act;
 pub mod attention;
+pub mod backward;
 pub mod matmul;
 pub mod norm;
 pub mod rope;
@@ -23,6 +25,9 @@ pub mod softmax;
 pub(crate) mod testutil;
 
 pub use act::{add_fwd, embedding_fwd, gelu_fwd, silu, swiglu_fwd};
+pub use backward::{
+    attention_bwd, embedding_bwd, gelu_bwd, linear_bwd, logprobs_bwd, rmsnorm_bwd, rope_bwd, swiglu_bwd,
+};
 pub use attention::{attention_decode, attention_fwd, AttnDims, AttnMask, AttnSeq, DecodeSeq};
 pub use matmul::{linear_fwd, matmul, Gemm};
 pub use norm::rmsnorm_fwd;
