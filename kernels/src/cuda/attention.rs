@@ -279,10 +279,21 @@ pub const DECODE_TARGET_BLOCKS: usize = 528;
 
 /// The split of a decode over `batch` sequences of at most `max_kv_len` keys.
 pub fn decode_plan(batch: usize, dims: AttnDims, max_kv_len: usize) -> DecodePlan {
+    decode_plan_for_blocks(batch, dims, max_kv_len, DECODE_TARGET_BLOCKS)
+}
+
+/// [`decode_plan`] aiming at `target_blocks` blocks instead of [`DECODE_TARGET_BLOCKS`] (for the
+/// workbench; the runtime should keep the default so every plan splits the same way).
+pub fn decode_plan_for_blocks(
+    batch: usize,
+    dims: AttnDims,
+    max_kv_len: usize,
+    target_blocks: usize,
+) -> DecodePlan {
     let rep = (dims.num_heads / dims.num_kv_heads.max(1)).max(1);
     let units = (batch * dims.num_kv_heads * rep.div_ceil(8)).max(1);
     let max_splits = max_kv_len.div_ceil(64).max(1);
-    let splits = DECODE_TARGET_BLOCKS.div_ceil(units).clamp(1, max_splits);
+    let splits = target_blocks.max(1).div_ceil(units).clamp(1, max_splits);
     let chunk = (max_kv_len.max(1).div_ceil(splits)).div_ceil(64) * 64;
     let splits = max_kv_len.max(1).div_ceil(chunk);
     DecodePlan {

@@ -41,7 +41,8 @@ pub mod sampling;
 
 pub use adamw::{adamw_step_f32, AdamWScalars};
 pub use attention::{
-    attention_decode_bf16, attention_fwd_bf16, decode_plan, AttnSeqGpu, DecodePlan,
+    attention_decode_bf16, attention_fwd_bf16, decode_plan, decode_plan_for_blocks, AttnSeqGpu,
+    DecodePlan,
 };
 pub use gemm::{linear_fwd_bf16, matmul_bf16, matmul_bf16_cublas};
 pub use gpu::Gpu;
