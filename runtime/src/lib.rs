@@ -1,1 +1,2 @@
 //! The Rollplex runtime.
+pub mod train;

@@ -1,0 +1,42 @@
+//! The training engine of the actor: the policy loss ([`loss`]), AdamW with fp32 master weights
+//! ([`adamw`]), and backward through the whole Qwen2.5-VL actor.
+//!
+//! What this module knows: per-token log-probs, advantages and masks of response tokens; named
+//! parameter tensors and their gradients; the model's saved activations. What it does not know:
+//! plans, streams, the RL loop's data or rewards (rewards arrive as numbers).
+//!
+//! Invariant: every reduction runs in a fixed order that depends only on the shapes of its inputs
+//! (never on thread timing or completion order), so a step is bitwise reproducible.
+
+pub mod adamw;
+pub mod loss;
+
+/// Errors of the training engine. Each names the offending input so the caller can fix it.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// A tensor or per-token array has the wrong number of elements.
+    #[error("{what}: expected {expected} elements, got {got}")]
+    Shape {
+        what: String,
+        expected: usize,
+        got: usize,
+    },
+    /// An input violates a documented precondition (message says which and why).
+    #[error("{0}")]
+    Invalid(String),
+}
+
+pub type Result<T> = std::result::Result<T, TrainError>;
+
+/// Checks that `got` elements are `expected`; the error names `what`.
+pub(crate) fn check_len(what: &str, expected: usize, got: usize) -> Result<()> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(TrainError::Shape {
+            what: what.to_string(),
+            expected,
+            got,
+        })
+    }
+}
