@@ -116,13 +116,15 @@ __device__ __forceinline__ float group_sum(float x) {
     return x;
 }
 
-// Decode, split-K pass. Grid (splits, n_kv * ceil(r/8), batch) with r = n_heads / n_kv; block
-// NT = 128 threads = 8 heads of one kv group x 16 lanes, each lane owning HEAD_DIM/16 dims.
+// Decode, split-K pass, SIMT variant (fp32 FMAs; kept for the workbench's side-by-side timing;
+// `attention_decode_bf16` below is the tensor-core one). Grid (splits, n_kv * ceil(r/8), batch)
+// with r = n_heads / n_kv; block NT = 128 threads = 8 heads of one kv group x 16 lanes, each lane
+// owning HEAD_DIM/16 dims.
 // Block (split, kv group, b) reads logical keys [split*chunk, min(L, (split+1)*chunk)) of
 // sequence b once from HBM and uses them for all the group's query heads. Writes unnormalised
 // partial outputs part_o[b, h, split, :] and (max, sum) part_ml[b, h, split, 0..2].
 extern "C" __global__ void __launch_bounds__(NT)
-attention_decode_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
+attention_decode_simt_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
                       const bf16* __restrict__ q, u32 q_stride, KvSrc src,
                       const AttnSeq* __restrict__ seqs, u32 n_heads, u32 n_kv, u32 chunk,
                       u32 splits, float scale_log2, u32 p_rows, u32 kv_rows) {
@@ -217,6 +219,228 @@ attention_decode_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core decode (mma.sync m16n8k16 bf16, fp32 accumulate). Same grid, arguments and
+// partial-output layout as the SIMT variant. The block's 4 warps each stream their own 32-key
+// tiles of the chunk (tiles w, w+4, ...) through a private 2-stage cp.async pipeline in dynamic
+// shared memory; S = Q K^T and O += P V run on the tensor cores with the kv group's query heads
+// as the MMA rows (8 used of 16); P stays in registers (the accumulator layout of S is the A
+// operand layout of P V). The 4 warps' (max, sum, O) are merged in shared memory at the end.
+
+#if HEAD_DIM % 32 == 0  // the tensor-core decode needs HEAD_DIM % 32 == 0 (text heads: 128)
+#define DW 32          // keys per warp tile
+#define DSTAGES 2
+#define DROW (HEAD_DIM + KPAD)
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+    const int n = valid ? 16 : 0;  // 0: fill with zeros, read nothing
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+// c += A B with A rows g+8 zero (a1 = a3 = 0).
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a2, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+
+// Issues the cp.async copies of logical keys [t0, t0 + DW) (rows past `end` zero-filled) into
+// one stage: K at ks, V at vs (DW rows of DROW bf16 each).
+__device__ __forceinline__ void issue_tile(u32 ks, u32 vs, const KvSrc& src, u32 kvh,
+                                           const AttnSeq& s, u32 t0, u32 end, u32 lane) {
+    constexpr int VPR = HEAD_DIM / 8;
+#pragma unroll
+    for (int i = 0; i < DW * VPR / 32; i++) {
+        const u32 c = lane + 32 * i, row = c / VPR, col = c % VPR, kk = t0 + row;
+        const bool valid = kk < end;
+        const bf16* kp = src.k;
+        const bf16* vp = src.v;
+        if (valid) {
+            const bool pre = kk < s.p_len;
+            const u64 off = (pre ? (u64)(s.p_start + kk) * src.p_stride
+                                 : (u64)(s.k_start + kk - s.p_len) * src.kv_stride) +
+                            kvh * HEAD_DIM + col * 8;
+            kp = (pre ? src.pk : src.k) + off;
+            vp = (pre ? src.pv : src.v) + off;
+        }
+        const u32 so = (row * DROW + col * 8) * 2;
+        cp_async16(ks + so, kp, valid);
+        cp_async16(vs + so, vp, valid);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NT)
+attention_decode_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
+                      const bf16* __restrict__ q, u32 q_stride, KvSrc src,
+                      const AttnSeq* __restrict__ seqs, u32 n_heads, u32 n_kv, u32 chunk,
+                      u32 splits, float scale_log2, u32 p_rows, u32 kv_rows) {
+    constexpr int KSTEPS = HEAD_DIM / 16;
+    constexpr int DT = HEAD_DIM / 8;  // 8-wide dim tiles of O
+    extern __shared__ __align__(16) unsigned char dsmem[];
+    const u32 split = blockIdx.x, b = blockIdx.z;
+    const u32 r = n_heads / n_kv, n_hg = (r + 7) / 8;
+    const u32 kvh = blockIdx.y / n_hg, hg = blockIdx.y % n_hg;
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const u32 g = lane >> 2, t = lane & 3;
+    const AttnSeq s = seqs[b];
+    const bool ok = (u64)s.p_start + s.p_len <= p_rows && (u64)s.k_start + s.k_len <= kv_rows;
+    const u32 L = ok ? s.p_len + s.k_len : 0;
+    const u32 start = split * chunk, end = split + 1 == splits ? L : min(L, start + chunk);
+    const u32 ntiles = end > start ? (end - start + DW - 1) / DW : 0;
+
+    // Q fragments of row g (head hg*8 + g of this kv group; zero when past r).
+    const u32 hr = hg * 8 + g;
+    const bool row_ok = hr < r;
+    const bf16* qrow = q + (u64)b * q_stride + (kvh * r + (row_ok ? hr : 0)) * HEAD_DIM;
+    u32 qa0[KSTEPS], qa2[KSTEPS];
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; kk++) {
+        qa0[kk] = row_ok ? *(const u32*)(qrow + 16 * kk + 2 * t) : 0u;
+        qa2[kk] = row_ok ? *(const u32*)(qrow + 16 * kk + 8 + 2 * t) : 0u;
+    }
+
+    const u32 stage_bytes = 2 * DW * DROW * 2;  // K then V
+    const u32 base = smem_u32(dsmem) + warp * DSTAGES * stage_bytes;
+    float o[DT][4];
+#pragma unroll
+    for (int j = 0; j < DT; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    float m = NEG_INF_F, l = 0.0f;  // l: this lane's columns only, summed over t at the end
+
+    u32 it = warp;
+    if (it < ntiles) issue_tile(base, base + DW * DROW * 2, src, kvh, s, start + it * DW, end, lane);
+    cp_async_commit();
+    for (u32 k = 0; it < ntiles; k++, it += 4) {
+        const u32 nxt = it + 4;
+        const u32 nb = base + ((k + 1) & 1) * stage_bytes;
+        if (nxt < ntiles) issue_tile(nb, nb + DW * DROW * 2, src, kvh, s, start + nxt * DW, end, lane);
+        cp_async_commit();
+        cp_async_wait1();
+        __syncwarp();
+        const u32 ks = base + (k & 1) * stage_bytes, vs = ks + DW * DROW * 2;
+        const u32 t0 = start + it * DW;
+
+        // S = Q K^T: 4 n-tiles of 8 keys.
+        float sc[DW / 8][4];
+#pragma unroll
+        for (int j = 0; j < DW / 8; j++) {
+            sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; kk += 2) {
+                u32 b0, b1, b2, b3;
+                const u32 row = 8 * j + (lane & 7), col = 16 * kk + 8 * (lane >> 3);
+                ldsm_x4(ks + (row * DROW + col) * 2, b0, b1, b2, b3);
+                mma_bf16(sc[j], qa0[kk], qa2[kk], b0, b1);
+                mma_bf16(sc[j], qa0[kk + 1], qa2[kk + 1], b2, b3);
+            }
+        }
+        // Online softmax on row g: this lane holds keys 8j + 2t, 8j + 2t + 1.
+        float mt = NEG_INF_F;
+#pragma unroll
+        for (int j = 0; j < DW / 8; j++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const u32 key = t0 + 8 * j + 2 * t + e;
+                const float x = key < end ? sc[j][e] * scale_log2 : NEG_INF_F;
+                sc[j][e] = x;
+                mt = fmaxf(mt, x);
+            }
+        }
+        mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+        mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
+        const float m_new = fmaxf(m, mt);  // finite: key t0 < end is valid
+        const float corr = exp2f(m - m_new);
+        m = m_new;
+        float ls = 0.0f;
+        u32 pa[DW / 8];  // P as bf16 pairs: pa[j] = keys 8j + 2t, +1 of row g
+#pragma unroll
+        for (int j = 0; j < DW / 8; j++) {
+            const float p0 = exp2f(sc[j][0] - m_new), p1 = exp2f(sc[j][1] - m_new);
+            ls += p0 + p1;
+            pa[j] = pack_bf2(p0, p1);
+        }
+        l = l * corr + ls;
+#pragma unroll
+        for (int jd = 0; jd < DT; jd++) {
+            o[jd][0] *= corr;
+            o[jd][1] *= corr;
+        }
+        // O += P V: 2 k-steps of 16 keys, DT n-tiles of 8 dims (two per ldmatrix.x4.trans).
+#pragma unroll
+        for (int kk2 = 0; kk2 < DW / 16; kk2++) {
+#pragma unroll
+            for (int jd = 0; jd < DT; jd += 2) {
+                u32 b0, b1, b2, b3;
+                const u32 row = 16 * kk2 + (lane & 7) + 8 * ((lane >> 3) & 1);
+                const u32 col = 8 * (jd + (lane >> 4));
+                ldsm_x4_t(vs + (row * DROW + col) * 2, b0, b1, b2, b3);
+                mma_bf16(o[jd], pa[2 * kk2], pa[2 * kk2 + 1], b0, b1);
+                mma_bf16(o[jd + 1], pa[2 * kk2], pa[2 * kk2 + 1], b2, b3);
+            }
+        }
+        __syncwarp();  // this stage is refilled two tiles on
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+
+    // Merge the 4 warps in shared memory (reusing the tile buffers).
+    __syncthreads();
+    float* sm = (float*)dsmem;           // [4][8] maxima
+    float* sl = sm + 32;                 // [4][8] sums
+    float* so = sl + 32;                 // [4][8][HEAD_DIM] outputs
+    if (t == 0) {
+        sm[warp * 8 + g] = m;
+        sl[warp * 8 + g] = l;
+    }
+#pragma unroll
+    for (int jd = 0; jd < DT; jd++) {
+        so[(warp * 8 + g) * HEAD_DIM + 8 * jd + 2 * t] = o[jd][0];
+        so[(warp * 8 + g) * HEAD_DIM + 8 * jd + 2 * t + 1] = o[jd][1];
+    }
+    __syncthreads();
+    for (u32 idx = threadIdx.x; idx < 8 * HEAD_DIM; idx += NT) {
+        const u32 row = idx / HEAD_DIM, d = idx % HEAD_DIM;
+        if (hg * 8 + row >= r) continue;
+        float M = NEG_INF_F;
+#pragma unroll
+        for (int w = 0; w < 4; w++) M = fmaxf(M, sm[w * 8 + row]);
+        float acc = 0.0f, Ls = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            const float mw = sm[w * 8 + row];
+            const float wt = mw == NEG_INF_F ? 0.0f : exp2f(mw - M);
+            acc += wt * so[(w * 8 + row) * HEAD_DIM + d];
+            Ls += wt * sl[w * 8 + row];
+        }
+        const u32 h = kvh * r + hg * 8 + row;
+        const u64 pidx = ((u64)b * n_heads + h) * splits + split;
+        part_o[pidx * HEAD_DIM + d] = ok ? acc : __int_as_float(0x7fc00000);
+        if (d == 0) {
+            part_ml[pidx * 2] = ok ? M : __int_as_float(0x7fc00000);
+            part_ml[pidx * 2 + 1] = Ls;
+        }
+    }
+}
+#endif  // HEAD_DIM % 32 == 0
 
 // Decode, reduction pass: out[b, h, :] = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s over the
 // splits in order (fixed order: deterministic). Grid (n_heads, batch); an empty sequence gives 0

@@ -34,7 +34,7 @@ __device__ __forceinline__ void lse_push8(Lse3& a, const float* z) {
     for (int k = 0; k < 8; k++) {
         const float e = expf(z[k] - a.m);
         a.s += e;
-        a.t += e * z[k];
+        if (e != 0.0f) a.t += e * z[k];  // a -inf logit (or padding) adds nothing, not 0 * -inf
     }
 }
 

@@ -4,22 +4,10 @@
 
 __device__ __forceinline__ bool aligned16(const void* p) { return (((u64)p) & 15u) == 0; }
 
-// Rotate-half rotary embedding, in place, on heads [0, n_heads) of each token row:
-//   x1' = x1 cos - x2 sin,  x2' = x2 cos + x1 sin   (x1, x2: first and second half of a head)
-// cos/sin: f32 tables [tokens, head_dim] (M-RoPE sections already resolved by the host; the
-// first half's entries rotate x1, the second half's x2, as cpu::rope_fwd reads them).
-// hf_text_rounding = 1 rounds as the HF text decoder does (cos/sin cast to bf16, each product
-// and the sum rounded to bf16); 0 computes in fp32 and rounds once (the HF vision tower).
-extern "C" __global__ void rope_fwd_bf16(bf16* x, const float* __restrict__ cos_t,
-                                         const float* __restrict__ sin_t, u32 tokens,
-                                         u32 row_stride, u32 n_heads, u32 head_dim,
-                                         u32 hf_text_rounding) {
-    const u32 t = blockIdx.x;
-    if (t >= tokens) return;
+// Rotates heads [0, n_heads) of one row in place (the block's threads split the pairs).
+__device__ __forceinline__ void rope_row(bf16* xr, const float* c, const float* s, u32 n_heads,
+                                         u32 head_dim, u32 hf_text_rounding) {
     const u32 half = head_dim / 2;
-    bf16* xr = x + (u64)t * row_stride;
-    const float* c = cos_t + (u64)t * head_dim;
-    const float* s = sin_t + (u64)t * head_dim;
     for (u32 p = threadIdx.x; p < n_heads * half; p += blockDim.x) {
         const u32 h = p / half, i = p - h * half;
         bf16* xh = xr + (u64)h * head_dim;
@@ -37,6 +25,24 @@ extern "C" __global__ void rope_fwd_bf16(bf16* x, const float* __restrict__ cos_
         xh[i] = f2bf(o1);
         xh[i + half] = f2bf(o2);
     }
+}
+
+// Rotate-half rotary embedding, in place, on heads [0, n_heads) of each token row:
+//   x1' = x1 cos - x2 sin,  x2' = x2 cos + x1 sin   (x1, x2: first and second half of a head)
+// cos/sin: f32 tables [tokens, head_dim] (M-RoPE sections already resolved by the host; the
+// first half's entries rotate x1, the second half's x2, as cpu::rope_fwd reads them).
+// hf_text_rounding = 1 rounds as the HF text decoder does (cos/sin cast to bf16, each product
+// and the sum rounded to bf16); 0 computes in fp32 and rounds once (the HF vision tower).
+extern "C" __global__ void rope_fwd_bf16(bf16* x, const float* __restrict__ cos_t,
+                                         const float* __restrict__ sin_t, u32 tokens,
+                                         u32 row_stride, u32 n_heads, u32 head_dim,
+                                         u32 hf_text_rounding) {
+    const u32 t = blockIdx.x;
+    if (t >= tokens) return;
+    bf16* xr = x + (u64)t * row_stride;
+    const float* c = cos_t + (u64)t * head_dim;
+    const float* s = sin_t + (u64)t * head_dim;
+    rope_row(xr, c, s, n_heads, head_dim, hf_text_rounding);
 }
 
 __device__ __forceinline__ float silu_bf16_rounded(float g) {
@@ -145,4 +151,41 @@ extern "C" __global__ void kv_append_bf16(const bf16* __restrict__ src,
                                           u32 n_slots) {
     copy_row(src, cache, nullptr, slots, tokens, width, src_stride, cache_stride, 0xffffffffu,
              n_slots);
+}
+
+// Decode-step fusion of rope_fwd_bf16 and two kv_append_bf16: on each fused qkv row
+// [q heads | k heads | v heads], rotate the q and k heads in place, then copy the (rotated) k
+// part to k_cache[slots[t]] and the v part to v_cache[slots[t]]. Bitwise the same as the three
+// kernels. Slots >= n_slots are skipped.
+extern "C" __global__ void rope_kv_append_bf16(bf16* qkv, const float* __restrict__ cos_t,
+                                               const float* __restrict__ sin_t,
+                                               bf16* __restrict__ k_cache,
+                                               bf16* __restrict__ v_cache,
+                                               const u32* __restrict__ slots, u32 tokens,
+                                               u32 n_heads, u32 n_kv, u32 head_dim,
+                                               u32 hf_text_rounding, u32 n_slots) {
+    const u32 t = blockIdx.x;
+    if (t >= tokens) return;
+    const u32 row_stride = (n_heads + 2 * n_kv) * head_dim, kvw = n_kv * head_dim;
+    bf16* xr = qkv + (u64)t * row_stride;
+    rope_row(xr, cos_t + (u64)t * head_dim, sin_t + (u64)t * head_dim, n_heads + n_kv, head_dim,
+             hf_text_rounding);
+    __syncthreads();
+    const u32 slot = slots[t];
+    if (slot >= n_slots) return;
+    const bf16* ks = xr + n_heads * head_dim;
+    const bf16* vs = ks + kvw;
+    bf16* kd = k_cache + (u64)slot * kvw;
+    bf16* vd = v_cache + (u64)slot * kvw;
+    if ((kvw & 7u) == 0 && aligned16(ks) && aligned16(vs) && aligned16(kd) && aligned16(vd)) {
+        for (u32 i = threadIdx.x; i < kvw / 8; i += blockDim.x) {
+            ((uint4*)kd)[i] = ((const uint4*)ks)[i];
+            ((uint4*)vd)[i] = ((const uint4*)vs)[i];
+        }
+    } else {
+        for (u32 i = threadIdx.x; i < kvw; i += blockDim.x) {
+            kd[i] = ks[i];
+            vd[i] = vs[i];
+        }
+    }
 }

@@ -94,6 +94,8 @@ struct Model {
     steps: CudaSlice<u32>,
     plan: DecodePlan,
     kv_len: usize,
+    /// Fused kernels (add+rmsnorm, rope+KV append) or the separate ones.
+    fused: bool,
     /// Distinct KV rows read per layer (shared prefixes counted once).
     kv_rows_read: usize,
 }
@@ -211,6 +213,7 @@ fn build(
         steps: s.clone_htod(&vec![5u32; batch])?,
         plan,
         kv_len,
+        fused: true,
         kv_rows_read: groups * plen + batch * own,
         layers,
     })
@@ -259,56 +262,55 @@ impl Model {
         let b = self.batch;
         let qkvw = (d.nh + 2 * d.nkv) * d.hd;
         let kvw = d.nkv * d.hd;
+        let eps = 1e-6;
         embedding_fwd_bf16(g, s, &mut self.h, &self.embed, &self.tokens, b, d.h, d.h)?;
+        // Fused path: the residual add runs inside the next norm, rope inside the KV append.
+        let n1 = &self.layers[0].n1;
+        rmsnorm_fwd_bf16(g, s, &mut self.x, None, &self.h, n1, b, d.h, eps)?;
         for l in 0..d.layers {
             let ly = &self.layers[l];
-            rmsnorm_fwd_bf16(g, s, &mut self.x, None, &self.h, &ly.n1, b, d.h, 1e-6)?;
-            linear_fwd_bf16(
-                g,
-                s,
-                &mut self.qkv,
-                &self.x,
-                &ly.wqkv,
-                Some(&ly.bqkv),
-                b,
-                d.h,
-                qkvw,
-            )?;
-            rope_fwd_bf16(
-                g,
-                s,
-                &mut self.qkv,
-                &self.cos,
-                &self.sin,
-                b,
-                qkvw,
-                d.nh + d.nkv,
-                d.hd,
-                true,
-            )?;
-            let ly = &mut self.layers[l];
-            kv_append_bf16(
-                g,
-                s,
-                &mut ly.kc,
-                &self.qkv.slice(d.nh * d.hd..),
-                &self.slots,
-                b,
-                kvw,
-                qkvw,
-                kvw,
-            )?;
-            kv_append_bf16(
-                g,
-                s,
-                &mut ly.vc,
-                &self.qkv.slice((d.nh + d.nkv) * d.hd..),
-                &self.slots,
-                b,
-                kvw,
-                qkvw,
-                kvw,
-            )?;
+            let bias = Some(&ly.bqkv as &dyn cudarc::driver::DevicePtr<bf16>);
+            linear_fwd_bf16(g, s, &mut self.qkv, &self.x, &ly.wqkv, bias, b, d.h, qkvw)?;
+            let (cos, sin, slots) = (&self.cos, &self.sin, &self.slots);
+            if self.fused {
+                let ly = &mut self.layers[l];
+                let (kc, vc) = (&mut ly.kc, &mut ly.vc);
+                rope_kv_append_bf16(
+                    g,
+                    s,
+                    &mut self.qkv,
+                    kc,
+                    vc,
+                    cos,
+                    sin,
+                    slots,
+                    b,
+                    d.nh,
+                    d.nkv,
+                    d.hd,
+                    true,
+                )?;
+            } else {
+                rope_fwd_bf16(
+                    g,
+                    s,
+                    &mut self.qkv,
+                    cos,
+                    sin,
+                    b,
+                    qkvw,
+                    d.nh + d.nkv,
+                    d.hd,
+                    true,
+                )?;
+                let ly = &mut self.layers[l];
+                let (ks, vs) = (
+                    self.qkv.slice(d.nh * d.hd..),
+                    self.qkv.slice((d.nh + d.nkv) * d.hd..),
+                );
+                kv_append_bf16(g, s, &mut ly.kc, &ks, slots, b, kvw, qkvw, kvw)?;
+                kv_append_bf16(g, s, &mut ly.vc, &vs, slots, b, kvw, qkvw, kvw)?;
+            }
             self.attention(g, s, l)?;
             let ly = &self.layers[l];
             linear_fwd_bf16(
@@ -322,15 +324,31 @@ impl Model {
                 d.nh * d.hd,
                 d.h,
             )?;
-            add_fwd_bf16_inplace(g, s, &mut self.h, &self.tmp, b * d.h)?;
-            rmsnorm_fwd_bf16(g, s, &mut self.x, None, &self.h, &ly.n2, b, d.h, 1e-6)?;
+            if self.fused {
+                add_rmsnorm_fwd_bf16(
+                    g,
+                    s,
+                    &mut self.x,
+                    None,
+                    &mut self.h,
+                    &self.tmp,
+                    &ly.n2,
+                    b,
+                    d.h,
+                    eps,
+                )?;
+            } else {
+                add_fwd_bf16_inplace(g, s, &mut self.h, &self.tmp, b * d.h)?;
+                rmsnorm_fwd_bf16(g, s, &mut self.x, None, &self.h, &ly.n2, b, d.h, eps)?;
+            }
             linear_fwd_bf16(g, s, &mut self.gu, &self.x, &ly.wgu, None, b, d.h, 2 * d.f)?;
+            let up = self.gu.slice(d.f..);
             swiglu_fwd_bf16(
                 g,
                 s,
                 &mut self.act,
                 &self.gu,
-                &self.gu.slice(d.f..),
+                &up,
                 b,
                 d.f,
                 d.f,
@@ -338,9 +356,29 @@ impl Model {
                 2 * d.f,
             )?;
             linear_fwd_bf16(g, s, &mut self.tmp, &self.act, &ly.wd, None, b, d.f, d.h)?;
-            add_fwd_bf16_inplace(g, s, &mut self.h, &self.tmp, b * d.h)?;
+            let next_norm = if l + 1 < d.layers {
+                &self.layers[l + 1].n1
+            } else {
+                &self.norm
+            };
+            if self.fused {
+                add_rmsnorm_fwd_bf16(
+                    g,
+                    s,
+                    &mut self.x,
+                    None,
+                    &mut self.h,
+                    &self.tmp,
+                    next_norm,
+                    b,
+                    d.h,
+                    eps,
+                )?;
+            } else {
+                add_fwd_bf16_inplace(g, s, &mut self.h, &self.tmp, b * d.h)?;
+                rmsnorm_fwd_bf16(g, s, &mut self.x, None, &self.h, next_norm, b, d.h, eps)?;
+            }
         }
-        rmsnorm_fwd_bf16(g, s, &mut self.x, None, &self.h, &self.norm, b, d.h, 1e-6)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         linear_fwd_bf16(g, s, &mut self.logits, &self.x, head, None, b, d.h, d.vocab)?;
         let p = SampleParams {
@@ -350,13 +388,14 @@ impl Model {
             seed: 1,
             iteration: 0,
         };
+        let (ids, steps) = (&self.sample_ids, &self.steps);
         sample_bf16(
             g,
             s,
             &mut self.tokens,
             &self.logits,
-            &self.sample_ids,
-            &self.steps,
+            ids,
+            steps,
             b,
             d.vocab,
             d.vocab,
@@ -469,6 +508,16 @@ fn main() -> Res<()> {
         let graph = capture(&s, || m.step(&g, &s))?;
         let t = time_graph(&g, &s, &graph, 20)?;
         drop(graph);
+        m.fused = false;
+        let graph = capture(&s, || m.step(&g, &s))?;
+        let t_unfused = time_graph(&g, &s, &graph, 20)?;
+        drop(graph);
+        m.fused = true;
+        m.plan.tensor_cores = false;
+        let graph = capture(&s, || m.step(&g, &s))?;
+        let t_simt = time_graph(&g, &s, &graph, 20)?;
+        drop(graph);
+        m.plan.tensor_cores = true;
         let att_graph = capture(&s, || {
             for l in 0..d.layers {
                 m.attention(&g, &s, l)?;
@@ -510,7 +559,7 @@ fn main() -> Res<()> {
             None => "no sharing".to_string(),
         };
         let line = format!(
-            "{} B={batch} KV={} ({pre}) splits {}x{}: step {t:.3} ms (eager {t_eager:.3}), moved {:.2} GB (w {:.2} + kv {:.2} + logits {:.3}) = {bw:.2} TB/s = {:.0}% of copy; attention {t_att:.3} ms for {:.2} GB = {att_bw:.2} TB/s ({:.0}%); tokens[0..4] {:?}",
+            "{} B={batch} KV={} ({pre}) splits {}x{}: step {t:.3} ms (unfused {t_unfused:.3}, SIMT attention {t_simt:.3}, eager {t_eager:.3}), moved {:.2} GB (w {:.2} + kv {:.2} + logits {:.3}) = {bw:.2} TB/s = {:.0}% of copy; attention {t_att:.3} ms for {:.2} GB = {att_bw:.2} TB/s ({:.0}%); tokens[0..4] {:?}",
             d.name,
             m.kv_len,
             m.plan.splits,

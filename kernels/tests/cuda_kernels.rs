@@ -644,8 +644,11 @@ fn attention_decode_matches_cpu_with_shared_prefix() {
         let max_len = prefix_len + suffix_lens.iter().max().unwrap();
         let mut results = Vec::new();
         // the planned split, and a plan made for a shorter length (the last split takes the rest)
-        for hint in [max_len, max_len / 3 + 1] {
-            let plan = decode_plan(b, dims, hint);
+        for (hint, tc) in [(max_len, true), (max_len / 3 + 1, true), (max_len, false)] {
+            let plan = DecodePlan {
+                tensor_cores: tc,
+                ..decode_plan(b, dims, hint)
+            };
             let mut ws = poison_f32(&s, plan.workspace_len());
             let mut dout = poison_bf(&s, b * dims.q_width());
             let mut dlse = poison_f32(&s, b * dims.num_heads);
@@ -667,7 +670,7 @@ fn attention_decode_matches_cpu_with_shared_prefix() {
             )
             .unwrap();
             let label = format!(
-                "{dims:?} B{b} prefix {prefix_len} splits {} chunk {}",
+                "{dims:?} B{b} prefix {prefix_len} splits {} chunk {} tensor_cores {tc}",
                 plan.splits, plan.chunk
             );
             let got = to_f32(&down(&s, &dout));
@@ -1065,4 +1068,97 @@ fn graph_capture_replays_a_layer_slice() {
         "graph replay differs from eager launches"
     );
     println!("graph capture: rmsnorm + cuBLASLt GEMM replay bitwise equal to eager");
+}
+
+#[test]
+fn fused_decode_ops_equal_their_parts() {
+    let g = gpu_or_skip!();
+    let s = g.stream(0).unwrap();
+    // add_rmsnorm = add then rmsnorm, bitwise; and near the CPU twins.
+    let (rows, d) = (64usize, 2048usize);
+    let (h, hf) = rand_bf(rows * d, 2.0);
+    let (dl, dlf) = rand_bf(rows * d, 2.0);
+    let (w, wf) = rand_bf(d, 1.0);
+    let (ddl, dw) = (up(&s, &dl), up(&s, &w));
+    let mut h1 = up(&s, &h);
+    let mut y1 = poison_bf(&s, rows * d);
+    add_fwd_bf16_inplace(g, &s, &mut h1, &ddl, rows * d).unwrap();
+    rmsnorm_fwd_bf16(g, &s, &mut y1, None, &h1, &dw, rows, d, 1e-6).unwrap();
+    let mut h2 = up(&s, &h);
+    let mut y2 = poison_bf(&s, rows * d);
+    add_rmsnorm_fwd_bf16(g, &s, &mut y2, None, &mut h2, &ddl, &dw, rows, d, 1e-6).unwrap();
+    assert_eq!(
+        down(&s, &h2),
+        down(&s, &h1),
+        "add_rmsnorm: residual differs from add_fwd_bf16"
+    );
+    assert_eq!(
+        down(&s, &y2),
+        down(&s, &y1),
+        "add_rmsnorm: output differs from rmsnorm_fwd_bf16"
+    );
+    let mut hsum = hf.clone();
+    cpu::add_fwd(&mut hsum, &dlf).unwrap();
+    let mut want = vec![0f32; rows * d];
+    cpu::rmsnorm_fwd(&mut want, None, &hsum, &wf, rows, d, 1e-6).unwrap();
+    check(
+        "add_rmsnorm_fwd_bf16 vs CPU",
+        &to_f32(&down(&s, &y2)),
+        &want,
+        8e-3,
+    );
+
+    // rope_kv_append = rope + two kv appends, bitwise.
+    let (t, hq, hk, hd) = (16usize, 16usize, 2usize, 128usize);
+    let row = (hq + 2 * hk) * hd;
+    let kvw = hk * hd;
+    let (x, _) = rand_bf(t * row, 2.0);
+    let ang: Vec<f32> = rand_vec(t * hd, fresh_seed())
+        .iter()
+        .map(|v| v * 30.0)
+        .collect();
+    let cos: Vec<f32> = ang.iter().map(|a| a.cos()).collect();
+    let sin: Vec<f32> = ang.iter().map(|a| a.sin()).collect();
+    let slots: Vec<u32> = (0..t as u32).map(|i| (i * 7) % 40).collect();
+    let n_slots = 40;
+    let (dc, ds, dsl) = (up(&s, &cos), up(&s, &sin), up(&s, &slots));
+    let mut x1 = up(&s, &x);
+    let (mut k1, mut v1) = (poison_bf(&s, n_slots * kvw), poison_bf(&s, n_slots * kvw));
+    rope_fwd_bf16(g, &s, &mut x1, &dc, &ds, t, row, hq + hk, hd, true).unwrap();
+    kv_append_bf16(g, &s, &mut k1, &x1.slice(hq * hd..), &dsl, t, kvw, row, kvw).unwrap();
+    kv_append_bf16(
+        g,
+        &s,
+        &mut v1,
+        &x1.slice((hq + hk) * hd..),
+        &dsl,
+        t,
+        kvw,
+        row,
+        kvw,
+    )
+    .unwrap();
+    let mut x2 = up(&s, &x);
+    let (mut k2, mut v2) = (poison_bf(&s, n_slots * kvw), poison_bf(&s, n_slots * kvw));
+    rope_kv_append_bf16(
+        g, &s, &mut x2, &mut k2, &mut v2, &dc, &ds, &dsl, t, hq, hk, hd, true,
+    )
+    .unwrap();
+    let bits = |v: Vec<bf16>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(down(&s, &x2)),
+        bits(down(&s, &x1)),
+        "rope_kv_append: rotated rows differ"
+    );
+    assert_eq!(
+        bits(down(&s, &k2)),
+        bits(down(&s, &k1)),
+        "rope_kv_append: k cache differs"
+    );
+    assert_eq!(
+        bits(down(&s, &v2)),
+        bits(down(&s, &v1)),
+        "rope_kv_append: v cache differs"
+    );
+    println!("add_rmsnorm_fwd_bf16 and rope_kv_append_bf16: bitwise equal to their parts");
 }

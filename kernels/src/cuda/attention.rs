@@ -264,6 +264,10 @@ pub struct DecodePlan {
     pub head_dim: usize,
     pub splits: usize,
     pub chunk: usize,
+    /// The tensor-core kernel (`attention_decode_bf16`, default) or the SIMT one
+    /// (`attention_decode_simt_bf16`, kept for side-by-side timing). Same results within bf16
+    /// rounding; each is deterministic.
+    pub tensor_cores: bool,
 }
 
 impl DecodePlan {
@@ -302,6 +306,7 @@ pub fn decode_plan_for_blocks(
         head_dim: dims.head_dim,
         splits,
         chunk,
+        tensor_cores: true,
     }
 }
 
@@ -379,7 +384,31 @@ pub fn attention_decode_bf16(
     let part_o = wp;
     let part_ml = wp + (b * dims.num_heads * plan.splits * dims.head_dim * 4) as u64;
     let hd = dims.head_dim as u32;
-    let f1 = gpu.function(&ATTENTION, &[("HEAD_DIM", hd)], "attention_decode_bf16")?;
+    let name = if plan.tensor_cores {
+        "attention_decode_bf16"
+    } else {
+        "attention_decode_simt_bf16"
+    };
+    let f1 = gpu.function(&ATTENTION, &[("HEAD_DIM", hd)], name)?;
+    // The tensor-core kernel: 4 warps x 2 stages x (K + V) tiles of 32 keys, rows padded by 8.
+    let smem = if plan.tensor_cores {
+        (4 * 2 * 2 * 32 * (dims.head_dim + 8) * 2) as u32
+    } else {
+        0
+    };
+    if smem > 0 {
+        // SAFETY: a valid function handle of this context; the attribute only raises the
+        // dynamic shared-memory limit to what this launch passes (139 KiB for head_dim 128,
+        // within the 227 KiB a Hopper block may use).
+        unsafe {
+            cudarc::driver::sys::cuFuncSetAttribute(
+                f1.cu_function(),
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+        }
+        .result()?;
+    }
     let f2 = gpu.function(
         &ATTENTION,
         &[("HEAD_DIM", hd)],

@@ -94,8 +94,13 @@ impl LtState {
     pub(crate) fn workspace(&mut self, stream: &Arc<CudaStream>) -> Result<u64> {
         let key = stream.cu_stream() as usize;
         if !self.workspaces.contains_key(&key) {
+            // Allocated on the context's default stream (which lives as long as the context),
+            // not on `stream`: a green-context stream may be destroyed before the Gpu, and a
+            // stream-ordered free on a destroyed stream would crash.
+            let ds = stream.context().default_stream();
             // SAFETY: scratch memory, never read before cuBLASLt writes it.
-            let w = unsafe { stream.alloc::<u8>(WORKSPACE_BYTES) }?;
+            let w = unsafe { ds.alloc::<u8>(WORKSPACE_BYTES) }?;
+            ds.synchronize()?; // ready for use on any stream
             self.workspaces.insert(key, w);
         }
         Ok(ptr(&self.workspaces[&key], stream))

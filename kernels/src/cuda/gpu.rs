@@ -33,6 +33,13 @@ pub struct Gpu {
     blas: Mutex<HashMap<usize, CudaBlas>>,
 }
 
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        // Finish all work before the workspaces and handles go (their frees are stream-ordered).
+        let _ = self.ctx.synchronize();
+    }
+}
+
 impl Gpu {
     /// Opens device `ordinal` (its primary context) and turns off cudarc's per-buffer event
     /// tracking (see the module invariants in [`super`]).

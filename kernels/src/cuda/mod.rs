@@ -8,9 +8,9 @@
 //! | op (CUDA symbol = Rust launcher) | CPU twin | file |
 //! |---|---|---|
 //! | `matmul_bf16`, `linear_fwd_bf16` (cuBLASLt, fp32 accumulate) | `matmul`, `linear_fwd` | `gemm.rs` |
-//! | `rmsnorm_fwd_bf16` | `rmsnorm_fwd` | `norm.rs`, `norm.cu` |
-//! | `rope_fwd_bf16`, `swiglu_fwd_bf16`, `gelu_fwd_bf16`, `add_fwd_bf16`, `embedding_fwd_bf16`, `kv_append_bf16` | `rope_fwd`, `swiglu_fwd`, `gelu_fwd`, `add_fwd`, `embedding_fwd` | `pointwise.rs`, `pointwise.cu` |
-//! | `attention_fwd_bf16`, `attention_decode_bf16` (+ `attention_decode_reduce_bf16`) | `attention_fwd`, `attention_decode` | `attention.rs`, `attention.cu` |
+//! | `rmsnorm_fwd_bf16`, `add_rmsnorm_fwd_bf16` (residual add + norm) | `rmsnorm_fwd` (+ `add_fwd`) | `norm.rs`, `norm.cu` |
+//! | `rope_fwd_bf16`, `swiglu_fwd_bf16`, `gelu_fwd_bf16`, `add_fwd_bf16`, `embedding_fwd_bf16`, `kv_append_bf16`, `rope_kv_append_bf16` | `rope_fwd`, `swiglu_fwd`, `gelu_fwd`, `add_fwd`, `embedding_fwd` | `pointwise.rs`, `pointwise.cu` |
+//! | `attention_fwd_bf16`, `attention_decode_bf16` (tensor cores; `attention_decode_simt_bf16` kept for timing; + `attention_decode_reduce_bf16`) | `attention_fwd`, `attention_decode` | `attention.rs`, `attention.cu` |
 //! | `logprobs_fwd_bf16` | `logprobs_fwd` | `logprobs.rs`, `logprobs.cu` |
 //! | `sample_bf16` (Philox4x32-10, temperature / top-k / top-p) | [`sampling::sample_ref`] | `sampling.rs`, `sampling.cu` |
 //! | `adamw_step_f32` | `runtime::train::adamw` (bitwise) | `adamw.rs`, `adamw.cu` |
@@ -48,9 +48,10 @@ pub use gemm::{linear_fwd_bf16, matmul_bf16, matmul_bf16_cublas};
 pub use gpu::Gpu;
 pub use green::{SmPartition, SmPartitionKind};
 pub use logprobs::logprobs_fwd_bf16;
-pub use norm::rmsnorm_fwd_bf16;
+pub use norm::{add_rmsnorm_fwd_bf16, rmsnorm_fwd_bf16};
 pub use pointwise::{
-    add_fwd_bf16, embedding_fwd_bf16, gelu_fwd_bf16, kv_append_bf16, rope_fwd_bf16, swiglu_fwd_bf16,
+    add_fwd_bf16, add_fwd_bf16_inplace, embedding_fwd_bf16, gelu_fwd_bf16, kv_append_bf16,
+    rope_fwd_bf16, rope_kv_append_bf16, swiglu_fwd_bf16,
 };
 pub use sampling::{philox4x32_10, sample_bf16, sample_ref, SampleParams};
 

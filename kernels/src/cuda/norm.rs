@@ -63,3 +63,63 @@ pub fn rmsnorm_fwd_bf16(
     unsafe { b.launch(cfg) }?;
     Ok(())
 }
+
+/// Residual add fused with RMSNorm: `h = bf16(h + delta)`, then `y = rmsnorm(h)` as
+/// [`rmsnorm_fwd_bf16`]; bitwise the same as `add_fwd_bf16` followed by it. `[rows, d]`
+/// contiguous; `rstd[rows]` optional.
+#[allow(clippy::too_many_arguments)]
+pub fn add_rmsnorm_fwd_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    y: &mut impl DevicePtrMut<bf16>,
+    rstd: Option<&mut dyn DevicePtrMut<f32>>,
+    h: &mut impl DevicePtrMut<bf16>,
+    delta: &impl DevicePtr<bf16>,
+    w: &impl DevicePtr<bf16>,
+    rows: usize,
+    d: usize,
+    eps: f32,
+) -> Result<()> {
+    const OP: &str = "add_rmsnorm_fwd_bf16";
+    need(OP, "h", h, rows * d)?;
+    need(OP, "delta", delta, rows * d)?;
+    need(OP, "y", y, rows * d)?;
+    need(OP, "w", w, d)?;
+    if rows == 0 || d == 0 {
+        return Ok(());
+    }
+    let rstd_p = match rstd {
+        Some(r) => {
+            need(OP, "rstd", r, rows)?;
+            ptr_mut(r, stream)
+        }
+        None => 0u64,
+    };
+    let f = gpu.function(&NORM, &[], "add_rmsnorm_fwd_bf16")?;
+    let (hp, dp, wp, yp) = (
+        ptr_mut(h, stream),
+        ptr(delta, stream),
+        ptr(w, stream),
+        ptr_mut(y, stream),
+    );
+    let (rows32, d32) = (u32_of(OP, "rows", rows)?, u32_of(OP, "d", d)?);
+    let threads = if d >= 4096 { 512 } else { 256 };
+    let cfg = LaunchConfig {
+        grid_dim: (rows32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = stream.launch_builder(&f);
+    b.arg(&hp)
+        .arg(&dp)
+        .arg(&wp)
+        .arg(&yp)
+        .arg(&rstd_p)
+        .arg(&rows32)
+        .arg(&d32)
+        .arg(&eps);
+    // SAFETY: h, delta, y hold rows*d elements, w d, rstd rows (checked); each element of h is
+    // read and written by one thread; arguments match (h, delta, w, y, rstd, rows, cols, eps).
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}

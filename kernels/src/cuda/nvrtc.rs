@@ -291,18 +291,24 @@ mod tests {
             return;
         }
         for m in ALL {
-            let defines: &[(&str, u32)] = if m.name == "attention" {
-                &[("HEAD_DIM", 128)]
+            let variants: &[&[(&str, u32)]] = if m.name == "attention" {
+                &[
+                    &[("HEAD_DIM", 128)],
+                    &[("HEAD_DIM", 80)],
+                    &[("HEAD_DIM", 64)],
+                ]
             } else {
-                &[]
+                &[&[]]
             };
-            let source = format!("{COMMON}\n#line 1 \"{}.cu\"\n{}", m.name, m.source);
-            match compile_uncached(m.name, &source, &options("sm_90", defines)) {
-                Ok((cubin, log)) => {
-                    assert!(!cubin.is_empty());
-                    println!("== {} ({} bytes)\n{log}", m.name, cubin.len());
+            for defines in variants {
+                let source = format!("{COMMON}\n#line 1 \"{}.cu\"\n{}", m.name, m.source);
+                match compile_uncached(m.name, &source, &options("sm_90", defines)) {
+                    Ok((cubin, log)) => {
+                        assert!(!cubin.is_empty());
+                        println!("== {} {defines:?} ({} bytes)\n{log}", m.name, cubin.len());
+                    }
+                    Err(e) => panic!("{e}"),
                 }
-                Err(e) => panic!("{e}"),
             }
         }
     }

@@ -315,3 +315,73 @@ pub fn kv_append_bf16(
     unsafe { b.launch(cfg((t, 1), 128)) }?;
     Ok(())
 }
+
+/// Decode-step fusion of [`rope_fwd_bf16`] and two [`kv_append_bf16`]: on each `qkv` row
+/// (`[tokens, (heads + 2 kv_heads) * head_dim]`, contiguous) rotate the q and k heads in place,
+/// then copy the k and v parts to row `slots[t]` of `k_cache` / `v_cache`
+/// (`[rows, kv_heads * head_dim]`). Bitwise the same as the three kernels.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_kv_append_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    qkv: &mut impl DevicePtrMut<bf16>,
+    k_cache: &mut impl DevicePtrMut<bf16>,
+    v_cache: &mut impl DevicePtrMut<bf16>,
+    cos: &impl DevicePtr<f32>,
+    sin: &impl DevicePtr<f32>,
+    slots: &impl DevicePtr<u32>,
+    tokens: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    hf_text_rounding: bool,
+) -> Result<()> {
+    const OP: &str = "rope_kv_append_bf16";
+    if head_dim % 2 != 0 {
+        return Err(shape(OP, format!("head_dim {head_dim} must be even")));
+    }
+    if tokens == 0 {
+        return Ok(());
+    }
+    let (row, kvw) = ((heads + 2 * kv_heads) * head_dim, kv_heads * head_dim);
+    need(OP, "qkv", qkv, tokens * row)?;
+    need(OP, "cos", cos, tokens * head_dim)?;
+    need(OP, "sin", sin, tokens * head_dim)?;
+    need(OP, "slots", slots, tokens)?;
+    if v_cache.len() < k_cache.len() {
+        return Err(shape(OP, "v_cache must hold as many elements as k_cache"));
+    }
+    let n_slots = u32_of(OP, "cache rows", k_cache.len() / kvw.max(1))?;
+    let f = gpu.function(&POINTWISE, &[], "rope_kv_append_bf16")?;
+    let (xp, kp, vp) = (
+        ptr_mut(qkv, stream),
+        ptr_mut(k_cache, stream),
+        ptr_mut(v_cache, stream),
+    );
+    let (cp, sp, slp) = (ptr(cos, stream), ptr(sin, stream), ptr(slots, stream));
+    let (t, h, kvh, hd, mode) = (
+        u32_of(OP, "tokens", tokens)?,
+        heads as u32,
+        kv_heads as u32,
+        head_dim as u32,
+        hf_text_rounding as u32,
+    );
+    let mut b = stream.launch_builder(&f);
+    b.arg(&xp)
+        .arg(&cp)
+        .arg(&sp)
+        .arg(&kp)
+        .arg(&vp)
+        .arg(&slp)
+        .arg(&t)
+        .arg(&h)
+        .arg(&kvh)
+        .arg(&hd)
+        .arg(&mode)
+        .arg(&n_slots);
+    // SAFETY: qkv holds tokens rows, cos/sin tokens*head_dim, slots tokens (checked); the kernel
+    // writes only cache rows < n_slots, inside both caches; arguments match (qkv, cos, sin,
+    // k_cache, v_cache, slots, tokens, n_heads, n_kv, head_dim, hf_text_rounding, n_slots).
+    unsafe { b.launch(cfg((t, 1), 128)) }?;
+    Ok(())
+}
