@@ -404,6 +404,33 @@ impl Model {
         Ok(())
     }
 
+    /// Only the step's GEMMs (same shapes, same buffers), to split the step time.
+    fn gemms(&mut self, g: &Gpu, s: &Arc<CudaStream>) -> Res<()> {
+        let d = self.d;
+        let b = self.batch;
+        let qkvw = (d.nh + 2 * d.nkv) * d.hd;
+        for ly in &self.layers {
+            let bias = Some(&ly.bqkv as &dyn cudarc::driver::DevicePtr<bf16>);
+            linear_fwd_bf16(g, s, &mut self.qkv, &self.x, &ly.wqkv, bias, b, d.h, qkvw)?;
+            linear_fwd_bf16(
+                g,
+                s,
+                &mut self.tmp,
+                &self.attn,
+                &ly.wo,
+                None,
+                b,
+                d.nh * d.hd,
+                d.h,
+            )?;
+            linear_fwd_bf16(g, s, &mut self.gu, &self.x, &ly.wgu, None, b, d.h, 2 * d.f)?;
+            linear_fwd_bf16(g, s, &mut self.tmp, &self.act, &ly.wd, None, b, d.f, d.h)?;
+        }
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        linear_fwd_bf16(g, s, &mut self.logits, &self.x, head, None, b, d.h, d.vocab)?;
+        Ok(())
+    }
+
     /// (weight bytes, KV bytes, logits bytes) one step must move.
     fn bytes(&self) -> (f64, f64, f64) {
         let d = self.d;
@@ -473,6 +500,19 @@ fn copy_ceiling(g: &Gpu, s: &Arc<CudaStream>) -> Res<f64> {
 }
 
 fn main() -> Res<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    for a in &args {
+        if !["--unfused", "--tensor-cores"].contains(&a.as_str()) {
+            return Err(format!("unknown flag {a}; flags: --unfused (separate add/norm and rope/append kernels), --tensor-cores (mma.sync decode attention)").into());
+        }
+    }
+    let unfused = args.iter().any(|a| a == "--unfused");
+    let tensor_cores = args.iter().any(|a| a == "--tensor-cores");
+    println!(
+        "variant: {} kernels, {} decode attention",
+        if unfused { "unfused" } else { "fused" },
+        if tensor_cores { "tensor-core" } else { "SIMT" }
+    );
     let g = Gpu::new(0)?;
     let s = g.stream(0)?;
     g.prepare_stream(&s)?;
@@ -493,6 +533,8 @@ fn main() -> Res<()> {
     for (d, batch, prefix) in configs {
         let kv_len = 2048;
         let mut m = build(&g, &s, d, batch, kv_len, prefix)?;
+        m.fused = !unfused;
+        m.plan.tensor_cores = tensor_cores;
         s.synchronize()?;
         // eager once (also checks every launch), then the graph
         m.step(&g, &s)?;
@@ -508,16 +550,6 @@ fn main() -> Res<()> {
         let graph = capture(&s, || m.step(&g, &s))?;
         let t = time_graph(&g, &s, &graph, 20)?;
         drop(graph);
-        m.fused = false;
-        let graph = capture(&s, || m.step(&g, &s))?;
-        let t_unfused = time_graph(&g, &s, &graph, 20)?;
-        drop(graph);
-        m.fused = true;
-        m.plan.tensor_cores = false;
-        let graph = capture(&s, || m.step(&g, &s))?;
-        let t_simt = time_graph(&g, &s, &graph, 20)?;
-        drop(graph);
-        m.plan.tensor_cores = true;
         let att_graph = capture(&s, || {
             for l in 0..d.layers {
                 m.attention(&g, &s, l)?;
@@ -527,11 +559,23 @@ fn main() -> Res<()> {
         let t_att = time_graph(&g, &s, &att_graph, 20)?;
         drop(att_graph);
         let (w, kv, lg) = m.bytes();
+        let gemm_graph = capture(&s, || m.gemms(&g, &s))?;
+        let t_gemm = time_graph(&g, &s, &gemm_graph, 20)?;
+        drop(gemm_graph);
+        let split_line = format!(
+            "    split: GEMMs {t_gemm:.3} ms ({:.2} TB/s on {:.2} GB of weights), attention {t_att:.3} ms, the rest {:.3} ms",
+            w / (t_gemm * 1e-3) / 1e12,
+            w / 1e9,
+            t - t_gemm - t_att
+        );
         // Attention alone under other splits (the default aims at DECODE_TARGET_BLOCKS).
         let mut sweep = Vec::new();
         let default_plan = m.plan;
         for target in [264usize, 1056, 2112] {
-            m.plan = decode_plan_for_blocks(batch, m.dims(), kv_len, target);
+            m.plan = DecodePlan {
+                tensor_cores,
+                ..decode_plan_for_blocks(batch, m.dims(), kv_len, target)
+            };
             if m.plan.workspace_len() > m.ws.len() {
                 m.ws = g.alloc(&s, m.plan.workspace_len())?;
             }
@@ -559,7 +603,7 @@ fn main() -> Res<()> {
             None => "no sharing".to_string(),
         };
         let line = format!(
-            "{} B={batch} KV={} ({pre}) splits {}x{}: step {t:.3} ms (unfused {t_unfused:.3}, SIMT attention {t_simt:.3}, eager {t_eager:.3}), moved {:.2} GB (w {:.2} + kv {:.2} + logits {:.3}) = {bw:.2} TB/s = {:.0}% of copy; attention {t_att:.3} ms for {:.2} GB = {att_bw:.2} TB/s ({:.0}%); tokens[0..4] {:?}",
+            "{} B={batch} KV={} ({pre}) splits {}x{}: step {t:.3} ms (eager {t_eager:.3}), moved {:.2} GB (w {:.2} + kv {:.2} + logits {:.3}) = {bw:.2} TB/s = {:.0}% of copy; attention {t_att:.3} ms for {:.2} GB = {att_bw:.2} TB/s ({:.0}%); tokens[0..4] {:?}",
             d.name,
             m.kv_len,
             m.plan.splits,
@@ -575,6 +619,7 @@ fn main() -> Res<()> {
         );
         println!("{line}");
         println!("    attention sweep: {}", sweep.join("; "));
+        println!("{split_line}");
         rows.push(line);
         drop(m);
         s.synchronize()?;

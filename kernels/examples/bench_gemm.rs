@@ -138,6 +138,134 @@ fn main() -> Res<()> {
             100.0 * flops / time / 1e12 / ceiling
         );
     }
+    // Decode-shaped (skinny) GEMMs: time and weight bandwidth against the copy ceiling,
+    // cuBLASLt (our default) and classic cuBLAS side by side. Weights rotate over 4 copies so
+    // that the 60 MB L2 does not serve repeats.
+    println!("decode GEMMs (weights streamed from HBM; bandwidth = weight bytes / time):");
+    let src = s.clone_htod(&rand_bf(1 << 24, 77, 0.05))?;
+    // A device buffer of n elements filled from the random source (fast for GBs).
+    let filled = |n: usize, shift: usize| -> Res<CudaSlice<bf16>> {
+        let mut d = g.alloc::<bf16>(&s, n)?;
+        let c = src.len();
+        let mut off = 0;
+        let mut k = shift;
+        while off < n {
+            let len = c.min(n - off);
+            let st = (k * 7919) % (c - len + 1).max(1);
+            s.memcpy_dtod(&src.slice(st..st + len), &mut d.slice_mut(off..off + len))?;
+            off += len;
+            k += 1;
+        }
+        Ok(d)
+    };
+    for (name, h, q, kv, f, vocab) in [
+        (
+            "3B",
+            2048usize,
+            2048usize,
+            256usize,
+            11008usize,
+            151_936usize,
+        ),
+        ("7B", 3584, 3584, 512, 18944, 152_064),
+    ] {
+        for (what, k, n) in [
+            ("qkv", h, q + 2 * kv),
+            ("o_proj", q, h),
+            ("gate_up", h, 2 * f),
+            ("down", f, h),
+            ("lm_head", h, vocab),
+        ] {
+            let copies = 4;
+            let ws: Vec<_> = (0..copies)
+                .map(|i| filled(n * k, i * 13))
+                .collect::<Res<_>>()?;
+            for m in [64usize, 8] {
+                let dx = s.clone_htod(&rand_bf(m * k, 3, 1.0))?;
+                let mut dy = g.alloc::<bf16>(&s, m * n)?;
+                let gm = Gemm::nt(m, k, n);
+                let mut res = Vec::new();
+                for lt in [true, false] {
+                    let mut i = 0;
+                    let ms = time_ms(&g, &s, 4, 24, || {
+                        let w = &ws[i % copies];
+                        i += 1;
+                        if lt {
+                            matmul_bf16(&g, &s, &mut dy, &dx, w, gm)?;
+                        } else {
+                            matmul_bf16_cublas(&g, &s, &mut dy, &dx, w, gm)?;
+                        }
+                        Ok(())
+                    })?;
+                    res.push((ms, (n * k * 2) as f64 / (ms * 1e-3) / 1e12));
+                }
+                println!(
+                    "  {name} {what:<8} m{m:<3} k{k:<6} n{n:<7} cuBLASLt {:7.1} us {:5.2} TB/s ({:3.0}%) | cuBLAS {:7.1} us {:5.2} TB/s",
+                    res[0].0 * 1e3,
+                    res[0].1,
+                    100.0 * res[0].1 / copy_bw,
+                    res[1].0 * 1e3,
+                    res[1].1
+                );
+            }
+        }
+    }
+
+    // Prefill attention (the SIMT flash-style kernel): causal, 8192 tokens in 4 sequences.
+    for (name, nh, nkv) in [("3B", 16usize, 2usize), ("7B", 28, 4)] {
+        let dims = rollplex_kernels::cpu::AttnDims {
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: 128,
+        };
+        let (t, per) = (8192usize, 2048usize);
+        let dq = s.clone_htod(&rand_bf(t * dims.q_width(), 4, 1.0))?;
+        let dk = s.clone_htod(&rand_bf(t * dims.kv_width(), 5, 1.0))?;
+        let dv = s.clone_htod(&rand_bf(t * dims.kv_width(), 6, 1.0))?;
+        let seqs: Vec<AttnSeqGpu> = (0..t / per)
+            .map(|i| {
+                let st = (i * per) as u32;
+                AttnSeqGpu {
+                    q_start: st,
+                    q_len: per as u32,
+                    p_start: 0,
+                    p_len: 0,
+                    k_start: st,
+                    k_len: per as u32,
+                }
+            })
+            .collect();
+        let dsq = s.clone_htod(&seqs)?;
+        let mut dout = g.alloc::<bf16>(&s, t * dims.q_width())?;
+        let strides = attention::RowStrides::contiguous(dims);
+        let ms = time_ms(&g, &s, 2, 10, || {
+            attention_fwd_bf16(
+                &g,
+                &s,
+                &mut dout,
+                None,
+                &dq,
+                &dk,
+                &dv,
+                &dk,
+                &dv,
+                &dsq,
+                seqs.len(),
+                per,
+                dims,
+                rollplex_kernels::cpu::AttnMask::Causal,
+                0.088,
+                strides,
+            )?;
+            Ok(())
+        })?;
+        let flops = 4.0 * (t / per) as f64 * (per * per) as f64 / 2.0 * 128.0 * nh as f64;
+        println!(
+            "attention_fwd_bf16 {name} causal 4 x 2048 tokens, {nh}/{nkv} heads: {ms:.3} ms = {:.1} TFLOP/s",
+            flops / (ms * 1e-3) / 1e12
+        );
+    }
+
     let part = SmPartition::new(&g, &[48])?;
     println!(
         "partition: {:?} SMs {:?} {}",

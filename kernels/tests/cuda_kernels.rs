@@ -565,7 +565,18 @@ fn attention_fwd_matches_cpu() {
 }
 
 #[test]
-fn attention_decode_matches_cpu_with_shared_prefix() {
+fn attention_decode_simt_matches_cpu_with_shared_prefix() {
+    decode_case(false);
+}
+
+#[test]
+fn attention_decode_tensor_cores_matches_cpu_with_shared_prefix() {
+    decode_case(true);
+}
+
+/// Decode attention of both kernels against the CPU twin: GRPO groups sharing a prefix, random
+/// suffix lengths, gaps in the arena, GQA 8:1 and 7:1 and 12:1 (two head groups).
+fn decode_case(tensor_cores: bool) {
     let g = gpu_or_skip!();
     let s = g.stream(0).unwrap();
     for (dims, groups, gsize, prefix_len) in [
@@ -644,7 +655,7 @@ fn attention_decode_matches_cpu_with_shared_prefix() {
         let max_len = prefix_len + suffix_lens.iter().max().unwrap();
         let mut results = Vec::new();
         // the planned split, and a plan made for a shorter length (the last split takes the rest)
-        for (hint, tc) in [(max_len, true), (max_len / 3 + 1, true), (max_len, false)] {
+        for (hint, tc) in [(max_len, tensor_cores), (max_len / 3 + 1, tensor_cores)] {
             let plan = DecodePlan {
                 tensor_cores: tc,
                 ..decode_plan(b, dims, hint)
@@ -981,35 +992,30 @@ fn green_partitions_give_identical_bits_and_events_order_them() {
         up(&full, &q),
         up(&full, &seqs),
     );
-    let plan = decode_plan(b, dims, len);
-    let mut att = Vec::new();
-    for st in [&full, a_s] {
-        let mut ws = poison_f32(&full, plan.workspace_len());
-        let mut o = poison_bf(&full, b * dims.q_width());
-        full.synchronize().unwrap();
-        attention_decode_bf16(
-            g,
-            st,
-            &mut o,
-            None,
-            &mut ws,
-            &dq,
-            &dk,
-            &dv,
-            &ds,
-            dims,
-            0.088,
-            RowStrides::contiguous(dims),
-            plan,
-        )
-        .unwrap();
-        st.synchronize().unwrap();
-        att.push(down(&full, &o));
+    // Both decode kernels: the same bits on the whole GPU and on a partition.
+    for tc in [false, true] {
+        let plan = DecodePlan {
+            tensor_cores: tc,
+            ..decode_plan(b, dims, len)
+        };
+        let mut att = Vec::new();
+        for st in [&full, a_s] {
+            let mut ws = poison_f32(&full, plan.workspace_len());
+            let mut o = poison_bf(&full, b * dims.q_width());
+            full.synchronize().unwrap();
+            let strides = RowStrides::contiguous(dims);
+            attention_decode_bf16(
+                g, st, &mut o, None, &mut ws, &dq, &dk, &dv, &ds, dims, 0.088, strides, plan,
+            )
+            .unwrap();
+            st.synchronize().unwrap();
+            att.push(down(&full, &o));
+        }
+        assert_eq!(
+            att[0], att[1],
+            "decode attention (tensor_cores {tc}) bits differ between streams"
+        );
     }
-    assert_eq!(
-        att[0], att[1],
-        "decode attention bits differ between streams"
-    );
     // Events: a GEMM on partition A, then a copy on partition B that waits on A's event.
     let mut y = poison_bf(&full, m * n);
     let zero = up(&full, &vec![bf16::ZERO; m * n]);

@@ -264,9 +264,9 @@ pub struct DecodePlan {
     pub head_dim: usize,
     pub splits: usize,
     pub chunk: usize,
-    /// The tensor-core kernel (`attention_decode_bf16`, default) or the SIMT one
-    /// (`attention_decode_simt_bf16`, kept for side-by-side timing). Same results within bf16
-    /// rounding; each is deterministic.
+    /// The tensor-core kernel (`attention_decode_bf16`) or the SIMT one
+    /// (`attention_decode_simt_bf16`, the default: the one verified on the H200 so far; see
+    /// docs/cuda.md). Same results within bf16 rounding; each is deterministic.
     pub tensor_cores: bool,
 }
 
@@ -306,7 +306,7 @@ pub fn decode_plan_for_blocks(
         head_dim: dims.head_dim,
         splits,
         chunk,
-        tensor_cores: true,
+        tensor_cores: false,
     }
 }
 
@@ -426,7 +426,7 @@ pub fn attention_decode_bf16(
     let cfg1 = LaunchConfig {
         grid_dim: (splits, hg, bz),
         block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: smem,
     };
     let mut l1 = stream.launch_builder(&f1);
     l1.arg(&part_o)
