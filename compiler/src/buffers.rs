@@ -1,0 +1,498 @@
+//! Buffers: every tensor an iteration keeps beyond one task, with its size per rank, and which
+//! tasks read and write it; plus each task's transient working set (`scratch`).
+//!
+//! Table (per rank; `n` prompts of a replica, `g` group size, `P` prompt tokens, `R` max new
+//! tokens, `c` copies of each prefix (1 with dedup, `g` without)):
+//!
+//! | buffer | bytes | written by | read by |
+//! |---|---|---|---|
+//! | `actor_weights` | params x dtype / train TP | optimizer | everything of the actor |
+//! | `rollout_weights` | the part of the rollout shard not in the training shard | weight sync | encode, prefill, decode |
+//! | `ref_weights` | params x dtype / train TP | (frozen) | reference prefix/suffix |
+//! | `master_weights`, `adam_moments` | trainable x 4, x 8 / training ranks | optimizer | optimizer |
+//! | `grads.sS` | trainable x 4 / train TP | micro-batches of step S | optimizer step S |
+//! | `vision_emb` | c n x media tokens x out hidden x dtype | encode | prefill, prefixes (shared) |
+//! | `kv.prompt` | c n P x KV/token / rollout TP | prefill | decode |
+//! | `kv.response` | n g R x KV/token / rollout TP | prefill, decode | decode |
+//! | `samples` | n g R x 4 (token ids, lengths, slot table) | prefill, decode | tail tasks |
+//! | `ref_prefix_kv`, `old_prefix_kv` | c n P x KV/token / train TP | prefixes | suffixes |
+//! | `train_prefix.sS` | c n P x kept bytes/token | actor prefix of step S | its micro-batches |
+//! | `ref_logprobs`, `old_logprobs` | n g R x 4 | suffixes | micro-batches |
+//! | `scalars` | n g x 8 (rewards, advantages) | reward, advantages | micro-batches |
+//!
+//! Kept bytes per token follow the recompute policy ([`crate::shapes::kept_act_bytes_per_token_layer`]);
+//! activations kept for backward are split across the TP group (sequence parallelism).
+//! Sizes that depend on response length use the maximum (`max_new_tokens`): the arena is
+//! static, so every size is an upper bound.
+//!
+//! Invariant: every buffer a node names exists and lives on the node's GPU program.
+
+use crate::lower::PhaseGraph;
+use crate::shapes::{kept_act_bytes_per_token_layer, transient_bytes_per_token};
+use rollplex_plan::spec::{MediaSpec, Mode, Recompute};
+use rollplex_plan::{BufferClass, GpuId, Op, Purpose};
+
+/// How a buffer may be moved to host memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Offload {
+    /// Must stay in device memory.
+    No,
+    /// Never written during the iteration: a host copy stays valid, reload only.
+    Frozen,
+    /// Written during the iteration: offload writes back, reload reads it.
+    Mutable,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct LogicalBuffer {
+    pub name: String,
+    pub class: BufferClass,
+    pub gpu: GpuId,
+    pub bytes: u64,
+    pub shape: String,
+    /// Loop-carried: alive across iterations.
+    pub persistent: bool,
+    pub offload: Offload,
+}
+
+struct Table {
+    bufs: Vec<LogicalBuffer>,
+}
+
+impl Table {
+    fn add(
+        &mut self,
+        name: &str,
+        class: BufferClass,
+        gpu: GpuId,
+        bytes: u64,
+        shape: String,
+        persistent: bool,
+        offload: Offload,
+    ) -> usize {
+        self.bufs.push(LogicalBuffer {
+            name: name.into(),
+            class,
+            gpu,
+            bytes,
+            shape,
+            persistent,
+            offload,
+        });
+        self.bufs.len() - 1
+    }
+}
+
+/// Defines the buffer table of `pg` and fills every node's reads, writes and scratch.
+pub fn assign(pg: &mut PhaseGraph) {
+    let spec = &pg.spec;
+    let sh = &pg.shapes;
+    let par = &pg.topo.parallel;
+    let (rg, tg) = (pg.topo.rollout_gpu, pg.topo.train_gpu);
+    let (rtp, ttp) = (par.rollout_tp as u64, par.train_tp as u64);
+    let (g, n_r, n_t) = (
+        par.group_size as u64,
+        par.prompts_per_rollout_replica as u64,
+        par.prompts_per_train_replica as u64,
+    );
+    let c = pg.copies as u64;
+    let p = sh.prompt_tokens;
+    let r = sh.max_new_tokens as u64;
+    let kv = sh.kv_bytes_per_token;
+    let db = sh.dtype_bytes;
+    let dt = format!("{:?}", spec.actor.dtype).to_lowercase();
+    let layers = spec.actor.text.num_layers as u64;
+    let colocated = pg.topo.mode != Mode::Disaggregated;
+    let params = sh.params.total();
+    let trainable = sh.trainable_params;
+    let batch = pg.topo.batch;
+    let full = spec.train.recompute == Recompute::Full;
+    let kept_tok = kept_act_bytes_per_token_layer(&spec.actor, 1, full) * layers / ttp + kv / ttp;
+    let mut t = Table { bufs: Vec::new() };
+
+    let actor_w = t.add(
+        "actor_weights",
+        BufferClass::ActorWeights,
+        tg,
+        params * db / ttp,
+        format!("(params {params} / tp {ttp}) {dt}"),
+        true,
+        Offload::No,
+    );
+    let mut rollout_w = Vec::new();
+    if colocated {
+        rollout_w.push(actor_w);
+        let extra = crate::lower::rollout_gather_bytes(sh, par.rollout_tp, par.train_tp);
+        if extra > 0 {
+            rollout_w.push(t.add(
+                "rollout_weights",
+                BufferClass::RolloutWeights,
+                rg,
+                extra,
+                format!("(params {params} / tp {rtp} - own train shard) {dt}"),
+                false,
+                Offload::No,
+            ));
+        }
+    } else {
+        rollout_w.push(t.add(
+            "rollout_weights",
+            BufferClass::RolloutWeights,
+            rg,
+            params * db / rtp,
+            format!("(params {params} / tp {rtp}) {dt}"),
+            true,
+            Offload::No,
+        ));
+    }
+    let ref_w = spec.reference.enabled.then(|| {
+        t.add(
+            "ref_weights",
+            BufferClass::RefWeights,
+            tg,
+            params * db / ttp,
+            format!("(params {params} / tp {ttp}) {dt}"),
+            true,
+            Offload::Frozen,
+        )
+    });
+    // Distributed optimizer: fp32 master weights and moments are sharded over every training
+    // rank (the TP shard, split again across the data-parallel replicas).
+    let opt_shard = ttp * par.train_replicas as u64;
+    let master = t.add(
+        "master_weights",
+        BufferClass::MasterWeights,
+        tg,
+        trainable * 4 / opt_shard,
+        format!("(trainable {trainable} / ranks {opt_shard}) f32"),
+        true,
+        Offload::Mutable,
+    );
+    let moments = t.add(
+        "adam_moments",
+        BufferClass::OptimizerMoments,
+        tg,
+        trainable * 8 / opt_shard,
+        format!("(2, trainable {trainable} / ranks {opt_shard}) f32"),
+        true,
+        Offload::Mutable,
+    );
+    let grads: Vec<usize> = (0..batch.steps)
+        .map(|s| {
+            t.add(
+                &format!("grads.s{s}"),
+                BufferClass::Grads,
+                tg,
+                trainable * 4 / ttp,
+                format!("(trainable {trainable} / tp {ttp}) f32"),
+                false,
+                Offload::No,
+            )
+        })
+        .collect();
+    let media_tok = sh.media_tokens_per_prompt();
+    let out_h = spec.actor.vision.out_hidden_size as u64;
+    let emb = (media_tok > 0).then(|| {
+        t.add(
+            "vision_emb",
+            BufferClass::VisionEmbeddings,
+            rg,
+            c * n_r * media_tok * out_h * db,
+            format!("(copies {c} x prompts {n_r}, tokens {media_tok}, hidden {out_h}) {dt}"),
+            false,
+            Offload::No,
+        )
+    });
+    let emb_train = pg
+        .graph
+        .node_weights()
+        .any(|n| matches!(n.op, Op::Reshard { .. }))
+        .then(|| {
+            t.add(
+                "vision_emb.train",
+                BufferClass::VisionEmbeddings,
+                tg,
+                n_t * media_tok * out_h * db,
+                format!("(prompts {n_t}, tokens {media_tok}, hidden {out_h}) {dt}"),
+                false,
+                Offload::No,
+            )
+        });
+    let kv_prompt = t.add(
+        "kv.prompt",
+        BufferClass::KvPrefix,
+        rg,
+        c * n_r * p * kv / rtp,
+        format!("(copies {c} x prompts {n_r}, tokens {p}, kv bytes {kv} / tp {rtp})"),
+        false,
+        Offload::No,
+    );
+    let kv_resp = t.add(
+        "kv.response",
+        BufferClass::KvSuffix,
+        rg,
+        n_r * g * r * kv / rtp,
+        format!(
+            "(samples {}, tokens {r}, kv bytes {kv} / tp {rtp})",
+            n_r * g
+        ),
+        false,
+        Offload::No,
+    );
+    let samples_n = n_r.max(n_t) * g;
+    let samples = t.add(
+        "samples",
+        BufferClass::Samples,
+        rg,
+        samples_n * (r + 2) * 4,
+        format!("(samples {samples_n}, tokens {r} + 2) i32"),
+        false,
+        Offload::No,
+    );
+    let samples_t = if colocated {
+        samples
+    } else {
+        t.add(
+            "samples.train",
+            BufferClass::Samples,
+            tg,
+            n_t * g * (r + 2) * 4,
+            format!("(samples {}, tokens {r} + 2) i32", n_t * g),
+            true,
+            Offload::No,
+        )
+    };
+    let ref_kv = spec.reference.enabled.then(|| {
+        t.add(
+            "ref_prefix_kv",
+            BufferClass::PrefixState,
+            tg,
+            c * n_t * p * kv / ttp,
+            format!("(copies {c} x prompts {n_t}, tokens {p}, kv bytes {kv} / tp {ttp})"),
+            false,
+            Offload::No,
+        )
+    });
+    let multi = batch.steps > 1;
+    let old_kv = multi.then(|| {
+        t.add(
+            "old_prefix_kv",
+            BufferClass::PrefixState,
+            tg,
+            c * n_t * p * kv / ttp,
+            format!("(copies {c} x prompts {n_t}, tokens {p}, kv bytes {kv} / tp {ttp})"),
+            false,
+            Offload::No,
+        )
+    });
+    let step_groups = if multi { batch.mini as u64 / g } else { n_t };
+    let train_prefix: Vec<usize> = (0..batch.steps)
+        .map(|s| {
+            t.add(
+                &format!("train_prefix.s{s}"),
+                BufferClass::Activations,
+                tg,
+                c * step_groups * p * kept_tok,
+                format!(
+                    "(copies {c} x groups {step_groups}, tokens {p}, kept bytes {kept_tok}{})",
+                    if full { ", layer inputs" } else { "" }
+                ),
+                false,
+                Offload::Mutable,
+            )
+        })
+        .collect();
+    let ref_lp = spec.reference.enabled.then(|| {
+        t.add(
+            "ref_logprobs",
+            BufferClass::LogProbs,
+            tg,
+            n_t * g * r * 4,
+            format!("(samples {}, tokens {r}) f32", n_t * g),
+            false,
+            Offload::No,
+        )
+    });
+    let old_lp = multi.then(|| {
+        t.add(
+            "old_logprobs",
+            BufferClass::LogProbs,
+            tg,
+            n_t * g * r * 4,
+            format!("(samples {}, tokens {r}) f32", n_t * g),
+            false,
+            Offload::No,
+        )
+    });
+    let scalars = t.add(
+        "scalars",
+        BufferClass::Scalars,
+        tg,
+        n_t * g * 8,
+        format!("(samples {}, reward + advantage) f32", n_t * g),
+        false,
+        Offload::No,
+    );
+
+    // Transient sizes.
+    let vocab = spec.actor.text.vocab_size as u64;
+    let trans_r = transient_bytes_per_token(&spec.actor, par.rollout_tp);
+    let trans_t = transient_bytes_per_token(&spec.actor, par.train_tp);
+    let logits_chunk = |tokens: u64, tp: u64| tokens.min(4096) * vocab * 4 / tp;
+    let v = &spec.actor.vision;
+    let vis_trans = |items: u64, tp: u64| {
+        items
+            * sh.patches_per_item
+            * (3 * v.hidden_size as u64 + 3 * v.intermediate_size as u64 / tp)
+            * db
+    };
+    let items = match spec.rollout.media {
+        MediaSpec::None => 0,
+        MediaSpec::Image { count, .. } => count as u64,
+        MediaSpec::Video { .. } => 1,
+    };
+    let own_vision = !pg.shared_encoding && items > 0;
+    let kept_full = kept_act_bytes_per_token_layer(&spec.actor, 1, false) / ttp;
+
+    let ids: Vec<_> = pg.graph.node_indices().collect();
+    for id in ids {
+        let node = &pg.graph[id];
+        let mut reads: Vec<usize> = Vec::new();
+        let mut writes: Vec<usize> = Vec::new();
+        let mut scratch = 0u64;
+        let emb_t = emb_train.or(if pg.shared_encoding { emb } else { None });
+        match &node.op {
+            Op::WeightSync { .. } => {
+                if colocated {
+                    reads.push(actor_w);
+                }
+                writes.extend(rollout_w.iter().filter(|&&b| b != actor_w));
+            }
+            Op::EncodeMedia { groups, copies } => {
+                reads.extend(&rollout_w);
+                writes.extend(emb);
+                scratch = vis_trans(groups.len() as u64 * *copies as u64 * items, rtp);
+            }
+            Op::Reshard { .. } => {
+                reads.extend(emb);
+                writes.extend(emb_train);
+            }
+            Op::Prefill { groups, copies } => {
+                reads.extend(&rollout_w);
+                reads.extend(emb);
+                writes.extend([kv_prompt, kv_resp, samples]);
+                let tok = groups.len() as u64 * *copies as u64 * p;
+                scratch = tok * trans_r + groups.len() as u64 * g * vocab * 4 / rtp;
+            }
+            Op::DecodeWindow { .. } => {
+                reads.extend(&rollout_w);
+                reads.push(kv_prompt);
+                writes.extend([kv_resp, samples]);
+                scratch = n_r * g * (vocab * 4 / rtp + trans_r);
+            }
+            Op::RefPrefix { groups, copies } => {
+                reads.extend(ref_w);
+                reads.extend(emb_t);
+                writes.extend(ref_kv);
+                let seqs = groups.len() as u64 * *copies as u64;
+                scratch = seqs * p * trans_t
+                    + if own_vision {
+                        vis_trans(seqs * items, ttp)
+                    } else {
+                        0
+                    };
+            }
+            Op::ActorPrefix {
+                groups,
+                copies,
+                purpose,
+            } => {
+                reads.push(actor_w);
+                reads.extend(emb_t);
+                match purpose {
+                    Purpose::OldLogProb => writes.extend(old_kv),
+                    Purpose::Train { step } => writes.push(train_prefix[*step as usize]),
+                }
+                let seqs = groups.span().len() as u64 * *copies as u64;
+                scratch = seqs * p * trans_t
+                    + if own_vision {
+                        vis_trans(seqs * items, ttp)
+                    } else {
+                        0
+                    };
+            }
+            Op::RefSuffix { .. } => {
+                reads.extend(ref_w);
+                reads.extend(ref_kv);
+                reads.push(samples_t);
+                writes.extend(ref_lp);
+                scratch = g * r * trans_t + logits_chunk(g * r, ttp);
+            }
+            Op::ActorSuffix { .. } => {
+                reads.push(actor_w);
+                reads.extend(old_kv);
+                reads.push(samples_t);
+                writes.extend(old_lp);
+                scratch = g * r * trans_t + logits_chunk(g * r, ttp);
+            }
+            Op::Reward { .. } => {
+                reads.push(samples_t);
+                writes.push(scalars);
+            }
+            Op::Advantages { .. } => {
+                reads.push(scalars);
+                writes.push(scalars);
+            }
+            Op::TrainMicroBatch {
+                step,
+                samples: s,
+                prefix_bwd_slots,
+                ..
+            } => {
+                reads.extend([actor_w, train_prefix[*step as usize], samples_t, scalars]);
+                reads.extend(ref_lp);
+                reads.extend(old_lp);
+                writes.push(grads[*step as usize]);
+                let tok = s.len() as u64 * r;
+                let kept = kept_act_bytes_per_token_layer(&spec.actor, 1, full) * layers / ttp;
+                let prefix_tok = prefix_bwd_slots.len() as u64 * c * p;
+                // Suffix activations kept over all layers, one layer's full activations during
+                // backward (recompute), the logits chunk, the prefix's one-layer recompute.
+                scratch = tok * (kept + trans_t)
+                    + logits_chunk(tok, ttp)
+                    + tok * kept_full
+                    + prefix_tok * (kept_full + trans_t);
+            }
+            Op::OptimizerStep { step } => {
+                reads.push(grads[*step as usize]);
+                writes.extend([actor_w, master, moments]);
+            }
+            Op::Offload { .. } | Op::Reload { .. } => {}
+        }
+        let node = &mut pg.graph[id];
+        reads.sort_unstable();
+        reads.dedup();
+        writes.sort_unstable();
+        writes.dedup();
+        node.reads = reads;
+        node.writes = writes;
+        node.scratch = scratch;
+    }
+    pg.buffers = t.bufs;
+    debug_assert!(t_find_unique(&pg.buffers));
+}
+
+fn t_find_unique(bufs: &[LogicalBuffer]) -> bool {
+    let mut names: Vec<&str> = bufs.iter().map(|b| b.name.as_str()).collect();
+    names.sort_unstable();
+    let n = names.len();
+    names.dedup();
+    n == names.len()
+}
+
+impl PhaseGraph {
+    /// The logical buffer called `name`.
+    pub fn buffer_named(&self, name: &str) -> Option<usize> {
+        self.buffers.iter().position(|b| b.name == name)
+    }
+}

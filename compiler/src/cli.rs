@@ -1,0 +1,410 @@
+//! The command line of `rollplexc`: flags (clap derive) and the IO around the pure compiler.
+//!
+//! ```text
+//! rollplexc PIPELINE.rpx -o PLAN.bin [--emit-yaml PLAN.yaml] [--profile PROF.yaml] [--stats] [--mode M]
+//! rollplexc check PIPELINE.rpx
+//! rollplexc explain PLAN.bin
+//! ```
+//!
+//! Files are written whole or not at all (a temporary file next to the target, then a rename).
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use rollplex_compiler::{compile, CompileError, Options, Stats};
+use rollplex_plan::spec::Mode;
+use rollplex_plan::Plan;
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+/// The name and version written into every plan's header.
+pub const PRODUCER: &str = concat!("rollplexc ", env!("CARGO_PKG_VERSION"));
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "rollplexc",
+    version,
+    about = "Compile a Rollplex pipeline (.rpx) into an execution plan",
+    long_about = "Compiles a pipeline description into a static execution plan for rollplex-run: \
+                  per GPU the streams and SM partitions, every task with its dependencies, every \
+                  buffer with its offset, and the predicted timeline.\n\n\
+                  Exit codes: 0 ok, 1 user error (diagnostics are printed), 2 internal error.",
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    #[command(flatten)]
+    pub compile: CompileArgs,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Compile a pipeline into a plan (the default command).
+    Compile(CompileArgs),
+    /// Check a pipeline (parse, resolve, semantic checks, lowering) without writing a plan.
+    Check(CheckArgs),
+    /// Print the YAML form of a binary plan (byte-identical to what --emit-yaml wrote).
+    Explain(ExplainArgs),
+}
+
+#[derive(Args, Debug, Default)]
+pub struct CompileArgs {
+    /// The pipeline to compile (.rpx).
+    #[arg(value_name = "PIPELINE", required = true)]
+    pub pipeline: Option<PathBuf>,
+    /// Write the binary plan here.
+    #[arg(short = 'o', long = "output", value_name = "PLAN")]
+    pub output: Option<PathBuf>,
+    /// Also write the plan's YAML review form here.
+    #[arg(long, value_name = "YAML")]
+    pub emit_yaml: Option<PathBuf>,
+    /// Calibrate the cost model with a measured profile (YAML). Default: datasheet numbers.
+    #[arg(long, value_name = "PROFILE")]
+    pub profile: Option<PathBuf>,
+    /// Override the pipeline's schedule mode.
+    #[arg(long, value_enum)]
+    pub mode: Option<ModeArg>,
+    /// Print pass times, the candidates considered and the ILP size and solve time (stderr).
+    #[arg(long)]
+    pub stats: bool,
+    /// Time limit of one ILP solve, seconds; on reaching it the best answer found is used.
+    #[arg(long, value_name = "SECONDS", default_value_t = 2.0)]
+    pub time_limit: f64,
+    #[command(flatten)]
+    pub color: ColorArg,
+}
+
+#[derive(Args, Debug)]
+pub struct CheckArgs {
+    /// The pipeline to check (.rpx).
+    #[arg(value_name = "PIPELINE")]
+    pub pipeline: PathBuf,
+    #[command(flatten)]
+    pub color: ColorArg,
+}
+
+#[derive(Args, Debug)]
+pub struct ExplainArgs {
+    /// A binary plan written by `rollplexc -o`.
+    #[arg(value_name = "PLAN")]
+    pub plan: PathBuf,
+}
+
+#[derive(Args, Debug, Default)]
+pub struct ColorArg {
+    /// Color diagnostics: auto (when stderr is a terminal and NO_COLOR is unset), always, never.
+    #[arg(long, value_enum, default_value_t = ColorWhen::Auto)]
+    pub color: ColorWhen,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ColorWhen {
+    #[default]
+    Auto,
+    Always,
+    Never,
+}
+
+impl ColorArg {
+    fn enabled(&self) -> bool {
+        match self.color {
+            ColorWhen::Always => true,
+            ColorWhen::Never => false,
+            ColorWhen::Auto => {
+                std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none()
+            }
+        }
+    }
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModeArg {
+    Serial,
+    Overlap,
+    Disaggregated,
+}
+
+impl From<ModeArg> for Mode {
+    fn from(m: ModeArg) -> Mode {
+        match m {
+            ModeArg::Serial => Mode::Serial,
+            ModeArg::Overlap => Mode::Overlap,
+            ModeArg::Disaggregated => Mode::Disaggregated,
+        }
+    }
+}
+
+/// A failure to report: the text (already rendered) and the exit code.
+pub struct Failure {
+    pub text: String,
+    pub code: u8,
+}
+
+fn user(text: impl Into<String>) -> Failure {
+    Failure {
+        text: format!("error: {}", text.into()),
+        code: 1,
+    }
+}
+
+fn internal(text: impl Into<String>) -> Failure {
+    Failure {
+        text: format!(
+            "internal error: {}\nthis is a bug in rollplexc; please report it with the pipeline",
+            text.into()
+        ),
+        code: 2,
+    }
+}
+
+/// Parses the command line; `--help`/`--version` print and return exit code 0, usage errors 1.
+pub fn parse() -> Result<Cli, ExitCode> {
+    match Cli::try_parse() {
+        Ok(c) => Ok(c),
+        Err(e) => {
+            let _ = e.print();
+            Err(if e.use_stderr() {
+                ExitCode::from(1)
+            } else {
+                ExitCode::SUCCESS
+            })
+        }
+    }
+}
+
+pub fn run(cli: Cli) -> Result<(), Failure> {
+    match cli.command {
+        Some(Command::Compile(a)) => run_compile(a),
+        Some(Command::Check(a)) => run_check(a),
+        Some(Command::Explain(a)) => run_explain(a),
+        None => run_compile(cli.compile),
+    }
+}
+
+struct FsEnv {
+    base: PathBuf,
+}
+
+impl rollplex_dsl::Env for FsEnv {
+    fn read_file(&self, path: &str) -> Result<String, String> {
+        let p = Path::new(path);
+        let full = if p.is_absolute() {
+            p.to_path_buf()
+        } else {
+            self.base.join(p)
+        };
+        std::fs::read_to_string(&full).map_err(|e| format!("{}: {e}", full.display()))
+    }
+}
+
+/// Reads and checks a pipeline; diagnostics are rendered into the failure.
+fn load(path: &Path, color: bool) -> Result<(String, String, rollplex_dsl::Checked), Failure> {
+    let src = std::fs::read_to_string(path)
+        .map_err(|e| user(format!("cannot read {}: {e}", path.display())))?;
+    let name = path.display().to_string();
+    let env = FsEnv {
+        base: path.parent().map(Path::to_path_buf).unwrap_or_default(),
+    };
+    match rollplex_dsl::compile_source(&name, &src, &env) {
+        Ok(c) => {
+            if !c.warnings.is_empty() {
+                eprint!("{}", c.warnings.render(&name, &src, color));
+            }
+            Ok((name, src, c))
+        }
+        Err(d) => Err(Failure {
+            text: d.render(&name, &src, color),
+            code: 1,
+        }),
+    }
+}
+
+/// Renders a compile error against the source when it names a field.
+fn compile_failure(
+    e: CompileError,
+    name: &str,
+    src: &str,
+    checked: &rollplex_dsl::Checked,
+    color: bool,
+) -> Failure {
+    match e {
+        CompileError::User {
+            message,
+            field,
+            help,
+        } => {
+            let span = field.as_deref().and_then(|f| checked.spans.get(f));
+            let text = match span {
+                Some(s) => {
+                    let _ = color;
+                    rollplex_dsl::render_one(name, src, s, &message, help.as_deref())
+                }
+                None => {
+                    let mut t = format!("error: {message}\n");
+                    if let Some(h) = help {
+                        t.push_str(&format!("  help: {h}\n"));
+                    }
+                    t
+                }
+            };
+            Failure { text, code: 1 }
+        }
+        CompileError::Internal(m) => internal(m),
+    }
+}
+
+fn run_compile(a: CompileArgs) -> Result<(), Failure> {
+    let path = a
+        .pipeline
+        .clone()
+        .ok_or_else(|| user("no pipeline given (see rollplexc --help)"))?;
+    if a.output.is_none() && a.emit_yaml.is_none() && !a.stats {
+        return Err(user("nothing to write: give `-o PLAN.bin` and/or `--emit-yaml PLAN.yaml` (or `rollplexc check` to only check)"));
+    }
+    if !(a.time_limit > 0.0 && a.time_limit.is_finite()) {
+        return Err(user(format!(
+            "--time-limit must be a positive number of seconds, not {}",
+            a.time_limit
+        )));
+    }
+    let color = a.color.enabled();
+    let (name, src, checked) = load(&path, color)?;
+    let profile = match &a.profile {
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .map_err(|e| user(format!("cannot read profile {}: {e}", p.display())))?;
+            Some(
+                rollplex_cost::Profile::from_yaml(&text)
+                    .map_err(|e| user(format!("profile {}: {e}", p.display())))?,
+            )
+        }
+        None => None,
+    };
+    let opts = Options {
+        mode: a.mode.map(Mode::from),
+        profile,
+        time_limit_s: a.time_limit,
+    };
+    let compiled = compile(&checked.spec, &opts)
+        .map_err(|e| compile_failure(e, &name, &src, &checked, color))?;
+    let plan = compiled.plan;
+    if let Some(out) = &a.output {
+        let bytes = rollplex_plan::encode(&plan, PRODUCER).map_err(|e| internal(e.to_string()))?;
+        write_atomic(out, &bytes)?;
+    }
+    if let Some(out) = &a.emit_yaml {
+        let text = rollplex_plan::to_yaml(&plan).map_err(internal)?;
+        write_atomic(out, text.as_bytes())?;
+    }
+    if a.stats {
+        eprint!("{}", stats_text(&plan, &compiled.stats));
+    }
+    let peak = plan.memory.gpus.iter().map(|g| g.peak).max().unwrap_or(0);
+    eprintln!(
+        "compiled {name}: {} mode, {} tasks, predicted {:.3} s/iteration, peak {:.2} GiB per GPU{}",
+        format!("{:?}", plan.mode).to_lowercase(),
+        plan.tasks.len(),
+        plan.predicted.iteration_s,
+        peak as f64 / (1u64 << 30) as f64,
+        if plan.solver.status == rollplex_plan::SolveStatus::TimeLimit {
+            " (the ILP hit its time limit: best answer found)"
+        } else {
+            ""
+        }
+    );
+    Ok(())
+}
+
+fn run_check(a: CheckArgs) -> Result<(), Failure> {
+    let color = a.color.enabled();
+    let (name, src, checked) = load(&a.pipeline, color)?;
+    // Lowering checks what the language cannot (replicas, batch splits, memory).
+    let opts = Options {
+        mode: Some(Mode::Serial),
+        ..Options::default()
+    };
+    compile(&checked.spec, &opts).map_err(|e| compile_failure(e, &name, &src, &checked, color))?;
+    eprintln!("{name}: ok");
+    Ok(())
+}
+
+fn run_explain(a: ExplainArgs) -> Result<(), Failure> {
+    let bytes = std::fs::read(&a.plan)
+        .map_err(|e| user(format!("cannot read {}: {e}", a.plan.display())))?;
+    let (_, plan) =
+        rollplex_plan::decode(&bytes).map_err(|e| user(format!("{}: {e}", a.plan.display())))?;
+    let text = rollplex_plan::to_yaml(&plan).map_err(internal)?;
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|_| out.flush())
+        .map_err(|e| user(format!("cannot write to stdout: {e}")))
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same directory and a rename, so a
+/// reader never sees half a file.
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), Failure> {
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let file = path
+        .file_name()
+        .ok_or_else(|| user(format!("{} is not a file path", path.display())))?;
+    let tmp = dir.join(format!(
+        ".{}.tmp{}",
+        file.to_string_lossy(),
+        std::process::id()
+    ));
+    let res = std::fs::write(&tmp, bytes).and_then(|_| std::fs::rename(&tmp, path));
+    if let Err(e) = res {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(user(format!("cannot write {}: {e}", path.display())));
+    }
+    Ok(())
+}
+
+fn stats_text(plan: &Plan, st: &Stats) -> String {
+    let mut s = String::new();
+    s.push_str(&format!("cost model: {}\n", st.cost_source));
+    s.push_str("passes:");
+    for (p, t) in &st.passes {
+        s.push_str(&format!(" {p} {:.1} ms,", t * 1e3));
+    }
+    s.pop();
+    s.push('\n');
+    for c in &st.candidates {
+        s.push_str(&format!(
+            "candidate {}: {:.3} s/iteration, peak {:.2} GiB{}\n",
+            c.label,
+            c.predicted_s,
+            c.peak as f64 / (1u64 << 30) as f64,
+            if c.fits { "" } else { " (over budget)" }
+        ));
+    }
+    for r in &st.ilp {
+        s.push_str(&format!(
+            "ilp [{}]: {} variables ({} binary), {} constraints, solved in {:.3} s, {}, objective {:.4} s\n",
+            r.label,
+            r.variables,
+            r.integer_variables,
+            r.constraints,
+            r.solve_s,
+            match r.status {
+                rollplex_plan::SolveStatus::Optimal => "optimal",
+                rollplex_plan::SolveStatus::TimeLimit => "time limit reached (best feasible answer used)",
+                rollplex_plan::SolveStatus::NotRun => "not run",
+            },
+            r.objective
+        ));
+    }
+    s.push_str(&format!(
+        "plan: {} tasks, {} buffers, {} windows; predicted {:.3} s/iteration, {:.3} s of side work hidden in decode windows\n",
+        plan.tasks.len(),
+        plan.buffers.len(),
+        plan.windows.len(),
+        plan.predicted.iteration_s,
+        plan.predicted.hidden_s
+    ));
+    s
+}

@@ -1,0 +1,260 @@
+//! The compile pipeline, top to bottom:
+//!
+//! 1. [`crate::topology`]: replicas and GPU programs of the mode (disaggregated: every valid
+//!    split of the GPUs is a candidate);
+//! 2. [`crate::lower`]: the phase graph with shapes and work;
+//! 3. [`crate::buffers`]: buffer table, reads/writes, scratch;
+//! 4. placement: [`crate::schedule_serial`] or [`crate::schedule_overlap`] (the ILP), for each
+//!    residency choice ([`crate::assemble::ResidencyChoice`]);
+//! 5. [`crate::assemble`]: streams, windows, issue order, transfers, predicted times;
+//! 6. [`crate::emit`]: the plan;
+//! 7. [`crate::memory`]: lifetimes, arena offsets, peaks (a candidate over budget is dropped);
+//! 8. `rollplex_plan::validate` on the chosen plan (a failure is a compiler bug).
+//!
+//! Among the candidates that fit the memory budget the fastest predicted iteration wins (ties:
+//! the earlier candidate, i.e. fewer offloads). When none fits, the error gives the numbers of
+//! the candidate that came closest.
+//!
+//! The driver is pure: the spec and an optional profile in, a plan and statistics out.
+
+use crate::assemble::{assemble, Placement, ResidencyChoice};
+use crate::error::{CompileError, Result};
+use crate::lower::{lower, PhaseGraph};
+use crate::memory::OverBudget;
+use crate::topology::Topology;
+use rollplex_cost::{CostModel, Profile};
+use rollplex_plan::spec::{JobSpec, Mode};
+use rollplex_plan::{Plan, SolveStatus, SolverStats};
+use std::time::Instant;
+
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Overrides the pipeline's `schedule.mode`.
+    pub mode: Option<Mode>,
+    /// A measured profile for the cost model.
+    pub profile: Option<Profile>,
+    /// Time limit of one ILP solve, seconds.
+    pub time_limit_s: f64,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            mode: None,
+            profile: None,
+            time_limit_s: 2.0,
+        }
+    }
+}
+
+/// One ILP solve.
+#[derive(Clone, Debug, PartialEq)]
+pub struct IlpRun {
+    pub label: String,
+    pub variables: u32,
+    pub integer_variables: u32,
+    pub constraints: u32,
+    pub solve_s: f64,
+    pub status: SolveStatus,
+    pub objective: f64,
+}
+
+/// One candidate plan the driver considered.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Candidate {
+    pub label: String,
+    pub predicted_s: f64,
+    pub peak: u64,
+    pub fits: bool,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Stats {
+    /// Wall time of each pass, seconds (summed over candidates).
+    pub passes: Vec<(&'static str, f64)>,
+    pub candidates: Vec<Candidate>,
+    pub ilp: Vec<IlpRun>,
+    pub cost_source: String,
+    pub tasks: usize,
+    pub buffers: usize,
+}
+
+impl Stats {
+    fn time<T>(&mut self, pass: &'static str, f: impl FnOnce() -> T) -> T {
+        let t = Instant::now();
+        let r = f();
+        let dt = t.elapsed().as_secs_f64();
+        match self.passes.iter_mut().find(|(p, _)| *p == pass) {
+            Some(e) => e.1 += dt,
+            None => self.passes.push((pass, dt)),
+        }
+        r
+    }
+}
+
+pub struct Compiled {
+    pub plan: Plan,
+    pub stats: Stats,
+}
+
+/// The cost model a job is planned with.
+pub fn cost_model(spec: &JobSpec, profile: Option<&Profile>) -> CostModel {
+    CostModel::new(&spec.cluster.gpu, profile).with_net_bw(spec.cluster.intra_node_bw)
+}
+
+/// Compiles `spec` into a plan.
+pub fn compile(spec: &JobSpec, opts: &Options) -> Result<Compiled> {
+    let mut st = Stats::default();
+    let cost = cost_model(spec, opts.profile.as_ref());
+    st.cost_source = cost.source().to_string();
+    let mode = opts.mode.unwrap_or(spec.schedule.mode);
+    let topologies: Vec<Topology> = st.time("topology", || -> Result<Vec<Topology>> {
+        match mode {
+            Mode::Serial | Mode::Overlap => Ok(vec![crate::topology::colocated(spec, mode)?]),
+            Mode::Disaggregated => {
+                let splits = crate::topology::disaggregated_splits(spec);
+                if splits.is_empty() {
+                    // Report why the even split fails (or the 1-GPU case).
+                    crate::topology::disaggregated(spec, spec.cluster.count / 2)?;
+                    return Err(CompileError::user(
+                        "schedule.mode",
+                        format!("no split of {} GPUs into rollout and training sets fits the TP degrees and the batch", spec.cluster.count),
+                        "use mode overlap or serial, or change the TP degrees",
+                    ));
+                }
+                splits.into_iter().map(|r| crate::topology::disaggregated(spec, r)).collect()
+            }
+        }
+    })?;
+
+    let mut best: Option<(f64, Plan)> = None;
+    let mut closest: Option<OverBudget> = None;
+    for topo in topologies {
+        let label_topo = match mode {
+            Mode::Disaggregated => format!(
+                "rollout {} + train {} GPUs",
+                topo.gpus[0].ranks,
+                topo.gpus.get(1).map(|g| g.ranks).unwrap_or(0)
+            ),
+            _ => format!("{mode:?}").to_lowercase(),
+        };
+        let mut pg: PhaseGraph = st.time("lower", || lower(spec, topo))?;
+        st.time("buffers", || crate::buffers::assign(&mut pg));
+        // Offloading only frees memory and adds transfers: once a candidate of this topology
+        // fits, a later residency choice can only help if memory held the planner back.
+        let mut settled = false;
+        for res in ResidencyChoice::ALL {
+            if !residency_applies(&pg, res) || settled {
+                continue;
+            }
+            let label = format!("{label_topo}, {}", residency_label(res));
+            let mut cut = 0u64;
+            for _attempt in 0..3 {
+                let (placement, solver, memory_bound) = match mode {
+                    Mode::Overlap => {
+                        let (p, s, mut run, bound) = st.time("schedule", || {
+                            crate::schedule_overlap::place(&pg, &cost, res, cut, opts.time_limit_s)
+                        })?;
+                        run.label = label.clone();
+                        st.ilp.push(run);
+                        (p, s, bound)
+                    }
+                    _ => (
+                        st.time("schedule", || crate::schedule_serial::place(&pg, res)),
+                        not_run(),
+                        false,
+                    ),
+                };
+                let outcome = build(&mut st, &pg, &placement, &cost, solver)?;
+                match outcome {
+                    Ok(plan) => {
+                        let t = plan.predicted.iteration_s;
+                        st.candidates.push(Candidate {
+                            label: label.clone(),
+                            predicted_s: t,
+                            peak: plan.memory.gpus.iter().map(|g| g.peak).max().unwrap_or(0),
+                            fits: true,
+                        });
+                        if best.as_ref().is_none_or(|(bt, _)| t < *bt) {
+                            best = Some((t, plan));
+                        }
+                        settled = !memory_bound;
+                        break;
+                    }
+                    Err((ob, t)) => {
+                        st.candidates.push(Candidate {
+                            label: label.clone(),
+                            predicted_s: t,
+                            peak: ob.peak,
+                            fits: false,
+                        });
+                        let over = ob.peak.saturating_sub(ob.budget);
+                        if closest.as_ref().is_none_or(|c| ob.peak < c.peak) {
+                            closest = Some(ob);
+                        }
+                        // Only the ILP can trade speed for memory: ask it for `over` bytes less.
+                        if mode != Mode::Overlap {
+                            break;
+                        }
+                        cut += over;
+                    }
+                }
+            }
+        }
+    }
+    let Some((_, plan)) = best else {
+        let ob = closest.ok_or_else(|| CompileError::internal("no candidate plan was built"))?;
+        return Err(CompileError::user(
+            "schedule.memory_budget",
+            format!("the job does not fit in device memory even with the reference weights and the optimizer state offloaded to host: {}", ob.message()),
+            "raise the memory budget, use more GPUs or a larger TP degree, fewer prompts per iteration, or recompute = full",
+        ));
+    };
+    st.time("validate", || rollplex_plan::validate(&plan))
+        .map_err(|v| CompileError::internal(format!("the emitted plan fails validation:\n{v}")))?;
+    st.tasks = plan.tasks.len();
+    st.buffers = plan.buffers.len();
+    Ok(Compiled { plan, stats: st })
+}
+
+fn not_run() -> SolverStats {
+    SolverStats {
+        solver: "none".into(),
+        status: SolveStatus::NotRun,
+        variables: 0,
+        integer_variables: 0,
+        constraints: 0,
+        objective: 0.0,
+    }
+}
+
+/// Residency choices that change anything for this job (no reference: `ref_host` is moot).
+fn residency_applies(pg: &PhaseGraph, r: ResidencyChoice) -> bool {
+    !(r.ref_host && !pg.spec.reference.enabled)
+}
+
+fn residency_label(r: ResidencyChoice) -> String {
+    match (r.ref_host, r.optimizer_host) {
+        (false, false) => "all in HBM".into(),
+        (true, false) => "reference weights on host".into(),
+        (false, true) => "optimizer state on host".into(),
+        (true, true) => "reference weights and optimizer state on host".into(),
+    }
+}
+
+/// Steps 5-7 for one placement: a plan that fits, or the overshoot and predicted time.
+fn build(
+    st: &mut Stats,
+    pg: &PhaseGraph,
+    p: &Placement,
+    cost: &CostModel,
+    solver: SolverStats,
+) -> Result<std::result::Result<Plan, (OverBudget, f64)>> {
+    let sched = st.time("assemble", || assemble(pg, p, cost))?;
+    let mut plan = st.time("emit", || crate::emit::emit(pg, &sched, cost, solver));
+    let t = plan.predicted.iteration_s;
+    Ok(st
+        .time("memory", || crate::memory::layout(&mut plan))
+        .map(|_| plan)
+        .map_err(|o| (o, t)))
+}

@@ -1,0 +1,772 @@
+//! Lowering: the job spec becomes the phase graph of one iteration (petgraph), with the real
+//! tensor shapes and the [`Work`] of every task.
+//!
+//! The decomposition (which tasks exist, which samples each covers, in which order gradients
+//! accumulate) depends only on the job, never on the mode: serial, overlap and disaggregated
+//! plans compute the same batches in the same order, so they give bitwise-identical results;
+//! modes differ in placement, SM shares and timing only.
+//!
+//! Per rollout replica (on the rollout program): weight sync (colocated: the actor's current
+//! weights into the rollout layout), media encoding and prompt prefill in chunks of prompts,
+//! then decode as windows of `decode_window` steps. Per training replica (on the training
+//! program): reference prefix chunks (by prompt); actor prefix chunks (old log-probs when the
+//! iteration takes several optimizer steps, else the first step's forward with grad); per
+//! completion slot the reference suffix, old-log-prob suffix, reward and advantages; per
+//! optimizer step its micro-batches (samples in slot order, accumulated in index order) and the
+//! step itself; prefixes of later steps are recomputed after the previous step (the
+//! weight-version rule: only version-0 work may overlap decode).
+//!
+//! Prefix dedup on: one encoding per media item (shared by rollout, reference and actor when
+//! the tower and merger are frozen and the layouts are colocated) and one prefix per GRPO group.
+//! Off: every phase encodes and prefills every sample (`copies = group_size`).
+//!
+//! Invariants: edges point from producer to consumer and the graph is acyclic; every node's
+//! `role` says where scheduling may put it; `ready_step` is the planned number of decode steps
+//! after which the groups a node waits for have finished.
+
+use crate::error::{CompileError, Result};
+use crate::lengths::Lengths;
+use crate::shapes::Shapes;
+use crate::topology::Topology;
+use crate::workload::Workload;
+use petgraph::graph::{DiGraph, NodeIndex};
+use rollplex_plan::spec::{JobSpec, Mode};
+use rollplex_plan::work::{Work, WorkKind};
+use rollplex_plan::{GpuId, Groups, Op, Phase, Purpose, ReshardWhat, Span};
+
+pub type NodeId = NodeIndex<u32>;
+
+/// Prefix work is batched into tasks of about this many prompt tokens (large enough for
+/// efficient GEMMs, small enough to pack into decode windows).
+pub const PREFIX_CHUNK_TOKENS: u64 = 4096;
+
+/// Kinds of work that overlap mode may move into decode windows. Items of one class are
+/// interchangeable in size and run in item order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SideClass {
+    RefPrefix,
+    OldPrefix,
+    TrainPrefix,
+    RefSuffix,
+    OldSuffix,
+    Reward,
+    Advantages,
+    MicroBatch,
+}
+
+impl SideClass {
+    /// In the order a side stream runs them within a window (producers first).
+    pub const ALL: [SideClass; 8] = [
+        SideClass::RefPrefix,
+        SideClass::OldPrefix,
+        SideClass::TrainPrefix,
+        SideClass::Reward,
+        SideClass::Advantages,
+        SideClass::RefSuffix,
+        SideClass::OldSuffix,
+        SideClass::MicroBatch,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SideClass::RefPrefix => "ref_prefix",
+            SideClass::OldPrefix => "old_prefix",
+            SideClass::TrainPrefix => "train_prefix",
+            SideClass::RefSuffix => "ref_suffix",
+            SideClass::OldSuffix => "old_suffix",
+            SideClass::Reward => "reward",
+            SideClass::Advantages => "advantages",
+            SideClass::MicroBatch => "micro_batch",
+        }
+    }
+}
+
+/// Where scheduling may put a node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Before decode, on the rollout program's main stream.
+    PreDecode,
+    /// Decode window `window`.
+    Decode { window: u32 },
+    /// In a decode window's side partition (overlap) or after decode.
+    Side { class: SideClass, item: u32 },
+    /// After decode only.
+    Post,
+}
+
+#[derive(Clone, Debug)]
+pub struct Node {
+    pub name: String,
+    pub kind: WorkKind,
+    pub op: Op,
+    pub gpu: GpuId,
+    /// The phase the task belongs to when it is not moved into a decode window.
+    pub phase: Phase,
+    pub role: Role,
+    pub work: Work,
+    pub ready_step: u32,
+    /// Logical buffers (indices into `PhaseGraph::buffers`), filled by [`crate::buffers`].
+    pub reads: Vec<usize>,
+    pub writes: Vec<usize>,
+    /// Transient device bytes the task needs while it runs (filled by [`crate::buffers`]).
+    pub scratch: u64,
+}
+
+/// A planned decode window: steps `first .. first + steps`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WindowPlan {
+    pub first: u32,
+    pub steps: u32,
+}
+
+pub struct PhaseGraph {
+    pub spec: JobSpec,
+    pub topo: Topology,
+    pub shapes: Shapes,
+    pub lengths: Lengths,
+    pub graph: DiGraph<Node, (), u32>,
+    pub buffers: Vec<crate::buffers::LogicalBuffer>,
+    pub windows: Vec<WindowPlan>,
+    /// Planned decode steps after which completion slot `k` (training replica) has finished.
+    pub slot_finish: Vec<u32>,
+    /// Whether rollout, reference and actor share one media encoding.
+    pub shared_encoding: bool,
+    pub copies: u32,
+}
+
+impl PhaseGraph {
+    pub fn node(&self, id: NodeId) -> &Node {
+        &self.graph[id]
+    }
+
+    pub fn ids(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.graph.node_indices()
+    }
+
+    /// Direct predecessors of `id`, in insertion order.
+    pub fn deps(&self, id: NodeId) -> Vec<NodeId> {
+        let mut v: Vec<NodeId> = self
+            .graph
+            .neighbors_directed(id, petgraph::Direction::Incoming)
+            .collect();
+        v.sort();
+        v.dedup();
+        v
+    }
+
+    pub fn decode_nodes(&self) -> Vec<NodeId> {
+        let mut v: Vec<(u32, NodeId)> = self
+            .ids()
+            .filter_map(|i| match self.graph[i].role {
+                Role::Decode { window } => Some((window, i)),
+                _ => None,
+            })
+            .collect();
+        v.sort();
+        v.into_iter().map(|(_, i)| i).collect()
+    }
+}
+
+/// Splits `0..n` into consecutive spans of `per` (the last may be shorter).
+pub fn chunks(n: u32, per: u32) -> Vec<Span> {
+    let per = per.max(1);
+    (0..n.div_ceil(per))
+        .map(|i| Span::new(i * per, ((i + 1) * per).min(n)))
+        .collect()
+}
+
+struct Builder<'a> {
+    g: DiGraph<Node, (), u32>,
+    wl: Workload<'a>,
+}
+
+impl Builder<'_> {
+    #[allow(clippy::too_many_arguments)]
+    fn add(
+        &mut self,
+        name: String,
+        kind: WorkKind,
+        op: Op,
+        gpu: GpuId,
+        phase: Phase,
+        role: Role,
+        work: Work,
+        ready_step: u32,
+        deps: &[NodeId],
+    ) -> NodeId {
+        let id = self.g.add_node(Node {
+            name,
+            kind,
+            op,
+            gpu,
+            phase,
+            role,
+            work,
+            ready_step,
+            reads: vec![],
+            writes: vec![],
+            scratch: 0,
+        });
+        for &d in deps {
+            self.g.add_edge(d, id, ());
+        }
+        id
+    }
+}
+
+fn add_work(a: &Work, b: &Work) -> Work {
+    Work {
+        flops: a.flops + b.flops,
+        bytes: a.bytes + b.bytes,
+        steps: a.steps + b.steps,
+        host_bytes: a.host_bytes + b.host_bytes,
+        net_bytes: a.net_bytes + b.net_bytes,
+    }
+}
+
+/// Builds the phase graph of one iteration of `spec` on `topo`.
+pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
+    let shapes = Shapes::new(spec);
+    let lengths = Lengths::new(&spec.rollout.response_len, spec.rollout.max_new_tokens);
+    if shapes.prompt_tokens == 0 {
+        return Err(CompileError::user(
+            "rollout.prompt_text_tokens",
+            "prompts are empty: no text tokens and no media",
+            "give each prompt some text tokens or media",
+        ));
+    }
+    let par = topo.parallel.clone();
+    let batch = topo.batch;
+    let (g, n_r, n_t) = (
+        par.group_size,
+        par.prompts_per_rollout_replica,
+        par.prompts_per_train_replica,
+    );
+    let (rtp, ttp) = (par.rollout_tp, par.train_tp);
+    let dedup = spec.schedule.prefix_dedup;
+    let copies = if dedup { 1 } else { g };
+    let colocated = topo.mode != Mode::Disaggregated;
+    let media = shapes.media_items > 0;
+    let shared_encoding =
+        colocated && dedup && media && spec.train.freeze_vision && spec.train.freeze_merger;
+    let ref_on = spec.reference.enabled;
+    let multi_step = batch.steps > 1;
+    let items = shapes.media_items as f64;
+    let (rg, tg) = (topo.rollout_gpu, topo.train_gpu);
+
+    // Decode windows: planned steps = when the rollout replica's last group is expected done.
+    let decode_steps = lengths
+        .slot_finish_steps(n_r, g)
+        .last()
+        .copied()
+        .unwrap_or(0)
+        .max(1);
+    let d = spec.schedule.decode_window.max(1);
+    let windows: Vec<WindowPlan> = (0..decode_steps.div_ceil(d))
+        .map(|w| WindowPlan {
+            first: w * d,
+            steps: d.min(decode_steps - w * d),
+        })
+        .collect();
+    let slot_finish = lengths.slot_finish_steps(n_t, g);
+
+    let per_chunk = PREFIX_CHUNK_TOKENS
+        .div_ceil(shapes.prompt_tokens * copies as u64)
+        .max(1) as u32;
+    let wl = Workload {
+        spec,
+        shapes: &shapes,
+        lengths: &lengths,
+    };
+    let mut b = Builder {
+        g: DiGraph::default(),
+        wl,
+    };
+
+    // ---- rollout program ----
+    let mut pre: Vec<NodeId> = Vec::new();
+    if colocated {
+        let moved = rollout_gather_bytes(&shapes, rtp, ttp);
+        let sync = b.add(
+            "weight_sync".into(),
+            WorkKind::WeightSync,
+            Op::WeightSync {
+                from_tp: ttp,
+                to_tp: rtp,
+            },
+            rg,
+            Phase::Sync,
+            Role::PreDecode,
+            b.wl.transfer(moved as f64, 0.0),
+            0,
+            &[],
+        );
+        pre.push(sync);
+    }
+    let r_chunks = chunks(n_r, per_chunk);
+    let mut encodes = Vec::new();
+    if media {
+        for s in &r_chunks {
+            let w = b.wl.vision(s.len() as f64 * copies as f64 * items, rtp);
+            let e = b.add(
+                format!("encode[{s}]"),
+                WorkKind::VisionEncode,
+                Op::EncodeMedia { groups: *s, copies },
+                rg,
+                Phase::Rollout,
+                Role::PreDecode,
+                w,
+                0,
+                &pre,
+            );
+            encodes.push(e);
+        }
+    }
+    let mut embed_reshard = None;
+    if shared_encoding && rtp < ttp {
+        let ratio = (ttp / rtp) as f64;
+        let bytes = (ratio - 1.0) / ratio
+            * n_t as f64
+            * shapes.media_tokens_per_prompt() as f64
+            * spec.actor.vision.out_hidden_size as f64
+            * shapes.dtype_bytes as f64;
+        embed_reshard = Some(b.add(
+            "embed_reshard".into(),
+            WorkKind::Transfer,
+            Op::Reshard {
+                what: ReshardWhat::Embeddings,
+                from_tp: rtp,
+                to_tp: ttp,
+            },
+            rg,
+            Phase::Rollout,
+            Role::PreDecode,
+            b.wl.transfer(bytes, 0.0),
+            0,
+            &encodes,
+        ));
+    }
+    let mut prefills = Vec::new();
+    for (i, s) in r_chunks.iter().enumerate() {
+        let mut deps = pre.clone();
+        if let Some(&e) = encodes.get(i) {
+            deps.push(e);
+        }
+        let w = b.wl.prefix(
+            s.len() as f64 * copies as f64,
+            rtp,
+            s.len() as f64 * g as f64,
+        );
+        prefills.push(b.add(
+            format!("prefill[{s}]"),
+            WorkKind::Prefill,
+            Op::Prefill { groups: *s, copies },
+            rg,
+            Phase::Rollout,
+            Role::PreDecode,
+            w,
+            0,
+            &deps,
+        ));
+    }
+    let mut decodes: Vec<NodeId> = Vec::new();
+    for (wi, w) in windows.iter().enumerate() {
+        let last = wi + 1 == windows.len();
+        let deps = if wi == 0 {
+            prefills.clone()
+        } else {
+            vec![decodes[wi - 1]]
+        };
+        let work = b.wl.decode(n_r as f64, g, dedup, w.first, w.steps, rtp);
+        decodes.push(b.add(
+            format!("decode.w{wi}"),
+            WorkKind::Decode,
+            Op::DecodeWindow {
+                first_step: w.first,
+                steps: w.steps,
+                until_done: last,
+            },
+            rg,
+            Phase::Rollout,
+            Role::Decode { window: wi as u32 },
+            work,
+            0,
+            &deps,
+        ));
+    }
+    let last_decode = *decodes
+        .last()
+        .ok_or_else(|| CompileError::internal("no decode window"))?;
+
+    // ---- training program ----
+    // What a training-layout prefix chunk waits for: the shared encoding (same layout: the same
+    // chunk; other layouts: all of it or its reshard), nothing when it encodes for itself.
+    let t_chunks = chunks(n_t, per_chunk);
+    let enc_deps = |i: usize| -> Vec<NodeId> {
+        if !shared_encoding {
+            return vec![];
+        }
+        if let Some(r) = embed_reshard {
+            return vec![r];
+        }
+        if rtp == ttp {
+            return encodes.get(i).map(|&e| vec![e]).unwrap_or_default();
+        }
+        encodes.clone()
+    };
+    // Disaggregated training starts when rollout is complete (the usual two-engine design).
+    let tail_gate: Vec<NodeId> = if colocated { vec![] } else { vec![last_decode] };
+    let own_vision = |s: &Span, tp: u32, wl: &Workload| -> Work {
+        if shared_encoding || !media {
+            Work::default()
+        } else {
+            wl.vision(s.len() as f64 * copies as f64 * items, tp)
+        }
+    };
+
+    let mut ref_prefix = Vec::new();
+    let mut old_prefix = Vec::new();
+    let mut train_prefix0 = Vec::new();
+    for (i, s) in t_chunks.iter().enumerate() {
+        let mut deps = enc_deps(i);
+        deps.extend(&tail_gate);
+        let fwd = b.wl.prefix(s.len() as f64 * copies as f64, ttp, 0.0);
+        let vis = own_vision(s, ttp, &b.wl);
+        if ref_on {
+            let item = ref_prefix.len() as u32;
+            ref_prefix.push(b.add(
+                format!("ref_prefix[{s}]"),
+                WorkKind::RefPrefix,
+                Op::RefPrefix { groups: *s, copies },
+                tg,
+                Phase::Scoring,
+                Role::Side {
+                    class: SideClass::RefPrefix,
+                    item,
+                },
+                add_work(&fwd, &vis),
+                0,
+                &deps,
+            ));
+        }
+        if multi_step {
+            let item = old_prefix.len() as u32;
+            old_prefix.push(b.add(
+                format!("old_prefix[{s}]"),
+                WorkKind::ActorPrefixFwd,
+                Op::ActorPrefix {
+                    groups: Groups::Prompts(*s),
+                    copies,
+                    purpose: Purpose::OldLogProb,
+                },
+                tg,
+                Phase::Scoring,
+                Role::Side {
+                    class: SideClass::OldPrefix,
+                    item,
+                },
+                add_work(&fwd, &vis),
+                0,
+                &deps,
+            ));
+        } else {
+            let item = train_prefix0.len() as u32;
+            train_prefix0.push(b.add(
+                format!("train_prefix[{s}]"),
+                WorkKind::ActorPrefixFwd,
+                Op::ActorPrefix {
+                    groups: Groups::Prompts(*s),
+                    copies,
+                    purpose: Purpose::Train { step: 0 },
+                },
+                tg,
+                Phase::Training,
+                Role::Side {
+                    class: SideClass::TrainPrefix,
+                    item,
+                },
+                add_work(&fwd, &vis),
+                0,
+                &deps,
+            ));
+        }
+    }
+
+    let mut ref_suffix = Vec::new();
+    let mut old_suffix = Vec::new();
+    let mut adv = Vec::new();
+    for k in 0..n_t {
+        let ready = slot_finish[k as usize];
+        let suf = b.wl.suffix(g as f64, ttp);
+        if ref_on {
+            let mut deps = ref_prefix.clone();
+            deps.extend(&tail_gate);
+            ref_suffix.push(b.add(
+                format!("ref_suffix.slot{k}"),
+                WorkKind::RefSuffix,
+                Op::RefSuffix { slot: k },
+                tg,
+                Phase::Scoring,
+                Role::Side {
+                    class: SideClass::RefSuffix,
+                    item: k,
+                },
+                suf.clone(),
+                ready,
+                &deps,
+            ));
+        }
+        if multi_step {
+            let mut deps = old_prefix.clone();
+            deps.extend(&tail_gate);
+            old_suffix.push(b.add(
+                format!("old_suffix.slot{k}"),
+                WorkKind::ActorSuffixFwd,
+                Op::ActorSuffix {
+                    slot: k,
+                    purpose: Purpose::OldLogProb,
+                },
+                tg,
+                Phase::Scoring,
+                Role::Side {
+                    class: SideClass::OldSuffix,
+                    item: k,
+                },
+                suf.clone(),
+                ready,
+                &deps,
+            ));
+        }
+        let r = b.add(
+            format!("reward.slot{k}"),
+            WorkKind::Reward,
+            Op::Reward { slot: k },
+            tg,
+            Phase::Scoring,
+            Role::Side {
+                class: SideClass::Reward,
+                item: k,
+            },
+            b.wl.reward(g),
+            ready,
+            &tail_gate,
+        );
+        adv.push(b.add(
+            format!("advantages.slot{k}"),
+            WorkKind::Advantage,
+            Op::Advantages { slot: k },
+            tg,
+            Phase::Scoring,
+            Role::Side {
+                class: SideClass::Advantages,
+                item: k,
+            },
+            b.wl.advantages(g),
+            ready,
+            &[r],
+        ));
+    }
+
+    let mut prev_step: Option<NodeId> = None;
+    let mut step_nodes = Vec::new();
+    for s in 0..batch.steps {
+        let m = s % batch.steps_per_epoch;
+        let first_sample = m * batch.mini;
+        let first_slot = first_sample / g;
+        let mini_slots = batch.mini.div_ceil(g);
+        // Actor ops that use weight version `s` (the step must wait for all of them).
+        let mut version_ops: Vec<NodeId> = Vec::new();
+        // The prefix of this step's groups: by prompt (single step, may overlap decode) or by
+        // slot (several steps: mini-batches are slot ranges, recomputed after each step).
+        let mut step_prefix: Vec<(Span, NodeId)> = Vec::new();
+        if multi_step {
+            for (i, sp) in chunks(mini_slots, per_chunk).into_iter().enumerate() {
+                let slots = Span::new(first_slot + sp.start, first_slot + sp.end);
+                let fwd = b.wl.prefix(slots.len() as f64 * copies as f64, ttp, 0.0);
+                let vis = own_vision(&slots, ttp, &b.wl);
+                let mut deps: Vec<NodeId> = prev_step.into_iter().collect();
+                if shared_encoding {
+                    match embed_reshard {
+                        Some(r) => deps.push(r),
+                        None => deps.extend(&encodes),
+                    }
+                }
+                deps.extend(&tail_gate);
+                let role = if s == 0 {
+                    Role::Side {
+                        class: SideClass::TrainPrefix,
+                        item: i as u32,
+                    }
+                } else {
+                    Role::Post
+                };
+                let ready = slot_finish[(slots.end - 1) as usize];
+                let id = b.add(
+                    format!("train_prefix.s{s}[{slots}]"),
+                    WorkKind::ActorPrefixFwd,
+                    Op::ActorPrefix {
+                        groups: Groups::Slots(slots),
+                        copies,
+                        purpose: Purpose::Train { step: s },
+                    },
+                    tg,
+                    Phase::Training,
+                    role,
+                    add_work(&fwd, &vis),
+                    ready,
+                    &deps,
+                );
+                step_prefix.push((slots, id));
+                version_ops.push(id);
+            }
+        } else {
+            version_ops.extend(&train_prefix0);
+        }
+        if s == 0 {
+            version_ops.extend(&old_prefix);
+            version_ops.extend(&old_suffix);
+        }
+        let mut prev_mb = prev_step;
+        for j in 0..batch.micro_per_step {
+            let samples = Span::new(
+                first_sample + j * batch.micro,
+                first_sample + (j + 1) * batch.micro,
+            );
+            let covered = Span::new(samples.start / g, (samples.end - 1) / g + 1);
+            let bwd_slots: Vec<u32> = covered
+                .iter()
+                .filter(|q| samples.contains(q * g + g - 1))
+                .collect();
+            let prefix_bwd = match (bwd_slots.first(), bwd_slots.last()) {
+                (Some(&a), Some(&z)) => Span::new(a, z + 1),
+                _ => Span::new(covered.start, covered.start),
+            };
+            let mut deps: Vec<NodeId> = prev_mb.into_iter().collect();
+            for q in covered.iter() {
+                deps.push(adv[q as usize]);
+                if let Some(&r) = ref_suffix.get(q as usize) {
+                    deps.push(r);
+                }
+                if let Some(&o) = old_suffix.get(q as usize) {
+                    deps.push(o);
+                }
+            }
+            if multi_step {
+                deps.extend(
+                    step_prefix
+                        .iter()
+                        .filter(|(sp, _)| sp.start < covered.end && covered.start < sp.end)
+                        .map(|(_, id)| *id),
+                );
+            } else {
+                deps.extend(&train_prefix0);
+            }
+            let fwd = b.wl.suffix(batch.micro as f64, ttp);
+            let mut work = add_work(&fwd, &b.wl.backward_of(&fwd));
+            if !prefix_bwd.is_empty() {
+                let pf =
+                    b.wl.prefix(prefix_bwd.len() as f64 * copies as f64, ttp, 0.0);
+                work = add_work(&work, &b.wl.backward_of(&pf));
+                if !spec.train.freeze_vision && media {
+                    let v =
+                        b.wl.vision(prefix_bwd.len() as f64 * copies as f64 * items, ttp);
+                    work = add_work(&work, &b.wl.backward_of(&v));
+                }
+            }
+            let role = if s == 0 {
+                Role::Side {
+                    class: SideClass::MicroBatch,
+                    item: j,
+                }
+            } else {
+                Role::Post
+            };
+            let ready = slot_finish[(covered.end - 1) as usize];
+            let id = b.add(
+                format!("mb.s{s}.m{j}"),
+                WorkKind::ActorBwd,
+                Op::TrainMicroBatch {
+                    step: s,
+                    micro_batch: j,
+                    samples,
+                    prefix_bwd_slots: prefix_bwd,
+                },
+                tg,
+                Phase::Training,
+                role,
+                work,
+                ready,
+                &deps,
+            );
+            version_ops.push(id);
+            prev_mb = Some(id);
+        }
+        let mut deps = version_ops.clone();
+        if colocated {
+            deps.push(last_decode);
+        }
+        let st = b.add(
+            format!("optim.s{s}"),
+            WorkKind::Optimizer,
+            Op::OptimizerStep { step: s },
+            tg,
+            Phase::Training,
+            Role::Post,
+            b.wl.optimizer(ttp, par.train_replicas),
+            0,
+            &deps,
+        );
+        step_nodes.push(st);
+        prev_step = Some(st);
+    }
+    if !colocated {
+        let last = *step_nodes
+            .last()
+            .ok_or_else(|| CompileError::internal("no optimizer step"))?;
+        let bytes = shapes.trainable_params as f64 * shapes.dtype_bytes as f64 / rtp as f64;
+        b.add(
+            "weight_sync".into(),
+            WorkKind::WeightSync,
+            Op::WeightSync {
+                from_tp: ttp,
+                to_tp: rtp,
+            },
+            rg,
+            Phase::Sync,
+            Role::Post,
+            b.wl.transfer(bytes, 0.0),
+            0,
+            &[last, last_decode],
+        );
+    }
+
+    let graph = b.g;
+    if petgraph::algo::is_cyclic_directed(&graph) {
+        return Err(CompileError::internal(
+            "lowering built a cyclic phase graph",
+        ));
+    }
+    Ok(PhaseGraph {
+        spec: spec.clone(),
+        topo,
+        shapes,
+        lengths,
+        graph,
+        buffers: Vec::new(),
+        windows,
+        slot_finish,
+        shared_encoding,
+        copies,
+    })
+}
+
+/// Bytes each rank gathers to build its rollout-layout weights from the training layout:
+/// nothing when the rollout shard is part of the training shard (rollout TP >= training TP).
+pub fn rollout_gather_bytes(shapes: &Shapes, rtp: u32, ttp: u32) -> u64 {
+    if rtp >= ttp {
+        0
+    } else {
+        let p = shapes.params.total() * shapes.dtype_bytes;
+        p / rtp as u64 - p / ttp as u64
+    }
+}

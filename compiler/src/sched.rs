@@ -1,0 +1,239 @@
+//! The schedule every mode produces: streams, decode windows with their SM split, tasks in
+//! issue order with stream, window, SM share and dependencies, and the device/host buffers
+//! they use (after residency); plus the timing pass that predicts start and end of each task.
+//!
+//! Timing model (the same for every mode, deterministic):
+//! - a task starts when its dependencies and the previous task of its stream have ended, and
+//!   not before the planned decode step its groups wait for (`ready_step`) is reached;
+//! - a decode window starts when the previous window's decode and side tasks have all ended
+//!   (the planner sizes windows so that side work fits; if it does not, decode waits);
+//! - inside a window decode runs on `decode_sms`, side tasks on `side_sms`, each slowed by the
+//!   cost model's co-run factor against the other side; elsewhere a task has the whole GPU
+//!   (transfers on the copy stream are assumed not to slow compute);
+//! - a step inside a window is reached in proportion to the window's duration.
+//!
+//! Invariant: `tasks` is in issue order: every dependency index is smaller than the task's.
+
+use crate::buffers::Offload;
+use rollplex_cost::CostModel;
+use rollplex_plan::work::{Work, WorkKind};
+use rollplex_plan::{BufferClass, GpuId, Op, Phase, Priority, Residency};
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct SStream {
+    pub gpu: GpuId,
+    pub name: &'static str,
+    pub priority: Priority,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct SWindow {
+    pub gpu: GpuId,
+    pub first_step: u32,
+    pub steps: u32,
+    pub decode_stream: usize,
+    pub side_stream: usize,
+    pub decode_sms: u32,
+    pub side_sms: u32,
+    pub expected_active: f64,
+    pub expected_groups_done: u32,
+    pub start: f64,
+    pub end: f64,
+}
+
+/// A buffer as the plan will hold it (a logical buffer may become a host copy and a device
+/// copy when it is offloaded).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PBuf {
+    pub name: String,
+    pub class: BufferClass,
+    pub gpu: GpuId,
+    pub bytes: u64,
+    pub shape: String,
+    pub persistent: bool,
+    pub host: bool,
+    pub residency: Vec<(Phase, Residency)>,
+    pub offload: Offload,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct STask {
+    pub name: String,
+    pub kind: WorkKind,
+    pub op: Op,
+    pub gpu: GpuId,
+    /// Effective phase (work moved into a decode window counts as rollout).
+    pub phase: Phase,
+    pub stream: usize,
+    pub window: Option<u32>,
+    pub deps: Vec<usize>,
+    pub reads: Vec<usize>,
+    pub writes: Vec<usize>,
+    pub work: Work,
+    pub scratch: u64,
+    pub sms: u32,
+    pub ready_step: u32,
+    pub start: f64,
+    pub end: f64,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Sched {
+    pub streams: Vec<SStream>,
+    pub windows: Vec<SWindow>,
+    pub tasks: Vec<STask>,
+    pub buffers: Vec<PBuf>,
+}
+
+impl Sched {
+    pub fn stream(&mut self, gpu: GpuId, name: &'static str, priority: Priority) -> usize {
+        if let Some(i) = self
+            .streams
+            .iter()
+            .position(|s| s.gpu == gpu && s.name == name)
+        {
+            return i;
+        }
+        self.streams.push(SStream {
+            gpu,
+            name,
+            priority,
+        });
+        self.streams.len() - 1
+    }
+
+    /// Predicted iteration time: the last end.
+    pub fn makespan(&self) -> f64 {
+        self.tasks.iter().map(|t| t.end).fold(0.0, f64::max)
+    }
+}
+
+/// Computes `start`/`end` of every task and window (see the module docs).
+pub fn predict(s: &mut Sched, cost: &CostModel) {
+    let total_sms = cost.gpu().sms;
+    let mut stream_end = vec![0.0f64; s.streams.len()];
+    let nw = s.windows.len();
+    // Per window: decode start/end and the latest side end.
+    let mut dec: Vec<Option<(f64, f64)>> = vec![None; nw];
+    let mut side_end = vec![0.0f64; nw];
+    // Kinds of side work per window (for the decode slowdown).
+    let mut side_kinds: Vec<Vec<WorkKind>> = vec![Vec::new(); nw];
+    for t in &s.tasks {
+        if let Some(w) = t.window {
+            if t.stream == s.windows[w as usize].side_stream && t.kind != WorkKind::Decode {
+                side_kinds[w as usize].push(t.kind);
+            }
+        }
+    }
+    for i in 0..s.tasks.len() {
+        let (deps_end, stream, window, kind) = {
+            let t = &s.tasks[i];
+            let d = t.deps.iter().map(|&d| s.tasks[d].end).fold(0.0, f64::max);
+            (d, t.stream, t.window, t.kind)
+        };
+        let mut start = deps_end.max(stream_end[stream]);
+        let is_decode = matches!(s.tasks[i].op, Op::DecodeWindow { .. });
+        if is_decode {
+            if let Some(w) = window {
+                let w = w as usize;
+                if w > 0 {
+                    start = start.max(side_end[w - 1]);
+                    if let Some((_, e)) = dec[w - 1] {
+                        start = start.max(e);
+                    }
+                }
+            }
+        }
+        // Wait for the planned decode step this task's groups need.
+        let ready = s.tasks[i].ready_step;
+        if ready > 0 {
+            start = start.max(step_time(s, &dec, ready));
+        }
+        let t = &s.tasks[i];
+        let mut dur = cost.time(kind, &t.work, t.sms.clamp(1, total_sms));
+        if let Some(w) = window {
+            let win = &s.windows[w as usize];
+            if win.side_sms > 0 {
+                if is_decode {
+                    let worst = side_kinds[w as usize]
+                        .iter()
+                        .map(|&k| cost.corun_slowdown(WorkKind::Decode, k))
+                        .fold(1.0, f64::max);
+                    dur *= worst;
+                } else {
+                    dur *= cost.corun_slowdown(kind, WorkKind::Decode);
+                }
+            }
+        }
+        if !dur.is_finite() {
+            dur = 0.0;
+        }
+        let end = start + dur;
+        let t = &mut s.tasks[i];
+        t.start = start;
+        t.end = end;
+        stream_end[stream] = end;
+        if let Some(w) = window {
+            let w = w as usize;
+            if is_decode {
+                dec[w] = Some((start, end));
+            } else {
+                side_end[w] = side_end[w].max(end);
+            }
+        }
+    }
+    for (w, win) in s.windows.iter_mut().enumerate() {
+        if let Some((a, b)) = dec[w] {
+            win.start = a;
+            win.end = b.max(side_end[w]);
+        }
+    }
+}
+
+/// When decode reaches `step` (the start of that step), by linear progress inside windows.
+fn step_time(s: &Sched, dec: &[Option<(f64, f64)>], step: u32) -> f64 {
+    let mut last = 0.0;
+    for (w, win) in s.windows.iter().enumerate() {
+        let Some((a, b)) = dec[w] else { continue };
+        last = b;
+        if step < win.first_step + win.steps {
+            let frac = (step.saturating_sub(win.first_step)) as f64 / win.steps.max(1) as f64;
+            return a + frac * (b - a);
+        }
+    }
+    last
+}
+
+/// Stable topological order of `n` items with `deps`, preferring smaller `key`s: Kahn's
+/// algorithm with a priority queue. Returns `None` on a cycle.
+pub fn topo_order<K: Ord + Copy>(
+    n: usize,
+    deps: &[Vec<usize>],
+    key: impl Fn(usize) -> K,
+) -> Option<Vec<usize>> {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    let mut indeg = vec![0usize; n];
+    let mut out: Vec<Vec<usize>> = vec![Vec::new(); n];
+    for (i, ds) in deps.iter().enumerate() {
+        for &d in ds {
+            indeg[i] += 1;
+            out[d].push(i);
+        }
+    }
+    let mut heap: BinaryHeap<Reverse<(K, usize)>> = (0..n)
+        .filter(|&i| indeg[i] == 0)
+        .map(|i| Reverse((key(i), i)))
+        .collect();
+    let mut order = Vec::with_capacity(n);
+    while let Some(Reverse((_, i))) = heap.pop() {
+        order.push(i);
+        for &j in &out[i] {
+            indeg[j] -= 1;
+            if indeg[j] == 0 {
+                heap.push(Reverse((key(j), j)));
+            }
+        }
+    }
+    (order.len() == n).then_some(order)
+}

@@ -1,0 +1,423 @@
+//! The overlap schedule: side work (reference and actor prefixes, and in the decode tail the
+//! per-group suffixes, rewards, advantages and first-step micro-batches) moves into decode
+//! windows on a side SM partition, as the ILP ([`crate::ilp`]) decides.
+//!
+//! This module turns the phase graph into the ILP's inputs (split options from the cost
+//! model's partition sizes, per-window decode times, per-class item times, readiness from the
+//! planned slot finish steps, precedences, memory headroom next to decode), and the answer
+//! back into a [`Placement`]: the ILP's split per window, then a greedy fill with each item's
+//! exact time (the ILP counts items of a class as equal and fractional): up to the ILP's
+//! cumulative count per class first, then whatever else is eligible and fits. A repair pass
+//! then keeps only placements whose predecessors run before decode, in an earlier window or
+//! earlier in the same window, and whose groups are planned to have finished before the
+//! window starts.
+//!
+//! The weight-version rule holds by construction: only version-0 work has a side class
+//! (later steps' prefixes and micro-batches are `Role::Post`).
+
+use crate::assemble::{Placement, ResidencyChoice};
+use crate::driver::IlpRun;
+use crate::error::{CompileError, Result};
+use crate::ilp::{self, ClassInput, Prec, PrecKind, Problem, SplitOption};
+use crate::lower::{NodeId, PhaseGraph, Role, SideClass};
+use rollplex_cost::CostModel;
+use rollplex_plan::work::WorkKind;
+use rollplex_plan::{SolveStatus, SolverStats};
+use std::collections::BTreeMap;
+
+/// Returns the placement, the solver statistics for the plan, the run for `--stats`, and
+/// whether memory held the planner back (the side classes' buffers do not all fit next to
+/// decode, so more headroom could buy a faster plan).
+pub fn place(
+    pg: &PhaseGraph,
+    cost: &CostModel,
+    res: ResidencyChoice,
+    cut: u64,
+    time_limit_s: f64,
+) -> Result<(Placement, SolverStats, IlpRun, bool)> {
+    let gpu = &pg.spec.cluster.gpu;
+    let total = gpu.sms;
+    let gran = gpu.sm_granularity.max(1);
+    let mut options: Vec<SplitOption> = (1..)
+        .map(|i| i * gran)
+        .take_while(|&a| a < total)
+        .map(|a| SplitOption {
+            decode_sms: a,
+            side_sms: total - a,
+        })
+        .collect();
+    options.push(SplitOption {
+        decode_sms: total,
+        side_sms: 0,
+    });
+
+    // Side classes and their items in item order.
+    let mut classes: BTreeMap<SideClass, Vec<NodeId>> = BTreeMap::new();
+    for id in pg.ids() {
+        if let Role::Side { class, .. } = pg.node(id).role {
+            classes.entry(class).or_default().push(id);
+        }
+    }
+    for items in classes.values_mut() {
+        items.sort_by_key(|&i| match pg.node(i).role {
+            Role::Side { item, .. } => item,
+            _ => 0,
+        });
+    }
+    let class_list: Vec<SideClass> = SideClass::ALL
+        .iter()
+        .copied()
+        .filter(|c| classes.contains_key(c))
+        .collect();
+    let kinds: Vec<WorkKind> = class_list
+        .iter()
+        .map(|c| pg.node(classes[c][0]).kind)
+        .collect();
+    let slow_dec = kinds
+        .iter()
+        .map(|&k| cost.corun_slowdown(WorkKind::Decode, k))
+        .fold(1.0, f64::max);
+    let decodes = pg.decode_nodes();
+    let decode_time: Vec<Vec<f64>> = decodes
+        .iter()
+        .map(|&d| {
+            let n = pg.node(d);
+            options
+                .iter()
+                .map(|o| {
+                    cost.time(WorkKind::Decode, &n.work, o.decode_sms)
+                        * if o.side_sms > 0 { slow_dec } else { 1.0 }
+                })
+                .collect()
+        })
+        .collect();
+
+    // Memory headroom next to decode.
+    let budget = pg.spec.schedule.memory_budget as f64;
+    let buf = |name: &str| {
+        pg.buffer_named(name)
+            .map(|i| pg.buffers[i].bytes as f64)
+            .unwrap_or(0.0)
+    };
+    let mut base = 0.0;
+    for b in &pg.buffers {
+        let offloaded = match b.class {
+            rollplex_plan::BufferClass::RefWeights => res.ref_host,
+            rollplex_plan::BufferClass::MasterWeights
+            | rollplex_plan::BufferClass::OptimizerMoments => res.optimizer_host,
+            _ => false,
+        };
+        if b.persistent && !offloaded {
+            base += b.bytes as f64;
+        }
+    }
+    for name in [
+        "vision_emb",
+        "vision_emb.train",
+        "kv.prompt",
+        "kv.response",
+        "samples",
+        "rollout_weights",
+    ] {
+        if pg
+            .buffer_named(name)
+            .is_some_and(|i| !pg.buffers[i].persistent)
+        {
+            base += buf(name);
+        }
+    }
+    let max_scratch = |f: &dyn Fn(&Role) -> bool| {
+        pg.ids()
+            .filter(|&i| f(&pg.node(i).role))
+            .map(|i| pg.node(i).scratch)
+            .max()
+            .unwrap_or(0) as f64
+    };
+    base += max_scratch(&|r| matches!(r, Role::Decode { .. }));
+    base += max_scratch(&|r| matches!(r, Role::Side { .. }));
+    let headroom = budget - base - cut as f64;
+
+    let windows = &pg.windows;
+    let g = pg.topo.parallel.group_size as f64;
+    let batch = pg.topo.batch;
+    let per_chunk_slots = classes
+        .get(&SideClass::TrainPrefix)
+        .and_then(|v| v.first())
+        .map(|&i| match &pg.node(i).op {
+            rollplex_plan::Op::ActorPrefix { groups, .. } => groups.span().len() as f64,
+            _ => 1.0,
+        })
+        .unwrap_or(1.0);
+    let mut inputs = Vec::new();
+    for c in &class_list {
+        let items = &classes[c];
+        let kind = pg.node(items[0]).kind;
+        let mean = |f: &dyn Fn(NodeId) -> f64| {
+            items.iter().map(|&i| f(i)).sum::<f64>() / items.len() as f64
+        };
+        let item_time: Vec<f64> = options
+            .iter()
+            .map(|o| {
+                if o.side_sms == 0 {
+                    f64::INFINITY
+                } else {
+                    mean(&|i| cost.time(kind, &pg.node(i).work, o.side_sms))
+                        * cost.corun_slowdown(kind, WorkKind::Decode)
+                }
+            })
+            .collect();
+        let post_time = mean(&|i| cost.time(kind, &pg.node(i).work, total));
+        let ready: Vec<u32> = windows
+            .iter()
+            .map(|w| {
+                items
+                    .iter()
+                    .filter(|&&i| pg.node(i).ready_step <= w.first)
+                    .count() as u32
+            })
+            .collect();
+        let bytes = match c {
+            SideClass::RefPrefix => {
+                buf("ref_prefix_kv")
+                    + if res.ref_host {
+                        buf("ref_weights")
+                    } else {
+                        0.0
+                    }
+            }
+            SideClass::OldPrefix => buf("old_prefix_kv"),
+            SideClass::TrainPrefix => buf("train_prefix.s0"),
+            SideClass::RefSuffix => buf("ref_logprobs"),
+            SideClass::OldSuffix => buf("old_logprobs"),
+            SideClass::Reward => buf("scalars"),
+            SideClass::Advantages => 0.0,
+            SideClass::MicroBatch => buf("grads.s0"),
+        };
+        inputs.push(ClassInput {
+            name: c.name(),
+            count: items.len() as u32,
+            ready,
+            item_time,
+            post_time,
+            bytes,
+        });
+    }
+    let idx = |c: SideClass| class_list.iter().position(|&x| x == c);
+    let mut precs = Vec::new();
+    let mut prec = |a: SideClass, b: SideClass, kind: PrecKind| {
+        if let (Some(pred), Some(succ)) = (idx(a), idx(b)) {
+            precs.push(Prec { pred, succ, kind });
+        }
+    };
+    let micro = batch.micro as f64;
+    prec(SideClass::RefPrefix, SideClass::RefSuffix, PrecKind::All);
+    prec(SideClass::OldPrefix, SideClass::OldSuffix, PrecKind::All);
+    prec(
+        SideClass::Reward,
+        SideClass::Advantages,
+        PrecKind::Ratio {
+            pred_mul: 1.0,
+            succ_mul: 1.0,
+        },
+    );
+    for c in [
+        SideClass::Advantages,
+        SideClass::RefSuffix,
+        SideClass::OldSuffix,
+    ] {
+        prec(
+            c,
+            SideClass::MicroBatch,
+            PrecKind::Ratio {
+                pred_mul: g,
+                succ_mul: micro,
+            },
+        );
+    }
+    if batch.steps > 1 {
+        prec(
+            SideClass::TrainPrefix,
+            SideClass::MicroBatch,
+            PrecKind::Ratio {
+                pred_mul: g * per_chunk_slots,
+                succ_mul: micro,
+            },
+        );
+    } else {
+        prec(SideClass::TrainPrefix, SideClass::MicroBatch, PrecKind::All);
+    }
+    let problem = Problem {
+        options: options.clone(),
+        decode_time,
+        classes: inputs,
+        precs,
+        headroom,
+        time_limit_s,
+    };
+    let ans = ilp::solve(&problem).map_err(CompileError::internal)?;
+
+    // Answer -> placement: the ILP's split per window, then a greedy fill with the exact
+    // item times (see `fill`).
+    let side_opts: Vec<Option<SplitOption>> = ans
+        .option
+        .iter()
+        .map(|&j| Some(options[j]).filter(|o| o.side_sms > 0))
+        .collect();
+    let caps: Vec<f64> = (0..windows.len())
+        .map(|w| problem.decode_time[w][ans.option[w]])
+        .collect();
+    let targets: Vec<BTreeMap<SideClass, u32>> = (0..windows.len())
+        .map(|w| {
+            class_list
+                .iter()
+                .enumerate()
+                .map(|(ci, &c)| (c, ans.counts[ci][..=w].iter().sum::<u32>()))
+                .collect()
+        })
+        .collect();
+    let mut in_window = fill(pg, cost, &classes, &class_list, &side_opts, &caps, &targets);
+    repair(pg, &mut in_window);
+    let mut splits: Vec<(u32, u32)> = vec![(total, 0); windows.len()];
+    for (w, s) in splits.iter_mut().enumerate() {
+        if let Some(o) = side_opts[w] {
+            if in_window.values().any(|&x| x as usize == w) {
+                *s = (o.decode_sms, o.side_sms);
+            }
+        }
+    }
+    let stats = SolverStats {
+        solver: "highs".into(),
+        status: ans.status,
+        variables: ans.variables,
+        integer_variables: ans.integer_variables,
+        constraints: ans.constraints,
+        objective: (ans.objective * 1e6).round() / 1e6,
+    };
+    let run = IlpRun {
+        label: String::new(),
+        variables: ans.variables,
+        integer_variables: ans.integer_variables,
+        constraints: ans.constraints,
+        solve_s: ans.solve_s,
+        status: ans.status,
+        objective: ans.objective,
+    };
+    debug_assert!(stats.status != SolveStatus::NotRun);
+    let memory_bound = problem.classes.iter().map(|c| c.bytes).sum::<f64>() > problem.headroom;
+    Ok((
+        Placement {
+            single_stream: false,
+            splits,
+            in_window,
+            residency: res,
+        },
+        stats,
+        run,
+        memory_bound,
+    ))
+}
+
+/// Fraction by which side work may exceed a window's decode time when filling.
+pub const FILL_SLACK: f64 = 0.03;
+
+/// Fills windows in order. In each window with a side partition, items are taken in side
+/// order (class, then item) while they fit in the window's decode time: first up to the ILP's
+/// cumulative target per class, then any other eligible item. An item is eligible when its
+/// groups are planned to be done before the window starts and each of its predecessors runs
+/// before decode, in an earlier window, or earlier in this window.
+fn fill(
+    pg: &PhaseGraph,
+    cost: &CostModel,
+    classes: &BTreeMap<SideClass, Vec<NodeId>>,
+    class_list: &[SideClass],
+    side_opts: &[Option<SplitOption>],
+    caps: &[f64],
+    targets: &[BTreeMap<SideClass, u32>],
+) -> BTreeMap<NodeId, u32> {
+    let mut placed: BTreeMap<NodeId, u32> = BTreeMap::new();
+    let mut next: BTreeMap<SideClass, usize> = class_list.iter().map(|&c| (c, 0)).collect();
+    let rank = |id: NodeId| side_rank(pg, id);
+    for (w, opt) in side_opts.iter().enumerate() {
+        let Some(o) = opt else { continue };
+        let first = pg.windows[w].first;
+        let mut load = 0.0;
+        for pass in 0..2 {
+            for &c in class_list {
+                let items = &classes[&c];
+                loop {
+                    let k = next[&c];
+                    let Some(&id) = items.get(k) else { break };
+                    if pass == 0 && k as u32 >= targets[w].get(&c).copied().unwrap_or(0) {
+                        break;
+                    }
+                    let n = pg.node(id);
+                    let eligible = n.ready_step <= first
+                        && pg.deps(id).into_iter().all(|p| match pg.node(p).role {
+                            Role::PreDecode | Role::Decode { .. } => true,
+                            Role::Side { .. } => placed.get(&p).is_some_and(|&pw| {
+                                (pw as usize) < w || (pw as usize == w && rank(p) < rank(id))
+                            }),
+                            Role::Post => false,
+                        });
+                    if !eligible {
+                        break;
+                    }
+                    let t = cost.time(n.kind, &n.work, o.side_sms)
+                        * cost.corun_slowdown(n.kind, WorkKind::Decode);
+                    if load + t > caps[w] * (1.0 + FILL_SLACK) {
+                        break;
+                    }
+                    load += t;
+                    placed.insert(id, w as u32);
+                    next.insert(c, k + 1);
+                }
+            }
+        }
+    }
+    placed
+}
+
+fn side_rank(pg: &PhaseGraph, id: NodeId) -> (usize, u32) {
+    match pg.node(id).role {
+        Role::Side { class, item } => (
+            SideClass::ALL.iter().position(|&c| c == class).unwrap_or(0),
+            item,
+        ),
+        _ => (0, 0),
+    }
+}
+
+/// Drops placements that would wait on later work; repeats until stable.
+fn repair(pg: &PhaseGraph, in_window: &mut BTreeMap<NodeId, u32>) {
+    let side_rank = |id: NodeId| side_rank(pg, id);
+    loop {
+        let mut drop = Vec::new();
+        for (&id, &w) in in_window.iter() {
+            let n = pg.node(id);
+            if n.ready_step > pg.windows[w as usize].first {
+                drop.push(id);
+                continue;
+            }
+            for p in pg.deps(id) {
+                let ok = match pg.node(p).role {
+                    Role::PreDecode | Role::Decode { .. } => true,
+                    Role::Side { .. } => match in_window.get(&p) {
+                        Some(&pw) => pw < w || (pw == w && side_rank(p) < side_rank(id)),
+                        None => false,
+                    },
+                    Role::Post => false,
+                };
+                if !ok {
+                    drop.push(id);
+                    break;
+                }
+            }
+        }
+        if drop.is_empty() {
+            return;
+        }
+        for id in drop {
+            in_window.remove(&id);
+        }
+    }
+}
