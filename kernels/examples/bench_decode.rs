@@ -502,12 +502,12 @@ fn copy_ceiling(g: &Gpu, s: &Arc<CudaStream>) -> Res<f64> {
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     for a in &args {
-        if !["--unfused", "--tensor-cores"].contains(&a.as_str()) {
-            return Err(format!("unknown flag {a}; flags: --unfused (separate add/norm and rope/append kernels), --tensor-cores (mma.sync decode attention)").into());
+        if !["--unfused", "--simt"].contains(&a.as_str()) {
+            return Err(format!("unknown flag {a}; flags: --unfused (separate add/norm and rope/append kernels), --simt (the SIMT decode attention instead of the tensor-core one)").into());
         }
     }
     let unfused = args.iter().any(|a| a == "--unfused");
-    let tensor_cores = args.iter().any(|a| a == "--tensor-cores");
+    let tensor_cores = !args.iter().any(|a| a == "--simt");
     println!(
         "variant: {} kernels, {} decode attention",
         if unfused { "unfused" } else { "fused" },
@@ -568,10 +568,10 @@ fn main() -> Res<()> {
             w / 1e9,
             t - t_gemm - t_att
         );
-        // Attention alone under other splits (the default aims at DECODE_TARGET_BLOCKS).
+        // Attention alone under other splits (the default aims at DECODE_TARGET_BLOCKS = 264).
         let mut sweep = Vec::new();
         let default_plan = m.plan;
-        for target in [264usize, 1056, 2112] {
+        for target in [528usize, 1056, 2112] {
             m.plan = DecodePlan {
                 tensor_cores,
                 ..decode_plan_for_blocks(batch, m.dims(), kv_len, target)

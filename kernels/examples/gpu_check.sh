@@ -23,7 +23,7 @@ for st in $steps; do
       echo "== sanitize exit $?"; head -c 6000 "$OUT/sanitize.log" ;;
     gemm) timeout 150 "$B/bench_gemm" 2>&1 | tee "$OUT/gemm.log" ;;
     decode)
-      for v in "--unfused" "" "--tensor-cores"; do
+      for v in "--unfused" "--simt" ""; do
         timeout 150 "$B/bench_decode" $v 2>&1 | tee -a "$OUT/decode.log"
         echo "== decode $v exit $?"
       done ;;

@@ -9,6 +9,8 @@
 //! return `Result<(), KernelError>` on shape mismatches instead of panicking.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 /// A kernel was called with buffers that do not match the sizes it was given.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

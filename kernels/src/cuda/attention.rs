@@ -10,7 +10,7 @@
 //! grid; every query and key is attended whatever they say.
 //!
 //! Decode runs split-K: [`decode_plan`] cuts each sequence into `splits` chunks of `chunk` keys
-//! (a multiple of 64) so that about 528 blocks run (4 per SM of an H200) whatever the batch; the
+//! (a multiple of 64) so that about 264 blocks run (2 per SM of an H200) whatever the batch; the
 //! split depends on (batch, heads, max length) only, never on the stream's SM partition, so a
 //! result is the same on any stream. A second kernel merges the chunks in order. The partials
 //! need a workspace of [`DecodePlan::workspace_len`] floats.
@@ -264,9 +264,9 @@ pub struct DecodePlan {
     pub head_dim: usize,
     pub splits: usize,
     pub chunk: usize,
-    /// The tensor-core kernel (`attention_decode_bf16`) or the SIMT one
-    /// (`attention_decode_simt_bf16`, the default: the one verified on the H200 so far; see
-    /// docs/cuda.md). Same results within bf16 rounding; each is deterministic.
+    /// The tensor-core kernel (`attention_decode_bf16`, the default: 1.6-2.3x faster on the H200,
+    /// docs/perf.md) or the SIMT one (`attention_decode_simt_bf16`, kept for side-by-side
+    /// timing). Same results within bf16 rounding; each is deterministic.
     pub tensor_cores: bool,
 }
 
@@ -277,9 +277,11 @@ impl DecodePlan {
     }
 }
 
-/// Blocks the split aims at: 4 per SM of a 132-SM H200. A constant, so that the split (and the
-/// rounding) never depends on which partition runs the kernel.
-pub const DECODE_TARGET_BLOCKS: usize = 528;
+/// Blocks the split aims at: 2 per SM of a 132-SM H200 (the tensor-core kernel holds one
+/// 139 KiB block per SM; 264 blocks measured fastest of 264/528/1056/2112 on all five workbench
+/// cases, docs/perf.md). A constant, so that the split (and the rounding) never depends on which
+/// partition runs the kernel.
+pub const DECODE_TARGET_BLOCKS: usize = 264;
 
 /// The split of a decode over `batch` sequences of at most `max_kv_len` keys.
 pub fn decode_plan(batch: usize, dims: AttnDims, max_kv_len: usize) -> DecodePlan {
@@ -306,7 +308,7 @@ pub fn decode_plan_for_blocks(
         head_dim: dims.head_dim,
         splits,
         chunk,
-        tensor_cores: false,
+        tensor_cores: true,
     }
 }
 
