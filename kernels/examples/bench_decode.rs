@@ -523,7 +523,9 @@ fn main() -> Res<()> {
         g.sm_count()
     );
     let mut rows = Vec::new();
-    let configs: [(Dims, usize, Option<(usize, usize)>); 5] = [
+    // (dims, batch, (group size, shared prefix length))
+    type Case = (Dims, usize, Option<(usize, usize)>);
+    let configs: [Case; 5] = [
         (D3B, 64, None),
         (D3B, 8, None),
         (D7B, 64, None),

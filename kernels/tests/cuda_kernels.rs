@@ -96,7 +96,7 @@ fn rel_err(out: &[f32], reference: &[f32]) -> f64 {
     assert_eq!(out.len(), reference.len());
     let (mut num, mut den) = (0f64, 0f64);
     for (o, r) in out.iter().zip(reference) {
-        if !o.is_finite() && !(o.is_infinite() && o == r) {
+        if !(o.is_finite() || (o.is_infinite() && o == r)) {
             return f64::INFINITY;
         }
         if o.is_infinite() {
@@ -620,14 +620,14 @@ fn decode_case(tensor_cores: bool) {
             .collect();
         let mut rows = groups * prefix_len;
         let mut seqs = Vec::new();
-        for i in 0..b {
+        for (i, &suffix_len) in suffix_lens.iter().enumerate() {
             seqs.push(DecodeSeq {
                 prefix_offset: ((i / gsize) * prefix_len) as u32,
                 prefix_len: prefix_len as u32,
                 suffix_offset: rows as u32,
-                suffix_len: suffix_lens[i] as u32,
+                suffix_len: suffix_len as u32,
             });
-            rows += suffix_lens[i] + 3; // gaps between suffixes
+            rows += suffix_len + 3; // gaps between suffixes
         }
         let (kc, kcf) = rand_bf(rows * kvw, 1.0);
         let (vc, vcf) = rand_bf(rows * kvw, 1.0);

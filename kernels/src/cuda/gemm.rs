@@ -93,7 +93,7 @@ impl LtState {
 
     pub(crate) fn workspace(&mut self, stream: &Arc<CudaStream>) -> Result<u64> {
         let key = stream.cu_stream() as usize;
-        if !self.workspaces.contains_key(&key) {
+        if let std::collections::hash_map::Entry::Vacant(e) = self.workspaces.entry(key) {
             // Allocated on the context's default stream (which lives as long as the context),
             // not on `stream`: a green-context stream may be destroyed before the Gpu, and a
             // stream-ordered free on a destroyed stream would crash.
@@ -101,7 +101,7 @@ impl LtState {
             // SAFETY: scratch memory, never read before cuBLASLt writes it.
             let w = unsafe { ds.alloc::<u8>(WORKSPACE_BYTES) }?;
             ds.synchronize()?; // ready for use on any stream
-            self.workspaces.insert(key, w);
+            e.insert(w);
         }
         Ok(ptr(&self.workspaces[&key], stream))
     }

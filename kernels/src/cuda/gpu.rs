@@ -153,8 +153,8 @@ impl Gpu {
             .lock()
             .map_err(|_| CudaError::Nvrtc("cuBLAS state poisoned by a panic".into()))?;
         let key = stream.cu_stream() as usize;
-        if !map.contains_key(&key) {
-            map.insert(key, CudaBlas::new(stream.clone())?);
+        if let std::collections::hash_map::Entry::Vacant(e) = map.entry(key) {
+            e.insert(CudaBlas::new(stream.clone())?);
         }
         f(&map[&key])
     }

@@ -85,7 +85,7 @@ pub fn sample_ref(logits: &[bf16], p: &SampleParams, sample: u32, step: u32) -> 
             argmax = i;
         }
     }
-    if !(p.temperature > 0.0) {
+    if p.temperature.is_nan() || p.temperature <= 0.0 {
         return argmax as u32;
     }
     let t = p.temperature;
@@ -110,7 +110,7 @@ pub fn sample_ref(logits: &[bf16], p: &SampleParams, sample: u32, step: u32) -> 
             .collect();
         let z: u64 = by_key.iter().map(|x| x.1).sum();
         let need = ((p.top_p as f64 * z as f64).ceil() as u64).max(1);
-        by_key.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        by_key.sort_unstable_by_key(|x| std::cmp::Reverse(x.0));
         let mut cum = 0u64;
         let mut i = 0;
         while i < by_key.len() {
