@@ -288,6 +288,13 @@ mod tests {
     }
 
     #[test]
+    fn zero_dims_are_read_and_left_to_the_range_check() {
+        // parse_config reads what is there; model.rs rejects out-of-range dims with a span
+        let j = QWEN25_VL_3B.replace("\"num_key_value_heads\": 2", "\"num_key_value_heads\": 0");
+        assert_eq!(parse_config(&j).unwrap().text.num_kv_heads, 0);
+    }
+
+    #[test]
     fn lists_every_problem() {
         let e =
             parse_config(r#"{"hidden_size": "big", "vision_config": {"depth": 2}}"#).unwrap_err();

@@ -39,15 +39,37 @@ fn warn(cx: &mut Cx<'_>, code: &'static str, path: &str, msg: String, help: Opti
     cx.error(Diagnostic::warning(code, sp, msg).with_help_opt(help));
 }
 
+/// The divisors of `n` that are at most `max`, ascending (O(sqrt n)).
 fn divisors_up_to(n: u32, max: u32) -> Vec<u32> {
-    (1..=max.min(n)).filter(|d| n % d == 0).collect()
+    let mut v = Vec::new();
+    let mut d: u32 = 1;
+    while (d as u64) * (d as u64) <= n as u64 {
+        if n % d == 0 {
+            v.push(d);
+            if d != n / d {
+                v.push(n / d);
+            }
+        }
+        d += 1;
+    }
+    v.retain(|&x| x <= max);
+    v.sort_unstable();
+    v
 }
 
+/// A readable list (long ones are elided in the middle).
 fn list(xs: &[u32]) -> String {
-    xs.iter()
-        .map(|x| x.to_string())
-        .collect::<Vec<_>>()
-        .join(", ")
+    let s = |xs: &[u32]| {
+        xs.iter()
+            .map(|x| x.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if xs.len() > 16 {
+        format!("{}, ..., {}", s(&xs[..8]), s(&xs[xs.len() - 4..]))
+    } else {
+        s(xs)
+    }
 }
 
 fn model_shapes(cx: &mut Cx<'_>, m: &ModelSpec) {
@@ -207,7 +229,7 @@ fn tp_divides(cx: &mut Cx<'_>, which: &str, tp: u32, m: &ModelSpec) {
         .map(|(w, n)| format!("{w} ({n})"))
         .collect();
     if !bad.is_empty() {
-        let ok: Vec<u32> = (1..=tp.max(8) * 2)
+        let ok: Vec<u32> = (1..=tp.clamp(8, 1 << 16) * 2)
             .filter(|d| dims.iter().all(|(_, n)| n % d == 0))
             .collect();
         err(
@@ -237,13 +259,13 @@ fn gpu_count(cx: &mut Cx<'_>, s: &JobSpec) {
     }
     let (rt, tt) = (s.rollout.tp, s.train.tp);
     if s.schedule.mode == Mode::Disaggregated {
-        if cx.ok(&["rollout.tp", "train.tp"]) && rt + tt > n {
+        if cx.ok(&["rollout.tp", "train.tp"]) && rt as u64 + tt as u64 > n as u64 {
             err(
                 cx,
                 "gpu-count",
                 "gpu.count",
-                format!("disaggregated mode needs separate GPUs for rollout (tp = {rt}) and training (tp = {tt}): {} GPUs, but `count` is {n}", rt + tt),
-                Some(format!("raise `count` to at least {}, or use mode = overlap", rt + tt)),
+                format!("disaggregated mode needs separate GPUs for rollout (tp = {rt}) and training (tp = {tt}): {} GPUs, but `count` is {n}", rt as u64 + tt as u64),
+                Some(format!("raise `count` to at least {}, or use mode = overlap", rt as u64 + tt as u64)),
             );
         }
         return;
@@ -286,6 +308,9 @@ fn gpu_count(cx: &mut Cx<'_>, s: &JobSpec) {
 }
 
 fn batches(cx: &mut Cx<'_>, s: &JobSpec) {
+    if !cx.ok(&["rollout.samples"]) {
+        return;
+    }
     let samples = s.rollout.samples();
     let (micro, mini) = (s.train.micro_batch, s.train.mini_batch);
     let base_ok = cx.ok(&["rollout.prompts", "rollout.group"]);
@@ -337,7 +362,7 @@ fn batches(cx: &mut Cx<'_>, s: &JobSpec) {
     ]) && s.schedule.mode != Mode::Disaggregated
     {
         let dp = (s.cluster.count / s.train.tp.max(1)).max(1);
-        if dp > 1 && mini % (micro * dp) != 0 {
+        if dp > 1 && mini as u64 % (micro as u64 * dp as u64) != 0 {
             err(
                 cx,
                 "batch-divides",
@@ -347,7 +372,7 @@ fn batches(cx: &mut Cx<'_>, s: &JobSpec) {
                     "{} GPUs / train tp {} = {dp} replicas; mini_batch must be a multiple of micro_batch x {dp} = {}",
                     s.cluster.count,
                     s.train.tp,
-                    micro * dp
+                    micro as u64 * dp as u64
                 )),
             );
         }
@@ -387,7 +412,7 @@ fn media(cx: &mut Cx<'_>, s: &JobSpec) {
         } => (width, height, frames),
     };
     if frames > 0 && (w % unit != 0 || h % unit != 0) {
-        let fix = |x: u32| (x.div_ceil(unit)).max(1) * unit;
+        let fix = |x: u32| (x.div_ceil(unit)).max(1) as u64 * unit as u64;
         err(
             cx,
             "media-shape",
@@ -413,7 +438,7 @@ fn media(cx: &mut Cx<'_>, s: &JobSpec) {
                 Some(format!(
                     "use a multiple of {}, e.g. `frames = {}`",
                     v.temporal_patch_size,
-                    frames.div_ceil(v.temporal_patch_size) * v.temporal_patch_size
+                    frames.div_ceil(v.temporal_patch_size) as u64 * v.temporal_patch_size as u64
                 )),
             );
             return;

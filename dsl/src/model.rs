@@ -216,6 +216,7 @@ pub fn model(
         btok.or_else(|| Some(presets::qwen_tokens())),
     );
     t.finish(cx);
+    dims_in_range(cx, &vision, &text);
     ModelSpec {
         name,
         vision,
@@ -223,6 +224,48 @@ pub fn model(
         tokens,
         dtype,
         weights,
+    }
+}
+
+/// Every dimension within what a real model uses (and what the parameter count can add up
+/// without overflow), whether written, from a preset or from a config.json.
+fn dims_in_range(cx: &mut Cx<'_>, v: &VisionDims, t: &TextDims) {
+    const K: u32 = 1 << 10;
+    let dims: [(&str, u32, u32, u32); 17] = [
+        ("vision.depth", v.depth, 1, 4 * K),
+        ("vision.hidden", v.hidden_size, 1, K * K),
+        ("vision.heads", v.num_heads, 1, 64 * K),
+        ("vision.ffn", v.intermediate_size, 1, 4 * K * K),
+        ("vision.patch", v.patch_size, 1, K),
+        ("vision.temporal_patch", v.temporal_patch_size, 1, 64),
+        ("vision.merge", v.spatial_merge_size, 1, 16),
+        ("vision.window", v.window_size, 1, 64 * K),
+        ("vision.in_channels", v.in_channels, 1, 64),
+        ("vision.out_hidden", v.out_hidden_size, 1, K * K),
+        ("text.layers", t.num_layers, 1, 4 * K),
+        ("text.hidden", t.hidden_size, 1, K * K),
+        ("text.heads", t.num_heads, 1, 64 * K),
+        ("text.kv_heads", t.num_kv_heads, 1, 64 * K),
+        ("text.ffn", t.intermediate_size, 1, 4 * K * K),
+        ("text.vocab", t.vocab_size, 1, 16 * K * K),
+        ("text.max_positions", t.max_position_embeddings, 1, u32::MAX),
+    ];
+    for (key, x, lo, hi) in dims {
+        let path = format!("actor.{key}");
+        if (lo..=hi).contains(&x) || cx.bad.contains(&path) {
+            continue;
+        }
+        let sp = cx.span(&path);
+        cx.mark_bad(&path);
+        cx.mark_bad("actor");
+        cx.error(
+            Diagnostic::error(
+                "range",
+                sp,
+                format!("model dimension `{key}` = {x} is outside {lo}..={hi}"),
+            )
+            .with_help("give a value a Qwen2.5-VL-family model can have"),
+        );
     }
 }
 

@@ -66,6 +66,14 @@ struct Driver<'s> {
     base: usize,
 }
 
+/// How plainly a line starts a new statement (see [`Driver::starts_statement`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Start {
+    No,
+    Weak,
+    Strong,
+}
+
 /// One statement's parse failure: where, and what was expected there.
 struct Failure {
     pos: usize,
@@ -453,13 +461,16 @@ impl<'s> Driver<'s> {
                 b'\n' => {
                     match stack.last() {
                         None => return i,
-                        Some(b'(' | b'[')
-                            if !matches!(
+                        Some(b'(' | b'[') => {
+                            let continues = matches!(
                                 last,
                                 b',' | b'(' | b'[' | b'{' | b'=' | b'+' | b'-' | b'*' | b'/'
-                            ) && self.starts_statement(i + 1) =>
-                        {
-                            return i
+                            );
+                            match self.starts_statement(i + 1) {
+                                Start::Strong => return i,
+                                Start::Weak if !continues => return i,
+                                _ => {}
+                            }
                         }
                         _ => {}
                     }
@@ -512,31 +523,40 @@ impl<'s> Driver<'s> {
         b.len()
     }
 
-    /// Whether the line from `p` (after indentation) plainly starts a statement: `}`,
-    /// `key =`, `name {`, `name label {`, `const`, `pipeline`.
-    fn starts_statement(&self, p: usize) -> bool {
+    /// How plainly the line from `p` (after indentation) starts a statement: `}`, a section
+    /// head (`name {`, `name label {`), `const` or `pipeline` cannot continue an expression
+    /// (strong); `key =` could be a named argument on its own line (weak).
+    fn starts_statement(&self, p: usize) -> Start {
         let rest = &self.src[p.min(self.src.len())..];
         let rest = rest.trim_start_matches([' ', '\t', '\r']);
         if rest.starts_with('}') {
-            return true;
+            return Start::Strong;
         }
-        let w1: &str = &rest[..rest
-            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-            .unwrap_or(rest.len())];
+        let ident_len = |s: &str| {
+            s.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .unwrap_or(s.len())
+        };
+        let n1 = ident_len(rest);
+        let w1 = &rest[..n1];
         if w1.is_empty() || w1.starts_with(|c: char| c.is_ascii_digit()) {
-            return false;
+            return Start::No;
         }
         if w1 == "const" || w1 == "pipeline" {
-            return true;
+            return Start::Strong;
         }
-        let after = rest[w1.len()..].trim_start_matches([' ', '\t']);
-        if (after.starts_with('=') && !after.starts_with("==")) || after.starts_with('{') {
-            return true;
+        let after = rest[n1..].trim_start_matches([' ', '\t']);
+        if after.starts_with('{') {
+            return Start::Strong;
         }
-        let n2 = after
-            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-            .unwrap_or(after.len());
-        n2 > 0 && after[n2..].trim_start_matches([' ', '\t']).starts_with('{')
+        if after.starts_with('=') {
+            return Start::Weak;
+        }
+        let n2 = ident_len(after);
+        if n2 > 0 && after[n2..].trim_start_matches([' ', '\t']).starts_with('{') {
+            Start::Strong
+        } else {
+            Start::No
+        }
     }
 
     fn line_end(&self, p: usize) -> usize {
@@ -940,4 +960,119 @@ fn too_complex(s: &str) -> bool {
         }
     }
     ops > MAX_OPERATORS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::units::Dim;
+
+    /// The value of `x = <text>` inside a pipeline, and the diagnostics.
+    fn value(text: &str) -> (ExprKind, Vec<Diagnostic>) {
+        let src = format!("pipeline p {{\n    x = {text}\n}}\n");
+        let (file, diags) = parse(&src);
+        let item = file.pipeline.and_then(|p| p.body.items.into_iter().next());
+        match item {
+            Some(Item::Assign { value, .. }) => (value.kind, diags),
+            _ => (ExprKind::Error, diags),
+        }
+    }
+
+    fn ok(text: &str) -> ExprKind {
+        let (v, d) = value(text);
+        assert!(d.is_empty(), "{text}: {d:?}");
+        v
+    }
+
+    #[test]
+    fn literals() {
+        assert_eq!(ok("42"), ExprKind::Int(42));
+        assert_eq!(ok("1_000"), ExprKind::Int(1000));
+        assert_eq!(ok("0.25"), ExprKind::Float(0.25));
+        assert_eq!(ok("1e-6"), ExprKind::Float(1e-6));
+        assert_eq!(
+            ok("141GiB"),
+            ExprKind::Quantity(141.0 * (1u64 << 30) as f64, Dim::Bytes)
+        );
+        assert_eq!(ok("400GB/s"), ExprKind::Quantity(400e9, Dim::Bandwidth));
+        assert_eq!(ok("989TFLOPS"), ExprKind::Quantity(989e12, Dim::FlopRate));
+        assert_eq!(ok("500ms"), ExprKind::Quantity(0.5, Dim::Duration));
+        assert_eq!(ok("448x336"), ExprKind::Dims(448, 336));
+        assert_eq!(ok("\"a \\\"b\\\"\\n\""), ExprKind::Str("a \"b\"\n".into()));
+        assert_eq!(ok("on"), ExprKind::Bool(true));
+        assert_eq!(ok("false"), ExprKind::Bool(false));
+        assert_eq!(ok("online"), ExprKind::Name("online".into()));
+        assert_eq!(ok("k3"), ExprKind::Name("k3".into()));
+    }
+
+    #[test]
+    fn compound_values() {
+        match ok("[7, 15, 23, 31,]") {
+            ExprKind::List(xs) => assert_eq!(xs.len(), 4),
+            v => panic!("{v:?}"),
+        }
+        match ok("(0.9, 0.999)") {
+            ExprKind::Tuple(xs) => assert_eq!(xs.len(), 2),
+            v => panic!("{v:?}"),
+        }
+        assert_eq!(ok("(3)"), ExprKind::Int(3));
+        match ok("video(8, size = 448x448)") {
+            ExprKind::Call { name, args, body } => {
+                assert_eq!(name.name, "video");
+                assert!(args[0].name.is_none());
+                assert_eq!(args[1].name.as_ref().map(|n| n.name.as_str()), Some("size"));
+                assert!(body.is_none());
+            }
+            v => panic!("{v:?}"),
+        }
+        match ok("video(\n        frames = 8,\n        size = 448x448,\n    )") {
+            ExprKind::Call { args, .. } => assert_eq!(args.len(), 2),
+            v => panic!("{v:?}"),
+        }
+        match ok("grpo { clip = 0.2\n kl = k3 }") {
+            ExprKind::Call { body: Some(b), .. } => assert_eq!(b.items.len(), 2),
+            v => panic!("{v:?}"),
+        }
+        match ok("-4 * G + 1") {
+            ExprKind::Binary(BinOp::Add, l, _) => {
+                assert!(matches!(l.kind, ExprKind::Binary(BinOp::Mul, _, _)))
+            }
+            v => panic!("{v:?}"),
+        }
+    }
+
+    #[test]
+    fn literal_errors_are_located() {
+        let (_, d) = value("80Gib");
+        assert_eq!(d.len(), 1);
+        assert_eq!(d[0].message, "unknown unit `Gib`");
+        assert_eq!(d[0].help.as_deref(), Some("did you mean `80GiB`?"));
+        let (_, d) = value("\"a\\qb\"");
+        assert!(d[0].message.contains("unknown escape `\\q`"), "{:?}", d);
+        let (_, d) = value("99999999999999999999");
+        assert!(d[0].message.contains("too large"));
+    }
+
+    #[test]
+    fn one_error_per_broken_statement() {
+        let src = "pipeline p {\n  a = 1 2\n  b = (3,\n  c = 4\n  d { e = }\n  f = [1 2]\n}\n";
+        let (file, diags) = parse(src);
+        let lines: Vec<usize> = diags
+            .iter()
+            .map(|d| line_col(src, d.span.start).0)
+            .collect();
+        // `b = (3,` ends with a comma, so `c = 4` may be its next argument: one error there
+        assert_eq!(lines, vec![2, 4, 5, 6], "{diags:#?}");
+        let p = file.pipeline.expect("pipeline parsed");
+        let keys: Vec<&str> = p.body.items.iter().map(|i| i.key().name.as_str()).collect();
+        assert_eq!(keys, vec!["d"]);
+        assert!(p.body.broken);
+    }
+
+    #[test]
+    fn statements_separate_by_newline_or_comma() {
+        let (file, diags) = parse("pipeline p { a = 1, b = 2\n c { d = 3 } e = 4 }");
+        assert!(diags.is_empty(), "{diags:?}");
+        assert_eq!(file.pipeline.map(|p| p.body.items.len()), Some(4));
+    }
 }

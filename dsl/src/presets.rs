@@ -7,7 +7,7 @@
 //! the CPU backend, whose timings nobody plans by; override any field in the `gpu` section.
 //!
 //! Model presets are the Hugging Face `config.json` values of Qwen2.5-VL-{3B,7B,32B}-Instruct,
-//! and `tiny`, a model small enough for a CPU RL step in well under a second.
+//! and `tiny`, a model of about 0.19M parameters for CPU tests and examples.
 
 use rollplex_plan::spec::{GpuSpec, SpecialTokens, TextDims, VisionDims};
 

@@ -88,7 +88,22 @@ fn pipeline(cx: &mut Cx<'_>, p: &Pipeline, env: &dyn Env) -> JobSpec {
             stand_in_rollout()
         }
     };
-    let samples = rollout.samples();
+    let samples = match rollout.prompts_per_iter.checked_mul(rollout.group_size) {
+        Some(n) => n,
+        None => {
+            let sp = cx.span("rollout.prompts");
+            cx.mark_bad("rollout.samples");
+            cx.error(
+                Diagnostic::error(
+                    "range",
+                    sp,
+                    "prompts x group is more samples than can be counted",
+                )
+                .with_help("an iteration holds at most 4294967295 samples"),
+            );
+            1
+        }
+    };
     let train = match t.section(cx, "train") {
         Some((label, head, body)) => {
             no_label(cx, "train", label);

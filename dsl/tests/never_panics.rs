@@ -178,3 +178,30 @@ fn pathological_nesting_is_refused_not_overflowed() {
     let unbalanced = format!("pipeline p {{ x = {} }}", "[(".repeat(50_000));
     run(&unbalanced);
 }
+
+#[test]
+fn extreme_values_are_errors_not_panics() {
+    let max = u32::MAX;
+    let cases = [
+        format!("pipeline p {{ gpu {{ preset = H200 }} model actor {{ preset = tiny }} rollout {{ prompts = {max}, group = {max}, max_new_tokens = {max} }} reward = builtin(\"exact_match\"), train {{ micro_batch = {max}, tp = {max} }} }}"),
+        format!("pipeline p {{ gpu {{ preset = H200, count = {max} }} model actor {{ vision {{ depth = {max}, hidden = {max}, heads = {max}, ffn = {max}, full_attention = [{max}], patch = {max}, merge = {max}, temporal_patch = {max}, window = {max}, in_channels = {max} }} text {{ layers = {max}, hidden = {max}, heads = {max}, kv_heads = {max}, ffn = {max}, vocab = {max}, mrope = [{max}, {max}, {max}] }} }} rollout {{ tp = {max}, prompts = 1, group = 2, max_new_tokens = 1, media = video(frames = {max}, size = {max}x{max}) }} reward = builtin(\"exact_match\"), train {{ micro_batch = 1 }} schedule {{ mode = disaggregated, memory = 1e300GiB }} }}"),
+        "pipeline p { gpu { preset = cpu } model actor { preset = tiny, text { heads = 3, kv_heads = 2 } } rollout { prompts = 1, group = 2, max_new_tokens = 1 } reward = builtin(\"exact_match\"), train { micro_batch = 1 } }".to_string(),
+    ];
+    for src in &cases {
+        run(src);
+        assert!(compile_source("x.rpx", src, &env()).is_err(), "{src}");
+    }
+    // a config.json with zero dimensions is an error at the checkpoint, not a division by zero
+    let mut e = env();
+    e.0.insert(
+        "zero/config.json".into(),
+        CONFIG
+            .replace("\"num_key_value_heads\": 4", "\"num_key_value_heads\": 0")
+            .replace("\"depth\": 32", "\"depth\": 0"),
+    );
+    let src = "pipeline p { gpu { preset = H200 } model actor { checkpoint = \"zero\" } rollout { prompts = 1, group = 2, max_new_tokens = 1 } reward = builtin(\"exact_match\"), train { micro_batch = 1, tp = 2 } }";
+    let d = compile_source("z.rpx", src, &e).expect_err("zero dims");
+    let text = d.render("z.rpx", src, false);
+    assert!(text.contains("`text.kv_heads` = 0"), "{text}");
+    assert!(text.contains("`vision.depth` = 0"), "{text}");
+}
