@@ -7,6 +7,9 @@
 //! was already reported as wrong is not reported again through its consequences. Every check
 //! runs (none stops at the first failure).
 
+// `%` instead of `is_multiple_of`: the workspace supports Rust 1.85.
+#![allow(clippy::manual_is_multiple_of)]
+
 use crate::diag::Diagnostic;
 use crate::memory::training_memory;
 use crate::table::Cx;

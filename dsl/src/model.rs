@@ -2,6 +2,9 @@
 //! [`Env`]), or explicit dimensions; `vision { }`, `text { }` and `tokens { }` override or
 //! complete whichever base was given.
 
+// `%` instead of `is_multiple_of`: the workspace supports Rust 1.85.
+#![allow(clippy::manual_is_multiple_of)]
+
 use crate::ast::{Body, Ident};
 use crate::checkpoint;
 use crate::diag::Diagnostic;

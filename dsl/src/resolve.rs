@@ -5,6 +5,9 @@
 //! takes when it is not written. A value that is missing or invalid leaves a stand-in in the
 //! spec and its path in [`Cx::bad`]; the spec is only handed out when there was no error.
 
+// `%` instead of `is_multiple_of`: the workspace supports Rust 1.85.
+#![allow(clippy::manual_is_multiple_of)]
+
 use crate::ast::{File, Ident, Pipeline};
 use crate::diag::Diagnostic;
 use crate::eval::{CallVal, Val, Value};

@@ -7,6 +7,9 @@
 //! a key that is missing or invalid goes into [`Cx::bad`], and cross-field checks skip
 //! anything that depends on a bad path (so one mistake is not reported twice).
 
+// `%` instead of `is_multiple_of`: the workspace supports Rust 1.85.
+#![allow(clippy::manual_is_multiple_of)]
+
 use crate::ast::{Body, Ident, Item};
 use crate::diag::Diagnostic;
 use crate::eval::{eval, CallVal, Consts, Val, Value};
@@ -636,7 +639,7 @@ pub fn as_count(v: &Val, key: &str, min: u32) -> Result<u32, (String, Option<Str
         Value::Int(_) => Err(("is too large (at most 4294967295)".into(), None)),
         Value::Float(f) => Err((
             "expected a whole number".into(),
-            Some(if f.fract() == 0.0 && f >= 0.0 && f < 4294967296.0 {
+            Some(if f.fract() == 0.0 && (0.0..4294967296.0).contains(&f) {
                 format!("write `{key} = {}`", f as u64)
             } else {
                 format!("`{key}` counts things; use a whole number")
