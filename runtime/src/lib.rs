@@ -1,2 +1,12 @@
 //! The Rollplex runtime.
 pub mod train;
+pub mod chat;
+pub mod tokenizer;
+pub mod sim;
+pub mod model;
+pub mod exec;
+pub mod cli;
+pub mod data;
+pub mod preprocess;
+pub mod reward;
+pub mod tasks;

@@ -62,13 +62,18 @@ pub struct OptTable {
 /// do not.
 pub fn default_decay(name: &str, shape: &[usize]) -> bool {
     let module = name.rsplit('.').nth(1).unwrap_or("");
-    shape.len() >= 2 && !name.ends_with("bias") && !module.contains("norm") && !module.starts_with("ln")
+    shape.len() >= 2
+        && !name.ends_with("bias")
+        && !module.contains("norm")
+        && !module.starts_with("ln")
 }
 
 impl OptTable {
     /// A table over a buffer that holds exactly these tensors, in this order, all trainable;
     /// decay decided by [`default_decay`].
-    pub fn dense<S: Into<String>>(tensors: impl IntoIterator<Item = (S, Vec<usize>)>) -> Result<Self> {
+    pub fn dense<S: Into<String>>(
+        tensors: impl IntoIterator<Item = (S, Vec<usize>)>,
+    ) -> Result<Self> {
         let mut t = OptTable::default();
         for (name, shape) in tensors {
             let name = name.into();
@@ -83,25 +88,55 @@ impl OptTable {
     /// The trainable subset of a model's parameter table (`trainable(name)` decides), with the
     /// model's offsets; decay by [`default_decay`].
     pub fn from_model(table: &ParamTable, trainable: impl Fn(&str) -> bool) -> Result<Self> {
-        let mut t = OptTable { buffer_len: table.total(), ..Default::default() };
+        let mut t = OptTable {
+            buffer_len: table.total(),
+            ..Default::default()
+        };
         for e in table.entries() {
             if trainable(&e.name) {
-                t.push(e.name.clone(), e.shape.clone(), e.offset, default_decay(&e.name, &e.shape))?;
+                t.push(
+                    e.name.clone(),
+                    e.shape.clone(),
+                    e.offset,
+                    default_decay(&e.name, &e.shape),
+                )?;
             }
         }
         Ok(t)
     }
 
     /// Appends a trainable tensor at `offset` of the gradient / compute buffers.
-    pub fn push(&mut self, name: String, shape: Vec<usize>, offset: usize, decay: bool) -> Result<()> {
+    pub fn push(
+        &mut self,
+        name: String,
+        shape: Vec<usize>,
+        offset: usize,
+        decay: bool,
+    ) -> Result<()> {
         if self.params.iter().any(|e| e.name == name) {
-            return Err(TrainError::Invalid(format!("parameter `{name}` is listed twice")));
+            return Err(TrainError::Invalid(format!(
+                "parameter `{name}` is listed twice"
+            )));
         }
         let numel = shape.iter().product();
-        if let Some(o) = self.params.iter().find(|p| offset < p.offset + p.numel && p.offset < offset + numel) {
-            return Err(TrainError::Invalid(format!("parameter `{name}` overlaps `{}` in the buffer", o.name)));
+        if let Some(o) = self
+            .params
+            .iter()
+            .find(|p| offset < p.offset + p.numel && p.offset < offset + numel)
+        {
+            return Err(TrainError::Invalid(format!(
+                "parameter `{name}` overlaps `{}` in the buffer",
+                o.name
+            )));
         }
-        self.params.push(OptParam { name, shape, numel, offset, state_offset: self.state_len, decay });
+        self.params.push(OptParam {
+            name,
+            shape,
+            numel,
+            offset,
+            state_offset: self.state_len,
+            decay,
+        });
         self.state_len += numel;
         self.buffer_len = self.buffer_len.max(offset + numel);
         Ok(())
@@ -211,7 +246,10 @@ impl GradAccumulator {
     /// A zeroed accumulator for gradient buffers of `buffer_len` elements
     /// ([`OptTable::buffer_len`]).
     pub fn new(buffer_len: usize) -> Self {
-        GradAccumulator { grads: vec![0.0; buffer_len], added: 0 }
+        GradAccumulator {
+            grads: vec![0.0; buffer_len],
+            added: 0,
+        }
     }
 
     /// Adds micro-batch `index`'s whole gradient (a flat buffer of the table). `index` must be
@@ -265,7 +303,11 @@ pub fn clip_grad_norm(table: &OptTable, grads: &mut [f32], max_norm: f64) -> Res
         let culprit = table
             .params()
             .iter()
-            .find(|p| grads[p.offset..p.offset + p.numel].iter().any(|g| !g.is_finite()))
+            .find(|p| {
+                grads[p.offset..p.offset + p.numel]
+                    .iter()
+                    .any(|g| !g.is_finite())
+            })
             .map(|p| p.name.clone())
             .unwrap_or_else(|| "(overflow of the sum)".into());
         return Err(TrainError::Invalid(format!(
@@ -275,7 +317,9 @@ pub fn clip_grad_norm(table: &OptTable, grads: &mut [f32], max_norm: f64) -> Res
     if max_norm > 0.0 {
         let coef = (max_norm / (norm + 1e-6)).min(1.0) as f32;
         for p in table.params() {
-            grads[p.offset..p.offset + p.numel].iter_mut().for_each(|g| *g *= coef);
+            grads[p.offset..p.offset + p.numel]
+                .iter_mut()
+                .for_each(|g| *g *= coef);
         }
     }
     Ok(norm)
@@ -313,10 +357,18 @@ impl AdamW {
         check_len("compute weights", table.buffer_len(), compute.len())?;
         let mut master = vec![0.0f32; table.state_len()];
         for p in table.params() {
-            master[p.state_offset..p.state_offset + p.numel].copy_from_slice(&compute[p.offset..p.offset + p.numel]);
+            master[p.state_offset..p.state_offset + p.numel]
+                .copy_from_slice(&compute[p.offset..p.offset + p.numel]);
         }
         let n = table.state_len();
-        Ok(AdamW { spec, table, master, m: vec![0.0; n], v: vec![0.0; n], step: 0 })
+        Ok(AdamW {
+            spec,
+            table,
+            master,
+            m: vec![0.0; n],
+            v: vec![0.0; n],
+            step: 0,
+        })
     }
 
     pub fn table(&self) -> &OptTable {
@@ -353,7 +405,11 @@ impl AdamW {
     /// One optimizer step with the accumulated gradients: clip (in place), update master
     /// weights and moments, then `write_compute(param, master)` for every trainable tensor in
     /// table order (the GPU casts to bf16 there). On error nothing was changed.
-    pub fn step(&mut self, grads: &mut [f32], mut write_compute: impl FnMut(&OptParam, &[f32])) -> Result<StepReport> {
+    pub fn step(
+        &mut self,
+        grads: &mut [f32],
+        mut write_compute: impl FnMut(&OptParam, &[f32]),
+    ) -> Result<StepReport> {
         let grad_norm = clip_grad_norm(&self.table, grads, self.spec.grad_clip)?;
         let lr = lr_at(&self.spec, self.step);
         self.step += 1;
@@ -369,7 +425,11 @@ impl AdamW {
         for prm in self.table.params() {
             let r = prm.state_offset..prm.state_offset + prm.numel;
             let decay = prm.decay && self.spec.weight_decay != 0.0;
-            let (p, m, v) = (&mut self.master[r.clone()], &mut self.m[r.clone()], &mut self.v[r]);
+            let (p, m, v) = (
+                &mut self.master[r.clone()],
+                &mut self.m[r.clone()],
+                &mut self.v[r],
+            );
             let g = &grads[prm.offset..prm.offset + prm.numel];
             for i in 0..p.len() {
                 if decay {
@@ -380,15 +440,24 @@ impl AdamW {
                 let denom = v[i].sqrt() / bc2_sqrt + eps;
                 p[i] += neg_step_size * m[i] / denom;
             }
-            write_compute(prm, &self.master[prm.state_offset..prm.state_offset + prm.numel]);
+            write_compute(
+                prm,
+                &self.master[prm.state_offset..prm.state_offset + prm.numel],
+            );
         }
-        Ok(StepReport { step: self.step, lr, grad_norm })
+        Ok(StepReport {
+            step: self.step,
+            lr,
+            grad_norm,
+        })
     }
 
     /// [`AdamW::step`] for an f32 compute copy laid out like the gradients (the CPU backend).
     pub fn step_f32(&mut self, grads: &mut [f32], compute: &mut [f32]) -> Result<StepReport> {
         check_len("compute weights", self.table.buffer_len(), compute.len())?;
-        self.step(grads, |p, w| compute[p.offset..p.offset + p.numel].copy_from_slice(w))
+        self.step(grads, |p, w| {
+            compute[p.offset..p.offset + p.numel].copy_from_slice(w)
+        })
     }
 }
 
@@ -511,9 +580,15 @@ mod tests {
         assert_eq!(g, vec![3.0 * c, 0.0, 0.0, 0.0, 4.0 * c]);
         let mut g2 = vec![0.3, 0.0, 0.0, 0.0, 0.4];
         assert!((clip_grad_norm(&table, &mut g2, 1.0).unwrap() - 0.5).abs() < 1e-7);
-        assert_eq!(g2, vec![0.3, 0.0, 0.0, 0.0, 0.4], "below the bound: unchanged");
+        assert_eq!(
+            g2,
+            vec![0.3, 0.0, 0.0, 0.0, 0.4],
+            "below the bound: unchanged"
+        );
         let mut bad = vec![f32::NAN, 0.0, 0.0, 0.0, 1.0];
-        let e = clip_grad_norm(&table, &mut bad, 1.0).unwrap_err().to_string();
+        let e = clip_grad_norm(&table, &mut bad, 1.0)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("a.weight"), "{e}");
     }
 
@@ -523,13 +598,20 @@ mod tests {
         let mut t = OptTable::default();
         t.push("b.weight".into(), vec![2, 1], 3, true).unwrap();
         assert_eq!((t.buffer_len(), t.state_len()), (5, 2));
-        assert!(t.push("c.weight".into(), vec![2], 4, true).is_err(), "overlap");
+        assert!(
+            t.push("c.weight".into(), vec![2], 4, true).is_err(),
+            "overlap"
+        );
         let t = OptTable { buffer_len: 6, ..t };
         let mut compute = vec![1.0f32, 1.0, 1.0, 2.0, 2.0, 7.0];
         let mut opt = AdamW::new(spec(LrSchedule::Constant, 1.0), t, &compute).unwrap();
         let mut g = vec![100.0f32, 100.0, 100.0, 0.6, 0.8, 100.0];
         let rep = opt.step_f32(&mut g, &mut compute).unwrap();
-        assert!((rep.grad_norm - 1.0).abs() < 1e-6, "only the trainable tensor counts: {}", rep.grad_norm);
+        assert!(
+            (rep.grad_norm - 1.0).abs() < 1e-6,
+            "only the trainable tensor counts: {}",
+            rep.grad_norm
+        );
         assert_eq!(&compute[..3], &[1.0, 1.0, 1.0]);
         assert_eq!(compute[5], 7.0);
         assert!(compute[3] < 2.0 && compute[4] < 2.0);
@@ -539,8 +621,20 @@ mod tests {
     /// and a cosine schedule.
     #[test]
     fn adamw_matches_f64_reference() {
-        let table = OptTable::dense([("l.weight", vec![4, 8]), ("l.bias", vec![4]), ("norm.weight", vec![8])]).unwrap();
-        let s = spec(LrSchedule::Cosine { warmup_steps: 3, total_steps: 30, min_lr_ratio: 0.05 }, 0.5);
+        let table = OptTable::dense([
+            ("l.weight", vec![4, 8]),
+            ("l.bias", vec![4]),
+            ("norm.weight", vec![8]),
+        ])
+        .unwrap();
+        let s = spec(
+            LrSchedule::Cosine {
+                warmup_steps: 3,
+                total_steps: 30,
+                min_lr_ratio: 0.05,
+            },
+            0.5,
+        );
         let mut rng = Rng(3);
         let mut compute: Vec<f32> = (0..table.buffer_len()).map(|_| rng.next()).collect();
         let mut opt = AdamW::new(s.clone(), table.clone(), &compute).unwrap();
@@ -548,7 +642,10 @@ mod tests {
             .params()
             .iter()
             .map(|p| Reference {
-                p: compute[p.offset..p.offset + p.numel].iter().map(|&x| x as f64).collect(),
+                p: compute[p.offset..p.offset + p.numel]
+                    .iter()
+                    .map(|&x| x as f64)
+                    .collect(),
                 m: vec![0.0; p.numel],
                 v: vec![0.0; p.numel],
                 t: 0,
@@ -563,14 +660,21 @@ mod tests {
             assert_eq!(rep.step, step + 1);
             assert!((rep.grad_norm - norm).abs() < 1e-12);
             for (p, r) in table.params().iter().zip(refs.iter_mut()) {
-                let gi: Vec<f64> = g64[p.offset..p.offset + p.numel].iter().map(|x| x * coef).collect();
+                let gi: Vec<f64> = g64[p.offset..p.offset + p.numel]
+                    .iter()
+                    .map(|x| x * coef)
+                    .collect();
                 r.step(&gi, rep.lr, &s, p.decay);
             }
         }
         let mut max_err = 0.0f64;
         for (p, r) in table.params().iter().zip(&refs) {
             let ours = opt.master(p);
-            assert_eq!(ours, &compute[p.offset..p.offset + p.numel], "compute copy is the master (f32 on the CPU)");
+            assert_eq!(
+                ours,
+                &compute[p.offset..p.offset + p.numel],
+                "compute copy is the master (f32 on the CPU)"
+            );
             for (a, b) in ours.iter().zip(&r.p) {
                 max_err = max_err.max((*a as f64 - b).abs());
             }
@@ -584,14 +688,20 @@ mod tests {
     #[test]
     fn first_step_by_hand() {
         let table = OptTable::dense([("w", vec![1, 2])]).unwrap();
-        let s = AdamWSpec { weight_decay: 0.5, ..spec(LrSchedule::Constant, 0.0) };
+        let s = AdamWSpec {
+            weight_decay: 0.5,
+            ..spec(LrSchedule::Constant, 0.0)
+        };
         let mut w = vec![1.0f32, -1.0];
         let mut opt = AdamW::new(s, table, &w).unwrap();
         let mut g = vec![0.5f32, -2.0];
         opt.step_f32(&mut g, &mut w).unwrap();
         // p = p (1 - 0.01 * 0.5) - 0.01 * g / (|g| + eps')
         let want = [1.0 * 0.995 - 0.01, -1.0 * 0.995 + 0.01];
-        assert!((w[0] as f64 - want[0]).abs() < 1e-6 && (w[1] as f64 - want[1]).abs() < 1e-6, "{w:?}");
+        assert!(
+            (w[0] as f64 - want[0]).abs() < 1e-6 && (w[1] as f64 - want[1]).abs() < 1e-6,
+            "{w:?}"
+        );
     }
 
     #[test]
@@ -599,7 +709,11 @@ mod tests {
         let mut acc = GradAccumulator::new(3);
         let g0 = [0.1f32, 1e8, -3.0];
         let g1 = [0.2f32, 1.0, 3.0];
-        assert!(acc.add(1, &g1).unwrap_err().to_string().contains("micro-batch 0 is next"));
+        assert!(acc
+            .add(1, &g1)
+            .unwrap_err()
+            .to_string()
+            .contains("micro-batch 0 is next"));
         acc.add(0, &g0).unwrap();
         acc.add(1, &g1).unwrap();
         assert_eq!(acc.grads(), &[0.1f32 + 0.2, 1e8 + 1.0, 0.0]);
@@ -614,9 +728,22 @@ mod tests {
         let table = OptTable::dense([("w", vec![1])]).unwrap();
         let init = [0.0f32];
         for bad in [
-            AdamWSpec { beta1: 1.0, ..spec(LrSchedule::Constant, 0.0) },
-            AdamWSpec { eps: 0.0, ..spec(LrSchedule::Constant, 0.0) },
-            spec(LrSchedule::Cosine { warmup_steps: 0, total_steps: 5, min_lr_ratio: 2.0 }, 0.0),
+            AdamWSpec {
+                beta1: 1.0,
+                ..spec(LrSchedule::Constant, 0.0)
+            },
+            AdamWSpec {
+                eps: 0.0,
+                ..spec(LrSchedule::Constant, 0.0)
+            },
+            spec(
+                LrSchedule::Cosine {
+                    warmup_steps: 0,
+                    total_steps: 5,
+                    min_lr_ratio: 2.0,
+                },
+                0.0,
+            ),
         ] {
             assert!(AdamW::new(bad, table.clone(), &init).is_err());
         }

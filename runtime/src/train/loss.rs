@@ -493,7 +493,11 @@ mod tests {
         let a = grpo_advantages(&[1.0, 0.0, 0.0, 1.0, 2.0], 1, true).unwrap();
         // veRL: a group of one has mean 0 and std 1, so A = r / (1 + eps).
         let want = [1.0, 0.0, 0.0, 1.0, 2.0].map(|r: f64| (r / (1.0 + ADV_EPS)) as f32);
-        assert_eq!(a, want.to_vec(), "groups of one keep the reward (over 1 + eps)");
+        assert_eq!(
+            a,
+            want.to_vec(),
+            "groups of one keep the reward (over 1 + eps)"
+        );
         let a = grpo_advantages(&[1.0, 0.0, 0.0, 1.0], 4, true).unwrap();
         let s = (1.0f64 / 3.0).sqrt();
         let want = 0.5 / (s + ADV_EPS);

@@ -1,5 +1,6 @@
 //! The training engine of the actor: the policy loss ([`loss`]), AdamW with fp32 master weights
-//! ([`adamw`]), and backward through the whole Qwen2.5-VL actor.
+//! ([`adamw`]), backward through the whole Qwen2.5-VL actor ([`backward`], one block in
+//! `block_bwd`), and the step API the RL loop calls ([`step::Trainer`]).
 //!
 //! What this module knows: per-token log-probs, advantages and masks of response tokens; named
 //! parameter tensors and their gradients; the model's saved activations. What it does not know:
@@ -9,7 +10,20 @@
 //! (never on thread timing or completion order), so a step is bitwise reproducible.
 
 pub mod adamw;
+pub mod backward;
+mod block_bwd;
 pub mod loss;
+pub mod step;
+#[cfg(test)]
+mod tests;
+
+pub use adamw::{AdamW, GradAccumulator, OptParam, OptTable, StepReport};
+pub use backward::{forward_backward, GroupBatch, MicroBatchOutput, ResponseBatch, TrainConfig};
+pub use loss::{
+    broadcast_advantages, grpo_advantages, policy_loss, LossBatch, LossConfig, LossMetrics,
+    Normaliser,
+};
+pub use step::{TrainStepReport, Trainer};
 
 /// Errors of the training engine. Each names the offending input so the caller can fix it.
 #[derive(Debug, thiserror::Error)]
@@ -24,6 +38,12 @@ pub enum TrainError {
     /// An input violates a documented precondition (message says which and why).
     #[error("{0}")]
     Invalid(String),
+    /// The model's forward refused its input.
+    #[error(transparent)]
+    Model(#[from] crate::model::ModelError),
+    /// A kernel was called with inconsistent shapes (a bug in the caller; the message names it).
+    #[error(transparent)]
+    Kernel(#[from] rollplex_kernels::KernelError),
 }
 
 pub type Result<T> = std::result::Result<T, TrainError>;

@@ -1,0 +1,708 @@
+//! The text decoder and the operations the RL loop runs on it: `prefill` (prompt -> prefix
+//! state, once per GRPO group), `decode_step` (one token per sample over a KV arena laid out as
+//! [shared group prefix | per-sample suffix]), `score` (log-probs of given responses from a kept
+//! prefix state plus the response suffix), and `forward_logits` (a full-sequence forward as
+//! Hugging Face's `model(...)`, for checks).
+//!
+//! Positions: prompt tokens get `get_rope_index` positions; every later token at sequence index
+//! `n` gets `n + rope_delta` in all three sections (what `generate` does in transformers).
+//!
+//! Invariants: (1) a response's log-probs from `score` are bitwise those of the logits that
+//! `decode_step` produced for the same tokens (same attention key order, row-independent
+//! matmuls); (2) scoring G responses in one call gives bitwise the scores of G separate calls;
+//! (3) prefill-then-decode logits equal the full forward's rows bitwise when positions agree
+//! (always, unless a video's temporal positions exceed its spatial ones; see `positions`).
+
+use rollplex_kernels::cpu::{
+    embedding_fwd, linear_fwd, logprobs_fwd, rmsnorm_fwd, AttnDims, AttnMask, AttnSeq, DecodeSeq,
+};
+
+use super::block::{block_fwd, Attend};
+use super::cache::{CacheMode, ForwardCache, LayerCache};
+use super::positions::{mrope_tables, rope_index, MediaSlot};
+use super::vision::EncodedMedia;
+use super::{ModelError, Qwen25VL};
+
+/// A prompt: token ids (media placeholders included) and the encoded media filling its
+/// placeholder runs, in order.
+#[derive(Clone, Copy, Debug)]
+pub struct Prompt<'a> {
+    pub ids: &'a [u32],
+    pub media: &'a [&'a EncodedMedia],
+}
+
+/// What a prompt leaves for its samples: the KV of every layer and the logits of its last token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PrefixState {
+    /// Prompt tokens.
+    pub len: u32,
+    /// Position of the token at sequence index `n >= len` is `n + rope_delta` (all sections).
+    pub rope_delta: i64,
+    pub layers: usize,
+    /// `kv_heads * head_dim`.
+    pub kv_width: usize,
+    /// `[layers, len, kv_width]`, after RoPE.
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    /// Logits of the last prompt token `[vocab]` (the first response token's distribution).
+    pub last_logits: Vec<f32>,
+}
+
+impl PrefixState {
+    pub fn layer_k(&self, l: usize) -> &[f32] {
+        let n = self.len as usize * self.kv_width;
+        &self.k[l * n..(l + 1) * n]
+    }
+    pub fn layer_v(&self, l: usize) -> &[f32] {
+        let n = self.len as usize * self.kv_width;
+        &self.v[l * n..(l + 1) * n]
+    }
+}
+
+/// A contiguous run of rows of a [`KvArena`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvSpan {
+    pub offset: u32,
+    pub len: u32,
+}
+
+/// KV cache of every layer in one buffer: `k` and `v` are `[layers, capacity, kv_width]`.
+/// Rows are handed out by the caller (the plan): a group's prefix span is written once by
+/// [`KvArena::store_prefix`], each sample's suffix span is filled by `decode_step`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvArena {
+    layers: usize,
+    kv_width: usize,
+    capacity: u32,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl KvArena {
+    pub fn new(layers: usize, kv_width: usize, capacity: u32) -> Self {
+        let n = layers * capacity as usize * kv_width;
+        KvArena {
+            layers,
+            kv_width,
+            capacity,
+            k: vec![0.0; n],
+            v: vec![0.0; n],
+        }
+    }
+    /// An arena for `model` with `capacity` rows.
+    pub fn for_model(model: &Qwen25VL, capacity: u32) -> Self {
+        let t = model.config.text();
+        Self::new(
+            t.num_layers as usize,
+            (t.num_kv_heads * t.head_dim()) as usize,
+            capacity,
+        )
+    }
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+    /// Bytes of the arena (both K and V).
+    pub fn bytes(&self) -> usize {
+        (self.k.len() + self.v.len()) * 4
+    }
+    fn layer_len(&self) -> usize {
+        self.capacity as usize * self.kv_width
+    }
+    /// Copies a prefix's KV into rows `offset..offset + prefix.len`.
+    pub fn store_prefix(
+        &mut self,
+        offset: u32,
+        prefix: &PrefixState,
+    ) -> Result<KvSpan, ModelError> {
+        if prefix.layers != self.layers || prefix.kv_width != self.kv_width {
+            return Err(ModelError::Input(format!(
+                "prefix of {} layers x {} KV width does not fit an arena of {} x {}",
+                prefix.layers, prefix.kv_width, self.layers, self.kv_width
+            )));
+        }
+        let end = offset as u64 + prefix.len as u64;
+        if end > self.capacity as u64 {
+            return Err(ModelError::Input(format!(
+                "prefix rows {offset}..{end} exceed the arena's {} rows",
+                self.capacity
+            )));
+        }
+        let (ll, w) = (self.layer_len(), self.kv_width);
+        for l in 0..self.layers {
+            let dst = l * ll + offset as usize * w;
+            let n = prefix.len as usize * w;
+            self.k[dst..dst + n].copy_from_slice(prefix.layer_k(l));
+            self.v[dst..dst + n].copy_from_slice(prefix.layer_v(l));
+        }
+        Ok(KvSpan {
+            offset,
+            len: prefix.len,
+        })
+    }
+}
+
+/// One sample's place in a [`KvArena`] during decode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeSlot {
+    /// The group's shared prefix.
+    pub prefix: KvSpan,
+    pub rope_delta: i64,
+    /// First row of this sample's suffix and the rows reserved for it.
+    pub suffix_offset: u32,
+    pub suffix_capacity: u32,
+    /// Tokens already decoded into the suffix.
+    pub suffix_len: u32,
+}
+
+impl DecodeSlot {
+    pub fn new(prefix: KvSpan, rope_delta: i64, suffix_offset: u32, suffix_capacity: u32) -> Self {
+        DecodeSlot {
+            prefix,
+            rope_delta,
+            suffix_offset,
+            suffix_capacity,
+            suffix_len: 0,
+        }
+    }
+}
+
+/// Per-token scores of one response.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenScores {
+    /// `log p(token_j | prompt, tokens_<j)` at the given temperature, `[len]`.
+    pub logp: Vec<f32>,
+    /// Entropy of each token's distribution, `[len]`.
+    pub entropy: Vec<f32>,
+}
+
+/// Rows of hidden states per lm-head chunk (bounds the logits buffer to `CHUNK x vocab`).
+const LM_CHUNK: usize = 64;
+
+impl Qwen25VL {
+    fn text_dims(&self) -> AttnDims {
+        let t = self.config.text();
+        AttnDims {
+            num_heads: t.num_heads as usize,
+            num_kv_heads: t.num_kv_heads as usize,
+            head_dim: t.head_dim() as usize,
+        }
+    }
+    fn hidden(&self) -> usize {
+        self.config.text().hidden_size as usize
+    }
+    fn vocab(&self) -> usize {
+        self.config.text().vocab_size as usize
+    }
+    fn eps(&self) -> f32 {
+        self.config.text().rms_norm_eps as f32
+    }
+
+    /// Token embeddings `[ids, H]`.
+    fn embed(&self, ids: &[u32]) -> Result<Vec<f32>, ModelError> {
+        let h = self.hidden();
+        let mut x = vec![0f32; ids.len() * h];
+        embedding_fwd(&mut x, self.weights.get(self.weights.layout.embed), ids, h)
+            .map_err(|e| ModelError::Input(e.to_string()))?;
+        Ok(x)
+    }
+
+    /// Embeddings of a prompt with media placeholders replaced, and its 3D positions.
+    fn prompt_inputs(&self, p: &Prompt<'_>) -> Result<(Vec<f32>, [Vec<i64>; 3], i64), ModelError> {
+        let cfg = &self.config;
+        let tok = &cfg.spec.tokens;
+        let m = cfg.vision().spatial_merge_size;
+        let slots: Vec<MediaSlot> = p
+            .media
+            .iter()
+            .map(|e| MediaSlot {
+                kind: e.kind,
+                grid: e.grid,
+            })
+            .collect();
+        let (pos, delta) = rope_index(
+            p.ids,
+            &slots,
+            tok.image_token_id,
+            tok.video_token_id,
+            m,
+            cfg.tokens_per_second,
+        )?;
+        let mut x = self.embed(p.ids)?;
+        let h = self.hidden();
+        // rope_index checked that runs and media agree; fill each run with its item's embeddings
+        let mut item = 0;
+        let mut i = 0;
+        while i < p.ids.len() {
+            let id = p.ids[i];
+            if id == tok.image_token_id || id == tok.video_token_id {
+                let e = p.media[item];
+                let n = e.tokens(m);
+                if e.embeds.len() != n * h {
+                    return Err(ModelError::Input(format!(
+                        "media item {item}: {} embedding values, expected {n} x {h}",
+                        e.embeds.len()
+                    )));
+                }
+                x[i * h..(i + n) * h].copy_from_slice(&e.embeds);
+                item += 1;
+                i += n;
+            } else {
+                i += 1;
+            }
+        }
+        Ok((x, pos, delta))
+    }
+
+    /// Runs every decoder layer over a packed batch `x [T, H]` in place (x ends as the final
+    /// norm's input). `prefix`: a shared prefix state whose KV every sequence's `prefix_*` span
+    /// indexes. Returns each layer's k/v `[L, T, KV]` when `keep_kv`.
+    #[allow(clippy::too_many_arguments)]
+    fn decoder_packed(
+        &self,
+        x: &mut [f32],
+        rows: usize,
+        cos: &[f32],
+        sin: &[f32],
+        seqs: &[AttnSeq],
+        prefix: Option<&PrefixState>,
+        keep_kv: bool,
+        mut cache: Option<&mut ForwardCache>,
+    ) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
+        let dims = self.text_dims();
+        let (mut ks, mut vs) = (Vec::new(), Vec::new());
+        let mode = cache.as_ref().map(|c| c.mode);
+        for (l, lp) in self.weights.layout.text_layers.iter().enumerate() {
+            let (pk, pv) = match prefix {
+                Some(p) => (p.layer_k(l), p.layer_v(l)),
+                None => (&[][..], &[][..]),
+            };
+            let attend = Attend::Packed {
+                seqs,
+                mask: AttnMask::Causal,
+                prefix_k: pk,
+                prefix_v: pv,
+            };
+            let mut lc = LayerCache::default();
+            let (k, v) = block_fwd(
+                &self.weights,
+                lp,
+                x,
+                rows,
+                dims,
+                self.eps(),
+                cos,
+                sin,
+                attend,
+                mode.map(|m| (m, &mut lc)),
+            )?;
+            if let Some(c) = cache.as_deref_mut() {
+                c.layers.push(lc);
+            }
+            if keep_kv {
+                ks.extend_from_slice(&k);
+                vs.extend_from_slice(&v);
+            }
+        }
+        Ok((ks, vs))
+    }
+
+    /// Final norm of the given rows of `x [T, H]` -> `[rows, H]`.
+    fn final_norm(&self, x: &[f32], rows: &[usize]) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
+        let h = self.hidden();
+        let mut g = Vec::with_capacity(rows.len() * h);
+        for &r in rows {
+            g.extend_from_slice(&x[r * h..(r + 1) * h]);
+        }
+        let mut out = vec![0f32; g.len()];
+        let mut rstd = vec![0f32; rows.len()];
+        rmsnorm_fwd(
+            &mut out,
+            Some(&mut rstd),
+            &g,
+            self.weights.get(self.weights.layout.final_norm),
+            rows.len(),
+            h,
+            self.eps(),
+        )?;
+        Ok((out, rstd))
+    }
+
+    /// lm head over normed hidden rows `[n, H]` -> logits `[n, V]`.
+    fn lm_head(&self, xn: &[f32], n: usize) -> Result<Vec<f32>, ModelError> {
+        let (h, v) = (self.hidden(), self.vocab());
+        let mut logits = vec![0f32; n * v];
+        linear_fwd(
+            &mut logits,
+            xn,
+            self.weights.get(self.weights.layout.lm_head),
+            None,
+            n,
+            h,
+            v,
+        )?;
+        Ok(logits)
+    }
+
+    /// Prefill: runs each prompt once (packed, causal) and returns its prefix state.
+    /// With a cache, the cache covers the packed batch of all prompts.
+    pub fn prefill(
+        &self,
+        prompts: &[Prompt<'_>],
+        cache: Option<&mut ForwardCache>,
+    ) -> Result<Vec<PrefixState>, ModelError> {
+        let (states, _) = self.prefill_impl(prompts, false, cache)?;
+        Ok(states)
+    }
+
+    /// Full-sequence forward of one prompt as Hugging Face computes `model(input_ids, ...)`:
+    /// logits of every position `[len, V]`.
+    pub fn forward_logits(&self, prompt: Prompt<'_>) -> Result<Vec<f32>, ModelError> {
+        let (_, logits) = self.prefill_impl(&[prompt], true, None)?;
+        Ok(logits)
+    }
+
+    fn prefill_impl(
+        &self,
+        prompts: &[Prompt<'_>],
+        all_logits: bool,
+        mut cache: Option<&mut ForwardCache>,
+    ) -> Result<(Vec<PrefixState>, Vec<f32>), ModelError> {
+        let t = self.config.text();
+        let hd = t.head_dim() as usize;
+        let mut x = Vec::new();
+        let mut pos: [Vec<i64>; 3] = [Vec::new(), Vec::new(), Vec::new()];
+        let mut seqs = Vec::new();
+        let mut deltas = Vec::new();
+        let mut ids = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            if p.ids.is_empty() {
+                return Err(ModelError::Input(format!("prompt {i} is empty")));
+            }
+            let (xe, pp, d) = self.prompt_inputs(p)?;
+            seqs.push(AttnSeq {
+                start: pos[0].len() as u32,
+                len: p.ids.len() as u32,
+                prefix_start: 0,
+                prefix_len: 0,
+            });
+            x.extend_from_slice(&xe);
+            for s in 0..3 {
+                pos[s].extend_from_slice(&pp[s]);
+            }
+            deltas.push(d);
+            ids.extend_from_slice(p.ids);
+        }
+        let rows = ids.len();
+        let (cos, sin) = mrope_tables(&pos, hd, t.rope_theta, t.mrope_section);
+        let (ks, vs) = self.decoder_packed(
+            &mut x,
+            rows,
+            &cos,
+            &sin,
+            &seqs,
+            None,
+            true,
+            cache.as_deref_mut(),
+        )?;
+        let last: Vec<usize> = seqs
+            .iter()
+            .map(|s| (s.start + s.len - 1) as usize)
+            .collect();
+        let (xn, _) = self.final_norm(&x, &last)?;
+        let last_logits = self.lm_head(&xn, last.len())?;
+        let mut full = Vec::new();
+        if all_logits {
+            let all: Vec<usize> = (0..rows).collect();
+            for ch in all.chunks(LM_CHUNK) {
+                let (xn, _) = self.final_norm(&x, ch)?;
+                full.extend(self.lm_head(&xn, ch.len())?);
+            }
+        }
+        if let Some(c) = cache {
+            self.finish_cache(c, &x, rows, seqs.clone(), ids, cos, sin)?;
+        }
+        let (layers, kvw, v) = (
+            t.num_layers as usize,
+            (t.num_kv_heads * t.head_dim()) as usize,
+            self.vocab(),
+        );
+        let states = seqs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let (a, n) = (s.start as usize, s.len as usize);
+                let mut k = Vec::with_capacity(layers * n * kvw);
+                let mut vv = Vec::with_capacity(layers * n * kvw);
+                for l in 0..layers {
+                    let base = l * rows * kvw;
+                    k.extend_from_slice(&ks[base + a * kvw..base + (a + n) * kvw]);
+                    vv.extend_from_slice(&vs[base + a * kvw..base + (a + n) * kvw]);
+                }
+                PrefixState {
+                    len: s.len,
+                    rope_delta: deltas[i],
+                    layers,
+                    kv_width: kvw,
+                    k,
+                    v: vv,
+                    last_logits: last_logits[i * v..(i + 1) * v].to_vec(),
+                }
+            })
+            .collect();
+        Ok((states, full))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn finish_cache(
+        &self,
+        c: &mut ForwardCache,
+        x: &[f32],
+        rows: usize,
+        seqs: Vec<AttnSeq>,
+        ids: Vec<u32>,
+        cos: Vec<f32>,
+        sin: Vec<f32>,
+    ) -> Result<(), ModelError> {
+        c.tokens = rows;
+        c.seqs = seqs;
+        c.ids = ids;
+        c.cos = cos;
+        c.sin = sin;
+        c.final_in = x.to_vec();
+        if c.mode == CacheMode::Full {
+            let all: Vec<usize> = (0..rows).collect();
+            let (xn, rstd) = self.final_norm(x, &all)?;
+            c.final_out = xn;
+            c.final_rstd = rstd;
+        }
+        Ok(())
+    }
+
+    /// One decode step: `tokens[b]` is appended to sample `b`'s suffix (its K/V written to the
+    /// arena at `suffix_offset + suffix_len`), attends `[prefix | suffix]`, and its next-token
+    /// logits land in `logits[b]` (`[B, vocab]`). Advances each slot's `suffix_len`.
+    pub fn decode_step(
+        &self,
+        arena: &mut KvArena,
+        slots: &mut [DecodeSlot],
+        tokens: &[u32],
+        logits: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let b = slots.len();
+        let t = self.config.text();
+        let (hd, v) = (t.head_dim() as usize, self.vocab());
+        if tokens.len() != b || logits.len() != b * v {
+            return Err(ModelError::Input(format!(
+                "decode_step: {b} slots, {} tokens, {} logits (expected {b} and {})",
+                tokens.len(),
+                logits.len(),
+                b * v
+            )));
+        }
+        if arena.layers != t.num_layers as usize
+            || arena.kv_width != (t.num_kv_heads * t.head_dim()) as usize
+        {
+            return Err(ModelError::Input(
+                "decode_step: the KV arena was made for another model".into(),
+            ));
+        }
+        // validate spans: inside the arena, room left, suffixes disjoint from each other and
+        // from every prefix
+        let mut suffixes: Vec<(u32, u32, usize)> = Vec::with_capacity(b);
+        for (i, s) in slots.iter().enumerate() {
+            let send = s.suffix_offset as u64 + s.suffix_capacity as u64;
+            if s.suffix_len >= s.suffix_capacity {
+                return Err(ModelError::Input(format!(
+                    "decode_step: sample {i}'s suffix is full ({} rows)",
+                    s.suffix_capacity
+                )));
+            }
+            if send > arena.capacity as u64
+                || s.prefix.offset as u64 + s.prefix.len as u64 > arena.capacity as u64
+            {
+                return Err(ModelError::Input(format!(
+                    "decode_step: sample {i}'s spans exceed the arena's {} rows",
+                    arena.capacity
+                )));
+            }
+            suffixes.push((s.suffix_offset, s.suffix_offset + s.suffix_capacity, i));
+        }
+        suffixes.sort();
+        for w in suffixes.windows(2) {
+            if w[1].0 < w[0].1 {
+                return Err(ModelError::Input(format!(
+                    "decode_step: suffixes of samples {} and {} overlap",
+                    w[0].2, w[1].2
+                )));
+            }
+        }
+        for s in slots.iter() {
+            let (pa, pb) = (s.prefix.offset, s.prefix.offset + s.prefix.len);
+            if let Some(&(_, _, i)) = suffixes.iter().find(|(a, e, _)| *a < pb && pa < *e) {
+                return Err(ModelError::Input(format!(
+                    "decode_step: sample {i}'s suffix overlaps a prefix span"
+                )));
+            }
+        }
+        let mut x = self.embed(tokens)?;
+        let mut pos: [Vec<i64>; 3] = [Vec::new(), Vec::new(), Vec::new()];
+        for s in slots.iter() {
+            let p = s.prefix.len as i64 + s.suffix_len as i64 + s.rope_delta;
+            for q in pos.iter_mut() {
+                q.push(p);
+            }
+        }
+        let (cos, sin) = mrope_tables(&pos, hd, t.rope_theta, t.mrope_section);
+        let seqs: Vec<DecodeSeq> = slots
+            .iter()
+            .map(|s| DecodeSeq {
+                prefix_offset: s.prefix.offset,
+                prefix_len: s.prefix.len,
+                suffix_offset: s.suffix_offset,
+                suffix_len: s.suffix_len + 1,
+            })
+            .collect();
+        let write_rows: Vec<u32> = slots
+            .iter()
+            .map(|s| s.suffix_offset + s.suffix_len)
+            .collect();
+        let dims = self.text_dims();
+        let ll = arena.layer_len();
+        for (l, lp) in self.weights.layout.text_layers.iter().enumerate() {
+            let attend = Attend::Decode {
+                k_cache: &mut arena.k[l * ll..(l + 1) * ll],
+                v_cache: &mut arena.v[l * ll..(l + 1) * ll],
+                seqs: &seqs,
+                write_rows: &write_rows,
+            };
+            block_fwd(
+                &self.weights,
+                lp,
+                &mut x,
+                b,
+                dims,
+                self.eps(),
+                &cos,
+                &sin,
+                attend,
+                None,
+            )?;
+        }
+        let all: Vec<usize> = (0..b).collect();
+        let (xn, _) = self.final_norm(&x, &all)?;
+        logits.copy_from_slice(&self.lm_head(&xn, b)?);
+        for s in slots.iter_mut() {
+            s.suffix_len += 1;
+        }
+        Ok(())
+    }
+
+    /// Log-probs (and entropies) of `responses` given a kept prefix state, at `temperature`
+    /// (logits are divided by it, as the RL loop's sampling did). Token 0 is scored from
+    /// `prefix.last_logits`; tokens `1..` from one packed forward of every response's suffix
+    /// over the shared prefix KV. With a cache, it covers that packed suffix batch (rows
+    /// `responses[r][..len-1]`, in order).
+    pub fn score(
+        &self,
+        prefix: &PrefixState,
+        responses: &[&[u32]],
+        temperature: f32,
+        mut cache: Option<&mut ForwardCache>,
+    ) -> Result<Vec<TokenScores>, ModelError> {
+        let t = self.config.text();
+        let (hd, v) = (t.head_dim() as usize, self.vocab());
+        if prefix.layers != t.num_layers as usize || prefix.last_logits.len() != v {
+            return Err(ModelError::Input(
+                "score: the prefix state was made by another model".into(),
+            ));
+        }
+        let mut ids = Vec::new();
+        let mut targets = Vec::new();
+        let mut seqs = Vec::new();
+        let mut pos: [Vec<i64>; 3] = [Vec::new(), Vec::new(), Vec::new()];
+        for r in responses {
+            let n = r.len().saturating_sub(1);
+            seqs.push(AttnSeq {
+                start: ids.len() as u32,
+                len: n as u32,
+                prefix_start: 0,
+                prefix_len: prefix.len,
+            });
+            for j in 0..n {
+                ids.push(r[j]);
+                targets.push(r[j + 1]);
+                let p = prefix.len as i64 + j as i64 + prefix.rope_delta;
+                for q in pos.iter_mut() {
+                    q.push(p);
+                }
+            }
+        }
+        let rows = ids.len();
+        let mut lp = vec![0f32; rows];
+        let mut ent = vec![0f32; rows];
+        if rows > 0 {
+            let mut x = self.embed(&ids)?;
+            let (cos, sin) = mrope_tables(&pos, hd, t.rope_theta, t.mrope_section);
+            self.decoder_packed(
+                &mut x,
+                rows,
+                &cos,
+                &sin,
+                &seqs,
+                Some(prefix),
+                false,
+                cache.as_deref_mut(),
+            )?;
+            let all: Vec<usize> = (0..rows).collect();
+            for (ci, ch) in all.chunks(LM_CHUNK).enumerate() {
+                let (xn, _) = self.final_norm(&x, ch)?;
+                let logits = self.lm_head(&xn, ch.len())?;
+                let o = ci * LM_CHUNK;
+                let n = ch.len();
+                logprobs_fwd(
+                    &mut lp[o..o + n],
+                    Some(&mut ent[o..o + n]),
+                    None,
+                    &logits,
+                    &targets[o..o + n],
+                    n,
+                    v,
+                    temperature,
+                )
+                .map_err(|e| ModelError::Input(e.to_string()))?;
+            }
+            if let Some(c) = cache {
+                self.finish_cache(c, &x, rows, seqs.clone(), ids.clone(), cos, sin)?;
+            }
+        }
+        let mut out = Vec::with_capacity(responses.len());
+        for (r, s) in responses.iter().zip(&seqs) {
+            if r.is_empty() {
+                out.push(TokenScores {
+                    logp: Vec::new(),
+                    entropy: Vec::new(),
+                });
+                continue;
+            }
+            let (mut l0, mut e0) = ([0f32], [0f32]);
+            logprobs_fwd(
+                &mut l0,
+                Some(&mut e0),
+                None,
+                &prefix.last_logits,
+                &r[..1],
+                1,
+                v,
+                temperature,
+            )
+            .map_err(|e| ModelError::Input(e.to_string()))?;
+            let (a, n) = (s.start as usize, s.len as usize);
+            let mut logp = vec![l0[0]];
+            logp.extend_from_slice(&lp[a..a + n]);
+            let mut entropy = vec![e0[0]];
+            entropy.extend_from_slice(&ent[a..a + n]);
+            out.push(TokenScores { logp, entropy });
+        }
+        Ok(out)
+    }
+}
