@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Compares Rollplex's training gradients with PyTorch autograd of transformers' Qwen2.5-VL under
+# the GRPO loss, on the tiny random checkpoints of make_tiny.py.
+#   tests/reference/grad_compare.sh [OUT_DIR]        (default: target/grad-cases)
+# Needs python with torch + transformers (PYTHON=..., default python3) and cargo.
+# DEVICE=cuda runs the PyTorch side on a GPU (float32, TF32 off); AGG picks the aggregation
+# (token_mean, seq_mean_token_mean, seq_mean_token_sum); TOL the per-tensor relative L2 bound.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${1:-target/grad-cases}"
+PYTHON="${PYTHON:-python3}"
+"$PYTHON" tests/reference/grad_compare.py "$OUT" --device "${DEVICE:-cpu}" --agg "${AGG:-token_mean}"
+cargo run -q -p rollplex-runtime --example grad_compare -- "$OUT" --tol "${TOL:-1e-3}" --quiet
