@@ -180,6 +180,9 @@ def main():
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     print("transformers", transformers.__version__, "torch", torch.__version__, flush=True)
+    # plain float32 on GPUs too: no TF32 in matmuls or in the patch embedding's Conv3d
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     os.makedirs(args.out, exist_ok=True)
     for case in CASES:
         d = os.path.join(args.out, case["name"])

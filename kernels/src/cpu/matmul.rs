@@ -63,10 +63,10 @@ impl Gemm {
     }
 }
 
-/// Output rows per rayon task when splitting by rows (a multiple of every micro-kernel's MR).
-const ROW_BLOCK: usize = 64;
-/// Output columns per rayon task when splitting by columns.
-const COL_BLOCK: usize = 512;
+/// Row blocks are a multiple of this (every micro-kernel's MR divides it).
+const ROW_ALIGN: usize = 16;
+/// Column blocks are a multiple of this (every micro-kernel's NR divides it).
+const COL_ALIGN: usize = 64;
 /// Below this many multiply-adds one thread does the whole GEMM.
 const PAR_MIN_WORK: usize = 1 << 18;
 
@@ -137,11 +137,14 @@ pub fn matmul(c: &mut [f32], a: &[f32], b: &[f32], g: Gemm) -> Result<()> {
         }
         return Ok(());
     }
-    if m >= ROW_BLOCK * 2 || m >= n {
-        c.par_chunks_mut(ROW_BLOCK * n)
+    // One block per thread: each sgemm call packs its whole operand panel once, so fewer,
+    // larger blocks waste less packing. The split never changes an element's arithmetic.
+    if m >= 2 * ROW_ALIGN || m >= n {
+        let row_block = m.div_ceil(threads).div_ceil(ROW_ALIGN) * ROW_ALIGN;
+        c.par_chunks_mut(row_block * n)
             .enumerate()
             .for_each(|(blk, c_blk)| {
-                let r0 = blk * ROW_BLOCK;
+                let r0 = blk * row_block;
                 let rows = c_blk.len() / n;
                 // SAFETY: rows r0..r0+rows of op(A) lie inside `a` (checked lengths); c_blk is this
                 // task's own contiguous block of C rows.
@@ -166,10 +169,11 @@ pub fn matmul(c: &mut [f32], a: &[f32], b: &[f32], g: Gemm) -> Result<()> {
             });
     } else {
         let cp = SendPtr(c.as_mut_ptr());
-        let blocks = n.div_ceil(COL_BLOCK);
+        let col_block = n.div_ceil(threads).div_ceil(COL_ALIGN) * COL_ALIGN;
+        let blocks = n.div_ceil(col_block);
         (0..blocks).into_par_iter().for_each(|blk| {
-            let j0 = blk * COL_BLOCK;
-            let cols = COL_BLOCK.min(n - j0);
+            let j0 = blk * col_block;
+            let cols = col_block.min(n - j0);
             let cp = &cp;
             // SAFETY: columns j0..j0+cols of C are written by this task only; op(B)'s columns
             // j0..j0+cols lie inside `b`.
@@ -306,6 +310,27 @@ mod tests {
                 let mut ci = vec![0f32; n];
                 matmul(&mut ci, &a[i * k..(i + 1) * k], &w, Gemm::nt(1, k, n)).unwrap();
                 assert_eq!(&c[i * n..(i + 1) * n], &ci[..], "row {i} of ({m},{k},{n})");
+            }
+        }
+    }
+
+    #[test]
+    fn matmul_is_independent_of_thread_count_bitwise() {
+        for &(m, k, n) in &[(300, 200, 130), (7, 400, 2000)] {
+            let a = rand_vec(m * k, 21);
+            let w = rand_vec(n * k, 22);
+            let run = |threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let mut c = vec![0f32; m * n];
+                pool.install(|| matmul(&mut c, &a, &w, Gemm::nt(m, k, n)).unwrap());
+                c
+            };
+            let one = run(1);
+            for t in [2, 3, 5] {
+                assert_eq!(run(t), one, "({m},{k},{n}) with {t} threads");
             }
         }
     }

@@ -24,9 +24,9 @@ pub struct GenerateConfig {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Rollout {
     pub tokens: Vec<u32>,
-    /// Log-prob of each token under the temperature-scaled distribution (the `logp` that
-    /// `score` returns for the same tokens, bitwise); 0 for greedy decoding's temperature 0 is
-    /// computed at temperature 1.
+    /// Log-prob of each token under the temperature-scaled distribution: bitwise the `logp`
+    /// that `score` returns for the same tokens at the same temperature (greedy decoding,
+    /// temperature 0, reports them at temperature 1).
     pub logp: Vec<f32>,
     pub stop: StopReason,
 }
