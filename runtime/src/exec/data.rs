@@ -1,0 +1,281 @@
+//! Prompt sources backed by data (a JSONL/Parquet dataset, or the built-in moving-shapes task),
+//! and the job's reward function, as the CPU loop consumes them.
+//!
+//! A prompt goes through what a Hugging Face processor does: the chat template renders the
+//! user turn, the tokenizer encodes it, each media placeholder expands to `t*h*w / merge^2`
+//! pad tokens, and the frames are resized, normalised and patchified.
+//!
+//! Invariant: the prompts of iteration `i` are a function of (dataset, seed, i) only: the
+//! sampler permutes each epoch with a key derived from the seed and the epoch.
+
+use rollplex_plan::spec::{DatasetSpec, JobSpec, WeightsSource};
+
+use super::prompts::PromptSource;
+use super::{cpu::RewardFn, ExecError, MediaData, PromptData};
+use crate::chat::{prompt_ids, ChatTemplate, MediaGrid, MediaKind as ChatMedia};
+use crate::data::sampler::Sampler;
+use crate::data::{Dataset, Media, Sample};
+use crate::model::MediaKind;
+use crate::preprocess::{preprocess_image, preprocess_video, PreprocessConfig, RgbImage};
+use crate::reward::{Reward, RewardRequest};
+use crate::tasks::moving_shapes::{render, ShapesConfig, Split};
+use crate::tokenizer::TextTokenizer;
+
+/// Turns samples (text + media + answer) into model prompts.
+pub struct PromptBuilder {
+    tokenizer: TextTokenizer,
+    template: ChatTemplate,
+    image_cfg: PreprocessConfig,
+    video_cfg: PreprocessConfig,
+    merge: u32,
+}
+
+impl PromptBuilder {
+    /// The checkpoint's tokenizer, template and processor config, or the built-in tiny ones.
+    pub fn for_spec(spec: &JobSpec) -> Result<Self, ExecError> {
+        let v = &spec.actor.vision;
+        let data = |e: String| ExecError::Data(e);
+        let (tokenizer, template, image_cfg, video_cfg) = match &spec.actor.weights {
+            WeightsSource::Checkpoint { path } => {
+                let dir = std::path::Path::new(path);
+                let tok = TextTokenizer::from_file(dir.join("tokenizer.json")).map_err(|e| data(e.to_string()))?;
+                let tpl = ChatTemplate::from_checkpoint(dir).map_err(|e| data(e.to_string()))?;
+                let (img, vid) = PreprocessConfig::from_checkpoint(dir).map_err(|e| data(e.to_string()))?;
+                (tok, tpl, img, vid)
+            }
+            WeightsSource::Random { .. } => {
+                // No checkpoint: the built-in tiny tokenizer when the vocabulary is small, and
+                // processor bounds that keep small frames at their own size.
+                let tok = TextTokenizer::tiny().map_err(|e| data(e.to_string()))?;
+                if tok.vocab_size() > spec.actor.text.vocab_size as usize {
+                    return Err(ExecError::Data(format!(
+                        "a dataset needs a tokenizer: the built-in one has {} ids but the model's vocabulary is {}; \
+                         give the model a checkpoint with tokenizer.json, or use dataset = synthetic",
+                        tok.vocab_size(),
+                        spec.actor.text.vocab_size
+                    )));
+                }
+                let f = (v.patch_size * v.spatial_merge_size) as u64;
+                let cfg = PreprocessConfig::for_vision(v, f * f, 28 * 28 * 1280);
+                (tok, ChatTemplate::qwen2_vl(), cfg.clone(), cfg)
+            }
+        };
+        check_tokens(spec, &tokenizer)?;
+        Ok(PromptBuilder { tokenizer, template, image_cfg, video_cfg, merge: v.spatial_merge_size })
+    }
+
+    pub fn tokenizer(&self) -> &TextTokenizer {
+        &self.tokenizer
+    }
+
+    /// One prompt from a sample whose media are already decoded to frames.
+    pub fn build(&self, sample: &Sample, images: &[RgbImage], video: Option<&[RgbImage]>) -> Result<PromptData, ExecError> {
+        let mut media = Vec::new();
+        let mut grids = Vec::new();
+        for img in images {
+            let p = preprocess_image(img, &self.image_cfg).map_err(|e| ExecError::Data(format!("sample {}: {e}", sample.id)))?;
+            grids.push(MediaGrid { kind: ChatMedia::Image, grid_thw: p.grid_thw });
+            media.push(MediaData { kind: MediaKind::Image, pixels: p.pixel_values, grid: p.grid_thw });
+        }
+        if let Some(frames) = video {
+            let p = preprocess_video(frames, &self.video_cfg).map_err(|e| ExecError::Data(format!("sample {}: {e}", sample.id)))?;
+            grids.push(MediaGrid { kind: ChatMedia::Video, grid_thw: p.grid_thw });
+            media.push(MediaData { kind: MediaKind::Video { second_per_grid_t: None }, pixels: p.pixel_values, grid: p.grid_thw });
+        }
+        let messages = sample.messages().map_err(|e| ExecError::Data(e.to_string()))?;
+        let ids = prompt_ids(&self.tokenizer, &self.template, &messages, &grids, self.merge)
+            .map_err(|e| ExecError::Data(format!("sample {}: {e}", sample.id)))?;
+        Ok(PromptData { id: sample.id.clone(), text: sample.prompt.clone(), ids: ids.ids, media, answer: sample.answer.clone() })
+    }
+
+    /// Decodes response tokens to text (special tokens dropped).
+    pub fn decode(&self, tokens: &[u32]) -> Result<String, ExecError> {
+        self.tokenizer.decode(tokens, true).map_err(|e| ExecError::Data(e.to_string()))
+    }
+}
+
+/// The model's special token ids must be the tokenizer's.
+fn check_tokens(spec: &JobSpec, tok: &TextTokenizer) -> Result<(), ExecError> {
+    let (m, t) = (&spec.actor.tokens, tok.special_tokens());
+    let pairs = [
+        ("image_token_id", m.image_token_id, t.image_token_id),
+        ("video_token_id", m.video_token_id, t.video_token_id),
+        ("vision_start_token_id", m.vision_start_token_id, t.vision_start_token_id),
+        ("vision_end_token_id", m.vision_end_token_id, t.vision_end_token_id),
+    ];
+    for (name, model, tokenizer) in pairs {
+        if model != tokenizer {
+            return Err(ExecError::Data(format!(
+                "the model's {name} is {model} but the tokenizer's is {tokenizer}: the pipeline's model tokens and its tokenizer disagree"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The moving-shapes task drawn in memory (train split), `size` examples per epoch.
+pub struct ShapesSource {
+    builder: PromptBuilder,
+    cfg: ShapesConfig,
+    seed: u64,
+    sampler: Sampler,
+}
+
+impl ShapesSource {
+    pub fn new(spec: &JobSpec, size: u32) -> Result<Self, ExecError> {
+        let (frames, side) = match spec.rollout.media {
+            rollplex_plan::spec::MediaSpec::Video { frames, height, width } if height == width => (frames, height),
+            ref m => {
+                return Err(ExecError::Data(format!(
+                    "the moving_shapes task draws square videos: set rollout media = video(frames = N, size = SxS) (got {m:?})"
+                )))
+            }
+        };
+        let sampler = Sampler::new(size as usize, spec.rollout.prompts_per_iter, spec.seed, true)
+            .map_err(|e| ExecError::Data(e.to_string()))?;
+        Ok(ShapesSource { builder: PromptBuilder::for_spec(spec)?, cfg: ShapesConfig::for_size(frames, side), seed: spec.seed, sampler })
+    }
+
+    /// Example `index` of `split` as a prompt.
+    pub fn prompt(&self, split: Split, index: u64) -> Result<PromptData, ExecError> {
+        let s = render(&self.cfg, self.seed, split, index).map_err(|e| ExecError::Data(e.to_string()))?;
+        let sample = Sample {
+            id: format!("{}-{index}", split.name()),
+            system: None,
+            prompt: format!("<video>{}", s.prompt),
+            media: Media::Video(Vec::new()),
+            answer: s.answer.to_string(),
+        };
+        self.builder.build(&sample, &[], Some(&s.frames))
+    }
+
+    pub fn builder(&self) -> &PromptBuilder {
+        &self.builder
+    }
+}
+
+impl PromptSource for ShapesSource {
+    fn prompts(&mut self, iteration: u32, count: usize) -> Result<Vec<PromptData>, ExecError> {
+        let (_, idx) = self.sampler.batch(iteration as u64);
+        if idx.len() != count {
+            return Err(ExecError::Data(format!("the sampler gave {} prompts, the plan needs {count}", idx.len())));
+        }
+        idx.into_iter().map(|i| self.prompt(Split::Train, i as u64)).collect()
+    }
+}
+
+/// A JSONL/Parquet dataset.
+pub struct DatasetSource {
+    builder: PromptBuilder,
+    data: Dataset,
+    sampler: Sampler,
+}
+
+impl PromptSource for DatasetSource {
+    fn prompts(&mut self, iteration: u32, count: usize) -> Result<Vec<PromptData>, ExecError> {
+        let (_, idx) = self.sampler.batch(iteration as u64);
+        if idx.len() != count {
+            return Err(ExecError::Data(format!("the sampler gave {} prompts, the plan needs {count}", idx.len())));
+        }
+        let load = |m: &crate::data::MediaSource| m.load().map_err(|e| ExecError::Data(e.to_string()));
+        idx.into_iter()
+            .map(|i| {
+                let s = &self.data.samples[i];
+                match &s.media {
+                    Media::None => self.builder.build(s, &[], None),
+                    Media::Images(v) => {
+                        let imgs = v.iter().map(load).collect::<Result<Vec<_>, _>>()?;
+                        self.builder.build(s, &imgs, None)
+                    }
+                    Media::Video(v) => {
+                        let frames = v.iter().map(load).collect::<Result<Vec<_>, _>>()?;
+                        self.builder.build(s, &[], Some(&frames))
+                    }
+                }
+            })
+            .collect()
+    }
+}
+
+/// The prompt source a job's dataset spec names.
+pub fn data_source(spec: &JobSpec, dataset: &DatasetSpec) -> Result<Box<dyn PromptSource>, ExecError> {
+    match dataset {
+        DatasetSpec::Synthetic => Ok(Box::new(super::prompts::SyntheticPrompts::new(spec))),
+        DatasetSpec::Generated { name, size } if name == "moving_shapes" => Ok(Box::new(ShapesSource::new(spec, *size)?)),
+        DatasetSpec::Generated { name, .. } => Err(ExecError::Data(format!(
+            "unknown generated dataset {name:?} (known: moving_shapes)"
+        ))),
+        DatasetSpec::File { path } => {
+            let data = Dataset::load(path).map_err(|e| ExecError::Data(e.to_string()))?;
+            let sampler = Sampler::new(data.len(), spec.rollout.prompts_per_iter, spec.seed, true)
+                .map_err(|e| ExecError::Data(format!("{path}: {e}")))?;
+            Ok(Box::new(DatasetSource { builder: PromptBuilder::for_spec(spec)?, data, sampler }))
+        }
+    }
+}
+
+/// The job's reward as the loop calls it: decode each response, score the group.
+pub fn reward_fn(spec: &JobSpec) -> Result<Box<RewardFn<'static>>, ExecError> {
+    let mut reward = Reward::from_spec(&spec.reward).map_err(|e| ExecError::Reward(e.to_string()))?;
+    let synthetic = matches!(spec.rollout.dataset, DatasetSpec::Synthetic);
+    let builder = if synthetic { None } else { Some(PromptBuilder::for_spec(spec)?) };
+    Ok(Box::new(move |prompt: &PromptData, responses: &[&[u32]]| {
+        let Some(builder) = &builder else {
+            // synthetic prompts have no answers: benchmarks time the loop, not the reward
+            return Ok(vec![0.0; responses.len()]);
+        };
+        let reqs = responses
+            .iter()
+            .enumerate()
+            .map(|(k, r)| {
+                Ok(RewardRequest {
+                    id: format!("{}/{k}", prompt.id),
+                    prompt: prompt.text.clone(),
+                    response: builder.decode(r)?,
+                    answer: prompt.answer.clone(),
+                })
+            })
+            .collect::<Result<Vec<_>, ExecError>>()?;
+        let scores = reward.score(&reqs).map_err(|e| ExecError::Reward(e.to_string()))?;
+        Ok(scores.into_iter().map(|s| s as f32).collect())
+    }))
+}
+
+/// Held-out accuracy: the mean reward of greedy answers to the first `n` test-split prompts of
+/// the moving-shapes task. `None` when the job's data has no test split.
+pub fn evaluate(spec: &JobSpec, model: &crate::model::Qwen25VL, n: u32) -> Result<Option<f64>, ExecError> {
+    use crate::model::{EncodedMedia, GenerateConfig, MediaInput, Prompt, SamplingParams};
+    let DatasetSpec::Generated { name, size } = &spec.rollout.dataset else { return Ok(None) };
+    if name != "moving_shapes" || n == 0 {
+        return Ok(None);
+    }
+    let source = ShapesSource::new(spec, *size)?;
+    let mut reward = Reward::from_spec(&spec.reward).map_err(|e| ExecError::Reward(e.to_string()))?;
+    let mut stop_ids = spec.actor.tokens.eos_token_ids.clone();
+    stop_ids.extend(&spec.rollout.sampling.stop_token_ids);
+    let cfg = GenerateConfig {
+        sampling: SamplingParams::greedy(),
+        max_new_tokens: spec.rollout.max_new_tokens,
+        stop_ids,
+        seed: spec.seed,
+        iteration: u32::MAX,
+    };
+    let mut total = 0.0;
+    for i in 0..n {
+        let p = source.prompt(Split::Test, i as u64)?;
+        let inputs: Vec<MediaInput<'_>> =
+            p.media.iter().map(|m| MediaInput { kind: m.kind, pixels: &m.pixels, grid: m.grid }).collect();
+        let media = model.encode_media(&inputs, None)?;
+        let refs: Vec<&EncodedMedia> = media.iter().collect();
+        let prefix = model.prefill(&[Prompt { ids: &p.ids, media: &refs }], None)?.remove(0);
+        let out = model.generate_group(&prefix, &[i], &cfg)?;
+        let req = RewardRequest {
+            id: p.id.clone(),
+            prompt: p.text.clone(),
+            response: source.builder().decode(&out[0].tokens)?,
+            answer: p.answer.clone(),
+        };
+        total += reward.score(&[req]).map_err(|e| ExecError::Reward(e.to_string()))?[0];
+    }
+    Ok(Some(total / n as f64))
+}

@@ -1,0 +1,234 @@
+//! Executing plans: the RL loop around the plan's iteration schedule.
+//!
+//! `rollplex-run` decodes a plan, checks it against the machine, and hands it here. Per
+//! iteration the loop draws the prompts, then [`walker::walk`]s the plan's tasks on the chosen
+//! backend, then records metrics. The backends share the walker; `cpu` is [`cpu`], `sim` is
+//! [`crate::sim`] (timing only).
+//!
+//! Module map: `walker` (the order tasks run in), `cpu` (the CPU backend's ops), `prompts`
+//! (prompt sources: synthetic shapes for benchmarks, datasets for training).
+//!
+//! Invariant: nothing here decides *what* to compute: the plan does. The loop only supplies
+//! data, runs tasks when they are ready and records what came out.
+
+pub mod cpu;
+pub mod data;
+pub mod prompts;
+pub mod walker;
+
+use rollplex_plan::spec::{JobSpec, LengthDist};
+use rollplex_plan::Plan;
+
+pub use data::{data_source, evaluate, reward_fn};
+
+use crate::model::philox::{philox4x32_10, uniform_open01};
+use crate::model::{Grid, MediaKind, ModelError};
+use crate::train::loss::LossMetrics;
+use crate::train::TrainError;
+
+/// Errors of running a plan. `is_user_error` decides the exit code.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    /// The plan does not fit this machine or backend (the message says what to do).
+    #[error("{0}")]
+    Machine(String),
+    /// The plan is inconsistent (a compiler bug or a hand-edited plan).
+    #[error("plan: {0}")]
+    Plan(String),
+    /// The backend cannot run what the plan asks yet.
+    #[error("not supported: {0}")]
+    Unsupported(String),
+    /// Bad input data (dataset, checkpoint, reward).
+    #[error("data: {0}")]
+    Data(String),
+    #[error("reward: {0}")]
+    Reward(String),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Train(#[from] TrainError),
+    #[error(transparent)]
+    Kernel(#[from] rollplex_kernels::KernelError),
+    #[error("{path}: {source}")]
+    Io { path: String, source: std::io::Error },
+}
+
+impl From<String> for ExecError {
+    fn from(s: String) -> Self {
+        ExecError::Plan(s)
+    }
+}
+
+impl ExecError {
+    /// Whether the user can fix it (exit 1) or it is a bug (exit 2).
+    pub fn is_user_error(&self) -> bool {
+        !matches!(self, ExecError::Plan(_) | ExecError::Kernel(_))
+    }
+}
+
+/// One media item of a prompt, preprocessed as the model's processor does.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MediaData {
+    pub kind: MediaKind,
+    /// `[t*h*w, C * temporal_patch * patch * patch]`.
+    pub pixels: Vec<f32>,
+    pub grid: Grid,
+}
+
+/// One prompt (one GRPO group) of an iteration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PromptData {
+    /// Dataset id of the example.
+    pub id: String,
+    /// The user's prompt text (what a reward sees).
+    pub text: String,
+    /// Token ids, media placeholder runs included.
+    pub ids: Vec<u32>,
+    pub media: Vec<MediaData>,
+    /// The reference answer the reward compares against.
+    pub answer: String,
+}
+
+/// What one iteration measured.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct IterationMetrics {
+    /// Sum over micro-batches of their (mini-batch-normalised) loss metrics.
+    pub loss: LossMetrics,
+    pub grad_norm: f64,
+    pub decode_steps: u32,
+    pub micro_batches: u32,
+    pub optimizer_steps: u32,
+    pub tasks: u32,
+    /// `ActorPrefix{Train}` tasks (on the CPU backend, folded into their micro-batch).
+    pub train_prefix_tasks: u32,
+}
+
+/// Everything an iteration produced: what the bitwise invariant compares.
+#[derive(Clone, Debug, PartialEq)]
+pub struct IterationResult {
+    /// Sampled tokens per sample (`group * G + member`).
+    pub tokens: Vec<Vec<u32>>,
+    /// Log-probs of the sampled tokens as the rollout computed them.
+    pub rollout_logp: Vec<Vec<f32>>,
+    pub ref_logp: Vec<Option<Vec<f32>>>,
+    pub old_logp: Vec<Option<Vec<f32>>>,
+    pub rewards: Vec<f32>,
+    pub advantages: Vec<f32>,
+    /// Groups in completion-slot order.
+    pub slot_groups: Vec<u32>,
+    pub group_size: u32,
+    pub metrics: IterationMetrics,
+}
+
+impl IterationResult {
+    pub fn reward_mean(&self) -> f64 {
+        mean(self.rewards.iter().map(|&r| r as f64))
+    }
+    pub fn reward_std(&self) -> f64 {
+        let m = self.reward_mean();
+        mean(self.rewards.iter().map(|&r| (r as f64 - m).powi(2))).sqrt()
+    }
+    pub fn response_len_mean(&self) -> f64 {
+        mean(self.tokens.iter().map(|t| t.len() as f64))
+    }
+    pub fn response_tokens(&self) -> usize {
+        self.tokens.iter().map(Vec::len).sum()
+    }
+}
+
+fn mean(it: impl Iterator<Item = f64>) -> f64 {
+    let (s, n) = it.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+    if n == 0 {
+        0.0
+    } else {
+        s / n as f64
+    }
+}
+
+/// The response length a benchmark forces on sample `sample` of `iteration` (when the job sets
+/// `forced_lengths`): drawn from the declared distribution with a Philox key of its own, capped
+/// at max_new_tokens, at least 1.
+pub fn forced_length(spec: &JobSpec, iteration: u32, sample: u32) -> u32 {
+    let r = philox4x32_10([iteration, sample, 0, 0x4C45_4E47], [spec.seed as u32, (spec.seed >> 32) as u32]);
+    let (u1, u2) = (uniform_open01(r[0], r[1]), uniform_open01(r[2], r[3]));
+    let max = spec.rollout.max_new_tokens.max(1);
+    let len = match spec.rollout.response_len {
+        LengthDist::Fixed { tokens } => tokens as f64,
+        LengthDist::Uniform { min, max: hi } => min as f64 + (u1 * ((hi.max(min) - min + 1) as f64)).floor(),
+        LengthDist::LogNormal { median, sigma } => {
+            // Box-Muller: a standard normal from two uniforms
+            let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
+            median * (sigma * z).exp()
+        }
+    };
+    (len.round() as u32).clamp(1, max)
+}
+
+/// Checks that a plan can run on the CPU backend.
+pub fn check_cpu_plan(plan: &Plan) -> Result<(), ExecError> {
+    if plan.parallel.rollout_tp != 1 || plan.parallel.train_tp != 1 || plan.target.count != 1 {
+        return Err(ExecError::Machine(format!(
+            "the CPU backend runs one rank with TP 1; this plan targets {} x {} with rollout TP {} and training TP {} \
+             (compile a pipeline with `gpu {{ preset = cpu count = 1 }}`, or use --backend sim)",
+            plan.target.count, plan.target.gpu, plan.parallel.rollout_tp, plan.parallel.train_tp
+        )));
+    }
+    if plan.gpus.len() != 1 {
+        return Err(ExecError::Machine(format!(
+            "the CPU backend runs one GPU program; this {:?} plan has {}",
+            plan.mode,
+            plan.gpus.len()
+        )));
+    }
+    let params = plan.spec.actor.param_count().total();
+    const CPU_PARAM_LIMIT: u64 = 200_000_000;
+    if params > CPU_PARAM_LIMIT {
+        return Err(ExecError::Machine(format!(
+            "the actor has {:.2} B parameters; the CPU backend is for small models (<= {} M): run it on a GPU or with --backend sim",
+            params as f64 / 1e9,
+            CPU_PARAM_LIMIT / 1_000_000
+        )));
+    }
+    Ok(())
+}
+
+/// Builds the CPU backend's models from the job spec: the actor (random or from its
+/// checkpoint), the trainer around it, and the frozen reference (a copy of the initial actor).
+pub fn build_cpu_models(spec: &JobSpec) -> Result<cpu::CpuModels, ExecError> {
+    use crate::model::Qwen25VL;
+    use rollplex_plan::spec::WeightsSource;
+    let actor = match &spec.actor.weights {
+        WeightsSource::Random { seed } => Qwen25VL::random(spec.actor.clone(), *seed)?,
+        WeightsSource::Checkpoint { path } => Qwen25VL::load(std::path::Path::new(path))?,
+    };
+    let reference = spec.reference.enabled.then(|| actor.clone());
+    let trainer = crate::train::step::Trainer::new(actor, cpu::train_config(spec)?, spec.train.optimizer.clone())?;
+    Ok(cpu::CpuModels { trainer, reference })
+}
+
+/// Runs iterations `first .. first + count` of `plan` on the CPU backend. `on_iteration` sees
+/// each iteration's result and wall time as soon as it is done.
+pub fn run_cpu_iterations(
+    plan: &Plan,
+    models: &mut cpu::CpuModels,
+    source: &mut dyn prompts::PromptSource,
+    reward: &mut cpu::RewardFn<'_>,
+    first: u32,
+    count: u32,
+    mut on_iteration: impl FnMut(u32, &IterationResult, std::time::Duration) -> Result<(), ExecError>,
+) -> Result<(), ExecError> {
+    check_cpu_plan(plan)?;
+    let groups = plan.parallel.prompts_per_rollout_replica as usize;
+    let gpu = plan.gpus[0].id;
+    for it in first..first + count {
+        let t0 = std::time::Instant::now();
+        let prompts = source.prompts(it, groups)?;
+        let result = {
+            let mut iter = cpu::CpuIteration::new(plan, models, reward, it, &prompts)?;
+            walker::walk(plan, gpu, &mut iter, |_, _| {})?;
+            iter.finish()
+        };
+        on_iteration(it, &result, t0.elapsed())?;
+    }
+    Ok(())
+}
