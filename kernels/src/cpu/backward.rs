@@ -154,7 +154,7 @@ pub fn rope_bwd(
     head_dim: usize,
 ) -> Result<()> {
     const OP: &str = "rope_bwd";
-    if head_dim % 2 != 0 {
+    if !head_dim.is_multiple_of(2) {
         return Err(shape_err(OP, format!("head_dim {head_dim} is odd")));
     }
     check_len(OP, "dx", dx.len(), tokens * heads * head_dim)?;
@@ -394,7 +394,10 @@ pub fn attention_bwd(
     scale: f32,
 ) -> Result<()> {
     const OP: &str = "attention_bwd";
-    if dims.num_heads == 0 || dims.num_kv_heads == 0 || dims.num_heads % dims.num_kv_heads != 0 {
+    if dims.num_heads == 0
+        || dims.num_kv_heads == 0
+        || !dims.num_heads.is_multiple_of(dims.num_kv_heads)
+    {
         return Err(shape_err(
             OP,
             format!(
@@ -460,9 +463,9 @@ pub fn attention_bwd(
     // D[i, h] = dout_i,h . out_i,h
     let mut dd = vec![0f32; t * nh];
     dd.par_chunks_mut(nh).enumerate().for_each(|(i, di)| {
-        for h in 0..nh {
+        for (h, d) in di.iter_mut().enumerate() {
             let r = i * qw + h * hd..i * qw + (h + 1) * hd;
-            di[h] = dot(&dout[r.clone()], &out[r]);
+            *d = dot(&dout[r.clone()], &out[r]);
         }
     });
     let dd = &dd;

@@ -225,7 +225,7 @@ fn group_fwd_bwd(
     }
 
     // ---- forward ----
-    let vision_grad = !g.media.is_empty() && !(cfg.freeze_vision && cfg.freeze_merger);
+    let vision_grad = !g.media.is_empty() && (!cfg.freeze_vision || !cfg.freeze_merger);
     let mut vcache = VisionCache::new(mode);
     let enc = model.encode_media(g.media, if vision_grad { Some(&mut vcache) } else { None })?;
     let refs: Vec<&EncodedMedia> = enc.iter().collect();

@@ -51,7 +51,7 @@ pub fn grpo_advantages(
             "grpo_advantages: group_size must be at least 1".into(),
         ));
     }
-    if rewards.len() % group_size != 0 {
+    if !rewards.len().is_multiple_of(group_size) {
         return Err(TrainError::Invalid(format!(
             "grpo_advantages: {} rewards do not split into groups of {group_size}",
             rewards.len()
