@@ -55,7 +55,7 @@ pub fn vision_window_index(
     patch_size: u32,
 ) -> (Vec<u32>, Vec<u32>) {
     let ws = (window_size / merge / patch_size).max(1) as usize;
-    let unit = (merge * merge) as u32;
+    let unit = merge * merge;
     let mut index = Vec::new();
     let mut cu = vec![0u32];
     let mut base = 0u32;
@@ -117,9 +117,9 @@ pub fn vision_rope_tables(hw: &[(u32, u32)], head_dim: usize, theta: f64) -> (Ve
     let mut cos = vec![0f32; hw.len() * head_dim];
     let mut sin = vec![0f32; hw.len() * head_dim];
     for (i, &(h, w)) in hw.iter().enumerate() {
-        for j in 0..q {
+        for (j, fj) in f.iter().enumerate() {
             for (slot, pos) in [(j, h), (q + j, w)] {
-                let a = pos as f32 * f[j];
+                let a = pos as f32 * fj;
                 let (c, s) = ((a as f64).cos() as f32, (a as f64).sin() as f32);
                 for off in [0, head_dim / 2] {
                     cos[i * head_dim + off + slot] = c;

@@ -175,6 +175,9 @@ pub struct TokenScores {
     pub entropy: Vec<f32>,
 }
 
+/// A prompt's embeddings `[len, H]`, 3D positions and rope delta.
+type PromptInputs = (Vec<f32>, [Vec<i64>; 3], i64);
+
 /// Rows of hidden states per lm-head chunk (bounds the logits buffer to `CHUNK x vocab`).
 const LM_CHUNK: usize = 64;
 
@@ -207,7 +210,7 @@ impl Qwen25VL {
     }
 
     /// Embeddings of a prompt with media placeholders replaced, and its 3D positions.
-    fn prompt_inputs(&self, p: &Prompt<'_>) -> Result<(Vec<f32>, [Vec<i64>; 3], i64), ModelError> {
+    fn prompt_inputs(&self, p: &Prompt<'_>) -> Result<PromptInputs, ModelError> {
         let cfg = &self.config;
         let tok = &cfg.spec.tokens;
         let m = cfg.vision().spatial_merge_size;

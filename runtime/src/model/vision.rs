@@ -53,7 +53,7 @@ impl Qwen25VL {
     pub fn encode_media(
         &self,
         items: &[MediaInput<'_>],
-        mut cache: Option<&mut VisionCache>,
+        cache: Option<&mut VisionCache>,
     ) -> Result<Vec<EncodedMedia>, ModelError> {
         let cfg = &self.config;
         let v = cfg.vision();
@@ -177,7 +177,7 @@ impl Qwen25VL {
             unperm[gi * out_w..(gi + 1) * out_w]
                 .copy_from_slice(&merged[i * out_w..(i + 1) * out_w]);
         }
-        if let Some(c) = cache.as_deref_mut() {
+        if let Some(c) = cache {
             c.window_index = window_index.clone();
             c.full_seqs = full_seqs.clone();
             c.window_seqs = window_seqs.clone();
