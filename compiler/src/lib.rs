@@ -7,6 +7,7 @@
 //! it returns passes `rollplex_plan::validate`.
 pub mod assemble;
 pub mod buffers;
+pub mod diff;
 pub mod driver;
 pub mod emit;
 pub mod error;
