@@ -166,14 +166,18 @@ fn saturation_depends_on_the_work_and_prefix_scales_with_sms() {
         sms_for(&RUNS[0].decode(), 0.85),
         sms_for(&RUNS[2].decode(), 0.85),
     );
+    eprintln!("85% of full speed: 7B B=64 at {big} SMs, 3B B=8 at {tail}");
+    // measured: 7B reaches 85% of its 132-SM speed by 64 SMs (0.87), the tail by ~60 (0.83 on
+    // 56, 0.90 on 64); the model: 73 and 65
     assert!(
-        tail + 8 <= big,
+        tail < big,
         "85% of full speed: 7B B=64 at {big} SMs, 3B B=8 at {tail}"
     );
     assert!((48..=80).contains(&big), "{big}");
     let p = RUNS[0].prefill();
     let ratio = m.time(WorkKind::Prefill, &p, 68) / m.time(WorkKind::Prefill, &p, 132);
     let lost: f64 = 132.0 / 68.0;
+    eprintln!("prefill on 68 of 132 SMs: {ratio:.2}x slower (SM ratio {lost:.2})");
     assert!(
         ratio >= lost.powf(0.7) && ratio <= lost,
         "prefill on 68 SMs is {ratio:.2}x slower"
