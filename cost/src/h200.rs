@@ -285,6 +285,12 @@ pub fn profile() -> Result<Profile, ProfileError> {
     Ok(p)
 }
 
+/// The shipped profile, `cost/profiles/h200.yaml` as compiled in (no fitting at run time; a
+/// test checks that it equals [`profile`]'s fit).
+pub fn shipped() -> Result<Profile, ProfileError> {
+    Profile::from_yaml(include_str!("../profiles/h200.yaml"))
+}
+
 /// [`profile`] as YAML with a header that says where each number comes from.
 pub fn profile_yaml(p: &Profile) -> String {
     let mut out = String::from(HEADER);

@@ -29,7 +29,7 @@ pub mod fit;
 pub mod h200;
 pub mod profile;
 
-use rollplex_plan::spec::GpuSpec;
+use rollplex_plan::spec::{ClusterSpec, GpuSpec};
 use rollplex_plan::work::{Work, WorkKind};
 
 pub use curve::KindCurve;
@@ -130,6 +130,18 @@ impl CostModel {
             net_bw,
             source,
         }
+    }
+
+    /// The model a job on `cluster` is planned and simulated with: its GPU, calibrated by
+    /// `profile`, with the intra-node link as the GPU <-> GPU bandwidth (the compiler and the
+    /// simulator must agree on this; cross-node slowdowns are already in each task's work).
+    pub fn for_cluster(cluster: &ClusterSpec, profile: Option<&Profile>) -> Self {
+        CostModel::new(&cluster.gpu, profile).with_net_bw(cluster.intra_node_bw)
+    }
+
+    /// The GPU <-> GPU bandwidth set by [`CostModel::with_net_bw`] or the profile, if any.
+    pub fn explicit_net_bw(&self) -> Option<f64> {
+        self.net_bw
     }
 
     /// Sets the GPU <-> GPU bandwidth (bytes/s per direction, e.g. the cluster's intra-node

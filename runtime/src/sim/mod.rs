@@ -191,8 +191,17 @@ fn uses_sms(kind: WorkKind) -> bool {
     !matches!(kind, WorkKind::Reward | WorkKind::Transfer)
 }
 
-/// Replays `plan` with `cost` (see the module doc).
+/// Replays `plan` with `cost` (see the module doc). A cost model without a GPU <-> GPU
+/// bandwidth of its own gets the plan's intra-node link, as the compiler's does
+/// ([`CostModel::for_cluster`]).
 pub fn simulate(plan: &Plan, cost: &CostModel) -> Result<SimReport, SimError> {
+    let with_link;
+    let cost = if cost.explicit_net_bw().is_none() {
+        with_link = cost.clone().with_net_bw(plan.spec.cluster.intra_node_bw);
+        &with_link
+    } else {
+        cost
+    };
     let bad = |m: String| SimError::Malformed(m);
     let all_sms = plan.target.sms.max(1);
     let mut warnings = Vec::new();

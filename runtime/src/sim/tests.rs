@@ -567,6 +567,23 @@ fn svg_and_summary_show_every_task() {
 }
 
 #[test]
+fn network_bytes_use_the_plans_link_unless_the_model_has_one() {
+    let mut p = plan(None);
+    p.tasks[6].work.net_bytes = 450e9; // one second on the spec's 450 GB/s intra-node link
+    let m = model();
+    let base = simulate(&plan(None), &m).unwrap().iteration_s;
+    let r = simulate(&p, &m).unwrap();
+    assert!(close(r.iteration_s - base, 1.0), "{}", r.iteration_s - base);
+    let slow = model().with_net_bw(45e9);
+    let r = simulate(&p, &slow).unwrap();
+    assert!(
+        close(r.iteration_s - base, 10.0),
+        "{}",
+        r.iteration_s - base
+    );
+}
+
+#[test]
 fn a_cost_model_for_another_gpu_is_flagged() {
     let m = CostModel::new(&datasheet("H800").unwrap(), None);
     let r = simulate(&plan(None), &m).unwrap();
