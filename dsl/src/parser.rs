@@ -749,7 +749,16 @@ impl<'s> Driver<'s> {
                         },
                         None => {
                             let names = units::unit_names();
-                            let help = match suggest::closest(unit, names.iter().copied()) {
+                            // `GBps`, `TBs`: a bandwidth missing its slash
+                            let per_second = ["ps", "s"].iter().find_map(|suffix| {
+                                let stem = unit.strip_suffix(suffix)?;
+                                let cand = format!("{stem}/s");
+                                units::unit(&cand).map(|_| cand)
+                            });
+                            let guess = per_second.or_else(|| {
+                                suggest::closest(unit, names.iter().copied()).map(str::to_string)
+                            });
+                            let help = match guess {
                                 Some(c) => format!("did you mean `{num}{c}`?"),
                                 None => format!("known units: {}", names.join(", ")),
                             };
