@@ -33,10 +33,21 @@ pub enum ChatError {
     NoTemplate { dir: PathBuf },
     #[error("chat template{origin}: {msg}")]
     Template { origin: String, msg: String },
-    #[error("prompt has {placeholders} {kind} placeholder(s) but {items} {kind} item(s) were given")]
-    MediaCount { kind: &'static str, placeholders: usize, items: usize },
+    #[error(
+        "prompt has {placeholders} {kind} placeholder(s) but {items} {kind} item(s) were given"
+    )]
+    MediaCount {
+        kind: &'static str,
+        placeholders: usize,
+        items: usize,
+    },
     #[error("media grid {grid:?} of {kind} {index}: grid_h and grid_w must be positive multiples of merge size {merge}")]
-    BadGrid { kind: &'static str, index: usize, grid: [u32; 3], merge: u32 },
+    BadGrid {
+        kind: &'static str,
+        index: usize,
+        grid: [u32; 3],
+        merge: u32,
+    },
     #[error(transparent)]
     Tokenizer(#[from] crate::tokenizer::TokenizerError),
 }
@@ -69,7 +80,10 @@ pub struct Message {
 
 impl Message {
     pub fn text(role: &str, text: &str) -> Self {
-        Self { role: role.into(), content: Content::Text(text.into()) }
+        Self {
+            role: role.into(),
+            content: Content::Text(text.into()),
+        }
     }
 }
 
@@ -84,15 +98,28 @@ pub fn user_message(prompt: &str, images: usize, videos: usize) -> Result<Messag
         parts.extend(std::iter::repeat_n(Part::Image, images));
         parts.extend(std::iter::repeat_n(Part::Video, videos));
         if !prompt.is_empty() {
-            parts.push(Part::Text { text: prompt.into() });
+            parts.push(Part::Text {
+                text: prompt.into(),
+            });
         }
-        return Ok(Message { role: "user".into(), content: Content::Parts(parts) });
+        return Ok(Message {
+            role: "user".into(),
+            content: Content::Parts(parts),
+        });
     }
     if marked_images != images {
-        return Err(ChatError::MediaCount { kind: "<image>", placeholders: marked_images, items: images });
+        return Err(ChatError::MediaCount {
+            kind: "<image>",
+            placeholders: marked_images,
+            items: images,
+        });
     }
     if marked_videos != videos {
-        return Err(ChatError::MediaCount { kind: "<video>", placeholders: marked_videos, items: videos });
+        return Err(ChatError::MediaCount {
+            kind: "<video>",
+            placeholders: marked_videos,
+            items: videos,
+        });
     }
     let mut rest = prompt;
     while !rest.is_empty() {
@@ -103,7 +130,9 @@ pub fn user_message(prompt: &str, images: usize, videos: usize) -> Result<Messag
         match next {
             Some((i, len, part)) => {
                 if i > 0 {
-                    parts.push(Part::Text { text: rest[..i].into() });
+                    parts.push(Part::Text {
+                        text: rest[..i].into(),
+                    });
                 }
                 parts.push(part);
                 rest = &rest[i + len..];
@@ -114,7 +143,10 @@ pub fn user_message(prompt: &str, images: usize, videos: usize) -> Result<Messag
             }
         }
     }
-    Ok(Message { role: "user".into(), content: Content::Parts(parts) })
+    Ok(Message {
+        role: "user".into(),
+        content: Content::Parts(parts),
+    })
 }
 
 /// A compiled chat template.
@@ -127,14 +159,17 @@ pub struct ChatTemplate {
 
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChatTemplate").field("origin", &self.origin).finish()
+        f.debug_struct("ChatTemplate")
+            .field("origin", &self.origin)
+            .finish()
     }
 }
 
 impl ChatTemplate {
     /// The Qwen2-VL template (what the tiny model uses).
     pub fn qwen2_vl() -> Self {
-        Self::from_source(QWEN2_VL_CHAT_TEMPLATE, "built-in Qwen2-VL").expect("the built-in template compiles")
+        Self::from_source(QWEN2_VL_CHAT_TEMPLATE, "built-in Qwen2-VL")
+            .expect("the built-in template compiles")
     }
 
     /// Compiles `source`; `origin` names where it came from in error messages.
@@ -143,13 +178,31 @@ impl ChatTemplate {
         // Hugging Face renders chat templates with these two options on.
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
-        env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-        });
-        let origin = if origin.is_empty() { String::new() } else { format!(" ({origin})") };
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        let origin = if origin.is_empty() {
+            String::new()
+        } else {
+            format!(" ({origin})")
+        };
         env.add_template_owned("chat", source.to_string())
-            .map_err(|e| ChatError::Template { origin: origin.clone(), msg: describe(&e) })?;
-        Ok(Self { env, origin, bos_token: None, eos_token: None })
+            .map_err(|e| ChatError::Template {
+                origin: origin.clone(),
+                msg: describe(&e),
+            })?;
+        Ok(Self {
+            env,
+            origin,
+            bos_token: None,
+            eos_token: None,
+        })
     }
 
     /// The template of a checkpoint directory, looked up where Hugging Face looks:
@@ -163,17 +216,24 @@ impl ChatTemplate {
             if !path.is_file() {
                 return Ok(None);
             }
-            let text = std::fs::read_to_string(&path)
-                .map_err(|e| ChatError::Read { path: path.clone(), msg: e.to_string() })?;
-            let v = serde_json::from_str(&text).map_err(|e| ChatError::Read { path: path.clone(), msg: e.to_string() })?;
+            let text = std::fs::read_to_string(&path).map_err(|e| ChatError::Read {
+                path: path.clone(),
+                msg: e.to_string(),
+            })?;
+            let v = serde_json::from_str(&text).map_err(|e| ChatError::Read {
+                path: path.clone(),
+                msg: e.to_string(),
+            })?;
             Ok(Some((path, v)))
         };
         let tok_config = read_json("tokenizer_config.json")?;
         let mut found: Option<(String, PathBuf)> = None;
         let jinja = dir.join("chat_template.jinja");
         if jinja.is_file() {
-            let text = std::fs::read_to_string(&jinja)
-                .map_err(|e| ChatError::Read { path: jinja.clone(), msg: e.to_string() })?;
+            let text = std::fs::read_to_string(&jinja).map_err(|e| ChatError::Read {
+                path: jinja.clone(),
+                msg: e.to_string(),
+            })?;
             found = Some((text, jinja));
         }
         if found.is_none() {
@@ -181,7 +241,10 @@ impl ChatTemplate {
                 match v.get("chat_template").and_then(|t| t.as_str()) {
                     Some(t) => found = Some((t.to_string(), path)),
                     None => {
-                        return Err(ChatError::Read { path, msg: "field `chat_template` is missing or not a string".into() })
+                        return Err(ChatError::Read {
+                            path,
+                            msg: "field `chat_template` is missing or not a string".into(),
+                        })
                     }
                 }
             }
@@ -191,15 +254,19 @@ impl ChatTemplate {
                 match v.get("chat_template") {
                     Some(serde_json::Value::String(t)) => found = Some((t.clone(), path.clone())),
                     Some(serde_json::Value::Array(list)) => {
-                        let default = list.iter().find(|e| e.get("name").and_then(|n| n.as_str()) == Some("default"));
-                        match default.and_then(|e| e.get("template")).and_then(|t| t.as_str()) {
+                        let default = list
+                            .iter()
+                            .find(|e| e.get("name").and_then(|n| n.as_str()) == Some("default"));
+                        match default
+                            .and_then(|e| e.get("template"))
+                            .and_then(|t| t.as_str())
+                        {
                             Some(t) => found = Some((t.to_string(), path.clone())),
-                            None => {
-                                return Err(ChatError::Read {
-                                    path: path.clone(),
-                                    msg: "`chat_template` is a list without a template named `default`".into(),
-                                })
-                            }
+                            None => return Err(ChatError::Read {
+                                path: path.clone(),
+                                msg: "`chat_template` is a list without a template named `default`"
+                                    .into(),
+                            }),
                         }
                     }
                     _ => {}
@@ -214,7 +281,9 @@ impl ChatTemplate {
             // Tokens are strings or AddedToken objects ({"content": ...}).
             let token = |key: &str| match v.get(key) {
                 Some(serde_json::Value::String(s)) => Some(s.clone()),
-                Some(serde_json::Value::Object(o)) => o.get("content").and_then(|c| c.as_str()).map(String::from),
+                Some(serde_json::Value::Object(o)) => {
+                    o.get("content").and_then(|c| c.as_str()).map(String::from)
+                }
                 _ => None,
             };
             t.bos_token = token("bos_token");
@@ -228,7 +297,10 @@ impl ChatTemplate {
         let tmpl = self
             .env
             .get_template("chat")
-            .map_err(|e| ChatError::Template { origin: self.origin.clone(), msg: describe(&e) })?;
+            .map_err(|e| ChatError::Template {
+                origin: self.origin.clone(),
+                msg: describe(&e),
+            })?;
         let ctx = minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
@@ -236,7 +308,10 @@ impl ChatTemplate {
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),
         };
-        tmpl.render(ctx).map_err(|e| ChatError::Template { origin: self.origin.clone(), msg: describe(&e) })
+        tmpl.render(ctx).map_err(|e| ChatError::Template {
+            origin: self.origin.clone(),
+            msg: describe(&e),
+        })
     }
 }
 
@@ -292,9 +367,18 @@ pub fn expand_media_tokens(
     let mut by_kind: [Vec<usize>; 2] = [Vec::new(), Vec::new()];
     for (i, g) in grids.iter().enumerate() {
         let [t, h, w] = g.grid_thw;
-        let kind = if g.kind == MediaKind::Image { "image" } else { "video" };
+        let kind = if g.kind == MediaKind::Image {
+            "image"
+        } else {
+            "video"
+        };
         if merge == 0 || t == 0 || h == 0 || w == 0 || h % merge != 0 || w % merge != 0 {
-            return Err(ChatError::BadGrid { kind, index: i, grid: g.grid_thw, merge });
+            return Err(ChatError::BadGrid {
+                kind,
+                index: i,
+                grid: g.grid_thw,
+                merge,
+            });
         }
         by_kind[(g.kind == MediaKind::Video) as usize].push(i);
     }
@@ -304,7 +388,11 @@ pub fn expand_media_tokens(
     ];
     for (k, kind) in ["<|image_pad|>", "<|video_pad|>"].into_iter().enumerate() {
         if pads[k] != by_kind[k].len() {
-            return Err(ChatError::MediaCount { kind, placeholders: pads[k], items: by_kind[k].len() });
+            return Err(ChatError::MediaCount {
+                kind,
+                placeholders: pads[k],
+                items: by_kind[k].len(),
+            });
         }
     }
     let extra: usize = grids.iter().map(|g| g.tokens(merge)).sum::<usize>();
@@ -326,7 +414,10 @@ pub fn expand_media_tokens(
         spans[item] = out.len()..out.len() + n;
         out.extend(std::iter::repeat_n(t, n));
     }
-    Ok(PromptIds { ids: out, media_spans: spans })
+    Ok(PromptIds {
+        ids: out,
+        media_spans: spans,
+    })
 }
 
 /// Renders `messages` (generation prompt added), tokenizes, and expands media placeholders.
@@ -361,23 +452,37 @@ mod tests {
 
     #[test]
     fn template_with_system_and_string_content() {
-        let msgs = [Message::text("system", "Be brief."), Message::text("user", "hi")];
+        let msgs = [
+            Message::text("system", "Be brief."),
+            Message::text("user", "hi"),
+        ];
         let text = ChatTemplate::qwen2_vl().render(&msgs, false).unwrap();
-        assert_eq!(text, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n");
+        assert_eq!(
+            text,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        );
     }
 
     #[test]
     fn markers_place_media_in_text_as_verl_does() {
         let m = user_message("Look: <image> and <video>. Then <image>?", 2, 1).unwrap();
-        let Content::Parts(parts) = m.content else { panic!() };
+        let Content::Parts(parts) = m.content else {
+            panic!()
+        };
         assert_eq!(
             parts,
             vec![
-                Part::Text { text: "Look: ".into() },
+                Part::Text {
+                    text: "Look: ".into()
+                },
                 Part::Image,
-                Part::Text { text: " and ".into() },
+                Part::Text {
+                    text: " and ".into()
+                },
                 Part::Video,
-                Part::Text { text: ". Then ".into() },
+                Part::Text {
+                    text: ". Then ".into()
+                },
                 Part::Image,
                 Part::Text { text: "?".into() },
             ]
@@ -391,7 +496,10 @@ mod tests {
         let tok = TextTokenizer::tiny().unwrap();
         let m = user_message("Which way did the red square move?", 0, 1).unwrap();
         // 4 frames of 56x56: grid (2, 4, 4) -> 32 patches -> 8 tokens.
-        let grids = [MediaGrid { kind: MediaKind::Video, grid_thw: [2, 4, 4] }];
+        let grids = [MediaGrid {
+            kind: MediaKind::Video,
+            grid_thw: [2, 4, 4],
+        }];
         let p = prompt_ids(&tok, &ChatTemplate::qwen2_vl(), &[m], &grids, 2).unwrap();
         assert_eq!(p.media_spans[0].len(), 8);
         let span = p.media_spans[0].clone();
@@ -407,9 +515,18 @@ mod tests {
         let tok = TextTokenizer::tiny().unwrap();
         let m = user_message("<image>left or <video> right <image>", 2, 1).unwrap();
         let grids = [
-            MediaGrid { kind: MediaKind::Image, grid_thw: [1, 2, 4] },
-            MediaGrid { kind: MediaKind::Video, grid_thw: [3, 2, 2] },
-            MediaGrid { kind: MediaKind::Image, grid_thw: [1, 4, 4] },
+            MediaGrid {
+                kind: MediaKind::Image,
+                grid_thw: [1, 2, 4],
+            },
+            MediaGrid {
+                kind: MediaKind::Video,
+                grid_thw: [3, 2, 2],
+            },
+            MediaGrid {
+                kind: MediaKind::Image,
+                grid_thw: [1, 4, 4],
+            },
         ];
         let tmpl = ChatTemplate::qwen2_vl();
         let ours = prompt_ids(&tok, &tmpl, std::slice::from_ref(&m), &grids, 2).unwrap();
@@ -421,38 +538,64 @@ mod tests {
             text = text.replace("<|placeholder|>", pad);
         }
         assert_eq!(ours.ids, tok.encode(&text).unwrap());
-        assert_eq!(ours.media_spans.iter().map(|s| s.len()).collect::<Vec<_>>(), vec![2, 3, 4]);
+        assert_eq!(
+            ours.media_spans.iter().map(|s| s.len()).collect::<Vec<_>>(),
+            vec![2, 3, 4]
+        );
         assert!(ours.media_spans[0].end <= ours.media_spans[1].start);
     }
 
     #[test]
     fn media_count_mismatch_is_an_error() {
         let ids = [1, tiny::VIDEO_PAD, 2];
-        let err = expand_media_tokens(&ids, tiny::IMAGE_PAD, tiny::VIDEO_PAD, &[], 2).unwrap_err().to_string();
-        assert!(err.contains("1 <|video_pad|> placeholder(s) but 0"), "{err}");
-        let g = [MediaGrid { kind: MediaKind::Video, grid_thw: [1, 3, 2] }];
-        let err = expand_media_tokens(&ids, tiny::IMAGE_PAD, tiny::VIDEO_PAD, &g, 2).unwrap_err().to_string();
+        let err = expand_media_tokens(&ids, tiny::IMAGE_PAD, tiny::VIDEO_PAD, &[], 2)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("1 <|video_pad|> placeholder(s) but 0"),
+            "{err}"
+        );
+        let g = [MediaGrid {
+            kind: MediaKind::Video,
+            grid_thw: [1, 3, 2],
+        }];
+        let err = expand_media_tokens(&ids, tiny::IMAGE_PAD, tiny::VIDEO_PAD, &g, 2)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("multiples of merge size 2"), "{err}");
     }
 
     #[test]
     fn checkpoint_lookup_order_and_errors() {
         let dir = tempfile::tempdir().unwrap();
-        let err = ChatTemplate::from_checkpoint(dir.path()).unwrap_err().to_string();
+        let err = ChatTemplate::from_checkpoint(dir.path())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("has no chat template"), "{err}");
         tiny::write_files(dir.path()).unwrap();
         let t = ChatTemplate::from_checkpoint(dir.path()).unwrap();
         assert_eq!(
             t.render(&[Message::text("user", "x")], true).unwrap(),
-            ChatTemplate::qwen2_vl().render(&[Message::text("user", "x")], true).unwrap()
+            ChatTemplate::qwen2_vl()
+                .render(&[Message::text("user", "x")], true)
+                .unwrap()
         );
         // chat_template.json wins over tokenizer_config.json, and named list forms work.
-        std::fs::write(dir.path().join("chat_template.json"), r#"{"chat_template": "{{ eos_token }}|{{ messages[0].content }}"}"#)
-            .unwrap();
+        std::fs::write(
+            dir.path().join("chat_template.json"),
+            r#"{"chat_template": "{{ eos_token }}|{{ messages[0].content }}"}"#,
+        )
+        .unwrap();
         let t = ChatTemplate::from_checkpoint(dir.path()).unwrap();
-        assert_eq!(t.render(&[Message::text("user", "x")], false).unwrap(), "<|im_end|>|x");
-        std::fs::write(dir.path().join("chat_template.jinja"), "{% if x %}\n  {{ raise_exception('no x') }}\n{% endif %}ok")
-            .unwrap();
+        assert_eq!(
+            t.render(&[Message::text("user", "x")], false).unwrap(),
+            "<|im_end|>|x"
+        );
+        std::fs::write(
+            dir.path().join("chat_template.jinja"),
+            "{% if x %}\n  {{ raise_exception('no x') }}\n{% endif %}ok",
+        )
+        .unwrap();
         let t = ChatTemplate::from_checkpoint(dir.path()).unwrap();
         // trim_blocks drops the newline after a block tag, as in Hugging Face.
         assert_eq!(t.render(&[], false).unwrap(), "ok");
@@ -461,11 +604,21 @@ mod tests {
     #[test]
     fn template_errors_name_the_file() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("chat_template.jinja"), "{% for m in messages %}").unwrap();
-        let err = ChatTemplate::from_checkpoint(dir.path()).unwrap_err().to_string();
+        std::fs::write(
+            dir.path().join("chat_template.jinja"),
+            "{% for m in messages %}",
+        )
+        .unwrap();
+        let err = ChatTemplate::from_checkpoint(dir.path())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("chat_template.jinja"), "{err}");
-        let t = ChatTemplate::from_source("{{ raise_exception('only user turns') }}", "t.jinja").unwrap();
+        let t = ChatTemplate::from_source("{{ raise_exception('only user turns') }}", "t.jinja")
+            .unwrap();
         let err = t.render(&[], false).unwrap_err().to_string();
-        assert!(err.contains("only user turns") && err.contains("t.jinja"), "{err}");
+        assert!(
+            err.contains("only user turns") && err.contains("t.jinja"),
+            "{err}"
+        );
     }
 }

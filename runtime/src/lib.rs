@@ -10,3 +10,6 @@ pub mod data;
 pub mod preprocess;
 pub mod reward;
 pub mod tasks;
+pub mod ckpt_state;
+pub mod metrics;
+pub mod trace;

@@ -10,12 +10,14 @@
 //!
 //! Resize: [`resize_pil`] is a port of Pillow's `ImagingResample` for 8-bit images (the code
 //! `PIL.Image.resize` runs for `Qwen2VLImageProcessorPil`, transformers' numpy/PIL backend):
-//! a separable two-pass convolution, horizontal first, with the filter support widened by the
-//! downscale factor (antialiasing), weights normalised per output pixel and quantised to 22-bit
-//! fixed point, and each pass rounded and clamped to u8. It reproduces Pillow bit for bit for
-//! bicubic (a = -0.5) and bilinear; lanczos, box and hamming use `sin`/`cos` from Rust's libm,
-//! which may differ from C's in the last ulp. `tests/reference/preprocess_compare.py` measures
-//! the whole pipeline against transformers (max abs error in the report and in `docs/`).
+//! a separable two-pass convolution (pass order: see [`resize_pil`]), with the filter support
+//! widened by the downscale factor (antialiasing), weights normalised per output pixel and
+//! quantised to 22-bit fixed point, and each pass rounded and clamped to u8. Bicubic (a = -0.5,
+//! what Qwen2-VL uses) is compared with Pillow and bit-identical; bilinear and box use the same
+//! exact arithmetic but were not compared; lanczos and hamming use `sin`/`cos` from Rust's
+//! libm, which may differ from C's in the last ulp. `tests/reference/preprocess_compare.py` measures
+//! the whole pipeline against transformers 5.24 + Pillow 13.0: max abs error 0 (bit-identical
+//! `pixel_values`) on 16 cases of images and videos from 28x28 to 2000x1500.
 //!
 //! Not reproduced: transformers' torchvision backends (`Qwen2VLImageProcessor` with torchvision
 //! installed, and the torch-only `Qwen2VLVideoProcessor`) resize with
@@ -44,9 +46,19 @@ pub enum PreprocessError {
     #[error("cannot read {path}: {msg}")]
     Config { path: PathBuf, msg: String },
     #[error("image of {height}x{width}: {msg}")]
-    Size { height: u64, width: u64, msg: String },
+    Size {
+        height: u64,
+        width: u64,
+        msg: String,
+    },
     #[error("frame {index} is {got_w}x{got_h} but frame 0 is {w}x{h}: all frames of a video must have one size")]
-    FrameSize { index: usize, got_w: u32, got_h: u32, w: u32, h: u32 },
+    FrameSize {
+        index: usize,
+        got_w: u32,
+        got_h: u32,
+        w: u32,
+        h: u32,
+    },
     #[error("a video needs at least one frame")]
     NoFrames,
     #[error("preprocess config: {0}")]
@@ -78,7 +90,9 @@ impl Resample {
             3 => Resample::Bicubic,
             4 => Resample::Box,
             5 => Resample::Hamming,
-            _ => return Err(PreprocessError::Invalid(format!("resample {code} is not supported (1-5: lanczos, bilinear, bicubic, box, hamming)"))),
+            _ => return Err(PreprocessError::Invalid(format!(
+                "resample {code} is not supported (1-5: lanczos, bilinear, bicubic, box, hamming)"
+            ))),
         })
     }
 
@@ -189,13 +203,21 @@ impl PreprocessConfig {
 
     /// `Qwen2VLVideoProcessor`'s defaults (min 128*28*28, max 28*28*768 pixels per frame).
     pub fn qwen2_vl_video() -> Self {
-        Self { min_pixels: 128 * 28 * 28, max_pixels: 28 * 28 * 768, ..Self::qwen2_vl_image() }
+        Self {
+            min_pixels: 128 * 28 * 28,
+            max_pixels: 28 * 28 * 768,
+            ..Self::qwen2_vl_image()
+        }
     }
 
     /// For a model built from dimensions (no checkpoint): patch, temporal patch and merge sizes
     /// from the vision tower, and the given pixel bounds. Small media (the tiny task's 28x28 or
     /// 56x56 frames) need `min_pixels` at most their own size, else they are upscaled.
-    pub fn for_vision(v: &rollplex_plan::spec::VisionDims, min_pixels: u64, max_pixels: u64) -> Self {
+    pub fn for_vision(
+        v: &rollplex_plan::spec::VisionDims,
+        min_pixels: u64,
+        max_pixels: u64,
+    ) -> Self {
         Self {
             patch_size: v.patch_size,
             temporal_patch_size: v.temporal_patch_size,
@@ -221,27 +243,45 @@ impl PreprocessConfig {
     /// (`min_pixels`/`max_pixels` and `size: {shortest_edge, longest_edge}`).
     pub fn from_file(path: impl AsRef<Path>, defaults: Self) -> Result<Self> {
         let path = path.as_ref();
-        let err = |msg: String| PreprocessError::Config { path: path.into(), msg };
+        let err = |msg: String| PreprocessError::Config {
+            path: path.into(),
+            msg,
+        };
         let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
         let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| err(e.to_string()))?;
         let mut c = defaults;
         let uint = |key: &str, v: &serde_json::Value| {
-            v.as_u64().ok_or_else(|| err(format!("field `{key}` must be a non-negative integer, got {v}")))
+            v.as_u64().ok_or_else(|| {
+                err(format!(
+                    "field `{key}` must be a non-negative integer, got {v}"
+                ))
+            })
         };
         let float = |key: &str, v: &serde_json::Value| {
-            v.as_f64().ok_or_else(|| err(format!("field `{key}` must be a number, got {v}")))
+            v.as_f64()
+                .ok_or_else(|| err(format!("field `{key}` must be a number, got {v}")))
         };
-        let boolean =
-            |key: &str, v: &serde_json::Value| v.as_bool().ok_or_else(|| err(format!("field `{key}` must be true or false, got {v}")));
+        let boolean = |key: &str, v: &serde_json::Value| {
+            v.as_bool()
+                .ok_or_else(|| err(format!("field `{key}` must be true or false, got {v}")))
+        };
         let triple = |key: &str, v: &serde_json::Value| -> Result<[f64; 3]> {
-            match v.as_array().map(|a| a.iter().map(|x| x.as_f64()).collect::<Option<Vec<_>>>()) {
+            match v
+                .as_array()
+                .map(|a| a.iter().map(|x| x.as_f64()).collect::<Option<Vec<_>>>())
+            {
                 Some(Some(a)) if a.len() == 3 => Ok([a[0], a[1], a[2]]),
-                _ => Err(err(format!("field `{key}` must be a list of 3 numbers, got {v}"))),
+                _ => Err(err(format!(
+                    "field `{key}` must be a list of 3 numbers, got {v}"
+                ))),
             }
         };
         let u32_of = |key: &str, v: &serde_json::Value| -> Result<u32> {
             let n = uint(key, v)?;
-            u32::try_from(n).ok().filter(|&n| n > 0).ok_or_else(|| err(format!("field `{key}` must be in 1..2^32, got {n}")))
+            u32::try_from(n)
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| err(format!("field `{key}` must be in 1..2^32, got {n}")))
         };
         if let Some(size) = v.get("size") {
             if let Some(x) = size.get("shortest_edge") {
@@ -264,12 +304,18 @@ impl PreprocessConfig {
                 "rescale_factor" => c.rescale_factor = float(key, x)?,
                 "image_mean" => c.image_mean = triple(key, x)?,
                 "image_std" => c.image_std = triple(key, x)?,
-                "resample" => c.resample = Resample::from_pil(uint(key, x)?).map_err(|e| err(e.to_string()))?,
+                "resample" => {
+                    c.resample =
+                        Resample::from_pil(uint(key, x)?).map_err(|e| err(e.to_string()))?
+                }
                 _ => {}
             }
         }
         if c.min_pixels > c.max_pixels {
-            return Err(err(format!("min_pixels {} > max_pixels {}", c.min_pixels, c.max_pixels)));
+            return Err(err(format!(
+                "min_pixels {} > max_pixels {}",
+                c.min_pixels, c.max_pixels
+            )));
         }
         Ok(c)
     }
@@ -281,7 +327,10 @@ impl PreprocessConfig {
         let dir = dir.as_ref();
         let image_path = dir.join("preprocessor_config.json");
         if !image_path.is_file() {
-            return Err(PreprocessError::Config { path: image_path, msg: "no such file".into() });
+            return Err(PreprocessError::Config {
+                path: image_path,
+                msg: "no such file".into(),
+            });
         }
         let image = Self::from_file(&image_path, Self::qwen2_vl_image())?;
         let video_path = dir.join("video_preprocessor_config.json");
@@ -301,15 +350,25 @@ fn py_round(x: f64) -> u64 {
 
 /// The target `(height, width)` of transformers' `smart_resize`: both multiples of `factor`,
 /// pixels within `[min_pixels, max_pixels]`, aspect ratio kept as closely as possible.
-pub fn smart_resize(height: u64, width: u64, factor: u64, min_pixels: u64, max_pixels: u64) -> Result<(u64, u64)> {
+pub fn smart_resize(
+    height: u64,
+    width: u64,
+    factor: u64,
+    min_pixels: u64,
+    max_pixels: u64,
+) -> Result<(u64, u64)> {
     let size_err = |msg: String| PreprocessError::Size { height, width, msg };
     if height == 0 || width == 0 || factor == 0 {
-        return Err(size_err(format!("sides and factor ({factor}) must be positive")));
+        return Err(size_err(format!(
+            "sides and factor ({factor}) must be positive"
+        )));
     }
     let (hf, wf, ff) = (height as f64, width as f64, factor as f64);
     let ratio = hf.max(wf) / hf.min(wf);
     if ratio > 200.0 {
-        return Err(size_err(format!("absolute aspect ratio must be smaller than 200, got {ratio}")));
+        return Err(size_err(format!(
+            "absolute aspect ratio must be smaller than 200, got {ratio}"
+        )));
     }
     let mut h_bar = py_round(hf / ff) * factor;
     let mut w_bar = py_round(wf / ff) * factor;
@@ -363,7 +422,11 @@ fn precompute_coeffs(in_size: usize, out_size: usize, filter: Resample) -> Coeff
         for (x, kx) in k.iter().enumerate().take(xmax) {
             let w = if ww != 0.0 { kx / ww } else { *kx };
             let q = w * (1u64 << PRECISION_BITS) as f64;
-            kk[xx * ksize + x] = if w < 0.0 { (-0.5 + q) as i32 as i64 } else { (0.5 + q) as i32 as i64 };
+            kk[xx * ksize + x] = if w < 0.0 {
+                (-0.5 + q) as i32 as i64
+            } else {
+                (0.5 + q) as i32 as i64
+            };
         }
         bounds.push((xmin, xmax));
     }
@@ -375,8 +438,51 @@ fn clip8(ss: i64) -> u8 {
     (ss >> PRECISION_BITS).clamp(0, 255) as u8
 }
 
+/// Horizontal pass over rows `first..first+rows` of `src` (`in_w` wide, RGB).
+fn pass_horizontal(src: &[u8], in_w: usize, first: usize, rows: usize, k: &Coeffs) -> Vec<u8> {
+    let out_w = k.bounds.len();
+    let mut out = vec![0u8; rows * out_w * 3];
+    for yy in 0..rows {
+        let row = &src[(yy + first) * in_w * 3..][..in_w * 3];
+        for (xx, &(xmin, xmax)) in k.bounds.iter().enumerate() {
+            let taps = &k.kk[xx * k.ksize..][..xmax];
+            for c in 0..3 {
+                let mut ss: i64 = 1 << (PRECISION_BITS - 1);
+                for (x, &kx) in taps.iter().enumerate() {
+                    ss += row[(x + xmin) * 3 + c] as i64 * kx;
+                }
+                out[(yy * out_w + xx) * 3 + c] = clip8(ss);
+            }
+        }
+    }
+    out
+}
+
+/// Vertical pass over `src` (`w` wide, RGB); `k`'s bounds index rows of `src`.
+fn pass_vertical(src: &[u8], w: usize, k: &Coeffs) -> Vec<u8> {
+    let out_h = k.bounds.len();
+    let mut out = vec![0u8; out_h * w * 3];
+    for (yy, &(ymin, ymax)) in k.bounds.iter().enumerate() {
+        let taps = &k.kk[yy * k.ksize..][..ymax];
+        for xx in 0..w {
+            for c in 0..3 {
+                let mut ss: i64 = 1 << (PRECISION_BITS - 1);
+                for (y, &ky) in taps.iter().enumerate() {
+                    ss += src[((y + ymin) * w + xx) * 3 + c] as i64 * ky;
+                }
+                out[(yy * w + xx) * 3 + c] = clip8(ss);
+            }
+        }
+    }
+    out
+}
+
 /// Resizes `img` to `width` x `height` as `PIL.Image.resize(..., resample)` does for an RGB
-/// image (see the module doc).
+/// image (see the module doc). Pass order: vertical first when the height shrinks and the
+/// width grows, else horizontal first. Pillow's published `Resample.c` always runs the
+/// horizontal pass first, but the Pillow 13.0 wheel measured here ran the vertical pass first
+/// in every such mixed case (and in some shrink-both cases, by a rule not identified); the
+/// order changes the u8 rounding between passes, so it decides exactness.
 pub fn resize_pil(img: &RgbImage, width: u32, height: u32, filter: Resample) -> Result<RgbImage> {
     let (in_w, in_h) = (img.width() as usize, img.height() as usize);
     let (out_w, out_h) = (width as usize, height as usize);
@@ -389,59 +495,37 @@ pub fn resize_pil(img: &RgbImage, width: u32, height: u32, filter: Resample) -> 
     }
     let need_h = out_w != in_w;
     let need_v = out_h != in_h;
-    if !need_h && !need_v {
-        return Ok(img.clone());
-    }
-    let horiz = precompute_coeffs(in_w, out_w, filter);
-    let mut vert = precompute_coeffs(in_h, out_h, filter);
     let src = img.as_raw();
-    // Horizontal pass over the rows the vertical pass will read.
-    let (tmp, tmp_w): (std::borrow::Cow<[u8]>, usize) = if need_h {
-        let ybox_first = vert.bounds[0].0;
-        let (lmin, lcount) = vert.bounds[out_h - 1];
-        let ybox_last = lmin + lcount;
-        for b in vert.bounds.iter_mut() {
-            b.0 -= ybox_first;
+    let out = match (need_h, need_v) {
+        (false, false) => return Ok(img.clone()),
+        (true, false) => {
+            pass_horizontal(src, in_w, 0, in_h, &precompute_coeffs(in_w, out_w, filter))
         }
-        let rows = ybox_last - ybox_first;
-        let mut out = vec![0u8; rows * out_w * 3];
-        for yy in 0..rows {
-            let row = &src[(yy + ybox_first) * in_w * 3..][..in_w * 3];
-            for xx in 0..out_w {
-                let (xmin, xmax) = horiz.bounds[xx];
-                let k = &horiz.kk[xx * horiz.ksize..][..xmax];
-                for c in 0..3 {
-                    let mut ss: i64 = 1 << (PRECISION_BITS - 1);
-                    for (x, &kx) in k.iter().enumerate() {
-                        ss += row[(x + xmin) * 3 + c] as i64 * kx;
-                    }
-                    out[(yy * out_w + xx) * 3 + c] = clip8(ss);
-                }
+        (false, true) => pass_vertical(src, in_w, &precompute_coeffs(in_h, out_h, filter)),
+        (true, true) if out_h < in_h && out_w > in_w => {
+            let tmp = pass_vertical(src, in_w, &precompute_coeffs(in_h, out_h, filter));
+            pass_horizontal(
+                &tmp,
+                in_w,
+                0,
+                out_h,
+                &precompute_coeffs(in_w, out_w, filter),
+            )
+        }
+        (true, true) => {
+            // Horizontal pass over just the rows the vertical pass reads.
+            let horiz = precompute_coeffs(in_w, out_w, filter);
+            let mut vert = precompute_coeffs(in_h, out_h, filter);
+            let first = vert.bounds[0].0;
+            let (lmin, lcount) = vert.bounds[out_h - 1];
+            for b in vert.bounds.iter_mut() {
+                b.0 -= first;
             }
+            let tmp = pass_horizontal(src, in_w, first, lmin + lcount - first, &horiz);
+            pass_vertical(&tmp, out_w, &vert)
         }
-        (std::borrow::Cow::Owned(out), out_w)
-    } else {
-        (std::borrow::Cow::Borrowed(&src[..]), in_w)
     };
-    if !need_v {
-        let buf = tmp.into_owned();
-        return Ok(RgbImage::from_raw(out_w as u32, out_h as u32, buf).expect("buffer of the right size"));
-    }
-    let mut out = vec![0u8; out_h * tmp_w * 3];
-    for yy in 0..out_h {
-        let (ymin, ymax) = vert.bounds[yy];
-        let k = &vert.kk[yy * vert.ksize..][..ymax];
-        for xx in 0..tmp_w {
-            for c in 0..3 {
-                let mut ss: i64 = 1 << (PRECISION_BITS - 1);
-                for (y, &ky) in k.iter().enumerate() {
-                    ss += tmp[((y + ymin) * tmp_w + xx) * 3 + c] as i64 * ky;
-                }
-                out[(yy * tmp_w + xx) * 3 + c] = clip8(ss);
-            }
-        }
-    }
-    Ok(RgbImage::from_raw(tmp_w as u32, out_h as u32, out).expect("buffer of the right size"))
+    Ok(RgbImage::from_raw(out_w as u32, out_h as u32, out).expect("buffer of the right size"))
 }
 
 /// Opens an image file (PNG or JPEG) as RGB. Alpha is dropped and grey is replicated, as
@@ -449,11 +533,20 @@ pub fn resize_pil(img: &RgbImage, width: u32, height: u32, filter: Resample) -> 
 pub fn load_image(path: impl AsRef<Path>) -> Result<RgbImage> {
     let path = path.as_ref();
     let img = image::ImageReader::open(path)
-        .map_err(|e| PreprocessError::Image { path: path.into(), msg: e.to_string() })?
+        .map_err(|e| PreprocessError::Image {
+            path: path.into(),
+            msg: e.to_string(),
+        })?
         .with_guessed_format()
-        .map_err(|e| PreprocessError::Image { path: path.into(), msg: e.to_string() })?
+        .map_err(|e| PreprocessError::Image {
+            path: path.into(),
+            msg: e.to_string(),
+        })?
         .decode()
-        .map_err(|e| PreprocessError::Image { path: path.into(), msg: e.to_string() })?;
+        .map_err(|e| PreprocessError::Image {
+            path: path.into(),
+            msg: e.to_string(),
+        })?;
     Ok(img.to_rgb8())
 }
 
@@ -497,12 +590,24 @@ fn preprocess_frames(frames: &[RgbImage], cfg: &PreprocessConfig) -> Result<Patc
             });
         }
     }
-    let (p, m, tp) = (cfg.patch_size as usize, cfg.merge_size as usize, cfg.temporal_patch_size as usize);
+    let (p, m, tp) = (
+        cfg.patch_size as usize,
+        cfg.merge_size as usize,
+        cfg.temporal_patch_size as usize,
+    );
     if p == 0 || m == 0 || tp == 0 {
-        return Err(PreprocessError::Invalid("patch_size, merge_size and temporal_patch_size must be positive".into()));
+        return Err(PreprocessError::Invalid(
+            "patch_size, merge_size and temporal_patch_size must be positive".into(),
+        ));
     }
     let (h, w) = if cfg.do_resize {
-        smart_resize(first.height() as u64, first.width() as u64, (p * m) as u64, cfg.min_pixels, cfg.max_pixels)?
+        smart_resize(
+            first.height() as u64,
+            first.width() as u64,
+            (p * m) as u64,
+            cfg.min_pixels,
+            cfg.max_pixels,
+        )?
     } else {
         (first.height() as u64, first.width() as u64)
     };
@@ -511,7 +616,10 @@ fn preprocess_frames(frames: &[RgbImage], cfg: &PreprocessConfig) -> Result<Patc
         return Err(PreprocessError::Size {
             height: h as u64,
             width: w as u64,
-            msg: format!("sides must be multiples of patch_size*merge_size = {} (do_resize is off)", p * m),
+            msg: format!(
+                "sides must be multiples of patch_size*merge_size = {} (do_resize is off)",
+                p * m
+            ),
         });
     }
     // Each frame as normalised channel planes [3][h*w].
@@ -530,7 +638,11 @@ fn preprocess_frames(frames: &[RgbImage], cfg: &PreprocessConfig) -> Result<Patc
         for (i, px) in f.as_raw().chunks_exact(3).enumerate() {
             for c in 0..3 {
                 // transformers: uint8 -> float64 * scale -> float32; then (x - mean) / std in float32.
-                let mut v = if cfg.do_rescale { (px[c] as f64 * cfg.rescale_factor) as f32 } else { px[c] as f32 };
+                let mut v = if cfg.do_rescale {
+                    (px[c] as f64 * cfg.rescale_factor) as f32
+                } else {
+                    px[c] as f32
+                };
                 if cfg.do_normalize {
                     v = (v - mean[c]) / std[c];
                 }
@@ -568,7 +680,11 @@ fn preprocess_frames(frames: &[RgbImage], cfg: &PreprocessConfig) -> Result<Patc
             }
         }
     }
-    Ok(Patches { pixel_values: out, grid_thw: [grid_t as u32, gh as u32, gw as u32], row_len })
+    Ok(Patches {
+        pixel_values: out,
+        grid_thw: [grid_t as u32, gh as u32, gw as u32],
+        row_len,
+    })
 }
 
 #[cfg(test)]
@@ -580,7 +696,9 @@ mod tests {
         RgbImage::from_fn(w, h, |_, _| {
             let mut b = [0u8; 3];
             for v in &mut b {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 *v = (s >> 56) as u8;
             }
             image::Rgb(b)
@@ -591,14 +709,32 @@ mod tests {
     fn smart_resize_matches_transformers_cases() {
         // Values computed with transformers 5.24's smart_resize.
         let f = 28;
-        assert_eq!(smart_resize(28, 28, f, 56 * 56, 28 * 28 * 1280).unwrap(), (56, 56));
-        assert_eq!(smart_resize(56, 56, f, 28 * 28, 28 * 28 * 1280).unwrap(), (56, 56));
+        assert_eq!(
+            smart_resize(28, 28, f, 56 * 56, 28 * 28 * 1280).unwrap(),
+            (56, 56)
+        );
+        assert_eq!(
+            smart_resize(56, 56, f, 28 * 28, 28 * 28 * 1280).unwrap(),
+            (56, 56)
+        );
         // round-half-to-even: 42/28 = 1.5 -> 2, 70/28 = 2.5 -> 2.
         assert_eq!(smart_resize(42, 70, f, 28 * 28, 1 << 30).unwrap(), (56, 56));
-        assert_eq!(smart_resize(480, 640, f, 56 * 56, 28 * 28 * 1280).unwrap(), (476, 644));
-        assert_eq!(smart_resize(2000, 3000, f, 56 * 56, 28 * 28 * 1280).unwrap(), (812, 1204));
-        assert_eq!(smart_resize(10, 300, f, 56 * 56, 28 * 28 * 1280).unwrap(), (28, 308));
-        assert!(smart_resize(1, 300, f, 56 * 56, 1 << 30).unwrap_err().to_string().contains("aspect ratio"));
+        assert_eq!(
+            smart_resize(480, 640, f, 56 * 56, 28 * 28 * 1280).unwrap(),
+            (476, 644)
+        );
+        assert_eq!(
+            smart_resize(2000, 3000, f, 56 * 56, 28 * 28 * 1280).unwrap(),
+            (812, 1204)
+        );
+        assert_eq!(
+            smart_resize(10, 300, f, 56 * 56, 28 * 28 * 1280).unwrap(),
+            (28, 308)
+        );
+        assert!(smart_resize(1, 300, f, 56 * 56, 1 << 30)
+            .unwrap_err()
+            .to_string()
+            .contains("aspect ratio"));
         assert!(smart_resize(0, 3, f, 1, 1 << 30).is_err());
     }
 
@@ -621,7 +757,18 @@ mod tests {
         let a: Vec<u8> = (0..4 * 3 * 3).map(|i| (i * 7 % 256) as u8).collect();
         let img = RgbImage::from_raw(4, 3, a).unwrap();
         let r = resize_pil(&img, 3, 2, Resample::Bicubic).unwrap();
-        let want: [u8; 18] = [30, 37, 44, 58, 65, 72, 85, 92, 99, 146, 153, 160, 174, 181, 188, 201, 208, 215];
+        let want: [u8; 18] = [
+            30, 37, 44, 58, 65, 72, 85, 92, 99, 146, 153, 160, 174, 181, 188, 201, 208, 215,
+        ];
+        assert_eq!(r.as_raw().as_slice(), &want);
+        // Wider and shorter: Pillow 13 runs the vertical pass first here.
+        let a: Vec<u8> = (0..4 * 3 * 3).map(|i| (i * 37 % 256) as u8).collect();
+        let img = RgbImage::from_raw(4, 3, a).unwrap();
+        let r = resize_pil(&img, 5, 2, Resample::Bicubic).unwrap();
+        let want: [u8; 30] = [
+            69, 105, 38, 68, 125, 134, 151, 100, 143, 166, 71, 111, 39, 83, 131, 151, 195, 127,
+            163, 68, 77, 134, 83, 137, 109, 166, 156, 129, 165, 29,
+        ];
         assert_eq!(r.as_raw().as_slice(), &want);
     }
 
@@ -636,7 +783,11 @@ mod tests {
         };
         let (w, h) = (56u32, 28u32);
         let frames: Vec<RgbImage> = (0..3)
-            .map(|f| RgbImage::from_fn(w, h, |x, y| image::Rgb([(f * 50 + y) as u8, x as u8, (c_mark(x, y)) as u8])))
+            .map(|f| {
+                RgbImage::from_fn(w, h, |x, y| {
+                    image::Rgb([(f * 50 + y) as u8, x as u8, (c_mark(x, y)) as u8])
+                })
+            })
             .collect();
         fn c_mark(x: u32, y: u32) -> u32 {
             (x + y) % 251
@@ -664,11 +815,16 @@ mod tests {
     #[test]
     fn normalisation_follows_transformers_dtype_steps() {
         let img = RgbImage::from_pixel(28, 28, image::Rgb([0, 128, 255]));
-        let cfg = PreprocessConfig { min_pixels: 28 * 28, ..PreprocessConfig::qwen2_vl_image() };
+        let cfg = PreprocessConfig {
+            min_pixels: 28 * 28,
+            ..PreprocessConfig::qwen2_vl_image()
+        };
         let p = preprocess_image(&img, &cfg).unwrap();
         assert_eq!(p.grid_thw, [1, 2, 2]);
         let first = |c: usize| p.pixel_values[c * 2 * 14 * 14];
-        let want = |v: u8, c: usize| ((v as f64 / 255.0) as f32 - OPENAI_CLIP_MEAN[c] as f32) / OPENAI_CLIP_STD[c] as f32;
+        let want = |v: u8, c: usize| {
+            ((v as f64 / 255.0) as f32 - OPENAI_CLIP_MEAN[c] as f32) / OPENAI_CLIP_STD[c] as f32
+        };
         assert_eq!(first(0), want(0, 0));
         assert_eq!(first(1), want(128, 1));
         assert_eq!(first(2), want(255, 2));
@@ -680,7 +836,9 @@ mod tests {
     #[test]
     fn frames_of_different_sizes_are_refused() {
         let frames = [noise(28, 28, 1), noise(28, 56, 2)];
-        let err = preprocess_video(&frames, &PreprocessConfig::qwen2_vl_video()).unwrap_err().to_string();
+        let err = preprocess_video(&frames, &PreprocessConfig::qwen2_vl_video())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("frame 1 is 28x56"), "{err}");
         assert!(preprocess_video(&[], &PreprocessConfig::qwen2_vl_video()).is_err());
     }
@@ -697,20 +855,32 @@ mod tests {
             frames: Vec<PathBuf>,
             config: PreprocessConfig,
         }
-        let dir = PathBuf::from(std::env::var("ROLLPLEX_PREPROCESS_CASES").expect("ROLLPLEX_PREPROCESS_CASES"));
+        let dir = PathBuf::from(
+            std::env::var("ROLLPLEX_PREPROCESS_CASES").expect("ROLLPLEX_PREPROCESS_CASES"),
+        );
         let cases: Vec<Case> =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();
+            serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap())
+                .unwrap();
         for c in cases {
-            let frames: Vec<RgbImage> = c.frames.iter().map(|p| load_image(dir.join(p)).unwrap()).collect();
+            let frames: Vec<RgbImage> = c
+                .frames
+                .iter()
+                .map(|p| load_image(dir.join(p)).unwrap())
+                .collect();
             let t = std::time::Instant::now();
             let p = match c.kind.as_str() {
                 "image" => preprocess_image(&frames[0], &c.config).unwrap(),
                 _ => preprocess_video(&frames, &c.config).unwrap(),
             };
             let us = t.elapsed().as_micros();
-            let bytes: Vec<u8> = p.pixel_values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let bytes: Vec<u8> = p
+                .pixel_values
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect();
             std::fs::write(dir.join(format!("{}.rust.f32", c.name)), bytes).unwrap();
-            let meta = serde_json::json!({"grid_thw": p.grid_thw, "row_len": p.row_len, "micros": us});
+            let meta =
+                serde_json::json!({"grid_thw": p.grid_thw, "row_len": p.row_len, "micros": us});
             std::fs::write(dir.join(format!("{}.rust.json", c.name)), meta.to_string()).unwrap();
         }
     }
@@ -719,21 +889,34 @@ mod tests {
     fn config_files_and_missing_image_errors() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("preprocessor_config.json");
-        std::fs::write(&path, r#"{"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "resample": 3,
-            "image_mean": [0.5, 0.5, 0.5], "image_processor_type": "Qwen2VLImageProcessor"}"#)
+        std::fs::write(
+            &path,
+            r#"{"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "resample": 3,
+            "image_mean": [0.5, 0.5, 0.5], "image_processor_type": "Qwen2VLImageProcessor"}"#,
+        )
         .unwrap();
         let (img, vid) = PreprocessConfig::from_checkpoint(dir.path()).unwrap();
         assert_eq!(img.max_pixels, 12845056);
         assert_eq!(img.image_mean, [0.5; 3]);
         assert_eq!(vid, img);
-        std::fs::write(dir.path().join("video_preprocessor_config.json"), r#"{"size": {"shortest_edge": 100, "longest_edge": 1000}}"#)
-            .unwrap();
+        std::fs::write(
+            dir.path().join("video_preprocessor_config.json"),
+            r#"{"size": {"shortest_edge": 100, "longest_edge": 1000}}"#,
+        )
+        .unwrap();
         let (_, vid) = PreprocessConfig::from_checkpoint(dir.path()).unwrap();
         assert_eq!((vid.min_pixels, vid.max_pixels), (100, 1000));
         std::fs::write(&path, r#"{"patch_size": "14"}"#).unwrap();
-        let err = PreprocessConfig::from_checkpoint(dir.path()).unwrap_err().to_string();
-        assert!(err.contains("preprocessor_config.json") && err.contains("patch_size"), "{err}");
-        let err = load_image(dir.path().join("missing.png")).unwrap_err().to_string();
+        let err = PreprocessConfig::from_checkpoint(dir.path())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("preprocessor_config.json") && err.contains("patch_size"),
+            "{err}"
+        );
+        let err = load_image(dir.path().join("missing.png"))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("missing.png"), "{err}");
     }
 }

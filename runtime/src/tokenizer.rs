@@ -36,7 +36,10 @@ pub enum TokenizerError {
     #[error("tokenizer has no token {token:?}, which a Qwen2.5-VL model needs ({why})")]
     MissingToken { token: String, why: &'static str },
     #[error("cannot write {path}: {source}")]
-    Write { path: PathBuf, source: std::io::Error },
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("built-in tiny tokenizer: {0}")]
     Tiny(String),
 }
@@ -69,16 +72,25 @@ impl TextTokenizer {
             path = path.join("tokenizer.json");
         }
         if !path.is_file() {
-            return Err(TokenizerError::Load { path, msg: "no such file".into() });
+            return Err(TokenizerError::Load {
+                path,
+                msg: "no such file".into(),
+            });
         }
-        let inner = tokenizers::Tokenizer::from_file(&path)
-            .map_err(|e| TokenizerError::Load { path: path.clone(), msg: e.to_string() })?;
-        Self::from_tokenizer(inner).map_err(|e| TokenizerError::Load { path, msg: e.to_string() })
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| TokenizerError::Load {
+            path: path.clone(),
+            msg: e.to_string(),
+        })?;
+        Self::from_tokenizer(inner).map_err(|e| TokenizerError::Load {
+            path,
+            msg: e.to_string(),
+        })
     }
 
     /// Parses the text of a `tokenizer.json`.
     pub fn from_json(json: &str) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_str(json).map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
+        let inner = tokenizers::Tokenizer::from_str(json)
+            .map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
         Self::from_tokenizer(inner)
     }
 
@@ -89,7 +101,12 @@ impl TextTokenizer {
 
     fn from_tokenizer(inner: tokenizers::Tokenizer) -> Result<Self> {
         let id = |token: &str, why: &'static str| {
-            inner.token_to_id(token).ok_or_else(|| TokenizerError::MissingToken { token: token.into(), why })
+            inner
+                .token_to_id(token)
+                .ok_or_else(|| TokenizerError::MissingToken {
+                    token: token.into(),
+                    why,
+                })
         };
         let image_token_id = id("<|image_pad|>", "image placeholder")?;
         let video_token_id = id("<|video_pad|>", "video placeholder")?;
@@ -113,21 +130,35 @@ impl TextTokenizer {
             .into_iter()
             .map(|(id, tok)| (tok.content, id))
             .collect();
-        let special =
-            SpecialTokens { image_token_id, video_token_id, vision_start_token_id, vision_end_token_id, eos_token_ids };
-        Ok(Self { inner, special, by_content })
+        let special = SpecialTokens {
+            image_token_id,
+            video_token_id,
+            vision_start_token_id,
+            vision_end_token_id,
+            eos_token_ids,
+        };
+        Ok(Self {
+            inner,
+            special,
+            by_content,
+        })
     }
 
     /// Token ids of `text`, with special tokens written in the text (`<|im_start|>`) mapped to
     /// their ids and nothing added.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode_fast(text, false).map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
+        let enc = self
+            .inner
+            .encode_fast(text, false)
+            .map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }
 
     /// Text of `ids`; `skip_special` drops special tokens (`<|im_end|>`, pads).
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        self.inner.decode(ids, skip_special).map_err(|e| TokenizerError::Tokenizers(e.to_string()))
+        self.inner
+            .decode(ids, skip_special)
+            .map_err(|e| TokenizerError::Tokenizers(e.to_string()))
     }
 
     /// Number of ids, added tokens included (the model's `vocab_size` may be larger).
@@ -231,7 +262,9 @@ pub mod tiny {
         add("system\nYou are a helpful assistant.", 20);
         add("user\n", 20);
         add("assistant\n", 20);
-        let colours = ["red", "green", "blue", "yellow", "purple", "orange", "white", "cyan"];
+        let colours = [
+            "red", "green", "blue", "yellow", "purple", "orange", "white", "cyan",
+        ];
         let shapes = ["square", "circle", "triangle"];
         for c in colours {
             for s in shapes {
@@ -240,14 +273,20 @@ pub mod tiny {
         }
         add("A. left B. right C. up D. down", 16);
         add("A. left\nB. right\nC. up\nD. down", 8);
-        add("Answer with the option's letter from the given choices directly.", 8);
+        add(
+            "Answer with the option's letter from the given choices directly.",
+            8,
+        );
         for l in ["A", "B", "C", "D"] {
             add(&format!("The answer is {l}."), 4);
             add(&format!("<answer>{l}</answer>"), 4);
             add(&format!("Answer: {l}"), 4);
             add(&format!("answer: ({l})"), 2);
         }
-        add("<think> The square moved to the left, so the answer is A. </think>", 4);
+        add(
+            "<think> The square moved to the left, so the answer is A. </think>",
+            4,
+        );
         add(
             "The red square moves from the left side of the frame to the right side between the first \
              and the last frame, so it moved right. It did not move up or down.",
@@ -261,7 +300,10 @@ pub mod tiny {
         );
         add("zero one two three four five six seven eight nine ten", 2);
         add("0 1 2 3 4 5 6 7 8 9 10 100 2024", 2);
-        add("yes no true false first last frame video image moved moving object shape", 2);
+        add(
+            "yes no true false first last frame video image moved moving object shape",
+            2,
+        );
         c
     }
 
@@ -274,7 +316,8 @@ pub mod tiny {
         let pre = ByteLevel::new(false, true, true);
         for (text, weight) in corpus() {
             let mut pts = PreTokenizedString::from(text.as_str());
-            pre.pre_tokenize(&mut pts).map_err(|e| TokenizerError::Tiny(e.to_string()))?;
+            pre.pre_tokenize(&mut pts)
+                .map_err(|e| TokenizerError::Tiny(e.to_string()))?;
             for (w, _, _) in pts.get_splits(OffsetReferential::Original, OffsetType::Byte) {
                 let symbols: Vec<String> = w.chars().map(|c| c.to_string()).collect();
                 *words.entry(symbols).or_insert(0) += weight as u64;
@@ -290,10 +333,14 @@ pub mod tiny {
                 }
             }
             // Max count; BTreeMap order makes the smallest pair win ties.
-            let best = counts.iter().fold(None::<(&(&str, &str), u64)>, |best, (pair, &n)| match best {
-                Some((_, bn)) if bn >= n => best,
-                _ => Some((pair, n)),
-            });
+            let best =
+                counts.iter().fold(
+                    None::<(&(&str, &str), u64)>,
+                    |best, (pair, &n)| match best {
+                        Some((_, bn)) if bn >= n => best,
+                        _ => Some((pair, n)),
+                    },
+                );
             let Some(((a, b), _)) = best else {
                 return Err(TokenizerError::Tiny(format!(
                     "corpus has only {} distinct pairs to merge, {} needed",
@@ -329,7 +376,9 @@ pub mod tiny {
         for (i, (a, b)) in merges.iter().enumerate() {
             let tok = format!("{a}{b}");
             if vocab.insert(tok.clone(), BYTES + i as u32).is_some() {
-                return Err(TokenizerError::Tiny(format!("merge {i} produced an existing token {tok:?}")));
+                return Err(TokenizerError::Tiny(format!(
+                    "merge {i} produced an existing token {tok:?}"
+                )));
             }
         }
         let added: Vec<serde_json::Value> = SPECIAL_TOKENS
@@ -371,7 +420,10 @@ pub mod tiny {
             let path = dir.join(name);
             std::fs::write(&path, text).map_err(|source| TokenizerError::Write { path, source })
         };
-        std::fs::create_dir_all(dir).map_err(|source| TokenizerError::Write { path: dir.into(), source })?;
+        std::fs::create_dir_all(dir).map_err(|source| TokenizerError::Write {
+            path: dir.into(),
+            source,
+        })?;
         write("tokenizer.json", tokenizer_json()?)?;
         let config = serde_json::json!({
             "tokenizer_class": "Qwen2TokenizerFast",
@@ -385,7 +437,10 @@ pub mod tiny {
             "split_special_tokens": false,
             "chat_template": crate::chat::QWEN2_VL_CHAT_TEMPLATE,
         });
-        write("tokenizer_config.json", serde_json::to_string_pretty(&config).expect("json value"))
+        write(
+            "tokenizer_config.json",
+            serde_json::to_string_pretty(&config).expect("json value"),
+        )
     }
 }
 
@@ -398,7 +453,11 @@ mod tests {
         let t = TextTokenizer::tiny().unwrap();
         assert_eq!(t.vocab_size(), tiny::VOCAB_SIZE as usize);
         for (i, s) in tiny::SPECIAL_TOKENS.iter().enumerate() {
-            assert_eq!(t.token_to_id(s), Some(tiny::FIRST_SPECIAL + i as u32), "{s}");
+            assert_eq!(
+                t.token_to_id(s),
+                Some(tiny::FIRST_SPECIAL + i as u32),
+                "{s}"
+            );
         }
         assert_eq!(t.special_tokens(), &tiny::special_tokens());
         // Byte tokens are at their byte value.
@@ -423,11 +482,15 @@ mod tests {
     #[test]
     fn tiny_special_tokens_are_single_ids_and_task_words_are_short() {
         let t = TextTokenizer::tiny().unwrap();
-        let ids = t.encode("<|im_start|>assistant\n<|vision_start|><|video_pad|><|vision_end|>").unwrap();
+        let ids = t
+            .encode("<|im_start|>assistant\n<|vision_start|><|video_pad|><|vision_end|>")
+            .unwrap();
         assert_eq!(ids[0], tiny::IM_START);
         assert!(ids.ends_with(&[tiny::VISION_START, tiny::VIDEO_PAD, tiny::VISION_END]));
         // The merges learned from the built-in corpus make the task's question compact.
-        let q = t.encode("Which way did the red square move? A. left B. right C. up D. down").unwrap();
+        let q = t
+            .encode("Which way did the red square move? A. left B. right C. up D. down")
+            .unwrap();
         assert!(q.len() <= 20, "question takes {} tokens: {q:?}", q.len());
         for w in [" left", " right", " up", " down", " square"] {
             assert_eq!(t.encode(w).unwrap().len(), 1, "{w:?}");
@@ -436,7 +499,10 @@ mod tests {
 
     #[test]
     fn tiny_is_deterministic() {
-        assert_eq!(tiny::tokenizer_json().unwrap(), tiny::tokenizer_json().unwrap());
+        assert_eq!(
+            tiny::tokenizer_json().unwrap(),
+            tiny::tokenizer_json().unwrap()
+        );
     }
 
     #[test]
@@ -444,7 +510,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         tiny::write_files(dir.path()).unwrap();
         let t = TextTokenizer::from_file(dir.path()).unwrap();
-        assert_eq!(t.encode("red").unwrap(), TextTokenizer::tiny().unwrap().encode("red").unwrap());
+        assert_eq!(
+            t.encode("red").unwrap(),
+            TextTokenizer::tiny().unwrap().encode("red").unwrap()
+        );
         let missing = dir.path().join("nope/tokenizer.json");
         let err = TextTokenizer::from_file(&missing).unwrap_err().to_string();
         assert!(err.contains("nope/tokenizer.json"), "{err}");
@@ -452,7 +521,9 @@ mod tests {
 
     #[test]
     fn tokenizer_without_vision_tokens_is_refused() {
-        let json = tiny::tokenizer_json().unwrap().replace("<|video_pad|>", "<|not_video|>");
+        let json = tiny::tokenizer_json()
+            .unwrap()
+            .replace("<|video_pad|>", "<|not_video|>");
         let err = TextTokenizer::from_json(&json).unwrap_err().to_string();
         assert!(err.contains("<|video_pad|>"), "{err}");
     }

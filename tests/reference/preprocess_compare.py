@@ -119,6 +119,8 @@ def main():
         ("img_480x640", "image", 1, (480, 640), "noise", qwen_img),
         ("img_1000x200_shapes", "image", 1, (1000, 200), "shapes", qwen_img),
         ("img_2000x1500_maxpix", "image", 1, (2000, 1500), "smooth", qwen_img),
+        ("img_1500x2000_noise_down", "image", 1, (1500, 2000), "noise", qwen_img),
+        ("img_900x1000_noise_mixed", "image", 1, (900, 1000), "noise", qwen_img),
         ("img_1200x900_qwen25", "image", 1, (1200, 900), "noise", qwen25),
         ("vid_tiny_4x28", "video", 4, (28, 28), "shapes", tiny),
         ("vid_tiny_4x56", "video", 4, (56, 56), "shapes", tiny),

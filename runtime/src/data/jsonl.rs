@@ -20,17 +20,28 @@ use super::{check_unique_ids, resolve_media, DataError, Media, MediaSource, Resu
 
 /// Reads every sample of `path`.
 pub fn load(path: &Path) -> Result<Vec<Sample>> {
-    let file = std::fs::File::open(path).map_err(|e| DataError::Read { path: path.into(), msg: e.to_string() })?;
+    let file = std::fs::File::open(path).map_err(|e| DataError::Read {
+        path: path.into(),
+        msg: e.to_string(),
+    })?;
     let mut samples = Vec::new();
     let mut lines = Vec::new();
     for (i, line) in BufReader::new(file).lines().enumerate() {
         let n = i as u64 + 1;
-        let line = line.map_err(|e| DataError::Read { path: path.into(), msg: format!("line {n}: {e}") })?;
+        let line = line.map_err(|e| DataError::Read {
+            path: path.into(),
+            msg: format!("line {n}: {e}"),
+        })?;
         if line.trim().is_empty() {
             continue;
         }
-        let rec = |msg: String| DataError::Record { path: path.into(), line: n, msg };
-        let v: Value = serde_json::from_str(&line).map_err(|e| rec(format!("not valid JSON: {e}")))?;
+        let rec = |msg: String| DataError::Record {
+            path: path.into(),
+            line: n,
+            msg,
+        };
+        let v: Value =
+            serde_json::from_str(&line).map_err(|e| rec(format!("not valid JSON: {e}")))?;
         samples.push(parse_record(path, &v).map_err(rec)?);
         lines.push(n);
     }
@@ -41,12 +52,17 @@ pub fn load(path: &Path) -> Result<Vec<Sample>> {
 
 /// One record; the error is a message naming the field.
 pub(crate) fn parse_record(path: &Path, v: &Value) -> std::result::Result<Sample, String> {
-    let obj = v.as_object().ok_or_else(|| format!("expected a JSON object, got {}", kind(v)))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| format!("expected a JSON object, got {}", kind(v)))?;
     let string = |key: &str| -> std::result::Result<Option<String>, String> {
         match obj.get(key) {
             None | Some(Value::Null) => Ok(None),
             Some(Value::String(s)) => Ok(Some(s.clone())),
-            Some(other) => Err(format!("field `{key}` must be a string, got {}", kind(other))),
+            Some(other) => Err(format!(
+                "field `{key}` must be a string, got {}",
+                kind(other)
+            )),
         }
     };
     let prompt = string("prompt")?.ok_or("field `prompt` is missing")?;
@@ -54,24 +70,42 @@ pub(crate) fn parse_record(path: &Path, v: &Value) -> std::result::Result<Sample
         None | Some(Value::Null) => return Err("field `answer` is missing".into()),
         Some(Value::String(s)) => s.clone(),
         Some(Value::Number(n)) => n.to_string(),
-        Some(other) => return Err(format!("field `answer` must be a string or a number, got {}", kind(other))),
+        Some(other) => {
+            return Err(format!(
+                "field `answer` must be a string or a number, got {}",
+                kind(other)
+            ))
+        }
     };
     let id = match obj.get("id") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
         Some(Value::Number(n)) if n.is_u64() || n.is_i64() => Some(n.to_string()),
-        Some(other) => return Err(format!("field `id` must be a non-empty string or an integer, got {other}")),
+        Some(other) => {
+            return Err(format!(
+                "field `id` must be a non-empty string or an integer, got {other}"
+            ))
+        }
     };
     let system = string("system")?;
     let paths = |key: &str| -> std::result::Result<Option<Vec<MediaSource>>, String> {
-        let Some(v) = obj.get(key).filter(|v| !v.is_null()) else { return Ok(None) };
-        let list = v.as_array().ok_or_else(|| format!("field `{key}` must be a list of paths, got {}", kind(v)))?;
+        let Some(v) = obj.get(key).filter(|v| !v.is_null()) else {
+            return Ok(None);
+        };
+        let list = v
+            .as_array()
+            .ok_or_else(|| format!("field `{key}` must be a list of paths, got {}", kind(v)))?;
         let mut out = Vec::with_capacity(list.len());
         for (i, p) in list.iter().enumerate() {
-            let p = p.as_str().ok_or_else(|| format!("field `{key}`[{i}] must be a path string, got {}", kind(p)))?;
+            let p = p.as_str().ok_or_else(|| {
+                format!("field `{key}`[{i}] must be a path string, got {}", kind(p))
+            })?;
             let full = resolve_media(path, p);
             if !full.is_file() {
-                return Err(format!("field `{key}`[{i}]: no such file {}", full.display()));
+                return Err(format!(
+                    "field `{key}`[{i}]: no such file {}",
+                    full.display()
+                ));
             }
             out.push(MediaSource::Path(full));
         }
@@ -79,14 +113,24 @@ pub(crate) fn parse_record(path: &Path, v: &Value) -> std::result::Result<Sample
     };
     let media = match (paths("images")?, paths("video")?) {
         (Some(i), Some(v)) if !i.is_empty() && !v.is_empty() => {
-            return Err("fields `images` and `video` are both set; a sample has images or one video".into())
+            return Err(
+                "fields `images` and `video` are both set; a sample has images or one video".into(),
+            )
         }
         (_, Some(v)) if !v.is_empty() => Media::Video(v),
-        (_, Some(_)) => return Err("field `video` is an empty list; a video needs at least one frame".into()),
+        (_, Some(_)) => {
+            return Err("field `video` is an empty list; a video needs at least one frame".into())
+        }
         (Some(i), _) if !i.is_empty() => Media::Images(i),
         _ => Media::None,
     };
-    Ok(Sample { id: id.unwrap_or_default(), system, prompt, media, answer })
+    Ok(Sample {
+        id: id.unwrap_or_default(),
+        system,
+        prompt,
+        media,
+        answer,
+    })
 }
 
 fn kind(v: &Value) -> &'static str {
@@ -119,10 +163,15 @@ pub fn write(path: &Path, samples: &[Sample]) -> Result<()> {
         let rel = |list: &[MediaSource]| -> Result<Vec<String>> {
             list.iter()
                 .map(|m| match m {
-                    MediaSource::Path(p) => Ok(p.strip_prefix(base).unwrap_or(p).to_string_lossy().into_owned()),
-                    MediaSource::Bytes(_) => {
-                        Err(DataError::Other(format!("sample {}: embedded media cannot be written to JSONL", s.id)))
-                    }
+                    MediaSource::Path(p) => Ok(p
+                        .strip_prefix(base)
+                        .unwrap_or(p)
+                        .to_string_lossy()
+                        .into_owned()),
+                    MediaSource::Bytes(_) => Err(DataError::Other(format!(
+                        "sample {}: embedded media cannot be written to JSONL",
+                        s.id
+                    ))),
                 })
                 .collect()
         };
@@ -138,8 +187,14 @@ pub fn write(path: &Path, samples: &[Sample]) -> Result<()> {
         out.push_str(&v.to_string());
         out.push('\n');
     }
-    let mut f = std::fs::File::create(path).map_err(|e| DataError::Read { path: path.into(), msg: e.to_string() })?;
-    f.write_all(out.as_bytes()).map_err(|e| DataError::Read { path: path.into(), msg: e.to_string() })
+    let mut f = std::fs::File::create(path).map_err(|e| DataError::Read {
+        path: path.into(),
+        msg: e.to_string(),
+    })?;
+    f.write_all(out.as_bytes()).map_err(|e| DataError::Read {
+        path: path.into(),
+        msg: e.to_string(),
+    })
 }
 
 #[cfg(test)]
@@ -167,10 +222,13 @@ mod tests {
         );
         let s = load(&p).unwrap();
         assert_eq!(s.len(), 3);
-        assert_eq!(s[0].media, Media::Video(vec![
-            MediaSource::Path(dir.path().join("f/0.png")),
-            MediaSource::Path(dir.path().join("f/1.png"))
-        ]));
+        assert_eq!(
+            s[0].media,
+            Media::Video(vec![
+                MediaSource::Path(dir.path().join("f/0.png")),
+                MediaSource::Path(dir.path().join("f/1.png"))
+            ])
+        );
         assert_eq!((s[1].id.as_str(), s[1].answer.as_str()), ("line3", "3"));
         assert_eq!(s[2].id, "7");
         assert_eq!(s[2].system.as_deref(), Some("Be brief."));
@@ -188,12 +246,22 @@ mod tests {
 
     #[test]
     fn errors_name_file_line_and_field() {
-        let e = err_of("{\"prompt\": \"a\", \"answer\": \"b\"}\n{\"prompt\": 5, \"answer\": \"b\"}\n");
-        assert!(e.contains("d.jsonl:2:") && e.contains("`prompt` must be a string"), "{e}");
+        let e =
+            err_of("{\"prompt\": \"a\", \"answer\": \"b\"}\n{\"prompt\": 5, \"answer\": \"b\"}\n");
+        assert!(
+            e.contains("d.jsonl:2:") && e.contains("`prompt` must be a string"),
+            "{e}"
+        );
         let e = err_of("{\"prompt\": \"a\"}\n");
-        assert!(e.contains("d.jsonl:1:") && e.contains("`answer` is missing"), "{e}");
+        assert!(
+            e.contains("d.jsonl:1:") && e.contains("`answer` is missing"),
+            "{e}"
+        );
         let e = err_of("{\"prompt\": \"a\", \"answer\": \"b\", \"video\": [\"f/9.png\"]}\n");
-        assert!(e.contains("`video`[0]: no such file") && e.contains("f/9.png"), "{e}");
+        assert!(
+            e.contains("`video`[0]: no such file") && e.contains("f/9.png"),
+            "{e}"
+        );
         let e = err_of("{\"prompt\": \"a\", \"answer\": \"b\", \"images\": \"a.png\"}\n");
         assert!(e.contains("`images` must be a list"), "{e}");
         let e = err_of("{\"prompt\": \"a\", \"answer\": \"b\" \n");
@@ -206,7 +274,9 @@ mod tests {
         assert!(e.contains("both set"), "{e}");
         let e = err_of("\n\n");
         assert!(e.contains("no samples"), "{e}");
-        let e = load(Path::new("/nonexistent/x.jsonl")).unwrap_err().to_string();
+        let e = load(Path::new("/nonexistent/x.jsonl"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("/nonexistent/x.jsonl"), "{e}");
     }
 }

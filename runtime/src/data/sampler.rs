@@ -34,17 +34,30 @@ impl Sampler {
     pub fn new(samples: usize, batch: u32, seed: u64, shuffle: bool) -> Result<Self> {
         let (samples, batch) = (samples as u64, batch as u64);
         if batch == 0 {
-            return Err(DataError::Other("prompts_per_iter must be at least 1".into()));
+            return Err(DataError::Other(
+                "prompts_per_iter must be at least 1".into(),
+            ));
         }
         if samples < batch {
             return Err(DataError::TooSmall { batch, samples });
         }
         if samples > u32::MAX as u64 {
-            return Err(DataError::Other(format!("{samples} samples: at most 2^32-1 are supported")));
+            return Err(DataError::Other(format!(
+                "{samples} samples: at most 2^32-1 are supported"
+            )));
         }
         // An unshuffled sampler is the identity permutation every epoch.
-        let cache = if shuffle { None } else { Some((u64::MAX, (0..samples as u32).collect())) };
-        Ok(Self { samples, batch, seed, cache })
+        let cache = if shuffle {
+            None
+        } else {
+            Some((u64::MAX, (0..samples as u32).collect()))
+        };
+        Ok(Self {
+            samples,
+            batch,
+            seed,
+            cache,
+        })
     }
 
     pub fn batches_per_epoch(&self) -> u64 {
@@ -71,7 +84,13 @@ impl Sampler {
             }
         };
         let start = (b * self.batch) as usize;
-        (epoch, perm[start..start + self.batch as usize].iter().map(|&i| i as usize).collect())
+        (
+            epoch,
+            perm[start..start + self.batch as usize]
+                .iter()
+                .map(|&i| i as usize)
+                .collect(),
+        )
     }
 
     /// Draws the batch at `cursor` and advances it.

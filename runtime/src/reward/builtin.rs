@@ -33,7 +33,10 @@ fn final_answer_tagged(response: &str) -> (&str, bool) {
     if let Some(m) = re(&THINK_END, r"(?i)</think>").find_iter(s).last() {
         s = &s[m.end()..];
     }
-    if let Some(c) = re(&ANSWER, r"(?is)<answer>(.*?)</answer>").captures_iter(s).last() {
+    if let Some(c) = re(&ANSWER, r"(?is)<answer>(.*?)</answer>")
+        .captures_iter(s)
+        .last()
+    {
         return (c.get(1).map_or("", |m| m.as_str()).trim(), true);
     }
     if let Some(c) = re(&BOXED, r"\\boxed\{([^{}]*)\}").captures_iter(s).last() {
@@ -44,7 +47,10 @@ fn final_answer_tagged(response: &str) -> (&str, bool) {
 
 fn normalise(s: &str) -> String {
     let s = s.trim().trim_end_matches(['.', '!']).trim();
-    s.split_whitespace().collect::<Vec<_>>().join(" ").to_lowercase()
+    s.split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+        .to_lowercase()
 }
 
 /// 1 when the final answer equals the reference, ignoring case, surrounding whitespace, runs of
@@ -61,13 +67,22 @@ pub fn parse_options(prompt: &str) -> Vec<(char, String)> {
         .captures_iter(prompt)
         .map(|c| {
             let l = c.get(1).expect("group 1");
-            (l.as_str().chars().next().expect("one letter"), l.start(), c.get(0).expect("match").end())
+            (
+                l.as_str().chars().next().expect("one letter"),
+                l.start(),
+                c.get(0).expect("match").end(),
+            )
         })
         .collect();
     let mut out = Vec::new();
     for (i, &(letter, _, text_start)) in heads.iter().enumerate() {
         let end = heads.get(i + 1).map_or(prompt.len(), |h| h.1);
-        let text = prompt[text_start..end].lines().next().unwrap_or("").trim().trim_end_matches(['.', ',', ';']);
+        let text = prompt[text_start..end]
+            .lines()
+            .next()
+            .unwrap_or("")
+            .trim()
+            .trim_end_matches(['.', ',', ';']);
         let text = text.trim_end_matches(" (").trim();
         if !text.is_empty() && !out.iter().any(|(l, _)| *l == letter) {
             out.push((letter, text.to_lowercase()));
@@ -89,10 +104,22 @@ pub fn extract_choice(response: &str, prompt: &str) -> Option<char> {
     static PAREN: OnceLock<Regex> = OnceLock::new();
     static TAIL: OnceLock<Regex> = OnceLock::new();
     let (s, tagged) = final_answer_tagged(response);
-    let first = |c: regex::Captures| c.get(1).and_then(|m| m.as_str().chars().next()).map(|c| c.to_ascii_uppercase());
+    let first = |c: regex::Captures| {
+        c.get(1)
+            .and_then(|m| m.as_str().chars().next())
+            .map(|c| c.to_ascii_uppercase())
+    };
     // A tagged answer may be `B`, `(B)`, `B right`; untagged text must not read `A square` as A.
-    let lead = if tagged { r"^[\(\[]?([A-D])(?:[\)\]]|[.:,]|\s|$)" } else { r"^[\(\[]?([A-D])(?:[\)\]]|[.:,]|\s*$)" };
-    let lead_re = if tagged { re(&LEAD_TAGGED, lead) } else { re(&LEAD, lead) };
+    let lead = if tagged {
+        r"^[\(\[]?([A-D])(?:[\)\]]|[.:,]|\s|$)"
+    } else {
+        r"^[\(\[]?([A-D])(?:[\)\]]|[.:,]|\s*$)"
+    };
+    let lead_re = if tagged {
+        re(&LEAD_TAGGED, lead)
+    } else {
+        re(&LEAD, lead)
+    };
     if tagged {
         if let Some(c) = lead_re.captures(s) {
             return first(c);
@@ -111,7 +138,10 @@ pub fn extract_choice(response: &str, prompt: &str) -> Option<char> {
     if let Some(c) = lead_re.captures(s) {
         return first(c);
     }
-    let words = format!(" {} ", normalise(s).replace(|c: char| !c.is_alphanumeric(), " "));
+    let words = format!(
+        " {} ",
+        normalise(s).replace(|c: char| !c.is_alphanumeric(), " ")
+    );
     let hits: Vec<char> = parse_options(prompt)
         .into_iter()
         .filter(|(_, text)| {
@@ -124,7 +154,9 @@ pub fn extract_choice(response: &str, prompt: &str) -> Option<char> {
     if hits.len() == 1 {
         return Some(hits[0]);
     }
-    re(&TAIL, r"(?:^|[^A-Za-z])([A-D])[.!]?\s*$").captures(s).and_then(first)
+    re(&TAIL, r"(?:^|[^A-Za-z])([A-D])[.!]?\s*$")
+        .captures(s)
+        .and_then(first)
 }
 
 /// 1 when the response's chosen letter is the reference's. The reference may be `B`, `(B)`,
@@ -140,9 +172,16 @@ pub fn choice_letter(response: &str, answer: &str, prompt: &str) -> Result<f64, 
 /// separators (`1,234`), simple fractions (`3/4`).
 pub fn extract_number(s: &str) -> Option<f64> {
     static NUM: OnceLock<Regex> = OnceLock::new();
-    let r = re(&NUM, r"[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?(?:\s*/\s*(?:\d+\.?\d*|\.\d+))?");
+    let r = re(
+        &NUM,
+        r"[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?(?:\s*/\s*(?:\d+\.?\d*|\.\d+))?",
+    );
     let m = r.find_iter(final_answer(s)).last()?;
-    let text: String = m.as_str().chars().filter(|c| *c != ',' && !c.is_whitespace()).collect();
+    let text: String = m
+        .as_str()
+        .chars()
+        .filter(|c| *c != ',' && !c.is_whitespace())
+        .collect();
     let v = match text.split_once('/') {
         Some((a, b)) => a.parse::<f64>().ok()? / b.parse::<f64>().ok()?,
         None => text.parse().ok()?,
@@ -153,9 +192,12 @@ pub fn extract_number(s: &str) -> Option<f64> {
 /// 1 when the last number of the response is within `tolerance` (absolute) of the reference's.
 pub fn numeric(response: &str, answer: &str, tolerance: f64) -> Result<f64, String> {
     if !(tolerance >= 0.0 && tolerance.is_finite()) {
-        return Err(format!("numeric tolerance must be finite and >= 0, got {tolerance}"));
+        return Err(format!(
+            "numeric tolerance must be finite and >= 0, got {tolerance}"
+        ));
     }
-    let want = extract_number(answer).ok_or_else(|| format!("reference answer {answer:?} has no number"))?;
+    let want = extract_number(answer)
+        .ok_or_else(|| format!("reference answer {answer:?} has no number"))?;
     Ok(extract_number(response).is_some_and(|got| (got - want).abs() <= tolerance) as u8 as f64)
 }
 
@@ -199,17 +241,27 @@ mod tests {
         assert_eq!(choice_letter("The answer is B", "B", Q), Ok(1.0));
         assert_eq!(choice_letter("The answer is B", "(C)", Q), Ok(0.0));
         assert_eq!(choice_letter("garbage", "B", Q), Ok(0.0));
-        assert!(choice_letter("B", "right", Q).unwrap_err().contains("no choice letter"));
+        assert!(choice_letter("B", "right", Q)
+            .unwrap_err()
+            .contains("no choice letter"));
     }
 
     #[test]
     fn options_are_parsed_from_one_line_and_multi_line_prompts() {
         assert_eq!(
             parse_options(Q),
-            vec![('A', "left".into()), ('B', "right".into()), ('C', "up".into()), ('D', "down".into())]
+            vec![
+                ('A', "left".into()),
+                ('B', "right".into()),
+                ('C', "up".into()),
+                ('D', "down".into())
+            ]
         );
         let multi = "Pick one.\nA. the red one\nB. the blue one\n";
-        assert_eq!(parse_options(multi), vec![('A', "the red one".into()), ('B', "the blue one".into())]);
+        assert_eq!(
+            parse_options(multi),
+            vec![('A', "the red one".into()), ('B', "the blue one".into())]
+        );
     }
 
     #[test]
@@ -230,7 +282,9 @@ mod tests {
         assert_eq!(numeric("about 3.14", "3.14159", 0.01), Ok(1.0));
         assert_eq!(numeric("about 3.2", "3.14159", 0.01), Ok(0.0));
         assert_eq!(numeric("7", "7", 0.0), Ok(1.0));
-        assert!(numeric("7", "seven", 0.0).unwrap_err().contains("no number"));
+        assert!(numeric("7", "seven", 0.0)
+            .unwrap_err()
+            .contains("no number"));
         assert!(numeric("7", "7", f64::NAN).is_err());
     }
 }

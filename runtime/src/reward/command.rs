@@ -32,11 +32,27 @@ pub enum CommandError {
     #[error("reward command `{cmd}` could not be started: {msg}")]
     Spawn { cmd: String, msg: String },
     #[error("reward command `{cmd}` gave no answer for {timeout_s} s ({got} of {want} answers received); it was killed{stderr}")]
-    Timeout { cmd: String, timeout_s: f64, got: usize, want: usize, stderr: String },
+    Timeout {
+        cmd: String,
+        timeout_s: f64,
+        got: usize,
+        want: usize,
+        stderr: String,
+    },
     #[error("reward command `{cmd}` exited ({status}) after {got} of {want} answers{stderr}")]
-    Died { cmd: String, status: String, got: usize, want: usize, stderr: String },
+    Died {
+        cmd: String,
+        status: String,
+        got: usize,
+        want: usize,
+        stderr: String,
+    },
     #[error("reward command `{cmd}` wrote a bad answer line {line:?}: {msg}")]
-    BadAnswer { cmd: String, line: String, msg: String },
+    BadAnswer {
+        cmd: String,
+        line: String,
+        msg: String,
+    },
     #[error("reward command `{cmd}`: {msg}")]
     Io { cmd: String, msg: String },
     #[error("reward command: {0}")]
@@ -59,7 +75,10 @@ pub struct CommandReward {
 
 impl std::fmt::Debug for CommandReward {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CommandReward").field("argv", &self.argv).field("timeout", &self.timeout).finish()
+        f.debug_struct("CommandReward")
+            .field("argv", &self.argv)
+            .field("timeout", &self.timeout)
+            .finish()
     }
 }
 
@@ -71,9 +90,15 @@ impl CommandReward {
             return Err(CommandError::Invalid("the command line is empty".into()));
         }
         if !(timeout_s > 0.0 && timeout_s.is_finite()) {
-            return Err(CommandError::Invalid(format!("timeout must be a positive number of seconds, got {timeout_s}")));
+            return Err(CommandError::Invalid(format!(
+                "timeout must be a positive number of seconds, got {timeout_s}"
+            )));
         }
-        Ok(Self { argv, timeout: Duration::from_secs_f64(timeout_s), running: None })
+        Ok(Self {
+            argv,
+            timeout: Duration::from_secs_f64(timeout_s),
+            running: None,
+        })
     }
 
     /// The command line as a user would type it.
@@ -81,7 +106,10 @@ impl CommandReward {
         self.argv
             .iter()
             .map(|a| {
-                if !a.is_empty() && a.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c)) {
+                if !a.is_empty()
+                    && a.chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c))
+                {
                     a.clone()
                 } else {
                     format!("'{}'", a.replace('\'', r"'\''"))
@@ -100,7 +128,10 @@ impl CommandReward {
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
-                .map_err(|e| CommandError::Spawn { cmd: cmd.clone(), msg: e.to_string() })?;
+                .map_err(|e| CommandError::Spawn {
+                    cmd: cmd.clone(),
+                    msg: e.to_string(),
+                })?;
             let stdin = child.stdin.take().expect("piped stdin");
             let stdout = child.stdout.take().expect("piped stdout");
             let mut stderr_pipe = child.stderr.take().expect("piped stderr");
@@ -114,7 +145,10 @@ impl CommandReward {
                         }
                     }
                 })
-                .map_err(|e| CommandError::Io { cmd: cmd.clone(), msg: format!("cannot start reader thread: {e}") })?;
+                .map_err(|e| CommandError::Io {
+                    cmd: cmd.clone(),
+                    msg: format!("cannot start reader thread: {e}"),
+                })?;
             let stderr = Arc::new(Mutex::new(VecDeque::with_capacity(STDERR_KEEP)));
             let keep = stderr.clone();
             std::thread::Builder::new()
@@ -132,8 +166,16 @@ impl CommandReward {
                         }
                     }
                 })
-                .map_err(|e| CommandError::Io { cmd: cmd.clone(), msg: format!("cannot start reader thread: {e}") })?;
-            self.running = Some(Running { child, stdin: Arc::new(Mutex::new(stdin)), lines: rx, stderr });
+                .map_err(|e| CommandError::Io {
+                    cmd: cmd.clone(),
+                    msg: format!("cannot start reader thread: {e}"),
+                })?;
+            self.running = Some(Running {
+                child,
+                stdin: Arc::new(Mutex::new(stdin)),
+                lines: rx,
+                stderr,
+            });
         }
         Ok(self.running.as_mut().expect("just started"))
     }
@@ -147,7 +189,9 @@ impl CommandReward {
     }
 
     fn stderr_tail(&self) -> String {
-        let Some(r) = &self.running else { return String::new() };
+        let Some(r) = &self.running else {
+            return String::new();
+        };
         // Give the stderr reader a moment to drain what a dying program wrote last.
         std::thread::sleep(Duration::from_millis(20));
         let k = r.stderr.lock().unwrap_or_else(|e| e.into_inner());
@@ -174,7 +218,10 @@ impl CommandReward {
         let mut pending: HashMap<&str, usize> = HashMap::with_capacity(reqs.len());
         for (i, r) in reqs.iter().enumerate() {
             if pending.insert(r.id.as_str(), i).is_some() {
-                return Err(CommandError::Invalid(format!("request id {:?} appears twice in one batch", r.id)));
+                return Err(CommandError::Invalid(format!(
+                    "request id {:?} appears twice in one batch",
+                    r.id
+                )));
             }
         }
         if reqs.is_empty() {
@@ -182,7 +229,9 @@ impl CommandReward {
         }
         let mut payload = String::new();
         for r in reqs {
-            payload.push_str(&serde_json::to_string(r).map_err(|e| CommandError::Invalid(e.to_string()))?);
+            payload.push_str(
+                &serde_json::to_string(r).map_err(|e| CommandError::Invalid(e.to_string()))?,
+            );
             payload.push('\n');
         }
         let timeout = self.timeout;
@@ -196,7 +245,10 @@ impl CommandReward {
                 let r = s.write_all(payload.as_bytes()).and_then(|_| s.flush());
                 let _ = wtx.send(r);
             })
-            .map_err(|e| CommandError::Io { cmd: cmd.clone(), msg: format!("cannot start writer thread: {e}") })?;
+            .map_err(|e| CommandError::Io {
+                cmd: cmd.clone(),
+                msg: format!("cannot start writer thread: {e}"),
+            })?;
         let mut rewards = vec![f64::NAN; reqs.len()];
         let mut got = 0;
         let mut deadline = Instant::now() + timeout;
@@ -210,7 +262,12 @@ impl CommandReward {
             let wait = deadline.saturating_duration_since(Instant::now());
             let line = match running.lines.recv_timeout(wait) {
                 Ok(Ok(line)) => line,
-                Ok(Err(e)) => return Err(CommandError::Io { cmd, msg: format!("reading its stdout: {e}") }),
+                Ok(Err(e)) => {
+                    return Err(CommandError::Io {
+                        cmd,
+                        msg: format!("reading its stdout: {e}"),
+                    })
+                }
                 Err(RecvTimeoutError::Timeout) => {
                     let stderr = self.stderr_tail();
                     return Err(CommandError::Timeout {
@@ -230,18 +287,35 @@ impl CommandReward {
                     if let Some(e) = &write_error {
                         stderr = format!("; writing requests failed: {e}{stderr}");
                     }
-                    return Err(CommandError::Died { cmd, status, got, want: reqs.len(), stderr });
+                    return Err(CommandError::Died {
+                        cmd,
+                        status,
+                        got,
+                        want: reqs.len(),
+                        stderr,
+                    });
                 }
             };
             if line.trim().is_empty() {
                 continue;
             }
-            let bad = |msg: String| CommandError::BadAnswer { cmd: cmd.clone(), line: clip(&line), msg };
-            let v: serde_json::Value = serde_json::from_str(&line).map_err(|e| bad(format!("not JSON: {e}")))?;
-            let obj = v.as_object().ok_or_else(|| bad("expected a JSON object".into()))?;
+            let bad = |msg: String| CommandError::BadAnswer {
+                cmd: cmd.clone(),
+                line: clip(&line),
+                msg,
+            };
+            let v: serde_json::Value =
+                serde_json::from_str(&line).map_err(|e| bad(format!("not JSON: {e}")))?;
+            let obj = v
+                .as_object()
+                .ok_or_else(|| bad("expected a JSON object".into()))?;
             let id = match obj.get("id") {
                 Some(serde_json::Value::String(s)) => s.as_str(),
-                Some(other) => return Err(bad(format!("`id` must be the request's id string, got {other}"))),
+                Some(other) => {
+                    return Err(bad(format!(
+                        "`id` must be the request's id string, got {other}"
+                    )))
+                }
                 None => return Err(bad("`id` is missing".into())),
             };
             let Some(index) = pending.remove(id) else {
@@ -253,7 +327,9 @@ impl CommandReward {
                 return Err(bad(msg));
             };
             let reward = match obj.get("reward") {
-                Some(serde_json::Value::Number(n)) => n.as_f64().ok_or_else(|| bad(format!("reward {n} is not a float")))?,
+                Some(serde_json::Value::Number(n)) => n
+                    .as_f64()
+                    .ok_or_else(|| bad(format!("reward {n} is not a float")))?,
                 Some(other) => return Err(bad(format!("`reward` must be a number, got {other}"))),
                 None => return Err(bad("`reward` is missing".into())),
             };
@@ -282,7 +358,10 @@ fn clip(s: &str) -> String {
 
 impl Drop for CommandReward {
     fn drop(&mut self) {
-        if let Some(Running { mut child, stdin, .. }) = self.running.take() {
+        if let Some(Running {
+            mut child, stdin, ..
+        }) = self.running.take()
+        {
             // Closing stdin lets a well-behaved program exit on EOF; then make sure it is gone.
             drop(stdin);
             let until = Instant::now() + Duration::from_millis(200);
@@ -303,11 +382,20 @@ mod tests {
     use super::*;
 
     fn req(id: &str, response: &str, answer: &str) -> RewardRequest {
-        RewardRequest { id: id.into(), prompt: "p".into(), response: response.into(), answer: answer.into() }
+        RewardRequest {
+            id: id.into(),
+            prompt: "p".into(),
+            response: response.into(),
+            answer: answer.into(),
+        }
     }
 
     fn py(src: &str, timeout_s: f64) -> CommandReward {
-        CommandReward::new(vec!["python3".into(), "-u".into(), "-c".into(), src.into()], timeout_s).unwrap()
+        CommandReward::new(
+            vec!["python3".into(), "-u".into(), "-c".into(), src.into()],
+            timeout_s,
+        )
+        .unwrap()
     }
 
     /// Answers each batch of `n` lines after reading all of them, in reverse order.
@@ -328,12 +416,20 @@ for line in sys.stdin:
     #[test]
     fn answers_in_any_order_and_the_process_is_reused() {
         let mut c = py(GOOD, 10.0);
-        let r = c.score(&[req("a", "x", "x"), req("b", "x", "y"), req("c", "z", "z")]).unwrap();
+        let r = c
+            .score(&[req("a", "x", "x"), req("b", "x", "y"), req("c", "z", "z")])
+            .unwrap();
         assert_eq!(r, vec![1.0, 0.0, 1.0]);
         let pid = c.running.as_ref().unwrap().child.id();
-        let r = c.score(&[req("a", "1", "2"), req("b", "2", "2"), req("c", "", "")]).unwrap();
+        let r = c
+            .score(&[req("a", "1", "2"), req("b", "2", "2"), req("c", "", "")])
+            .unwrap();
         assert_eq!(r, vec![0.0, 1.0, 1.0]);
-        assert_eq!(c.running.as_ref().unwrap().child.id(), pid, "one process for both batches");
+        assert_eq!(
+            c.running.as_ref().unwrap().child.id(),
+            pid,
+            "one process for both batches"
+        );
     }
 
     #[track_caller]
@@ -341,7 +437,11 @@ for line in sys.stdin:
         let mut c = py(src, timeout_s);
         let t = Instant::now();
         let e = c.score(reqs).unwrap_err().to_string();
-        assert!(t.elapsed() < Duration::from_secs_f64(timeout_s + 5.0), "took {:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_secs_f64(timeout_s + 5.0),
+            "took {:?}",
+            t.elapsed()
+        );
         assert!(e.contains("python3 -u -c"), "names the command: {e}");
         for n in needles {
             assert!(e.contains(n), "{n:?} not in: {e}");
@@ -351,11 +451,12 @@ for line in sys.stdin:
 
     #[test]
     fn a_dead_process_is_an_error_with_status_and_stderr() {
-        fails("import sys; sys.stderr.write('reward model missing\\n'); sys.exit(3)", 10.0, &[req("a", "", "")], &[
-            "exit status: 3",
-            "0 of 1 answers",
-            "reward model missing",
-        ]);
+        fails(
+            "import sys; sys.stderr.write('reward model missing\\n'); sys.exit(3)",
+            10.0,
+            &[req("a", "", "")],
+            &["exit status: 3", "0 of 1 answers", "reward model missing"],
+        );
         // Dies after answering one of two.
         fails(
             "import sys, json\nr = json.loads(sys.stdin.readline())\nprint(json.dumps({'id': r['id'], 'reward': 1}))",
@@ -367,36 +468,92 @@ for line in sys.stdin:
 
     #[test]
     fn a_hanging_process_times_out() {
-        fails("import time; time.sleep(60)", 0.5, &[req("a", "", "")], &["no answer for 0.5 s", "0 of 1"]);
+        fails(
+            "import time; time.sleep(60)",
+            0.5,
+            &[req("a", "", "")],
+            &["no answer for 0.5 s", "0 of 1"],
+        );
         // A program that never reads its stdin, with more than a pipe buffer of requests.
         let big = "x".repeat(200_000);
-        fails("import time; time.sleep(60)", 0.5, &[req("a", &big, ""), req("b", &big, "")], &["no answer for 0.5 s"]);
+        fails(
+            "import time; time.sleep(60)",
+            0.5,
+            &[req("a", &big, ""), req("b", &big, "")],
+            &["no answer for 0.5 s"],
+        );
     }
 
     #[test]
     fn misbehaving_answers_are_errors() {
         let one = [req("a", "", "")];
-        let echo = |out: &str| format!("import sys\nsys.stdin.readline()\nprint({out:?})\nsys.stdout.flush()\nimport time; time.sleep(5)");
-        fails(&echo("hello"), 10.0, &one, &["bad answer line \"hello\"", "not JSON"]);
-        fails(&echo(r#"{"id": "zz", "reward": 1}"#), 10.0, &one, &["\"zz\" is not one of this batch"]);
-        fails(&echo(r#"{"id": "a"}"#), 10.0, &one, &["`reward` is missing"]);
-        fails(&echo(r#"{"id": "a", "reward": "1"}"#), 10.0, &one, &["`reward` must be a number"]);
-        fails(&echo(r#"{"id": "a", "reward": NaN}"#), 10.0, &one, &["not JSON"]);
-        fails(&echo(r#"{"id": "a", "reward": 1e999}"#), 10.0, &one, &["bad answer line"]);
+        let echo = |out: &str| {
+            format!("import sys\nsys.stdin.readline()\nprint({out:?})\nsys.stdout.flush()\nimport time; time.sleep(5)")
+        };
+        fails(
+            &echo("hello"),
+            10.0,
+            &one,
+            &["bad answer line \"hello\"", "not JSON"],
+        );
+        fails(
+            &echo(r#"{"id": "zz", "reward": 1}"#),
+            10.0,
+            &one,
+            &["\"zz\" is not one of this batch"],
+        );
+        fails(
+            &echo(r#"{"id": "a"}"#),
+            10.0,
+            &one,
+            &["`reward` is missing"],
+        );
+        fails(
+            &echo(r#"{"id": "a", "reward": "1"}"#),
+            10.0,
+            &one,
+            &["`reward` must be a number"],
+        );
+        fails(
+            &echo(r#"{"id": "a", "reward": NaN}"#),
+            10.0,
+            &one,
+            &["not JSON"],
+        );
+        fails(
+            &echo(r#"{"id": "a", "reward": 1e999}"#),
+            10.0,
+            &one,
+            &["bad answer line"],
+        );
         fails(&echo(r#"{"reward": 1}"#), 10.0, &one, &["`id` is missing"]);
         fails(&echo("[1]"), 10.0, &one, &["expected a JSON object"]);
         let twice = "import sys\nsys.stdin.readline()\nprint('{\"id\": \"a\", \"reward\": 1}')\nprint('{\"id\": \"a\", \"reward\": 1}')\nsys.stdout.flush()\nimport time; time.sleep(5)";
-        fails(twice, 10.0, &[req("a", "", ""), req("b", "", "")], &["\"a\" was already answered"]);
+        fails(
+            twice,
+            10.0,
+            &[req("a", "", ""), req("b", "", "")],
+            &["\"a\" was already answered"],
+        );
     }
 
     #[test]
     fn bad_setup_is_refused() {
-        let e = CommandReward::new(vec!["/nonexistent/reward-prog".into()], 1.0).unwrap().score(&[req("a", "", "")]);
+        let e = CommandReward::new(vec!["/nonexistent/reward-prog".into()], 1.0)
+            .unwrap()
+            .score(&[req("a", "", "")]);
         let e = e.unwrap_err().to_string();
-        assert!(e.contains("/nonexistent/reward-prog") && e.contains("could not be started"), "{e}");
+        assert!(
+            e.contains("/nonexistent/reward-prog") && e.contains("could not be started"),
+            "{e}"
+        );
         assert!(CommandReward::new(vec![], 1.0).is_err());
         assert!(CommandReward::new(vec!["x".into()], 0.0).is_err());
         let mut c = py(GOOD, 1.0);
-        assert!(c.score(&[req("a", "", ""), req("a", "", "")]).unwrap_err().to_string().contains("twice"));
+        assert!(c
+            .score(&[req("a", "", ""), req("a", "", "")])
+            .unwrap_err()
+            .to_string()
+            .contains("twice"));
     }
 }

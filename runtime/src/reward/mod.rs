@@ -30,7 +30,11 @@ pub enum RewardError {
     #[error("unknown built-in reward {0:?} (known: exact_match, choice_letter, numeric)")]
     Unknown(String),
     #[error("reward {reward} on request {id:?}: {msg}")]
-    Builtin { reward: &'static str, id: String, msg: String },
+    Builtin {
+        reward: &'static str,
+        id: String,
+        msg: String,
+    },
     #[error(transparent)]
     Command(#[from] CommandError),
 }
@@ -41,7 +45,9 @@ pub enum Builtin {
     ExactMatch,
     ChoiceLetter,
     /// Absolute tolerance.
-    Numeric { tolerance: f64 },
+    Numeric {
+        tolerance: f64,
+    },
 }
 
 impl Builtin {
@@ -63,11 +69,19 @@ impl Builtin {
     }
 
     pub fn score_one(&self, r: &RewardRequest) -> Result<f64, RewardError> {
-        let err = |msg: String| RewardError::Builtin { reward: self.name(), id: r.id.clone(), msg };
+        let err = |msg: String| RewardError::Builtin {
+            reward: self.name(),
+            id: r.id.clone(),
+            msg,
+        };
         match *self {
             Builtin::ExactMatch => Ok(builtin::exact_match(&r.response, &r.answer)),
-            Builtin::ChoiceLetter => builtin::choice_letter(&r.response, &r.answer, &r.prompt).map_err(err),
-            Builtin::Numeric { tolerance } => builtin::numeric(&r.response, &r.answer, tolerance).map_err(err),
+            Builtin::ChoiceLetter => {
+                builtin::choice_letter(&r.response, &r.answer, &r.prompt).map_err(err)
+            }
+            Builtin::Numeric { tolerance } => {
+                builtin::numeric(&r.response, &r.answer, tolerance).map_err(err)
+            }
         }
     }
 }
@@ -84,8 +98,12 @@ impl Reward {
     pub fn from_spec(spec: &rollplex_plan::spec::RewardSpec) -> Result<Self, RewardError> {
         use rollplex_plan::spec::RewardSpec;
         Ok(match spec {
-            RewardSpec::Builtin { name, tolerance } => Reward::Builtin(Builtin::from_name(name, *tolerance)?),
-            RewardSpec::Command { argv, timeout_s } => Reward::Command(CommandReward::new(argv.clone(), *timeout_s)?),
+            RewardSpec::Builtin { name, tolerance } => {
+                Reward::Builtin(Builtin::from_name(name, *tolerance)?)
+            }
+            RewardSpec::Command { argv, timeout_s } => {
+                Reward::Command(CommandReward::new(argv.clone(), *timeout_s)?)
+            }
         })
     }
 
@@ -113,20 +131,45 @@ mod tests {
 
     #[test]
     fn spec_builds_builtins_and_commands() {
-        let mut r = Reward::from_spec(&RewardSpec::Builtin { name: "choice_letter".into(), tolerance: 0.0 }).unwrap();
+        let mut r = Reward::from_spec(&RewardSpec::Builtin {
+            name: "choice_letter".into(),
+            tolerance: 0.0,
+        })
+        .unwrap();
         let q = "Which way did the red square move? A. left B. right C. up D. down";
         let reqs = [
-            RewardRequest { id: "0/0".into(), prompt: q.into(), response: "B".into(), answer: "B".into() },
-            RewardRequest { id: "0/1".into(), prompt: q.into(), response: "It moved left".into(), answer: "B".into() },
+            RewardRequest {
+                id: "0/0".into(),
+                prompt: q.into(),
+                response: "B".into(),
+                answer: "B".into(),
+            },
+            RewardRequest {
+                id: "0/1".into(),
+                prompt: q.into(),
+                response: "It moved left".into(),
+                answer: "B".into(),
+            },
         ];
         assert_eq!(r.score(&reqs).unwrap(), vec![1.0, 0.0]);
-        let e = Reward::from_spec(&RewardSpec::Builtin { name: "bleu".into(), tolerance: 0.0 }).unwrap_err();
+        let e = Reward::from_spec(&RewardSpec::Builtin {
+            name: "bleu".into(),
+            tolerance: 0.0,
+        })
+        .unwrap_err();
         assert!(e.to_string().contains("\"bleu\""));
         let mut bad = reqs.clone();
         bad[1].answer = "right".into();
         let e = r.score(&bad).unwrap_err().to_string();
-        assert!(e.contains("choice_letter") && e.contains("0/1") && e.contains("no choice letter"), "{e}");
-        let cmd = Reward::from_spec(&RewardSpec::Command { argv: vec!["my-rm".into(), "--x y".into()], timeout_s: 3.0 }).unwrap();
+        assert!(
+            e.contains("choice_letter") && e.contains("0/1") && e.contains("no choice letter"),
+            "{e}"
+        );
+        let cmd = Reward::from_spec(&RewardSpec::Command {
+            argv: vec!["my-rm".into(), "--x y".into()],
+            timeout_s: 3.0,
+        })
+        .unwrap();
         assert_eq!(cmd.name(), "my-rm '--x y'");
     }
 }

@@ -61,7 +61,9 @@ impl std::str::FromStr for Split {
         match s {
             "train" => Ok(Split::Train),
             "test" => Ok(Split::Test),
-            _ => Err(TaskError::Config(format!("unknown split {s:?} (train or test)"))),
+            _ => Err(TaskError::Config(format!(
+                "unknown split {s:?} (train or test)"
+            ))),
         }
     }
 }
@@ -76,7 +78,12 @@ pub enum Direction {
 }
 
 impl Direction {
-    pub const ALL: [Direction; 4] = [Direction::Left, Direction::Right, Direction::Up, Direction::Down];
+    pub const ALL: [Direction; 4] = [
+        Direction::Left,
+        Direction::Right,
+        Direction::Up,
+        Direction::Down,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -204,13 +211,22 @@ impl ShapesConfig {
 
     fn check(&self) -> Result<()> {
         if self.frames < 2 {
-            return Err(TaskError::Config(format!("needs at least 2 frames to show motion, got {}", self.frames)));
+            return Err(TaskError::Config(format!(
+                "needs at least 2 frames to show motion, got {}",
+                self.frames
+            )));
         }
         if self.size < 16 {
-            return Err(TaskError::Config(format!("frame size must be at least 16 pixels, got {}", self.size)));
+            return Err(TaskError::Config(format!(
+                "frame size must be at least 16 pixels, got {}",
+                self.size
+            )));
         }
         if !(self.object_frac > 0.0 && self.object_frac <= 0.25) {
-            return Err(TaskError::Config(format!("object_frac must be in (0, 0.25], got {}", self.object_frac)));
+            return Err(TaskError::Config(format!(
+                "object_frac must be in (0, 0.25], got {}",
+                self.object_frac
+            )));
         }
         Ok(())
     }
@@ -251,7 +267,11 @@ pub fn sample_seed(seed: u64, split: Split, index: u64) -> u64 {
 /// The answer letter of sample `index`: each block of 4 samples is a permutation of A-D.
 fn balanced_letter(seed: u64, split: Split, index: u64) -> usize {
     let mut perm = [0usize, 1, 2, 3];
-    SplitMix64::new(derive(seed ^ 0x5eed_0f_b10c, ((index / 4) << 1) | split.bit())).shuffle(&mut perm);
+    SplitMix64::new(derive(
+        seed ^ 0x5eed_0f_b10c,
+        ((index / 4) << 1) | split.bit(),
+    ))
+    .shuffle(&mut perm);
     perm[(index % 4) as usize]
 }
 
@@ -266,13 +286,23 @@ pub fn render(cfg: &ShapesConfig, seed: u64, split: Split, index: u64) -> Result
     }
     let direction = order[letter];
     let (tc, ts) = if cfg.vary_target {
-        (rng.below(COLOURS.len() as u64) as usize, Shape::ALL[rng.below(3) as usize])
+        (
+            rng.below(COLOURS.len() as u64) as usize,
+            Shape::ALL[rng.below(3) as usize],
+        )
     } else {
         (0, Shape::Square)
     };
     let side = cfg.object_side();
     let size = cfg.size;
-    let mut tracks = vec![moving_track(&mut rng, cfg, COLOURS[tc], ts, side, direction)];
+    let mut tracks = vec![moving_track(
+        &mut rng,
+        cfg,
+        COLOURS[tc],
+        ts,
+        side,
+        direction,
+    )];
     for _ in 0..cfg.distractors {
         // Any (colour, shape) but the target's.
         let (c, s) = loop {
@@ -283,7 +313,10 @@ pub fn render(cfg: &ShapesConfig, seed: u64, split: Split, index: u64) -> Result
             }
         };
         let t = if rng.below(3) == 0 {
-            let (x, y) = (rng.range(0, (size - side) as u64) as u32, rng.range(0, (size - side) as u64) as u32);
+            let (x, y) = (
+                rng.range(0, (size - side) as u64) as u32,
+                rng.range(0, (size - side) as u64) as u32,
+            );
             Track {
                 colour: COLOURS[c].0,
                 rgb: COLOURS[c].1,
@@ -297,7 +330,11 @@ pub fn render(cfg: &ShapesConfig, seed: u64, split: Split, index: u64) -> Result
         };
         tracks.push(t);
     }
-    let bg = if cfg.vary_background { BACKGROUNDS[rng.below(BACKGROUNDS.len() as u64) as usize] } else { [0, 0, 0] };
+    let bg = if cfg.vary_background {
+        BACKGROUNDS[rng.below(BACKGROUNDS.len() as u64) as usize]
+    } else {
+        [0, 0, 0]
+    };
     let mut frames = Vec::with_capacity(cfg.frames as usize);
     for f in 0..cfg.frames as usize {
         let mut img = RgbImage::from_pixel(size, size, Rgb(bg));
@@ -314,10 +351,24 @@ pub fn render(cfg: &ShapesConfig, seed: u64, split: Split, index: u64) -> Result
         }
         frames.push(img);
     }
-    let options: Vec<String> =
-        order.iter().zip(['A', 'B', 'C', 'D']).map(|(d, l)| format!("{l}. {}", d.name())).collect();
-    let prompt = format!("Which way did the {} {} move? {}", COLOURS[tc].0, ts.name(), options.join(" "));
-    Ok(ShapesSample { frames, prompt, answer: (b'A' + letter as u8) as char, direction, tracks })
+    let options: Vec<String> = order
+        .iter()
+        .zip(['A', 'B', 'C', 'D'])
+        .map(|(d, l)| format!("{l}. {}", d.name()))
+        .collect();
+    let prompt = format!(
+        "Which way did the {} {} move? {}",
+        COLOURS[tc].0,
+        ts.name(),
+        options.join(" ")
+    );
+    Ok(ShapesSample {
+        frames,
+        prompt,
+        answer: (b'A' + letter as u8) as char,
+        direction,
+        tracks,
+    })
 }
 
 /// A track moving `d` by 1/4 to 1/2 of the frame (capped so it stays inside), linearly.
@@ -341,7 +392,11 @@ fn moving_track(
         .map(|f| {
             // Position along the axis at frame f, in the direction of motion.
             let moved = (dist * f + last / 2) / last;
-            let a = if dx + dy > 0 { along + moved } else { room - along - moved };
+            let a = if dx + dy > 0 {
+                along + moved
+            } else {
+                room - along - moved
+            };
             if dx != 0 {
                 (a as u32, across as u32)
             } else {
@@ -349,7 +404,13 @@ fn moving_track(
             }
         })
         .collect();
-    Track { colour, rgb, shape, side, positions }
+    Track {
+        colour,
+        rgb,
+        shape,
+        side,
+        positions,
+    }
 }
 
 /// What [`generate`] wrote.
@@ -365,14 +426,36 @@ pub struct Generated {
 /// Writes `n` samples of `split` to `out_dir` with [`ShapesConfig::for_size`]`(frames, size)`:
 /// frames as `<out_dir>/<split>/<id>/f<k>.png`, samples as `<out_dir>/<split>.jsonl` with
 /// frame paths relative to `out_dir`.
-pub fn generate(out_dir: &Path, n: usize, split: Split, seed: u64, frames: u32, size: u32) -> Result<Generated> {
-    generate_with(out_dir, n, split, seed, &ShapesConfig::for_size(frames, size))
+pub fn generate(
+    out_dir: &Path,
+    n: usize,
+    split: Split,
+    seed: u64,
+    frames: u32,
+    size: u32,
+) -> Result<Generated> {
+    generate_with(
+        out_dir,
+        n,
+        split,
+        seed,
+        &ShapesConfig::for_size(frames, size),
+    )
 }
 
 /// [`generate`] with an explicit config.
-pub fn generate_with(out_dir: &Path, n: usize, split: Split, seed: u64, cfg: &ShapesConfig) -> Result<Generated> {
+pub fn generate_with(
+    out_dir: &Path,
+    n: usize,
+    split: Split,
+    seed: u64,
+    cfg: &ShapesConfig,
+) -> Result<Generated> {
     cfg.check()?;
-    let write_err = |path: &Path, e: &dyn std::fmt::Display| TaskError::Write { path: path.into(), msg: e.to_string() };
+    let write_err = |path: &Path, e: &dyn std::fmt::Display| TaskError::Write {
+        path: path.into(),
+        msg: e.to_string(),
+    };
     let mut samples = Vec::with_capacity(n);
     let mut letters = [0usize; 4];
     for i in 0..n {
@@ -383,15 +466,26 @@ pub fn generate_with(out_dir: &Path, n: usize, split: Split, seed: u64, cfg: &Sh
         let mut paths = Vec::with_capacity(s.frames.len());
         for (k, f) in s.frames.iter().enumerate() {
             let p = dir.join(format!("f{k}.png"));
-            f.save_with_format(&p, image::ImageFormat::Png).map_err(|e| write_err(&p, &e))?;
+            f.save_with_format(&p, image::ImageFormat::Png)
+                .map_err(|e| write_err(&p, &e))?;
             paths.push(MediaSource::Path(p));
         }
         letters[(s.answer as u8 - b'A') as usize] += 1;
-        samples.push(Sample { id, system: None, prompt: s.prompt, media: Media::Video(paths), answer: s.answer.to_string() });
+        samples.push(Sample {
+            id,
+            system: None,
+            prompt: s.prompt,
+            media: Media::Video(paths),
+            answer: s.answer.to_string(),
+        });
     }
     let jsonl = out_dir.join(format!("{}.jsonl", split.name()));
     crate::data::jsonl::write(&jsonl, &samples).map_err(|e| write_err(&jsonl, &e))?;
-    Ok(Generated { jsonl, samples, letters })
+    Ok(Generated {
+        jsonl,
+        samples,
+        letters,
+    })
 }
 
 #[cfg(test)]
@@ -424,29 +518,48 @@ mod tests {
                 let (dx, dy) = (x1 - x0, y1 - y0);
                 let quarter = size as f64 / 4.0;
                 let seen = if dx.abs() > dy.abs() {
-                    if dx < 0.0 { Direction::Left } else { Direction::Right }
+                    if dx < 0.0 {
+                        Direction::Left
+                    } else {
+                        Direction::Right
+                    }
                 } else if dy < 0.0 {
                     Direction::Up
                 } else {
                     Direction::Down
                 };
                 assert_eq!(seen, s.direction, "size {size} sample {i}");
-                assert!(dx.abs().max(dy.abs()) >= quarter - 1e-9, "moved {dx},{dy} in {size}");
+                assert!(
+                    dx.abs().max(dy.abs()) >= quarter - 1e-9,
+                    "moved {dx},{dy} in {size}"
+                );
                 assert_eq!(dx.abs().min(dy.abs()), 0.0, "moves along one axis");
-                let letter = ['A', 'B', 'C', 'D'][Direction::ALL.iter().position(|d| *d == s.direction).unwrap()];
+                let letter = ['A', 'B', 'C', 'D'][Direction::ALL
+                    .iter()
+                    .position(|d| *d == s.direction)
+                    .unwrap()];
                 assert_eq!(s.answer, letter);
-                assert!(s.prompt.starts_with("Which way did the red square move? A. left B. right C. up D. down"));
+                assert!(s.prompt.starts_with(
+                    "Which way did the red square move? A. left B. right C. up D. down"
+                ));
             }
         }
     }
 
     #[test]
     fn answers_are_balanced_per_block_of_four() {
-        for cfg in [ShapesConfig::tiny(4, 28), ShapesConfig { shuffle_options: true, ..ShapesConfig::full(8, 112) }] {
+        for cfg in [
+            ShapesConfig::tiny(4, 28),
+            ShapesConfig {
+                shuffle_options: true,
+                ..ShapesConfig::full(8, 112)
+            },
+        ] {
             for split in [Split::Train, Split::Test] {
                 for block in 0..20 {
-                    let mut letters: Vec<char> =
-                        (0..4).map(|k| render(&cfg, 3, split, block * 4 + k).unwrap().answer).collect();
+                    let mut letters: Vec<char> = (0..4)
+                        .map(|k| render(&cfg, 3, split, block * 4 + k).unwrap().answer)
+                        .collect();
                     letters.sort();
                     assert_eq!(letters, vec!['A', 'B', 'C', 'D']);
                 }
@@ -460,7 +573,9 @@ mod tests {
         for i in 0..40 {
             let s = render(&cfg, 11, Split::Test, i).unwrap();
             let t = &s.tracks[0];
-            assert!(s.prompt.contains(&format!("the {} {} move?", t.colour, t.shape.name())));
+            assert!(s
+                .prompt
+                .contains(&format!("the {} {} move?", t.colour, t.shape.name())));
             for d in &s.tracks[1..] {
                 assert!((d.colour, d.shape) != (t.colour, t.shape));
             }
@@ -476,7 +591,9 @@ mod tests {
                 }
             }
             let (a, b) = (t.positions[0], t.positions[7]);
-            let moved = (a.0 as i64 - b.0 as i64).abs().max((a.1 as i64 - b.1 as i64).abs());
+            let moved = (a.0 as i64 - b.0 as i64)
+                .abs()
+                .max((a.1 as i64 - b.1 as i64).abs());
             assert!(moved >= 28, "moved {moved}");
         }
     }
@@ -489,7 +606,12 @@ mod tests {
         assert_eq!(a.frames, b.frames);
         assert_eq!(a.prompt, b.prompt);
         let seeds: std::collections::HashSet<u64> = (0..1000)
-            .flat_map(|i| [sample_seed(5, Split::Train, i), sample_seed(5, Split::Test, i)])
+            .flat_map(|i| {
+                [
+                    sample_seed(5, Split::Train, i),
+                    sample_seed(5, Split::Test, i),
+                ]
+            })
             .collect();
         assert_eq!(seeds.len(), 2000, "no seed shared between or within splits");
         let t = render(&cfg, 5, Split::Test, 9).unwrap();
@@ -503,17 +625,30 @@ mod tests {
         assert_eq!(g.letters, [2, 2, 2, 2]);
         let d = crate::data::Dataset::load(&g.jsonl).unwrap();
         assert_eq!(d.samples, g.samples);
-        let Media::Video(frames) = &d.samples[0].media else { panic!("video") };
+        let Media::Video(frames) = &d.samples[0].media else {
+            panic!("video")
+        };
         assert_eq!(frames.len(), 4);
         let img = frames[0].load().unwrap();
         assert_eq!(img.dimensions(), (28, 28));
-        assert_eq!(img, render(&ShapesConfig::tiny(4, 28), 1, Split::Train, 0).unwrap().frames[0]);
+        assert_eq!(
+            img,
+            render(&ShapesConfig::tiny(4, 28), 1, Split::Train, 0)
+                .unwrap()
+                .frames[0]
+        );
         // Bytes on disk are the same on a second run.
         let again = tempfile::tempdir().unwrap();
         generate(again.path(), 8, Split::Train, 1, 4, 28).unwrap();
         for name in ["train.jsonl", "train/train-000003/f2.png"] {
-            assert_eq!(std::fs::read(dir.path().join(name)).unwrap(), std::fs::read(again.path().join(name)).unwrap());
+            assert_eq!(
+                std::fs::read(dir.path().join(name)).unwrap(),
+                std::fs::read(again.path().join(name)).unwrap()
+            );
         }
-        assert!(generate(dir.path(), 1, Split::Train, 1, 1, 28).unwrap_err().to_string().contains("at least 2 frames"));
+        assert!(generate(dir.path(), 1, Split::Train, 1, 1, 28)
+            .unwrap_err()
+            .to_string()
+            .contains("at least 2 frames"));
     }
 }

@@ -1,0 +1,378 @@
+//! Per-iteration metrics: `metrics.jsonl` (one JSON object per line) and a compact fixed-width
+//! console table; plus a progress bar for long phases.
+//!
+//! Invariants:
+//! - Each line of `metrics.jsonl` is `{"iteration": k, "<name>": value, ...}` with names in
+//!   the order they were recorded; non-finite values are written as `null` (JSON has no NaN).
+//! - On resume ([`MetricsLog::resume`]) lines of iterations that will run again are dropped,
+//!   so a resumed run's file equals an uninterrupted run's.
+//! - The console table's columns are fixed by the first record; its header is repeated every
+//!   [`HEADER_EVERY`] rows. Progress bars draw only when stdout is a terminal.
+
+use std::io::{BufRead, BufReader, IsTerminal, Write};
+use std::path::{Path, PathBuf};
+
+/// Console rows between repeated headers.
+pub const HEADER_EVERY: usize = 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    #[error("{path}: {msg}")]
+    Io { path: PathBuf, msg: String },
+    #[error("{path}:{line}: {msg}")]
+    Line {
+        path: PathBuf,
+        line: u64,
+        msg: String,
+    },
+}
+
+pub type Result<T, E = MetricsError> = std::result::Result<T, E>;
+
+/// One iteration's metrics, in recording order.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Record {
+    pub iteration: u64,
+    pub values: Vec<(String, f64)>,
+}
+
+impl Record {
+    pub fn new(iteration: u64) -> Self {
+        Self {
+            iteration,
+            values: Vec::new(),
+        }
+    }
+
+    /// Sets `name` (replacing an earlier value of the same name).
+    pub fn set(&mut self, name: &str, value: f64) -> &mut Self {
+        match self.values.iter_mut().find(|(n, _)| n == name) {
+            Some(v) => v.1 = value,
+            None => self.values.push((name.into(), value)),
+        }
+        self
+    }
+
+    pub fn get(&self, name: &str) -> Option<f64> {
+        self.values.iter().find(|(n, _)| n == name).map(|(_, v)| *v)
+    }
+
+    /// The JSON line (without newline), keys in recording order.
+    pub fn to_json_line(&self) -> String {
+        let mut s = format!("{{\"iteration\":{}", self.iteration);
+        for (n, v) in &self.values {
+            let name = serde_json::to_string(n).expect("a string serialises");
+            let value = serde_json::Number::from_f64(*v)
+                .map_or_else(|| "null".to_string(), |x| x.to_string());
+            s.push_str(&format!(",{name}:{value}"));
+        }
+        s.push('}');
+        s
+    }
+}
+
+/// A value in at most `w` characters: integers as such, else 4 significant digits, with an
+/// exponent when the magnitude is large or small.
+pub fn compact(v: f64, w: usize) -> String {
+    let s = if !v.is_finite() {
+        format!("{v}")
+    } else if v == v.trunc() && v.abs() < 1e7 {
+        format!("{v:.0}")
+    } else if v != 0.0 && (v.abs() >= 1e5 || v.abs() < 1e-3) {
+        format!("{v:.2e}")
+    } else {
+        let digits = 3 - (v.abs().log10().floor() as i32).clamp(-3, 3);
+        format!("{v:.*}", digits.max(0) as usize)
+    };
+    if s.len() > w {
+        format!("{v:.1e}")
+    } else {
+        s
+    }
+}
+
+/// Fixed-width console rendering of records.
+#[derive(Clone, Debug, Default)]
+pub struct Table {
+    columns: Vec<(String, usize)>,
+    rows: usize,
+}
+
+impl Table {
+    /// The lines to print for `rec`: a header first (and every [`HEADER_EVERY`] rows), then the row.
+    pub fn render(&mut self, rec: &Record) -> Vec<String> {
+        if self.columns.is_empty() {
+            self.columns = rec
+                .values
+                .iter()
+                .map(|(n, _)| (n.clone(), n.len().clamp(9, 16)))
+                .collect();
+        }
+        let mut out = Vec::new();
+        if self.rows % HEADER_EVERY == 0 {
+            let mut h = format!("{:>6}", "iter");
+            for (n, w) in &self.columns {
+                let name: String = if n.len() > *w {
+                    n.chars().take(*w).collect()
+                } else {
+                    n.clone()
+                };
+                h.push_str(&format!(" {name:>w$}"));
+            }
+            out.push(h);
+        }
+        let mut row = format!("{:>6}", rec.iteration);
+        for (n, w) in &self.columns {
+            let cell = rec
+                .get(n)
+                .map_or_else(|| "-".to_string(), |v| compact(v, *w));
+            row.push_str(&format!(" {cell:>w$}"));
+        }
+        out.push(row);
+        self.rows += 1;
+        out
+    }
+}
+
+/// Writes records to `metrics.jsonl` and (optionally) a console.
+pub struct MetricsLog {
+    path: PathBuf,
+    file: std::fs::File,
+    table: Table,
+    console: Option<Box<dyn Write + Send>>,
+}
+
+impl std::fmt::Debug for MetricsLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MetricsLog")
+            .field("path", &self.path)
+            .finish()
+    }
+}
+
+impl MetricsLog {
+    /// Starts a new file (truncating an old one); the table goes to stdout.
+    pub fn create(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        let err = |e: std::io::Error| MetricsError::Io {
+            path: path.clone(),
+            msg: e.to_string(),
+        };
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(err)?;
+        }
+        let file = std::fs::File::create(&path).map_err(err)?;
+        Ok(Self {
+            path,
+            file,
+            table: Table::default(),
+            console: Some(Box::new(std::io::stdout())),
+        })
+    }
+
+    /// Continues a file after `completed` iterations: keeps the lines of iterations below
+    /// `completed` and drops the rest (they will be recorded again).
+    pub fn resume(path: impl AsRef<Path>, completed: u64) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        let mut kept = String::new();
+        if path.exists() {
+            let f = std::fs::File::open(&path).map_err(|e| MetricsError::Io {
+                path: path.clone(),
+                msg: e.to_string(),
+            })?;
+            for (i, line) in BufReader::new(f).lines().enumerate() {
+                let n = i as u64 + 1;
+                let line = line.map_err(|e| MetricsError::Line {
+                    path: path.clone(),
+                    line: n,
+                    msg: e.to_string(),
+                })?;
+                if line.trim().is_empty() {
+                    continue;
+                }
+                let v: serde_json::Value =
+                    serde_json::from_str(&line).map_err(|e| MetricsError::Line {
+                        path: path.clone(),
+                        line: n,
+                        msg: format!("not JSON: {e}"),
+                    })?;
+                let it = v.get("iteration").and_then(|i| i.as_u64()).ok_or_else(|| {
+                    MetricsError::Line {
+                        path: path.clone(),
+                        line: n,
+                        msg: "field `iteration` is missing or not an integer".into(),
+                    }
+                })?;
+                if it < completed {
+                    kept.push_str(&line);
+                    kept.push('\n');
+                }
+            }
+        }
+        let mut log = Self::create(&path)?;
+        log.file
+            .write_all(kept.as_bytes())
+            .map_err(|e| MetricsError::Io {
+                path: path.clone(),
+                msg: e.to_string(),
+            })?;
+        Ok(log)
+    }
+
+    /// Sends the table somewhere else (`None`: no console output).
+    pub fn with_console(mut self, console: Option<Box<dyn Write + Send>>) -> Self {
+        self.console = console;
+        self
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Appends `rec` to the file (flushed) and prints its table row.
+    pub fn log(&mut self, rec: &Record) -> Result<()> {
+        let line = rec.to_json_line() + "\n";
+        self.file
+            .write_all(line.as_bytes())
+            .and_then(|_| self.file.flush())
+            .map_err(|e| MetricsError::Io {
+                path: self.path.clone(),
+                msg: e.to_string(),
+            })?;
+        if let Some(c) = &mut self.console {
+            for l in self.table.render(rec) {
+                // The console is best effort: a closed stdout must not stop training.
+                let _ = writeln!(c, "{l}");
+            }
+            let _ = c.flush();
+        }
+        Ok(())
+    }
+}
+
+/// A progress bar for a phase of `len` steps on stderr, or a hidden one when stdout is not a
+/// terminal (logs, CI), so piped output stays clean.
+pub fn progress(len: u64, label: &str) -> indicatif::ProgressBar {
+    if !std::io::stdout().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::with_draw_target(
+        Some(len),
+        indicatif::ProgressDrawTarget::stderr(),
+    );
+    let style = indicatif::ProgressStyle::with_template(
+        "{prefix:>12} [{bar:30}] {pos}/{len} {per_sec} eta {eta}",
+    )
+    .expect("valid template")
+    .progress_chars("=> ");
+    bar.set_style(style);
+    bar.set_prefix(label.to_string());
+    bar
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    #[derive(Clone, Default)]
+    struct Buf(Arc<Mutex<Vec<u8>>>);
+    impl Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn rec(i: u64, reward: f64) -> Record {
+        let mut r = Record::new(i);
+        r.set("reward_mean", reward)
+            .set("loss", -0.0123456)
+            .set("tokens_per_s", 123456.0)
+            .set("kl", f64::NAN);
+        r
+    }
+
+    #[test]
+    fn jsonl_lines_and_table() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out/metrics.jsonl");
+        let buf = Buf::default();
+        let mut log = MetricsLog::create(&path)
+            .unwrap()
+            .with_console(Some(Box::new(buf.clone())));
+        for i in 0..3 {
+            log.log(&rec(i, 0.25 * i as f64)).unwrap();
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines[1],
+            r#"{"iteration":1,"reward_mean":0.25,"loss":-0.0123456,"tokens_per_s":123456.0,"kl":null}"#
+        );
+        let console = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+        let rows: Vec<&str> = console.lines().collect();
+        assert_eq!(rows.len(), 4, "{console}");
+        assert_eq!(
+            rows[0],
+            "  iter reward_mean      loss tokens_per_s        kl"
+        );
+        assert_eq!(
+            rows[2],
+            "     1      0.2500  -0.01235       123456       NaN"
+        );
+        assert!(
+            rows.iter().all(|r| r.len() == rows[0].len()),
+            "fixed width:\n{console}"
+        );
+    }
+
+    #[test]
+    fn resume_drops_iterations_that_run_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        let mut log = MetricsLog::create(&path).unwrap().with_console(None);
+        for i in 0..5 {
+            log.log(&rec(i, 1.0)).unwrap();
+        }
+        drop(log);
+        let mut log = MetricsLog::resume(&path, 3).unwrap().with_console(None);
+        log.log(&rec(3, 1.0)).unwrap();
+        let its: Vec<u64> = std::fs::read_to_string(&path)
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["iteration"]
+                    .as_u64()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(its, vec![0, 1, 2, 3]);
+        std::fs::write(&path, "{\"iteration\": 0}\nnot json\n").unwrap();
+        let e = MetricsLog::resume(&path, 1).unwrap_err().to_string();
+        assert!(e.contains("metrics.jsonl:2: not JSON"), "{e}");
+    }
+
+    #[test]
+    fn compact_fits_its_width() {
+        for (v, want) in [
+            (0.0, "0"),
+            (12.0, "12"),
+            (0.5, "0.5000"),
+            (3.14159, "3.142"),
+            (1234.5678, "1235"),
+            (1e-5, "1.00e-5"),
+            (2.5e9, "2.50e9"),
+        ] {
+            assert_eq!(compact(v, 9), want, "{v}");
+        }
+        assert!(compact(-1.234e-300, 9).len() <= 9);
+        assert!(
+            progress(10, "rollout").is_hidden(),
+            "tests do not run on a terminal"
+        );
+    }
+}
