@@ -64,10 +64,13 @@ pub struct TaskOut {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DeviceSample {
     pub t_s: f64,
-    /// SMs busy (sum over running SM tasks, at most the device's SMs).
+    /// SMs allocated to running tasks (sum of their partitions, at most the device's SMs; a
+    /// memory-bound task holds its SMs without keeping their tensor cores busy).
     pub sms: f64,
     /// HBM traffic of the running tasks, bytes/s (each task's bytes spread over its run).
     pub hbm_bw: f64,
+    /// Arithmetic rate of the running tasks, FLOP/s (each task's flops spread over its run).
+    pub flops: f64,
     /// Tasks running.
     pub running: u32,
 }
@@ -277,6 +280,7 @@ fn record(input: &Input, running: &[Running], now: f64, samples: &mut [Vec<Devic
             t_s: now,
             sms: 0.0,
             hbm_bw: 0.0,
+            flops: 0.0,
             running: 0,
         };
         for r in running.iter().filter(|r| input.tasks[r.task].device == d) {
@@ -284,6 +288,7 @@ fn record(input: &Input, running: &[Running], now: f64, samples: &mut [Vec<Devic
             s.sms += r.sms;
             if r.rate.is_finite() {
                 s.hbm_bw += t.work.bytes * r.rate;
+                s.flops += t.work.flops * r.rate;
             }
             s.running += 1;
         }
@@ -291,7 +296,10 @@ fn record(input: &Input, running: &[Running], now: f64, samples: &mut [Vec<Devic
         match series.last_mut() {
             Some(last) if last.t_s == now => *last = s,
             Some(last)
-                if last.sms == s.sms && last.hbm_bw == s.hbm_bw && last.running == s.running => {}
+                if last.sms == s.sms
+                    && last.hbm_bw == s.hbm_bw
+                    && last.flops == s.flops
+                    && last.running == s.running => {}
             _ => series.push(s),
         }
     }

@@ -57,7 +57,9 @@ pub struct SimDevice {
     pub ranks: u32,
     pub sms: u32,
     pub hbm_bytes: u64,
-    /// SM use and HBM traffic, a step function (each sample holds until the next).
+    /// Dense bf16 peak of the cost model's GPU, FLOP/s (the scale of `samples[].flops`).
+    pub bf16_flops: f64,
+    /// SM use, HBM traffic and arithmetic rate, a step function (each sample holds until the next).
     pub samples: Vec<DeviceSample>,
     /// Live device bytes of the plan's buffers, a step function of (time, bytes).
     pub hbm_live: Vec<(f64, u64)>,
@@ -378,6 +380,7 @@ pub fn simulate(plan: &Plan, cost: &CostModel) -> Result<SimReport, SimError> {
                 ranks: g.ranks,
                 sms: all_sms,
                 hbm_bytes: plan.target.hbm_bytes,
+                bf16_flops: cost.gpu().bf16_flops,
                 samples: out.samples.get(d).cloned().unwrap_or_default(),
                 hbm_live,
                 hbm_peak,

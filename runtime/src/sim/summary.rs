@@ -184,24 +184,38 @@ impl SimReport {
             let sm = binned(&sm_steps, end, WIDTH);
             let bw = binned(&bw_steps, end, WIDTH);
             let mem = binned(&mem_steps, end, WIDTH);
+            let peak_flops = if d.bf16_flops > 0.0 {
+                d.bf16_flops
+            } else {
+                f64::INFINITY
+            };
+            let fl_steps: Vec<(f64, f64)> = d
+                .samples
+                .iter()
+                .map(|s| (s.t_s, s.flops / peak_flops))
+                .collect();
+            let fl = binned(&fl_steps, end, WIDTH);
             let avg = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
             let bw_max = bw.iter().cloned().fold(0.0, f64::max);
             let cap = d.hbm_bytes.max(1) as f64;
             writeln!(
                 w,
-                "\n{} ({}, {} rank{}): SMs busy {:.0}% on average; HBM traffic {:.2} TB/s on average; \
-                 HBM live peak {:.1} GiB of {:.1} GiB (plan allocates {:.1} GiB)",
+                "\n{} ({}, {} rank{}): SMs allocated {:.0}% and bf16 rate {:.0}% of peak on average; \
+                 HBM traffic {:.2} TB/s on average; HBM live peak {:.1} GiB of {:.1} GiB (plan \
+                 allocates {:.1} GiB)",
                 d.name,
                 d.role,
                 d.ranks,
                 if d.ranks == 1 { "" } else { "s" },
                 avg(&sm) * 100.0,
+                avg(&fl) * 100.0,
                 avg(&bw) / 1e12,
                 d.hbm_peak as f64 / GIB,
                 cap / GIB,
                 d.planned_peak as f64 / GIB
             )?;
-            writeln!(w, "  SMs busy   |{}| 0 .. {}", sparkline(&sm), secs(end))?;
+            writeln!(w, "  SMs alloc  |{}| 0 .. {}", sparkline(&sm), secs(end))?;
+            writeln!(w, "  bf16 rate  |{}| of peak", sparkline(&fl))?;
             let bw_norm: Vec<f64> = bw
                 .iter()
                 .map(|v| if bw_max > 0.0 { v / bw_max } else { 0.0 })

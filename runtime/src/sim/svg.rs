@@ -1,6 +1,7 @@
 //! A self-contained SVG timeline of a [`SimReport`]: per GPU program one lane per stream with
 //! the tasks coloured by kind (hover for details), decode windows shaded with their SM split,
-//! then SM use, HBM traffic and HBM live bytes over time; a time axis and a legend.
+//! then SMs allocated with the bf16 rate over them, HBM traffic and HBM live bytes over time;
+//! a time axis and a legend.
 
 use std::fmt::Write as _;
 use std::io::{self, Write};
@@ -189,19 +190,31 @@ impl SimReport {
                 y += LANE;
             }
 
-            // SMs busy
+            // SMs allocated, and the arithmetic rate over them
             y += 8.0;
             let sm: Vec<(f64, f64)> = dev
                 .samples
                 .iter()
                 .map(|s| (s.t_s, s.sms / dev.sms.max(1) as f64))
                 .collect();
+            let peak = if dev.bf16_flops > 0.0 {
+                dev.bf16_flops
+            } else {
+                f64::INFINITY
+            };
+            let fl: Vec<(f64, f64)> = dev
+                .samples
+                .iter()
+                .map(|s| (s.t_s, s.flops / peak))
+                .collect();
             let _ = write!(
                 body,
-                r##"<text x="18" y="{:.1}" class="lane">SMs busy (of {})</text><rect x="{LEFT}" y="{y:.1}" width="{pw:.1}" height="{CHART}" class="frame"/><path d="{}" fill="#ff7f0e" fill-opacity="0.45" stroke="#e6550d" stroke-width="0.8"/>"##,
-                y + 30.0,
+                r##"<text x="18" y="{:.1}" class="lane">SMs allocated (of {})</text><text x="18" y="{:.1}" class="lane" fill="#8c2d04">bf16 rate (of peak)</text><rect x="{LEFT}" y="{y:.1}" width="{pw:.1}" height="{CHART}" class="frame"/><path d="{}" fill="#ff7f0e" fill-opacity="0.3" stroke="#e6550d" stroke-width="0.8"/><path d="{}" fill="#8c2d04" fill-opacity="0.55" stroke="#8c2d04" stroke-width="0.8"/>"##,
+                y + 22.0,
                 dev.sms,
-                area_path(&sm, end, &x, y, CHART)
+                y + 38.0,
+                area_path(&sm, end, &x, y, CHART),
+                area_path(&fl, end, &x, y, CHART)
             );
             y += CHART + 6.0;
 

@@ -530,7 +530,9 @@ fn trace_has_a_track_per_stream_and_an_event_per_task() {
     assert_eq!(dec["tid"], 0);
     assert_eq!(dec["pid"], 0);
     assert!((dec["dur"].as_f64().unwrap() - r.tasks[1].duration_s() * 1e6).abs() < 1e-2);
-    assert!(ev.iter().any(|e| e["ph"] == "C" && e["name"] == "SMs busy"));
+    assert!(ev
+        .iter()
+        .any(|e| e["ph"] == "C" && e["name"] == "SMs allocated"));
 }
 
 #[test]
@@ -560,7 +562,7 @@ fn svg_and_summary_show_every_task() {
     assert!(text.contains("predicted iteration time"), "{text}");
     assert!(
         text.contains("RefPrefix")
-            && text.contains("SMs busy")
+            && text.contains("SMs alloc")
             && text.contains("decode windows: 1"),
         "{text}"
     );

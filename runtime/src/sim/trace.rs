@@ -3,7 +3,7 @@
 //! One process per GPU program (`pid` = its index, named `gpu0 (colocated, 32 ranks)`), one
 //! thread per stream (`tid` = the stream's index, named by the stream), one complete event
 //! (`ph: "X"`) per task with its kind as category and its numbers as args, and counter tracks
-//! (`ph: "C"`) for SMs busy, HBM traffic and HBM live bytes. Times are microseconds. Opens in
+//! (`ph: "C"`) for SMs allocated, bf16 rate, HBM traffic and HBM live bytes. Times are microseconds. Opens in
 //! ui.perfetto.dev and chrome://tracing.
 
 use std::io::{self, Write};
@@ -55,12 +55,16 @@ impl SimReport {
         for (pid, d) in self.devices.iter().enumerate() {
             for s in &d.samples {
                 events.push(json!({
-                    "name": "SMs busy", "ph": "C", "pid": pid, "ts": us(s.t_s),
+                    "name": "SMs allocated", "ph": "C", "pid": pid, "ts": us(s.t_s),
                     "args": {"sms": (s.sms * 10.0).round() / 10.0}
                 }));
                 events.push(json!({
                     "name": "HBM traffic (GB/s)", "ph": "C", "pid": pid, "ts": us(s.t_s),
                     "args": {"GB/s": (s.hbm_bw / 1e9).round()}
+                }));
+                events.push(json!({
+                    "name": "bf16 rate (TFLOP/s)", "ph": "C", "pid": pid, "ts": us(s.t_s),
+                    "args": {"TFLOP/s": (s.flops / 1e12 * 10.0).round() / 10.0}
                 }));
             }
             for &(t, b) in &d.hbm_live {
