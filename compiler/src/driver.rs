@@ -114,12 +114,15 @@ pub fn compile(spec: &JobSpec, opts: &Options) -> Result<Compiled> {
             Mode::Disaggregated => {
                 let splits = crate::topology::disaggregated_splits(spec);
                 if splits.is_empty() {
-                    // Report why the even split fails (or the 1-GPU case).
-                    crate::topology::disaggregated(spec, spec.cluster.count / 2)?;
+                    crate::topology::check_counts(spec)?;
+                    let (n, rtp, ttp) = (spec.cluster.count, spec.rollout.tp, spec.train.tp);
                     return Err(CompileError::user(
                         "schedule.mode",
-                        format!("no split of {} GPUs into rollout and training sets fits the TP degrees and the batch", spec.cluster.count),
-                        "use mode overlap or serial, or change the TP degrees",
+                        format!(
+                            "disaggregated mode needs the {n} GPUs split into a rollout set (a multiple of rollout TP {rtp}) and a training set (a multiple of training TP {ttp}), each dividing the {} prompts into whole replicas; no split does",
+                            spec.rollout.prompts_per_iter
+                        ),
+                        "use mode overlap or serial, or change the GPU count, the TP degrees or the prompts",
                     ));
                 }
                 splits.into_iter().map(|r| crate::topology::disaggregated(spec, r)).collect()
@@ -129,6 +132,7 @@ pub fn compile(spec: &JobSpec, opts: &Options) -> Result<Compiled> {
 
     let mut best: Option<(f64, Plan)> = None;
     let mut closest: Option<OverBudget> = None;
+    let mut host_short: Option<(u64, u64)> = None;
     for topo in topologies {
         let label_topo = match mode {
             Mode::Disaggregated => format!(
@@ -181,7 +185,7 @@ pub fn compile(spec: &JobSpec, opts: &Options) -> Result<Compiled> {
                         settled = !memory_bound;
                         break;
                     }
-                    Err((ob, t)) => {
+                    Err((Unfit::Device(ob), t)) => {
                         st.candidates.push(Candidate {
                             label: label.clone(),
                             predicted_s: t,
@@ -198,11 +202,34 @@ pub fn compile(spec: &JobSpec, opts: &Options) -> Result<Compiled> {
                         }
                         cut += over;
                     }
+                    Err((Unfit::Host(need, budget), t)) => {
+                        st.candidates.push(Candidate {
+                            label: label.clone(),
+                            predicted_s: t,
+                            peak: 0,
+                            fits: false,
+                        });
+                        if host_short.is_none_or(|(n, _)| need < n) {
+                            host_short = Some((need, budget));
+                        }
+                        break;
+                    }
                 }
             }
         }
     }
     let Some((_, plan)) = best else {
+        if let Some((need, budget)) = host_short {
+            return Err(CompileError::user(
+                "schedule.host_memory",
+                format!(
+                    "the job fits in device memory only by offloading {} per GPU to host memory, but `schedule.host_memory` is {}",
+                    crate::error::gib(need),
+                    crate::error::gib(budget)
+                ),
+                format!("set `host_memory` to at least {}", crate::error::gib(need)),
+            ));
+        }
         let ob = closest.ok_or_else(|| CompileError::internal("no candidate plan was built"))?;
         return Err(CompileError::user(
             "schedule.memory_budget",
@@ -242,19 +269,31 @@ fn residency_label(r: ResidencyChoice) -> String {
     }
 }
 
-/// Steps 5-7 for one placement: a plan that fits, or the overshoot and predicted time.
+/// Why a candidate plan cannot run.
+enum Unfit {
+    /// Over the device memory budget.
+    Device(OverBudget),
+    /// Offloads more than the host memory the job allows: (bytes needed, budget).
+    Host(u64, u64),
+}
+
+/// Steps 5-7 for one placement: a plan that fits, or why not and its predicted time.
 fn build(
     st: &mut Stats,
     pg: &PhaseGraph,
     p: &Placement,
     cost: &CostModel,
     solver: SolverStats,
-) -> Result<std::result::Result<Plan, (OverBudget, f64)>> {
+) -> Result<std::result::Result<Plan, (Unfit, f64)>> {
     let sched = st.time("assemble", || assemble(pg, p, cost))?;
     let mut plan = st.time("emit", || crate::emit::emit(pg, &sched, cost, solver));
     let t = plan.predicted.iteration_s;
-    Ok(st
-        .time("memory", || crate::memory::layout(&mut plan))
-        .map(|_| plan)
-        .map_err(|o| (o, t)))
+    if let Err(o) = st.time("memory", || crate::memory::layout(&mut plan)) {
+        return Ok(Err((Unfit::Device(o), t)));
+    }
+    let host_budget = pg.spec.schedule.host_memory;
+    if let Some(g) = plan.memory.gpus.iter().find(|g| g.host > host_budget) {
+        return Ok(Err((Unfit::Host(g.host, host_budget), t)));
+    }
+    Ok(Ok(plan))
 }

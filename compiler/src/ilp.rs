@@ -26,8 +26,9 @@
 //! Objective: `sum_w sum_j decode_time[w][j] y[w][j] + sum_c (N_c - sum_w n[c][w]) post_time[c]`
 //! (the windows, then what is left for after decode on the whole GPU) plus tie-breakers (1e-7
 //! scale) that prefer smaller side partitions and earlier windows, so equal-time plans come
-//! out the same on every run. HiGHS runs single-threaded (deterministic) under a time limit;
-//! the all-after-decode placement is given as the starting solution, so a time limit still
+//! out the same on every run. HiGHS runs single-threaded under a node limit ([`MAX_NODES`])
+//! and a time limit, so the answer is the same on every machine unless the time limit strikes
+//! first; the all-after-decode placement is given as the starting solution, so any limit still
 //! yields a feasible answer.
 //!
 //! Each window is offered decode alone plus a few splits (see [`KNEES`]), not every multiple of
@@ -103,6 +104,11 @@ pub struct Answer {
     pub constraints: u32,
     pub solve_s: f64,
 }
+
+/// Branch-and-bound node limit. Unlike the wall-clock limit it stops the search at the same
+/// point on every machine, so plans (and the checked-in examples) are reproducible; the time
+/// limit is only a safety net. Reaching either is reported as a time limit.
+pub const MAX_NODES: i32 = 20_000;
 
 /// Relative optimality gap at which HiGHS stops: plans within 0.1% of the best predicted time
 /// are as good as the cost model can tell apart.
@@ -220,13 +226,14 @@ pub fn solve(p: &Problem) -> Result<Answer, String> {
             obj += (1e-7 * (w as f64 + 1.0) - cl.post_time) * nw_expr(c, w);
         }
     }
-    let mut model = vars
+    let model = vars
         .minimise(obj)
         .using(highs)
         .set_threads(1)
         .set_time_limit(p.time_limit_s.max(0.01))
         .set_mip_rel_gap(MIP_REL_GAP)
         .map_err(|e| format!("cannot set the MIP gap: {e:?}"))?;
+    let mut model = model.set_option("mip_max_nodes", MAX_NODES);
     let mut ncons = 0u32;
     macro_rules! add {
         ($c:expr) => {{

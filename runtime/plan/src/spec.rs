@@ -189,19 +189,35 @@ impl RolloutSpec {
 pub enum MediaSpec {
     None,
     /// `count` images per prompt, each `height` x `width` pixels.
-    Image { count: u32, height: u32, width: u32 },
+    Image {
+        count: u32,
+        height: u32,
+        width: u32,
+    },
     /// One video per prompt, `frames` frames of `height` x `width` pixels.
-    Video { frames: u32, height: u32, width: u32 },
+    Video {
+        frames: u32,
+        height: u32,
+        width: u32,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LengthDist {
     /// Every response has this many tokens (capped at max_new_tokens).
-    Fixed { tokens: u32 },
-    Uniform { min: u32, max: u32 },
+    Fixed {
+        tokens: u32,
+    },
+    Uniform {
+        min: u32,
+        max: u32,
+    },
     /// Log-normal with the given median and sigma (of the log), capped at max_new_tokens.
-    LogNormal { median: f64, sigma: f64 },
+    LogNormal {
+        median: f64,
+        sigma: f64,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -317,8 +333,14 @@ pub struct AdamWSpec {
 #[serde(rename_all = "snake_case")]
 pub enum LrSchedule {
     Constant,
-    LinearWarmup { warmup_steps: u32 },
-    Cosine { warmup_steps: u32, total_steps: u32, min_lr_ratio: f64 },
+    LinearWarmup {
+        warmup_steps: u32,
+    },
+    Cosine {
+        warmup_steps: u32,
+        total_steps: u32,
+        min_lr_ratio: f64,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -373,7 +395,8 @@ impl ModelSpec {
         let (vh, vi) = (v.hidden_size as u64, v.intermediate_size as u64);
         let patch_in = (v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size) as u64;
         // per block: norm1, norm2 (RMSNorm weights), qkv (+bias), proj (+bias), gate/up (+bias), down (+bias)
-        let block = 2 * vh + (3 * vh * vh + 3 * vh) + (vh * vh + vh) + 2 * (vh * vi + vi) + (vi * vh + vh);
+        let block =
+            2 * vh + (3 * vh * vh + 3 * vh) + (vh * vh + vh) + 2 * (vh * vi + vi) + (vi * vh + vh);
         let vision = patch_in * vh + v.depth as u64 * block;
         // merger: ln_q (RMSNorm over vh), mlp: Linear(vh*m^2 -> vh*m^2) GELU Linear(vh*m^2 -> out)
         let m2 = (v.spatial_merge_size * v.spatial_merge_size) as u64;
@@ -381,13 +404,21 @@ impl ModelSpec {
         let out = v.out_hidden_size as u64;
         let merger = vh + (mh * mh + mh) + (mh * out + out);
         let t = &self.text;
-        let (h, f, voc) = (t.hidden_size as u64, t.intermediate_size as u64, t.vocab_size as u64);
+        let (h, f, voc) = (
+            t.hidden_size as u64,
+            t.intermediate_size as u64,
+            t.vocab_size as u64,
+        );
         let hd = t.head_dim() as u64;
         let (nq, nkv) = (t.num_heads as u64, t.num_kv_heads as u64);
         let attn = h * nq * hd + nq * hd + 2 * (h * nkv * hd + nkv * hd) + nq * hd * h;
         let layer = 2 * h + attn + 3 * h * f;
         let head = if t.tie_word_embeddings { 0 } else { voc * h };
         let text = voc * h + t.num_layers as u64 * layer + h + head;
-        ParamCount { vision, merger, text }
+        ParamCount {
+            vision,
+            merger,
+            text,
+        }
     }
 }

@@ -1,0 +1,198 @@
+//! The verifier catches each broken invariant: start from a valid compiled plan, break one
+//! rule, and check that `validate` names it.
+use rollplex_compiler::fixtures::{job, paper_job, QwenSize};
+use rollplex_compiler::{compile, Options};
+use rollplex_plan::spec::Mode;
+use rollplex_plan::{validate, BufferId, Lifetime, Op, Plan, StreamId, TaskId};
+
+fn plan(spec: &rollplex_plan::spec::JobSpec, mode: Mode) -> Plan {
+    compile(
+        spec,
+        &Options {
+            mode: Some(mode),
+            ..Options::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+    .plan
+}
+
+fn overlap_plan() -> Plan {
+    plan(&job(|_| {}), Mode::Overlap)
+}
+
+/// The rules `validate` reports for `p`.
+fn rules(p: &Plan) -> Vec<&'static str> {
+    match validate(p) {
+        Ok(()) => vec![],
+        Err(v) => {
+            let mut r: Vec<&'static str> = v.0.iter().map(|x| x.rule).collect();
+            r.dedup();
+            r
+        }
+    }
+}
+
+fn task_named<'a>(p: &'a Plan, prefix: &str) -> &'a rollplex_plan::Task {
+    p.tasks
+        .iter()
+        .find(|t| t.name.starts_with(prefix))
+        .unwrap_or_else(|| panic!("no task {prefix}"))
+}
+
+#[test]
+fn compiled_plans_are_valid() {
+    for (spec, mode) in [
+        (job(|_| {}), Mode::Serial),
+        (job(|_| {}), Mode::Overlap),
+        (paper_job(QwenSize::B7), Mode::Overlap),
+        (paper_job(QwenSize::B7), Mode::Disaggregated),
+    ] {
+        assert_eq!(rules(&plan(&spec, mode)), Vec::<&str>::new());
+    }
+}
+
+#[test]
+fn forward_dependency() {
+    let mut p = overlap_plan();
+    let last = TaskId::from_index(p.tasks.len() - 1);
+    p.tasks[3].deps.push(last);
+    assert!(rules(&p).contains(&"deps"));
+}
+
+#[test]
+fn missing_stream() {
+    let mut p = overlap_plan();
+    p.tasks[0].stream = StreamId(99);
+    assert_eq!(rules(&p), vec!["ids"]);
+}
+
+#[test]
+fn sm_split_off_granularity() {
+    let mut p = overlap_plan();
+    let w = p
+        .windows
+        .iter()
+        .position(|w| w.side_sms > 0)
+        .expect("the overlap plan splits some window");
+    p.windows[w].decode_sms = 60; // not a multiple of 8
+    assert!(rules(&p).contains(&"sms"));
+    let mut p = overlap_plan();
+    p.windows[w].side_sms = p.target.sms; // more than the GPU
+    assert!(rules(&p).contains(&"sms"));
+}
+
+#[test]
+fn later_weights_inside_a_decode_window() {
+    // Several steps: a step-1 micro-batch moved into a window breaks the weight-version rule.
+    let spec = job(|s| s.train.mini_batch = 64);
+    let mut p = plan(&spec, Mode::Overlap);
+    let w = p.windows.last().expect("windows").id;
+    let side = p.windows.last().expect("windows").side_stream;
+    let i = p
+        .tasks
+        .iter()
+        .position(|t| matches!(t.op, Op::TrainMicroBatch { step: 1, .. }))
+        .expect("a step-1 micro-batch");
+    p.tasks[i].window = Some(w);
+    p.tasks[i].stream = side;
+    p.tasks[i].sms = 0;
+    assert!(rules(&p).contains(&"weights"), "{:?}", rules(&p));
+}
+
+#[test]
+fn optimizer_step_not_waiting_for_its_micro_batches() {
+    let mut p = overlap_plan();
+    let i = p
+        .tasks
+        .iter()
+        .position(|t| matches!(t.op, Op::OptimizerStep { step: 0 }))
+        .expect("a step");
+    p.tasks[i].deps.clear();
+    // Without its dependencies the step still follows earlier main-stream work, so move it
+    // to the copy stream, where nothing orders it after the micro-batches.
+    let copy = p
+        .streams
+        .iter()
+        .find(|s| s.name == "copy")
+        .expect("a copy stream")
+        .id;
+    p.tasks[i].stream = copy;
+    assert!(rules(&p).contains(&"weights"), "{:?}", rules(&p));
+}
+
+#[test]
+fn decode_waiting_on_a_slot_task_deadlocks() {
+    let mut p = overlap_plan();
+    let reward = task_named(&p, "reward.slot").id;
+    let d = p
+        .tasks
+        .iter()
+        .rposition(|t| matches!(t.op, Op::DecodeWindow { .. }))
+        .expect("decode");
+    assert!(
+        d > reward.index(),
+        "the plan puts a reward inside a window before the last decode"
+    );
+    p.tasks[d].deps.push(reward);
+    assert!(rules(&p).contains(&"deadlock"), "{:?}", rules(&p));
+}
+
+#[test]
+fn overlapping_live_buffers() {
+    let mut p = overlap_plan();
+    // kv.prompt and kv.response are both alive during decode.
+    let a = p
+        .buffers
+        .iter()
+        .position(|b| b.name == "kv.prompt")
+        .expect("kv.prompt");
+    let b = p
+        .buffers
+        .iter()
+        .position(|b| b.name == "kv.response")
+        .expect("kv.response");
+    p.buffers[b].offset = p.buffers[a].offset;
+    assert!(rules(&p).contains(&"memory"));
+}
+
+#[test]
+fn buffer_used_outside_its_lifetime() {
+    let mut p = overlap_plan();
+    let i = p
+        .buffers
+        .iter()
+        .position(|b| {
+            matches!(b.lifetime, Lifetime::Tasks { .. }) && b.name.starts_with("scratch.")
+        })
+        .expect("a scratch buffer");
+    p.tasks[0].reads.push(BufferId::from_index(i));
+    assert!(rules(&p).contains(&"memory"));
+}
+
+#[test]
+fn over_budget() {
+    let mut p = overlap_plan();
+    p.memory.gpus[0].budget = p.memory.gpus[0].peak - 1;
+    assert_eq!(rules(&p), vec!["memory"]);
+}
+
+#[test]
+fn start_before_dependency_ends() {
+    let mut p = overlap_plan();
+    let t = &mut p.tasks[2];
+    t.start_s = 0.0;
+    assert!(rules(&p).contains(&"timing"));
+}
+
+#[test]
+fn slot_out_of_range() {
+    let mut p = overlap_plan();
+    let i = p
+        .tasks
+        .iter()
+        .position(|t| matches!(t.op, Op::Reward { .. }))
+        .expect("a reward");
+    p.tasks[i].op = Op::Reward { slot: 1000 };
+    assert_eq!(rules(&p), vec!["ranges"]);
+}
