@@ -115,6 +115,10 @@ pub fn compile(spec: &JobSpec, opts: &Options) -> Result<Compiled> {
                 let splits = crate::topology::disaggregated_splits(spec);
                 if splits.is_empty() {
                     crate::topology::check_counts(spec)?;
+                    if spec.cluster.count < 2 {
+                        // Says that one set rolls out and the other trains.
+                        crate::topology::disaggregated(spec, 1)?;
+                    }
                     let (n, rtp, ttp) = (spec.cluster.count, spec.rollout.tp, spec.train.tp);
                     return Err(CompileError::user(
                         "schedule.mode",
