@@ -4,6 +4,7 @@
 //! rollplexc PIPELINE.rpx -o PLAN.bin [--emit-yaml PLAN.yaml] [--profile PROF.yaml] [--stats] [--mode M]
 //! rollplexc check PIPELINE.rpx
 //! rollplexc explain PLAN.bin
+//! rollplexc diff A B
 //! ```
 //!
 //! Files are written whole or not at all (a temporary file next to the target, then a rename).
@@ -46,6 +47,8 @@ pub enum Command {
     Check(CheckArgs),
     /// Print the YAML form of a binary plan (byte-identical to what --emit-yaml wrote).
     Explain(ExplainArgs),
+    /// Summarise what changed between two plans (binary or YAML), then the raw YAML diff.
+    Diff(DiffArgs),
 }
 
 #[derive(Args, Debug, Default)]
@@ -89,6 +92,16 @@ pub struct ExplainArgs {
     /// A binary plan written by `rollplexc -o`.
     #[arg(value_name = "PLAN")]
     pub plan: PathBuf,
+}
+
+#[derive(Args, Debug)]
+pub struct DiffArgs {
+    /// The old plan (binary or YAML).
+    #[arg(value_name = "A")]
+    pub a: PathBuf,
+    /// The new plan (binary or YAML).
+    #[arg(value_name = "B")]
+    pub b: PathBuf,
 }
 
 #[derive(Args, Debug, Default)]
@@ -178,6 +191,7 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
         Some(Command::Compile(a)) => run_compile(a),
         Some(Command::Check(a)) => run_check(a),
         Some(Command::Explain(a)) => run_explain(a),
+        Some(Command::Diff(a)) => run_diff(a),
         None => run_compile(cli.compile),
     }
 }
@@ -327,6 +341,35 @@ fn run_check(a: CheckArgs) -> Result<(), Failure> {
     compile(&checked.spec, &opts).map_err(|e| compile_failure(e, &name, &src, &checked, color))?;
     eprintln!("{name}: ok");
     Ok(())
+}
+
+/// Reads a plan from its binary form, or from its YAML form when the file is text that does
+/// not start like a binary plan.
+fn read_plan(path: &Path) -> Result<Plan, Failure> {
+    let bytes =
+        std::fs::read(path).map_err(|e| user(format!("cannot read {}: {e}", path.display())))?;
+    match std::str::from_utf8(&bytes) {
+        Ok(text) if !bytes.starts_with(&rollplex_plan::codec::MAGIC) => {
+            rollplex_plan::from_yaml(text).map_err(|e| user(format!("{}: {e}", path.display())))
+        }
+        _ => rollplex_plan::decode(&bytes)
+            .map(|(_, p)| p)
+            .map_err(|e| user(format!("{}: {e}", path.display()))),
+    }
+}
+
+fn run_diff(a: DiffArgs) -> Result<(), Failure> {
+    let (pa, pb) = (read_plan(&a.a)?, read_plan(&a.b)?);
+    let text = rollplex_compiler::diff::diff_plans_named(
+        &pa,
+        &pb,
+        &a.a.display().to_string(),
+        &a.b.display().to_string(),
+    );
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|_| out.flush())
+        .map_err(|e| user(format!("cannot write to stdout: {e}")))
 }
 
 fn run_explain(a: ExplainArgs) -> Result<(), Failure> {
