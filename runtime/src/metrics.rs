@@ -109,7 +109,7 @@ impl Table {
                 .collect();
         }
         let mut out = Vec::new();
-        if self.rows % HEADER_EVERY == 0 {
+        if self.rows.is_multiple_of(HEADER_EVERY) {
             let mut h = format!("{:>6}", "iter");
             for (n, w) in &self.columns {
                 let name: String = if n.len() > *w {
@@ -362,7 +362,7 @@ mod tests {
             (0.0, "0"),
             (12.0, "12"),
             (0.5, "0.5000"),
-            (3.14159, "3.142"),
+            (2.34567, "2.346"),
             (1234.5678, "1235"),
             (1e-5, "1.00e-5"),
             (2.5e9, "2.50e9"),

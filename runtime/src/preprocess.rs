@@ -90,9 +90,11 @@ impl Resample {
             3 => Resample::Bicubic,
             4 => Resample::Box,
             5 => Resample::Hamming,
-            _ => return Err(PreprocessError::Invalid(format!(
+            _ => {
+                return Err(PreprocessError::Invalid(format!(
                 "resample {code} is not supported (1-5: lanczos, bilinear, bicubic, box, hamming)"
-            ))),
+            )))
+            }
         })
     }
 
@@ -414,9 +416,9 @@ fn precompute_coeffs(in_size: usize, out_size: usize, filter: Resample) -> Coeff
         let xmin = ((center - support + 0.5) as i64).max(0) as usize;
         let xmax = ((center + support + 0.5) as i64).min(in_size as i64) as usize - xmin;
         let mut ww = 0.0;
-        for x in 0..xmax {
+        for (x, kx) in k.iter_mut().enumerate().take(xmax) {
             let w = filter.filter(((x + xmin) as f64 - center + 0.5) * ss);
-            k[x] = w;
+            *kx = w;
             ww += w;
         }
         for (x, kx) in k.iter().enumerate().take(xmax) {

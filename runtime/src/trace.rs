@@ -78,6 +78,7 @@ impl TraceWriter {
     }
 
     /// A task that ran on GPU `pid`, stream `tid`, from `ts_us` for `dur_us` microseconds.
+    #[allow(clippy::too_many_arguments)]
     pub fn complete(
         &mut self,
         pid: u32,

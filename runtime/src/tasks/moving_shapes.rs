@@ -268,7 +268,7 @@ pub fn sample_seed(seed: u64, split: Split, index: u64) -> u64 {
 fn balanced_letter(seed: u64, split: Split, index: u64) -> usize {
     let mut perm = [0usize, 1, 2, 3];
     SplitMix64::new(derive(
-        seed ^ 0x5eed_0f_b10c,
+        seed ^ 0x5eed_b10c_5eed_b10c,
         ((index / 4) << 1) | split.bit(),
     ))
     .shuffle(&mut perm);
