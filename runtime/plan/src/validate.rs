@@ -764,7 +764,7 @@ fn op_buffers(op: &Op) -> Vec<BufferId> {
     }
 }
 
-/// Ops that wait until decode has finished particular groups.
+/// Ops that wait until decode has finished particular groups (they name slots).
 pub fn waits_for_groups(op: &Op) -> bool {
     matches!(
         op,
@@ -773,6 +773,7 @@ pub fn waits_for_groups(op: &Op) -> bool {
             | Op::Reward { .. }
             | Op::Advantages { .. }
             | Op::TrainMicroBatch { .. }
+            | Op::ActorPrefix { groups: crate::ids::Groups::Slots(_), .. }
     )
 }
 
