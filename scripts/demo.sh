@@ -3,13 +3,13 @@
 # Without a GPU: examples/tiny.rpx on the CPU backend (a tiny Qwen2.5-VL-shaped model learns the
 # moving-shapes video task by GRPO; watch the reward column rise). Also prints the simulator's
 # predicted timeline of the single-H200 example and the plans' review form.
-# Knobs: ITERS (default 30), OUT (default ./rollplex-out).
+# Knobs: ITERS (default 200), OUT (default ./rollplex-out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 cargo build --release --bins
-bin=target/release
-ITERS=${ITERS:-30}
+bin="${CARGO_TARGET_DIR:-target}/release"
+ITERS=${ITERS:-200}
 OUT=${OUT:-rollplex-out}
 mkdir -p "$OUT"
 
