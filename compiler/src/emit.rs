@@ -173,9 +173,19 @@ pub fn emit(pg: &PhaseGraph, s: &Sched, cost: &CostModel, solver: SolverStats) -
             } => (what, from_tp, to_tp),
             _ => continue,
         };
-        let moved = t.work.net_bytes.max(0.0).round() as u64;
+        let colocated = pg.topo.mode != Mode::Disaggregated;
+        let moved = match what {
+            ReshardWhat::Weights if colocated => {
+                crate::lower::rollout_gather_bytes(&pg.shapes, par.rollout_tp, par.train_tp)
+            }
+            ReshardWhat::Weights => {
+                crate::lower::disaggregated_sync_bytes(&pg.shapes, par.rollout_tp)
+            }
+            ReshardWhat::Embeddings => crate::lower::embed_gather_bytes(&pg.spec, &pg.shapes, par),
+            ReshardWhat::Samples => 0,
+        };
         let aliased = match what {
-            ReshardWhat::Weights if pg.topo.mode != Mode::Disaggregated => {
+            ReshardWhat::Weights if colocated => {
                 let shard =
                     pg.shapes.params.total() * pg.shapes.dtype_bytes / par.rollout_tp.max(1) as u64;
                 shard.saturating_sub(moved)

@@ -324,12 +324,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
     }
     let mut embed_reshard = None;
     if shared_encoding && rtp < ttp {
-        let ratio = (ttp / rtp) as f64;
-        let bytes = (ratio - 1.0) / ratio
-            * n_t as f64
-            * shapes.media_tokens_per_prompt() as f64
-            * spec.actor.vision.out_hidden_size as f64
-            * shapes.dtype_bytes as f64;
+        let bytes = embed_gather_bytes(spec, &shapes, &topo.parallel) as f64;
         embed_reshard = Some(b.add(
             "embed_reshard".into(),
             WorkKind::Transfer,
@@ -723,7 +718,16 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
         let last = *step_nodes
             .last()
             .ok_or_else(|| CompileError::internal("no optimizer step"))?;
-        let bytes = shapes.trainable_params as f64 * shapes.dtype_bytes as f64 / rtp as f64;
+        // Training and rollout sets live on different nodes when the job spans nodes: the
+        // cost model's one link is the intra-node one, so scale the bytes to the slower link.
+        let c = &spec.cluster;
+        let slow = if c.count > c.gpus_per_node && c.inter_node_bw > 0.0 {
+            (c.intra_node_bw / c.inter_node_bw).max(1.0)
+        } else {
+            1.0
+        };
+        let bytes = disaggregated_sync_bytes(&shapes, rtp) as f64;
+        let work = Work { net_bytes: bytes * slow, ..b.wl.transfer(bytes, 0.0) };
         b.add(
             "weight_sync".into(),
             WorkKind::WeightSync,
@@ -734,7 +738,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
             rg,
             Phase::Sync,
             Role::Post,
-            b.wl.transfer(bytes, 0.0),
+            work,
             0,
             &[last, last_decode],
         );
@@ -769,4 +773,29 @@ pub fn rollout_gather_bytes(shapes: &Shapes, rtp: u32, ttp: u32) -> u64 {
         let p = shapes.params.total() * shapes.dtype_bytes;
         p / rtp as u64 - p / ttp as u64
     }
+}
+
+/// Bytes each training rank gathers of the other rollout replicas' vision embeddings when
+/// the training replica spans several rollout replicas.
+pub fn embed_gather_bytes(
+    spec: &JobSpec,
+    shapes: &Shapes,
+    par: &rollplex_plan::Parallelism,
+) -> u64 {
+    let (rtp, ttp) = (par.rollout_tp.max(1) as u64, par.train_tp.max(1) as u64);
+    if rtp >= ttp {
+        return 0;
+    }
+    let ratio = ttp / rtp;
+    let all = par.prompts_per_train_replica as u64
+        * shapes.media_tokens_per_prompt()
+        * spec.actor.vision.out_hidden_size as u64
+        * shapes.dtype_bytes;
+    all / ratio * (ratio - 1)
+}
+
+/// Bytes each rollout rank receives when the trained weights reach a disaggregated rollout
+/// set (frozen parts never change and are not sent).
+pub fn disaggregated_sync_bytes(shapes: &Shapes, rtp: u32) -> u64 {
+    shapes.trainable_params * shapes.dtype_bytes / rtp.max(1) as u64
 }
