@@ -69,7 +69,7 @@ impl Mapping {
             step_overhead_s: Self::lin(x[5], Bounds::OVERHEAD_S),
         }
     }
-    fn from_curve(&self, c: &KindCurve) -> Vec<f64> {
+    fn curve_to_vec(&self, c: &KindCurve) -> Vec<f64> {
         let (lo, hi) = Bounds::SM_BW_REL;
         let rel = (c.sm_bw / self.unit_bw).clamp(lo, hi);
         vec![
@@ -181,7 +181,7 @@ fn fit_kind(
     pts: &[&Point],
     overhead: Option<f64>,
 ) -> Result<KindCurve, ProfileError> {
-    let mut x0 = map.from_curve(&default_curve(gpu, kind));
+    let mut x0 = map.curve_to_vec(&default_curve(gpu, kind));
     if let Some(o) = overhead {
         x0[5] = Mapping::unlin(o, Bounds::OVERHEAD_S);
     }
@@ -419,7 +419,7 @@ mod tests {
             unit_bw: gpu.hbm_bw / 132.0,
         };
         let c = default_curve(&gpu, WorkKind::Decode);
-        let back = map.to_curve(&map.from_curve(&c));
+        let back = map.to_curve(&map.curve_to_vec(&c));
         for (a, b) in [
             (c.eff_compute, back.eff_compute),
             (c.eff_memory, back.eff_memory),

@@ -281,7 +281,10 @@ pub(crate) fn time_parts(
 /// `slow_a` / `slow_b` times slower while both run; the one left finishes at full speed.
 pub fn corun_pair_time(a: f64, b: f64, slow_a: f64, slow_b: f64) -> f64 {
     let (sa, sb) = (slow_a.max(1.0), slow_b.max(1.0));
-    if !(a > 0.0) || !(b > 0.0) {
+    // NaN and non-positive times count as none
+    if a.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater)
+        || b.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater)
+    {
         return a.max(b).max(0.0);
     }
     if a * sa <= b * sb {

@@ -97,6 +97,11 @@ pub struct CorunPoint {
     pub note: String,
 }
 
+/// Whether `x` is a positive number (false for NaN).
+fn positive(x: f64) -> bool {
+    x > 0.0
+}
+
 impl Profile {
     /// Parses and validates a profile.
     pub fn from_yaml(text: &str) -> Result<Self, ProfileError> {
@@ -124,7 +129,7 @@ impl Profile {
     pub fn validate(&self) -> Result<(), ProfileError> {
         let bad = |m: String| Err(ProfileError::Invalid(m));
         let gpu = &self.gpu;
-        if gpu.sms == 0 || !(gpu.hbm_bw > 0.0) || !(gpu.bf16_flops > 0.0) {
+        if gpu.sms == 0 || !positive(gpu.hbm_bw) || !positive(gpu.bf16_flops) {
             return bad(format!(
                 "gpu {}: sms, hbm_bw and bf16_flops must be positive (got {}, {}, {})",
                 gpu.name, gpu.sms, gpu.hbm_bw, gpu.bf16_flops
@@ -152,7 +157,7 @@ impl Profile {
             }
         }
         for bw in [self.host_bw, self.net_bw].into_iter().flatten() {
-            if !(bw > 0.0 && bw.is_finite()) {
+            if !(positive(bw) && bw.is_finite()) {
                 return bad(format!("host_bw/net_bw = {bw} must be positive"));
             }
         }
@@ -165,7 +170,7 @@ impl Profile {
                     gpu.sms
                 ));
             }
-            if !(p.seconds > 0.0 && p.seconds.is_finite()) {
+            if !(positive(p.seconds) && p.seconds.is_finite()) {
                 return bad(format!(
                     "{what} ({}): seconds = {} must be positive",
                     kind_name(p.kind),
@@ -195,7 +200,7 @@ impl Profile {
                     c.a.sms, c.b.sms, gpu.sms
                 ));
             }
-            if !(c.seconds > 0.0 && c.seconds.is_finite()) {
+            if !(positive(c.seconds) && c.seconds.is_finite()) {
                 return bad(format!("corun point {i}: seconds must be positive"));
             }
         }

@@ -98,7 +98,7 @@ fn corun_pair_time_cases() {
     assert_eq!(corun_pair_time(0.0, 1.5, 1.2, 1.2), 1.5);
     // never better than the longer alone, never worse than serial * slowdown
     let t = corun_pair_time(0.7, 0.9, 1.2, 1.3);
-    assert!(t >= 0.9 && t <= 1.6 * 1.3);
+    assert!((0.9..=1.6 * 1.3).contains(&t));
 }
 
 #[test]

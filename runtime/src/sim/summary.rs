@@ -17,7 +17,7 @@ fn sparkline(values: &[f64]) -> String {
     values
         .iter()
         .map(|v| {
-            if !(*v > 0.0) {
+            if v.is_nan() || *v <= 0.0 {
                 ' '
             } else {
                 BARS[((v * 8.0).ceil() as usize).clamp(1, 8) - 1]

@@ -55,7 +55,7 @@ pub(crate) fn esc(s: &str) -> String {
 
 /// A round tick step (1, 2 or 5 times a power of ten) giving about `n` ticks over `span`.
 pub(crate) fn tick_step(span: f64, n: f64) -> f64 {
-    if !(span > 0.0) {
+    if span.is_nan() || span <= 0.0 {
         return 1.0;
     }
     let raw = span / n;
