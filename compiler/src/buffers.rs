@@ -60,6 +60,7 @@ struct Table {
 }
 
 impl Table {
+    #[allow(clippy::too_many_arguments)] // one argument per column of the buffer table
     fn add(
         &mut self,
         name: &str,

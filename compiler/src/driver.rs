@@ -261,7 +261,7 @@ fn not_run() -> SolverStats {
 
 /// Residency choices that change anything for this job (no reference: `ref_host` is moot).
 fn residency_applies(pg: &PhaseGraph, r: ResidencyChoice) -> bool {
-    !(r.ref_host && !pg.spec.reference.enabled)
+    !r.ref_host || pg.spec.reference.enabled
 }
 
 fn residency_label(r: ResidencyChoice) -> String {

@@ -35,6 +35,9 @@
 //! the granularity: that keeps the binaries to windows x 5 and the solve well under a second
 //! on the paper-scale jobs.
 
+// Variables are indexed by (class, window, option) triples; index loops read best here.
+#![allow(clippy::needless_range_loop)]
+
 use good_lp::solvers::highs::highs;
 use good_lp::{
     constraint, variable, Expression, ProblemVariables, ResolutionError, Solution, SolutionStatus,

@@ -10,6 +10,9 @@
 //! every count below is >= 1, replicas divide the prompts, a training replica's samples split
 //! into whole mini-batches and those into whole micro-batches.
 
+// `u32::is_multiple_of` is newer than the workspace's rust-version (1.85).
+#![allow(clippy::manual_is_multiple_of)]
+
 use crate::error::{CompileError, Result};
 use rollplex_plan::spec::{JobSpec, Mode};
 use rollplex_plan::{Gpu, GpuId, GpuRole, Parallelism};
