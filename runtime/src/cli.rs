@@ -111,11 +111,11 @@ fn run_sim(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
             Some(rollplex_cost::Profile::from_yaml(&text).map_err(|e| ExecError::Data(format!("{}: {e}", p.display())))?)
         }
         None if gpu.name.eq_ignore_ascii_case("h200") => {
-            Some(rollplex_cost::h200::profile().map_err(|e| ExecError::Plan(format!("built-in H200 profile: {e}")))?)
+            Some(rollplex_cost::h200::shipped().map_err(|e| ExecError::Plan(format!("built-in H200 profile: {e}")))?)
         }
         None => None,
     };
-    let cost = rollplex_cost::CostModel::new(gpu, profile.as_ref());
+    let cost = rollplex_cost::CostModel::for_cluster(&plan.spec.cluster, profile.as_ref());
     let report = crate::sim::simulate(plan, &cost).map_err(|e| ExecError::Plan(e.to_string()))?;
     let mut out = std::io::stdout().lock();
     report.print_summary(&mut out).map_err(io_err(Path::new("stdout")))?;
