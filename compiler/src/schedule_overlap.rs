@@ -10,7 +10,9 @@
 //! cumulative count per class first, then whatever else is eligible and fits. A repair pass
 //! then keeps only placements whose predecessors run before decode, in an earlier window or
 //! earlier in the same window, and whose groups are planned to have finished before the
-//! window starts.
+//! window starts. Finally, each window whose side work may save less time (on the whole GPU
+//! after decode) than its split costs decode is tried without a split, and kept so when the
+//! predicted iteration gets shorter.
 //!
 //! The weight-version rule holds by construction: only version-0 work has a side class
 //! (later steps' prefixes and micro-batches are `Role::Post`).
@@ -277,6 +279,55 @@ pub fn place(
         .collect();
     let mut in_window = fill(pg, cost, &classes, &class_list, &side_opts, &caps, &targets);
     repair(pg, &mut in_window);
+    // A window whose side work may save less than its split costs decode (by the full-GPU
+    // time of its items) is tried without a split; the predicted makespan decides.
+    let nos = options.iter().position(|o| o.side_sms == 0).unwrap_or(0);
+    let splits_of = |placed: &BTreeMap<NodeId, u32>| -> Vec<(u32, u32)> {
+        (0..windows.len())
+            .map(|w| match side_opts[w] {
+                Some(o) if placed.values().any(|&x| x as usize == w) => (o.decode_sms, o.side_sms),
+                _ => (total, 0),
+            })
+            .collect()
+    };
+    let predict = |placed: &BTreeMap<NodeId, u32>| -> f64 {
+        let p = Placement {
+            single_stream: false,
+            splits: splits_of(placed),
+            in_window: placed.clone(),
+            residency: res,
+        };
+        crate::assemble::assemble(pg, &p, cost)
+            .map(|s| s.makespan())
+            .unwrap_or(f64::INFINITY)
+    };
+    let mut best_t = predict(&in_window);
+    for w in 0..windows.len() {
+        let items: Vec<NodeId> = in_window
+            .iter()
+            .filter(|(_, &x)| x as usize == w)
+            .map(|(&i, _)| i)
+            .collect();
+        if items.is_empty() {
+            continue;
+        }
+        let saved: f64 = items
+            .iter()
+            .map(|&i| cost.time(pg.node(i).kind, &pg.node(i).work, total))
+            .sum();
+        let penalty = problem.decode_time[w][ans.option[w]] - problem.decode_time[w][nos];
+        if saved > penalty {
+            continue;
+        }
+        let mut cand = in_window.clone();
+        cand.retain(|_, x| *x as usize != w);
+        repair(pg, &mut cand);
+        let t = predict(&cand);
+        if t < best_t - 1e-9 {
+            best_t = t;
+            in_window = cand;
+        }
+    }
     let mut splits: Vec<(u32, u32)> = vec![(total, 0); windows.len()];
     for (w, s) in splits.iter_mut().enumerate() {
         if let Some(o) = side_opts[w] {
