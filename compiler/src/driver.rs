@@ -99,7 +99,7 @@ pub struct Compiled {
 
 /// The cost model a job is planned with.
 pub fn cost_model(spec: &JobSpec, profile: Option<&Profile>) -> CostModel {
-    CostModel::new(&spec.cluster.gpu, profile).with_net_bw(spec.cluster.intra_node_bw)
+    CostModel::for_cluster(&spec.cluster, profile)
 }
 
 /// Compiles `spec` into a plan.
