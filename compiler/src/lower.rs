@@ -727,7 +727,10 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
             1.0
         };
         let bytes = disaggregated_sync_bytes(&shapes, rtp) as f64;
-        let work = Work { net_bytes: bytes * slow, ..b.wl.transfer(bytes, 0.0) };
+        let work = Work {
+            net_bytes: bytes * slow,
+            ..b.wl.transfer(bytes, 0.0)
+        };
         b.add(
             "weight_sync".into(),
             WorkKind::WeightSync,

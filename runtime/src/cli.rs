@@ -35,7 +35,10 @@ pub struct RunArgs {
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ExecError + '_ {
-    move |source| ExecError::Io { path: path.display().to_string(), source }
+    move |source| ExecError::Io {
+        path: path.display().to_string(),
+        source,
+    }
 }
 
 /// Reads, decodes and verifies a plan file.
@@ -44,14 +47,19 @@ pub fn load_plan(path: &Path) -> Result<Plan, ExecError> {
     let (_, plan) = rollplex_plan::decode(&bytes)
         .map_err(|e| ExecError::Machine(format!("{}: {e}", path.display())))?;
     rollplex_plan::validate(&plan).map_err(|v| {
-        ExecError::Machine(format!("{}: the plan fails verification (recompile it with rollplexc):\n{v}", path.display()))
+        ExecError::Machine(format!(
+            "{}: the plan fails verification (recompile it with rollplexc):\n{v}",
+            path.display()
+        ))
     })?;
     Ok(plan)
 }
 
 /// Whether a CUDA driver is present on this machine (without initialising CUDA).
 pub fn cuda_present() -> bool {
-    ["/dev/nvidia0", "/dev/nvidiactl"].iter().any(|p| Path::new(p).exists())
+    ["/dev/nvidia0", "/dev/nvidiactl"]
+        .iter()
+        .any(|p| Path::new(p).exists())
 }
 
 pub fn run(args: &RunArgs) -> Result<(), ExecError> {
@@ -84,11 +92,16 @@ fn create_file(path: &Path) -> Result<std::io::BufWriter<std::fs::File>, ExecErr
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(io_err(dir))?;
     }
-    Ok(std::io::BufWriter::new(std::fs::File::create(path).map_err(io_err(path))?))
+    Ok(std::io::BufWriter::new(
+        std::fs::File::create(path).map_err(io_err(path))?,
+    ))
 }
 
 /// Writes `path` atomically: to a temporary file beside it, then renamed.
-pub fn write_atomic(path: &Path, f: impl FnOnce(&mut dyn Write) -> std::io::Result<()>) -> Result<(), ExecError> {
+pub fn write_atomic(
+    path: &Path,
+    f: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
+) -> Result<(), ExecError> {
     let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
     let result = (|| {
         let mut w = create_file(&tmp)?;
@@ -108,17 +121,23 @@ fn run_sim(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
     let profile = match &args.profile {
         Some(p) => {
             let text = std::fs::read_to_string(p).map_err(io_err(p))?;
-            Some(rollplex_cost::Profile::from_yaml(&text).map_err(|e| ExecError::Data(format!("{}: {e}", p.display())))?)
+            Some(
+                rollplex_cost::Profile::from_yaml(&text)
+                    .map_err(|e| ExecError::Data(format!("{}: {e}", p.display())))?,
+            )
         }
-        None if gpu.name.eq_ignore_ascii_case("h200") => {
-            Some(rollplex_cost::h200::shipped().map_err(|e| ExecError::Plan(format!("built-in H200 profile: {e}")))?)
-        }
+        None if gpu.name.eq_ignore_ascii_case("h200") => Some(
+            rollplex_cost::h200::shipped()
+                .map_err(|e| ExecError::Plan(format!("built-in H200 profile: {e}")))?,
+        ),
         None => None,
     };
     let cost = rollplex_cost::CostModel::for_cluster(&plan.spec.cluster, profile.as_ref());
     let report = crate::sim::simulate(plan, &cost).map_err(|e| ExecError::Plan(e.to_string()))?;
     let mut out = std::io::stdout().lock();
-    report.print_summary(&mut out).map_err(io_err(Path::new("stdout")))?;
+    report
+        .print_summary(&mut out)
+        .map_err(io_err(Path::new("stdout")))?;
     if let Some(t) = &args.trace {
         write_atomic(t, |w| report.write_chrome_trace(&mut WriteRef(w)))?;
         println!("trace: {}", t.display());
@@ -166,9 +185,14 @@ fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
     }
     let eval = |models: &exec::cpu::CpuModels, when: &str| -> Result<(), ExecError> {
         if let Some(acc) = exec::evaluate(spec, models.trainer.model(), args.eval)? {
-            println!("eval ({when}): mean reward of greedy answers to {} held-out prompts = {acc:.3}", args.eval);
-            let line = serde_json::json!({"eval": when, "prompts": args.eval, "reward_mean": acc}).to_string();
-            std::fs::write(args.out.join(format!("eval-{when}.json")), line).map_err(io_err(&args.out))?;
+            println!(
+                "eval ({when}): mean reward of greedy answers to {} held-out prompts = {acc:.3}",
+                args.eval
+            );
+            let line = serde_json::json!({"eval": when, "prompts": args.eval, "reward_mean": acc})
+                .to_string();
+            std::fs::write(args.out.join(format!("eval-{when}.json")), line)
+                .map_err(io_err(&args.out))?;
         }
         Ok(())
     };
@@ -176,14 +200,24 @@ fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
     if !args.quiet {
         println!("{}", table_header());
     }
-    exec::run_cpu_iterations(plan, &mut models, source.as_mut(), reward.as_mut(), 0, args.iterations, |it, r, dt| {
-        let line = metrics_json(it, r, dt);
-        writeln!(metrics, "{line}").and_then(|_| metrics.flush()).map_err(io_err(&metrics_path))?;
-        if !args.quiet {
-            println!("{}", table_row(it, r, dt));
-        }
-        Ok(())
-    })?;
+    exec::run_cpu_iterations(
+        plan,
+        &mut models,
+        source.as_mut(),
+        reward.as_mut(),
+        0,
+        args.iterations,
+        |it, r, dt| {
+            let line = metrics_json(it, r, dt);
+            writeln!(metrics, "{line}")
+                .and_then(|_| metrics.flush())
+                .map_err(io_err(&metrics_path))?;
+            if !args.quiet {
+                println!("{}", table_row(it, r, dt));
+            }
+            Ok(())
+        },
+    )?;
     eval(&models, "after")
 }
 

@@ -1,15 +1,15 @@
 //! The Rollplex runtime.
-pub mod train;
 pub mod chat;
-pub mod tokenizer;
-pub mod sim;
-pub mod model;
-pub mod exec;
+pub mod ckpt_state;
 pub mod cli;
 pub mod data;
+pub mod exec;
+pub mod metrics;
+pub mod model;
 pub mod preprocess;
 pub mod reward;
+pub mod sim;
 pub mod tasks;
-pub mod ckpt_state;
-pub mod metrics;
+pub mod tokenizer;
 pub mod trace;
+pub mod train;

@@ -19,8 +19,13 @@ fn compile(src: &str, mode: Mode, dedup: bool) -> Plan {
         .unwrap_or_else(|d| panic!("{}", d.render("tiny.rpx", src, false)));
     let mut spec = checked.spec;
     spec.schedule.prefix_dedup = dedup;
-    let opts = rollplex_compiler::Options { mode: Some(mode), ..Default::default() };
-    rollplex_compiler::compile(&spec, &opts).expect("tiny compiles").plan
+    let opts = rollplex_compiler::Options {
+        mode: Some(mode),
+        ..Default::default()
+    };
+    rollplex_compiler::compile(&spec, &opts)
+        .expect("tiny compiles")
+        .plan
 }
 
 /// Runs `iterations` RL iterations and returns every result plus the final weights' bits.
@@ -30,12 +35,27 @@ fn run(plan: &Plan, iterations: u32) -> (Vec<IterationResult>, Vec<u32>) {
     let mut source = exec::data_source(spec, &spec.rollout.dataset).expect("data");
     let mut reward = exec::reward_fn(spec).expect("reward");
     let mut results = Vec::new();
-    exec::run_cpu_iterations(plan, &mut models, source.as_mut(), reward.as_mut(), 0, iterations, |_, r, _| {
-        results.push(r.clone());
-        Ok(())
-    })
+    exec::run_cpu_iterations(
+        plan,
+        &mut models,
+        source.as_mut(),
+        reward.as_mut(),
+        0,
+        iterations,
+        |_, r, _| {
+            results.push(r.clone());
+            Ok(())
+        },
+    )
     .expect("run");
-    let bits = models.trainer.model().weights.data.iter().map(|x| x.to_bits()).collect();
+    let bits = models
+        .trainer
+        .model()
+        .weights
+        .data
+        .iter()
+        .map(|x| x.to_bits())
+        .collect();
     (results, bits)
 }
 
@@ -46,22 +66,66 @@ fn tiny_src() -> String {
     std::fs::read_to_string(path).expect("tests/in/e2e/overlap_small.rpx")
 }
 
-fn assert_same(a: &(Vec<IterationResult>, Vec<u32>), b: &(Vec<IterationResult>, Vec<u32>), what: &str) {
+fn assert_same(
+    a: &(Vec<IterationResult>, Vec<u32>),
+    b: &(Vec<IterationResult>, Vec<u32>),
+    what: &str,
+) {
     assert_eq!(a.0.len(), b.0.len());
     for (i, (x, y)) in a.0.iter().zip(&b.0).enumerate() {
-        assert_eq!(x.tokens, y.tokens, "{what}: iteration {i}: sampled tokens differ");
-        let bits = |v: &Vec<Vec<f32>>| v.iter().map(|r| r.iter().map(|f| f.to_bits()).collect::<Vec<_>>()).collect::<Vec<_>>();
-        assert_eq!(bits(&x.rollout_logp), bits(&y.rollout_logp), "{what}: iteration {i}: rollout log-probs differ");
-        let obits = |v: &Vec<Option<Vec<f32>>>| {
-            v.iter().map(|r| r.as_ref().map(|r| r.iter().map(|f| f.to_bits()).collect::<Vec<_>>())).collect::<Vec<_>>()
+        assert_eq!(
+            x.tokens, y.tokens,
+            "{what}: iteration {i}: sampled tokens differ"
+        );
+        let bits = |v: &Vec<Vec<f32>>| {
+            v.iter()
+                .map(|r| r.iter().map(|f| f.to_bits()).collect::<Vec<_>>())
+                .collect::<Vec<_>>()
         };
-        assert_eq!(obits(&x.ref_logp), obits(&y.ref_logp), "{what}: iteration {i}: reference log-probs differ");
-        assert_eq!(obits(&x.old_logp), obits(&y.old_logp), "{what}: iteration {i}: old log-probs differ");
+        assert_eq!(
+            bits(&x.rollout_logp),
+            bits(&y.rollout_logp),
+            "{what}: iteration {i}: rollout log-probs differ"
+        );
+        let obits = |v: &Vec<Option<Vec<f32>>>| {
+            v.iter()
+                .map(|r| {
+                    r.as_ref()
+                        .map(|r| r.iter().map(|f| f.to_bits()).collect::<Vec<_>>())
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            obits(&x.ref_logp),
+            obits(&y.ref_logp),
+            "{what}: iteration {i}: reference log-probs differ"
+        );
+        assert_eq!(
+            obits(&x.old_logp),
+            obits(&y.old_logp),
+            "{what}: iteration {i}: old log-probs differ"
+        );
         let fb = |v: &Vec<f32>| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        assert_eq!(fb(&x.rewards), fb(&y.rewards), "{what}: iteration {i}: rewards differ");
-        assert_eq!(fb(&x.advantages), fb(&y.advantages), "{what}: iteration {i}: advantages differ");
-        assert_eq!(x.metrics.loss.loss.to_bits(), y.metrics.loss.loss.to_bits(), "{what}: iteration {i}: loss differs");
-        assert_eq!(x.metrics.grad_norm.to_bits(), y.metrics.grad_norm.to_bits(), "{what}: iteration {i}: grad norm differs");
+        assert_eq!(
+            fb(&x.rewards),
+            fb(&y.rewards),
+            "{what}: iteration {i}: rewards differ"
+        );
+        assert_eq!(
+            fb(&x.advantages),
+            fb(&y.advantages),
+            "{what}: iteration {i}: advantages differ"
+        );
+        assert_eq!(
+            x.metrics.loss.loss.to_bits(),
+            y.metrics.loss.loss.to_bits(),
+            "{what}: iteration {i}: loss differs"
+        );
+        assert_eq!(
+            x.metrics.grad_norm.to_bits(),
+            y.metrics.grad_norm.to_bits(),
+            "{what}: iteration {i}: grad norm differs"
+        );
     }
     assert!(a.1 == b.1, "{what}: final weights differ");
 }
@@ -72,12 +136,29 @@ fn serial_and_overlap_plans_give_bitwise_identical_training() {
     let serial = compile(&src, Mode::Serial, true);
     let overlap = compile(&src, Mode::Overlap, true);
     // the two plans must really schedule differently, or this test proves nothing
-    let side_work = |p: &Plan| p.tasks.iter().filter(|t| t.window.is_some() && !matches!(t.op, rollplex_plan::Op::DecodeWindow { .. })).count();
-    assert_eq!(side_work(&serial), 0, "a serial plan puts no side work in decode windows");
-    assert!(side_work(&overlap) > 0, "the overlap plan should move prefix work into decode windows");
+    let side_work = |p: &Plan| {
+        p.tasks
+            .iter()
+            .filter(|t| {
+                t.window.is_some() && !matches!(t.op, rollplex_plan::Op::DecodeWindow { .. })
+            })
+            .count()
+    };
+    assert_eq!(
+        side_work(&serial),
+        0,
+        "a serial plan puts no side work in decode windows"
+    );
+    assert!(
+        side_work(&overlap) > 0,
+        "the overlap plan should move prefix work into decode windows"
+    );
     let a = run(&serial, 2);
     let b = run(&overlap, 2);
-    assert!(a.0.iter().all(|r| r.metrics.optimizer_steps > 0), "the run trained");
+    assert!(
+        a.0.iter().all(|r| r.metrics.optimizer_steps > 0),
+        "the run trained"
+    );
     assert_same(&a, &b, "serial vs overlap");
 }
 

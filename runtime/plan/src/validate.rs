@@ -773,7 +773,10 @@ pub fn waits_for_groups(op: &Op) -> bool {
             | Op::Reward { .. }
             | Op::Advantages { .. }
             | Op::TrainMicroBatch { .. }
-            | Op::ActorPrefix { groups: crate::ids::Groups::Slots(_), .. }
+            | Op::ActorPrefix {
+                groups: crate::ids::Groups::Slots(_),
+                ..
+            }
     )
 }
 

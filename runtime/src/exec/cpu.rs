@@ -31,8 +31,8 @@ use rollplex_plan::{Groups, Span};
 use super::walker::TaskRunner;
 use super::{ExecError, IterationMetrics, PromptData};
 use crate::model::{
-    sample_token, DecodeSlot, EncodedMedia, KvArena, KvSpan, MediaInput, PrefixState, Prompt, Qwen25VL, SampleKey,
-    SamplingParams,
+    sample_token, DecodeSlot, EncodedMedia, KvArena, KvSpan, MediaInput, PrefixState, Prompt,
+    Qwen25VL, SampleKey, SamplingParams,
 };
 use crate::train::backward::{GroupBatch, ResponseBatch, TrainConfig};
 use crate::train::loss::{grpo_advantages, Normaliser};
@@ -106,15 +106,16 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
         let max_new = spec.rollout.max_new_tokens;
         let prefix_rows: u64 = prompts.iter().map(|p| p.ids.len() as u64).sum();
         let cap = prefix_rows + samples as u64 * max_new as u64;
-        let cap = u32::try_from(cap).map_err(|_| ExecError::Data("KV arena over 2^32 rows".into()))?;
+        let cap =
+            u32::try_from(cap).map_err(|_| ExecError::Data("KV arena over 2^32 rows".into()))?;
         let arena = KvArena::for_model(models.trainer.model(), cap);
         let mut stop_ids = spec.actor.tokens.eos_token_ids.clone();
         stop_ids.extend(&spec.rollout.sampling.stop_token_ids);
-        let forced_len = spec
-            .rollout
-            .sampling
-            .forced_lengths
-            .then(|| (0..samples as u32).map(|s| super::forced_length(spec, iteration, s)).collect());
+        let forced_len = spec.rollout.sampling.forced_lengths.then(|| {
+            (0..samples as u32)
+                .map(|s| super::forced_length(spec, iteration, s))
+                .collect()
+        });
         Ok(CpuIteration {
             spec,
             models,
@@ -163,7 +164,11 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
         self.slot_groups
             .get(slot as usize)
             .map(|&g| g as usize)
-            .ok_or_else(|| ExecError::Plan(format!("slot {slot} used before its group finished decoding")))
+            .ok_or_else(|| {
+                ExecError::Plan(format!(
+                    "slot {slot} used before its group finished decoding"
+                ))
+            })
     }
 
     fn groups_of(&self, groups: &Groups) -> Result<Vec<usize>, ExecError> {
@@ -174,10 +179,21 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
     }
 
     fn media_inputs(p: &PromptData) -> Vec<MediaInput<'_>> {
-        p.media.iter().map(|m| MediaInput { kind: m.kind, pixels: &m.pixels, grid: m.grid }).collect()
+        p.media
+            .iter()
+            .map(|m| MediaInput {
+                kind: m.kind,
+                pixels: &m.pixels,
+                grid: m.grid,
+            })
+            .collect()
     }
 
-    fn encode(model: &Qwen25VL, p: &PromptData, copies: u32) -> Result<Vec<EncodedMedia>, ExecError> {
+    fn encode(
+        model: &Qwen25VL,
+        p: &PromptData,
+        copies: u32,
+    ) -> Result<Vec<EncodedMedia>, ExecError> {
         let inputs = Self::media_inputs(p);
         let mut out = model.encode_media(&inputs, None)?;
         // Without prefix dedup every sample encodes its own copy (the ablation's cost); the
@@ -188,14 +204,24 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
         Ok(out)
     }
 
-    fn prefill_one(model: &Qwen25VL, p: &PromptData, media: &[EncodedMedia], copies: u32) -> Result<PrefixState, ExecError> {
+    fn prefill_one(
+        model: &Qwen25VL,
+        p: &PromptData,
+        media: &[EncodedMedia],
+        copies: u32,
+    ) -> Result<PrefixState, ExecError> {
         let refs: Vec<&EncodedMedia> = media.iter().collect();
-        let prompt = Prompt { ids: &p.ids, media: &refs };
+        let prompt = Prompt {
+            ids: &p.ids,
+            media: &refs,
+        };
         let mut state = model.prefill(&[prompt], None)?;
         for _ in 1..copies {
             state = model.prefill(&[prompt], None)?;
         }
-        state.pop().ok_or_else(|| ExecError::Plan("prefill returned no state".into()))
+        state
+            .pop()
+            .ok_or_else(|| ExecError::Plan("prefill returned no state".into()))
     }
 
     fn actor_media(&mut self, g: usize, copies: u32) -> Result<Vec<EncodedMedia>, ExecError> {
@@ -214,7 +240,9 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
         if let Some(m) = &self.ref_encoded[g] {
             return Ok(m.clone());
         }
-        let reference = self.models.reference.as_ref().ok_or_else(|| ExecError::Plan("the plan scores a reference, but the job has none".into()))?;
+        let reference = self.models.reference.as_ref().ok_or_else(|| {
+            ExecError::Plan("the plan scores a reference, but the job has none".into())
+        })?;
         let m = Self::encode(reference, &self.prompts[g], copies)?;
         self.ref_encoded[g] = Some(m.clone());
         Ok(m)
@@ -223,7 +251,12 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
     fn run_prefill(&mut self, groups: Span, copies: u32) -> Result<(), ExecError> {
         for g in range(groups) {
             let media = self.actor_media(g, copies)?;
-            let state = Self::prefill_one(self.models.trainer.model(), &self.prompts[g], &media, copies)?;
+            let state = Self::prefill_one(
+                self.models.trainer.model(),
+                &self.prompts[g],
+                &media,
+                copies,
+            )?;
             self.prefixes[g] = Some(state);
         }
         // Lay out the arena once every group's prefix is known: prefixes first (in group
@@ -239,7 +272,12 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
             for s in 0..self.tokens.len() {
                 let g = s / self.group_size;
                 let p = self.prefixes[g].as_ref().expect("checked above");
-                self.slots.push(DecodeSlot::new(self.prefix_spans[g].expect("stored"), p.rope_delta, off, max_new));
+                self.slots.push(DecodeSlot::new(
+                    self.prefix_spans[g].expect("stored"),
+                    p.rope_delta,
+                    off,
+                    max_new,
+                ));
                 self.next_logits[s] = p.last_logits.clone();
                 off += max_new;
             }
@@ -254,9 +292,16 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
         self.stop_ids.contains(&tok) || len >= self.spec.rollout.max_new_tokens
     }
 
-    fn run_decode(&mut self, first_step: u32, steps: u32, until_done: bool) -> Result<(), ExecError> {
+    fn run_decode(
+        &mut self,
+        first_step: u32,
+        steps: u32,
+        until_done: bool,
+    ) -> Result<(), ExecError> {
         if self.slots.is_empty() {
-            return Err(ExecError::Plan("decode before every group's prefill".into()));
+            return Err(ExecError::Plan(
+                "decode before every group's prefill".into(),
+            ));
         }
         let v = self.spec.actor.text.vocab_size as usize;
         let temp = self.temperature();
@@ -271,9 +316,16 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
                     continue;
                 }
                 if self.tokens[s].len() as u32 != step {
-                    return Err(ExecError::Plan(format!("decode step {step} out of order for sample {s}")));
+                    return Err(ExecError::Plan(format!(
+                        "decode step {step} out of order for sample {s}"
+                    )));
                 }
-                let key = SampleKey { seed: self.spec.seed, iteration: self.iteration, sample: s as u32, step };
+                let key = SampleKey {
+                    seed: self.spec.seed,
+                    iteration: self.iteration,
+                    sample: s as u32,
+                    step,
+                };
                 let row = &self.next_logits[s];
                 let tok = sample_token(row, &self.sampling, key)?;
                 let mut lp = [0f32];
@@ -296,7 +348,12 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
             }
             if !feed_samples.is_empty() {
                 let mut logits = vec![0f32; feed_samples.len() * v];
-                self.models.trainer.model().decode_step(&mut self.arena, &mut feed_slots, &feed_tokens, &mut logits)?;
+                self.models.trainer.model().decode_step(
+                    &mut self.arena,
+                    &mut feed_slots,
+                    &feed_tokens,
+                    &mut logits,
+                )?;
                 for (i, &s) in feed_samples.iter().enumerate() {
                     self.slots[s] = feed_slots[i];
                     self.next_logits[s] = logits[i * v..(i + 1) * v].to_vec();
@@ -306,12 +363,15 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
             self.metrics.decode_steps = self.metrics.decode_steps.max(step);
         }
         newly_done.sort();
-        self.slot_groups.extend(newly_done.into_iter().map(|(_, g)| g));
+        self.slot_groups
+            .extend(newly_done.into_iter().map(|(_, g)| g));
         Ok(())
     }
 
     fn responses(&self, g: usize) -> Vec<&[u32]> {
-        (g * self.group_size..(g + 1) * self.group_size).map(|s| self.tokens[s].as_slice()).collect()
+        (g * self.group_size..(g + 1) * self.group_size)
+            .map(|s| self.tokens[s].as_slice())
+            .collect()
     }
 
     fn score_into(
@@ -320,10 +380,19 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
         responses: &[&[u32]],
         temp: f32,
     ) -> Result<Vec<Vec<f32>>, ExecError> {
-        Ok(model.score(prefix, responses, temp, None)?.into_iter().map(|s| s.logp).collect())
+        Ok(model
+            .score(prefix, responses, temp, None)?
+            .into_iter()
+            .map(|s| s.logp)
+            .collect())
     }
 
-    fn run_train_micro_batch(&mut self, step: u32, micro_batch: u32, samples: Span) -> Result<(), ExecError> {
+    fn run_train_micro_batch(
+        &mut self,
+        step: u32,
+        micro_batch: u32,
+        samples: Span,
+    ) -> Result<(), ExecError> {
         let g = self.group_size as u32;
         if samples.start % g != 0 || samples.len() % g != 0 {
             return Err(ExecError::Unsupported(format!(
@@ -336,20 +405,30 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
         let norm = self.mini_batch_normaliser(Span::new(mb_start, mb_start + mini))?;
         let temp = self.temperature();
         let slots: Vec<u32> = (samples.start / g..samples.end / g).collect();
-        let groups: Vec<usize> = slots.iter().map(|&k| self.group_of_slot(k)).collect::<Result<_, _>>()?;
+        let groups: Vec<usize> = slots
+            .iter()
+            .map(|&k| self.group_of_slot(k))
+            .collect::<Result<_, _>>()?;
         // owned per-response inputs, then borrowed views
         let mut owned: Vec<Vec<(Vec<f32>, Vec<f32>, Option<Vec<f32>>, Vec<bool>)>> = Vec::new();
         for &grp in &groups {
             let mut rs = Vec::new();
             for s in grp * self.group_size..(grp + 1) * self.group_size {
                 let n = self.tokens[s].len();
-                let adv = self.advantages[s].ok_or_else(|| ExecError::Plan(format!("sample {s} trained before its advantage")))?;
-                let old = self.old_logp[s].clone().unwrap_or_else(|| self.rollout_logp[s].clone());
+                let adv = self.advantages[s].ok_or_else(|| {
+                    ExecError::Plan(format!("sample {s} trained before its advantage"))
+                })?;
+                let old = self.old_logp[s]
+                    .clone()
+                    .unwrap_or_else(|| self.rollout_logp[s].clone());
                 rs.push((old, vec![adv; n], self.ref_logp[s].clone(), vec![true; n]));
             }
             owned.push(rs);
         }
-        let media: Vec<Vec<MediaInput<'_>>> = groups.iter().map(|&grp| Self::media_inputs(&self.prompts[grp])).collect();
+        let media: Vec<Vec<MediaInput<'_>>> = groups
+            .iter()
+            .map(|&grp| Self::media_inputs(&self.prompts[grp]))
+            .collect();
         let responses: Vec<Vec<ResponseBatch<'_>>> = groups
             .iter()
             .zip(&owned)
@@ -369,7 +448,11 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
         let batch: Vec<GroupBatch<'_>> = groups
             .iter()
             .enumerate()
-            .map(|(i, &grp)| GroupBatch { prompt_ids: &self.prompts[grp].ids, media: &media[i], responses: &responses[i] })
+            .map(|(i, &grp)| GroupBatch {
+                prompt_ids: &self.prompts[grp].ids,
+                media: &media[i],
+                responses: &responses[i],
+            })
             .collect();
         let _ = temp;
         let out = self.models.trainer.micro_batch(micro_batch, &batch, norm)?;
@@ -389,7 +472,10 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
             }
         }
         let _ = LossAgg::TokenMean;
-        Ok(Normaliser { tokens, seqs: samples.len() as usize })
+        Ok(Normaliser {
+            tokens,
+            seqs: samples.len() as usize,
+        })
     }
 
     /// Results of the iteration, for metrics, tests and the bitwise invariant.
@@ -401,7 +487,11 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
             ref_logp: self.ref_logp,
             old_logp: self.old_logp,
             rewards: self.rewards.iter().map(|r| r.unwrap_or(f32::NAN)).collect(),
-            advantages: self.advantages.iter().map(|a| a.unwrap_or(f32::NAN)).collect(),
+            advantages: self
+                .advantages
+                .iter()
+                .map(|a| a.unwrap_or(f32::NAN))
+                .collect(),
             slot_groups: self.slot_groups,
             group_size: g as u32,
             metrics: self.metrics,
@@ -425,43 +515,84 @@ impl TaskRunner for CpuIteration<'_, '_> {
         match &task.op {
             Op::EncodeMedia { groups, copies } => {
                 for g in range(*groups) {
-                    self.encoded[g] = Some(Self::encode(self.models.trainer.model(), &self.prompts[g], *copies)?);
+                    self.encoded[g] = Some(Self::encode(
+                        self.models.trainer.model(),
+                        &self.prompts[g],
+                        *copies,
+                    )?);
                 }
             }
             Op::Prefill { groups, copies } => self.run_prefill(*groups, *copies)?,
-            Op::DecodeWindow { first_step, steps, until_done } => self.run_decode(*first_step, *steps, *until_done)?,
+            Op::DecodeWindow {
+                first_step,
+                steps,
+                until_done,
+            } => self.run_decode(*first_step, *steps, *until_done)?,
             Op::RefPrefix { groups, copies } => {
                 for g in range(*groups) {
                     let media = self.ref_media(g, *copies)?;
-                    let reference = self.models.reference.as_ref().ok_or_else(|| ExecError::Plan("the plan scores a reference, but the job has none".into()))?;
-                    self.ref_prefixes[g] = Some(Self::prefill_one(reference, &self.prompts[g], &media, *copies)?);
+                    let reference = self.models.reference.as_ref().ok_or_else(|| {
+                        ExecError::Plan("the plan scores a reference, but the job has none".into())
+                    })?;
+                    self.ref_prefixes[g] = Some(Self::prefill_one(
+                        reference,
+                        &self.prompts[g],
+                        &media,
+                        *copies,
+                    )?);
                 }
             }
             Op::RefSuffix { slot } => {
                 let g = self.group_of_slot(*slot)?;
-                let prefix = self.ref_prefixes[g].as_ref().ok_or_else(|| ExecError::Plan(format!("ref suffix of group {g} before its prefix")))?;
-                let reference = self.models.reference.as_ref().ok_or_else(|| ExecError::Plan("no reference model".into()))?;
+                let prefix = self.ref_prefixes[g].as_ref().ok_or_else(|| {
+                    ExecError::Plan(format!("ref suffix of group {g} before its prefix"))
+                })?;
+                let reference = self
+                    .models
+                    .reference
+                    .as_ref()
+                    .ok_or_else(|| ExecError::Plan("no reference model".into()))?;
                 let lps = Self::score_into(reference, prefix, &self.responses(g), temp)?;
                 for (m, lp) in lps.into_iter().enumerate() {
                     self.ref_logp[g * self.group_size + m] = Some(lp);
                 }
             }
-            Op::ActorPrefix { groups, copies, purpose } => match purpose {
+            Op::ActorPrefix {
+                groups,
+                copies,
+                purpose,
+            } => match purpose {
                 Purpose::OldLogProb => {
                     for g in self.groups_of(groups)? {
                         let media = self.actor_media(g, *copies)?;
-                        self.old_prefixes[g] = Some(Self::prefill_one(self.models.trainer.model(), &self.prompts[g], &media, *copies)?);
+                        self.old_prefixes[g] = Some(Self::prefill_one(
+                            self.models.trainer.model(),
+                            &self.prompts[g],
+                            &media,
+                            *copies,
+                        )?);
                     }
                 }
                 Purpose::Train { .. } => self.metrics.train_prefix_tasks += 1,
             },
             Op::ActorSuffix { slot, purpose } => {
                 if *purpose != Purpose::OldLogProb {
-                    return Err(ExecError::Unsupported("actor suffix forward for training outside a micro-batch".into()));
+                    return Err(ExecError::Unsupported(
+                        "actor suffix forward for training outside a micro-batch".into(),
+                    ));
                 }
                 let g = self.group_of_slot(*slot)?;
-                let prefix = self.old_prefixes[g].as_ref().ok_or_else(|| ExecError::Plan(format!("old-log-prob suffix of group {g} before its prefix")))?;
-                let lps = Self::score_into(self.models.trainer.model(), prefix, &self.responses(g), temp)?;
+                let prefix = self.old_prefixes[g].as_ref().ok_or_else(|| {
+                    ExecError::Plan(format!(
+                        "old-log-prob suffix of group {g} before its prefix"
+                    ))
+                })?;
+                let lps = Self::score_into(
+                    self.models.trainer.model(),
+                    prefix,
+                    &self.responses(g),
+                    temp,
+                )?;
                 for (m, lp) in lps.into_iter().enumerate() {
                     self.old_logp[g * self.group_size + m] = Some(lp);
                 }
@@ -469,7 +600,8 @@ impl TaskRunner for CpuIteration<'_, '_> {
             Op::Reward { slot } => {
                 let g = self.group_of_slot(*slot)?;
                 let members = g * self.group_size..(g + 1) * self.group_size;
-                let responses: Vec<&[u32]> = self.tokens[members].iter().map(Vec::as_slice).collect();
+                let responses: Vec<&[u32]> =
+                    self.tokens[members].iter().map(Vec::as_slice).collect();
                 let rewards = (self.reward)(&self.prompts[g], &responses)?;
                 if rewards.len() != self.group_size || rewards.iter().any(|r| !r.is_finite()) {
                     return Err(ExecError::Reward(format!(
@@ -486,7 +618,11 @@ impl TaskRunner for CpuIteration<'_, '_> {
                 let members = g * self.group_size..(g + 1) * self.group_size;
                 let rewards: Vec<f32> = members
                     .clone()
-                    .map(|s| self.rewards[s].ok_or_else(|| ExecError::Plan(format!("advantage of sample {s} before its reward"))))
+                    .map(|s| {
+                        self.rewards[s].ok_or_else(|| {
+                            ExecError::Plan(format!("advantage of sample {s} before its reward"))
+                        })
+                    })
                     .collect::<Result<_, _>>()?;
                 let norm_std = self.spec.train.algorithm.loss().norm_adv_by_std;
                 let adv = grpo_advantages(&rewards, self.group_size, norm_std)?;
@@ -494,13 +630,19 @@ impl TaskRunner for CpuIteration<'_, '_> {
                     self.advantages[s] = Some(a);
                 }
             }
-            Op::TrainMicroBatch { step, micro_batch, samples, .. } => self.run_train_micro_batch(*step, *micro_batch, *samples)?,
+            Op::TrainMicroBatch {
+                step,
+                micro_batch,
+                samples,
+                ..
+            } => self.run_train_micro_batch(*step, *micro_batch, *samples)?,
             Op::OptimizerStep { .. } => {
                 let report = self.models.trainer.optimizer_step()?;
                 self.metrics.grad_norm = report.step.grad_norm;
                 self.metrics.optimizer_steps += 1;
             }
-            Op::WeightSync { .. } | Op::Reshard { .. } | Op::Offload { .. } | Op::Reload { .. } => {}
+            Op::WeightSync { .. } | Op::Reshard { .. } | Op::Offload { .. } | Op::Reload { .. } => {
+            }
         }
         self.metrics.tasks += 1;
         Ok(())
@@ -510,5 +652,9 @@ impl TaskRunner for CpuIteration<'_, '_> {
 /// Builds the training config the trainer runs with.
 pub fn train_config(spec: &JobSpec) -> Result<TrainConfig, ExecError> {
     let t = spec.rollout.sampling.temperature as f32;
-    Ok(TrainConfig::from_spec(&spec.train, if t > 0.0 { t } else { 1.0 }, None)?)
+    Ok(TrainConfig::from_spec(
+        &spec.train,
+        if t > 0.0 { t } else { 1.0 },
+        None,
+    )?)
 }

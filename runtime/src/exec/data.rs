@@ -38,9 +38,11 @@ impl PromptBuilder {
         let (tokenizer, template, image_cfg, video_cfg) = match &spec.actor.weights {
             WeightsSource::Checkpoint { path } => {
                 let dir = std::path::Path::new(path);
-                let tok = TextTokenizer::from_file(dir.join("tokenizer.json")).map_err(|e| data(e.to_string()))?;
+                let tok = TextTokenizer::from_file(dir.join("tokenizer.json"))
+                    .map_err(|e| data(e.to_string()))?;
                 let tpl = ChatTemplate::from_checkpoint(dir).map_err(|e| data(e.to_string()))?;
-                let (img, vid) = PreprocessConfig::from_checkpoint(dir).map_err(|e| data(e.to_string()))?;
+                let (img, vid) =
+                    PreprocessConfig::from_checkpoint(dir).map_err(|e| data(e.to_string()))?;
                 (tok, tpl, img, vid)
             }
             WeightsSource::Random { .. } => {
@@ -61,7 +63,13 @@ impl PromptBuilder {
             }
         };
         check_tokens(spec, &tokenizer)?;
-        Ok(PromptBuilder { tokenizer, template, image_cfg, video_cfg, merge: v.spatial_merge_size })
+        Ok(PromptBuilder {
+            tokenizer,
+            template,
+            image_cfg,
+            video_cfg,
+            merge: v.spatial_merge_size,
+        })
     }
 
     pub fn tokenizer(&self) -> &TextTokenizer {
@@ -69,28 +77,67 @@ impl PromptBuilder {
     }
 
     /// One prompt from a sample whose media are already decoded to frames.
-    pub fn build(&self, sample: &Sample, images: &[RgbImage], video: Option<&[RgbImage]>) -> Result<PromptData, ExecError> {
+    pub fn build(
+        &self,
+        sample: &Sample,
+        images: &[RgbImage],
+        video: Option<&[RgbImage]>,
+    ) -> Result<PromptData, ExecError> {
         let mut media = Vec::new();
         let mut grids = Vec::new();
         for img in images {
-            let p = preprocess_image(img, &self.image_cfg).map_err(|e| ExecError::Data(format!("sample {}: {e}", sample.id)))?;
-            grids.push(MediaGrid { kind: ChatMedia::Image, grid_thw: p.grid_thw });
-            media.push(MediaData { kind: MediaKind::Image, pixels: p.pixel_values, grid: p.grid_thw });
+            let p = preprocess_image(img, &self.image_cfg)
+                .map_err(|e| ExecError::Data(format!("sample {}: {e}", sample.id)))?;
+            grids.push(MediaGrid {
+                kind: ChatMedia::Image,
+                grid_thw: p.grid_thw,
+            });
+            media.push(MediaData {
+                kind: MediaKind::Image,
+                pixels: p.pixel_values,
+                grid: p.grid_thw,
+            });
         }
         if let Some(frames) = video {
-            let p = preprocess_video(frames, &self.video_cfg).map_err(|e| ExecError::Data(format!("sample {}: {e}", sample.id)))?;
-            grids.push(MediaGrid { kind: ChatMedia::Video, grid_thw: p.grid_thw });
-            media.push(MediaData { kind: MediaKind::Video { second_per_grid_t: None }, pixels: p.pixel_values, grid: p.grid_thw });
+            let p = preprocess_video(frames, &self.video_cfg)
+                .map_err(|e| ExecError::Data(format!("sample {}: {e}", sample.id)))?;
+            grids.push(MediaGrid {
+                kind: ChatMedia::Video,
+                grid_thw: p.grid_thw,
+            });
+            media.push(MediaData {
+                kind: MediaKind::Video {
+                    second_per_grid_t: None,
+                },
+                pixels: p.pixel_values,
+                grid: p.grid_thw,
+            });
         }
-        let messages = sample.messages().map_err(|e| ExecError::Data(e.to_string()))?;
-        let ids = prompt_ids(&self.tokenizer, &self.template, &messages, &grids, self.merge)
-            .map_err(|e| ExecError::Data(format!("sample {}: {e}", sample.id)))?;
-        Ok(PromptData { id: sample.id.clone(), text: sample.prompt.clone(), ids: ids.ids, media, answer: sample.answer.clone() })
+        let messages = sample
+            .messages()
+            .map_err(|e| ExecError::Data(e.to_string()))?;
+        let ids = prompt_ids(
+            &self.tokenizer,
+            &self.template,
+            &messages,
+            &grids,
+            self.merge,
+        )
+        .map_err(|e| ExecError::Data(format!("sample {}: {e}", sample.id)))?;
+        Ok(PromptData {
+            id: sample.id.clone(),
+            text: sample.prompt.clone(),
+            ids: ids.ids,
+            media,
+            answer: sample.answer.clone(),
+        })
     }
 
     /// Decodes response tokens to text (special tokens dropped).
     pub fn decode(&self, tokens: &[u32]) -> Result<String, ExecError> {
-        self.tokenizer.decode(tokens, true).map_err(|e| ExecError::Data(e.to_string()))
+        self.tokenizer
+            .decode(tokens, true)
+            .map_err(|e| ExecError::Data(e.to_string()))
     }
 }
 
@@ -100,8 +147,16 @@ fn check_tokens(spec: &JobSpec, tok: &TextTokenizer) -> Result<(), ExecError> {
     let pairs = [
         ("image_token_id", m.image_token_id, t.image_token_id),
         ("video_token_id", m.video_token_id, t.video_token_id),
-        ("vision_start_token_id", m.vision_start_token_id, t.vision_start_token_id),
-        ("vision_end_token_id", m.vision_end_token_id, t.vision_end_token_id),
+        (
+            "vision_start_token_id",
+            m.vision_start_token_id,
+            t.vision_start_token_id,
+        ),
+        (
+            "vision_end_token_id",
+            m.vision_end_token_id,
+            t.vision_end_token_id,
+        ),
     ];
     for (name, model, tokenizer) in pairs {
         if model != tokenizer {
@@ -131,14 +186,25 @@ impl ShapesSource {
                 )))
             }
         };
-        let sampler = Sampler::new(size as usize, spec.rollout.prompts_per_iter, spec.seed, true)
-            .map_err(|e| ExecError::Data(e.to_string()))?;
-        Ok(ShapesSource { builder: PromptBuilder::for_spec(spec)?, cfg: ShapesConfig::for_size(frames, side), seed: spec.seed, sampler })
+        let sampler = Sampler::new(
+            size as usize,
+            spec.rollout.prompts_per_iter,
+            spec.seed,
+            true,
+        )
+        .map_err(|e| ExecError::Data(e.to_string()))?;
+        Ok(ShapesSource {
+            builder: PromptBuilder::for_spec(spec)?,
+            cfg: ShapesConfig::for_size(frames, side),
+            seed: spec.seed,
+            sampler,
+        })
     }
 
     /// Example `index` of `split` as a prompt.
     pub fn prompt(&self, split: Split, index: u64) -> Result<PromptData, ExecError> {
-        let s = render(&self.cfg, self.seed, split, index).map_err(|e| ExecError::Data(e.to_string()))?;
+        let s = render(&self.cfg, self.seed, split, index)
+            .map_err(|e| ExecError::Data(e.to_string()))?;
         let sample = Sample {
             id: format!("{}-{index}", split.name()),
             system: None,
@@ -158,9 +224,14 @@ impl PromptSource for ShapesSource {
     fn prompts(&mut self, iteration: u32, count: usize) -> Result<Vec<PromptData>, ExecError> {
         let (_, idx) = self.sampler.batch(iteration as u64);
         if idx.len() != count {
-            return Err(ExecError::Data(format!("the sampler gave {} prompts, the plan needs {count}", idx.len())));
+            return Err(ExecError::Data(format!(
+                "the sampler gave {} prompts, the plan needs {count}",
+                idx.len()
+            )));
         }
-        idx.into_iter().map(|i| self.prompt(Split::Train, i as u64)).collect()
+        idx.into_iter()
+            .map(|i| self.prompt(Split::Train, i as u64))
+            .collect()
     }
 }
 
@@ -175,9 +246,13 @@ impl PromptSource for DatasetSource {
     fn prompts(&mut self, iteration: u32, count: usize) -> Result<Vec<PromptData>, ExecError> {
         let (_, idx) = self.sampler.batch(iteration as u64);
         if idx.len() != count {
-            return Err(ExecError::Data(format!("the sampler gave {} prompts, the plan needs {count}", idx.len())));
+            return Err(ExecError::Data(format!(
+                "the sampler gave {} prompts, the plan needs {count}",
+                idx.len()
+            )));
         }
-        let load = |m: &crate::data::MediaSource| m.load().map_err(|e| ExecError::Data(e.to_string()));
+        let load =
+            |m: &crate::data::MediaSource| m.load().map_err(|e| ExecError::Data(e.to_string()));
         idx.into_iter()
             .map(|i| {
                 let s = &self.data.samples[i];
@@ -198,10 +273,15 @@ impl PromptSource for DatasetSource {
 }
 
 /// The prompt source a job's dataset spec names.
-pub fn data_source(spec: &JobSpec, dataset: &DatasetSpec) -> Result<Box<dyn PromptSource>, ExecError> {
+pub fn data_source(
+    spec: &JobSpec,
+    dataset: &DatasetSpec,
+) -> Result<Box<dyn PromptSource>, ExecError> {
     match dataset {
         DatasetSpec::Synthetic => Ok(Box::new(super::prompts::SyntheticPrompts::new(spec))),
-        DatasetSpec::Generated { name, size } if name == "moving_shapes" => Ok(Box::new(ShapesSource::new(spec, *size)?)),
+        DatasetSpec::Generated { name, size } if name == "moving_shapes" => {
+            Ok(Box::new(ShapesSource::new(spec, *size)?))
+        }
         DatasetSpec::Generated { name, .. } => Err(ExecError::Data(format!(
             "unknown generated dataset {name:?} (known: moving_shapes)"
         ))),
@@ -209,48 +289,68 @@ pub fn data_source(spec: &JobSpec, dataset: &DatasetSpec) -> Result<Box<dyn Prom
             let data = Dataset::load(path).map_err(|e| ExecError::Data(e.to_string()))?;
             let sampler = Sampler::new(data.len(), spec.rollout.prompts_per_iter, spec.seed, true)
                 .map_err(|e| ExecError::Data(format!("{path}: {e}")))?;
-            Ok(Box::new(DatasetSource { builder: PromptBuilder::for_spec(spec)?, data, sampler }))
+            Ok(Box::new(DatasetSource {
+                builder: PromptBuilder::for_spec(spec)?,
+                data,
+                sampler,
+            }))
         }
     }
 }
 
 /// The job's reward as the loop calls it: decode each response, score the group.
 pub fn reward_fn(spec: &JobSpec) -> Result<Box<RewardFn<'static>>, ExecError> {
-    let mut reward = Reward::from_spec(&spec.reward).map_err(|e| ExecError::Reward(e.to_string()))?;
+    let mut reward =
+        Reward::from_spec(&spec.reward).map_err(|e| ExecError::Reward(e.to_string()))?;
     let synthetic = matches!(spec.rollout.dataset, DatasetSpec::Synthetic);
-    let builder = if synthetic { None } else { Some(PromptBuilder::for_spec(spec)?) };
-    Ok(Box::new(move |prompt: &PromptData, responses: &[&[u32]]| {
-        let Some(builder) = &builder else {
-            // synthetic prompts have no answers: benchmarks time the loop, not the reward
-            return Ok(vec![0.0; responses.len()]);
-        };
-        let reqs = responses
-            .iter()
-            .enumerate()
-            .map(|(k, r)| {
-                Ok(RewardRequest {
-                    id: format!("{}/{k}", prompt.id),
-                    prompt: prompt.text.clone(),
-                    response: builder.decode(r)?,
-                    answer: prompt.answer.clone(),
+    let builder = if synthetic {
+        None
+    } else {
+        Some(PromptBuilder::for_spec(spec)?)
+    };
+    Ok(Box::new(
+        move |prompt: &PromptData, responses: &[&[u32]]| {
+            let Some(builder) = &builder else {
+                // synthetic prompts have no answers: benchmarks time the loop, not the reward
+                return Ok(vec![0.0; responses.len()]);
+            };
+            let reqs = responses
+                .iter()
+                .enumerate()
+                .map(|(k, r)| {
+                    Ok(RewardRequest {
+                        id: format!("{}/{k}", prompt.id),
+                        prompt: prompt.text.clone(),
+                        response: builder.decode(r)?,
+                        answer: prompt.answer.clone(),
+                    })
                 })
-            })
-            .collect::<Result<Vec<_>, ExecError>>()?;
-        let scores = reward.score(&reqs).map_err(|e| ExecError::Reward(e.to_string()))?;
-        Ok(scores.into_iter().map(|s| s as f32).collect())
-    }))
+                .collect::<Result<Vec<_>, ExecError>>()?;
+            let scores = reward
+                .score(&reqs)
+                .map_err(|e| ExecError::Reward(e.to_string()))?;
+            Ok(scores.into_iter().map(|s| s as f32).collect())
+        },
+    ))
 }
 
 /// Held-out accuracy: the mean reward of greedy answers to the first `n` test-split prompts of
 /// the moving-shapes task. `None` when the job's data has no test split.
-pub fn evaluate(spec: &JobSpec, model: &crate::model::Qwen25VL, n: u32) -> Result<Option<f64>, ExecError> {
+pub fn evaluate(
+    spec: &JobSpec,
+    model: &crate::model::Qwen25VL,
+    n: u32,
+) -> Result<Option<f64>, ExecError> {
     use crate::model::{EncodedMedia, GenerateConfig, MediaInput, Prompt, SamplingParams};
-    let DatasetSpec::Generated { name, size } = &spec.rollout.dataset else { return Ok(None) };
+    let DatasetSpec::Generated { name, size } = &spec.rollout.dataset else {
+        return Ok(None);
+    };
     if name != "moving_shapes" || n == 0 {
         return Ok(None);
     }
     let source = ShapesSource::new(spec, *size)?;
-    let mut reward = Reward::from_spec(&spec.reward).map_err(|e| ExecError::Reward(e.to_string()))?;
+    let mut reward =
+        Reward::from_spec(&spec.reward).map_err(|e| ExecError::Reward(e.to_string()))?;
     let mut stop_ids = spec.actor.tokens.eos_token_ids.clone();
     stop_ids.extend(&spec.rollout.sampling.stop_token_ids);
     let cfg = GenerateConfig {
@@ -263,11 +363,26 @@ pub fn evaluate(spec: &JobSpec, model: &crate::model::Qwen25VL, n: u32) -> Resul
     let mut total = 0.0;
     for i in 0..n {
         let p = source.prompt(Split::Test, i as u64)?;
-        let inputs: Vec<MediaInput<'_>> =
-            p.media.iter().map(|m| MediaInput { kind: m.kind, pixels: &m.pixels, grid: m.grid }).collect();
+        let inputs: Vec<MediaInput<'_>> = p
+            .media
+            .iter()
+            .map(|m| MediaInput {
+                kind: m.kind,
+                pixels: &m.pixels,
+                grid: m.grid,
+            })
+            .collect();
         let media = model.encode_media(&inputs, None)?;
         let refs: Vec<&EncodedMedia> = media.iter().collect();
-        let prefix = model.prefill(&[Prompt { ids: &p.ids, media: &refs }], None)?.remove(0);
+        let prefix = model
+            .prefill(
+                &[Prompt {
+                    ids: &p.ids,
+                    media: &refs,
+                }],
+                None,
+            )?
+            .remove(0);
         let out = model.generate_group(&prefix, &[i], &cfg)?;
         let req = RewardRequest {
             id: p.id.clone(),
@@ -275,7 +390,9 @@ pub fn evaluate(spec: &JobSpec, model: &crate::model::Qwen25VL, n: u32) -> Resul
             response: source.builder().decode(&out[0].tokens)?,
             answer: p.answer.clone(),
         };
-        total += reward.score(&[req]).map_err(|e| ExecError::Reward(e.to_string()))?[0];
+        total += reward
+            .score(&[req])
+            .map_err(|e| ExecError::Reward(e.to_string()))?[0];
     }
     Ok(Some(total / n as f64))
 }

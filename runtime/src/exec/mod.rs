@@ -50,7 +50,10 @@ pub enum ExecError {
     #[error(transparent)]
     Kernel(#[from] rollplex_kernels::KernelError),
     #[error("{path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
 }
 
 impl From<String> for ExecError {
@@ -149,12 +152,17 @@ fn mean(it: impl Iterator<Item = f64>) -> f64 {
 /// `forced_lengths`): drawn from the declared distribution with a Philox key of its own, capped
 /// at max_new_tokens, at least 1.
 pub fn forced_length(spec: &JobSpec, iteration: u32, sample: u32) -> u32 {
-    let r = philox4x32_10([iteration, sample, 0, 0x4C45_4E47], [spec.seed as u32, (spec.seed >> 32) as u32]);
+    let r = philox4x32_10(
+        [iteration, sample, 0, 0x4C45_4E47],
+        [spec.seed as u32, (spec.seed >> 32) as u32],
+    );
     let (u1, u2) = (uniform_open01(r[0], r[1]), uniform_open01(r[2], r[3]));
     let max = spec.rollout.max_new_tokens.max(1);
     let len = match spec.rollout.response_len {
         LengthDist::Fixed { tokens } => tokens as f64,
-        LengthDist::Uniform { min, max: hi } => min as f64 + (u1 * ((hi.max(min) - min + 1) as f64)).floor(),
+        LengthDist::Uniform { min, max: hi } => {
+            min as f64 + (u1 * ((hi.max(min) - min + 1) as f64)).floor()
+        }
         LengthDist::LogNormal { median, sigma } => {
             // Box-Muller: a standard normal from two uniforms
             let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
@@ -202,7 +210,11 @@ pub fn build_cpu_models(spec: &JobSpec) -> Result<cpu::CpuModels, ExecError> {
         WeightsSource::Checkpoint { path } => Qwen25VL::load(std::path::Path::new(path))?,
     };
     let reference = spec.reference.enabled.then(|| actor.clone());
-    let trainer = crate::train::step::Trainer::new(actor, cpu::train_config(spec)?, spec.train.optimizer.clone())?;
+    let trainer = crate::train::step::Trainer::new(
+        actor,
+        cpu::train_config(spec)?,
+        spec.train.optimizer.clone(),
+    )?;
     Ok(cpu::CpuModels { trainer, reference })
 }
 

@@ -26,9 +26,19 @@ pub fn media_grid(spec: &JobSpec) -> Option<(MediaKind, Grid, u32)> {
     let (p, tp) = (v.patch_size, v.temporal_patch_size);
     match spec.rollout.media {
         MediaSpec::None => None,
-        MediaSpec::Image { count, height, width } => Some((MediaKind::Image, [1, height / p, width / p], count)),
-        MediaSpec::Video { frames, height, width } => Some((
-            MediaKind::Video { second_per_grid_t: None },
+        MediaSpec::Image {
+            count,
+            height,
+            width,
+        } => Some((MediaKind::Image, [1, height / p, width / p], count)),
+        MediaSpec::Video {
+            frames,
+            height,
+            width,
+        } => Some((
+            MediaKind::Video {
+                second_per_grid_t: None,
+            },
             [frames.div_ceil(tp), height / p, width / p],
             1,
         )),
@@ -55,12 +65,18 @@ impl PromptSource for SyntheticPrompts {
     fn prompts(&mut self, iteration: u32, count: usize) -> Result<Vec<PromptData>, ExecError> {
         let t = &self.spec.actor.tokens;
         let vocab = self.spec.actor.text.vocab_size;
-        let mut special = vec![t.image_token_id, t.video_token_id, t.vision_start_token_id, t.vision_end_token_id];
+        let mut special = vec![
+            t.image_token_id,
+            t.video_token_id,
+            t.vision_start_token_id,
+            t.vision_end_token_id,
+        ];
         special.extend(&t.eos_token_ids);
         special.extend(&self.spec.rollout.sampling.stop_token_ids);
         let merge = self.spec.actor.vision.spatial_merge_size;
         let v = &self.spec.actor.vision;
-        let patch_dim = (v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size) as usize;
+        let patch_dim =
+            (v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size) as usize;
         let mut out = Vec::with_capacity(count);
         for g in 0..count as u32 {
             let key = iteration.wrapping_mul(1 << 20).wrapping_add(g);
@@ -91,7 +107,13 @@ impl PromptSource for SyntheticPrompts {
                 }
             }
             let mut i = 0u32;
-            while (ids.len() as u32) < self.spec.rollout.prompt_text_tokens + media.iter().map(|m| (m.grid.iter().product::<u32>() / (merge * merge)) + 2).sum::<u32>() {
+            while (ids.len() as u32)
+                < self.spec.rollout.prompt_text_tokens
+                    + media
+                        .iter()
+                        .map(|m| (m.grid.iter().product::<u32>() / (merge * merge)) + 2)
+                        .sum::<u32>()
+            {
                 let r = self.rand(key, u32::MAX, i);
                 i += 1;
                 let id = r[0] % vocab;
@@ -99,7 +121,13 @@ impl PromptSource for SyntheticPrompts {
                     ids.push(id);
                 }
             }
-            out.push(PromptData { id: format!("synthetic-{iteration}-{g}"), text: String::new(), ids, media, answer: String::new() });
+            out.push(PromptData {
+                id: format!("synthetic-{iteration}-{g}"),
+                text: String::new(),
+                ids,
+                media,
+                answer: String::new(),
+            });
         }
         Ok(out)
     }

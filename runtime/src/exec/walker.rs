@@ -31,7 +31,10 @@ pub fn waits_for_slot(op: &Op) -> Option<u32> {
         | Op::ActorSuffix { slot, .. }
         | Op::Reward { slot }
         | Op::Advantages { slot } => Some(*slot),
-        Op::ActorPrefix { groups: rollplex_plan::Groups::Slots(s), .. } => s.end.checked_sub(1),
+        Op::ActorPrefix {
+            groups: rollplex_plan::Groups::Slots(s),
+            ..
+        } => s.end.checked_sub(1),
         // counted in samples, see `ready` in `walk`
         Op::TrainMicroBatch { samples, .. } => Some(samples.end.saturating_sub(1)),
         _ => None,
@@ -46,15 +49,25 @@ pub fn walk<R: TaskRunner>(
     runner: &mut R,
     mut on_task: impl FnMut(TaskId, usize),
 ) -> Result<(), R::Error> {
-    let streams: Vec<StreamId> = plan.streams.iter().filter(|s| s.gpu == gpu).map(|s| s.id).collect();
-    let queues: Vec<Vec<&Task>> = streams.iter().map(|&s| plan.stream_tasks(s).collect()).collect();
+    let streams: Vec<StreamId> = plan
+        .streams
+        .iter()
+        .filter(|s| s.gpu == gpu)
+        .map(|s| s.id)
+        .collect();
+    let queues: Vec<Vec<&Task>> = streams
+        .iter()
+        .map(|&s| plan.stream_tasks(s).collect())
+        .collect();
     let mut cursor = vec![0usize; queues.len()];
     let mut done = vec![false; plan.tasks.len()];
     let total: usize = queues.iter().map(Vec::len).sum();
     let group_size = plan.spec.rollout.group_size.max(1);
     let mini_batch = plan.spec.train.mini_batch.max(1);
     let ready = |t: &Task, done: &[bool], bound: u32| -> bool {
-        t.deps.iter().all(|d| done.get(d.index()).copied().unwrap_or(false))
+        t.deps
+            .iter()
+            .all(|d| done.get(d.index()).copied().unwrap_or(false))
             && match waits_for_slot(&t.op) {
                 None => true,
                 Some(slot) => match t.op {
@@ -80,7 +93,11 @@ pub fn walk<R: TaskRunner>(
             let heads: Vec<String> = queues
                 .iter()
                 .enumerate()
-                .filter_map(|(q, tasks)| tasks.get(cursor[q]).map(|t| format!("{} ({})", t.name, t.id)))
+                .filter_map(|(q, tasks)| {
+                    tasks
+                        .get(cursor[q])
+                        .map(|t| format!("{} ({})", t.name, t.id))
+                })
                 .collect();
             return Err(R::Error::from(format!(
                 "plan cannot make progress: no stream's next task is ready (heads: {}; slots bound: {bound}); \
