@@ -25,7 +25,7 @@
 
 use rollplex_kernels::cpu::logprobs_fwd;
 use rollplex_plan::plan::{Op, Plan, Purpose, Task};
-use rollplex_plan::spec::{JobSpec, LossAgg};
+use rollplex_plan::spec::JobSpec;
 use rollplex_plan::{Groups, Span};
 
 use super::walker::TaskRunner;
@@ -393,6 +393,12 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
         micro_batch: u32,
         samples: Span,
     ) -> Result<(), ExecError> {
+        if step != self.metrics.optimizer_steps {
+            return Err(ExecError::Plan(format!(
+                "micro-batch {micro_batch} of optimizer step {step} runs after {} optimizer steps of this iteration",
+                self.metrics.optimizer_steps
+            )));
+        }
         let g = self.group_size as u32;
         if samples.start % g != 0 || samples.len() % g != 0 {
             return Err(ExecError::Unsupported(format!(
@@ -403,7 +409,6 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
         let mini = self.spec.train.mini_batch;
         let mb_start = samples.start / mini * mini;
         let norm = self.mini_batch_normaliser(Span::new(mb_start, mb_start + mini))?;
-        let temp = self.temperature();
         let slots: Vec<u32> = (samples.start / g..samples.end / g).collect();
         let groups: Vec<usize> = slots
             .iter()
@@ -454,11 +459,9 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
                 responses: &responses[i],
             })
             .collect();
-        let _ = temp;
         let out = self.models.trainer.micro_batch(micro_batch, &batch, norm)?;
         self.metrics.loss.add(&out.metrics);
         self.metrics.micro_batches += 1;
-        let _ = step;
         Ok(())
     }
 
@@ -471,7 +474,6 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
                 tokens += self.tokens[s].len();
             }
         }
-        let _ = LossAgg::TokenMean;
         Ok(Normaliser {
             tokens,
             seqs: samples.len() as usize,
