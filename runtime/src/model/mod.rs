@@ -101,4 +101,4 @@ impl Qwen25VL {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

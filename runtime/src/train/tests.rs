@@ -7,61 +7,18 @@
 //!   matches the one-micro-batch gradient up to rounding;
 //! - the loss on a fixed batch falls over 20 optimizer steps; frozen parts do not move.
 
-use rollplex_plan::spec::{
-    AdamWSpec, DType, KlEstimator, LossAgg, LrSchedule, ModelSpec, Recompute, SpecialTokens,
-    TextDims, VisionDims, WeightsSource,
-};
+use rollplex_plan::spec::{AdamWSpec, KlEstimator, LossAgg, LrSchedule, Recompute};
 
 use super::backward::{forward_backward, GroupBatch, ResponseBatch, TrainConfig};
 use super::loss::{policy_loss, LossBatch, LossConfig, Normaliser};
 use super::step::Trainer;
+use crate::model::tests::tiny_spec;
 use crate::model::{EncodedMedia, MediaInput, MediaKind, Prompt, Qwen25VL};
 
 const IMG: u32 = 290;
 const VID: u32 = 291;
 const VS: u32 = 288;
 const VE: u32 = 289;
-
-fn tiny_spec(tie: bool) -> ModelSpec {
-    ModelSpec {
-        name: "tiny-train".into(),
-        vision: VisionDims {
-            depth: 3,
-            hidden_size: 32,
-            num_heads: 2,
-            intermediate_size: 40,
-            patch_size: 4,
-            temporal_patch_size: 2,
-            spatial_merge_size: 2,
-            window_size: 16,
-            fullatt_block_indexes: vec![1],
-            in_channels: 3,
-            out_hidden_size: 48,
-        },
-        text: TextDims {
-            num_layers: 2,
-            hidden_size: 48,
-            num_heads: 4,
-            num_kv_heads: 2,
-            intermediate_size: 64,
-            vocab_size: 300,
-            rope_theta: 10000.0,
-            mrope_section: [2, 2, 2],
-            tie_word_embeddings: tie,
-            rms_norm_eps: 1e-6,
-            max_position_embeddings: 4096,
-        },
-        tokens: SpecialTokens {
-            image_token_id: IMG,
-            video_token_id: VID,
-            vision_start_token_id: VS,
-            vision_end_token_id: VE,
-            eos_token_ids: vec![287],
-        },
-        dtype: DType::F32,
-        weights: WeightsSource::Random { seed: 1 },
-    }
-}
 
 /// splitmix64 in [-1, 1).
 struct Rng(u64);
