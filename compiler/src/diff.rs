@@ -364,122 +364,6 @@ mod tests {
     use rollplex_plan::work::{Work, WorkKind};
     use rollplex_plan::*;
 
-    fn spec() -> JobSpec {
-        let gpu = GpuSpec {
-            name: "H200".into(),
-            sms: 132,
-            sm_granularity: 8,
-            hbm_bytes: 141_000_000_000,
-            hbm_bw: 4.8e12,
-            bf16_flops: 989e12,
-            host_bw: 64e9,
-        };
-        JobSpec {
-            name: "diff-test".into(),
-            seed: 1,
-            cluster: ClusterSpec {
-                gpu,
-                count: 1,
-                gpus_per_node: 1,
-                intra_node_bw: 450e9,
-                inter_node_bw: 50e9,
-            },
-            actor: ModelSpec {
-                name: "tiny".into(),
-                vision: VisionDims {
-                    depth: 2,
-                    hidden_size: 32,
-                    num_heads: 2,
-                    intermediate_size: 64,
-                    patch_size: 14,
-                    temporal_patch_size: 2,
-                    spatial_merge_size: 2,
-                    window_size: 112,
-                    fullatt_block_indexes: vec![1],
-                    in_channels: 3,
-                    out_hidden_size: 64,
-                },
-                text: TextDims {
-                    num_layers: 2,
-                    hidden_size: 64,
-                    num_heads: 4,
-                    num_kv_heads: 2,
-                    intermediate_size: 128,
-                    vocab_size: 1024,
-                    rope_theta: 1e6,
-                    mrope_section: [2, 3, 3],
-                    tie_word_embeddings: true,
-                    rms_norm_eps: 1e-6,
-                    max_position_embeddings: 4096,
-                },
-                tokens: SpecialTokens {
-                    image_token_id: 1000,
-                    video_token_id: 1001,
-                    vision_start_token_id: 1002,
-                    vision_end_token_id: 1003,
-                    eos_token_ids: vec![1004],
-                },
-                dtype: DType::Bf16,
-                weights: WeightsSource::Random { seed: 1 },
-            },
-            reference: ReferenceSpec { enabled: true },
-            rollout: RolloutSpec {
-                tp: 1,
-                prompts_per_iter: 2,
-                group_size: 2,
-                media: MediaSpec::None,
-                prompt_text_tokens: 16,
-                max_new_tokens: 8,
-                response_len: LengthDist::Fixed { tokens: 8 },
-                sampling: SamplingSpec {
-                    temperature: 1.0,
-                    top_p: 1.0,
-                    top_k: 0,
-                    stop_token_ids: vec![],
-                    forced_lengths: true,
-                },
-                dataset: DatasetSpec::Synthetic,
-            },
-            reward: RewardSpec::Builtin {
-                name: "exact_match".into(),
-                tolerance: 0.0,
-            },
-            train: TrainSpec {
-                tp: 1,
-                algorithm: Algorithm::Grpo(PolicyLoss {
-                    clip_low: 0.2,
-                    clip_high: 0.2,
-                    kl_coef: 0.01,
-                    kl_estimator: KlEstimator::K3,
-                    loss_agg: LossAgg::TokenMean,
-                    norm_adv_by_std: true,
-                }),
-                optimizer: AdamWSpec {
-                    lr: 1e-6,
-                    beta1: 0.9,
-                    beta2: 0.999,
-                    eps: 1e-8,
-                    weight_decay: 0.0,
-                    grad_clip: 1.0,
-                    lr_schedule: LrSchedule::Constant,
-                },
-                micro_batch: 4,
-                mini_batch: 4,
-                epochs: 1,
-                freeze_vision: true,
-                freeze_merger: false,
-                recompute: Recompute::None,
-            },
-            schedule: ScheduleSpec {
-                mode: Mode::Overlap,
-                prefix_dedup: true,
-                decode_window: 8,
-                memory_budget: 141_000_000_000,
-                host_memory: 1 << 40,
-            },
-        }
-    }
-
     /// Prefill, a decode window with the reference prefix on the side stream, a suffix.
     fn plan() -> Plan {
         let g = GpuId(0);
@@ -676,7 +560,7 @@ mod tests {
                     host: 0,
                 }],
             },
-            spec: spec(),
+            spec: crate::fixtures::job(|_| {}),
         }
     }
 
