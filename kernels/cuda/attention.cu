@@ -122,12 +122,15 @@ __device__ __forceinline__ float group_sum(float x) {
 // owning HEAD_DIM/16 dims.
 // Block (split, kv group, b) reads logical keys [split*chunk, min(L, (split+1)*chunk)) of
 // sequence b once from HBM and uses them for all the group's query heads. Writes unnormalised
-// partial outputs part_o[b, h, split, :] and (max, sum) part_ml[b, h, split, 0..2].
+// partial outputs part_o[b, h, split_base + split, :] and (max, sum) part_ml[b, h, split_base +
+// split, 0..2] of total_splits per (b, h). skip_prefix = 1 attends only the own keys (logical
+// [p_len, L)), the prefix being attended by attention_decode_group_prefix_bf16.
 extern "C" __global__ void __launch_bounds__(NT)
 attention_decode_simt_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
                       const bf16* __restrict__ q, u32 q_stride, KvSrc src,
                       const AttnSeq* __restrict__ seqs, u32 n_heads, u32 n_kv, u32 chunk,
-                      u32 splits, float scale_log2, u32 p_rows, u32 kv_rows) {
+                      u32 splits, float scale_log2, u32 p_rows, u32 kv_rows, u32 skip_prefix,
+                      u32 split_base, u32 total_splits) {
     constexpr int DS = HEAD_DIM / 16;
     __shared__ __align__(16) bf16 Ks[KT][HEAD_DIM + KPAD];
     __shared__ __align__(16) bf16 Vs[KT][HEAD_DIM + KPAD];
@@ -144,7 +147,9 @@ attention_decode_simt_bf16(float* __restrict__ part_o, float* __restrict__ part_
     const bool ok = (u64)s.p_start + s.p_len <= p_rows && (u64)s.k_start + s.k_len <= kv_rows;
     const u32 L = ok ? s.p_len + s.k_len : 0;
     // The last split takes every key left, so a length past splits*chunk is still attended.
-    const u32 start = split * chunk, end = split + 1 == splits ? L : min(L, start + chunk);
+    // skip_prefix: only the own keys (the prefix is another kernel's, read once per group).
+    const u32 lo = (skip_prefix && ok) ? s.p_len : 0;
+    const u32 start = lo + split * chunk, end = split + 1 == splits ? L : min(L, start + chunk);
 
     float qv[DS], o[DS];
     load_bf<DS>(q + (u64)b * q_stride + h * HEAD_DIM + c * DS, qv);
@@ -209,7 +214,7 @@ attention_decode_simt_bf16(float* __restrict__ part_o, float* __restrict__ part_
         __syncwarp();
     }
     if (active) {
-        const u64 pidx = ((u64)b * n_heads + h) * splits + split;
+        const u64 pidx = ((u64)b * n_heads + h) * total_splits + split_base + split;
         float* po = part_o + pidx * HEAD_DIM + c * DS;
 #pragma unroll
         for (int d = 0; d < DS; d++) po[d] = ok ? o[d] : __int_as_float(0x7fc00000);
@@ -292,7 +297,8 @@ extern "C" __global__ void __launch_bounds__(NT)
 attention_decode_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
                       const bf16* __restrict__ q, u32 q_stride, KvSrc src,
                       const AttnSeq* __restrict__ seqs, u32 n_heads, u32 n_kv, u32 chunk,
-                      u32 splits, float scale_log2, u32 p_rows, u32 kv_rows) {
+                      u32 splits, float scale_log2, u32 p_rows, u32 kv_rows, u32 skip_prefix,
+                      u32 split_base, u32 total_splits) {
     constexpr int KSTEPS = HEAD_DIM / 16;
     constexpr int DT = HEAD_DIM / 8;  // 8-wide dim tiles of O
     extern __shared__ __align__(16) unsigned char dsmem[];
@@ -304,7 +310,8 @@ attention_decode_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
     const AttnSeq s = seqs[b];
     const bool ok = (u64)s.p_start + s.p_len <= p_rows && (u64)s.k_start + s.k_len <= kv_rows;
     const u32 L = ok ? s.p_len + s.k_len : 0;
-    const u32 start = split * chunk, end = split + 1 == splits ? L : min(L, start + chunk);
+    const u32 lo = (skip_prefix && ok) ? s.p_len : 0;
+    const u32 start = lo + split * chunk, end = split + 1 == splits ? L : min(L, start + chunk);
     const u32 ntiles = end > start ? (end - start + DW - 1) / DW : 0;
 
     // Q fragments of row g (head hg*8 + g of this kv group; zero when past r).
@@ -432,11 +439,219 @@ attention_decode_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
             Ls += wt * sl[w * 8 + row];
         }
         const u32 h = kvh * r + hg * 8 + row;
-        const u64 pidx = ((u64)b * n_heads + h) * splits + split;
+        const u64 pidx = ((u64)b * n_heads + h) * total_splits + split_base + split;
         part_o[pidx * HEAD_DIM + d] = ok ? acc : __int_as_float(0x7fc00000);
         if (d == 0) {
             part_ml[pidx * 2] = ok ? M : __int_as_float(0x7fc00000);
             part_ml[pidx * 2 + 1] = Ls;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Group-shared decode (attention_decode_grouped_bf16's passes). The G samples of a GRPO group
+// attend the same prompt prefix, so in the group pass (per_sample = 0) one block takes up to 64
+// query rows = per_block samples x r query heads of one kv head (4 warps x 16 MMA rows, all 16
+// used) and reads each prefix key once for all of them instead of once per sample. Grid
+// (splits, n_kv, groups * parts): block (split, kvh, z) takes group z / parts, samples
+// part * per_block .. of it, prefix keys [split*chunk, ...) (the last split takes the rest).
+// Samples gi*group .. gi*group + group - 1 form group gi; the prefix is the group's first
+// sample's (p_start, p_len); a member whose descriptor names another prefix, or lies outside
+// the arena, gets NaN partials (loud).
+// The per-sample pass (per_sample = 1, group = per_block = 1, z = sample) runs the same
+// pipeline over one sample's logical keys [lo, p_len + k_len), lo = p_len when skip_prefix
+// (the group pass took the prefix) else 0, with the sample's r query heads as rows.
+// K/V tiles of 32 keys go through a block-wide 4-stage cp.async pipeline (3 tiles in flight);
+// every warp with rows runs S = Q K^T, the online softmax and O += P V over every tile. Partials
+// go to slot split_base + split of total_splits; attention_decode_reduce_bf16 merges the slots.
+#define GKT 32    // keys per tile
+#define GSTG 4    // pipeline stages
+#define GROW (HEAD_DIM + KPAD)
+
+// c += A B, all 16 rows of A.
+__device__ __forceinline__ void mma16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+extern "C" __global__ void __launch_bounds__(NT)
+attention_decode_grouped_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
+                              const bf16* __restrict__ q, u32 q_stride,
+                              const bf16* __restrict__ kc, const bf16* __restrict__ vc,
+                              u32 kv_stride, const AttnSeq* __restrict__ seqs, u32 batch,
+                              u32 group, u32 per_block, u32 n_heads, u32 n_kv, u32 chunk,
+                              u32 splits, u32 total_splits, float scale_log2, u32 kv_rows,
+                              u32 per_sample, u32 skip_prefix, u32 split_base) {
+    constexpr int KSTEPS = HEAD_DIM / 16;
+    constexpr int DT = HEAD_DIM / 8;
+    constexpr int VPR = HEAD_DIM / 8;
+    constexpr u32 STAGE = 2 * GKT * GROW * 2;  // bytes: K then V
+    extern __shared__ __align__(16) unsigned char dsmem[];
+    const u32 split = blockIdx.x, kvh = blockIdx.y;
+    const u32 r = n_heads / n_kv;
+    const u32 parts = (group + per_block - 1) / per_block;
+    const u32 gi = blockIdx.z / parts, pi = blockIdx.z % parts;
+    const u32 g_first = gi * group;
+    if (g_first >= batch) return;
+    const u32 g_end = min(batch, g_first + group);
+    const u32 b0 = g_first + pi * per_block;
+    const u32 nsamp = b0 < g_end ? min(per_block, g_end - b0) : 0;
+    const u32 nrows = nsamp * r;
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const AttnSeq lead = seqs[g_first];
+    const bool p_ok = (u64)lead.p_start + lead.p_len <= kv_rows;
+    const bool k_ok = (u64)lead.k_start + lead.k_len <= kv_rows;
+    // Logical keys of this pass: group pass [0, p_len) (the shared prefix); per-sample pass
+    // [lo, p_len + k_len). Logical key kk < p_len is row p_start + kk, else k_start + kk - p_len.
+    const bool lead_ok = per_sample ? (p_ok && k_ok) : p_ok;
+    const u32 P = lead_ok ? (per_sample ? lead.p_len + lead.k_len : lead.p_len) : 0;
+    const u32 lo = (per_sample && skip_prefix && lead_ok) ? lead.p_len : 0;
+    const u32 start = lo + split * chunk, end = split + 1 == splits ? P : min(P, start + chunk);
+    const u32 ntiles = (nrows > 0 && end > start) ? (end - start + GKT - 1) / GKT : 0;
+    const bool active = warp * 16 < nrows;  // warp-uniform: this warp has rows to compute
+
+    // Rows A = warp*16 + g and B = A + 8 of the block's (sample, head) list.
+    const u32 ra = warp * 16 + g, rb = ra + 8;
+    const bool va = ra < nrows, vb = rb < nrows;
+    const bf16* qa_row = q + (u64)(b0 + (va ? ra / r : 0)) * q_stride + (kvh * r + (va ? ra % r : 0)) * HEAD_DIM;
+    const bf16* qb_row = q + (u64)(b0 + (vb ? rb / r : 0)) * q_stride + (kvh * r + (vb ? rb % r : 0)) * HEAD_DIM;
+    u32 qf[KSTEPS][4];
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; kk++) {
+        qf[kk][0] = va ? *(const u32*)(qa_row + 16 * kk + 2 * t) : 0u;
+        qf[kk][1] = vb ? *(const u32*)(qb_row + 16 * kk + 2 * t) : 0u;
+        qf[kk][2] = va ? *(const u32*)(qa_row + 16 * kk + 8 + 2 * t) : 0u;
+        qf[kk][3] = vb ? *(const u32*)(qb_row + 16 * kk + 8 + 2 * t) : 0u;
+    }
+
+    const u32 base = smem_u32(dsmem);
+    auto issue = [&](u32 it) {
+        const u32 ks = base + (it % GSTG) * STAGE, vs = ks + GKT * GROW * 2;
+        const u32 t0 = start + it * GKT;
+#pragma unroll
+        for (int i = 0; i < GKT * VPR / NT; i++) {
+            const u32 c = threadIdx.x + NT * i, row = c / VPR, col = c % VPR, kk = t0 + row;
+            const bool valid = kk < end;
+            const u32 krow = kk < lead.p_len ? lead.p_start + kk : lead.k_start + kk - lead.p_len;
+            const u64 off = valid ? (u64)krow * kv_stride + kvh * HEAD_DIM + col * 8 : 0;
+            const u32 so = (row * GROW + col * 8) * 2;
+            cp_async16(ks + so, kc + off, valid);
+            cp_async16(vs + so, vc + off, valid);
+        }
+    };
+
+    float o[DT][4];
+#pragma unroll
+    for (int j = 0; j < DT; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    float m_a = NEG_INF_F, m_b = NEG_INF_F, l_a = 0.0f, l_b = 0.0f;
+
+#pragma unroll
+    for (u32 s0 = 0; s0 < GSTG - 1; s0++) {
+        if (s0 < ntiles) issue(s0);
+        cp_async_commit();
+    }
+    for (u32 it = 0; it < ntiles; it++) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(GSTG - 2));
+        __syncthreads();  // tile `it` landed for all; buffer (it - 1) % GSTG is free again
+        if (it + GSTG - 1 < ntiles) issue(it + GSTG - 1);
+        cp_async_commit();
+        if (!active) continue;
+        const u32 ks = base + (it % GSTG) * STAGE, vs = ks + GKT * GROW * 2;
+        const u32 t0 = start + it * GKT;
+        float sc[GKT / 8][4];
+#pragma unroll
+        for (int j = 0; j < GKT / 8; j++) {
+            sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; kk += 2) {
+                u32 b0_, b1_, b2_, b3_;
+                const u32 row = 8 * j + (lane & 7), col = 16 * kk + 8 * (lane >> 3);
+                ldsm_x4(ks + (row * GROW + col) * 2, b0_, b1_, b2_, b3_);
+                mma16(sc[j], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], b0_, b1_);
+                mma16(sc[j], qf[kk + 1][0], qf[kk + 1][1], qf[kk + 1][2], qf[kk + 1][3], b2_, b3_);
+            }
+        }
+        float mta = NEG_INF_F, mtb = NEG_INF_F;
+#pragma unroll
+        for (int j = 0; j < GKT / 8; j++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const bool kv_ok = t0 + 8 * j + 2 * t + e < end;
+                sc[j][e] = kv_ok ? sc[j][e] * scale_log2 : NEG_INF_F;
+                sc[j][e + 2] = kv_ok ? sc[j][e + 2] * scale_log2 : NEG_INF_F;
+                mta = fmaxf(mta, sc[j][e]);
+                mtb = fmaxf(mtb, sc[j][e + 2]);
+            }
+        }
+        mta = fmaxf(mta, __shfl_xor_sync(0xffffffffu, mta, 1));
+        mta = fmaxf(mta, __shfl_xor_sync(0xffffffffu, mta, 2));
+        mtb = fmaxf(mtb, __shfl_xor_sync(0xffffffffu, mtb, 1));
+        mtb = fmaxf(mtb, __shfl_xor_sync(0xffffffffu, mtb, 2));
+        const float mna = fmaxf(m_a, mta), mnb = fmaxf(m_b, mtb);  // finite: key t0 < end
+        const float ca = exp2f(m_a - mna), cb = exp2f(m_b - mnb);
+        m_a = mna;
+        m_b = mnb;
+        float lsa = 0.0f, lsb = 0.0f;
+        u32 pa[GKT / 8], pb[GKT / 8];  // P of rows A / B as bf16 pairs (keys 8j + 2t, +1)
+#pragma unroll
+        for (int j = 0; j < GKT / 8; j++) {
+            const float p0 = exp2f(sc[j][0] - mna), p1 = exp2f(sc[j][1] - mna);
+            const float p2 = exp2f(sc[j][2] - mnb), p3 = exp2f(sc[j][3] - mnb);
+            lsa += p0 + p1;
+            lsb += p2 + p3;
+            pa[j] = pack_bf2(p0, p1);
+            pb[j] = pack_bf2(p2, p3);
+        }
+        l_a = l_a * ca + lsa;
+        l_b = l_b * cb + lsb;
+#pragma unroll
+        for (int jd = 0; jd < DT; jd++) {
+            o[jd][0] *= ca;
+            o[jd][1] *= ca;
+            o[jd][2] *= cb;
+            o[jd][3] *= cb;
+        }
+#pragma unroll
+        for (int kk2 = 0; kk2 < GKT / 16; kk2++) {
+#pragma unroll
+            for (int jd = 0; jd < DT; jd += 2) {
+                u32 b0_, b1_, b2_, b3_;
+                const u32 row = 16 * kk2 + (lane & 7) + 8 * ((lane >> 3) & 1);
+                const u32 col = 8 * (jd + (lane >> 4));
+                ldsm_x4_t(vs + (row * GROW + col) * 2, b0_, b1_, b2_, b3_);
+                mma16(o[jd], pa[2 * kk2], pb[2 * kk2], pa[2 * kk2 + 1], pb[2 * kk2 + 1], b0_, b1_);
+                mma16(o[jd + 1], pa[2 * kk2], pb[2 * kk2], pa[2 * kk2 + 1], pb[2 * kk2 + 1], b2_, b3_);
+            }
+        }
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const u32 row = half ? rb : ra;
+        if (row >= nrows) continue;
+        const u32 b = b0 + row / r, h = kvh * r + row % r;
+        const AttnSeq sb = seqs[b];
+        // Loud on a member that does not share the leader's prefix or lies outside the arena.
+        const bool ok = lead_ok && sb.p_start == lead.p_start && sb.p_len == lead.p_len &&
+                        (u64)sb.k_start + sb.k_len <= kv_rows;
+        const float nan = __int_as_float(0x7fc00000);
+        const u64 pidx = ((u64)b * n_heads + h) * total_splits + split_base + split;
+        float* po = part_o + pidx * HEAD_DIM;
+#pragma unroll
+        for (int jd = 0; jd < DT; jd++) {
+            po[8 * jd + 2 * t] = ok ? o[jd][2 * half] : nan;
+            po[8 * jd + 2 * t + 1] = ok ? o[jd][2 * half + 1] : nan;
+        }
+        if (t == 0) {
+            part_ml[pidx * 2] = ok ? (half ? m_b : m_a) : nan;
+            part_ml[pidx * 2 + 1] = half ? l_b : l_a;
         }
     }
 }

@@ -1,7 +1,17 @@
 //! Workbench: one decode step of a Qwen2.5-VL text decoder (3B and 7B dims) built from this
-//! crate's kernels and cuBLASLt GEMMs, captured in a CUDA graph and replayed; reports the step
-//! time, the bytes it must move (weights + KV cache + logits) and the achieved bandwidth against
-//! the device-to-device copy ceiling measured in the same run. Also times the attention alone.
+//! crate's kernels, captured in a CUDA graph and replayed; reports the step time, the bytes it
+//! moves (weights + KV cache + logits) and the achieved bandwidth against the device-to-device
+//! copy ceiling measured in the same run. Each case runs three variants side by side:
+//! - `base`: cuBLASLt GEMMs and the per-sample decode attention (the step as of 3ab030b);
+//! - `skinny`: our split-k tensor-core GEMMs (`gemv_bf16`, gate|up with SwiGLU fused) and the
+//!   per-sample attention;
+//! - `grouped`: skinny GEMMs and the group-shared decode attention
+//!   (`attention_decode_grouped_bf16`; group 1 where no prefix is shared).
+//!
+//! Bytes are counted two ways: what a per-sample reader moves (every sample reads its whole KV,
+//! as PyTorch's SDPA decode does) and what the variant moves (a GRPO group's shared prefix once
+//! per group in `grouped`). Also times the GEMMs alone (cuBLASLt vs skinny plans) and the
+//! attention alone.
 //!
 //! Run: `cargo run --release -p rollplex-kernels --example bench_decode` (needs a GPU).
 //! Each layer has its own weights (random bf16, never zeros) and its own KV cache, so every byte
@@ -14,7 +24,14 @@ use std::sync::Arc;
 use cudarc::driver::sys;
 use half::bf16;
 use rollplex_kernels::cpu::{AttnDims, DecodeSeq};
-use rollplex_kernels::cuda::attention::RowStrides;
+use rollplex_kernels::cuda::attention::{
+    attention_decode_grouped_bf16, grouped_decode_plan, grouped_decode_plan_for_blocks,
+    GroupedDecodePlan, RowStrides,
+};
+use rollplex_kernels::cuda::gemm::{
+    skinny_gate_up_swiglu_bf16, skinny_linear_fwd_bf16, skinny_linear_fwd_bf16_with, skinny_plan,
+    skinny_plan_with, SkinnyPlan,
+};
 use rollplex_kernels::cuda::pointwise::add_fwd_bf16_inplace;
 use rollplex_kernels::cuda::*;
 
@@ -96,8 +113,13 @@ struct Model {
     kv_len: usize,
     /// Fused kernels (add+rmsnorm, rope+KV append) or the separate ones.
     fused: bool,
-    /// Distinct KV rows read per layer (shared prefixes counted once).
-    kv_rows_read: usize,
+    /// (group size, shared prefix length) of the GRPO groups; (1, 0) when nothing is shared.
+    prefix: (usize, usize),
+    /// Our skinny GEMMs (and gate|up fused with SwiGLU) instead of cuBLASLt.
+    skinny: bool,
+    /// The group-shared decode attention instead of the per-sample one.
+    grouped: bool,
+    gplan: GroupedDecodePlan,
 }
 
 fn rand_bf(n: usize, seed: u64, scale: f32) -> Vec<bf16> {
@@ -182,6 +204,7 @@ fn build(
         head_dim: d.hd,
     };
     let plan = decode_plan(batch, dims, kv_len);
+    let gplan = grouped_decode_plan(batch, gsize, dims, plen, own);
     let ang: Vec<f32> = (0..batch * d.hd)
         .map(|i| (i as f32 * 0.37).sin() * 3.0)
         .collect();
@@ -208,15 +231,40 @@ fn build(
         sin: s.clone_htod(&ang.iter().map(|a| a.sin()).collect::<Vec<_>>())?,
         slots: s.clone_htod(&slots)?,
         seqs: s.clone_htod(&seqs)?,
-        ws: g.alloc(s, plan.workspace_len())?,
+        ws: g.alloc(s, plan.workspace_len().max(gplan.workspace_len()))?,
         sample_ids: s.clone_htod(&(0..batch as u32).collect::<Vec<_>>())?,
         steps: s.clone_htod(&vec![5u32; batch])?,
         plan,
         kv_len,
         fused: true,
-        kv_rows_read: groups * plen + batch * own,
+        prefix: (gsize, plen),
+        skinny: false,
+        grouped: false,
+        gplan,
         layers,
     })
+}
+
+/// `y = x w^T (+ bias)` through our skinny kernel or cuBLASLt.
+#[allow(clippy::too_many_arguments)]
+fn lin(
+    g: &Gpu,
+    s: &Arc<CudaStream>,
+    skinny: bool,
+    y: &mut CudaSlice<bf16>,
+    x: &CudaSlice<bf16>,
+    w: &CudaSlice<bf16>,
+    bias: Option<&dyn cudarc::driver::DevicePtr<bf16>>,
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Res<()> {
+    if skinny {
+        skinny_linear_fwd_bf16(g, s, y, x, w, bias, m, k, n)?;
+    } else {
+        linear_fwd_bf16(g, s, y, x, w, bias, m, k, n)?;
+    }
+    Ok(())
 }
 
 impl Model {
@@ -239,6 +287,24 @@ impl Model {
         };
         let dims = self.dims();
         let ly = &self.layers[l];
+        if self.grouped {
+            attention_decode_grouped_bf16(
+                g,
+                s,
+                &mut self.attn,
+                None,
+                &mut self.ws,
+                &self.qkv,
+                &ly.kc,
+                &ly.vc,
+                &self.seqs,
+                dims,
+                1.0 / (d.hd as f32).sqrt(),
+                strides,
+                self.gplan,
+            )?;
+            return Ok(());
+        }
         attention_decode_bf16(
             g,
             s,
@@ -258,6 +324,7 @@ impl Model {
     }
 
     fn step(&mut self, g: &Gpu, s: &Arc<CudaStream>) -> Res<()> {
+        let sk = self.skinny;
         let d = self.d;
         let b = self.batch;
         let qkvw = (d.nh + 2 * d.nkv) * d.hd;
@@ -270,7 +337,18 @@ impl Model {
         for l in 0..d.layers {
             let ly = &self.layers[l];
             let bias = Some(&ly.bqkv as &dyn cudarc::driver::DevicePtr<bf16>);
-            linear_fwd_bf16(g, s, &mut self.qkv, &self.x, &ly.wqkv, bias, b, d.h, qkvw)?;
+            lin(
+                g,
+                s,
+                sk,
+                &mut self.qkv,
+                &self.x,
+                &ly.wqkv,
+                bias,
+                b,
+                d.h,
+                qkvw,
+            )?;
             let (cos, sin, slots) = (&self.cos, &self.sin, &self.slots);
             if self.fused {
                 let ly = &mut self.layers[l];
@@ -313,9 +391,10 @@ impl Model {
             }
             self.attention(g, s, l)?;
             let ly = &self.layers[l];
-            linear_fwd_bf16(
+            lin(
                 g,
                 s,
+                sk,
                 &mut self.tmp,
                 &self.attn,
                 &ly.wo,
@@ -341,21 +420,46 @@ impl Model {
                 add_fwd_bf16_inplace(g, s, &mut self.h, &self.tmp, b * d.h)?;
                 rmsnorm_fwd_bf16(g, s, &mut self.x, None, &self.h, &ly.n2, b, d.h, eps)?;
             }
-            linear_fwd_bf16(g, s, &mut self.gu, &self.x, &ly.wgu, None, b, d.h, 2 * d.f)?;
-            let up = self.gu.slice(d.f..);
-            swiglu_fwd_bf16(
+            if sk {
+                skinny_gate_up_swiglu_bf16(
+                    g,
+                    s,
+                    &mut self.act,
+                    &self.x,
+                    &ly.wgu,
+                    b,
+                    d.h,
+                    d.f,
+                    None,
+                )?;
+            } else {
+                linear_fwd_bf16(g, s, &mut self.gu, &self.x, &ly.wgu, None, b, d.h, 2 * d.f)?;
+                let up = self.gu.slice(d.f..);
+                swiglu_fwd_bf16(
+                    g,
+                    s,
+                    &mut self.act,
+                    &self.gu,
+                    &up,
+                    b,
+                    d.f,
+                    d.f,
+                    2 * d.f,
+                    2 * d.f,
+                )?;
+            }
+            lin(
                 g,
                 s,
-                &mut self.act,
-                &self.gu,
-                &up,
+                sk,
+                &mut self.tmp,
+                &self.act,
+                &ly.wd,
+                None,
                 b,
                 d.f,
-                d.f,
-                2 * d.f,
-                2 * d.f,
+                d.h,
             )?;
-            linear_fwd_bf16(g, s, &mut self.tmp, &self.act, &ly.wd, None, b, d.f, d.h)?;
             let next_norm = if l + 1 < d.layers {
                 &self.layers[l + 1].n1
             } else {
@@ -380,7 +484,18 @@ impl Model {
             }
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        linear_fwd_bf16(g, s, &mut self.logits, &self.x, head, None, b, d.h, d.vocab)?;
+        lin(
+            g,
+            s,
+            sk,
+            &mut self.logits,
+            &self.x,
+            head,
+            None,
+            b,
+            d.h,
+            d.vocab,
+        )?;
         let p = SampleParams {
             temperature: 1.0,
             top_k: 0,
@@ -406,15 +521,28 @@ impl Model {
 
     /// Only the step's GEMMs (same shapes, same buffers), to split the step time.
     fn gemms(&mut self, g: &Gpu, s: &Arc<CudaStream>) -> Res<()> {
+        let sk = self.skinny;
         let d = self.d;
         let b = self.batch;
         let qkvw = (d.nh + 2 * d.nkv) * d.hd;
         for ly in &self.layers {
             let bias = Some(&ly.bqkv as &dyn cudarc::driver::DevicePtr<bf16>);
-            linear_fwd_bf16(g, s, &mut self.qkv, &self.x, &ly.wqkv, bias, b, d.h, qkvw)?;
-            linear_fwd_bf16(
+            lin(
                 g,
                 s,
+                sk,
+                &mut self.qkv,
+                &self.x,
+                &ly.wqkv,
+                bias,
+                b,
+                d.h,
+                qkvw,
+            )?;
+            lin(
+                g,
+                s,
+                sk,
                 &mut self.tmp,
                 &self.attn,
                 &ly.wo,
@@ -423,23 +551,126 @@ impl Model {
                 d.nh * d.hd,
                 d.h,
             )?;
-            linear_fwd_bf16(g, s, &mut self.gu, &self.x, &ly.wgu, None, b, d.h, 2 * d.f)?;
-            linear_fwd_bf16(g, s, &mut self.tmp, &self.act, &ly.wd, None, b, d.f, d.h)?;
+            if sk {
+                skinny_gate_up_swiglu_bf16(
+                    g,
+                    s,
+                    &mut self.act,
+                    &self.x,
+                    &ly.wgu,
+                    b,
+                    d.h,
+                    d.f,
+                    None,
+                )?;
+            } else {
+                linear_fwd_bf16(g, s, &mut self.gu, &self.x, &ly.wgu, None, b, d.h, 2 * d.f)?;
+            }
+            lin(
+                g,
+                s,
+                sk,
+                &mut self.tmp,
+                &self.act,
+                &ly.wd,
+                None,
+                b,
+                d.f,
+                d.h,
+            )?;
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        linear_fwd_bf16(g, s, &mut self.logits, &self.x, head, None, b, d.h, d.vocab)?;
+        lin(
+            g,
+            s,
+            sk,
+            &mut self.logits,
+            &self.x,
+            head,
+            None,
+            b,
+            d.h,
+            d.vocab,
+        )?;
         Ok(())
     }
 
-    /// (weight bytes, KV bytes, logits bytes) one step must move.
-    fn bytes(&self) -> (f64, f64, f64) {
+    /// (weight bytes, KV bytes a per-sample reader moves, KV bytes this variant moves, logits
+    /// bytes) of one step. KV: every key and value row read once per layer (+ the appended row).
+    fn bytes(&self) -> (f64, f64, f64, f64) {
         let d = self.d;
         let qkvw = (d.nh + 2 * d.nkv) * d.hd;
         let per_layer = qkvw * d.h + qkvw + d.h * d.nh * d.hd + 3 * d.f * d.h + 2 * d.h;
         let w = (d.layers * per_layer + d.h + d.vocab * d.h + self.batch * d.h) as f64 * 2.0;
-        let kv = (d.layers * (self.kv_rows_read + self.batch) * 2 * d.nkv * d.hd) as f64 * 2.0;
+        let row = (d.layers * 2 * d.nkv * d.hd) as f64 * 2.0;
+        let per_sample = (self.batch * self.kv_len + self.batch) as f64 * row;
+        let (gsize, plen) = self.prefix;
+        let moved = if self.grouped {
+            let groups = self.batch.div_ceil(gsize);
+            (groups * plen + self.batch * (self.kv_len - plen) + self.batch) as f64 * row
+        } else {
+            per_sample
+        };
         let logits = (2 * self.batch * d.vocab) as f64 * 2.0;
-        (w, kv, logits)
+        (w, per_sample, moved, logits)
+    }
+
+    /// One kind of the step's GEMMs over every layer (as a graph body): 0 qkv, 1 o, 2 gate|up
+    /// (+ SwiGLU when `plan` is skinny), 3 down, 4 lm_head. `plan`: None = cuBLASLt.
+    fn gemm_kind(
+        &mut self,
+        g: &Gpu,
+        s: &Arc<CudaStream>,
+        kind: usize,
+        plan: Option<SkinnyPlan>,
+    ) -> Res<()> {
+        let d = self.d;
+        let b = self.batch;
+        let qkvw = (d.nh + 2 * d.nkv) * d.hd;
+        let (k, n) = [
+            (d.h, qkvw),
+            (d.nh * d.hd, d.h),
+            (d.h, 2 * d.f),
+            (d.f, d.h),
+            (d.h, d.vocab),
+        ][kind];
+        let reps = if kind == 4 { 1 } else { d.layers };
+        for l in 0..reps {
+            let ly = &self.layers[l];
+            let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+            let (w, x, y): (&CudaSlice<bf16>, &CudaSlice<bf16>, &mut CudaSlice<bf16>) = match kind {
+                0 => (&ly.wqkv, &self.x, &mut self.qkv),
+                1 => (&ly.wo, &self.attn, &mut self.tmp),
+                2 => (&ly.wgu, &self.x, &mut self.gu),
+                3 => (&ly.wd, &self.act, &mut self.tmp),
+                _ => (head, &self.x, &mut self.logits),
+            };
+            let bias = (kind == 0).then_some(&ly.bqkv as &dyn cudarc::driver::DevicePtr<bf16>);
+            match plan {
+                None => linear_fwd_bf16(g, s, y, x, w, bias, b, k, n)?,
+                Some(p) if kind == 2 => {
+                    let (x, w) = (&self.x, &ly.wgu);
+                    skinny_gate_up_swiglu_bf16(g, s, &mut self.act, x, w, b, k, n / 2, Some(p))?
+                }
+                Some(p) => skinny_linear_fwd_bf16_with(g, s, y, x, w, bias, b, k, n, k, n, p)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// (k, n) of GEMM kind `kind` and its weight bytes over all its repetitions.
+    fn gemm_shape(&self, kind: usize) -> (usize, usize, f64) {
+        let d = self.d;
+        let qkvw = (d.nh + 2 * d.nkv) * d.hd;
+        let (k, n) = [
+            (d.h, qkvw),
+            (d.nh * d.hd, d.h),
+            (d.h, 2 * d.f),
+            (d.f, d.h),
+            (d.h, d.vocab),
+        ][kind];
+        let reps = if kind == 4 { 1 } else { d.layers };
+        (k, n, (reps * k * n * 2) as f64)
     }
 }
 
@@ -499,17 +730,67 @@ fn copy_ceiling(g: &Gpu, s: &Arc<CudaStream>) -> Res<f64> {
     Ok(2.0 * (n * 2) as f64 / (median(ts) * 1e-3) / 1e12)
 }
 
+struct Timed {
+    step: f64,
+    eager: f64,
+    gemms: f64,
+    attn: f64,
+    bytes: (f64, f64, f64, f64),
+    tokens: Vec<u32>,
+}
+
+/// Builds the step graph of the model's current variant and times it (also the GEMMs alone and
+/// the attention alone, each as its own graph).
+fn time_variant(g: &Gpu, s: &Arc<CudaStream>, m: &mut Model) -> Res<Timed> {
+    let layers = m.d.layers;
+    // eager once (also checks every launch), then the graph
+    m.step(g, s)?;
+    s.synchronize()?;
+    let eager = {
+        let (a, b) = (g.timing_event()?, g.timing_event()?);
+        a.record(s)?;
+        m.step(g, s)?;
+        b.record(s)?;
+        b.synchronize()?;
+        a.elapsed_ms(&b)? as f64
+    };
+    let graph = capture(s, || m.step(g, s))?;
+    let step = time_graph(g, s, &graph, 20)?;
+    drop(graph);
+    let tokens = s.clone_dtoh(&m.tokens)?;
+    let att_graph = capture(s, || {
+        for l in 0..layers {
+            m.attention(g, s, l)?;
+        }
+        Ok(())
+    })?;
+    let attn = time_graph(g, s, &att_graph, 20)?;
+    drop(att_graph);
+    let gemm_graph = capture(s, || m.gemms(g, s))?;
+    let gemms = time_graph(g, s, &gemm_graph, 20)?;
+    drop(gemm_graph);
+    Ok(Timed {
+        step,
+        eager,
+        gemms,
+        attn,
+        bytes: m.bytes(),
+        tokens: tokens[..4.min(tokens.len())].to_vec(),
+    })
+}
+
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     for a in &args {
-        if !["--unfused", "--simt"].contains(&a.as_str()) {
-            return Err(format!("unknown flag {a}; flags: --unfused (separate add/norm and rope/append kernels), --simt (the SIMT decode attention instead of the tensor-core one)").into());
+        if !["--unfused", "--simt", "--no-sweep"].contains(&a.as_str()) {
+            return Err(format!("unknown flag {a}; flags: --unfused (separate add/norm and rope/append kernels), --simt (the SIMT decode attention instead of the tensor-core one in the base variant), --no-sweep (skip the GEMM plan sweep)").into());
         }
     }
     let unfused = args.iter().any(|a| a == "--unfused");
     let tensor_cores = !args.iter().any(|a| a == "--simt");
+    let sweep = !args.iter().any(|a| a == "--no-sweep");
     println!(
-        "variant: {} kernels, {} decode attention",
+        "variant flags: {} kernels, base uses the {} decode attention",
         if unfused { "unfused" } else { "fused" },
         if tensor_cores { "tensor-core" } else { "SIMT" }
     );
@@ -525,103 +806,139 @@ fn main() -> Res<()> {
     let mut rows = Vec::new();
     // (dims, batch, (group size, shared prefix length))
     type Case = (Dims, usize, Option<(usize, usize)>);
-    let configs: [Case; 5] = [
+    let configs: [Case; 8] = [
         (D3B, 64, None),
         (D3B, 8, None),
         (D7B, 64, None),
         (D7B, 8, None),
         (D3B, 64, Some((8, 1792))),
+        (D3B, 8, Some((8, 1792))),
+        (D7B, 64, Some((8, 1792))),
+        (D7B, 8, Some((8, 1792))),
     ];
-    for (d, batch, prefix) in configs {
+    for (ci, (d, batch, prefix)) in configs.into_iter().enumerate() {
         let kv_len = 2048;
         let mut m = build(&g, &s, d, batch, kv_len, prefix)?;
         m.fused = !unfused;
         m.plan.tensor_cores = tensor_cores;
         s.synchronize()?;
-        // eager once (also checks every launch), then the graph
-        m.step(&g, &s)?;
-        s.synchronize()?;
-        let t_eager = {
-            let (a, b) = (g.timing_event()?, g.timing_event()?);
-            a.record(&s)?;
-            m.step(&g, &s)?;
-            b.record(&s)?;
-            b.synchronize()?;
-            a.elapsed_ms(&b)? as f64
-        };
-        let graph = capture(&s, || m.step(&g, &s))?;
-        let t = time_graph(&g, &s, &graph, 20)?;
-        drop(graph);
-        let att_graph = capture(&s, || {
-            for l in 0..d.layers {
-                m.attention(&g, &s, l)?;
-            }
-            Ok(())
-        })?;
-        let t_att = time_graph(&g, &s, &att_graph, 20)?;
-        drop(att_graph);
-        let (w, kv, lg) = m.bytes();
-        let gemm_graph = capture(&s, || m.gemms(&g, &s))?;
-        let t_gemm = time_graph(&g, &s, &gemm_graph, 20)?;
-        drop(gemm_graph);
-        let split_line = format!(
-            "    split: GEMMs {t_gemm:.3} ms ({:.2} TB/s on {:.2} GB of weights), attention {t_att:.3} ms, the rest {:.3} ms",
-            w / (t_gemm * 1e-3) / 1e12,
-            w / 1e9,
-            t - t_gemm - t_att
-        );
-        // Attention alone under other splits (the default aims at DECODE_TARGET_BLOCKS = 264).
-        let mut sweep = Vec::new();
-        let default_plan = m.plan;
-        for target in [528usize, 1056, 2112] {
-            m.plan = DecodePlan {
-                tensor_cores,
-                ..decode_plan_for_blocks(batch, m.dims(), kv_len, target)
-            };
-            if m.plan.workspace_len() > m.ws.len() {
-                m.ws = g.alloc(&s, m.plan.workspace_len())?;
-            }
-            let gr = capture(&s, || {
-                for l in 0..d.layers {
-                    m.attention(&g, &s, l)?;
-                }
-                Ok(())
-            })?;
-            let ta = time_graph(&g, &s, &gr, 20)?;
-            sweep.push(format!(
-                "{target} blocks ({}x{}): {ta:.3} ms {:.2} TB/s",
-                m.plan.splits,
-                m.plan.chunk,
-                kv / (ta * 1e-3) / 1e12
-            ));
-        }
-        m.plan = default_plan;
-        let total = w + kv + lg;
-        let bw = total / (t * 1e-3) / 1e12;
-        let att_bw = kv / (t_att * 1e-3) / 1e12;
-        let tok = s.clone_dtoh(&m.tokens)?;
         let pre = match prefix {
             Some((gs, pl)) => format!("G{gs} prefix {pl}"),
             None => "no sharing".to_string(),
         };
+        println!("== {} B={batch} KV={kv_len} ({pre})", d.name);
+        // GEMM plans, each kind alone over all layers (no-sharing cases: the GEMMs do not
+        // depend on the sharing).
+        if sweep && ci < 4 {
+            for kind in 0..5 {
+                let (k, n, wb) = m.gemm_shape(kind);
+                let mut line = Vec::new();
+                let mut cands: Vec<(String, Option<SkinnyPlan>)> = vec![
+                    ("cublasLt".into(), None),
+                    ("default".into(), Some(skinny_plan(batch, k, n))),
+                ];
+                for rt in [1, 2] {
+                    for sp in [1, 2, 4, 8] {
+                        let p = skinny_plan_with(batch, k, n, rt, sp);
+                        if p.splits == sp {
+                            cands.push((format!("rt{rt} s{sp}"), Some(p)));
+                        }
+                    }
+                }
+                for (name, plan) in cands {
+                    let gr = capture(&s, || m.gemm_kind(&g, &s, kind, plan))?;
+                    let t = time_graph(&g, &s, &gr, 20)?;
+                    drop(gr);
+                    line.push(format!(
+                        "{name} {:.1} us ({:.2} TB/s)",
+                        t * 1e3 / if kind == 4 { 1.0 } else { d.layers as f64 },
+                        wb / (t * 1e-3) / 1e12
+                    ));
+                }
+                let kname = ["qkv", "o", "gate_up(+swiglu)", "down", "lm_head"][kind];
+                println!("  gemm {kname} m{batch} k{k} n{n}: {}", line.join("; "));
+            }
+        }
+        let mut res = Vec::new();
+        for (vname, skinny, grouped) in [
+            ("base", false, false),
+            ("skinny", true, false),
+            ("grouped", true, true),
+        ] {
+            m.skinny = skinny;
+            m.grouped = grouped;
+            let t = time_variant(&g, &s, &mut m)?;
+            let (w, kv_ps, kv_mv, lg) = t.bytes;
+            let moved = w + kv_mv + lg;
+            let per_sample = w + kv_ps + lg;
+            println!(
+                "  {vname:7} step {:.3} ms (eager {:.3}); GEMMs alone {:.3} ms ({:.2} TB/s on {:.2} GB), attention alone {:.3} ms ({:.2} TB/s on {:.2} GB moved), rest {:.3} ms; bytes per-sample reader {:.2} GB -> {:.2} TB/s ({:.0}% of copy), moved {:.2} GB -> {:.2} TB/s ({:.0}%); tokens {:?}",
+                t.step,
+                t.eager,
+                t.gemms,
+                w / (t.gemms * 1e-3) / 1e12,
+                w / 1e9,
+                t.attn,
+                kv_mv / (t.attn * 1e-3) / 1e12,
+                kv_mv / 1e9,
+                t.step - t.gemms - t.attn,
+                per_sample / 1e9,
+                per_sample / (t.step * 1e-3) / 1e12,
+                100.0 * per_sample / (t.step * 1e-3) / 1e12 / ceiling,
+                moved / 1e9,
+                moved / (t.step * 1e-3) / 1e12,
+                100.0 * moved / (t.step * 1e-3) / 1e12 / ceiling,
+                t.tokens
+            );
+            res.push((vname, t.step, per_sample, moved));
+        }
+        // The grouped attention alone under other grid targets (default GROUPED_TARGET_BLOCKS).
+        if sweep {
+            let (gsize, plen) = m.prefix;
+            let default_plan = m.gplan;
+            m.grouped = true;
+            let mut line = Vec::new();
+            for target in [264usize, 528, 792, 1056] {
+                m.gplan = grouped_decode_plan_for_blocks(
+                    batch,
+                    gsize,
+                    m.dims(),
+                    plen,
+                    kv_len - plen,
+                    target,
+                );
+                if m.gplan.workspace_len() > m.ws.len() {
+                    m.ws = g.alloc(&s, m.gplan.workspace_len())?;
+                }
+                let gr = capture(&s, || {
+                    for l in 0..d.layers {
+                        m.attention(&g, &s, l)?;
+                    }
+                    Ok(())
+                })?;
+                let ta = time_graph(&g, &s, &gr, 20)?;
+                line.push(format!(
+                    "{target} ({}x{} + {}x{}): {ta:.3} ms",
+                    m.gplan.p_splits, m.gplan.p_chunk, m.gplan.s_splits, m.gplan.s_chunk
+                ));
+            }
+            m.gplan = default_plan;
+            println!("  grouped attention sweep: {}", line.join("; "));
+        }
+        let base = res[0].1;
         let line = format!(
-            "{} B={batch} KV={} ({pre}) splits {}x{}: step {t:.3} ms (eager {t_eager:.3}), moved {:.2} GB (w {:.2} + kv {:.2} + logits {:.3}) = {bw:.2} TB/s = {:.0}% of copy; attention {t_att:.3} ms for {:.2} GB = {att_bw:.2} TB/s ({:.0}%); tokens[0..4] {:?}",
+            "{} B={batch} ({pre}): {}",
             d.name,
-            m.kv_len,
-            m.plan.splits,
-            m.plan.chunk,
-            total / 1e9,
-            w / 1e9,
-            kv / 1e9,
-            lg / 1e9,
-            100.0 * bw / ceiling,
-            kv / 1e9,
-            100.0 * att_bw / ceiling,
-            &tok[..4.min(tok.len())]
+            res.iter()
+                .map(|(v, t, ps, mv)| format!(
+                    "{v} {t:.3} ms ({:.2}x base; per-sample {:.0}%, moved {:.0}% of copy)",
+                    base / t,
+                    100.0 * ps / (t * 1e-3) / 1e12 / ceiling,
+                    100.0 * mv / (t * 1e-3) / 1e12 / ceiling
+                ))
+                .collect::<Vec<_>>()
+                .join("; ")
         );
-        println!("{line}");
-        println!("    attention sweep: {}", sweep.join("; "));
-        println!("{split_line}");
         rows.push(line);
         drop(m);
         s.synchronize()?;

@@ -1,32 +1,42 @@
 #!/usr/bin/env bash
 # One device call: GPU tests (each kernel vs its CPU twin, one process per test so that a
-# faulting kernel cannot poison the others), the tensor-core decode under compute-sanitizer,
-# then the GEMM and decode workbenches. Expects prebuilt binaries in .devbin/ (docs/cuda.md);
-# writes logs under $OUT.
-# Usage: bash kernels/examples/gpu_check.sh [tests|sanitize|gemm|decode]...  (default: all)
+# faulting kernel cannot poison the others), the decode kernels under compute-sanitizer, the
+# GEMM and decode workbenches, and PyTorch's CUDA-graph decode of the same dims (side by side).
+# Expects prebuilt binaries in .devbin/ (docs/cuda.md); writes logs under $OUT.
+# Usage: bash kernels/examples/gpu_check.sh [tests|tests-decode|sanitize|gemm|decode|torch]...
+#   (default: tests sanitize gemm decode torch; tests-decode runs only the tests that touch the
+#   decode path: cuda_skinny and the decode attention / linear tests of cuda_kernels)
 set -o pipefail
 B=${DEVBIN:-.devbin}
 OUT=${OUT:-/tmp/rollplex-out}
 mkdir -p "$OUT"
 export ROLLPLEX_KERNEL_CACHE=${ROLLPLEX_KERNEL_CACHE:-/tmp/rollplex-kernels}
-steps=${*:-tests sanitize gemm decode}
+steps=${*:-tests sanitize gemm decode torch}
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv; } 2>&1 | tee "$OUT/device.txt"
+run_tests() {  # binary, grep filter of test names
+  for t in $("$B/$1" --list 2>/dev/null | sed -n 's/: test$//p' | grep -E "$2"); do
+    timeout 120 "$B/$1" --exact "$t" --nocapture 2>&1 | grep -v "^running\|^$\|^test result\|^note:\|^stack backtrace" >> "$OUT/tests.log"
+    echo "TEST $1::$t exit $?" | tee -a "$OUT/tests.log"
+  done
+}
 for st in $steps; do
   case $st in
-    tests)
-      for t in $("$B/cuda_kernels" --list 2>/dev/null | sed -n 's/: test$//p'); do
-        timeout 120 "$B/cuda_kernels" --exact "$t" --nocapture 2>&1 | grep -v "^running\|^$\|^test result\|^note:\|^stack backtrace" >> "$OUT/tests.log"
-        echo "TEST $t exit $?" | tee -a "$OUT/tests.log"
-      done ;;
+    tests) run_tests cuda_kernels . ; run_tests cuda_skinny . ;;
+    tests-decode)
+      run_tests cuda_skinny .
+      run_tests cuda_kernels 'attention_decode|linear_fwd' ;;
     sanitize)
-      timeout 150 compute-sanitizer --tool memcheck --print-limit 20 "$B/cuda_kernels" --exact attention_decode_tensor_cores_matches_cpu_with_shared_prefix --nocapture > "$OUT/sanitize.log" 2>&1
-      echo "== sanitize exit $?"; head -c 6000 "$OUT/sanitize.log" ;;
-    gemm) timeout 150 "$B/bench_gemm" 2>&1 | tee "$OUT/gemm.log" ;;
-    decode)
-      for v in "--unfused" "--simt" ""; do
-        timeout 150 "$B/bench_decode" $v 2>&1 | tee -a "$OUT/decode.log"
-        echo "== decode $v exit $?"
+      for t in attention_decode_tensor_cores_matches_cpu_with_shared_prefix; do
+        timeout 150 compute-sanitizer --tool memcheck --print-limit 20 "$B/cuda_kernels" --exact $t --nocapture > "$OUT/sanitize_$t.log" 2>&1
+        echo "== sanitize $t exit $?"; grep -E "ERROR SUMMARY|rel err" "$OUT/sanitize_$t.log" | tail -3
+      done
+      for t in attention_decode_grouped_matches_cpu skinny_linear_matches_cpu skinny_gate_up_swiglu_matches_cpu_and_the_unfused_pair; do
+        timeout 150 compute-sanitizer --tool memcheck --print-limit 20 "$B/cuda_skinny" --exact $t --nocapture > "$OUT/sanitize_$t.log" 2>&1
+        echo "== sanitize $t exit $?"; grep -E "ERROR SUMMARY" "$OUT/sanitize_$t.log" | tail -2
       done ;;
+    gemm) timeout 150 "$B/bench_gemm" 2>&1 | tee "$OUT/gemm.log" ;;
+    decode) timeout 300 "$B/bench_decode" ${DECODE_FLAGS:-} 2>&1 | tee -a "$OUT/decode.log" ;;
+    torch) timeout 200 python3 kernels/examples/torch_decode.py 60 2>&1 | tee "$OUT/torch.log" ;;
   esac
   echo "== $st exit $?"
 done

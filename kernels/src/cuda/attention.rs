@@ -385,15 +385,76 @@ pub fn attention_decode_bf16(
     let wp = ptr_mut(workspace, stream);
     let part_o = wp;
     let part_ml = wp + (b * dims.num_heads * plan.splits * dims.head_dim * 4) as u64;
+    let pass = SplitPass {
+        part_o,
+        part_ml,
+        q: qp,
+        q_stride: strides.q,
+        src,
+        seqs: sp,
+        batch: b,
+        kv_rows,
+    };
+    let scale_log2 = scale * std::f32::consts::LOG2_E;
+    let sp_args = (plan.chunk, plan.splits, 0, 0, plan.splits);
+    split_pass(
+        OP,
+        gpu,
+        stream,
+        plan.tensor_cores,
+        &dims,
+        scale_log2,
+        &pass,
+        sp_args,
+    )?;
+    reduce_pass(
+        OP,
+        gpu,
+        stream,
+        &dims,
+        &pass,
+        op_,
+        strides.out,
+        lse_p,
+        plan.splits,
+    )
+}
+
+/// Addresses and sizes the split pass and the merge share.
+struct SplitPass {
+    part_o: u64,
+    part_ml: u64,
+    q: u64,
+    q_stride: usize,
+    src: KvSrc,
+    seqs: u64,
+    batch: usize,
+    kv_rows: u32,
+}
+
+/// The split-K pass (`attention_decode_bf16` or the SIMT twin). `args`: (chunk, splits,
+/// skip_prefix, split_base, total_splits).
+#[allow(clippy::too_many_arguments)]
+fn split_pass(
+    op: &'static str,
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    tensor_cores: bool,
+    dims: &AttnDims,
+    scale_log2: f32,
+    p: &SplitPass,
+    args: (usize, usize, u32, usize, usize),
+) -> Result<()> {
+    let (chunk, splits, skip_prefix, split_base, total_splits) = args;
     let hd = dims.head_dim as u32;
-    let name = if plan.tensor_cores {
+    let name = if tensor_cores {
         "attention_decode_bf16"
     } else {
         "attention_decode_simt_bf16"
     };
     let f1 = gpu.function(&ATTENTION, &[("HEAD_DIM", hd)], name)?;
     // The tensor-core kernel: 4 warps x 2 stages x (K + V) tiles of 32 keys, rows padded by 8.
-    let smem = if plan.tensor_cores {
+    let smem = if tensor_cores {
         (4 * 2 * 2 * 32 * (dims.head_dim + 8) * 2) as u32
     } else {
         0
@@ -411,61 +472,395 @@ pub fn attention_decode_bf16(
         }
         .result()?;
     }
-    let f2 = gpu.function(
-        &ATTENTION,
-        &[("HEAD_DIM", hd)],
-        "attention_decode_reduce_bf16",
-    )?;
     let (nh, nkv) = (dims.num_heads as u32, dims.num_kv_heads as u32);
-    let (chunk, splits) = (
-        u32_of(OP, "chunk", plan.chunk)?,
-        u32_of(OP, "splits", plan.splits)?,
+    let (chunk, splits) = (u32_of(op, "chunk", chunk)?, u32_of(op, "splits", splits)?);
+    let (base, total) = (
+        u32_of(op, "split base", split_base)?,
+        u32_of(op, "total splits", total_splits)?,
     );
-    let scale_log2 = scale * std::f32::consts::LOG2_E;
-    let qs = strides.q as u32;
+    let qs = p.q_stride as u32;
     let hg = ((dims.num_heads / dims.num_kv_heads).div_ceil(8) * dims.num_kv_heads) as u32;
-    let bz = u32_of(OP, "batch", b)?;
+    let bz = u32_of(op, "batch", p.batch)?;
     let cfg1 = LaunchConfig {
         grid_dim: (splits, hg, bz),
         block_dim: (128, 1, 1),
         shared_mem_bytes: smem,
     };
     let mut l1 = stream.launch_builder(&f1);
-    l1.arg(&part_o)
-        .arg(&part_ml)
-        .arg(&qp)
+    l1.arg(&p.part_o)
+        .arg(&p.part_ml)
+        .arg(&p.q)
         .arg(&qs)
-        .arg(&src)
-        .arg(&sp)
+        .arg(&p.src)
+        .arg(&p.seqs)
         .arg(&nh)
         .arg(&nkv);
     l1.arg(&chunk)
         .arg(&splits)
         .arg(&scale_log2)
-        .arg(&kv_rows)
-        .arg(&kv_rows);
-    // SAFETY: q holds b rows; the workspace holds b*heads*splits*(hd+2) floats, exactly the
-    // partials' extent; the kernel checks each descriptor against kv_rows and reads only rows
-    // inside the caches; arguments match (part_o, part_ml, q, q_stride, src, seqs, n_heads, n_kv,
-    // chunk, splits, scale_log2, p_rows, kv_rows).
+        .arg(&p.kv_rows)
+        .arg(&p.kv_rows)
+        .arg(&skip_prefix)
+        .arg(&base)
+        .arg(&total);
+    // SAFETY: q holds batch rows; the workspace holds batch*heads*total_splits*(hd+2) floats
+    // and split_base + splits <= total_splits (callers), so the partial slots written are
+    // inside it; the kernel checks each descriptor against kv_rows and reads only rows inside
+    // the caches; arguments match (part_o, part_ml, q, q_stride, src, seqs, n_heads, n_kv,
+    // chunk, splits, scale_log2, p_rows, kv_rows, skip_prefix, split_base, total_splits).
     unsafe { l1.launch(cfg1) }?;
-    let os = strides.out as u32;
+    Ok(())
+}
+
+/// The ordered merge of `total_splits` partial slots per (sample, head).
+#[allow(clippy::too_many_arguments)]
+fn reduce_pass(
+    op: &'static str,
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    dims: &AttnDims,
+    p: &SplitPass,
+    out: u64,
+    out_stride: usize,
+    lse: u64,
+    total_splits: usize,
+) -> Result<()> {
+    let hd = dims.head_dim as u32;
+    let f2 = gpu.function(
+        &ATTENTION,
+        &[("HEAD_DIM", hd)],
+        "attention_decode_reduce_bf16",
+    )?;
+    let nh = dims.num_heads as u32;
+    let splits = u32_of(op, "total splits", total_splits)?;
+    let bz = u32_of(op, "batch", p.batch)?;
+    let os = out_stride as u32;
     let cfg2 = LaunchConfig {
         grid_dim: (nh, bz, 1),
         block_dim: (hd.min(128), 1, 1),
         shared_mem_bytes: 0,
     };
     let mut l2 = stream.launch_builder(&f2);
-    l2.arg(&op_)
+    l2.arg(&out)
         .arg(&os)
-        .arg(&lse_p)
-        .arg(&part_o)
-        .arg(&part_ml)
+        .arg(&lse)
+        .arg(&p.part_o)
+        .arg(&p.part_ml)
         .arg(&nh)
         .arg(&splits);
-    // SAFETY: out holds b rows of heads*hd (checked), lse b*heads (checked); the partials were
-    // written by the launch above on the same stream; arguments match (out, out_stride, lse,
-    // part_o, part_ml, n_heads, splits).
+    // SAFETY: out holds batch rows of heads*hd (checked by callers), lse batch*heads (checked);
+    // the partials were written by the passes before on the same stream; arguments match (out,
+    // out_stride, lse, part_o, part_ml, n_heads, splits).
     unsafe { l2.launch(cfg2) }?;
+    Ok(())
+}
+
+/// How a group-shared decode ([`attention_decode_grouped_bf16`]) is cut: samples
+/// `i * group .. (i + 1) * group` form GRPO group `i` and share its first sample's prefix. The
+/// group pass (skipped when `p_splits == 0`) gives a block `per_block` samples of one group (all
+/// query heads of one kv head: at most 64 MMA rows) over `p_chunk` prefix keys; the per-sample
+/// pass gives a block one sample's query heads of one kv head over `s_chunk` of its own keys
+/// (all its keys when there is no group pass); an ordered merge of the `p_splits + s_splits`
+/// slots ends it. A function of (batch, group, dims, length hints) only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupedDecodePlan {
+    pub batch: usize,
+    pub group: usize,
+    pub per_block: usize,
+    pub num_heads: usize,
+    pub head_dim: usize,
+    pub p_splits: usize,
+    pub p_chunk: usize,
+    pub s_splits: usize,
+    pub s_chunk: usize,
+}
+
+impl GroupedDecodePlan {
+    /// f32 elements of scratch (partial outputs, then (max, sum) pairs, for every slot).
+    pub fn workspace_len(&self) -> usize {
+        self.batch * self.num_heads * (self.p_splits + self.s_splits) * (self.head_dim + 2)
+    }
+}
+
+/// Blocks each pass of the grouped decode aims at: 3 per SM of a 132-SM H200 (a block holds
+/// 68 KiB of shared memory). A constant, so the split never depends on the partition.
+pub const GROUPED_TARGET_BLOCKS: usize = 396;
+
+/// The grouped plan for `batch` samples in groups of `group` sharing a prefix of at most
+/// `max_prefix_len` keys (0: no group pass, every sample reads all its keys itself), each with
+/// at most `max_suffix_len` own keys. Hints only: the last chunk of each pass takes every key
+/// left, so a short hint costs speed, never results.
+pub fn grouped_decode_plan(
+    batch: usize,
+    group: usize,
+    dims: AttnDims,
+    max_prefix_len: usize,
+    max_suffix_len: usize,
+) -> GroupedDecodePlan {
+    grouped_decode_plan_for_blocks(
+        batch,
+        group,
+        dims,
+        max_prefix_len,
+        max_suffix_len,
+        GROUPED_TARGET_BLOCKS,
+    )
+}
+
+/// [`grouped_decode_plan`] aiming at `target_blocks` blocks per pass (for the workbench).
+pub fn grouped_decode_plan_for_blocks(
+    batch: usize,
+    group: usize,
+    dims: AttnDims,
+    max_prefix_len: usize,
+    max_suffix_len: usize,
+    target_blocks: usize,
+) -> GroupedDecodePlan {
+    let group = group.clamp(1, batch.max(1));
+    let r = (dims.num_heads / dims.num_kv_heads.max(1)).max(1);
+    let per_block = (64 / r).clamp(1, group);
+    let split = |units: usize, len: usize| {
+        let splits = target_blocks
+            .max(1)
+            .div_ceil(units.max(1))
+            .clamp(1, len.div_ceil(32).max(1));
+        let chunk = len.max(1).div_ceil(splits).div_ceil(32) * 32;
+        (len.max(1).div_ceil(chunk), chunk)
+    };
+    let (p_splits, p_chunk) = if max_prefix_len == 0 {
+        (0, 32)
+    } else {
+        let units = batch.div_ceil(group) * group.div_ceil(per_block) * dims.num_kv_heads;
+        split(units, max_prefix_len)
+    };
+    let (s_splits, s_chunk) = split(batch * dims.num_kv_heads, max_suffix_len);
+    GroupedDecodePlan {
+        batch,
+        group,
+        per_block,
+        num_heads: dims.num_heads,
+        head_dim: dims.head_dim,
+        p_splits,
+        p_chunk,
+        s_splits,
+        s_chunk,
+    }
+}
+
+/// Decode attention with each GRPO group's shared prefix read once per group (the CPU twin is
+/// still [`crate::cpu::attention_decode`]): the same buffers and descriptors as
+/// [`attention_decode_bf16`], plus the grouping in `plan`. Samples of a group must name the
+/// same prefix rows (`p_start`, `p_len`) as the group's first sample; one that does not gets
+/// NaN outputs. Launches on `stream`: the group pass (when `plan.p_splits > 0`), the
+/// per-sample pass, the merge.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_decode_grouped_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    out: &mut impl DevicePtrMut<bf16>,
+    lse: Option<&mut dyn DevicePtrMut<f32>>,
+    workspace: &mut impl DevicePtrMut<f32>,
+    q: &impl DevicePtr<bf16>,
+    k_cache: &impl DevicePtr<bf16>,
+    v_cache: &impl DevicePtr<bf16>,
+    seqs: &impl DevicePtr<AttnSeqGpu>,
+    dims: AttnDims,
+    scale: f32,
+    strides: RowStrides,
+    plan: GroupedDecodePlan,
+) -> Result<()> {
+    const OP: &str = "attention_decode_grouped_bf16";
+    check_dims(OP, &dims, true)?;
+    let b = plan.batch;
+    let r = dims.num_heads / dims.num_kv_heads;
+    if plan.num_heads != dims.num_heads
+        || plan.head_dim != dims.head_dim
+        || plan.group == 0
+        || plan.per_block == 0
+        || plan.per_block * r > 64
+        || plan.p_chunk == 0
+        || plan.s_splits == 0
+        || plan.s_chunk == 0
+    {
+        return Err(shape(
+            OP,
+            format!("plan {plan:?} does not fit dims {dims:?} (per_block * heads per kv head <= 64, nothing zero)"),
+        ));
+    }
+    if b == 0 {
+        return Ok(());
+    }
+    let (qw, kvw) = (dims.q_width(), dims.kv_width());
+    check_stride(OP, "q", strides.q, qw)?;
+    check_stride(OP, "out", strides.out, qw)?;
+    check_stride(OP, "kv", strides.kv, kvw)?;
+    need(OP, "q", q, (b - 1) * strides.q + qw)?;
+    need(OP, "out", out, (b - 1) * strides.out + qw)?;
+    need(OP, "seqs", seqs, b)?;
+    need(OP, "workspace", workspace, plan.workspace_len())?;
+    if v_cache.len() < k_cache.len() {
+        return Err(shape(OP, "v_cache must hold as many elements as k_cache"));
+    }
+    let kv_rows = u32_of(OP, "cache rows", rows_of(k_cache.len(), kvw, strides.kv))?;
+    let lse_p = match lse {
+        Some(l) => {
+            need(OP, "lse", l, b * dims.num_heads)?;
+            ptr_mut(l, stream)
+        }
+        None => 0,
+    };
+    let (kp, vp) = (ptr(k_cache, stream), ptr(v_cache, stream));
+    let src = KvSrc {
+        pk: kp,
+        pv: vp,
+        p_stride: strides.kv as u32,
+        k: kp,
+        v: vp,
+        kv_stride: strides.kv as u32,
+    };
+    let (op_, qp, sp) = (ptr_mut(out, stream), ptr(q, stream), ptr(seqs, stream));
+    for (name, p) in [("q", qp), ("k_cache", kp), ("v_cache", vp)] {
+        aligned16(OP, name, p)?;
+    }
+    let total = plan.p_splits + plan.s_splits;
+    let wp = ptr_mut(workspace, stream);
+    let part_ml = wp + (b * dims.num_heads * total * dims.head_dim * 4) as u64;
+    let pass = SplitPass {
+        part_o: wp,
+        part_ml,
+        q: qp,
+        q_stride: strides.q,
+        src,
+        seqs: sp,
+        batch: b,
+        kv_rows,
+    };
+
+    let scale_log2 = scale * std::f32::consts::LOG2_E;
+    let g = GroupPass {
+        pass: &pass,
+        k: kp,
+        v: vp,
+        kv_stride: strides.kv,
+        total,
+        scale_log2,
+    };
+    // 1. the group pass over the shared prefixes: slots 0..p_splits
+    if plan.p_splits > 0 {
+        let groups = b.div_ceil(plan.group);
+        let z = groups * plan.group.div_ceil(plan.per_block);
+        let a = (plan.group, plan.per_block, z, plan.p_chunk, plan.p_splits);
+        group_pass(OP, gpu, stream, &dims, &g, a, (0, 0, 0))?;
+    }
+    // 2. every sample's own keys (all its keys without a group pass): slots p_splits..total
+    let a = (1, 1, b, plan.s_chunk, plan.s_splits);
+    let skip = (plan.p_splits > 0) as u32;
+    group_pass(OP, gpu, stream, &dims, &g, a, (1, skip, plan.p_splits))?;
+    // 3. the ordered merge of all slots
+    reduce_pass(
+        OP,
+        gpu,
+        stream,
+        &dims,
+        &pass,
+        op_,
+        strides.out,
+        lse_p,
+        total,
+    )
+}
+
+/// What both passes of the grouped decode share.
+struct GroupPass<'a> {
+    pass: &'a SplitPass,
+    k: u64,
+    v: u64,
+    kv_stride: usize,
+    total: usize,
+    scale_log2: f32,
+}
+
+/// One launch of `attention_decode_grouped_bf16`. `a`: (group, per_block, grid z, chunk,
+/// splits); `mode`: (per_sample, skip_prefix, split_base).
+fn group_pass(
+    op: &'static str,
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    dims: &AttnDims,
+    g: &GroupPass,
+    a: (usize, usize, usize, usize, usize),
+    mode: (u32, u32, usize),
+) -> Result<()> {
+    let (group, per_block, z, chunk, splits) = a;
+    let hd = dims.head_dim as u32;
+    let f = gpu.function(
+        &ATTENTION,
+        &[("HEAD_DIM", hd)],
+        "attention_decode_grouped_bf16",
+    )?;
+    let smem = (4 * 2 * 32 * (dims.head_dim + 8) * 2) as u32; // 4 stages of K + V, 32 keys
+                                                              // SAFETY: a valid function handle of this context; raises the dynamic shared-memory limit
+                                                              // to what this launch passes (68 KiB for head_dim 128).
+    unsafe {
+        cudarc::driver::sys::cuFuncSetAttribute(
+            f.cu_function(),
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+    }
+    .result()?;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            u32_of(op, "splits", splits)?,
+            dims.num_kv_heads as u32,
+            u32_of(op, "blocks along z", z)?,
+        ),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let p = g.pass;
+    let (qs, kvs) = (p.q_stride as u32, g.kv_stride as u32);
+    let (bb, gg, pb) = (
+        u32_of(op, "batch", p.batch)?,
+        u32_of(op, "group", group)?,
+        per_block as u32,
+    );
+    let (nh, nkv) = (dims.num_heads as u32, dims.num_kv_heads as u32);
+    let (ch, sp, ts) = (
+        u32_of(op, "chunk", chunk)?,
+        splits as u32,
+        u32_of(op, "slots", g.total)?,
+    );
+    let (per_sample, skip, base) = (mode.0, mode.1, u32_of(op, "split base", mode.2)?);
+    let mut l = stream.launch_builder(&f);
+    l.arg(&p.part_o)
+        .arg(&p.part_ml)
+        .arg(&p.q)
+        .arg(&qs)
+        .arg(&g.k)
+        .arg(&g.v)
+        .arg(&kvs)
+        .arg(&p.seqs)
+        .arg(&bb)
+        .arg(&gg)
+        .arg(&pb);
+    l.arg(&nh)
+        .arg(&nkv)
+        .arg(&ch)
+        .arg(&sp)
+        .arg(&ts)
+        .arg(&g.scale_log2)
+        .arg(&p.kv_rows)
+        .arg(&per_sample)
+        .arg(&skip)
+        .arg(&base);
+    // SAFETY: q holds batch rows and the workspace batch*heads*total*(hd+2) floats (checked by
+    // the caller); the pass writes slots split_base + split < total of samples < batch only;
+    // the kernel checks the descriptors it reads keys through against kv_rows (computed from
+    // the caches' lengths) and reads only rows inside; rows are 16-byte aligned (checked);
+    // arguments match (part_o, part_ml, q, q_stride, k, v, kv_stride, seqs, batch, group,
+    // per_block, n_heads, n_kv, chunk, splits, total_splits, scale_log2, kv_rows, per_sample,
+    // skip_prefix, split_base).
+    unsafe { l.launch(cfg) }?;
     Ok(())
 }

@@ -19,10 +19,11 @@ use std::sync::Arc;
 use cudarc::cublas::sys as bsys;
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys as ltsys;
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::launch::{ptr, ptr_mut};
+use super::launch::{aligned16, ptr, ptr_mut, u32_of};
+use super::nvrtc::KernelModule;
 use super::{shape, CudaError, Gpu, Result};
 use crate::cpu::Gemm;
 
@@ -365,4 +366,416 @@ pub fn matmul_bf16_cublas(
         }?;
         Ok(())
     })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Skinny GEMMs (decode): our own tensor-core kernel, `kernels/cuda/gemv.cu`.
+
+/// The skinny-GEMM kernel source (compiled per [`SkinnyPlan`] shape class by NVRTC).
+pub const GEMV: KernelModule = KernelModule {
+    name: "gemv",
+    source: include_str!("../../cuda/gemv.cu"),
+};
+
+/// The most rows of `x` the skinny kernel takes (8 m-tiles of 8).
+pub const SKINNY_MAX_M: usize = 64;
+
+/// Blocks a skinny GEMM aims at: 2 per SM of a 132-SM H200. A constant (not the device's or the
+/// partition's SM count), so the k split, and with it every bit of the result, depends on the
+/// shape only.
+pub const SKINNY_TARGET_BLOCKS: usize = 264;
+
+/// How [`skinny_linear_fwd_bf16`] cuts a GEMM: `m_tiles` tiles of 8 rows of x, blocks of
+/// `64 * row_tiles` weight rows (output features; half gate, half up in the SwiGLU form), and k
+/// cut into `splits` slices of `kslice` (a multiple of 64) summed in a cluster of `splits` blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SkinnyPlan {
+    pub m_tiles: usize,
+    pub row_tiles: usize,
+    pub splits: usize,
+    pub kslice: usize,
+}
+
+impl SkinnyPlan {
+    /// Weight rows one block covers.
+    pub fn block_rows(&self) -> usize {
+        64 * self.row_tiles
+    }
+    /// Dynamic shared memory one block uses (4 stages of weights + x, 64 k each).
+    pub fn smem_bytes(&self) -> usize {
+        4 * (self.block_rows() + 8 * self.m_tiles) * 64 * 2
+    }
+    /// Blocks an H200 SM holds at once: by shared memory (228 KiB, 1 KiB reserved per block)
+    /// and by registers (ptxas reports about 60 + 8 * m_tiles * row_tiles per thread).
+    pub fn blocks_per_sm(&self) -> usize {
+        let by_smem = (228 << 10) / (self.smem_bytes() + (1 << 10));
+        let regs = (60 + 8 * self.m_tiles * self.row_tiles).div_ceil(8) * 8;
+        let by_regs = 65536 / (128 * regs);
+        by_smem.min(by_regs).max(1)
+    }
+}
+
+/// The plan [`skinny_linear_fwd_bf16`] uses for `y[m, n] = x[m, k] w[n, k]^T` (`n` output
+/// features; for the SwiGLU form the `2f` gate|up rows): a function of the shape only. Among
+/// 2 or 1 row tiles and 1..=8 k slices (slices of at least 256 k), it takes the cut that
+/// spreads the blocks most evenly over an H200's 132 SMs (memory-bound: what counts is that no
+/// SM streams more than its share), the first (taller blocks, fewer slices) on a near tie.
+pub fn skinny_plan(m: usize, k: usize, n: usize) -> SkinnyPlan {
+    let mut best: Option<(f64, SkinnyPlan)> = None;
+    for row_tiles in [2, 1] {
+        for splits in 1..=8 {
+            let p = skinny_plan_with(m, k, n, row_tiles, splits);
+            if p.splits != splits || (splits > 1 && p.kslice < 256) {
+                continue;
+            }
+            // balance of the work over the 132 SMs: the average SM's blocks over the busiest's
+            let per_sm = (n.max(1).div_ceil(p.block_rows()) * p.splits) as f64 / 132.0;
+            let score = per_sm / per_sm.ceil();
+            if best.is_none_or(|(b, _)| score > b + 0.02) {
+                best = Some((score, p));
+            }
+        }
+    }
+    best.map(|(_, p)| p)
+        .unwrap_or_else(|| skinny_plan_with(m, k, n, 1, 1))
+}
+
+/// [`skinny_plan`] with the block height (`row_tiles` 1 or 2) and the grid target chosen by the
+/// caller (for the workbench; the runtime should keep the default).
+pub fn skinny_plan_for(
+    m: usize,
+    k: usize,
+    n: usize,
+    row_tiles: usize,
+    target_blocks: usize,
+) -> SkinnyPlan {
+    let row_tiles = row_tiles.clamp(1, 2);
+    let blocks = n.max(1).div_ceil(64 * row_tiles);
+    let want = target_blocks.max(1).div_ceil(blocks).clamp(1, 8);
+    skinny_plan_with(m, k, n, row_tiles, want)
+}
+
+/// The plan with `row_tiles` (1 or 2) and k cut into at most `splits` (1..=8) slices of a
+/// multiple of 64 (the plan's `splits` may come out smaller when k is short).
+pub fn skinny_plan_with(
+    m: usize,
+    k: usize,
+    _n: usize,
+    row_tiles: usize,
+    splits: usize,
+) -> SkinnyPlan {
+    let kslice = k.max(1).div_ceil(splits.clamp(1, 8)).div_ceil(64) * 64;
+    SkinnyPlan {
+        m_tiles: m.clamp(1, SKINNY_MAX_M).div_ceil(8),
+        row_tiles: row_tiles.clamp(1, 2),
+        splits: k.max(1).div_ceil(kslice),
+        kslice,
+    }
+}
+
+/// Whether the skinny kernel can run this GEMM (else use [`linear_fwd_bf16`]): `1 <= m <= 64`,
+/// `k` a multiple of 8 (rows are read in 16-byte units).
+pub fn skinny_fits(m: usize, k: usize) -> bool {
+    (1..=SKINNY_MAX_M).contains(&m) && k % 8 == 0 && k > 0
+}
+
+#[allow(clippy::too_many_arguments)]
+fn skinny_launch(
+    op: &'static str,
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    y: u64,
+    x: u64,
+    w: u64,
+    bias: u64,
+    m: usize,
+    k: usize,
+    n: usize,
+    ldx: usize,
+    ldy: usize,
+    up_off: usize,
+    swiglu: bool,
+    plan: SkinnyPlan,
+) -> Result<()> {
+    if plan.m_tiles * 8 < m
+        || plan.m_tiles > 8
+        || !(1..=2).contains(&plan.row_tiles)
+        || !(1..=8).contains(&plan.splits)
+        || plan.kslice % 64 != 0
+        || plan.splits * plan.kslice < k
+    {
+        return Err(shape(
+            op,
+            format!("plan {plan:?} does not cover m={m} k={k} (m_tiles*8 >= m, 1..=2 row tiles, 1..=8 splits, kslice a multiple of 64, splits*kslice >= k)"),
+        ));
+    }
+    for (name, p) in [("y", y), ("x", x), ("w", w)] {
+        if name != "y" {
+            aligned16(op, name, p)?;
+        }
+    }
+    let defines: Vec<(&'static str, u32)> = vec![
+        ("GEMV_MT", plan.m_tiles as u32),
+        ("GEMV_RT", plan.row_tiles as u32),
+        ("GEMV_S", plan.splits as u32),
+        ("GEMV_SWIGLU", swiglu as u32),
+    ];
+    let f = gpu.function(&GEMV, &defines, "gemv_bf16")?;
+    let smem = plan.smem_bytes() as u32;
+    // SAFETY: a valid function handle of this context; raises the dynamic shared-memory limit to
+    // what this launch passes (at most 96 KiB, within the 227 KiB a Hopper block may use).
+    unsafe {
+        cudarc::driver::sys::cuFuncSetAttribute(
+            f.cu_function(),
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+    }
+    .result()?;
+    let rows_per_block = if swiglu {
+        plan.block_rows() / 2
+    } else {
+        plan.block_rows()
+    };
+    let gy = u32_of(op, "row blocks", n.div_ceil(rows_per_block))?;
+    let cfg = LaunchConfig {
+        grid_dim: (plan.splits as u32, gy, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let (mm, nn, kk) = (m as u32, u32_of(op, "n", n)?, u32_of(op, "k", k)?);
+    let (lx, ly) = (u32_of(op, "ldx", ldx)?, u32_of(op, "ldy", ldy)?);
+    let (ks, uo) = (plan.kslice as u32, u32_of(op, "up_off", up_off)?);
+    let mut b = stream.launch_builder(&f);
+    b.arg(&y)
+        .arg(&x)
+        .arg(&w)
+        .arg(&bias)
+        .arg(&mm)
+        .arg(&nn)
+        .arg(&kk);
+    b.arg(&lx).arg(&ly).arg(&ks).arg(&uo);
+    // SAFETY: the callers checked that y holds (m-1)*ldy + n elements, x (m-1)*ldx + k, w every
+    // weight row the kernel reads (n rows of k, or up_off + n rows in the SwiGLU form) and bias
+    // n (up_off + n) elements; the kernel reads x rows < m and weight rows < n (+ up_off) only,
+    // k < min(k, slice end), and writes y rows < m, columns < n; x and w are 16-byte aligned,
+    // k % 8 == 0 and ldx % 8 == 0 (checked); grid.x == splits == the compiled cluster size;
+    // arguments match (y, x, w, bias, m, n, k, ldx, ldy, kslice, up_off).
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+fn skinny_checks(
+    op: &'static str,
+    m: usize,
+    k: usize,
+    ldx: usize,
+    ldy: usize,
+    n: usize,
+) -> Result<()> {
+    if !skinny_fits(m, k) {
+        return Err(shape(
+            op,
+            format!("m={m} k={k}: the skinny kernel takes 1 <= m <= {SKINNY_MAX_M} and k a positive multiple of 8 (use linear_fwd_bf16)"),
+        ));
+    }
+    if ldx < k || ldx % 8 != 0 || ldy < n || n == 0 {
+        return Err(shape(
+            op,
+            format!(
+                "row strides ldx={ldx} (>= k={k}, multiple of 8), ldy={ldy} (>= n={n}) do not fit"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `y[m, n] = x[m, k] w[n, k]^T + bias[n]` for decode-sized `m <= 64` with our tensor-core
+/// split-k kernel ([`skinny_plan`]); the same contract and CPU twin ([`crate::cpu::linear_fwd`])
+/// as [`linear_fwd_bf16`], contiguous rows.
+#[allow(clippy::too_many_arguments)]
+pub fn skinny_linear_fwd_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    y: &mut impl DevicePtrMut<bf16>,
+    x: &impl DevicePtr<bf16>,
+    w: &impl DevicePtr<bf16>,
+    bias: Option<&dyn DevicePtr<bf16>>,
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Result<()> {
+    let plan = skinny_plan(m, k, n);
+    skinny_linear_fwd_bf16_with(gpu, stream, y, x, w, bias, m, k, n, k, n, plan)
+}
+
+/// [`skinny_linear_fwd_bf16`] with row strides (`ldx` elements between rows of x, `ldy` of y)
+/// and an explicit plan.
+#[allow(clippy::too_many_arguments)]
+pub fn skinny_linear_fwd_bf16_with(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    y: &mut impl DevicePtrMut<bf16>,
+    x: &impl DevicePtr<bf16>,
+    w: &impl DevicePtr<bf16>,
+    bias: Option<&dyn DevicePtr<bf16>>,
+    m: usize,
+    k: usize,
+    n: usize,
+    ldx: usize,
+    ldy: usize,
+    plan: SkinnyPlan,
+) -> Result<()> {
+    const OP: &str = "skinny_linear_fwd_bf16";
+    skinny_checks(OP, m, k, ldx, ldy, n)?;
+    for (name, have, want) in [
+        ("y", y.len(), (m - 1) * ldy + n),
+        ("x", x.len(), (m - 1) * ldx + k),
+        ("w", w.len(), n * k),
+    ] {
+        if have < want {
+            return Err(shape(
+                OP,
+                format!("{name} holds {have} elements, needs {want}"),
+            ));
+        }
+    }
+    let bp = match bias {
+        Some(b) => {
+            if b.len() < n {
+                return Err(shape(
+                    OP,
+                    format!("bias holds {} elements, needs {n}", b.len()),
+                ));
+            }
+            ptr(b, stream)
+        }
+        None => 0,
+    };
+    let (yp, xp, wp) = (ptr_mut(y, stream), ptr(x, stream), ptr(w, stream));
+    skinny_launch(
+        OP, gpu, stream, yp, xp, wp, bp, m, k, n, ldx, ldy, 0, false, plan,
+    )
+}
+
+/// The MLP's first half in one launch: `act[m, f] = silu(x Wg^T) * (x Wu^T)` where
+/// `w_gate_up` is `[2f, k]`, gate rows then up rows (the fused gate|up weight), with the
+/// roundings of [`linear_fwd_bf16`] into a `[m, 2f]` buffer followed by
+/// [`super::swiglu_fwd_bf16`]. `plan`: `None` takes [`skinny_plan`]`(m, k, 2 f)`, the plan of
+/// the unfused `[m, 2f]` GEMM: same k slices, so the result is bitwise that GEMM through
+/// [`skinny_linear_fwd_bf16`] followed by `swiglu_fwd_bf16`.
+#[allow(clippy::too_many_arguments)]
+pub fn skinny_gate_up_swiglu_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    act: &mut impl DevicePtrMut<bf16>,
+    x: &impl DevicePtr<bf16>,
+    w_gate_up: &impl DevicePtr<bf16>,
+    m: usize,
+    k: usize,
+    f: usize,
+    plan: Option<SkinnyPlan>,
+) -> Result<()> {
+    const OP: &str = "skinny_gate_up_swiglu_bf16";
+    skinny_checks(OP, m, k, k, f, f)?;
+    for (name, have, want) in [
+        ("act", act.len(), m * f),
+        ("x", x.len(), m * k),
+        ("w_gate_up", w_gate_up.len(), 2 * f * k),
+    ] {
+        if have < want {
+            return Err(shape(
+                OP,
+                format!("{name} holds {have} elements, needs {want}"),
+            ));
+        }
+    }
+    let plan = plan.unwrap_or_else(|| skinny_plan(m, k, 2 * f));
+    let (yp, xp, wp) = (ptr_mut(act, stream), ptr(x, stream), ptr(w_gate_up, stream));
+    skinny_launch(OP, gpu, stream, yp, xp, wp, 0, m, k, f, k, f, f, true, plan)
+}
+
+#[cfg(test)]
+mod skinny_tests {
+    use super::*;
+    use crate::cuda::nvrtc::{compile_uncached, nvrtc_present, options, COMMON};
+
+    #[test]
+    fn plans_cover_k_and_fill_the_grid() {
+        for &(m, k, n) in &[
+            (64, 2048, 2560),
+            (8, 11008, 2048),
+            (64, 2048, 151_936),
+            (3, 200, 48),
+        ] {
+            let p = skinny_plan(m, k, n);
+            assert!(
+                p.splits * p.kslice >= k && (p.splits - 1) * p.kslice < k,
+                "{p:?}"
+            );
+            assert!(p.m_tiles * 8 >= m && p.kslice % 64 == 0 && p.splits <= 8);
+        }
+        // a small-n GEMM is cut along k so that the grid is not a handful of blocks
+        let p = skinny_plan(64, 2048, 2560);
+        assert!(
+            p.splits * 2560usize.div_ceil(p.block_rows()) >= 100,
+            "{p:?}"
+        );
+        assert!(!skinny_fits(65, 64) && !skinny_fits(8, 12) && skinny_fits(1, 8));
+        // the decode shapes of 3B / 7B (qkv, o, gate|up, down, lm_head) at batch 64 and 8
+        for m in [64, 8] {
+            for (k, n) in [
+                (2048, 2560),
+                (2048, 2048),
+                (2048, 22016),
+                (11008, 2048),
+                (2048, 151_936),
+                (3584, 4608),
+                (3584, 3584),
+                (3584, 37888),
+                (18944, 3584),
+                (3584, 152_064),
+            ] {
+                let p = skinny_plan(m, k, n);
+                let blocks = n.div_ceil(p.block_rows()) * p.splits;
+                println!(
+                    "m{m} k{k} n{n}: {p:?}, {blocks} blocks, {} per SM",
+                    p.blocks_per_sm()
+                );
+                assert!(p.splits * p.kslice >= k && p.splits <= 8);
+            }
+        }
+    }
+
+    /// Compiles the kernel's variants for sm_90 where libnvrtc loads (no GPU needed) and prints
+    /// ptxas's register / spill report.
+    #[test]
+    fn gemv_variants_compile_for_sm90() {
+        if !nvrtc_present() {
+            println!("skipped: libnvrtc not found");
+            return;
+        }
+        let source = format!("{COMMON}\n#line 1 \"gemv.cu\"\n{}", GEMV.source);
+        for (mt, rt, s, sw) in [
+            (8, 2, 1, 0),
+            (8, 1, 8, 0),
+            (1, 2, 4, 0),
+            (8, 2, 2, 1),
+            (3, 1, 7, 1),
+        ] {
+            let d = [
+                ("GEMV_MT", mt),
+                ("GEMV_RT", rt),
+                ("GEMV_S", s),
+                ("GEMV_SWIGLU", sw),
+            ];
+            match compile_uncached("gemv", &source, &options("sm_90", &d)) {
+                Ok((cubin, log)) => {
+                    assert!(!cubin.is_empty());
+                    println!("== gemv {d:?}\n{log}");
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
 }

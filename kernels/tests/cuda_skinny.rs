@@ -1,0 +1,382 @@
+//! GPU tests of the decode-speed kernels against their CPU twins: the skinny split-k GEMM
+//! (`gemv_bf16`: `skinny_linear_fwd_bf16`, `skinny_gate_up_swiglu_bf16`) and the group-shared
+//! decode attention (`attention_decode_grouped_bf16`). Fresh random inputs each run, outputs
+//! poisoned with NaN first (an unwritten element fails). Each test prints "skipped: no CUDA
+//! device" and passes where no GPU is present.
+#![cfg(feature = "cuda")]
+
+use std::sync::{Arc, OnceLock};
+
+use half::bf16;
+use rollplex_kernels::cpu;
+use rollplex_kernels::cpu::{AttnDims, DecodeSeq};
+use rollplex_kernels::cuda::attention::{
+    attention_decode_grouped_bf16, grouped_decode_plan, RowStrides,
+};
+use rollplex_kernels::cuda::gemm::{
+    skinny_gate_up_swiglu_bf16, skinny_linear_fwd_bf16, skinny_linear_fwd_bf16_with, skinny_plan,
+    skinny_plan_for,
+};
+use rollplex_kernels::cuda::*;
+
+fn gpu() -> Option<&'static Gpu> {
+    static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
+    GPU.get_or_init(|| match cuda_available().and_then(|_| Gpu::new(0)) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            None
+        }
+    })
+    .as_ref()
+}
+
+macro_rules! gpu_or_skip {
+    () => {
+        match gpu() {
+            Some(g) => g,
+            None => {
+                println!("skipped: no CUDA device");
+                return;
+            }
+        }
+    };
+}
+
+fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn fresh_seed() -> u64 {
+    use std::time::{SystemTime, UNIX_EPOCH};
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let t = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1);
+    t ^ N.fetch_add(0x9E37_79B9, std::sync::atomic::Ordering::Relaxed)
+}
+
+fn rand_bf(n: usize, scale: f32) -> (Vec<bf16>, Vec<f32>) {
+    let v: Vec<bf16> = rand_vec(n, fresh_seed())
+        .iter()
+        .map(|x| bf16::from_f32(x * scale))
+        .collect();
+    let f = v.iter().map(|x| x.to_f32()).collect();
+    (v, f)
+}
+
+fn up<T: cudarc::driver::DeviceRepr>(s: &Arc<CudaStream>, v: &[T]) -> CudaSlice<T> {
+    s.clone_htod(v).expect("upload")
+}
+fn down<T: cudarc::driver::DeviceRepr>(s: &Arc<CudaStream>, d: &CudaSlice<T>) -> Vec<T> {
+    s.clone_dtoh(d).expect("download")
+}
+fn poison_bf(s: &Arc<CudaStream>, n: usize) -> CudaSlice<bf16> {
+    up(s, &vec![bf16::from_bits(0x7fc0); n])
+}
+fn poison_f32(s: &Arc<CudaStream>, n: usize) -> CudaSlice<f32> {
+    up(s, &vec![f32::NAN; n])
+}
+fn to_f32(v: &[bf16]) -> Vec<f32> {
+    v.iter().map(|x| x.to_f32()).collect()
+}
+
+/// ‖out − ref‖ / ‖ref‖; a non-finite value in `out` gives infinity.
+fn rel_err(out: &[f32], reference: &[f32]) -> f64 {
+    assert_eq!(out.len(), reference.len());
+    let (mut num, mut den) = (0f64, 0f64);
+    for (o, r) in out.iter().zip(reference) {
+        if !o.is_finite() {
+            return f64::INFINITY;
+        }
+        num += (*o as f64 - *r as f64).powi(2);
+        den += (*r as f64).powi(2);
+    }
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
+}
+
+fn check(name: &str, out: &[f32], reference: &[f32], tol: f64) {
+    let e = rel_err(out, reference);
+    println!("{name}: rel err {e:.2e} (tol {tol:.0e})");
+    assert!(e <= tol, "{name}: rel err {e:.3e} > {tol:.0e}");
+}
+
+/// The skinny GEMM against `cpu::linear_fwd` on decode shapes (bias or not, m from 1 to 64, k
+/// not a multiple of 64, n not a multiple of the block), under its default plan and under other
+/// plans (1 and 2 row tiles, 1 to 8 k slices); the default plan twice gives the same bits.
+#[test]
+fn skinny_linear_matches_cpu() {
+    let g = gpu_or_skip!();
+    let s = g.stream(0).unwrap();
+    for &(m, k, n, bias) in &[
+        (1usize, 64usize, 48usize, true),
+        (8, 2048, 2560, true),
+        (64, 2048, 2560, true),
+        (37, 520, 300, false),
+        (64, 11008, 2048, false),
+        (17, 3584, 4608, true),
+    ] {
+        let (x, xf) = rand_bf(m * k, 1.0);
+        let (w, wf) = rand_bf(n * k, 0.05);
+        let (b, bfv) = rand_bf(n, 1.0);
+        let mut want = vec![0f32; m * n];
+        let bias_f = if bias { Some(&bfv[..]) } else { None };
+        cpu::linear_fwd(&mut want, &xf, &wf, bias_f, m, k, n).unwrap();
+        let (dx, dw, db) = (up(&s, &x), up(&s, &w), up(&s, &b));
+        let bias_d = if bias {
+            Some(&db as &dyn cudarc::driver::DevicePtr<bf16>)
+        } else {
+            None
+        };
+        let mut dy = poison_bf(&s, m * n);
+        skinny_linear_fwd_bf16(g, &s, &mut dy, &dx, &dw, bias_d, m, k, n).unwrap();
+        let first = down(&s, &dy);
+        check(
+            &format!(
+                "skinny_linear_fwd_bf16 m{m} k{k} n{n} {:?}",
+                skinny_plan(m, k, n)
+            ),
+            &to_f32(&first),
+            &want,
+            8e-3,
+        );
+        let mut dy2 = poison_bf(&s, m * n);
+        skinny_linear_fwd_bf16(g, &s, &mut dy2, &dx, &dw, bias_d, m, k, n).unwrap();
+        assert_eq!(first, down(&s, &dy2), "same plan, same bits");
+        for (rt, target) in [(1, 1), (2, 1000), (1, 264)] {
+            let plan = skinny_plan_for(m, k, n, rt, target);
+            let mut dy = poison_bf(&s, m * n);
+            skinny_linear_fwd_bf16_with(g, &s, &mut dy, &dx, &dw, bias_d, m, k, n, k, n, plan)
+                .unwrap();
+            check(
+                &format!("skinny_linear_fwd_bf16 m{m} k{k} n{n} {plan:?}"),
+                &to_f32(&down(&s, &dy)),
+                &want,
+                8e-3,
+            );
+        }
+    }
+    // strided rows: x rows 2k apart, y rows n + 40 apart (the gaps stay poisoned)
+    let (m, k, n) = (8, 256, 200);
+    let (x, xf) = rand_bf(m * 2 * k, 1.0);
+    let (w, wf) = rand_bf(n * k, 0.05);
+    let xc: Vec<f32> = (0..m)
+        .flat_map(|r| xf[r * 2 * k..r * 2 * k + k].to_vec())
+        .collect();
+    let mut want = vec![0f32; m * n];
+    cpu::linear_fwd(&mut want, &xc, &wf, None, m, k, n).unwrap();
+    let (dx, dw) = (up(&s, &x), up(&s, &w));
+    let ldy = n + 40;
+    let mut dy = poison_bf(&s, m * ldy);
+    let plan = skinny_plan(m, k, n);
+    skinny_linear_fwd_bf16_with(g, &s, &mut dy, &dx, &dw, None, m, k, n, 2 * k, ldy, plan).unwrap();
+    let got = to_f32(&down(&s, &dy));
+    let rows: Vec<f32> = (0..m)
+        .flat_map(|r| got[r * ldy..r * ldy + n].to_vec())
+        .collect();
+    check("skinny_linear_fwd_bf16 strided", &rows, &want, 8e-3);
+    assert!(got[n..ldy].iter().all(|v| v.is_nan()), "gap written");
+    // bad shapes are errors, not launches
+    let mut dy = poison_bf(&s, 65 * n);
+    assert!(skinny_linear_fwd_bf16(g, &s, &mut dy, &dx, &dw, None, 65, k, n).is_err());
+    assert!(skinny_linear_fwd_bf16(g, &s, &mut dy, &dx, &dw, None, 8, 12, n).is_err());
+}
+
+/// The fused gate|up GEMM + SwiGLU against `cpu::linear_fwd` + `cpu::swiglu_fwd`, and bitwise
+/// against the unfused pair (skinny GEMM into `[m, 2f]` then `swiglu_fwd_bf16`).
+#[test]
+fn skinny_gate_up_swiglu_matches_cpu_and_the_unfused_pair() {
+    let g = gpu_or_skip!();
+    let s = g.stream(0).unwrap();
+    for &(m, k, f) in &[(64usize, 2048usize, 1376usize), (8, 512, 1000), (3, 64, 40)] {
+        let (x, xf) = rand_bf(m * k, 1.0);
+        let (w, wf) = rand_bf(2 * f * k, 0.05);
+        let mut gu = vec![0f32; m * 2 * f];
+        cpu::linear_fwd(&mut gu, &xf, &wf, None, m, k, 2 * f).unwrap();
+        let (mut gate, mut upv) = (Vec::new(), Vec::new());
+        for r in 0..m {
+            gate.extend_from_slice(&gu[r * 2 * f..r * 2 * f + f]);
+            upv.extend_from_slice(&gu[r * 2 * f + f..(r + 1) * 2 * f]);
+        }
+        let mut want = vec![0f32; m * f];
+        cpu::swiglu_fwd(&mut want, &gate, &upv).unwrap();
+        let (dx, dw) = (up(&s, &x), up(&s, &w));
+        let mut act = poison_bf(&s, m * f);
+        skinny_gate_up_swiglu_bf16(g, &s, &mut act, &dx, &dw, m, k, f, None).unwrap();
+        let fused = down(&s, &act);
+        check(
+            &format!("skinny_gate_up_swiglu_bf16 m{m} k{k} f{f}"),
+            &to_f32(&fused),
+            &want,
+            1e-2,
+        );
+        let mut dgu = poison_bf(&s, m * 2 * f);
+        skinny_linear_fwd_bf16(g, &s, &mut dgu, &dx, &dw, None, m, k, 2 * f).unwrap();
+        let mut act2 = poison_bf(&s, m * f);
+        let upview = dgu.slice(f..);
+        swiglu_fwd_bf16(g, &s, &mut act2, &dgu, &upview, m, f, f, 2 * f, 2 * f).unwrap();
+        assert_eq!(
+            fused,
+            down(&s, &act2),
+            "fused = GEMM then swiglu_fwd_bf16, bitwise"
+        );
+    }
+}
+
+/// Group-shared decode attention against `cpu::attention_decode`: GRPO groups whose samples
+/// share a prefix (read once per group), random suffix lengths, GQA 8:1 (3B), 7:1 (7B) and
+/// 12:1 (head_dim 64, two head groups), a group larger than one block's rows, and a sample whose
+/// prefix differs from its group's (it must come out NaN, loudly, not silently wrong).
+#[test]
+fn attention_decode_grouped_matches_cpu() {
+    let g = gpu_or_skip!();
+    let s = g.stream(0).unwrap();
+    let d = |h, kv, hd| AttnDims {
+        num_heads: h,
+        num_kv_heads: kv,
+        head_dim: hd,
+    };
+    for (dims, groups, gsize, prefix_len) in [
+        (d(16, 2, 128), 3usize, 8usize, 700usize),
+        (d(28, 4, 128), 2, 8, 1500),
+        (d(16, 2, 128), 1, 16, 333),
+        (d(12, 1, 64), 2, 5, 200),
+        (d(16, 2, 128), 2, 4, 0),
+    ] {
+        let b = groups * gsize;
+        let kvw = dims.kv_width();
+        let suffix_lens: Vec<usize> = rand_vec(b, fresh_seed())
+            .iter()
+            .map(|v| 1 + ((v + 1.0) * 150.0) as usize)
+            .collect();
+        let mut rows = groups * prefix_len;
+        let mut seqs = Vec::new();
+        for (i, &suffix_len) in suffix_lens.iter().enumerate() {
+            seqs.push(DecodeSeq {
+                prefix_offset: ((i / gsize) * prefix_len) as u32,
+                prefix_len: prefix_len as u32,
+                suffix_offset: rows as u32,
+                suffix_len: suffix_len as u32,
+            });
+            rows += suffix_len + 3;
+        }
+        let (kc, kcf) = rand_bf(rows * kvw, 1.0);
+        let (vc, vcf) = rand_bf(rows * kvw, 1.0);
+        let (q, qf) = rand_bf(b * dims.q_width(), 1.0);
+        let scale = 1.0 / (dims.head_dim as f32).sqrt();
+        let mut want = vec![0f32; b * dims.q_width()];
+        let mut want_lse = vec![0f32; b * dims.num_heads];
+        cpu::attention_decode(
+            &mut want,
+            Some(&mut want_lse),
+            &qf,
+            &kcf,
+            &vcf,
+            &seqs,
+            dims,
+            scale,
+        )
+        .unwrap();
+        let gseqs: Vec<AttnSeqGpu> = seqs
+            .iter()
+            .enumerate()
+            .map(|(i, sq)| AttnSeqGpu::from_decode(i as u32, sq))
+            .collect();
+        let (dq, dk, dv, ds) = (up(&s, &q), up(&s, &kc), up(&s, &vc), up(&s, &gseqs));
+        let max_suffix = *suffix_lens.iter().max().unwrap();
+        // the planned split; short hints (the last chunks take the rest); no group pass at all
+        // (every sample reads its prefix itself)
+        for (p_hint, s_hint) in [
+            (prefix_len, max_suffix),
+            (prefix_len / 3 + 1, max_suffix / 4 + 1),
+            (0, prefix_len + max_suffix),
+        ] {
+            let plan = grouped_decode_plan(b, gsize, dims, p_hint, s_hint);
+            let mut ws = poison_f32(&s, plan.workspace_len());
+            let mut dout = poison_bf(&s, b * dims.q_width());
+            let mut dlse = poison_f32(&s, b * dims.num_heads);
+            let mut lv = dlse.as_view_mut();
+            attention_decode_grouped_bf16(
+                g,
+                &s,
+                &mut dout,
+                Some(&mut lv),
+                &mut ws,
+                &dq,
+                &dk,
+                &dv,
+                &ds,
+                dims,
+                scale,
+                RowStrides::contiguous(dims),
+                plan,
+            )
+            .unwrap();
+            let label = format!("{dims:?} B{b} G{gsize} prefix {prefix_len} {plan:?}");
+            check(
+                &format!("attention_decode_grouped_bf16 {label}"),
+                &to_f32(&down(&s, &dout)),
+                &want,
+                1e-2,
+            );
+            check(
+                &format!("attention_decode_grouped_bf16 lse {label}"),
+                &down(&s, &dlse),
+                &want_lse,
+                1e-4,
+            );
+        }
+        if prefix_len > 0 && gsize > 1 {
+            // sample 1 names another prefix start than its group's first sample: NaN rows
+            let mut bad = gseqs.clone();
+            bad[1].p_start += 1;
+            let dbad = up(&s, &bad);
+            let plan = grouped_decode_plan(b, gsize, dims, prefix_len, max_suffix);
+            let mut ws = poison_f32(&s, plan.workspace_len());
+            let mut dout = poison_bf(&s, b * dims.q_width());
+            attention_decode_grouped_bf16(
+                g,
+                &s,
+                &mut dout,
+                None,
+                &mut ws,
+                &dq,
+                &dk,
+                &dv,
+                &dbad,
+                dims,
+                scale,
+                RowStrides::contiguous(dims),
+                plan,
+            )
+            .unwrap();
+            let got = to_f32(&down(&s, &dout));
+            let qw = dims.q_width();
+            assert!(
+                got[qw..2 * qw].iter().all(|v| v.is_nan()),
+                "mismatched prefix not flagged"
+            );
+            check(
+                "attention_decode_grouped_bf16 sample 0 beside a mismatched one",
+                &got[..qw],
+                &want[..qw],
+                1e-2,
+            );
+        }
+    }
+}
