@@ -8,7 +8,7 @@
 //! |---|---|---|---|
 //! | `actor_weights` | params x dtype / train TP | optimizer | everything of the actor |
 //! | `rollout_weights` | the part of the rollout shard not in the training shard | weight sync | encode, prefill, decode |
-//! | `ref_weights` | params x dtype / train TP | (frozen) | reference prefix/suffix |
+//! | `ref_weights` | as `actor_weights` | (frozen) | reference prefix/suffix |
 //! | `master_weights`, `adam_moments` | trainable x 4, x 8 / training ranks | optimizer | optimizer |
 //! | `grads.sS` | trainable x 4 / train TP | micro-batches of step S | optimizer step S |
 //! | `vision_emb` | c n x media tokens x out hidden x dtype | encode | prefill, prefixes (shared) |
@@ -111,27 +111,41 @@ pub fn assign(pg: &mut PhaseGraph) {
     let kept_tok = kept_act_bytes_per_token_layer(&spec.actor, 1, full) * layers / ttp + kv / ttp;
     let mut t = Table { bufs: Vec::new() };
 
+    let train_w = crate::sharing::train_bytes(spec);
     let actor_w = t.add(
         "actor_weights",
         BufferClass::ActorWeights,
         tg,
-        params * db / ttp,
-        format!("(params {params} / tp {ttp}) {dt}"),
+        train_w,
+        format!("(params {params} / tp {ttp}, norms replicated) {dt}"),
         true,
         Offload::No,
     );
     let mut rollout_w = Vec::new();
-    if colocated {
+    if let Some(sharing) = &pg.sharing {
+        // Identical and view tensors alias `actor_weights`; incompatible ones keep their
+        // local training shard in place and add the gathered rest (`crate::sharing`).
         rollout_w.push(actor_w);
-        let extra = crate::lower::rollout_gather_bytes(sh, par.rollout_tp, par.train_tp);
-        if extra > 0 {
+        let frozen = sharing.extra_bytes - sharing.resharded_bytes;
+        if sharing.resharded_bytes > 0 {
             rollout_w.push(t.add(
                 "rollout_weights",
                 BufferClass::RolloutWeights,
                 rg,
-                extra,
-                format!("(params {params} / tp {rtp} - own train shard) {dt}"),
+                sharing.resharded_bytes,
+                format!("(trainable incompatible tensors at tp {rtp} - own train shard) {dt}"),
                 false,
+                Offload::No,
+            ));
+        }
+        if frozen > 0 {
+            rollout_w.push(t.add(
+                "rollout_weights.frozen",
+                BufferClass::RolloutWeights,
+                rg,
+                frozen,
+                format!("(frozen incompatible tensors at tp {rtp} - own train shard) {dt}"),
+                true,
                 Offload::No,
             ));
         }
@@ -140,8 +154,8 @@ pub fn assign(pg: &mut PhaseGraph) {
             "rollout_weights",
             BufferClass::RolloutWeights,
             rg,
-            params * db / rtp,
-            format!("(params {params} / tp {rtp}) {dt}"),
+            crate::sharing::layout_bytes(spec, par.rollout_tp),
+            format!("(params {params} / tp {rtp}, norms replicated) {dt}"),
             true,
             Offload::No,
         ));
@@ -151,8 +165,8 @@ pub fn assign(pg: &mut PhaseGraph) {
             "ref_weights",
             BufferClass::RefWeights,
             tg,
-            params * db / ttp,
-            format!("(params {params} / tp {ttp}) {dt}"),
+            train_w,
+            format!("(params {params} / tp {ttp}, norms replicated) {dt}"),
             true,
             Offload::Frozen,
         )

@@ -441,6 +441,9 @@ fn stats_text(plan: &Plan, st: &Stats) -> String {
             r.objective
         ));
     }
+    if let Some(w) = &plan.weight_sharing {
+        s.push_str(&sharing_text(w));
+    }
     s.push_str(&format!(
         "plan: {} tasks, {} buffers, {} windows; predicted {:.3} s/iteration, {:.3} s of side work hidden in decode windows\n",
         plan.tasks.len(),
@@ -449,5 +452,35 @@ fn stats_text(plan: &Plan, st: &Stats) -> String {
         plan.predicted.iteration_s,
         plan.predicted.hidden_s
     ));
+    s
+}
+
+/// The weight-sharing lines of `--stats`: totals, then the classes that need extra memory.
+fn sharing_text(w: &rollplex_plan::WeightSharing) -> String {
+    use rollplex_compiler::sharing::{shared_class_fraction, shared_fraction};
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let mut s = format!(
+        "weight sharing (train tp {}, rollout tp {}; rollout ranks {:?} over train ranks {:?}): {:.1}% of the rollout layout aliased ({:.1}% in wholly shared tensors); {:.2} GiB extra per GPU instead of {:.2} GiB for a separate copy; weight sync rebuilds {:.2} GiB per iteration\n",
+        w.train_tp,
+        w.rollout_tp,
+        w.rollout_rank,
+        w.train_rank,
+        100.0 * shared_fraction(w),
+        100.0 * shared_class_fraction(w),
+        gib(w.extra_bytes),
+        gib(w.rollout_bytes),
+        gib(w.resharded_bytes),
+    );
+    for p in w.params.iter().filter(|p| p.extra_bytes > 0) {
+        s.push_str(&format!(
+            "  {:?} {} x{} ({}{}): {:.3} GiB extra\n",
+            p.class,
+            p.name,
+            p.count,
+            p.split,
+            if p.trainable { "" } else { ", frozen" },
+            gib(p.extra_bytes)
+        ));
+    }
     s
 }

@@ -544,6 +544,7 @@ mod tests {
             ],
             buffers: vec![kv],
             reshards: vec![],
+            weight_sharing: None,
             memory: Memory {
                 arenas: vec![Arena {
                     id: ArenaId(0),

@@ -9,7 +9,6 @@
 use crate::lower::PhaseGraph;
 use crate::sched::Sched;
 use rollplex_cost::CostModel;
-use rollplex_plan::spec::Mode;
 use rollplex_plan::{
     Buffer, BufferClass, BufferId, Gpu, Lifetime, Memory, Op, Phase, PhaseResidency, PhaseTime,
     Plan, Predicted, Reshard, ReshardWhat, SolverStats, Stream, StreamId, Target, Task, TaskId,
@@ -173,24 +172,17 @@ pub fn emit(pg: &PhaseGraph, s: &Sched, cost: &CostModel, solver: SolverStats) -
             } => (what, from_tp, to_tp),
             _ => continue,
         };
-        let colocated = pg.topo.mode != Mode::Disaggregated;
-        let moved = match what {
-            ReshardWhat::Weights if colocated => {
-                crate::lower::rollout_gather_bytes(&pg.shapes, par.rollout_tp, par.train_tp)
-            }
-            ReshardWhat::Weights => {
-                crate::lower::disaggregated_sync_bytes(&pg.shapes, par.rollout_tp)
-            }
-            ReshardWhat::Embeddings => crate::lower::embed_gather_bytes(&pg.spec, &pg.shapes, par),
-            ReshardWhat::Samples => 0,
-        };
-        let aliased = match what {
-            ReshardWhat::Weights if colocated => {
-                let shard =
-                    pg.shapes.params.total() * pg.shapes.dtype_bytes / par.rollout_tp.max(1) as u64;
-                shard.saturating_sub(moved)
-            }
-            _ => 0,
+        let (moved, aliased) = match (what, &pg.sharing) {
+            (ReshardWhat::Weights, Some(sh)) => (sh.resharded_bytes, sh.aliased_bytes),
+            (ReshardWhat::Weights, None) => (
+                crate::lower::disaggregated_sync_bytes(&pg.shapes, par.rollout_tp),
+                0,
+            ),
+            (ReshardWhat::Embeddings, _) => (
+                crate::lower::embed_gather_bytes(&pg.spec, &pg.shapes, par),
+                0,
+            ),
+            (ReshardWhat::Samples, _) => (0, 0),
         };
         reshards.push(Reshard {
             task: t.id,
@@ -256,6 +248,7 @@ pub fn emit(pg: &PhaseGraph, s: &Sched, cost: &CostModel, solver: SolverStats) -
         tasks,
         buffers,
         reshards,
+        weight_sharing: pg.sharing.clone(),
         memory: Memory {
             arenas: Vec::new(),
             gpus: Vec::new(),

@@ -20,6 +20,7 @@ pub mod sched;
 pub mod schedule_overlap;
 pub mod schedule_serial;
 pub mod shapes;
+pub mod sharing;
 pub mod topology;
 pub mod workload;
 

@@ -131,6 +131,8 @@ pub struct PhaseGraph {
     pub slot_finish: Vec<u32>,
     /// Whether rollout, reference and actor share one media encoding.
     pub shared_encoding: bool,
+    /// How the actor's weights are shared between the layouts (colocated modes only).
+    pub sharing: Option<rollplex_plan::WeightSharing>,
     pub copies: u32,
 }
 
@@ -285,8 +287,11 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
 
     // ---- rollout program ----
     let mut pre: Vec<NodeId> = Vec::new();
-    if colocated {
-        let moved = rollout_gather_bytes(&shapes, rtp, ttp);
+    let sharing = colocated.then(|| crate::sharing::analyse(spec));
+    if let Some(sh) = &sharing {
+        // The sync rebuilds exactly the incompatible trainable tensors (frozen ones are built
+        // once, at load).
+        let moved = sh.resharded_bytes;
         let sync = b.add(
             "weight_sync".into(),
             WorkKind::WeightSync,
@@ -763,19 +768,9 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
         windows,
         slot_finish,
         shared_encoding,
+        sharing,
         copies,
     })
-}
-
-/// Bytes each rank gathers to build its rollout-layout weights from the training layout:
-/// nothing when the rollout shard is part of the training shard (rollout TP >= training TP).
-pub fn rollout_gather_bytes(shapes: &Shapes, rtp: u32, ttp: u32) -> u64 {
-    if rtp >= ttp {
-        0
-    } else {
-        let p = shapes.params.total() * shapes.dtype_bytes;
-        p / rtp as u64 - p / ttp as u64
-    }
 }
 
 /// Bytes each training rank gathers of the other rollout replicas' vision embeddings when

@@ -44,6 +44,10 @@ pub struct Plan {
     pub tasks: Vec<Task>,
     pub buffers: Vec<Buffer>,
     pub reshards: Vec<Reshard>,
+    /// How the actor's weights are shared between the training and the rollout layouts on the
+    /// same GPUs (colocated modes; `None` when rollout has GPUs of its own).
+    #[serde(default)]
+    pub weight_sharing: Option<WeightSharing>,
     pub memory: Memory,
     pub spec: JobSpec,
 }
@@ -377,6 +381,70 @@ pub struct Reshard {
     pub bytes_moved: u64,
     /// Bytes each rank reuses in place (aliased between the layouts).
     pub bytes_aliased: u64,
+}
+
+/// The actor's parameters under the training and the rollout TP layouts of the same GPUs:
+/// which rollout shards alias training memory and which are rebuilt by the weight sync
+/// (`docs/weight-sharing.md` has the rule and a worked example). Bytes are per GPU.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WeightSharing {
+    pub train_tp: u32,
+    pub rollout_tp: u32,
+    /// Training rank of each GPU of a block of `max(train_tp, rollout_tp)` consecutive GPUs
+    /// (the pattern repeats over the job); communicators order their ranks by it.
+    pub train_rank: Vec<u32>,
+    /// Rollout rank of each GPU of the same block.
+    pub rollout_rank: Vec<u32>,
+    /// One entry per parameter class (tensors of the same role in every layer).
+    pub params: Vec<ParamSharing>,
+    /// Rollout-layout weights of one GPU: what a separate rollout copy would take.
+    pub rollout_bytes: u64,
+    /// Rollout-layout bytes that alias training memory (in place or through a view).
+    pub aliased_bytes: u64,
+    /// Device bytes beyond the training weights that the rollout layout needs.
+    pub extra_bytes: u64,
+    /// Of `extra_bytes`, what the weight sync rebuilds after each iteration's optimizer
+    /// steps (trainable incompatible parameters); the rest is frozen and built once.
+    pub resharded_bytes: u64,
+}
+
+/// One parameter class under both layouts; bytes per GPU over all `count` tensors, on the GPU
+/// of the block where the class needs the most extra memory.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ParamSharing {
+    /// Hugging Face name with `*` for the layer index (`model.layers.*.mlp.down_proj.weight`).
+    pub name: String,
+    pub count: u32,
+    /// How Megatron-style TP splits it (`rows by 28 heads`, `cols by 18944`, `replicated`).
+    pub split: String,
+    pub class: ShareClass,
+    pub trainable: bool,
+    pub train_bytes: u64,
+    pub rollout_bytes: u64,
+    pub aliased_bytes: u64,
+    pub extra_bytes: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShareClass {
+    /// The rollout shard is the training shard: the same memory.
+    Identical,
+    /// The rollout shard is a contiguous slice of the training shard (rows of a row-major
+    /// tensor): aliased with an offset.
+    SliceView,
+    /// The rollout shard is inside the training shard but not contiguous (columns, or rows of
+    /// fused q/k/v segments): aliased through a strided view (a GEMM's leading dimension).
+    StridedView,
+    /// The rollout shard needs data of other GPUs: rebuilt by the weight sync.
+    Incompatible,
+}
+
+impl ShareClass {
+    /// Whether the rollout shard lives wholly in training memory.
+    pub fn shared(self) -> bool {
+        self != ShareClass::Incompatible
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

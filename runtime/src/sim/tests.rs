@@ -355,6 +355,7 @@ fn plan(split: Option<(u32, u32)>) -> Plan {
         tasks,
         buffers,
         reshards: vec![],
+        weight_sharing: None,
         memory: Memory {
             arenas: vec![Arena {
                 id: ArenaId(0),
