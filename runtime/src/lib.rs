@@ -12,4 +12,5 @@ pub mod sim;
 pub mod tasks;
 pub mod tokenizer;
 pub mod trace;
+pub mod tp;
 pub mod train;

@@ -71,11 +71,11 @@ pub struct KvSpan {
 /// [`KvArena::store_prefix`], each sample's suffix span is filled by `decode_step`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KvArena {
-    layers: usize,
-    kv_width: usize,
-    capacity: u32,
-    k: Vec<f32>,
-    v: Vec<f32>,
+    pub(crate) layers: usize,
+    pub(crate) kv_width: usize,
+    pub(crate) capacity: u32,
+    pub(crate) k: Vec<f32>,
+    pub(crate) v: Vec<f32>,
 }
 
 impl KvArena {
@@ -105,7 +105,7 @@ impl KvArena {
     pub fn bytes(&self) -> usize {
         (self.k.len() + self.v.len()) * 4
     }
-    fn layer_len(&self) -> usize {
+    pub(crate) fn layer_len(&self) -> usize {
         self.capacity as usize * self.kv_width
     }
     /// Copies a prefix's KV into rows `offset..offset + prefix.len`.

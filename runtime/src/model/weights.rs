@@ -49,13 +49,13 @@ pub struct ParamEntry {
 /// The spec table: every parameter's name, shape and offset in the one buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParamTable {
-    entries: Vec<ParamEntry>,
-    by_name: HashMap<String, ParamId>,
-    total: usize,
+    pub(crate) entries: Vec<ParamEntry>,
+    pub(crate) by_name: HashMap<String, ParamId>,
+    pub(crate) total: usize,
 }
 
 impl ParamTable {
-    fn push(&mut self, name: String, shape: Vec<usize>, init: Init) -> ParamId {
+    pub(crate) fn push(&mut self, name: String, shape: Vec<usize>, init: Init) -> ParamId {
         let len = shape.iter().product();
         let id = ParamId(self.entries.len() as u32);
         self.by_name.insert(name.clone(), id);
