@@ -4,6 +4,7 @@ pub mod ckpt_state;
 pub mod cli;
 pub mod data;
 pub mod exec;
+pub mod gpu;
 pub mod metrics;
 pub mod model;
 pub mod preprocess;

@@ -1,0 +1,135 @@
+//! The Qwen2.5-VL model engine on the CUDA backend: the same operations as [`crate::model`]
+//! (encode media, prefill a group's prompt once, decode over a shared-prefix KV arena, score
+//! responses from a kept prefix, sample) with bf16 weights and activations on the device, built
+//! from the kernels of `rollplex_kernels::cuda` (cuBLASLt GEMMs with fp32 accumulation, our
+//! NVRTC kernels for the rest).
+//!
+//! Module map: `weights` (upload of a [`Qwen25VL`]: bf16, fused q|k|v and gate|up rows),
+//! `plan` (host-side index work: window permutation, M-RoPE tables, packed sequences, decode
+//! slot checks; pure, tested without a GPU), `vision` (`encode_media`), `text` (`prefill`,
+//! `forward_logits`, `decode_step`, `score`, the device KV arena), `generate` (a group's rollout
+//! with sampling on the device).
+//!
+//! Names mirror the CPU engine so the executor can switch backends: `GpuModel::encode_media` /
+//! `prefill` / `decode_step` / `score` / `generate_group`, [`GpuKvArena::store_prefix`], the same
+//! [`DecodeSlot`](crate::model::DecodeSlot), [`Prompt`]-like inputs and result types.
+//!
+//! Invariants:
+//! - Every launch and copy runs on the `&Arc<CudaStream>` the caller passes; nothing here
+//!   synchronises except where a result comes back to the host (token ids for stop checks,
+//!   scores), which the function's doc says.
+//! - Numerics follow Hugging Face's bf16 forward: bf16 storage, fp32 accumulation, roundings
+//!   where PyTorch's bf16 code rounds (the kernels document each); positions and window orders
+//!   are computed on the host by the CPU engine's own functions (`model::positions`), so both
+//!   backends place every token identically.
+//! - A sample's results do not depend on which other samples share its batch: every op is
+//!   row-wise or attends only its own sequence's keys, and GEMM algorithms are fixed per shape.
+
+use std::sync::Arc;
+
+use rollplex_kernels::cuda::{CudaError, CudaSlice, CudaStream, Gpu};
+
+use crate::model::{ModelConfig, ModelError, Qwen25VL};
+
+mod block;
+pub mod generate;
+pub mod plan;
+pub mod text;
+pub mod vision;
+pub mod weights;
+
+pub use generate::sample_params;
+pub use text::{GpuKvArena, GpuPrefixState, GpuPrompt};
+pub use vision::GpuEncodedMedia;
+pub use weights::GpuWeights;
+
+/// What can go wrong in the GPU model.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+    #[error("CUDA driver call failed: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("GPU model input: {0}")]
+    Input(String),
+    /// The model's dims do not fit a kernel (e.g. a head dim the attention kernels lack).
+    #[error("GPU model: {0}")]
+    Unsupported(String),
+}
+
+pub type Result<T> = std::result::Result<T, GpuError>;
+
+/// A Qwen2.5-VL model whose weights live on one GPU.
+pub struct GpuModel {
+    pub config: ModelConfig,
+    pub weights: GpuWeights,
+    /// `0..max_rows` as u32 on the device (identity row indices for copies).
+    iota: CudaSlice<u32>,
+}
+
+impl GpuModel {
+    /// Uploads `model` in bf16 on `stream` (returns once the copies are queued).
+    pub fn upload(gpu: &Gpu, stream: &Arc<CudaStream>, model: &Qwen25VL) -> Result<Self> {
+        let weights = GpuWeights::upload(gpu, stream, model)?;
+        let iota = stream.clone_htod(&(0..IOTA_ROWS as u32).collect::<Vec<u32>>())?;
+        Ok(GpuModel {
+            config: model.config.clone(),
+            weights,
+            iota,
+        })
+    }
+
+    /// Identity row indices `0..n` on the device.
+    pub(crate) fn iota(
+        &self,
+        stream: &Arc<CudaStream>,
+        n: usize,
+    ) -> Result<std::borrow::Cow<'_, CudaSlice<u32>>> {
+        if n <= IOTA_ROWS {
+            Ok(std::borrow::Cow::Borrowed(&self.iota))
+        } else {
+            let v: Vec<u32> = (0..n as u32).collect();
+            Ok(std::borrow::Cow::Owned(stream.clone_htod(&v)?))
+        }
+    }
+}
+
+/// Rows of the kept identity index buffer (larger batches upload their own).
+const IOTA_ROWS: usize = 1 << 16;
+
+/// Uploads host data to a new device buffer.
+pub(crate) fn upload<T: cudarc::driver::DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    data: &[T],
+) -> Result<CudaSlice<T>> {
+    if data.is_empty() {
+        // a 1-element buffer keeps pointers valid for launchers that take empty inputs
+        // SAFETY: never read (every user passes a length of 0 with it)
+        return Ok(unsafe { stream.alloc::<T>(1) }?);
+    }
+    Ok(stream.clone_htod(data)?)
+}
+
+/// A new device buffer of `n` elements (uninitialised; every user writes before reading).
+pub(crate) fn alloc<T: cudarc::driver::DeviceRepr>(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    n: usize,
+) -> Result<CudaSlice<T>> {
+    Ok(gpu.alloc::<T>(stream, n)?)
+}
+
+/// Downloads a device buffer (synchronises `stream`).
+pub(crate) fn download<T: cudarc::driver::DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    src: &impl cudarc::driver::DevicePtr<T>,
+) -> Result<Vec<T>> {
+    let v = stream.clone_dtoh(src)?;
+    stream.synchronize()?;
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,263 @@
+//! Host-side index work of the GPU forward: everything that is a function of shapes, token ids
+//! and grids rather than of activations. Computed with the CPU engine's own position code
+//! (`model::positions`), so both backends place every token, window and rotary angle the same.
+//!
+//! Pure and GPU-free (tested here without a device): the vision tower's window permutation and
+//! its inverse, the permuted 2D RoPE tables and attention sequences; a packed prompt batch's
+//! M-RoPE tables, sequences and media rows; the checks of decode slots against an arena.
+
+use half::bf16;
+use rollplex_kernels::cpu::AttnSeq;
+
+use crate::model::positions::{
+    mrope_tables, rope_index, vision_cu_seqlens, vision_patch_hw, vision_rope_tables,
+    vision_window_index, MediaSlot,
+};
+use crate::model::{DecodeSlot, Grid, MediaKind, ModelConfig};
+
+use super::{GpuError, Result};
+
+/// The vision tower's host-side inputs for a batch of media items.
+#[derive(Clone, Debug, PartialEq)]
+pub struct VisionPlan {
+    /// Patches (all items).
+    pub patches: usize,
+    /// Patches per merge group (`m²`).
+    pub unit: usize,
+    /// `window_index[i]`: the merge group placed at permuted position `i`.
+    pub window_index: Vec<u32>,
+    /// `inverse[g]`: the permuted position of merge group `g` (gathers merged rows back into
+    /// the processor's order).
+    pub inverse: Vec<u32>,
+    /// RoPE tables `[patches, head_dim]` in permuted order.
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+    /// Per-frame sequences (full-attention blocks) and windows (the others), over permuted rows.
+    pub full_seqs: Vec<AttnSeq>,
+    pub window_seqs: Vec<AttnSeq>,
+}
+
+impl VisionPlan {
+    /// The plan for `grids` (each `[t, h, w]` with `h`, `w` multiples of the merge size).
+    pub fn new(cfg: &ModelConfig, grids: &[Grid]) -> Result<Self> {
+        let v = cfg.vision();
+        let m = v.spatial_merge_size;
+        for (i, g) in grids.iter().enumerate() {
+            let [t, h, w] = *g;
+            if t == 0 || h == 0 || w == 0 || h % m != 0 || w % m != 0 {
+                return Err(GpuError::Input(format!(
+                    "media item {i}: grid {g:?} must be positive with h and w multiples of the merge size {m}"
+                )));
+            }
+        }
+        let unit = (m * m) as usize;
+        let (window_index, cu_window) = vision_window_index(grids, m, v.window_size, v.patch_size);
+        let groups = window_index.len();
+        let mut inverse = vec![0u32; groups];
+        for (i, &g) in window_index.iter().enumerate() {
+            inverse[g as usize] = i as u32;
+        }
+        let hd = cfg.vision_head_dim();
+        let hw = vision_patch_hw(grids, m);
+        let (cos0, sin0) = vision_rope_tables(&hw, hd, cfg.vision_rope_theta);
+        let cos = permute_groups(&cos0, &window_index, unit, hd);
+        let sin = permute_groups(&sin0, &window_index, unit, hd);
+        Ok(VisionPlan {
+            patches: groups * unit,
+            unit,
+            window_index,
+            inverse,
+            cos,
+            sin,
+            full_seqs: AttnSeq::from_cu_seqlens(&vision_cu_seqlens(grids)),
+            window_seqs: AttnSeq::from_cu_seqlens(&cu_window),
+        })
+    }
+
+    /// The patch rows `[patches, width]` in permuted order, as bf16 (the patch embedding is
+    /// row-wise, so permuting its input equals permuting its output).
+    pub fn permute_rows_bf16(&self, rows: &[f32], width: usize) -> Vec<bf16> {
+        let mut out = Vec::with_capacity(rows.len());
+        let gw = self.unit * width;
+        for &g in &self.window_index {
+            let s = g as usize * gw;
+            out.extend(rows[s..s + gw].iter().map(|&x| bf16::from_f32(x)));
+        }
+        out
+    }
+}
+
+/// Rows of `src` (`[groups * unit, width]`) in the order `index` gives (in groups of `unit`).
+pub fn permute_groups(src: &[f32], index: &[u32], unit: usize, width: usize) -> Vec<f32> {
+    let gw = unit * width;
+    let mut out = Vec::with_capacity(src.len());
+    for &g in index {
+        let s = g as usize * gw;
+        out.extend_from_slice(&src[s..s + gw]);
+    }
+    out
+}
+
+/// One prompt of a packed batch: its placeholder tokens and the media (kind, grid) filling them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PromptSpec<'a> {
+    pub ids: &'a [u32],
+    pub media: Vec<MediaSlot>,
+}
+
+/// A packed prompt batch's host-side inputs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PackedPrompts {
+    pub ids: Vec<u32>,
+    pub seqs: Vec<AttnSeq>,
+    pub deltas: Vec<i64>,
+    /// M-RoPE tables `[rows, head_dim]`.
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+    /// Packed rows of the media placeholder tokens, in prompt and placeholder order (the order
+    /// the media embeddings are concatenated in).
+    pub media_rows: Vec<u32>,
+}
+
+impl PackedPrompts {
+    pub fn new(cfg: &ModelConfig, prompts: &[PromptSpec<'_>]) -> Result<Self> {
+        let t = cfg.text();
+        let tok = &cfg.spec.tokens;
+        let m = cfg.vision().spatial_merge_size;
+        let mut ids = Vec::new();
+        let mut seqs = Vec::new();
+        let mut deltas = Vec::new();
+        let mut pos: [Vec<i64>; 3] = [Vec::new(), Vec::new(), Vec::new()];
+        let mut media_rows = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            if p.ids.is_empty() {
+                return Err(GpuError::Input(format!("prompt {i} is empty")));
+            }
+            let (pp, d) = rope_index(
+                p.ids,
+                &p.media,
+                tok.image_token_id,
+                tok.video_token_id,
+                m,
+                cfg.tokens_per_second,
+            )?;
+            let start = ids.len() as u32;
+            for (j, &id) in p.ids.iter().enumerate() {
+                if id == tok.image_token_id || id == tok.video_token_id {
+                    media_rows.push(start + j as u32);
+                }
+            }
+            seqs.push(AttnSeq {
+                start,
+                len: p.ids.len() as u32,
+                prefix_start: 0,
+                prefix_len: 0,
+            });
+            ids.extend_from_slice(p.ids);
+            for s in 0..3 {
+                pos[s].extend_from_slice(&pp[s]);
+            }
+            deltas.push(d);
+        }
+        let (cos, sin) = mrope_tables(&pos, t.head_dim() as usize, t.rope_theta, t.mrope_section);
+        Ok(PackedPrompts {
+            ids,
+            seqs,
+            deltas,
+            cos,
+            sin,
+            media_rows,
+        })
+    }
+}
+
+/// M-RoPE tables of tokens whose positions are equal in all three sections (decode and
+/// response tokens: `n + rope_delta`).
+pub fn flat_rope_tables(cfg: &ModelConfig, positions: &[i64]) -> (Vec<f32>, Vec<f32>) {
+    let t = cfg.text();
+    let pos = [positions.to_vec(), positions.to_vec(), positions.to_vec()];
+    mrope_tables(&pos, t.head_dim() as usize, t.rope_theta, t.mrope_section)
+}
+
+/// Checks decode slots against an arena of `capacity` rows: room left in every suffix, spans
+/// inside the arena, suffixes disjoint from each other and from every prefix (the same rules
+/// as the CPU engine's `decode_step`).
+pub fn check_decode_slots(capacity: u32, slots: &[DecodeSlot]) -> Result<()> {
+    let mut suffixes: Vec<(u64, u64, usize)> = Vec::with_capacity(slots.len());
+    for (i, s) in slots.iter().enumerate() {
+        if s.suffix_len >= s.suffix_capacity {
+            return Err(GpuError::Input(format!(
+                "decode_step: sample {i}'s suffix is full ({} rows)",
+                s.suffix_capacity
+            )));
+        }
+        let send = s.suffix_offset as u64 + s.suffix_capacity as u64;
+        let pend = s.prefix.offset as u64 + s.prefix.len as u64;
+        if send > capacity as u64 || pend > capacity as u64 {
+            return Err(GpuError::Input(format!(
+                "decode_step: sample {i}'s spans exceed the arena's {capacity} rows"
+            )));
+        }
+        suffixes.push((s.suffix_offset as u64, send, i));
+    }
+    suffixes.sort();
+    for w in suffixes.windows(2) {
+        if w[1].0 < w[0].1 {
+            return Err(GpuError::Input(format!(
+                "decode_step: suffixes of samples {} and {} overlap",
+                w[0].2, w[1].2
+            )));
+        }
+    }
+    for s in slots {
+        let (pa, pb) = (
+            s.prefix.offset as u64,
+            s.prefix.offset as u64 + s.prefix.len as u64,
+        );
+        if let Some(&(_, _, i)) = suffixes.iter().find(|(a, e, _)| *a < pb && pa < *e) {
+            return Err(GpuError::Input(format!(
+                "decode_step: sample {i}'s suffix overlaps a prefix span"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The media slot of an encoded item (kind and grid).
+pub fn media_slot(kind: MediaKind, grid: Grid) -> MediaSlot {
+    MediaSlot { kind, grid }
+}
+
+/// Picks the decode attention kernel for a head dim: the tensor-core decode kernel needs a
+/// multiple of 32; the varlen forward kernel (one query per sequence) takes multiples of 16.
+pub fn decode_kernel_for(head_dim: usize) -> Result<DecodeKernel> {
+    if head_dim % 32 == 0 && head_dim <= 256 {
+        Ok(DecodeKernel::TensorCores)
+    } else if head_dim % 16 == 0 && head_dim <= 256 {
+        Ok(DecodeKernel::Varlen)
+    } else {
+        Err(GpuError::Unsupported(format!(
+            "text head_dim {head_dim}: the CUDA attention kernels need a multiple of 16 up to 256"
+        )))
+    }
+}
+
+/// Which attention kernel a decode step runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeKernel {
+    /// `attention_decode_bf16` (split-K over keys, tensor cores).
+    TensorCores,
+    /// `attention_fwd_bf16` with one query row per sequence.
+    Varlen,
+}
+
+/// Every id must index the vocabulary (the device gather would give a NaN row instead of an
+/// error).
+pub fn check_ids(what: &str, ids: &[u32], vocab: usize) -> Result<()> {
+    if let Some((i, &id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+        return Err(GpuError::Input(format!(
+            "{what}: token {i} is id {id}, outside the vocabulary of {vocab}"
+        )));
+    }
+    Ok(())
+}
