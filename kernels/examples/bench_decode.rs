@@ -1,12 +1,17 @@
 //! Workbench: one decode step of a Qwen2.5-VL text decoder (3B and 7B dims) built from this
 //! crate's kernels, captured in a CUDA graph and replayed; reports the step time, the bytes it
 //! moves (weights + KV cache + logits) and the achieved bandwidth against the device-to-device
-//! copy ceiling measured in the same run. Each case runs three variants side by side:
-//! - `base`: cuBLASLt GEMMs and the per-sample decode attention (the step as of 3ab030b);
-//! - `skinny`: our split-k tensor-core GEMMs (`gemv_bf16`, gate|up with SwiGLU fused) and the
-//!   per-sample attention;
-//! - `grouped`: skinny GEMMs and the group-shared decode attention
-//!   (`attention_decode_grouped_bf16`; group 1 where no prefix is shared).
+//! copy ceiling measured in the same run. Each case runs these variants side by side:
+//! - `base`: cuBLASLt GEMMs + `swiglu_fwd_bf16`, the warp-split decode attention aiming at 264
+//!   blocks (the step as of 3ab030b);
+//! - `gemm`: the dispatching GEMM entry points (`linear_fwd_bf16`, `gate_up_swiglu_bf16`: our
+//!   split-k tensor-core kernel `gemv_bf16` at m <= 8, gate|up fused with SwiGLU; cuBLASLt
+//!   above), the same attention;
+//! - `new`: those GEMMs and `attention_decode_bf16` with `decode_plan` (the block-pipelined
+//!   kernel), every sample reading its own KV;
+//! - `shared` (GRPO cases): `attention_decode_grouped_bf16` with `grouped_decode_plan`, which
+//!   reads a group's shared prefix once per group when there are enough groups; `forced`: the
+//!   group pass forced on (where the default plan leaves it off).
 //!
 //! Bytes are counted two ways: what a per-sample reader moves (every sample reads its whole KV,
 //! as PyTorch's SDPA decode does) and what the variant moves (a GRPO group's shared prefix once
@@ -29,8 +34,8 @@ use rollplex_kernels::cuda::attention::{
     GroupedDecodePlan, RowStrides,
 };
 use rollplex_kernels::cuda::gemm::{
-    skinny_gate_up_swiglu_bf16, skinny_linear_fwd_bf16, skinny_linear_fwd_bf16_with, skinny_plan,
-    skinny_plan_with, SkinnyPlan,
+    gate_up_swiglu_bf16, linear_fwd_bf16_cublaslt, skinny_gate_up_swiglu_bf16,
+    skinny_linear_fwd_bf16_with, skinny_pays, skinny_plan, SkinnyPlan,
 };
 use rollplex_kernels::cuda::pointwise::add_fwd_bf16_inplace;
 use rollplex_kernels::cuda::*;
@@ -115,9 +120,10 @@ struct Model {
     fused: bool,
     /// (group size, shared prefix length) of the GRPO groups; (1, 0) when nothing is shared.
     prefix: (usize, usize),
-    /// Our skinny GEMMs (and gate|up fused with SwiGLU) instead of cuBLASLt.
-    skinny: bool,
-    /// The group-shared decode attention instead of the per-sample one.
+    /// The dispatching GEMM entry points (`linear_fwd_bf16`, `gate_up_swiglu_bf16`: our skinny
+    /// kernel at m <= 8, gate|up fused with SwiGLU) instead of always cuBLASLt + `swiglu_fwd_bf16`.
+    dispatch: bool,
+    /// `attention_decode_grouped_bf16` with `gplan` instead of `attention_decode_bf16` with `plan`.
     grouped: bool,
     gplan: GroupedDecodePlan,
 }
@@ -203,8 +209,18 @@ fn build(
         num_kv_heads: d.nkv,
         head_dim: d.hd,
     };
-    let plan = decode_plan(batch, dims, kv_len);
+    // the step as of 3ab030b: the warp-split kernel aiming at 264 blocks
+    let plan = decode_plan_for_blocks(batch, dims, kv_len, 264);
     let gplan = grouped_decode_plan(batch, gsize, dims, plen, own);
+    let ws_len = [
+        plan.workspace_len(),
+        gplan.workspace_len(),
+        decode_plan(batch, dims, kv_len).workspace_len(),
+        grouped_decode_plan_for_blocks(batch, gsize, dims, plen, own, 264).workspace_len(),
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(1);
     let ang: Vec<f32> = (0..batch * d.hd)
         .map(|i| (i as f32 * 0.37).sin() * 3.0)
         .collect();
@@ -231,26 +247,26 @@ fn build(
         sin: s.clone_htod(&ang.iter().map(|a| a.sin()).collect::<Vec<_>>())?,
         slots: s.clone_htod(&slots)?,
         seqs: s.clone_htod(&seqs)?,
-        ws: g.alloc(s, plan.workspace_len().max(gplan.workspace_len()))?,
+        ws: g.alloc(s, ws_len)?,
         sample_ids: s.clone_htod(&(0..batch as u32).collect::<Vec<_>>())?,
         steps: s.clone_htod(&vec![5u32; batch])?,
         plan,
         kv_len,
         fused: true,
         prefix: (gsize, plen),
-        skinny: false,
+        dispatch: false,
         grouped: false,
         gplan,
         layers,
     })
 }
 
-/// `y = x w^T (+ bias)` through our skinny kernel or cuBLASLt.
+/// `y = x w^T (+ bias)` through the dispatching entry point or always cuBLASLt.
 #[allow(clippy::too_many_arguments)]
 fn lin(
     g: &Gpu,
     s: &Arc<CudaStream>,
-    skinny: bool,
+    dispatch: bool,
     y: &mut CudaSlice<bf16>,
     x: &CudaSlice<bf16>,
     w: &CudaSlice<bf16>,
@@ -259,10 +275,10 @@ fn lin(
     k: usize,
     n: usize,
 ) -> Res<()> {
-    if skinny {
-        skinny_linear_fwd_bf16(g, s, y, x, w, bias, m, k, n)?;
-    } else {
+    if dispatch {
         linear_fwd_bf16(g, s, y, x, w, bias, m, k, n)?;
+    } else {
+        linear_fwd_bf16_cublaslt(g, s, y, x, w, bias, m, k, n)?;
     }
     Ok(())
 }
@@ -324,7 +340,7 @@ impl Model {
     }
 
     fn step(&mut self, g: &Gpu, s: &Arc<CudaStream>) -> Res<()> {
-        let sk = self.skinny;
+        let sk = self.dispatch;
         let d = self.d;
         let b = self.batch;
         let qkvw = (d.nh + 2 * d.nkv) * d.hd;
@@ -421,19 +437,11 @@ impl Model {
                 rmsnorm_fwd_bf16(g, s, &mut self.x, None, &self.h, &ly.n2, b, d.h, eps)?;
             }
             if sk {
-                skinny_gate_up_swiglu_bf16(
-                    g,
-                    s,
-                    &mut self.act,
-                    &self.x,
-                    &ly.wgu,
-                    b,
-                    d.h,
-                    d.f,
-                    None,
-                )?;
+                let (act, gu) = (&mut self.act, &mut self.gu);
+                gate_up_swiglu_bf16(g, s, act, gu, &self.x, &ly.wgu, b, d.h, d.f)?;
             } else {
-                linear_fwd_bf16(g, s, &mut self.gu, &self.x, &ly.wgu, None, b, d.h, 2 * d.f)?;
+                let (x, w) = (&self.x, &ly.wgu);
+                linear_fwd_bf16_cublaslt(g, s, &mut self.gu, x, w, None, b, d.h, 2 * d.f)?;
                 let up = self.gu.slice(d.f..);
                 swiglu_fwd_bf16(
                     g,
@@ -521,7 +529,7 @@ impl Model {
 
     /// Only the step's GEMMs (same shapes, same buffers), to split the step time.
     fn gemms(&mut self, g: &Gpu, s: &Arc<CudaStream>) -> Res<()> {
-        let sk = self.skinny;
+        let sk = self.dispatch;
         let d = self.d;
         let b = self.batch;
         let qkvw = (d.nh + 2 * d.nkv) * d.hd;
@@ -552,19 +560,11 @@ impl Model {
                 d.h,
             )?;
             if sk {
-                skinny_gate_up_swiglu_bf16(
-                    g,
-                    s,
-                    &mut self.act,
-                    &self.x,
-                    &ly.wgu,
-                    b,
-                    d.h,
-                    d.f,
-                    None,
-                )?;
+                let (act, gu) = (&mut self.act, &mut self.gu);
+                gate_up_swiglu_bf16(g, s, act, gu, &self.x, &ly.wgu, b, d.h, d.f)?;
             } else {
-                linear_fwd_bf16(g, s, &mut self.gu, &self.x, &ly.wgu, None, b, d.h, 2 * d.f)?;
+                let (x, w) = (&self.x, &ly.wgu);
+                linear_fwd_bf16_cublaslt(g, s, &mut self.gu, x, w, None, b, d.h, 2 * d.f)?;
             }
             lin(
                 g,
@@ -605,7 +605,7 @@ impl Model {
         let row = (d.layers * 2 * d.nkv * d.hd) as f64 * 2.0;
         let per_sample = (self.batch * self.kv_len + self.batch) as f64 * row;
         let (gsize, plen) = self.prefix;
-        let moved = if self.grouped {
+        let moved = if self.grouped && self.gplan.p_splits > 0 {
             let groups = self.batch.div_ceil(gsize);
             (groups * plen + self.batch * (self.kv_len - plen) + self.batch) as f64 * row
         } else {
@@ -647,7 +647,7 @@ impl Model {
             };
             let bias = (kind == 0).then_some(&ly.bqkv as &dyn cudarc::driver::DevicePtr<bf16>);
             match plan {
-                None => linear_fwd_bf16(g, s, y, x, w, bias, b, k, n)?,
+                None => linear_fwd_bf16_cublaslt(g, s, y, x, w, bias, b, k, n)?,
                 Some(p) if kind == 2 => {
                     let (x, w) = (&self.x, &ly.wgu);
                     skinny_gate_up_swiglu_bf16(g, s, &mut self.act, x, w, b, k, n / 2, Some(p))?
@@ -783,7 +783,7 @@ fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     for a in &args {
         if !["--unfused", "--simt", "--no-sweep"].contains(&a.as_str()) {
-            return Err(format!("unknown flag {a}; flags: --unfused (separate add/norm and rope/append kernels), --simt (the SIMT decode attention instead of the tensor-core one in the base variant), --no-sweep (skip the GEMM plan sweep)").into());
+            return Err(format!("unknown flag {a}; flags: --unfused (separate add/norm and rope/append kernels), --simt (the SIMT decode attention instead of the warp-split one in the base and gemm variants), --no-sweep (skip the GEMM comparison)").into());
         }
     }
     let unfused = args.iter().any(|a| a == "--unfused");
@@ -827,25 +827,14 @@ fn main() -> Res<()> {
             None => "no sharing".to_string(),
         };
         println!("== {} B={batch} KV={kv_len} ({pre})", d.name);
-        // GEMM plans, each kind alone over all layers (no-sharing cases: the GEMMs do not
-        // depend on the sharing).
+        // Each GEMM kind alone over all layers: cuBLASLt and the skinny kernel's default plan
+        // (no-sharing cases: the GEMMs do not depend on the sharing).
         if sweep && ci < 4 {
             for kind in 0..5 {
                 let (k, n, wb) = m.gemm_shape(kind);
                 let mut line = Vec::new();
-                let mut cands: Vec<(String, Option<SkinnyPlan>)> = vec![
-                    ("cublasLt".into(), None),
-                    ("default".into(), Some(skinny_plan(batch, k, n))),
-                ];
-                for rt in [1, 2] {
-                    for sp in [1, 2, 4, 8] {
-                        let p = skinny_plan_with(batch, k, n, rt, sp);
-                        if p.splits == sp {
-                            cands.push((format!("rt{rt} s{sp}"), Some(p)));
-                        }
-                    }
-                }
-                for (name, plan) in cands {
+                let p = skinny_plan(batch, k, n);
+                for (name, plan) in [("cublasLt", None), ("skinny", Some(p))] {
                     let gr = capture(&s, || m.gemm_kind(&g, &s, kind, plan))?;
                     let t = time_graph(&g, &s, &gr, 20)?;
                     drop(gr);
@@ -856,23 +845,67 @@ fn main() -> Res<()> {
                     ));
                 }
                 let kname = ["qkv", "o", "gate_up(+swiglu)", "down", "lm_head"][kind];
-                println!("  gemm {kname} m{batch} k{k} n{n}: {}", line.join("; "));
+                let used = if skinny_pays(batch, k) {
+                    "skinny"
+                } else {
+                    "cublasLt"
+                };
+                println!(
+                    "  gemm {kname} m{batch} k{k} n{n}: {} [skinny plan {}x{}; dispatch takes {used}]",
+                    line.join("; "),
+                    p.splits,
+                    p.kslice
+                );
+            }
+        }
+        let (gsize, plen) = m.prefix;
+        let old_plan = m.plan;
+        let new_plan = decode_plan(batch, m.dims(), kv_len);
+        let forced =
+            grouped_decode_plan_for_blocks(batch, gsize, m.dims(), plen, kv_len - plen, 264);
+        let default_gplan = m.gplan;
+        // (name, dispatching GEMMs, per-sample plan, grouped plan)
+        let mut variants: Vec<(&str, bool, DecodePlan, Option<GroupedDecodePlan>)> = vec![
+            ("base", false, old_plan, None),
+            ("gemm", true, old_plan, None),
+            ("new", true, new_plan, None),
+        ];
+        if prefix.is_some() {
+            variants.push(("shared", true, new_plan, Some(default_gplan)));
+            if forced != default_gplan {
+                variants.push(("forced", true, new_plan, Some(forced)));
             }
         }
         let mut res = Vec::new();
-        for (vname, skinny, grouped) in [
-            ("base", false, false),
-            ("skinny", true, false),
-            ("grouped", true, true),
-        ] {
-            m.skinny = skinny;
-            m.grouped = grouped;
+        for (vname, dispatch, plan, gplan) in variants {
+            m.dispatch = dispatch;
+            m.plan = plan;
+            m.grouped = gplan.is_some();
+            m.gplan = gplan.unwrap_or(default_gplan);
             let t = time_variant(&g, &s, &mut m)?;
             let (w, kv_ps, kv_mv, lg) = t.bytes;
             let moved = w + kv_mv + lg;
             let per_sample = w + kv_ps + lg;
+            let attn_plan = match gplan {
+                Some(gp) => format!(
+                    "grouped: group pass {}x{} (G{}, {} per block), per-sample pass {}x{}",
+                    gp.p_splits, gp.p_chunk, gp.group, gp.per_block, gp.s_splits, gp.s_chunk
+                ),
+                None => format!(
+                    "{} {}x{}",
+                    if !plan.tensor_cores {
+                        "SIMT"
+                    } else if plan.pipelined {
+                        "pipelined"
+                    } else {
+                        "warp-split"
+                    },
+                    plan.splits,
+                    plan.chunk
+                ),
+            };
             println!(
-                "  {vname:7} step {:.3} ms (eager {:.3}); GEMMs alone {:.3} ms ({:.2} TB/s on {:.2} GB), attention alone {:.3} ms ({:.2} TB/s on {:.2} GB moved), rest {:.3} ms; bytes per-sample reader {:.2} GB -> {:.2} TB/s ({:.0}% of copy), moved {:.2} GB -> {:.2} TB/s ({:.0}%); tokens {:?}",
+                "  {vname:7} step {:.3} ms (eager {:.3}); GEMMs alone {:.3} ms ({:.2} TB/s on {:.2} GB), attention alone {:.3} ms ({:.2} TB/s on {:.2} GB moved; {attn_plan}), rest {:.3} ms; bytes per-sample reader {:.2} GB -> {:.2} TB/s ({:.0}% of copy), moved {:.2} GB -> {:.2} TB/s ({:.0}%); tokens {:?}",
                 t.step,
                 t.eager,
                 t.gemms,
@@ -891,39 +924,6 @@ fn main() -> Res<()> {
                 t.tokens
             );
             res.push((vname, t.step, per_sample, moved));
-        }
-        // The grouped attention alone under other grid targets (default GROUPED_TARGET_BLOCKS).
-        if sweep {
-            let (gsize, plen) = m.prefix;
-            let default_plan = m.gplan;
-            m.grouped = true;
-            let mut line = Vec::new();
-            for target in [264usize, 528, 792, 1056] {
-                m.gplan = grouped_decode_plan_for_blocks(
-                    batch,
-                    gsize,
-                    m.dims(),
-                    plen,
-                    kv_len - plen,
-                    target,
-                );
-                if m.gplan.workspace_len() > m.ws.len() {
-                    m.ws = g.alloc(&s, m.gplan.workspace_len())?;
-                }
-                let gr = capture(&s, || {
-                    for l in 0..d.layers {
-                        m.attention(&g, &s, l)?;
-                    }
-                    Ok(())
-                })?;
-                let ta = time_graph(&g, &s, &gr, 20)?;
-                line.push(format!(
-                    "{target} ({}x{} + {}x{}): {ta:.3} ms",
-                    m.gplan.p_splits, m.gplan.p_chunk, m.gplan.s_splits, m.gplan.s_chunk
-                ));
-            }
-            m.gplan = default_plan;
-            println!("  grouped attention sweep: {}", line.join("; "));
         }
         let base = res[0].1;
         let line = format!(

@@ -36,7 +36,7 @@ for st in $steps; do
       done ;;
     gemm) timeout 150 "$B/bench_gemm" 2>&1 | tee "$OUT/gemm.log" ;;
     decode) timeout 300 "$B/bench_decode" ${DECODE_FLAGS:-} 2>&1 | tee -a "$OUT/decode.log" ;;
-    torch) timeout 200 python3 kernels/examples/torch_decode.py 60 2>&1 | tee "$OUT/torch.log" ;;
+    torch) timeout 200 python3 kernels/examples/torch_decode.py 40 2>&1 | tee "$OUT/torch.log" ;;
   esac
   echo "== $st exit $?"
 done

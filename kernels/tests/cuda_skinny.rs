@@ -11,11 +11,11 @@ use half::bf16;
 use rollplex_kernels::cpu;
 use rollplex_kernels::cpu::{AttnDims, DecodeSeq};
 use rollplex_kernels::cuda::attention::{
-    attention_decode_grouped_bf16, grouped_decode_plan, RowStrides,
+    attention_decode_grouped_bf16, grouped_decode_plan, grouped_decode_plan_for_blocks, RowStrides,
 };
 use rollplex_kernels::cuda::gemm::{
-    skinny_gate_up_swiglu_bf16, skinny_linear_fwd_bf16, skinny_linear_fwd_bf16_with, skinny_plan,
-    skinny_plan_for,
+    gate_up_swiglu_bf16, linear_fwd_bf16_cublaslt, skinny_gate_up_swiglu_bf16,
+    skinny_linear_fwd_bf16, skinny_linear_fwd_bf16_with, skinny_plan, skinny_plan_with,
 };
 use rollplex_kernels::cuda::*;
 
@@ -158,8 +158,8 @@ fn skinny_linear_matches_cpu() {
         let mut dy2 = poison_bf(&s, m * n);
         skinny_linear_fwd_bf16(g, &s, &mut dy2, &dx, &dw, bias_d, m, k, n).unwrap();
         assert_eq!(first, down(&s, &dy2), "same plan, same bits");
-        for (rt, target) in [(1, 1), (2, 1000), (1, 264)] {
-            let plan = skinny_plan_for(m, k, n, rt, target);
+        for (rt, splits) in [(1, 1), (2, 8), (1, 5), (2, 3)] {
+            let plan = skinny_plan_with(m, k, n, rt, splits);
             let mut dy = poison_bf(&s, m * n);
             skinny_linear_fwd_bf16_with(g, &s, &mut dy, &dx, &dw, bias_d, m, k, n, k, n, plan)
                 .unwrap();
@@ -299,14 +299,22 @@ fn attention_decode_grouped_matches_cpu() {
             .collect();
         let (dq, dk, dv, ds) = (up(&s, &q), up(&s, &kc), up(&s, &vc), up(&s, &gseqs));
         let max_suffix = *suffix_lens.iter().max().unwrap();
-        // the planned split; short hints (the last chunks take the rest); no group pass at all
-        // (every sample reads its prefix itself)
-        for (p_hint, s_hint) in [
-            (prefix_len, max_suffix),
-            (prefix_len / 3 + 1, max_suffix / 4 + 1),
-            (0, prefix_len + max_suffix),
-        ] {
-            let plan = grouped_decode_plan(b, gsize, dims, p_hint, s_hint);
+        // the default plan (a group pass only with enough groups); forced group passes with the
+        // planned and with short hints (the last chunks take the rest); no group pass at all
+        let plans = [
+            grouped_decode_plan(b, gsize, dims, prefix_len, max_suffix),
+            grouped_decode_plan_for_blocks(b, gsize, dims, prefix_len, max_suffix, 264),
+            grouped_decode_plan_for_blocks(
+                b,
+                gsize,
+                dims,
+                prefix_len / 3 + 1,
+                max_suffix / 4 + 1,
+                264,
+            ),
+            grouped_decode_plan(b, gsize, dims, 0, prefix_len + max_suffix),
+        ];
+        for plan in plans {
             let mut ws = poison_f32(&s, plan.workspace_len());
             let mut dout = poison_bf(&s, b * dims.q_width());
             let mut dlse = poison_f32(&s, b * dims.num_heads);
@@ -346,7 +354,8 @@ fn attention_decode_grouped_matches_cpu() {
             let mut bad = gseqs.clone();
             bad[1].p_start += 1;
             let dbad = up(&s, &bad);
-            let plan = grouped_decode_plan(b, gsize, dims, prefix_len, max_suffix);
+            let plan = grouped_decode_plan_for_blocks(b, gsize, dims, prefix_len, max_suffix, 264);
+            assert!(plan.p_splits > 0);
             let mut ws = poison_f32(&s, plan.workspace_len());
             let mut dout = poison_bf(&s, b * dims.q_width());
             attention_decode_grouped_bf16(
@@ -378,5 +387,155 @@ fn attention_decode_grouped_matches_cpu() {
                 1e-2,
             );
         }
+    }
+}
+
+/// `attention_decode_bf16` under both tensor-core kernels (block-pipelined, the default plan;
+/// warp-split, the older one) against `cpu::attention_decode`, and the pipelined one twice for
+/// the same bits.
+#[test]
+fn attention_decode_pipelined_and_warp_split_match_cpu() {
+    let g = gpu_or_skip!();
+    let s = g.stream(0).unwrap();
+    for (dims, b, len) in [
+        (
+            AttnDims {
+                num_heads: 16,
+                num_kv_heads: 2,
+                head_dim: 128,
+            },
+            12usize,
+            1000usize,
+        ),
+        (
+            AttnDims {
+                num_heads: 28,
+                num_kv_heads: 4,
+                head_dim: 128,
+            },
+            3,
+            2100,
+        ),
+    ] {
+        let kvw = dims.kv_width();
+        let mut seqs = Vec::new();
+        let mut rows = 0usize;
+        for i in 0..b {
+            let l = len - 37 * i;
+            seqs.push(DecodeSeq {
+                prefix_offset: rows as u32,
+                prefix_len: (l / 2) as u32,
+                suffix_offset: (rows + l / 2 + 5) as u32,
+                suffix_len: (l - l / 2) as u32,
+            });
+            rows += l + 5;
+        }
+        let (kc, kcf) = rand_bf(rows * kvw, 1.0);
+        let (vc, vcf) = rand_bf(rows * kvw, 1.0);
+        let (q, qf) = rand_bf(b * dims.q_width(), 1.0);
+        let scale = 1.0 / (dims.head_dim as f32).sqrt();
+        let mut want = vec![0f32; b * dims.q_width()];
+        cpu::attention_decode(&mut want, None, &qf, &kcf, &vcf, &seqs, dims, scale).unwrap();
+        let gseqs: Vec<AttnSeqGpu> = seqs
+            .iter()
+            .enumerate()
+            .map(|(i, sq)| AttnSeqGpu::from_decode(i as u32, sq))
+            .collect();
+        let (dq, dk, dv, ds) = (up(&s, &q), up(&s, &kc), up(&s, &vc), up(&s, &gseqs));
+        let mut first = None;
+        for (pipelined, rep) in [(true, 0), (true, 1), (false, 0)] {
+            let plan = DecodePlan {
+                pipelined,
+                ..decode_plan(b, dims, len)
+            };
+            let mut ws = poison_f32(&s, plan.workspace_len());
+            let mut dout = poison_bf(&s, b * dims.q_width());
+            attention_decode_bf16(
+                g,
+                &s,
+                &mut dout,
+                None,
+                &mut ws,
+                &dq,
+                &dk,
+                &dv,
+                &ds,
+                dims,
+                scale,
+                RowStrides::contiguous(dims),
+                plan,
+            )
+            .unwrap();
+            let got = down(&s, &dout);
+            check(
+                &format!("attention_decode_bf16 {dims:?} B{b} {plan:?}"),
+                &to_f32(&got),
+                &want,
+                1e-2,
+            );
+            if pipelined && rep == 0 {
+                first = Some(got);
+            } else if pipelined {
+                assert_eq!(first.as_ref(), Some(&got), "same plan, same bits");
+            }
+        }
+    }
+}
+
+/// The dispatching entry points: `linear_fwd_bf16` (skinny at m <= 8, cuBLASLt above) and
+/// `gate_up_swiglu_bf16` (fused at m <= 8) against the CPU twins and the cuBLASLt path.
+#[test]
+fn dispatching_linear_and_gate_up_match_cpu() {
+    let g = gpu_or_skip!();
+    let s = g.stream(0).unwrap();
+    for &(m, k, n) in &[
+        (1usize, 2048usize, 2560usize),
+        (8, 1024, 768),
+        (9, 512, 640),
+        (64, 256, 512),
+    ] {
+        let (x, xf) = rand_bf(m * k, 1.0);
+        let (w, wf) = rand_bf(n * k, 0.05);
+        let (b, bfv) = rand_bf(n, 1.0);
+        let mut want = vec![0f32; m * n];
+        cpu::linear_fwd(&mut want, &xf, &wf, Some(&bfv), m, k, n).unwrap();
+        let (dx, dw, db) = (up(&s, &x), up(&s, &w), up(&s, &b));
+        let bias = Some(&db as &dyn cudarc::driver::DevicePtr<bf16>);
+        let mut dy = poison_bf(&s, m * n);
+        linear_fwd_bf16(g, &s, &mut dy, &dx, &dw, bias, m, k, n).unwrap();
+        check(
+            &format!("linear_fwd_bf16 m{m}"),
+            &to_f32(&down(&s, &dy)),
+            &want,
+            8e-3,
+        );
+        let mut dy = poison_bf(&s, m * n);
+        linear_fwd_bf16_cublaslt(g, &s, &mut dy, &dx, &dw, bias, m, k, n).unwrap();
+        check(
+            &format!("linear_fwd_bf16_cublaslt m{m}"),
+            &to_f32(&down(&s, &dy)),
+            &want,
+            8e-3,
+        );
+        // gate|up: w as [2f, k] with f = n / 2
+        let f = n / 2;
+        let mut gu = vec![0f32; m * n];
+        cpu::linear_fwd(&mut gu, &xf, &wf, None, m, k, n).unwrap();
+        let (mut gate, mut upv) = (Vec::new(), Vec::new());
+        for r in 0..m {
+            gate.extend_from_slice(&gu[r * n..r * n + f]);
+            upv.extend_from_slice(&gu[r * n + f..(r + 1) * n]);
+        }
+        let mut want_act = vec![0f32; m * f];
+        cpu::swiglu_fwd(&mut want_act, &gate, &upv).unwrap();
+        let mut act = poison_bf(&s, m * f);
+        let mut scratch = poison_bf(&s, m * n);
+        gate_up_swiglu_bf16(g, &s, &mut act, &mut scratch, &dx, &dw, m, k, f).unwrap();
+        check(
+            &format!("gate_up_swiglu_bf16 m{m}"),
+            &to_f32(&down(&s, &act)),
+            &want_act,
+            1e-2,
+        );
     }
 }

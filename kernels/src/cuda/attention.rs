@@ -264,10 +264,15 @@ pub struct DecodePlan {
     pub head_dim: usize,
     pub splits: usize,
     pub chunk: usize,
-    /// The tensor-core kernel (`attention_decode_bf16`, the default: 1.6-2.3x faster on the H200,
-    /// docs/perf.md) or the SIMT one (`attention_decode_simt_bf16`, kept for side-by-side
-    /// timing). Same results within bf16 rounding; each is deterministic.
+    /// Tensor cores (the default) or the SIMT kernel (`attention_decode_simt_bf16`, kept for
+    /// side-by-side timing). Same results within bf16 rounding; each is deterministic.
     pub tensor_cores: bool,
+    /// With `tensor_cores`: the block-pipelined kernel (`attention_decode_grouped_bf16` in its
+    /// per-sample form, the default of [`decode_plan`]: one block per (sample, kv head, chunk),
+    /// a block-wide 4-stage pipeline, 3 blocks per SM) or the warp-split one
+    /// (`attention_decode_bf16`: each of 4 warps streams its own tiles; 1 block per SM; what
+    /// [`decode_plan_for_blocks`] plans, kept for timing).
+    pub pipelined: bool,
 }
 
 impl DecodePlan {
@@ -283,13 +288,51 @@ impl DecodePlan {
 /// partition runs the kernel.
 pub const DECODE_TARGET_BLOCKS: usize = 264;
 
-/// The split of a decode over `batch` sequences of at most `max_kv_len` keys.
+/// The split of a decode over `batch` sequences of at most `max_kv_len` keys, for the
+/// block-pipelined kernel: chunks of a multiple of 64 keys chosen by [`pipelined_split`].
 pub fn decode_plan(batch: usize, dims: AttnDims, max_kv_len: usize) -> DecodePlan {
-    decode_plan_for_blocks(batch, dims, max_kv_len, DECODE_TARGET_BLOCKS)
+    let units = batch * dims.num_kv_heads;
+    let r = dims.num_heads / dims.num_kv_heads.max(1);
+    let (splits, chunk) = pipelined_split(units, max_kv_len, 64, r);
+    DecodePlan {
+        batch,
+        num_heads: dims.num_heads,
+        head_dim: dims.head_dim,
+        splits,
+        chunk,
+        tensor_cores: true,
+        pipelined: r <= 64,
+    }
 }
 
-/// [`decode_plan`] aiming at `target_blocks` blocks instead of [`DECODE_TARGET_BLOCKS`] (for the
-/// workbench; the runtime should keep the default so every plan splits the same way).
+/// Blocks of the block-pipelined decode kernel an H200 runs at once (3 per SM: 68 KiB of shared
+/// memory and 144 registers a thread at head_dim 128).
+pub const PIPELINED_SLOTS: usize = 396;
+
+/// How the block-pipelined kernel cuts `len` keys for `units` independent (rows, kv head) units
+/// of `rows` query rows each: `(splits, chunk)`, chunk a multiple of `mult`. A cost model fitted
+/// to the H200 measurements (docs/perf.md, decode-perf): a block costs its chunk plus about 128
+/// keys of fixed latency plus two passes over its partial outputs (`rows` keys' worth); blocks
+/// run in waves of [`PIPELINED_SLOTS`]; the split with the least `waves * block cost` wins (the
+/// fewest splits on a tie). It ranks the splits measured in the same order on every 3B / 7B
+/// batch 64 and 8 case. A function of its arguments only.
+pub fn pipelined_split(units: usize, len: usize, mult: usize, rows: usize) -> (usize, usize) {
+    let (units, len, mult) = (units.max(1), len.max(1), mult.max(1));
+    let mut best = (usize::MAX, 1, len.div_ceil(mult) * mult);
+    for want in 1..=len.div_ceil(mult).min(64) {
+        let chunk = len.div_ceil(want).div_ceil(mult) * mult;
+        let splits = len.div_ceil(chunk);
+        let waves = (units * splits).div_ceil(PIPELINED_SLOTS);
+        let cost = waves * (chunk + 128 + 2 * rows);
+        if cost < best.0 {
+            best = (cost, splits, chunk);
+        }
+    }
+    (best.1, best.2)
+}
+
+/// The warp-split kernel's plan aiming at `target_blocks` blocks (its default was
+/// [`DECODE_TARGET_BLOCKS`]); for the workbench, which times it beside [`decode_plan`]'s.
 pub fn decode_plan_for_blocks(
     batch: usize,
     dims: AttnDims,
@@ -309,6 +352,7 @@ pub fn decode_plan_for_blocks(
         splits,
         chunk,
         tensor_cores: true,
+        pipelined: false,
     }
 }
 
@@ -396,17 +440,30 @@ pub fn attention_decode_bf16(
         kv_rows,
     };
     let scale_log2 = scale * std::f32::consts::LOG2_E;
-    let sp_args = (plan.chunk, plan.splits, 0, 0, plan.splits);
-    split_pass(
-        OP,
-        gpu,
-        stream,
-        plan.tensor_cores,
-        &dims,
-        scale_log2,
-        &pass,
-        sp_args,
-    )?;
+    if plan.tensor_cores && plan.pipelined && dims.num_heads / dims.num_kv_heads <= 64 {
+        let g = GroupPass {
+            pass: &pass,
+            k: kp,
+            v: vp,
+            kv_stride: strides.kv,
+            total: plan.splits,
+            scale_log2,
+        };
+        let a = (1, 1, b, plan.chunk, plan.splits);
+        group_pass(OP, gpu, stream, &dims, &g, a, (1, 0, 0))?;
+    } else {
+        let sp_args = (plan.chunk, plan.splits, 0, 0, plan.splits);
+        split_pass(
+            OP,
+            gpu,
+            stream,
+            plan.tensor_cores,
+            &dims,
+            scale_log2,
+            &pass,
+            sp_args,
+        )?;
+    }
     reduce_pass(
         OP,
         gpu,
@@ -582,14 +639,19 @@ impl GroupedDecodePlan {
     }
 }
 
-/// Blocks each pass of the grouped decode aims at: 3 per SM of a 132-SM H200 (a block holds
-/// 68 KiB of shared memory). A constant, so the split never depends on the partition.
-pub const GROUPED_TARGET_BLOCKS: usize = 396;
+/// The fewest (group part, kv head) units for which the group pass pays: with one group of 8
+/// at 3B / 7B dims (2 or 4 units) the prefix must be cut into 32-key chunks to fill the GPU and
+/// the partials (64 rows a block) cost more than the shared reads save: 0.69 ms against 0.44 ms
+/// for the per-sample pass over 28-36 layers (docs/perf.md, decode-perf). At 16 and 32 units
+/// (8 groups of 8) the group pass won, 1.05-1.13 ms against 1.52-2.15 ms.
+pub const GROUP_PASS_MIN_UNITS: usize = 16;
 
 /// The grouped plan for `batch` samples in groups of `group` sharing a prefix of at most
-/// `max_prefix_len` keys (0: no group pass, every sample reads all its keys itself), each with
-/// at most `max_suffix_len` own keys. Hints only: the last chunk of each pass takes every key
-/// left, so a short hint costs speed, never results.
+/// `max_prefix_len` keys, each with at most `max_suffix_len` own keys. Hints only: the last
+/// chunk of each pass takes every key left, so a short hint costs speed, never results. The
+/// group pass runs when there is a prefix and at least [`GROUP_PASS_MIN_UNITS`] (group part,
+/// kv head) units, cut by [`pipelined_split`]; otherwise every sample reads all its keys in the
+/// per-sample pass (no sharing, the fastest measured there).
 pub fn grouped_decode_plan(
     batch: usize,
     group: usize,
@@ -597,17 +659,37 @@ pub fn grouped_decode_plan(
     max_prefix_len: usize,
     max_suffix_len: usize,
 ) -> GroupedDecodePlan {
-    grouped_decode_plan_for_blocks(
+    let group = group.clamp(1, batch.max(1));
+    let r = (dims.num_heads / dims.num_kv_heads.max(1)).max(1);
+    let per_block = (64 / r).clamp(1, group);
+    let units = batch.div_ceil(group) * group.div_ceil(per_block) * dims.num_kv_heads;
+    let share = max_prefix_len > 0 && units >= GROUP_PASS_MIN_UNITS;
+    let (p_splits, p_chunk) = if share {
+        pipelined_split(units, max_prefix_len, 32, per_block * r)
+    } else {
+        (0, 32)
+    };
+    let own = if share {
+        max_suffix_len
+    } else {
+        max_prefix_len + max_suffix_len
+    };
+    let (s_splits, s_chunk) = pipelined_split(batch * dims.num_kv_heads, own, 32, r);
+    GroupedDecodePlan {
         batch,
         group,
-        dims,
-        max_prefix_len,
-        max_suffix_len,
-        GROUPED_TARGET_BLOCKS,
-    )
+        per_block,
+        num_heads: dims.num_heads,
+        head_dim: dims.head_dim,
+        p_splits,
+        p_chunk,
+        s_splits,
+        s_chunk,
+    }
 }
 
-/// [`grouped_decode_plan`] aiming at `target_blocks` blocks per pass (for the workbench).
+/// A grouped plan aiming at `target_blocks` blocks per pass, always with a group pass when
+/// `max_prefix_len > 0` (for the workbench, which times it beside [`grouped_decode_plan`]'s).
 pub fn grouped_decode_plan_for_blocks(
     batch: usize,
     group: usize,

@@ -286,8 +286,42 @@ pub fn matmul_bf16(
 }
 
 /// `nn.Linear`: `y[m, n] = x[m, k] w[n, k]^T + bias[n]` (bias optional, fused in the epilogue).
+/// Decode-sized products (`m <= SKINNY_DISPATCH_MAX_M`, `k % 8 == 0`, 16-byte aligned `x` and
+/// `w`) run on our skinny kernel ([`skinny_linear_fwd_bf16`]), the rest on cuBLASLt
+/// ([`linear_fwd_bf16_cublaslt`]); the choice depends on the shape and alignment only.
 #[allow(clippy::too_many_arguments)]
 pub fn linear_fwd_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    y: &mut impl DevicePtrMut<bf16>,
+    x: &impl DevicePtr<bf16>,
+    w: &impl DevicePtr<bf16>,
+    bias: Option<&dyn DevicePtr<bf16>>,
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Result<()> {
+    if skinny_pays(m, k) && ptr(x, stream) % 16 == 0 && ptr(w, stream) % 16 == 0 && n > 0 {
+        return skinny_linear_fwd_bf16(gpu, stream, y, x, w, bias, m, k, n);
+    }
+    linear_fwd_bf16_cublaslt(gpu, stream, y, x, w, bias, m, k, n)
+}
+
+/// The rows of x up to which [`linear_fwd_bf16`] and [`gate_up_swiglu_bf16`] take the skinny
+/// kernel: at m = 8 it beat cuBLASLt on every 3B / 7B decode GEMM in a CUDA graph (by up to 12%
+/// on the small ones); at m = 64 cuBLASLt was 1.2-3.7x faster (our mma.sync kernel is bound by
+/// its shared-memory reads of x there; docs/perf.md, decode-perf).
+pub const SKINNY_DISPATCH_MAX_M: usize = 8;
+
+/// Whether [`linear_fwd_bf16`] runs a product of `m` rows and depth `k` on the skinny kernel
+/// (given 16-byte aligned operands).
+pub fn skinny_pays(m: usize, k: usize) -> bool {
+    m <= SKINNY_DISPATCH_MAX_M && skinny_fits(m, k)
+}
+
+/// [`linear_fwd_bf16`] always through cuBLASLt (bias fused as the epilogue), whatever `m`.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_fwd_bf16_cublaslt(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     y: &mut impl DevicePtrMut<bf16>,
@@ -380,11 +414,6 @@ pub const GEMV: KernelModule = KernelModule {
 /// The most rows of `x` the skinny kernel takes (8 m-tiles of 8).
 pub const SKINNY_MAX_M: usize = 64;
 
-/// Blocks a skinny GEMM aims at: 2 per SM of a 132-SM H200. A constant (not the device's or the
-/// partition's SM count), so the k split, and with it every bit of the result, depends on the
-/// shape only.
-pub const SKINNY_TARGET_BLOCKS: usize = 264;
-
 /// How [`skinny_linear_fwd_bf16`] cuts a GEMM: `m_tiles` tiles of 8 rows of x, blocks of
 /// `64 * row_tiles` weight rows (output features; half gate, half up in the SwiGLU form), and k
 /// cut into `splits` slices of `kslice` (a multiple of 64) summed in a cluster of `splits` blocks.
@@ -405,54 +434,28 @@ impl SkinnyPlan {
     pub fn smem_bytes(&self) -> usize {
         4 * (self.block_rows() + 8 * self.m_tiles) * 64 * 2
     }
-    /// Blocks an H200 SM holds at once: by shared memory (228 KiB, 1 KiB reserved per block)
-    /// and by registers (ptxas reports about 60 + 8 * m_tiles * row_tiles per thread).
-    pub fn blocks_per_sm(&self) -> usize {
-        let by_smem = (228 << 10) / (self.smem_bytes() + (1 << 10));
-        let regs = (60 + 8 * self.m_tiles * self.row_tiles).div_ceil(8) * 8;
-        let by_regs = 65536 / (128 * regs);
-        by_smem.min(by_regs).max(1)
-    }
 }
 
 /// The plan [`skinny_linear_fwd_bf16`] uses for `y[m, n] = x[m, k] w[n, k]^T` (`n` output
-/// features; for the SwiGLU form the `2f` gate|up rows): a function of the shape only. Among
-/// 2 or 1 row tiles and 1..=8 k slices (slices of at least 256 k), it takes the cut that
-/// spreads the blocks most evenly over an H200's 132 SMs (memory-bound: what counts is that no
-/// SM streams more than its share), the first (taller blocks, fewer slices) on a near tie.
+/// features; for the SwiGLU form the `2f` gate|up rows): a function of the shape only. Blocks of
+/// 64 weight rows, k cut into the fewest slices (1, 2, 4 or 8, each at least 256 k) that give
+/// at least 220 blocks. Measured on the H200 (docs/perf.md, decode-perf): at m = 8 this was the
+/// fastest or within 3% of the fastest of 1/2 row tiles x 1/2/4/8 slices on every 3B / 7B
+/// decode GEMM.
 pub fn skinny_plan(m: usize, k: usize, n: usize) -> SkinnyPlan {
-    let mut best: Option<(f64, SkinnyPlan)> = None;
-    for row_tiles in [2, 1] {
-        for splits in 1..=8 {
-            let p = skinny_plan_with(m, k, n, row_tiles, splits);
-            if p.splits != splits || (splits > 1 && p.kslice < 256) {
-                continue;
-            }
-            // balance of the work over the 132 SMs: the average SM's blocks over the busiest's
-            let per_sm = (n.max(1).div_ceil(p.block_rows()) * p.splits) as f64 / 132.0;
-            let score = per_sm / per_sm.ceil();
-            if best.is_none_or(|(b, _)| score > b + 0.02) {
-                best = Some((score, p));
-            }
+    let blocks = n.max(1).div_ceil(64);
+    let mut plan = skinny_plan_with(m, k, n, 1, 1);
+    for splits in [2, 4, 8] {
+        if blocks * plan.splits >= 220 {
+            break;
         }
+        let p = skinny_plan_with(m, k, n, 1, splits);
+        if p.kslice < 256 {
+            break;
+        }
+        plan = p;
     }
-    best.map(|(_, p)| p)
-        .unwrap_or_else(|| skinny_plan_with(m, k, n, 1, 1))
-}
-
-/// [`skinny_plan`] with the block height (`row_tiles` 1 or 2) and the grid target chosen by the
-/// caller (for the workbench; the runtime should keep the default).
-pub fn skinny_plan_for(
-    m: usize,
-    k: usize,
-    n: usize,
-    row_tiles: usize,
-    target_blocks: usize,
-) -> SkinnyPlan {
-    let row_tiles = row_tiles.clamp(1, 2);
-    let blocks = n.max(1).div_ceil(64 * row_tiles);
-    let want = target_blocks.max(1).div_ceil(blocks).clamp(1, 8);
-    skinny_plan_with(m, k, n, row_tiles, want)
+    plan
 }
 
 /// The plan with `row_tiles` (1 or 2) and k cut into at most `splits` (1..=8) slices of a
@@ -695,6 +698,30 @@ pub fn skinny_gate_up_swiglu_bf16(
     skinny_launch(OP, gpu, stream, yp, xp, wp, 0, m, k, f, k, f, f, true, plan)
 }
 
+/// The MLP's first half, `act[m, f] = silu(x Wg^T) * (x Wu^T)` with `w_gate_up` `[2f, k]` (gate
+/// rows then up rows): fused in one skinny launch when [`skinny_pays`] (and the operands are
+/// 16-byte aligned), else [`linear_fwd_bf16`] into `gu` (`[m, 2f]` scratch) and
+/// [`super::swiglu_fwd_bf16`]. Either way the roundings are those of the unfused pair.
+#[allow(clippy::too_many_arguments)]
+pub fn gate_up_swiglu_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    act: &mut impl DevicePtrMut<bf16>,
+    gu: &mut CudaSlice<bf16>,
+    x: &impl DevicePtr<bf16>,
+    w_gate_up: &impl DevicePtr<bf16>,
+    m: usize,
+    k: usize,
+    f: usize,
+) -> Result<()> {
+    if skinny_pays(m, k) && ptr(x, stream) % 16 == 0 && ptr(w_gate_up, stream) % 16 == 0 && f > 0 {
+        return skinny_gate_up_swiglu_bf16(gpu, stream, act, x, w_gate_up, m, k, f, None);
+    }
+    linear_fwd_bf16_cublaslt(gpu, stream, gu, x, w_gate_up, None, m, k, 2 * f)?;
+    let up = gu.slice(f..);
+    super::swiglu_fwd_bf16(gpu, stream, act, gu, &up, m, f, f, 2 * f, 2 * f)
+}
+
 #[cfg(test)]
 mod skinny_tests {
     use super::*;
@@ -738,10 +765,8 @@ mod skinny_tests {
             ] {
                 let p = skinny_plan(m, k, n);
                 let blocks = n.div_ceil(p.block_rows()) * p.splits;
-                println!(
-                    "m{m} k{k} n{n}: {p:?}, {blocks} blocks, {} per SM",
-                    p.blocks_per_sm()
-                );
+                println!("m{m} k{k} n{n}: {p:?}, {blocks} blocks");
+                assert!(blocks >= 220 || p.splits == 8 || p.kslice < 512, "{p:?}");
                 assert!(p.splits * p.kslice >= k && p.splits <= 8);
             }
         }
