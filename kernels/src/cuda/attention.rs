@@ -314,8 +314,10 @@ pub const PIPELINED_SLOTS: usize = 396;
 /// to the H200 measurements (docs/perf.md, decode-perf): a block costs its chunk plus about 128
 /// keys of fixed latency plus two passes over its partial outputs (`rows` keys' worth); blocks
 /// run in waves of [`PIPELINED_SLOTS`]; the split with the least `waves * block cost` wins (the
-/// fewest splits on a tie). It ranks the splits measured in the same order on every 3B / 7B
-/// batch 64 and 8 case. A function of its arguments only.
+/// fewest splits on a tie). It picks the fastest split measured at 3B / 7B dims, batch 64 and
+/// 3B batch 8 (KV 2048); at 7B batch 8 it picks 11 x 192 keys, where 8 x 256 measured faster
+/// in an earlier run (0.420 against 0.449 ms of attention per step). A function of its
+/// arguments only.
 pub fn pipelined_split(units: usize, len: usize, mult: usize, rows: usize) -> (usize, usize) {
     let (units, len, mult) = (units.max(1), len.max(1), mult.max(1));
     let mut best = (usize::MAX, 1, len.div_ceil(mult) * mult);
@@ -641,17 +643,19 @@ impl GroupedDecodePlan {
 
 /// The fewest (group part, kv head) units for which the group pass pays: with one group of 8
 /// at 3B / 7B dims (2 or 4 units) the prefix must be cut into 32-key chunks to fill the GPU and
-/// the partials (64 rows a block) cost more than the shared reads save: 0.69 ms against 0.44 ms
-/// for the per-sample pass over 28-36 layers (docs/perf.md, decode-perf). At 16 and 32 units
-/// (8 groups of 8) the group pass won, 1.05-1.13 ms against 1.52-2.15 ms.
+/// the partials (64 rows a block) cost more than the shared reads save: 0.68-0.71 ms against
+/// 0.40-0.45 ms for the per-sample pass over 28-36 layers (docs/perf.md, decode-perf). At 16
+/// and 32 units (8 groups of 8) the group pass won, 1.04-1.13 ms against 1.16-1.66 ms.
 pub const GROUP_PASS_MIN_UNITS: usize = 16;
 
 /// The grouped plan for `batch` samples in groups of `group` sharing a prefix of at most
 /// `max_prefix_len` keys, each with at most `max_suffix_len` own keys. Hints only: the last
-/// chunk of each pass takes every key left, so a short hint costs speed, never results. The
-/// group pass runs when there is a prefix and at least [`GROUP_PASS_MIN_UNITS`] (group part,
-/// kv head) units, cut by [`pipelined_split`]; otherwise every sample reads all its keys in the
-/// per-sample pass (no sharing, the fastest measured there).
+/// chunk of each pass takes every key left, so a short hint costs speed, never results. With a
+/// prefix and at least [`GROUP_PASS_MIN_UNITS`] (group part, kv head) units, both passes aim at
+/// [`DECODE_TARGET_BLOCKS`] blocks ([`grouped_decode_plan_for_blocks`]; measured faster than
+/// [`pipelined_split`]'s cut at 3B and 7B dims, batch 64, groups of 8); otherwise there is no
+/// group pass and every sample reads all its keys in the per-sample pass, cut by
+/// [`pipelined_split`] (the fastest measured there).
 pub fn grouped_decode_plan(
     batch: usize,
     group: usize,
@@ -663,17 +667,17 @@ pub fn grouped_decode_plan(
     let r = (dims.num_heads / dims.num_kv_heads.max(1)).max(1);
     let per_block = (64 / r).clamp(1, group);
     let units = batch.div_ceil(group) * group.div_ceil(per_block) * dims.num_kv_heads;
-    let share = max_prefix_len > 0 && units >= GROUP_PASS_MIN_UNITS;
-    let (p_splits, p_chunk) = if share {
-        pipelined_split(units, max_prefix_len, 32, per_block * r)
-    } else {
-        (0, 32)
-    };
-    let own = if share {
-        max_suffix_len
-    } else {
-        max_prefix_len + max_suffix_len
-    };
+    if max_prefix_len > 0 && units >= GROUP_PASS_MIN_UNITS {
+        return grouped_decode_plan_for_blocks(
+            batch,
+            group,
+            dims,
+            max_prefix_len,
+            max_suffix_len,
+            DECODE_TARGET_BLOCKS,
+        );
+    }
+    let own = max_prefix_len + max_suffix_len;
     let (s_splits, s_chunk) = pipelined_split(batch * dims.num_kv_heads, own, 32, r);
     GroupedDecodePlan {
         batch,
@@ -681,8 +685,8 @@ pub fn grouped_decode_plan(
         per_block,
         num_heads: dims.num_heads,
         head_dim: dims.head_dim,
-        p_splits,
-        p_chunk,
+        p_splits: 0,
+        p_chunk: 32,
         s_splits,
         s_chunk,
     }
@@ -945,4 +949,69 @@ fn group_pass(
     // skip_prefix, split_base).
     unsafe { l.launch(cfg) }?;
     Ok(())
+}
+
+#[cfg(test)]
+mod plan_tests {
+    use super::*;
+
+    fn dims(h: usize, kv: usize) -> AttnDims {
+        AttnDims {
+            num_heads: h,
+            num_kv_heads: kv,
+            head_dim: 128,
+        }
+    }
+
+    /// The splits docs/perf.md (decode-perf) measured as the defaults stay the defaults.
+    #[test]
+    fn default_splits_are_the_measured_ones() {
+        let cases = [
+            (dims(16, 2), 64, (3, 704)),
+            (dims(16, 2), 8, (16, 128)),
+            (dims(28, 4), 64, (3, 704)),
+            (dims(28, 4), 8, (11, 192)),
+        ];
+        for (d, b, (splits, chunk)) in cases {
+            let p = decode_plan(b, d, 2048);
+            assert_eq!((p.splits, p.chunk), (splits, chunk), "{d:?} B{b}");
+            assert!(p.tensor_cores && p.pipelined);
+            assert!(p.splits * p.chunk >= 2048);
+        }
+    }
+
+    /// Groups of 8 sharing 1792 of 2048 keys: a group pass at batch 64 (the 264-block plan),
+    /// none at batch 8 (one group: every sample reads its own keys).
+    #[test]
+    fn group_pass_only_with_enough_groups() {
+        for d in [dims(16, 2), dims(28, 4)] {
+            let p = grouped_decode_plan(64, 8, d, 1792, 256);
+            assert_eq!(p, grouped_decode_plan_for_blocks(64, 8, d, 1792, 256, 264));
+            assert!(p.p_splits > 0 && p.per_block == 8);
+            let p = grouped_decode_plan(8, 8, d, 1792, 256);
+            assert_eq!(p.p_splits, 0);
+            assert!(p.s_splits * p.s_chunk >= 2048);
+        }
+        let p = grouped_decode_plan(64, 8, dims(16, 2), 1792, 256);
+        assert_eq!(
+            (p.p_splits, p.p_chunk, p.s_splits, p.s_chunk),
+            (14, 128, 3, 96)
+        );
+        let p = grouped_decode_plan(64, 8, dims(28, 4), 1792, 256);
+        assert_eq!(
+            (p.p_splits, p.p_chunk, p.s_splits, p.s_chunk),
+            (8, 224, 2, 128)
+        );
+    }
+
+    #[test]
+    fn pipelined_split_covers_the_keys() {
+        for (u, len) in [(1, 1), (3, 100), (128, 2048), (16, 5000), (1000, 64)] {
+            let (s, c) = pipelined_split(u, len, 64, 8);
+            assert!(
+                s >= 1 && c % 64 == 0 && s * c >= len && (s - 1) * c < len,
+                "{u} {len}"
+            );
+        }
+    }
 }

@@ -479,7 +479,7 @@ pub fn skinny_plan_with(
 /// Whether the skinny kernel can run this GEMM (else use [`linear_fwd_bf16`]): `1 <= m <= 64`,
 /// `k` a multiple of 8 (rows are read in 16-byte units).
 pub fn skinny_fits(m: usize, k: usize) -> bool {
-    (1..=SKINNY_MAX_M).contains(&m) && k % 8 == 0 && k > 0
+    (1..=SKINNY_MAX_M).contains(&m) && k.is_multiple_of(8) && k > 0
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -504,7 +504,7 @@ fn skinny_launch(
         || plan.m_tiles > 8
         || !(1..=2).contains(&plan.row_tiles)
         || !(1..=8).contains(&plan.splits)
-        || plan.kslice % 64 != 0
+        || !plan.kslice.is_multiple_of(64)
         || plan.splits * plan.kslice < k
     {
         return Err(shape(
@@ -582,7 +582,7 @@ fn skinny_checks(
             format!("m={m} k={k}: the skinny kernel takes 1 <= m <= {SKINNY_MAX_M} and k a positive multiple of 8 (use linear_fwd_bf16)"),
         ));
     }
-    if ldx < k || ldx % 8 != 0 || ldy < n || n == 0 {
+    if ldx < k || !ldx.is_multiple_of(8) || ldy < n || n == 0 {
         return Err(shape(
             op,
             format!(
@@ -740,7 +740,7 @@ mod skinny_tests {
                 p.splits * p.kslice >= k && (p.splits - 1) * p.kslice < k,
                 "{p:?}"
             );
-            assert!(p.m_tiles * 8 >= m && p.kslice % 64 == 0 && p.splits <= 8);
+            assert!(p.m_tiles * 8 >= m && p.kslice.is_multiple_of(64) && p.splits <= 8);
         }
         // a small-n GEMM is cut along k so that the grid is not a handful of blocks
         let p = skinny_plan(64, 2048, 2560);
