@@ -15,8 +15,8 @@
 //!
 //! Bytes are counted two ways: what a per-sample reader moves (every sample reads its whole KV,
 //! as PyTorch's SDPA decode does) and what the variant moves (a GRPO group's shared prefix once
-//! per group in `grouped`). Also times the GEMMs alone (cuBLASLt vs skinny plans) and the
-//! attention alone.
+//! per group when the group pass runs). Also times the GEMMs alone, each GEMM kind alone
+//! (cuBLASLt vs the skinny kernel) and the attention alone.
 //!
 //! Run: `cargo run --release -p rollplex-kernels --example bench_decode` (needs a GPU).
 //! Each layer has its own weights (random bf16, never zeros) and its own KV cache, so every byte

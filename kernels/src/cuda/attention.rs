@@ -1,19 +1,26 @@
 //! Attention launchers (kernels in `cuda/attention.cu`): `attention_fwd_bf16`, the twin of
-//! [`crate::cpu::attention_fwd`] (varlen, causal or full, GQA, shared prefix), and
+//! [`crate::cpu::attention_fwd`] (varlen, causal or full, GQA, shared prefix);
 //! `attention_decode_bf16`, the twin of [`crate::cpu::attention_decode`] (one query per sequence
-//! over a KV arena whose prefix rows are shared by a group's samples).
+//! over a KV arena whose prefix rows are shared by a group's samples); and
+//! `attention_decode_grouped_bf16`, the same twin reading each GRPO group's shared prefix once
+//! for the whole group.
 //!
 //! Sequence descriptors live on the device ([`AttnSeqGpu`], one per sequence) so that a captured
 //! CUDA graph can be replayed after the caller rewrites them in place. The kernels check every
 //! descriptor against the buffers' row counts: a bad one reads and writes nothing (fwd) or gives
-//! NaN (decode), never out of bounds. Host-side hints (`max_q_len`, [`DecodePlan`]) only size the
-//! grid; every query and key is attended whatever they say.
+//! NaN (decode), never out of bounds. Host-side hints (`max_q_len`, [`DecodePlan`],
+//! [`GroupedDecodePlan`]) only size the grid; every query and key is attended whatever they say.
 //!
 //! Decode runs split-K: [`decode_plan`] cuts each sequence into `splits` chunks of `chunk` keys
-//! (a multiple of 64) so that about 264 blocks run (2 per SM of an H200) whatever the batch; the
-//! split depends on (batch, heads, max length) only, never on the stream's SM partition, so a
-//! result is the same on any stream. A second kernel merges the chunks in order. The partials
-//! need a workspace of [`DecodePlan::workspace_len`] floats.
+//! (a multiple of 64) by [`pipelined_split`]; [`grouped_decode_plan`] cuts the group pass and the
+//! per-sample pass. Splits depend on (batch, group, heads, length hints) only, never on the
+//! stream's SM partition, so a result is the same on any stream. A last kernel merges the chunks
+//! in order. The partials need a workspace of `workspace_len()` floats of the plan.
+//!
+//! Decode kernels: the block-pipelined one (`attention_decode_grouped_bf16`: per-sample pass =
+//! the default of `attention_decode_bf16`, group pass for shared prefixes), the warp-split one
+//! (`attention_decode_bf16`, `DecodePlan::pipelined == false`) and the SIMT one
+//! (`tensor_cores == false`), the last two kept for timing.
 
 use std::sync::Arc;
 
@@ -282,9 +289,10 @@ impl DecodePlan {
     }
 }
 
-/// Blocks the split aims at: 2 per SM of a 132-SM H200 (the tensor-core kernel holds one
-/// 139 KiB block per SM; 264 blocks measured fastest of 264/528/1056/2112 on all five workbench
-/// cases, docs/perf.md). A constant, so that the split (and the rounding) never depends on which
+/// Blocks [`decode_plan_for_blocks`]'s default and the group pass of [`grouped_decode_plan`]
+/// aim at: 2 per SM of a 132-SM H200 (the warp-split kernel holds one 139 KiB block per SM; 264
+/// blocks measured fastest of 264/528/1056/2112 for it, and for the group pass at batch 64;
+/// docs/perf.md). A constant, so that the split (and the rounding) never depends on which
 /// partition runs the kernel.
 pub const DECODE_TARGET_BLOCKS: usize = 264;
 

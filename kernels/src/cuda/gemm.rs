@@ -12,6 +12,14 @@
 //! Plans: one per (shape, transposes, bias) with the algorithm chosen once by cuBLASLt's
 //! heuristic and reused on every stream, so a GEMM's bits do not depend on the stream or its
 //! SM partition. Workspaces: 32 MiB per stream.
+//!
+//! Decode-sized products (m <= 64 rows of x) can also run on our own kernel (`gemv_bf16` in
+//! `cuda/gemv.cu`: [`skinny_linear_fwd_bf16`], [`skinny_gate_up_swiglu_bf16`]): weight-row
+//! tiles x k slices, the slices of a tile summed in a thread-block cluster through distributed
+//! shared memory in rank order (deterministic, one launch, no workspace); its cut
+//! ([`SkinnyPlan`]) is a function of the shape. [`linear_fwd_bf16`] and [`gate_up_swiglu_bf16`]
+//! take it at m <= [`SKINNY_DISPATCH_MAX_M`], where it measured faster than cuBLASLt, and
+//! cuBLASLt above.
 
 use std::collections::HashMap;
 use std::sync::Arc;
