@@ -71,7 +71,13 @@ pub struct GpuModel {
 
 impl GpuModel {
     /// Uploads `model` in bf16 on `stream` (returns once the copies are queued).
+    ///
+    /// Also sets the device's default memory pool to keep freed memory (release threshold
+    /// `u64::MAX`): activations are allocated per call in stream order, and without this every
+    /// synchronisation would hand the pool's memory back to the driver, so the next call
+    /// would map it again.
     pub fn upload(gpu: &Gpu, stream: &Arc<CudaStream>, model: &Qwen25VL) -> Result<Self> {
+        keep_pool_memory(gpu)?;
         let weights = GpuWeights::upload(gpu, stream, model)?;
         let iota = stream.clone_htod(&(0..IOTA_ROWS as u32).collect::<Vec<u32>>())?;
         Ok(GpuModel {
@@ -94,6 +100,25 @@ impl GpuModel {
             Ok(std::borrow::Cow::Owned(stream.clone_htod(&v)?))
         }
     }
+}
+
+fn keep_pool_memory(gpu: &Gpu) -> Result<()> {
+    use cudarc::driver::sys;
+    let ctx = gpu.ctx();
+    ctx.bind_to_thread()?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold: u64 = u64::MAX;
+    // SAFETY: valid out-pointer and device of the bound context; the attribute takes a u64.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result()?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut std::ffi::c_void,
+        )
+        .result()?;
+    }
+    Ok(())
 }
 
 /// Rows of the kept identity index buffer (larger batches upload their own).

@@ -214,7 +214,7 @@ impl AttnStep for PackedAttn<'_> {
                 kvw,
             )?;
         }
-        let k = qkv.slice(qw..);
+        let k = qkv.slice(qw..qkv.len() - kvw);
         let v = qkv.slice(qw + kvw..);
         let scale = 1.0 / (d.head_dim as f32).sqrt();
         match self.prefix {

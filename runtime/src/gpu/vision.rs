@@ -86,7 +86,7 @@ impl AttnStep for VisionAttn<'_> {
         } else {
             self.window
         };
-        let k = qkv.slice(qw..);
+        let k = qkv.slice(qw..qkv.len() - kvw);
         let v = qkv.slice(qw + kvw..);
         let strides = RowStrides {
             q: row,

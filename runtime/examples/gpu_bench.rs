@@ -1,0 +1,199 @@
+//! Throughput of the CUDA model forward at 3B-class dims: packed text prefill and vision
+//! encoding, timed with CUDA events after warm-up (`tests/reference/bench_prefill.py` times
+//! PyTorch on the same dims and shapes in the same device call).
+//!
+//! The model is Qwen2.5-VL-3B's widths (text 2048 / 16 heads / 2 kv heads / FFN 11008 / vocab
+//! 151936; vision 1280 / 16 heads / FFN 3420, window 112, patch 14) with fewer layers
+//! (`--text-layers`, `--vision-blocks`; the last vision block uses full attention), random
+//! weights. FLOPs counted: every GEMM (2 m n k) plus attention (4 hd heads per query-key pair
+//! attended: causal pairs for text, window / frame pairs for vision); the lm head runs on the
+//! last token of each prompt only (as a prefill does).
+//!
+//! Usage: gpu_bench [--text-layers 4] [--vision-blocks 4] [--prompts 8] [--prompt-len 1024]
+//!                  [--images 2] [--grid 64] [--iters 10]
+
+use std::sync::Arc;
+
+use anyhow::{anyhow, Context, Result};
+use rollplex_kernels::cuda::{CudaStream, Gpu};
+use rollplex_plan::spec::{DType, ModelSpec, SpecialTokens, TextDims, VisionDims, WeightsSource};
+use rollplex_runtime::gpu::plan::VisionPlan;
+use rollplex_runtime::gpu::{GpuModel, GpuPrompt};
+use rollplex_runtime::model::{MediaInput, MediaKind, Qwen25VL};
+
+fn arg(args: &[String], name: &str, default: usize) -> Result<usize> {
+    match args.iter().position(|a| a == name) {
+        Some(i) => args
+            .get(i + 1)
+            .ok_or_else(|| anyhow!("{name} needs a value"))?
+            .parse()
+            .with_context(|| format!("{name}")),
+        None => Ok(default),
+    }
+}
+
+fn spec(text_layers: u32, vision_blocks: u32) -> ModelSpec {
+    ModelSpec {
+        name: "qwen2.5-vl-3b-widths".into(),
+        vision: VisionDims {
+            depth: vision_blocks,
+            hidden_size: 1280,
+            num_heads: 16,
+            intermediate_size: 3420,
+            patch_size: 14,
+            temporal_patch_size: 2,
+            spatial_merge_size: 2,
+            window_size: 112,
+            fullatt_block_indexes: vec![vision_blocks - 1],
+            in_channels: 3,
+            out_hidden_size: 2048,
+        },
+        text: TextDims {
+            num_layers: text_layers,
+            hidden_size: 2048,
+            num_heads: 16,
+            num_kv_heads: 2,
+            intermediate_size: 11008,
+            vocab_size: 151936,
+            rope_theta: 1000000.0,
+            mrope_section: [16, 24, 24],
+            tie_word_embeddings: true,
+            rms_norm_eps: 1e-6,
+            max_position_embeddings: 128000,
+        },
+        tokens: SpecialTokens {
+            image_token_id: 151655,
+            video_token_id: 151656,
+            vision_start_token_id: 151652,
+            vision_end_token_id: 151653,
+            eos_token_ids: vec![151645],
+        },
+        dtype: DType::Bf16,
+        weights: WeightsSource::Random { seed: 1 },
+    }
+}
+
+/// Median milliseconds of `iters` timed runs of `f` (after 2 warm-up runs).
+fn time_ms(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    iters: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<f64> {
+    for _ in 0..2 {
+        f()?;
+    }
+    s.synchronize()?;
+    let mut ts = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let (a, b) = (gpu.timing_event()?, gpu.timing_event()?);
+        a.record(s)?;
+        f()?;
+        b.record(s)?;
+        b.synchronize()?;
+        ts.push(a.elapsed_ms(&b)? as f64);
+    }
+    ts.sort_by(|x, y| x.total_cmp(y));
+    Ok(ts[ts.len() / 2])
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let tl = arg(&args, "--text-layers", 4)? as u32;
+    let vb = arg(&args, "--vision-blocks", 4)? as u32;
+    let prompts = arg(&args, "--prompts", 8)?;
+    let plen = arg(&args, "--prompt-len", 1024)?;
+    let images = arg(&args, "--images", 2)?;
+    let grid = arg(&args, "--grid", 64)? as u32;
+    let iters = arg(&args, "--iters", 10)?;
+    let gpu = Gpu::new(0).context("gpu_bench needs a CUDA device")?;
+    let s = gpu.stream(0)?;
+    let t0 = std::time::Instant::now();
+    let model = Qwen25VL::random(spec(tl, vb), 7)?;
+    let gm = GpuModel::upload(&gpu, &s, &model)?;
+    s.synchronize()?;
+    println!(
+        "device {}; model built and uploaded in {:.1} s ({:.2} GB of bf16 weights)",
+        gpu.name(),
+        t0.elapsed().as_secs_f64(),
+        gm.weights.bytes as f64 / 1e9
+    );
+    let cfg = &model.config;
+    let t = cfg.text();
+    let (h, f, hd) = (
+        t.hidden_size as f64,
+        t.intermediate_size as f64,
+        t.head_dim() as f64,
+    );
+    let (nq, nkv) = (t.num_heads as f64, t.num_kv_heads as f64);
+    // ---- text prefill: `prompts` prompts of `plen` text tokens, packed
+    let ids: Vec<Vec<u32>> = (0..prompts)
+        .map(|p| {
+            (0..plen)
+                .map(|i| ((i * 7919 + p * 104729) % 150000) as u32)
+                .collect()
+        })
+        .collect();
+    let gp: Vec<GpuPrompt<'_>> = ids
+        .iter()
+        .map(|i| GpuPrompt { ids: i, media: &[] })
+        .collect();
+    let tokens = (prompts * plen) as f64;
+    let lin_tok = 2.0 * (h * (nq + 2.0 * nkv) * hd + nq * hd * h + h * 2.0 * f + f * h);
+    let pairs = prompts as f64 * (plen as f64 * (plen as f64 + 1.0) / 2.0);
+    let text_flops = tl as f64 * (tokens * lin_tok + 4.0 * nq * hd * pairs)
+        + prompts as f64 * 2.0 * h * t.vocab_size as f64;
+    let text_gemm_flops = tl as f64 * tokens * lin_tok;
+    let ms = time_ms(&gpu, &s, iters, || {
+        gm.prefill(&gpu, &s, &gp)?;
+        Ok(())
+    })?;
+    println!(
+        "prefill {prompts} x {plen} tokens, {tl} layers: {ms:.3} ms, {:.1} TFLOP/s (all), {:.1} TFLOP/s counting GEMMs only; {:.0} tokens/s/layer",
+        text_flops / ms / 1e9,
+        text_gemm_flops / ms / 1e9,
+        tokens * tl as f64 / ms * 1e3
+    );
+    // ---- vision: `images` images of grid [1, grid, grid]
+    let v = cfg.vision();
+    let pd = cfg.patch_dim();
+    let n = (grid * grid) as usize;
+    let px: Vec<f32> = (0..n * pd)
+        .map(|i| ((i * 2654435761usize) % 2000) as f32 / 1000.0 - 1.0)
+        .collect();
+    let items: Vec<MediaInput<'_>> = (0..images)
+        .map(|_| MediaInput {
+            kind: MediaKind::Image,
+            pixels: &px,
+            grid: [1, grid, grid],
+        })
+        .collect();
+    let grids: Vec<[u32; 3]> = items.iter().map(|i| i.grid).collect();
+    let plan = VisionPlan::new(cfg, &grids)?;
+    let (vh, vi) = (v.hidden_size as f64, v.intermediate_size as f64);
+    let np = plan.patches as f64;
+    // per block
+    let vlin = 2.0 * np * (vh * 3.0 * vh + vh * vh + vh * 2.0 * vi + vi * vh);
+    let sq = |seqs: &[rollplex_kernels::cpu::AttnSeq]| -> f64 {
+        seqs.iter().map(|s| (s.len as f64) * (s.len as f64)).sum()
+    };
+    let (wsq, fsq) = (sq(&plan.window_seqs), sq(&plan.full_seqs));
+    let nfull = v.fullatt_block_indexes.len() as f64;
+    let vattn = 4.0 * vh * ((vb as f64 - nfull) * wsq + nfull * fsq);
+    let groups = np / 4.0;
+    let merger = 2.0 * groups * (4.0 * vh * 4.0 * vh + 4.0 * vh * v.out_hidden_size as f64);
+    let patch = 2.0 * np * vh * pd as f64;
+    let vision_gemm = vb as f64 * vlin + merger + patch;
+    let vision_flops = vision_gemm + vattn;
+    let ms = time_ms(&gpu, &s, iters, || {
+        gm.encode_media(&gpu, &s, &items)?;
+        Ok(())
+    })?;
+    println!(
+        "vision {images} x [1, {grid}, {grid}] ({} patches), {vb} blocks: {ms:.3} ms, {:.1} TFLOP/s (all), {:.1} TFLOP/s counting GEMMs only",
+        plan.patches,
+        vision_flops / ms / 1e9,
+        vision_gemm / ms / 1e9
+    );
+    Ok(())
+}
