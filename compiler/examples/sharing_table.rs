@@ -4,6 +4,8 @@
 //! the rollout layout's bytes per GPU, how much aliases training memory, the extra bytes and
 //! what the weight sync rebuilds per iteration (vision tower and merger frozen, as in
 //! `examples/paper-*.rpx`), under the rank order the compiler picks and under the identity order.
+// `u32::is_multiple_of` is newer than the workspace's rust-version (1.85).
+#![allow(clippy::manual_is_multiple_of)]
 use rollplex_compiler::fixtures::{paper_job, QwenSize};
 use rollplex_compiler::sharing::{
     analyse, identity_ranks, param_classes, report, shared_class_fraction, shared_fraction,

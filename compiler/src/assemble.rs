@@ -25,10 +25,11 @@ use crate::lower::{NodeId, PhaseGraph, Role, SideClass};
 use crate::sched::{topo_order, PBuf, STask, SWindow, Sched};
 use crate::workload::Workload;
 use rollplex_plan::work::WorkKind;
-use rollplex_plan::{BufferClass, GpuId, Op, Phase, Priority, Residency};
+use rollplex_plan::{BufferClass, GpuId, Op, Phase, Priority, ReshardPoint, Residency};
 use std::collections::BTreeMap;
 
-/// Which large buffers live on the host outside the phases that use them.
+/// Where large buffers live outside the phases that use them, and where the weight sync runs
+/// ([`crate::residency`] decides).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct ResidencyChoice {
     /// Reference weights: on host, reloaded before the first reference task.
@@ -36,29 +37,15 @@ pub struct ResidencyChoice {
     /// fp32 master weights and Adam moments: on host, reloaded before the first optimizer
     /// step and written back after the last.
     pub optimizer_host: bool,
+    /// `rollout_weights.frozen`: dropped after decode and rebuilt by every weight sync
+    /// instead of kept in HBM.
+    pub frozen_rebuilt: bool,
+    /// Where the colocated weight sync runs.
+    pub reshard: ReshardPoint,
 }
 
-impl ResidencyChoice {
-    /// Every combination, cheapest in transfers first.
-    pub const ALL: [ResidencyChoice; 4] = [
-        ResidencyChoice {
-            ref_host: false,
-            optimizer_host: false,
-        },
-        ResidencyChoice {
-            ref_host: true,
-            optimizer_host: false,
-        },
-        ResidencyChoice {
-            ref_host: false,
-            optimizer_host: true,
-        },
-        ResidencyChoice {
-            ref_host: true,
-            optimizer_host: true,
-        },
-    ];
-}
+/// The frozen incompatible tensors' gathered rollout part ([`crate::buffers`]).
+pub const FROZEN_ROLLOUT: &str = "rollout_weights.frozen";
 
 /// A mode's decisions.
 #[derive(Clone, Debug, PartialEq)]
@@ -212,10 +199,14 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
             });
         } else {
             map.push(s.buffers.len());
-            s.buffers
-                .push(pbuf(lb, lb.name.clone(), lb.persistent, false));
+            let persistent =
+                lb.persistent && !(lb.name == FROZEN_ROLLOUT && p.residency.frozen_rebuilt);
+            s.buffers.push(pbuf(lb, lb.name.clone(), persistent, false));
         }
     }
+    let frozen_buf = pg.buffer_named(FROZEN_ROLLOUT).map(|i| map[i]);
+    s.reshard_point = pg.sharing.as_ref().map(|_| p.residency.reshard);
+    s.frozen_rebuilt = p.residency.frozen_rebuilt;
 
     // ---- tasks ----
     let mut pos: Vec<usize> = vec![usize::MAX; ids.len()]; // node index -> task index
@@ -225,7 +216,17 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
         let id = ids[i];
         let n = pg.node(id);
         let mut t_deps: Vec<usize> = deps[i].iter().map(|&d| pos[d]).collect();
+        let beside = matches!(n.op, Op::WeightSync { .. })
+            && n.role == Role::PreDecode
+            && p.residency.reshard == ReshardPoint::BesideEncode
+            && !p.single_stream;
         let (stream, window, sms, phase) = match n.role {
+            Role::PreDecode if beside => (
+                s.stream(n.gpu, "copy", Priority::Normal),
+                None,
+                total,
+                Phase::Sync,
+            ),
             Role::PreDecode => (
                 main(&mut s, n.gpu),
                 None,
@@ -267,6 +268,17 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
         }
         t_deps.sort_unstable();
         t_deps.dedup();
+        let mut writes: Vec<usize> = n.writes.iter().map(|&b| map[b]).collect();
+        let mut work = n.work.clone();
+        // A rebuilt frozen extra is part of every colocated weight sync.
+        if let (Op::WeightSync { .. }, Role::PreDecode, true, Some(fb)) =
+            (&n.op, n.role, p.residency.frozen_rebuilt, frozen_buf)
+        {
+            let b = s.buffers[fb].bytes as f64;
+            work.net_bytes += b;
+            work.bytes += b;
+            writes.push(fb);
+        }
         s.tasks.push(STask {
             name: n.name.clone(),
             kind: n.kind,
@@ -277,8 +289,8 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
             window,
             deps: t_deps,
             reads: n.reads.iter().map(|&b| map[b]).collect(),
-            writes: n.writes.iter().map(|&b| map[b]).collect(),
-            work: crate::workload::rounded(&n.work),
+            writes,
+            work: crate::workload::rounded(&work),
             scratch: n.scratch,
             sms,
             ready_step: n.ready_step,
@@ -513,6 +525,8 @@ fn set_residency(s: &mut Sched, pg: &PhaseGraph) {
                     } else {
                         Residency::Host
                     }
+                } else if !alive && b.name == FROZEN_ROLLOUT {
+                    Residency::Recompute
                 } else if !alive {
                     Residency::Absent
                 } else if b.class == BufferClass::Activations && full_recompute {

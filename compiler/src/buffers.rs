@@ -60,6 +60,10 @@ struct Table {
 }
 
 impl Table {
+    fn len(&self) -> usize {
+        self.bufs.len()
+    }
+
     #[allow(clippy::too_many_arguments)] // one argument per column of the buffer table
     fn add(
         &mut self,
@@ -122,6 +126,7 @@ pub fn assign(pg: &mut PhaseGraph) {
         Offload::No,
     );
     let mut rollout_w = Vec::new();
+    let mut frozen_w = None;
     if let Some(sharing) = &pg.sharing {
         // Identical and view tensors alias `actor_weights`; incompatible ones keep their
         // local training shard in place and add the gathered rest (`crate::sharing`).
@@ -139,6 +144,7 @@ pub fn assign(pg: &mut PhaseGraph) {
             ));
         }
         if frozen > 0 {
+            frozen_w = Some(t.len());
             rollout_w.push(t.add(
                 "rollout_weights.frozen",
                 BufferClass::RolloutWeights,
@@ -367,6 +373,7 @@ pub fn assign(pg: &mut PhaseGraph) {
         MediaSpec::Video { .. } => 1,
     };
     let own_vision = !pg.shared_encoding && items > 0;
+    let frozen_tower = spec.train.freeze_vision && spec.train.freeze_merger;
     let kept_full = kept_act_bytes_per_token_layer(&spec.actor, 1, false) / ttp;
 
     let ids: Vec<_> = pg.graph.node_indices().collect();
@@ -381,10 +388,23 @@ pub fn assign(pg: &mut PhaseGraph) {
                 if colocated {
                     reads.push(actor_w);
                 }
-                writes.extend(rollout_w.iter().filter(|&&b| b != actor_w));
+                // The frozen extra is built at load (the assembler adds it when the planner
+                // rebuilds it every iteration instead).
+                writes.extend(
+                    rollout_w
+                        .iter()
+                        .filter(|&&b| b != actor_w && Some(b) != frozen_w),
+                );
             }
             Op::EncodeMedia { groups, copies } => {
-                reads.extend(&rollout_w);
+                // A frozen tower and merger are never resharded per iteration: encoding reads
+                // the training weights and the frozen extra only (so it may run beside the sync).
+                if frozen_tower && colocated {
+                    reads.push(actor_w);
+                    reads.extend(frozen_w);
+                } else {
+                    reads.extend(&rollout_w);
+                }
                 writes.extend(emb);
                 scratch = vis_trans(groups.len() as u64 * *copies as u64 * items, rtp);
             }

@@ -4,27 +4,32 @@
 //!    split of the GPUs is a candidate);
 //! 2. [`crate::lower`]: the phase graph with shapes and work;
 //! 3. [`crate::buffers`]: buffer table, reads/writes, scratch;
-//! 4. placement: [`crate::schedule_serial`] or [`crate::schedule_overlap`] (the ILP), for each
-//!    residency choice ([`crate::assemble::ResidencyChoice`]);
+//! 4. placement: the ILP ([`crate::ilp`]) decides residency and the reshard point
+//!    ([`crate::residency`]) and, in overlap mode, the decode windows' SM splits and side work
+//!    ([`crate::schedule_overlap`]); serial and disaggregated plans place the rest in order
+//!    ([`crate::schedule_serial`]);
 //! 5. [`crate::assemble`]: streams, windows, issue order, transfers, predicted times;
 //! 6. [`crate::emit`]: the plan;
 //! 7. [`crate::memory`]: lifetimes, arena offsets, peaks (a candidate over budget is dropped);
 //! 8. `rollplex_plan::validate` on the chosen plan (a failure is a compiler bug).
 //!
-//! Among the candidates that fit the memory budget the fastest predicted iteration wins (ties:
-//! the earlier candidate, i.e. fewer offloads). When none fits, the error gives the numbers of
-//! the candidate that came closest.
+//! A plan whose exact memory layout is over budget is planned again with the overshoot taken
+//! off the budget of the ILP's memory row (decode or training phase) where its peak sits, up
+//! to [`MAX_ATTEMPTS`] solves per topology. Among the candidates that fit (one per
+//! disaggregated split) the fastest predicted iteration wins (ties: the earlier). When none
+//! fits, the error gives the numbers of the candidate that came closest.
 //!
 //! The driver is pure: the spec and an optional profile in, a plan and statistics out.
 
-use crate::assemble::{assemble, Placement, ResidencyChoice};
+use crate::assemble::{assemble, Placement};
 use crate::error::{CompileError, Result};
 use crate::lower::{lower, PhaseGraph};
 use crate::memory::OverBudget;
+use crate::residency::Cuts;
 use crate::topology::Topology;
 use rollplex_cost::{CostModel, Profile};
 use rollplex_plan::spec::{JobSpec, Mode};
-use rollplex_plan::{Plan, SolveStatus, SolverStats};
+use rollplex_plan::{Op, Plan, SolveStatus, SolverStats};
 use std::time::Instant;
 
 #[derive(Clone, Debug)]
@@ -148,76 +153,82 @@ pub fn compile(spec: &JobSpec, opts: &Options) -> Result<Compiled> {
         };
         let mut pg: PhaseGraph = st.time("lower", || lower(spec, topo))?;
         st.time("buffers", || crate::buffers::assign(&mut pg));
-        // Offloading only frees memory and adds transfers: once a candidate of this topology
-        // fits, a later residency choice can only help if memory held the planner back.
-        let mut settled = false;
-        for res in ResidencyChoice::ALL {
-            if !residency_applies(&pg, res) || settled {
-                continue;
-            }
-            let label = format!("{label_topo}, {}", residency_label(res));
-            let mut cut = 0u64;
-            for _attempt in 0..3 {
-                let (placement, solver, memory_bound) = match mode {
-                    Mode::Overlap => {
-                        let (p, s, mut run, bound) = st.time("schedule", || {
-                            crate::schedule_overlap::place(&pg, &cost, res, cut, opts.time_limit_s)
-                        })?;
-                        run.label = label.clone();
-                        st.ilp.push(run);
-                        (p, s, bound)
+        // One ILP decides residency and the reshard point (and, in overlap mode, the
+        // windows); when the exact layout is over budget, the memory row where the peak sits
+        // gets the overshoot less and the ILP runs again.
+        let mut cuts = Cuts::default();
+        for _attempt in 0..MAX_ATTEMPTS {
+            let (placement, solver) = match mode {
+                Mode::Overlap => {
+                    let (p, s, mut run) = st.time("schedule", || {
+                        crate::schedule_overlap::place(&pg, &cost, cuts, opts.time_limit_s)
+                    })?;
+                    run.label = format!(
+                        "{label_topo}, {}",
+                        crate::residency::label(&p.residency, true)
+                    );
+                    st.ilp.push(run);
+                    (p, s)
+                }
+                _ => {
+                    let (res, s, mut run) = st.time("schedule", || {
+                        crate::residency::solve_alone(&pg, &cost, cuts, opts.time_limit_s)
+                    })?;
+                    run.label = format!(
+                        "{label_topo}, {}",
+                        crate::residency::label(&res, mode == Mode::Serial)
+                    );
+                    st.ilp.push(run);
+                    (crate::schedule_serial::place(&pg, res), s)
+                }
+            };
+            let label = format!(
+                "{label_topo}, {}",
+                crate::residency::label(&placement.residency, mode != Mode::Disaggregated)
+            );
+            let outcome = build(&mut st, &pg, &placement, &cost, solver)?;
+            match outcome {
+                Ok(plan) => {
+                    let t = plan.predicted.iteration_s;
+                    st.candidates.push(Candidate {
+                        label,
+                        predicted_s: t,
+                        peak: plan.memory.gpus.iter().map(|g| g.peak).max().unwrap_or(0),
+                        fits: true,
+                    });
+                    if best.as_ref().is_none_or(|(bt, _)| t < *bt) {
+                        best = Some((t, plan));
                     }
-                    _ => (
-                        st.time("schedule", || crate::schedule_serial::place(&pg, res)),
-                        not_run(),
-                        false,
-                    ),
-                };
-                let outcome = build(&mut st, &pg, &placement, &cost, solver)?;
-                match outcome {
-                    Ok(plan) => {
-                        let t = plan.predicted.iteration_s;
-                        st.candidates.push(Candidate {
-                            label: label.clone(),
-                            predicted_s: t,
-                            peak: plan.memory.gpus.iter().map(|g| g.peak).max().unwrap_or(0),
-                            fits: true,
-                        });
-                        if best.as_ref().is_none_or(|(bt, _)| t < *bt) {
-                            best = Some((t, plan));
-                        }
-                        settled = !memory_bound;
-                        break;
+                    break;
+                }
+                Err((Unfit::Device(ob, in_decode), t)) => {
+                    st.candidates.push(Candidate {
+                        label,
+                        predicted_s: t,
+                        peak: ob.peak,
+                        fits: false,
+                    });
+                    let over = ob.peak.saturating_sub(ob.budget).max(1);
+                    if closest.as_ref().is_none_or(|c| ob.peak < c.peak) {
+                        closest = Some(ob);
                     }
-                    Err((Unfit::Device(ob), t)) => {
-                        st.candidates.push(Candidate {
-                            label: label.clone(),
-                            predicted_s: t,
-                            peak: ob.peak,
-                            fits: false,
-                        });
-                        let over = ob.peak.saturating_sub(ob.budget);
-                        if closest.as_ref().is_none_or(|c| ob.peak < c.peak) {
-                            closest = Some(ob);
-                        }
-                        // Only the ILP can trade speed for memory: ask it for `over` bytes less.
-                        if mode != Mode::Overlap {
-                            break;
-                        }
-                        cut += over;
+                    if in_decode {
+                        cuts.decode += over;
+                    } else {
+                        cuts.train += over;
                     }
-                    Err((Unfit::Host(need, budget), t)) => {
-                        st.candidates.push(Candidate {
-                            label: label.clone(),
-                            predicted_s: t,
-                            peak: 0,
-                            fits: false,
-                        });
-                        if host_short.is_none_or(|(n, _)| need < n) {
-                            host_short = Some((need, budget));
-                        }
-                        break;
+                }
+                Err((Unfit::Host(need, budget), t)) => {
+                    st.candidates.push(Candidate {
+                        label,
+                        predicted_s: t,
+                        peak: 0,
+                        fits: false,
+                    });
+                    if host_short.is_none_or(|(n, _)| need < n) {
+                        host_short = Some((need, budget));
                     }
+                    break;
                 }
             }
         }
@@ -248,35 +259,14 @@ pub fn compile(spec: &JobSpec, opts: &Options) -> Result<Compiled> {
     Ok(Compiled { plan, stats: st })
 }
 
-fn not_run() -> SolverStats {
-    SolverStats {
-        solver: "none".into(),
-        status: SolveStatus::NotRun,
-        variables: 0,
-        integer_variables: 0,
-        constraints: 0,
-        objective: 0.0,
-    }
-}
-
-/// Residency choices that change anything for this job (no reference: `ref_host` is moot).
-fn residency_applies(pg: &PhaseGraph, r: ResidencyChoice) -> bool {
-    !r.ref_host || pg.spec.reference.enabled
-}
-
-fn residency_label(r: ResidencyChoice) -> String {
-    match (r.ref_host, r.optimizer_host) {
-        (false, false) => "all in HBM".into(),
-        (true, false) => "reference weights on host".into(),
-        (false, true) => "optimizer state on host".into(),
-        (true, true) => "reference weights and optimizer state on host".into(),
-    }
-}
+/// Solves per topology: the first, then one per overshooting attempt.
+pub const MAX_ATTEMPTS: usize = 4;
 
 /// Why a candidate plan cannot run.
 enum Unfit {
-    /// Over the device memory budget.
-    Device(OverBudget),
+    /// Over the device memory budget; whether the peak is in the rollout phase (decode
+    /// windows and what runs before them) rather than after decode.
+    Device(OverBudget, bool),
     /// Offloads more than the host memory the job allows: (bytes needed, budget).
     Host(u64, u64),
 }
@@ -293,7 +283,10 @@ fn build(
     let mut plan = st.time("emit", || crate::emit::emit(pg, &sched, cost, solver));
     let t = plan.predicted.iteration_s;
     if let Err(o) = st.time("memory", || crate::memory::layout(&mut plan)) {
-        return Ok(Err((Unfit::Device(o), t)));
+        let in_decode = plan.task(o.at).is_some_and(|task| {
+            task.window.is_some() || matches!(task.op, Op::EncodeMedia { .. } | Op::Prefill { .. })
+        });
+        return Ok(Err((Unfit::Device(o, in_decode), t)));
     }
     let host_budget = pg.spec.schedule.host_memory;
     if let Some(g) = plan.memory.gpus.iter().find(|g| g.host > host_budget) {

@@ -173,7 +173,15 @@ pub fn emit(pg: &PhaseGraph, s: &Sched, cost: &CostModel, solver: SolverStats) -
             _ => continue,
         };
         let (moved, aliased) = match (what, &pg.sharing) {
-            (ReshardWhat::Weights, Some(sh)) => (sh.resharded_bytes, sh.aliased_bytes),
+            (ReshardWhat::Weights, Some(sh)) => (
+                sh.resharded_bytes
+                    + if s.frozen_rebuilt {
+                        sh.extra_bytes - sh.resharded_bytes
+                    } else {
+                        0
+                    },
+                sh.aliased_bytes,
+            ),
             (ReshardWhat::Weights, None) => (
                 crate::lower::disaggregated_sync_bytes(&pg.shapes, par.rollout_tp),
                 0,
@@ -248,7 +256,11 @@ pub fn emit(pg: &PhaseGraph, s: &Sched, cost: &CostModel, solver: SolverStats) -
         tasks,
         buffers,
         reshards,
-        weight_sharing: pg.sharing.clone(),
+        weight_sharing: pg.sharing.clone().map(|mut w| {
+            w.frozen_rebuilt = s.frozen_rebuilt;
+            w.reshard_point = s.reshard_point.unwrap_or_default();
+            w
+        }),
         memory: Memory {
             arenas: Vec::new(),
             gpus: Vec::new(),

@@ -1,5 +1,8 @@
-//! The overlap MILP (good_lp + HiGHS): per decode window, the SM split and how many items of
-//! each side class run in it; which classes' buffers must fit next to decode.
+//! The planner's MILP (good_lp + HiGHS): per decode window, the SM split and how many items
+//! of each side class run in it; which classes' buffers must fit next to decode; which large
+//! buffers stay in HBM and where the weight sync runs ([`Residency`], built by
+//! [`crate::residency`]). Serial and disaggregated plans solve the residency part alone (no
+//! windows, no classes).
 //!
 //! Items of a class are interchangeable (same shapes) and run in item order, so the model
 //! counts them instead of placing each: its size grows with the number of windows and split
@@ -21,11 +24,27 @@
 //! - readiness: `cum(c, w) <= ready[c][w]` (items whose groups finish before `w` starts);
 //! - precedence, cumulative over windows: `All` (`n[succ][w] <= N_succ z[pred][w]`,
 //!   `N_pred z[pred][w] <= cum(pred, w)`), `Ratio` (`a cum(pred, w) >= b cum(succ, w)`);
-//! - memory: `u[c] N_c >= sum_w n[c][w]`, `sum_c u[c] bytes[c] <= headroom`.
+//! - memory: `u[c] N_c >= sum_w n[c][w]`, `sum_c u[c] bytes[c] <= headroom` (without a
+//!   residency part; with one, the decode row below replaces it).
+//!
+//! Residency part: `off[i]` (binary: item `i` leaves HBM outside the phases that use it),
+//! `v[i]` (in HBM during decode), `x[k]` (binary: reshard option `k`), `s_d, s_t >= 0`
+//! (GiB over budget):
+//! - `v[i] >= 1 - off[i]`, `v[i] >= u[c]` for the classes that need the item in a window;
+//! - decode row: `decode_base + sum_i bytes[i] v[i] + sum_c u[c] bytes[c] <= budget_d + s_d`;
+//! - training row: `train_base + sum_i bytes[i] (1 - off[i]) <= budget_t + s_t` (items needed
+//!   in training whatever their residency count in full);
+//! - host row: `sum_i host_bytes[i] off[i] <= host budget`;
+//! - `sum_k x[k] = 1`; `x[k] + off[i] <= 1` where option `k` needs item `i` in HBM;
+//! - objective adds `sum_i off_s[i] off[i] + sum_k exposed_s[k] x[k] + 1000 (s_d + s_t)`: the
+//!   transfer or rebuild time of every item moved off HBM, the sync time not hidden, and a
+//!   steep price per GiB over budget (soft rows keep the model feasible; the driver reports a
+//!   plan that still does not fit with its numbers).
 //!
 //! Objective: `sum_w sum_j decode_time[w][j] y[w][j] + sum_c (N_c - sum_w n[c][w]) post_time[c]`
 //! (the windows, then what is left for after decode on the whole GPU) plus tie-breakers (1e-7
-//! scale) that prefer smaller side partitions and earlier windows, so equal-time plans come
+//! scale) that prefer smaller side partitions and earlier windows, HBM over host (1e-6 per
+//! item, in item order) and the first reshard option, so equal-time plans come
 //! out the same on every run. HiGHS runs single-threaded under a node limit ([`MAX_NODES`])
 //! and a time limit, so the answer is the same on every machine unless the time limit strikes
 //! first; the all-after-decode placement is given as the starting solution, so any limit still
@@ -91,8 +110,60 @@ pub struct Problem {
     pub classes: Vec<ClassInput>,
     pub precs: Vec<Prec>,
     pub headroom: f64,
+    /// Residency and reshard-point decisions (see [`Residency`]); `None`: none to take.
+    pub residency: Option<Residency>,
     pub time_limit_s: f64,
 }
+
+/// A large buffer the ILP may keep in HBM or move off it outside the phases that need it
+/// (to host memory, or dropped and rebuilt).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ResItem {
+    pub name: String,
+    pub bytes: f64,
+    /// Host bytes it takes when off HBM (0 when dropped and rebuilt).
+    pub host_bytes: f64,
+    /// Seconds the iteration gets longer when it is off HBM (reloads, write-backs, rebuilds).
+    pub off_s: f64,
+    /// In the decode-phase memory row when kept in HBM.
+    pub decode_kept: bool,
+    /// In the decode-phase memory row even when off HBM (its users run in the rollout phase).
+    pub decode_off: bool,
+    /// Side classes whose items, when in a window, need it in HBM during decode.
+    pub decode_if_class: Vec<usize>,
+    /// In the training-phase memory row when kept / when off.
+    pub train_kept: bool,
+    pub train_off: bool,
+}
+
+/// Where the weight sync may run: its exposed seconds and the items whose being off HBM
+/// rules it out.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReshardOption {
+    pub name: &'static str,
+    pub exposed_s: f64,
+    pub excludes: Vec<usize>,
+}
+
+/// Residency and reshard-point part of the model: memory rows for the decode and the
+/// training phase (the two peaks of an iteration), a host-memory row, the options.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Residency {
+    pub items: Vec<ResItem>,
+    /// Device bytes of the decode and the training phase besides the items and side classes.
+    pub decode_base: f64,
+    pub train_base: f64,
+    /// Device budget of each row (the memory budget minus what earlier attempts overshot).
+    pub decode_budget: f64,
+    pub train_budget: f64,
+    pub host_budget: f64,
+    /// At least one option; the first is the fallback.
+    pub reshard: Vec<ReshardOption>,
+}
+
+/// Seconds the objective charges per GiB over a memory row (soft rows keep the model
+/// feasible; the driver reports a plan that does not fit with its numbers).
+pub const OVER_BUDGET_S_PER_GIB: f64 = 1e3;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct Answer {
@@ -106,6 +177,10 @@ pub struct Answer {
     pub integer_variables: u32,
     pub constraints: u32,
     pub solve_s: f64,
+    /// Per residency item: off HBM.
+    pub off: Vec<bool>,
+    /// The chosen reshard option.
+    pub reshard: usize,
 }
 
 /// Branch-and-bound node limit. Unlike the wall-clock limit it stops the search at the same
@@ -177,6 +252,37 @@ pub fn solve(p: &Problem) -> Result<Answer, String> {
         })
         .collect();
     let u: Vec<Variable> = (0..nc).map(|_| vars.add(variable().binary())).collect();
+    // Residency: off[i] (binary), v[i] (in HBM during decode), x[k] (reshard option), slacks.
+    let empty = Residency {
+        items: vec![],
+        decode_base: 0.0,
+        train_base: 0.0,
+        decode_budget: 0.0,
+        train_budget: 0.0,
+        host_budget: 0.0,
+        reshard: vec![],
+    };
+    let res = p.residency.as_ref().unwrap_or(&empty);
+    let ni = res.items.len();
+    let off: Vec<Variable> = (0..ni).map(|_| vars.add(variable().binary())).collect();
+    let dv: Vec<Option<Variable>> = res
+        .items
+        .iter()
+        .map(|it| (it.decode_kept && !it.decode_off).then(|| vars.add(variable().min(0).max(1))))
+        .collect();
+    let x: Vec<Variable> = if res.reshard.len() > 1 {
+        res.reshard
+            .iter()
+            .map(|_| vars.add(variable().binary()))
+            .collect()
+    } else {
+        vec![]
+    };
+    let slack: Vec<Variable> = if p.residency.is_some() {
+        (0..2).map(|_| vars.add(variable().min(0))).collect()
+    } else {
+        vec![]
+    };
     // n[c][w][j] (continuous, see the module docs) only where option j has side SMs.
     let n: Vec<Vec<Vec<Option<Variable>>>> = p
         .classes
@@ -208,8 +314,12 @@ pub fn solve(p: &Problem) -> Result<Answer, String> {
         })
         .collect();
     let count = |v: &Vec<Vec<Option<Variable>>>| v.iter().flatten().flatten().count() as u32;
-    let nints = count(&y) + count(&z) + u.len() as u32;
-    let nvars = nints + n.iter().map(count).sum::<u32>() + (nc * nw) as u32;
+    let nints = count(&y) + count(&z) + u.len() as u32 + off.len() as u32 + x.len() as u32;
+    let nvars = nints
+        + n.iter().map(count).sum::<u32>()
+        + (nc * nw) as u32
+        + dv.iter().flatten().count() as u32
+        + slack.len() as u32;
     let nw_expr = |c: usize, w: usize| -> Expression {
         n[c][w].iter().flatten().map(|&v| Expression::from(v)).sum()
     };
@@ -228,6 +338,17 @@ pub fn solve(p: &Problem) -> Result<Answer, String> {
         for w in 0..nw {
             obj += (1e-7 * (w as f64 + 1.0) - cl.post_time) * nw_expr(c, w);
         }
+    }
+    for (i, it) in res.items.iter().enumerate() {
+        obj += (it.off_s + 1e-6 * (i as f64 + 1.0)) * off[i];
+    }
+    for (k, o) in res.reshard.iter().enumerate() {
+        if let Some(&xv) = x.get(k) {
+            obj += (o.exposed_s + 1e-7 * k as f64) * xv;
+        }
+    }
+    for &sv in &slack {
+        obj += OVER_BUDGET_S_PER_GIB * sv;
     }
     let model = vars
         .minimise(obj)
@@ -299,8 +420,49 @@ pub fn solve(p: &Problem) -> Result<Answer, String> {
         }
     }
     let gib = (1u64 << 30) as f64;
-    let mem: Expression = (0..nc).map(|c| p.classes[c].bytes / gib * u[c]).sum();
-    add!(constraint!(mem <= p.headroom.max(0.0) / gib));
+    let side_mem: Expression = (0..nc).map(|c| p.classes[c].bytes / gib * u[c]).sum();
+    if p.residency.is_none() {
+        add!(constraint!(side_mem <= p.headroom.max(0.0) / gib));
+    } else {
+        // Decode row: base + items in HBM during decode + side classes' buffers.
+        let mut dec = side_mem + res.decode_base / gib;
+        let mut train = Expression::from(res.train_base / gib);
+        let mut host = Expression::from(0.0);
+        for (i, it) in res.items.iter().enumerate() {
+            let b = it.bytes / gib;
+            if it.decode_off {
+                dec += b;
+            } else if let Some(v) = dv[i] {
+                add!(constraint!(v + off[i] >= 1.0));
+                for &c in &it.decode_if_class {
+                    if c < nc {
+                        add!(constraint!(v >= u[c]));
+                    }
+                }
+                dec += b * v;
+            }
+            if it.train_off {
+                train += b;
+            } else if it.train_kept {
+                train += b - b * off[i];
+            }
+            host += it.host_bytes / gib * off[i];
+        }
+        add!(constraint!(dec <= res.decode_budget / gib + slack[0]));
+        add!(constraint!(train <= res.train_budget / gib + slack[1]));
+        add!(constraint!(host <= res.host_budget.max(0.0) / gib));
+        if !x.is_empty() {
+            let one: Expression = x.iter().map(|&v| Expression::from(v)).sum();
+            add!(constraint!(one == 1.0));
+            for (k, o) in res.reshard.iter().enumerate() {
+                for &i in &o.excludes {
+                    if i < ni {
+                        add!(constraint!(x[k] + off[i] <= 1.0));
+                    }
+                }
+            }
+        }
+    }
 
     // Start from the feasible all-after-decode answer: no items, decode on the whole GPU.
     let nos = p.options.iter().position(|o| o.side_sms == 0).unwrap_or(0);
@@ -327,6 +489,28 @@ pub fn solve(p: &Problem) -> Result<Answer, String> {
                 init.push((zv, if p.classes[c].count == 0 { 1.0 } else { 0.0 }));
             }
         }
+    }
+    // Residency start: everything in HBM, the first reshard option, slacks as needed.
+    if p.residency.is_some() {
+        let mut dec = res.decode_base;
+        let mut train = res.train_base;
+        for (i, it) in res.items.iter().enumerate() {
+            init.push((off[i], 0.0));
+            if let Some(v) = dv[i] {
+                init.push((v, 1.0));
+            }
+            if it.decode_kept || it.decode_off {
+                dec += it.bytes;
+            }
+            if it.train_kept || it.train_off {
+                train += it.bytes;
+            }
+        }
+        for (k, &xv) in x.iter().enumerate() {
+            init.push((xv, if k == 0 { 1.0 } else { 0.0 }));
+        }
+        init.push((slack[0], ((dec - res.decode_budget) / gib).max(0.0)));
+        init.push((slack[1], ((train - res.train_budget) / gib).max(0.0)));
     }
     let model = model.with_initial_solution(init);
     let started = Instant::now();
@@ -372,9 +556,28 @@ pub fn solve(p: &Problem) -> Result<Answer, String> {
         let placed: u32 = counts[c].iter().sum();
         objective += cl.count.saturating_sub(placed) as f64 * cl.post_time;
     }
+    let off_ans: Vec<bool> = off.iter().map(|&v| sol.value(v) > 0.5).collect();
+    let reshard = x
+        .iter()
+        .enumerate()
+        .max_by(|a, b| {
+            sol.value(*a.1)
+                .total_cmp(&sol.value(*b.1))
+                .then(b.0.cmp(&a.0))
+        })
+        .map(|(k, _)| k)
+        .unwrap_or(0);
+    for (i, it) in res.items.iter().enumerate() {
+        if off_ans[i] {
+            objective += it.off_s;
+        }
+    }
+    objective += res.reshard.get(reshard).map(|o| o.exposed_s).unwrap_or(0.0);
     Ok(Answer {
         option,
         counts,
+        off: off_ans,
+        reshard,
         status,
         objective,
         variables: nvars,
@@ -382,4 +585,104 @@ pub fn solve(p: &Problem) -> Result<Answer, String> {
         constraints: ncons,
         solve_s,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: f64 = (1u64 << 30) as f64;
+
+    fn item(name: &str, gib: f64, off_s: f64) -> ResItem {
+        ResItem {
+            name: name.into(),
+            bytes: gib * GIB,
+            host_bytes: gib * GIB,
+            off_s,
+            decode_kept: false,
+            decode_off: false,
+            decode_if_class: vec![],
+            train_kept: true,
+            train_off: false,
+        }
+    }
+
+    /// Residency alone, hand-solved: A (10 GiB, 1.0 s off HBM), B (4 GiB, 0.2 s); the
+    /// training row has `80 - 70 - 14 = -4` GiB of room with both in HBM.
+    fn problem(train_budget_gib: f64, beside: bool) -> Problem {
+        let mut reshard = vec![ReshardOption {
+            name: "iteration_start",
+            exposed_s: 0.5,
+            excludes: vec![],
+        }];
+        if beside {
+            reshard.push(ReshardOption {
+                name: "beside_encode",
+                exposed_s: 0.1,
+                excludes: vec![1],
+            });
+        }
+        Problem {
+            options: vec![],
+            decode_time: vec![],
+            classes: vec![],
+            precs: vec![],
+            headroom: 0.0,
+            residency: Some(Residency {
+                items: vec![item("A", 10.0, 1.0), item("B", 4.0, 0.2)],
+                decode_base: 0.0,
+                train_base: 70.0 * GIB,
+                decode_budget: 80.0 * GIB,
+                train_budget: train_budget_gib * GIB,
+                host_budget: 100.0 * GIB,
+                reshard,
+            }),
+            time_limit_s: 5.0,
+        }
+    }
+
+    #[test]
+    fn moves_the_cheapest_item_that_makes_room() {
+        // 4 GiB short: B alone (0.2 s) beats A (1.0 s).
+        let a = solve(&problem(80.0, false)).unwrap();
+        assert_eq!(a.off, vec![false, true]);
+        // 9 GiB short: B is too small, A alone is cheaper than both.
+        let a = solve(&problem(75.0, false)).unwrap();
+        assert_eq!(a.off, vec![true, false]);
+        assert!((a.objective - 1.5).abs() < 1e-9, "{}", a.objective);
+        // Room for both: nothing moves.
+        let a = solve(&problem(90.0, false)).unwrap();
+        assert_eq!(a.off, vec![false, false]);
+    }
+
+    #[test]
+    fn reshard_point_trades_against_residency() {
+        // Beside-encode (0.1 s) needs B in HBM, so it needs A off (1.0 s): 1.1 s against
+        // B off at iteration start, 0.2 + 0.5 = 0.7 s.
+        let a = solve(&problem(80.0, true)).unwrap();
+        assert_eq!((a.off.clone(), a.reshard), (vec![false, true], 0));
+        // With room for both, beside-encode wins alone.
+        let a = solve(&problem(90.0, true)).unwrap();
+        assert_eq!((a.off.clone(), a.reshard), (vec![false, false], 1));
+    }
+
+    #[test]
+    fn over_budget_still_answers_with_everything_off() {
+        let a = solve(&problem(50.0, false)).unwrap();
+        assert_eq!(a.off, vec![true, true]);
+    }
+
+    #[test]
+    fn host_budget_is_respected() {
+        let mut p = problem(80.0, false);
+        if let Some(r) = p.residency.as_mut() {
+            r.host_budget = 5.0 * GIB;
+        }
+        // B fits on the host (4 GiB), A does not.
+        assert_eq!(solve(&p).unwrap().off, vec![false, true]);
+        if let Some(r) = p.residency.as_mut() {
+            r.host_budget = 3.0 * GIB;
+        }
+        assert_eq!(solve(&p).unwrap().off, vec![false, false]);
+    }
 }

@@ -16,6 +16,7 @@ pub mod ilp;
 pub mod lengths;
 pub mod lower;
 pub mod memory;
+pub mod residency;
 pub mod sched;
 pub mod schedule_overlap;
 pub mod schedule_serial;

@@ -310,6 +310,13 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
     }
     let r_chunks = chunks(n_r, per_chunk);
     let mut encodes = Vec::new();
+    // A frozen tower and merger do not change: encoding need not wait for the weight sync
+    // (the planner may run the sync beside it, see `crate::residency`).
+    let encode_deps: Vec<NodeId> = if spec.train.freeze_vision && spec.train.freeze_merger {
+        vec![]
+    } else {
+        pre.clone()
+    };
     if media {
         for s in &r_chunks {
             let w = b.wl.vision(s.len() as f64 * copies as f64 * items, rtp);
@@ -322,7 +329,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 Role::PreDecode,
                 w,
                 0,
-                &pre,
+                &encode_deps,
             );
             encodes.push(e);
         }

@@ -31,6 +31,8 @@ pub struct OverBudget {
     pub budget: u64,
     /// The largest buffers alive where the live peak is reached: (name, bytes).
     pub largest: Vec<(String, u64)>,
+    /// The task where the live peak is reached.
+    pub at: TaskId,
 }
 
 impl OverBudget {
@@ -206,6 +208,7 @@ pub fn layout(plan: &mut Plan) -> Result<(), OverBudget> {
                 peak: dev,
                 budget,
                 largest,
+                at: best.1,
             });
         }
         gpus.push(GpuMemory {

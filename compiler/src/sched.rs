@@ -83,6 +83,10 @@ pub struct Sched {
     pub windows: Vec<SWindow>,
     pub tasks: Vec<STask>,
     pub buffers: Vec<PBuf>,
+    /// Where the colocated weight sync runs (`None`: not colocated).
+    pub reshard_point: Option<rollplex_plan::ReshardPoint>,
+    /// Whether the sync also rebuilds the frozen rollout extra.
+    pub frozen_rebuilt: bool,
 }
 
 impl Sched {

@@ -17,26 +17,26 @@
 //! The weight-version rule holds by construction: only version-0 work has a side class
 //! (later steps' prefixes and micro-batches are `Role::Post`).
 
-use crate::assemble::{Placement, ResidencyChoice};
+use crate::assemble::Placement;
 use crate::driver::IlpRun;
 use crate::error::{CompileError, Result};
 use crate::ilp::{self, ClassInput, Prec, PrecKind, Problem, SplitOption};
 use crate::lower::{NodeId, PhaseGraph, Role, SideClass};
+use crate::residency::Cuts;
 use rollplex_cost::CostModel;
 use rollplex_plan::work::WorkKind;
 use rollplex_plan::{SolveStatus, SolverStats};
 use std::collections::BTreeMap;
 
-/// Returns the placement, the solver statistics for the plan, the run for `--stats`, and
-/// whether memory held the planner back (the side classes' buffers do not all fit next to
-/// decode, so more headroom could buy a faster plan).
+/// Returns the placement (with the residency and reshard point the ILP chose), the solver
+/// statistics for the plan and the run for `--stats`. `cuts` lowers the memory rows' budgets
+/// by what earlier attempts overshot.
 pub fn place(
     pg: &PhaseGraph,
     cost: &CostModel,
-    res: ResidencyChoice,
-    cut: u64,
+    cuts: Cuts,
     time_limit_s: f64,
-) -> Result<(Placement, SolverStats, IlpRun, bool)> {
+) -> Result<(Placement, SolverStats, IlpRun)> {
     let gpu = &pg.spec.cluster.gpu;
     let total = gpu.sms;
     let gran = gpu.sm_granularity.max(1);
@@ -94,51 +94,11 @@ pub fn place(
         })
         .collect();
 
-    // Memory headroom next to decode.
-    let budget = pg.spec.schedule.memory_budget as f64;
     let buf = |name: &str| {
         pg.buffer_named(name)
             .map(|i| pg.buffers[i].bytes as f64)
             .unwrap_or(0.0)
     };
-    let mut base = 0.0;
-    for b in &pg.buffers {
-        let offloaded = match b.class {
-            rollplex_plan::BufferClass::RefWeights => res.ref_host,
-            rollplex_plan::BufferClass::MasterWeights
-            | rollplex_plan::BufferClass::OptimizerMoments => res.optimizer_host,
-            _ => false,
-        };
-        if b.persistent && !offloaded {
-            base += b.bytes as f64;
-        }
-    }
-    for name in [
-        "vision_emb",
-        "vision_emb.train",
-        "kv.prompt",
-        "kv.response",
-        "samples",
-        "rollout_weights",
-    ] {
-        if pg
-            .buffer_named(name)
-            .is_some_and(|i| !pg.buffers[i].persistent)
-        {
-            base += buf(name);
-        }
-    }
-    let max_scratch = |f: &dyn Fn(&Role) -> bool| {
-        pg.ids()
-            .filter(|&i| f(&pg.node(i).role))
-            .map(|i| pg.node(i).scratch)
-            .max()
-            .unwrap_or(0) as f64
-    };
-    base += max_scratch(&|r| matches!(r, Role::Decode { .. }));
-    base += max_scratch(&|r| matches!(r, Role::Side { .. }));
-    let headroom = budget - base - cut as f64;
-
     let windows = &pg.windows;
     let g = pg.topo.parallel.group_size as f64;
     let batch = pg.topo.batch;
@@ -179,14 +139,7 @@ pub fn place(
             })
             .collect();
         let bytes = match c {
-            SideClass::RefPrefix => {
-                buf("ref_prefix_kv")
-                    + if res.ref_host {
-                        buf("ref_weights")
-                    } else {
-                        0.0
-                    }
-            }
+            SideClass::RefPrefix => buf("ref_prefix_kv"),
             SideClass::OldPrefix => buf("old_prefix_kv"),
             SideClass::TrainPrefix => buf("train_prefix.s0"),
             SideClass::RefSuffix => buf("ref_logprobs"),
@@ -248,15 +201,18 @@ pub fn place(
     } else {
         prec(SideClass::TrainPrefix, SideClass::MicroBatch, PrecKind::All);
     }
+    let rmodel = crate::residency::model(pg, cost, cuts, &|c| idx(c));
     let problem = Problem {
         options: options.clone(),
         decode_time,
         classes: inputs,
         precs,
-        headroom,
+        headroom: 0.0,
+        residency: Some(rmodel.input.clone()),
         time_limit_s,
     };
     let ans = ilp::solve(&problem).map_err(CompileError::internal)?;
+    let res = crate::residency::choice(&rmodel, &ans.off, ans.reshard);
 
     // Answer -> placement: the ILP's split per window, then a greedy fill with the exact
     // item times (see `fill`).
@@ -354,7 +310,6 @@ pub fn place(
         objective: ans.objective,
     };
     debug_assert!(stats.status != SolveStatus::NotRun);
-    let memory_bound = problem.classes.iter().map(|c| c.bytes).sum::<f64>() > problem.headroom;
     Ok((
         Placement {
             single_stream: false,
@@ -364,7 +319,6 @@ pub fn place(
         },
         stats,
         run,
-        memory_bound,
     ))
 }
 

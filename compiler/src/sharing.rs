@@ -350,6 +350,9 @@ fn within(inner: &[(u64, u64)], outer: &[(u64, u64)]) -> bool {
         .all(|&(a, b)| outer.iter().any(|&(c, d)| c <= a && b <= d))
 }
 
+/// One class on one GPU: (class, train, rollout, aliased) elements or bytes.
+type Entry = (ShareClass, u64, u64, u64);
+
 /// One class on one GPU: (class, train elements, rollout elements, aliased elements).
 pub fn classify(
     c: &ParamClass,
@@ -424,7 +427,7 @@ pub fn report(
 ) -> WeightSharing {
     let n = train_rank.len().min(rollout_rank.len());
     // Per GPU of the block: (class entries, totals).
-    let per_gpu: Vec<Vec<(ShareClass, u64, u64, u64)>> = (0..n)
+    let per_gpu: Vec<Vec<Entry>> = (0..n)
         .map(|i| {
             classes
                 .iter()
@@ -437,7 +440,7 @@ pub fn report(
                 .collect()
         })
         .collect();
-    let extra_of = |g: &Vec<(ShareClass, u64, u64, u64)>| -> u64 {
+    let extra_of = |g: &Vec<Entry>| -> u64 {
         g.iter().map(|&(_, _, re, al)| re - al).sum()
     };
     // The GPU with the most extra bytes (first on ties) sets the totals.
@@ -478,7 +481,7 @@ pub fn report(
         })
         .collect();
     let w = per_gpu.get(worst);
-    let sum = |f: &dyn Fn(usize, &(ShareClass, u64, u64, u64)) -> u64| -> u64 {
+    let sum = |f: &dyn Fn(usize, &Entry) -> u64| -> u64 {
         w.map(|g| g.iter().enumerate().map(|(ci, e)| f(ci, e)).sum())
             .unwrap_or(0)
     };
@@ -498,6 +501,8 @@ pub fn report(
                 0
             }
         }),
+        frozen_rebuilt: false,
+        reshard_point: Default::default(),
     }
 }
 

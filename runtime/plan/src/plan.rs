@@ -406,6 +406,25 @@ pub struct WeightSharing {
     /// Of `extra_bytes`, what the weight sync rebuilds after each iteration's optimizer
     /// steps (trainable incompatible parameters); the rest is frozen and built once.
     pub resharded_bytes: u64,
+    /// Whether the frozen extra (`extra_bytes - resharded_bytes`) is dropped after decode and
+    /// rebuilt by every weight sync instead of kept in HBM (the planner's choice).
+    #[serde(default)]
+    pub frozen_rebuilt: bool,
+    /// Where the weight sync runs (the planner's choice).
+    #[serde(default)]
+    pub reshard_point: ReshardPoint,
+}
+
+/// Where a colocated plan rebuilds the rollout layout.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReshardPoint {
+    /// At the start of the iteration, on the main stream, before media encoding and prefill.
+    #[default]
+    IterationStart,
+    /// At the start of the iteration on the copy stream, beside media encoding (which reads
+    /// only frozen vision weights); prefill waits for it.
+    BesideEncode,
 }
 
 /// One parameter class under both layouts; bytes per GPU over all `count` tensors, on the GPU
@@ -515,7 +534,7 @@ pub struct SolverStats {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SolveStatus {
-    /// No solver ran (serial and disaggregated plans are fixed by construction).
+    /// No solver ran.
     NotRun,
     Optimal,
     /// The time limit stopped the solver; the plan uses its best feasible answer.

@@ -1,0 +1,417 @@
+//! Residency and reshard points as ILP decisions: the inputs of [`crate::ilp::Residency`]
+//! from a phase graph, and the answer back as a [`ResidencyChoice`].
+//!
+//! Items (large buffers that may leave HBM outside the phases that use them):
+//! - `ref_weights` -> host: reloaded before the first reference task (no write-back, frozen);
+//!   off the decode phase unless reference work runs in a window, off the training phase;
+//! - `master_weights` + `adam_moments` -> host: reloaded before the first optimizer step,
+//!   written back after the last; off the decode phase, always in the training phase;
+//! - `rollout_weights.frozen` (the frozen incompatible tensors' gathered part, see
+//!   [`crate::sharing`]) -> dropped after decode and rebuilt by every weight sync; always in
+//!   the decode phase, off the training phase.
+//!
+//! A buffer used in one contiguous range of phases is best either in HBM throughout or off HBM
+//! outside that range, so one binary per item is its residency per phase.
+//!
+//! Reshard points (colocated plans): `iteration_start` (the sync on the main stream before
+//! encoding: its whole time is exposed) and, in overlap mode when the vision tower and merger
+//! are frozen and the job has media, `beside_encode` (on the copy stream while media encoding
+//! runs: exposed only by what exceeds encoding; ruled out when the frozen extra is rebuilt,
+//! since encoding reads it). Syncing after the last optimizer step instead is not offered: in
+//! this schedule nothing runs beside it there, and it would hold the rollout buffer through
+//! training, so it is dominated by `iteration_start`.
+//!
+//! Memory rows: the decode phase (rollout program: weights, KV, embeddings, samples, the
+//! largest decode and side scratch, plus the items and side classes the answer keeps) and the
+//! training phase (training program: persistent buffers, the largest gradient and kept-prefix
+//! buffers, log-probs, scalars, samples, the largest training scratch). These are estimates;
+//! the driver lays out memory exactly and, when a plan is over budget, lowers the budget of
+//! the row where the peak sits by the overshoot and solves again.
+
+use crate::assemble::ResidencyChoice;
+use crate::driver::IlpRun;
+use crate::error::{CompileError, Result};
+use crate::ilp::{self, ResItem, ReshardOption, Residency};
+use crate::lower::{PhaseGraph, Role, SideClass};
+use rollplex_cost::CostModel;
+use rollplex_plan::spec::Mode;
+use rollplex_plan::work::WorkKind;
+use rollplex_plan::{BufferClass, Op, Phase, ReshardPoint, SolverStats};
+
+/// Bytes by which earlier attempts overshot, per memory row.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cuts {
+    pub decode: u64,
+    pub train: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Item {
+    RefWeights,
+    OptimizerState,
+    FrozenRollout,
+}
+
+/// The residency part of the model and what each item is.
+pub struct Model {
+    pub input: Residency,
+    pub items: Vec<Item>,
+    pub reshard: Vec<ReshardPoint>,
+}
+
+fn bytes(pg: &PhaseGraph, name: &str) -> f64 {
+    pg.buffer_named(name)
+        .map(|i| pg.buffers[i].bytes as f64)
+        .unwrap_or(0.0)
+}
+
+/// Builds the residency model of `pg`. `class_index` maps a side class to its index in the
+/// overlap problem (`None` in serial and disaggregated plans).
+pub fn model(
+    pg: &PhaseGraph,
+    cost: &CostModel,
+    cuts: Cuts,
+    class_index: &dyn Fn(SideClass) -> Option<usize>,
+) -> Model {
+    let spec = &pg.spec;
+    let total = spec.cluster.gpu.sms;
+    let (rg, tg) = (pg.topo.rollout_gpu, pg.topo.train_gpu);
+    let overlap = pg.topo.mode == Mode::Overlap;
+    let wl = crate::workload::Workload {
+        spec,
+        shapes: &pg.shapes,
+        lengths: &pg.lengths,
+    };
+    let host_s = |b: f64| cost.time(WorkKind::Transfer, &wl.transfer(0.0, b), total);
+    let mut items = Vec::new();
+    let mut kinds = Vec::new();
+    let item_names: &[&str] = &[
+        "ref_weights",
+        "master_weights",
+        "adam_moments",
+        "rollout_weights.frozen",
+    ];
+    if pg.buffer_named("ref_weights").is_some() {
+        let b = bytes(pg, "ref_weights");
+        items.push(ResItem {
+            name: "ref_weights".into(),
+            bytes: b,
+            host_bytes: b,
+            off_s: host_s(b),
+            decode_kept: tg == rg,
+            decode_off: false,
+            decode_if_class: [SideClass::RefPrefix, SideClass::RefSuffix]
+                .into_iter()
+                .filter_map(class_index)
+                .collect(),
+            train_kept: true,
+            train_off: false,
+        });
+        kinds.push(Item::RefWeights);
+    }
+    let opt = bytes(pg, "master_weights") + bytes(pg, "adam_moments");
+    if opt > 0.0 {
+        items.push(ResItem {
+            name: "optimizer state".into(),
+            bytes: opt,
+            host_bytes: opt,
+            off_s: 2.0 * host_s(opt),
+            decode_kept: tg == rg,
+            decode_off: false,
+            decode_if_class: vec![],
+            train_kept: true,
+            train_off: true,
+        });
+        kinds.push(Item::OptimizerState);
+    }
+    let sync = pg
+        .ids()
+        .find(|&i| matches!(pg.node(i).op, Op::WeightSync { .. }))
+        .filter(|_| pg.sharing.is_some());
+    let sync_s = sync
+        .map(|i| cost.time(WorkKind::WeightSync, &pg.node(i).work, total))
+        .unwrap_or(0.0);
+    let frozen = bytes(pg, "rollout_weights.frozen");
+    let mut frozen_idx = None;
+    if frozen > 0.0 {
+        if let Some(i) = sync {
+            let w = &pg.node(i).work;
+            let more = rollplex_plan::work::Work {
+                net_bytes: w.net_bytes + frozen,
+                bytes: w.bytes + frozen,
+                ..w.clone()
+            };
+            frozen_idx = Some(items.len());
+            items.push(ResItem {
+                name: "rollout_weights.frozen".into(),
+                bytes: frozen,
+                host_bytes: 0.0,
+                off_s: cost.time(WorkKind::WeightSync, &more, total) - sync_s,
+                decode_kept: true,
+                decode_off: true,
+                decode_if_class: vec![],
+                train_kept: true,
+                train_off: false,
+            });
+            kinds.push(Item::FrozenRollout);
+        }
+    }
+    // Reshard points.
+    let mut reshard = Vec::new();
+    let mut points = Vec::new();
+    if sync.is_some() {
+        reshard.push(ReshardOption {
+            name: "iteration_start",
+            exposed_s: sync_s,
+            excludes: vec![],
+        });
+        points.push(ReshardPoint::IterationStart);
+        if overlap && beside_encode_possible(pg) {
+            let encode_s: f64 = pg
+                .ids()
+                .filter(|&i| matches!(pg.node(i).op, Op::EncodeMedia { .. }))
+                .map(|i| cost.time(WorkKind::VisionEncode, &pg.node(i).work, total))
+                .sum();
+            reshard.push(ReshardOption {
+                name: "beside_encode",
+                exposed_s: (sync_s - encode_s).max(0.0),
+                excludes: frozen_idx.into_iter().collect(),
+            });
+            points.push(ReshardPoint::BesideEncode);
+        }
+    }
+    // Bases.
+    let is_item = |n: &str| item_names.contains(&n);
+    let persistent_on = |g| -> f64 {
+        pg.buffers
+            .iter()
+            .filter(|b| b.persistent && b.gpu == g && !is_item(&b.name))
+            .map(|b| b.bytes as f64)
+            .sum()
+    };
+    let max_scratch = |f: &dyn Fn(&crate::lower::Node) -> bool| -> f64 {
+        pg.ids()
+            .map(|i| pg.node(i))
+            .filter(|n| f(n))
+            .map(|n| n.scratch)
+            .max()
+            .unwrap_or(0) as f64
+    };
+    let mut decode_base = persistent_on(rg);
+    for name in [
+        "vision_emb",
+        "vision_emb.train",
+        "kv.prompt",
+        "kv.response",
+        "samples",
+        "rollout_weights",
+    ] {
+        if pg
+            .buffer_named(name)
+            .is_some_and(|i| !pg.buffers[i].persistent && pg.buffers[i].gpu == rg)
+        {
+            decode_base += bytes(pg, name);
+        }
+    }
+    decode_base += max_scratch(&|n| matches!(n.role, Role::Decode { .. }));
+    if overlap {
+        decode_base += max_scratch(&|n| matches!(n.role, Role::Side { .. }));
+    }
+    let largest = |class: BufferClass| -> f64 {
+        pg.buffers
+            .iter()
+            .filter(|b| b.class == class && b.gpu == tg && !b.persistent)
+            .map(|b| b.bytes as f64)
+            .fold(0.0, f64::max)
+    };
+    let mut train_base =
+        persistent_on(tg) + largest(BufferClass::Grads) + largest(BufferClass::Activations);
+    for name in [
+        "ref_logprobs",
+        "old_logprobs",
+        "scalars",
+        "samples",
+        "samples.train",
+    ] {
+        if pg
+            .buffer_named(name)
+            .is_some_and(|i| !pg.buffers[i].persistent && pg.buffers[i].gpu == tg)
+        {
+            train_base += bytes(pg, name);
+        }
+    }
+    train_base += max_scratch(&|n| n.phase == Phase::Training);
+    let budget = spec.schedule.memory_budget as f64;
+    Model {
+        input: Residency {
+            items,
+            decode_base,
+            train_base,
+            decode_budget: budget - cuts.decode as f64,
+            train_budget: budget - cuts.train as f64,
+            host_budget: spec.schedule.host_memory as f64,
+            reshard,
+        },
+        items: kinds,
+        reshard: points,
+    }
+}
+
+/// Whether media encoding can run while the weights are resharded: it reads only frozen
+/// vision and merger weights.
+pub fn beside_encode_possible(pg: &PhaseGraph) -> bool {
+    pg.spec.train.freeze_vision
+        && pg.spec.train.freeze_merger
+        && pg
+            .ids()
+            .any(|i| matches!(pg.node(i).op, Op::EncodeMedia { .. }))
+}
+
+/// The answer's residency as the assembler takes it.
+pub fn choice(m: &Model, off: &[bool], reshard: usize) -> ResidencyChoice {
+    let is_off = |k: Item| m.items.iter().zip(off).any(|(&it, &o)| it == k && o);
+    ResidencyChoice {
+        ref_host: is_off(Item::RefWeights),
+        optimizer_host: is_off(Item::OptimizerState),
+        frozen_rebuilt: is_off(Item::FrozenRollout),
+        reshard: m.reshard.get(reshard).copied().unwrap_or_default(),
+    }
+}
+
+/// The residency decision alone (serial and disaggregated plans: no side work to place).
+pub fn solve_alone(
+    pg: &PhaseGraph,
+    cost: &CostModel,
+    cuts: Cuts,
+    time_limit_s: f64,
+) -> Result<(ResidencyChoice, SolverStats, IlpRun)> {
+    let m = model(pg, cost, cuts, &|_| None);
+    let problem = ilp::Problem {
+        options: vec![],
+        decode_time: vec![],
+        classes: vec![],
+        precs: vec![],
+        headroom: 0.0,
+        residency: Some(m.input.clone()),
+        time_limit_s,
+    };
+    let ans = ilp::solve(&problem).map_err(CompileError::internal)?;
+    let stats = SolverStats {
+        solver: "highs".into(),
+        status: ans.status,
+        variables: ans.variables,
+        integer_variables: ans.integer_variables,
+        constraints: ans.constraints,
+        objective: (ans.objective * 1e6).round() / 1e6,
+    };
+    let run = IlpRun {
+        label: String::new(),
+        variables: ans.variables,
+        integer_variables: ans.integer_variables,
+        constraints: ans.constraints,
+        solve_s: ans.solve_s,
+        status: ans.status,
+        objective: ans.objective,
+    };
+    Ok((choice(&m, &ans.off, ans.reshard), stats, run))
+}
+
+/// A readable summary of a choice (`--stats` candidate labels).
+pub fn label(r: &ResidencyChoice, colocated: bool) -> String {
+    let mut off = Vec::new();
+    if r.ref_host {
+        off.push("reference weights on host");
+    }
+    if r.optimizer_host {
+        off.push("optimizer state on host");
+    }
+    if r.frozen_rebuilt {
+        off.push("frozen rollout extra rebuilt");
+    }
+    let mut s = if off.is_empty() {
+        "all in HBM".to_string()
+    } else {
+        off.join(", ")
+    };
+    if colocated {
+        s.push_str(match r.reshard {
+            ReshardPoint::IterationStart => "; reshard at iteration start",
+            ReshardPoint::BesideEncode => "; reshard beside encoding",
+        });
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::fixtures::{paper_job, QwenSize};
+    use crate::Options;
+    use rollplex_plan::spec::Mode;
+    use rollplex_plan::{Op, ReshardPoint, Residency};
+
+    fn compile(spec: &rollplex_plan::spec::JobSpec, mode: Mode) -> rollplex_plan::Plan {
+        let opts = Options {
+            mode: Some(mode),
+            ..Options::default()
+        };
+        crate::compile(spec, &opts).unwrap().plan
+    }
+
+    /// The 7B paper job: encoding (frozen tower) takes longer than the sync, so the ILP runs
+    /// the sync beside it on the copy stream; prefill waits for it, encoding does not.
+    #[test]
+    fn overlap_reshards_beside_encoding() {
+        let mut spec = paper_job(QwenSize::B7);
+        spec.train.freeze_vision = true;
+        spec.train.freeze_merger = true;
+        let plan = compile(&spec, Mode::Overlap);
+        let w = plan.weight_sharing.as_ref().unwrap();
+        assert_eq!(w.reshard_point, ReshardPoint::BesideEncode);
+        let sync = plan
+            .tasks
+            .iter()
+            .find(|t| matches!(t.op, Op::WeightSync { .. }))
+            .unwrap();
+        assert_eq!(plan.streams[sync.stream.index()].name, "copy");
+        let enc = plan
+            .tasks
+            .iter()
+            .find(|t| matches!(t.op, Op::EncodeMedia { .. }))
+            .unwrap();
+        assert!(!enc.deps.contains(&sync.id));
+        assert!(enc.start_s < sync.end_s, "encoding runs beside the sync");
+        let prefill = plan
+            .tasks
+            .iter()
+            .find(|t| matches!(t.op, Op::Prefill { .. }))
+            .unwrap();
+        assert!(prefill.start_s >= sync.end_s);
+        // Serial plans keep the sync in order on the one stream.
+        let plan = compile(&spec, Mode::Serial);
+        assert_eq!(
+            plan.weight_sharing.as_ref().unwrap().reshard_point,
+            ReshardPoint::IterationStart
+        );
+    }
+
+    /// Less memory moves buffers off HBM, as the ILP prices them; more memory never does.
+    #[test]
+    fn tight_memory_moves_buffers_off_hbm() {
+        let spec = paper_job(QwenSize::B32);
+        let roomy = compile(&spec, Mode::Serial);
+        let peak = roomy.memory.gpus[0].peak;
+        let on_host = |p: &rollplex_plan::Plan| -> Vec<String> {
+            p.buffers
+                .iter()
+                .filter(|b| b.residency.iter().all(|r| r.residency == Residency::Host))
+                .map(|b| b.name.clone())
+                .collect()
+        };
+        assert!(on_host(&roomy).is_empty(), "{:?}", on_host(&roomy));
+        let mut tight = spec.clone();
+        tight.schedule.memory_budget = peak - (4u64 << 30);
+        let plan = compile(&tight, Mode::Serial);
+        assert!(plan.memory.gpus[0].peak <= tight.schedule.memory_budget);
+        assert!(!on_host(&plan).is_empty());
+    }
+}
