@@ -13,7 +13,7 @@ use rollplex_kernels::cpu::{
 
 use crate::model::block::Attend;
 use crate::model::weights::{BlockParams, Linear, Weights};
-use crate::model::ModelError;
+use crate::model::{LayerCache, ModelError};
 
 use super::comm::Communicator;
 use super::TpError;
@@ -49,7 +49,8 @@ pub fn row_parallel<C: Communicator>(
 }
 
 /// Runs one block in place on `x` `[rows, H]` (replicated on every rank); `dims` are the rank's
-/// local heads. Returns the rank's k and v after RoPE (`[rows, local KV]`).
+/// local heads. Returns the rank's k and v after RoPE (`[rows, local KV]`). With a cache, keeps
+/// every activation backward needs (as `CacheMode::Full`; widths are the rank's).
 #[allow(clippy::too_many_arguments)]
 pub fn block_fwd<C: Communicator>(
     comm: &C,
@@ -62,10 +63,13 @@ pub fn block_fwd<C: Communicator>(
     cos: &[f32],
     sin: &[f32],
     attend: Attend<'_>,
+    cache: Option<&mut LayerCache>,
 ) -> Result<(Vec<f32>, Vec<f32>), TpError> {
     let h = p.o.out;
+    let x_in = cache.is_some().then(|| x.to_vec());
     let mut xn1 = vec![0f32; rows * h];
-    rmsnorm_fwd(&mut xn1, None, x, w.get(p.norm1), rows, h, eps)?;
+    let mut rstd1 = vec![0f32; rows];
+    rmsnorm_fwd(&mut xn1, Some(&mut rstd1), x, w.get(p.norm1), rows, h, eps)?;
     let mut q = column(w, &p.q, &xn1, rows)?;
     let mut k = column(w, &p.k, &xn1, rows)?;
     let v = column(w, &p.v, &xn1, rows)?;
@@ -73,6 +77,7 @@ pub fn block_fwd<C: Communicator>(
     rope_fwd(&mut k, cos, sin, rows, dims.num_kv_heads, dims.head_dim)?;
     let scale = 1.0 / (dims.head_dim as f32).sqrt();
     let mut attn = vec![0f32; rows * dims.q_width()];
+    let mut lse = vec![0f32; rows * dims.num_heads];
     match attend {
         Attend::Packed {
             seqs,
@@ -80,7 +85,17 @@ pub fn block_fwd<C: Communicator>(
             prefix_k,
             prefix_v,
         } => attention_fwd(
-            &mut attn, None, &q, &k, &v, prefix_k, prefix_v, seqs, dims, mask, scale,
+            &mut attn,
+            Some(&mut lse),
+            &q,
+            &k,
+            &v,
+            prefix_k,
+            prefix_v,
+            seqs,
+            dims,
+            mask,
+            scale,
         )?,
         Attend::Decode {
             k_cache,
@@ -99,18 +114,47 @@ pub fn block_fwd<C: Communicator>(
                 k_cache[r * kvw..(r + 1) * kvw].copy_from_slice(&k[b * kvw..(b + 1) * kvw]);
                 v_cache[r * kvw..(r + 1) * kvw].copy_from_slice(&v[b * kvw..(b + 1) * kvw]);
             }
-            attention_decode(&mut attn, None, &q, k_cache, v_cache, seqs, dims, scale)?;
+            attention_decode(
+                &mut attn,
+                Some(&mut lse),
+                &q,
+                k_cache,
+                v_cache,
+                seqs,
+                dims,
+                scale,
+            )?;
         }
     }
     let o = row_parallel(comm, w, &p.o, &attn, rows)?;
     add_fwd(x, &o)?;
+    let x_mid = cache.is_some().then(|| x.to_vec());
     let mut xn2 = vec![0f32; rows * h];
-    rmsnorm_fwd(&mut xn2, None, x, w.get(p.norm2), rows, h, eps)?;
+    let mut rstd2 = vec![0f32; rows];
+    rmsnorm_fwd(&mut xn2, Some(&mut rstd2), x, w.get(p.norm2), rows, h, eps)?;
     let gate = column(w, &p.gate, &xn2, rows)?;
     let up = column(w, &p.up, &xn2, rows)?;
     let mut act = vec![0f32; gate.len()];
     swiglu_fwd(&mut act, &gate, &up)?;
     let down = row_parallel(comm, w, &p.down, &act, rows)?;
     add_fwd(x, &down)?;
+    if let Some(c) = cache {
+        *c = LayerCache {
+            x_in: x_in.unwrap_or_default(),
+            rstd1,
+            xn1,
+            q,
+            k: k.clone(),
+            v: v.clone(),
+            attn,
+            lse,
+            x_mid: x_mid.unwrap_or_default(),
+            rstd2,
+            xn2,
+            gate,
+            up,
+            act,
+        };
+    }
     Ok((k, v))
 }

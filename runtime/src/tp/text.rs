@@ -52,7 +52,7 @@ impl TpModel {
         self.plan.config.text().head_dim() as usize
     }
     /// This rank's attention dims (its query and kv heads).
-    fn local_dims(&self) -> AttnDims {
+    pub(crate) fn local_dims(&self) -> AttnDims {
         let d = self.dims();
         AttnDims {
             num_heads: d.q_heads,
@@ -190,6 +190,7 @@ impl TpModel {
                 cos,
                 sin,
                 attend,
+                None,
             )?;
             if keep_kv {
                 ks.extend_from_slice(&k);
@@ -407,6 +408,7 @@ impl TpModel {
                 &cos,
                 &sin,
                 attend,
+                None,
             )?;
         }
         let all: Vec<usize> = (0..b).collect();
@@ -523,6 +525,19 @@ impl TpModel {
         targets: &[u32],
         temperature: f32,
     ) -> Result<(Vec<f32>, Vec<f32>), TpError> {
+        let (logp, ent, _) = self.vocab_logprobs_lse(comm, logits, targets, temperature)?;
+        Ok((logp, ent))
+    }
+
+    /// [`TpModel::vocab_logprobs`] plus each row's global log-sum-exp of `z` (f64, what the
+    /// backward reads).
+    pub(crate) fn vocab_logprobs_lse<C: Communicator>(
+        &self,
+        comm: &C,
+        logits: &[f32],
+        targets: &[u32],
+        temperature: f32,
+    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f64>), TpError> {
         let n = targets.len();
         let range = self.dims().vocab.clone();
         let vl = range.len();
@@ -589,7 +604,7 @@ impl TpModel {
         comm.all_reduce_sum(&mut pz)?;
         let logp = (0..n).map(|r| (pz[2 * r + 1] - lse[r]) as f32).collect();
         let ent = (0..n).map(|r| (lse[r] - pz[2 * r]) as f32).collect();
-        Ok((logp, ent))
+        Ok((logp, ent, lse))
     }
 
     /// Greedy tokens of rows of this rank's logits `[n, V_rank]`: the first index of the

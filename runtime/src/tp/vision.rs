@@ -109,6 +109,7 @@ impl TpModel {
                 &cos,
                 &sin,
                 attend,
+                None,
             )?;
         }
         let mut xn = vec![0f32; n * vh];

@@ -11,7 +11,7 @@
 
 pub mod adamw;
 pub mod backward;
-mod block_bwd;
+pub(crate) mod block_bwd;
 pub mod loss;
 pub mod step;
 #[cfg(test)]
