@@ -15,9 +15,13 @@
 use std::sync::Arc;
 
 use anyhow::{anyhow, Context, Result};
+use rollplex_kernels::cpu::{AttnDims, AttnMask, AttnSeq};
+use rollplex_kernels::cuda::attention::RowStrides;
+use rollplex_kernels::cuda::{attention_fwd_bf16, bf16, linear_fwd_bf16, AttnSeqGpu};
 use rollplex_kernels::cuda::{CudaStream, Gpu};
 use rollplex_plan::spec::{DType, ModelSpec, SpecialTokens, TextDims, VisionDims, WeightsSource};
 use rollplex_runtime::gpu::plan::VisionPlan;
+use rollplex_runtime::gpu::weights::GpuBlock;
 use rollplex_runtime::gpu::{GpuModel, GpuPrompt};
 use rollplex_runtime::model::{MediaInput, MediaKind, Qwen25VL};
 
@@ -97,6 +101,78 @@ fn time_ms(
     Ok(ts[ts.len() / 2])
 }
 
+/// Milliseconds of one block's four GEMMs (qkv, o, gate|up, down) over `rows` rows.
+fn block_gemms_ms(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    b: &GpuBlock,
+    rows: usize,
+    iters: usize,
+) -> Result<f64> {
+    let h = b.o.out;
+    let x = s.alloc_zeros::<bf16>(rows * b.ffn.max(h))?;
+    let mut y = s.alloc_zeros::<bf16>(rows * 2 * b.ffn.max(b.qkv.out))?;
+    time_ms(gpu, s, iters, || {
+        for l in [&b.qkv, &b.o, &b.gate_up, &b.down] {
+            let bias =
+                l.b.as_ref()
+                    .map(|b| b as &dyn cudarc::driver::DevicePtr<bf16>);
+            linear_fwd_bf16(gpu, s, &mut y, &x, &l.w, bias, rows, l.inp, l.out)?;
+        }
+        Ok(())
+    })
+}
+
+/// Milliseconds of one block's attention (`attention_fwd_bf16`) over `seqs`, reading q, k, v
+/// in place from a fused qkv buffer as the model does.
+fn attention_ms(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    seqs: &[AttnSeq],
+    dims: AttnDims,
+    mask: AttnMask,
+    iters: usize,
+) -> Result<f64> {
+    let rows: usize = seqs.iter().map(|q| q.len as usize).sum();
+    let (qw, kvw) = (dims.q_width(), dims.kv_width());
+    let row = qw + 2 * kvw;
+    let qkv = s.alloc_zeros::<bf16>(rows * row)?;
+    let mut out = s.alloc_zeros::<bf16>(rows * qw)?;
+    let g: Vec<AttnSeqGpu> = seqs.iter().map(AttnSeqGpu::from_fwd).collect();
+    let sd = s.clone_htod(&g)?;
+    let maxq = seqs.iter().map(|q| q.len as usize).max().unwrap_or(0);
+    let k = qkv.slice(qw..rows * row - kvw);
+    let v = qkv.slice(qw + kvw..);
+    let st = RowStrides {
+        q: row,
+        kv: row,
+        prefix: row,
+        out: qw,
+    };
+    let scale = 1.0 / (dims.head_dim as f32).sqrt();
+    time_ms(gpu, s, iters, || {
+        attention_fwd_bf16(
+            gpu,
+            s,
+            &mut out,
+            None,
+            &qkv,
+            &k,
+            &v,
+            &k,
+            &v,
+            &sd,
+            g.len(),
+            maxq,
+            dims,
+            mask,
+            scale,
+            st,
+        )?;
+        Ok(())
+    })
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let tl = arg(&args, "--text-layers", 4)? as u32;
@@ -154,6 +230,27 @@ fn main() -> Result<()> {
         text_gemm_flops / ms / 1e9,
         tokens * tl as f64 / ms * 1e3
     );
+    let gm_ms = tl as f64 * block_gemms_ms(&gpu, &s, &gm.weights.text[0], prompts * plen, iters)?;
+    let tseqs: Vec<AttnSeq> = (0..prompts)
+        .map(|p| AttnSeq {
+            start: (p * plen) as u32,
+            len: plen as u32,
+            prefix_start: 0,
+            prefix_len: 0,
+        })
+        .collect();
+    let tdims = AttnDims {
+        num_heads: t.num_heads as usize,
+        num_kv_heads: t.num_kv_heads as usize,
+        head_dim: t.head_dim() as usize,
+    };
+    let at_ms = tl as f64 * attention_ms(&gpu, &s, &tseqs, tdims, AttnMask::Causal, iters)?;
+    println!(
+        "  prefill parts: GEMMs {gm_ms:.3} ms ({:.1} TFLOP/s), attention {at_ms:.3} ms ({:.1} TFLOP/s), the rest (norms, rope, swiglu, copies, lm head, launch gaps) {:.3} ms",
+        text_gemm_flops / gm_ms / 1e9,
+        tl as f64 * 4.0 * nq * hd * pairs / at_ms / 1e9,
+        ms - gm_ms - at_ms
+    );
     // ---- vision: `images` images of grid [1, grid, grid]
     let v = cfg.vision();
     let pd = cfg.patch_dim();
@@ -194,6 +291,21 @@ fn main() -> Result<()> {
         plan.patches,
         vision_flops / ms / 1e9,
         vision_gemm / ms / 1e9
+    );
+    let vgm = vb as f64 * block_gemms_ms(&gpu, &s, &gm.weights.vision[0], plan.patches, iters)?;
+    let vdims = AttnDims {
+        num_heads: v.num_heads as usize,
+        num_kv_heads: v.num_heads as usize,
+        head_dim: cfg.vision_head_dim(),
+    };
+    let wat = attention_ms(&gpu, &s, &plan.window_seqs, vdims, AttnMask::Full, iters)?;
+    let fat = attention_ms(&gpu, &s, &plan.full_seqs, vdims, AttnMask::Full, iters)?;
+    let vat = (vb as f64 - nfull) * wat + nfull * fat;
+    println!(
+        "  vision parts: block GEMMs {vgm:.3} ms ({:.1} TFLOP/s), attention {vat:.3} ms (window block {wat:.3} ms, full block {fat:.3} ms; {:.1} TFLOP/s), the rest (patch embed, merger, norms, rope, copies) {:.3} ms",
+        vb as f64 * vlin / vgm / 1e9,
+        vattn / vat / 1e9,
+        ms - vgm - vat
     );
     Ok(())
 }

@@ -9,9 +9,10 @@
 use half::bf16;
 use rollplex_kernels::cpu::AttnSeq;
 
+use rayon::prelude::*;
+
 use crate::model::positions::{
-    mrope_tables, rope_index, vision_cu_seqlens, vision_patch_hw, vision_rope_tables,
-    vision_window_index, MediaSlot,
+    inv_freq, rope_index, vision_cu_seqlens, vision_patch_hw, vision_window_index, MediaSlot,
 };
 use crate::model::{DecodeSlot, Grid, MediaKind, ModelConfig};
 
@@ -59,7 +60,7 @@ impl VisionPlan {
         }
         let hd = cfg.vision_head_dim();
         let hw = vision_patch_hw(grids, m);
-        let (cos0, sin0) = vision_rope_tables(&hw, hd, cfg.vision_rope_theta);
+        let (cos0, sin0) = vision_rope_tables_memo(&hw, hd, cfg.vision_rope_theta);
         let cos = permute_groups(&cos0, &window_index, unit, hd);
         let sin = permute_groups(&sin0, &window_index, unit, hd);
         Ok(VisionPlan {
@@ -74,15 +75,29 @@ impl VisionPlan {
         })
     }
 
-    /// The patch rows `[patches, width]` in permuted order, as bf16 (the patch embedding is
-    /// row-wise, so permuting its input equals permuting its output).
-    pub fn permute_rows_bf16(&self, rows: &[f32], width: usize) -> Vec<bf16> {
-        let mut out = Vec::with_capacity(rows.len());
+    /// The patch rows (`items[k]`: item k's `[patches_k, width]`, in item order) in permuted
+    /// order, as bf16 (the patch embedding is row-wise, so permuting its input equals permuting
+    /// its output). Parallel over merge groups.
+    pub fn permute_rows_bf16(&self, items: &[&[f32]], width: usize) -> Vec<bf16> {
         let gw = self.unit * width;
-        for &g in &self.window_index {
-            let s = g as usize * gw;
-            out.extend(rows[s..s + gw].iter().map(|&x| bf16::from_f32(x)));
+        // first global merge group of each item
+        let mut starts = Vec::with_capacity(items.len());
+        let mut g0 = 0usize;
+        for it in items {
+            starts.push(g0);
+            g0 += it.len() / gw.max(1);
         }
+        let mut out = vec![bf16::ZERO; self.window_index.len() * gw];
+        out.par_chunks_mut(gw.max(1))
+            .zip(self.window_index.par_iter())
+            .for_each(|(dst, &g)| {
+                let g = g as usize;
+                let k = starts.partition_point(|&s| s <= g) - 1;
+                let s = (g - starts[k]) * gw;
+                for (d, x) in dst.iter_mut().zip(&items[k][s..s + gw]) {
+                    *d = bf16::from_f32(*x);
+                }
+            });
         out
     }
 }
@@ -159,7 +174,8 @@ impl PackedPrompts {
             }
             deltas.push(d);
         }
-        let (cos, sin) = mrope_tables(&pos, t.head_dim() as usize, t.rope_theta, t.mrope_section);
+        let (cos, sin) =
+            mrope_tables_memo(&pos, t.head_dim() as usize, t.rope_theta, t.mrope_section);
         Ok(PackedPrompts {
             ids,
             seqs,
@@ -176,7 +192,100 @@ impl PackedPrompts {
 pub fn flat_rope_tables(cfg: &ModelConfig, positions: &[i64]) -> (Vec<f32>, Vec<f32>) {
     let t = cfg.text();
     let pos = [positions.to_vec(), positions.to_vec(), positions.to_vec()];
-    mrope_tables(&pos, t.head_dim() as usize, t.rope_theta, t.mrope_section)
+    mrope_tables_memo(&pos, t.head_dim() as usize, t.rope_theta, t.mrope_section)
+}
+
+/// cos/sin of `p * f[i]` for every `i`, computed once per distinct position `p` (as
+/// `model::positions` computes each entry: `a = p as f32 * f[i]`, then f64 cos/sin).
+struct AngleMemo<'a> {
+    f: &'a [f32],
+    rows: std::collections::HashMap<i64, (Vec<f32>, Vec<f32>)>,
+}
+
+impl<'a> AngleMemo<'a> {
+    fn new(f: &'a [f32]) -> Self {
+        AngleMemo {
+            f,
+            rows: std::collections::HashMap::new(),
+        }
+    }
+    fn get(&mut self, p: i64) -> &(Vec<f32>, Vec<f32>) {
+        let f = self.f;
+        self.rows.entry(p).or_insert_with(|| {
+            f.iter()
+                .map(|&fi| {
+                    let a = p as f32 * fi;
+                    ((a as f64).cos() as f32, (a as f64).sin() as f32)
+                })
+                .unzip()
+        })
+    }
+}
+
+/// `model::positions::mrope_tables`, bitwise, with each distinct position's angles computed
+/// once (a packed batch repeats positions across prompts; the host would otherwise spend more
+/// time on trigonometry than the device on the layer).
+pub fn mrope_tables_memo(
+    pos: &[Vec<i64>; 3],
+    head_dim: usize,
+    theta: f64,
+    section: [u32; 3],
+) -> (Vec<f32>, Vec<f32>) {
+    let f = inv_freq(theta, head_dim);
+    let half = head_dim / 2;
+    let sec_of: Vec<usize> = (0..half)
+        .map(|i| {
+            if i < section[0] as usize {
+                0
+            } else if i < (section[0] + section[1]) as usize {
+                1
+            } else {
+                2
+            }
+        })
+        .collect();
+    let n = pos[0].len();
+    let mut memo = AngleMemo::new(&f);
+    let mut cos = vec![0f32; n * head_dim];
+    let mut sin = vec![0f32; n * head_dim];
+    for t in 0..n {
+        for s in 0..3 {
+            let (c, sn) = memo.get(pos[s][t]);
+            for i in (0..half).filter(|&i| sec_of[i] == s) {
+                cos[t * head_dim + i] = c[i];
+                cos[t * head_dim + half + i] = c[i];
+                sin[t * head_dim + i] = sn[i];
+                sin[t * head_dim + half + i] = sn[i];
+            }
+        }
+    }
+    (cos, sin)
+}
+
+/// `model::positions::vision_rope_tables`, bitwise, with each distinct row / column
+/// coordinate's angles computed once.
+pub fn vision_rope_tables_memo(
+    hw: &[(u32, u32)],
+    head_dim: usize,
+    theta: f64,
+) -> (Vec<f32>, Vec<f32>) {
+    let f = inv_freq(theta, head_dim / 2);
+    let q = f.len();
+    let mut memo = AngleMemo::new(&f);
+    let mut cos = vec![0f32; hw.len() * head_dim];
+    let mut sin = vec![0f32; hw.len() * head_dim];
+    for (i, &(h, w)) in hw.iter().enumerate() {
+        for (slot0, p) in [(0, h), (q, w)] {
+            let (c, s) = memo.get(p as i64);
+            for j in 0..q {
+                for off in [0, head_dim / 2] {
+                    cos[i * head_dim + off + slot0 + j] = c[j];
+                    sin[i * head_dim + off + slot0 + j] = s[j];
+                }
+            }
+        }
+    }
+    (cos, sin)
 }
 
 /// Checks decode slots against an arena of `capacity` rows: room left in every suffix, spans

@@ -164,7 +164,7 @@ fn vision_plan_permutes_and_inverts() {
     }
     // rows permuted in groups of 4 patches
     let rows: Vec<f32> = (0..p.patches).map(|r| r as f32).collect();
-    let perm = p.permute_rows_bf16(&rows, 1);
+    let perm = p.permute_rows_bf16(&[&rows[..24], &rows[24..]], 1);
     for (i, &g) in p.window_index.iter().enumerate() {
         for u in 0..4 {
             assert_eq!(perm[i * 4 + u].to_f32(), (g as usize * 4 + u) as f32);
@@ -177,6 +177,25 @@ fn vision_plan_permutes_and_inverts() {
     }
     assert_eq!(p.full_seqs.len(), 3); // one per frame
     assert!(VisionPlan::new(&m.config, &[[1, 3, 4]]).is_err());
+}
+
+#[test]
+fn memoised_rope_tables_are_bitwise_the_cpu_engines() {
+    use crate::model::positions::{mrope_tables, vision_patch_hw, vision_rope_tables};
+    let pos = [
+        vec![0i64, 1, 2, 2, 2, 7, 9, 1000, 1],
+        vec![0i64, 1, 2, 3, 3, 7, 8, 1001, 1],
+        vec![0i64, 1, 2, 3, 4, 7, 9, 1000, 5],
+    ];
+    assert_eq!(
+        mrope_tables_memo(&pos, 32, 1e6, [4, 6, 6]),
+        mrope_tables(&pos, 32, 1e6, [4, 6, 6])
+    );
+    let hw = vision_patch_hw(&[[2, 4, 6], [1, 8, 2]], 2);
+    assert_eq!(
+        vision_rope_tables_memo(&hw, 80, 1e4),
+        vision_rope_tables(&hw, 80, 1e4)
+    );
 }
 
 #[test]

@@ -146,7 +146,6 @@ impl GpuModel {
         }
         let grids: Vec<Grid> = items.iter().map(|it| it.grid).collect();
         let plan = VisionPlan::new(cfg, &grids)?;
-        let mut pixels = Vec::with_capacity(plan.patches * pd);
         for (i, it) in items.iter().enumerate() {
             let n = (it.grid[0] * it.grid[1] * it.grid[2]) as usize;
             if it.pixels.len() != n * pd {
@@ -156,7 +155,6 @@ impl GpuModel {
                     n * pd
                 )));
             }
-            pixels.extend_from_slice(it.pixels);
         }
         let n = plan.patches;
         if n == 0 {
@@ -164,7 +162,8 @@ impl GpuModel {
         }
         let w = &self.weights;
         // patch embedding over permuted rows: [n, pd] x [vh, pd]^T
-        let pix = upload(stream, &plan.permute_rows_bf16(&pixels, pd))?;
+        let rows: Vec<&[f32]> = items.iter().map(|it| it.pixels).collect();
+        let pix = upload(stream, &plan.permute_rows_bf16(&rows, pd))?;
         let mut x = alloc::<bf16>(gpu, stream, n * vh)?;
         linear_fwd_bf16(gpu, stream, &mut x, &pix, &w.patch_embed, None, n, pd, vh)?;
         drop(pix);
