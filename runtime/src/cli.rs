@@ -3,12 +3,17 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
+use std::time::{Duration, Instant};
+
+use rollplex_plan::plan::Task;
 use rollplex_plan::spec::DatasetSpec;
-use rollplex_plan::Plan;
+use rollplex_plan::{Phase, Plan};
 
+use crate::exec::checkpoint::{self, RunIdentity};
 use crate::exec::{self, ExecError, IterationResult};
+use crate::metrics::{LoopProgress, MetricsLog};
+use crate::trace::PlanTrace;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendChoice {
@@ -29,6 +34,8 @@ pub struct RunArgs {
     pub svg: Option<PathBuf>,
     pub profile: Option<PathBuf>,
     pub save_every: u32,
+    /// Checkpoints to keep (the newest; 0: all).
+    pub keep_checkpoints: usize,
     pub resume: Option<PathBuf>,
     pub eval: u32,
     pub quiet: bool,
@@ -76,6 +83,12 @@ pub fn run(args: &RunArgs) -> Result<(), ExecError> {
         }
         b => b,
     };
+    if backend == BackendChoice::Sim && (args.save_every > 0 || args.resume.is_some()) {
+        return Err(ExecError::Machine(
+            "--save-every and --resume apply to training backends (cpu); the simulator keeps no state"
+                .into(),
+        ));
+    }
     match backend {
         BackendChoice::Sim => run_sim(&plan, args),
         BackendChoice::Cpu => run_cpu(&plan, args),
@@ -160,10 +173,105 @@ impl Write for WriteRef<'_> {
     }
 }
 
+/// The CPU run's observer: metrics file and table, trace, progress bars, checkpoints.
+struct CpuRun<'a> {
+    args: &'a RunArgs,
+    metrics: MetricsLog,
+    progress: LoopProgress,
+    trace: Option<PlanTrace>,
+    identity: RunIdentity,
+    /// Seconds per phase (rollout, scoring, training, sync) of the running iteration.
+    phase_s: [f64; 4],
+}
+
+impl exec::LoopObserver for CpuRun<'_> {
+    fn iteration_started(&mut self, it: u32, tasks: usize) {
+        self.phase_s = [0.0; 4];
+        self.progress.start_iteration(it, tasks);
+    }
+
+    fn task_started(&mut self, _: u32, task: &Task) {
+        self.progress.task_started(&task.name);
+    }
+
+    fn task_done(&mut self, it: u32, task: &Task, start: Instant, end: Instant) {
+        if let Some(phase) = crate::sim::phase_of(&task.op, task.window.is_some()) {
+            let i = Phase::ALL.iter().position(|p| *p == phase).unwrap_or(0);
+            self.phase_s[i] += end.duration_since(start).as_secs_f64();
+        }
+        if let Some(t) = &mut self.trace {
+            t.task(it, task, start, end);
+        }
+        self.progress.task_done();
+    }
+
+    fn iteration_done(
+        &mut self,
+        it: u32,
+        r: &IterationResult,
+        models: &exec::cpu::CpuModels,
+        start: Instant,
+        dt: Duration,
+    ) -> Result<(), ExecError> {
+        if let Some(t) = &mut self.trace {
+            t.iteration(it, start, start + dt);
+        }
+        let line = metrics_json(it, r, dt, &self.phase_s);
+        self.metrics
+            .log_line(&line)
+            .map_err(|e| ExecError::Data(e.to_string()))?;
+        self.progress.iteration_done();
+        if !self.args.quiet {
+            self.progress.println(&table_row(it, r, dt));
+        }
+        let done = it + 1;
+        let every = self.args.save_every;
+        if every > 0 && done % every == 0 {
+            let root = self.args.out.join(checkpoint::CHECKPOINTS_DIR);
+            let path = checkpoint::save(
+                &root,
+                done,
+                models,
+                &self.identity,
+                self.args.keep_checkpoints,
+            )?;
+            if !self.args.quiet {
+                self.progress
+                    .println(&format!("checkpoint: {}", path.display()));
+            }
+        }
+        Ok(())
+    }
+}
+
 fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
     exec::check_cpu_plan(plan)?;
     let spec = &plan.spec;
-    let mut models = exec::build_cpu_models(spec)?;
+    // A checkpoint is loaded and checked before anything of the run is written.
+    let fresh = exec::build_cpu_models(spec)?;
+    let identity = RunIdentity::of(plan, &fresh)?;
+    let (mut models, first) = match &args.resume {
+        Some(p) => {
+            let dir = checkpoint::resolve(p)?;
+            let r = checkpoint::load(&dir, &identity, fresh)?;
+            if !args.quiet {
+                println!(
+                    "resuming from {} after {} iterations",
+                    r.dir.display(),
+                    r.completed
+                );
+            }
+            (r.models, r.completed)
+        }
+        None => (fresh, 0),
+    };
+    if first >= args.iterations {
+        println!(
+            "nothing to run: the checkpoint has {first} iterations done and --iterations asks for {} in all",
+            args.iterations
+        );
+        return Ok(());
+    }
     let mut source: Box<dyn exec::prompts::PromptSource> = match &spec.rollout.dataset {
         DatasetSpec::Synthetic => Box::new(exec::prompts::SyntheticPrompts::new(spec)),
         other => crate::exec::data_source(spec, other)?,
@@ -171,10 +279,16 @@ fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
     let mut reward = crate::exec::reward_fn(spec)?;
     std::fs::create_dir_all(&args.out).map_err(io_err(&args.out))?;
     let metrics_path = args.out.join("metrics.jsonl");
-    let mut metrics = create_file(&metrics_path)?;
+    let metrics = if args.resume.is_some() {
+        MetricsLog::resume(&metrics_path, first as u64)
+    } else {
+        MetricsLog::create(&metrics_path)
+    }
+    .map_err(|e| ExecError::Data(e.to_string()))?
+    .with_console(None);
     if !args.quiet {
         println!(
-            "rollplex-run: {} ({:?}, {} groups x {}, cpu backend), {} iterations; metrics -> {}",
+            "rollplex-run: {} ({:?}, {} groups x {}, cpu backend), iterations {first}..{}; metrics -> {}",
             spec.name,
             plan.mode,
             plan.parallel.prompts_per_rollout_replica,
@@ -196,28 +310,42 @@ fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
         }
         Ok(())
     };
-    eval(&models, "before")?;
+    // A resumed run's "before" is the original run's.
+    if first == 0 {
+        eval(&models, "before")?;
+    }
     if !args.quiet {
         println!("{}", table_header());
     }
-    exec::run_cpu_iterations(
+    let mut run = CpuRun {
+        args,
+        metrics,
+        progress: LoopProgress::new(first, args.iterations, args.quiet),
+        trace: args.trace.as_ref().map(|_| PlanTrace::new(plan, "cpu")),
+        identity,
+        phase_s: [0.0; 4],
+    };
+    let result = exec::run_cpu_loop(
         plan,
         &mut models,
         source.as_mut(),
         reward.as_mut(),
-        0,
-        args.iterations,
-        |it, r, dt| {
-            let line = metrics_json(it, r, dt);
-            writeln!(metrics, "{line}")
-                .and_then(|_| metrics.flush())
-                .map_err(io_err(&metrics_path))?;
-            if !args.quiet {
-                println!("{}", table_row(it, r, dt));
-            }
-            Ok(())
-        },
-    )?;
+        first..args.iterations,
+        &mut run,
+    );
+    run.progress.finish();
+    if let (Some(path), Some(t)) = (&args.trace, &run.trace) {
+        // Written even when the loop failed: the trace shows how far it got.
+        t.write(path).map_err(|e| ExecError::Data(e.to_string()))?;
+        if !args.quiet {
+            println!(
+                "trace: {} ({} tasks measured)",
+                path.display(),
+                t.events().len()
+            );
+        }
+    }
+    result?;
     eval(&models, "after")
 }
 
@@ -245,9 +373,9 @@ fn table_row(it: u32, r: &IterationResult, dt: Duration) -> String {
     )
 }
 
-fn metrics_json(it: u32, r: &IterationResult, dt: Duration) -> String {
+fn metrics_json(it: u32, r: &IterationResult, dt: Duration, phase_s: &[f64; 4]) -> String {
     let m = &r.metrics;
-    serde_json::json!({
+    let mut v = serde_json::json!({
         "iteration": it,
         "reward_mean": r.reward_mean(),
         "reward_std": r.reward_std(),
@@ -265,6 +393,11 @@ fn metrics_json(it: u32, r: &IterationResult, dt: Duration) -> String {
         "optimizer_steps": m.optimizer_steps,
         "time_s": dt.as_secs_f64(),
         "tokens_per_s": r.response_tokens() as f64 / dt.as_secs_f64().max(1e-9),
-    })
-    .to_string()
+    });
+    // Measured time per phase (sum of its tasks' host times; side work in decode windows is
+    // rollout, as in the simulator's summary).
+    for (p, s) in Phase::ALL.iter().zip(phase_s) {
+        v[format!("{}_s", format!("{p:?}").to_lowercase())] = serde_json::json!(s);
+    }
+    v.to_string()
 }

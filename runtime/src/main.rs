@@ -28,13 +28,14 @@ struct Args {
     /// Where to run.
     #[arg(long, value_enum, default_value_t = Backend::Auto)]
     backend: Backend,
-    /// RL iterations to run (cpu/cuda).
+    /// RL iterations of the whole run (cpu/cuda); a resumed run continues up to this count.
     #[arg(long, default_value_t = 1)]
     iterations: u32,
     /// Directory for metrics.jsonl, checkpoints and traces (default: ./rollplex-out).
     #[arg(long, default_value = "rollplex-out")]
     out: PathBuf,
-    /// Write a Chrome/Perfetto trace of the iteration's timeline (sim: predicted; cpu: measured).
+    /// Write a Chrome/Perfetto trace (sim: the predicted iteration; cpu: every task of every
+    /// iteration as measured, on the same tracks as the simulator's).
     #[arg(long)]
     trace: Option<PathBuf>,
     /// Write an SVG timeline (sim).
@@ -43,16 +44,21 @@ struct Args {
     /// Cost-model profile for the simulator (default: the built-in profile of the plan's GPU, if any).
     #[arg(long)]
     profile: Option<PathBuf>,
-    /// Save a checkpoint (HF layout + optimizer and RNG state) every N iterations (0: never).
+    /// Save a checkpoint (HF layout + optimizer and RNG state) to <out>/checkpoints/iter-<k>
+    /// after every N-th iteration (0: never).
     #[arg(long, default_value_t = 0)]
     save_every: u32,
-    /// Resume from a checkpoint directory written by --save-every.
+    /// Checkpoints to keep, the newest (0: all).
+    #[arg(long, default_value_t = 2)]
+    keep_checkpoints: usize,
+    /// Resume from a checkpoint: its directory, or an output directory (its newest complete
+    /// checkpoint). Pass the same --out to continue its metrics.jsonl.
     #[arg(long)]
     resume: Option<PathBuf>,
     /// Evaluate on N held-out prompts (greedy) before and after training, when the dataset has a test split.
     #[arg(long, default_value_t = 0)]
     eval: u32,
-    /// Print less.
+    /// Print less: no progress bars, no table.
     #[arg(long, short)]
     quiet: bool,
 }
@@ -73,6 +79,7 @@ fn main() -> ExitCode {
         svg: args.svg,
         profile: args.profile,
         save_every: args.save_every,
+        keep_checkpoints: args.keep_checkpoints,
         resume: args.resume,
         eval: args.eval,
         quiet: args.quiet,

@@ -7,7 +7,8 @@
 //! - On resume ([`MetricsLog::resume`]) lines of iterations that will run again are dropped,
 //!   so a resumed run's file equals an uninterrupted run's.
 //! - The console table's columns are fixed by the first record; its header is repeated every
-//!   [`HEADER_EVERY`] rows. Progress bars draw only when stdout is a terminal.
+//!   [`HEADER_EVERY`] rows. Progress bars draw only when stdout is a terminal, on stderr;
+//!   console lines printed while they show go through [`LoopProgress::println`].
 
 use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -209,14 +210,24 @@ impl MetricsLog {
                 }
             }
         }
-        let mut log = Self::create(&path)?;
-        log.file
-            .write_all(kept.as_bytes())
-            .map_err(|e| MetricsError::Io {
-                path: path.clone(),
-                msg: e.to_string(),
-            })?;
-        Ok(log)
+        // Atomically: a crash here leaves the old file, never a truncated one.
+        let err = |p: &Path, e: std::io::Error| MetricsError::Io {
+            path: p.to_path_buf(),
+            msg: e.to_string(),
+        };
+        let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+        std::fs::write(&tmp, kept.as_bytes()).map_err(|e| err(&tmp, e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| err(&path, e))?;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .map_err(|e| err(&path, e))?;
+        Ok(Self {
+            path,
+            file,
+            table: Table::default(),
+            console: Some(Box::new(std::io::stdout())),
+        })
     }
 
     /// Sends the table somewhere else (`None`: no console output).
@@ -227,6 +238,17 @@ impl MetricsLog {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Appends one JSON object (without newline) to the file, flushed; no console output.
+    pub fn log_line(&mut self, json_line: &str) -> Result<()> {
+        self.file
+            .write_all(format!("{json_line}\n").as_bytes())
+            .and_then(|_| self.file.flush())
+            .map_err(|e| MetricsError::Io {
+                path: self.path.clone(),
+                msg: e.to_string(),
+            })
     }
 
     /// Appends `rec` to the file (flushed) and prints its table row.
@@ -268,6 +290,108 @@ pub fn progress(len: u64, label: &str) -> indicatif::ProgressBar {
     bar.set_style(style);
     bar.set_prefix(label.to_string());
     bar
+}
+
+/// Progress of the RL loop on stderr: one bar for iterations, one for the current iteration's
+/// tasks (named as it runs). Drawn only when stdout is a terminal and not `quiet`; console
+/// lines go through [`LoopProgress::println`], which lifts the bars off the screen while the
+/// line is printed to stdout, so the metrics table is never garbled.
+#[derive(Debug)]
+pub struct LoopProgress {
+    bars: Option<(
+        indicatif::MultiProgress,
+        indicatif::ProgressBar,
+        indicatif::ProgressBar,
+    )>,
+}
+
+impl LoopProgress {
+    /// Bars for iterations `first..total` (hidden when `quiet` or stdout is not a terminal).
+    pub fn new(first: u32, total: u32, quiet: bool) -> Self {
+        Self::with_target(
+            first,
+            total,
+            (!quiet && std::io::stdout().is_terminal()).then(indicatif::ProgressDrawTarget::stderr),
+        )
+    }
+
+    /// As [`LoopProgress::new`], drawing to `target` (`None`: no bars).
+    pub fn with_target(
+        first: u32,
+        total: u32,
+        target: Option<indicatif::ProgressDrawTarget>,
+    ) -> Self {
+        let Some(target) = target else {
+            return Self { bars: None };
+        };
+        let mp = indicatif::MultiProgress::with_draw_target(target);
+        let style = |t: &str| {
+            indicatif::ProgressStyle::with_template(t)
+                .expect("valid template")
+                .progress_chars("=> ")
+        };
+        let iters = mp.add(indicatif::ProgressBar::new(total as u64));
+        iters.set_style(style(
+            "{prefix:>10} [{bar:30}] {pos}/{len} elapsed {elapsed} eta {eta}",
+        ));
+        iters.set_prefix("iterations");
+        iters.set_position(first as u64);
+        iters.reset_eta();
+        let tasks = mp.add(indicatif::ProgressBar::new(0));
+        tasks.set_style(style("{prefix:>10} [{bar:30}] {pos}/{len} {msg}"));
+        Self {
+            bars: Some((mp, iters, tasks)),
+        }
+    }
+
+    pub fn is_drawn(&self) -> bool {
+        self.bars.is_some()
+    }
+
+    /// Iteration `it` starts with `tasks` tasks.
+    pub fn start_iteration(&self, it: u32, tasks: usize) {
+        if let Some((_, _, t)) = &self.bars {
+            t.set_length(tasks as u64);
+            t.set_position(0);
+            t.set_prefix(format!("iter {it}"));
+        }
+    }
+
+    /// Task `name` starts.
+    pub fn task_started(&self, name: &str) {
+        if let Some((_, _, t)) = &self.bars {
+            t.set_message(name.to_string());
+        }
+    }
+
+    pub fn task_done(&self) {
+        if let Some((_, _, t)) = &self.bars {
+            t.inc(1);
+        }
+    }
+
+    pub fn iteration_done(&self) {
+        if let Some((_, i, _)) = &self.bars {
+            i.inc(1);
+        }
+    }
+
+    /// Prints `line` to stdout above the bars.
+    pub fn println(&self, line: &str) {
+        match &self.bars {
+            Some((mp, _, _)) => mp.suspend(|| println!("{line}")),
+            None => println!("{line}"),
+        }
+    }
+
+    /// Removes the bars from the screen.
+    pub fn finish(&self) {
+        if let Some((mp, i, t)) = &self.bars {
+            t.finish_and_clear();
+            i.finish_and_clear();
+            let _ = mp.clear();
+        }
+    }
 }
 
 #[cfg(test)]

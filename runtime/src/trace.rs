@@ -201,6 +201,128 @@ pub fn read_complete_events(path: impl AsRef<Path>) -> Result<Vec<CompleteEvent>
         .collect()
 }
 
+/// The measured timeline of a plan's tasks over a run, laid out as the simulator lays out its
+/// prediction (`sim/trace.rs`): one process per GPU program (`pid` = its index, named
+/// `gpu0 (colocated, 1 ranks)`), one thread per stream (`tid` = the stream's index in
+/// `plan.streams`, named `stream<i> <name>`), one complete event per executed task named by the
+/// task, with its work kind as `cat` and `{"iteration", "task", "phase", "window"}` as args.
+/// Iterations follow one another on the same tracks; `otherData.iterations` lists each one's
+/// measured span.
+///
+/// Invariant: times are measured on the host around each task (`Instant`), relative to the
+/// trace's origin; on a backend that runs one task at a time no two events overlap.
+#[derive(Clone, Debug)]
+pub struct PlanTrace {
+    writer: TraceWriter,
+    origin: Instant,
+    /// `(pid, tid)` per stream index.
+    tracks: Vec<(u32, u32)>,
+    iterations: Vec<Value>,
+}
+
+impl PlanTrace {
+    /// Names the tracks of `plan` (all GPU programs and streams) and starts the clock.
+    pub fn new(plan: &rollplex_plan::Plan, backend: &str) -> Self {
+        let mut writer = TraceWriter::new();
+        for (pid, g) in plan.gpus.iter().enumerate() {
+            let role = format!("{:?}", g.role).to_lowercase();
+            writer.process(pid as u32, &format!("{} ({role}, {} ranks)", g.id, g.ranks));
+        }
+        let mut tracks = Vec::with_capacity(plan.streams.len());
+        for (tid, s) in plan.streams.iter().enumerate() {
+            let pid = s.gpu.index() as u32;
+            writer.thread(pid, tid as u32, &format!("stream{tid} {}", s.name));
+            tracks.push((pid, tid as u32));
+        }
+        writer.other("job", json!(plan.spec.name));
+        writer.other("mode", json!(format!("{:?}", plan.mode).to_lowercase()));
+        writer.other(
+            "gpu",
+            json!(format!("{} x {}", plan.target.count, plan.target.gpu)),
+        );
+        writer.other("backend", json!(backend));
+        writer.other("timing", json!("measured"));
+        writer.other("planned_iteration_s", json!(plan.predicted.iteration_s));
+        Self {
+            writer,
+            origin: Instant::now(),
+            tracks,
+            iterations: Vec::new(),
+        }
+    }
+
+    fn us(&self, t: Instant) -> f64 {
+        t.saturating_duration_since(self.origin).as_secs_f64() * 1e6
+    }
+
+    /// Records task `task` of `iteration`, which ran from `start` to `end`.
+    pub fn task(
+        &mut self,
+        iteration: u32,
+        task: &rollplex_plan::plan::Task,
+        start: Instant,
+        end: Instant,
+    ) {
+        let (pid, tid) = self
+            .tracks
+            .get(task.stream.index())
+            .copied()
+            .unwrap_or((task.gpu.index() as u32, task.stream.index() as u32));
+        let phase = crate::sim::phase_of(&task.op, task.window.is_some())
+            .map(|p| format!("{p:?}").to_lowercase());
+        let (ts, te) = (self.us(start), self.us(end));
+        self.writer.complete(
+            pid,
+            tid,
+            &task.name,
+            &format!("{:?}", task.kind),
+            ts,
+            te - ts,
+            json!({
+                "iteration": iteration,
+                "task": task.id.to_string(),
+                "phase": phase,
+                "window": task.window.map(|w| w.to_string()),
+            }),
+        );
+    }
+
+    /// Records that `iteration` ran from `start` to `end` (listed under `otherData`).
+    pub fn iteration(&mut self, iteration: u32, start: Instant, end: Instant) {
+        let (ts, te) = (self.us(start), self.us(end));
+        self.iterations.push(json!({
+            "iteration": iteration,
+            "start_us": us(ts),
+            "dur_us": us(te - ts),
+        }));
+    }
+
+    /// The events recorded so far.
+    pub fn events(&self) -> &[CompleteEvent] {
+        self.writer.events()
+    }
+
+    /// The trace as JSON.
+    pub fn to_json(&self) -> Value {
+        let mut w = self.writer.clone();
+        w.other("iterations", Value::Array(self.iterations.clone()));
+        w.to_json()
+    }
+
+    /// Writes the trace to `path` (to a temporary file beside it, then renamed).
+    pub fn write(&self, path: impl AsRef<Path>) -> Result<(), TraceError> {
+        let path = path.as_ref();
+        let mut w = self.writer.clone();
+        w.other("iterations", Value::Array(self.iterations.clone()));
+        let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+        w.write(&tmp)?;
+        std::fs::rename(&tmp, path).map_err(|e| TraceError::Io {
+            path: path.into(),
+            msg: e.to_string(),
+        })
+    }
+}
+
 /// Wall-clock time since a fixed origin, in microseconds: host-side timing of CPU-backend
 /// tasks (GPU timings come from CUDA events).
 #[derive(Clone, Copy, Debug)]

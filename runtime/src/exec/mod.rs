@@ -6,16 +6,23 @@
 //! [`crate::sim`] (timing only).
 //!
 //! Module map: `walker` (the order tasks run in), `cpu` (the CPU backend's ops), `prompts`
-//! (prompt sources: synthetic shapes for benchmarks, datasets for training).
+//! (prompt sources: synthetic shapes for benchmarks, datasets for training), `checkpoint`
+//! (`--save-every` / `--resume`: the loop's state on disk). [`run_cpu_loop`] tells a
+//! [`LoopObserver`] when each task starts and ends (host clock) and when each iteration is
+//! done: traces, progress bars and metrics hang off it.
 //!
 //! Invariant: nothing here decides *what* to compute: the plan does. The loop only supplies
 //! data, runs tasks when they are ready and records what came out.
 
+pub mod checkpoint;
 pub mod cpu;
 pub mod data;
 pub mod prompts;
 pub mod walker;
 
+use std::time::{Duration, Instant};
+
+use rollplex_plan::plan::Task;
 use rollplex_plan::spec::{JobSpec, LengthDist};
 use rollplex_plan::Plan;
 
@@ -43,6 +50,10 @@ pub enum ExecError {
     Data(String),
     #[error("reward: {0}")]
     Reward(String),
+    /// A checkpoint to resume from is missing, corrupt or of another run (the message names
+    /// the file).
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
     #[error(transparent)]
     Model(#[from] ModelError),
     #[error(transparent)]
@@ -218,6 +229,83 @@ pub fn build_cpu_models(spec: &JobSpec) -> Result<cpu::CpuModels, ExecError> {
     Ok(cpu::CpuModels { trainer, reference })
 }
 
+/// What the loop tells its caller while it runs (traces, progress bars, metrics). Every method
+/// but [`LoopObserver::iteration_done`] has an empty default.
+pub trait LoopObserver {
+    /// Iteration `iteration` starts; its GPU program runs `tasks` tasks.
+    fn iteration_started(&mut self, _iteration: u32, _tasks: usize) {}
+    /// `task` of `iteration` is about to run.
+    fn task_started(&mut self, _iteration: u32, _task: &Task) {}
+    /// `task` of `iteration` ran from `start` to `end` (host clock around the task).
+    fn task_done(&mut self, _iteration: u32, _task: &Task, _start: Instant, _end: Instant) {}
+    /// `iteration` is done: its results, the models after it (to checkpoint), its start and its
+    /// wall time. An error stops the loop.
+    fn iteration_done(
+        &mut self,
+        iteration: u32,
+        result: &IterationResult,
+        models: &cpu::CpuModels,
+        start: Instant,
+        wall: Duration,
+    ) -> Result<(), ExecError>;
+}
+
+/// Runs a backend's tasks and tells the observer when each starts and ends.
+struct Timed<'a, R> {
+    inner: &'a mut R,
+    observer: &'a mut dyn LoopObserver,
+    iteration: u32,
+}
+
+impl<R: walker::TaskRunner> walker::TaskRunner for Timed<'_, R> {
+    type Error = R::Error;
+    fn run(&mut self, task: &Task) -> Result<(), R::Error> {
+        self.observer.task_started(self.iteration, task);
+        let start = Instant::now();
+        self.inner.run(task)?;
+        let end = Instant::now();
+        self.observer.task_done(self.iteration, task, start, end);
+        Ok(())
+    }
+    fn slots_bound(&self) -> u32 {
+        self.inner.slots_bound()
+    }
+}
+
+/// Runs iterations `iterations` of `plan` on the CPU backend, telling `observer` about every
+/// task and iteration as it happens.
+pub fn run_cpu_loop(
+    plan: &Plan,
+    models: &mut cpu::CpuModels,
+    source: &mut dyn prompts::PromptSource,
+    reward: &mut cpu::RewardFn<'_>,
+    iterations: std::ops::Range<u32>,
+    observer: &mut dyn LoopObserver,
+) -> Result<(), ExecError> {
+    check_cpu_plan(plan)?;
+    let groups = plan.parallel.prompts_per_rollout_replica as usize;
+    let gpu = plan.gpus[0].id;
+    let tasks = plan.tasks.iter().filter(|t| t.gpu == gpu).count();
+    for it in iterations {
+        let t0 = Instant::now();
+        observer.iteration_started(it, tasks);
+        let prompts = source.prompts(it, groups)?;
+        let result = {
+            let mut iter = cpu::CpuIteration::new(plan, models, reward, it, &prompts)?;
+            let mut timed = Timed {
+                inner: &mut iter,
+                observer: &mut *observer,
+                iteration: it,
+            };
+            walker::walk(plan, gpu, &mut timed, |_, _| {})?;
+            iter.finish()
+        };
+        let wall = t0.elapsed();
+        observer.iteration_done(it, &result, models, t0, wall)?;
+    }
+    Ok(())
+}
+
 /// Runs iterations `first .. first + count` of `plan` on the CPU backend. `on_iteration` sees
 /// each iteration's result and wall time as soon as it is done.
 pub fn run_cpu_iterations(
@@ -227,20 +315,27 @@ pub fn run_cpu_iterations(
     reward: &mut cpu::RewardFn<'_>,
     first: u32,
     count: u32,
-    mut on_iteration: impl FnMut(u32, &IterationResult, std::time::Duration) -> Result<(), ExecError>,
+    on_iteration: impl FnMut(u32, &IterationResult, Duration) -> Result<(), ExecError>,
 ) -> Result<(), ExecError> {
-    check_cpu_plan(plan)?;
-    let groups = plan.parallel.prompts_per_rollout_replica as usize;
-    let gpu = plan.gpus[0].id;
-    for it in first..first + count {
-        let t0 = std::time::Instant::now();
-        let prompts = source.prompts(it, groups)?;
-        let result = {
-            let mut iter = cpu::CpuIteration::new(plan, models, reward, it, &prompts)?;
-            walker::walk(plan, gpu, &mut iter, |_, _| {})?;
-            iter.finish()
-        };
-        on_iteration(it, &result, t0.elapsed())?;
+    struct Each<F>(F);
+    impl<F: FnMut(u32, &IterationResult, Duration) -> Result<(), ExecError>> LoopObserver for Each<F> {
+        fn iteration_done(
+            &mut self,
+            it: u32,
+            r: &IterationResult,
+            _: &cpu::CpuModels,
+            _: Instant,
+            wall: Duration,
+        ) -> Result<(), ExecError> {
+            (self.0)(it, r, wall)
+        }
     }
-    Ok(())
+    run_cpu_loop(
+        plan,
+        models,
+        source,
+        reward,
+        first..first + count,
+        &mut Each(on_iteration),
+    )
 }

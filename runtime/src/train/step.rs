@@ -118,6 +118,21 @@ impl Trainer {
         })
     }
 
+    /// Restores the optimizer from a checkpoint (flat buffers as [`AdamW::state`] returned them,
+    /// and the steps taken) and drops any accumulated gradient. The model's weights are the
+    /// caller's: build the trainer around the checkpoint's weights.
+    pub fn restore_optimizer(
+        &mut self,
+        master: &[f32],
+        m: &[f32],
+        v: &[f32],
+        step: u64,
+    ) -> Result<()> {
+        self.opt.restore(master, m, v, step)?;
+        self.discard();
+        Ok(())
+    }
+
     /// Drops the accumulated gradient and metrics without stepping.
     pub fn discard(&mut self) {
         self.acc.reset();

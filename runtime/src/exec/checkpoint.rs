@@ -1,0 +1,362 @@
+//! Checkpoints of the RL loop (`--save-every`) and resuming from them (`--resume`).
+//!
+//! A checkpoint after `k` completed iterations is the directory `<out>/checkpoints/iter-<k>`
+//! (8 digits), written atomically by [`ckpt_state::AtomicDir`] (temporary sibling, fsync,
+//! rename):
+//!
+//! ```text
+//! config.json, model.safetensors   the actor in Hugging Face layout, f32 (bitwise; loadable
+//!                                  by our loader and by transformers)
+//! optimizer.safetensors            AdamW per trainable tensor: master.<name>, exp_avg.<name>,
+//!                                  exp_avg_sq.<name>
+//! run_state.json                   iterations done, seed, data cursor, optimizer step, the
+//!                                  optimizer file's CRC32, and under `extra`: the plan's hash,
+//!                                  the reference model's identity, model.safetensors' CRC32
+//! ```
+//!
+//! What a bitwise resume needs and why nothing else is saved: sampling keys its Philox RNG by
+//! (seed, iteration, sample, step) and prompts are a function of (dataset, seed, iteration)
+//! (see `prompts`), so the RNG words are empty and the data cursor is the iteration; the
+//! reference is the initial actor, rebuilt from the job spec and checked against the saved
+//! hash; the learning rate is a function of the optimizer step.
+//!
+//! Invariants: a checkpoint is only ever seen complete or not at all; a resume refuses a
+//! checkpoint of another plan, another seed, another reference, or with a corrupt file, with a
+//! message naming the file, before anything of the run is written.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use rollplex_plan::spec::{DType, JobSpec, WeightsSource};
+use rollplex_plan::Plan;
+
+use super::cpu::CpuModels;
+use super::ExecError;
+use crate::ckpt_state::{self, AtomicDir, RunState, Tensor32};
+use crate::data::BatchCursor;
+use crate::model::Qwen25VL;
+
+/// Where `--save-every` writes, under the run's output directory.
+pub const CHECKPOINTS_DIR: &str = "checkpoints";
+const MODEL_FILE: &str = "model.safetensors";
+
+fn ck(msg: String) -> ExecError {
+    ExecError::Checkpoint(msg)
+}
+
+/// FNV-1a over 32-bit words: a stable 64-bit fingerprint (identity checks, not security).
+fn fnv64(words: impl Iterator<Item = u32>) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for w in words {
+        h ^= w as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+fn hex(h: u64) -> String {
+    format!("{h:016x}")
+}
+
+/// The plan's fingerprint: of its binary encoding (producer name left out), so the same plan
+/// read from `plan.bin` or recompiled identically hashes the same.
+pub fn plan_hash(plan: &Plan) -> Result<String, ExecError> {
+    let bytes = rollplex_plan::encode(plan, "")
+        .map_err(|e| ExecError::Plan(format!("cannot encode the plan to hash it: {e}")))?;
+    Ok(hex(fnv64(bytes.chunks(4).map(|c| {
+        c.iter().rev().fold(0u32, |a, &b| (a << 8) | b as u32)
+    }))))
+}
+
+/// The fingerprint of a model's weights (their f32 bits).
+pub fn weights_hash(model: &Qwen25VL) -> String {
+    hex(fnv64(model.weights.data.iter().map(|x| x.to_bits())))
+}
+
+fn source_of(spec: &JobSpec) -> String {
+    match &spec.actor.weights {
+        WeightsSource::Random { seed } => format!("random(seed = {seed})"),
+        WeightsSource::Checkpoint { path } => format!("checkpoint({path})"),
+    }
+}
+
+/// What a checkpoint must match to continue a run: the plan, and the reference model (its
+/// source and its weights' hash; `None` when the job has no reference).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunIdentity {
+    pub plan_hash: String,
+    pub seed: u64,
+    pub reference: Option<(String, String)>,
+}
+
+impl RunIdentity {
+    pub fn of(plan: &Plan, models: &CpuModels) -> Result<Self, ExecError> {
+        Ok(RunIdentity {
+            plan_hash: plan_hash(plan)?,
+            seed: plan.spec.seed,
+            reference: models
+                .reference
+                .as_ref()
+                .map(|r| (source_of(&plan.spec), weights_hash(r))),
+        })
+    }
+
+    fn reference_json(&self) -> serde_json::Value {
+        match &self.reference {
+            Some((source, hash)) => serde_json::json!({"source": source, "weights_fnv64": hash}),
+            None => serde_json::Value::Null,
+        }
+    }
+}
+
+fn opt_state(models: &CpuModels) -> BTreeMap<String, Tensor32> {
+    let opt = models.trainer.optimizer();
+    let (master, m, v) = opt.state();
+    let mut out = BTreeMap::new();
+    for p in opt.table().params() {
+        let r = p.state_offset..p.state_offset + p.numel;
+        for (prefix, buf) in [("master", master), ("exp_avg", m), ("exp_avg_sq", v)] {
+            out.insert(
+                format!("{prefix}.{}", p.name),
+                Tensor32 {
+                    shape: p.shape.clone(),
+                    data: buf[r.clone()].to_vec(),
+                },
+            );
+        }
+    }
+    out
+}
+
+/// Saves the state after `completed` iterations as `<root>/iter-<completed>`, atomically, then
+/// removes all but the newest `keep` checkpoints of `root` (`keep == 0`: keeps all).
+pub fn save(
+    root: &Path,
+    completed: u32,
+    models: &CpuModels,
+    identity: &RunIdentity,
+    keep: usize,
+) -> Result<PathBuf, ExecError> {
+    let dir = AtomicDir::begin(ckpt_state::checkpoint_dir(root, completed as u64))
+        .map_err(|e| ck(e.to_string()))?;
+    let model = models.trainer.model();
+    crate::model::checkpoint::save_checkpoint(model, dir.path(), DType::F32)?;
+    let mpath = dir.path().join(MODEL_FILE);
+    let blob = std::fs::read(&mpath).map_err(|e| ck(format!("{}: {e}", mpath.display())))?;
+    let mut extra = BTreeMap::new();
+    extra.insert("plan_fnv64".into(), identity.plan_hash.clone().into());
+    extra.insert("reference".into(), identity.reference_json());
+    extra.insert(
+        "model_file".into(),
+        serde_json::json!({"name": MODEL_FILE, "bytes": blob.len(), "crc32": crc32fast::hash(&blob)}),
+    );
+    let opt = models.trainer.optimizer();
+    let state = RunState {
+        iteration: completed as u64,
+        seed: identity.seed,
+        rng: Vec::new(),
+        data: BatchCursor {
+            next_batch: completed as u64,
+        },
+        optimizer_step: opt.steps(),
+        optimizer: opt_state(models),
+        extra,
+    };
+    ckpt_state::write_run_state(dir.path(), &state).map_err(|e| ck(e.to_string()))?;
+    let path = dir.commit().map_err(|e| ck(e.to_string()))?;
+    prune(root, keep)?;
+    Ok(path)
+}
+
+/// Removes all but the newest `keep` complete checkpoints of `root` (`keep == 0`: none).
+pub fn prune(root: &Path, keep: usize) -> Result<(), ExecError> {
+    if keep == 0 {
+        return Ok(());
+    }
+    let mut all = complete_checkpoints(root)?;
+    all.sort();
+    let n = all.len().saturating_sub(keep);
+    for (_, p) in all.into_iter().take(n) {
+        std::fs::remove_dir_all(&p).map_err(|e| ck(format!("{}: {e}", p.display())))?;
+    }
+    Ok(())
+}
+
+/// The complete checkpoints (`iter-N` with a manifest) directly under `root`.
+fn complete_checkpoints(root: &Path) -> Result<Vec<(u64, PathBuf)>, ExecError> {
+    let mut out = Vec::new();
+    let entries = std::fs::read_dir(root).map_err(|e| ck(format!("{}: {e}", root.display())))?;
+    for e in entries {
+        let p = e
+            .map_err(|e| ck(format!("{}: {e}", root.display())))?
+            .path();
+        let n = p
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_prefix("iter-"))
+            .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|n| n.parse::<u64>().ok());
+        if let Some(n) = n {
+            if p.join(ckpt_state::MANIFEST_FILE).is_file() {
+                out.push((n, p));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The checkpoint `--resume path` names: `path` itself when it holds `run_state.json`, else the
+/// newest complete checkpoint under `path/checkpoints` (an output directory) or `path`.
+pub fn resolve(path: &Path) -> Result<PathBuf, ExecError> {
+    if !path.exists() {
+        return Err(ck(format!(
+            "{}: no such directory (give a checkpoint directory or a run's output directory)",
+            path.display()
+        )));
+    }
+    if path.join(ckpt_state::MANIFEST_FILE).is_file() {
+        return Ok(path.to_path_buf());
+    }
+    for root in [path.join(CHECKPOINTS_DIR), path.to_path_buf()] {
+        if let Some((_, p)) = ckpt_state::latest_checkpoint(&root).map_err(|e| ck(e.to_string()))? {
+            return Ok(p);
+        }
+    }
+    Err(ck(format!(
+        "{}: no complete checkpoint here (looked for {}, {CHECKPOINTS_DIR}/iter-*/ and iter-*/ with a {})",
+        path.display(),
+        ckpt_state::MANIFEST_FILE,
+        ckpt_state::MANIFEST_FILE
+    )))
+}
+
+/// A loaded checkpoint: iterations done and the models and optimizer to continue with.
+pub struct Resumed {
+    pub dir: PathBuf,
+    pub completed: u32,
+    pub models: CpuModels,
+}
+
+/// Loads checkpoint `dir` for `plan`: checks it belongs to this run (plan, seed, reference)
+/// and is intact, then builds the models around its weights and restores the optimizer.
+/// `fresh` are the models a new run would start from (their reference is kept), `identity`
+/// theirs and the plan's ([`RunIdentity::of`]).
+pub fn load(dir: &Path, identity: &RunIdentity, fresh: CpuModels) -> Result<Resumed, ExecError> {
+    let at = |msg: String| ck(format!("{}: {msg}", dir.display()));
+    let state = ckpt_state::load_run_state(dir).map_err(|e| ck(e.to_string()))?;
+    let saved_plan = state.extra.get("plan_fnv64").and_then(|v| v.as_str());
+    if saved_plan != Some(identity.plan_hash.as_str()) {
+        return Err(at(format!(
+            "was written by a run of another plan (plan hash {}, this plan's is {}): resume with the \
+             plan it was saved with, or start a fresh run without --resume",
+            saved_plan.unwrap_or("missing"),
+            identity.plan_hash
+        )));
+    }
+    if state.seed != identity.seed {
+        return Err(at(format!(
+            "was written with seed {}, this job's seed is {}",
+            state.seed, identity.seed
+        )));
+    }
+    let saved_ref = state
+        .extra
+        .get("reference")
+        .cloned()
+        .unwrap_or(serde_json::Value::Null);
+    if saved_ref != identity.reference_json() {
+        return Err(at(format!(
+            "the reference model differs from the one this checkpoint was trained against \
+             (saved {saved_ref}, now {}): its initial weights changed",
+            identity.reference_json()
+        )));
+    }
+    if state.data.next_batch != state.iteration || !state.rng.is_empty() {
+        return Err(at(format!(
+            "{}: data cursor {} and {} RNG words do not fit a checkpoint after {} iterations",
+            ckpt_state::MANIFEST_FILE,
+            state.data.next_batch,
+            state.rng.len(),
+            state.iteration
+        )));
+    }
+    let completed = u32::try_from(state.iteration)
+        .map_err(|_| at(format!("iteration {} out of range", state.iteration)))?;
+    // The weights: intact (size and CRC32 as saved), then loaded with the plan's config.
+    let mpath = dir.join(MODEL_FILE);
+    let blob = std::fs::read(&mpath).map_err(|e| ck(format!("{}: {e}", mpath.display())))?;
+    let want = state.extra.get("model_file");
+    let (bytes, crc) = (
+        want.and_then(|w| w.get("bytes")).and_then(|b| b.as_u64()),
+        want.and_then(|w| w.get("crc32")).and_then(|c| c.as_u64()),
+    );
+    if bytes != Some(blob.len() as u64) || crc != Some(crc32fast::hash(&blob) as u64) {
+        return Err(ck(format!(
+            "{}: file is corrupt: {} bytes with CRC32 {:08x}, {} says {:?} bytes with {:?}",
+            mpath.display(),
+            blob.len(),
+            crc32fast::hash(&blob),
+            ckpt_state::MANIFEST_FILE,
+            bytes,
+            crc.map(|c| format!("{c:08x}"))
+        )));
+    }
+    drop(blob);
+    let loaded = Qwen25VL::load(dir).map_err(|e| at(e.to_string()))?;
+    let CpuModels { trainer, reference } = fresh;
+    let cfg = trainer.config().clone();
+    let opt_spec = trainer.optimizer().spec().clone();
+    let config = trainer.into_model().config;
+    let actor = Qwen25VL::new(config, loaded.weights).map_err(|e| {
+        at(format!(
+            "{e}: the checkpoint's weights do not fit this job's model"
+        ))
+    })?;
+    let mut trainer = crate::train::step::Trainer::new(actor, cfg, opt_spec)?;
+    // The optimizer: every trainable tensor's three buffers, in the table's carving.
+    let opt = trainer.optimizer();
+    let n = opt.table().state_len();
+    let (mut master, mut m, mut v) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+    let opath = dir.join(ckpt_state::OPTIMIZER_FILE);
+    let mut used = 0usize;
+    for p in opt.table().params() {
+        let r = p.state_offset..p.state_offset + p.numel;
+        for (prefix, buf) in [
+            ("master", &mut master),
+            ("exp_avg", &mut m),
+            ("exp_avg_sq", &mut v),
+        ] {
+            let name = format!("{prefix}.{}", p.name);
+            let t = state.optimizer.get(&name).ok_or_else(|| {
+                ck(format!(
+                    "{}: no tensor {name:?} (the checkpoint trains other tensors than this job)",
+                    opath.display()
+                ))
+            })?;
+            if t.shape != p.shape {
+                return Err(ck(format!(
+                    "{}: tensor {name:?} has shape {:?}, this job's is {:?}",
+                    opath.display(),
+                    t.shape,
+                    p.shape
+                )));
+            }
+            buf[r.clone()].copy_from_slice(&t.data);
+            used += 1;
+        }
+    }
+    if used != state.optimizer.len() {
+        return Err(ck(format!(
+            "{}: holds {} tensors, this job trains {} (x3)",
+            opath.display(),
+            state.optimizer.len(),
+            used / 3
+        )));
+    }
+    trainer.restore_optimizer(&master, &m, &v, state.optimizer_step)?;
+    Ok(Resumed {
+        dir: dir.to_path_buf(),
+        completed,
+        models: CpuModels { trainer, reference },
+    })
+}

@@ -1,0 +1,168 @@
+//! `rollplex-run --backend cpu --trace FILE`: a measured Chrome/Perfetto trace of every task of
+//! every iteration, on the tracks the simulator's trace of the same plan uses. The file parses,
+//! holds one event per executed task, and the events of one stream never overlap.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use rollplex_plan::spec::Mode;
+use rollplex_plan::Plan;
+use rollplex_runtime::cli::{self, BackendChoice, RunArgs};
+use rollplex_runtime::trace::read_complete_events;
+use serde_json::Value;
+
+/// A scratch directory under the system temp dir, removed when dropped.
+struct Scratch(PathBuf);
+impl Scratch {
+    fn new(name: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("rollplex-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        Scratch(p)
+    }
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+struct Files;
+impl rollplex_dsl::Env for Files {
+    fn read_file(&self, path: &str) -> Result<String, String> {
+        std::fs::read_to_string(path).map_err(|e| e.to_string())
+    }
+}
+
+fn compile(mode: Mode) -> Plan {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/in/e2e/overlap_small.rpx");
+    let src = std::fs::read_to_string(path).expect("tests/in/e2e/overlap_small.rpx");
+    let checked = rollplex_dsl::compile_source("overlap_small.rpx", &src, &Files)
+        .unwrap_or_else(|d| panic!("{}", d.render("overlap_small.rpx", &src, false)));
+    let opts = rollplex_compiler::Options {
+        mode: Some(mode),
+        ..Default::default()
+    };
+    rollplex_compiler::compile(&checked.spec, &opts)
+        .expect("compiles")
+        .plan
+}
+
+/// `(pid, tid) -> name` of the thread (or, with tid None, process) metadata of a trace.
+fn track_names(trace: &Value, what: &str) -> BTreeMap<(u64, Option<u64>), String> {
+    trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "M" && e["name"] == what)
+        .map(|e| {
+            (
+                (e["pid"].as_u64().unwrap(), e["tid"].as_u64()),
+                e["args"]["name"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn cpu_trace_measures_every_task_on_the_simulators_tracks() {
+    let dir = Scratch::new("trace");
+    let plan = compile(Mode::Overlap);
+    let plan_path = dir.path().join("plan.bin");
+    std::fs::write(&plan_path, rollplex_plan::encode(&plan, "tests").unwrap()).unwrap();
+    let trace_path = dir.path().join("out/trace.json");
+    let iterations = 2u32;
+    cli::run(&RunArgs {
+        plan: plan_path,
+        backend: BackendChoice::Cpu,
+        iterations,
+        out: dir.path().join("out"),
+        trace: Some(trace_path.clone()),
+        svg: None,
+        profile: None,
+        save_every: 0,
+        keep_checkpoints: 2,
+        resume: None,
+        eval: 0,
+        quiet: true,
+    })
+    .expect("run");
+
+    // One event per executed task: every task of the plan once per iteration, on its stream.
+    let events = read_complete_events(&trace_path).expect("the trace parses");
+    assert_eq!(events.len(), plan.tasks.len() * iterations as usize);
+    let mut seen = BTreeSet::new();
+    for e in &events {
+        let id = e.args["task"].as_str().unwrap();
+        let it = e.args["iteration"].as_u64().unwrap();
+        let task = plan
+            .tasks
+            .iter()
+            .find(|t| t.id.to_string() == id)
+            .unwrap_or_else(|| panic!("event for unknown task {id}"));
+        assert_eq!(e.name, task.name);
+        assert_eq!(
+            (e.pid, e.tid),
+            (task.gpu.index() as u32, task.stream.index() as u32)
+        );
+        assert!(e.dur >= 0.0 && e.ts >= 0.0);
+        assert!(
+            seen.insert((it, id.to_string())),
+            "{id} twice in iteration {it}"
+        );
+    }
+    assert_eq!(seen.len(), events.len());
+
+    // Events of one stream do not overlap (times are rounded to nanoseconds).
+    let mut by_track: BTreeMap<(u32, u32), Vec<(f64, f64, &str)>> = BTreeMap::new();
+    for e in &events {
+        by_track
+            .entry((e.pid, e.tid))
+            .or_default()
+            .push((e.ts, e.ts + e.dur, &e.name));
+    }
+    assert!(by_track.len() > 1, "the overlap plan uses several streams");
+    for (track, mut v) in by_track {
+        v.sort_by(|a, b| a.0.total_cmp(&b.0));
+        for w in v.windows(2) {
+            assert!(
+                w[0].1 <= w[1].0 + 0.002,
+                "{track:?}: {} ends at {} after {} starts at {}",
+                w[0].2,
+                w[0].1,
+                w[1].2,
+                w[1].0
+            );
+        }
+    }
+
+    // Process and thread names are the simulator's for the same plan.
+    let ours: Value = serde_json::from_str(&std::fs::read_to_string(&trace_path).unwrap()).unwrap();
+    let cost = rollplex_cost::CostModel::for_cluster(&plan.spec.cluster, None);
+    let sim = rollplex_runtime::sim::simulate(&plan, &cost)
+        .expect("simulates")
+        .chrome_trace();
+    for what in ["process_name", "thread_name"] {
+        assert_eq!(track_names(&ours, what), track_names(&sim, what), "{what}");
+    }
+    assert_eq!(ours["otherData"]["timing"], "measured");
+    assert_eq!(
+        ours["otherData"]["iterations"].as_array().unwrap().len(),
+        iterations as usize
+    );
+
+    // The metrics carry the measured phase times, which fit in the iteration.
+    let text = std::fs::read_to_string(dir.path().join("out/metrics.jsonl")).unwrap();
+    for line in text.lines() {
+        let m: Value = serde_json::from_str(line).unwrap();
+        let phases: f64 = ["rollout_s", "scoring_s", "training_s", "sync_s"]
+            .iter()
+            .map(|k| m[k].as_f64().unwrap_or_else(|| panic!("{k} in {line}")))
+            .sum();
+        assert!(m["rollout_s"].as_f64().unwrap() > 0.0);
+        assert!(phases <= m["time_s"].as_f64().unwrap() * 1.0001, "{line}");
+    }
+}
