@@ -157,7 +157,10 @@ pub fn compile(spec: &JobSpec, opts: &Options) -> Result<Compiled> {
         // windows); when the exact layout is over budget, the memory row where the peak sits
         // gets the overshoot less and the ILP runs again.
         let mut cuts = Cuts::default();
-        for _attempt in 0..MAX_ATTEMPTS {
+        for attempt in 0..=MAX_ATTEMPTS {
+            // The last attempt ignores the host budget: if that plan fits the device, the
+            // error can say how much host memory the job needs.
+            cuts.host_unlimited = attempt == MAX_ATTEMPTS;
             let (placement, solver) = match mode {
                 Mode::Overlap => {
                     let (p, s, mut run) = st.time("schedule", || {
@@ -248,7 +251,7 @@ pub fn compile(spec: &JobSpec, opts: &Options) -> Result<Compiled> {
         let ob = closest.ok_or_else(|| CompileError::internal("no candidate plan was built"))?;
         return Err(CompileError::user(
             "schedule.memory_budget",
-            format!("the job does not fit in device memory even with the reference weights and the optimizer state offloaded to host: {}", ob.message()),
+            format!("the job does not fit in device memory even with the reference weights and the optimizer state offloaded to host (and the frozen rollout extra rebuilt each iteration): {}", ob.message()),
             "raise the memory budget, use more GPUs or a larger TP degree, fewer prompts per iteration, or recompute = full",
         ));
     };
@@ -259,7 +262,8 @@ pub fn compile(spec: &JobSpec, opts: &Options) -> Result<Compiled> {
     Ok(Compiled { plan, stats: st })
 }
 
-/// Solves per topology: the first, then one per overshooting attempt.
+/// Solves per topology: the first, then one per overshooting attempt (plus one that ignores
+/// the host budget when none fits, to tell the user what host memory would do).
 pub const MAX_ATTEMPTS: usize = 4;
 
 /// Why a candidate plan cannot run.

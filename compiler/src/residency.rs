@@ -43,6 +43,8 @@ use rollplex_plan::{BufferClass, Op, Phase, ReshardPoint, SolverStats};
 pub struct Cuts {
     pub decode: u64,
     pub train: u64,
+    /// Ignore the job's host budget (the driver's last attempt).
+    pub host_unlimited: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -249,7 +251,11 @@ pub fn model(
             train_base,
             decode_budget: budget - cuts.decode as f64,
             train_budget: budget - cuts.train as f64,
-            host_budget: spec.schedule.host_memory as f64,
+            host_budget: if cuts.host_unlimited {
+                f64::MAX / 4.0
+            } else {
+                spec.schedule.host_memory as f64
+            },
             reshard,
         },
         items: kinds,
@@ -413,5 +419,14 @@ mod tests {
         let plan = compile(&tight, Mode::Serial);
         assert!(plan.memory.gpus[0].peak <= tight.schedule.memory_budget);
         assert!(!on_host(&plan).is_empty());
+        // Without the host memory to offload into, the error says how much would do.
+        tight.schedule.host_memory = 1 << 30;
+        let opts = Options {
+            mode: Some(Mode::Serial),
+            ..Options::default()
+        };
+        let e = crate::compile(&tight, &opts).err().expect("does not fit");
+        assert!(e.is_user(), "{e}");
+        assert!(e.to_string().contains("host_memory"), "{e}");
     }
 }
