@@ -297,6 +297,31 @@ pub fn summarize(a: &Plan, b: &Plan) -> String {
         );
     }
 
+    // weight sharing: the planner's choices and the memory it costs
+    let ws = |p: &Plan| -> Option<(u64, u64, bool, rollplex_plan::ReshardPoint)> {
+        p.weight_sharing.as_ref().map(|w| {
+            (
+                w.extra_bytes,
+                w.aliased_bytes,
+                w.frozen_rebuilt,
+                w.reshard_point,
+            )
+        })
+    };
+    let (wa, wb) = (ws(a), ws(b));
+    if wa != wb {
+        let show = |w: Option<(u64, u64, bool, rollplex_plan::ReshardPoint)>| match w {
+            None => "separate rollout copy".to_string(),
+            Some((extra, aliased, rebuilt, point)) => format!(
+                "{} extra, {} aliased, frozen extra {}, reshard {point:?}",
+                gib(extra),
+                gib(aliased),
+                if rebuilt { "rebuilt" } else { "kept" }
+            ),
+        };
+        let _ = writeln!(out, "weight sharing: {} -> {}", show(wa), show(wb));
+    }
+
     // solver
     let (sa, sb) = (&a.solver, &b.solver);
     if (
@@ -573,6 +598,21 @@ mod tests {
             d,
             "no differences in the summary fields\nplans are identical\n"
         );
+    }
+
+    #[test]
+    fn summary_names_the_weight_sharing_choice() {
+        let a = plan();
+        let mut b = plan();
+        let mut w = crate::sharing::analyse(&crate::fixtures::job(|_| {}));
+        w.reshard_point = rollplex_plan::ReshardPoint::BesideEncode;
+        b.weight_sharing = Some(w);
+        let d = diff_plans_named(&a, &b, "a.plan.yaml", "b.plan.yaml");
+        assert!(
+            d.contains("weight sharing: separate rollout copy -> 0.00 GiB extra"),
+            "{d}"
+        );
+        assert!(d.contains("frozen extra kept, reshard BesideEncode"), "{d}");
     }
 
     #[test]
