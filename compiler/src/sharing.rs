@@ -440,9 +440,7 @@ pub fn report(
                 .collect()
         })
         .collect();
-    let extra_of = |g: &Vec<Entry>| -> u64 {
-        g.iter().map(|&(_, _, re, al)| re - al).sum()
-    };
+    let extra_of = |g: &Vec<Entry>| -> u64 { g.iter().map(|&(_, _, re, al)| re - al).sum() };
     // The GPU with the most extra bytes (first on ties) sets the totals.
     let worst = (0..n)
         .max_by(|&a, &b| {
@@ -753,6 +751,36 @@ mod tests {
             .sum();
         assert_eq!(w.resharded_bytes + frozen, w.extra_bytes);
         assert!(frozen > 0);
+    }
+
+    /// The 7B paper setting (train TP 4, rollout TP 2): every split dimension divides by 4,
+    /// so each split tensor's rollout shard is half the tensor and its local training shard a
+    /// quarter: extra = (params - replicated) / 4, counted by hand from the dims.
+    #[test]
+    fn paper_7b_extra_is_a_quarter_of_the_split_parameters() {
+        let s = paper_job(QwenSize::B7);
+        assert_eq!((s.train.tp, s.rollout.tp), (4, 2));
+        let (v, t) = (&s.actor.vision, &s.actor.text);
+        let (vh, h) = (v.hidden_size as u64, t.hidden_size as u64);
+        let patch = (v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size) as u64;
+        // per block: norm1, norm2, attn.proj bias, mlp.down bias; merger ln_q and mlp.2 bias;
+        // text: two norms per layer and the final norm.
+        let replicated = patch * vh
+            + v.depth as u64 * 4 * vh
+            + vh
+            + v.out_hidden_size as u64
+            + (2 * t.num_layers as u64 + 1) * h;
+        let total = s.actor.param_count().total();
+        let w = analyse(&s);
+        assert_eq!(w.extra_bytes, (total - replicated) * 2 / 4);
+        assert_eq!(
+            w.rollout_bytes,
+            (total - replicated) * 2 / 2 + replicated * 2
+        );
+        assert!(w
+            .params
+            .iter()
+            .all(|p| (p.split == "replicated") == p.class.shared()));
     }
 
     /// The plan's weight sync moves exactly the incompatible trainable tensors' extra bytes,
