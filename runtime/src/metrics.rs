@@ -376,11 +376,16 @@ impl LoopProgress {
         }
     }
 
-    /// Prints `line` to stdout above the bars.
+    /// Prints `line` to stdout above the bars. Best effort: a closed stdout (`| head`) must not
+    /// stop training.
     pub fn println(&self, line: &str) {
+        let print = || {
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out, "{line}").and_then(|_| out.flush());
+        };
         match &self.bars {
-            Some((mp, _, _)) => mp.suspend(|| println!("{line}")),
-            None => println!("{line}"),
+            Some((mp, _, _)) => mp.suspend(print),
+            None => print(),
         }
     }
 
@@ -478,6 +483,32 @@ mod tests {
         std::fs::write(&path, "{\"iteration\": 0}\nnot json\n").unwrap();
         let e = MetricsLog::resume(&path, 1).unwrap_err().to_string();
         assert!(e.contains("metrics.jsonl:2: not JSON"), "{e}");
+    }
+
+    #[test]
+    fn progress_draws_only_when_asked() {
+        assert!(!LoopProgress::new(0, 3, true).is_drawn(), "--quiet");
+        assert!(
+            !LoopProgress::new(0, 3, false).is_drawn(),
+            "tests do not run on a terminal"
+        );
+        let p = LoopProgress::with_target(1, 3, Some(indicatif::ProgressDrawTarget::hidden()));
+        assert!(p.is_drawn());
+        let (_, iters, tasks) = p.bars.as_ref().unwrap();
+        assert_eq!(
+            iters.position(),
+            1,
+            "a resumed run starts where it left off"
+        );
+        p.start_iteration(1, 40);
+        p.task_started("decode.w0");
+        p.task_done();
+        assert_eq!((tasks.position(), tasks.length()), (1, Some(40)));
+        assert_eq!(tasks.message(), "decode.w0");
+        p.iteration_done();
+        assert_eq!(iters.position(), 2);
+        p.finish();
+        assert!(iters.is_finished() && tasks.is_finished());
     }
 
     #[test]

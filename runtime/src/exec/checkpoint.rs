@@ -291,14 +291,16 @@ pub fn load(dir: &Path, identity: &RunIdentity, fresh: CpuModels) -> Result<Resu
         want.and_then(|w| w.get("crc32")).and_then(|c| c.as_u64()),
     );
     if bytes != Some(blob.len() as u64) || crc != Some(crc32fast::hash(&blob) as u64) {
+        let said = match (bytes, crc) {
+            (Some(b), Some(c)) => format!("{b} bytes with CRC32 {c:08x}"),
+            _ => "nothing (no model_file entry)".into(),
+        };
         return Err(ck(format!(
-            "{}: file is corrupt: {} bytes with CRC32 {:08x}, {} says {:?} bytes with {:?}",
+            "{}: file is corrupt: {} bytes with CRC32 {:08x}, {} says {said}",
             mpath.display(),
             blob.len(),
             crc32fast::hash(&blob),
             ckpt_state::MANIFEST_FILE,
-            bytes,
-            crc.map(|c| format!("{c:08x}"))
         )));
     }
     drop(blob);
