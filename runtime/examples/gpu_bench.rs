@@ -31,7 +31,7 @@ fn arg(args: &[String], name: &str, default: usize) -> Result<usize> {
             .get(i + 1)
             .ok_or_else(|| anyhow!("{name} needs a value"))?
             .parse()
-            .with_context(|| format!("{name}")),
+            .with_context(|| name.to_string()),
         None => Ok(default),
     }
 }

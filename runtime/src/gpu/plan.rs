@@ -249,8 +249,8 @@ pub fn mrope_tables_memo(
     let mut cos = vec![0f32; n * head_dim];
     let mut sin = vec![0f32; n * head_dim];
     for t in 0..n {
-        for s in 0..3 {
-            let (c, sn) = memo.get(pos[s][t]);
+        for (s, ps) in pos.iter().enumerate() {
+            let (c, sn) = memo.get(ps[t]);
             for i in (0..half).filter(|&i| sec_of[i] == s) {
                 cos[t * head_dim + i] = c[i];
                 cos[t * head_dim + half + i] = c[i];
@@ -340,9 +340,9 @@ pub fn media_slot(kind: MediaKind, grid: Grid) -> MediaSlot {
 /// Picks the decode attention kernel for a head dim: the tensor-core decode kernel needs a
 /// multiple of 32; the varlen forward kernel (one query per sequence) takes multiples of 16.
 pub fn decode_kernel_for(head_dim: usize) -> Result<DecodeKernel> {
-    if head_dim % 32 == 0 && head_dim <= 256 {
+    if head_dim.is_multiple_of(32) && head_dim <= 256 {
         Ok(DecodeKernel::TensorCores)
-    } else if head_dim % 16 == 0 && head_dim <= 256 {
+    } else if head_dim.is_multiple_of(16) && head_dim <= 256 {
         Ok(DecodeKernel::Varlen)
     } else {
         Err(GpuError::Unsupported(format!(

@@ -398,7 +398,7 @@ impl GpuModel {
     }
     fn check_text_dims(&self) -> Result<()> {
         let hd = self.text_dims().head_dim;
-        if hd % 16 != 0 {
+        if !hd.is_multiple_of(16) {
             return Err(GpuError::Unsupported(format!(
                 "text head_dim {hd}: the CUDA attention kernels need a multiple of 16"
             )));

@@ -139,7 +139,7 @@ impl GpuModel {
         let pd = cfg.patch_dim();
         let vh = v.hidden_size as usize;
         let hd = cfg.vision_head_dim();
-        if hd % 16 != 0 {
+        if !hd.is_multiple_of(16) {
             return Err(GpuError::Unsupported(format!(
                 "vision head_dim {hd}: the CUDA attention kernel needs a multiple of 16"
             )));
