@@ -179,7 +179,8 @@ struct CpuRun<'a> {
     metrics: MetricsLog,
     progress: LoopProgress,
     trace: Option<PlanTrace>,
-    identity: RunIdentity,
+    /// What checkpoints are stamped with (computed only when saving or resuming).
+    identity: Option<RunIdentity>,
     /// Seconds per phase (rollout, scoring, training, sync) of the running iteration.
     phase_s: [f64; 4],
 }
@@ -226,15 +227,13 @@ impl exec::LoopObserver for CpuRun<'_> {
         }
         let done = it + 1;
         let every = self.args.save_every;
-        if every > 0 && done % every == 0 {
+        if let Some(identity) = self
+            .identity
+            .as_ref()
+            .filter(|_| every > 0 && done % every == 0)
+        {
             let root = self.args.out.join(checkpoint::CHECKPOINTS_DIR);
-            let path = checkpoint::save(
-                &root,
-                done,
-                models,
-                &self.identity,
-                self.args.keep_checkpoints,
-            )?;
+            let path = checkpoint::save(&root, done, models, identity, self.args.keep_checkpoints)?;
             if !self.args.quiet {
                 self.progress
                     .println(&format!("checkpoint: {}", path.display()));
@@ -249,11 +248,14 @@ fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
     let spec = &plan.spec;
     // A checkpoint is loaded and checked before anything of the run is written.
     let fresh = exec::build_cpu_models(spec)?;
-    let identity = RunIdentity::of(plan, &fresh)?;
-    let (mut models, first) = match &args.resume {
-        Some(p) => {
+    // Hashing the plan and the reference costs a pass over the weights: only when needed.
+    let identity = (args.save_every > 0 || args.resume.is_some())
+        .then(|| RunIdentity::of(plan, &fresh))
+        .transpose()?;
+    let (mut models, first) = match (&args.resume, &identity) {
+        (Some(p), Some(identity)) => {
             let dir = checkpoint::resolve(p)?;
-            let r = checkpoint::load(&dir, &identity, fresh)?;
+            let r = checkpoint::load(&dir, identity, fresh)?;
             if !args.quiet {
                 println!(
                     "resuming from {} after {} iterations",
@@ -263,7 +265,7 @@ fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
             }
             (r.models, r.completed)
         }
-        None => (fresh, 0),
+        _ => (fresh, 0),
     };
     if first >= args.iterations {
         println!(
