@@ -278,9 +278,8 @@ fn max_abs(a: &[f32], b: &[f32]) -> f32 {
 /// Max abs errors of a TP run against the reference, by output.
 fn errors(got: &Outputs, want: &Outputs) -> Vec<(&'static str, f32)> {
     let logp = |o: &Outputs| -> Vec<f32> { o.scores.iter().flat_map(|x| x.logp.clone()).collect() };
-    let ent = |o: &Outputs| -> Vec<f32> {
-        o.scores.iter().flat_map(|x| x.entropy.clone()).collect()
-    };
+    let ent =
+        |o: &Outputs| -> Vec<f32> { o.scores.iter().flat_map(|x| x.entropy.clone()).collect() };
     vec![
         ("media embeddings", max_abs(&got.embeds, &want.embeds)),
         ("forward logits", max_abs(&got.forward, &want.forward)),

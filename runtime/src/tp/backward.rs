@@ -1,4 +1,5 @@
-//! Backward of the tensor-parallel text decoder: the gradient of `Σ dlogp_t · log p(token_t)`
+//! Backward of the tensor-parallel text decoder (and [`TpModel::block_bwd`], which the vision
+//! tower's backward in `super::vision` shares): the gradient of `Σ dlogp_t · log p(token_t)`
 //! over a packed batch of token sequences (text only, causal, no shared prefix) with respect to
 //! this rank's shard. `dlogp` is what a policy loss hands back (`train::loss`), so a TP trainer
 //! computes the loss on replicated log-probs and calls this.
@@ -21,7 +22,7 @@
 
 use rollplex_kernels::cpu::{
     attention_bwd, embedding_bwd, linear_fwd, rmsnorm_bwd, rmsnorm_fwd, rope_bwd, swiglu_bwd,
-    AttnMask, AttnSeq,
+    AttnDims, AttnMask, AttnSeq,
 };
 
 use crate::model::block::Attend;
@@ -193,8 +194,15 @@ impl TpModel {
             false,
         )?;
         // ---- layers, last to first ----
+        let ctx = BwdCtx {
+            seqs: &aseqs,
+            mask: AttnMask::Causal,
+            dims: self.local_dims(),
+            cos: &cos,
+            sin: &sin,
+        };
         for (l, lp) in lay.text_layers.iter().enumerate().rev() {
-            dx = self.block_bwd(comm, lp, &caches[l], rows, &aseqs, &cos, &sin, &dx, grads)?;
+            dx = self.block_bwd(comm, lp, &caches[l], rows, &ctx, &dx, grads)?;
         }
         // ---- embedding (vocab-parallel): the rows of the ids this rank owns ----
         let (mut own_ids, mut own_dx) = (Vec::new(), Vec::new());
@@ -219,27 +227,24 @@ impl TpModel {
         Ok(logp)
     }
 
-    /// Backward of one TP block (forward: `super::block::block_fwd`); returns the input's
-    /// gradient (replicated).
+    /// Backward of one TP block (forward: `super::block::block_fwd`), text layer or vision
+    /// block; returns the input's gradient (replicated).
     #[allow(clippy::too_many_arguments)]
-    fn block_bwd<C: Communicator>(
+    pub(crate) fn block_bwd<C: Communicator>(
         &self,
         comm: &C,
         p: &BlockParams,
         c: &LayerCache,
         rows: usize,
-        seqs: &[AttnSeq],
-        cos: &[f32],
-        sin: &[f32],
+        ctx: &BwdCtx<'_>,
         dy: &[f32],
         grads: &mut [f32],
     ) -> Result<Vec<f32>, TpError> {
         let w: &Weights = &self.weights;
-        let t = self.plan.config.text();
-        let eps = t.rms_norm_eps as f32;
+        let (seqs, cos, sin) = (ctx.seqs, ctx.cos, ctx.sin);
         let h = p.o.out;
         let f = p.gate.out;
-        let dims = self.local_dims();
+        let dims = ctx.dims;
         let (qw, kvw) = (dims.q_width(), dims.kv_width());
         let lb = |l: &Linear,
                   dx: &mut [f32],
@@ -300,7 +305,7 @@ impl TpModel {
             &c.lse,
             seqs,
             dims,
-            AttnMask::Causal,
+            ctx.mask,
             scale,
         )?;
         drop(dattn);
@@ -348,7 +353,16 @@ impl TpModel {
     }
 }
 
-fn train_err(e: crate::train::TrainError) -> TpError {
+/// How a block's attention ran: its sequences, mask, the rank's heads and the RoPE tables.
+pub(crate) struct BwdCtx<'a> {
+    pub seqs: &'a [AttnSeq],
+    pub mask: AttnMask,
+    pub dims: AttnDims,
+    pub cos: &'a [f32],
+    pub sin: &'a [f32],
+}
+
+pub(crate) fn train_err(e: crate::train::TrainError) -> TpError {
     match e {
         crate::train::TrainError::Kernel(k) => TpError::Kernel(k),
         crate::train::TrainError::Model(m) => TpError::Model(m),

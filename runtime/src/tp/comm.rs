@@ -355,20 +355,20 @@ impl ThreadComm {
             self.g.cv.notify_all();
         }
         loop {
-            if let Some(e) = Self::failure(&st) {
-                return Err(e);
-            }
             if st.phase == Phase::Draining && st.seq == seq {
                 break;
             }
+            // an exit is permanent: every waiter sees it itself (checked before failures, which
+            // the ranks that saw it report next)
             if let Some(r) = (0..self.g.world).find(|&r| st.exited[r] && st.slots[r].is_none()) {
-                let err = CommError::PeerExited {
+                return Err(CommError::PeerExited {
                     rank: r,
                     seq,
                     op: sig.clone(),
-                };
-                self.fail(&mut st, r, err.to_string());
-                return Err(err);
+                });
+            }
+            if let Some(e) = Self::failure(&st) {
+                return Err(e);
             }
             st = self.wait(st, started, &sig)?;
         }

@@ -7,17 +7,18 @@
 //! Hugging Face layout), `block` (one transformer block with column/row-parallel linears and
 //! its two all-reduces), `text` (vocab-parallel embedding, prefill, decode over a per-rank KV
 //! arena, scoring with a vocab-parallel log-softmax, greedy argmax), `vision` (the vision tower
-//! and merger, heads split), `backward` (gradients of the text decoder).
+//! and merger, heads split, and its backward), `backward` (the text decoder's backward and the
+//! TP block backward both towers use: column/row-parallel with the conjugate collectives).
 //!
-//! What it knows: the model's forward and where the collectives go. What it does not know:
-//! plans, the RL loop, devices. `backward`: the text decoder's backward (column/row-parallel
-//! with the conjugate collectives); the vision tower's backward under TP is not here yet.
+//! What it knows: the model's forward and backward and where the collectives go. What it does
+//! not know: plans, the RL loop, optimizers, devices.
 //!
 //! Invariants: (1) every rank of a group holds the same replicated values and, after each
 //! collective, the same replicated activations (all-reduce results are bitwise equal on every
 //! rank), so ranks never diverge; (2) a TP run is bitwise reproducible for a given degree
-//! (collectives reduce in rank order); (3) at degree 1 every operation is bitwise the single-rank
-//! model's (the row-parallel bias is added after the matmul, as `linear_fwd` does).
+//! (collectives reduce in rank order); (3) at degree 1 every operation (forward and gradients) is
+//! bitwise the single-rank model's and trainer's (the row-parallel bias is added after the
+//! matmul, as `linear_fwd` does).
 
 pub mod backward;
 pub mod block;

@@ -250,3 +250,336 @@ fn bad_arguments_are_errors() {
     c.all_reduce_sum(&mut b).unwrap();
     assert_eq!(b, [1.5, -2.0]);
 }
+
+// ---- backward of the text decoder under TP ----
+
+mod grads {
+    use std::sync::Arc;
+
+    use rollplex_kernels::cpu::{
+        embedding_bwd, linear_bwd, linear_fwd, logprobs_bwd, logprobs_fwd, rmsnorm_bwd, AttnDims,
+        AttnMask,
+    };
+
+    use crate::model::{CacheMode, ForwardCache, Prompt, Qwen25VL, Weights};
+    use crate::tp::{run_ranks, Communicator, ThreadComm, TpError, TpModel, TpPlan};
+    use crate::train::block_bwd::{block_bwd, grad_of, BlockCtx};
+
+    /// The model tests' tiny config with 4 vision heads (so TP=4 splits the tower): 4 query
+    /// heads, 2 kv heads (replicated at TP=4), vocab 300.
+    fn tiny() -> Qwen25VL {
+        let mut s = crate::model::tests::tiny_spec(false);
+        s.vision.num_heads = 4;
+        let mut m = Qwen25VL::random(s, 5).unwrap();
+        for (i, x) in m.weights.data.iter_mut().enumerate() {
+            if *x == 0.0 || *x == 1.0 {
+                *x += 0.05 * (((i * 2654435761) % 1000) as f32 / 500.0 - 1.0);
+            }
+        }
+        m
+    }
+
+    const SEQS: [&[u32]; 3] = [
+        &[1, 2, 3, 4, 5, 6, 7],
+        &[9, 8, 7, 6, 5],
+        &[100, 200, 299, 3],
+    ];
+    const TEMP: f32 = 0.8;
+
+    fn dlogp(n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                if i % 3 == 0 {
+                    -0.3
+                } else {
+                    0.1 + 0.02 * i as f32
+                }
+            })
+            .collect()
+    }
+
+    /// The single-rank gradient of `Σ dlogp · logp`: the model's prefill with a full cache, the
+    /// kernels' head backward and the trainer's `block_bwd`.
+    fn reference(m: &Qwen25VL) -> (Vec<f32>, Vec<f32>) {
+        let w = &m.weights;
+        let lay = &w.layout;
+        let t = m.config.text();
+        let (h, v) = (t.hidden_size as usize, t.vocab_size as usize);
+        let prompts: Vec<Prompt<'_>> = SEQS
+            .iter()
+            .map(|s| Prompt {
+                ids: &s[..s.len() - 1],
+                media: &[],
+            })
+            .collect();
+        let mut c = ForwardCache::new(CacheMode::Full);
+        m.prefill(&prompts, Some(&mut c)).unwrap();
+        let targets: Vec<u32> = SEQS.iter().flat_map(|s| s[1..].to_vec()).collect();
+        let rows = c.tokens;
+        let dl = dlogp(rows);
+        let mut logits = vec![0f32; rows * v];
+        linear_fwd(
+            &mut logits,
+            &c.final_out,
+            w.get(lay.lm_head),
+            None,
+            rows,
+            h,
+            v,
+        )
+        .unwrap();
+        let mut logp = vec![0f32; rows];
+        logprobs_fwd(&mut logp, None, None, &logits, &targets, rows, v, TEMP).unwrap();
+        let mut dlogits = vec![0f32; rows * v];
+        logprobs_bwd(&mut dlogits, &dl, None, &logits, &targets, rows, v, TEMP).unwrap();
+        let mut g = vec![0f32; w.table.total()];
+        let mut dxn = vec![0f32; rows * h];
+        linear_bwd(
+            Some(&mut dxn),
+            Some(grad_of(w, &mut g, lay.lm_head)),
+            None,
+            &dlogits,
+            &c.final_out,
+            w.get(lay.lm_head),
+            rows,
+            h,
+            v,
+            false,
+        )
+        .unwrap();
+        let mut dx = vec![0f32; rows * h];
+        rmsnorm_bwd(
+            &mut dx,
+            Some(grad_of(w, &mut g, lay.final_norm)),
+            &dxn,
+            &c.final_in,
+            w.get(lay.final_norm),
+            &c.final_rstd,
+            rows,
+            h,
+            false,
+        )
+        .unwrap();
+        let dims = AttnDims {
+            num_heads: t.num_heads as usize,
+            num_kv_heads: t.num_kv_heads as usize,
+            head_dim: t.head_dim() as usize,
+        };
+        for l in (0..lay.text_layers.len()).rev() {
+            let ctx = BlockCtx {
+                seqs: &c.seqs,
+                mask: AttnMask::Causal,
+                prefix_k: &[],
+                prefix_v: &[],
+                cos: &c.cos,
+                sin: &c.sin,
+                dims,
+                eps: t.rms_norm_eps as f32,
+            };
+            dx = block_bwd(
+                w,
+                &lay.text_layers[l],
+                &c.layers[l],
+                rows,
+                &ctx,
+                &dx,
+                None,
+                None,
+                Some(&mut g),
+            )
+            .unwrap();
+        }
+        embedding_bwd(grad_of(w, &mut g, lay.embed), &dx, &c.ids, h).unwrap();
+        (logp, g)
+    }
+
+    /// Log-probs and the full (unsharded) gradient of a TP run.
+    fn run(m: &Qwen25VL, degree: usize) -> (Vec<f32>, Vec<f32>) {
+        let plan = Arc::new(TpPlan::new(&m.config, degree).unwrap());
+        let ranks: Vec<TpModel> = (0..degree)
+            .map(|r| TpModel::shard(Arc::clone(&plan), &m.weights, r).unwrap())
+            .collect();
+        let n: usize = SEQS.iter().map(|s| s.len() - 1).sum();
+        let dl = dlogp(n);
+        let outs = run_ranks(degree, |c: &ThreadComm| -> Result<_, TpError> {
+            let r = &ranks[c.rank()];
+            let mut g = vec![0f32; r.weights.table.total()];
+            let lp = r.text_forward_backward(c, &SEQS, &dl, TEMP, &mut g)?;
+            Ok((lp, g))
+        })
+        .unwrap();
+        for o in &outs[1..] {
+            assert_eq!(o.0, outs[0].0, "log-probs differ between ranks");
+        }
+        let shards: Vec<Weights> = outs
+            .iter()
+            .zip(&ranks)
+            .map(|((_, g), r)| Weights {
+                table: r.weights.table.clone(),
+                layout: r.weights.layout.clone(),
+                data: g.clone(),
+            })
+            .collect();
+        // unshard also checks that replicated gradients agree bitwise across ranks
+        let full = plan.unshard(&shards).unwrap();
+        (outs[0].0.clone(), full.data)
+    }
+
+    #[test]
+    fn tp_text_gradients_match_single_rank() {
+        let m = tiny();
+        let (lp0, g0) = reference(&m);
+        let gmax = g0.iter().fold(0f32, |a, x| a.max(x.abs()));
+        assert!(gmax > 0.0);
+        let text0 = m.weights.table.entry(m.weights.layout.embed).offset;
+        for t in [1, 2, 4] {
+            let (lp, g) = run(&m, t);
+            let elp = lp
+                .iter()
+                .zip(&lp0)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            let eg = g
+                .iter()
+                .zip(&g0)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            println!(
+                "TP={t}: log-probs max abs error {elp:.3e}; gradients max abs error {eg:.3e} \
+                 (max |grad| {gmax:.3e})"
+            );
+            // the vision tower and merger get no gradient from a text-only batch
+            assert!(g[..text0].iter().all(|&x| x == 0.0));
+            if t == 1 {
+                assert_eq!(
+                    lp, lp0,
+                    "TP=1 log-probs must be bitwise the single-rank ones"
+                );
+                assert_eq!(g, g0, "TP=1 gradients must be bitwise the single-rank ones");
+            }
+            assert!(elp <= 2e-5, "TP={t}: log-prob error {elp}");
+            assert!(
+                eg <= 1e-4 * gmax,
+                "TP={t}: gradient error {eg} vs max {gmax}"
+            );
+        }
+        // two TP=2 runs are bitwise equal
+        assert_eq!(run(&m, 2), run(&m, 2));
+    }
+
+    fn pixels(n: usize, pd: usize, seed: u64) -> Vec<f32> {
+        (0..n * pd)
+            .map(|i| (((i as u64 + seed * 7919) * 2654435761 % 2000) as f32 / 1000.0) - 1.0)
+            .collect()
+    }
+
+    #[test]
+    fn tp_vision_gradients_match_single_rank() {
+        use crate::model::{MediaInput, MediaKind, VisionCache};
+        use crate::train::backward::vision_backward;
+        use crate::train::{GroupBatch, LossConfig, TrainConfig};
+        use rollplex_plan::spec::{KlEstimator, LossAgg, Recompute};
+
+        let m = tiny();
+        let pd = m.config.patch_dim();
+        let (img, vid) = (pixels(24, pd, 1), pixels(32, pd, 2));
+        let items = [
+            MediaInput {
+                kind: MediaKind::Image,
+                pixels: &img,
+                grid: [1, 4, 6],
+            },
+            MediaInput {
+                kind: MediaKind::Video {
+                    second_per_grid_t: Some(1.0),
+                },
+                pixels: &vid,
+                grid: [2, 4, 4],
+            },
+        ];
+        // the single-rank trainer's merger + tower backward
+        let mut vc = VisionCache::new(CacheMode::Full);
+        let enc = m.encode_media(&items, Some(&mut vc)).unwrap();
+        let n_emb: usize = enc.iter().map(|e| e.embeds.len()).sum();
+        let d: Vec<f32> = (0..n_emb)
+            .map(|i| ((i * 37 % 101) as f32 / 101.0 - 0.5) * 0.1)
+            .collect();
+        let cfg = TrainConfig {
+            loss: LossConfig {
+                clip_low: 0.2,
+                clip_high: 0.2,
+                dual_clip: None,
+                kl_coef: 0.0,
+                kl_estimator: KlEstimator::K3,
+                agg: LossAgg::TokenMean,
+            },
+            recompute: Recompute::None,
+            freeze_vision: false,
+            freeze_merger: false,
+            temperature: 1.0,
+        };
+        let batch = GroupBatch {
+            prompt_ids: &[],
+            media: &items,
+            responses: &[],
+        };
+        let mut g0 = vec![0f32; m.weights.table.total()];
+        vision_backward(&m, &cfg, &batch, &vc, &d, &mut g0).unwrap();
+        let gmax = g0.iter().fold(0f32, |a, x| a.max(x.abs()));
+        assert!(gmax > 0.0);
+        let text0 = m.weights.table.entry(m.weights.layout.embed).offset;
+        let mut last = None;
+        for t in [1, 2, 4, 2] {
+            let plan = Arc::new(TpPlan::new(&m.config, t).unwrap());
+            let ranks: Vec<TpModel> = (0..t)
+                .map(|r| TpModel::shard(Arc::clone(&plan), &m.weights, r).unwrap())
+                .collect();
+            let outs = run_ranks(t, |c: &ThreadComm| -> Result<_, TpError> {
+                let r = &ranks[c.rank()];
+                let mut g = vec![0f32; r.weights.table.total()];
+                let e = r.vision_forward_backward(c, &items, &d, &mut g)?;
+                Ok((e, g))
+            })
+            .unwrap();
+            let shards: Vec<Weights> = outs
+                .iter()
+                .zip(&ranks)
+                .map(|((_, g), r)| Weights {
+                    table: r.weights.table.clone(),
+                    layout: r.weights.layout.clone(),
+                    data: g.clone(),
+                })
+                .collect();
+            let g = plan.unshard(&shards).unwrap().data;
+            let ee = outs[0]
+                .0
+                .iter()
+                .zip(&enc)
+                .flat_map(|(a, b)| a.embeds.iter().zip(&b.embeds).map(|(x, y)| (x - y).abs()))
+                .fold(0.0, f32::max);
+            let eg = g
+                .iter()
+                .zip(&g0)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            println!(
+                "vision TP={t}: embeddings max abs error {ee:.3e}; gradients max abs error \
+                 {eg:.3e} (max |grad| {gmax:.3e})"
+            );
+            assert!(g[text0..].iter().all(|&x| x == 0.0), "text got a gradient");
+            if t == 1 {
+                assert_eq!(g, g0, "TP=1 vision gradients must be bitwise the trainer's");
+            }
+            assert!(
+                eg <= 1e-4 * gmax,
+                "TP={t}: gradient error {eg} vs max {gmax}"
+            );
+            if t == 2 {
+                // the second TP=2 run is bitwise the first
+                if let Some(prev) = last.replace(g.clone()) {
+                    assert_eq!(prev, g, "two TP=2 runs differ");
+                }
+            }
+        }
+    }
+}

@@ -3,19 +3,29 @@
 //! rank's heads (rows of the fused qkv) and intermediate rows; the merger's first linear is
 //! column-parallel (GELU is element-wise, so it stays local) and its second row-parallel,
 //! all-reduced. The embeddings every rank returns are bitwise equal.
+//!
+//! Backward ([`TpModel::vision_forward_backward`]): the merger's mlp.2 (row-parallel) needs no
+//! communication, mlp.0 (column-parallel) all-reduces its input gradient, each block as in the
+//! text decoder (`super::backward`); the patch embedding's and norms' gradients come from
+//! replicated values and are bitwise equal on every rank.
 
-use rollplex_kernels::cpu::{gelu_fwd, linear_fwd, rmsnorm_fwd, AttnDims, AttnMask, AttnSeq};
+use rollplex_kernels::cpu::{
+    gelu_bwd, gelu_fwd, linear_bwd, linear_fwd, rmsnorm_bwd, rmsnorm_fwd, AttnDims, AttnMask,
+    AttnSeq,
+};
 
 use crate::model::block::Attend;
 use crate::model::config::VISION_RMS_EPS;
 use crate::model::positions::{
     vision_cu_seqlens, vision_patch_hw, vision_rope_tables, vision_window_index,
 };
-use crate::model::{EncodedMedia, MediaInput, ModelError};
+use crate::model::{CacheMode, EncodedMedia, LayerCache, MediaInput, ModelError, VisionCache};
 
+use super::backward::{train_err, BwdCtx};
 use super::block::{block_fwd, column, row_parallel};
 use super::comm::Communicator;
 use super::{TpError, TpModel};
+use crate::train::block_bwd::{grad_of, linear_backward};
 
 impl TpModel {
     /// Encodes media items on this rank (one vision-tower pass over all of them); every rank
@@ -24,6 +34,18 @@ impl TpModel {
         &self,
         comm: &C,
         items: &[MediaInput<'_>],
+    ) -> Result<Vec<EncodedMedia>, TpError> {
+        self.encode_impl(comm, items, None)
+    }
+
+    /// [`TpModel::encode_media`], keeping in `cache` (when given) every activation the backward
+    /// reads, as `CacheMode::Full` (the merger's fc1/GELU rows and the blocks' q/k/v/attention/
+    /// MLP activations at the rank's widths).
+    pub(crate) fn encode_impl<C: Communicator>(
+        &self,
+        comm: &C,
+        items: &[MediaInput<'_>],
+        mut cache: Option<&mut VisionCache>,
     ) -> Result<Vec<EncodedMedia>, TpError> {
         self.check_comm(comm)?;
         let cfg = &self.plan.config;
@@ -86,6 +108,7 @@ impl TpModel {
             num_kv_heads: heads,
             head_dim: hd,
         };
+        let mut lc = LayerCache::default();
         for (bi, bp) in lw.vision_blocks.iter().enumerate() {
             let seqs = if v.fullatt_block_indexes.contains(&(bi as u32)) {
                 &full_seqs
@@ -109,13 +132,17 @@ impl TpModel {
                 &cos,
                 &sin,
                 attend,
-                None,
+                cache.is_some().then_some(&mut lc),
             )?;
+            if let Some(c) = cache.as_deref_mut() {
+                c.blocks.push(std::mem::take(&mut lc));
+            }
         }
         let mut xn = vec![0f32; n * vh];
+        let mut rstd = vec![0f32; n];
         rmsnorm_fwd(
             &mut xn,
-            None,
+            Some(&mut rstd),
             &x,
             w.get(lw.merger_ln),
             n,
@@ -134,6 +161,20 @@ impl TpModel {
             unperm[gi * out_w..(gi + 1) * out_w]
                 .copy_from_slice(&merged[i * out_w..(i + 1) * out_w]);
         }
+        if let Some(c) = cache {
+            c.mode = CacheMode::Full;
+            c.window_index = window_index.clone();
+            c.full_seqs = full_seqs;
+            c.window_seqs = window_seqs;
+            c.pixels = pixels;
+            c.cos = cos;
+            c.sin = sin;
+            c.merger_in = x;
+            c.merger_rstd = rstd;
+            c.merger_xn = xn;
+            c.merger_fc1 = fc1;
+            c.merger_gelu = g;
+        }
         let mut out = Vec::with_capacity(items.len());
         let mut off = 0;
         for it in items {
@@ -146,5 +187,142 @@ impl TpModel {
             off += toks;
         }
         Ok(out)
+    }
+}
+
+impl TpModel {
+    /// Encodes media and back-propagates `d_embeds` (the gradient of the items' embeddings,
+    /// concatenated in order, as the text decoder's backward hands it to the tower) into this
+    /// rank's merger and vision-tower gradients (added into `grads`). Returns the embeddings.
+    pub fn vision_forward_backward<C: Communicator>(
+        &self,
+        comm: &C,
+        items: &[MediaInput<'_>],
+        d_embeds: &[f32],
+        grads: &mut [f32],
+    ) -> Result<Vec<EncodedMedia>, TpError> {
+        let w = &self.weights;
+        if grads.len() != w.table.total() {
+            return Err(ModelError::Input(format!(
+                "gradient buffer has {} elements, rank {}'s shard {}",
+                grads.len(),
+                self.rank,
+                w.table.total()
+            ))
+            .into());
+        }
+        let mut vc = VisionCache::new(CacheMode::Full);
+        let enc = self.encode_impl(comm, items, Some(&mut vc))?;
+        let lay = &w.layout;
+        let cfg = &self.plan.config;
+        let v = cfg.vision();
+        let unit = (v.spatial_merge_size * v.spatial_merge_size) as usize;
+        let vh = v.hidden_size as usize;
+        let pd = cfg.patch_dim();
+        let n = vc.pixels.len() / pd.max(1);
+        let groups = n / unit;
+        let (mh_local, mh_in, out_w) = (lay.merger_fc1.out, lay.merger_fc1.inp, lay.merger_fc2.out);
+        if d_embeds.len() != groups * out_w {
+            return Err(ModelError::Input(format!(
+                "media embedding gradient has {} values, the items have {groups} x {out_w}",
+                d_embeds.len()
+            ))
+            .into());
+        }
+        if n == 0 {
+            return Ok(enc);
+        }
+        let mut d_merged = vec![0f32; groups * out_w];
+        for (i, &gi) in vc.window_index.iter().enumerate() {
+            let gi = gi as usize;
+            d_merged[i * out_w..(i + 1) * out_w]
+                .copy_from_slice(&d_embeds[gi * out_w..(gi + 1) * out_w]);
+        }
+        let lb = |l: &crate::model::weights::Linear,
+                  dx: &mut [f32],
+                  dy: &[f32],
+                  x: &[f32],
+                  rows: usize,
+                  g: &mut [f32]|
+         -> Result<(), TpError> {
+            linear_backward(w, l, Some(dx), dy, x, rows, Some(g), false).map_err(train_err)
+        };
+        // mlp.2 row-parallel: the rank's input columns, no communication
+        let mut dg = vec![0f32; groups * mh_local];
+        lb(
+            &lay.merger_fc2,
+            &mut dg,
+            &d_merged,
+            &vc.merger_gelu,
+            groups,
+            grads,
+        )?;
+        let mut dfc1 = vec![0f32; groups * mh_local];
+        gelu_bwd(&mut dfc1, &dg, &vc.merger_fc1)?;
+        drop(dg);
+        // mlp.0 column-parallel: partial input gradients, all-reduced
+        let mut dxn = vec![0f32; groups * mh_in];
+        lb(
+            &lay.merger_fc1,
+            &mut dxn,
+            &dfc1,
+            &vc.merger_xn,
+            groups,
+            grads,
+        )?;
+        drop(dfc1);
+        comm.all_reduce_sum(&mut dxn)?;
+        let mut dx = vec![0f32; n * vh];
+        rmsnorm_bwd(
+            &mut dx,
+            Some(grad_of(w, grads, lay.merger_ln)),
+            &dxn,
+            &vc.merger_in,
+            w.get(lay.merger_ln),
+            &vc.merger_rstd,
+            n,
+            vh,
+            false,
+        )?;
+        drop(dxn);
+        let heads = self.dims().vision_heads;
+        let dims = AttnDims {
+            num_heads: heads,
+            num_kv_heads: heads,
+            head_dim: cfg.vision_head_dim(),
+        };
+        for (b, bp) in lay.vision_blocks.iter().enumerate().rev() {
+            let ctx = BwdCtx {
+                seqs: if v.fullatt_block_indexes.contains(&(b as u32)) {
+                    &vc.full_seqs
+                } else {
+                    &vc.window_seqs
+                },
+                mask: AttnMask::Full,
+                dims,
+                cos: &vc.cos,
+                sin: &vc.sin,
+            };
+            dx = self.block_bwd(comm, bp, &vc.blocks[b], n, &ctx, &dx, grads)?;
+        }
+        // undo the window permutation; the patch embedding (replicated) gets its weight gradient
+        let mut dx0 = vec![0f32; n * vh];
+        for (i, &gi) in vc.window_index.iter().enumerate() {
+            let (d, s) = (gi as usize * unit * vh, i * unit * vh);
+            dx0[d..d + unit * vh].copy_from_slice(&dx[s..s + unit * vh]);
+        }
+        linear_bwd(
+            None,
+            Some(grad_of(w, grads, lay.patch_embed)),
+            None,
+            &dx0,
+            &vc.pixels,
+            w.get(lay.patch_embed),
+            n,
+            pd,
+            vh,
+            false,
+        )?;
+        Ok(enc)
     }
 }

@@ -576,7 +576,7 @@ fn vision_rope_permuted(
 
 /// Backward of the merger (unless frozen: then only its input gradient) and the vision tower
 /// (unless frozen). `d_embeds` is the gradient of the items' embeddings, concatenated in order.
-fn vision_backward(
+pub(crate) fn vision_backward(
     model: &Qwen25VL,
     cfg: &TrainConfig,
     g: &GroupBatch<'_>,
