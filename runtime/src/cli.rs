@@ -230,7 +230,7 @@ impl exec::LoopObserver for CpuRun<'_> {
         if let Some(identity) = self
             .identity
             .as_ref()
-            .filter(|_| every > 0 && done % every == 0)
+            .filter(|_| every > 0 && done.is_multiple_of(every))
         {
             let root = self.args.out.join(checkpoint::CHECKPOINTS_DIR);
             let path = checkpoint::save(&root, done, models, identity, self.args.keep_checkpoints)?;

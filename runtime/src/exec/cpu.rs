@@ -400,7 +400,7 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
             )));
         }
         let g = self.group_size as u32;
-        if samples.start % g != 0 || samples.len() % g != 0 {
+        if !samples.start.is_multiple_of(g) || !samples.len().is_multiple_of(g) {
             return Err(ExecError::Unsupported(format!(
                 "the CPU backend trains whole GRPO groups per micro-batch; micro-batch {micro_batch} covers samples {}..{} with groups of {g} (set micro_batch to a multiple of the group size)",
                 samples.start, samples.end
