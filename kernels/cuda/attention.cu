@@ -233,11 +233,7 @@ attention_decode_simt_bf16(float* __restrict__ part_o, float* __restrict__ part_
 // as the MMA rows (8 used of 16); P stays in registers (the accumulator layout of S is the A
 // operand layout of P V). The 4 warps' (max, sum, O) are merged in shared memory at the end.
 
-#if HEAD_DIM % 32 == 0  // the tensor-core decode needs HEAD_DIM % 32 == 0 (text heads: 128)
-#define DW 32          // keys per warp tile
-#define DSTAGES 2
-#define DROW (HEAD_DIM + KPAD)
-
+// Shared-memory addresses, cp.async, ldmatrix and mma.sync helpers (every tensor-core kernel).
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     u32 r;
     asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
@@ -259,6 +255,25 @@ __device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                  : "r"(addr));
 }
+__device__ __forceinline__ void ldsm_x2(u32 addr, u32& r0, u32& r1) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r0), "=r"(r1)
+                 : "r"(addr));
+}
+// c += A B, all 16 rows of A.
+__device__ __forceinline__ void mma16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+#if HEAD_DIM % 32 == 0  // the tensor-core decode needs HEAD_DIM % 32 == 0 (text heads: 128)
+#define DW 32          // keys per warp tile
+#define DSTAGES 2
+#define DROW (HEAD_DIM + KPAD)
+
 // c += A B with A rows g+8 zero (a1 = a3 = 0).
 __device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a2, u32 b0, u32 b1) {
     asm volatile(
@@ -467,15 +482,6 @@ attention_decode_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
 #define GKT 32    // keys per tile
 #define GSTG 4    // pipeline stages
 #define GROW (HEAD_DIM + KPAD)
-
-// c += A B, all 16 rows of A.
-__device__ __forceinline__ void mma16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 extern "C" __global__ void __launch_bounds__(NT)
 attention_decode_grouped_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
@@ -792,5 +798,219 @@ attention_fwd_bf16(bf16* __restrict__ out, u32 o_stride, float* __restrict__ lse
         if (lse != nullptr && c == 0)
             lse[(u64)(s.q_start + i) * n_heads + h] = (m + log2f(l)) * LN2_F;
     }
+    }  // query tiles
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill / scoring attention on the tensor cores (flash-attention style; the same arguments,
+// descriptors and results as attention_fwd_bf16 up to the bf16 rounding of P in O += P V).
+// Grid (x, n_heads, n_seqs), block NT = 128 threads = 4 warps x 16 query rows: block (x, h, z)
+// takes query tiles x, x + gridDim.x, ... of FQ rows of sequence z, counted from the last tile
+// (the longest under a causal mask), so every query is covered whatever the grid's x size and
+// the heavy tiles start first. K/V tiles of FK keys go through a 2-stage cp.async pipeline in
+// dynamic shared memory; S = Q K^T and O += P V run on mma.sync m16n8k16 (bf16, fp32
+// accumulate) with Q and P in registers (the accumulator layout of S is the A operand layout of
+// P V); the online softmax is in fp32 (log2 domain). The causal / length mask is applied only
+// on the tiles that cross it; a warp skips the key tiles past its own last row.
+#define FQ 64  // query rows per block tile (4 warps x 16)
+#define FK 64  // keys per K/V tile
+#define FROW (HEAD_DIM + KPAD)
+
+// Scales a tile of scores into the log2 domain, masks keys at or past `lim_a` / `lim_b` (rows
+// A / B) when `masked`, and returns the rows' maxima over this lane's columns.
+template <bool MASKED>
+__device__ __forceinline__ void scale_mask(float (*sc)[4], u32 t0, u32 t, u32 lim_a, u32 lim_b,
+                                           float scale_log2, float& mta, float& mtb) {
+#pragma unroll
+    for (int j = 0; j < FK / 8; j++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const u32 kk = t0 + 8 * j + 2 * t + e;
+            sc[j][e] = (!MASKED || kk < lim_a) ? sc[j][e] * scale_log2 : NEG_INF_F;
+            sc[j][e + 2] = (!MASKED || kk < lim_b) ? sc[j][e + 2] * scale_log2 : NEG_INF_F;
+            mta = fmaxf(mta, sc[j][e]);
+            mtb = fmaxf(mtb, sc[j][e + 2]);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NT)
+attention_fwd_tc_bf16(bf16* __restrict__ out, u32 o_stride, float* __restrict__ lse,
+                      const bf16* __restrict__ q, u32 q_stride, KvSrc src,
+                      const AttnSeq* __restrict__ seqs, u32 n_heads, u32 n_kv, u32 causal,
+                      float scale_log2, u32 q_rows, u32 p_rows, u32 kv_rows) {
+    constexpr int KSTEPS = HEAD_DIM / 16;
+    constexpr int DT = HEAD_DIM / 8;   // 8-wide dim tiles of O (even: HEAD_DIM % 16 == 0)
+    constexpr int VPR = HEAD_DIM / 8;  // 16-byte chunks per K/V row
+    constexpr u32 TILE = FK * FROW * 2;  // bytes of one K (or V) tile
+    static_assert((FK * VPR) % NT == 0, "a K/V tile must split evenly over the block");
+    extern __shared__ __align__(16) unsigned char dsmem[];
+    const AttnSeq s = seqs[blockIdx.z];
+    const u32 h = blockIdx.y, kvh = h / (n_heads / n_kv);
+    // A descriptor outside the buffers (or with more queries than own keys) writes nothing.
+    if ((u64)s.q_start + s.q_len > q_rows || (u64)s.p_start + s.p_len > p_rows ||
+        (u64)s.k_start + s.k_len > kv_rows || s.q_len > s.k_len)
+        return;
+    const u32 L = s.p_len + s.k_len;
+    const u32 off = L - s.q_len;  // logical index of query 0's own key
+    const u32 n_qt = (s.q_len + FQ - 1) / FQ;
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const u32 base = smem_u32(dsmem);  // stage st: K at base + 2*st*TILE, V right after
+
+    for (u32 ti = blockIdx.x; ti < n_qt; ti += gridDim.x) {
+        const u32 q0 = (n_qt - 1 - ti) * FQ;
+        const u32 q_end = min(s.q_len, q0 + FQ);
+        const u32 kend = causal ? off + q_end : L;  // keys any row of the tile sees
+        const u32 ntiles = (kend + FK - 1) / FK;
+        const u32 r0 = q0 + warp * 16;  // this warp's first row
+        const bool w_active = r0 < s.q_len;
+        // keys this warp's rows see: all below w_kend; all rows see every key below w_full
+        const u32 w_kend = !w_active ? 0 : (causal ? off + min(r0 + 16, s.q_len) : L);
+        const u32 w_full = causal ? off + r0 + 1 : L;
+        const u32 ia = r0 + g, ib = ia + 8;
+        const bool va = ia < s.q_len, vb = ib < s.q_len;
+        const u32 lim_a = causal ? min(off + ia + 1, L) : L;
+        const u32 lim_b = causal ? min(off + ib + 1, L) : L;
+
+        const bf16* qa = q + (u64)(s.q_start + (va ? ia : 0)) * q_stride + h * HEAD_DIM;
+        const bf16* qb = q + (u64)(s.q_start + (vb ? ib : 0)) * q_stride + h * HEAD_DIM;
+        u32 qf[KSTEPS][4];
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; kk++) {
+            qf[kk][0] = va ? *(const u32*)(qa + 16 * kk + 2 * t) : 0u;
+            qf[kk][1] = vb ? *(const u32*)(qb + 16 * kk + 2 * t) : 0u;
+            qf[kk][2] = va ? *(const u32*)(qa + 16 * kk + 8 + 2 * t) : 0u;
+            qf[kk][3] = vb ? *(const u32*)(qb + 16 * kk + 8 + 2 * t) : 0u;
+        }
+
+        auto issue = [&](u32 it) {
+            const u32 ks = base + (it & 1) * 2 * TILE, vs = ks + TILE;
+            const u32 t0 = it * FK;
+#pragma unroll
+            for (int i = 0; i < FK * VPR / NT; i++) {
+                const u32 c = threadIdx.x + NT * i, row = c / VPR, col = c % VPR, kk = t0 + row;
+                const bool valid = kk < kend;
+                const bf16* kp = src.k;
+                const bf16* vp = src.v;
+                if (valid) {
+                    const bool pre = kk < s.p_len;
+                    const u64 o = (pre ? (u64)(s.p_start + kk) * src.p_stride
+                                       : (u64)(s.k_start + kk - s.p_len) * src.kv_stride) +
+                                  kvh * HEAD_DIM + col * 8;
+                    kp = (pre ? src.pk : src.k) + o;
+                    vp = (pre ? src.pv : src.v) + o;
+                }
+                const u32 so = (row * FROW + col * 8) * 2;
+                cp_async16(ks + so, kp, valid);
+                cp_async16(vs + so, vp, valid);
+            }
+        };
+
+        float o[DT][4];
+#pragma unroll
+        for (int j = 0; j < DT; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+        float m_a = NEG_INF_F, m_b = NEG_INF_F, l_a = 0.0f, l_b = 0.0f;
+
+        __syncthreads();  // the previous query tile's last reads of the stages are done
+        if (ntiles > 0) issue(0);
+        cp_async_commit();
+        for (u32 it = 0; it < ntiles; it++) {
+            if (it + 1 < ntiles) issue(it + 1);
+            cp_async_commit();
+            cp_async_wait1();  // tile `it` landed (this thread's copies) ...
+            __syncthreads();   // ... and everyone's
+            const u32 t0 = it * FK;
+            if (t0 < w_kend) {  // warp-uniform
+                const u32 ks = base + (it & 1) * 2 * TILE, vs = ks + TILE;
+                float sc[FK / 8][4];
+#pragma unroll
+                for (int j = 0; j < FK / 8; j++) {
+                    sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+                    const u32 row = 8 * j + (lane & 7);
+#pragma unroll
+                    for (int kk = 0; kk + 1 < KSTEPS; kk += 2) {
+                        u32 b0, b1, b2, b3;
+                        ldsm_x4(ks + (row * FROW + 16 * kk + 8 * (lane >> 3)) * 2, b0, b1, b2, b3);
+                        mma16(sc[j], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], b0, b1);
+                        mma16(sc[j], qf[kk + 1][0], qf[kk + 1][1], qf[kk + 1][2], qf[kk + 1][3], b2, b3);
+                    }
+                    if (KSTEPS & 1) {  // head_dim 80: one 16-dim step left
+                        constexpr int kk = KSTEPS - 1;
+                        u32 b0, b1;
+                        ldsm_x2(ks + (row * FROW + 16 * kk + 8 * ((lane >> 3) & 1)) * 2, b0, b1);
+                        mma16(sc[j], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], b0, b1);
+                    }
+                }
+                float mta = NEG_INF_F, mtb = NEG_INF_F;
+                if (t0 + FK > w_full)
+                    scale_mask<true>(sc, t0, t, lim_a, lim_b, scale_log2, mta, mtb);
+                else
+                    scale_mask<false>(sc, t0, t, lim_a, lim_b, scale_log2, mta, mtb);
+                mta = fmaxf(mta, __shfl_xor_sync(0xffffffffu, mta, 1));
+                mta = fmaxf(mta, __shfl_xor_sync(0xffffffffu, mta, 2));
+                mtb = fmaxf(mtb, __shfl_xor_sync(0xffffffffu, mtb, 1));
+                mtb = fmaxf(mtb, __shfl_xor_sync(0xffffffffu, mtb, 2));
+                const float mna = fmaxf(m_a, mta), mnb = fmaxf(m_b, mtb);
+                // a row that sees no key yet keeps max -inf; subtract 0 then (p = 0, o stays 0)
+                const float ua = mna == NEG_INF_F ? 0.0f : mna;
+                const float ub = mnb == NEG_INF_F ? 0.0f : mnb;
+                const float ca = exp2f(m_a - ua), cb = exp2f(m_b - ub);
+                m_a = mna;
+                m_b = mnb;
+                float lsa = 0.0f, lsb = 0.0f;
+                u32 pa[FK / 8], pb[FK / 8];  // P of rows A / B as bf16 pairs (keys 8j + 2t, +1)
+#pragma unroll
+                for (int j = 0; j < FK / 8; j++) {
+                    const float p0 = exp2f(sc[j][0] - ua), p1 = exp2f(sc[j][1] - ua);
+                    const float p2 = exp2f(sc[j][2] - ub), p3 = exp2f(sc[j][3] - ub);
+                    lsa += p0 + p1;
+                    lsb += p2 + p3;
+                    pa[j] = pack_bf2(p0, p1);
+                    pb[j] = pack_bf2(p2, p3);
+                }
+                l_a = l_a * ca + lsa;
+                l_b = l_b * cb + lsb;
+#pragma unroll
+                for (int jd = 0; jd < DT; jd++) {
+                    o[jd][0] *= ca;
+                    o[jd][1] *= ca;
+                    o[jd][2] *= cb;
+                    o[jd][3] *= cb;
+                }
+#pragma unroll
+                for (int kk2 = 0; kk2 < FK / 16; kk2++) {
+                    const u32 row = 16 * kk2 + (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+                    for (int jd = 0; jd < DT; jd += 2) {
+                        u32 b0, b1, b2, b3;
+                        const u32 col = 8 * (jd + (lane >> 4));
+                        ldsm_x4_t(vs + (row * FROW + col) * 2, b0, b1, b2, b3);
+                        mma16(o[jd], pa[2 * kk2], pb[2 * kk2], pa[2 * kk2 + 1], pb[2 * kk2 + 1], b0, b1);
+                        mma16(o[jd + 1], pa[2 * kk2], pb[2 * kk2], pa[2 * kk2 + 1], pb[2 * kk2 + 1], b2, b3);
+                    }
+                }
+            }
+            __syncthreads();  // stage `it & 1` is refilled by the next iteration's issue
+        }
+        asm volatile("cp.async.wait_group 0;\n" ::);
+        l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+        l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+        l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+        l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const bool v = half ? vb : va;
+            if (!v) continue;
+            const u32 i = half ? ib : ia;
+            const float l = half ? l_b : l_a, m = half ? m_b : m_a;
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            bf16* orow = out + (u64)(s.q_start + i) * o_stride + h * HEAD_DIM;
+#pragma unroll
+            for (int jd = 0; jd < DT; jd++)
+                *(u32*)(orow + 8 * jd + 2 * t) =
+                    pack_bf2(o[jd][2 * half] * inv, o[jd][2 * half + 1] * inv);
+            if (lse != nullptr && t == 0)
+                lse[(u64)(s.q_start + i) * n_heads + h] = (m + log2f(l)) * LN2_F;
+        }
     }  // query tiles
 }

@@ -1,5 +1,7 @@
 //! Attention launchers (kernels in `cuda/attention.cu`): `attention_fwd_bf16`, the twin of
-//! [`crate::cpu::attention_fwd`] (varlen, causal or full, GQA, shared prefix);
+//! [`crate::cpu::attention_fwd`] (varlen, causal or full, GQA, shared prefix; a tensor-core
+//! flash-attention kernel for head_dim <= 128 and prompts of 16+ tokens, else the SIMT one,
+//! [`fwd_kernel_for`]);
 //! `attention_decode_bf16`, the twin of [`crate::cpu::attention_decode`] (one query per sequence
 //! over a KV arena whose prefix rows are shared by a group's samples); and
 //! `attention_decode_grouped_bf16`, the same twin reading each GRPO group's shared prefix once
@@ -155,12 +157,87 @@ fn check_stride(op: &'static str, name: &str, stride: usize, width: usize) -> Re
     Ok(())
 }
 
+/// Which kernel [`attention_fwd_bf16_with`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FwdKernel {
+    /// [`fwd_kernel_for`]'s choice (what [`attention_fwd_bf16`] runs).
+    Auto,
+    /// The tensor-core flash-attention kernel (`attention_fwd_tc_bf16`): 64-query tiles,
+    /// head_dim a multiple of 16 up to [`TC_FWD_MAX_HEAD_DIM`].
+    TensorCores,
+    /// The SIMT kernel (16-query tiles, fp32 FMAs): head_dim a multiple of 16 up to 256.
+    Simt,
+}
+
+/// The largest head_dim the tensor-core prefill kernel takes (Q, S and O live in registers:
+/// 249 registers a thread at 128).
+pub const TC_FWD_MAX_HEAD_DIM: usize = 128;
+
+/// The shortest longest-query hint for which [`FwdKernel::Auto`] takes the tensor cores: below
+/// it (decode through the varlen kernel: one query per sequence) a 64-row tile would be mostly
+/// empty and the SIMT kernel's 16-row tiles waste less.
+pub const TC_FWD_MIN_Q: usize = 16;
+
+/// The kernel [`FwdKernel::Auto`] runs for `dims` and the `max_q_len` hint: the tensor cores
+/// when head_dim <= [`TC_FWD_MAX_HEAD_DIM`] and `max_q_len >= TC_FWD_MIN_Q`, else SIMT.
+pub fn fwd_kernel_for(dims: &AttnDims, max_q_len: usize) -> FwdKernel {
+    if dims.head_dim <= TC_FWD_MAX_HEAD_DIM && max_q_len >= TC_FWD_MIN_Q {
+        FwdKernel::TensorCores
+    } else {
+        FwdKernel::Simt
+    }
+}
+
 /// Varlen attention over a packed batch, as [`crate::cpu::attention_fwd`]: `out`, `q`
 /// `[T, heads*hd]`; `k`, `v` `[T, kv_heads*hd]`; `prefix_k`, `prefix_v` `[P, kv_heads*hd]` (pass
 /// `k`, `v` again when no sequence has a prefix); `lse` `[T, heads]` if given; rows `strides`
-/// apart. `seqs` holds `n_seqs` descriptors on the device; `max_q_len` (a hint) sizes the grid.
+/// apart. `seqs` holds `n_seqs` descriptors on the device; `max_q_len` (a hint) sizes the grid
+/// and picks the kernel ([`fwd_kernel_for`]); every query is attended whatever it says.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_fwd_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    out: &mut impl DevicePtrMut<bf16>,
+    lse: Option<&mut dyn DevicePtrMut<f32>>,
+    q: &impl DevicePtr<bf16>,
+    k: &impl DevicePtr<bf16>,
+    v: &impl DevicePtr<bf16>,
+    prefix_k: &impl DevicePtr<bf16>,
+    prefix_v: &impl DevicePtr<bf16>,
+    seqs: &impl DevicePtr<AttnSeqGpu>,
+    n_seqs: usize,
+    max_q_len: usize,
+    dims: AttnDims,
+    mask: AttnMask,
+    scale: f32,
+    strides: RowStrides,
+) -> Result<()> {
+    attention_fwd_bf16_with(
+        FwdKernel::Auto,
+        gpu,
+        stream,
+        out,
+        lse,
+        q,
+        k,
+        v,
+        prefix_k,
+        prefix_v,
+        seqs,
+        n_seqs,
+        max_q_len,
+        dims,
+        mask,
+        scale,
+        strides,
+    )
+}
+
+/// [`attention_fwd_bf16`] on a chosen kernel (tests and the bench run both side by side).
+/// [`FwdKernel::TensorCores`] with a head_dim past [`TC_FWD_MAX_HEAD_DIM`] is refused.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_fwd_bf16_with(
+    kernel: FwdKernel,
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     out: &mut impl DevicePtrMut<bf16>,
@@ -224,8 +301,45 @@ pub fn attention_fwd_bf16(
     ] {
         aligned16(OP, name, p)?;
     }
+    let kernel = match kernel {
+        FwdKernel::Auto => fwd_kernel_for(&dims, max_q_len),
+        FwdKernel::TensorCores if dims.head_dim > TC_FWD_MAX_HEAD_DIM => {
+            return Err(shape(
+                OP,
+                format!(
+                    "the tensor-core kernel takes head_dim up to {TC_FWD_MAX_HEAD_DIM}, not {}",
+                    dims.head_dim
+                ),
+            ))
+        }
+        k => k,
+    };
+    let tc = kernel == FwdKernel::TensorCores;
     let hd = dims.head_dim as u32;
-    let f = gpu.function(&ATTENTION, &[("HEAD_DIM", hd)], "attention_fwd_bf16")?;
+    let name = if tc {
+        "attention_fwd_tc_bf16"
+    } else {
+        "attention_fwd_bf16"
+    };
+    let f = gpu.function(&ATTENTION, &[("HEAD_DIM", hd)], name)?;
+    // the tensor-core kernel: 2 stages of a 64-key K and V tile, rows padded by 8 bf16
+    let smem = if tc {
+        (2 * 2 * 64 * (dims.head_dim + 8) * 2) as u32
+    } else {
+        0
+    };
+    if tc {
+        // SAFETY: a valid function handle of this context; raises the dynamic shared-memory
+        // limit to what this launch passes (68 KiB for head_dim 128).
+        unsafe {
+            cudarc::driver::sys::cuFuncSetAttribute(
+                f.cu_function(),
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+        }
+        .result()?;
+    }
     let (os, qs) = (strides.out as u32, strides.q as u32);
     let (nh, nkv) = (dims.num_heads as u32, dims.num_kv_heads as u32);
     let causal = matches!(mask, AttnMask::Causal) as u32;
@@ -235,12 +349,13 @@ pub fn attention_fwd_bf16(
         u32_of(OP, "prefix rows", p_rows)?,
         u32_of(OP, "kv rows", kv_rows)?,
     );
-    let gx = u32_of(OP, "max_q_len", max_q_len.div_ceil(16))?.min(65535);
+    let q_tile = if tc { 64 } else { 16 };
+    let gx = u32_of(OP, "max_q_len", max_q_len.div_ceil(q_tile))?.min(65535);
     let gz = u32_of(OP, "n_seqs", n_seqs)?;
     let cfg = LaunchConfig {
         grid_dim: (gx, nh, gz),
         block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: smem,
     };
     let mut b = stream.launch_builder(&f);
     b.arg(&op_)
@@ -256,7 +371,7 @@ pub fn attention_fwd_bf16(
     b.arg(&scale_log2).arg(&qr).arg(&pr).arg(&kr);
     // SAFETY: the kernel checks each descriptor against q_rows / p_rows / kv_rows (computed from
     // the buffers' lengths and strides, out and lse included) and touches only rows inside them;
-    // rows are 16-byte aligned (checked); arguments match the kernel's signature
+    // rows are 16-byte aligned (checked); arguments match both kernels' signature
     // (out, o_stride, lse, q, q_stride, src, seqs, n_heads, n_kv, causal, scale_log2, q_rows,
     // p_rows, kv_rows).
     unsafe { b.launch(cfg) }?;
