@@ -1,0 +1,160 @@
+// Backward kernels of the elementwise, norm, embedding and log-prob ops: the CUDA twins of
+// kernels/src/cpu/backward.rs. Activations and activation gradients are bf16 (read and written
+// once, math in fp32); parameter gradients are fp32 and always added (+=). Every reduction runs
+// in an order fixed by the shapes alone (no float atomics), so two runs give the same bits.
+
+// RMSNorm backward, dx part. One block per row; with xh = x * r, g = dy * w:
+//   dx = r * (g - xh * mean(g * xh))    (written, or added to dx when accumulate != 0)
+// The row's sum runs in the fixed block_sum order.
+extern "C" __global__ void rmsnorm_bwd_dx_bf16(bf16* dx, const bf16* __restrict__ dy,
+                                               const bf16* __restrict__ x,
+                                               const bf16* __restrict__ w,
+                                               const float* __restrict__ rstd, u32 rows,
+                                               u32 cols, u32 accumulate) {
+    __shared__ float scratch[32];
+    const u32 row = blockIdx.x;
+    if (row >= rows) return;
+    const u64 o = (u64)row * cols;
+    const float r = rstd[row];
+    float c = 0.0f;
+    for (u32 i = threadIdx.x; i < cols; i += blockDim.x)
+        c += (bf2f(dy[o + i]) * bf2f(w[i])) * (bf2f(x[o + i]) * r);
+    c = block_sum(c, scratch) / (float)cols;
+    for (u32 i = threadIdx.x; i < cols; i += blockDim.x) {
+        const float xh = bf2f(x[o + i]) * r;
+        float v = r * (bf2f(dy[o + i]) * bf2f(w[i]) - xh * c);
+        if (accumulate) v += bf2f(dx[o + i]);
+        dx[o + i] = f2bf(v);
+    }
+}
+
+// RMSNorm backward, weight part: dw[j] += sum over rows of dy[r, j] * x[r, j] * rstd[r].
+// Block (32, 16): threadIdx.x picks the column, threadIdx.y the rows r = ty, ty + 16, ...
+// (ascending); the 16 partial sums are then added in ty order. The order depends on the shape
+// only.
+extern "C" __global__ void rmsnorm_bwd_dw_f32(float* dw, const bf16* __restrict__ dy,
+                                              const bf16* __restrict__ x,
+                                              const float* __restrict__ rstd, u32 rows, u32 cols) {
+    __shared__ float part[16][33];
+    const u32 j = blockIdx.x * 32 + threadIdx.x;
+    float acc = 0.0f;
+    if (j < cols)
+        for (u32 r = threadIdx.y; r < rows; r += 16) {
+            const u64 o = (u64)r * cols + j;
+            acc += bf2f(dy[o]) * (bf2f(x[o]) * rstd[r]);
+        }
+    part[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && j < cols) {
+        float s = 0.0f;
+        for (int k = 0; k < 16; k++) s += part[k][threadIdx.x];
+        dw[j] += s;
+    }
+}
+
+// RoPE backward in place (the transposed rotation): on each of `n_heads` heads of row t,
+//   dx1 = dy1 c1 + dy2 s2,  dx2 = dy2 c2 - dy1 s1     (c, s = cos/sin[t, :], fp32; one rounding)
+extern "C" __global__ void rope_bwd_bf16(bf16* dx, const float* __restrict__ cos_t,
+                                         const float* __restrict__ sin_t, u32 tokens,
+                                         u32 row_stride, u32 n_heads, u32 head_dim) {
+    const u32 t = blockIdx.x;
+    if (t >= tokens) return;
+    bf16* xr = dx + (u64)t * row_stride;
+    const float* c = cos_t + (u64)t * head_dim;
+    const float* s = sin_t + (u64)t * head_dim;
+    const u32 half = head_dim / 2;
+    for (u32 e = threadIdx.x; e < n_heads * half; e += blockDim.x) {
+        const u32 h = e / half, i = e % half;
+        bf16* xh = xr + h * head_dim;
+        const float d1 = bf2f(xh[i]), d2 = bf2f(xh[i + half]);
+        xh[i] = f2bf(d1 * c[i] + d2 * s[i + half]);
+        xh[i + half] = f2bf(d2 * c[i + half] - d1 * s[i]);
+    }
+}
+
+// SwiGLU backward (out = silu(gate) * up), fp32 math:
+//   dgate = dout * up * sig * (1 + g (1 - sig)),  dup = dout * g * sig
+// Each buffer has its own row stride (a fused [rows, 2F] dgate|dup output works).
+extern "C" __global__ void swiglu_bwd_bf16(bf16* dgate, bf16* dup, const bf16* __restrict__ dout,
+                                           const bf16* __restrict__ gate,
+                                           const bf16* __restrict__ up, u32 rows, u32 cols,
+                                           u32 dgate_stride, u32 dup_stride, u32 dout_stride,
+                                           u32 gate_stride, u32 up_stride) {
+    const u32 row = blockIdx.y;
+    if (row >= rows) return;
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < cols; i += gridDim.x * blockDim.x) {
+        const float g = bf2f(gate[(u64)row * gate_stride + i]);
+        const float u = bf2f(up[(u64)row * up_stride + i]);
+        const float d = bf2f(dout[(u64)row * dout_stride + i]);
+        const float sig = 1.0f / (1.0f + expf(-g));
+        dgate[(u64)row * dgate_stride + i] = f2bf(d * u * (sig * (1.0f + g * (1.0f - sig))));
+        dup[(u64)row * dup_stride + i] = f2bf(d * (g * sig));
+    }
+}
+
+// acc[i] += g[i] over n elements (a bf16 gradient, e.g. a GEMM's dW, into fp32 accumulators).
+extern "C" __global__ void grad_accumulate_f32(float* acc, const bf16* __restrict__ g, u64 n) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        acc[i] += bf2f(g[i]);
+}
+
+// Embedding backward: dtable[ids[t], j] += dout[t, j], tokens in ascending order for every
+// table element (the CPU twin's order, so the result is bitwise the CPU's). No atomics: block
+// (blockIdx.x, blockIdx.y) owns columns blockIdx.x*blockDim.x + threadIdx.x of the table rows
+// whose id falls in slice blockIdx.y (ids with id % gridDim.y == blockIdx.y); every thread scans
+// all ids in order. Ids >= vocab are skipped (the launcher's contract: the caller checks them).
+extern "C" __global__ void embedding_bwd_f32(float* dtable, const bf16* __restrict__ dout,
+                                             const u32* __restrict__ ids, u32 tokens, u32 hidden,
+                                             u32 vocab, u32 dout_stride) {
+    const u32 j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= hidden) return;
+    for (u32 t = 0; t < tokens; t++) {
+        const u32 id = ids[t];
+        if (id >= vocab || id % gridDim.y != blockIdx.y) continue;
+        dtable[(u64)id * hidden + j] += bf2f(dout[(u64)t * dout_stride + j]);
+    }
+}
+
+// Log-prob backward through the (temperature-scaled) log-softmax. One block per row; with
+// z = logits / T, p = softmax(z), e = sum_k p_k z_k:
+//   dlogits_j = (dlogp (1[j = target] - p_j) - dentropy p_j (z_j - e)) / T
+// dentropy may be null (no entropy term). The row's max, sum and e run in block_* order.
+// A target >= vocab writes NaN over the row.
+extern "C" __global__ void logprobs_bwd_bf16(bf16* dlogits, const float* __restrict__ dlogp,
+                                             const float* __restrict__ dentropy,
+                                             const bf16* __restrict__ logits,
+                                             const u32* __restrict__ targets, u32 rows, u32 vocab,
+                                             u32 row_stride, u32 out_stride, float temperature) {
+    __shared__ float scratch[32];
+    const u32 row = blockIdx.x;
+    if (row >= rows) return;
+    const bf16* x = logits + (u64)row * row_stride;
+    bf16* o = dlogits + (u64)row * out_stride;
+    const float inv_t = 1.0f / temperature;
+    float m = NEG_INF_F;
+    for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) m = fmaxf(m, bf2f(x[i]) * inv_t);
+    m = block_max(m, scratch);
+    float s = 0.0f;
+    for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) s += expf(bf2f(x[i]) * inv_t - m);
+    s = block_sum(s, scratch);
+    const float lse = m + logf(s);
+    const float gl = dlogp[row];
+    const float ge = dentropy != nullptr ? dentropy[row] : 0.0f;
+    float ez = 0.0f;
+    if (ge != 0.0f) {
+        for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) {
+            const float z = bf2f(x[i]) * inv_t;
+            ez += expf(z - lse) * z;
+        }
+        ez = block_sum(ez, scratch);
+    }
+    const u32 tgt = targets[row];
+    const bool bad = tgt >= vocab;
+    for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float z = bf2f(x[i]) * inv_t;
+        const float p = expf(z - lse);
+        const float onehot = i == tgt ? 1.0f : 0.0f;
+        const float dz = gl * (onehot - p) - ge * p * (z - ez);
+        o[i] = bad ? (bf16)0x7fc0u : f2bf(dz * inv_t);
+    }
+}
