@@ -341,6 +341,52 @@ pub fn evaluate(
     model: &crate::model::Qwen25VL,
     n: u32,
 ) -> Result<Option<f64>, ExecError> {
+    evaluate_split(spec, model, Split::Test, n)
+}
+
+/// The mean reward of greedy answers to the first `n` prompts of `split` of the moving-shapes
+/// task (the train split measures fitting, the test split generalisation). `None` when the
+/// job's data is not the moving-shapes task or `n` is 0.
+pub fn evaluate_split(
+    spec: &JobSpec,
+    model: &crate::model::Qwen25VL,
+    split: Split,
+    n: u32,
+) -> Result<Option<f64>, ExecError> {
+    let Some(answers) = greedy(spec, model, split, n)? else {
+        return Ok(None);
+    };
+    let mut reward =
+        Reward::from_spec(&spec.reward).map_err(|e| ExecError::Reward(e.to_string()))?;
+    let scores = reward
+        .score(&answers)
+        .map_err(|e| ExecError::Reward(e.to_string()))?;
+    Ok(Some(scores.iter().sum::<f64>() / n as f64))
+}
+
+/// The greedy responses to the first `n` prompts of `split`, as (index, decoded text), for
+/// looking at what a model answers. Empty when the job's data is not the moving-shapes task.
+pub fn greedy_answers(
+    spec: &JobSpec,
+    model: &crate::model::Qwen25VL,
+    split: Split,
+    n: u32,
+) -> Result<Vec<(Split, u32, String)>, ExecError> {
+    Ok(greedy(spec, model, split, n)?
+        .unwrap_or_default()
+        .into_iter()
+        .enumerate()
+        .map(|(i, req)| (split, i as u32, req.response))
+        .collect())
+}
+
+/// Greedy answers to the first `n` prompts of `split` as reward requests.
+fn greedy(
+    spec: &JobSpec,
+    model: &crate::model::Qwen25VL,
+    split: Split,
+    n: u32,
+) -> Result<Option<Vec<RewardRequest>>, ExecError> {
     use crate::model::{EncodedMedia, GenerateConfig, MediaInput, Prompt, SamplingParams};
     let DatasetSpec::Generated { name, size } = &spec.rollout.dataset else {
         return Ok(None);
@@ -349,8 +395,6 @@ pub fn evaluate(
         return Ok(None);
     }
     let source = ShapesSource::new(spec, *size)?;
-    let mut reward =
-        Reward::from_spec(&spec.reward).map_err(|e| ExecError::Reward(e.to_string()))?;
     let mut stop_ids = spec.actor.tokens.eos_token_ids.clone();
     stop_ids.extend(&spec.rollout.sampling.stop_token_ids);
     let cfg = GenerateConfig {
@@ -360,9 +404,9 @@ pub fn evaluate(
         seed: spec.seed,
         iteration: u32::MAX,
     };
-    let mut total = 0.0;
+    let mut out = Vec::with_capacity(n as usize);
     for i in 0..n {
-        let p = source.prompt(Split::Test, i as u64)?;
+        let p = source.prompt(split, i as u64)?;
         let inputs: Vec<MediaInput<'_>> = p
             .media
             .iter()
@@ -383,16 +427,13 @@ pub fn evaluate(
                 None,
             )?
             .remove(0);
-        let out = model.generate_group(&prefix, &[i], &cfg)?;
-        let req = RewardRequest {
+        let tokens = model.generate_group(&prefix, &[i], &cfg)?.remove(0).tokens;
+        out.push(RewardRequest {
             id: p.id.clone(),
             prompt: p.text.clone(),
-            response: source.builder().decode(&out[0].tokens)?,
+            response: source.builder().decode(&tokens)?,
             answer: p.answer.clone(),
-        };
-        total += reward
-            .score(&[req])
-            .map_err(|e| ExecError::Reward(e.to_string()))?[0];
+        });
     }
-    Ok(Some(total / n as f64))
+    Ok(Some(out))
 }
