@@ -291,22 +291,7 @@ fn swiglu_bwd_matches_cpu_fused_and_contiguous() {
     let mut runs = Vec::new();
     for _ in 0..2 {
         let mut out = poison_bf(&s, rows * 2 * f);
-        {
-            let (mut a, mut b) = out.split_at_mut(f);
-            swiglu_bwd_bf16(
-                g,
-                &s,
-                &mut a,
-                &mut b,
-                &gdo,
-                &ggu.slice(..),
-                &ggu.slice(f..),
-                rows,
-                f,
-                SwigluBwdStrides::fused(f),
-            )
-            .unwrap();
-        }
+        swiglu_bwd_fused_bf16(g, &s, &mut out, &gdo, &ggu, rows, f).unwrap();
         runs.push(down(&s, &out));
     }
     let got = to_f32(&runs[0]);
@@ -316,10 +301,28 @@ fn swiglu_bwd_matches_cpu_fused_and_contiguous() {
     let du: Vec<f32> = (0..rows)
         .flat_map(|r| got[r * 2 * f + f..(r + 1) * 2 * f].to_vec())
         .collect();
-    check("swiglu_bwd_bf16 fused dgate", &dg, &wg, 8e-3);
-    check("swiglu_bwd_bf16 fused dup", &du, &wu, 8e-3);
+    check("swiglu_bwd_fused_bf16 dgate", &dg, &wg, 8e-3);
+    check("swiglu_bwd_fused_bf16 dup", &du, &wu, 8e-3);
     assert_eq!(bits_bf(&runs[0]), bits_bf(&runs[1]), "swiglu_bwd bits");
-    // Contiguous buffers give the same bits as the fused layout.
+    // Gate/up read in place from the fused input, gradients contiguous: the same bits.
+    let (mut a, mut b) = (poison_bf(&s, rows * f), poison_bf(&s, rows * f));
+    swiglu_bwd_bf16(
+        g,
+        &s,
+        &mut a,
+        &mut b,
+        &gdo,
+        &ggu.slice(..),
+        &ggu.slice(f..),
+        rows,
+        f,
+        SwigluBwdStrides::fused_inputs(f),
+    )
+    .unwrap();
+    let (a, b) = (to_f32(&down(&s, &a)), to_f32(&down(&s, &b)));
+    assert_eq!(bits_f32(&a), bits_f32(&dg), "strided dgate = fused");
+    assert_eq!(bits_f32(&b), bits_f32(&du), "strided dup = fused");
+    // Contiguous buffers: the same bits.
     let gate_b: Vec<bf16> = gate.iter().map(|&v| bf16::from_f32(v)).collect();
     let up_b: Vec<bf16> = upv.iter().map(|&v| bf16::from_f32(v)).collect();
     let (gg, gup) = (up(&s, &gate_b), up(&s, &up_b));
@@ -340,6 +343,16 @@ fn swiglu_bwd_matches_cpu_fused_and_contiguous() {
     let (a, b) = (to_f32(&down(&s, &a)), to_f32(&down(&s, &b)));
     assert_eq!(bits_f32(&a), bits_f32(&dg), "contiguous dgate = fused");
     assert_eq!(bits_f32(&b), bits_f32(&du), "contiguous dup = fused");
+    let mut fused_short = poison_bf(&s, rows * 2 * f - 1);
+    assert!(is_shape_err(swiglu_bwd_fused_bf16(
+        g,
+        &s,
+        &mut fused_short,
+        &gdo,
+        &ggu,
+        rows,
+        f
+    )));
     let mut short = poison_bf(&s, rows * f - 1);
     let mut ok = poison_bf(&s, rows * f);
     assert!(is_shape_err(swiglu_bwd_bf16(

@@ -203,12 +203,13 @@ impl SwigluBwdStrides {
             up: cols,
         }
     }
-    /// The fused layout: gate|up `[rows, 2 cols]` read in place, dgate|dup written into one
-    /// `[rows, 2 cols]` buffer (views starting at 0 and `cols`), `dout` contiguous.
-    pub fn fused(cols: usize) -> Self {
+    /// Gate and up read in place from a fused gate|up `[rows, 2 cols]` output (views starting
+    /// at 0 and `cols`), the gradients and `dout` contiguous. (To write dgate|dup into one fused
+    /// buffer, use [`swiglu_bwd_fused_bf16`].)
+    pub fn fused_inputs(cols: usize) -> Self {
         SwigluBwdStrides {
-            dgate: 2 * cols,
-            dup: 2 * cols,
+            dgate: cols,
+            dup: cols,
             dout: cols,
             gate: 2 * cols,
             up: 2 * cols,
@@ -218,7 +219,7 @@ impl SwigluBwdStrides {
 
 /// Backward of [`super::swiglu_fwd_bf16`] (`out = silu(gate) up`): `dgate = dout up σ (1 + g
 /// (1 - σ))`, `dup = dout silu(gate)` over `rows x cols`, in fp32 as [`crate::cpu::swiglu_bwd`].
-/// `dgate` and `dup` may be two views of one fused buffer (disjoint columns).
+/// For gradients written into one fused `[rows, 2 cols]` buffer see [`swiglu_bwd_fused_bf16`].
 #[allow(clippy::too_many_arguments)]
 pub fn swiglu_bwd_bf16(
     gpu: &Gpu,
@@ -274,6 +275,60 @@ pub fn swiglu_bwd_bf16(
     }
     // SAFETY: every buffer covers rows-1 strides plus one row of cols (checked); each output
     // element is written by one thread; arguments match (dgate, dup, dout, gate, up, rows, cols,
+    // dgate_stride, dup_stride, dout_stride, gate_stride, up_stride).
+    unsafe { b.launch(cfg((grid_for(cols, 256, 64), r), (256, 1))) }?;
+    Ok(())
+}
+
+/// [`swiglu_bwd_bf16`] on the fused layout of [`super::gemm::gate_up_swiglu_bf16`]: `gate_up`
+/// `[rows, 2 cols]` (gate in columns `0..cols`, up in `cols..2 cols`) is read in place and
+/// `dgate_up` `[rows, 2 cols]` receives dgate and dup in the same columns (the input gradient of
+/// the fused gate|up GEMM); `dout` `[rows, cols]` contiguous. Bitwise the same as the unfused
+/// call on the two halves.
+#[allow(clippy::too_many_arguments)]
+pub fn swiglu_bwd_fused_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    dgate_up: &mut impl DevicePtrMut<bf16>,
+    dout: &impl DevicePtr<bf16>,
+    gate_up: &impl DevicePtr<bf16>,
+    rows: usize,
+    cols: usize,
+) -> Result<()> {
+    const OP: &str = "swiglu_bwd_fused_bf16";
+    if rows == 0 || cols == 0 {
+        return Ok(());
+    }
+    need(OP, "dgate_up", dgate_up, rows * 2 * cols)?;
+    need(OP, "gate_up", gate_up, rows * 2 * cols)?;
+    need(OP, "dout", dout, rows * cols)?;
+    let f = gpu.function(&BACKWARD, &[], "swiglu_bwd_bf16")?;
+    let half = (cols * std::mem::size_of::<bf16>()) as u64;
+    let (dgp, dop, gp) = (
+        ptr_mut(dgate_up, stream),
+        ptr(dout, stream),
+        ptr(gate_up, stream),
+    );
+    let (dup_, upp) = (dgp + half, gp + half);
+    let r = u32_of(OP, "rows", rows)?;
+    let c = u32_of(OP, "cols", cols)?;
+    let c2 = u32_of(OP, "2 cols", 2 * cols)?;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&dgp)
+        .arg(&dup_)
+        .arg(&dop)
+        .arg(&gp)
+        .arg(&upp)
+        .arg(&r)
+        .arg(&c)
+        .arg(&c2)
+        .arg(&c2)
+        .arg(&c)
+        .arg(&c2)
+        .arg(&c2);
+    // SAFETY: dgate_up and gate_up hold rows*2*cols elements, dout rows*cols (checked); the
+    // dgate half (columns 0..cols) and the dup half (cols..2 cols) of a row are disjoint, each
+    // element written by one thread; arguments match (dgate, dup, dout, gate, up, rows, cols,
     // dgate_stride, dup_stride, dout_stride, gate_stride, up_stride).
     unsafe { b.launch(cfg((grid_for(cols, 256, 64), r), (256, 1))) }?;
     Ok(())

@@ -14,7 +14,7 @@
 //! | `logprobs_fwd_bf16` | `logprobs_fwd` | `logprobs.rs`, `logprobs.cu` |
 //! | `sample_bf16` (Philox4x32-10, temperature / top-k / top-p) | [`sampling::sample_ref`] | `sampling.rs`, `sampling.cu` |
 //! | `adamw_step_f32` | `runtime::train::adamw` (bitwise) | `adamw.rs`, `adamw.cu` |
-//! | `rmsnorm_bwd_bf16`, `rope_bwd_bf16`, `swiglu_bwd_bf16`, `embedding_bwd_f32`, `logprobs_bwd_bf16`, `grad_accumulate_f32` (bf16 activation gradients, fp32 parameter gradients added) | `cpu::backward` (`rmsnorm_bwd`, `rope_bwd`, `swiglu_bwd`, `embedding_bwd`, `logprobs_bwd`) | `backward.rs`, `backward.cu` |
+//! | `rmsnorm_bwd_bf16`, `rope_bwd_bf16`, `swiglu_bwd_bf16`, `swiglu_bwd_fused_bf16`, `embedding_bwd_f32`, `logprobs_bwd_bf16`, `grad_accumulate_f32` (bf16 activation gradients, fp32 parameter gradients added) | `cpu::backward` (`rmsnorm_bwd`, `rope_bwd`, `swiglu_bwd`, `embedding_bwd`, `logprobs_bwd`) | `backward.rs`, `backward.cu` |
 //! | `attention_bwd_bf16` | `cpu::attention_bwd` | `attention_bwd.rs`, `attention_bwd.cu` |
 //!
 //! Invariants:
@@ -51,7 +51,7 @@ pub use attention::{
 pub use attention_bwd::attention_bwd_bf16;
 pub use backward::{
     embedding_bwd_f32, grad_accumulate_f32, logprobs_bwd_bf16, rmsnorm_bwd_bf16, rope_bwd_bf16,
-    swiglu_bwd_bf16, SwigluBwdStrides,
+    swiglu_bwd_bf16, swiglu_bwd_fused_bf16, SwigluBwdStrides,
 };
 pub use gemm::{linear_fwd_bf16, matmul_bf16, matmul_bf16_cublas};
 pub use gpu::Gpu;
