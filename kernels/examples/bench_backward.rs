@@ -165,8 +165,7 @@ fn main() -> Res<()> {
     let mut dlog = g.alloc::<bf16>(&s, rows * vocab)?;
     for (label, ent) in [("", false), (" + entropy", true)] {
         let ms = time_ms(&g, &s, 3, 20, || {
-            let e: Option<&dyn cudarc::driver::DevicePtr<f32>> =
-                if ent { Some(&de) } else { None };
+            let e: Option<&dyn cudarc::driver::DevicePtr<f32>> = if ent { Some(&de) } else { None };
             logprobs_bwd_bf16(
                 &g, &s, &mut dlog, &dl, e, &logits, &gt, rows, vocab, vocab, vocab, 1.0,
             )?;

@@ -217,7 +217,7 @@ fn rmsnorm_bwd_matches_cpu() {
         );
     }
     // Shapes: a short dx and a short rstd are refused.
-    let (a, b) = (up(&s, &vec![bf16::ZERO; 10]), up(&s, &vec![0f32; 1]));
+    let (a, b) = (up(&s, &[bf16::ZERO; 10]), up(&s, &[0f32; 1]));
     let mut dx = poison_bf(&s, 9);
     assert!(is_shape_err(rmsnorm_bwd_bf16(
         g, &s, &mut dx, None, &a, &a, &a, &b, 2, 5, false
@@ -481,7 +481,7 @@ fn logprobs_bwd_matches_cpu() {
         assert_eq!(bits_bf(&runs[0]), bits_bf(&runs[1]), "logprobs_bwd bits");
     }
     let (gl, gt, gdl) = (
-        up(&s, &vec![bf16::ZERO; 10]),
+        up(&s, &[bf16::ZERO; 10]),
         up(&s, &[0u32; 2]),
         up(&s, &[0f32; 2]),
     );
@@ -718,7 +718,7 @@ fn attention_bwd_matches_cpu() {
         run_attention_bwd(g, &s, c);
     }
     // Shapes: kv heads not dividing heads, head_dim over 256, a short lse.
-    let a = up(&s, &vec![bf16::ZERO; 64]);
+    let a = up(&s, &[bf16::ZERO; 64]);
     let f = up(&s, &vec![0f32; 64]);
     let sq = up(&s, &[AttnSeqGpu::default()]);
     let b = || (poison_bf(&s, 64), poison_bf(&s, 64), poison_bf(&s, 64));

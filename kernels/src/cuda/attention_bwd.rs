@@ -81,7 +81,7 @@ pub fn attention_bwd_bf16(
 ) -> Result<()> {
     const OP: &str = "attention_bwd_bf16";
     let (nh, nkv, hd) = (dims.num_heads, dims.num_kv_heads, dims.head_dim);
-    if nh == 0 || nkv == 0 || nh % nkv != 0 {
+    if nh == 0 || nkv == 0 || !nh.is_multiple_of(nkv) {
         return Err(shape(
             OP,
             format!("{nh} heads is not a multiple of {nkv} kv heads"),

@@ -145,7 +145,7 @@ pub fn rope_bwd_bf16(
     head_dim: usize,
 ) -> Result<()> {
     const OP: &str = "rope_bwd_bf16";
-    if head_dim % 2 != 0 || heads * head_dim > row_stride {
+    if !head_dim.is_multiple_of(2) || heads * head_dim > row_stride {
         return Err(shape(
             OP,
             format!(
