@@ -16,8 +16,8 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, Context, Result};
 use rollplex_kernels::cpu::{AttnDims, AttnMask, AttnSeq};
-use rollplex_kernels::cuda::attention::RowStrides;
-use rollplex_kernels::cuda::{attention_fwd_bf16, bf16, linear_fwd_bf16, AttnSeqGpu};
+use rollplex_kernels::cuda::attention::{attention_fwd_bf16_with, FwdKernel, RowStrides};
+use rollplex_kernels::cuda::{bf16, linear_fwd_bf16, AttnSeqGpu};
 use rollplex_kernels::cuda::{CudaStream, Gpu};
 use rollplex_plan::spec::{DType, ModelSpec, SpecialTokens, TextDims, VisionDims, WeightsSource};
 use rollplex_runtime::gpu::plan::VisionPlan;
@@ -77,8 +77,50 @@ fn spec(text_layers: u32, vision_blocks: u32) -> ModelSpec {
     }
 }
 
-/// Median milliseconds of `iters` timed runs of `f` (after 2 warm-up runs).
+/// Median milliseconds of `iters` timed runs of `f` (after 2 warm-up runs), each started on an
+/// idle device and waited for: CUDA events around the call, so host work before the first
+/// launch counts.
 fn time_ms(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    iters: usize,
+    f: impl FnMut() -> Result<()>,
+) -> Result<f64> {
+    Ok(time_calls(gpu, s, iters, f)?.0)
+}
+
+/// [`time_ms`] and the median host milliseconds inside the call (preparation + enqueue).
+fn time_calls(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    iters: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<(f64, f64)> {
+    for _ in 0..2 {
+        f()?;
+    }
+    s.synchronize()?;
+    let mut ts = Vec::with_capacity(iters);
+    let mut hs = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let (a, b) = (gpu.timing_event()?, gpu.timing_event()?);
+        a.record(s)?;
+        let h0 = std::time::Instant::now();
+        f()?;
+        hs.push(h0.elapsed().as_secs_f64() * 1e3);
+        b.record(s)?;
+        b.synchronize()?;
+        ts.push(a.elapsed_ms(&b)? as f64);
+    }
+    ts.sort_by(|x, y| x.total_cmp(y));
+    hs.sort_by(|x, y| x.total_cmp(y));
+    Ok((ts[ts.len() / 2], hs[hs.len() / 2]))
+}
+
+/// Milliseconds per call of `iters` calls of `f` issued back to back without waiting (after 2
+/// warm-up runs): the host prepares call n + 1 while the device runs call n, as a server loop
+/// does; what is left is device time plus whatever still makes the host wait.
+fn back_to_back_ms(
     gpu: &Gpu,
     s: &Arc<CudaStream>,
     iters: usize,
@@ -88,17 +130,14 @@ fn time_ms(
         f()?;
     }
     s.synchronize()?;
-    let mut ts = Vec::with_capacity(iters);
+    let (a, b) = (gpu.timing_event()?, gpu.timing_event()?);
+    a.record(s)?;
     for _ in 0..iters {
-        let (a, b) = (gpu.timing_event()?, gpu.timing_event()?);
-        a.record(s)?;
         f()?;
-        b.record(s)?;
-        b.synchronize()?;
-        ts.push(a.elapsed_ms(&b)? as f64);
     }
-    ts.sort_by(|x, y| x.total_cmp(y));
-    Ok(ts[ts.len() / 2])
+    b.record(s)?;
+    b.synchronize()?;
+    Ok(a.elapsed_ms(&b)? as f64 / iters as f64)
 }
 
 /// Milliseconds of one block's four GEMMs (qkv, o, gate|up, down) over `rows` rows.
@@ -123,11 +162,13 @@ fn block_gemms_ms(
     })
 }
 
-/// Milliseconds of one block's attention (`attention_fwd_bf16`) over `seqs`, reading q, k, v
-/// in place from a fused qkv buffer as the model does.
+/// Milliseconds of one block's attention (`attention_fwd_bf16` on `kernel`) over `seqs`,
+/// reading q, k, v in place from a fused qkv buffer as the model does.
+#[allow(clippy::too_many_arguments)]
 fn attention_ms(
     gpu: &Gpu,
     s: &Arc<CudaStream>,
+    kernel: FwdKernel,
     seqs: &[AttnSeq],
     dims: AttnDims,
     mask: AttnMask,
@@ -151,7 +192,8 @@ fn attention_ms(
     };
     let scale = 1.0 / (dims.head_dim as f32).sqrt();
     time_ms(gpu, s, iters, || {
-        attention_fwd_bf16(
+        attention_fwd_bf16_with(
+            kernel,
             gpu,
             s,
             &mut out,
@@ -220,15 +262,23 @@ fn main() -> Result<()> {
     let text_flops = tl as f64 * (tokens * lin_tok + 4.0 * nq * hd * pairs)
         + prompts as f64 * 2.0 * h * t.vocab_size as f64;
     let text_gemm_flops = tl as f64 * tokens * lin_tok;
-    let ms = time_ms(&gpu, &s, iters, || {
+    let (ms, host_ms) = time_calls(&gpu, &s, iters, || {
         gm.prefill(&gpu, &s, &gp)?;
         Ok(())
     })?;
     println!(
-        "prefill {prompts} x {plen} tokens, {tl} layers: {ms:.3} ms, {:.1} TFLOP/s (all), {:.1} TFLOP/s counting GEMMs only; {:.0} tokens/s/layer",
+        "prefill {prompts} x {plen} tokens, {tl} layers: {ms:.3} ms, {:.1} TFLOP/s (all), {:.1} TFLOP/s counting GEMMs only; {:.0} tokens/s/layer; host {host_ms:.3} ms inside the call",
         text_flops / ms / 1e9,
         text_gemm_flops / ms / 1e9,
         tokens * tl as f64 / ms * 1e3
+    );
+    let bb = back_to_back_ms(&gpu, &s, iters, || {
+        gm.prefill(&gpu, &s, &gp)?;
+        Ok(())
+    })?;
+    println!(
+        "prefill back to back: {bb:.3} ms a call, {:.1} TFLOP/s (all)",
+        text_flops / bb / 1e9
     );
     let gm_ms = tl as f64 * block_gemms_ms(&gpu, &s, &gm.weights.text[0], prompts * plen, iters)?;
     let tseqs: Vec<AttnSeq> = (0..prompts)
@@ -244,12 +294,17 @@ fn main() -> Result<()> {
         num_kv_heads: t.num_kv_heads as usize,
         head_dim: t.head_dim() as usize,
     };
-    let at_ms = tl as f64 * attention_ms(&gpu, &s, &tseqs, tdims, AttnMask::Causal, iters)?;
+    let at = |k| attention_ms(&gpu, &s, k, &tseqs, tdims, AttnMask::Causal, iters);
+    let at_ms = tl as f64 * at(FwdKernel::Auto)?;
+    let simt_ms = tl as f64 * at(FwdKernel::Simt)?;
+    let aflops = tl as f64 * 4.0 * nq * hd * pairs;
     println!(
-        "  prefill parts: GEMMs {gm_ms:.3} ms ({:.1} TFLOP/s), attention {at_ms:.3} ms ({:.1} TFLOP/s), the rest (norms, rope, swiglu, copies, lm head, launch gaps) {:.3} ms",
+        "  prefill parts: GEMMs {gm_ms:.3} ms ({:.1} TFLOP/s), attention {at_ms:.3} ms ({:.1} TFLOP/s; the SIMT kernel {simt_ms:.3} ms, {:.1} TFLOP/s), the rest (norms, rope, swiglu, copies, lm head, host work, launch gaps) {:.3} ms; back to back the rest is {:.3} ms",
         text_gemm_flops / gm_ms / 1e9,
-        tl as f64 * 4.0 * nq * hd * pairs / at_ms / 1e9,
-        ms - gm_ms - at_ms
+        aflops / at_ms / 1e9,
+        aflops / simt_ms / 1e9,
+        ms - gm_ms - at_ms,
+        bb - gm_ms - at_ms
     );
     // ---- vision: `images` images of grid [1, grid, grid]
     let v = cfg.vision();
@@ -282,15 +337,23 @@ fn main() -> Result<()> {
     let patch = 2.0 * np * vh * pd as f64;
     let vision_gemm = vb as f64 * vlin + merger + patch;
     let vision_flops = vision_gemm + vattn;
-    let ms = time_ms(&gpu, &s, iters, || {
+    let (ms, host_ms) = time_calls(&gpu, &s, iters, || {
         gm.encode_media(&gpu, &s, &items)?;
         Ok(())
     })?;
     println!(
-        "vision {images} x [1, {grid}, {grid}] ({} patches), {vb} blocks: {ms:.3} ms, {:.1} TFLOP/s (all), {:.1} TFLOP/s counting GEMMs only",
+        "vision {images} x [1, {grid}, {grid}] ({} patches), {vb} blocks: {ms:.3} ms, {:.1} TFLOP/s (all), {:.1} TFLOP/s counting GEMMs only; host {host_ms:.3} ms inside the call",
         plan.patches,
         vision_flops / ms / 1e9,
         vision_gemm / ms / 1e9
+    );
+    let vbb = back_to_back_ms(&gpu, &s, iters, || {
+        gm.encode_media(&gpu, &s, &items)?;
+        Ok(())
+    })?;
+    println!(
+        "vision back to back: {vbb:.3} ms a call, {:.1} TFLOP/s (all)",
+        vision_flops / vbb / 1e9
     );
     let vgm = vb as f64 * block_gemms_ms(&gpu, &s, &gm.weights.vision[0], plan.patches, iters)?;
     let vdims = AttnDims {
@@ -298,14 +361,19 @@ fn main() -> Result<()> {
         num_kv_heads: v.num_heads as usize,
         head_dim: cfg.vision_head_dim(),
     };
-    let wat = attention_ms(&gpu, &s, &plan.window_seqs, vdims, AttnMask::Full, iters)?;
-    let fat = attention_ms(&gpu, &s, &plan.full_seqs, vdims, AttnMask::Full, iters)?;
+    let va = |k, seqs: &[AttnSeq]| attention_ms(&gpu, &s, k, seqs, vdims, AttnMask::Full, iters);
+    let wat = va(FwdKernel::Auto, &plan.window_seqs)?;
+    let fat = va(FwdKernel::Auto, &plan.full_seqs)?;
+    let fat_simt = va(FwdKernel::Simt, &plan.full_seqs)?;
+    let wat_simt = va(FwdKernel::Simt, &plan.window_seqs)?;
     let vat = (vb as f64 - nfull) * wat + nfull * fat;
     println!(
-        "  vision parts: block GEMMs {vgm:.3} ms ({:.1} TFLOP/s), attention {vat:.3} ms (window block {wat:.3} ms, full block {fat:.3} ms; {:.1} TFLOP/s), the rest (patch embed, merger, norms, rope, copies) {:.3} ms",
+        "  vision parts: block GEMMs {vgm:.3} ms ({:.1} TFLOP/s), attention {vat:.3} ms (window block {wat:.3} ms, full block {fat:.3} ms = {:.1} TFLOP/s; all {:.1} TFLOP/s; SIMT: window {wat_simt:.3} ms, full {fat_simt:.3} ms), the rest (patch embed, merger, norms, rope, copies, host work) {:.3} ms; back to back the rest is {:.3} ms",
         vb as f64 * vlin / vgm / 1e9,
+        4.0 * vh * fsq / fat / 1e9,
         vattn / vat / 1e9,
-        ms - vgm - vat
+        ms - vgm - vat,
+        vbb - vgm - vat
     );
     Ok(())
 }

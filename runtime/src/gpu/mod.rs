@@ -8,7 +8,7 @@
 //! `plan` (host-side index work: window permutation, M-RoPE tables, packed sequences, decode
 //! slot checks; pure, tested without a GPU), `vision` (`encode_media`), `text` (`prefill`,
 //! `forward_logits`, `decode_step`, `score`, the device KV arena), `generate` (a group's rollout
-//! with sampling on the device).
+//! with sampling on the device), `staging` (page-locked uploads of each call's host tables).
 //!
 //! Names mirror the CPU engine so the executor can switch backends: `GpuModel::encode_media` /
 //! `prefill` / `decode_step` / `score` / `generate_group`, [`GpuKvArena::store_prefix`], the same
@@ -17,7 +17,9 @@
 //! Invariants:
 //! - Every launch and copy runs on the `&Arc<CudaStream>` the caller passes; nothing here
 //!   synchronises except where a result comes back to the host (token ids for stop checks,
-//!   scores), which the function's doc says.
+//!   scores), which the function's doc says. `prefill` and `encode_media` upload every host
+//!   table through page-locked staging before their first launch, so the host never waits for
+//!   the device inside them (it waits only for the previous call's uploads to have run).
 //! - Numerics follow Hugging Face's bf16 forward: bf16 storage, fp32 accumulation, roundings
 //!   where PyTorch's bf16 code rounds (the kernels document each); positions and window orders
 //!   are computed on the host by the CPU engine's own functions (`model::positions`), so both
@@ -34,6 +36,7 @@ use crate::model::{ModelConfig, ModelError, Qwen25VL};
 mod block;
 pub mod generate;
 pub mod plan;
+mod staging;
 pub mod text;
 pub mod vision;
 pub mod weights;
@@ -67,6 +70,8 @@ pub struct GpuModel {
     pub weights: GpuWeights,
     /// `0..max_rows` as u32 on the device (identity row indices for copies).
     iota: CudaSlice<u32>,
+    /// Page-locked staging for each call's host tables (`staging.rs`).
+    staging: std::sync::Mutex<staging::Staging>,
 }
 
 impl GpuModel {
@@ -84,7 +89,18 @@ impl GpuModel {
             config: model.config.clone(),
             weights,
             iota,
+            staging: staging::Staging::new(),
         })
+    }
+
+    /// Takes the upload staging buffer for a batch of at most `bytes` (the sum of
+    /// `staging::staged_bytes` of the tables); waits only for the previous batch's copies.
+    pub(crate) fn stage<'a>(
+        &'a self,
+        stream: &'a Arc<CudaStream>,
+        bytes: usize,
+    ) -> Result<staging::StagedBatch<'a>> {
+        staging::stage(&self.staging, stream, bytes)
     }
 
     /// Identity row indices `0..n` on the device.

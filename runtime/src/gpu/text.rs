@@ -33,6 +33,7 @@ use super::plan::{
     check_decode_slots, check_ids, decode_kernel_for, flat_rope_tables, media_slot, DecodeKernel,
     PackedPrompts, PromptSpec,
 };
+use super::staging::staged_bytes;
 use super::vision::GpuEncodedMedia;
 use super::{alloc, download, upload, GpuError, GpuModel, Result};
 
@@ -515,9 +516,6 @@ impl GpuModel {
         check_ids("prefill", &packed.ids, self.vocab())?;
         let rows = packed.ids.len();
         let h = self.hidden();
-        let ids = upload(stream, &packed.ids)?;
-        let mut x = self.embed(gpu, stream, &ids, rows)?;
-        // media embeddings into their placeholder rows (one scatter for the batch)
         let media_tokens: usize = prompts
             .iter()
             .flat_map(|p| p.media.iter())
@@ -529,28 +527,47 @@ impl GpuModel {
                 packed.media_rows.len()
             )));
         }
+        for m in prompts.iter().flat_map(|p| p.media.iter()) {
+            if m.embeds.len() < m.tokens * h {
+                return Err(GpuError::Input(format!(
+                    "a media item holds {} embedding values, expected {} x {h}",
+                    m.embeds.len(),
+                    m.tokens
+                )));
+            }
+        }
+        // every host table goes up before the first launch, through page-locked staging
+        let gseqs: Vec<AttnSeqGpu> = packed.seqs.iter().map(AttnSeqGpu::from_fwd).collect();
+        let last: Vec<u32> = packed.seqs.iter().map(|s| s.start + s.len - 1).collect();
+        let bytes = staged_bytes(&packed.ids)
+            + staged_bytes(&packed.media_rows)
+            + staged_bytes(&packed.cos)
+            + staged_bytes(&packed.sin)
+            + staged_bytes(&gseqs)
+            + staged_bytes(&last);
+        let (ids, slots, cos, sin, seqs, last_dev) = {
+            let mut up = self.stage(stream, bytes)?;
+            (
+                up.put(gpu, &packed.ids)?,
+                up.put(gpu, &packed.media_rows)?,
+                up.put(gpu, &packed.cos)?,
+                up.put(gpu, &packed.sin)?,
+                up.put(gpu, &gseqs)?,
+                up.put(gpu, &last)?,
+            )
+        };
+        let mut x = self.embed(gpu, stream, &ids, rows)?;
+        // media embeddings into their placeholder rows (one scatter for the batch)
         if media_tokens > 0 {
             let mut cat = alloc::<bf16>(gpu, stream, media_tokens * h)?;
             let mut off = 0;
             for m in prompts.iter().flat_map(|p| p.media.iter()) {
                 let n = m.tokens * h;
-                if m.embeds.len() < n {
-                    return Err(GpuError::Input(format!(
-                        "a media item holds {} embedding values, expected {} x {h}",
-                        m.embeds.len(),
-                        m.tokens
-                    )));
-                }
                 stream.memcpy_dtod(&m.embeds.slice(..n), &mut cat.slice_mut(off..off + n))?;
                 off += n;
             }
-            let slots = upload(stream, &packed.media_rows)?;
             kv_append_bf16(gpu, stream, &mut x, &cat, &slots, media_tokens, h, h, h)?;
         }
-        let cos = upload(stream, &packed.cos)?;
-        let sin = upload(stream, &packed.sin)?;
-        let gseqs: Vec<AttnSeqGpu> = packed.seqs.iter().map(AttnSeqGpu::from_fwd).collect();
-        let seqs = upload(stream, &gseqs)?;
         let max_q = packed
             .seqs
             .iter()
@@ -591,8 +608,6 @@ impl GpuModel {
                 &mut step,
             )?;
         }
-        let last: Vec<u32> = packed.seqs.iter().map(|s| s.start + s.len - 1).collect();
-        let last_dev = upload(stream, &last)?;
         let logits = self.head_rows(gpu, stream, &x, rows, &last_dev, last.len())?;
         let full = if all_logits {
             let v = self.vocab();

@@ -22,7 +22,8 @@ use crate::model::{EncodedMedia, Grid, MediaInput, MediaKind};
 
 use super::block::{linear, run_blocks, AttnStep};
 use super::plan::VisionPlan;
-use super::{alloc, download, upload, GpuError, GpuModel, Result};
+use super::staging::staged_bytes;
+use super::{alloc, download, GpuError, GpuModel, Result};
 use rollplex_kernels::cuda::attention::RowStrides;
 
 /// A media item encoded on the device, ready to fill its placeholder tokens.
@@ -116,15 +117,6 @@ impl AttnStep for VisionAttn<'_> {
     }
 }
 
-fn seqs_gpu(
-    stream: &Arc<CudaStream>,
-    seqs: &[AttnSeq],
-) -> Result<(CudaSlice<AttnSeqGpu>, usize, usize)> {
-    let g: Vec<AttnSeqGpu> = seqs.iter().map(AttnSeqGpu::from_fwd).collect();
-    let maxq = seqs.iter().map(|s| s.len as usize).max().unwrap_or(0);
-    Ok((upload(stream, &g)?, g.len(), maxq))
-}
-
 impl GpuModel {
     /// Encodes media items (one vision-tower pass over all of them) on `stream`. The
     /// embeddings stay on the device; nothing synchronises.
@@ -163,14 +155,34 @@ impl GpuModel {
         let w = &self.weights;
         // patch embedding over permuted rows: [n, pd] x [vh, pd]^T
         let rows: Vec<&[f32]> = items.iter().map(|it| it.pixels).collect();
-        let pix = upload(stream, &plan.permute_rows_bf16(&rows, pd))?;
+        let pix_host = plan.permute_rows_bf16(&rows, pd);
+        let full_host: Vec<AttnSeqGpu> = plan.full_seqs.iter().map(AttnSeqGpu::from_fwd).collect();
+        let window_host: Vec<AttnSeqGpu> =
+            plan.window_seqs.iter().map(AttnSeqGpu::from_fwd).collect();
+        // every host table goes up before the first launch, through page-locked staging
+        let bytes = staged_bytes(&pix_host)
+            + staged_bytes(&plan.cos)
+            + staged_bytes(&plan.sin)
+            + staged_bytes(&full_host)
+            + staged_bytes(&window_host)
+            + staged_bytes(&plan.inverse);
+        let (pix, cos, sin, full_d, window_d, inv) = {
+            let mut up = self.stage(stream, bytes)?;
+            (
+                up.put(gpu, &pix_host)?,
+                up.put(gpu, &plan.cos)?,
+                up.put(gpu, &plan.sin)?,
+                up.put(gpu, &full_host)?,
+                up.put(gpu, &window_host)?,
+                up.put(gpu, &plan.inverse)?,
+            )
+        };
+        let maxq = |s: &[AttnSeq]| s.iter().map(|s| s.len as usize).max().unwrap_or(0);
+        let full = (full_d, full_host.len(), maxq(&plan.full_seqs));
+        let window = (window_d, window_host.len(), maxq(&plan.window_seqs));
         let mut x = alloc::<bf16>(gpu, stream, n * vh)?;
         linear_fwd_bf16(gpu, stream, &mut x, &pix, &w.patch_embed, None, n, pd, vh)?;
         drop(pix);
-        let cos = upload(stream, &plan.cos)?;
-        let sin = upload(stream, &plan.sin)?;
-        let full = seqs_gpu(stream, &plan.full_seqs)?;
-        let window = seqs_gpu(stream, &plan.window_seqs)?;
         let dims = AttnDims {
             num_heads: v.num_heads as usize,
             num_kv_heads: v.num_heads as usize,
@@ -220,7 +232,6 @@ impl GpuModel {
         let mut merged = alloc::<bf16>(gpu, stream, groups * ow)?;
         linear(gpu, stream, &mut merged, &g, &w.merger_fc2, groups)?;
         // un-permute: row r of the output is merged row inverse[r]
-        let inv = upload(stream, &plan.inverse)?;
         let mut out = Vec::with_capacity(items.len());
         let mut off = 0usize;
         for it in items {
