@@ -346,6 +346,12 @@ fn shard_unshard_round_trip_is_bitwise() {
                 back == m.weights,
                 "kv {kv}, tied {tie}, TP={t}: round trip differs"
             );
+            // the free functions agree with the plan's methods
+            let free: Vec<_> = (0..t)
+                .map(|r| rollplex_runtime::tp::shard(&m.config, &m.weights, t, r).unwrap())
+                .collect();
+            assert!(free == shards);
+            assert!(rollplex_runtime::tp::unshard(&m.config, &free).unwrap() == m.weights);
         }
     }
 }

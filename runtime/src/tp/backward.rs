@@ -28,7 +28,7 @@ use rollplex_kernels::cpu::{
 use crate::model::block::Attend;
 use crate::model::positions::mrope_tables;
 use crate::model::weights::{BlockParams, Linear};
-use crate::model::{LayerCache, ModelError, Weights};
+use crate::model::{LayerCache, ModelError, ParamId, Weights};
 use crate::train::block_bwd::{grad_of, linear_backward};
 
 use super::comm::Communicator;
@@ -141,6 +141,26 @@ impl TpModel {
         linear_fwd(&mut logits, &xn, w.get(lay.lm_head), None, rows, h, vl)?;
         let (logp, _, lse) = self.vocab_logprobs_lse(comm, &logits, &targets, temperature)?;
 
+        // replicated kv heads: this call's k/v gradients are summed over the replicas below, so
+        // the gradient already in `grads` is set aside and added back after the sum
+        let kv_ids: Vec<ParamId> = if self.plan.kv_replicated {
+            lay.text_layers
+                .iter()
+                .flat_map(|lp| [lp.k.w, lp.v.w].into_iter().chain(lp.k.b).chain(lp.v.b))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let prior: Vec<Vec<f32>> = kv_ids
+            .iter()
+            .map(|&id| {
+                let g = grad_of(w, grads, id);
+                let p = g.to_vec();
+                g.fill(0.0);
+                p
+            })
+            .collect();
+
         // ---- head backward (vocab-parallel) ----
         let range = self.dims().vocab.clone();
         let tt = temperature as f64;
@@ -213,15 +233,11 @@ impl TpModel {
             }
         }
         embedding_bwd(grad_of(w, grads, lay.embed), &own_dx, &own_ids, h)?;
-        // ---- replicated kv heads: add the replicas' gradients ----
-        if self.plan.kv_replicated {
-            for lp in &lay.text_layers {
-                for l in [&lp.k, &lp.v] {
-                    self.sum_kv_replicas(comm, l.w, grads)?;
-                    if let Some(b) = l.b {
-                        self.sum_kv_replicas(comm, b, grads)?;
-                    }
-                }
+        // ---- replicated kv heads: add the replicas' gradients, then the set-aside ones ----
+        for (&id, p) in kv_ids.iter().zip(prior) {
+            self.sum_kv_replicas(comm, id, grads)?;
+            for (g, p) in grad_of(w, grads, id).iter_mut().zip(p) {
+                *g += p;
             }
         }
         Ok(logp)
@@ -337,7 +353,7 @@ impl TpModel {
     fn sum_kv_replicas<C: Communicator>(
         &self,
         comm: &C,
-        id: crate::model::ParamId,
+        id: ParamId,
         grads: &mut [f32],
     ) -> Result<(), TpError> {
         let t = self.plan.config.text();

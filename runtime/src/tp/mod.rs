@@ -90,6 +90,23 @@ impl TpModel {
     }
 }
 
+/// Rank `rank`'s shard of `weights` (a model of `config`) at degree `tp`; a shorthand for
+/// [`TpPlan::new`] + [`TpPlan::shard`] (keep the plan when sharding for several ranks).
+pub fn shard(
+    config: &crate::model::ModelConfig,
+    weights: &Weights,
+    tp: usize,
+    rank: usize,
+) -> Result<Weights, TpError> {
+    TpPlan::new(config, tp)?.shard(weights, rank)
+}
+
+/// Full weights in Hugging Face layout from every rank's shard (in rank order); a shorthand for
+/// [`TpPlan::new`] + [`TpPlan::unshard`].
+pub fn unshard(config: &crate::model::ModelConfig, shards: &[Weights]) -> Result<Weights, TpError> {
+    TpPlan::new(config, shards.len())?.unshard(shards)
+}
+
 /// Shards a model for `degree` ranks: the plan and every rank's [`TpModel`], in rank order.
 pub fn shard_all(full: &crate::model::Qwen25VL, degree: usize) -> Result<Vec<TpModel>, TpError> {
     let plan = Arc::new(TpPlan::new(&full.config, degree)?);

@@ -93,20 +93,20 @@ impl TpPlan {
             ));
         }
         let (nq, nkv) = (t.num_heads as usize, t.num_kv_heads as usize);
-        if nq % degree != 0 {
+        if !nq.is_multiple_of(degree) {
             errs.push(format!(
                 "text num_heads {nq} is not divisible by the TP degree {degree} (use a degree that divides it)"
             ));
         }
         let kv_replicated = nkv < degree;
-        if nkv % degree != 0 && degree % nkv != 0 {
+        if !nkv.is_multiple_of(degree) && !degree.is_multiple_of(nkv) {
             errs.push(format!(
                 "text num_kv_heads {nkv} neither divides by nor divides the TP degree {degree} \
                  (kv heads are split when the degree divides them, replicated when they divide the degree)"
             ));
         }
         let vh = v.num_heads as usize;
-        if vh % degree != 0 {
+        if !vh.is_multiple_of(degree) {
             errs.push(format!(
                 "vision num_heads {vh} is not divisible by the TP degree {degree}"
             ));
@@ -313,7 +313,7 @@ impl TpPlan {
     /// layout. Replicated parameters and replicated kv heads must agree bitwise across the
     /// ranks holding them; the error names the first that does not.
     pub fn unshard(&self, shards: &[Weights]) -> Result<Weights, TpError> {
-        if shards.len() != self.degree || self.degree > 255 {
+        if shards.len() != self.degree {
             return Err(TpError::Config(format!(
                 "unshard: {} shards for a TP degree of {}",
                 shards.len(),
@@ -323,7 +323,7 @@ impl TpPlan {
         let (table, layout) = build_table(&self.config);
         let mut data = vec![0f32; table.total()];
         // which rank first wrote each element, to check replicas agree
-        let mut owner: Vec<u8> = vec![0; table.total()];
+        let mut owner: Vec<u32> = vec![0; table.total()];
         for (rank, sh) in shards.iter().enumerate() {
             if sh.table.entries().len() != table.entries().len() {
                 return Err(TpError::Config(format!(
@@ -348,7 +348,7 @@ impl TpPlan {
                     &e.shape,
                     dst,
                     own,
-                    rank as u8 + 1,
+                    rank as u32 + 1,
                     src,
                     &self.splits[rank][i],
                 )
@@ -370,7 +370,7 @@ impl TpPlan {
     }
 }
 
-fn own_rank(o: u8) -> usize {
+fn own_rank(o: u32) -> usize {
     o.saturating_sub(1) as usize
 }
 
@@ -412,8 +412,8 @@ fn cut(shape: &[usize], src: &[f32], sp: &Split) -> (Vec<usize>, Vec<f32>) {
 fn paste(
     shape: &[usize],
     dst: &mut [f32],
-    own: &mut [u8],
-    tag: u8,
+    own: &mut [u32],
+    tag: u32,
     src: &[f32],
     sp: &Split,
 ) -> Result<(), usize> {

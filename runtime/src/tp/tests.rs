@@ -395,6 +395,11 @@ mod grads {
 
     /// Log-probs and the full (unsharded) gradient of a TP run.
     fn run(m: &Qwen25VL, degree: usize) -> (Vec<f32>, Vec<f32>) {
+        run_onto(m, degree, 0.0)
+    }
+
+    /// As [`run`], with every gradient buffer starting at `start` (gradients are added).
+    fn run_onto(m: &Qwen25VL, degree: usize, start: f32) -> (Vec<f32>, Vec<f32>) {
         let plan = Arc::new(TpPlan::new(&m.config, degree).unwrap());
         let ranks: Vec<TpModel> = (0..degree)
             .map(|r| TpModel::shard(Arc::clone(&plan), &m.weights, r).unwrap())
@@ -403,7 +408,7 @@ mod grads {
         let dl = dlogp(n);
         let outs = run_ranks(degree, |c: &ThreadComm| -> Result<_, TpError> {
             let r = &ranks[c.rank()];
-            let mut g = vec![0f32; r.weights.table.total()];
+            let mut g = vec![start; r.weights.table.total()];
             let lp = r.text_forward_backward(c, &SEQS, &dl, TEMP, &mut g)?;
             Ok((lp, g))
         })
@@ -465,6 +470,15 @@ mod grads {
         }
         // two TP=2 runs are bitwise equal
         assert_eq!(run(&m, 2), run(&m, 2));
+        // gradients are added to what the buffer holds, replicated kv heads included (their
+        // replica sum must not count the previous contents twice)
+        let (_, g) = run_onto(&m, 4, 0.25);
+        let e = g
+            .iter()
+            .zip(&g0)
+            .map(|(a, b)| (a - 0.25 - b).abs())
+            .fold(0.0, f32::max);
+        assert!(e <= 1e-4 * gmax, "TP=4 onto 0.25: error {e}");
     }
 
     fn pixels(n: usize, pd: usize, seed: u64) -> Vec<f32> {

@@ -31,6 +31,9 @@ use super::{split_range, TpError, TpModel};
 /// Rows of hidden states per lm-head chunk (as the single-rank model).
 const LM_CHUNK: usize = 64;
 
+/// Log-probs `[n]`, entropies `[n]` and each row's log-sum-exp of `logits / T` (f64) `[n]`.
+type LogprobsLse = (Vec<f32>, Vec<f32>, Vec<f64>);
+
 /// A prompt's embeddings `[len, H]`, 3D positions and rope delta.
 type PromptInputs = (Vec<f32>, [Vec<i64>; 3], i64);
 
@@ -537,7 +540,7 @@ impl TpModel {
         logits: &[f32],
         targets: &[u32],
         temperature: f32,
-    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f64>), TpError> {
+    ) -> Result<LogprobsLse, TpError> {
         let n = targets.len();
         let range = self.dims().vocab.clone();
         let vl = range.len();
@@ -613,7 +616,7 @@ impl TpModel {
     pub fn greedy<C: Communicator>(&self, comm: &C, logits: &[f32]) -> Result<Vec<u32>, TpError> {
         let range = self.dims().vocab.clone();
         let vl = range.len();
-        if vl == 0 || logits.len() % vl != 0 {
+        if vl == 0 || !logits.len().is_multiple_of(vl) {
             return Err(input(format!(
                 "greedy: {} logits are not rows of this rank's {vl} vocabulary entries",
                 logits.len()
@@ -663,7 +666,7 @@ impl TpModel {
     ) -> Result<Vec<f32>, TpError> {
         let counts = self.vocab_counts();
         let vl = counts[self.rank];
-        if vl == 0 || logits.len() % vl != 0 {
+        if vl == 0 || !logits.len().is_multiple_of(vl) {
             return Err(input(format!(
                 "gather_logits: {} logits are not rows of this rank's {vl} vocabulary entries",
                 logits.len()
