@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The main job: build, compile an example pipeline, and run it.
 # Without a GPU: examples/tiny.rpx on the CPU backend (a tiny Qwen2.5-VL-shaped model learns the
-# moving-shapes video task by GRPO; watch the reward column rise). Also prints the simulator's
+# moving-shapes video task by GRPO; watch the reward column rise, and held-out greedy accuracy go
+# from 0 before training to ~0.9+ after). Also prints the simulator's
 # predicted timeline of the single-H200 example and the plans' review form.
-# Knobs: ITERS (default 200), OUT (default ./rollplex-out).
+# Knobs: ITERS (default 600: ~25-50 s of training on 2 busy cores), OUT (default ./rollplex-out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 cargo build --release --bins
 bin="${CARGO_TARGET_DIR:-target}/release"
-ITERS=${ITERS:-200}
+ITERS=${ITERS:-600}
 OUT=${OUT:-rollplex-out}
 mkdir -p "$OUT"
 

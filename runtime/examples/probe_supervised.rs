@@ -1,13 +1,18 @@
 //! The ceiling of RL on the moving-shapes task for a given model and optimizer: the same policy
 //! loss, but every iteration each prompt's group is the four answer letters (`A`..`D`, then
 //! `<|im_end|>`) with the advantage +1 on the correct one and 0 on the others: maximum
-//! likelihood of the right answer, i.e. what GRPO would do with perfect exploration. If held-out accuracy does not rise here, no RL setting of the same
-//! model, data and learning rate can make it rise; if it does, the gap to RL is exploration.
+//! likelihood of the right answer, i.e. what GRPO would do with perfect exploration. If
+//! held-out accuracy does not rise here, no RL setting of the same model, data and learning
+//! rate can make it rise; if it does, the gap to RL is exploration. The reference KL is off.
 //!
-//! Prints held-out (test split) and train-split greedy accuracy every K iterations.
+//! Prints every K iterations: held-out (test split) and train-split greedy accuracy, the mean
+//! probability of the right letter among the four over the last K batches, and the spread of
+//! p(A | A-D) over the last batch's prompts (near 0 means the answer ignores the video). With
+//! `PROBE_GRADS=1` also the gradient and weight norms per part of the model. `--init-scale S`
+//! multiplies the random normal init by S (norms and biases unchanged).
 //!
 //! Usage: cargo run --release -p rollplex-runtime --example probe_supervised -- PLAN.bin \
-//!     [--iterations 300] [--every 50] [--eval 64]
+//!     [--iterations 300] [--every 50] [--eval 64] [--init-scale 1]
 
 use std::path::PathBuf;
 use std::time::Instant;
