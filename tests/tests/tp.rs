@@ -1,7 +1,8 @@
 //! Tensor parallelism on the CPU backend (ranks as threads): TP=2 and TP=4 give the single-rank
 //! model's results within a stated tolerance (the row-parallel all-reduce adds partial dot
 //! products in another order than one matmul), greedy tokens are identical, TP=1 is bitwise the
-//! single-rank model, two runs at one degree are bitwise equal, shard -> unshard is bitwise.
+//! single-rank model, two runs at one degree are bitwise equal, shard -> unshard is bitwise, and
+//! a rollout's log-probs (from decode logits) are bitwise those of the scoring pass.
 //!
 //! The tiny config has 4 query heads and 2 kv heads (TP=4 replicates each kv head on two ranks;
 //! a variant with 4 kv heads splits them), 4 vision heads, and a vocabulary (302) and text MLP
@@ -226,15 +227,30 @@ fn rank_outputs(r: &TpModel, c: &ThreadComm, inp: &Inputs) -> Result<Outputs, Tp
     let mut tok = vec![r.greedy(c, &st.last_logits)?[0], 7];
     let mut tokens = vec![vec![tok[0]], vec![tok[1]]];
     let mut decode = Vec::new();
+    let mut rollout_logp = vec![Vec::new(), Vec::new()];
     for _ in 0..STEPS {
         let local = r.decode_step(c, &mut arena, &mut slots, &tok)?;
         decode.extend(r.gather_logits(c, &local)?);
         tok = r.greedy(c, &local)?;
-        tokens[0].push(tok[0]);
-        tokens[1].push(tok[1]);
+        let (lp, _) = r.vocab_logprobs(c, &local, &tok, 1.0)?;
+        for s in 0..2 {
+            tokens[s].push(tok[s]);
+            rollout_logp[s].push(lp[s]);
+        }
     }
     let resp: Vec<&[u32]> = tokens.iter().map(|t| t.as_slice()).collect();
     let mut scores = r.score(c, st, &resp, 1.0)?;
+    // the rollout's log-probs (from decode logits) are bitwise the scoring pass's, under TP too
+    for s in 0..2 {
+        if scores[s].logp[1..] != rollout_logp[s][..] {
+            return Err(TpError::Config(format!(
+                "rank {}: sample {s}: decode log-probs {:?} != score log-probs {:?}",
+                c_rank(c),
+                rollout_logp[s],
+                &scores[s].logp[1..]
+            )));
+        }
+    }
     scores.extend(r.score(c, st, &resp, 0.7)?);
     Ok(Outputs {
         embeds: enc.iter().flat_map(|e| e.embeds.clone()).collect(),
