@@ -209,16 +209,25 @@ impl<'a> AngleMemo<'a> {
             rows: std::collections::HashMap::new(),
         }
     }
-    fn get(&mut self, p: i64) -> &(Vec<f32>, Vec<f32>) {
+    /// Computes the angles of every distinct position of `ps` not yet held, in parallel.
+    fn fill(&mut self, ps: impl Iterator<Item = i64>) {
+        let mut todo: Vec<i64> = ps.filter(|p| !self.rows.contains_key(p)).collect();
+        todo.sort_unstable();
+        todo.dedup();
         let f = self.f;
-        self.rows.entry(p).or_insert_with(|| {
-            f.iter()
-                .map(|&fi| {
-                    let a = p as f32 * fi;
-                    ((a as f64).cos() as f32, (a as f64).sin() as f32)
-                })
-                .unzip()
-        })
+        let new: Vec<(i64, (Vec<f32>, Vec<f32>))> = todo
+            .into_par_iter()
+            .map(|p| (p, Self::angles(f, p)))
+            .collect();
+        self.rows.extend(new);
+    }
+    fn angles(f: &[f32], p: i64) -> (Vec<f32>, Vec<f32>) {
+        f.iter()
+            .map(|&fi| {
+                let a = p as f32 * fi;
+                ((a as f64).cos() as f32, (a as f64).sin() as f32)
+            })
+            .unzip()
     }
 }
 
@@ -245,20 +254,30 @@ pub fn mrope_tables_memo(
         })
         .collect();
     let n = pos[0].len();
+    // every distinct position's angles once (serial, small), then the rows in parallel
     let mut memo = AngleMemo::new(&f);
+    memo.fill(pos.iter().flat_map(|ps| ps.iter().copied()));
+    let rows = &memo.rows;
+    // section s owns the frequency slots [bounds[s], bounds[s + 1]) (as `sec_of` says)
+    let s0 = (section[0] as usize).min(half);
+    let s1 = ((section[0] + section[1]) as usize).min(half);
+    let bounds = [0, s0, s1, half];
+    debug_assert!((0..half).all(|i| i >= bounds[sec_of[i]] && i < bounds[sec_of[i] + 1]));
     let mut cos = vec![0f32; n * head_dim];
     let mut sin = vec![0f32; n * head_dim];
-    for t in 0..n {
-        for (s, ps) in pos.iter().enumerate() {
-            let (c, sn) = memo.get(ps[t]);
-            for i in (0..half).filter(|&i| sec_of[i] == s) {
-                cos[t * head_dim + i] = c[i];
-                cos[t * head_dim + half + i] = c[i];
-                sin[t * head_dim + i] = sn[i];
-                sin[t * head_dim + half + i] = sn[i];
+    cos.par_chunks_mut(head_dim)
+        .zip(sin.par_chunks_mut(head_dim))
+        .enumerate()
+        .for_each(|(t, (c, sn))| {
+            for (sec, ps) in pos.iter().enumerate() {
+                let (rc, rs) = &rows[&ps[t]];
+                let (a, b) = (bounds[sec], bounds[sec + 1]);
+                c[a..b].copy_from_slice(&rc[a..b]);
+                c[half + a..half + b].copy_from_slice(&rc[a..b]);
+                sn[a..b].copy_from_slice(&rs[a..b]);
+                sn[half + a..half + b].copy_from_slice(&rs[a..b]);
             }
-        }
-    }
+        });
     (cos, sin)
 }
 
@@ -272,19 +291,22 @@ pub fn vision_rope_tables_memo(
     let f = inv_freq(theta, head_dim / 2);
     let q = f.len();
     let mut memo = AngleMemo::new(&f);
+    memo.fill(hw.iter().flat_map(|&(h, w)| [h as i64, w as i64]));
+    let rows = &memo.rows;
     let mut cos = vec![0f32; hw.len() * head_dim];
     let mut sin = vec![0f32; hw.len() * head_dim];
-    for (i, &(h, w)) in hw.iter().enumerate() {
-        for (slot0, p) in [(0, h), (q, w)] {
-            let (c, s) = memo.get(p as i64);
-            for j in 0..q {
+    cos.par_chunks_mut(head_dim)
+        .zip(sin.par_chunks_mut(head_dim))
+        .zip(hw.par_iter())
+        .for_each(|((c, sn), &(h, w))| {
+            for (slot0, p) in [(0, h), (q, w)] {
+                let (rc, rs) = &rows[&(p as i64)];
                 for off in [0, head_dim / 2] {
-                    cos[i * head_dim + off + slot0 + j] = c[j];
-                    sin[i * head_dim + off + slot0 + j] = s[j];
+                    c[off + slot0..off + slot0 + q].copy_from_slice(&rc[..q]);
+                    sn[off + slot0..off + slot0 + q].copy_from_slice(&rs[..q]);
                 }
             }
-        }
-    }
+        });
     (cos, sin)
 }
 

@@ -191,6 +191,11 @@ fn memoised_rope_tables_are_bitwise_the_cpu_engines() {
         mrope_tables_memo(&pos, 32, 1e6, [4, 6, 6]),
         mrope_tables(&pos, 32, 1e6, [4, 6, 6])
     );
+    // Qwen2.5-VL's text head (128, sections 16/24/24), the sections filled row-parallel
+    assert_eq!(
+        mrope_tables_memo(&pos, 128, 1e6, [16, 24, 24]),
+        mrope_tables(&pos, 128, 1e6, [16, 24, 24])
+    );
     let hw = vision_patch_hw(&[[2, 4, 6], [1, 8, 2]], 2);
     assert_eq!(
         vision_rope_tables_memo(&hw, 80, 1e4),
