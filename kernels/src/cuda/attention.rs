@@ -116,7 +116,7 @@ impl RowStrides {
 }
 
 fn check_dims(op: &'static str, d: &AttnDims, decode: bool) -> Result<()> {
-    if d.num_heads == 0 || d.num_kv_heads == 0 || d.num_heads % d.num_kv_heads != 0 {
+    if d.num_heads == 0 || d.num_kv_heads == 0 || !d.num_heads.is_multiple_of(d.num_kv_heads) {
         return Err(shape(
             op,
             format!(
@@ -126,7 +126,7 @@ fn check_dims(op: &'static str, d: &AttnDims, decode: bool) -> Result<()> {
         ));
     }
     let m = if decode { 32 } else { 16 };
-    if d.head_dim == 0 || d.head_dim % m != 0 || d.head_dim > 256 {
+    if d.head_dim == 0 || !d.head_dim.is_multiple_of(m) || d.head_dim > 256 {
         return Err(shape(
             op,
             format!(
@@ -148,7 +148,7 @@ fn rows_of(len: usize, width: usize, stride: usize) -> usize {
 }
 
 fn check_stride(op: &'static str, name: &str, stride: usize, width: usize) -> Result<()> {
-    if stride < width || stride % 8 != 0 {
+    if stride < width || !stride.is_multiple_of(8) {
         return Err(shape(
             op,
             format!("{name} row stride {stride} must be >= {width} and a multiple of 8"),

@@ -199,8 +199,11 @@ pub fn flat_rope_tables(cfg: &ModelConfig, positions: &[i64]) -> (Vec<f32>, Vec<
 /// `model::positions` computes each entry: `a = p as f32 * f[i]`, then f64 cos/sin).
 struct AngleMemo<'a> {
     f: &'a [f32],
-    rows: std::collections::HashMap<i64, (Vec<f32>, Vec<f32>)>,
+    rows: std::collections::HashMap<i64, Angles>,
 }
+
+/// cos and sin of one position's angles.
+type Angles = (Vec<f32>, Vec<f32>);
 
 impl<'a> AngleMemo<'a> {
     fn new(f: &'a [f32]) -> Self {
@@ -215,13 +218,13 @@ impl<'a> AngleMemo<'a> {
         todo.sort_unstable();
         todo.dedup();
         let f = self.f;
-        let new: Vec<(i64, (Vec<f32>, Vec<f32>))> = todo
+        let new: Vec<(i64, Angles)> = todo
             .into_par_iter()
             .map(|p| (p, Self::angles(f, p)))
             .collect();
         self.rows.extend(new);
     }
-    fn angles(f: &[f32], p: i64) -> (Vec<f32>, Vec<f32>) {
+    fn angles(f: &[f32], p: i64) -> Angles {
         f.iter()
             .map(|&fi| {
                 let a = p as f32 * fi;
