@@ -34,7 +34,7 @@ use crate::train::block_bwd::{grad_of, linear_backward};
 use super::comm::Communicator;
 use super::{TpError, TpModel};
 
-fn input(msg: String) -> TpError {
+pub(crate) fn input(msg: String) -> TpError {
     TpError::Model(ModelError::Input(msg))
 }
 
@@ -143,23 +143,7 @@ impl TpModel {
 
         // replicated kv heads: this call's k/v gradients are summed over the replicas below, so
         // the gradient already in `grads` is set aside and added back after the sum
-        let kv_ids: Vec<ParamId> = if self.plan.kv_replicated {
-            lay.text_layers
-                .iter()
-                .flat_map(|lp| [lp.k.w, lp.v.w].into_iter().chain(lp.k.b).chain(lp.v.b))
-                .collect()
-        } else {
-            Vec::new()
-        };
-        let prior: Vec<Vec<f32>> = kv_ids
-            .iter()
-            .map(|&id| {
-                let g = grad_of(w, grads, id);
-                let p = g.to_vec();
-                g.fill(0.0);
-                p
-            })
-            .collect();
+        let kv_prior = self.kv_set_aside(grads);
 
         // ---- head backward (vocab-parallel) ----
         let range = self.dims().vocab.clone();
@@ -220,9 +204,11 @@ impl TpModel {
             dims: self.local_dims(),
             cos: &cos,
             sin: &sin,
+            prefix_k: &[],
+            prefix_v: &[],
         };
         for (l, lp) in lay.text_layers.iter().enumerate().rev() {
-            dx = self.block_bwd(comm, lp, &caches[l], rows, &ctx, &dx, grads)?;
+            dx = self.block_bwd(comm, lp, &caches[l], rows, &ctx, &dx, None, None, grads)?;
         }
         // ---- embedding (vocab-parallel): the rows of the ids this rank owns ----
         let (mut own_ids, mut own_dx) = (Vec::new(), Vec::new());
@@ -233,13 +219,7 @@ impl TpModel {
             }
         }
         embedding_bwd(grad_of(w, grads, lay.embed), &own_dx, &own_ids, h)?;
-        // ---- replicated kv heads: add the replicas' gradients, then the set-aside ones ----
-        for (&id, p) in kv_ids.iter().zip(prior) {
-            self.sum_kv_replicas(comm, id, grads)?;
-            for (g, p) in grad_of(w, grads, id).iter_mut().zip(p) {
-                *g += p;
-            }
-        }
+        self.kv_sum_replicas(comm, kv_prior, grads)?;
         Ok(logp)
     }
 
@@ -254,6 +234,8 @@ impl TpModel {
         rows: usize,
         ctx: &BwdCtx<'_>,
         dy: &[f32],
+        extra_dkv: Option<(&[f32], &[f32])>,
+        dprefix: Option<(&mut [f32], &mut [f32])>,
         grads: &mut [f32],
     ) -> Result<Vec<f32>, TpError> {
         let w: &Weights = &self.weights;
@@ -305,18 +287,32 @@ impl TpModel {
             vec![0f32; rows * kvw],
         );
         let scale = 1.0 / (dims.head_dim as f32).sqrt();
+        let (mut none_k, mut none_v) = ([0f32; 0], [0f32; 0]);
+        let (dpk, dpv) = match dprefix {
+            Some((a, b)) => (a, b),
+            None => {
+                if seqs.iter().any(|s| s.prefix_len > 0) {
+                    return Err(input(
+                        "block_bwd: a block that reads a shared prefix needs buffers for the \
+                         prefix k/v gradient"
+                            .into(),
+                    ));
+                }
+                (&mut none_k[..], &mut none_v[..])
+            }
+        };
         attention_bwd(
             &mut dq,
             &mut dk,
             &mut dv,
-            &mut [],
-            &mut [],
+            dpk,
+            dpv,
             &dattn,
             &c.q,
             &c.k,
             &c.v,
-            &[],
-            &[],
+            ctx.prefix_k,
+            ctx.prefix_v,
             &c.attn,
             &c.lse,
             seqs,
@@ -325,6 +321,14 @@ impl TpModel {
             scale,
         )?;
         drop(dattn);
+        if let Some((ek, ev)) = extra_dkv {
+            for (d, e) in dk.iter_mut().zip(ek) {
+                *d += e;
+            }
+            for (d, e) in dv.iter_mut().zip(ev) {
+                *d += e;
+            }
+        }
         rope_bwd(&mut dq, cos, sin, rows, dims.num_heads, dims.head_dim)?;
         rope_bwd(&mut dk, cos, sin, rows, dims.num_kv_heads, dims.head_dim)?;
         let mut dxn1 = vec![0f32; rows * h];
@@ -345,6 +349,43 @@ impl TpModel {
             true,
         )?;
         Ok(dmid)
+    }
+
+    /// With replicated kv heads: takes the k/v gradients already in `grads` out (zeroing them),
+    /// so that [`TpModel::kv_sum_replicas`] sums only this pass's replicas.
+    pub(crate) fn kv_set_aside(&self, grads: &mut [f32]) -> Vec<(ParamId, Vec<f32>)> {
+        if !self.plan.kv_replicated {
+            return Vec::new();
+        }
+        let w = &self.weights;
+        w.layout
+            .text_layers
+            .iter()
+            .flat_map(|lp| [lp.k.w, lp.v.w].into_iter().chain(lp.k.b).chain(lp.v.b))
+            .map(|id| {
+                let g = grad_of(w, grads, id);
+                let p = g.to_vec();
+                g.fill(0.0);
+                (id, p)
+            })
+            .collect()
+    }
+
+    /// Sums this pass's k/v gradients over the ranks holding the same kv head, then adds back
+    /// what [`TpModel::kv_set_aside`] took out.
+    pub(crate) fn kv_sum_replicas<C: Communicator>(
+        &self,
+        comm: &C,
+        prior: Vec<(ParamId, Vec<f32>)>,
+        grads: &mut [f32],
+    ) -> Result<(), TpError> {
+        for (id, p) in prior {
+            self.sum_kv_replicas(comm, id, grads)?;
+            for (g, p) in grad_of(&self.weights, grads, id).iter_mut().zip(p) {
+                *g += p;
+            }
+        }
+        Ok(())
     }
 
     /// Adds the gradients of a replicated kv-head parameter (k/v weight or bias, one kv head
@@ -376,6 +417,9 @@ pub(crate) struct BwdCtx<'a> {
     pub dims: AttnDims,
     pub cos: &'a [f32],
     pub sin: &'a [f32],
+    /// This layer's shared prefix k/v (the rank's kv heads; empty for none).
+    pub prefix_k: &'a [f32],
+    pub prefix_v: &'a [f32],
 }
 
 pub(crate) fn train_err(e: crate::train::TrainError) -> TpError {

@@ -8,10 +8,11 @@
 //! its two all-reduces), `text` (vocab-parallel embedding, prefill, decode over a per-rank KV
 //! arena, scoring with a vocab-parallel log-softmax, greedy argmax), `vision` (the vision tower
 //! and merger, heads split, and its backward), `backward` (the text decoder's backward and the
-//! TP block backward both towers use: column/row-parallel with the conjugate collectives).
+//! TP block backward both towers use: column/row-parallel with the conjugate collectives),
+//! `train` (a GRPO micro-batch's forward, loss and backward, as `train::forward_backward`).
 //!
-//! What it knows: the model's forward and backward and where the collectives go. What it does
-//! not know: plans, the RL loop, optimizers, devices.
+//! What it knows: the model's forward and backward, the policy loss's inputs, and where the
+//! collectives go. What it does not know: plans, the RL loop, optimizers, devices.
 //!
 //! Invariants: (1) every rank of a group holds the same replicated values and, after each
 //! collective, the same replicated activations (all-reduce results are bitwise equal on every
@@ -25,6 +26,7 @@ pub mod block;
 pub mod comm;
 pub mod shard;
 pub mod text;
+pub mod train;
 pub mod vision;
 
 use std::sync::Arc;

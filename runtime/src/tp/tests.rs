@@ -596,4 +596,137 @@ mod grads {
             }
         }
     }
+
+    #[test]
+    fn tp_training_step_matches_single_rank_trainer() {
+        use crate::model::{MediaInput, MediaKind};
+        use crate::train::{
+            forward_backward, GroupBatch, LossConfig, Normaliser, ResponseBatch, TrainConfig,
+        };
+        use rollplex_plan::spec::{KlEstimator, LossAgg, Recompute};
+
+        let m = tiny();
+        let tk = m.config.spec.tokens.clone();
+        let pd = m.config.patch_dim();
+        let (img, vid) = (pixels(24, pd, 1), pixels(32, pd, 2));
+        let media = [
+            MediaInput {
+                kind: MediaKind::Image,
+                pixels: &img,
+                grid: [1, 4, 6],
+            },
+            MediaInput {
+                kind: MediaKind::Video {
+                    second_per_grid_t: Some(1.0),
+                },
+                pixels: &vid,
+                grid: [2, 4, 4],
+            },
+        ];
+        let mut prompt = vec![5, 6, tk.vision_start_token_id];
+        prompt.extend([tk.image_token_id; 6]);
+        prompt.extend([tk.vision_end_token_id, 7, tk.vision_start_token_id]);
+        prompt.extend([tk.video_token_id; 8]);
+        prompt.extend([tk.vision_end_token_id, 8, 9, 10]);
+        let toks: [&[u32]; 3] = [&[11, 12, 13, 14, 15], &[20, 21], &[30]];
+        let old: Vec<Vec<f32>> = toks
+            .iter()
+            .map(|t| (0..t.len()).map(|j| -5.0 - 0.1 * j as f32).collect())
+            .collect();
+        let adv: Vec<Vec<f32>> = [0.8f32, -0.5, 0.3]
+            .iter()
+            .zip(&toks)
+            .map(|(a, t)| vec![*a; t.len()])
+            .collect();
+        let masks: Vec<Vec<bool>> = toks
+            .iter()
+            .map(|t| (0..t.len()).map(|j| j != 2).collect())
+            .collect();
+        let responses: Vec<ResponseBatch<'_>> = (0..3)
+            .map(|i| ResponseBatch {
+                tokens: toks[i],
+                old_logp: &old[i],
+                ref_logp: None,
+                advantages: &adv[i],
+                mask: &masks[i],
+            })
+            .collect();
+        let groups = [GroupBatch {
+            prompt_ids: &prompt,
+            media: &media,
+            responses: &responses,
+        }];
+        let cfg = TrainConfig {
+            loss: LossConfig {
+                clip_low: 0.2,
+                clip_high: 0.28,
+                dual_clip: Some(3.0),
+                kl_coef: 0.0,
+                kl_estimator: KlEstimator::K3,
+                agg: LossAgg::TokenMean,
+            },
+            recompute: Recompute::None,
+            freeze_vision: false,
+            freeze_merger: false,
+            temperature: 0.9,
+        };
+        let norm = Normaliser { tokens: 7, seqs: 3 };
+        let mut g0 = vec![0f32; m.weights.table.total()];
+        let out0 = forward_backward(&m, &cfg, &groups, norm, &mut g0).unwrap();
+        let gmax = g0.iter().fold(0f32, |a, x| a.max(x.abs()));
+        assert!(gmax > 0.0);
+        for t in [1, 2, 4] {
+            let plan = Arc::new(TpPlan::new(&m.config, t).unwrap());
+            let ranks: Vec<TpModel> = (0..t)
+                .map(|r| TpModel::shard(Arc::clone(&plan), &m.weights, r).unwrap())
+                .collect();
+            let outs = run_ranks(t, |c: &ThreadComm| -> Result<_, TpError> {
+                let r = &ranks[c.rank()];
+                let mut g = vec![0f32; r.weights.table.total()];
+                let o = r.forward_backward(c, &cfg, &groups, norm, &mut g)?;
+                Ok((o, g))
+            })
+            .unwrap();
+            for o in &outs[1..] {
+                assert_eq!(o.0, outs[0].0, "TP={t}: ranks report different outputs");
+            }
+            let shards: Vec<Weights> = outs
+                .iter()
+                .zip(&ranks)
+                .map(|((_, g), r)| Weights {
+                    table: r.weights.table.clone(),
+                    layout: r.weights.layout.clone(),
+                    data: g.clone(),
+                })
+                .collect();
+            let g = plan.unshard(&shards).unwrap().data;
+            let o = &outs[0].0;
+            let lp: Vec<f32> = o.logp.iter().flatten().copied().collect();
+            let lp0: Vec<f32> = out0.logp.iter().flatten().copied().collect();
+            let elp = lp
+                .iter()
+                .zip(&lp0)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            let eg = g
+                .iter()
+                .zip(&g0)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            println!(
+                "train step TP={t}: log-probs max abs error {elp:.3e}; gradients max abs error \
+                 {eg:.3e} (max |grad| {gmax:.3e}); loss {:?} vs {:?}",
+                o.metrics, out0.metrics
+            );
+            if t == 1 {
+                assert_eq!(o, &out0, "TP=1 step output must be bitwise the trainer's");
+                assert_eq!(g, g0, "TP=1 step gradients must be bitwise the trainer's");
+            }
+            assert!(elp <= 2e-5, "TP={t}: log-prob error {elp}");
+            assert!(
+                eg <= 1e-4 * gmax,
+                "TP={t}: gradient error {eg} vs max {gmax}"
+            );
+        }
+    }
 }

@@ -106,7 +106,7 @@ impl TpModel {
     }
 
     /// Embeddings of a prompt with its media placeholders filled, and its 3D positions.
-    fn prompt_inputs<C: Communicator>(
+    pub(crate) fn prompt_inputs<C: Communicator>(
         &self,
         comm: &C,
         p: &Prompt<'_>,

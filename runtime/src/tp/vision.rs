@@ -213,6 +213,20 @@ impl TpModel {
         }
         let mut vc = VisionCache::new(CacheMode::Full);
         let enc = self.encode_impl(comm, items, Some(&mut vc))?;
+        self.vision_backward(comm, &vc, d_embeds, grads)?;
+        Ok(enc)
+    }
+
+    /// Backward of the merger and the tower from a forward's cache (`encode_impl` with a
+    /// cache): `d_embeds` as in [`TpModel::vision_forward_backward`].
+    pub(crate) fn vision_backward<C: Communicator>(
+        &self,
+        comm: &C,
+        vc: &VisionCache,
+        d_embeds: &[f32],
+        grads: &mut [f32],
+    ) -> Result<(), TpError> {
+        let w = &self.weights;
         let lay = &w.layout;
         let cfg = &self.plan.config;
         let v = cfg.vision();
@@ -230,7 +244,7 @@ impl TpModel {
             .into());
         }
         if n == 0 {
-            return Ok(enc);
+            return Ok(());
         }
         let mut d_merged = vec![0f32; groups * out_w];
         for (i, &gi) in vc.window_index.iter().enumerate() {
@@ -302,8 +316,10 @@ impl TpModel {
                 dims,
                 cos: &vc.cos,
                 sin: &vc.sin,
+                prefix_k: &[],
+                prefix_v: &[],
             };
-            dx = self.block_bwd(comm, bp, &vc.blocks[b], n, &ctx, &dx, grads)?;
+            dx = self.block_bwd(comm, bp, &vc.blocks[b], n, &ctx, &dx, None, None, grads)?;
         }
         // undo the window permutation; the patch embedding (replicated) gets its weight gradient
         let mut dx0 = vec![0f32; n * vh];
@@ -323,6 +339,6 @@ impl TpModel {
             vh,
             false,
         )?;
-        Ok(enc)
+        Ok(())
     }
 }
