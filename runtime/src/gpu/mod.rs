@@ -38,6 +38,7 @@ pub mod generate;
 pub mod plan;
 mod staging;
 pub mod text;
+pub mod train;
 pub mod vision;
 pub mod weights;
 

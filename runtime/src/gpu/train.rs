@@ -1,0 +1,1446 @@
+//! The actor's training step on CUDA for the text decoder (vision tower and merger frozen; the
+//! media embeddings come from the GPU forward, `GpuModel::encode_media`): forward over a
+//! micro-batch of GRPO groups, per-token log-probs, the policy loss and its gradient, backward
+//! through the lm head, every decoder layer and the token embeddings into fp32 gradients summed
+//! over micro-batches, then the global grad-norm clip and `adamw_step_f32` on fp32 masters with
+//! the bf16 compute copy (the model's own weight buffers) written by the same kernel.
+//!
+//! ```text
+//! let mut t = GpuTrainer::new(&gpu, &stream, &cpu_model, train_cfg, adamw_spec)?;
+//! let media = t.model().encode_media(&gpu, &stream, &items)?;   // frozen: no gradient
+//! t.micro_batch(&gpu, &stream, 0, &groups, norm)?;              // plan order 0, 1, ...
+//! let report = t.optimizer_step(&gpu, &stream)?;                // clip, AdamW, bf16 copy
+//! ```
+//!
+//! Layout of a micro-batch: every response `r` of a group becomes one packed sequence
+//! `prompt ++ tokens[..n-1]` (the prompt is recomputed per response instead of being shared as
+//! on the CPU backend; the gradient is the same sum up to rounding). Row `P - 1 + j` of the
+//! sequence predicts response token `j`. Prompt rows take the `get_rope_index` positions of
+//! `plan::PackedPrompts`; response rows `P + j + rope_delta`, as `score` does, so a response
+//! token that happens to be a media placeholder id is still text.
+//!
+//! Activations: each layer's input (bf16 residual stream) is kept; backward recomputes the layer
+//! from it (`Recompute::Full` of the CPU backend; the forward ops are deterministic, so the
+//! recomputed activations are bitwise the forward's). The per-layer work buffers are allocated
+//! once per micro-batch.
+//!
+//! Where things run: everything on the device on the caller's stream, except the policy loss
+//! and its gradient w.r.t. the log-probs, which are elementwise per token and run on the host
+//! with the CPU backend's own `train::loss::policy_loss` (the log-probs come down, `dlogp` goes
+//! up: one synchronisation per micro-batch), and the final sum of the grad-norm partials (one
+//! download of 128 doubles per tensor per optimizer step).
+//!
+//! Numerics: GEMMs are cuBLASLt bf16 with fp32 accumulation; a weight gradient is produced in
+//! bf16 by its GEMM and added into its fp32 accumulator (`grad_accumulate_f32`); bias gradients
+//! are the same GEMM with a row of ones; norm and embedding gradients are fp32 directly.
+//!
+//! Invariants: every launch and copy runs on the caller's stream; the weights change only in
+//! [`GpuTrainer::optimizer_step`]; micro-batches are accepted in plan order only.
+
+use std::sync::Arc;
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use half::bf16;
+use rollplex_kernels::cpu::{AttnDims, AttnMask, Gemm};
+use rollplex_kernels::cuda::attention::RowStrides;
+use rollplex_kernels::cuda::nvrtc::KernelModule;
+use rollplex_kernels::cuda::{
+    adamw_step_f32, add_fwd_bf16_inplace, add_rmsnorm_fwd_bf16, attention_bwd_bf16,
+    attention_fwd_bf16, embedding_bwd_f32, embedding_fwd_bf16, grad_accumulate_f32, kv_append_bf16,
+    linear_fwd_bf16, logprobs_bwd_bf16, logprobs_fwd_bf16, matmul_bf16, rmsnorm_bwd_bf16,
+    rmsnorm_fwd_bf16, rope_bwd_bf16, rope_fwd_bf16, swiglu_bwd_fused_bf16, swiglu_fwd_bf16,
+    AdamWScalars, AttnSeqGpu, CudaError, CudaSlice, CudaStream, Gpu,
+};
+use rollplex_plan::spec::AdamWSpec;
+
+use crate::model::weights::{Layout, ParamTable};
+use crate::model::{ModelConfig, Qwen25VL};
+use crate::train::adamw::{default_decay, lr_at, validate_spec, StepReport};
+use crate::train::loss::{policy_loss, LossBatch, LossMetrics, Normaliser};
+use crate::train::{MicroBatchOutput, ResponseBatch, TrainConfig, TrainError, TrainStepReport};
+
+use super::plan::{check_ids, flat_rope_tables, media_slot, PackedPrompts, PromptSpec};
+use super::vision::GpuEncodedMedia;
+use super::weights::{fuse_linears, GpuBlock, GpuLinear, GpuWeights};
+use super::{alloc, download, upload, GpuError, GpuModel};
+
+/// What can go wrong in a GPU training step.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuTrainError {
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+    #[error(transparent)]
+    Train(#[from] TrainError),
+}
+
+impl From<CudaError> for GpuTrainError {
+    fn from(e: CudaError) -> Self {
+        GpuTrainError::Gpu(e.into())
+    }
+}
+
+impl From<cudarc::driver::DriverError> for GpuTrainError {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        GpuTrainError::Gpu(e.into())
+    }
+}
+
+pub type Result<T> = std::result::Result<T, GpuTrainError>;
+
+/// A GRPO group for the GPU step: a prompt, its media encoded on the device (frozen tower: no
+/// gradient flows into them) and its responses with their training inputs.
+#[derive(Clone, Copy)]
+pub struct GpuGroupBatch<'a> {
+    pub prompt_ids: &'a [u32],
+    pub media: &'a [&'a GpuEncodedMedia],
+    pub responses: &'a [ResponseBatch<'a>],
+}
+
+/// Rows of the lm head per chunk (bounds the logits buffer to `CHUNK x vocab`).
+const LM_CHUNK: usize = 1024;
+/// Blocks of the grad-norm partial-sum kernel (fixed: the sum's order depends on nothing else).
+const NORM_BLOCKS: usize = 128;
+
+/// The small kernels of this module: the grad-norm partial sums (f64, fixed order) and the
+/// clip's scaling (`g *= c`, one rounding, as the CPU's `*g *= coef`).
+const TRAIN_KERNELS: KernelModule = KernelModule {
+    name: "gpu_train",
+    source: r#"
+extern "C" __global__ void sumsq_partial_f32(const float* __restrict__ g, u64 n,
+                                             double* __restrict__ out) {
+    __shared__ double s[256];
+    double acc = 0.0;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (u64)gridDim.x * blockDim.x) {
+        const double x = (double)g[i];
+        acc = __dadd_rn(acc, __dmul_rn(x, x));
+    }
+    s[threadIdx.x] = acc;
+    __syncthreads();
+    for (u32 w = 128; w > 0; w >>= 1) {
+        if (threadIdx.x < w) s[threadIdx.x] = __dadd_rn(s[threadIdx.x], s[threadIdx.x + w]);
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = s[0];
+}
+
+extern "C" __global__ void scale_f32(float* __restrict__ g, u64 n, float c) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (u64)gridDim.x * blockDim.x) {
+        g[i] = __fmul_rn(g[i], c);
+    }
+}
+"#,
+};
+
+/// The four linears of a decoder layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lin {
+    Qkv,
+    O,
+    GateUp,
+    Down,
+}
+
+/// A trained tensor of the text decoder, as the device holds it (q|k|v and gate|up fused).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Slot {
+    Embed,
+    /// Only when not tied to the embeddings.
+    LmHead,
+    FinalNorm,
+    Norm1(usize),
+    Norm2(usize),
+    Weight(usize, Lin),
+    Bias(usize, Lin),
+}
+
+struct TrainTensor {
+    slot: Slot,
+    name: String,
+    numel: usize,
+    decay: bool,
+    master: CudaSlice<f32>,
+    m: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    grad: CudaSlice<f32>,
+}
+
+fn lin_of(b: &GpuBlock, l: Lin) -> &GpuLinear {
+    match l {
+        Lin::Qkv => &b.qkv,
+        Lin::O => &b.o,
+        Lin::GateUp => &b.gate_up,
+        Lin::Down => &b.down,
+    }
+}
+
+fn lin_of_mut(b: &mut GpuBlock, l: Lin) -> &mut GpuLinear {
+    match l {
+        Lin::Qkv => &mut b.qkv,
+        Lin::O => &mut b.o,
+        Lin::GateUp => &mut b.gate_up,
+        Lin::Down => &mut b.down,
+    }
+}
+
+/// The bf16 compute copy of a slot (the buffer the forward reads).
+fn weight_mut(w: &mut GpuWeights, s: Slot) -> Option<&mut CudaSlice<bf16>> {
+    match s {
+        Slot::Embed => Some(&mut w.embed),
+        Slot::LmHead => w.lm_head.as_mut(),
+        Slot::FinalNorm => Some(&mut w.final_norm),
+        Slot::Norm1(l) => Some(&mut w.text[l].norm1),
+        Slot::Norm2(l) => Some(&mut w.text[l].norm2),
+        Slot::Weight(l, k) => Some(&mut lin_of_mut(&mut w.text[l], k).w),
+        Slot::Bias(l, k) => lin_of_mut(&mut w.text[l], k).b.as_mut(),
+    }
+}
+
+/// The fp32 gradient accumulators, one per trained tensor, in a fixed order.
+struct Grads {
+    t: Vec<TrainTensor>,
+}
+
+impl Grads {
+    fn get(&mut self, s: Slot) -> Result<&mut CudaSlice<f32>> {
+        self.t
+            .iter_mut()
+            .find(|t| t.slot == s)
+            .map(|t| &mut t.grad)
+            .ok_or_else(|| GpuError::Input(format!("no trained tensor {s:?}")).into())
+    }
+}
+
+/// The actor on one GPU with its optimizer state and the gradient sum of the current mini-batch.
+pub struct GpuTrainer {
+    model: GpuModel,
+    cfg: TrainConfig,
+    spec: AdamWSpec,
+    layout: Layout,
+    table: ParamTable,
+    grads: Grads,
+    steps: u64,
+    micro: u32,
+    metrics: LossMetrics,
+    /// bf16 scratch for one weight gradient (the largest linear or the lm head).
+    dw: CudaSlice<bf16>,
+}
+
+/// The host-side tables of one packed micro-batch (pure; tested without a GPU).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PackedTrain {
+    /// Token ids per packed row (media placeholders included).
+    pub ids: Vec<u32>,
+    /// Ids for the embedding backward: media rows carry `vocab` (skipped by the kernel).
+    pub bwd_ids: Vec<u32>,
+    pub seqs: Vec<rollplex_kernels::cpu::AttnSeq>,
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+    /// Packed rows of the media placeholders, sequence by sequence, in placeholder order.
+    pub media_rows: Vec<u32>,
+    /// `(group, response)` of each sequence.
+    pub owner: Vec<(usize, usize)>,
+    /// The rows whose logits score a response token, sequence by sequence, token by token.
+    pub head_rows: Vec<u32>,
+    pub targets: Vec<u32>,
+}
+
+/// One sequence of a micro-batch: a prompt (with its media slots) and a response.
+pub struct SeqSpec<'a> {
+    pub prompt: PromptSpec<'a>,
+    pub response: &'a [u32],
+    pub owner: (usize, usize),
+}
+
+impl PackedTrain {
+    /// Packs `prompt ++ response[..n-1]` per sequence (responses of at least one token).
+    pub fn new(cfg: &ModelConfig, seqs: &[SeqSpec<'_>]) -> std::result::Result<Self, GpuError> {
+        let vocab = cfg.text().vocab_size as usize;
+        let prompts: Vec<PromptSpec<'_>> = seqs
+            .iter()
+            .map(|s| PromptSpec {
+                ids: s.prompt.ids,
+                media: s.prompt.media.clone(),
+            })
+            .collect();
+        let p = PackedPrompts::new(cfg, &prompts)?;
+        let hd = cfg.text().head_dim() as usize;
+        let mut out = PackedTrain {
+            ids: Vec::new(),
+            bwd_ids: Vec::new(),
+            seqs: Vec::new(),
+            cos: Vec::new(),
+            sin: Vec::new(),
+            media_rows: Vec::new(),
+            owner: Vec::new(),
+            head_rows: Vec::new(),
+            targets: Vec::new(),
+        };
+        // packed prompt row -> row of this batch
+        let mut remap = vec![0u32; p.ids.len()];
+        for (i, s) in seqs.iter().enumerate() {
+            let n = s.response.len();
+            if n == 0 {
+                return Err(GpuError::Input(format!(
+                    "sequence {i}: an empty response has nothing to train"
+                )));
+            }
+            check_ids("train response", s.response, vocab)?;
+            let ps = &p.seqs[i];
+            let (a, plen) = (ps.start as usize, ps.len as usize);
+            let start = out.ids.len();
+            for r in 0..plen {
+                remap[a + r] = (start + r) as u32;
+            }
+            out.ids.extend_from_slice(&p.ids[a..a + plen]);
+            out.cos.extend_from_slice(&p.cos[a * hd..(a + plen) * hd]);
+            out.sin.extend_from_slice(&p.sin[a * hd..(a + plen) * hd]);
+            let positions: Vec<i64> = (0..n - 1)
+                .map(|j| (plen + j) as i64 + p.deltas[i])
+                .collect();
+            let (c, sn) = flat_rope_tables(cfg, &positions);
+            out.cos.extend_from_slice(&c);
+            out.sin.extend_from_slice(&sn);
+            out.ids.extend_from_slice(&s.response[..n - 1]);
+            let len = plen + n - 1;
+            out.seqs.push(rollplex_kernels::cpu::AttnSeq {
+                start: start as u32,
+                len: len as u32,
+                prefix_start: 0,
+                prefix_len: 0,
+            });
+            for j in 0..n {
+                out.head_rows.push((start + plen - 1 + j) as u32);
+                out.targets.push(s.response[j]);
+            }
+            out.owner.push(s.owner);
+        }
+        out.bwd_ids = out.ids.clone();
+        for &r in &p.media_rows {
+            let row = remap[r as usize];
+            out.media_rows.push(row);
+            out.bwd_ids[row as usize] = vocab as u32;
+        }
+        Ok(out)
+    }
+}
+
+/// One layer's activations (recomputed from its input in backward).
+struct Acts {
+    xn1: CudaSlice<bf16>,
+    rstd1: CudaSlice<f32>,
+    qkv: CudaSlice<bf16>,
+    q: CudaSlice<bf16>,
+    k: CudaSlice<bf16>,
+    v: CudaSlice<bf16>,
+    att: CudaSlice<bf16>,
+    lse: CudaSlice<f32>,
+    x_mid: CudaSlice<bf16>,
+    xn2: CudaSlice<bf16>,
+    rstd2: CudaSlice<f32>,
+    gu: CudaSlice<bf16>,
+    act: CudaSlice<bf16>,
+    delta: CudaSlice<bf16>,
+}
+
+/// What a layer forward needs besides weights and activations.
+struct LayerCtx<'a> {
+    rows: usize,
+    hidden: usize,
+    dims: AttnDims,
+    eps: f32,
+    cos: &'a CudaSlice<f32>,
+    sin: &'a CudaSlice<f32>,
+    seqs: &'a CudaSlice<AttnSeqGpu>,
+    n_seqs: usize,
+    max_q: usize,
+    iota: &'a CudaSlice<u32>,
+    ones: &'a CudaSlice<bf16>,
+}
+
+impl Acts {
+    fn new(gpu: &Gpu, s: &Arc<CudaStream>, c: &LayerCtx<'_>, b: &GpuBlock) -> Result<Self> {
+        let (r, h) = (c.rows, c.hidden);
+        let (qw, kvw) = (c.dims.q_width(), c.dims.kv_width());
+        Ok(Acts {
+            xn1: alloc(gpu, s, r * h)?,
+            rstd1: alloc(gpu, s, r)?,
+            qkv: alloc(gpu, s, r * b.qkv.out)?,
+            q: alloc(gpu, s, r * qw)?,
+            k: alloc(gpu, s, r * kvw)?,
+            v: alloc(gpu, s, r * kvw)?,
+            att: alloc(gpu, s, r * qw)?,
+            lse: alloc(gpu, s, r * c.dims.num_heads)?,
+            x_mid: alloc(gpu, s, r * h)?,
+            xn2: alloc(gpu, s, r * h)?,
+            rstd2: alloc(gpu, s, r)?,
+            gu: alloc(gpu, s, r * 2 * b.ffn)?,
+            act: alloc(gpu, s, r * b.ffn)?,
+            delta: alloc(gpu, s, r * h)?,
+        })
+    }
+}
+
+fn linear(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    y: &mut CudaSlice<bf16>,
+    x: &CudaSlice<bf16>,
+    l: &GpuLinear,
+    rows: usize,
+) -> Result<()> {
+    let b = l.b.as_ref().map(|b| b as &dyn DevicePtr<bf16>);
+    linear_fwd_bf16(gpu, s, y, x, &l.w, b, rows, l.inp, l.out)?;
+    Ok(())
+}
+
+/// One decoder layer forward from `x_in`, filling `a`; when `x_out` is given the layer's output
+/// (the next layer's input) is written there. Bitwise the model's `run_blocks` layer.
+fn layer_fwd(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    b: &GpuBlock,
+    c: &LayerCtx<'_>,
+    x_in: &impl DevicePtr<bf16>,
+    a: &mut Acts,
+    x_out: Option<&mut CudaSlice<bf16>>,
+) -> Result<()> {
+    let (rows, h, d) = (c.rows, c.hidden, c.dims);
+    let (qw, kvw) = (d.q_width(), d.kv_width());
+    let row = qw + 2 * kvw;
+    let ffn = b.ffn;
+    rmsnorm_fwd_bf16(
+        gpu,
+        s,
+        &mut a.xn1,
+        Some(&mut a.rstd1 as &mut dyn DevicePtrMut<f32>),
+        x_in,
+        &b.norm1,
+        rows,
+        h,
+        c.eps,
+    )?;
+    linear(gpu, s, &mut a.qkv, &a.xn1, &b.qkv, rows)?;
+    rope_fwd_bf16(
+        gpu,
+        s,
+        &mut a.qkv,
+        c.cos,
+        c.sin,
+        rows,
+        row,
+        d.num_heads + d.num_kv_heads,
+        d.head_dim,
+        true,
+    )?;
+    // q, k, v into contiguous buffers (the attention backward writes dq/dk/dv at its inputs'
+    // strides, and three views of one fused gradient buffer cannot be borrowed at once)
+    kv_append_bf16(gpu, s, &mut a.q, &a.qkv, c.iota, rows, qw, row, qw)?;
+    kv_append_bf16(
+        gpu,
+        s,
+        &mut a.k,
+        &a.qkv.slice(qw..),
+        c.iota,
+        rows,
+        kvw,
+        row,
+        kvw,
+    )?;
+    kv_append_bf16(
+        gpu,
+        s,
+        &mut a.v,
+        &a.qkv.slice(qw + kvw..),
+        c.iota,
+        rows,
+        kvw,
+        row,
+        kvw,
+    )?;
+    let scale = 1.0 / (d.head_dim as f32).sqrt();
+    attention_fwd_bf16(
+        gpu,
+        s,
+        &mut a.att,
+        Some(&mut a.lse as &mut dyn DevicePtrMut<f32>),
+        &a.q,
+        &a.k,
+        &a.v,
+        &a.k,
+        &a.v,
+        c.seqs,
+        c.n_seqs,
+        c.max_q,
+        d,
+        AttnMask::Causal,
+        scale,
+        RowStrides::contiguous(d),
+    )?;
+    linear(gpu, s, &mut a.delta, &a.att, &b.o, rows)?;
+    s.memcpy_dtod(x_in, &mut a.x_mid)?;
+    add_rmsnorm_fwd_bf16(
+        gpu,
+        s,
+        &mut a.xn2,
+        Some(&mut a.rstd2 as &mut dyn DevicePtrMut<f32>),
+        &mut a.x_mid,
+        &a.delta,
+        &b.norm2,
+        rows,
+        h,
+        c.eps,
+    )?;
+    linear(gpu, s, &mut a.gu, &a.xn2, &b.gate_up, rows)?;
+    let up = a.gu.slice(ffn..);
+    swiglu_fwd_bf16(
+        gpu,
+        s,
+        &mut a.act,
+        &a.gu,
+        &up,
+        rows,
+        ffn,
+        ffn,
+        2 * ffn,
+        2 * ffn,
+    )?;
+    if let Some(x) = x_out {
+        linear(gpu, s, &mut a.delta, &a.act, &b.down, rows)?;
+        s.memcpy_dtod(&a.x_mid, x)?;
+        add_fwd_bf16_inplace(gpu, s, x, &a.delta, rows * h)?;
+    }
+    Ok(())
+}
+
+/// `grad[out, inp] += dy[rows, out]^T x[rows, inp]` (bf16 GEMM into `scratch`, added in fp32)
+/// and, when the linear has a bias, `bias_grad[out] += Σ_rows dy`.
+#[allow(clippy::too_many_arguments)]
+fn weight_grads(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    grads: &mut Grads,
+    scratch: &mut CudaSlice<bf16>,
+    ones: &CudaSlice<bf16>,
+    layer: usize,
+    kind: Lin,
+    l: &GpuLinear,
+    dy: &CudaSlice<bf16>,
+    x: &CudaSlice<bf16>,
+    rows: usize,
+) -> Result<()> {
+    let n = l.out * l.inp;
+    matmul_bf16(gpu, s, scratch, dy, x, Gemm::tn(l.out, rows, l.inp))?;
+    grad_accumulate_f32(gpu, s, grads.get(Slot::Weight(layer, kind))?, scratch, n)?;
+    if l.b.is_some() {
+        matmul_bf16(gpu, s, scratch, ones, dy, Gemm::nn(1, rows, l.out))?;
+        grad_accumulate_f32(gpu, s, grads.get(Slot::Bias(layer, kind))?, scratch, l.out)?;
+    }
+    Ok(())
+}
+
+/// Backward of one layer: `dx` holds the gradient of the layer's output and ends holding the
+/// gradient of its input; parameter gradients are added into `grads`.
+#[allow(clippy::too_many_arguments)]
+fn layer_bwd(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    layer: usize,
+    b: &GpuBlock,
+    c: &LayerCtx<'_>,
+    x_in: &impl DevicePtr<bf16>,
+    a: &Acts,
+    dx: &mut CudaSlice<bf16>,
+    grads: &mut Grads,
+    scratch: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    let (rows, h, d) = (c.rows, c.hidden, c.dims);
+    let (qw, kvw) = (d.q_width(), d.kv_width());
+    let row = qw + 2 * kvw;
+    let ffn = b.ffn;
+    // MLP: delta = down(swiglu(gate_up(norm2(x_mid))))
+    let mut dact = alloc::<bf16>(gpu, s, rows * ffn)?;
+    matmul_bf16(gpu, s, &mut dact, &*dx, &b.down.w, Gemm::nn(rows, h, ffn))?;
+    weight_grads(
+        gpu,
+        s,
+        grads,
+        scratch,
+        c.ones,
+        layer,
+        Lin::Down,
+        &b.down,
+        &*dx,
+        &a.act,
+        rows,
+    )?;
+    let mut dgu = alloc::<bf16>(gpu, s, rows * 2 * ffn)?;
+    swiglu_bwd_fused_bf16(gpu, s, &mut dgu, &dact, &a.gu, rows, ffn)?;
+    drop(dact);
+    let mut dxn = alloc::<bf16>(gpu, s, rows * h)?;
+    matmul_bf16(
+        gpu,
+        s,
+        &mut dxn,
+        &dgu,
+        &b.gate_up.w,
+        Gemm::nn(rows, 2 * ffn, h),
+    )?;
+    weight_grads(
+        gpu,
+        s,
+        grads,
+        scratch,
+        c.ones,
+        layer,
+        Lin::GateUp,
+        &b.gate_up,
+        &dgu,
+        &a.xn2,
+        rows,
+    )?;
+    drop(dgu);
+    rmsnorm_bwd_bf16(
+        gpu,
+        s,
+        dx,
+        Some(grads.get(Slot::Norm2(layer))? as &mut dyn DevicePtrMut<f32>),
+        &dxn,
+        &a.x_mid,
+        &b.norm2,
+        &a.rstd2,
+        rows,
+        h,
+        true,
+    )?;
+    // attention: delta = o(attn(rope(qkv(norm1(x_in)))))
+    let mut datt = alloc::<bf16>(gpu, s, rows * qw)?;
+    matmul_bf16(gpu, s, &mut datt, &*dx, &b.o.w, Gemm::nn(rows, h, qw))?;
+    weight_grads(
+        gpu,
+        s,
+        grads,
+        scratch,
+        c.ones,
+        layer,
+        Lin::O,
+        &b.o,
+        &*dx,
+        &a.att,
+        rows,
+    )?;
+    let mut dq = alloc::<bf16>(gpu, s, rows * qw)?;
+    let mut dk = alloc::<bf16>(gpu, s, rows * kvw)?;
+    let mut dv = alloc::<bf16>(gpu, s, rows * kvw)?;
+    // no sequence has a prefix: one-row fp32 stand-ins
+    let mut dpk = alloc::<f32>(gpu, s, kvw)?;
+    let mut dpv = alloc::<f32>(gpu, s, kvw)?;
+    let scale = 1.0 / (d.head_dim as f32).sqrt();
+    attention_bwd_bf16(
+        gpu,
+        s,
+        &mut dq,
+        &mut dk,
+        &mut dv,
+        &mut dpk,
+        &mut dpv,
+        &datt,
+        &a.q,
+        &a.k,
+        &a.v,
+        &a.k,
+        &a.v,
+        &a.att,
+        &a.lse,
+        c.seqs,
+        c.n_seqs,
+        d,
+        AttnMask::Causal,
+        scale,
+        RowStrides::contiguous(d),
+    )?;
+    drop(datt);
+    rope_bwd_bf16(
+        gpu,
+        s,
+        &mut dq,
+        c.cos,
+        c.sin,
+        rows,
+        qw,
+        d.num_heads,
+        d.head_dim,
+    )?;
+    rope_bwd_bf16(
+        gpu,
+        s,
+        &mut dk,
+        c.cos,
+        c.sin,
+        rows,
+        kvw,
+        d.num_kv_heads,
+        d.head_dim,
+    )?;
+    let mut dqkv = alloc::<bf16>(gpu, s, rows * row)?;
+    kv_append_bf16(gpu, s, &mut dqkv, &dq, c.iota, rows, qw, qw, row)?;
+    kv_append_bf16(
+        gpu,
+        s,
+        &mut dqkv.slice_mut(qw..),
+        &dk,
+        c.iota,
+        rows,
+        kvw,
+        kvw,
+        row,
+    )?;
+    kv_append_bf16(
+        gpu,
+        s,
+        &mut dqkv.slice_mut(qw + kvw..),
+        &dv,
+        c.iota,
+        rows,
+        kvw,
+        kvw,
+        row,
+    )?;
+    drop((dq, dk, dv));
+    matmul_bf16(gpu, s, &mut dxn, &dqkv, &b.qkv.w, Gemm::nn(rows, row, h))?;
+    weight_grads(
+        gpu,
+        s,
+        grads,
+        scratch,
+        c.ones,
+        layer,
+        Lin::Qkv,
+        &b.qkv,
+        &dqkv,
+        &a.xn1,
+        rows,
+    )?;
+    rmsnorm_bwd_bf16(
+        gpu,
+        s,
+        dx,
+        Some(grads.get(Slot::Norm1(layer))? as &mut dyn DevicePtrMut<f32>),
+        &dxn,
+        x_in,
+        &b.norm1,
+        &a.rstd1,
+        rows,
+        h,
+        true,
+    )?;
+    Ok(())
+}
+
+/// The host f32 values of a slot from the CPU model (fused as `GpuWeights::upload` fuses).
+fn host_values(model: &Qwen25VL, s: Slot) -> Option<(Vec<f32>, String, Vec<usize>)> {
+    let w = &model.weights;
+    let l = &w.layout;
+    let named = |id| {
+        let e = w.table.entry(id);
+        (w.get(id).to_vec(), e.name.clone(), e.shape.clone())
+    };
+    let parts = |layer: usize, k: Lin| {
+        let p = &l.text_layers[layer];
+        match k {
+            Lin::Qkv => vec![&p.q, &p.k, &p.v],
+            Lin::O => vec![&p.o],
+            Lin::GateUp => vec![&p.gate, &p.up],
+            Lin::Down => vec![&p.down],
+        }
+    };
+    match s {
+        Slot::Embed => Some(named(l.embed)),
+        Slot::LmHead => (l.lm_head != l.embed).then(|| named(l.lm_head)),
+        Slot::FinalNorm => Some(named(l.final_norm)),
+        Slot::Norm1(i) => Some(named(l.text_layers[i].norm1)),
+        Slot::Norm2(i) => Some(named(l.text_layers[i].norm2)),
+        Slot::Weight(i, k) => {
+            let ps = parts(i, k);
+            let (wt, _, out) = fuse_linears(w, &ps);
+            let e = w.table.entry(ps[0].w);
+            Some((wt, e.name.clone(), vec![out, ps[0].inp]))
+        }
+        Slot::Bias(i, k) => {
+            let ps = parts(i, k);
+            let (_, b, out) = fuse_linears(w, &ps);
+            let id = ps.iter().find_map(|p| p.b)?;
+            Some((b?, w.table.entry(id).name.clone(), vec![out]))
+        }
+    }
+}
+
+/// The CPU model's parameter slots a device tensor splits into: `(param id, first row, rows)`
+/// of the fused tensor, with the part's row width.
+fn cpu_parts(layout: &Layout, s: Slot) -> Vec<(crate::model::ParamId, usize, usize)> {
+    let parts = |layer: usize, k: Lin| {
+        let p = &layout.text_layers[layer];
+        match k {
+            Lin::Qkv => vec![p.q, p.k, p.v],
+            Lin::O => vec![p.o],
+            Lin::GateUp => vec![p.gate, p.up],
+            Lin::Down => vec![p.down],
+        }
+    };
+    match s {
+        Slot::Embed => vec![(layout.embed, 0, 0)],
+        Slot::LmHead => vec![(layout.lm_head, 0, 0)],
+        Slot::FinalNorm => vec![(layout.final_norm, 0, 0)],
+        Slot::Norm1(i) => vec![(layout.text_layers[i].norm1, 0, 0)],
+        Slot::Norm2(i) => vec![(layout.text_layers[i].norm2, 0, 0)],
+        Slot::Weight(i, k) => {
+            let mut row = 0;
+            parts(i, k)
+                .into_iter()
+                .map(|p| {
+                    let r = (p.w, row, p.out);
+                    row += p.out;
+                    r
+                })
+                .collect()
+        }
+        Slot::Bias(i, k) => {
+            let mut row = 0;
+            parts(i, k)
+                .into_iter()
+                .filter_map(|p| {
+                    let r = p.b.map(|b| (b, row, p.out));
+                    row += p.out;
+                    r
+                })
+                .collect()
+        }
+    }
+}
+
+impl GpuTrainer {
+    /// Uploads `model` (bf16 compute copy; fp32 masters from its f32 weights) and zeroed
+    /// moments and gradients. The vision tower and merger must be frozen.
+    pub fn new(
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        model: &Qwen25VL,
+        cfg: TrainConfig,
+        spec: AdamWSpec,
+    ) -> Result<Self> {
+        if !cfg.freeze_vision || !cfg.freeze_merger {
+            return Err(TrainError::Invalid(
+                "the CUDA training step trains the text decoder only: set freeze_vision and \
+                 freeze_merger (vision backward runs on the CPU backend)"
+                    .into(),
+            )
+            .into());
+        }
+        if !(cfg.temperature > 0.0 && cfg.temperature.is_finite()) {
+            return Err(TrainError::Invalid(format!(
+                "temperature {} must be positive and finite",
+                cfg.temperature
+            ))
+            .into());
+        }
+        cfg.loss.validate()?;
+        validate_spec(&spec)?;
+        let gm = GpuModel::upload(gpu, stream, model)?;
+        let layers = gm.weights.text.len();
+        let mut slots = vec![Slot::Embed];
+        if gm.weights.lm_head.is_some() {
+            slots.push(Slot::LmHead);
+        }
+        slots.push(Slot::FinalNorm);
+        for l in 0..layers {
+            slots.push(Slot::Norm1(l));
+            slots.push(Slot::Norm2(l));
+            for k in [Lin::Qkv, Lin::O, Lin::GateUp, Lin::Down] {
+                slots.push(Slot::Weight(l, k));
+                if lin_of(&gm.weights.text[l], k).b.is_some() {
+                    slots.push(Slot::Bias(l, k));
+                }
+            }
+        }
+        let mut t = Vec::with_capacity(slots.len());
+        let mut biggest = 0usize;
+        for s in slots {
+            let (vals, name, shape) = host_values(model, s)
+                .ok_or_else(|| GpuError::Input(format!("model has no host tensor for {s:?}")))?;
+            let numel = vals.len();
+            biggest = biggest.max(numel);
+            let zeros = vec![0f32; numel];
+            t.push(TrainTensor {
+                slot: s,
+                decay: default_decay(&name, &shape),
+                name,
+                numel,
+                master: upload(stream, &vals)?,
+                m: upload(stream, &zeros)?,
+                v: upload(stream, &zeros)?,
+                grad: upload(stream, &zeros)?,
+            });
+        }
+        let dw = alloc::<bf16>(gpu, stream, biggest.max(1))?;
+        Ok(GpuTrainer {
+            model: gm,
+            cfg,
+            spec,
+            layout: model.weights.layout.clone(),
+            table: model.weights.table.clone(),
+            grads: Grads { t },
+            steps: 0,
+            micro: 0,
+            metrics: LossMetrics::default(),
+            dw,
+        })
+    }
+
+    /// The model with its current bf16 weights (to encode media, score, generate).
+    pub fn model(&self) -> &GpuModel {
+        &self.model
+    }
+    pub fn config(&self) -> &TrainConfig {
+        &self.cfg
+    }
+    /// Optimizer steps taken.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+    /// Names of the trained tensors (fused q|k|v and gate|up are named by their first part).
+    pub fn tensor_names(&self) -> Vec<String> {
+        self.grads.t.iter().map(|t| t.name.clone()).collect()
+    }
+
+    /// The accumulated gradient in the CPU model's layout (a `table.total()` buffer, the fused
+    /// tensors split into their parts; frozen tensors are zero). Synchronises.
+    pub fn grads_host(&self, stream: &Arc<CudaStream>) -> Result<Vec<f32>> {
+        let mut out = vec![0f32; self.table.total()];
+        for t in &self.grads.t {
+            let g = download(stream, &t.grad)?;
+            let parts = cpu_parts(&self.layout, t.slot);
+            for (id, row0, rows) in parts {
+                let e = self.table.entry(id);
+                let dst = &mut out[e.offset..e.offset + e.len];
+                if rows == 0 {
+                    dst.copy_from_slice(&g);
+                } else {
+                    let width = e.len / rows;
+                    dst.copy_from_slice(&g[row0 * width..(row0 + rows) * width]);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Forward, loss and backward of micro-batch `index` (0-based, plan order) of the current
+    /// mini-batch whose normaliser is `norm`; gradients are added into the fp32 sums.
+    /// Synchronises once (the log-probs come down for the loss).
+    pub fn micro_batch(
+        &mut self,
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        index: u32,
+        groups: &[GpuGroupBatch<'_>],
+        norm: Normaliser,
+    ) -> Result<MicroBatchOutput> {
+        if index != self.micro {
+            return Err(TrainError::Invalid(format!(
+                "micro-batch {index} given, but micro-batch {} is next in plan order",
+                self.micro
+            ))
+            .into());
+        }
+        let out = self.forward_backward(gpu, stream, groups, norm)?;
+        self.micro += 1;
+        self.metrics.add(&out.metrics);
+        Ok(out)
+    }
+
+    fn forward_backward(
+        &mut self,
+        gpu: &Gpu,
+        s: &Arc<CudaStream>,
+        groups: &[GpuGroupBatch<'_>],
+        norm: Normaliser,
+    ) -> Result<MicroBatchOutput> {
+        let cfg = self.model.config.clone();
+        let t = cfg.text();
+        let (h, vocab) = (t.hidden_size as usize, t.vocab_size as usize);
+        let eps = t.rms_norm_eps as f32;
+        let dims = AttnDims {
+            num_heads: t.num_heads as usize,
+            num_kv_heads: t.num_kv_heads as usize,
+            head_dim: t.head_dim() as usize,
+        };
+        if !dims.head_dim.is_multiple_of(16) {
+            return Err(GpuError::Unsupported(format!(
+                "text head_dim {}: the CUDA attention kernels need a multiple of 16",
+                dims.head_dim
+            ))
+            .into());
+        }
+        let temp = self.cfg.temperature;
+        // ---- inputs ----
+        let mut seq_specs = Vec::new();
+        for (gi, g) in groups.iter().enumerate() {
+            for (r, resp) in g.responses.iter().enumerate() {
+                let n = resp.tokens.len();
+                let what = |x: &str| format!("group {gi} response {r} {x}");
+                crate::train::check_len(&what("old_logp"), n, resp.old_logp.len())?;
+                crate::train::check_len(&what("advantages"), n, resp.advantages.len())?;
+                crate::train::check_len(&what("mask"), n, resp.mask.len())?;
+                if let Some(rl) = resp.ref_logp {
+                    crate::train::check_len(&what("ref_logp"), n, rl.len())?;
+                }
+                if n > 0 {
+                    seq_specs.push(SeqSpec {
+                        prompt: PromptSpec {
+                            ids: g.prompt_ids,
+                            media: g.media.iter().map(|m| media_slot(m.kind, m.grid)).collect(),
+                        },
+                        response: resp.tokens,
+                        owner: (gi, r),
+                    });
+                }
+            }
+            if self.cfg.loss.kl_coef > 0.0 && g.responses.iter().any(|r| r.ref_logp.is_none()) {
+                return Err(TrainError::Invalid(format!(
+                    "group {gi}: kl_coef = {} needs reference log-probs for every response",
+                    self.cfg.loss.kl_coef
+                ))
+                .into());
+            }
+        }
+        let mut out = MicroBatchOutput::default();
+        if seq_specs.is_empty() {
+            for g in groups {
+                for _ in g.responses {
+                    out.logp.push(Vec::new());
+                    out.entropy.push(Vec::new());
+                }
+            }
+            return Ok(out);
+        }
+        let pk = PackedTrain::new(&cfg, &seq_specs)?;
+        let rows = pk.ids.len();
+        // media embeddings, sequence by sequence
+        let mut media_tokens = 0usize;
+        for sq in &seq_specs {
+            for m in groups[sq.owner.0].media {
+                if m.embeds.len() < m.tokens * h {
+                    return Err(GpuError::Input(format!(
+                        "a media item holds {} embedding values, expected {} x {h}",
+                        m.embeds.len(),
+                        m.tokens
+                    ))
+                    .into());
+                }
+                media_tokens += m.tokens;
+            }
+        }
+        if media_tokens != pk.media_rows.len() {
+            return Err(GpuError::Input(format!(
+                "{} media placeholder tokens but the media carry {media_tokens} embeddings",
+                pk.media_rows.len()
+            ))
+            .into());
+        }
+        let ids_d = upload(s, &pk.ids)?;
+        let bwd_ids = upload(s, &pk.bwd_ids)?;
+        let cos = upload(s, &pk.cos)?;
+        let sin = upload(s, &pk.sin)?;
+        let gseqs: Vec<AttnSeqGpu> = pk.seqs.iter().map(AttnSeqGpu::from_fwd).collect();
+        let seqs_d = upload(s, &gseqs)?;
+        let iota_v: Vec<u32> = (0..rows as u32).collect();
+        let iota = upload(s, &iota_v)?;
+        let ones = upload(s, &vec![bf16::ONE; rows])?;
+        let max_q = pk.seqs.iter().map(|q| q.len as usize).max().unwrap_or(0);
+        let w = &self.model.weights;
+        let mut x = alloc::<bf16>(gpu, s, rows * h)?;
+        embedding_fwd_bf16(gpu, s, &mut x, &w.embed, &ids_d, rows, h, h)?;
+        if media_tokens > 0 {
+            let mut cat = alloc::<bf16>(gpu, s, media_tokens * h)?;
+            let mut off = 0;
+            for sq in &seq_specs {
+                for m in groups[sq.owner.0].media {
+                    let n = m.tokens * h;
+                    s.memcpy_dtod(&m.embeds.slice(..n), &mut cat.slice_mut(off..off + n))?;
+                    off += n;
+                }
+            }
+            let slots = upload(s, &pk.media_rows)?;
+            kv_append_bf16(gpu, s, &mut x, &cat, &slots, media_tokens, h, h, h)?;
+        }
+        let ctx = LayerCtx {
+            rows,
+            hidden: h,
+            dims,
+            eps,
+            cos: &cos,
+            sin: &sin,
+            seqs: &seqs_d,
+            n_seqs: gseqs.len(),
+            max_q,
+            iota: &iota,
+            ones: &ones,
+        };
+        // ---- forward: keep each layer's input ----
+        let layers = w.text.len();
+        if layers == 0 {
+            return Err(GpuError::Input("the model has no text layers to train".into()).into());
+        }
+        let mut inputs = alloc::<bf16>(gpu, s, layers * rows * h)?;
+        let mut acts = Acts::new(gpu, s, &ctx, &w.text[0])?;
+        for (l, b) in w.text.iter().enumerate() {
+            let r = l * rows * h..(l + 1) * rows * h;
+            s.memcpy_dtod(&x, &mut inputs.slice_mut(r.clone()))?;
+            layer_fwd(gpu, s, b, &ctx, &inputs.slice(r), &mut acts, Some(&mut x))?;
+        }
+        // ---- head forward: log-probs of every response token ----
+        let n_head = pk.head_rows.len();
+        let head_rows = upload(s, &pk.head_rows)?;
+        let targets = upload(s, &pk.targets)?;
+        let mut lp_d = alloc::<f32>(gpu, s, n_head)?;
+        let mut ent_d = alloc::<f32>(gpu, s, n_head)?;
+        for c0 in (0..n_head).step_by(LM_CHUNK) {
+            let n = LM_CHUNK.min(n_head - c0);
+            let (_, xn, _) = self.head_rows(gpu, s, &x, rows, &head_rows.slice(c0..c0 + n), n)?;
+            let mut logits = alloc::<bf16>(gpu, s, n * vocab)?;
+            linear_fwd_bf16(
+                gpu,
+                s,
+                &mut logits,
+                &xn,
+                self.model.weights.lm_head(),
+                None,
+                n,
+                h,
+                vocab,
+            )?;
+            let mut e = ent_d.slice_mut(c0..c0 + n);
+            logprobs_fwd_bf16(
+                gpu,
+                s,
+                &mut lp_d.slice_mut(c0..c0 + n),
+                Some(&mut e as &mut dyn DevicePtrMut<f32>),
+                None,
+                &logits,
+                &targets.slice(c0..c0 + n),
+                n,
+                vocab,
+                vocab,
+                temp,
+            )?;
+        }
+        let lp = download(s, &lp_d)?;
+        let ent = download(s, &ent_d)?;
+        // ---- loss on the host, group by group (as the CPU backend) ----
+        // per (group, response): its first head row
+        let mut first = std::collections::HashMap::new();
+        let mut at = 0usize;
+        for (i, sq) in seq_specs.iter().enumerate() {
+            first.insert(sq.owner, at);
+            at += sq.response.len();
+            debug_assert_eq!(pk.owner[i], sq.owner);
+        }
+        let mut dlogp_rows = vec![0f32; n_head];
+        for (gi, g) in groups.iter().enumerate() {
+            let mut offsets = vec![0usize];
+            let (mut logp, mut old, mut refl, mut adv, mut mask, mut en) = (
+                Vec::new(),
+                Vec::new(),
+                Vec::new(),
+                Vec::new(),
+                Vec::new(),
+                Vec::new(),
+            );
+            let has_ref = g.responses.iter().all(|r| r.ref_logp.is_some());
+            for (r, resp) in g.responses.iter().enumerate() {
+                let n = resp.tokens.len();
+                let (l, e) = match first.get(&(gi, r)) {
+                    Some(&a) => (lp[a..a + n].to_vec(), ent[a..a + n].to_vec()),
+                    None => (Vec::new(), Vec::new()),
+                };
+                logp.extend_from_slice(&l);
+                en.extend_from_slice(&e);
+                old.extend_from_slice(resp.old_logp);
+                adv.extend_from_slice(resp.advantages);
+                mask.extend_from_slice(resp.mask);
+                if let Some(rl) = resp.ref_logp.filter(|_| has_ref) {
+                    refl.extend_from_slice(rl);
+                }
+                offsets.push(logp.len());
+                out.logp.push(l);
+                out.entropy.push(e);
+            }
+            let batch = LossBatch {
+                offsets: &offsets,
+                logp: &logp,
+                old_logp: &old,
+                ref_logp: has_ref.then_some(&refl[..]),
+                advantages: &adv,
+                mask: &mask,
+                entropy: Some(&en),
+            };
+            let lo = policy_loss(&self.cfg.loss, &batch, norm)?;
+            out.metrics.add(&lo.metrics);
+            for (r, resp) in g.responses.iter().enumerate() {
+                if let Some(&a) = first.get(&(gi, r)) {
+                    let n = resp.tokens.len();
+                    dlogp_rows[a..a + n].copy_from_slice(&lo.dlogp[offsets[r]..offsets[r] + n]);
+                }
+            }
+        }
+        let dlogp_d = upload(s, &dlogp_rows)?;
+        // ---- backward: log-softmax, lm head, final norm ----
+        let head_slot = if self.model.weights.lm_head.is_some() {
+            Slot::LmHead
+        } else {
+            Slot::Embed
+        };
+        let mut dx = alloc::<bf16>(gpu, s, rows * h)?;
+        s.memset_zeros(&mut dx)?;
+        for c0 in (0..n_head).step_by(LM_CHUNK) {
+            let n = LM_CHUNK.min(n_head - c0);
+            let idx = head_rows.slice(c0..c0 + n);
+            let (g, xn, rstd) = self.head_rows(gpu, s, &x, rows, &idx, n)?;
+            let head = self.model.weights.lm_head();
+            let mut logits = alloc::<bf16>(gpu, s, n * vocab)?;
+            linear_fwd_bf16(gpu, s, &mut logits, &xn, head, None, n, h, vocab)?;
+            let mut dlogits = alloc::<bf16>(gpu, s, n * vocab)?;
+            logprobs_bwd_bf16(
+                gpu,
+                s,
+                &mut dlogits,
+                &dlogp_d.slice(c0..c0 + n),
+                None,
+                &logits,
+                &targets.slice(c0..c0 + n),
+                n,
+                vocab,
+                vocab,
+                vocab,
+                temp,
+            )?;
+            drop(logits);
+            let mut dxn = alloc::<bf16>(gpu, s, n * h)?;
+            matmul_bf16(gpu, s, &mut dxn, &dlogits, head, Gemm::nn(n, vocab, h))?;
+            matmul_bf16(gpu, s, &mut self.dw, &dlogits, &xn, Gemm::tn(vocab, n, h))?;
+            grad_accumulate_f32(gpu, s, self.grads.get(head_slot)?, &self.dw, vocab * h)?;
+            let mut dg = alloc::<bf16>(gpu, s, n * h)?;
+            rmsnorm_bwd_bf16(
+                gpu,
+                s,
+                &mut dg,
+                Some(self.grads.get(Slot::FinalNorm)? as &mut dyn DevicePtrMut<f32>),
+                &dxn,
+                &g,
+                &self.model.weights.final_norm,
+                &rstd,
+                n,
+                h,
+                false,
+            )?;
+            // rows are distinct: a scatter
+            kv_append_bf16(gpu, s, &mut dx, &dg, &idx, n, h, h, h)?;
+        }
+        // ---- backward: layers top-down, each recomputed from its kept input ----
+        let w = &self.model.weights;
+        for l in (0..layers).rev() {
+            let b = &w.text[l];
+            let xin = inputs.slice(l * rows * h..(l + 1) * rows * h);
+            layer_fwd(gpu, s, b, &ctx, &xin, &mut acts, None)?;
+            layer_bwd(
+                gpu,
+                s,
+                l,
+                b,
+                &ctx,
+                &xin,
+                &acts,
+                &mut dx,
+                &mut self.grads,
+                &mut self.dw,
+            )?;
+        }
+        // ---- backward: token embeddings (media rows skipped: the tower is frozen) ----
+        embedding_bwd_f32(
+            gpu,
+            s,
+            self.grads.get(Slot::Embed)?,
+            &dx,
+            &bwd_ids,
+            rows,
+            h,
+            vocab,
+            h,
+        )?;
+        Ok(out)
+    }
+
+    /// Gathers rows `idx` of the final-norm input `x`: `(rows, rmsnorm(rows), rstd)`.
+    fn head_rows(
+        &self,
+        gpu: &Gpu,
+        s: &Arc<CudaStream>,
+        x: &CudaSlice<bf16>,
+        total_rows: usize,
+        idx: &impl DevicePtr<u32>,
+        n: usize,
+    ) -> Result<(CudaSlice<bf16>, CudaSlice<bf16>, CudaSlice<f32>)> {
+        let t = self.model.config.text();
+        let h = t.hidden_size as usize;
+        let mut g = alloc::<bf16>(gpu, s, n * h)?;
+        embedding_fwd_bf16(gpu, s, &mut g, &x.slice(..total_rows * h), idx, n, h, h)?;
+        let mut xn = alloc::<bf16>(gpu, s, n * h)?;
+        let mut rstd = alloc::<f32>(gpu, s, n)?;
+        rmsnorm_fwd_bf16(
+            gpu,
+            s,
+            &mut xn,
+            Some(&mut rstd as &mut dyn DevicePtrMut<f32>),
+            &g,
+            &self.model.weights.final_norm,
+            n,
+            h,
+            t.rms_norm_eps as f32,
+        )?;
+        Ok((g, xn, rstd))
+    }
+
+    /// The global L2 norm of the accumulated gradient (f64 partial sums on the device, summed
+    /// on the host in tensor order). Synchronises.
+    pub fn grad_norm(&self, gpu: &Gpu, s: &Arc<CudaStream>) -> Result<f64> {
+        let nt = self.grads.t.len();
+        let mut partial = alloc::<f64>(gpu, s, nt * NORM_BLOCKS)?;
+        let f = gpu.function(&TRAIN_KERNELS, &[], "sumsq_partial_f32")?;
+        for (i, t) in self.grads.t.iter().enumerate() {
+            let (gp, _g) = t.grad.device_ptr(s);
+            let mut view = partial.slice_mut(i * NORM_BLOCKS..(i + 1) * NORM_BLOCKS);
+            let (op, _o) = view.device_ptr_mut(s);
+            let n = t.numel as u64;
+            let mut b = s.launch_builder(&f);
+            b.arg(&gp).arg(&n).arg(&op);
+            // SAFETY: g holds numel floats, out NORM_BLOCKS doubles; 256 threads match the
+            // kernel's shared array; arguments match (g, n, out).
+            unsafe {
+                b.launch(LaunchConfig {
+                    grid_dim: (NORM_BLOCKS as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }?;
+        }
+        let p = download(s, &partial)?;
+        let mut sq = 0f64;
+        let mut culprit = None;
+        for (i, t) in self.grads.t.iter().enumerate() {
+            let part: f64 = p[i * NORM_BLOCKS..(i + 1) * NORM_BLOCKS].iter().sum();
+            if !part.is_finite() && culprit.is_none() {
+                culprit = Some(t.name.clone());
+            }
+            sq += part;
+        }
+        let norm = sq.sqrt();
+        if !norm.is_finite() {
+            return Err(TrainError::Invalid(format!(
+                "gradient norm is not finite (first non-finite tensor: {}); the optimizer step \
+                 was not taken",
+                culprit.unwrap_or_else(|| "(overflow of the sum)".into())
+            ))
+            .into());
+        }
+        Ok(norm)
+    }
+
+    /// Clips the accumulated gradient (torch's `min(1, max_norm / (norm + 1e-6))`), takes one
+    /// AdamW step on the fp32 masters writing the bf16 compute copy, zeroes the gradients and
+    /// starts the next mini-batch. On error the weights are unchanged and the gradient is kept.
+    pub fn optimizer_step(&mut self, gpu: &Gpu, s: &Arc<CudaStream>) -> Result<TrainStepReport> {
+        let micro_batches = self.micro;
+        if micro_batches == 0 {
+            return Err(TrainError::Invalid(
+                "optimizer_step before any micro-batch: nothing to apply".into(),
+            )
+            .into());
+        }
+        let grad_norm = self.grad_norm(gpu, s)?;
+        if self.spec.grad_clip > 0.0 {
+            let coef = (self.spec.grad_clip / (grad_norm + 1e-6)).min(1.0) as f32;
+            if coef != 1.0 {
+                let f = gpu.function(&TRAIN_KERNELS, &[], "scale_f32")?;
+                for t in self.grads.t.iter_mut() {
+                    let (gp, _g) = t.grad.device_ptr_mut(s);
+                    let n = t.numel as u64;
+                    let mut b = s.launch_builder(&f);
+                    b.arg(&gp).arg(&n).arg(&coef);
+                    // SAFETY: g holds numel floats; arguments match (g, n, c).
+                    unsafe {
+                        b.launch(LaunchConfig {
+                            grid_dim: (t.numel.div_ceil(256).clamp(1, 4096) as u32, 1, 1),
+                            block_dim: (256, 1, 1),
+                            shared_mem_bytes: 0,
+                        })
+                    }?;
+                }
+            }
+        }
+        let lr = lr_at(&self.spec, self.steps);
+        let step = self.steps + 1;
+        let sc = AdamWScalars::new(
+            lr,
+            self.spec.beta1,
+            self.spec.beta2,
+            self.spec.eps,
+            self.spec.weight_decay,
+            step,
+        );
+        for t in self.grads.t.iter_mut() {
+            let decay = t.decay && self.spec.weight_decay != 0.0;
+            let out = weight_mut(&mut self.model.weights, t.slot).ok_or_else(|| {
+                GpuError::Input(format!("no device weight for trained tensor {}", t.name))
+            })?;
+            adamw_step_f32(
+                gpu,
+                s,
+                &mut t.master,
+                &mut t.m,
+                &mut t.v,
+                Some(out as &mut dyn DevicePtrMut<bf16>),
+                &t.grad,
+                t.numel,
+                decay,
+                sc,
+            )?;
+            s.memset_zeros(&mut t.grad)?;
+        }
+        self.steps = step;
+        self.micro = 0;
+        let metrics = std::mem::take(&mut self.metrics);
+        Ok(TrainStepReport {
+            step: StepReport {
+                step,
+                lr,
+                grad_norm,
+            },
+            metrics,
+            micro_batches,
+        })
+    }
+
+    /// Drops the accumulated gradient and metrics without stepping.
+    pub fn discard(&mut self, s: &Arc<CudaStream>) -> Result<()> {
+        for t in self.grads.t.iter_mut() {
+            s.memset_zeros(&mut t.grad)?;
+        }
+        self.micro = 0;
+        self.metrics = LossMetrics::default();
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[path = "train_tests.rs"]
+mod tests;
