@@ -9,10 +9,11 @@
 //! arena, scoring with a vocab-parallel log-softmax, greedy argmax), `vision` (the vision tower
 //! and merger, heads split, and its backward), `backward` (the text decoder's backward and the
 //! TP block backward both towers use: column/row-parallel with the conjugate collectives),
-//! `train` (a GRPO micro-batch's forward, loss and backward, as `train::forward_backward`).
+//! `train` (a GRPO micro-batch's forward, loss and backward, as `train::forward_backward`),
+//! `optim` ([`TpAdamW`]: AdamW over a shard with the global grad-norm clip).
 //!
 //! What it knows: the model's forward and backward, the policy loss's inputs, and where the
-//! collectives go. What it does not know: plans, the RL loop, optimizers, devices.
+//! collectives go. What it does not know: plans, the RL loop, devices.
 //!
 //! Invariants: (1) every rank of a group holds the same replicated values and, after each
 //! collective, the same replicated activations (all-reduce results are bitwise equal on every
@@ -24,6 +25,7 @@
 pub mod backward;
 pub mod block;
 pub mod comm;
+pub mod optim;
 pub mod shard;
 pub mod text;
 pub mod train;
@@ -36,6 +38,7 @@ use rollplex_kernels::KernelError;
 pub use comm::{
     all_gather_uneven, run_ranks, CommError, Communicator, Elem, RankError, ReduceOp, ThreadComm,
 };
+pub use optim::TpAdamW;
 pub use shard::{split_range, RankDims, Split, TpPlan};
 
 use crate::model::{ModelError, Weights};
@@ -78,7 +81,7 @@ impl TpModel {
     }
 
     /// Checks that a communicator belongs to this model's group.
-    fn check_comm<C: Communicator>(&self, comm: &C) -> Result<(), TpError> {
+    pub(crate) fn check_comm<C: Communicator>(&self, comm: &C) -> Result<(), TpError> {
         if comm.world() != self.plan.degree || comm.rank() != self.rank {
             return Err(TpError::Config(format!(
                 "rank {} of a TP-{} model called with communicator rank {} of {}",

@@ -233,6 +233,16 @@ impl TpPlan {
         &self.dims[rank]
     }
 
+    /// Whether `rank` counts parameter `id` in a global sum over the model's elements (a
+    /// gradient norm): every rank its own part, a replicated parameter on rank 0 only, a
+    /// replicated kv head on the first rank that holds it.
+    pub fn counts_once(&self, rank: usize, id: ParamId) -> bool {
+        match &self.splits[rank][id.0 as usize] {
+            Split::Replicated => rank == 0,
+            sp => (0..rank).all(|r| &self.splits[r][id.0 as usize] != sp),
+        }
+    }
+
     /// The split of parameter `id` on `rank`.
     pub fn split(&self, rank: usize, id: ParamId) -> &Split {
         &self.splits[rank][id.0 as usize]

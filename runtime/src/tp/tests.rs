@@ -675,6 +675,21 @@ mod grads {
         let out0 = forward_backward(&m, &cfg, &groups, norm, &mut g0).unwrap();
         let gmax = g0.iter().fold(0f32, |a, x| a.max(x.abs()));
         assert!(gmax > 0.0);
+        // then one AdamW step with an active global clip
+        let spec = rollplex_plan::spec::AdamWSpec {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            grad_clip: 0.05,
+            lr_schedule: rollplex_plan::spec::LrSchedule::Constant,
+        };
+        let mut w0 = m.weights.data.clone();
+        let table = crate::train::OptTable::from_model(&m.weights.table, |_| true).unwrap();
+        let mut opt = crate::train::AdamW::new(spec.clone(), table, &w0).unwrap();
+        let rep0 = opt.step_f32(&mut g0.clone(), &mut w0).unwrap();
+        assert!(rep0.grad_norm > spec.grad_clip, "the clip must be active");
         for t in [1, 2, 4] {
             let plan = Arc::new(TpPlan::new(&m.config, t).unwrap());
             let ranks: Vec<TpModel> = (0..t)
@@ -684,19 +699,63 @@ mod grads {
                 let r = &ranks[c.rank()];
                 let mut g = vec![0f32; r.weights.table.total()];
                 let o = r.forward_backward(c, &cfg, &groups, norm, &mut g)?;
-                Ok((o, g))
+                let mut stepped = r.clone();
+                let mut opt = crate::tp::TpAdamW::new(&stepped, spec.clone(), |_| true)?;
+                let rep = opt.step(c, &mut stepped, &mut g.clone())?;
+                Ok((o, g, stepped.weights, rep))
             })
             .unwrap();
+            let stepped: Vec<Weights> = outs.iter().map(|o| o.2.clone()).collect();
+            // replicated parameters are still bitwise equal on every rank (unshard checks)
+            let w = plan.unshard(&stepped).unwrap().data;
+            let ew = w
+                .iter()
+                .zip(&w0)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            let moved = w
+                .iter()
+                .zip(&w0)
+                .filter(|(a, b)| (*a - *b).abs() > 1e-6)
+                .count();
+            let rep = outs[0].3;
+            println!(
+                "adamw TP={t}: grad norm {:.9e} vs {:.9e}; weights max abs error {ew:.3e}, \
+                 {moved} of {} elements differ by more than 1e-6 (lr {})",
+                rep.grad_norm,
+                rep0.grad_norm,
+                w.len(),
+                spec.lr
+            );
+            assert!(
+                outs.iter().all(|o| o.3 == rep),
+                "ranks report different steps"
+            );
+            assert!((rep.grad_norm - rep0.grad_norm).abs() <= 1e-6 * rep0.grad_norm);
+            if t == 1 {
+                assert_eq!(rep, rep0);
+                assert_eq!(w, w0, "TP=1 AdamW step must be bitwise the single-rank one");
+            }
+            // Adam's first step moves an element by at most lr (plus decay), whatever its
+            // gradient: a gradient within rounding of 0 may flip sign, nothing can differ more
+            assert!(
+                ew <= 2.0 * spec.lr as f32 + 1e-6,
+                "TP={t}: weights differ by {ew}"
+            );
+            assert!(
+                moved * 1000 <= w.len(),
+                "TP={t}: {moved} weights differ by > 1e-6"
+            );
             for o in &outs[1..] {
                 assert_eq!(o.0, outs[0].0, "TP={t}: ranks report different outputs");
             }
             let shards: Vec<Weights> = outs
                 .iter()
                 .zip(&ranks)
-                .map(|((_, g), r)| Weights {
+                .map(|(o, r)| Weights {
                     table: r.weights.table.clone(),
                     layout: r.weights.layout.clone(),
-                    data: g.clone(),
+                    data: o.1.clone(),
                 })
                 .collect();
             let g = plan.unshard(&shards).unwrap().data;

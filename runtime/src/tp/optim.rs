@@ -1,0 +1,102 @@
+//! AdamW over one rank's shard ([`TpAdamW`]): `train::AdamW` (element-wise, so it runs on a
+//! shard unchanged) plus the one thing that is not element-wise, global grad-norm clipping. The
+//! norm is that of the unsharded model: each rank sums the squares of the elements it counts
+//! ([`TpPlan::counts_once`](super::TpPlan::counts_once): its own parts, replicated parameters on
+//! rank 0, a replicated kv head on its first holder) in f64, tensors in table order, and the
+//! partial sums are all-reduced in rank order; at degree 1 this is `clip_grad_norm` exactly.
+//!
+//! Invariant: replicated parameters see bitwise-equal gradients on every rank (see `backward`),
+//! so after a step they are still bitwise equal and `TpPlan::unshard` accepts the weights.
+
+use rollplex_plan::spec::AdamWSpec;
+
+use crate::train::{AdamW, OptTable, StepReport};
+
+use super::backward::train_err;
+use super::comm::Communicator;
+use super::{TpError, TpModel};
+
+/// AdamW state of one rank: master weights and moments of its shard.
+#[derive(Clone, Debug)]
+pub struct TpAdamW {
+    inner: AdamW,
+    /// Global clip threshold (the inner optimizer's clipping is off).
+    max_norm: f64,
+}
+
+impl TpAdamW {
+    /// An optimizer over `model`'s shard, trainable tensors chosen by name (as
+    /// `OptTable::from_model`), starting from the shard's weights.
+    pub fn new(
+        model: &TpModel,
+        spec: AdamWSpec,
+        trainable: impl Fn(&str) -> bool,
+    ) -> Result<Self, TpError> {
+        let table = OptTable::from_model(&model.weights.table, trainable).map_err(train_err)?;
+        let max_norm = spec.grad_clip;
+        let inner = AdamW::new(
+            AdamWSpec {
+                grad_clip: 0.0,
+                ..spec
+            },
+            table,
+            &model.weights.data,
+        )
+        .map_err(train_err)?;
+        Ok(TpAdamW { inner, max_norm })
+    }
+
+    /// One step on every rank: global norm, clipping, the AdamW update of this rank's shard
+    /// (written into `model.weights`). `grad_norm` in the report is the global norm before
+    /// clipping, the same on every rank.
+    pub fn step<C: Communicator>(
+        &mut self,
+        comm: &C,
+        model: &mut TpModel,
+        grads: &mut [f32],
+    ) -> Result<StepReport, TpError> {
+        model.check_comm(comm)?;
+        let table = self.inner.table();
+        if grads.len() != table.buffer_len() || model.weights.data.len() != table.buffer_len() {
+            return Err(TpError::Config(format!(
+                "TpAdamW on rank {}: {} gradients and {} weights for a shard of {}",
+                model.rank,
+                grads.len(),
+                model.weights.data.len(),
+                table.buffer_len()
+            )));
+        }
+        let mut sq = [0f64];
+        for p in table.params() {
+            let id = model.weights.table.find(&p.name).ok_or_else(|| {
+                TpError::Config(format!("TpAdamW: {} is not in the shard", p.name))
+            })?;
+            if model.plan.counts_once(model.rank, id) {
+                for &g in &grads[p.offset..p.offset + p.numel] {
+                    sq[0] += (g as f64) * (g as f64);
+                }
+            }
+        }
+        comm.all_reduce_sum(&mut sq)?;
+        let norm = sq[0].sqrt();
+        if !norm.is_finite() {
+            return Err(TpError::Config(
+                "gradient norm is not finite; the optimizer step was not taken".into(),
+            ));
+        }
+        if self.max_norm > 0.0 {
+            let coef = (self.max_norm / (norm + 1e-6)).min(1.0) as f32;
+            for p in table.params() {
+                grads[p.offset..p.offset + p.numel]
+                    .iter_mut()
+                    .for_each(|g| *g *= coef);
+            }
+        }
+        let mut report = self
+            .inner
+            .step_f32(grads, &mut model.weights.data)
+            .map_err(train_err)?;
+        report.grad_norm = norm;
+        Ok(report)
+    }
+}
