@@ -40,8 +40,25 @@ pub struct ResidencyChoice {
     /// `rollout_weights.frozen`: dropped after decode and rebuilt by every weight sync
     /// instead of kept in HBM.
     pub frozen_rebuilt: bool,
+    /// Kept prefix states on host ([`crate::residency`]): each producer in a decode window
+    /// writes its own chunk, offloaded right after it and reloaded after decode.
+    pub ref_prefix_host: bool,
+    pub old_prefix_host: bool,
+    pub train_prefix_host: bool,
     /// Where the colocated weight sync runs.
     pub reshard: ReshardPoint,
+}
+
+impl ResidencyChoice {
+    /// Whether the kept state `class` produces goes to host.
+    pub fn kept_host(&self, class: SideClass) -> bool {
+        match class {
+            SideClass::RefPrefix => self.ref_prefix_host,
+            SideClass::OldPrefix => self.old_prefix_host,
+            SideClass::TrainPrefix => self.train_prefix_host,
+            _ => false,
+        }
+    }
 }
 
 /// The frozen incompatible tensors' gathered rollout part ([`crate::buffers`]).
@@ -309,6 +326,15 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
     for r in &reloads {
         insert_transfers(&mut s, pg, p, r, &wl)?;
     }
+    if !p.single_stream {
+        for (class, _) in crate::residency::KEPT {
+            if p.residency.kept_host(class) {
+                if let Some(li) = pg.buffer_named(crate::residency::kept_buffer(class)) {
+                    offload_kept(&mut s, pg, class, li, map[li], &wl)?;
+                }
+            }
+        }
+    }
 
     // ---- final join per GPU ----
     for gi in 0..pg.topo.gpus.len() {
@@ -473,6 +499,177 @@ fn insert_transfers(
                 vec![r.host],
             ),
         );
+    }
+    Ok(())
+}
+
+/// Moves the kept state `d` (logical buffer `li`) that `class` produces to host: each producer
+/// in a decode window writes its own chunk `<name>[k]` instead, offloaded to `<name>[k].host`
+/// on the copy stream right after it; producer `k` waits for the offload of chunk `k - 2`
+/// (two chunks live next to decode). After the last decode task and every offload, each chunk
+/// is reloaded into `d`; the first reload happens before every other user of `d` (producers
+/// after decode write their part of `d` directly) and every consumer waits for every reload.
+fn offload_kept(
+    s: &mut Sched,
+    pg: &PhaseGraph,
+    class: SideClass,
+    li: usize,
+    d: usize,
+    wl: &Workload,
+) -> Result<()> {
+    let lb = &pg.buffers[li];
+    let gpu = lb.gpu;
+    let producers: Vec<String> = s
+        .tasks
+        .iter()
+        .filter(|t| t.gpu == gpu && t.window.is_some() && t.writes.contains(&d))
+        .map(|t| t.name.clone())
+        .collect();
+    if producers.is_empty() {
+        return Ok(());
+    }
+    let items = pg
+        .ids()
+        .filter(|&i| matches!(pg.node(i).role, Role::Side { class: c, .. } if c == class))
+        .count()
+        .max(producers.len()) as u64;
+    let chunk = lb.bytes.div_ceil(items);
+    let copy = s.stream(gpu, "copy", Priority::Normal);
+    let find = |s: &Sched, name: &str| -> Result<usize> {
+        s.tasks
+            .iter()
+            .position(|t| t.name == name)
+            .ok_or_else(|| CompileError::internal(format!("task {name} vanished")))
+    };
+    let transfer = |name: String,
+                    op: Op,
+                    phase: Phase,
+                    deps: Vec<usize>,
+                    reads: Vec<usize>,
+                    writes: Vec<usize>| STask {
+        name,
+        kind: WorkKind::Transfer,
+        op,
+        gpu,
+        phase,
+        stream: copy,
+        window: None,
+        deps,
+        reads,
+        writes,
+        work: crate::workload::rounded(&wl.transfer(0.0, chunk as f64)),
+        scratch: 0,
+        sms: pg.spec.cluster.gpu.sms,
+        ready_step: 0,
+        start: 0.0,
+        end: 0.0,
+    };
+    let mut chunks: Vec<(usize, usize, String)> = Vec::new(); // (device, host, offload name)
+    for (k, pname) in producers.iter().enumerate() {
+        let dev = s.buffers.len();
+        let mut b = pbuf(lb, format!("{}[{k}]", lb.name), false, false);
+        b.bytes = chunk;
+        b.shape = format!("chunk {k} of {items}: {}", lb.shape);
+        s.buffers.push(b.clone());
+        let host = s.buffers.len();
+        b.name = format!("{}[{k}].host", lb.name);
+        b.host = true;
+        s.buffers.push(b);
+        let at = find(s, pname)?;
+        for w in s.tasks[at].writes.iter_mut() {
+            if *w == d {
+                *w = dev;
+            }
+        }
+        if k >= 2 {
+            let before = find(s, &chunks[k - 2].2)?;
+            s.tasks[at].deps.push(before);
+            s.tasks[at].deps.sort_unstable();
+            s.tasks[at].deps.dedup();
+        }
+        let oname = format!("offload.{}[{k}]", lb.name);
+        let phase = s.tasks[at].phase;
+        insert_task(
+            s,
+            at + 1,
+            transfer(
+                oname.clone(),
+                Op::Offload {
+                    from: rollplex_plan::BufferId::from_index(dev),
+                    to: rollplex_plan::BufferId::from_index(host),
+                },
+                phase,
+                vec![at],
+                vec![dev],
+                vec![host],
+            ),
+        );
+        chunks.push((dev, host, oname));
+    }
+    // Reloads go after every window task and offload of this GPU, waiting for the last decode.
+    let on_gpu = |t: &STask| t.gpu == gpu;
+    let last_decode = s
+        .tasks
+        .iter()
+        .rposition(|t| on_gpu(t) && matches!(t.op, Op::DecodeWindow { .. }))
+        .ok_or_else(|| CompileError::internal("a kept state on host without decode"))?;
+    let last_offload = find(s, &chunks[chunks.len() - 1].2)?;
+    let last_window = s
+        .tasks
+        .iter()
+        .rposition(|t| on_gpu(t) && t.window.is_some())
+        .unwrap_or(0);
+    let mut at = last_decode.max(last_offload).max(last_window) + 1;
+    if let Some(early) =
+        (0..at).find(|&i| s.tasks[i].reads.contains(&d) || s.tasks[i].writes.contains(&d))
+    {
+        return Err(CompileError::internal(format!(
+            "{} is on host but {} uses it during decode",
+            lb.name, s.tasks[early].name
+        )));
+    }
+    let phase = s.tasks[at..]
+        .iter()
+        .find(|t| t.reads.contains(&d))
+        .map(|t| t.phase)
+        .unwrap_or(Phase::Training);
+    let mut reloads = Vec::new();
+    for (k, (_, host, oname)) in chunks.iter().enumerate() {
+        let off = find(s, oname)?;
+        let mut deps = vec![off, last_decode];
+        deps.sort_unstable();
+        deps.dedup();
+        insert_task(
+            s,
+            at,
+            transfer(
+                format!("reload.{}[{k}]", lb.name),
+                Op::Reload {
+                    from: rollplex_plan::BufferId::from_index(*host),
+                    to: rollplex_plan::BufferId::from_index(d),
+                },
+                phase,
+                deps,
+                vec![*host],
+                vec![d],
+            ),
+        );
+        reloads.push(at);
+        at += 1;
+    }
+    // Every other user of `d` comes after the reloads: consumers wait for all of them,
+    // producers after decode for the first (so it bounds the buffer's lifetime).
+    for i in at..s.tasks.len() {
+        let t = &mut s.tasks[i];
+        if t.reads.contains(&d) {
+            t.deps.extend(&reloads);
+        } else if t.writes.contains(&d) {
+            t.deps.push(reloads[0]);
+        } else {
+            continue;
+        }
+        t.deps.sort_unstable();
+        t.deps.dedup();
     }
     Ok(())
 }

@@ -36,6 +36,13 @@
 //!   in training whatever their residency count in full);
 //! - host row: `sum_i host_bytes[i] off[i] <= host budget`;
 //! - `sum_k x[k] = 1`; `x[k] + off[i] <= 1` where option `k` needs item `i` in HBM;
+//! - kept prefix states ([`KeptState`]): `h[k]` (binary: the state its class produces in
+//!   windows goes to host chunk by chunk and comes back after decode); `h[k] <= u[class]`
+//!   (only what is produced next to decode moves; a class left out of the windows is the
+//!   drop-and-recompute choice: produced after decode, not in the decode row);
+//!   `h[k] + u[consumer] <= 1` (reloads follow decode, so consumers do too); the decode row
+//!   counts `host_resident` instead of the class's bytes (`- (bytes[c] - host_resident) h[k]`),
+//!   the host row `host_bytes h[k]`, the objective `host_s h[k]`;
 //! - objective adds `sum_i off_s[i] off[i] + sum_k exposed_s[k] x[k] + 1000 (s_d + s_t)`: the
 //!   transfer or rebuild time of every item moved off HBM, the sync time not hidden, and a
 //!   steep price per GiB over budget (soft rows keep the model feasible; the driver reports a
@@ -145,11 +152,32 @@ pub struct ReshardOption {
     pub excludes: Vec<usize>,
 }
 
+/// A kept prefix state a side class produces and a later class consumes: in HBM from its first
+/// producer in a window (as the class's `bytes` in the decode row), on host (each producer's
+/// chunk offloaded right after it, reloaded after decode: only `host_resident` bytes live next
+/// to decode), or produced after decode (the class stays out of the windows).
+#[derive(Clone, Debug, PartialEq)]
+pub struct KeptState {
+    pub name: String,
+    /// Producer class (index into [`Problem::classes`]).
+    pub class: usize,
+    /// Consumer classes, kept out of the windows when the state is on host.
+    pub consumers: Vec<usize>,
+    /// Device bytes next to decode when on host (the chunks in flight).
+    pub host_resident: f64,
+    /// Host bytes it takes when on host.
+    pub host_bytes: f64,
+    /// Seconds the iteration gets longer when on host (transfers not hidden).
+    pub host_s: f64,
+}
+
 /// Residency and reshard-point part of the model: memory rows for the decode and the
 /// training phase (the two peaks of an iteration), a host-memory row, the options.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Residency {
     pub items: Vec<ResItem>,
+    /// Kept prefix states that may go to host (overlap plans only: they need classes).
+    pub kept: Vec<KeptState>,
     /// Device bytes of the decode and the training phase besides the items and side classes.
     pub decode_base: f64,
     pub train_base: f64,
@@ -181,12 +209,21 @@ pub struct Answer {
     pub off: Vec<bool>,
     /// The chosen reshard option.
     pub reshard: usize,
+    /// Per kept prefix state: on host.
+    pub kept_host: Vec<bool>,
 }
 
 /// Branch-and-bound node limit. Unlike the wall-clock limit it stops the search at the same
 /// point on every machine, so plans (and the checked-in examples) are reproducible; the time
 /// limit is only a safety net. Reaching either is reported as a time limit.
 pub const MAX_NODES: i32 = 20_000;
+
+/// HiGHS presolve rules turned off (its `presolve_rule_off` bit mask): dual fixing (bit 17).
+/// With it and the all-after-decode MIP start, HiGHS (highs-sys 1.16) reported the start as
+/// optimal on a problem where moving a kept prefix state to host is better (objective 14 s
+/// instead of 11 s, `tests::kept_state_in_hbm_on_host_or_after_decode`); turning off dual
+/// fixing or probing gives the right answer, and the example plans come out the same.
+pub const PRESOLVE_RULES_OFF: i32 = 1 << 17;
 
 /// Relative optimality gap at which HiGHS stops: plans within 0.1% of the best predicted time
 /// are as good as the cost model can tell apart.
@@ -255,6 +292,7 @@ pub fn solve(p: &Problem) -> Result<Answer, String> {
     // Residency: off[i] (binary), v[i] (in HBM during decode), x[k] (reshard option), slacks.
     let empty = Residency {
         items: vec![],
+        kept: vec![],
         decode_base: 0.0,
         train_base: 0.0,
         decode_budget: 0.0,
@@ -278,6 +316,12 @@ pub fn solve(p: &Problem) -> Result<Answer, String> {
     } else {
         vec![]
     };
+    // h[k] only for states whose producer class exists.
+    let h: Vec<Option<Variable>> = res
+        .kept
+        .iter()
+        .map(|k| (k.class < nc).then(|| vars.add(variable().binary())))
+        .collect();
     let slack: Vec<Variable> = if p.residency.is_some() {
         (0..2).map(|_| vars.add(variable().min(0))).collect()
     } else {
@@ -314,7 +358,12 @@ pub fn solve(p: &Problem) -> Result<Answer, String> {
         })
         .collect();
     let count = |v: &Vec<Vec<Option<Variable>>>| v.iter().flatten().flatten().count() as u32;
-    let nints = count(&y) + count(&z) + u.len() as u32 + off.len() as u32 + x.len() as u32;
+    let nints = count(&y)
+        + count(&z)
+        + u.len() as u32
+        + off.len() as u32
+        + x.len() as u32
+        + h.iter().flatten().count() as u32;
     let nvars = nints
         + n.iter().map(count).sum::<u32>()
         + (nc * nw) as u32
@@ -347,6 +396,12 @@ pub fn solve(p: &Problem) -> Result<Answer, String> {
             obj += (o.exposed_s + 1e-7 * k as f64) * xv;
         }
     }
+    // HBM over host for kept states, in state order, after the items.
+    for (k, ks) in res.kept.iter().enumerate() {
+        if let Some(hv) = h[k] {
+            obj += (ks.host_s + 1e-6 * (ni + k + 1) as f64) * hv;
+        }
+    }
     for &sv in &slack {
         obj += OVER_BUDGET_S_PER_GIB * sv;
     }
@@ -357,7 +412,9 @@ pub fn solve(p: &Problem) -> Result<Answer, String> {
         .set_time_limit(p.time_limit_s.max(0.01))
         .set_mip_rel_gap(MIP_REL_GAP)
         .map_err(|e| format!("cannot set the MIP gap: {e:?}"))?;
-    let mut model = model.set_option("mip_max_nodes", MAX_NODES);
+    let mut model = model
+        .set_option("mip_max_nodes", MAX_NODES)
+        .set_option("presolve_rule_off", PRESOLVE_RULES_OFF);
     let mut ncons = 0u32;
     macro_rules! add {
         ($c:expr) => {{
@@ -447,6 +504,18 @@ pub fn solve(p: &Problem) -> Result<Answer, String> {
                 train += b - b * off[i];
             }
             host += it.host_bytes / gib * off[i];
+        }
+        for (k, ks) in res.kept.iter().enumerate() {
+            let Some(hv) = h[k] else { continue };
+            add!(constraint!(hv <= u[ks.class]));
+            for &c in &ks.consumers {
+                if c < nc {
+                    add!(constraint!(hv + u[c] <= 1.0));
+                }
+            }
+            let saved = (p.classes[ks.class].bytes - ks.host_resident).max(0.0) / gib;
+            dec += -saved * hv;
+            host += ks.host_bytes / gib * hv;
         }
         add!(constraint!(dec <= res.decode_budget / gib + slack[0]));
         add!(constraint!(train <= res.train_budget / gib + slack[1]));
@@ -573,11 +642,21 @@ pub fn solve(p: &Problem) -> Result<Answer, String> {
         }
     }
     objective += res.reshard.get(reshard).map(|o| o.exposed_s).unwrap_or(0.0);
+    let kept_host: Vec<bool> = h
+        .iter()
+        .map(|v| v.is_some_and(|v| sol.value(v) > 0.5))
+        .collect();
+    for (k, ks) in res.kept.iter().enumerate() {
+        if kept_host[k] {
+            objective += ks.host_s;
+        }
+    }
     Ok(Answer {
         option,
         counts,
         off: off_ans,
         reshard,
+        kept_host,
         status,
         objective,
         variables: nvars,
@@ -630,6 +709,7 @@ mod tests {
             headroom: 0.0,
             residency: Some(Residency {
                 items: vec![item("A", 10.0, 1.0), item("B", 4.0, 0.2)],
+                kept: vec![],
                 decode_base: 0.0,
                 train_base: 70.0 * GIB,
                 decode_budget: 80.0 * GIB,
@@ -684,5 +764,78 @@ mod tests {
             r.host_budget = 3.0 * GIB;
         }
         assert_eq!(solve(&p).unwrap().off, vec![false, false]);
+    }
+
+    /// One window, a class of 4 items (1 s each on the side partition or after decode) whose
+    /// kept state is 8 GiB (4 GiB next to decode when on host, 0.5 s of transfers), decode
+    /// base 70 GiB. Splitting costs decode 0.5 s, so running the class in the window saves
+    /// 3.5 s: HBM when it fits (78 GiB), host when only 74 GiB do, after decode when even that
+    /// does not or when host memory or transfers cost too much.
+    fn kept(decode_budget_gib: f64, host_s: f64, host_budget_gib: f64) -> Problem {
+        Problem {
+            options: vec![
+                SplitOption {
+                    decode_sms: 64,
+                    side_sms: 68,
+                },
+                SplitOption {
+                    decode_sms: 132,
+                    side_sms: 0,
+                },
+            ],
+            decode_time: vec![vec![10.5, 10.0]],
+            classes: vec![ClassInput {
+                name: "train_prefix",
+                count: 4,
+                ready: vec![4],
+                item_time: vec![1.0, f64::INFINITY],
+                post_time: 1.0,
+                bytes: 8.0 * GIB,
+            }],
+            precs: vec![],
+            headroom: 0.0,
+            residency: Some(Residency {
+                items: vec![],
+                kept: vec![KeptState {
+                    name: "train_prefix.s0".into(),
+                    class: 0,
+                    consumers: vec![],
+                    host_resident: 4.0 * GIB,
+                    host_bytes: 8.0 * GIB,
+                    host_s,
+                }],
+                decode_base: 70.0 * GIB,
+                train_base: 0.0,
+                decode_budget: decode_budget_gib * GIB,
+                train_budget: 80.0 * GIB,
+                host_budget: host_budget_gib * GIB,
+                reshard: vec![ReshardOption {
+                    name: "iteration_start",
+                    exposed_s: 0.0,
+                    excludes: vec![],
+                }],
+            }),
+            time_limit_s: 5.0,
+        }
+    }
+
+    #[test]
+    fn kept_state_in_hbm_on_host_or_after_decode() {
+        let placed = |a: &Answer| a.counts[0].iter().sum::<u32>();
+        let a = solve(&kept(80.0, 0.5, 100.0)).unwrap();
+        assert_eq!((placed(&a), a.kept_host.clone()), (4, vec![false]));
+        assert!((a.objective - 10.5).abs() < 1e-9, "{}", a.objective);
+        let a = solve(&kept(75.0, 0.5, 100.0)).unwrap();
+        assert_eq!((placed(&a), a.kept_host.clone()), (4, vec![true]));
+        assert!((a.objective - 11.0).abs() < 1e-9, "{}", a.objective);
+        // 72 GiB: not even the chunks fit next to decode.
+        let a = solve(&kept(72.0, 0.5, 100.0)).unwrap();
+        assert_eq!((placed(&a), a.kept_host.clone()), (0, vec![false]));
+        assert!((a.objective - 14.0).abs() < 1e-9, "{}", a.objective);
+        // Transfers dearer than the overlap saves, or no host memory: after decode.
+        let a = solve(&kept(75.0, 5.0, 100.0)).unwrap();
+        assert_eq!((placed(&a), a.kept_host.clone()), (0, vec![false]));
+        let a = solve(&kept(75.0, 0.5, 4.0)).unwrap();
+        assert_eq!((placed(&a), a.kept_host.clone()), (0, vec![false]));
     }
 }

@@ -10,6 +10,17 @@
 //!   [`crate::sharing`]) -> dropped after decode and rebuilt by every weight sync; always in
 //!   the decode phase, off the training phase.
 //!
+//! Kept prefix states (overlap plans: their producers are side classes): `ref_prefix_kv`
+//! (reference prefixes -> reference suffixes), `old_prefix_kv` (old-log-prob prefixes -> their
+//! suffixes), `train_prefix.s0` (first step's actor prefixes -> its micro-batches). Each is in
+//! HBM from its first producer in a window, or on host (every producer in a window writes its
+//! own chunk, offloaded on the copy stream right after it; a producer waits for the offload of
+//! the chunk two before its own, so two chunks live next to decode; after decode every chunk is
+//! reloaded into the whole buffer before its first consumer), or produced after decode
+//! (drop-and-recompute: the class stays out of the windows and out of the decode row). The
+//! ILP prices host by the transfers' cost-model time (every reload and the last offload,
+//! counted as exposed: an upper bound, scoring work after decode may hide part of them).
+//!
 //! A buffer used in one contiguous range of phases is best either in HBM throughout or off HBM
 //! outside that range, so one binary per item is its residency per phase.
 //!
@@ -31,7 +42,7 @@
 use crate::assemble::ResidencyChoice;
 use crate::driver::IlpRun;
 use crate::error::{CompileError, Result};
-use crate::ilp::{self, ResItem, ReshardOption, Residency};
+use crate::ilp::{self, KeptState, ResItem, ReshardOption, Residency};
 use crate::lower::{PhaseGraph, Role, SideClass};
 use rollplex_cost::CostModel;
 use rollplex_plan::spec::Mode;
@@ -58,6 +69,8 @@ pub enum Item {
 pub struct Model {
     pub input: Residency,
     pub items: Vec<Item>,
+    /// The producer class of each kept state, in `input.kept` order.
+    pub kept: Vec<SideClass>,
     pub reshard: Vec<ReshardPoint>,
 }
 
@@ -158,6 +171,32 @@ pub fn model(
             kinds.push(Item::FrozenRollout);
         }
     }
+    // Kept prefix states (only where their producers are classes of the overlap problem).
+    let mut kept = Vec::new();
+    let mut kept_classes = Vec::new();
+    for (class, consumer) in KEPT {
+        let (Some(ci), Some(bi)) = (class_index(class), pg.buffer_named(kept_buffer(class))) else {
+            continue;
+        };
+        let n = pg
+            .ids()
+            .filter(|&i| matches!(pg.node(i).role, Role::Side { class: c, .. } if c == class))
+            .count() as u64;
+        if n == 0 {
+            continue;
+        }
+        let b = pg.buffers[bi].bytes;
+        let chunk = b.div_ceil(n) as f64;
+        kept.push(KeptState {
+            name: kept_buffer(class).into(),
+            class: ci,
+            consumers: class_index(consumer).into_iter().collect(),
+            host_resident: (2.0 * chunk).min(b as f64),
+            host_bytes: b as f64,
+            host_s: (n + 1) as f64 * host_s(chunk),
+        });
+        kept_classes.push(class);
+    }
     // Reshard points.
     let mut reshard = Vec::new();
     let mut points = Vec::new();
@@ -247,6 +286,7 @@ pub fn model(
     Model {
         input: Residency {
             items,
+            kept,
             decode_base,
             train_base,
             decode_budget: budget - cuts.decode as f64,
@@ -259,7 +299,25 @@ pub fn model(
             reshard,
         },
         items: kinds,
+        kept: kept_classes,
         reshard: points,
+    }
+}
+
+/// Kept prefix states' producer classes and the class that consumes each.
+pub const KEPT: [(SideClass, SideClass); 3] = [
+    (SideClass::RefPrefix, SideClass::RefSuffix),
+    (SideClass::OldPrefix, SideClass::OldSuffix),
+    (SideClass::TrainPrefix, SideClass::MicroBatch),
+];
+
+/// The buffer a kept-state producer class writes (`""` for other classes).
+pub fn kept_buffer(class: SideClass) -> &'static str {
+    match class {
+        SideClass::RefPrefix => "ref_prefix_kv",
+        SideClass::OldPrefix => "old_prefix_kv",
+        SideClass::TrainPrefix => "train_prefix.s0",
+        _ => "",
     }
 }
 
@@ -274,12 +332,16 @@ pub fn beside_encode_possible(pg: &PhaseGraph) -> bool {
 }
 
 /// The answer's residency as the assembler takes it.
-pub fn choice(m: &Model, off: &[bool], reshard: usize) -> ResidencyChoice {
+pub fn choice(m: &Model, off: &[bool], kept_host: &[bool], reshard: usize) -> ResidencyChoice {
     let is_off = |k: Item| m.items.iter().zip(off).any(|(&it, &o)| it == k && o);
+    let host = |c: SideClass| m.kept.iter().zip(kept_host).any(|(&k, &h)| k == c && h);
     ResidencyChoice {
         ref_host: is_off(Item::RefWeights),
         optimizer_host: is_off(Item::OptimizerState),
         frozen_rebuilt: is_off(Item::FrozenRollout),
+        ref_prefix_host: host(SideClass::RefPrefix),
+        old_prefix_host: host(SideClass::OldPrefix),
+        train_prefix_host: host(SideClass::TrainPrefix),
         reshard: m.reshard.get(reshard).copied().unwrap_or_default(),
     }
 }
@@ -319,7 +381,11 @@ pub fn solve_alone(
         status: ans.status,
         objective: ans.objective,
     };
-    Ok((choice(&m, &ans.off, ans.reshard), stats, run))
+    Ok((
+        choice(&m, &ans.off, &ans.kept_host, ans.reshard),
+        stats,
+        run,
+    ))
 }
 
 /// A readable summary of a choice (`--stats` candidate labels).
@@ -333,6 +399,15 @@ pub fn label(r: &ResidencyChoice, colocated: bool) -> String {
     }
     if r.frozen_rebuilt {
         off.push("frozen rollout extra rebuilt");
+    }
+    for (host, name) in [
+        (r.ref_prefix_host, "ref prefix states on host"),
+        (r.old_prefix_host, "old prefix states on host"),
+        (r.train_prefix_host, "train prefix states on host"),
+    ] {
+        if host {
+            off.push(name);
+        }
     }
     let mut s = if off.is_empty() {
         "all in HBM".to_string()
@@ -428,5 +503,89 @@ mod tests {
         let e = crate::compile(&tight, &opts).err().expect("does not fit");
         assert!(e.is_user(), "{e}");
         assert!(e.to_string().contains("host_memory"), "{e}");
+    }
+
+    /// A decode phase too tight for the first step's prefix states next to the KV cache
+    /// (32B paper job with 4096-token responses, 2 GiB under its own peak): the ILP keeps the
+    /// prefixes in the windows and sends their states to host chunk by chunk; the plan carries
+    /// the offloads and reloads, validates and fits.
+    #[test]
+    fn tight_decode_moves_train_prefix_states_to_host() {
+        let mut spec = paper_job(QwenSize::B32);
+        spec.rollout.max_new_tokens = 4096;
+        let roomy = compile(&spec, Mode::Overlap);
+        let kept = |p: &rollplex_plan::Plan| -> (usize, usize) {
+            let n = |f: fn(&Op) -> bool| {
+                p.tasks
+                    .iter()
+                    .filter(|t| f(&t.op) && t.name.contains("train_prefix.s0["))
+                    .count()
+            };
+            (
+                n(|o| matches!(o, Op::Offload { .. })),
+                n(|o| matches!(o, Op::Reload { .. })),
+            )
+        };
+        assert_eq!(
+            kept(&roomy),
+            (0, 0),
+            "roomy plans keep prefix states in HBM"
+        );
+        let mut tight = spec.clone();
+        tight.schedule.memory_budget = roomy.memory.gpus[0].peak - (2u64 << 30);
+        let plan = compile(&tight, Mode::Overlap);
+        rollplex_plan::validate(&plan).unwrap();
+        assert!(plan.memory.gpus[0].peak <= tight.schedule.memory_budget);
+        let in_window = plan
+            .tasks
+            .iter()
+            .filter(|t| t.window.is_some() && t.name.starts_with("train_prefix["))
+            .count();
+        let (offloads, reloads) = kept(&plan);
+        assert!(in_window > 0, "the prefixes still overlap decode");
+        assert_eq!(offloads, in_window, "one offload per prefix in a window");
+        assert_eq!(reloads, in_window);
+        // Reloads follow decode; every micro-batch of step 0 follows every reload.
+        let last_decode = plan
+            .tasks
+            .iter()
+            .rposition(|t| matches!(t.op, Op::DecodeWindow { .. }))
+            .unwrap();
+        let prefix_reloads = plan
+            .tasks
+            .iter()
+            .filter(|t| matches!(t.op, Op::Reload { .. }) && t.name.contains("train_prefix"));
+        for t in prefix_reloads {
+            assert!(t.id.index() > last_decode && t.start_s >= plan.tasks[last_decode].end_s);
+        }
+        let last_reload = plan
+            .tasks
+            .iter()
+            .filter(|t| matches!(t.op, Op::Reload { .. }) && t.name.contains("train_prefix"))
+            .map(|t| t.end_s)
+            .fold(0.0, f64::max);
+        for t in &plan.tasks {
+            if let Op::TrainMicroBatch { step: 0, .. } = t.op {
+                assert!(
+                    t.window.is_none() && t.start_s >= last_reload,
+                    "{} {:?} {} {}",
+                    t.name,
+                    t.window,
+                    t.start_s,
+                    last_reload
+                );
+            }
+        }
+        // Less host memory than the states need: they stay put and something else gives.
+        tight.schedule.host_memory = 4 << 30;
+        if let Ok(c) = crate::compile(
+            &tight,
+            &Options {
+                mode: Some(Mode::Overlap),
+                ..Options::default()
+            },
+        ) {
+            assert_eq!(kept(&c.plan), (0, 0));
+        }
     }
 }

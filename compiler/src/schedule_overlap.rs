@@ -212,7 +212,13 @@ pub fn place(
         time_limit_s,
     };
     let ans = ilp::solve(&problem).map_err(CompileError::internal)?;
-    let res = crate::residency::choice(&rmodel, &ans.off, ans.reshard);
+    let res = crate::residency::choice(&rmodel, &ans.off, &ans.kept_host, ans.reshard);
+    // Consumers of a kept state on host run after decode (its reloads follow decode).
+    let banned: Vec<SideClass> = crate::residency::KEPT
+        .iter()
+        .filter(|(p, _)| res.kept_host(*p))
+        .map(|&(_, c)| c)
+        .collect();
 
     // Answer -> placement: the ILP's split per window, then a greedy fill with the exact
     // item times (see `fill`).
@@ -233,7 +239,20 @@ pub fn place(
                 .collect()
         })
         .collect();
-    let mut in_window = fill(pg, cost, &classes, &class_list, &side_opts, &caps, &targets);
+    let fill_classes: Vec<SideClass> = class_list
+        .iter()
+        .copied()
+        .filter(|c| !banned.contains(c))
+        .collect();
+    let mut in_window = fill(
+        pg,
+        cost,
+        &classes,
+        &fill_classes,
+        &side_opts,
+        &caps,
+        &targets,
+    );
     repair(pg, &mut in_window);
     // A window whose side work may save less than its split costs decode (by the full-GPU
     // time of its items) is tried without a split; the predicted makespan decides.
