@@ -923,11 +923,11 @@ impl GpuTrainer {
             for (id, row0, rows) in parts {
                 let e = self.table.entry(id);
                 let dst = &mut out[e.offset..e.offset + e.len];
-                if rows == 0 {
-                    dst.copy_from_slice(&g);
-                } else {
-                    let width = e.len / rows;
-                    dst.copy_from_slice(&g[row0 * width..(row0 + rows) * width]);
+                match e.len.checked_div(rows) {
+                    // a part of a fused tensor: its rows
+                    Some(width) => dst.copy_from_slice(&g[row0 * width..(row0 + rows) * width]),
+                    // a whole tensor
+                    None => dst.copy_from_slice(&g),
                 }
             }
         }

@@ -6,7 +6,7 @@
 //!   (`train::Trainer::micro_batch` on the same weights and batch, vision and merger frozen):
 //!   per-tensor relative error `||g_gpu - g_cpu|| / ||g_cpu||`, the worst tensor named; the
 //!   loss and the global grad norm against the CPU's;
-//! - the loss on a fixed batch falls over optimizer steps (the CPU curve printed beside it).
+//! - the loss on a fixed batch falls over optimizer steps and follows the CPU backend's curve.
 
 use half::bf16;
 use rollplex_kernels::cuda::{cuda_available, Gpu};
@@ -76,17 +76,22 @@ fn spec(tie: bool) -> ModelSpec {
 
 /// Random weights at the scales of tests/reference/make_tiny.py (matrices 1/sqrt(fan_in),
 /// embeddings 1, biases 0.1, norms 1 +- 0.1), rounded to bf16 so that CPU and GPU read the
-/// same numbers.
+/// same numbers. Tied embeddings are 1/sqrt(hidden) instead: as the lm head, embeddings of
+/// scale 1 give logits of +-30, where bf16 rounding of the logits alone moves log-probs by up
+/// to 0.25 (measured, `test_models_are_bf16_conditioned`), which swamps what the comparison
+/// looks for.
 fn model(tie: bool) -> Qwen25VL {
     let mut m = Qwen25VL::random(spec(tie), 11).unwrap();
     let entries = m.weights.table.entries().to_vec();
     let embed = m.weights.layout.embed;
+    let h = m.config.text().hidden_size as usize;
     for (i, e) in entries.iter().enumerate() {
         let d = &mut m.weights.data[e.offset..e.offset + e.len];
         let fan_in: usize = e.shape[1..].iter().product::<usize>().max(1);
         for (j, x) in d.iter_mut().enumerate() {
             let u = (((i * 7919 + j) as u64 * 2654435761) % 2000) as f32 / 1000.0 - 1.0;
             *x = match e.init {
+                Init::Normal if i == embed.0 as usize && tie => *x / 0.02 / (h as f32).sqrt(),
                 Init::Normal if i == embed.0 as usize => *x / 0.02,
                 Init::Normal => *x / 0.02 / (fan_in as f32).sqrt(),
                 Init::Ones => 1.0 + 0.1 * u,
@@ -518,14 +523,70 @@ fn cuda_loss_falls_on_a_fixed_batch() {
     }
     println!("gpu losses: {losses:?}");
     println!("cpu losses: {closses:?}");
+    // At lr 3e-3 both backends first overshoot (the loss rises for 3 steps from ~0, where the
+    // ratios start at 1) and then descend; measured on the H200: GPU 0.448 at step 3 -> 0.122
+    // at step 11, CPU 0.445 -> 0.128, the curves within 0.02 of each other at every step.
+    let max_gap = losses
+        .iter()
+        .zip(&closses)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(
+        max_gap < 0.05,
+        "the GPU loss curve left the CPU's by {max_gap}"
+    );
+    let peak = losses.iter().cloned().fold(f64::MIN, f64::max);
     let last = losses[steps - 1];
     assert!(
-        last < losses[0] - 0.1,
-        "loss did not fall: {} -> {last}",
-        losses[0]
+        last < peak - 0.1,
+        "loss did not fall: peak {peak} -> {last}"
     );
     assert!(
-        losses[1] < losses[0] && losses[2] < losses[1],
-        "the first steps descend: {losses:?}"
+        losses[steps - 4..].iter().all(|&l| l < peak - 0.1),
+        "the last steps stay below the peak: {losses:?}"
     );
+}
+
+/// Largest change of a response log-prob when the logits are rounded to bf16 (what the CUDA
+/// head writes), over the test groups, on the CPU backend.
+fn bf16_logit_sensitivity(m: &Qwen25VL) -> f64 {
+    use rollplex_kernels::cpu::logprobs_fwd;
+    let v = m.config.text().vocab_size as usize;
+    let mut worst = 0f64;
+    for (lens, seed) in [(&[4usize, 6, 1][..], 1u64), (&[5, 3, 7][..], 2)] {
+        let g = Group::new(m, lens, 0.0, seed);
+        let enc = m.encode_media(&g.media(), None).unwrap();
+        let refs: Vec<&EncodedMedia> = enc.iter().collect();
+        for t in &g.tokens {
+            let mut ids = g.prompt.clone();
+            ids.extend_from_slice(t);
+            let logits = m
+                .forward_logits(Prompt {
+                    ids: &ids,
+                    media: &refs,
+                })
+                .unwrap();
+            let p = g.prompt.len();
+            let rows = &logits[(p - 1) * v..(p - 1 + t.len()) * v];
+            let rounded: Vec<f32> = rows.iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
+            let (mut a, mut b) = (vec![0f32; t.len()], vec![0f32; t.len()]);
+            logprobs_fwd(&mut a, None, None, rows, t, t.len(), v, 1.0).unwrap();
+            logprobs_fwd(&mut b, None, None, &rounded, t, t.len(), v, 1.0).unwrap();
+            for (x, y) in a.iter().zip(&b) {
+                worst = worst.max((*x as f64 - *y as f64).abs());
+            }
+        }
+    }
+    worst
+}
+
+/// The comparison's precondition: on both test models, rounding the logits to bf16 (what the
+/// CUDA head does) moves no response log-prob by more than 1e-2 on the CPU backend.
+#[test]
+fn test_models_are_bf16_conditioned() {
+    for tie in [false, true] {
+        let d = bf16_logit_sensitivity(&model(tie));
+        println!("tie={tie}: bf16 logits move log-probs by up to {d:.3e}");
+        assert!(d < 1e-2, "tie={tie}: {d}");
+    }
 }
