@@ -251,7 +251,7 @@ pub fn compile(spec: &JobSpec, opts: &Options) -> Result<Compiled> {
         let ob = closest.ok_or_else(|| CompileError::internal("no candidate plan was built"))?;
         return Err(CompileError::user(
             "schedule.memory_budget",
-            format!("the job does not fit in device memory even with the reference weights and the optimizer state offloaded to host (and the frozen rollout extra rebuilt each iteration): {}", ob.message()),
+            format!("the job does not fit in device memory with any residency the planner tried (reference weights, optimizer state and kept prefix states on host, the frozen rollout extra rebuilt each iteration, prefix work after decode): {}", ob.message()),
             "raise the memory budget, use more GPUs or a larger TP degree, fewer prompts per iteration, or recompute = full",
         ));
     };
