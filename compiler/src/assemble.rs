@@ -1,7 +1,8 @@
 //! From a phase graph and a mode's placement decisions to a [`Sched`]: streams, windows, tasks
 //! in issue order with their SM shares and explicit dependencies, and the buffers after
 //! residency (offloaded buffers become a host copy, a device copy and the transfer tasks that
-//! move them).
+//! move them; a kept prefix state on host becomes one chunk per producer in a window, offloaded
+//! after it and reloaded into the whole buffer after decode: [`offload_kept`]).
 //!
 //! Streams per GPU program: `main` (high priority: prefill, decode, everything after decode),
 //! `side` (side work in decode windows) and `copy` (offload/reload). Serial plans use `main`
@@ -16,6 +17,9 @@
 //!   user waits for it; an offload waits for the buffer's last user;
 //! - the last task of each GPU program waits for the last task of every other stream of that
 //!   program (every lifetime has a task that ends after it).
+//! - kept prefix states on host: a chunk's offload waits for its producer, the producer of
+//!   chunk `k` for the offload of chunk `k - 2`, each reload for its offload and the last decode
+//!   task, consumers for every reload, producers after decode for the first reload.
 //!
 //! Invariant: the output is in issue order (every dependency precedes its task).
 
