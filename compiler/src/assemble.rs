@@ -2,7 +2,7 @@
 //! in issue order with their SM shares and explicit dependencies, and the buffers after
 //! residency (offloaded buffers become a host copy, a device copy and the transfer tasks that
 //! move them; a kept prefix state on host becomes one chunk per producer in a window, offloaded
-//! after it and reloaded into the whole buffer after decode: [`offload_kept`]).
+//! after it and reloaded into the whole buffer after decode: `offload_kept`).
 //!
 //! Streams per GPU program: `main` (high priority: prefill, decode, everything after decode),
 //! `side` (side work in decode windows) and `copy` (offload/reload). Serial plans use `main`
