@@ -74,7 +74,7 @@ fn the_tiny_example_is_what_the_docs_say() {
     let s = &c.spec;
     assert_eq!(s.cluster.gpu.name, "cpu");
     assert_eq!(s.actor.name, "tiny");
-    assert_eq!(s.rollout.group_size, 4);
+    assert_eq!(s.rollout.group_size, 16);
     assert_eq!(s.rollout.prompts_per_iter, 8);
     assert_eq!(
         s.rollout.media,
@@ -86,7 +86,7 @@ fn the_tiny_example_is_what_the_docs_say() {
     );
     assert_eq!(s.schedule.mode, Mode::Overlap);
     assert!(matches!(s.train.algorithm, Algorithm::Grpo(_)));
-    assert_eq!(s.train.mini_batch, 32);
+    assert_eq!(s.train.mini_batch, 128);
     // the tiny model is tiny: well under a million parameters
     assert!(s.actor.param_count().total() < 1_000_000);
     // spans point at what set each value
