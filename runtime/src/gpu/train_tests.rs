@@ -372,6 +372,11 @@ fn tensor_errors(m: &Qwen25VL, gpu: &[f32], cpu: &[f32]) -> Vec<(String, f64, f6
 /// Worst per-tensor gradient error allowed (bf16 activations and bf16 GEMM outputs through 3
 /// layers; the CPU backend is f32 throughout).
 const GRAD_TOL: f64 = 5e-2;
+/// The tied model's bound. Its lm head is the embedding table, so its logits and their bf16
+/// rounding are larger: measured on the H200 (2026-11-29, docs/training.md) its log-probs
+/// differ from the CPU's by up to 5.5e-2 against 2.8e-2 untied, and its worst tensor is
+/// `layers.1.q_proj.bias` at 5.6e-2 (a gradient 1% of the largest; every other tensor <= 3.1e-2).
+const GRAD_TOL_TIED: f64 = 8e-2;
 
 fn gradients_match(tie: bool) {
     let Some(gpu) = gpu_or_skip() else { return };
@@ -456,8 +461,9 @@ fn gradients_match(tie: bool) {
     let floor = 1e-2 * errs.iter().map(|e| e.2).fold(0.0, f64::max);
     for (name, e, n) in &errs {
         let judged = e * n / n.max(floor);
+        let tol = if tie { GRAD_TOL_TIED } else { GRAD_TOL };
         assert!(
-            judged < GRAD_TOL,
+            judged < tol,
             "{name}: relative error {e:.3e} (|g_cpu| {n:.3e}, floor {floor:.3e})"
         );
     }
@@ -466,7 +472,8 @@ fn gradients_match(tie: bool) {
         "loss gpu {gl} vs cpu {cl}"
     );
     assert!(norm_rel < GRAD_TOL, "grad norm gpu {gn} vs cpu {cn}");
-    assert!(lp_err < 5e-2, "log-probs differ by {lp_err}");
+    let lp_tol = if tie { 8e-2 } else { 5e-2 };
+    assert!(lp_err < lp_tol, "log-probs differ by {lp_err}");
     // the step took effect on the bf16 copy the forward reads: log-probs moved
     let out2 = gt.micro_batch(&gpu, &s, 0, &gpu_batch, norm).unwrap();
     assert_ne!(out2.logp, gout.logp, "the optimizer step changed nothing");
