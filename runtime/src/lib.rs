@@ -12,6 +12,6 @@ pub mod reward;
 pub mod sim;
 pub mod tasks;
 pub mod tokenizer;
-pub mod trace;
 pub mod tp;
+pub mod trace;
 pub mod train;
