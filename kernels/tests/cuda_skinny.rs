@@ -5,8 +5,6 @@
 //! device" and passes where no GPU is present.
 #![cfg(feature = "cuda")]
 
-use std::sync::{Arc, OnceLock};
-
 use half::bf16;
 use rollplex_kernels::cpu;
 use rollplex_kernels::cpu::{AttnDims, DecodeSeq};
@@ -19,102 +17,9 @@ use rollplex_kernels::cuda::gemm::{
 };
 use rollplex_kernels::cuda::*;
 
-fn gpu() -> Option<&'static Gpu> {
-    static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
-    GPU.get_or_init(|| match cuda_available().and_then(|_| Gpu::new(0)) {
-        Ok(g) => Some(g),
-        Err(e) => {
-            println!("skipped: no CUDA device ({e})");
-            None
-        }
-    })
-    .as_ref()
-}
-
-macro_rules! gpu_or_skip {
-    () => {
-        match gpu() {
-            Some(g) => g,
-            None => {
-                println!("skipped: no CUDA device");
-                return;
-            }
-        }
-    };
-}
-
-fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = s;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
-fn fresh_seed() -> u64 {
-    use std::time::{SystemTime, UNIX_EPOCH};
-    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let t = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(1);
-    t ^ N.fetch_add(0x9E37_79B9, std::sync::atomic::Ordering::Relaxed)
-}
-
-fn rand_bf(n: usize, scale: f32) -> (Vec<bf16>, Vec<f32>) {
-    let v: Vec<bf16> = rand_vec(n, fresh_seed())
-        .iter()
-        .map(|x| bf16::from_f32(x * scale))
-        .collect();
-    let f = v.iter().map(|x| x.to_f32()).collect();
-    (v, f)
-}
-
-fn up<T: cudarc::driver::DeviceRepr>(s: &Arc<CudaStream>, v: &[T]) -> CudaSlice<T> {
-    s.clone_htod(v).expect("upload")
-}
-fn down<T: cudarc::driver::DeviceRepr>(s: &Arc<CudaStream>, d: &CudaSlice<T>) -> Vec<T> {
-    s.clone_dtoh(d).expect("download")
-}
-fn poison_bf(s: &Arc<CudaStream>, n: usize) -> CudaSlice<bf16> {
-    up(s, &vec![bf16::from_bits(0x7fc0); n])
-}
-fn poison_f32(s: &Arc<CudaStream>, n: usize) -> CudaSlice<f32> {
-    up(s, &vec![f32::NAN; n])
-}
-fn to_f32(v: &[bf16]) -> Vec<f32> {
-    v.iter().map(|x| x.to_f32()).collect()
-}
-
-/// ‖out − ref‖ / ‖ref‖; a non-finite value in `out` gives infinity.
-fn rel_err(out: &[f32], reference: &[f32]) -> f64 {
-    assert_eq!(out.len(), reference.len());
-    let (mut num, mut den) = (0f64, 0f64);
-    for (o, r) in out.iter().zip(reference) {
-        if !o.is_finite() {
-            return f64::INFINITY;
-        }
-        num += (*o as f64 - *r as f64).powi(2);
-        den += (*r as f64).powi(2);
-    }
-    if den == 0.0 {
-        num.sqrt()
-    } else {
-        (num / den).sqrt()
-    }
-}
-
-fn check(name: &str, out: &[f32], reference: &[f32], tol: f64) {
-    let e = rel_err(out, reference);
-    println!("{name}: rel err {e:.2e} (tol {tol:.0e})");
-    assert!(e <= tol, "{name}: rel err {e:.3e} > {tol:.0e}");
-}
+#[macro_use]
+mod common;
+use common::*;
 
 /// The skinny GEMM against `cpu::linear_fwd` on decode shapes (bias or not, m from 1 to 64, k
 /// not a multiple of 64, n not a multiple of the block), under its default plan and under other
