@@ -317,44 +317,7 @@ pub fn vision_rope_tables_memo(
 /// inside the arena, suffixes disjoint from each other and from every prefix (the same rules
 /// as the CPU engine's `decode_step`).
 pub fn check_decode_slots(capacity: u32, slots: &[DecodeSlot]) -> Result<()> {
-    let mut suffixes: Vec<(u64, u64, usize)> = Vec::with_capacity(slots.len());
-    for (i, s) in slots.iter().enumerate() {
-        if s.suffix_len >= s.suffix_capacity {
-            return Err(GpuError::Input(format!(
-                "decode_step: sample {i}'s suffix is full ({} rows)",
-                s.suffix_capacity
-            )));
-        }
-        let send = s.suffix_offset as u64 + s.suffix_capacity as u64;
-        let pend = s.prefix.offset as u64 + s.prefix.len as u64;
-        if send > capacity as u64 || pend > capacity as u64 {
-            return Err(GpuError::Input(format!(
-                "decode_step: sample {i}'s spans exceed the arena's {capacity} rows"
-            )));
-        }
-        suffixes.push((s.suffix_offset as u64, send, i));
-    }
-    suffixes.sort();
-    for w in suffixes.windows(2) {
-        if w[1].0 < w[0].1 {
-            return Err(GpuError::Input(format!(
-                "decode_step: suffixes of samples {} and {} overlap",
-                w[0].2, w[1].2
-            )));
-        }
-    }
-    for s in slots {
-        let (pa, pb) = (
-            s.prefix.offset as u64,
-            s.prefix.offset as u64 + s.prefix.len as u64,
-        );
-        if let Some(&(_, _, i)) = suffixes.iter().find(|(a, e, _)| *a < pb && pa < *e) {
-            return Err(GpuError::Input(format!(
-                "decode_step: sample {i}'s suffix overlaps a prefix span"
-            )));
-        }
-    }
-    Ok(())
+    DecodeSlot::check_batch(slots, capacity).map_err(GpuError::Input)
 }
 
 /// The media slot of an encoded item (kind and grid).

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
 use half::bf16;
-use rollplex_kernels::cpu::{AttnDims, AttnMask, AttnSeq, DecodeSeq};
+use rollplex_kernels::cpu::{AttnDims, AttnMask, AttnSeq};
 use rollplex_kernels::cuda::attention::RowStrides;
 use rollplex_kernels::cuda::{
     attention_decode_bf16, attention_fwd_bf16, decode_plan, embedding_fwd_bf16, kv_append_bf16,
@@ -674,35 +674,19 @@ impl GpuModel {
         }
         let dims = self.text_dims();
         let kernel = decode_kernel_for(dims.head_dim)?;
-        let positions: Vec<i64> = slots
-            .iter()
-            .map(|s| s.prefix.len as i64 + s.suffix_len as i64 + s.rope_delta)
-            .collect();
+        let positions: Vec<i64> = slots.iter().map(DecodeSlot::next_position).collect();
         let (cos, sin) = flat_rope_tables(&self.config, &positions);
         let gseqs: Vec<AttnSeqGpu> = slots
             .iter()
             .enumerate()
-            .map(|(i, s)| {
-                AttnSeqGpu::from_decode(
-                    i as u32,
-                    &DecodeSeq {
-                        prefix_offset: s.prefix.offset,
-                        prefix_len: s.prefix.len,
-                        suffix_offset: s.suffix_offset,
-                        suffix_len: s.suffix_len + 1,
-                    },
-                )
-            })
+            .map(|(i, s)| AttnSeqGpu::from_decode(i as u32, &s.decode_seq()))
             .collect();
         let max_kv = slots
             .iter()
             .map(|s| (s.prefix.len + s.suffix_len + 1) as usize)
             .max()
             .unwrap_or(1);
-        let write: Vec<u32> = slots
-            .iter()
-            .map(|s| s.suffix_offset + s.suffix_len)
-            .collect();
+        let write: Vec<u32> = slots.iter().map(DecodeSlot::write_row).collect();
         let ids = upload(stream, tokens)?;
         let cos = upload(stream, &cos)?;
         let sin = upload(stream, &sin)?;

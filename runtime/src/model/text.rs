@@ -164,6 +164,71 @@ impl DecodeSlot {
             suffix_len: 0,
         }
     }
+
+    /// The M-RoPE position (all three sections) of the token this step appends.
+    pub fn next_position(&self) -> i64 {
+        self.prefix.len as i64 + self.suffix_len as i64 + self.rope_delta
+    }
+
+    /// The arena row this step's K/V are written to.
+    pub fn write_row(&self) -> u32 {
+        self.suffix_offset + self.suffix_len
+    }
+
+    /// What this step's attention reads: the prefix, then the suffix including the new row.
+    pub fn decode_seq(&self) -> DecodeSeq {
+        DecodeSeq {
+            prefix_offset: self.prefix.offset,
+            prefix_len: self.prefix.len,
+            suffix_offset: self.suffix_offset,
+            suffix_len: self.suffix_len + 1,
+        }
+    }
+
+    /// Checks a decode batch against an arena of `capacity` rows: every suffix has room for one
+    /// more token, every span lies inside the arena, suffixes are disjoint from each other and
+    /// from every prefix (prefixes may be shared). The message names the sample(s). Every
+    /// backend's `decode_step` runs this check.
+    pub fn check_batch(slots: &[DecodeSlot], capacity: u32) -> Result<(), String> {
+        let mut suffixes: Vec<(u64, u64, usize)> = Vec::with_capacity(slots.len());
+        for (i, s) in slots.iter().enumerate() {
+            if s.suffix_len >= s.suffix_capacity {
+                return Err(format!(
+                    "decode_step: sample {i}'s suffix is full ({} rows)",
+                    s.suffix_capacity
+                ));
+            }
+            let send = s.suffix_offset as u64 + s.suffix_capacity as u64;
+            let pend = s.prefix.offset as u64 + s.prefix.len as u64;
+            if send > capacity as u64 || pend > capacity as u64 {
+                return Err(format!(
+                    "decode_step: sample {i}'s spans exceed the arena's {capacity} rows"
+                ));
+            }
+            suffixes.push((s.suffix_offset as u64, send, i));
+        }
+        suffixes.sort();
+        for w in suffixes.windows(2) {
+            if w[1].0 < w[0].1 {
+                return Err(format!(
+                    "decode_step: suffixes of samples {} and {} overlap",
+                    w[0].2, w[1].2
+                ));
+            }
+        }
+        for s in slots {
+            let (pa, pb) = (
+                s.prefix.offset as u64,
+                s.prefix.offset as u64 + s.prefix.len as u64,
+            );
+            if let Some(&(_, _, i)) = suffixes.iter().find(|(a, e, _)| *a < pb && pa < *e) {
+                return Err(format!(
+                    "decode_step: sample {i}'s suffix overlaps a prefix span"
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Per-token scores of one response.
@@ -509,66 +574,13 @@ impl Qwen25VL {
                 "decode_step: the KV arena was made for another model".into(),
             ));
         }
-        // validate spans: inside the arena, room left, suffixes disjoint from each other and
-        // from every prefix
-        let mut suffixes: Vec<(u32, u32, usize)> = Vec::with_capacity(b);
-        for (i, s) in slots.iter().enumerate() {
-            let send = s.suffix_offset as u64 + s.suffix_capacity as u64;
-            if s.suffix_len >= s.suffix_capacity {
-                return Err(ModelError::Input(format!(
-                    "decode_step: sample {i}'s suffix is full ({} rows)",
-                    s.suffix_capacity
-                )));
-            }
-            if send > arena.capacity as u64
-                || s.prefix.offset as u64 + s.prefix.len as u64 > arena.capacity as u64
-            {
-                return Err(ModelError::Input(format!(
-                    "decode_step: sample {i}'s spans exceed the arena's {} rows",
-                    arena.capacity
-                )));
-            }
-            suffixes.push((s.suffix_offset, s.suffix_offset + s.suffix_capacity, i));
-        }
-        suffixes.sort();
-        for w in suffixes.windows(2) {
-            if w[1].0 < w[0].1 {
-                return Err(ModelError::Input(format!(
-                    "decode_step: suffixes of samples {} and {} overlap",
-                    w[0].2, w[1].2
-                )));
-            }
-        }
-        for s in slots.iter() {
-            let (pa, pb) = (s.prefix.offset, s.prefix.offset + s.prefix.len);
-            if let Some(&(_, _, i)) = suffixes.iter().find(|(a, e, _)| *a < pb && pa < *e) {
-                return Err(ModelError::Input(format!(
-                    "decode_step: sample {i}'s suffix overlaps a prefix span"
-                )));
-            }
-        }
+        DecodeSlot::check_batch(slots, arena.capacity).map_err(ModelError::Input)?;
         let mut x = self.embed(tokens)?;
-        let mut pos: [Vec<i64>; 3] = [Vec::new(), Vec::new(), Vec::new()];
-        for s in slots.iter() {
-            let p = s.prefix.len as i64 + s.suffix_len as i64 + s.rope_delta;
-            for q in pos.iter_mut() {
-                q.push(p);
-            }
-        }
+        let p: Vec<i64> = slots.iter().map(DecodeSlot::next_position).collect();
+        let pos = [p.clone(), p.clone(), p];
         let (cos, sin) = mrope_tables(&pos, hd, t.rope_theta, t.mrope_section);
-        let seqs: Vec<DecodeSeq> = slots
-            .iter()
-            .map(|s| DecodeSeq {
-                prefix_offset: s.prefix.offset,
-                prefix_len: s.prefix.len,
-                suffix_offset: s.suffix_offset,
-                suffix_len: s.suffix_len + 1,
-            })
-            .collect();
-        let write_rows: Vec<u32> = slots
-            .iter()
-            .map(|s| s.suffix_offset + s.suffix_len)
-            .collect();
+        let seqs: Vec<DecodeSeq> = slots.iter().map(DecodeSlot::decode_seq).collect();
+        let write_rows: Vec<u32> = slots.iter().map(DecodeSlot::write_row).collect();
         let dims = self.text_dims();
         let ll = arena.layer_len();
         for (l, lp) in self.weights.layout.text_layers.iter().enumerate() {

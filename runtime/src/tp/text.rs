@@ -368,29 +368,13 @@ impl TpModel {
                 self.kv_width()
             )));
         }
-        check_slots(slots, arena.capacity)?;
+        DecodeSlot::check_batch(slots, arena.capacity).map_err(input)?;
         let mut x = self.embed(comm, tokens)?;
-        let mut pos: [Vec<i64>; 3] = [Vec::new(), Vec::new(), Vec::new()];
-        for s in slots.iter() {
-            let p = s.prefix.len as i64 + s.suffix_len as i64 + s.rope_delta;
-            for q in pos.iter_mut() {
-                q.push(p);
-            }
-        }
+        let p: Vec<i64> = slots.iter().map(DecodeSlot::next_position).collect();
+        let pos = [p.clone(), p.clone(), p];
         let (cos, sin) = mrope_tables(&pos, hd, t.rope_theta, t.mrope_section);
-        let seqs: Vec<DecodeSeq> = slots
-            .iter()
-            .map(|s| DecodeSeq {
-                prefix_offset: s.prefix.offset,
-                prefix_len: s.prefix.len,
-                suffix_offset: s.suffix_offset,
-                suffix_len: s.suffix_len + 1,
-            })
-            .collect();
-        let write_rows: Vec<u32> = slots
-            .iter()
-            .map(|s| s.suffix_offset + s.suffix_len)
-            .collect();
+        let seqs: Vec<DecodeSeq> = slots.iter().map(DecodeSlot::decode_seq).collect();
+        let write_rows: Vec<u32> = slots.iter().map(DecodeSlot::write_row).collect();
         let dims = self.local_dims();
         let ll = arena.layer_len();
         for (l, lp) in self.weights.layout.text_layers.iter().enumerate() {
@@ -688,44 +672,4 @@ impl TpModel {
         }
         Ok(out)
     }
-}
-
-/// Spans of decode slots: inside the arena, room left, suffixes disjoint from each other and
-/// from every prefix (the checks of `Qwen25VL::decode_step`).
-fn check_slots(slots: &[DecodeSlot], capacity: u32) -> Result<(), TpError> {
-    let mut suffixes: Vec<(u32, u32, usize)> = Vec::with_capacity(slots.len());
-    for (i, s) in slots.iter().enumerate() {
-        if s.suffix_len >= s.suffix_capacity {
-            return Err(input(format!(
-                "decode_step: sample {i}'s suffix is full ({} rows)",
-                s.suffix_capacity
-            )));
-        }
-        if s.suffix_offset as u64 + s.suffix_capacity as u64 > capacity as u64
-            || s.prefix.offset as u64 + s.prefix.len as u64 > capacity as u64
-        {
-            return Err(input(format!(
-                "decode_step: sample {i}'s spans exceed the arena's {capacity} rows"
-            )));
-        }
-        suffixes.push((s.suffix_offset, s.suffix_offset + s.suffix_capacity, i));
-    }
-    suffixes.sort();
-    for w in suffixes.windows(2) {
-        if w[1].0 < w[0].1 {
-            return Err(input(format!(
-                "decode_step: suffixes of samples {} and {} overlap",
-                w[0].2, w[1].2
-            )));
-        }
-    }
-    for s in slots {
-        let (pa, pb) = (s.prefix.offset, s.prefix.offset + s.prefix.len);
-        if let Some(&(_, _, i)) = suffixes.iter().find(|(a, e, _)| *a < pb && pa < *e) {
-            return Err(input(format!(
-                "decode_step: sample {i}'s suffix overlaps a prefix span"
-            )));
-        }
-    }
-    Ok(())
 }
