@@ -27,7 +27,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, LaunchConfig, PushKernelArg,
 };
 use half::bf16;
 
@@ -139,12 +139,53 @@ fn check_dims(op: &'static str, d: &AttnDims, decode: bool) -> Result<()> {
 }
 
 /// Rows of a buffer of `len` elements whose rows are `stride` apart and `width` wide.
-fn rows_of(len: usize, width: usize, stride: usize) -> usize {
+pub(crate) fn rows_of(len: usize, width: usize, stride: usize) -> usize {
     if len < width {
         0
     } else {
         (len - width) / stride + 1
     }
+}
+
+/// The buffer checks every decode launcher makes (row strides; q, out, seqs and workspace
+/// lengths; V as long as K) and what they give: the cache's row count and the LSE output's
+/// address (0 when not asked for). `b` > 0.
+#[allow(clippy::too_many_arguments)]
+fn check_decode_io(
+    op: &'static str,
+    stream: &CudaStream,
+    dims: &AttnDims,
+    strides: &RowStrides,
+    b: usize,
+    workspace_len: usize,
+    out: &impl DeviceSlice<bf16>,
+    lse: Option<&mut dyn DevicePtrMut<f32>>,
+    workspace: &impl DeviceSlice<f32>,
+    q: &impl DeviceSlice<bf16>,
+    k_cache: &impl DeviceSlice<bf16>,
+    v_cache: &impl DeviceSlice<bf16>,
+    seqs: &impl DeviceSlice<AttnSeqGpu>,
+) -> Result<(u32, u64)> {
+    let (qw, kvw) = (dims.q_width(), dims.kv_width());
+    check_stride(op, "q", strides.q, qw)?;
+    check_stride(op, "out", strides.out, qw)?;
+    check_stride(op, "kv", strides.kv, kvw)?;
+    need(op, "q", q, (b - 1) * strides.q + qw)?;
+    need(op, "out", out, (b - 1) * strides.out + qw)?;
+    need(op, "seqs", seqs, b)?;
+    need(op, "workspace", workspace, workspace_len)?;
+    if v_cache.len() < k_cache.len() {
+        return Err(shape(op, "v_cache must hold as many elements as k_cache"));
+    }
+    let kv_rows = u32_of(op, "cache rows", rows_of(k_cache.len(), kvw, strides.kv))?;
+    let lse_p = match lse {
+        Some(l) => {
+            need(op, "lse", l, b * dims.num_heads)?;
+            ptr_mut(l, stream)
+        }
+        None => 0,
+    };
+    Ok((kv_rows, lse_p))
 }
 
 fn check_stride(op: &'static str, name: &str, stride: usize, width: usize) -> Result<()> {
@@ -518,25 +559,21 @@ pub fn attention_decode_bf16(
     if b == 0 {
         return Ok(());
     }
-    let (qw, kvw) = (dims.q_width(), dims.kv_width());
-    check_stride(OP, "q", strides.q, qw)?;
-    check_stride(OP, "out", strides.out, qw)?;
-    check_stride(OP, "kv", strides.kv, kvw)?;
-    need(OP, "q", q, (b - 1) * strides.q + qw)?;
-    need(OP, "out", out, (b - 1) * strides.out + qw)?;
-    need(OP, "seqs", seqs, b)?;
-    need(OP, "workspace", workspace, plan.workspace_len())?;
-    if v_cache.len() < k_cache.len() {
-        return Err(shape(OP, "v_cache must hold as many elements as k_cache"));
-    }
-    let kv_rows = u32_of(OP, "cache rows", rows_of(k_cache.len(), kvw, strides.kv))?;
-    let lse_p = match lse {
-        Some(l) => {
-            need(OP, "lse", l, b * dims.num_heads)?;
-            ptr_mut(l, stream)
-        }
-        None => 0,
-    };
+    let (kv_rows, lse_p) = check_decode_io(
+        OP,
+        stream,
+        &dims,
+        &strides,
+        b,
+        plan.workspace_len(),
+        &*out,
+        lse,
+        &*workspace,
+        q,
+        k_cache,
+        v_cache,
+        seqs,
+    )?;
     let kp = ptr(k_cache, stream);
     let vp = ptr(v_cache, stream);
     let src = KvSrc {
@@ -899,25 +936,21 @@ pub fn attention_decode_grouped_bf16(
     if b == 0 {
         return Ok(());
     }
-    let (qw, kvw) = (dims.q_width(), dims.kv_width());
-    check_stride(OP, "q", strides.q, qw)?;
-    check_stride(OP, "out", strides.out, qw)?;
-    check_stride(OP, "kv", strides.kv, kvw)?;
-    need(OP, "q", q, (b - 1) * strides.q + qw)?;
-    need(OP, "out", out, (b - 1) * strides.out + qw)?;
-    need(OP, "seqs", seqs, b)?;
-    need(OP, "workspace", workspace, plan.workspace_len())?;
-    if v_cache.len() < k_cache.len() {
-        return Err(shape(OP, "v_cache must hold as many elements as k_cache"));
-    }
-    let kv_rows = u32_of(OP, "cache rows", rows_of(k_cache.len(), kvw, strides.kv))?;
-    let lse_p = match lse {
-        Some(l) => {
-            need(OP, "lse", l, b * dims.num_heads)?;
-            ptr_mut(l, stream)
-        }
-        None => 0,
-    };
+    let (kv_rows, lse_p) = check_decode_io(
+        OP,
+        stream,
+        &dims,
+        &strides,
+        b,
+        plan.workspace_len(),
+        &*out,
+        lse,
+        &*workspace,
+        q,
+        k_cache,
+        v_cache,
+        seqs,
+    )?;
     let (kp, vp) = (ptr(k_cache, stream), ptr(v_cache, stream));
     let src = KvSrc {
         pk: kp,

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::attention::{AttnSeqGpu, RowStrides};
+use super::attention::{rows_of, AttnSeqGpu, RowStrides};
 use super::launch::{need, ptr, ptr_mut, u32_of};
 use super::nvrtc::KernelModule;
 use super::{shape, Gpu, Result};
@@ -34,14 +34,6 @@ pub const ATTENTION_BWD: KernelModule = KernelModule {
 
 /// Warps (one output row-head each) per block.
 const WARPS: u32 = 4;
-
-fn rows_of(len: usize, width: usize, stride: usize) -> usize {
-    if len < width {
-        0
-    } else {
-        (len - width) / stride + 1
-    }
-}
 
 fn launch_cfg(items: usize) -> LaunchConfig {
     LaunchConfig {
