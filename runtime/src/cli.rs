@@ -32,6 +32,9 @@ pub struct RunArgs {
     pub out: PathBuf,
     pub trace: Option<PathBuf>,
     pub svg: Option<PathBuf>,
+    /// Cost-model profile the simulator replays with (`--cost-profile`).
+    pub cost_profile: Option<PathBuf>,
+    /// Where to write the measured profile (`--profile`; cpu).
     pub profile: Option<PathBuf>,
     pub save_every: u32,
     /// Checkpoints to keep (the newest; 0: all).
@@ -89,6 +92,13 @@ pub fn run(args: &RunArgs) -> Result<(), ExecError> {
                 .into(),
         ));
     }
+    if backend == BackendChoice::Sim && args.profile.is_some() {
+        return Err(ExecError::Machine(
+            "--profile writes the times a run measures; the simulator measures nothing \
+             (--cost-profile gives it a profile to replay with)"
+                .into(),
+        ));
+    }
     match backend {
         BackendChoice::Sim => run_sim(&plan, args),
         BackendChoice::Cpu => run_cpu(&plan, args),
@@ -131,7 +141,7 @@ pub fn write_atomic(
 
 fn run_sim(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
     let gpu = &plan.spec.cluster.gpu;
-    let profile = match &args.profile {
+    let profile = match &args.cost_profile {
         Some(p) => {
             let text = std::fs::read_to_string(p).map_err(io_err(p))?;
             Some(
@@ -183,11 +193,16 @@ struct CpuRun<'a> {
     identity: Option<RunIdentity>,
     /// Seconds per phase (rollout, scoring, training, sync) of the running iteration.
     phase_s: [f64; 4],
+    /// `--profile`: every task's measured time.
+    profile: Option<exec::profile::ProfileRecorder>,
 }
 
 impl exec::LoopObserver for CpuRun<'_> {
     fn iteration_started(&mut self, it: u32, tasks: usize) {
         self.phase_s = [0.0; 4];
+        if let Some(p) = &mut self.profile {
+            p.begin_iteration(Instant::now());
+        }
         self.progress.start_iteration(it, tasks);
     }
 
@@ -203,6 +218,9 @@ impl exec::LoopObserver for CpuRun<'_> {
         if let Some(t) = &mut self.trace {
             t.task(it, task, start, end);
         }
+        if let Some(p) = &mut self.profile {
+            p.record_instants(task, start, end);
+        }
         self.progress.task_done();
     }
 
@@ -216,6 +234,9 @@ impl exec::LoopObserver for CpuRun<'_> {
     ) -> Result<(), ExecError> {
         if let Some(t) = &mut self.trace {
             t.iteration(it, start, start + dt);
+        }
+        if let Some(p) = &mut self.profile {
+            p.end_iteration(it, dt);
         }
         let line = metrics_json(it, r, dt, &self.phase_s);
         self.metrics
@@ -274,6 +295,27 @@ fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
         );
         return Ok(());
     }
+    let profile = args
+        .profile
+        .as_ref()
+        .map(|_| {
+            exec::profile::ProfileRecorder::new(
+                plan,
+                "cpu",
+                exec::profile::Execution::OneAtATime,
+                1,
+            )
+        })
+        .transpose()?;
+    if let Some(p) = &profile {
+        if args.iterations - first < p.iterations_needed() {
+            return Err(ExecError::Machine(format!(
+                "--profile needs at least {} iterations in this run (the first is warm-up); this run has {}",
+                p.iterations_needed(),
+                args.iterations - first
+            )));
+        }
+    }
     let mut source: Box<dyn exec::prompts::PromptSource> = match &spec.rollout.dataset {
         DatasetSpec::Synthetic => Box::new(exec::prompts::SyntheticPrompts::new(spec)),
         other => crate::exec::data_source(spec, other)?,
@@ -326,6 +368,7 @@ fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
         trace: args.trace.as_ref().map(|_| PlanTrace::new(plan, "cpu")),
         identity,
         phase_s: [0.0; 4],
+        profile,
     };
     let result = exec::run_cpu_loop(
         plan,
@@ -348,6 +391,19 @@ fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
         }
     }
     result?;
+    if let (Some(path), Some(p)) = (&args.profile, &run.profile) {
+        let measured = p.profile()?;
+        write_atomic(path, |w| w.write_all(measured.to_yaml().as_bytes()))?;
+        if !args.quiet {
+            println!(
+                "profile: {} ({} points; measured iteration median {:.6} s, predicted {:.6} s)",
+                path.display(),
+                measured.profile.points.len(),
+                measured.iteration_median_s,
+                plan.predicted.iteration_s
+            );
+        }
+    }
     eval(&models, "after")
 }
 

@@ -41,8 +41,13 @@ struct Args {
     /// Write an SVG timeline (sim).
     #[arg(long)]
     svg: Option<PathBuf>,
-    /// Cost-model profile for the simulator (default: the built-in profile of the plan's GPU, if any).
-    #[arg(long)]
+    /// Cost-model profile the simulator replays the plan with (default: the built-in profile of
+    /// the plan's GPU, if any).
+    #[arg(long, value_name = "PROFILE")]
+    cost_profile: Option<PathBuf>,
+    /// Measure every task (after one warm-up iteration, so --iterations >= 2) and write a
+    /// cost-model profile here that `rollplexc --profile` reads (cpu).
+    #[arg(long, value_name = "OUT.yaml")]
     profile: Option<PathBuf>,
     /// Save a checkpoint (HF layout + optimizer and RNG state) to <out>/checkpoints/iter-<k>
     /// after every N-th iteration (0: never).
@@ -77,6 +82,7 @@ fn main() -> ExitCode {
         out: args.out,
         trace: args.trace,
         svg: args.svg,
+        cost_profile: args.cost_profile,
         profile: args.profile,
         save_every: args.save_every,
         keep_checkpoints: args.keep_checkpoints,

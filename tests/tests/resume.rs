@@ -63,6 +63,7 @@ fn args(plan: &Path, out: &Path, iterations: u32) -> RunArgs {
         out: out.to_path_buf(),
         trace: None,
         svg: None,
+        cost_profile: None,
         profile: None,
         save_every: 1,
         keep_checkpoints: 2,

@@ -82,6 +82,7 @@ fn cpu_trace_measures_every_task_on_the_simulators_tracks() {
         out: dir.path().join("out"),
         trace: Some(trace_path.clone()),
         svg: None,
+        cost_profile: None,
         profile: None,
         save_every: 0,
         keep_checkpoints: 2,

@@ -7,7 +7,8 @@
 //!
 //! Module map: `walker` (the order tasks run in), `cpu` (the CPU backend's ops), `prompts`
 //! (prompt sources: synthetic shapes for benchmarks, datasets for training), `checkpoint`
-//! (`--save-every` / `--resume`: the loop's state on disk). [`run_cpu_loop`] tells a
+//! (`--save-every` / `--resume`: the loop's state on disk), `profile` (`--profile`: measured
+//! task times as a cost-model profile). [`run_cpu_loop`] tells a
 //! [`LoopObserver`] when each task starts and ends (host clock) and when each iteration is
 //! done: traces, progress bars and metrics hang off it.
 //!
@@ -17,6 +18,7 @@
 pub mod checkpoint;
 pub mod cpu;
 pub mod data;
+pub mod profile;
 pub mod prompts;
 pub mod walker;
 
