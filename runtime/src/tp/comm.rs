@@ -37,9 +37,15 @@ use std::time::{Duration, Instant};
 pub trait Elem: Copy + Send + Sync + fmt::Debug + 'static + private::Sealed {
     /// The name an NCCL implementation maps to its data type (`"f32"` -> `ncclFloat32`).
     const DTYPE: &'static str;
+    /// Bytes of one element on the wire (little-endian, bit-exact: NaN payloads survive).
+    const BYTES: usize;
     fn add(self, o: Self) -> Self;
     /// The larger of two values; NaN never wins over a number.
     fn max(self, o: Self) -> Self;
+    /// Appends the element's little-endian bytes.
+    fn put_le(self, out: &mut Vec<u8>);
+    /// The element from `BYTES` little-endian bytes.
+    fn get_le(b: &[u8]) -> Self;
 }
 
 mod private {
@@ -50,21 +56,39 @@ mod private {
 
 impl Elem for f32 {
     const DTYPE: &'static str = "f32";
+    const BYTES: usize = 4;
     fn add(self, o: Self) -> Self {
         self + o
     }
     fn max(self, o: Self) -> Self {
         f32::max(self, o)
     }
+    fn put_le(self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.to_bits().to_le_bytes());
+    }
+    fn get_le(b: &[u8]) -> Self {
+        let mut a = [0u8; 4];
+        a.copy_from_slice(&b[..4]);
+        f32::from_bits(u32::from_le_bytes(a))
+    }
 }
 
 impl Elem for f64 {
     const DTYPE: &'static str = "f64";
+    const BYTES: usize = 8;
     fn add(self, o: Self) -> Self {
         self + o
     }
     fn max(self, o: Self) -> Self {
         f64::max(self, o)
+    }
+    fn put_le(self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.to_bits().to_le_bytes());
+    }
+    fn get_le(b: &[u8]) -> Self {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&b[..8]);
+        f64::from_bits(u64::from_le_bytes(a))
     }
 }
 
@@ -97,6 +121,9 @@ pub enum CommError {
     /// A bad argument (wrong buffer length, root outside the group).
     #[error("{0}")]
     Invalid(String),
+    /// Forming a group across processes failed (address, time-out, a rank of another job).
+    #[error("tensor-parallel rendezvous: {0}")]
+    Rendezvous(String),
     /// Some ranks did not reach a collective in time.
     #[error("collective #{seq} ({op}): ranks {missing:?} did not arrive within {timeout:?}")]
     Timeout {
@@ -157,6 +184,21 @@ pub fn all_gather_uneven<C: Communicator, T: Elem + Default>(
         out.extend_from_slice(&all[r * max..r * max + c]);
     }
     Ok(out)
+}
+
+/// The reduction every communicator runs: `buf = parts[0]`, then each later rank's part folded
+/// in, element by element, in rank order (`((b0 + b1) + b2) + ...`). One function, so that
+/// [`ThreadComm`] and the TCP communicator give bitwise the same results.
+pub(crate) fn reduce_in_rank_order<T: Elem>(buf: &mut [T], parts: &[&[T]], op: ReduceOp) {
+    buf.copy_from_slice(parts[0]);
+    for p in &parts[1..] {
+        for (b, x) in buf.iter_mut().zip(p.iter()) {
+            *b = match op {
+                ReduceOp::Sum => b.add(*x),
+                ReduceOp::Max => b.max(*x),
+            };
+        }
+    }
 }
 
 /// What a rank put in for the current collective: its signature and its data.
@@ -413,15 +455,7 @@ impl Communicator for ThreadComm {
         let sig = format!("all_reduce({op:?}) of {} {}", buf.len(), T::DTYPE);
         let all = self.exchange(sig, Arc::new(buf.to_vec()))?;
         let parts = Self::typed::<T>(&all)?;
-        buf.copy_from_slice(parts[0]);
-        for p in &parts[1..] {
-            for (b, x) in buf.iter_mut().zip(p.iter()) {
-                *b = match op {
-                    ReduceOp::Sum => b.add(*x),
-                    ReduceOp::Max => b.max(*x),
-                };
-            }
-        }
+        reduce_in_rank_order(buf, &parts, op);
         Ok(())
     }
 

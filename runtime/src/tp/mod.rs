@@ -27,6 +27,7 @@ pub mod block;
 pub mod comm;
 pub mod optim;
 pub mod shard;
+pub mod tcp;
 pub mod text;
 pub mod train;
 pub mod vision;
@@ -40,6 +41,7 @@ pub use comm::{
 };
 pub use optim::TpAdamW;
 pub use shard::{split_range, RankDims, Split, TpPlan};
+pub use tcp::{run_ranks_tcp, TcpComm, TcpOptions};
 
 use crate::model::{ModelError, Weights};
 
@@ -120,5 +122,7 @@ pub fn shard_all(full: &crate::model::Qwen25VL, degree: usize) -> Result<Vec<TpM
         .collect()
 }
 
+#[cfg(test)]
+mod tcp_tests;
 #[cfg(test)]
 mod tests;
