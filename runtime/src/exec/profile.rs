@@ -95,6 +95,17 @@ impl TaskStat {
     }
 }
 
+/// Measured against predicted time of one kind's tasks ([`ProfileRecorder::kind_sums`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct KindSum {
+    pub kind: WorkKind,
+    pub tasks: u32,
+    /// Sum of the tasks' median alone times, seconds.
+    pub measured_s: f64,
+    /// Sum of the plan's predicted durations of the same tasks, seconds.
+    pub predicted_s: f64,
+}
+
 /// Median of `xs` (mean of the middle two for an even count); `None` when empty.
 pub fn median(xs: &[f64]) -> Option<f64> {
     if xs.is_empty() {
@@ -270,6 +281,25 @@ impl ProfileRecorder {
         self.stats.values()
     }
 
+    /// Per kind (in kind order): tasks with alone runs, the sum of their medians and of their
+    /// predicted durations.
+    pub fn kind_sums(&self) -> Vec<KindSum> {
+        let mut by: BTreeMap<WorkKind, KindSum> = BTreeMap::new();
+        for s in self.stats.values() {
+            let Some(m) = s.median_s() else { continue };
+            let e = by.entry(s.kind).or_insert(KindSum {
+                kind: s.kind,
+                tasks: 0,
+                measured_s: 0.0,
+                predicted_s: 0.0,
+            });
+            e.tasks += 1;
+            e.measured_s += m;
+            e.predicted_s += s.predicted_s;
+        }
+        by.into_values().collect()
+    }
+
     /// One point per task that ran alone in some measured iteration and whose work the cost
     /// model can scale: the median of its alone runs. In task order.
     pub fn points(&self) -> Vec<Point> {
@@ -386,6 +416,20 @@ impl ProfileRecorder {
                 unmodelled.join(", ")
             }
         ));
+        line(
+            "Per kind: tasks, sum of measured medians vs the plan's predicted durations (s):"
+                .into(),
+        );
+        for k in self.kind_sums() {
+            line(format!(
+                "  {:<18} {:>4} measured {:.6}  predicted {:.6}  ratio {:.2}",
+                rollplex_cost::defaults::kind_name(k.kind),
+                k.tasks,
+                k.measured_s,
+                k.predicted_s,
+                k.measured_s / k.predicted_s.max(1e-12)
+            ));
+        }
         line(
             "Recompile with it: rollplexc PIPELINE.rpx --profile THIS.yaml (same GPU name: \
              the measured absolute rates hold)."
