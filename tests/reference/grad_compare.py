@@ -19,13 +19,26 @@ prompt + response: logits at position P-1+j divided by the temperature. Position
 generation (transformers' `generate`): the prompt's from get_rope_index, response token at
 sequence index n gets n + rope_delta in all three sections.
 
+With `--dtype bfloat16` (for our CUDA trainer, `grad_compare --backend cuda`) the cases are
+make_tiny_bf16.CASES (head dims the CUDA kernels take), the gradients of grad_ref.safetensors
+come from the model cast to bfloat16 (`model.to(torch.bfloat16)`: bf16 weights, activations and
+parameter gradients; log-softmax in f32 as above), and grad_ref_f32.safetensors holds the same
+model's float32 gradients and log-probs (TF32 off) on the same inputs, for scale: the spread
+between the two is PyTorch's own bf16 error. The inputs (old/ref log-probs) come from the f32
+model in both modes. Two conditioning steps in bf16 mode only: tied embeddings are scaled to
+1/sqrt(hidden) (at scale 1 the tied lm head's logits reach +-100 and bf16 alone scrambles the
+gradient), and old log-probs are moved so that no token's log-ratio lies within CLIP_MARGIN of a
+clip boundary (bf16 rounding would otherwise decide whether that token is clipped).
+
 Then `cargo run -p rollplex-runtime --example grad_compare -- OUT` compares.
 
-Usage: python grad_compare.py OUT [--device cpu|cuda] [--agg token_mean|seq_mean_token_mean|seq_mean_token_sum]
+Usage: python grad_compare.py OUT [--device cpu|cuda] [--dtype float32|bfloat16]
+                              [--agg token_mean|seq_mean_token_mean|seq_mean_token_sum]
 Needs torch and transformers (torch 2.11, transformers 5.17 were used).
 """
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -36,10 +49,12 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_tiny  # noqa: E402  (the shared tiny checkpoints and prompts)
+import make_tiny_bf16  # noqa: E402  (cases with head dims the CUDA kernels take)
 
 LOSS = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_coef=0.1, kl_estimator="k3",
             temperature=0.9)
 RESPONSE_LENS = [7, 1, 4, 10]
+CLIP_MARGIN = 0.05  # bf16 cases: the smallest distance of a log-ratio from a clip boundary
 
 
 def policy_loss(logp, old, ref, adv, mask, offsets, agg, cfg):
@@ -89,6 +104,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--agg", default="token_mean",
                     choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
     args = ap.parse_args()
@@ -100,11 +116,18 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     cfg = dict(LOSS, agg=args.agg)
     temp = cfg["temperature"]
-    for case in make_tiny.CASES:
+    bf16 = args.dtype == "bfloat16"
+    for case in (make_tiny_bf16.CASES if bf16 else make_tiny.CASES):
         d = os.path.join(args.out, case["name"])
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(os.path.join(d, "model"))
         model, mcfg, sp = make_tiny.build(case)
+        if bf16 and case["tie"]:
+            # as the lm head, embeddings of scale 1 give logits of +-100 on these widths, where
+            # bf16 alone moves log-probs by ~0.5 (PyTorch's own bf16 gradient was 75-124% off
+            # its f32 one): scale them to 1 / sqrt(hidden), as runtime/src/gpu/train_tests.rs does
+            with torch.no_grad():
+                model.get_input_embeddings().weight.mul_(1.0 / math.sqrt(case["text"]["hidden_size"]))
         model.save_pretrained(os.path.join(d, "model"))
         model.to(args.device)
         model.train()  # no dropout in Qwen2.5-VL; train() only enables autograd bookkeeping
@@ -136,6 +159,16 @@ def main():
             base = torch.cat([response_logp(r) for r in responses]).cpu()
         n_tok = base.numel()
         old = base + 0.3 * (torch.rand(n_tok, generator=g) * 2 - 1)
+        if bf16:
+            # keep every log-ratio CLIP_MARGIN away from the clip boundaries: bf16 log-probs are
+            # ~1e-2 off in absolute terms here, enough to move a token across a boundary
+            # (clipped <-> not), which changes the gradient by that token's whole share (seen:
+            # mixed_mha_odd, a token 0.005 from ln 1.28 gave 17% on every tensor)
+            lr = base - old
+            for b in (math.log(1 - cfg["clip_low"]), math.log(1 + cfg["clip_high"]), math.log(cfg["dual_clip"])):
+                side = torch.where(lr >= b, 1.0, -1.0)
+                lr = torch.where((lr - b).abs() < CLIP_MARGIN, b + CLIP_MARGIN * side, lr)
+            old = base - lr
         ref = base + 0.5 * (torch.rand(n_tok, generator=g) * 2 - 1)
         rewards = torch.rand(len(responses), generator=g)
         adv_seq = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
@@ -145,16 +178,29 @@ def main():
         adv = torch.cat([adv_seq[i].repeat(len(r)) for i, r in enumerate(responses)]).float()
         mask = torch.tensor([int((j + i) % 5 != 3) for i, r in enumerate(responses) for j in range(len(r))])
 
-        model.zero_grad(set_to_none=True)
-        logp = torch.cat([response_logp(r) for r in responses])
-        dv = logp.device
-        loss = policy_loss(logp, old.to(dv), ref.to(dv), adv.to(dv), mask.to(dv), offsets, args.agg, cfg)
-        loss.backward()
-        grads = {}
-        for name, p in model.named_parameters():
-            if p.grad is None:
-                raise SystemExit(f"{case['name']}: no gradient reached {name}")
-            grads[name] = p.grad.detach().float().cpu().contiguous()
+        def backward():
+            """The loss, log-probs and every parameter's gradient (f32) of the model as it is."""
+            model.zero_grad(set_to_none=True)
+            logp = torch.cat([response_logp(r) for r in responses])
+            dv = logp.device
+            loss = policy_loss(logp, old.to(dv), ref.to(dv), adv.to(dv), mask.to(dv), offsets, args.agg,
+                               cfg)
+            loss.backward()
+            grads = {}
+            for name, p in model.named_parameters():
+                if p.grad is None:
+                    raise SystemExit(f"{case['name']}: no gradient reached {name}")
+                grads[name] = p.grad.detach().float().cpu().contiguous()
+            return loss, logp, grads
+
+        loss, logp, grads = backward()
+        if bf16:
+            f32 = dict(grads)
+            f32["torch_logp"] = logp.detach().float().cpu().contiguous()
+            f32["torch_loss"] = loss.detach().double().cpu().view(1)
+            save_file(f32, os.path.join(d, "grad_ref_f32.safetensors"))
+            model.to(torch.bfloat16)
+            loss, logp, grads = backward()
 
         inputs = {
             "input_ids": kw["input_ids"][0].cpu().to(torch.int64),
@@ -179,10 +225,11 @@ def main():
         save_file(ref_t, os.path.join(d, "grad_ref.safetensors"))
         with open(os.path.join(d, "grad_case.json"), "w") as f:
             json.dump(dict(loss=cfg, case=case["name"], prompt_len=prompt_len, responses=RESPONSE_LENS,
-                           torch_loss=float(loss.detach()), device=args.device, torch=torch.__version__,
+                           torch_loss=float(loss.detach()), device=args.device, dtype=args.dtype,
+                           torch=torch.__version__,
                            transformers=transformers.__version__, params=len(grads)), f, indent=1)
         print(f"{case['name']}: prompt {prompt_len} tokens, {len(responses)} responses ({n_tok} tokens), "
-              f"loss {float(loss):.6f}, {len(grads)} parameter gradients", flush=True)
+              f"loss {loss.item():.6f} ({args.dtype}), {len(grads)} parameter gradients", flush=True)
 
 
 if __name__ == "__main__":

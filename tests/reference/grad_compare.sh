@@ -5,9 +5,17 @@
 # Needs python with torch + transformers (PYTHON=..., default python3) and cargo.
 # DEVICE=cuda runs the PyTorch side on a GPU (float32, TF32 off); AGG picks the aggregation
 # (token_mean, seq_mean_token_mean, seq_mean_token_sum); TOL the per-tensor relative L2 bound.
+# BACKEND=cuda compares our CUDA trainer (bf16, vision frozen: text decoder tensors only) with
+# PyTorch in bfloat16 on the GPU (make_tiny_bf16's cases; the bound is 3x PyTorch's own bf16
+# error against its float32 run, or TOL, default 1e-2); needs a CUDA device.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${1:-target/grad-cases}"
 PYTHON="${PYTHON:-python3}"
-"$PYTHON" tests/reference/grad_compare.py "$OUT" --device "${DEVICE:-cpu}" --agg "${AGG:-token_mean}"
-cargo run -q -p rollplex-runtime --example grad_compare -- "$OUT" --tol "${TOL:-1e-3}" --quiet
+if [ "${BACKEND:-cpu}" = cuda ]; then
+  "$PYTHON" tests/reference/grad_compare.py "$OUT" --device cuda --dtype bfloat16 --agg "${AGG:-token_mean}"
+  cargo run -q --release -p rollplex-runtime --example grad_compare -- "$OUT" --backend cuda --tol "${TOL:-1e-2}" --quiet
+else
+  "$PYTHON" tests/reference/grad_compare.py "$OUT" --device "${DEVICE:-cpu}" --agg "${AGG:-token_mean}"
+  cargo run -q -p rollplex-runtime --example grad_compare -- "$OUT" --tol "${TOL:-1e-3}" --quiet
+fi

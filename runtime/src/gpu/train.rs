@@ -28,7 +28,7 @@
 //! and its gradient w.r.t. the log-probs, which are elementwise per token and run on the host
 //! with the CPU backend's own `train::loss::policy_loss` (the log-probs come down, `dlogp` goes
 //! up: one synchronisation per micro-batch), and the final sum of the grad-norm partials (one
-//! download of 128 doubles per tensor per optimizer step).
+//! download of 1024 doubles per tensor per optimizer step).
 //!
 //! Numerics: GEMMs are cuBLASLt bf16 with fp32 accumulation; a weight gradient is produced in
 //! bf16 by its GEMM and added into its fp32 accumulator (`grad_accumulate_f32`); bias gradients
@@ -99,23 +99,37 @@ pub struct GpuGroupBatch<'a> {
 /// Rows of the lm head per chunk (bounds the logits buffer to `CHUNK x vocab`).
 const LM_CHUNK: usize = 1024;
 /// Blocks of the grad-norm partial-sum kernel (fixed: the sum's order depends on nothing else).
-const NORM_BLOCKS: usize = 128;
+/// 1024 blocks of 256 threads with four loads in flight each keep enough bytes in flight to
+/// stream a gradient at near the copy rate: at 619M parameters on the H200 the optimizer step
+/// went from 13.1 ms (128 blocks, one load in flight) to 6.5 ms, its AdamW alone being 5.2 ms
+/// (docs/perf.md, "Training step speed").
+const NORM_BLOCKS: usize = 1024;
 
-/// The small kernels of this module: the grad-norm partial sums (f64, fixed order) and the
-/// clip's scaling (`g *= c`, one rounding, as the CPU's `*g *= coef`).
+/// The small kernels of this module: the grad-norm partial sums (f64, fixed order: four
+/// strided accumulators per thread, added in a fixed order, then a fixed tree over the block)
+/// and the clip's scaling (`g *= c`, one rounding, as the CPU's `*g *= coef`).
 const TRAIN_KERNELS: KernelModule = KernelModule {
     name: "gpu_train",
     source: r#"
 extern "C" __global__ void sumsq_partial_f32(const float* __restrict__ g, u64 n,
                                              double* __restrict__ out) {
     __shared__ double s[256];
-    double acc = 0.0;
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (u64)gridDim.x * blockDim.x) {
-        const double x = (double)g[i];
-        acc = __dadd_rn(acc, __dmul_rn(x, x));
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+    for (; i + 3 * stride < n; i += 4 * stride) {
+        const double x0 = (double)g[i], x1 = (double)g[i + stride];
+        const double x2 = (double)g[i + 2 * stride], x3 = (double)g[i + 3 * stride];
+        a0 = __dadd_rn(a0, __dmul_rn(x0, x0));
+        a1 = __dadd_rn(a1, __dmul_rn(x1, x1));
+        a2 = __dadd_rn(a2, __dmul_rn(x2, x2));
+        a3 = __dadd_rn(a3, __dmul_rn(x3, x3));
     }
-    s[threadIdx.x] = acc;
+    for (; i < n; i += stride) {
+        const double x = (double)g[i];
+        a0 = __dadd_rn(a0, __dmul_rn(x, x));
+    }
+    s[threadIdx.x] = __dadd_rn(__dadd_rn(a0, a1), __dadd_rn(a2, a3));
     __syncthreads();
     for (u32 w = 128; w > 0; w >>= 1) {
         if (threadIdx.x < w) s[threadIdx.x] = __dadd_rn(s[threadIdx.x], s[threadIdx.x + w]);
