@@ -13,12 +13,16 @@
 //! log-probs are the model's own plus noise (ratios near 1: every token carries a gradient).
 //!
 //! FLOPs (model FLOPs, as `bench_train.py`; recomputation not counted):
-//!   6 * (layer weight params) * tokens * layers + 6 * vocab * hidden * head_rows
+//!
+//! ```text
+//! 6 * (layer weight params) * tokens * layers + 6 * vocab * hidden * head_rows
 //!   + 12 * heads * head_dim * causal_pairs * layers      (attention: 4 forward + 8 backward)
+//! ```
+//!
 //! MFU = those FLOPs / time / the GEMM rate measured by `bench_train.py` in the same call.
 //! The trainer also recomputes each layer's forward in backward and the lm head's logits
-//! ("hardware FLOPs" adds 2 * layer params * tokens + 4 * heads * hd * pairs per layer and
-//! 2 * vocab * hidden * head_rows).
+//! ("hardware FLOPs" adds `2 * layer params * tokens + 4 * heads * hd * pairs` per layer and
+//! `2 * vocab * hidden * head_rows`).
 //!
 //! Optimizer: `optimizer_step` (grad norm with its download, clip, AdamW per tensor writing the
 //! bf16 copy, gradient zeroing), and `adamw_step_f32` alone over one flat buffer of the same
