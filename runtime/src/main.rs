@@ -66,10 +66,18 @@ struct Args {
     /// Print less: no progress bars, no table.
     #[arg(long, short)]
     quiet: bool,
+    /// Check the tensor-parallel group instead of training: one process per GPU of the plan
+    /// (started here, or joined as RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT), the actor's TP
+    /// forward repeated ROUNDS times, ranks compared bitwise and against TP=1 (docs/tp.md).
+    #[arg(long, value_name = "ROUNDS", num_args = 0..=1, default_missing_value = "3")]
+    tp_check: Option<u32>,
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if let Some(rounds) = args.tp_check {
+        return rollplex_runtime::tp::check::main(&args.plan, rounds);
+    }
     let opts = cli::RunArgs {
         plan: args.plan,
         backend: match args.backend {

@@ -24,7 +24,9 @@
 
 pub mod backward;
 pub mod block;
+pub mod check;
 pub mod comm;
+pub mod launch;
 pub mod optim;
 pub mod shard;
 pub mod tcp;
