@@ -13,6 +13,11 @@
 //! 0.4 ms per layer, which would then be charged to every small forward pass. So it is fitted
 //! freely first; the kind where it takes the largest share of the time (decode: many short
 //! steps) fixes it, if that share is at least 5%, and the other kinds are refitted with it.
+//! Kinds whose points have no flops and no bytes (a reward's steps, a no-op sync: what the
+//! runtime's own profiles measure) are pure latency: they keep their own fit and cannot lead
+//! (their share is 1 by construction). A kind whose points the shared latency misses by more
+//! than `MAX_SHARED_ERR` (where its own fit does better) keeps its own fit: the shared value
+//! contradicts what it measured.
 //!
 //! Co-run slowdowns: one value per unordered pair of kinds, fitted by golden-section search
 //! against the co-run makespans given the *measured* times alone (so curve errors do not leak
@@ -31,6 +36,12 @@ use crate::{corun_pair_time, CostModel};
 
 /// Weight of the pull towards the default curve (in mapped-parameter units squared).
 const PRIOR: f64 = 1e-4;
+
+/// A kind refitted with the shared per-step latency keeps its own fit instead when the shared
+/// one misses its points by more than this (root mean square of the log errors; 0.25: ~28%):
+/// the shared value contradicts what the kind measured (on the CPU backend a decode step's
+/// fixed costs are not a forward pass's).
+const MAX_SHARED_ERR: f64 = 0.25;
 
 /// A kind whose points spend at least this share of their time in per-step latency fixes the
 /// latency for every kind.
@@ -226,6 +237,16 @@ fn predict(gpu: &GpuSpec, curve: &KindCurve, p: &Point) -> f64 {
     crate::time_parts(gpu, curve, gpu.host_bw, gpu.host_bw, p.kind, &p.work, p.sms).total()
 }
 
+/// Root mean square of the log errors of `curve` on `pts`.
+fn rms_log_err(gpu: &GpuSpec, curve: &KindCurve, pts: &[&Point]) -> f64 {
+    let n = pts.len().max(1) as f64;
+    (pts.iter()
+        .map(|p| log_err(predict(gpu, curve, p), p.seconds).powi(2))
+        .sum::<f64>()
+        / n)
+        .sqrt()
+}
+
 fn log_err(pred: f64, meas: f64) -> f64 {
     if pred > 0.0 && pred.is_finite() {
         (pred / meas).ln()
@@ -300,16 +321,28 @@ impl Profile {
                 .sum::<f64>()
                 / pts.len() as f64
         };
+        let latency_only = |pts: &[&Point]| {
+            pts.iter()
+                .all(|p| !(p.work.flops > 0.0) && !(p.work.bytes > 0.0))
+        };
         let leader = by_kind
             .iter()
+            .filter(|(_, pts)| !latency_only(pts))
             .map(|(k, pts)| (*k, share(k, pts)))
             .max_by(|a, b| a.1.total_cmp(&b.1));
         if let Some((lead, s)) = leader {
             if s >= MIN_OVERHEAD_SHARE {
                 let overhead = kinds[&lead].step_overhead_s;
                 for (kind, pts) in &by_kind {
-                    if *kind != lead {
-                        kinds.insert(*kind, fit_kind(gpu, &map, *kind, pts, Some(overhead))?);
+                    if *kind != lead && !latency_only(pts) {
+                        let shared = fit_kind(gpu, &map, *kind, pts, Some(overhead))?;
+                        let (e_shared, e_own) = (
+                            rms_log_err(gpu, &shared, pts),
+                            rms_log_err(gpu, &kinds[kind], pts),
+                        );
+                        if e_shared <= MAX_SHARED_ERR || e_shared <= e_own {
+                            kinds.insert(*kind, shared);
+                        }
                     }
                 }
             }
@@ -515,6 +548,49 @@ mod tests {
         let s = prof.corun_of(WorkKind::Decode, WorkKind::Prefill).unwrap();
         assert!((s - 1.2).abs() < 1e-3, "{s}");
         assert_eq!(prof.corun_of(WorkKind::Prefill, WorkKind::Decode), Some(s));
+    }
+
+    /// A kind with only steps (a host reward) keeps its own latency; the GPU kind leads; a kind
+    /// the shared latency would make 50x too slow keeps its own fit.
+    #[test]
+    fn latency_only_kinds_keep_their_own_overhead() {
+        let gpu = datasheet("H200").unwrap();
+        let pt = |kind, work: Work, seconds| Point {
+            kind,
+            sms: 132,
+            work,
+            seconds,
+            note: String::new(),
+        };
+        let steps = |n| Work {
+            steps: n,
+            ..Work::default()
+        };
+        let decode = |b: f64, n| Work {
+            bytes: b,
+            steps: n,
+            ..Work::default()
+        };
+        // advantage: 8 cheap steps in 3 us, which decode's 20 us per step would make 160 us
+        let adv = |b: f64| Work {
+            bytes: b,
+            steps: 8,
+            ..Work::default()
+        };
+        let points = vec![
+            pt(WorkKind::Advantage, adv(1e6), 3.0e-6),
+            pt(WorkKind::Advantage, adv(2e6), 3.4e-6),
+            pt(WorkKind::Reward, steps(1), 40e-6),
+            pt(WorkKind::Reward, steps(2), 80e-6),
+            pt(WorkKind::WeightSync, steps(1), 1e-7),
+            pt(WorkKind::Decode, decode(1e9, 100), 0.3e-3 + 100.0 * 20e-6),
+            pt(WorkKind::Decode, decode(4e9, 400), 1.2e-3 + 400.0 * 20e-6),
+        ];
+        let prof = Profile::fit(&gpu, points, vec![]).unwrap();
+        for r in prof.residuals() {
+            assert!(r.rel_err().abs() < 0.05, "{} {r:?}", r.what);
+        }
+        assert!((prof.kinds[&WorkKind::Reward].step_overhead_s / 40e-6 - 1.0).abs() < 0.05);
     }
 
     #[test]

@@ -299,23 +299,10 @@ fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
         .profile
         .as_ref()
         .map(|_| {
-            exec::profile::ProfileRecorder::new(
-                plan,
-                "cpu",
-                exec::profile::Execution::OneAtATime,
-                1,
-            )
+            use exec::profile::{Execution, ProfileRecorder};
+            ProfileRecorder::for_run(plan, "cpu", Execution::OneAtATime, args.iterations - first)
         })
         .transpose()?;
-    if let Some(p) = &profile {
-        if args.iterations - first < p.iterations_needed() {
-            return Err(ExecError::Machine(format!(
-                "--profile needs at least {} iterations in this run (the first is warm-up); this run has {}",
-                p.iterations_needed(),
-                args.iterations - first
-            )));
-        }
-    }
     let mut source: Box<dyn exec::prompts::PromptSource> = match &spec.rollout.dataset {
         DatasetSpec::Synthetic => Box::new(exec::prompts::SyntheticPrompts::new(spec)),
         other => crate::exec::data_source(spec, other)?,
@@ -392,8 +379,7 @@ fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
     }
     result?;
     if let (Some(path), Some(p)) = (&args.profile, &run.profile) {
-        let measured = p.profile()?;
-        write_atomic(path, |w| w.write_all(measured.to_yaml().as_bytes()))?;
+        let measured = p.write(path)?;
         if !args.quiet {
             println!(
                 "profile: {} ({} points; measured iteration median {:.6} s, predicted {:.6} s)",

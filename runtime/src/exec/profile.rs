@@ -32,6 +32,7 @@
 //! scale (no flops, bytes, steps, host or network bytes) are listed, never fitted.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use rollplex_cost::{Point, Profile};
@@ -134,6 +135,8 @@ pub struct ProfileRecorder {
     backend: String,
     execution: Execution,
     warmup: u32,
+    /// The plan's predicted iteration time, seconds.
+    predicted_iteration_s: f64,
     /// Iterations seen so far (warm-up included).
     seen: u32,
     /// First and last measured iteration numbers.
@@ -141,6 +144,8 @@ pub struct ProfileRecorder {
     stats: BTreeMap<TaskId, TaskStat>,
     /// Measured iterations' wall times, seconds.
     iterations_s: Vec<f64>,
+    /// Measured iterations' time inside tasks that ran alone (sum of their durations), seconds.
+    alone_sums_s: Vec<f64>,
     /// The running iteration: its origin and its tasks' intervals (seconds from the origin).
     origin: Option<Instant>,
     current: Vec<(TaskId, f64, f64)>,
@@ -188,14 +193,34 @@ impl ProfileRecorder {
             backend: backend.to_string(),
             execution,
             warmup,
+            predicted_iteration_s: plan.predicted.iteration_s,
             seen: 0,
             measured_range: None,
             stats: BTreeMap::new(),
             iterations_s: Vec::new(),
+            alone_sums_s: Vec::new(),
             origin: None,
             current: Vec::new(),
             tasks,
         })
+    }
+
+    /// The recorder of a run of `iterations` iterations (`--profile`): one warm-up iteration;
+    /// refuses a run too short to measure anything, before it starts.
+    pub fn for_run(
+        plan: &Plan,
+        backend: &str,
+        execution: Execution,
+        iterations: u32,
+    ) -> Result<Self, ExecError> {
+        let rec = ProfileRecorder::new(plan, backend, execution, 1)?;
+        if iterations < rec.iterations_needed() {
+            return Err(ExecError::Machine(format!(
+                "--profile needs at least {} iterations in this run (the first is warm-up); this run has {iterations}",
+                rec.iterations_needed()
+            )));
+        }
+        Ok(rec)
     }
 
     /// Iterations needed for a profile: the warm-up plus one measured.
@@ -222,9 +247,10 @@ impl ProfileRecorder {
     /// first task's start if none was given.
     pub fn record_instants(&mut self, task: &Task, start: Instant, end: Instant) {
         let origin = *self.origin.get_or_insert(start);
-        let s = |t: Instant| {
-            t.checked_duration_since(origin)
-                .map_or(0.0, |d| d.as_secs_f64())
+        // signed: a backend may report device times from before the origin was taken
+        let s = |t: Instant| match t.checked_duration_since(origin) {
+            Some(d) => d.as_secs_f64(),
+            None => -origin.duration_since(t).as_secs_f64(),
         };
         self.record(task, s(start), s(end));
     }
@@ -244,6 +270,14 @@ impl ProfileRecorder {
         });
         self.iterations_s.push(wall.as_secs_f64());
         let alone = alone_flags(&intervals, self.execution);
+        self.alone_sums_s.push(
+            intervals
+                .iter()
+                .zip(&alone)
+                .filter(|(_, &a)| a)
+                .map(|((_, s, e), _)| e - s)
+                .sum(),
+        );
         for ((id, start, end), alone) in intervals.into_iter().zip(alone) {
             let Some((name, kind, sms, work, predicted)) = self.tasks.get(id.index()) else {
                 continue;
@@ -308,11 +342,12 @@ impl ProfileRecorder {
             .filter(|s| modelled(&s.work))
             .filter_map(|s| {
                 let m = s.median_s()?;
-                (m > 0.0).then(|| Point {
+                (m >= 1e-9).then(|| Point {
                     kind: s.kind,
                     sms: s.sms,
                     work: s.work.clone(),
-                    seconds: m,
+                    // nanoseconds: what the clocks resolve
+                    seconds: (m * 1e9).round() / 1e9,
                     note: format!(
                         "{} ({}): median of {} alone runs, min {:.3e} s, max {:.3e} s",
                         s.name,
@@ -357,14 +392,14 @@ impl ProfileRecorder {
             self.warmup
         );
         Ok(MeasuredProfile {
-            header: self.header(),
+            header: self.header(&profile),
             profile,
             iteration_median_s: self.iteration_median_s().unwrap_or(0.0),
         })
     }
 
     /// The YAML comment block of the written file: how it was measured, what was left out.
-    fn header(&self) -> String {
+    fn header(&self, fitted: &Profile) -> String {
         let mut h = String::new();
         let mut line = |s: String| {
             h.push_str("# ");
@@ -382,10 +417,20 @@ impl ProfileRecorder {
              does not measure each side alone on the same partition).",
             self.warmup
         ));
+        let measured = self.iteration_median_s().unwrap_or(0.0);
         line(format!(
-            "Measured iterations: {}, wall time median {:.6} s.",
+            "Measured iterations: {}, wall time median {measured:.6} s; the plan predicted {:.6} s \
+             (predicted / measured = {:.3}).",
             self.iterations_s.len(),
-            self.iteration_median_s().unwrap_or(0.0)
+            self.predicted_iteration_s,
+            self.predicted_iteration_s / measured.max(1e-12)
+        ));
+        let sum_of_medians: f64 = self.stats.values().filter_map(TaskStat::median_s).sum();
+        line(format!(
+            "Time in tasks alone: sum of the tasks' medians {sum_of_medians:.6} s, median of the \
+             iterations' sums {:.6} s (a gap is run-to-run variability: per-task medians drop \
+             each task's slow runs, an iteration has some).",
+            median(&self.alone_sums_s).unwrap_or(0.0)
         ));
         let never_alone: Vec<&str> = self
             .stats
@@ -417,17 +462,27 @@ impl ProfileRecorder {
             }
         ));
         line(
-            "Per kind: tasks, sum of measured medians vs the plan's predicted durations (s):"
+            "Per kind, seconds summed over its tasks: measured medians; the plan's prediction; \
+             the fitted model's (this file's curves)."
                 .into(),
         );
+        let model = rollplex_cost::CostModel::new(&fitted.gpu, Some(fitted));
         for k in self.kind_sums() {
+            let refit: f64 = fitted
+                .points
+                .iter()
+                .filter(|p| p.kind == k.kind)
+                .map(|p| model.time(p.kind, &p.work, p.sms))
+                .sum();
             line(format!(
-                "  {:<18} {:>4} measured {:.6}  predicted {:.6}  ratio {:.2}",
+                "  {:<16} {:>3} tasks  measured {:.6}  plan {:.6} ({:.2}x)  fitted {:.6} ({:.2}x)",
                 rollplex_cost::defaults::kind_name(k.kind),
                 k.tasks,
                 k.measured_s,
                 k.predicted_s,
-                k.measured_s / k.predicted_s.max(1e-12)
+                k.predicted_s / k.measured_s.max(1e-12),
+                refit,
+                refit / k.measured_s.max(1e-12)
             ));
         }
         line(
@@ -436,6 +491,28 @@ impl ProfileRecorder {
                 .to_string(),
         );
         h
+    }
+}
+
+impl ProfileRecorder {
+    /// Fits the profile and writes it to `path` atomically (a temporary file beside it, then a
+    /// rename); returns what was written.
+    pub fn write(&self, path: &Path) -> Result<MeasuredProfile, ExecError> {
+        let measured = self.profile()?;
+        let io = |p: &Path| {
+            let p = p.display().to_string();
+            move |source| ExecError::Io { path: p, source }
+        };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(io(dir))?;
+        }
+        let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+        std::fs::write(&tmp, measured.to_yaml()).map_err(io(&tmp))?;
+        std::fs::rename(&tmp, path).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            io(path)(e)
+        })?;
+        Ok(measured)
     }
 }
 
