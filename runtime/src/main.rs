@@ -46,7 +46,7 @@ struct Args {
     #[arg(long, value_name = "PROFILE")]
     cost_profile: Option<PathBuf>,
     /// Measure every task (after one warm-up iteration, so --iterations >= 2) and write a
-    /// cost-model profile here that `rollplexc --profile` reads (cpu).
+    /// cost-model profile here that `rollplexc --profile` reads (cpu, cuda).
     #[arg(long, value_name = "OUT.yaml")]
     profile: Option<PathBuf>,
     /// Save a checkpoint (HF layout + optimizer and RNG state) to <out>/checkpoints/iter-<k>
