@@ -321,9 +321,10 @@ impl Profile {
                 .sum::<f64>()
                 / pts.len() as f64
         };
+        // (validated: work amounts are finite and >= 0)
         let latency_only = |pts: &[&Point]| {
             pts.iter()
-                .all(|p| !(p.work.flops > 0.0) && !(p.work.bytes > 0.0))
+                .all(|p| p.work.flops <= 0.0 && p.work.bytes <= 0.0)
         };
         let leader = by_kind
             .iter()
