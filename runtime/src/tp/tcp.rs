@@ -388,6 +388,9 @@ fn spawn_reader(
                 Err(e) => {
                     let why = match e.kind() {
                         io::ErrorKind::UnexpectedEof => "its connection closed".to_string(),
+                        io::ErrorKind::ConnectionReset
+                        | io::ErrorKind::ConnectionAborted
+                        | io::ErrorKind::BrokenPipe => "its connection was reset".to_string(),
                         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
                             format!("no message or heartbeat for {dead_after:?}")
                         }

@@ -1,0 +1,357 @@
+//! Multi-process tensor parallelism through the real `rollplex-run` binary (`--tp-check`): the
+//! binary as its own launcher (one process per GPU of a 2-GPU CPU plan) and as ranks started
+//! torchrun-style with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT; the ranks agree bitwise; a rank
+//! killed with SIGKILL ends the job within seconds with a message naming it, never a hang.
+//! Every process these tests start is killed by a guard if the test fails.
+
+#![cfg(unix)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_rollplex-run");
+
+/// The tiny model on 2 CPU pseudo-GPUs with rollout and training TP 2.
+const PIPELINE: &str = r#"
+pipeline tp2 {
+    seed = 3
+    gpu { preset = cpu, count = 2 }
+    model actor { preset = tiny, weights = random(seed = 7) }
+    rollout {
+        tp = 2
+        prompts = 2
+        group = 2
+        media = image(size = 56x56)
+        text_tokens = 16
+        max_new_tokens = 2
+        response_length = fixed(tokens = 2)
+    }
+    reward = builtin("choice_letter")
+    train {
+        tp = 2
+        algorithm = grpo { clip = 0.2 }
+        optimizer = adamw(lr = 1e-3)
+        micro_batch = 2
+    }
+    schedule { mode = serial }
+}
+"#;
+
+struct NoFiles;
+impl rollplex_dsl::Env for NoFiles {
+    fn read_file(&self, path: &str) -> Result<String, String> {
+        Err(format!("no files here ({path})"))
+    }
+}
+
+/// The TP=2 plan, compiled once per test into its own temp dir.
+fn plan_file(dir: &Path) -> PathBuf {
+    let checked = rollplex_dsl::compile_source("tp2.rpx", PIPELINE, &NoFiles)
+        .unwrap_or_else(|d| panic!("{}", d.render("tp2.rpx", PIPELINE, false)));
+    let plan = rollplex_compiler::compile(&checked.spec, &Default::default())
+        .expect("the TP=2 CPU pipeline compiles")
+        .plan;
+    assert_eq!((plan.target.count, plan.parallel.rollout_tp), (2, 2));
+    let path = dir.join("tp2.plan");
+    std::fs::write(&path, rollplex_plan::encode(&plan, "tests").unwrap()).unwrap();
+    path
+}
+
+/// `rollplex-run` with the launcher variables of the test's own environment removed.
+fn command(plan: &Path) -> Command {
+    let mut c = Command::new(BIN);
+    c.arg(plan);
+    for v in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "ROLLPLEX_TP_LAUNCHED",
+    ] {
+        c.env_remove(v);
+    }
+    c
+}
+
+/// Kills a started process when the test ends early.
+struct Guard(Child);
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn run_with_timeout(mut c: Command, limit: Duration) -> Output {
+    let child = c
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = mpsc::channel();
+    let id = child.id();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    rx.recv_timeout(limit)
+        .unwrap_or_else(|_| {
+            kill9(id);
+            panic!("rollplex-run {id} did not finish within {limit:?}")
+        })
+        .unwrap()
+}
+
+extern "C" {
+    /// POSIX kill(2), from the C library every Rust program on unix links.
+    fn kill(pid: i32, sig: i32) -> i32;
+}
+
+/// SIGKILL to a process this test started (directly or through the launcher).
+fn kill9(pid: u32) {
+    // SAFETY: kill(2) takes plain integers; the pid is one of this test's processes
+    let rc = unsafe { kill(pid as i32, 9) };
+    assert_eq!(rc, 0, "kill -9 {pid}");
+}
+
+/// Reads `child`'s stderr on a thread; lines arrive on the returned channel.
+fn stderr_lines(child: &mut Child) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    let err = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for l in BufReader::new(err).lines().map_while(Result::ok) {
+            if tx.send(l).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// Waits for a line containing `what`, collecting every line into `seen`.
+fn wait_for(rx: &mpsc::Receiver<String>, what: &str, seen: &mut Vec<String>) -> String {
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(60) {
+        if let Ok(l) = rx.recv_timeout(Duration::from_millis(100)) {
+            seen.push(l.clone());
+            if l.contains(what) {
+                return l;
+            }
+        }
+    }
+    panic!(
+        "no line with {what:?} within 60 s; saw:\n{}",
+        seen.join("\n")
+    );
+}
+
+fn pid_in(line: &str) -> u32 {
+    line.rsplit("pid ").next().unwrap().trim().parse().unwrap()
+}
+
+#[test]
+fn the_launcher_starts_one_rank_per_gpu_and_they_agree() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = plan_file(dir.path());
+    let mut c = command(&plan);
+    c.arg("--tp-check=2");
+    let out = run_with_timeout(c, Duration::from_secs(120));
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "stdout:\n{so}\nstderr:\n{se}");
+    assert!(
+        se.contains("rank 0 of 2 started") && se.contains("rank 1 of 2 started"),
+        "{se}"
+    );
+    assert!(
+        se.contains("[rank 0] rollplex-tp: rank 0 listening on 127.0.0.1:"),
+        "{se}"
+    );
+    assert!(
+        se.contains("[rank 1] rollplex-tp: rank 1 joined the group of 2"),
+        "{se}"
+    );
+    assert!(so.contains("[rank 1] tp-check: rank 1 agrees"), "{so}");
+    let line = so
+        .lines()
+        .find(|l| l.starts_with("[rank 0] tp-check: 2 ranks over TCP"))
+        .unwrap_or_else(|| panic!("{so}"));
+    assert!(
+        line.contains("ranks agree bitwise") && line.contains("2 rounds"),
+        "{line}"
+    );
+    assert!(line.contains("greedy tokens equal TP=1"), "{line}");
+    // the TP logits are within the TP tests' tolerance of TP=1 (docs/tp.md: 2e-5)
+    let err: f64 = line
+        .split("max |logit - TP=1| ")
+        .nth(1)
+        .and_then(|r| r.split(',').next())
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(err < 2e-5, "{line}");
+    assert!(so.contains("tp-check passed on 2 ranks"), "{so}");
+}
+
+#[test]
+fn a_killed_rank_ends_the_launched_job_within_seconds_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = plan_file(dir.path());
+    let mut c = command(&plan);
+    // enough rounds to run for minutes: only the kill can end it in time
+    c.arg("--tp-check=10000000")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let mut g = Guard(c.spawn().unwrap());
+    let rx = stderr_lines(&mut g.0);
+    let mut seen = Vec::new();
+    let started = wait_for(&rx, "rank 1 of 2 started", &mut seen);
+    wait_for(&rx, "[rank 1] rollplex-tp: rank 1 joined", &mut seen);
+    std::thread::sleep(Duration::from_millis(200));
+    let t0 = Instant::now();
+    kill9(pid_in(&started));
+    let status = loop {
+        if let Some(s) = g.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the launcher still runs 10 s after rank 1 was killed"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let took = t0.elapsed();
+    while let Ok(l) = rx.recv_timeout(Duration::from_millis(500)) {
+        seen.push(l);
+    }
+    let all = seen.join("\n");
+    assert!(!status.success(), "{all}");
+    assert!(took < Duration::from_secs(5), "took {took:?}\n{all}");
+    assert!(
+        all.contains(
+            "error: rank 1 was killed by signal 9 (SIGKILL); the other ranks were stopped"
+        ),
+        "{all}"
+    );
+    // rank 0 saw its peer's connection close and named it
+    assert!(
+        all.contains("[rank 0] error: rank 0: tensor-parallel rank 1 failed"),
+        "{all}"
+    );
+}
+
+#[test]
+fn torchrun_style_ranks_join_and_a_dead_rank_0_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = plan_file(dir.path());
+    let free_port = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    let rank = |r: usize, port: u16, rounds: &str| {
+        let mut c = command(&plan);
+        c.arg(format!("--tp-check={rounds}"))
+            .env("RANK", r.to_string())
+            .env("WORLD_SIZE", "2")
+            .env("LOCAL_RANK", r.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c
+    };
+    // rank 1 first: it retries until rank 0 listens
+    let port = free_port();
+    let r1 = std::thread::spawn({
+        let c = rank(1, port, "2");
+        move || run_with_timeout(c, Duration::from_secs(120))
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let o0 = run_with_timeout(rank(0, port, "2"), Duration::from_secs(120));
+    let o1 = r1.join().unwrap();
+    let s0 = String::from_utf8_lossy(&o0.stdout);
+    let s1 = String::from_utf8_lossy(&o1.stdout);
+    assert!(
+        o0.status.success() && o1.status.success(),
+        "{s0}\n{s1}\n{}",
+        String::from_utf8_lossy(&o1.stderr)
+    );
+    assert!(s0.contains("ranks agree bitwise"), "{s0}");
+    assert!(s1.contains("rank 1 agrees"), "{s1}");
+
+    // rank 0 killed mid-run: rank 1 ends within seconds with the peer-failure status, naming it
+    let port = free_port();
+    let mut g0 = Guard(
+        rank(0, port, "10000000")
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut g1 = Guard(
+        rank(1, port, "10000000")
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let rx1 = stderr_lines(&mut g1.0);
+    let mut seen = Vec::new();
+    wait_for(&rx1, "rank 1 joined the group of 2", &mut seen);
+    std::thread::sleep(Duration::from_millis(200));
+    let t0 = Instant::now();
+    kill9(g0.0.id());
+    let _ = g0.0.wait();
+    let status = loop {
+        if let Some(s) = g1.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "rank 1 still runs 10 s after rank 0 died"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let took = t0.elapsed();
+    while let Ok(l) = rx1.recv_timeout(Duration::from_millis(500)) {
+        seen.push(l);
+    }
+    let all = seen.join("\n");
+    assert_eq!(status.code(), Some(3), "{all}");
+    assert!(took < Duration::from_secs(5), "took {took:?}\n{all}");
+    assert!(
+        all.contains("error: rank 1: tensor-parallel rank 0 failed"),
+        "{all}"
+    );
+}
+
+#[test]
+fn bad_launch_variables_are_refused_with_the_variable_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = plan_file(dir.path());
+    let mut c = command(&plan);
+    c.arg("--tp-check").env("RANK", "1");
+    let out = run_with_timeout(c, Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(1));
+    let se = String::from_utf8_lossy(&out.stderr);
+    assert!(se.contains("RANK is set but WORLD_SIZE is not"), "{se}");
+    let mut c = command(&plan);
+    c.arg("--tp-check")
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "4")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", "1");
+    let out = run_with_timeout(c, Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(1));
+    let se = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        se.contains("WORLD_SIZE=4 but the plan runs on 2 GPUs"),
+        "{se}"
+    );
+}
