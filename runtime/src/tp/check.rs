@@ -70,7 +70,7 @@ fn prompt_ids(spec: &JobSpec, model: &Qwen25VL) -> Vec<u32> {
         t.vision_start_token_id,
         t.vision_end_token_id,
     ];
-    let vocab = model.config.spec.text.vocab_size as u32;
+    let vocab = model.config.spec.text.vocab_size;
     let n = spec.rollout.prompt_text_tokens.clamp(1, PROMPT_TOKENS);
     let mut ids = Vec::with_capacity(n as usize);
     let mut i = 0u32;

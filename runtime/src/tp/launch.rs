@@ -381,7 +381,7 @@ fn spawn(
 }
 
 /// Kills every rank still running, waits for all, and drains their output.
-fn stop_all(ranks: &mut Vec<Rank>) {
+fn stop_all(ranks: &mut [Rank]) {
     for r in ranks.iter_mut() {
         if let Ok(None) = r.child.try_wait() {
             let _ = r.child.kill();

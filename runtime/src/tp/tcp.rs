@@ -69,6 +69,9 @@ mod kind {
     pub const BYE: u8 = 8;
 }
 
+/// How rank 0 turns every rank's bytes (in rank order) into the collective's result.
+type Combine<'a> = dyn Fn(&[Vec<u8>]) -> Result<Vec<u8>, CommError> + 'a;
+
 /// Time limits of a TCP group.
 #[derive(Clone, Debug)]
 pub struct TcpOptions {
@@ -717,7 +720,7 @@ impl TcpComm {
         &self,
         sig: String,
         mine: Vec<u8>,
-        combine: &dyn Fn(&[Vec<u8>]) -> Result<Vec<u8>, CommError>,
+        combine: &Combine<'_>,
     ) -> Result<Vec<u8>, CommError> {
         let started = Instant::now();
         let mut st = self.lock();
@@ -751,7 +754,7 @@ impl TcpComm {
         seq: u64,
         sig: &str,
         mine: Vec<u8>,
-        combine: &dyn Fn(&[Vec<u8>]) -> Result<Vec<u8>, CommError>,
+        combine: &Combine<'_>,
         started: Instant,
     ) -> Result<Vec<u8>, CommError> {
         let w = self.world;
