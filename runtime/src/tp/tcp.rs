@@ -55,6 +55,8 @@ use super::comm::{reduce_in_rank_order, CommError, Communicator, Elem, ReduceOp}
 const MAGIC: &[u8; 8] = b"RPLXTP01";
 /// Largest frame accepted (a corrupt length must not allocate the machine away).
 const MAX_FRAME: u64 = 1 << 34;
+/// How long rank 0 waits for the hello of a connection it accepted.
+const HELLO_WAIT: Duration = Duration::from_secs(5);
 /// How long a dropped rank waits for its peers to close their side (see the module doc).
 const LINGER: Duration = Duration::from_secs(2);
 
@@ -472,10 +474,18 @@ impl TcpComm {
         while streams[1..].iter().any(Option::is_none) {
             match listener.accept() {
                 Ok((mut s, from)) => {
-                    if prepare(&s, &opts).is_err() {
+                    // a rank sends its hello as soon as it connects: a connection that stays
+                    // silent (a port scan) may hold the accept loop for HELLO_WAIT at most
+                    let hello_wait = HELLO_WAIT
+                        .min(opts.connect_timeout.saturating_sub(started.elapsed()))
+                        .max(Duration::from_millis(1));
+                    if prepare(&s, &opts)
+                        .and_then(|_| s.set_read_timeout(Some(hello_wait)))
+                        .is_err()
+                    {
                         continue;
                     }
-                    // something that does not speak the protocol is ignored (a port scan)
+                    // something that does not speak the protocol is ignored
                     let Ok((kind::HELLO, p)) = read_frame(&mut s) else {
                         continue;
                     };

@@ -407,3 +407,32 @@ fn the_unique_id_reaches_every_rank() {
         assert_eq!(r.unwrap(), b"unique-id".to_vec());
     }
 }
+
+#[test]
+fn strangers_on_the_rendezvous_port_are_ignored() {
+    // a connection that closes at once and one that sends garbage come before rank 1
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (a, b) = within(move || {
+        drop(TcpStream::connect(addr).unwrap());
+        let mut junk = TcpStream::connect(addr).unwrap();
+        junk.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+        let h = std::thread::spawn(move || TcpComm::serve(listener, 2, "j", vec![7], fast()));
+        let b = TcpComm::connect(&addr.to_string(), 1, 2, "j", fast());
+        let a = h.join().unwrap();
+        drop(junk);
+        (a, b)
+    });
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!(b.unique_id(), &[7]);
+    let res = within(move || {
+        let h = std::thread::spawn(move || {
+            let mut x = vec![1f32, 2.0];
+            a.all_reduce_sum(&mut x).map(|_| x)
+        });
+        let mut y = vec![10f32, 20.0];
+        b.all_reduce_sum(&mut y).unwrap();
+        (h.join().unwrap().unwrap(), y)
+    });
+    assert_eq!(res, (vec![11.0, 22.0], vec![11.0, 22.0]));
+}
