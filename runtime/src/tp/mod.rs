@@ -1,6 +1,7 @@
 //! Tensor parallelism (TP) of the Qwen2.5-VL model on the CPU backend: ranks run as threads of
 //! one process and talk through an in-process communicator, so the sharded numerics are tested
-//! without GPUs; a CUDA/NCCL backend implements the same [`Communicator`] later.
+//! without GPUs, or as processes (one per GPU) talking over TCP with bitwise the same results;
+//! a CUDA/NCCL backend implements the same [`Communicator`] later.
 //!
 //! Module map: `comm` (the [`Communicator`] trait, [`ThreadComm`], [`run_ranks`]), `shard`
 //! ([`TpPlan`]: which part of every parameter each rank holds; `shard`/`unshard` to and from
@@ -10,10 +11,14 @@
 //! and merger, heads split, and its backward), `backward` (the text decoder's backward and the
 //! TP block backward both towers use: column/row-parallel with the conjugate collectives),
 //! `train` (a GRPO micro-batch's forward, loss and backward, as `train::forward_backward`),
-//! `optim` ([`TpAdamW`]: AdamW over a shard with the global grad-norm clip).
+//! `optim` ([`TpAdamW`]: AdamW over a shard with the global grad-norm clip), `tcp`
+//! ([`TcpComm`]: the communicator between processes, its rendezvous and liveness), `launch`
+//! (one process per GPU: `rollplex-run` as launcher, or a rank of a torchrun/slurm job), `check`
+//! (`rollplex-run --tp-check`: the TP forward on the launched ranks, compared across ranks).
 //!
 //! What it knows: the model's forward and backward, the policy loss's inputs, and where the
-//! collectives go. What it does not know: plans, the RL loop, devices.
+//! collectives go. What it does not know: the RL loop, devices (`check` reads a plan's actor
+//! and GPU count, nothing else of it).
 //!
 //! Invariants: (1) every rank of a group holds the same replicated values and, after each
 //! collective, the same replicated activations (all-reduce results are bitwise equal on every
