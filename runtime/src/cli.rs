@@ -34,7 +34,7 @@ pub struct RunArgs {
     pub svg: Option<PathBuf>,
     /// Cost-model profile the simulator replays with (`--cost-profile`).
     pub cost_profile: Option<PathBuf>,
-    /// Where to write the measured profile (`--profile`; cpu).
+    /// Where to write the measured profile (`--profile`; cpu, cuda).
     pub profile: Option<PathBuf>,
     pub save_every: u32,
     /// Checkpoints to keep (the newest; 0: all).
@@ -102,11 +102,7 @@ pub fn run(args: &RunArgs) -> Result<(), ExecError> {
     match backend {
         BackendChoice::Sim => run_sim(&plan, args),
         BackendChoice::Cpu => run_cpu(&plan, args),
-        BackendChoice::Cuda => Err(ExecError::Unsupported(
-            "the CUDA executor of the RL loop is not built yet (the CUDA kernels are: see docs/cuda.md); \
-             run with --backend sim for the predicted timeline, or --backend cpu for a small model"
-                .into(),
-        )),
+        BackendChoice::Cuda => run_cuda(&plan, args),
         BackendChoice::Auto => unreachable!("resolved above"),
     }
 }
@@ -183,8 +179,9 @@ impl Write for WriteRef<'_> {
     }
 }
 
-/// The CPU run's observer: metrics file and table, trace, progress bars, checkpoints.
-struct CpuRun<'a> {
+/// A training run's observer (cpu, cuda): metrics file and table, trace, progress bars,
+/// checkpoints (cpu).
+struct LoopRun<'a> {
     args: &'a RunArgs,
     metrics: MetricsLog,
     progress: LoopProgress,
@@ -197,7 +194,7 @@ struct CpuRun<'a> {
     profile: Option<exec::profile::ProfileRecorder>,
 }
 
-impl exec::LoopObserver for CpuRun<'_> {
+impl exec::LoopObserver for LoopRun<'_> {
     fn iteration_started(&mut self, it: u32, tasks: usize) {
         self.phase_s = [0.0; 4];
         if let Some(p) = &mut self.profile {
@@ -228,7 +225,7 @@ impl exec::LoopObserver for CpuRun<'_> {
         &mut self,
         it: u32,
         r: &IterationResult,
-        models: &exec::cpu::CpuModels,
+        models: exec::LoopModels<'_>,
         start: Instant,
         dt: Duration,
     ) -> Result<(), ExecError> {
@@ -248,11 +245,12 @@ impl exec::LoopObserver for CpuRun<'_> {
         }
         let done = it + 1;
         let every = self.args.save_every;
-        if let Some(identity) = self
-            .identity
-            .as_ref()
-            .filter(|_| every > 0 && done.is_multiple_of(every))
-        {
+        if let (Some(identity), Some(models)) = (
+            self.identity
+                .as_ref()
+                .filter(|_| every > 0 && done.is_multiple_of(every)),
+            models.cpu(),
+        ) {
             let root = self.args.out.join(checkpoint::CHECKPOINTS_DIR);
             let path = checkpoint::save(&root, done, models, identity, self.args.keep_checkpoints)?;
             if !self.args.quiet {
@@ -303,43 +301,10 @@ fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
             ProfileRecorder::for_run(plan, "cpu", Execution::OneAtATime, args.iterations - first)
         })
         .transpose()?;
-    let mut source: Box<dyn exec::prompts::PromptSource> = match &spec.rollout.dataset {
-        DatasetSpec::Synthetic => Box::new(exec::prompts::SyntheticPrompts::new(spec)),
-        other => crate::exec::data_source(spec, other)?,
-    };
-    let mut reward = crate::exec::reward_fn(spec)?;
-    std::fs::create_dir_all(&args.out).map_err(io_err(&args.out))?;
-    let metrics_path = args.out.join("metrics.jsonl");
-    let metrics = if args.resume.is_some() {
-        MetricsLog::resume(&metrics_path, first as u64)
-    } else {
-        MetricsLog::create(&metrics_path)
-    }
-    .map_err(|e| ExecError::Data(e.to_string()))?
-    .with_console(None);
-    if !args.quiet {
-        println!(
-            "rollplex-run: {} ({:?}, {} groups x {}, cpu backend), iterations {first}..{}; metrics -> {}",
-            spec.name,
-            plan.mode,
-            plan.parallel.prompts_per_rollout_replica,
-            spec.rollout.group_size,
-            args.iterations,
-            metrics_path.display()
-        );
-    }
+    let (mut source, mut reward, metrics) = open_run(plan, args, first, "cpu")?;
     let eval = |models: &exec::cpu::CpuModels, when: &str| -> Result<(), ExecError> {
-        if let Some(acc) = exec::evaluate(spec, models.trainer.model(), args.eval)? {
-            println!(
-                "eval ({when}): mean reward of greedy answers to {} held-out prompts = {acc:.3}",
-                args.eval
-            );
-            let line = serde_json::json!({"eval": when, "prompts": args.eval, "reward_mean": acc})
-                .to_string();
-            std::fs::write(args.out.join(format!("eval-{when}.json")), line)
-                .map_err(io_err(&args.out))?;
-        }
-        Ok(())
+        let acc = exec::evaluate(spec, models.trainer.model(), args.eval)?;
+        report_eval(args, acc, when)
     };
     // A resumed run's "before" is the original run's.
     if first == 0 {
@@ -348,7 +313,7 @@ fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
     if !args.quiet {
         println!("{}", table_header());
     }
-    let mut run = CpuRun {
+    let mut run = LoopRun {
         args,
         metrics,
         progress: LoopProgress::new(first, args.iterations, args.quiet),
@@ -378,18 +343,161 @@ fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
         }
     }
     result?;
-    if let (Some(path), Some(p)) = (&args.profile, &run.profile) {
-        let measured = p.write(path)?;
-        if !args.quiet {
-            println!(
-                "profile: {} ({} points; measured iteration median {:.6} s, predicted {:.6} s)",
-                path.display(),
-                measured.profile.points.len(),
-                measured.iteration_median_s,
-                plan.predicted.iteration_s
-            );
+    run.write_profile(plan)?;
+    eval(&models, "after")
+}
+
+impl LoopRun<'_> {
+    /// Closes the bars and writes the trace (also when the loop failed: the trace shows how far
+    /// it got).
+    fn finish(&self) -> Result<(), ExecError> {
+        self.progress.finish();
+        if let (Some(path), Some(t)) = (&self.args.trace, &self.trace) {
+            t.write(path).map_err(|e| ExecError::Data(e.to_string()))?;
+            if !self.args.quiet {
+                println!(
+                    "trace: {} ({} tasks measured)",
+                    path.display(),
+                    t.events().len()
+                );
+            }
         }
+        Ok(())
     }
+
+    /// `--profile`: fits the measured task times and writes the profile.
+    fn write_profile(&self, plan: &Plan) -> Result<(), ExecError> {
+        if let (Some(path), Some(p)) = (&self.args.profile, &self.profile) {
+            let measured = p.write(path)?;
+            if !self.args.quiet {
+                println!(
+                    "profile: {} ({} points; measured iteration median {:.6} s, predicted {:.6} s)",
+                    path.display(),
+                    measured.profile.points.len(),
+                    measured.iteration_median_s,
+                    plan.predicted.iteration_s
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+type RunInputs = (
+    Box<dyn exec::prompts::PromptSource>,
+    Box<exec::cpu::RewardFn<'static>>,
+    MetricsLog,
+);
+
+/// The prompt source, the reward and the metrics log of a training run (cpu, cuda), and its
+/// first console line.
+fn open_run(
+    plan: &Plan,
+    args: &RunArgs,
+    first: u32,
+    backend: &str,
+) -> Result<RunInputs, ExecError> {
+    let spec = &plan.spec;
+    let source: Box<dyn exec::prompts::PromptSource> = match &spec.rollout.dataset {
+        DatasetSpec::Synthetic => Box::new(exec::prompts::SyntheticPrompts::new(spec)),
+        other => crate::exec::data_source(spec, other)?,
+    };
+    let reward = crate::exec::reward_fn(spec)?;
+    std::fs::create_dir_all(&args.out).map_err(io_err(&args.out))?;
+    let metrics_path = args.out.join("metrics.jsonl");
+    let metrics = if args.resume.is_some() {
+        MetricsLog::resume(&metrics_path, first as u64)
+    } else {
+        MetricsLog::create(&metrics_path)
+    }
+    .map_err(|e| ExecError::Data(e.to_string()))?
+    .with_console(None);
+    if !args.quiet {
+        println!(
+            "rollplex-run: {} ({:?}, {} groups x {}, {backend} backend), iterations {first}..{}; metrics -> {}",
+            spec.name,
+            plan.mode,
+            plan.parallel.prompts_per_rollout_replica,
+            spec.rollout.group_size,
+            args.iterations,
+            metrics_path.display()
+        );
+    }
+    Ok((source, reward, metrics))
+}
+
+/// Prints and writes a held-out evaluation (`None`: the data has no test split).
+fn report_eval(args: &RunArgs, acc: Option<f64>, when: &str) -> Result<(), ExecError> {
+    if let Some(acc) = acc {
+        println!(
+            "eval ({when}): mean reward of greedy answers to {} held-out prompts = {acc:.3}",
+            args.eval
+        );
+        let line =
+            serde_json::json!({"eval": when, "prompts": args.eval, "reward_mean": acc}).to_string();
+        std::fs::write(args.out.join(format!("eval-{when}.json")), line)
+            .map_err(io_err(&args.out))?;
+    }
+    Ok(())
+}
+
+/// The CUDA run: one GPU, the plan's streams as CUDA streams (`exec::gpu`).
+fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
+    if args.save_every > 0 || args.resume.is_some() {
+        return Err(ExecError::Unsupported(
+            "--save-every and --resume on --backend cuda: the trainer keeps its fp32 master weights and AdamW \
+             moments on the device and cannot hand them to the checkpoint code yet; run without them \
+             (checkpoints work on --backend cpu)"
+                .into(),
+        ));
+    }
+    // Checked before the models are built (a large random model takes a while on the host).
+    exec::gpu::check_gpu_plan(plan, &exec::gpu::open_gpu()?)?;
+    // Plain CUDA streams: a task that ran alone had the whole GPU (exec::profile::Execution).
+    let profile = args
+        .profile
+        .as_ref()
+        .map(|_| {
+            use exec::profile::{Execution, ProfileRecorder};
+            ProfileRecorder::for_run(plan, "cuda", Execution::Shared, args.iterations)
+        })
+        .transpose()?;
+    let spec = &plan.spec;
+    let mut models = exec::gpu::build_gpu_models(spec)?;
+    let (mut source, mut reward, metrics) = open_run(plan, args, 0, "cuda")?;
+    let eval = |models: &exec::gpu::GpuModels, when: &str| -> Result<(), ExecError> {
+        let acc = exec::data::evaluate_split_with(
+            spec,
+            crate::tasks::moving_shapes::Split::Test,
+            args.eval,
+            &mut |p, i, cfg| exec::gpu::greedy_tokens(models, p, i, cfg),
+        )?;
+        report_eval(args, acc, when)
+    };
+    eval(&models, "before")?;
+    if !args.quiet {
+        println!("{}", table_header());
+    }
+    let mut run = LoopRun {
+        args,
+        metrics,
+        progress: LoopProgress::new(0, args.iterations, args.quiet),
+        trace: args.trace.as_ref().map(|_| PlanTrace::new(plan, "cuda")),
+        identity: None,
+        phase_s: [0.0; 4],
+        profile,
+    };
+    let result = exec::gpu::run_gpu_loop(
+        plan,
+        &mut models,
+        source.as_mut(),
+        reward.as_mut(),
+        0..args.iterations,
+        &mut run,
+    );
+    run.finish()?;
+    result?;
+    run.write_profile(plan)?;
     eval(&models, "after")
 }
 

@@ -26,16 +26,16 @@
 use rollplex_kernels::cpu::logprobs_fwd;
 use rollplex_plan::plan::{Op, Plan, Purpose, Task};
 use rollplex_plan::spec::JobSpec;
-use rollplex_plan::{Groups, Span};
+use rollplex_plan::Span;
 
+use super::book::{range, Book};
 use super::walker::TaskRunner;
 use super::{ExecError, IterationMetrics, PromptData};
 use crate::model::{
     sample_token, DecodeSlot, EncodedMedia, KvArena, KvSpan, MediaInput, PrefixState, Prompt,
-    Qwen25VL, SampleKey, SamplingParams,
+    Qwen25VL, SampleKey,
 };
-use crate::train::backward::{GroupBatch, ResponseBatch, TrainConfig};
-use crate::train::loss::{grpo_advantages, Normaliser};
+use crate::train::backward::{GroupBatch, TrainConfig};
 use crate::train::step::Trainer;
 
 /// Scores responses: the reward function the loop was given.
@@ -51,16 +51,9 @@ pub struct CpuModels {
 
 /// One iteration's state on the CPU backend.
 pub struct CpuIteration<'a, 'r> {
-    spec: &'a JobSpec,
     models: &'a mut CpuModels,
     reward: &'a mut RewardFn<'r>,
-    iteration: u32,
-    group_size: usize,
-    prompts: &'a [PromptData],
-    sampling: SamplingParams,
-    stop_ids: Vec<u32>,
-    /// Per-sample stop length when the job forces lengths (benchmarks with random weights).
-    forced_len: Option<Vec<u32>>,
+    book: Book<'a>,
     encoded: Vec<Option<Vec<EncodedMedia>>>,
     ref_encoded: Vec<Option<Vec<EncodedMedia>>>,
     prefixes: Vec<Option<PrefixState>>,
@@ -70,19 +63,6 @@ pub struct CpuIteration<'a, 'r> {
     prefix_spans: Vec<Option<KvSpan>>,
     slots: Vec<DecodeSlot>,
     next_logits: Vec<Vec<f32>>,
-    tokens: Vec<Vec<u32>>,
-    rollout_logp: Vec<Vec<f32>>,
-    stopped: Vec<bool>,
-    /// Step at which each group's last sample stopped.
-    group_done: Vec<Option<u32>>,
-    /// Slot -> group, in binding order.
-    slot_groups: Vec<u32>,
-    ref_logp: Vec<Option<Vec<f32>>>,
-    old_logp: Vec<Option<Vec<f32>>>,
-    rewards: Vec<Option<f32>>,
-    advantages: Vec<Option<f32>>,
-    /// Normaliser of the mini-batch being accumulated (set by its first micro-batch).
-    pub metrics: IterationMetrics,
 }
 
 impl<'a, 'r> CpuIteration<'a, 'r> {
@@ -93,39 +73,19 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
         iteration: u32,
         prompts: &'a [PromptData],
     ) -> Result<Self, ExecError> {
-        let spec = &plan.spec;
-        let g = spec.rollout.group_size as usize;
-        let groups = prompts.len();
-        if groups as u32 != plan.parallel.prompts_per_rollout_replica {
-            return Err(ExecError::Data(format!(
-                "{} prompts given for an iteration of {} groups",
-                groups, plan.parallel.prompts_per_rollout_replica
-            )));
-        }
-        let samples = groups * g;
-        let max_new = spec.rollout.max_new_tokens;
+        let book = Book::new(plan, iteration, prompts)?;
+        let groups = book.groups();
+        let samples = book.samples();
+        let max_new = plan.spec.rollout.max_new_tokens;
         let prefix_rows: u64 = prompts.iter().map(|p| p.ids.len() as u64).sum();
         let cap = prefix_rows + samples as u64 * max_new as u64;
         let cap =
             u32::try_from(cap).map_err(|_| ExecError::Data("KV arena over 2^32 rows".into()))?;
         let arena = KvArena::for_model(models.trainer.model(), cap);
-        let mut stop_ids = spec.actor.tokens.eos_token_ids.clone();
-        stop_ids.extend(&spec.rollout.sampling.stop_token_ids);
-        let forced_len = spec.rollout.sampling.forced_lengths.then(|| {
-            (0..samples as u32)
-                .map(|s| super::forced_length(spec, iteration, s))
-                .collect()
-        });
         Ok(CpuIteration {
-            spec,
             models,
             reward,
-            iteration,
-            group_size: g,
-            prompts,
-            sampling: SamplingParams::from_spec(&spec.rollout.sampling),
-            stop_ids,
-            forced_len,
+            book,
             encoded: vec![None; groups],
             ref_encoded: vec![None; groups],
             prefixes: vec![None; groups],
@@ -135,47 +95,12 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
             prefix_spans: vec![None; groups],
             slots: Vec::new(),
             next_logits: vec![Vec::new(); samples],
-            tokens: vec![Vec::new(); samples],
-            rollout_logp: vec![Vec::new(); samples],
-            stopped: vec![false; samples],
-            group_done: vec![None; groups],
-            slot_groups: Vec::new(),
-            ref_logp: vec![None; samples],
-            old_logp: vec![None; samples],
-            rewards: vec![None; groups * g],
-            advantages: vec![None; groups * g],
-            metrics: IterationMetrics::default(),
         })
     }
 
-    fn temperature(&self) -> f32 {
-        if self.sampling.temperature > 0.0 {
-            self.sampling.temperature
-        } else {
-            1.0
-        }
-    }
-
-    fn frozen_tower(&self) -> bool {
-        self.spec.train.freeze_vision && self.spec.train.freeze_merger
-    }
-
-    fn group_of_slot(&self, slot: u32) -> Result<usize, ExecError> {
-        self.slot_groups
-            .get(slot as usize)
-            .map(|&g| g as usize)
-            .ok_or_else(|| {
-                ExecError::Plan(format!(
-                    "slot {slot} used before its group finished decoding"
-                ))
-            })
-    }
-
-    fn groups_of(&self, groups: &Groups) -> Result<Vec<usize>, ExecError> {
-        match groups {
-            Groups::Prompts(s) => Ok(range(*s).collect()),
-            Groups::Slots(s) => range(*s).map(|k| self.group_of_slot(k as u32)).collect(),
-        }
+    /// What the iteration measured so far.
+    pub fn metrics(&self) -> &IterationMetrics {
+        &self.book.metrics
     }
 
     fn media_inputs(p: &PromptData) -> Vec<MediaInput<'_>> {
@@ -227,12 +152,12 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
     fn actor_media(&mut self, g: usize, copies: u32) -> Result<Vec<EncodedMedia>, ExecError> {
         match &self.encoded[g] {
             Some(m) => Ok(m.clone()),
-            None => Self::encode(self.models.trainer.model(), &self.prompts[g], copies),
+            None => Self::encode(self.models.trainer.model(), &self.book.prompts[g], copies),
         }
     }
 
     fn ref_media(&mut self, g: usize, copies: u32) -> Result<Vec<EncodedMedia>, ExecError> {
-        if self.frozen_tower() {
+        if self.book.frozen_tower() {
             if let Some(m) = &self.encoded[g] {
                 return Ok(m.clone());
             }
@@ -243,7 +168,7 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
         let reference = self.models.reference.as_ref().ok_or_else(|| {
             ExecError::Plan("the plan scores a reference, but the job has none".into())
         })?;
-        let m = Self::encode(reference, &self.prompts[g], copies)?;
+        let m = Self::encode(reference, &self.book.prompts[g], copies)?;
         self.ref_encoded[g] = Some(m.clone());
         Ok(m)
     }
@@ -253,7 +178,7 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
             let media = self.actor_media(g, copies)?;
             let state = Self::prefill_one(
                 self.models.trainer.model(),
-                &self.prompts[g],
+                &self.book.prompts[g],
                 &media,
                 copies,
             )?;
@@ -268,9 +193,9 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
                 self.prefix_spans[g] = Some(self.arena.store_prefix(off, p)?);
                 off += p.len;
             }
-            let max_new = self.spec.rollout.max_new_tokens;
-            for s in 0..self.tokens.len() {
-                let g = s / self.group_size;
+            let max_new = self.book.spec.rollout.max_new_tokens;
+            for s in 0..self.book.samples() {
+                let g = s / self.book.group_size;
                 let p = self.prefixes[g].as_ref().expect("checked above");
                 self.slots.push(DecodeSlot::new(
                     self.prefix_spans[g].expect("stored"),
@@ -285,13 +210,6 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
         Ok(())
     }
 
-    fn stop_at(&self, s: usize, tok: u32, len: u32) -> bool {
-        if let Some(f) = &self.forced_len {
-            return len >= f[s];
-        }
-        self.stop_ids.contains(&tok) || len >= self.spec.rollout.max_new_tokens
-    }
-
     fn run_decode(
         &mut self,
         first_step: u32,
@@ -303,44 +221,29 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
                 "decode before every group's prefill".into(),
             ));
         }
-        let v = self.spec.actor.text.vocab_size as usize;
-        let temp = self.temperature();
+        let v = self.book.spec.actor.text.vocab_size as usize;
+        let temp = self.book.temperature();
         let mut step = first_step;
-        let mut newly_done: Vec<(u32, u32)> = Vec::new();
-        while (until_done || step < first_step + steps) && self.stopped.iter().any(|s| !s) {
+        while (until_done || step < first_step + steps) && self.book.any_active() {
             let mut feed_slots = Vec::new();
             let mut feed_tokens = Vec::new();
             let mut feed_samples = Vec::new();
-            for s in 0..self.tokens.len() {
-                if self.stopped[s] {
+            for s in 0..self.book.samples() {
+                if self.book.stopped[s] {
                     continue;
                 }
-                if self.tokens[s].len() as u32 != step {
-                    return Err(ExecError::Plan(format!(
-                        "decode step {step} out of order for sample {s}"
-                    )));
-                }
+                self.book.check_step(s, step)?;
                 let key = SampleKey {
-                    seed: self.spec.seed,
-                    iteration: self.iteration,
+                    seed: self.book.spec.seed,
+                    iteration: self.book.iteration,
                     sample: s as u32,
                     step,
                 };
                 let row = &self.next_logits[s];
-                let tok = sample_token(row, &self.sampling, key)?;
+                let tok = sample_token(row, &self.book.sampling, key)?;
                 let mut lp = [0f32];
                 logprobs_fwd(&mut lp, None, None, row, &[tok], 1, v, temp)?;
-                self.tokens[s].push(tok);
-                self.rollout_logp[s].push(lp[0]);
-                if self.stop_at(s, tok, step + 1) {
-                    self.stopped[s] = true;
-                    let g = s / self.group_size;
-                    let members = g * self.group_size..(g + 1) * self.group_size;
-                    if members.clone().all(|m| self.stopped[m]) {
-                        self.group_done[g] = Some(step);
-                        newly_done.push((step, g as u32));
-                    }
-                } else {
+                if self.book.push_token(s, tok, lp[0], step) {
                     feed_slots.push(self.slots[s]);
                     feed_tokens.push(tok);
                     feed_samples.push(s);
@@ -359,19 +262,11 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
                     self.next_logits[s] = logits[i * v..(i + 1) * v].to_vec();
                 }
             }
+            self.book.step_done(step);
             step += 1;
-            self.metrics.decode_steps = self.metrics.decode_steps.max(step);
         }
-        newly_done.sort();
-        self.slot_groups
-            .extend(newly_done.into_iter().map(|(_, g)| g));
+        self.book.end_window();
         Ok(())
-    }
-
-    fn responses(&self, g: usize) -> Vec<&[u32]> {
-        (g * self.group_size..(g + 1) * self.group_size)
-            .map(|s| self.tokens[s].as_slice())
-            .collect()
     }
 
     fn score_into(
@@ -393,133 +288,53 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
         micro_batch: u32,
         samples: Span,
     ) -> Result<(), ExecError> {
-        if step != self.metrics.optimizer_steps {
-            return Err(ExecError::Plan(format!(
-                "micro-batch {micro_batch} of optimizer step {step} runs after {} optimizer steps of this iteration",
-                self.metrics.optimizer_steps
-            )));
-        }
-        let g = self.group_size as u32;
-        if !samples.start.is_multiple_of(g) || !samples.len().is_multiple_of(g) {
-            return Err(ExecError::Unsupported(format!(
-                "the CPU backend trains whole GRPO groups per micro-batch; micro-batch {micro_batch} covers samples {}..{} with groups of {g} (set micro_batch to a multiple of the group size)",
-                samples.start, samples.end
-            )));
-        }
-        let mini = self.spec.train.mini_batch;
-        let mb_start = samples.start / mini * mini;
-        let norm = self.mini_batch_normaliser(Span::new(mb_start, mb_start + mini))?;
-        let slots: Vec<u32> = (samples.start / g..samples.end / g).collect();
-        let groups: Vec<usize> = slots
+        let mb = self.book.micro_batch("CPU", step, micro_batch, samples)?;
+        let media: Vec<Vec<MediaInput<'_>>> = mb
+            .groups
             .iter()
-            .map(|&k| self.group_of_slot(k))
-            .collect::<Result<_, _>>()?;
-        // owned per-response inputs, then borrowed views
-        let mut owned: Vec<Vec<(Vec<f32>, Vec<f32>, Option<Vec<f32>>, Vec<bool>)>> = Vec::new();
-        for &grp in &groups {
-            let mut rs = Vec::new();
-            for s in grp * self.group_size..(grp + 1) * self.group_size {
-                let n = self.tokens[s].len();
-                let adv = self.advantages[s].ok_or_else(|| {
-                    ExecError::Plan(format!("sample {s} trained before its advantage"))
-                })?;
-                let old = self.old_logp[s]
-                    .clone()
-                    .unwrap_or_else(|| self.rollout_logp[s].clone());
-                rs.push((old, vec![adv; n], self.ref_logp[s].clone(), vec![true; n]));
-            }
-            owned.push(rs);
-        }
-        let media: Vec<Vec<MediaInput<'_>>> = groups
-            .iter()
-            .map(|&grp| Self::media_inputs(&self.prompts[grp]))
+            .map(|&grp| Self::media_inputs(&self.book.prompts[grp]))
             .collect();
-        let responses: Vec<Vec<ResponseBatch<'_>>> = groups
-            .iter()
-            .zip(&owned)
-            .map(|(&grp, rs)| {
-                rs.iter()
-                    .enumerate()
-                    .map(|(m, (old, adv, rf, mask))| ResponseBatch {
-                        tokens: &self.tokens[grp * self.group_size + m],
-                        old_logp: old,
-                        ref_logp: rf.as_deref(),
-                        advantages: adv,
-                        mask,
-                    })
-                    .collect()
-            })
-            .collect();
-        let batch: Vec<GroupBatch<'_>> = groups
+        let responses = self.book.batches(&mb);
+        let batch: Vec<GroupBatch<'_>> = mb
+            .groups
             .iter()
             .enumerate()
             .map(|(i, &grp)| GroupBatch {
-                prompt_ids: &self.prompts[grp].ids,
+                prompt_ids: &self.book.prompts[grp].ids,
                 media: &media[i],
                 responses: &responses[i],
             })
             .collect();
-        let out = self.models.trainer.micro_batch(micro_batch, &batch, norm)?;
-        self.metrics.loss.add(&out.metrics);
-        self.metrics.micro_batches += 1;
+        let out = self
+            .models
+            .trainer
+            .micro_batch(micro_batch, &batch, mb.norm)?;
+        self.book.metrics.loss.add(&out.metrics);
+        self.book.metrics.micro_batches += 1;
         Ok(())
-    }
-
-    fn mini_batch_normaliser(&self, samples: Span) -> Result<Normaliser, ExecError> {
-        let g = self.group_size as u32;
-        let mut tokens = 0usize;
-        for k in samples.start / g..samples.end / g {
-            let grp = self.group_of_slot(k)?;
-            for s in grp * self.group_size..(grp + 1) * self.group_size {
-                tokens += self.tokens[s].len();
-            }
-        }
-        Ok(Normaliser {
-            tokens,
-            seqs: samples.len() as usize,
-        })
     }
 
     /// Results of the iteration, for metrics, tests and the bitwise invariant.
     pub fn finish(self) -> super::IterationResult {
-        let g = self.group_size;
-        super::IterationResult {
-            tokens: self.tokens,
-            rollout_logp: self.rollout_logp,
-            ref_logp: self.ref_logp,
-            old_logp: self.old_logp,
-            rewards: self.rewards.iter().map(|r| r.unwrap_or(f32::NAN)).collect(),
-            advantages: self
-                .advantages
-                .iter()
-                .map(|a| a.unwrap_or(f32::NAN))
-                .collect(),
-            slot_groups: self.slot_groups,
-            group_size: g as u32,
-            metrics: self.metrics,
-        }
+        self.book.finish()
     }
-}
-
-fn range(s: Span) -> std::ops::Range<usize> {
-    s.start as usize..s.end as usize
 }
 
 impl TaskRunner for CpuIteration<'_, '_> {
     type Error = ExecError;
 
     fn slots_bound(&self) -> u32 {
-        self.slot_groups.len() as u32
+        self.book.slots_bound()
     }
 
     fn run(&mut self, task: &Task) -> Result<(), ExecError> {
-        let temp = self.temperature();
+        let temp = self.book.temperature();
         match &task.op {
             Op::EncodeMedia { groups, copies } => {
                 for g in range(*groups) {
                     self.encoded[g] = Some(Self::encode(
                         self.models.trainer.model(),
-                        &self.prompts[g],
+                        &self.book.prompts[g],
                         *copies,
                     )?);
                 }
@@ -538,14 +353,14 @@ impl TaskRunner for CpuIteration<'_, '_> {
                     })?;
                     self.ref_prefixes[g] = Some(Self::prefill_one(
                         reference,
-                        &self.prompts[g],
+                        &self.book.prompts[g],
                         &media,
                         *copies,
                     )?);
                 }
             }
             Op::RefSuffix { slot } => {
-                let g = self.group_of_slot(*slot)?;
+                let g = self.book.group_of_slot(*slot)?;
                 let prefix = self.ref_prefixes[g].as_ref().ok_or_else(|| {
                     ExecError::Plan(format!("ref suffix of group {g} before its prefix"))
                 })?;
@@ -554,10 +369,8 @@ impl TaskRunner for CpuIteration<'_, '_> {
                     .reference
                     .as_ref()
                     .ok_or_else(|| ExecError::Plan("no reference model".into()))?;
-                let lps = Self::score_into(reference, prefix, &self.responses(g), temp)?;
-                for (m, lp) in lps.into_iter().enumerate() {
-                    self.ref_logp[g * self.group_size + m] = Some(lp);
-                }
+                let lps = Self::score_into(reference, prefix, &self.book.responses(g), temp)?;
+                self.book.set_ref_logp(g, lps);
             }
             Op::ActorPrefix {
                 groups,
@@ -565,17 +378,17 @@ impl TaskRunner for CpuIteration<'_, '_> {
                 purpose,
             } => match purpose {
                 Purpose::OldLogProb => {
-                    for g in self.groups_of(groups)? {
+                    for g in self.book.groups_of(groups)? {
                         let media = self.actor_media(g, *copies)?;
                         self.old_prefixes[g] = Some(Self::prefill_one(
                             self.models.trainer.model(),
-                            &self.prompts[g],
+                            &self.book.prompts[g],
                             &media,
                             *copies,
                         )?);
                     }
                 }
-                Purpose::Train { .. } => self.metrics.train_prefix_tasks += 1,
+                Purpose::Train { .. } => self.book.metrics.train_prefix_tasks += 1,
             },
             Op::ActorSuffix { slot, purpose } => {
                 if *purpose != Purpose::OldLogProb {
@@ -583,7 +396,7 @@ impl TaskRunner for CpuIteration<'_, '_> {
                         "actor suffix forward for training outside a micro-batch".into(),
                     ));
                 }
-                let g = self.group_of_slot(*slot)?;
+                let g = self.book.group_of_slot(*slot)?;
                 let prefix = self.old_prefixes[g].as_ref().ok_or_else(|| {
                     ExecError::Plan(format!(
                         "old-log-prob suffix of group {g} before its prefix"
@@ -592,46 +405,13 @@ impl TaskRunner for CpuIteration<'_, '_> {
                 let lps = Self::score_into(
                     self.models.trainer.model(),
                     prefix,
-                    &self.responses(g),
+                    &self.book.responses(g),
                     temp,
                 )?;
-                for (m, lp) in lps.into_iter().enumerate() {
-                    self.old_logp[g * self.group_size + m] = Some(lp);
-                }
+                self.book.set_old_logp(g, lps);
             }
-            Op::Reward { slot } => {
-                let g = self.group_of_slot(*slot)?;
-                let members = g * self.group_size..(g + 1) * self.group_size;
-                let responses: Vec<&[u32]> =
-                    self.tokens[members].iter().map(Vec::as_slice).collect();
-                let rewards = (self.reward)(&self.prompts[g], &responses)?;
-                if rewards.len() != self.group_size || rewards.iter().any(|r| !r.is_finite()) {
-                    return Err(ExecError::Reward(format!(
-                        "expected {} finite rewards for group {g}, got {rewards:?}",
-                        self.group_size
-                    )));
-                }
-                for (m, r) in rewards.into_iter().enumerate() {
-                    self.rewards[g * self.group_size + m] = Some(r);
-                }
-            }
-            Op::Advantages { slot } => {
-                let g = self.group_of_slot(*slot)?;
-                let members = g * self.group_size..(g + 1) * self.group_size;
-                let rewards: Vec<f32> = members
-                    .clone()
-                    .map(|s| {
-                        self.rewards[s].ok_or_else(|| {
-                            ExecError::Plan(format!("advantage of sample {s} before its reward"))
-                        })
-                    })
-                    .collect::<Result<_, _>>()?;
-                let norm_std = self.spec.train.algorithm.loss().norm_adv_by_std;
-                let adv = grpo_advantages(&rewards, self.group_size, norm_std)?;
-                for (s, a) in members.zip(adv) {
-                    self.advantages[s] = Some(a);
-                }
-            }
+            Op::Reward { slot } => self.book.reward(*slot, self.reward)?,
+            Op::Advantages { slot } => self.book.advantages(*slot)?,
             Op::TrainMicroBatch {
                 step,
                 micro_batch,
@@ -640,13 +420,13 @@ impl TaskRunner for CpuIteration<'_, '_> {
             } => self.run_train_micro_batch(*step, *micro_batch, *samples)?,
             Op::OptimizerStep { .. } => {
                 let report = self.models.trainer.optimizer_step()?;
-                self.metrics.grad_norm = report.step.grad_norm;
-                self.metrics.optimizer_steps += 1;
+                self.book.metrics.grad_norm = report.step.grad_norm;
+                self.book.metrics.optimizer_steps += 1;
             }
             Op::WeightSync { .. } | Op::Reshard { .. } | Op::Offload { .. } | Op::Reload { .. } => {
             }
         }
-        self.metrics.tasks += 1;
+        self.book.metrics.tasks += 1;
         Ok(())
     }
 }

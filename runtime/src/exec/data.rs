@@ -353,60 +353,16 @@ pub fn evaluate_split(
     split: Split,
     n: u32,
 ) -> Result<Option<f64>, ExecError> {
-    let Some(answers) = greedy(spec, model, split, n)? else {
-        return Ok(None);
-    };
-    let mut reward =
-        Reward::from_spec(&spec.reward).map_err(|e| ExecError::Reward(e.to_string()))?;
-    let scores = reward
-        .score(&answers)
-        .map_err(|e| ExecError::Reward(e.to_string()))?;
-    Ok(Some(scores.iter().sum::<f64>() / n as f64))
+    evaluate_split_with(spec, split, n, &mut cpu_greedy(model))
 }
 
-/// The greedy responses to the first `n` prompts of `split`, as (index, decoded text), for
-/// looking at what a model answers. Empty when the job's data is not the moving-shapes task.
-pub fn greedy_answers(
-    spec: &JobSpec,
+/// A greedy generator for [`evaluate_split_with`]: the prompt's response by `model` on the CPU.
+fn cpu_greedy(
     model: &crate::model::Qwen25VL,
-    split: Split,
-    n: u32,
-) -> Result<Vec<(Split, u32, String)>, ExecError> {
-    Ok(greedy(spec, model, split, n)?
-        .unwrap_or_default()
-        .into_iter()
-        .enumerate()
-        .map(|(i, req)| (split, i as u32, req.response))
-        .collect())
-}
-
-/// Greedy answers to the first `n` prompts of `split` as reward requests.
-fn greedy(
-    spec: &JobSpec,
-    model: &crate::model::Qwen25VL,
-    split: Split,
-    n: u32,
-) -> Result<Option<Vec<RewardRequest>>, ExecError> {
-    use crate::model::{EncodedMedia, GenerateConfig, MediaInput, Prompt, SamplingParams};
-    let DatasetSpec::Generated { name, size } = &spec.rollout.dataset else {
-        return Ok(None);
-    };
-    if name != "moving_shapes" || n == 0 {
-        return Ok(None);
-    }
-    let source = ShapesSource::new(spec, *size)?;
-    let mut stop_ids = spec.actor.tokens.eos_token_ids.clone();
-    stop_ids.extend(&spec.rollout.sampling.stop_token_ids);
-    let cfg = GenerateConfig {
-        sampling: SamplingParams::greedy(),
-        max_new_tokens: spec.rollout.max_new_tokens,
-        stop_ids,
-        seed: spec.seed,
-        iteration: u32::MAX,
-    };
-    let mut out = Vec::with_capacity(n as usize);
-    for i in 0..n {
-        let p = source.prompt(split, i as u64)?;
+) -> impl FnMut(&PromptData, u32, &crate::model::GenerateConfig) -> Result<Vec<u32>, ExecError> + '_
+{
+    use crate::model::{EncodedMedia, MediaInput, Prompt};
+    move |p, i, cfg| {
         let inputs: Vec<MediaInput<'_>> = p
             .media
             .iter()
@@ -427,7 +383,77 @@ fn greedy(
                 None,
             )?
             .remove(0);
-        let tokens = model.generate_group(&prefix, &[i], &cfg)?.remove(0).tokens;
+        Ok(model.generate_group(&prefix, &[i], cfg)?.remove(0).tokens)
+    }
+}
+
+/// [`evaluate_split`] with any backend's greedy generation: `generate(prompt, index, cfg)`
+/// returns the response tokens of prompt `index` of `split` under `cfg` (greedy sampling).
+pub fn evaluate_split_with(
+    spec: &JobSpec,
+    split: Split,
+    n: u32,
+    generate: &mut Greedy<'_>,
+) -> Result<Option<f64>, ExecError> {
+    let Some(answers) = greedy(spec, split, n, generate)? else {
+        return Ok(None);
+    };
+    let mut reward =
+        Reward::from_spec(&spec.reward).map_err(|e| ExecError::Reward(e.to_string()))?;
+    let scores = reward
+        .score(&answers)
+        .map_err(|e| ExecError::Reward(e.to_string()))?;
+    Ok(Some(scores.iter().sum::<f64>() / n as f64))
+}
+
+/// Greedy generation of one prompt (see [`evaluate_split_with`]).
+pub type Greedy<'a> =
+    dyn FnMut(&PromptData, u32, &crate::model::GenerateConfig) -> Result<Vec<u32>, ExecError> + 'a;
+
+/// The greedy responses to the first `n` prompts of `split`, as (index, decoded text), for
+/// looking at what a model answers. Empty when the job's data is not the moving-shapes task.
+pub fn greedy_answers(
+    spec: &JobSpec,
+    model: &crate::model::Qwen25VL,
+    split: Split,
+    n: u32,
+) -> Result<Vec<(Split, u32, String)>, ExecError> {
+    Ok(greedy(spec, split, n, &mut cpu_greedy(model))?
+        .unwrap_or_default()
+        .into_iter()
+        .enumerate()
+        .map(|(i, req)| (split, i as u32, req.response))
+        .collect())
+}
+
+/// Greedy answers to the first `n` prompts of `split` as reward requests.
+fn greedy(
+    spec: &JobSpec,
+    split: Split,
+    n: u32,
+    generate: &mut Greedy<'_>,
+) -> Result<Option<Vec<RewardRequest>>, ExecError> {
+    use crate::model::{GenerateConfig, SamplingParams};
+    let DatasetSpec::Generated { name, size } = &spec.rollout.dataset else {
+        return Ok(None);
+    };
+    if name != "moving_shapes" || n == 0 {
+        return Ok(None);
+    }
+    let source = ShapesSource::new(spec, *size)?;
+    let mut stop_ids = spec.actor.tokens.eos_token_ids.clone();
+    stop_ids.extend(&spec.rollout.sampling.stop_token_ids);
+    let cfg = GenerateConfig {
+        sampling: SamplingParams::greedy(),
+        max_new_tokens: spec.rollout.max_new_tokens,
+        stop_ids,
+        seed: spec.seed,
+        iteration: u32::MAX,
+    };
+    let mut out = Vec::with_capacity(n as usize);
+    for i in 0..n {
+        let p = source.prompt(split, i as u64)?;
+        let tokens = generate(&p, i, &cfg)?;
         out.push(RewardRequest {
             id: p.id.clone(),
             prompt: p.text.clone(),

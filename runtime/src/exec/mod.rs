@@ -15,9 +15,11 @@
 //! Invariant: nothing here decides *what* to compute: the plan does. The loop only supplies
 //! data, runs tasks when they are ready and records what came out.
 
+pub mod book;
 pub mod checkpoint;
 pub mod cpu;
 pub mod data;
+pub mod gpu;
 pub mod profile;
 pub mod prompts;
 pub mod walker;
@@ -62,6 +64,9 @@ pub enum ExecError {
     Train(#[from] TrainError),
     #[error(transparent)]
     Kernel(#[from] rollplex_kernels::KernelError),
+    /// The CUDA backend failed (a driver or kernel error, or a model the kernels cannot run).
+    #[error("CUDA backend: {0}")]
+    Gpu(crate::gpu::GpuError),
     #[error("{path}: {source}")]
     Io {
         path: String,
@@ -78,7 +83,11 @@ impl From<String> for ExecError {
 impl ExecError {
     /// Whether the user can fix it (exit 1) or it is a bug (exit 2).
     pub fn is_user_error(&self) -> bool {
-        !matches!(self, ExecError::Plan(_) | ExecError::Kernel(_))
+        match self {
+            ExecError::Plan(_) | ExecError::Kernel(_) => false,
+            ExecError::Gpu(e) => matches!(e, crate::gpu::GpuError::Unsupported(_)),
+            _ => true,
+        }
     }
 }
 
@@ -216,12 +225,7 @@ pub fn check_cpu_plan(plan: &Plan) -> Result<(), ExecError> {
 /// Builds the CPU backend's models from the job spec: the actor (random or from its
 /// checkpoint), the trainer around it, and the frozen reference (a copy of the initial actor).
 pub fn build_cpu_models(spec: &JobSpec) -> Result<cpu::CpuModels, ExecError> {
-    use crate::model::Qwen25VL;
-    use rollplex_plan::spec::WeightsSource;
-    let actor = match &spec.actor.weights {
-        WeightsSource::Random { seed } => Qwen25VL::random(spec.actor.clone(), *seed)?,
-        WeightsSource::Checkpoint { path } => Qwen25VL::load(std::path::Path::new(path))?,
-    };
+    let actor = host_actor(spec)?;
     let reference = spec.reference.enabled.then(|| actor.clone());
     let trainer = crate::train::step::Trainer::new(
         actor,
@@ -231,6 +235,33 @@ pub fn build_cpu_models(spec: &JobSpec) -> Result<cpu::CpuModels, ExecError> {
     Ok(cpu::CpuModels { trainer, reference })
 }
 
+/// The job's initial actor on the host: random weights or its checkpoint.
+pub fn host_actor(spec: &JobSpec) -> Result<crate::model::Qwen25VL, ExecError> {
+    use crate::model::Qwen25VL;
+    use rollplex_plan::spec::WeightsSource;
+    Ok(match &spec.actor.weights {
+        WeightsSource::Random { seed } => Qwen25VL::random(spec.actor.clone(), *seed)?,
+        WeightsSource::Checkpoint { path } => Qwen25VL::load(std::path::Path::new(path))?,
+    })
+}
+
+/// The models of a backend after an iteration, as the observer sees them.
+#[derive(Clone, Copy)]
+pub enum LoopModels<'a> {
+    Cpu(&'a cpu::CpuModels),
+    Gpu(&'a gpu::GpuModels),
+}
+
+impl<'a> LoopModels<'a> {
+    /// The CPU backend's models (host weights and optimizer state: what checkpoints save).
+    pub fn cpu(self) -> Option<&'a cpu::CpuModels> {
+        match self {
+            LoopModels::Cpu(m) => Some(m),
+            LoopModels::Gpu(_) => None,
+        }
+    }
+}
+
 /// What the loop tells its caller while it runs (traces, progress bars, metrics). Every method
 /// but [`LoopObserver::iteration_done`] has an empty default.
 pub trait LoopObserver {
@@ -238,7 +269,9 @@ pub trait LoopObserver {
     fn iteration_started(&mut self, _iteration: u32, _tasks: usize) {}
     /// `task` of `iteration` is about to run.
     fn task_started(&mut self, _iteration: u32, _task: &Task) {}
-    /// `task` of `iteration` ran from `start` to `end` (host clock around the task).
+    /// `task` of `iteration` ran from `start` to `end` (cpu: host clock around the task; cuda:
+    /// the device's events around its launches, told after the iteration, mapped onto the host
+    /// clock from the iteration's start).
     fn task_done(&mut self, _iteration: u32, _task: &Task, _start: Instant, _end: Instant) {}
     /// `iteration` is done: its results, the models after it (to checkpoint), its start and its
     /// wall time. An error stops the loop.
@@ -246,10 +279,28 @@ pub trait LoopObserver {
         &mut self,
         iteration: u32,
         result: &IterationResult,
-        models: &cpu::CpuModels,
+        models: LoopModels<'_>,
         start: Instant,
         wall: Duration,
     ) -> Result<(), ExecError>;
+}
+
+/// An observer that only hands each iteration's result and wall time to a closure.
+pub struct EachIteration<F>(pub F);
+
+impl<F: FnMut(u32, &IterationResult, Duration) -> Result<(), ExecError>> LoopObserver
+    for EachIteration<F>
+{
+    fn iteration_done(
+        &mut self,
+        it: u32,
+        r: &IterationResult,
+        _: LoopModels<'_>,
+        _: Instant,
+        wall: Duration,
+    ) -> Result<(), ExecError> {
+        (self.0)(it, r, wall)
+    }
 }
 
 /// Runs a backend's tasks and tells the observer when each starts and ends.
@@ -271,6 +322,9 @@ impl<R: walker::TaskRunner> walker::TaskRunner for Timed<'_, R> {
     }
     fn slots_bound(&self) -> u32 {
         self.inner.slots_bound()
+    }
+    fn rank(&self, task: &Task) -> u8 {
+        self.inner.rank(task)
     }
 }
 
@@ -303,7 +357,7 @@ pub fn run_cpu_loop(
             iter.finish()
         };
         let wall = t0.elapsed();
-        observer.iteration_done(it, &result, models, t0, wall)?;
+        observer.iteration_done(it, &result, LoopModels::Cpu(models), t0, wall)?;
     }
     Ok(())
 }
@@ -319,25 +373,12 @@ pub fn run_cpu_iterations(
     count: u32,
     on_iteration: impl FnMut(u32, &IterationResult, Duration) -> Result<(), ExecError>,
 ) -> Result<(), ExecError> {
-    struct Each<F>(F);
-    impl<F: FnMut(u32, &IterationResult, Duration) -> Result<(), ExecError>> LoopObserver for Each<F> {
-        fn iteration_done(
-            &mut self,
-            it: u32,
-            r: &IterationResult,
-            _: &cpu::CpuModels,
-            _: Instant,
-            wall: Duration,
-        ) -> Result<(), ExecError> {
-            (self.0)(it, r, wall)
-        }
-    }
     run_cpu_loop(
         plan,
         models,
         source,
         reward,
         first..first + count,
-        &mut Each(on_iteration),
+        &mut EachIteration(on_iteration),
     )
 }

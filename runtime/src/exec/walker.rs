@@ -4,7 +4,8 @@
 //! decided everything else.
 //!
 //! On a backend that runs one task at a time (cpu), the walker picks, among the streams whose
-//! next task is ready, the one whose task comes first in plan order. The choice only affects
+//! next task is ready, the one whose task comes first in plan order (the cuda backend first
+//! ranks tasks by whether the host waits inside them, [`TaskRunner::rank`]). The choice only affects
 //! *when* a task runs, never *what* it computes: ops are deterministic functions of their inputs,
 //! and slots are bound in an order that depends on the sampled tokens only.
 //!
@@ -22,6 +23,13 @@ pub trait TaskRunner {
     fn run(&mut self, task: &Task) -> Result<(), Self::Error>;
     /// Completion slots bound so far (slots `0..n` are bound).
     fn slots_bound(&self) -> u32;
+    /// Among ready tasks the walker runs one of the lowest rank first (then plan order). A
+    /// backend whose host waits inside some tasks ranks them after the others so that the
+    /// device has work queued while the host waits; the CPU keeps plan order (rank 0 for all).
+    /// Never changes a number: any ready task may run next.
+    fn rank(&self, _task: &Task) -> u8 {
+        0
+    }
 }
 
 /// The completion slot a task waits for, if any.
@@ -88,7 +96,7 @@ pub fn walk<R: TaskRunner>(
             .enumerate()
             .filter_map(|(q, tasks)| tasks.get(cursor[q]).map(|t| (q, *t)))
             .filter(|(_, t)| ready(t, &done, bound))
-            .min_by_key(|(_, t)| t.id);
+            .min_by_key(|(_, t)| (runner.rank(t), t.id));
         let Some((q, task)) = next else {
             let heads: Vec<String> = queues
                 .iter()

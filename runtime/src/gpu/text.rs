@@ -729,7 +729,8 @@ impl GpuModel {
 
     /// Log-probs (and entropies) of `responses` given a kept prefix state, at `temperature`.
     /// Token 0 is scored from `prefix.last_logits`; tokens `1..` from one packed forward of
-    /// every response's suffix over the prefix's KV. Synchronises (the scores come back).
+    /// every response's suffix over the prefix's KV. Synchronises (the scores come back):
+    /// [`GpuModel::score_on_device`] then [`DeviceScores::to_host`].
     pub fn score(
         &self,
         gpu: &Gpu,
@@ -738,6 +739,20 @@ impl GpuModel {
         responses: &[&[u32]],
         temperature: f32,
     ) -> Result<Vec<TokenScores>> {
+        self.score_on_device(gpu, stream, prefix, responses, temperature)?
+            .to_host()
+    }
+
+    /// [`GpuModel::score`] without the download: the scores stay on the device (on `stream`)
+    /// until [`DeviceScores::to_host`]. Nothing synchronises.
+    pub fn score_on_device(
+        &self,
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        prefix: &GpuPrefixState,
+        responses: &[&[u32]],
+        temperature: f32,
+    ) -> Result<DeviceScores> {
         self.check_text_dims()?;
         let v = self.vocab();
         let mut ids = Vec::new();
@@ -762,8 +777,7 @@ impl GpuModel {
             check_ids("score", r, v)?;
         }
         let rows = ids.len();
-        let mut lp = vec![0f32; rows];
-        let mut ent = vec![0f32; rows];
+        let mut rest = None;
         if rows > 0 {
             let h = self.hidden();
             let dims = self.text_dims();
@@ -821,17 +835,15 @@ impl GpuModel {
                     temperature,
                 )?;
             }
-            lp = download(stream, &lp_d)?;
-            ent = download(stream, &ent_d)?;
+            rest = Some((lp_d, ent_d));
         }
         // token 0 of every response from the prefix's last logits
         let firsts: Vec<u32> = responses
             .iter()
             .filter_map(|r| r.first().copied())
             .collect();
-        let (l0, e0) = if firsts.is_empty() {
-            (Vec::new(), Vec::new())
-        } else {
+        let mut first = None;
+        if !firsts.is_empty() {
             let n = firsts.len();
             let mut rep = alloc::<bf16>(gpu, stream, n * v)?;
             for i in 0..n {
@@ -853,12 +865,45 @@ impl GpuModel {
                 v,
                 temperature,
             )?;
-            (download(stream, &l)?, download(stream, &e)?)
+            first = Some((l, e));
+        }
+        Ok(DeviceScores {
+            stream: stream.clone(),
+            lens: responses.iter().map(|r| r.len()).collect(),
+            seqs,
+            rest,
+            first,
+        })
+    }
+}
+
+/// Scores of [`GpuModel::score_on_device`], still on the device.
+pub struct DeviceScores {
+    stream: Arc<CudaStream>,
+    lens: Vec<usize>,
+    seqs: Vec<AttnSeq>,
+    /// Log-probs and entropies of tokens `1..` of every response, packed.
+    rest: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
+    /// Of token 0 of every non-empty response.
+    first: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
+}
+
+impl DeviceScores {
+    /// The scores on the host, one per response (synchronises the stream they were made on).
+    pub fn to_host(&self) -> Result<Vec<TokenScores>> {
+        let stream = &self.stream;
+        let (lp, ent) = match &self.rest {
+            Some((l, e)) => (download(stream, l)?, download(stream, e)?),
+            None => (Vec::new(), Vec::new()),
         };
-        let mut out = Vec::with_capacity(responses.len());
+        let (l0, e0) = match &self.first {
+            Some((l, e)) => (download(stream, l)?, download(stream, e)?),
+            None => (Vec::new(), Vec::new()),
+        };
+        let mut out = Vec::with_capacity(self.lens.len());
         let mut fi = 0;
-        for (r, s) in responses.iter().zip(&seqs) {
-            if r.is_empty() {
+        for (&len, s) in self.lens.iter().zip(&self.seqs) {
+            if len == 0 {
                 out.push(TokenScores {
                     logp: Vec::new(),
                     entropy: Vec::new(),

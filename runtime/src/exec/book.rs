@@ -1,0 +1,386 @@
+//! The host-side record of one iteration, kept the same way by every backend that trains
+//! (`cpu`, `cuda`): sampled tokens and their rollout log-probs, which samples stopped, the
+//! completion slots (groups in (finish step, group) order), reference and old log-probs,
+//! rewards, GRPO advantages, the training inputs of a micro-batch and its normaliser.
+//!
+//! The backends differ in where the model runs; everything decided on the host (when a sample
+//! stops, which group a slot names, rewards, advantages, the loss normaliser) is decided here,
+//! once, so both backends give each plan op the same meaning.
+//!
+//! Invariant: every value recorded here is a function of the sampled tokens and the plan's
+//! spec, never of the order in which the walker ran tasks: slots are bound in (finish step,
+//! group) order within a decode window, and a window's steps run in step order.
+
+use rollplex_plan::plan::Plan;
+use rollplex_plan::spec::JobSpec;
+use rollplex_plan::{Groups, Span};
+
+use super::cpu::RewardFn;
+use super::{ExecError, IterationMetrics, IterationResult, PromptData};
+use crate::model::SamplingParams;
+use crate::train::backward::ResponseBatch;
+use crate::train::loss::{grpo_advantages, Normaliser};
+
+/// One response's training inputs, owned (borrowed views: [`TrainInputs::batch`]).
+#[derive(Clone, Debug)]
+pub struct TrainInputs {
+    pub sample: usize,
+    pub old_logp: Vec<f32>,
+    pub advantages: Vec<f32>,
+    pub ref_logp: Option<Vec<f32>>,
+    pub mask: Vec<bool>,
+}
+
+impl TrainInputs {
+    /// The response as the trainers take it.
+    pub fn batch<'a>(&'a self, tokens: &'a [u32]) -> ResponseBatch<'a> {
+        ResponseBatch {
+            tokens,
+            old_logp: &self.old_logp,
+            ref_logp: self.ref_logp.as_deref(),
+            advantages: &self.advantages,
+            mask: &self.mask,
+        }
+    }
+}
+
+/// What a `TrainMicroBatch` op trains: its groups in slot order, their inputs and the
+/// normaliser of its mini-batch.
+pub struct MicroBatchInputs {
+    pub groups: Vec<usize>,
+    /// Per group, per member.
+    pub inputs: Vec<Vec<TrainInputs>>,
+    pub norm: Normaliser,
+}
+
+/// The host-side state of one iteration (see the module docs).
+pub struct Book<'a> {
+    pub spec: &'a JobSpec,
+    pub iteration: u32,
+    pub group_size: usize,
+    pub prompts: &'a [PromptData],
+    pub sampling: SamplingParams,
+    stop_ids: Vec<u32>,
+    /// Per-sample stop length when the job forces lengths (benchmarks with random weights).
+    forced_len: Option<Vec<u32>>,
+    pub tokens: Vec<Vec<u32>>,
+    pub rollout_logp: Vec<Vec<f32>>,
+    pub stopped: Vec<bool>,
+    /// Step at which each group's last sample stopped.
+    group_done: Vec<Option<u32>>,
+    /// Slot -> group, in binding order.
+    slot_groups: Vec<u32>,
+    /// Groups that finished in the running decode window: (finish step, group).
+    newly_done: Vec<(u32, u32)>,
+    pub ref_logp: Vec<Option<Vec<f32>>>,
+    pub old_logp: Vec<Option<Vec<f32>>>,
+    rewards: Vec<Option<f32>>,
+    advantages: Vec<Option<f32>>,
+    pub metrics: IterationMetrics,
+}
+
+impl<'a> Book<'a> {
+    /// An empty record for `prompts` (one per group) of iteration `iteration` of `plan`.
+    pub fn new(
+        plan: &'a Plan,
+        iteration: u32,
+        prompts: &'a [PromptData],
+    ) -> Result<Self, ExecError> {
+        let spec = &plan.spec;
+        let g = spec.rollout.group_size as usize;
+        let groups = prompts.len();
+        if groups as u32 != plan.parallel.prompts_per_rollout_replica {
+            return Err(ExecError::Data(format!(
+                "{} prompts given for an iteration of {} groups",
+                groups, plan.parallel.prompts_per_rollout_replica
+            )));
+        }
+        let samples = groups * g;
+        let mut stop_ids = spec.actor.tokens.eos_token_ids.clone();
+        stop_ids.extend(&spec.rollout.sampling.stop_token_ids);
+        let forced_len = spec.rollout.sampling.forced_lengths.then(|| {
+            (0..samples as u32)
+                .map(|s| super::forced_length(spec, iteration, s))
+                .collect()
+        });
+        Ok(Book {
+            spec,
+            iteration,
+            group_size: g,
+            prompts,
+            sampling: SamplingParams::from_spec(&spec.rollout.sampling),
+            stop_ids,
+            forced_len,
+            tokens: vec![Vec::new(); samples],
+            rollout_logp: vec![Vec::new(); samples],
+            stopped: vec![false; samples],
+            group_done: vec![None; groups],
+            slot_groups: Vec::new(),
+            newly_done: Vec::new(),
+            ref_logp: vec![None; samples],
+            old_logp: vec![None; samples],
+            rewards: vec![None; samples],
+            advantages: vec![None; samples],
+            metrics: IterationMetrics::default(),
+        })
+    }
+
+    pub fn samples(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn groups(&self) -> usize {
+        self.prompts.len()
+    }
+
+    /// The temperature log-probs are taken at (1 for greedy sampling).
+    pub fn temperature(&self) -> f32 {
+        if self.sampling.temperature > 0.0 {
+            self.sampling.temperature
+        } else {
+            1.0
+        }
+    }
+
+    /// Whether vision tower and merger are frozen (their output is then shared by the rollout,
+    /// the reference and the actor).
+    pub fn frozen_tower(&self) -> bool {
+        self.spec.train.freeze_vision && self.spec.train.freeze_merger
+    }
+
+    /// Completion slots bound so far.
+    pub fn slots_bound(&self) -> u32 {
+        self.slot_groups.len() as u32
+    }
+
+    pub fn group_of_slot(&self, slot: u32) -> Result<usize, ExecError> {
+        self.slot_groups
+            .get(slot as usize)
+            .map(|&g| g as usize)
+            .ok_or_else(|| {
+                ExecError::Plan(format!(
+                    "slot {slot} used before its group finished decoding"
+                ))
+            })
+    }
+
+    pub fn groups_of(&self, groups: &Groups) -> Result<Vec<usize>, ExecError> {
+        match groups {
+            Groups::Prompts(s) => Ok(range(*s).collect()),
+            Groups::Slots(s) => range(*s).map(|k| self.group_of_slot(k as u32)).collect(),
+        }
+    }
+
+    /// Samples `g * G .. (g + 1) * G` of group `g`.
+    pub fn members(&self, g: usize) -> std::ops::Range<usize> {
+        g * self.group_size..(g + 1) * self.group_size
+    }
+
+    /// Whether any sample is still decoding.
+    pub fn any_active(&self) -> bool {
+        self.stopped.iter().any(|s| !s)
+    }
+
+    /// Checks that sample `s` is at decode step `step` (a window out of order is a plan bug).
+    pub fn check_step(&self, s: usize, step: u32) -> Result<(), ExecError> {
+        if self.tokens[s].len() as u32 != step {
+            return Err(ExecError::Plan(format!(
+                "decode step {step} out of order for sample {s}"
+            )));
+        }
+        Ok(())
+    }
+
+    fn stop_at(&self, s: usize, tok: u32, len: u32) -> bool {
+        if let Some(f) = &self.forced_len {
+            return len >= f[s];
+        }
+        self.stop_ids.contains(&tok) || len >= self.spec.rollout.max_new_tokens
+    }
+
+    /// Records token `tok` (log-prob `lp`) drawn at `step` for sample `s`; returns whether the
+    /// sample continues (is fed to the next decode step). A group whose last sample stops here
+    /// is queued for binding at the end of the window ([`Book::end_window`]).
+    pub fn push_token(&mut self, s: usize, tok: u32, lp: f32, step: u32) -> bool {
+        self.tokens[s].push(tok);
+        self.rollout_logp[s].push(lp);
+        if self.stop_at(s, tok, step + 1) {
+            self.stopped[s] = true;
+            let g = s / self.group_size;
+            if self.members(g).all(|m| self.stopped[m]) {
+                self.group_done[g] = Some(step);
+                self.newly_done.push((step, g as u32));
+            }
+            false
+        } else {
+            true
+        }
+    }
+
+    /// Notes that decode step `step` ran (for the metrics).
+    pub fn step_done(&mut self, step: u32) {
+        self.metrics.decode_steps = self.metrics.decode_steps.max(step + 1);
+    }
+
+    /// Binds the groups that finished in the window to slots, in (finish step, group) order.
+    pub fn end_window(&mut self) {
+        let mut done = std::mem::take(&mut self.newly_done);
+        done.sort();
+        self.slot_groups.extend(done.into_iter().map(|(_, g)| g));
+    }
+
+    pub fn responses(&self, g: usize) -> Vec<&[u32]> {
+        self.members(g).map(|s| self.tokens[s].as_slice()).collect()
+    }
+
+    /// Stores group `g`'s reference log-probs (one per member, in order).
+    pub fn set_ref_logp(&mut self, g: usize, lps: Vec<Vec<f32>>) {
+        for (m, lp) in lps.into_iter().enumerate() {
+            self.ref_logp[g * self.group_size + m] = Some(lp);
+        }
+    }
+
+    /// Stores group `g`'s old log-probs (one per member, in order).
+    pub fn set_old_logp(&mut self, g: usize, lps: Vec<Vec<f32>>) {
+        for (m, lp) in lps.into_iter().enumerate() {
+            self.old_logp[g * self.group_size + m] = Some(lp);
+        }
+    }
+
+    /// The `Reward` op: scores the group in `slot`.
+    pub fn reward(&mut self, slot: u32, reward: &mut RewardFn<'_>) -> Result<(), ExecError> {
+        let g = self.group_of_slot(slot)?;
+        let responses = self.responses(g);
+        let rewards = reward(&self.prompts[g], &responses)?;
+        if rewards.len() != self.group_size || rewards.iter().any(|r| !r.is_finite()) {
+            return Err(ExecError::Reward(format!(
+                "expected {} finite rewards for group {g}, got {rewards:?}",
+                self.group_size
+            )));
+        }
+        for (m, r) in rewards.into_iter().enumerate() {
+            self.rewards[g * self.group_size + m] = Some(r);
+        }
+        Ok(())
+    }
+
+    /// The `Advantages` op: GRPO advantages of the group in `slot`.
+    pub fn advantages(&mut self, slot: u32) -> Result<(), ExecError> {
+        let g = self.group_of_slot(slot)?;
+        let rewards: Vec<f32> = self
+            .members(g)
+            .map(|s| {
+                self.rewards[s].ok_or_else(|| {
+                    ExecError::Plan(format!("advantage of sample {s} before its reward"))
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        let norm_std = self.spec.train.algorithm.loss().norm_adv_by_std;
+        let adv = grpo_advantages(&rewards, self.group_size, norm_std)?;
+        for (s, a) in self.members(g).zip(adv) {
+            self.advantages[s] = Some(a);
+        }
+        Ok(())
+    }
+
+    /// What the `TrainMicroBatch` op (`step`, `micro_batch`, `samples`) trains. `backend` names
+    /// the backend in errors.
+    pub fn micro_batch(
+        &self,
+        backend: &str,
+        step: u32,
+        micro_batch: u32,
+        samples: Span,
+    ) -> Result<MicroBatchInputs, ExecError> {
+        if step != self.metrics.optimizer_steps {
+            return Err(ExecError::Plan(format!(
+                "micro-batch {micro_batch} of optimizer step {step} runs after {} optimizer steps of this iteration",
+                self.metrics.optimizer_steps
+            )));
+        }
+        let g = self.group_size as u32;
+        if !samples.start.is_multiple_of(g) || !samples.len().is_multiple_of(g) {
+            return Err(ExecError::Unsupported(format!(
+                "the {backend} backend trains whole GRPO groups per micro-batch; micro-batch {micro_batch} covers samples {}..{} with groups of {g} (set micro_batch to a multiple of the group size)",
+                samples.start, samples.end
+            )));
+        }
+        let mini = self.spec.train.mini_batch;
+        let mb_start = samples.start / mini * mini;
+        let norm = self.mini_batch_normaliser(Span::new(mb_start, mb_start + mini))?;
+        let groups: Vec<usize> = (samples.start / g..samples.end / g)
+            .map(|k| self.group_of_slot(k))
+            .collect::<Result<_, _>>()?;
+        let mut inputs = Vec::with_capacity(groups.len());
+        for &grp in &groups {
+            let mut rs = Vec::with_capacity(self.group_size);
+            for s in self.members(grp) {
+                let n = self.tokens[s].len();
+                let adv = self.advantages[s].ok_or_else(|| {
+                    ExecError::Plan(format!("sample {s} trained before its advantage"))
+                })?;
+                rs.push(TrainInputs {
+                    sample: s,
+                    old_logp: self.old_logp[s]
+                        .clone()
+                        .unwrap_or_else(|| self.rollout_logp[s].clone()),
+                    advantages: vec![adv; n],
+                    ref_logp: self.ref_logp[s].clone(),
+                    mask: vec![true; n],
+                });
+            }
+            inputs.push(rs);
+        }
+        Ok(MicroBatchInputs {
+            groups,
+            inputs,
+            norm,
+        })
+    }
+
+    /// Response views of a micro-batch's inputs, per group.
+    pub fn batches<'b>(&'b self, mb: &'b MicroBatchInputs) -> Vec<Vec<ResponseBatch<'b>>> {
+        mb.inputs
+            .iter()
+            .map(|rs| rs.iter().map(|r| r.batch(&self.tokens[r.sample])).collect())
+            .collect()
+    }
+
+    fn mini_batch_normaliser(&self, samples: Span) -> Result<Normaliser, ExecError> {
+        let g = self.group_size as u32;
+        let mut tokens = 0usize;
+        for k in samples.start / g..samples.end / g {
+            let grp = self.group_of_slot(k)?;
+            for s in self.members(grp) {
+                tokens += self.tokens[s].len();
+            }
+        }
+        Ok(Normaliser {
+            tokens,
+            seqs: samples.len() as usize,
+        })
+    }
+
+    /// Results of the iteration, for metrics, tests and the bitwise invariant.
+    pub fn finish(self) -> IterationResult {
+        IterationResult {
+            tokens: self.tokens,
+            rollout_logp: self.rollout_logp,
+            ref_logp: self.ref_logp,
+            old_logp: self.old_logp,
+            rewards: self.rewards.iter().map(|r| r.unwrap_or(f32::NAN)).collect(),
+            advantages: self
+                .advantages
+                .iter()
+                .map(|a| a.unwrap_or(f32::NAN))
+                .collect(),
+            slot_groups: self.slot_groups,
+            group_size: self.group_size as u32,
+            metrics: self.metrics,
+        }
+    }
+}
+
+pub fn range(s: Span) -> std::ops::Range<usize> {
+    s.start as usize..s.end as usize
+}

@@ -1,0 +1,968 @@
+//! The CUDA backend's executor: each plan op on one GPU with the CUDA model engine
+//! ([`crate::gpu`]), each plan stream a CUDA stream, each dependency on a task of another stream
+//! an event (record on the producer's stream, wait on the consumer's; never a device-wide sync
+//! inside an iteration).
+//!
+//! What each op does here is what it does on the CPU backend (`cpu.rs`, whose module doc lists
+//! them); the host-side decisions (stops, slots, rewards, advantages, normalisers) are the same
+//! code ([`super::book`]). Differences, all in where things live:
+//! - `EncodeMedia` / `Prefill` / `RefPrefix` / `ActorPrefix{OldLogProb}` make one device call
+//!   per group (without prefix dedup, the `copies` of the group packed in it; the first copy's
+//!   result is kept). Per group, because GEMM algorithms are fixed per shape, not across
+//!   shapes: a group's bits must not depend on which groups a plan put in the same task.
+//!   Media embeddings and prefix states stay on the device.
+//! - `DecodeWindow`: the active samples' next-token logits stay on the device; each step draws
+//!   the tokens on the device with the Philox key (seed, iteration, sample, step), takes their
+//!   log-probs there, and brings tokens and log-probs back (the host decides who stops).
+//! - `TrainMicroBatch` / `OptimizerStep`: [`GpuTrainer`] (text decoder; vision and merger
+//!   frozen). Its model *is* the actor: rollout reads the weights `optimizer_step` writes, so
+//!   `WeightSync` has nothing to copy at TP 1.
+//!
+//! Where the host waits for the device (the walker has one host thread): every decode step
+//! (tokens come back for the stop checks), a micro-batch (its log-probs come down for the
+//! loss; it first collects the reference and old log-probs, which `RefSuffix` / `ActorSuffix`
+//! leave on the device), an optimizer step (the grad norm). Each such wait is on one stream
+//! only. To keep the GPU busy while the host
+//! waits, [`GpuIteration`] asks the walker to launch every ready non-blocking task before a
+//! blocking one ([`walker::TaskRunner::rank`]).
+//!
+//! Invariants: a task's launches all go to its plan stream; a buffer made on one stream is read
+//! on another only after an event of the producing task; everything an iteration allocated is
+//! freed after the device has finished it (the loop synchronises between iterations, where the
+//! next iteration's rollout must see the trained weights anyway).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaEvent, DevicePtrMut};
+use half::bf16;
+use rollplex_kernels::cuda::{logprobs_fwd_bf16, CudaSlice, CudaStream, Gpu};
+use rollplex_plan::plan::{Op, Plan, Priority, Purpose, Task};
+use rollplex_plan::spec::JobSpec;
+use rollplex_plan::{Span, StreamId, TaskId};
+
+use super::book::{range, Book};
+use super::cpu::RewardFn;
+use super::walker::{self, TaskRunner};
+use super::{ExecError, IterationMetrics, IterationResult, LoopModels, LoopObserver, PromptData};
+use crate::gpu::text::DeviceScores;
+use crate::gpu::train::{GpuGroupBatch, GpuTrainError, GpuTrainer};
+use crate::gpu::{GpuEncodedMedia, GpuError, GpuKvArena, GpuModel, GpuPrefixState, GpuPrompt};
+use crate::model::{DecodeSlot, GenerateConfig, MediaInput, SamplingParams};
+
+impl From<GpuError> for ExecError {
+    fn from(e: GpuError) -> Self {
+        ExecError::Gpu(e)
+    }
+}
+
+impl From<GpuTrainError> for ExecError {
+    fn from(e: GpuTrainError) -> Self {
+        match e {
+            GpuTrainError::Gpu(e) => ExecError::Gpu(e),
+            GpuTrainError::Train(e) => ExecError::Train(e),
+        }
+    }
+}
+
+impl From<rollplex_kernels::cuda::CudaError> for ExecError {
+    fn from(e: rollplex_kernels::cuda::CudaError) -> Self {
+        ExecError::Gpu(e.into())
+    }
+}
+
+impl From<cudarc::driver::DriverError> for ExecError {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        ExecError::Gpu(e.into())
+    }
+}
+
+/// The models and optimizer that live across iterations on the GPU.
+pub struct GpuModels {
+    /// The actor: its model is the rollout's, updated in place by each optimizer step.
+    pub trainer: GpuTrainer,
+    /// The frozen reference (initial actor weights); `None` when the job scores no reference.
+    pub reference: Option<GpuModel>,
+    /// The stream the models were uploaded on (also evaluation's).
+    pub stream: Arc<CudaStream>,
+    /// Declared last: dropped after every buffer above (its drop synchronises the device).
+    pub gpu: Gpu,
+}
+
+impl GpuModels {
+    /// The bits of the actor's text-decoder weights as the device holds them (bf16 compute
+    /// copy: token embeddings, every layer's norms and linears, final norm, untied lm head), in
+    /// that order. For comparing runs bitwise; synchronises.
+    pub fn text_weight_bits(&self) -> Result<Vec<u16>, ExecError> {
+        let w = &self.trainer.model().weights;
+        let s = &self.stream;
+        let mut bufs: Vec<&CudaSlice<bf16>> = vec![&w.embed];
+        for b in &w.text {
+            bufs.extend([&b.norm1, &b.norm2]);
+            for l in [&b.qkv, &b.o, &b.gate_up, &b.down] {
+                bufs.push(&l.w);
+                bufs.extend(l.b.as_ref());
+            }
+        }
+        bufs.push(&w.final_norm);
+        bufs.extend(w.lm_head.as_ref());
+        let mut out = Vec::new();
+        for b in bufs {
+            out.extend(s.clone_dtoh(b)?.into_iter().map(|x| x.to_bits()));
+        }
+        s.synchronize()?;
+        Ok(out)
+    }
+}
+
+/// Opens GPU 0 and builds the job's models on it: the actor (random or from its checkpoint,
+/// through the CPU model), the trainer around it, and the reference (a copy of the initial
+/// actor). Returns once the uploads have finished.
+pub fn build_gpu_models(spec: &JobSpec) -> Result<GpuModels, ExecError> {
+    let gpu = open_gpu()?;
+    let actor = super::host_actor(spec)?;
+    let stream = gpu.stream(0)?;
+    let reference = if spec.reference.enabled {
+        Some(GpuModel::upload(&gpu, &stream, &actor)?)
+    } else {
+        None
+    };
+    let trainer = GpuTrainer::new(
+        &gpu,
+        &stream,
+        &actor,
+        super::cpu::train_config(spec)?,
+        spec.train.optimizer.clone(),
+    )?;
+    stream.synchronize()?;
+    Ok(GpuModels {
+        trainer,
+        reference,
+        stream,
+        gpu,
+    })
+}
+
+/// GPU 0, or a message saying why there is none.
+pub fn open_gpu() -> Result<Gpu, ExecError> {
+    Gpu::new(0).map_err(|e| {
+        ExecError::Machine(format!(
+            "--backend cuda needs a CUDA GPU: {e} (run a CPU-compiled plan with --backend cpu, or any plan with --backend sim)"
+        ))
+    })
+}
+
+/// Checks that `plan` can run on `gpu` with this executor (one GPU, TP 1, the plan's GPU kind,
+/// the plan's device memory available).
+pub fn check_gpu_plan(plan: &Plan, gpu: &Gpu) -> Result<(), ExecError> {
+    let target = &plan.target;
+    if target.gpu.eq_ignore_ascii_case("cpu") {
+        return Err(ExecError::Machine(format!(
+            "this plan was compiled for the CPU backend's pseudo-GPU: run it with --backend cpu, or compile the \
+             pipeline for this GPU ({}) with `gpu {{ preset = {} count = 1 }}` for --backend cuda",
+            gpu.name(),
+            preset_of(gpu.name()).unwrap_or("<its preset>")
+        )));
+    }
+    if !gpu
+        .name()
+        .to_ascii_lowercase()
+        .contains(&target.gpu.to_ascii_lowercase())
+    {
+        return Err(ExecError::Machine(format!(
+            "this plan was compiled for {} GPUs but this one is {}: its schedule (SM partitions, timings, memory) \
+             would not hold here; recompile the pipeline with `gpu {{ preset = {} }}`",
+            target.gpu,
+            gpu.name(),
+            preset_of(gpu.name()).unwrap_or("<this GPU's preset>")
+        )));
+    }
+    if target.count != 1
+        || plan.gpus.len() != 1
+        || plan.parallel.rollout_tp != 1
+        || plan.parallel.train_tp != 1
+    {
+        return Err(ExecError::Machine(format!(
+            "the CUDA executor runs one GPU with TP 1; this plan targets {} x {} ({} GPU programs, rollout TP {}, \
+             training TP {}): compile it with `gpu {{ preset = {} count = 1 }}`",
+            target.count,
+            target.gpu,
+            plan.gpus.len(),
+            plan.parallel.rollout_tp,
+            plan.parallel.train_tp,
+            target.gpu
+        )));
+    }
+    let devices = rollplex_kernels::cuda::cuda_available()?;
+    if devices < target.count as usize {
+        return Err(ExecError::Machine(format!(
+            "the plan needs {} GPUs, {devices} present",
+            target.count
+        )));
+    }
+    gpu.ctx().bind_to_thread()?;
+    let (free, total) = cudarc::driver::result::mem_get_info()?;
+    let need: u64 = plan.memory.gpus.iter().map(|m| m.peak).max().unwrap_or(0);
+    if need > total as u64 {
+        return Err(ExecError::Machine(format!(
+            "the plan's device arena peak is {:.1} GiB but {} has {:.1} GiB ({:.1} GiB free): recompile with a \
+             smaller batch or memory budget",
+            need as f64 / GIB,
+            gpu.name(),
+            total as f64 / GIB,
+            free as f64 / GIB
+        )));
+    }
+    Ok(())
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// The DSL preset of a device name, when there is one.
+fn preset_of(name: &str) -> Option<&'static str> {
+    let n = name.to_ascii_uppercase();
+    ["H200", "H100", "H800", "A100"]
+        .into_iter()
+        .find(|p| n.contains(p))
+}
+
+/// The plan's streams of one GPU program as CUDA streams (`High` priority: the device's most
+/// urgent; `Normal`: the default).
+pub struct PlanStreams {
+    streams: Vec<Option<Arc<CudaStream>>>,
+}
+
+impl PlanStreams {
+    pub fn new(plan: &Plan, gpu: &Gpu) -> Result<Self, ExecError> {
+        let (_, most_urgent) = gpu.priority_range()?;
+        let mut streams = vec![None; plan.streams.len()];
+        let program = plan.gpus[0].id;
+        for s in plan.streams.iter().filter(|s| s.gpu == program) {
+            let prio = match s.priority {
+                Priority::High => most_urgent,
+                Priority::Normal => 0,
+            };
+            streams[s.id.index()] = Some(gpu.stream(prio)?);
+        }
+        Ok(PlanStreams { streams })
+    }
+
+    pub fn get(&self, id: StreamId) -> Result<&Arc<CudaStream>, ExecError> {
+        self.streams
+            .get(id.index())
+            .and_then(Option::as_ref)
+            .ok_or_else(|| ExecError::Plan(format!("{id} is not a stream of GPU program 0")))
+    }
+
+    /// The CUDA stream `task` runs on: its plan stream's.
+    pub fn for_task(&self, _plan: &Plan, task: &Task) -> Result<Arc<CudaStream>, ExecError> {
+        Ok(self.get(task.stream)?.clone())
+    }
+}
+
+/// Whether the host waits for the device inside this op (see the module docs).
+pub fn blocks_host(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::DecodeWindow { .. } | Op::TrainMicroBatch { .. } | Op::OptimizerStep { .. }
+    )
+}
+
+type Media = Arc<Vec<GpuEncodedMedia>>;
+
+/// One iteration's state on the CUDA backend.
+pub struct GpuIteration<'a, 'r> {
+    plan: &'a Plan,
+    models: &'a mut GpuModels,
+    streams: &'a PlanStreams,
+    reward: &'a mut RewardFn<'r>,
+    book: Book<'a>,
+    encoded: Vec<Option<Media>>,
+    ref_encoded: Vec<Option<Media>>,
+    prefixes: Vec<Option<GpuPrefixState>>,
+    ref_prefixes: Vec<Option<GpuPrefixState>>,
+    old_prefixes: Vec<Option<GpuPrefixState>>,
+    arena: Option<GpuKvArena>,
+    arena_rows: u32,
+    slots: Vec<DecodeSlot>,
+    /// Next-token logits `[active, vocab]` of the samples in `active` (ascending), on the
+    /// decode stream.
+    logits: Option<CudaSlice<bf16>>,
+    active: Vec<usize>,
+    /// Per task: events recorded on its CUDA stream before its first and after its last
+    /// launch, and that stream.
+    events: Vec<Option<(CudaEvent, CudaEvent, Arc<CudaStream>)>>,
+    /// Per plan stream: the last task that ran on it.
+    last_on_stream: Vec<Option<TaskId>>,
+    /// Reference (`true`) or old log-probs of a group still on the device.
+    pending: Vec<(usize, bool, DeviceScores)>,
+}
+
+impl<'a, 'r> GpuIteration<'a, 'r> {
+    pub fn new(
+        plan: &'a Plan,
+        models: &'a mut GpuModels,
+        streams: &'a PlanStreams,
+        reward: &'a mut RewardFn<'r>,
+        iteration: u32,
+        prompts: &'a [PromptData],
+    ) -> Result<Self, ExecError> {
+        let book = Book::new(plan, iteration, prompts)?;
+        let groups = book.groups();
+        let prefix_rows: u64 = prompts.iter().map(|p| p.ids.len() as u64).sum();
+        let rows = prefix_rows + book.samples() as u64 * plan.spec.rollout.max_new_tokens as u64;
+        let arena_rows =
+            u32::try_from(rows).map_err(|_| ExecError::Data("KV arena over 2^32 rows".into()))?;
+        Ok(GpuIteration {
+            plan,
+            models,
+            streams,
+            reward,
+            book,
+            encoded: vec![None; groups],
+            ref_encoded: vec![None; groups],
+            prefixes: vec![None; groups],
+            ref_prefixes: vec![None; groups],
+            old_prefixes: vec![None; groups],
+            arena: None,
+            arena_rows,
+            slots: Vec::new(),
+            logits: None,
+            active: Vec::new(),
+            events: (0..plan.tasks.len()).map(|_| None).collect(),
+            last_on_stream: vec![None; plan.streams.len()],
+            pending: Vec::new(),
+        })
+    }
+
+    pub fn metrics(&self) -> &IterationMetrics {
+        &self.book.metrics
+    }
+
+    /// Device start and end of each task that ran, relative to `origin` (an event recorded
+    /// before the iteration's first launch), in milliseconds. Call after the device finished.
+    pub fn task_times(&self, origin: &CudaEvent) -> Result<Vec<(usize, f64, f64)>, ExecError> {
+        let mut out = Vec::new();
+        for (i, e) in self.events.iter().enumerate() {
+            if let Some((a, b, _)) = e {
+                out.push((
+                    i,
+                    origin.elapsed_ms(a)? as f64,
+                    origin.elapsed_ms(b)? as f64,
+                ));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Results of the iteration (downloads the scores still on the device).
+    pub fn finish(mut self) -> Result<IterationResult, ExecError> {
+        self.collect_scores()?;
+        Ok(self.book.finish())
+    }
+
+    /// Brings the log-probs still on the device to the book (waits for their streams).
+    fn collect_scores(&mut self) -> Result<(), ExecError> {
+        for (g, reference, scores) in std::mem::take(&mut self.pending) {
+            let lps = scores.to_host()?.into_iter().map(|t| t.logp).collect();
+            if reference {
+                self.book.set_ref_logp(g, lps);
+            } else {
+                self.book.set_old_logp(g, lps);
+            }
+        }
+        Ok(())
+    }
+
+    fn media_inputs(p: &PromptData) -> Vec<MediaInput<'_>> {
+        p.media
+            .iter()
+            .map(|m| MediaInput {
+                kind: m.kind,
+                pixels: &m.pixels,
+                grid: m.grid,
+            })
+            .collect()
+    }
+
+    /// Encodes the media of `groups` with `model`, one call per group (`copies` copies of the
+    /// group's media in it, the ablation's cost); returns each group's first copy. One call per
+    /// group keeps every GEMM's shape a function of the group alone, so the bits do not depend
+    /// on how a plan cut its tasks.
+    fn encode(
+        gpu: &Gpu,
+        s: &Arc<CudaStream>,
+        model: &GpuModel,
+        prompts: &[PromptData],
+        groups: &[usize],
+        copies: u32,
+    ) -> Result<Vec<Media>, ExecError> {
+        let mut out = Vec::with_capacity(groups.len());
+        for &g in groups {
+            let inputs = Self::media_inputs(&prompts[g]);
+            if inputs.is_empty() {
+                out.push(Arc::new(Vec::new()));
+                continue;
+            }
+            let n = inputs.len();
+            let mut items = Vec::with_capacity(n * copies.max(1) as usize);
+            for _ in 0..copies.max(1) {
+                items.extend_from_slice(&inputs);
+            }
+            let mut m = model.encode_media(gpu, s, &items)?;
+            m.truncate(n);
+            out.push(Arc::new(m));
+        }
+        Ok(out)
+    }
+
+    /// Prefills the prompts of `groups` with `model`, one packed call per group (`copies`
+    /// copies of its prompt); returns each group's first copy (see [`Self::encode`] on why per
+    /// group).
+    fn prefill(
+        gpu: &Gpu,
+        s: &Arc<CudaStream>,
+        model: &GpuModel,
+        prompts: &[PromptData],
+        groups: &[usize],
+        media: &[Media],
+        copies: u32,
+    ) -> Result<Vec<GpuPrefixState>, ExecError> {
+        let mut out = Vec::with_capacity(groups.len());
+        for (i, &g) in groups.iter().enumerate() {
+            let refs: Vec<&GpuEncodedMedia> = media[i].iter().collect();
+            let prompt = GpuPrompt {
+                ids: &prompts[g].ids,
+                media: &refs,
+            };
+            let batch = vec![prompt; copies.max(1) as usize];
+            let state = model
+                .prefill(gpu, s, &batch)?
+                .into_iter()
+                .next()
+                .ok_or_else(|| ExecError::Plan("prefill returned no state".into()))?;
+            out.push(state);
+        }
+        Ok(out)
+    }
+
+    /// The actor's (rollout) media of `groups`, encoding those not encoded yet on `s`.
+    fn actor_media(
+        &mut self,
+        s: &Arc<CudaStream>,
+        groups: &[usize],
+    ) -> Result<Vec<Media>, ExecError> {
+        let missing: Vec<usize> = groups
+            .iter()
+            .copied()
+            .filter(|&g| self.encoded[g].is_none())
+            .collect();
+        if !missing.is_empty() {
+            let m = Self::encode(
+                &self.models.gpu,
+                s,
+                self.models.trainer.model(),
+                self.book.prompts,
+                &missing,
+                1,
+            )?;
+            for (g, m) in missing.into_iter().zip(m) {
+                self.encoded[g] = Some(m);
+            }
+        }
+        Ok(groups
+            .iter()
+            .map(|&g| self.encoded[g].clone().expect("encoded above"))
+            .collect())
+    }
+
+    /// The reference's media of `groups`: the actor's when the tower is frozen (same weights),
+    /// else encoded with the reference (`copies` times, the ablation's cost).
+    fn ref_media(
+        &mut self,
+        s: &Arc<CudaStream>,
+        groups: &[usize],
+        copies: u32,
+    ) -> Result<Vec<Media>, ExecError> {
+        if self.book.frozen_tower() {
+            return self.actor_media(s, groups);
+        }
+        let missing: Vec<usize> = groups
+            .iter()
+            .copied()
+            .filter(|&g| self.ref_encoded[g].is_none())
+            .collect();
+        if !missing.is_empty() {
+            let reference = self.models.reference.as_ref().ok_or_else(no_reference)?;
+            let m = Self::encode(
+                &self.models.gpu,
+                s,
+                reference,
+                self.book.prompts,
+                &missing,
+                copies,
+            )?;
+            for (g, m) in missing.into_iter().zip(m) {
+                self.ref_encoded[g] = Some(m);
+            }
+        }
+        Ok(groups
+            .iter()
+            .map(|&g| self.ref_encoded[g].clone().expect("encoded above"))
+            .collect())
+    }
+
+    fn run_prefill(
+        &mut self,
+        s: &Arc<CudaStream>,
+        groups: Span,
+        copies: u32,
+    ) -> Result<(), ExecError> {
+        let groups: Vec<usize> = range(groups).collect();
+        let media = self.actor_media(s, &groups)?;
+        let states = Self::prefill(
+            &self.models.gpu,
+            s,
+            self.models.trainer.model(),
+            self.book.prompts,
+            &groups,
+            &media,
+            copies,
+        )?;
+        for (g, st) in groups.into_iter().zip(states) {
+            self.prefixes[g] = Some(st);
+        }
+        if self.prefixes.iter().all(Option::is_some) && self.slots.is_empty() {
+            self.lay_out(s)?;
+        }
+        Ok(())
+    }
+
+    /// Once every group's prefix is known: the KV arena `[group prefixes | sample suffixes]`,
+    /// the decode slots, and every sample's first logits (its group's last prompt logits).
+    fn lay_out(&mut self, s: &Arc<CudaStream>) -> Result<(), ExecError> {
+        let model = self.models.trainer.model();
+        let gpu = &self.models.gpu;
+        let mut arena = GpuKvArena::for_model(model, gpu, s, self.arena_rows)?;
+        let mut off = 0u32;
+        let mut spans = Vec::with_capacity(self.prefixes.len());
+        for p in self.prefixes.iter().flatten() {
+            spans.push(arena.store_prefix(s, off, p)?);
+            off += p.len;
+        }
+        let max_new = self.book.spec.rollout.max_new_tokens;
+        let samples = self.book.samples();
+        let v = model.vocab();
+        let mut logits = gpu.alloc::<bf16>(s, samples * v)?;
+        for smp in 0..samples {
+            let g = smp / self.book.group_size;
+            let p = self.prefixes[g].as_ref().expect("all prefixes known");
+            self.slots
+                .push(DecodeSlot::new(spans[g], p.rope_delta, off, max_new));
+            s.memcpy_dtod(
+                &*p.last_logits,
+                &mut logits.slice_mut(smp * v..(smp + 1) * v),
+            )?;
+            off += max_new;
+        }
+        self.arena = Some(arena);
+        self.logits = Some(logits);
+        self.active = (0..samples).collect();
+        Ok(())
+    }
+
+    fn run_decode(
+        &mut self,
+        s: &Arc<CudaStream>,
+        first_step: u32,
+        steps: u32,
+        until_done: bool,
+    ) -> Result<(), ExecError> {
+        if self.slots.is_empty() {
+            return Err(ExecError::Plan(
+                "decode before every group's prefill".into(),
+            ));
+        }
+        let gpu = &self.models.gpu;
+        let model = self.models.trainer.model();
+        let arena = self.arena.as_mut().expect("laid out with the slots");
+        let v = model.vocab();
+        let temp = self.book.temperature();
+        let (seed, iteration) = (self.book.spec.seed, self.book.iteration);
+        let mut step = first_step;
+        while (until_done || step < first_step + steps) && !self.active.is_empty() {
+            let n = self.active.len();
+            for &smp in &self.active {
+                self.book.check_step(smp, step)?;
+            }
+            let logits = self.logits.as_ref().expect("laid out with the slots");
+            let ids: Vec<u32> = self.active.iter().map(|&x| x as u32).collect();
+            let toks_d = model.sample_tokens(
+                gpu,
+                s,
+                logits,
+                &self.book.sampling,
+                seed,
+                iteration,
+                &ids,
+                &vec![step; n],
+            )?;
+            let mut lp_d = gpu.alloc::<f32>(s, n)?;
+            logprobs_fwd_bf16(
+                gpu,
+                s,
+                &mut lp_d,
+                None::<&mut dyn DevicePtrMut<f32>>,
+                None,
+                logits,
+                &toks_d,
+                n,
+                v,
+                v,
+                temp,
+            )?;
+            let toks = s.clone_dtoh(&toks_d)?;
+            let lps = s.clone_dtoh(&lp_d)?;
+            s.synchronize()?;
+            let mut feed = Vec::with_capacity(n);
+            let mut feed_tokens = Vec::with_capacity(n);
+            let mut feed_slots = Vec::with_capacity(n);
+            for (i, &smp) in self.active.iter().enumerate() {
+                if self.book.push_token(smp, toks[i], lps[i], step) {
+                    feed.push(smp);
+                    feed_tokens.push(toks[i]);
+                    feed_slots.push(self.slots[smp]);
+                }
+            }
+            if !feed.is_empty() {
+                self.logits =
+                    Some(model.decode_step(gpu, s, arena, &mut feed_slots, &feed_tokens)?);
+                for (slot, &smp) in feed_slots.iter().zip(&feed) {
+                    self.slots[smp] = *slot;
+                }
+            }
+            self.active = feed;
+            self.book.step_done(step);
+            step += 1;
+        }
+        self.book.end_window();
+        Ok(())
+    }
+
+    fn run_train_micro_batch(
+        &mut self,
+        s: &Arc<CudaStream>,
+        step: u32,
+        micro_batch: u32,
+        samples: Span,
+    ) -> Result<(), ExecError> {
+        self.collect_scores()?;
+        let mb = self.book.micro_batch("CUDA", step, micro_batch, samples)?;
+        let media = self.actor_media(s, &mb.groups)?;
+        let refs: Vec<Vec<&GpuEncodedMedia>> = media.iter().map(|m| m.iter().collect()).collect();
+        let responses = self.book.batches(&mb);
+        let batch: Vec<GpuGroupBatch<'_>> = mb
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(i, &g)| GpuGroupBatch {
+                prompt_ids: &self.book.prompts[g].ids,
+                media: &refs[i],
+                responses: &responses[i],
+            })
+            .collect();
+        let out =
+            self.models
+                .trainer
+                .micro_batch(&self.models.gpu, s, micro_batch, &batch, mb.norm)?;
+        drop(batch);
+        drop(responses);
+        self.book.metrics.loss.add(&out.metrics);
+        self.book.metrics.micro_batches += 1;
+        Ok(())
+    }
+
+    fn run_op(&mut self, s: &Arc<CudaStream>, op: &Op) -> Result<(), ExecError> {
+        let temp = self.book.temperature();
+        match op {
+            Op::EncodeMedia { groups, copies } => {
+                let groups: Vec<usize> = range(*groups).collect();
+                let m = Self::encode(
+                    &self.models.gpu,
+                    s,
+                    self.models.trainer.model(),
+                    self.book.prompts,
+                    &groups,
+                    *copies,
+                )?;
+                for (g, m) in groups.into_iter().zip(m) {
+                    self.encoded[g] = Some(m);
+                }
+            }
+            Op::Prefill { groups, copies } => self.run_prefill(s, *groups, *copies)?,
+            Op::DecodeWindow {
+                first_step,
+                steps,
+                until_done,
+            } => self.run_decode(s, *first_step, *steps, *until_done)?,
+            Op::RefPrefix { groups, copies } => {
+                let groups: Vec<usize> = range(*groups).collect();
+                let media = self.ref_media(s, &groups, *copies)?;
+                let reference = self.models.reference.as_ref().ok_or_else(no_reference)?;
+                let states = Self::prefill(
+                    &self.models.gpu,
+                    s,
+                    reference,
+                    self.book.prompts,
+                    &groups,
+                    &media,
+                    *copies,
+                )?;
+                for (g, st) in groups.into_iter().zip(states) {
+                    self.ref_prefixes[g] = Some(st);
+                }
+            }
+            Op::RefSuffix { slot } => {
+                let g = self.book.group_of_slot(*slot)?;
+                let prefix = self.ref_prefixes[g].as_ref().ok_or_else(|| {
+                    ExecError::Plan(format!("ref suffix of group {g} before its prefix"))
+                })?;
+                let reference = self.models.reference.as_ref().ok_or_else(no_reference)?;
+                let scores = reference.score_on_device(
+                    &self.models.gpu,
+                    s,
+                    prefix,
+                    &self.book.responses(g),
+                    temp,
+                )?;
+                self.pending.push((g, true, scores));
+            }
+            Op::ActorPrefix {
+                groups,
+                copies,
+                purpose,
+            } => match purpose {
+                Purpose::OldLogProb => {
+                    let groups = self.book.groups_of(groups)?;
+                    let media = self.actor_media(s, &groups)?;
+                    let states = Self::prefill(
+                        &self.models.gpu,
+                        s,
+                        self.models.trainer.model(),
+                        self.book.prompts,
+                        &groups,
+                        &media,
+                        *copies,
+                    )?;
+                    for (g, st) in groups.into_iter().zip(states) {
+                        self.old_prefixes[g] = Some(st);
+                    }
+                }
+                // The GPU trainer's forward recomputes each response's prompt (gpu/train.rs);
+                // the task is counted, as on the CPU backend.
+                Purpose::Train { .. } => self.book.metrics.train_prefix_tasks += 1,
+            },
+            Op::ActorSuffix { slot, purpose } => {
+                if *purpose != Purpose::OldLogProb {
+                    return Err(ExecError::Unsupported(
+                        "actor suffix forward for training outside a micro-batch".into(),
+                    ));
+                }
+                let g = self.book.group_of_slot(*slot)?;
+                let prefix = self.old_prefixes[g].as_ref().ok_or_else(|| {
+                    ExecError::Plan(format!(
+                        "old-log-prob suffix of group {g} before its prefix"
+                    ))
+                })?;
+                let scores = self.models.trainer.model().score_on_device(
+                    &self.models.gpu,
+                    s,
+                    prefix,
+                    &self.book.responses(g),
+                    temp,
+                )?;
+                self.pending.push((g, false, scores));
+            }
+            Op::Reward { slot } => self.book.reward(*slot, self.reward)?,
+            Op::Advantages { slot } => self.book.advantages(*slot)?,
+            Op::TrainMicroBatch {
+                step,
+                micro_batch,
+                samples,
+                ..
+            } => self.run_train_micro_batch(s, *step, *micro_batch, *samples)?,
+            Op::OptimizerStep { .. } => {
+                let report = self.models.trainer.optimizer_step(&self.models.gpu, s)?;
+                self.book.metrics.grad_norm = report.step.grad_norm;
+                self.book.metrics.optimizer_steps += 1;
+            }
+            // One address space, TP 1: the rollout reads the trainer's weights in place.
+            Op::WeightSync { .. } | Op::Reshard { .. } | Op::Offload { .. } | Op::Reload { .. } => {
+            }
+        }
+        Ok(())
+    }
+}
+
+fn no_reference() -> ExecError {
+    ExecError::Plan("the plan scores a reference, but the job has none".into())
+}
+
+impl TaskRunner for GpuIteration<'_, '_> {
+    type Error = ExecError;
+
+    fn slots_bound(&self) -> u32 {
+        self.book.slots_bound()
+    }
+
+    /// Non-blocking tasks first: they are launched and run on the device while the host waits
+    /// inside a blocking one.
+    fn rank(&self, task: &Task) -> u8 {
+        u8::from(blocks_host(&task.op))
+    }
+
+    fn run(&mut self, task: &Task) -> Result<(), ExecError> {
+        let s = self.streams.for_task(self.plan, task)?;
+        // Wait for every task this one depends on, and for the previous task of its plan
+        // stream, that ran on another CUDA stream (a plan stream's tasks may run on different
+        // partitions: inside and outside decode windows).
+        let prev = self.last_on_stream[task.stream.index()];
+        for d in task.deps.iter().chain(prev.as_ref()) {
+            let (_, end, on) = self
+                .events
+                .get(d.index())
+                .and_then(Option::as_ref)
+                .ok_or_else(|| {
+                    ExecError::Plan(format!("{} runs before its dependency {d}", task.id))
+                })?;
+            if on.cu_stream() != s.cu_stream() {
+                s.wait(end)?;
+            }
+        }
+        let start = self.models.gpu.timing_event()?;
+        start.record(&s)?;
+        self.run_op(&s, &task.op)?;
+        let end = self.models.gpu.timing_event()?;
+        end.record(&s)?;
+        self.events[task.id.index()] = Some((start, end, s));
+        self.last_on_stream[task.stream.index()] = Some(task.id);
+        self.book.metrics.tasks += 1;
+        Ok(())
+    }
+}
+
+/// Runs iterations `iterations` of `plan` on the GPU, telling `observer` about every task (with
+/// its device start and end, mapped onto the host clock from the iteration's start) and every
+/// iteration.
+pub fn run_gpu_loop(
+    plan: &Plan,
+    models: &mut GpuModels,
+    source: &mut dyn super::prompts::PromptSource,
+    reward: &mut RewardFn<'_>,
+    iterations: std::ops::Range<u32>,
+    observer: &mut dyn LoopObserver,
+) -> Result<(), ExecError> {
+    check_gpu_plan(plan, &models.gpu)?;
+    let streams = PlanStreams::new(plan, &models.gpu)?;
+    let groups = plan.parallel.prompts_per_rollout_replica as usize;
+    let program = plan.gpus[0].id;
+    let tasks = plan.tasks.iter().filter(|t| t.gpu == program).count();
+    let origin_stream = streams.get(
+        plan.streams
+            .iter()
+            .find(|s| s.gpu == program)
+            .ok_or_else(|| ExecError::Plan("GPU program 0 has no stream".into()))?
+            .id,
+    )?;
+    for it in iterations {
+        models.gpu.ctx().synchronize()?;
+        let t0 = Instant::now();
+        let origin = models.gpu.timing_event()?;
+        origin.record(origin_stream)?;
+        observer.iteration_started(it, tasks);
+        let prompts = source.prompts(it, groups)?;
+        let (result, times) = {
+            let mut iter = GpuIteration::new(plan, models, &streams, reward, it, &prompts)?;
+            let mut started = Started {
+                inner: &mut iter,
+                observer: &mut *observer,
+                iteration: it,
+            };
+            walker::walk(plan, program, &mut started, |_, _| {})?;
+            iter.models.gpu.ctx().synchronize()?;
+            let times = iter.task_times(&origin)?;
+            (iter.finish()?, times)
+        };
+        let wall = t0.elapsed();
+        for (i, a, b) in times {
+            let at = |ms: f64| t0 + Duration::from_secs_f64(ms.max(0.0) / 1e3);
+            observer.task_done(it, &plan.tasks[i], at(a), at(b));
+        }
+        observer.iteration_done(it, &result, LoopModels::Gpu(models), t0, wall)?;
+    }
+    Ok(())
+}
+
+/// Tells the observer when each task is launched (its device times come after the iteration).
+struct Started<'a, 'b, 'r> {
+    inner: &'a mut GpuIteration<'b, 'r>,
+    observer: &'a mut dyn LoopObserver,
+    iteration: u32,
+}
+
+impl TaskRunner for Started<'_, '_, '_> {
+    type Error = ExecError;
+    fn run(&mut self, task: &Task) -> Result<(), ExecError> {
+        self.observer.task_started(self.iteration, task);
+        self.inner.run(task)
+    }
+    fn slots_bound(&self) -> u32 {
+        self.inner.slots_bound()
+    }
+    fn rank(&self, task: &Task) -> u8 {
+        self.inner.rank(task)
+    }
+}
+
+/// Runs iterations `first .. first + count` of `plan` on the GPU. `on_iteration` sees each
+/// iteration's result and wall time as soon as it is done.
+pub fn run_gpu_iterations(
+    plan: &Plan,
+    models: &mut GpuModels,
+    source: &mut dyn super::prompts::PromptSource,
+    reward: &mut RewardFn<'_>,
+    first: u32,
+    count: u32,
+    on_iteration: impl FnMut(u32, &IterationResult, Duration) -> Result<(), ExecError>,
+) -> Result<(), ExecError> {
+    run_gpu_loop(
+        plan,
+        models,
+        source,
+        reward,
+        first..first + count,
+        &mut super::EachIteration(on_iteration),
+    )
+}
+
+/// Greedy tokens of one prompt with the GPU model (evaluation): encode, prefill, generate.
+pub fn greedy_tokens(
+    models: &GpuModels,
+    prompt: &PromptData,
+    sample: u32,
+    cfg: &GenerateConfig,
+) -> Result<Vec<u32>, ExecError> {
+    let (gpu, s) = (&models.gpu, &models.stream);
+    let model = models.trainer.model();
+    let media = GpuIteration::encode(gpu, s, model, std::slice::from_ref(prompt), &[0], 1)?;
+    let state =
+        GpuIteration::prefill(gpu, s, model, std::slice::from_ref(prompt), &[0], &media, 1)?
+            .pop()
+            .ok_or_else(|| ExecError::Plan("prefill returned no state".into()))?;
+    let cfg = GenerateConfig {
+        sampling: SamplingParams::greedy(),
+        ..cfg.clone()
+    };
+    let mut out = model.generate_group(gpu, s, &state, &[sample], &cfg)?;
+    Ok(out.pop().map(|r| r.tokens).unwrap_or_default())
+}
