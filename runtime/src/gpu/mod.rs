@@ -37,6 +37,7 @@ mod block;
 pub mod generate;
 pub mod plan;
 mod staging;
+pub mod streams;
 pub mod text;
 pub mod train;
 pub mod vision;
