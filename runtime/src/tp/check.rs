@@ -371,7 +371,13 @@ pub fn main(plan_path: &std::path::Path, rounds: u32) -> std::process::ExitCode 
             .to_le_bytes()
         })
         .collect();
-    let comm = match launch::join(&env, &job, unique_id, super::TcpOptions::default()) {
+    // a round takes milliseconds: a rank alive (heartbeats) but absent from a collective for
+    // minutes is stuck, and the group ends naming it
+    let opts = super::TcpOptions {
+        collective_timeout: Some(std::time::Duration::from_secs(300)),
+        ..Default::default()
+    };
+    let comm = match launch::join(&env, &job, unique_id, opts) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: rank {}: {e}", env.rank);
