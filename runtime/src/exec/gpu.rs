@@ -26,7 +26,14 @@
 //! waits, [`GpuIteration`] asks the walker to launch every ready non-blocking task before a
 //! blocking one ([`walker::TaskRunner::rank`]).
 //!
-//! Invariants: a task's launches all go to its plan stream; a buffer made on one stream is read
+//! Streams: outside decode windows each plan stream is a plain CUDA stream on the whole GPU;
+//! inside a window the decode task runs on the window's decode partition and its side tasks on
+//! the side partition ([`crate::gpu::streams::StreamSet`]: green contexts, or prioritised plain
+//! streams with a warning where those are unavailable or `ROLLPLEX_NO_GREEN_CONTEXTS=1`). Results
+//! never depend on the partition (that module's invariant). `ROLLPLEX_TASK_LOG=1` prints each
+//! task to stderr as the host launches it.
+//!
+//! Invariants: a task's launches all go to one CUDA stream; a buffer made on one stream is read
 //! on another only after an event of the producing task; everything an iteration allocated is
 //! freed after the device has finished it (the loop synchronises between iterations, where the
 //! next iteration's rollout must see the trained weights anyway).
@@ -45,6 +52,7 @@ use super::book::{range, Book};
 use super::cpu::RewardFn;
 use super::walker::{self, TaskRunner};
 use super::{ExecError, IterationMetrics, IterationResult, LoopModels, LoopObserver, PromptData};
+use crate::gpu::streams::{Priority as PartPriority, StreamSet};
 use crate::gpu::text::DeviceScores;
 use crate::gpu::train::{GpuGroupBatch, GpuTrainError, GpuTrainer};
 use crate::gpu::{GpuEncodedMedia, GpuError, GpuKvArena, GpuModel, GpuPrefixState, GpuPrompt};
@@ -226,25 +234,50 @@ fn preset_of(name: &str) -> Option<&'static str> {
         .find(|p| n.contains(p))
 }
 
-/// The plan's streams of one GPU program as CUDA streams (`High` priority: the device's most
-/// urgent; `Normal`: the default).
+/// The plan's streams of one GPU program as CUDA streams. Outside decode windows a task runs
+/// on its plan stream's own CUDA stream (`High` priority: the device's most urgent; `Normal`:
+/// the least), on the whole GPU. Inside a window, its decode task runs on the window's decode
+/// partition (`decode_sms` SMs) and its side tasks on the side partition (`side_sms`), from
+/// [`StreamSet`] (green contexts; prioritised plain streams where those are unavailable).
 pub struct PlanStreams {
     streams: Vec<Option<Arc<CudaStream>>>,
+    /// Per window: (decode, side) partition streams.
+    windows: Vec<Option<(Arc<CudaStream>, Arc<CudaStream>)>>,
+    set: StreamSet,
 }
 
 impl PlanStreams {
     pub fn new(plan: &Plan, gpu: &Gpu) -> Result<Self, ExecError> {
-        let (_, most_urgent) = gpu.priority_range()?;
+        let set = StreamSet::new(gpu)?;
+        let (least, most_urgent) = gpu.priority_range()?;
         let mut streams = vec![None; plan.streams.len()];
         let program = plan.gpus[0].id;
         for s in plan.streams.iter().filter(|s| s.gpu == program) {
             let prio = match s.priority {
                 Priority::High => most_urgent,
-                Priority::Normal => 0,
+                Priority::Normal => least,
             };
             streams[s.id.index()] = Some(gpu.stream(prio)?);
         }
-        Ok(PlanStreams { streams })
+        let total = set.total_sms();
+        let mut windows = vec![None; plan.windows.len()];
+        for w in plan.windows.iter().filter(|w| w.gpu == program) {
+            // side_sms == 0: decode has the whole GPU (no side work in the window)
+            let (d, sd) = if w.side_sms == 0 {
+                (total, total)
+            } else {
+                (w.decode_sms, w.side_sms)
+            };
+            windows[w.id.index()] = Some((
+                set.partition(d, PartPriority::High)?,
+                set.partition(sd, PartPriority::Normal)?,
+            ));
+        }
+        Ok(PlanStreams {
+            streams,
+            windows,
+            set,
+        })
     }
 
     pub fn get(&self, id: StreamId) -> Result<&Arc<CudaStream>, ExecError> {
@@ -254,9 +287,30 @@ impl PlanStreams {
             .ok_or_else(|| ExecError::Plan(format!("{id} is not a stream of GPU program 0")))
     }
 
-    /// The CUDA stream `task` runs on: its plan stream's.
-    pub fn for_task(&self, _plan: &Plan, task: &Task) -> Result<Arc<CudaStream>, ExecError> {
-        Ok(self.get(task.stream)?.clone())
+    /// Whether windows run on real SM partitions (green contexts).
+    pub fn green(&self) -> bool {
+        self.set.green()
+    }
+
+    /// The CUDA stream `task` runs on (see the type's docs).
+    pub fn for_task(&self, plan: &Plan, task: &Task) -> Result<Arc<CudaStream>, ExecError> {
+        let Some(w) = task.window else {
+            return Ok(self.get(task.stream)?.clone());
+        };
+        let window = plan
+            .windows
+            .get(w.index())
+            .ok_or_else(|| ExecError::Plan(format!("{} names unknown {w}", task.id)))?;
+        let (decode, side) = self
+            .windows
+            .get(w.index())
+            .and_then(Option::as_ref)
+            .ok_or_else(|| ExecError::Plan(format!("{w} is not a window of GPU program 0")))?;
+        Ok(if task.stream == window.decode_stream {
+            decode.clone()
+        } else {
+            side.clone()
+        })
     }
 }
 
@@ -887,6 +941,7 @@ pub fn run_gpu_loop(
                 inner: &mut iter,
                 observer: &mut *observer,
                 iteration: it,
+                log: std::env::var_os("ROLLPLEX_TASK_LOG").map(|_| t0),
             };
             walker::walk(plan, program, &mut started, |_, _| {})?;
             iter.models.gpu.ctx().synchronize()?;
@@ -908,13 +963,28 @@ struct Started<'a, 'b, 'r> {
     inner: &'a mut GpuIteration<'b, 'r>,
     observer: &'a mut dyn LoopObserver,
     iteration: u32,
+    /// `ROLLPLEX_TASK_LOG=1`: the iteration's start, to log each task to stderr as it runs.
+    log: Option<Instant>,
 }
 
 impl TaskRunner for Started<'_, '_, '_> {
     type Error = ExecError;
     fn run(&mut self, task: &Task) -> Result<(), ExecError> {
         self.observer.task_started(self.iteration, task);
-        self.inner.run(task)
+        let t0 = Instant::now();
+        self.inner.run(task)?;
+        if let Some(start) = self.log {
+            // host times: when the launches of `task` began and how long the host spent in them
+            eprintln!(
+                "[iteration {} +{:.3} s] {} ({}): host {:.1} ms",
+                self.iteration,
+                t0.duration_since(start).as_secs_f64(),
+                task.name,
+                task.id,
+                t0.elapsed().as_secs_f64() * 1e3
+            );
+        }
+        Ok(())
     }
     fn slots_bound(&self) -> u32 {
         self.inner.slots_bound()
