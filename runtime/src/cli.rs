@@ -452,14 +452,23 @@ fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
         ));
     }
     // Checked before the models are built (a large random model takes a while on the host).
-    exec::gpu::check_gpu_plan(plan, &exec::gpu::open_gpu()?)?;
-    // Plain CUDA streams: a task that ran alone had the whole GPU (exec::profile::Execution).
+    let gpu = exec::gpu::open_gpu()?;
+    exec::gpu::check_gpu_plan(plan, &gpu)?;
+    // Decode windows run on SM partitions when green contexts work (exec::gpu::PlanStreams),
+    // else on plain streams sharing the SMs (exec::profile::Execution).
+    let partitioned = exec::gpu::PlanStreams::new(plan, &gpu)?.green();
+    drop(gpu);
     let profile = args
         .profile
         .as_ref()
         .map(|_| {
             use exec::profile::{Execution, ProfileRecorder};
-            ProfileRecorder::for_run(plan, "cuda", Execution::Shared, args.iterations)
+            let execution = if partitioned {
+                Execution::Partitioned
+            } else {
+                Execution::Shared
+            };
+            ProfileRecorder::for_run(plan, "cuda", execution, args.iterations)
         })
         .transpose()?;
     let spec = &plan.spec;
