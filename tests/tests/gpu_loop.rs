@@ -329,3 +329,59 @@ fn cuda_tiny_h200_learns_the_moving_shapes_task() {
         "held-out greedy accuracy reached only {best:.3} in {done} iterations"
     );
 }
+
+/// The CUDA runner's pick order (every ready non-blocking task before a blocking one,
+/// `exec::gpu::blocks_host`) changes when tasks run, never what they compute: one iteration on
+/// the CPU backend walked in plan order and in that order gives the same results bitwise, and
+/// the orders really differ. Runs without a GPU.
+#[test]
+fn cuda_pick_order_changes_no_number() {
+    use rollplex_runtime::exec::cpu::CpuIteration;
+    use rollplex_runtime::exec::walker::{walk, TaskRunner};
+    struct Ranked<'a, 'b, 'r>(&'a mut CpuIteration<'b, 'r>, bool);
+    impl TaskRunner for Ranked<'_, '_, '_> {
+        type Error = exec::ExecError;
+        fn run(&mut self, t: &rollplex_plan::plan::Task) -> Result<(), exec::ExecError> {
+            self.0.run(t)
+        }
+        fn slots_bound(&self) -> u32 {
+            self.0.slots_bound()
+        }
+        fn rank(&self, t: &rollplex_plan::plan::Task) -> u8 {
+            u8::from(self.1 && gpu::blocks_host(&t.op))
+        }
+    }
+    let plan = compile(&overlap_small_src(), Mode::Overlap);
+    let spec = &plan.spec;
+    let run = |ranked: bool| {
+        let mut models = exec::build_cpu_models(spec).expect("CPU models");
+        let mut source = exec::data_source(spec, &spec.rollout.dataset).expect("data");
+        let mut reward = exec::reward_fn(spec).expect("reward");
+        let prompts = source
+            .prompts(0, plan.parallel.prompts_per_rollout_replica as usize)
+            .expect("prompts");
+        let mut iter =
+            CpuIteration::new(&plan, &mut models, reward.as_mut(), 0, &prompts).expect("iteration");
+        let mut order = Vec::new();
+        walk(
+            &plan,
+            plan.gpus[0].id,
+            &mut Ranked(&mut iter, ranked),
+            |t, _| order.push(t),
+        )
+        .expect("walk");
+        (iter.finish(), order)
+    };
+    let (a, order_a) = run(false);
+    let (b, order_b) = run(true);
+    assert_ne!(
+        order_a, order_b,
+        "the rank hook should reorder this plan's tasks"
+    );
+    assert!(a.metrics.optimizer_steps > 0);
+    assert_eq!(a.tokens, b.tokens);
+    assert_eq!(bits(&a.rollout_logp), bits(&b.rollout_logp));
+    assert_eq!(obits(&a.ref_logp), obits(&b.ref_logp));
+    assert_eq!(a.metrics.loss.loss.to_bits(), b.metrics.loss.loss.to_bits());
+    assert_eq!(a.metrics.grad_norm.to_bits(), b.metrics.grad_norm.to_bits());
+}
