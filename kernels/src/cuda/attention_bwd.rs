@@ -21,6 +21,7 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKern
 use half::bf16;
 
 use super::attention::{rows_of, AttnSeqGpu, RowStrides};
+use super::attention_bwd_tc::{all_aligned16, attention_bwd_tc_bf16, bwd_kernel_for, BwdKernel};
 use super::launch::{need, ptr, ptr_mut, u32_of};
 use super::nvrtc::KernelModule;
 use super::{shape, Gpu, Result};
@@ -47,8 +48,121 @@ fn launch_cfg(items: usize) -> LaunchConfig {
 /// `strides`, plus its `out` and `lse`): writes `dq`, `dk`, `dv` (bf16) and adds the shared
 /// prefix keys' gradients into `dprefix_k`, `dprefix_v` (fp32). Pass `k`, `v` (and any two fp32
 /// buffers of at least one row) as the prefix when no sequence has one. `head_dim` <= 256.
+/// Runs [`BwdKernel::Auto`]'s choice ([`bwd_kernel_for`]: the tensor cores with
+/// `ROLLPLEX_ATTN_BWD=tc` where they take the case, else SIMT).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_bwd_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    dq: &mut impl DevicePtrMut<bf16>,
+    dk: &mut impl DevicePtrMut<bf16>,
+    dv: &mut impl DevicePtrMut<bf16>,
+    dprefix_k: &mut impl DevicePtrMut<f32>,
+    dprefix_v: &mut impl DevicePtrMut<f32>,
+    dout: &impl DevicePtr<bf16>,
+    q: &impl DevicePtr<bf16>,
+    k: &impl DevicePtr<bf16>,
+    v: &impl DevicePtr<bf16>,
+    prefix_k: &impl DevicePtr<bf16>,
+    prefix_v: &impl DevicePtr<bf16>,
+    out: &impl DevicePtr<bf16>,
+    lse: &impl DevicePtr<f32>,
+    seqs: &impl DevicePtr<AttnSeqGpu>,
+    n_seqs: usize,
+    dims: AttnDims,
+    mask: AttnMask,
+    scale: f32,
+    strides: RowStrides,
+) -> Result<()> {
+    attention_bwd_bf16_with(
+        BwdKernel::Auto,
+        gpu,
+        stream,
+        dq,
+        dk,
+        dv,
+        dprefix_k,
+        dprefix_v,
+        dout,
+        q,
+        k,
+        v,
+        prefix_k,
+        prefix_v,
+        out,
+        lse,
+        seqs,
+        n_seqs,
+        dims,
+        mask,
+        scale,
+        strides,
+    )
+}
+
+/// [`attention_bwd_bf16`] on a chosen kernel (tests and the bench run them side by side).
+/// [`BwdKernel::TensorCores`] refuses what [`super::attention_bwd_tc::tc_bwd_refusal`] names;
+/// [`BwdKernel::Auto`] falls back to SIMT there and for bf16 buffers off 16-byte boundaries.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd_bf16_with(
+    kernel: BwdKernel,
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    dq: &mut impl DevicePtrMut<bf16>,
+    dk: &mut impl DevicePtrMut<bf16>,
+    dv: &mut impl DevicePtrMut<bf16>,
+    dprefix_k: &mut impl DevicePtrMut<f32>,
+    dprefix_v: &mut impl DevicePtrMut<f32>,
+    dout: &impl DevicePtr<bf16>,
+    q: &impl DevicePtr<bf16>,
+    k: &impl DevicePtr<bf16>,
+    v: &impl DevicePtr<bf16>,
+    prefix_k: &impl DevicePtr<bf16>,
+    prefix_v: &impl DevicePtr<bf16>,
+    out: &impl DevicePtr<bf16>,
+    lse: &impl DevicePtr<f32>,
+    seqs: &impl DevicePtr<AttnSeqGpu>,
+    n_seqs: usize,
+    dims: AttnDims,
+    mask: AttnMask,
+    scale: f32,
+    strides: RowStrides,
+) -> Result<()> {
+    let tc = match kernel {
+        BwdKernel::TensorCores => true,
+        BwdKernel::Simt => false,
+        BwdKernel::Auto => {
+            bwd_kernel_for(&dims, strides, n_seqs) == BwdKernel::TensorCores
+                && all_aligned16(&[
+                    ptr_mut(dq, stream),
+                    ptr_mut(dk, stream),
+                    ptr_mut(dv, stream),
+                    ptr(dout, stream),
+                    ptr(q, stream),
+                    ptr(k, stream),
+                    ptr(v, stream),
+                    ptr(prefix_k, stream),
+                    ptr(prefix_v, stream),
+                    ptr(out, stream),
+                ])
+        }
+    };
+    if tc {
+        attention_bwd_tc_bf16(
+            gpu, stream, dq, dk, dv, dprefix_k, dprefix_v, dout, q, k, v, prefix_k, prefix_v, out,
+            lse, seqs, n_seqs, dims, mask, scale, strides,
+        )
+    } else {
+        attention_bwd_simt_bf16(
+            gpu, stream, dq, dk, dv, dprefix_k, dprefix_v, dout, q, k, v, prefix_k, prefix_v, out,
+            lse, seqs, n_seqs, dims, mask, scale, strides,
+        )
+    }
+}
+
+/// [`attention_bwd_bf16`] on the SIMT kernels (every head_dim up to 256, any alignment).
+#[allow(clippy::too_many_arguments)]
+fn attention_bwd_simt_bf16(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     dq: &mut impl DevicePtrMut<bf16>,

@@ -1,0 +1,478 @@
+// Attention backward on the tensor cores (FlashAttention-2 style): the same results and argument
+// conventions as attention_bwd.cu (the SIMT twin of crate::cpu::attention_bwd) up to the bf16
+// rounding of P and dS before their MMAs. Probabilities are recomputed from the forward's
+// natural-log LSE: P = exp2(S * scale*log2(e) - lse*log2(e)), dS = P (dP - D), D_i = dout_i . out_i
+// (precomputed in fp32 by attention_bwd_tc_prep). Four launches:
+//   attention_bwd_tc_prep     one warp per (query row, head): D; zeros dq rows no sequence owns;
+//   attention_bwd_tc_zero_kv  one warp per (key row, kv head): zeros dk / dv rows no sequence owns;
+//   attention_bwd_tc_dq_bf16  query-centric: a block owns BT queries of (sequence, head), loops over
+//                             the K/V tiles (prefix keys then own keys, ascending): dq += dS K;
+//   attention_bwd_tc_dkv_bf16 key-centric: a block owns BT own keys of (sequence, kv head), loops
+//                             over the query heads of the group, then the query tiles, ascending:
+//                             dv += P^T dout, dk += dS^T q.
+// Shared-prefix keys' gradients are left to attention_bwd_dprefix_f32 (attention_bwd.cu).
+// Every sum runs in a fixed order (tile loops ascending, MMAs in fixed k order, no atomics), so
+// the result depends only on the inputs and launch arguments. 4 warps per block, each 16 rows of
+// the block's tile; S/dP (and S^T/dP^T) in fp32 registers from mma.sync m16n8k16 (bf16 in, fp32
+// accumulate); the accumulator layout of S is the A operand layout of the next MMA (as in
+// attention_fwd_tc_bf16). Tiles stream through a 2-stage cp.async pipeline in dynamic shared
+// memory. A row written by two descriptors is written by the first valid one only (its owner),
+// as in the SIMT kernels.
+//
+// HEAD_DIM is a compile-time constant (-DHEAD_DIM=...), a multiple of 32 (64 and 128 are tested).
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#define BT 64                  // rows per tile (queries or keys): 4 warps x 16
+#define BPAD 8                 // bf16 padding per shared row (16 bytes) against bank conflicts
+#define BROW (HEAD_DIM + BPAD)  // shared row, in bf16
+#define BNT 128                // threads per block
+
+static_assert(HEAD_DIM % 32 == 0, "HEAD_DIM must be a multiple of 32");
+static_assert((BT * (HEAD_DIM / 8)) % BNT == 0, "a tile must split evenly over the block");
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+    const int n = valid ? 16 : 0;  // 0: fill with zeros, read nothing
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+__device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+// c += A B, all 16 rows of A.
+__device__ __forceinline__ void mma16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The descriptor fits the buffers (the SIMT kernels' bwd_seq_ok).
+__device__ __forceinline__ bool tc_seq_ok(const AttnSeq& s, u32 q_rows, u32 kv_rows, u32 p_rows) {
+    return (u64)s.q_start + s.q_len <= q_rows && (u64)s.k_start + s.k_len <= kv_rows &&
+           (u64)s.p_start + s.p_len <= p_rows && s.q_len <= s.k_len;
+}
+// The first valid sequence whose queries (keys) hold row i, or -1.
+__device__ __forceinline__ int tc_q_owner(const AttnSeq* seqs, u32 n_seqs, u32 i, u32 q_rows,
+                                          u32 kv_rows, u32 p_rows) {
+    for (u32 si = 0; si < n_seqs; si++) {
+        const AttnSeq s = seqs[si];
+        if (tc_seq_ok(s, q_rows, kv_rows, p_rows) && i >= s.q_start && i < s.q_start + s.q_len)
+            return (int)si;
+    }
+    return -1;
+}
+__device__ __forceinline__ int tc_k_owner(const AttnSeq* seqs, u32 n_seqs, u32 j, u32 q_rows,
+                                          u32 kv_rows, u32 p_rows) {
+    for (u32 si = 0; si < n_seqs; si++) {
+        const AttnSeq s = seqs[si];
+        if (tc_seq_ok(s, q_rows, kv_rows, p_rows) && j >= s.k_start && j < s.k_start + s.k_len)
+            return (int)si;
+    }
+    return -1;
+}
+
+// D[i * n_heads + h] = dout_i . out_i over head h (fp32, 0 for rows no sequence owns); zeros
+// the dq row-heads no sequence owns. One warp per (row, head), 4 warps per block.
+extern "C" __global__ void attention_bwd_tc_prep(float* __restrict__ dsum, bf16* __restrict__ dq,
+                                                 const bf16* __restrict__ dout,
+                                                 const bf16* __restrict__ out,
+                                                 const AttnSeq* __restrict__ seqs, u32 n_seqs,
+                                                 u32 q_rows, u32 kv_rows, u32 p_rows,
+                                                 u32 n_heads, u32 q_stride, u32 out_stride) {
+    const u32 lane = threadIdx.x & 31u;
+    const u64 w = (u64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (w >= (u64)q_rows * n_heads) return;  // warp-uniform
+    const u32 i = (u32)(w / n_heads), h = (u32)(w % n_heads);
+    float acc = 0.0f;
+    if (tc_q_owner(seqs, n_seqs, i, q_rows, kv_rows, p_rows) >= 0) {
+        const bf16* a = dout + (u64)i * out_stride + h * HEAD_DIM;
+        const bf16* b = out + (u64)i * out_stride + h * HEAD_DIM;
+        for (u32 e = lane; e < HEAD_DIM; e += 32) acc += bf2f(a[e]) * bf2f(b[e]);
+        acc = warp_sum(acc);
+    } else {
+        bf16* o = dq + (u64)i * q_stride + h * HEAD_DIM;
+        for (u32 e = lane; e < HEAD_DIM; e += 32) o[e] = (bf16)0;
+    }
+    if (lane == 0) dsum[w] = acc;
+}
+
+// Zeros the dk / dv row-heads no sequence owns. One warp per (key row, kv head).
+extern "C" __global__ void attention_bwd_tc_zero_kv(bf16* __restrict__ dk, bf16* __restrict__ dv,
+                                                    const AttnSeq* __restrict__ seqs, u32 n_seqs,
+                                                    u32 q_rows, u32 kv_rows, u32 p_rows,
+                                                    u32 n_kv, u32 kv_stride) {
+    const u32 lane = threadIdx.x & 31u;
+    const u64 w = (u64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (w >= (u64)kv_rows * n_kv) return;
+    const u32 j = (u32)(w / n_kv), g = (u32)(w % n_kv);
+    if (tc_k_owner(seqs, n_seqs, j, q_rows, kv_rows, p_rows) >= 0) return;
+    const u64 o = (u64)j * kv_stride + g * HEAD_DIM;
+    for (u32 e = lane; e < HEAD_DIM; e += 32) {
+        dk[o + e] = (bf16)0;
+        dv[o + e] = (bf16)0;
+    }
+}
+
+// dq. Grid (x, n_heads, n_seqs), block BNT: block (x, h, z) takes query tiles x, x + gridDim.x,
+// ... of sequence z, counted from the last (the longest under a causal mask). Each warp holds
+// its 16 query rows of q and dout as A fragments; per K/V tile of BT logical keys (prefix keys
+// then own keys): S = q K^T, dP = dout V^T, dS = P (dP - D), dq += dS K. dq = scale * the sum.
+extern "C" __global__ void __launch_bounds__(BNT)
+attention_bwd_tc_dq_bf16(bf16* __restrict__ dq, const bf16* __restrict__ dout,
+                         const bf16* __restrict__ q, const bf16* __restrict__ k,
+                         const bf16* __restrict__ v, const bf16* __restrict__ pk,
+                         const bf16* __restrict__ pv, const float* __restrict__ lse,
+                         const float* __restrict__ dsum, const AttnSeq* __restrict__ seqs,
+                         u32 n_seqs, u32 q_rows, u32 kv_rows, u32 p_rows, u32 n_heads, u32 n_kv,
+                         u32 q_stride, u32 kv_stride, u32 p_stride, u32 out_stride, u32 causal,
+                         float scale) {
+    constexpr int KSTEPS = HEAD_DIM / 16;
+    constexpr int DT = HEAD_DIM / 8;
+    constexpr int VPR = HEAD_DIM / 8;      // 16-byte chunks per row
+    constexpr u32 TILE = BT * BROW * 2;    // bytes of one K (or V) tile
+    extern __shared__ __align__(16) unsigned char dsmem[];
+    const u32 z = blockIdx.z;
+    const AttnSeq s = seqs[z];
+    if (!tc_seq_ok(s, q_rows, kv_rows, p_rows)) return;
+    const u32 h = blockIdx.y, kvh = h / (n_heads / n_kv);
+    const u32 L = s.p_len + s.k_len;
+    const u32 off = L - s.q_len;  // logical index of query 0's own key
+    const u32 n_qt = (s.q_len + BT - 1) / BT;
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const u32 base = smem_u32(dsmem);  // stage st: K at base + 2*st*TILE, V right after
+    const float scale_log2 = scale * LOG2E_F;
+
+    for (u32 ti = blockIdx.x; ti < n_qt; ti += gridDim.x) {
+        const u32 q0 = (n_qt - 1 - ti) * BT;
+        const u32 q_end = min(s.q_len, q0 + BT);
+        const u32 kend = causal ? off + q_end : L;  // keys any row of the tile sees
+        const u32 ntiles = (kend + BT - 1) / BT;
+        const u32 r0 = q0 + warp * 16;
+        const bool w_active = r0 < s.q_len;
+        const u32 w_kend = !w_active ? 0 : (causal ? off + min(r0 + 16, s.q_len) : L);
+        const u32 ia = r0 + g, ib = ia + 8;
+        const bool va = ia < s.q_len, vb = ib < s.q_len;
+        const u32 lim_a = causal ? min(off + ia + 1, L) : L;
+        const u32 lim_b = causal ? min(off + ib + 1, L) : L;
+        const u64 ra = (u64)s.q_start + (va ? ia : 0), rb = (u64)s.q_start + (vb ? ib : 0);
+        const bf16* qa = q + ra * q_stride + h * HEAD_DIM;
+        const bf16* qb = q + rb * q_stride + h * HEAD_DIM;
+        const bf16* da = dout + ra * out_stride + h * HEAD_DIM;
+        const bf16* db = dout + rb * out_stride + h * HEAD_DIM;
+        u32 qf[KSTEPS][4], df[KSTEPS][4];
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; kk++) {
+            qf[kk][0] = va ? *(const u32*)(qa + 16 * kk + 2 * t) : 0u;
+            qf[kk][1] = vb ? *(const u32*)(qb + 16 * kk + 2 * t) : 0u;
+            qf[kk][2] = va ? *(const u32*)(qa + 16 * kk + 8 + 2 * t) : 0u;
+            qf[kk][3] = vb ? *(const u32*)(qb + 16 * kk + 8 + 2 * t) : 0u;
+            df[kk][0] = va ? *(const u32*)(da + 16 * kk + 2 * t) : 0u;
+            df[kk][1] = vb ? *(const u32*)(db + 16 * kk + 2 * t) : 0u;
+            df[kk][2] = va ? *(const u32*)(da + 16 * kk + 8 + 2 * t) : 0u;
+            df[kk][3] = vb ? *(const u32*)(db + 16 * kk + 8 + 2 * t) : 0u;
+        }
+        const float la = va ? lse[ra * n_heads + h] * LOG2E_F : 0.0f;
+        const float lb = vb ? lse[rb * n_heads + h] * LOG2E_F : 0.0f;
+        const float Da = va ? dsum[ra * n_heads + h] : 0.0f;
+        const float Db = vb ? dsum[rb * n_heads + h] : 0.0f;
+
+        auto issue = [&](u32 it) {
+            const u32 ks = base + (it & 1) * 2 * TILE, vs = ks + TILE;
+            const u32 t0 = it * BT;
+#pragma unroll
+            for (int i = 0; i < BT * VPR / BNT; i++) {
+                const u32 c = threadIdx.x + BNT * i, row = c / VPR, col = c % VPR, kk = t0 + row;
+                const bool valid = kk < kend;
+                const bf16* kp = k;
+                const bf16* vp = v;
+                if (valid) {
+                    const bool pre = kk < s.p_len;
+                    const u64 o = (pre ? (u64)(s.p_start + kk) * p_stride
+                                       : (u64)(s.k_start + kk - s.p_len) * kv_stride) +
+                                  kvh * HEAD_DIM + col * 8;
+                    kp = (pre ? pk : k) + o;
+                    vp = (pre ? pv : v) + o;
+                }
+                const u32 so = (row * BROW + col * 8) * 2;
+                cp_async16(ks + so, kp, valid);
+                cp_async16(vs + so, vp, valid);
+            }
+        };
+
+        float acc[DT][4];
+#pragma unroll
+        for (int j = 0; j < DT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+
+        __syncthreads();  // the previous query tile's last reads of the stages are done
+        if (ntiles > 0) issue(0);
+        cp_async_commit();
+        for (u32 it = 0; it < ntiles; it++) {
+            if (it + 1 < ntiles) issue(it + 1);
+            cp_async_commit();
+            cp_async_wait1();  // tile `it` landed (this thread's copies) ...
+            __syncthreads();   // ... and everyone's
+            const u32 t0 = it * BT;
+            if (t0 < w_kend) {  // warp-uniform
+                const u32 ks = base + (it & 1) * 2 * TILE, vs = ks + TILE;
+                float sc[BT / 8][4], dp[BT / 8][4];
+#pragma unroll
+                for (int j = 0; j < BT / 8; j++) {
+                    sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+                    dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.0f;
+                    const u32 row = 8 * j + (lane & 7);
+#pragma unroll
+                    for (int kk = 0; kk < KSTEPS; kk += 2) {
+                        const u32 so = (row * BROW + 16 * kk + 8 * (lane >> 3)) * 2;
+                        u32 b0, b1, b2, b3;
+                        ldsm_x4(ks + so, b0, b1, b2, b3);
+                        mma16(sc[j], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], b0, b1);
+                        mma16(sc[j], qf[kk + 1][0], qf[kk + 1][1], qf[kk + 1][2], qf[kk + 1][3], b2, b3);
+                        ldsm_x4(vs + so, b0, b1, b2, b3);
+                        mma16(dp[j], df[kk][0], df[kk][1], df[kk][2], df[kk][3], b0, b1);
+                        mma16(dp[j], df[kk + 1][0], df[kk + 1][1], df[kk + 1][2], df[kk + 1][3], b2, b3);
+                    }
+                }
+                // dS (in sc): rows A = ia (elements 0, 1), B = ib (2, 3); keys 8j + 2t (+1)
+#pragma unroll
+                for (int j = 0; j < BT / 8; j++) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const u32 kk = t0 + 8 * j + 2 * t + (e & 1);
+                        const bool ok = e < 2 ? (va && kk < lim_a) : (vb && kk < lim_b);
+                        const float p = ok ? exp2f(sc[j][e] * scale_log2 - (e < 2 ? la : lb)) : 0.0f;
+                        sc[j][e] = p * (dp[j][e] - (e < 2 ? Da : Db));
+                    }
+                }
+                // dq += dS K: BT/16 k-steps of 16 keys, DT n-tiles of 8 dims (two per ldmatrix)
+#pragma unroll
+                for (int kk2 = 0; kk2 < BT / 16; kk2++) {
+                    const u32 a0 = pack_bf2(sc[2 * kk2][0], sc[2 * kk2][1]);
+                    const u32 a1 = pack_bf2(sc[2 * kk2][2], sc[2 * kk2][3]);
+                    const u32 a2 = pack_bf2(sc[2 * kk2 + 1][0], sc[2 * kk2 + 1][1]);
+                    const u32 a3 = pack_bf2(sc[2 * kk2 + 1][2], sc[2 * kk2 + 1][3]);
+                    const u32 row = 16 * kk2 + (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+                    for (int jd = 0; jd < DT; jd += 2) {
+                        u32 b0, b1, b2, b3;
+                        const u32 col = 8 * (jd + (lane >> 4));
+                        ldsm_x4_t(ks + (row * BROW + col) * 2, b0, b1, b2, b3);
+                        mma16(acc[jd], a0, a1, a2, a3, b0, b1);
+                        mma16(acc[jd + 1], a0, a1, a2, a3, b2, b3);
+                    }
+                }
+            }
+            __syncthreads();  // stage `it & 1` is refilled by the next iteration's issue
+        }
+        cp_async_wait0();
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const bool ok = half ? vb : va;
+            if (!ok) continue;
+            const u32 i = s.q_start + (half ? ib : ia);
+            if (tc_q_owner(seqs, n_seqs, i, q_rows, kv_rows, p_rows) != (int)z) continue;
+            bf16* orow = dq + (u64)i * q_stride + h * HEAD_DIM;
+#pragma unroll
+            for (int jd = 0; jd < DT; jd++)
+                *(u32*)(orow + 8 * jd + 2 * t) =
+                    pack_bf2(acc[jd][2 * half] * scale, acc[jd][2 * half + 1] * scale);
+        }
+    }  // query tiles
+}
+
+// dk, dv of own keys. Grid (x, n_kv, n_seqs), block BNT: block (x, g, z) takes key tiles x,
+// x + gridDim.x, ... of sequence z (tile 0, the longest under a causal mask, first). K and V of
+// the tile stay in shared memory; each warp owns 16 keys. For each query head of group g
+// (ascending), each query tile that sees a key of the tile (ascending): S^T = K q^T,
+// dP^T = V dout^T, P^T, dS^T = P^T (dP^T - D); dv += P^T dout, dk += dS^T q. dk = scale * the sum.
+extern "C" __global__ void __launch_bounds__(BNT)
+attention_bwd_tc_dkv_bf16(bf16* __restrict__ dk, bf16* __restrict__ dv,
+                          const bf16* __restrict__ dout, const bf16* __restrict__ q,
+                          const bf16* __restrict__ k, const bf16* __restrict__ v,
+                          const float* __restrict__ lse, const float* __restrict__ dsum,
+                          const AttnSeq* __restrict__ seqs, u32 n_seqs, u32 q_rows, u32 kv_rows,
+                          u32 p_rows, u32 n_heads, u32 n_kv, u32 q_stride, u32 kv_stride,
+                          u32 out_stride, u32 causal, float scale) {
+    constexpr int KSTEPS = HEAD_DIM / 16;
+    constexpr int DT = HEAD_DIM / 8;
+    constexpr int VPR = HEAD_DIM / 8;
+    constexpr u32 TILE = BT * BROW * 2;         // bytes of one tile
+    constexpr u32 STAGE = 2 * TILE + 2 * BT * 4;  // q, dout, lse (log2), D
+    extern __shared__ __align__(16) unsigned char dsmem[];
+    const u32 z = blockIdx.z;
+    const AttnSeq s = seqs[z];
+    if (!tc_seq_ok(s, q_rows, kv_rows, p_rows)) return;
+    const u32 kvh = blockIdx.y, rep = n_heads / n_kv;
+    const u32 n_kt = (s.k_len + BT - 1) / BT;
+    const u32 n_qt = (s.q_len + BT - 1) / BT;
+    const u32 d0 = s.k_len - s.q_len;  // own key index of query 0 (query qi sees kj <= d0 + qi)
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const u32 base = smem_u32(dsmem);
+    const u32 ks = base, vs = base + TILE, st0 = base + 2 * TILE;
+    const float scale_log2 = scale * LOG2E_F;
+
+    for (u32 kt = blockIdx.x; kt < n_kt; kt += gridDim.x) {
+        const u32 k0 = kt * BT;
+        const u32 kw = k0 + warp * 16;       // this warp's first key
+        const u32 ka = kw + g, kb = ka + 8;  // this lane's accumulator rows
+        const u32 qi_min = causal && k0 > d0 ? k0 - d0 : 0;
+        const u32 qt0 = qi_min / BT;
+        const u32 nq = n_qt - qt0;  // >= 1: k0 < k_len, so k0 - d0 < q_len
+        const u32 total = rep * nq;
+
+        __syncthreads();  // the previous key tile is done with K, V and the stages
+#pragma unroll
+        for (int i = 0; i < BT * VPR / BNT; i++) {
+            const u32 c = threadIdx.x + BNT * i, row = c / VPR, col = c % VPR, kj = k0 + row;
+            const bool valid = kj < s.k_len;
+            const u64 o = valid ? (u64)(s.k_start + kj) * kv_stride + kvh * HEAD_DIM + col * 8 : 0;
+            const u32 so = (row * BROW + col * 8) * 2;
+            cp_async16(ks + so, k + o, valid);
+            cp_async16(vs + so, v + o, valid);
+        }
+        cp_async_commit();
+
+        auto issue = [&](u32 it) {
+            const u32 h = kvh * rep + it / nq, q0 = (qt0 + it % nq) * BT;
+            const u32 sb = st0 + (it & 1) * STAGE;  // q at sb, dout at sb + TILE
+#pragma unroll
+            for (int i = 0; i < BT * VPR / BNT; i++) {
+                const u32 c = threadIdx.x + BNT * i, row = c / VPR, col = c % VPR, qi = q0 + row;
+                const bool valid = qi < s.q_len;
+                const u64 r = (u64)s.q_start + (valid ? qi : 0);
+                const u32 so = (row * BROW + col * 8) * 2;
+                cp_async16(sb + so, q + r * q_stride + h * HEAD_DIM + col * 8, valid);
+                cp_async16(sb + TILE + so, dout + r * out_stride + h * HEAD_DIM + col * 8, valid);
+            }
+            if (threadIdx.x < BT) {
+                float* fl = (float*)(dsmem + 2 * TILE + (it & 1) * STAGE + 2 * TILE);
+                const u32 qi = q0 + threadIdx.x;
+                const bool valid = qi < s.q_len;
+                const u64 li = ((u64)s.q_start + (valid ? qi : 0)) * n_heads + h;
+                fl[threadIdx.x] = valid ? lse[li] * LOG2E_F : 0.0f;
+                fl[BT + threadIdx.x] = valid ? dsum[li] : 0.0f;
+            }
+        };
+
+        float adk[DT][4], adv[DT][4];
+#pragma unroll
+        for (int j = 0; j < DT; j++) {
+            adk[j][0] = adk[j][1] = adk[j][2] = adk[j][3] = 0.0f;
+            adv[j][0] = adv[j][1] = adv[j][2] = adv[j][3] = 0.0f;
+        }
+
+        if (total > 0) issue(0);  // total == 0: a sequence without queries (dk = dv = 0)
+        cp_async_commit();
+        for (u32 it = 0; it < total; it++) {
+            if (it + 1 < total) issue(it + 1);
+            cp_async_commit();
+            cp_async_wait1();  // K, V and stage `it` landed (this thread's copies) ...
+            __syncthreads();   // ... and everyone's (the lse / D stores too)
+            const u32 q0 = (qt0 + it % nq) * BT;
+            const u32 q_end = min(s.q_len, q0 + BT);
+            // does any (key of this warp, query of the tile) pair count? (warp-uniform)
+            if (kw < s.k_len && (!causal || q_end - 1 + d0 >= kw)) {
+                const u32 qs = st0 + (it & 1) * STAGE, ds = qs + TILE;
+                const float* fl = (const float*)(dsmem + 2 * TILE + (it & 1) * STAGE + 2 * TILE);
+                float sc[BT / 8][4], dp[BT / 8][4];
+#pragma unroll
+                for (int j = 0; j < BT / 8; j++) {
+                    sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+                    dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.0f;
+                }
+#pragma unroll
+                for (int kk = 0; kk < KSTEPS; kk += 2) {
+                    // A fragments of this warp's 16 keys (K and V), dims 16kk.. and 16(kk+1)..
+                    const u32 ao = ((warp * 16 + (lane & 15)) * BROW + 16 * kk + 8 * (lane >> 4)) * 2;
+                    u32 k0a, k1a, k2a, k3a, k0b, k1b, k2b, k3b;
+                    u32 v0a, v1a, v2a, v3a, v0b, v1b, v2b, v3b;
+                    ldsm_x4(ks + ao, k0a, k1a, k2a, k3a);
+                    ldsm_x4(ks + ao + 32, k0b, k1b, k2b, k3b);
+                    ldsm_x4(vs + ao, v0a, v1a, v2a, v3a);
+                    ldsm_x4(vs + ao + 32, v0b, v1b, v2b, v3b);
+#pragma unroll
+                    for (int j = 0; j < BT / 8; j++) {
+                        const u32 so = ((8 * j + (lane & 7)) * BROW + 16 * kk + 8 * (lane >> 3)) * 2;
+                        u32 b0, b1, b2, b3;
+                        ldsm_x4(qs + so, b0, b1, b2, b3);
+                        mma16(sc[j], k0a, k1a, k2a, k3a, b0, b1);
+                        mma16(sc[j], k0b, k1b, k2b, k3b, b2, b3);
+                        ldsm_x4(ds + so, b0, b1, b2, b3);
+                        mma16(dp[j], v0a, v1a, v2a, v3a, b0, b1);
+                        mma16(dp[j], v0b, v1b, v2b, v3b, b2, b3);
+                    }
+                }
+                // P^T (in sc) and dS^T (in dp): rows = keys ka (elements 0, 1), kb (2, 3);
+                // columns = queries q0 + 8j + 2t (+1)
+#pragma unroll
+                for (int j = 0; j < BT / 8; j++) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const u32 kj = e < 2 ? ka : kb;
+                        const u32 c = 8 * j + 2 * t + (e & 1), qi = q0 + c;
+                        const bool ok = kj < s.k_len && qi < s.q_len && (!causal || qi + d0 >= kj);
+                        const float p = ok ? exp2f(sc[j][e] * scale_log2 - fl[c]) : 0.0f;
+                        sc[j][e] = p;
+                        dp[j][e] = p * (dp[j][e] - fl[BT + c]);
+                    }
+                }
+                // dv += P^T dout, dk += dS^T q: BT/16 k-steps of 16 queries, DT n-tiles of 8 dims
+#pragma unroll
+                for (int kk2 = 0; kk2 < BT / 16; kk2++) {
+                    const u32 p0 = pack_bf2(sc[2 * kk2][0], sc[2 * kk2][1]);
+                    const u32 p1 = pack_bf2(sc[2 * kk2][2], sc[2 * kk2][3]);
+                    const u32 p2 = pack_bf2(sc[2 * kk2 + 1][0], sc[2 * kk2 + 1][1]);
+                    const u32 p3 = pack_bf2(sc[2 * kk2 + 1][2], sc[2 * kk2 + 1][3]);
+                    const u32 d0_ = pack_bf2(dp[2 * kk2][0], dp[2 * kk2][1]);
+                    const u32 d1_ = pack_bf2(dp[2 * kk2][2], dp[2 * kk2][3]);
+                    const u32 d2_ = pack_bf2(dp[2 * kk2 + 1][0], dp[2 * kk2 + 1][1]);
+                    const u32 d3_ = pack_bf2(dp[2 * kk2 + 1][2], dp[2 * kk2 + 1][3]);
+                    const u32 row = 16 * kk2 + (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+                    for (int jd = 0; jd < DT; jd += 2) {
+                        u32 b0, b1, b2, b3;
+                        const u32 so = (row * BROW + 8 * (jd + (lane >> 4))) * 2;
+                        ldsm_x4_t(ds + so, b0, b1, b2, b3);
+                        mma16(adv[jd], p0, p1, p2, p3, b0, b1);
+                        mma16(adv[jd + 1], p0, p1, p2, p3, b2, b3);
+                        ldsm_x4_t(qs + so, b0, b1, b2, b3);
+                        mma16(adk[jd], d0_, d1_, d2_, d3_, b0, b1);
+                        mma16(adk[jd + 1], d0_, d1_, d2_, d3_, b2, b3);
+                    }
+                }
+            }
+            __syncthreads();  // stage `it & 1` is refilled by the next iteration's issue
+        }
+        cp_async_wait0();
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const u32 kj = half ? kb : ka;
+            if (kj >= s.k_len) continue;
+            const u32 j = s.k_start + kj;
+            if (tc_k_owner(seqs, n_seqs, j, q_rows, kv_rows, p_rows) != (int)z) continue;
+            const u64 o = (u64)j * kv_stride + kvh * HEAD_DIM;
+#pragma unroll
+            for (int jd = 0; jd < DT; jd++) {
+                *(u32*)(dk + o + 8 * jd + 2 * t) =
+                    pack_bf2(adk[jd][2 * half] * scale, adk[jd][2 * half + 1] * scale);
+                *(u32*)(dv + o + 8 * jd + 2 * t) = pack_bf2(adv[jd][2 * half], adv[jd][2 * half + 1]);
+            }
+        }
+    }  // key tiles
+}

@@ -1,0 +1,405 @@
+//! `attention_bwd_tc_bf16` (kernels in `cuda/attention_bwd_tc.cu`): the backward of
+//! [`super::attention_fwd_bf16`] on the tensor cores, FlashAttention-2 style, with the arguments,
+//! results and conventions of the SIMT [`super::attention_bwd::attention_bwd_bf16`] (the twin of
+//! [`crate::cpu::attention_bwd`]) up to the bf16 rounding of P and dS before their MMAs.
+//!
+//! Launches, in order: `attention_bwd_tc_prep` (D = rowsum(dout * out) in fp32 into a scratch
+//! buffer allocated here on the stream, zeros for dq rows no sequence owns),
+//! `attention_bwd_tc_zero_kv` (zeros for dk/dv rows no sequence owns), `attention_bwd_tc_dq_bf16`
+//! (query-centric: a block owns 64 queries of one (sequence, head), loops over the key tiles,
+//! prefix keys included), `attention_bwd_tc_dkv_bf16` (key-centric: a block owns 64 own keys of
+//! one (sequence, kv head), loops over the group's query heads then the query tiles, ascending),
+//! and, when prefix rows exist, the SIMT `attention_bwd_dprefix_f32` for the shared prefix keys.
+//!
+//! Invariant: deterministic, no atomics; every sum runs in an order fixed by the shapes alone.
+//! Supported: head_dim in [`TC_BWD_HEAD_DIMS`], row strides multiples of 8, every bf16 buffer
+//! 16-byte aligned, at most 65535 sequences and heads ([`tc_bwd_refusal`]); anything else is
+//! refused with [`super::CudaError::Shape`] and [`BwdKernel::Auto`] takes the SIMT kernel.
+//!
+//! Kernel choice: [`bwd_kernel_for`] reads `ROLLPLEX_ATTN_BWD` once (`tc` or `simt`); unset, it
+//! follows [`TC_BWD_BY_DEFAULT`].
+
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use super::attention::{rows_of, AttnSeqGpu, RowStrides};
+use super::attention_bwd::ATTENTION_BWD;
+use super::launch::{aligned16, need, ptr, ptr_mut, u32_of};
+use super::nvrtc::KernelModule;
+use super::{shape, Gpu, Result};
+use crate::cpu::{AttnDims, AttnMask};
+
+/// The kernel source of this module (compiled by NVRTC per head_dim on first use, cached).
+pub const ATTENTION_BWD_TC: KernelModule = KernelModule {
+    name: "attention_bwd_tc",
+    source: include_str!("../../cuda/attention_bwd_tc.cu"),
+};
+
+/// Which kernel [`super::attention_bwd::attention_bwd_bf16_with`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BwdKernel {
+    /// [`bwd_kernel_for`]'s choice (what [`super::attention_bwd_bf16`] runs).
+    Auto,
+    /// One warp per (row, head), fp32 FMAs: head_dim up to 256.
+    Simt,
+    /// [`attention_bwd_tc_bf16`]: the cases [`tc_bwd_refusal`] accepts.
+    TensorCores,
+}
+
+/// Whether [`BwdKernel::Auto`] takes the tensor cores when `ROLLPLEX_ATTN_BWD` is unset.
+pub const TC_BWD_BY_DEFAULT: bool = false;
+
+/// The head dims the tensor-core backward is compiled and tested for.
+pub const TC_BWD_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// Rows (queries or keys) per tile; 4 warps of 16.
+const TILE_ROWS: usize = 64;
+/// Threads per block of every kernel here.
+const THREADS: u32 = 128;
+
+/// `ROLLPLEX_ATTN_BWD` (`tc` or `simt`), read once; `None` when unset or anything else.
+fn env_choice() -> Option<BwdKernel> {
+    static CHOICE: OnceLock<Option<BwdKernel>> = OnceLock::new();
+    *CHOICE.get_or_init(|| match std::env::var("ROLLPLEX_ATTN_BWD").as_deref() {
+        Ok("tc") => Some(BwdKernel::TensorCores),
+        Ok("simt") => Some(BwdKernel::Simt),
+        _ => None,
+    })
+}
+
+/// Why the tensor-core backward cannot take this case (`None`: it can). Buffer alignment is
+/// checked at launch.
+pub fn tc_bwd_refusal(dims: &AttnDims, strides: RowStrides, n_seqs: usize) -> Option<String> {
+    let (nh, nkv, hd) = (dims.num_heads, dims.num_kv_heads, dims.head_dim);
+    if !TC_BWD_HEAD_DIMS.contains(&hd) {
+        return Some(format!(
+            "the tensor-core attention backward takes head_dim {TC_BWD_HEAD_DIMS:?}, not {hd}"
+        ));
+    }
+    if nh == 0 || nkv == 0 || !nh.is_multiple_of(nkv) {
+        return Some(format!("{nh} heads is not a multiple of {nkv} kv heads"));
+    }
+    if nh > 65535 || n_seqs > 65535 {
+        return Some(format!(
+            "{nh} heads and {n_seqs} sequences must each be at most 65535 (grid limits)"
+        ));
+    }
+    let (qw, kvw) = (dims.q_width(), dims.kv_width());
+    for (name, s, w) in [
+        ("q", strides.q, qw),
+        ("out", strides.out, qw),
+        ("kv", strides.kv, kvw),
+        ("prefix", strides.prefix, kvw),
+    ] {
+        if s < w || !s.is_multiple_of(8) {
+            return Some(format!(
+                "{name} row stride {s} must be >= {w} and a multiple of 8"
+            ));
+        }
+    }
+    None
+}
+
+/// The kernel [`BwdKernel::Auto`] runs: the tensor cores when `ROLLPLEX_ATTN_BWD=tc` (or unset
+/// and [`TC_BWD_BY_DEFAULT`]) and [`tc_bwd_refusal`] accepts the case, else SIMT.
+pub fn bwd_kernel_for(dims: &AttnDims, strides: RowStrides, n_seqs: usize) -> BwdKernel {
+    let want_tc = match env_choice() {
+        Some(k) => k == BwdKernel::TensorCores,
+        None => TC_BWD_BY_DEFAULT,
+    };
+    if want_tc && tc_bwd_refusal(dims, strides, n_seqs).is_none() {
+        BwdKernel::TensorCores
+    } else {
+        BwdKernel::Simt
+    }
+}
+
+/// Whether every address is 16-byte aligned (the tensor-core kernels copy rows in 16 bytes).
+pub(crate) fn all_aligned16(ptrs: &[u64]) -> bool {
+    ptrs.iter().all(|p| p % 16 == 0)
+}
+
+fn warps_cfg(items: usize) -> LaunchConfig {
+    let warps = (THREADS / 32) as usize;
+    LaunchConfig {
+        grid_dim: (items.div_ceil(warps).max(1) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Raises `f`'s dynamic shared-memory limit to `bytes`.
+fn allow_smem(f: &cudarc::driver::CudaFunction, bytes: u32) -> Result<()> {
+    // SAFETY: a valid function handle of this context; the limit matches what the launch passes
+    // (at most 103 KiB, under the 227 KiB an sm_90 block may use).
+    unsafe {
+        cudarc::driver::sys::cuFuncSetAttribute(
+            f.cu_function(),
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+    }
+    .result()?;
+    Ok(())
+}
+
+/// [`super::attention_bwd_bf16`] on the tensor cores (same arguments and results): writes `dq`,
+/// `dk`, `dv` (bf16) and adds the shared prefix keys' gradients into `dprefix_k`, `dprefix_v`
+/// (fp32, by the SIMT prefix kernel). Cases [`tc_bwd_refusal`] names, and bf16 buffers not on
+/// 16-byte boundaries, are refused with a shape error.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd_tc_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    dq: &mut impl DevicePtrMut<bf16>,
+    dk: &mut impl DevicePtrMut<bf16>,
+    dv: &mut impl DevicePtrMut<bf16>,
+    dprefix_k: &mut impl DevicePtrMut<f32>,
+    dprefix_v: &mut impl DevicePtrMut<f32>,
+    dout: &impl DevicePtr<bf16>,
+    q: &impl DevicePtr<bf16>,
+    k: &impl DevicePtr<bf16>,
+    v: &impl DevicePtr<bf16>,
+    prefix_k: &impl DevicePtr<bf16>,
+    prefix_v: &impl DevicePtr<bf16>,
+    out: &impl DevicePtr<bf16>,
+    lse: &impl DevicePtr<f32>,
+    seqs: &impl DevicePtr<AttnSeqGpu>,
+    n_seqs: usize,
+    dims: AttnDims,
+    mask: AttnMask,
+    scale: f32,
+    strides: RowStrides,
+) -> Result<()> {
+    const OP: &str = "attention_bwd_tc_bf16";
+    if let Some(why) = tc_bwd_refusal(&dims, strides, n_seqs) {
+        return Err(shape(OP, why));
+    }
+    let (nh, nkv, hd) = (dims.num_heads, dims.num_kv_heads, dims.head_dim);
+    let (qw, kvw) = (dims.q_width(), dims.kv_width());
+    need(OP, "seqs", seqs, n_seqs)?;
+    // Rows each buffer holds (as the SIMT launcher counts them); kernels touch rows below these.
+    let q_rows = [
+        rows_of(q.len(), qw, strides.q),
+        rows_of(dq.len(), qw, strides.q),
+        rows_of(out.len(), qw, strides.out),
+        rows_of(dout.len(), qw, strides.out),
+    ]
+    .into_iter()
+    .min()
+    .unwrap_or(0);
+    let kv_rows = [
+        rows_of(k.len(), kvw, strides.kv),
+        rows_of(v.len(), kvw, strides.kv),
+        rows_of(dk.len(), kvw, strides.kv),
+        rows_of(dv.len(), kvw, strides.kv),
+    ]
+    .into_iter()
+    .min()
+    .unwrap_or(0);
+    let p_rows = [
+        rows_of(prefix_k.len(), kvw, strides.prefix),
+        rows_of(prefix_v.len(), kvw, strides.prefix),
+        rows_of(dprefix_k.len(), kvw, strides.prefix),
+        rows_of(dprefix_v.len(), kvw, strides.prefix),
+    ]
+    .into_iter()
+    .min()
+    .unwrap_or(0);
+    need(OP, "lse", lse, q_rows * nh)?;
+    let (nq32, nkv32, np32) = (
+        u32_of(OP, "q rows", q_rows)?,
+        u32_of(OP, "kv rows", kv_rows)?,
+        u32_of(OP, "prefix rows", p_rows)?,
+    );
+    let (h32, kvh32, hd32, ns32) = (nh as u32, nkv as u32, hd as u32, n_seqs as u32);
+    let (qs, kvs, ps, os) = (
+        u32_of(OP, "q stride", strides.q)?,
+        u32_of(OP, "kv stride", strides.kv)?,
+        u32_of(OP, "prefix stride", strides.prefix)?,
+        u32_of(OP, "out stride", strides.out)?,
+    );
+    let causal = matches!(mask, AttnMask::Causal) as u32;
+    let (dqp, dkp, dvp, dpkp, dpvp) = (
+        ptr_mut(dq, stream),
+        ptr_mut(dk, stream),
+        ptr_mut(dv, stream),
+        ptr_mut(dprefix_k, stream),
+        ptr_mut(dprefix_v, stream),
+    );
+    let (dop, qp, kp, vp, pkp, pvp, op_, lp, sp) = (
+        ptr(dout, stream),
+        ptr(q, stream),
+        ptr(k, stream),
+        ptr(v, stream),
+        ptr(prefix_k, stream),
+        ptr(prefix_v, stream),
+        ptr(out, stream),
+        ptr(lse, stream),
+        ptr(seqs, stream),
+    );
+    for (name, p) in [
+        ("dq", dqp),
+        ("dk", dkp),
+        ("dv", dvp),
+        ("dout", dop),
+        ("q", qp),
+        ("k", kp),
+        ("v", vp),
+        ("prefix_k", pkp),
+        ("prefix_v", pvp),
+        ("out", op_),
+    ] {
+        aligned16(OP, name, p)?;
+    }
+    let defs = [("HEAD_DIM", hd32)];
+    // D = rowsum(dout * out) per (row, head), fp32; lives until the kernels reading it finish
+    // (freed in stream order when dropped at the end of this function).
+    let mut dsum = gpu.alloc::<f32>(stream, q_rows * nh)?;
+    let dsp = ptr_mut(&mut dsum, stream);
+    if q_rows > 0 {
+        let f = gpu.function(&ATTENTION_BWD_TC, &defs, "attention_bwd_tc_prep")?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&dsp)
+            .arg(&dqp)
+            .arg(&dop)
+            .arg(&op_)
+            .arg(&sp)
+            .arg(&ns32)
+            .arg(&nq32)
+            .arg(&nkv32)
+            .arg(&np32)
+            .arg(&h32)
+            .arg(&qs)
+            .arg(&os);
+        // SAFETY: one warp per (row < q_rows, head): dsum holds q_rows*heads, dout/out/dq hold
+        // q_rows rows of their stride (counted above); seqs holds n_seqs; arguments match the
+        // kernel's signature in order.
+        unsafe { b.launch(warps_cfg(q_rows * nh)) }?;
+    }
+    if kv_rows > 0 {
+        let f = gpu.function(&ATTENTION_BWD_TC, &defs, "attention_bwd_tc_zero_kv")?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&dkp)
+            .arg(&dvp)
+            .arg(&sp)
+            .arg(&ns32)
+            .arg(&nq32)
+            .arg(&nkv32)
+            .arg(&np32)
+            .arg(&kvh32)
+            .arg(&kvs);
+        // SAFETY: one warp per (key row < kv_rows, kv head), writing only inside dk/dv rows.
+        unsafe { b.launch(warps_cfg(kv_rows * nkv)) }?;
+    }
+    let tile_bytes = TILE_ROWS * (hd + 8) * 2;
+    if q_rows > 0 && n_seqs > 0 {
+        let f = gpu.function(&ATTENTION_BWD_TC, &defs, "attention_bwd_tc_dq_bf16")?;
+        // 2 stages of a K and a V tile
+        let smem = (4 * tile_bytes) as u32;
+        allow_smem(&f, smem)?;
+        let cfg = LaunchConfig {
+            grid_dim: (q_rows.div_ceil(TILE_ROWS).clamp(1, 65535) as u32, h32, ns32),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        let mut b = stream.launch_builder(&f);
+        b.arg(&dqp)
+            .arg(&dop)
+            .arg(&qp)
+            .arg(&kp)
+            .arg(&vp)
+            .arg(&pkp)
+            .arg(&pvp)
+            .arg(&lp)
+            .arg(&dsp)
+            .arg(&sp)
+            .arg(&ns32)
+            .arg(&nq32)
+            .arg(&nkv32)
+            .arg(&np32)
+            .arg(&h32)
+            .arg(&kvh32)
+            .arg(&qs)
+            .arg(&kvs)
+            .arg(&ps)
+            .arg(&os)
+            .arg(&causal)
+            .arg(&scale);
+        // SAFETY: the kernel checks each descriptor against q_rows / kv_rows / p_rows (counted
+        // from every buffer of each kind) and touches only rows inside them; bf16 buffers are
+        // 16-byte aligned and strides multiples of 8 (checked), as cp.async needs; lse and dsum
+        // hold q_rows*heads; the block (z, h) writes only the dq rows its sequence owns; the
+        // arguments match the kernel's signature in order.
+        unsafe { b.launch(cfg) }?;
+    }
+    if kv_rows > 0 && n_seqs > 0 {
+        let f = gpu.function(&ATTENTION_BWD_TC, &defs, "attention_bwd_tc_dkv_bf16")?;
+        // K and V of the block's keys, then 2 stages of (q, dout, lse, D)
+        let smem = (2 * tile_bytes + 2 * (2 * tile_bytes + 2 * TILE_ROWS * 4)) as u32;
+        allow_smem(&f, smem)?;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                kv_rows.div_ceil(TILE_ROWS).clamp(1, 65535) as u32,
+                kvh32,
+                ns32,
+            ),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        let mut b = stream.launch_builder(&f);
+        b.arg(&dkp)
+            .arg(&dvp)
+            .arg(&dop)
+            .arg(&qp)
+            .arg(&kp)
+            .arg(&vp)
+            .arg(&lp)
+            .arg(&dsp)
+            .arg(&sp)
+            .arg(&ns32)
+            .arg(&nq32)
+            .arg(&nkv32)
+            .arg(&np32)
+            .arg(&h32)
+            .arg(&kvh32)
+            .arg(&qs)
+            .arg(&kvs)
+            .arg(&os)
+            .arg(&causal)
+            .arg(&scale);
+        // SAFETY: as above; the block (z, g) writes only the dk/dv rows its sequence owns.
+        unsafe { b.launch(cfg) }?;
+    }
+    if p_rows > 0 && n_seqs > 0 {
+        let f = gpu.function(&ATTENTION_BWD, &[], "attention_bwd_dprefix_f32")?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&dpkp)
+            .arg(&dpvp)
+            .arg(&dop)
+            .arg(&qp)
+            .arg(&pkp)
+            .arg(&pvp)
+            .arg(&op_)
+            .arg(&lp)
+            .arg(&sp)
+            .arg(&ns32)
+            .arg(&nq32)
+            .arg(&nkv32)
+            .arg(&np32)
+            .arg(&h32)
+            .arg(&kvh32)
+            .arg(&hd32)
+            .arg(&qs)
+            .arg(&ps)
+            .arg(&os)
+            .arg(&scale);
+        // SAFETY: the SIMT prefix kernel with the SIMT launcher's arguments (attention_bwd.rs):
+        // one warp adds into each (prefix row < p_rows, kv head) of dprefix_k/v.
+        unsafe { b.launch(warps_cfg(p_rows * nkv)) }?;
+    }
+    drop(dsum);
+    Ok(())
+}
