@@ -2,14 +2,15 @@
 // conventions as attention_bwd.cu (the SIMT twin of crate::cpu::attention_bwd) up to the bf16
 // rounding of P and dS before their MMAs. Probabilities are recomputed from the forward's
 // natural-log LSE: P = exp2(S * scale*log2(e) - lse*log2(e)), dS = P (dP - D), D_i = dout_i . out_i
-// (precomputed in fp32 by attention_bwd_tc_prep). Four launches:
+// (precomputed in fp32 by attention_bwd_tc_prep). Launches:
 //   attention_bwd_tc_prep     one warp per (query row, head): D; zeros dq rows no sequence owns;
 //   attention_bwd_tc_zero_kv  one warp per (key row, kv head): zeros dk / dv rows no sequence owns;
 //   attention_bwd_tc_dq_bf16  query-centric: a block owns BT queries of (sequence, head), loops over
 //                             the K/V tiles (prefix keys then own keys, ascending): dq += dS K;
-//   attention_bwd_tc_dkv_bf16 key-centric: a block owns BT own keys of (sequence, kv head), loops
-//                             over the query heads of the group, then the query tiles, ascending:
-//                             dv += P^T dout, dk += dS^T q.
+//   attention_bwd_tc_dkv_bf16 key-centric: a block owns BT own keys of (sequence, kv head) and a
+//                             slice of the group's query heads (hsplit slices), loops over those
+//                             heads, then the query tiles, ascending: dv += P^T dout, dk += dS^T q;
+//   attention_bwd_tc_dkv_reduce (hsplit > 1) sums the slices' fp32 partials in slice order.
 // Shared-prefix keys' gradients are left to attention_bwd_dprefix_f32 (attention_bwd.cu).
 // Every sum runs in a fixed order (tile loops ascending, MMAs in fixed k order, no atomics), so
 // the result depends only on the inputs and launch arguments. 4 warps per block, each 16 rows of
@@ -296,11 +297,14 @@ attention_bwd_tc_dq_bf16(bf16* __restrict__ dq, const bf16* __restrict__ dout,
     }  // query tiles
 }
 
-// dk, dv of own keys. Grid (x, n_kv, n_seqs), block BNT: block (x, g, z) takes key tiles x,
-// x + gridDim.x, ... of sequence z (tile 0, the longest under a causal mask, first). K and V of
-// the tile stay in shared memory; each warp owns 16 keys. For each query head of group g
-// (ascending), each query tile that sees a key of the tile (ascending): S^T = K q^T,
-// dP^T = V dout^T, P^T, dS^T = P^T (dP^T - D); dv += P^T dout, dk += dS^T q. dk = scale * the sum.
+// dk, dv of own keys. Grid (x, n_kv * hsplit, n_seqs), block BNT: block (x, y, z) takes key
+// tiles x, x + gridDim.x, ... of sequence z (tile 0, the longest under a causal mask, first) for
+// kv head g = y / hsplit and the y % hsplit-th of hsplit equal slices of the group's query heads.
+// K and V of the tile stay in shared memory; each warp owns 16 keys. For each query head of the
+// slice (ascending), each query tile that sees a key of the tile (ascending): S^T = K q^T,
+// dP^T = V dout^T, P^T, dS^T = P^T (dP^T - D); dv += P^T dout, dk += dS^T q. hsplit == 1: writes
+// dk = scale * the sum and dv (bf16); else the fp32 sums go to part (dk slices, then dv slices,
+// each [hsplit][kv_rows][n_kv][HEAD_DIM]) for attention_bwd_tc_dkv_reduce.
 extern "C" __global__ void __launch_bounds__(BNT)
 attention_bwd_tc_dkv_bf16(bf16* __restrict__ dk, bf16* __restrict__ dv,
                           const bf16* __restrict__ dout, const bf16* __restrict__ q,
@@ -308,7 +312,8 @@ attention_bwd_tc_dkv_bf16(bf16* __restrict__ dk, bf16* __restrict__ dv,
                           const float* __restrict__ lse, const float* __restrict__ dsum,
                           const AttnSeq* __restrict__ seqs, u32 n_seqs, u32 q_rows, u32 kv_rows,
                           u32 p_rows, u32 n_heads, u32 n_kv, u32 q_stride, u32 kv_stride,
-                          u32 out_stride, u32 causal, float scale) {
+                          u32 out_stride, u32 causal, float scale, u32 hsplit,
+                          float* __restrict__ part) {
     constexpr int KSTEPS = HEAD_DIM / 16;
     constexpr int DT = HEAD_DIM / 8;
     constexpr int VPR = HEAD_DIM / 8;
@@ -318,7 +323,9 @@ attention_bwd_tc_dkv_bf16(bf16* __restrict__ dk, bf16* __restrict__ dv,
     const u32 z = blockIdx.z;
     const AttnSeq s = seqs[z];
     if (!tc_seq_ok(s, q_rows, kv_rows, p_rows)) return;
-    const u32 kvh = blockIdx.y, rep = n_heads / n_kv;
+    const u32 kvh = blockIdx.y / hsplit, hs = blockIdx.y % hsplit;
+    const u32 rep = n_heads / n_kv / hsplit;  // query heads of this block's slice
+    const u32 h_first = kvh * (n_heads / n_kv) + hs * rep;
     const u32 n_kt = (s.k_len + BT - 1) / BT;
     const u32 n_qt = (s.q_len + BT - 1) / BT;
     const u32 d0 = s.k_len - s.q_len;  // own key index of query 0 (query qi sees kj <= d0 + qi)
@@ -349,7 +356,7 @@ attention_bwd_tc_dkv_bf16(bf16* __restrict__ dk, bf16* __restrict__ dv,
         cp_async_commit();
 
         auto issue = [&](u32 it) {
-            const u32 h = kvh * rep + it / nq, q0 = (qt0 + it % nq) * BT;
+            const u32 h = h_first + it / nq, q0 = (qt0 + it % nq) * BT;
             const u32 sb = st0 + (it & 1) * STAGE;  // q at sb, dout at sb + TILE
 #pragma unroll
             for (int i = 0; i < BT * VPR / BNT; i++) {
@@ -466,13 +473,56 @@ attention_bwd_tc_dkv_bf16(bf16* __restrict__ dk, bf16* __restrict__ dv,
             if (kj >= s.k_len) continue;
             const u32 j = s.k_start + kj;
             if (tc_k_owner(seqs, n_seqs, j, q_rows, kv_rows, p_rows) != (int)z) continue;
-            const u64 o = (u64)j * kv_stride + kvh * HEAD_DIM;
+            if (hsplit == 1) {
+                const u64 o = (u64)j * kv_stride + kvh * HEAD_DIM;
 #pragma unroll
-            for (int jd = 0; jd < DT; jd++) {
-                *(u32*)(dk + o + 8 * jd + 2 * t) =
-                    pack_bf2(adk[jd][2 * half] * scale, adk[jd][2 * half + 1] * scale);
-                *(u32*)(dv + o + 8 * jd + 2 * t) = pack_bf2(adv[jd][2 * half], adv[jd][2 * half + 1]);
+                for (int jd = 0; jd < DT; jd++) {
+                    *(u32*)(dk + o + 8 * jd + 2 * t) =
+                        pack_bf2(adk[jd][2 * half] * scale, adk[jd][2 * half + 1] * scale);
+                    *(u32*)(dv + o + 8 * jd + 2 * t) =
+                        pack_bf2(adv[jd][2 * half], adv[jd][2 * half + 1]);
+                }
+            } else {
+                const u64 slice = (u64)kv_rows * n_kv * HEAD_DIM;
+                float* pk_ = part + hs * slice + ((u64)j * n_kv + kvh) * HEAD_DIM;
+                float* pv_ = pk_ + hsplit * slice;
+#pragma unroll
+                for (int jd = 0; jd < DT; jd++) {
+                    pk_[8 * jd + 2 * t] = adk[jd][2 * half];
+                    pk_[8 * jd + 2 * t + 1] = adk[jd][2 * half + 1];
+                    pv_[8 * jd + 2 * t] = adv[jd][2 * half];
+                    pv_[8 * jd + 2 * t + 1] = adv[jd][2 * half + 1];
+                }
             }
         }
     }  // key tiles
+}
+
+// hsplit > 1: dk = scale * (sum of the dk slices), dv = sum of the dv slices, slices in order,
+// for the key rows a valid sequence owns (attention_bwd_tc_zero_kv wrote the others). One warp
+// per (key row, kv head).
+extern "C" __global__ void attention_bwd_tc_dkv_reduce(bf16* __restrict__ dk, bf16* __restrict__ dv,
+                                                       const float* __restrict__ part,
+                                                       const AttnSeq* __restrict__ seqs, u32 n_seqs,
+                                                       u32 q_rows, u32 kv_rows, u32 p_rows,
+                                                       u32 n_kv, u32 kv_stride, u32 hsplit,
+                                                       float scale) {
+    const u32 lane = threadIdx.x & 31u;
+    const u64 w = (u64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (w >= (u64)kv_rows * n_kv) return;
+    const u32 j = (u32)(w / n_kv), g = (u32)(w % n_kv);
+    if (tc_k_owner(seqs, n_seqs, j, q_rows, kv_rows, p_rows) < 0) return;
+    const u64 slice = (u64)kv_rows * n_kv * HEAD_DIM;
+    const float* pk_ = part + w * HEAD_DIM;
+    const float* pv_ = pk_ + hsplit * slice;
+    const u64 o = (u64)j * kv_stride + g * HEAD_DIM;
+    for (u32 e = lane; e < HEAD_DIM; e += 32) {
+        float a = 0.0f, b = 0.0f;
+        for (u32 hs = 0; hs < hsplit; hs++) {
+            a += pk_[hs * slice + e];
+            b += pv_[hs * slice + e];
+        }
+        dk[o + e] = f2bf(a * scale);
+        dv[o + e] = f2bf(b);
+    }
 }

@@ -326,3 +326,35 @@ fn attention_bwd_tc_refuses_unsupported_head_dims() {
         );
     }
 }
+
+/// The host-side choices (no GPU needed): which cases the tensor cores take, and how the
+/// key-centric kernel slices a GQA group's query heads.
+#[test]
+fn attention_bwd_tc_case_checks_and_head_split() {
+    use rollplex_kernels::cuda::attention_bwd_tc::{tc_bwd_head_split, tc_bwd_refusal};
+    let d = dims(16, 2, 128);
+    assert_eq!(tc_bwd_refusal(&d, RowStrides::contiguous(d), 8), None);
+    let fused = RowStrides {
+        q: 2560,
+        kv: 2560,
+        prefix: 256,
+        out: 2048,
+    };
+    assert_eq!(tc_bwd_refusal(&d, fused, 8), None);
+    for (bad, why) in [(dims(16, 2, 80), "head_dim"), (dims(16, 3, 64), "multiple")] {
+        let r = tc_bwd_refusal(&bad, RowStrides::contiguous(bad), 1);
+        assert!(
+            r.as_deref().is_some_and(|m| m.contains(why)),
+            "{bad:?}: {r:?}"
+        );
+    }
+    let odd = RowStrides {
+        q: 2052,
+        ..RowStrides::contiguous(d)
+    };
+    assert!(tc_bwd_refusal(&d, odd, 1).is_some_and(|m| m.contains("multiple of 8")));
+    assert!(tc_bwd_refusal(&d, RowStrides::contiguous(d), 70000).is_some());
+    for (nh, nkv, want) in [(16, 2, 4), (4, 1, 4), (6, 3, 2), (4, 4, 1), (12, 4, 1)] {
+        assert_eq!(tc_bwd_head_split(&dims(nh, nkv, 64)), want, "{nh}/{nkv}");
+    }
+}

@@ -7,8 +7,13 @@
 //! A straightforward version: probabilities are recomputed from the LSE, one warp per output
 //! (row, head), in three launches: `dq` (query-centric), `dk`/`dv` (key-centric over own keys),
 //! and the prefix keys' `dprefix_k`/`dprefix_v` (fp32, added: the G samples of a group gather
-//! their gradients into the one prefix). No tensor cores yet. Invariant: deterministic, every
-//! sum in a fixed order (see the kernel file), no atomics.
+//! their gradients into the one prefix). Invariant: deterministic, every sum in a fixed order
+//! (see the kernel file), no atomics.
+//!
+//! [`attention_bwd_bf16`] dispatches: the tensor-core FlashAttention-2 kernels of
+//! [`super::attention_bwd_tc`] when [`super::attention_bwd_tc::bwd_kernel_for`] says so
+//! (`ROLLPLEX_ATTN_BWD=tc`, head_dim 64 or 128), else the SIMT kernels here;
+//! [`attention_bwd_bf16_with`] picks one explicitly.
 //!
 //! Gradient buffers use their input's stride: `dq` the q stride, `dk`/`dv` the kv stride,
 //! `dprefix_*` the prefix stride, `dout` the out stride, so a fused dqkv buffer is written in

@@ -8,8 +8,10 @@
 //! `attention_bwd_tc_zero_kv` (zeros for dk/dv rows no sequence owns), `attention_bwd_tc_dq_bf16`
 //! (query-centric: a block owns 64 queries of one (sequence, head), loops over the key tiles,
 //! prefix keys included), `attention_bwd_tc_dkv_bf16` (key-centric: a block owns 64 own keys of
-//! one (sequence, kv head), loops over the group's query heads then the query tiles, ascending),
-//! and, when prefix rows exist, the SIMT `attention_bwd_dprefix_f32` for the shared prefix keys.
+//! one (sequence, kv head) and a slice of the group's query heads ([`tc_bwd_head_split`]), loops
+//! over those heads then the query tiles, ascending), `attention_bwd_tc_dkv_reduce` (sums the
+//! slices in order, when there are several), and, when prefix rows exist, the SIMT
+//! `attention_bwd_dprefix_f32` for the shared prefix keys.
 //!
 //! Invariant: deterministic, no atomics; every sum runs in an order fixed by the shapes alone.
 //! Supported: head_dim in [`TC_BWD_HEAD_DIMS`], row strides multiples of 8, every bf16 buffer
@@ -53,6 +55,18 @@ pub const TC_BWD_BY_DEFAULT: bool = false;
 
 /// The head dims the tensor-core backward is compiled and tested for.
 pub const TC_BWD_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// How many slices the key-centric kernel cuts a GQA group's query heads into (4, 2 or 1: the
+/// largest that divides heads / kv heads): more, smaller blocks balance the causal mask's
+/// unequal key tiles over the SMs; the slices' fp32 partial dk/dv (a scratch of
+/// 2 * split * kv_rows * kv_width floats) are summed in slice order by a last kernel.
+pub fn tc_bwd_head_split(dims: &AttnDims) -> usize {
+    let rep = dims.num_heads / dims.num_kv_heads.max(1);
+    [4, 2, 1]
+        .into_iter()
+        .find(|d| rep.is_multiple_of(*d))
+        .unwrap_or(1)
+}
 
 /// Rows (queries or keys) per tile; 4 warps of 16.
 const TILE_ROWS: usize = 64;
@@ -335,6 +349,15 @@ pub fn attention_bwd_tc_bf16(
         // arguments match the kernel's signature in order.
         unsafe { b.launch(cfg) }?;
     }
+    let hsplit = tc_bwd_head_split(&dims);
+    let hs32 = hsplit as u32;
+    // fp32 partial dk (hsplit slices) then dv (hsplit slices), each [kv_rows][kv heads][head_dim]
+    let mut part = if hsplit > 1 && kv_rows > 0 && n_seqs > 0 {
+        Some(gpu.alloc::<f32>(stream, 2 * hsplit * kv_rows * kvw)?)
+    } else {
+        None
+    };
+    let partp = part.as_mut().map(|p| ptr_mut(p, stream)).unwrap_or(0);
     if kv_rows > 0 && n_seqs > 0 {
         let f = gpu.function(&ATTENTION_BWD_TC, &defs, "attention_bwd_tc_dkv_bf16")?;
         // K and V of the block's keys, then 2 stages of (q, dout, lse, D)
@@ -343,7 +366,7 @@ pub fn attention_bwd_tc_bf16(
         let cfg = LaunchConfig {
             grid_dim: (
                 kv_rows.div_ceil(TILE_ROWS).clamp(1, 65535) as u32,
-                kvh32,
+                kvh32 * hs32,
                 ns32,
             ),
             block_dim: (THREADS, 1, 1),
@@ -369,9 +392,32 @@ pub fn attention_bwd_tc_bf16(
             .arg(&kvs)
             .arg(&os)
             .arg(&causal)
-            .arg(&scale);
-        // SAFETY: as above; the block (z, g) writes only the dk/dv rows its sequence owns.
+            .arg(&scale)
+            .arg(&hs32)
+            .arg(&partp);
+        // SAFETY: as above; the block (z, y) writes only the dk/dv rows its sequence owns
+        // (hsplit == 1), or their slice y % hsplit of `part`, which holds 2 * hsplit * kv_rows *
+        // kv_width floats (allocated above whenever hsplit > 1).
         unsafe { b.launch(cfg) }?;
+        if hsplit > 1 {
+            let f = gpu.function(&ATTENTION_BWD_TC, &defs, "attention_bwd_tc_dkv_reduce")?;
+            let mut b = stream.launch_builder(&f);
+            b.arg(&dkp)
+                .arg(&dvp)
+                .arg(&partp)
+                .arg(&sp)
+                .arg(&ns32)
+                .arg(&nq32)
+                .arg(&nkv32)
+                .arg(&np32)
+                .arg(&kvh32)
+                .arg(&kvs)
+                .arg(&hs32)
+                .arg(&scale);
+            // SAFETY: one warp per (key row < kv_rows, kv head) reads its hsplit slices of
+            // `part` (written above for every row a valid sequence owns) and writes that row.
+            unsafe { b.launch(warps_cfg(kv_rows * nkv)) }?;
+        }
     }
     if p_rows > 0 && n_seqs > 0 {
         let f = gpu.function(&ATTENTION_BWD, &[], "attention_bwd_dprefix_f32")?;
@@ -400,6 +446,6 @@ pub fn attention_bwd_tc_bf16(
         // one warp adds into each (prefix row < p_rows, kv head) of dprefix_k/v.
         unsafe { b.launch(warps_cfg(p_rows * nkv)) }?;
     }
-    drop(dsum);
+    drop((dsum, part));
     Ok(())
 }
