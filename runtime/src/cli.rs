@@ -88,7 +88,7 @@ pub fn run(args: &RunArgs) -> Result<(), ExecError> {
     };
     if backend == BackendChoice::Sim && (args.save_every > 0 || args.resume.is_some()) {
         return Err(ExecError::Machine(
-            "--save-every and --resume apply to training backends (cpu); the simulator keeps no state"
+            "--save-every and --resume apply to training backends (cpu, cuda); the simulator keeps no state"
                 .into(),
         ));
     }
@@ -180,7 +180,7 @@ impl Write for WriteRef<'_> {
 }
 
 /// A training run's observer (cpu, cuda): metrics file and table, trace, progress bars,
-/// checkpoints (cpu).
+/// checkpoints.
 struct LoopRun<'a> {
     args: &'a RunArgs,
     metrics: MetricsLog,
@@ -192,6 +192,9 @@ struct LoopRun<'a> {
     phase_s: [f64; 4],
     /// `--profile`: every task's measured time.
     profile: Option<exec::profile::ProfileRecorder>,
+    /// cuda with `--save-every`: the host copy of the actor that checkpoints are written
+    /// through (`checkpoint::save_gpu`).
+    host: Option<crate::model::Qwen25VL>,
 }
 
 impl exec::LoopObserver for LoopRun<'_> {
@@ -245,14 +248,22 @@ impl exec::LoopObserver for LoopRun<'_> {
         }
         let done = it + 1;
         let every = self.args.save_every;
-        if let (Some(identity), Some(models)) = (
-            self.identity
-                .as_ref()
-                .filter(|_| every > 0 && done.is_multiple_of(every)),
-            models.cpu(),
-        ) {
+        if let Some(identity) = self
+            .identity
+            .as_ref()
+            .filter(|_| every > 0 && done.is_multiple_of(every))
+        {
             let root = self.args.out.join(checkpoint::CHECKPOINTS_DIR);
-            let path = checkpoint::save(&root, done, models, identity, self.args.keep_checkpoints)?;
+            let keep = self.args.keep_checkpoints;
+            let path = match models {
+                exec::LoopModels::Cpu(m) => checkpoint::save(&root, done, m, identity, keep)?,
+                exec::LoopModels::Gpu(m) => {
+                    let host = self.host.as_mut().ok_or_else(|| {
+                        ExecError::Checkpoint("no host copy of the actor to save through".into())
+                    })?;
+                    checkpoint::save_gpu(&root, done, m, host, identity, keep)?
+                }
+            };
             if !self.args.quiet {
                 self.progress
                     .println(&format!("checkpoint: {}", path.display()));
@@ -321,6 +332,7 @@ fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
         identity,
         phase_s: [0.0; 4],
         profile,
+        host: None,
     };
     let result = exec::run_cpu_loop(
         plan,
@@ -443,14 +455,6 @@ fn report_eval(args: &RunArgs, acc: Option<f64>, when: &str) -> Result<(), ExecE
 
 /// The CUDA run: one GPU, the plan's streams as CUDA streams (`exec::gpu`).
 fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
-    if args.save_every > 0 || args.resume.is_some() {
-        return Err(ExecError::Unsupported(
-            "--save-every and --resume on --backend cuda: the trainer keeps its fp32 master weights and AdamW \
-             moments on the device and cannot hand them to the checkpoint code yet; run without them \
-             (checkpoints work on --backend cpu)"
-                .into(),
-        ));
-    }
     // Checked before the models are built (a large random model takes a while on the host).
     let gpu = exec::gpu::open_gpu()?;
     exec::gpu::check_gpu_plan(plan, &gpu)?;
@@ -458,6 +462,39 @@ fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
     // else on plain streams sharing the SMs (exec::profile::Execution).
     let partitioned = exec::gpu::PlanStreams::new(plan, &gpu)?.green();
     drop(gpu);
+    let spec = &plan.spec;
+    // Checkpoints (the CPU path's format and checks, `checkpoint::save_gpu` / `load_gpu`): the
+    // initial actor stays on the host, hashed for the run's identity and kept as the copy the
+    // saves write through; a checkpoint is loaded and checked before anything is written.
+    let (mut models, identity, host, first) = if args.save_every > 0 || args.resume.is_some() {
+        let actor = exec::host_actor(spec)?;
+        let identity = RunIdentity::with_reference(plan, spec.reference.enabled.then_some(&actor))?;
+        let fresh = exec::gpu::build_gpu_models_from(spec, &actor)?;
+        match &args.resume {
+            Some(p) => {
+                let dir = checkpoint::resolve(p)?;
+                let r = checkpoint::load_gpu(&dir, &identity, fresh)?;
+                if !args.quiet {
+                    println!(
+                        "resuming from {} after {} iterations",
+                        r.dir.display(),
+                        r.completed
+                    );
+                }
+                (r.models, Some(identity), Some(r.host), r.completed)
+            }
+            None => (fresh, Some(identity), Some(actor), 0),
+        }
+    } else {
+        (exec::gpu::build_gpu_models(spec)?, None, None, 0)
+    };
+    if first >= args.iterations {
+        println!(
+            "nothing to run: the checkpoint has {first} iterations done and --iterations asks for {} in all",
+            args.iterations
+        );
+        return Ok(());
+    }
     let profile = args
         .profile
         .as_ref()
@@ -468,12 +505,10 @@ fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
             } else {
                 Execution::Shared
             };
-            ProfileRecorder::for_run(plan, "cuda", execution, args.iterations)
+            ProfileRecorder::for_run(plan, "cuda", execution, args.iterations - first)
         })
         .transpose()?;
-    let spec = &plan.spec;
-    let mut models = exec::gpu::build_gpu_models(spec)?;
-    let (mut source, mut reward, metrics) = open_run(plan, args, 0, "cuda")?;
+    let (mut source, mut reward, metrics) = open_run(plan, args, first, "cuda")?;
     let eval = |models: &exec::gpu::GpuModels, when: &str| -> Result<(), ExecError> {
         let acc = exec::data::evaluate_split_with(
             spec,
@@ -483,25 +518,29 @@ fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
         )?;
         report_eval(args, acc, when)
     };
-    eval(&models, "before")?;
+    // A resumed run's "before" is the original run's.
+    if first == 0 {
+        eval(&models, "before")?;
+    }
     if !args.quiet {
         println!("{}", table_header());
     }
     let mut run = LoopRun {
         args,
         metrics,
-        progress: LoopProgress::new(0, args.iterations, args.quiet),
+        progress: LoopProgress::new(first, args.iterations, args.quiet),
         trace: args.trace.as_ref().map(|_| PlanTrace::new(plan, "cuda")),
-        identity: None,
+        identity,
         phase_s: [0.0; 4],
         profile,
+        host,
     };
     let result = exec::gpu::run_gpu_loop(
         plan,
         &mut models,
         source.as_mut(),
         reward.as_mut(),
-        0..args.iterations,
+        first..args.iterations,
         &mut run,
     );
     run.finish()?;

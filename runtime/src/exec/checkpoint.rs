@@ -20,6 +20,18 @@
 //! reference is the initial actor, rebuilt from the job spec and checked against the saved
 //! hash; the learning rate is a function of the optimizer step.
 //!
+//! Both backends write the same format through one code path (host weights + the optimizer map
+//! + the step): the CUDA trainer's state comes down with `GpuTrainer::export_state`, its fused
+//! q|k|v and gate|up tensors split into the CPU model's tensors and named as the CPU backend
+//! names them, the model file's trained tensors being its fp32 masters. A checkpoint is
+//! therefore backend-neutral for the same plan: a `--backend cuda` checkpoint resumes on
+//! `--backend cpu` and the reverse (the tensors and identity checks are the same; the numbers
+//! then follow the engine that resumes, bf16 on the GPU, f32 on the CPU, so only a resume on the
+//! engine that saved is bitwise the uninterrupted run). A CUDA resume restores masters and
+//! moments and re-derives the bf16 compute copy from the masters (round to nearest even, as
+//! `adamw_step_f32` writes it: the same bits); the frozen vision tower and merger keep the job's
+//! initial weights, as in the run that saved.
+//!
 //! Invariants: a checkpoint is only ever seen complete or not at all; a resume refuses a
 //! checkpoint of another plan, another seed, another reference, or with a corrupt file, with a
 //! message naming the file, before anything of the run is written.
@@ -31,9 +43,11 @@ use rollplex_plan::spec::{DType, JobSpec, WeightsSource};
 use rollplex_plan::Plan;
 
 use super::cpu::CpuModels;
+use super::gpu::GpuModels;
 use super::ExecError;
 use crate::ckpt_state::{self, AtomicDir, RunState, Tensor32};
 use crate::data::BatchCursor;
+use crate::gpu::train::{GpuTrainState, ParamState};
 use crate::model::Qwen25VL;
 
 /// Where `--save-every` writes, under the run's output directory.
@@ -91,13 +105,16 @@ pub struct RunIdentity {
 
 impl RunIdentity {
     pub fn of(plan: &Plan, models: &CpuModels) -> Result<Self, ExecError> {
+        Self::with_reference(plan, models.reference.as_ref())
+    }
+
+    /// The identity of a run whose reference is `reference` (on the host; the initial actor),
+    /// whatever backend runs it: the same for `cpu` and `cuda`.
+    pub fn with_reference(plan: &Plan, reference: Option<&Qwen25VL>) -> Result<Self, ExecError> {
         Ok(RunIdentity {
             plan_hash: plan_hash(plan)?,
             seed: plan.spec.seed,
-            reference: models
-                .reference
-                .as_ref()
-                .map(|r| (source_of(&plan.spec), weights_hash(r))),
+            reference: reference.map(|r| (source_of(&plan.spec), weights_hash(r))),
         })
     }
 
@@ -109,23 +126,96 @@ impl RunIdentity {
     }
 }
 
+/// The optimizer file's three prefixes: fp32 master, AdamW's first and second moments.
+const OPT_PREFIXES: [&str; 3] = ["master", "exp_avg", "exp_avg_sq"];
+
+/// Adds one trained tensor's `(master, m, v)` to the optimizer map under [`OPT_PREFIXES`].
+fn insert_param(
+    out: &mut BTreeMap<String, Tensor32>,
+    name: &str,
+    shape: &[usize],
+    bufs: [&[f32]; 3],
+) {
+    for (prefix, buf) in OPT_PREFIXES.into_iter().zip(bufs) {
+        out.insert(
+            format!("{prefix}.{name}"),
+            Tensor32 {
+                shape: shape.to_vec(),
+                data: buf.to_vec(),
+            },
+        );
+    }
+}
+
 fn opt_state(models: &CpuModels) -> BTreeMap<String, Tensor32> {
     let opt = models.trainer.optimizer();
     let (master, m, v) = opt.state();
     let mut out = BTreeMap::new();
     for p in opt.table().params() {
         let r = p.state_offset..p.state_offset + p.numel;
-        for (prefix, buf) in [("master", master), ("exp_avg", m), ("exp_avg_sq", v)] {
-            out.insert(
-                format!("{prefix}.{}", p.name),
-                Tensor32 {
-                    shape: p.shape.clone(),
-                    data: buf[r.clone()].to_vec(),
-                },
-            );
-        }
+        insert_param(
+            &mut out,
+            &p.name,
+            &p.shape,
+            [&master[r.clone()], &m[r.clone()], &v[r]],
+        );
     }
     out
+}
+
+/// The CUDA trainer's state as the optimizer map (the CPU backend's names).
+fn gpu_opt_state(state: &GpuTrainState) -> BTreeMap<String, Tensor32> {
+    let mut out = BTreeMap::new();
+    for p in &state.params {
+        insert_param(&mut out, &p.name, &p.shape, [&p.master, &p.m, &p.v]);
+    }
+    out
+}
+
+/// The inverse of [`gpu_opt_state`]: every `master.<name>` with its two moments; a tensor
+/// without all three, or any other entry, is an error naming the optimizer file.
+fn gpu_state_of(
+    dir: &Path,
+    mut map: BTreeMap<String, Tensor32>,
+    steps: u64,
+) -> Result<GpuTrainState, ExecError> {
+    let opath = dir.join(ckpt_state::OPTIMIZER_FILE);
+    let names: Vec<String> = map
+        .keys()
+        .filter_map(|k| k.strip_prefix("master.").map(str::to_string))
+        .collect();
+    let mut params = Vec::with_capacity(names.len());
+    for name in names {
+        let mut take = |prefix: &str| {
+            map.remove(&format!("{prefix}.{name}")).ok_or_else(|| {
+                ck(format!(
+                    "{}: tensor {name:?} has a master but no {prefix}",
+                    opath.display()
+                ))
+            })
+        };
+        let (master, m, v) = (take("master")?, take("exp_avg")?, take("exp_avg_sq")?);
+        if m.shape != master.shape || v.shape != master.shape {
+            return Err(ck(format!(
+                "{}: the master and moments of {name:?} differ in shape",
+                opath.display()
+            )));
+        }
+        params.push(ParamState {
+            name,
+            shape: master.shape,
+            master: master.data,
+            m: m.data,
+            v: v.data,
+        });
+    }
+    if let Some(k) = map.keys().next() {
+        return Err(ck(format!(
+            "{}: unexpected tensor {k:?} (not master/exp_avg/exp_avg_sq of a trained tensor)",
+            opath.display()
+        )));
+    }
+    Ok(GpuTrainState { params, steps })
 }
 
 /// Saves the state after `completed` iterations as `<root>/iter-<completed>`, atomically, then
@@ -137,9 +227,56 @@ pub fn save(
     identity: &RunIdentity,
     keep: usize,
 ) -> Result<PathBuf, ExecError> {
+    let opt = models.trainer.optimizer();
+    let state = TrainedState {
+        model: models.trainer.model(),
+        optimizer: opt_state(models),
+        steps: opt.steps(),
+    };
+    save_state(root, completed, state, identity, keep)
+}
+
+/// [`save`] for the CUDA backend: the trainer's state comes down into `host` (the host copy of
+/// the actor the run started from, or resumed into: its trained tensors are overwritten with
+/// the fp32 masters, its frozen ones are the run's) and is saved in the same format.
+pub fn save_gpu(
+    root: &Path,
+    completed: u32,
+    models: &GpuModels,
+    host: &mut Qwen25VL,
+    identity: &RunIdentity,
+    keep: usize,
+) -> Result<PathBuf, ExecError> {
+    let st = models.trainer.export_state(&models.stream, host)?;
+    let state = TrainedState {
+        model: host,
+        optimizer: gpu_opt_state(&st),
+        steps: st.steps,
+    };
+    save_state(root, completed, state, identity, keep)
+}
+
+/// What a checkpoint holds of the trained actor, whatever backend trained it.
+struct TrainedState<'a> {
+    /// Host weights, f32, the trained tensors equal to their masters.
+    model: &'a Qwen25VL,
+    /// `master.<name>`, `exp_avg.<name>`, `exp_avg_sq.<name>` per trained tensor.
+    optimizer: BTreeMap<String, Tensor32>,
+    /// Optimizer steps taken.
+    steps: u64,
+}
+
+/// The one save path of both backends.
+fn save_state(
+    root: &Path,
+    completed: u32,
+    trained: TrainedState<'_>,
+    identity: &RunIdentity,
+    keep: usize,
+) -> Result<PathBuf, ExecError> {
     let dir = AtomicDir::begin(ckpt_state::checkpoint_dir(root, completed as u64))
         .map_err(|e| ck(e.to_string()))?;
-    let model = models.trainer.model();
+    let model = trained.model;
     crate::model::checkpoint::save_checkpoint(model, dir.path(), DType::F32)?;
     let mpath = dir.path().join(MODEL_FILE);
     let blob = std::fs::read(&mpath).map_err(|e| ck(format!("{}: {e}", mpath.display())))?;
@@ -150,7 +287,6 @@ pub fn save(
         "model_file".into(),
         serde_json::json!({"name": MODEL_FILE, "bytes": blob.len(), "crc32": crc32fast::hash(&blob)}),
     );
-    let opt = models.trainer.optimizer();
     let state = RunState {
         iteration: completed as u64,
         seed: identity.seed,
@@ -158,8 +294,8 @@ pub fn save(
         data: BatchCursor {
             next_batch: completed as u64,
         },
-        optimizer_step: opt.steps(),
-        optimizer: opt_state(models),
+        optimizer_step: trained.steps,
+        optimizer: trained.optimizer,
         extra,
     };
     ckpt_state::write_run_state(dir.path(), &state).map_err(|e| ck(e.to_string()))?;
@@ -243,6 +379,117 @@ pub struct Resumed {
 /// theirs and the plan's ([`RunIdentity::of`]).
 pub fn load(dir: &Path, identity: &RunIdentity, fresh: CpuModels) -> Result<Resumed, ExecError> {
     let at = |msg: String| ck(format!("{}: {msg}", dir.display()));
+    let (completed, state, loaded) = load_checked(dir, identity)?;
+    let CpuModels { trainer, reference } = fresh;
+    let cfg = trainer.config().clone();
+    let opt_spec = trainer.optimizer().spec().clone();
+    let config = trainer.into_model().config;
+    let actor = Qwen25VL::new(config, loaded.weights).map_err(|e| {
+        at(format!(
+            "{e}: the checkpoint's weights do not fit this job's model"
+        ))
+    })?;
+    let mut trainer = crate::train::step::Trainer::new(actor, cfg, opt_spec)?;
+    // The optimizer: every trainable tensor's three buffers, in the table's carving.
+    let opt = trainer.optimizer();
+    let n = opt.table().state_len();
+    let (mut master, mut m, mut v) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+    let opath = dir.join(ckpt_state::OPTIMIZER_FILE);
+    let mut used = 0usize;
+    for p in opt.table().params() {
+        let r = p.state_offset..p.state_offset + p.numel;
+        for (prefix, buf) in [
+            ("master", &mut master),
+            ("exp_avg", &mut m),
+            ("exp_avg_sq", &mut v),
+        ] {
+            let name = format!("{prefix}.{}", p.name);
+            let t = state.optimizer.get(&name).ok_or_else(|| {
+                ck(format!(
+                    "{}: no tensor {name:?} (the checkpoint trains other tensors than this job)",
+                    opath.display()
+                ))
+            })?;
+            if t.shape != p.shape {
+                return Err(ck(format!(
+                    "{}: tensor {name:?} has shape {:?}, this job's is {:?}",
+                    opath.display(),
+                    t.shape,
+                    p.shape
+                )));
+            }
+            buf[r.clone()].copy_from_slice(&t.data);
+            used += 1;
+        }
+    }
+    if used != state.optimizer.len() {
+        return Err(ck(format!(
+            "{}: holds {} tensors, this job trains {} (x3)",
+            opath.display(),
+            state.optimizer.len(),
+            used / 3
+        )));
+    }
+    trainer.restore_optimizer(&master, &m, &v, state.optimizer_step)?;
+    Ok(Resumed {
+        dir: dir.to_path_buf(),
+        completed,
+        models: CpuModels { trainer, reference },
+    })
+}
+
+/// A loaded checkpoint of the CUDA backend: iterations done, the models to continue with, and
+/// the host copy of the actor (the checkpoint's weights) that the next saves write through.
+pub struct ResumedGpu {
+    pub dir: PathBuf,
+    pub completed: u32,
+    pub models: GpuModels,
+    pub host: Qwen25VL,
+}
+
+/// [`load`] for the CUDA backend: the same checks, then the trainer's masters, moments and
+/// step restored with `GpuTrainer::import_state` (the bf16 compute copy re-derived from the
+/// masters). `fresh` are the models a new run would start from: its reference and frozen
+/// tensors are kept. A CPU-backend checkpoint of the same plan loads too.
+pub fn load_gpu(
+    dir: &Path,
+    identity: &RunIdentity,
+    mut fresh: GpuModels,
+) -> Result<ResumedGpu, ExecError> {
+    let at = |msg: String| ck(format!("{}: {msg}", dir.display()));
+    let (completed, state, loaded) = load_checked(dir, identity)?;
+    let st = gpu_state_of(dir, state.optimizer, state.optimizer_step)?;
+    fresh
+        .trainer
+        .import_state(&fresh.stream, &st)
+        .map_err(|e| {
+            ck(format!(
+                "{}: {e}",
+                dir.join(ckpt_state::OPTIMIZER_FILE).display()
+            ))
+        })?;
+    let config = fresh.trainer.model().config.clone();
+    let host = Qwen25VL::new(config, loaded.weights).map_err(|e| {
+        at(format!(
+            "{e}: the checkpoint's weights do not fit this job's model"
+        ))
+    })?;
+    Ok(ResumedGpu {
+        dir: dir.to_path_buf(),
+        completed,
+        models: fresh,
+        host,
+    })
+}
+
+/// The part of loading both backends share: the checkpoint belongs to this run (plan, seed,
+/// reference), its run state fits, its model file is intact; returns the iterations done, the
+/// run state and the checkpoint's weights (with its own config.json).
+fn load_checked(
+    dir: &Path,
+    identity: &RunIdentity,
+) -> Result<(u32, RunState, Qwen25VL), ExecError> {
+    let at = |msg: String| ck(format!("{}: {msg}", dir.display()));
     let state = ckpt_state::load_run_state(dir).map_err(|e| ck(e.to_string()))?;
     let saved_plan = state.extra.get("plan_fnv64").and_then(|v| v.as_str());
     if saved_plan != Some(identity.plan_hash.as_str()) {
@@ -305,60 +552,5 @@ pub fn load(dir: &Path, identity: &RunIdentity, fresh: CpuModels) -> Result<Resu
     }
     drop(blob);
     let loaded = Qwen25VL::load(dir).map_err(|e| at(e.to_string()))?;
-    let CpuModels { trainer, reference } = fresh;
-    let cfg = trainer.config().clone();
-    let opt_spec = trainer.optimizer().spec().clone();
-    let config = trainer.into_model().config;
-    let actor = Qwen25VL::new(config, loaded.weights).map_err(|e| {
-        at(format!(
-            "{e}: the checkpoint's weights do not fit this job's model"
-        ))
-    })?;
-    let mut trainer = crate::train::step::Trainer::new(actor, cfg, opt_spec)?;
-    // The optimizer: every trainable tensor's three buffers, in the table's carving.
-    let opt = trainer.optimizer();
-    let n = opt.table().state_len();
-    let (mut master, mut m, mut v) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
-    let opath = dir.join(ckpt_state::OPTIMIZER_FILE);
-    let mut used = 0usize;
-    for p in opt.table().params() {
-        let r = p.state_offset..p.state_offset + p.numel;
-        for (prefix, buf) in [
-            ("master", &mut master),
-            ("exp_avg", &mut m),
-            ("exp_avg_sq", &mut v),
-        ] {
-            let name = format!("{prefix}.{}", p.name);
-            let t = state.optimizer.get(&name).ok_or_else(|| {
-                ck(format!(
-                    "{}: no tensor {name:?} (the checkpoint trains other tensors than this job)",
-                    opath.display()
-                ))
-            })?;
-            if t.shape != p.shape {
-                return Err(ck(format!(
-                    "{}: tensor {name:?} has shape {:?}, this job's is {:?}",
-                    opath.display(),
-                    t.shape,
-                    p.shape
-                )));
-            }
-            buf[r.clone()].copy_from_slice(&t.data);
-            used += 1;
-        }
-    }
-    if used != state.optimizer.len() {
-        return Err(ck(format!(
-            "{}: holds {} tensors, this job trains {} (x3)",
-            opath.display(),
-            state.optimizer.len(),
-            used / 3
-        )));
-    }
-    trainer.restore_optimizer(&master, &m, &v, state.optimizer_step)?;
-    Ok(Resumed {
-        dir: dir.to_path_buf(),
-        completed,
-        models: CpuModels { trainer, reference },
-    })
+    Ok((completed, state, loaded))
 }

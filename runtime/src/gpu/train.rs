@@ -34,8 +34,16 @@
 //! bf16 by its GEMM and added into its fp32 accumulator (`grad_accumulate_f32`); bias gradients
 //! are the same GEMM with a row of ones; norm and embedding gradients are fp32 directly.
 //!
+//! Checkpoints: [`GpuTrainer::export_state`] brings the fp32 masters and AdamW moments down,
+//! each fused tensor split into the CPU model's tensors (`cpu_parts`: q|k|v and gate|up by rows),
+//! with the CPU backend's names; [`GpuTrainer::import_state`] is the inverse and re-derives the
+//! bf16 compute copy from the masters (round to nearest even, bitwise what `adamw_step_f32`
+//! wrote). Weights, moments and the step count are the trainer's whole state between
+//! mini-batches.
+//!
 //! Invariants: every launch and copy runs on the caller's stream; the weights change only in
-//! [`GpuTrainer::optimizer_step`]; micro-batches are accepted in plan order only.
+//! [`GpuTrainer::optimizer_step`] and [`GpuTrainer::import_state`]; micro-batches are accepted
+//! in plan order only.
 
 use std::sync::Arc;
 
@@ -178,15 +186,6 @@ struct TrainTensor {
     m: CudaSlice<f32>,
     v: CudaSlice<f32>,
     grad: CudaSlice<f32>,
-}
-
-fn lin_of(b: &GpuBlock, l: Lin) -> &GpuLinear {
-    match l {
-        Lin::Qkv => &b.qkv,
-        Lin::O => &b.o,
-        Lin::GateUp => &b.gate_up,
-        Lin::Down => &b.down,
-    }
 }
 
 fn lin_of_mut(b: &mut GpuBlock, l: Lin) -> &mut GpuLinear {
@@ -833,6 +832,122 @@ fn cpu_parts(layout: &Layout, s: Slot) -> Vec<(crate::model::ParamId, usize, usi
     }
 }
 
+/// The trained slots of a model on the device, in the trainer's fixed order: embeddings, the
+/// untied lm head, the final norm, then per layer its norms and fused linears with their biases.
+fn train_slots(layout: &Layout) -> Vec<Slot> {
+    let mut slots = vec![Slot::Embed];
+    if layout.lm_head != layout.embed {
+        slots.push(Slot::LmHead);
+    }
+    slots.push(Slot::FinalNorm);
+    for (l, p) in layout.text_layers.iter().enumerate() {
+        slots.push(Slot::Norm1(l));
+        slots.push(Slot::Norm2(l));
+        for (k, parts) in [
+            (Lin::Qkv, vec![&p.q, &p.k, &p.v]),
+            (Lin::O, vec![&p.o]),
+            (Lin::GateUp, vec![&p.gate, &p.up]),
+            (Lin::Down, vec![&p.down]),
+        ] {
+            slots.push(Slot::Weight(l, k));
+            // as `fuse_linears`: a fused bias when any part has one
+            if parts.iter().any(|x| x.b.is_some()) {
+                slots.push(Slot::Bias(l, k));
+            }
+        }
+    }
+    slots
+}
+
+/// Where each CPU-model tensor of a fused device tensor of `numel` values lies in it: `(param
+/// id, element range)` per part of [`cpu_parts`]. Rows of a fused tensor whose CPU tensor does
+/// not exist (a missing bias, zero in the fused copy) belong to no part.
+fn part_ranges(
+    table: &ParamTable,
+    parts: &[(crate::model::ParamId, usize, usize)],
+    numel: usize,
+) -> Result<Vec<(crate::model::ParamId, std::ops::Range<usize>)>> {
+    parts
+        .iter()
+        .map(|&(id, row0, rows)| {
+            let e = table.entry(id);
+            let r = match e.len.checked_div(rows) {
+                // a part of a fused tensor: its rows
+                Some(width) => row0 * width..(row0 + rows) * width,
+                // a whole tensor
+                None => 0..e.len,
+            };
+            if r.len() != e.len || r.end > numel {
+                return Err(GpuError::Input(format!(
+                    "tensor {} ({} values) does not fit elements {r:?} of a fused tensor of {numel}",
+                    e.name, e.len
+                ))
+                .into());
+            }
+            Ok((id, r))
+        })
+        .collect()
+}
+
+/// The CPU-model tensors of a fused device tensor's values: `(param id, its values)` per part.
+fn split_fused<'a>(
+    table: &ParamTable,
+    parts: &[(crate::model::ParamId, usize, usize)],
+    fused: &'a [f32],
+) -> Result<Vec<(crate::model::ParamId, &'a [f32])>> {
+    Ok(part_ranges(table, parts, fused.len())?
+        .into_iter()
+        .map(|(id, r)| (id, &fused[r]))
+        .collect())
+}
+
+/// The inverse of [`split_fused`]: a fused tensor of `numel` values from its parts' values
+/// (`part(id)`), zero where no CPU tensor lies (a missing bias, as `fuse_linears` fills it).
+fn fuse_parts<'a>(
+    table: &ParamTable,
+    parts: &[(crate::model::ParamId, usize, usize)],
+    numel: usize,
+    mut part: impl FnMut(crate::model::ParamId) -> Result<&'a [f32]>,
+) -> Result<Vec<f32>> {
+    let mut out = vec![0f32; numel];
+    for (id, r) in part_ranges(table, parts, numel)? {
+        let src = part(id)?;
+        if src.len() != r.len() {
+            return Err(GpuError::Input(format!(
+                "tensor {} has {} values, the model's has {}",
+                table.entry(id).name,
+                src.len(),
+                r.len()
+            ))
+            .into());
+        }
+        out[r].copy_from_slice(src);
+    }
+    Ok(out)
+}
+
+/// The optimizer state of one trained tensor of the CPU model (the fused device tensors split
+/// into their parts), as a checkpoint stores it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamState {
+    /// The CPU model's tensor name (Hugging Face layout).
+    pub name: String,
+    pub shape: Vec<usize>,
+    /// fp32 master weights, AdamW's first and second moments.
+    pub master: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+/// The trainer's state on the host, per CPU-model tensor, in the trainer's order: what a
+/// checkpoint saves and [`GpuTrainer::import_state`] restores.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GpuTrainState {
+    pub params: Vec<ParamState>,
+    /// Optimizer steps taken.
+    pub steps: u64,
+}
+
 impl GpuTrainer {
     /// Uploads `model` (bf16 compute copy; fp32 masters from its f32 weights) and zeroed
     /// moments and gradients. The vision tower and merger must be frozen.
@@ -861,22 +976,7 @@ impl GpuTrainer {
         cfg.loss.validate()?;
         validate_spec(&spec)?;
         let gm = GpuModel::upload(gpu, stream, model)?;
-        let layers = gm.weights.text.len();
-        let mut slots = vec![Slot::Embed];
-        if gm.weights.lm_head.is_some() {
-            slots.push(Slot::LmHead);
-        }
-        slots.push(Slot::FinalNorm);
-        for l in 0..layers {
-            slots.push(Slot::Norm1(l));
-            slots.push(Slot::Norm2(l));
-            for k in [Lin::Qkv, Lin::O, Lin::GateUp, Lin::Down] {
-                slots.push(Slot::Weight(l, k));
-                if lin_of(&gm.weights.text[l], k).b.is_some() {
-                    slots.push(Slot::Bias(l, k));
-                }
-            }
-        }
+        let slots = train_slots(&model.weights.layout);
         let mut t = Vec::with_capacity(slots.len());
         let mut biggest = 0usize;
         for s in slots {
@@ -934,18 +1034,126 @@ impl GpuTrainer {
         for t in &self.grads.t {
             let g = download(stream, &t.grad)?;
             let parts = cpu_parts(&self.layout, t.slot);
-            for (id, row0, rows) in parts {
+            for (id, x) in split_fused(&self.table, &parts, &g[..t.numel])? {
                 let e = self.table.entry(id);
-                let dst = &mut out[e.offset..e.offset + e.len];
-                match e.len.checked_div(rows) {
-                    // a part of a fused tensor: its rows
-                    Some(width) => dst.copy_from_slice(&g[row0 * width..(row0 + rows) * width]),
-                    // a whole tensor
-                    None => dst.copy_from_slice(&g),
-                }
+                out[e.offset..e.offset + e.len].copy_from_slice(x);
             }
         }
         Ok(out)
+    }
+
+    /// The trainer's state on the host (synchronises): the fp32 masters written into `into`'s
+    /// trained tensors (the text decoder; its frozen tensors are left as they are, so `into`
+    /// should hold the weights the trainer was built from), and per trained CPU-model tensor
+    /// its master and AdamW moments, with the optimizer step. The device's bf16 compute copy
+    /// is the round-to-nearest-even of the masters (`adamw_step_f32`, `GpuWeights::upload`),
+    /// so the state determines it.
+    pub fn export_state(
+        &self,
+        stream: &Arc<CudaStream>,
+        into: &mut Qwen25VL,
+    ) -> Result<GpuTrainState> {
+        if into.weights.table.total() != self.table.total() || into.weights.layout != self.layout {
+            return Err(GpuError::Input(
+                "export_state: the host model has another layout than the trained one".into(),
+            )
+            .into());
+        }
+        let mut params = Vec::new();
+        for t in &self.grads.t {
+            let parts = cpu_parts(&self.layout, t.slot);
+            let master = download(stream, &t.master)?;
+            let m = download(stream, &t.m)?;
+            let v = download(stream, &t.v)?;
+            let (master, m, v) = (&master[..t.numel], &m[..t.numel], &v[..t.numel]);
+            let pieces = [
+                split_fused(&self.table, &parts, master)?,
+                split_fused(&self.table, &parts, m)?,
+                split_fused(&self.table, &parts, v)?,
+            ];
+            for (i, &(id, x)) in pieces[0].iter().enumerate() {
+                into.weights.get_mut(id).copy_from_slice(x);
+                let e = self.table.entry(id);
+                params.push(ParamState {
+                    name: e.name.clone(),
+                    shape: e.shape.clone(),
+                    master: x.to_vec(),
+                    m: pieces[1][i].1.to_vec(),
+                    v: pieces[2][i].1.to_vec(),
+                });
+            }
+        }
+        Ok(GpuTrainState {
+            params,
+            steps: self.steps,
+        })
+    }
+
+    /// Restores a state [`GpuTrainer::export_state`] produced (or a CPU-backend checkpoint's
+    /// optimizer, same names): the fp32 masters, the moments, the optimizer step, and the bf16
+    /// compute copy re-derived from the masters (round to nearest even, as the optimizer step
+    /// writes it: bitwise what the run that saved the state computed with). Frozen tensors keep
+    /// the weights the trainer was built from. Every trained tensor must be present with its
+    /// shape, and nothing else; the accumulated gradient is dropped. Synchronises.
+    pub fn import_state(&mut self, stream: &Arc<CudaStream>, state: &GpuTrainState) -> Result<()> {
+        let by_name: std::collections::HashMap<&str, &ParamState> =
+            state.params.iter().map(|p| (p.name.as_str(), p)).collect();
+        if by_name.len() != state.params.len() {
+            return Err(GpuError::Input("import_state: a tensor is listed twice".into()).into());
+        }
+        let mut used = 0usize;
+        for t in self.grads.t.iter_mut() {
+            let parts = cpu_parts(&self.layout, t.slot);
+            let table = &self.table;
+            let find = |id: crate::model::ParamId| -> Result<&ParamState> {
+                let e = table.entry(id);
+                let p = by_name.get(e.name.as_str()).ok_or_else(|| {
+                    GpuError::Input(format!(
+                        "the state has no tensor {} (it trains other tensors than this model)",
+                        e.name
+                    ))
+                })?;
+                if p.shape != e.shape || [&p.master, &p.m, &p.v].iter().any(|x| x.len() != e.len) {
+                    return Err(GpuError::Input(format!(
+                        "tensor {} has shape {:?} ({}, {}, {} values), this model's is {:?}",
+                        e.name,
+                        p.shape,
+                        p.master.len(),
+                        p.m.len(),
+                        p.v.len(),
+                        e.shape
+                    ))
+                    .into());
+                }
+                Ok(p)
+            };
+            let master = fuse_parts(table, &parts, t.numel, |id| Ok(&find(id)?.master[..]))?;
+            let m = fuse_parts(table, &parts, t.numel, |id| Ok(&find(id)?.m[..]))?;
+            let v = fuse_parts(table, &parts, t.numel, |id| Ok(&find(id)?.v[..]))?;
+            used += parts.len();
+            let out = weight_mut(&mut self.model.weights, t.slot).ok_or_else(|| {
+                GpuError::Input(format!("no device weight for trained tensor {}", t.name))
+            })?;
+            let copy: Vec<bf16> = master.iter().map(|&x| bf16::from_f32(x)).collect();
+            stream.memcpy_htod(&copy[..], &mut out.slice_mut(..t.numel))?;
+            stream.memcpy_htod(&master[..], &mut t.master.slice_mut(..t.numel))?;
+            stream.memcpy_htod(&m[..], &mut t.m.slice_mut(..t.numel))?;
+            stream.memcpy_htod(&v[..], &mut t.v.slice_mut(..t.numel))?;
+            stream.memset_zeros(&mut t.grad)?;
+            // the host buffers must outlive the copies
+            stream.synchronize()?;
+        }
+        if used != state.params.len() {
+            return Err(GpuError::Input(format!(
+                "the state holds {} tensors, this model trains {used}",
+                state.params.len()
+            ))
+            .into());
+        }
+        self.steps = state.steps;
+        self.micro = 0;
+        self.metrics = LossMetrics::default();
+        Ok(())
     }
 
     /// Forward, loss and backward of micro-batch `index` (0-based, plan order) of the current

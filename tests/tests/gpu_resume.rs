@@ -1,0 +1,304 @@
+//! Checkpoints and bitwise resume on the CUDA backend (`checkpoint::save_gpu` / `load_gpu`,
+//! `rollplex-run --backend cuda --save-every/--resume`), on the tiny overlap plan of
+//! `gpu_loop.rs` (tests/in/e2e/overlap_small.rpx with vision and merger frozen):
+//! - 4 iterations uninterrupted vs 2, checkpoint, fresh models, resume, 2 more: the same
+//!   tokens, log-probs, rewards, losses and grad norms in iterations 2-3 and bitwise the same
+//!   final bf16 text weights; the bf16 compute copy right after the resume is bitwise the one
+//!   the saving run had (re-derived from the fp32 masters);
+//! - the CUDA checkpoint loads on the CPU backend (same format, names and identity);
+//! - through `cli::run`: metrics.jsonl of 4 vs 2 + resume to 4 (timings aside) and the
+//!   iteration-4 checkpoint files are byte-identical.
+//!
+//! Refusing a corrupt checkpoint or one of another plan, seed or reference is the code path
+//! both backends share (`checkpoint::load_checked`), tested on the CPU in `resume.rs`.
+//!
+//! Each test prints `skipped: ...` and passes where no CUDA GPU is present (CI).
+
+use std::path::{Path, PathBuf};
+
+use rollplex_plan::spec::Mode;
+use rollplex_plan::Plan;
+use rollplex_runtime::cli::{self, BackendChoice, RunArgs};
+use rollplex_runtime::exec::checkpoint::{self, RunIdentity};
+use rollplex_runtime::exec::{self, gpu, IterationResult};
+
+struct Files;
+impl rollplex_dsl::Env for Files {
+    fn read_file(&self, path: &str) -> Result<String, String> {
+        std::fs::read_to_string(path).map_err(|e| e.to_string())
+    }
+}
+
+/// A scratch directory under the system temp dir, removed when dropped.
+struct Scratch(PathBuf);
+impl Scratch {
+    fn new(name: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("rollplex-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        Scratch(p)
+    }
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `None` (after printing why) when there is no GPU to run on.
+fn device() -> Option<()> {
+    match gpu::open_gpu() {
+        Ok(_) => Some(()),
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+/// tests/in/e2e/overlap_small.rpx with the vision tower frozen (the GPU trainer's requirement),
+/// compiled as an overlap plan.
+fn plan() -> Plan {
+    // (relative to the working directory when the test binary runs outside this checkout)
+    let path = [
+        concat!(env!("CARGO_MANIFEST_DIR"), "/in/e2e/overlap_small.rpx"),
+        "tests/in/e2e/overlap_small.rpx",
+    ]
+    .into_iter()
+    .find(|p| Path::new(p).exists())
+    .expect("tests/in/e2e/overlap_small.rpx");
+    let src = std::fs::read_to_string(path).expect("tests/in/e2e/overlap_small.rpx");
+    let anchor = "mini_batch = PROMPTS * G   // the whole iteration: one optimizer step";
+    assert!(
+        src.contains(anchor),
+        "overlap_small.rpx changed: update this test"
+    );
+    let src = src.replace(
+        anchor,
+        &format!("{anchor}\n        freeze = [vision, merger]"),
+    );
+    let checked = rollplex_dsl::compile_source("pipeline.rpx", &src, &Files)
+        .unwrap_or_else(|d| panic!("{}", d.render("pipeline.rpx", &src, false)));
+    let opts = rollplex_compiler::Options {
+        mode: Some(Mode::Overlap),
+        ..Default::default()
+    };
+    rollplex_compiler::compile(&checked.spec, &opts)
+        .expect("compiles")
+        .plan
+}
+
+/// Runs iterations `first .. first + count` on `models`.
+fn run(plan: &Plan, models: &mut gpu::GpuModels, first: u32, count: u32) -> Vec<IterationResult> {
+    let spec = &plan.spec;
+    let mut source = exec::data_source(spec, &spec.rollout.dataset).expect("data");
+    let mut reward = exec::reward_fn(spec).expect("reward");
+    let mut results = Vec::new();
+    gpu::run_gpu_iterations(
+        plan,
+        models,
+        source.as_mut(),
+        reward.as_mut(),
+        first,
+        count,
+        |it, r, wall| {
+            println!(
+                "iteration {it}: {:.1} ms, reward {:.3}, loss {:.5}, grad norm {:.4}",
+                wall.as_secs_f64() * 1e3,
+                r.reward_mean(),
+                r.metrics.loss.loss,
+                r.metrics.grad_norm
+            );
+            results.push(r.clone());
+            Ok(())
+        },
+    )
+    .expect("GPU run");
+    results
+}
+
+fn fb(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|f| f.to_bits()).collect()
+}
+
+fn assert_same_iteration(i: u32, x: &IterationResult, y: &IterationResult) {
+    assert!(x.metrics.optimizer_steps > 0, "iteration {i} trained");
+    assert_eq!(x.tokens, y.tokens, "iteration {i}: sampled tokens differ");
+    let all = |v: &[Vec<f32>]| v.iter().map(|r| fb(r)).collect::<Vec<_>>();
+    assert_eq!(
+        all(&x.rollout_logp),
+        all(&y.rollout_logp),
+        "iteration {i}: rollout log-probs differ"
+    );
+    let opt = |v: &[Option<Vec<f32>>]| v.iter().map(|r| r.as_deref().map(fb)).collect::<Vec<_>>();
+    assert_eq!(
+        opt(&x.ref_logp),
+        opt(&y.ref_logp),
+        "iteration {i}: reference log-probs differ"
+    );
+    assert_eq!(
+        opt(&x.old_logp),
+        opt(&y.old_logp),
+        "iteration {i}: old log-probs differ"
+    );
+    assert_eq!(fb(&x.rewards), fb(&y.rewards), "iteration {i}: rewards");
+    assert_eq!(
+        x.metrics.loss.loss.to_bits(),
+        y.metrics.loss.loss.to_bits(),
+        "iteration {i}: loss differs ({} vs {})",
+        x.metrics.loss.loss,
+        y.metrics.loss.loss
+    );
+    assert_eq!(
+        x.metrics.grad_norm.to_bits(),
+        y.metrics.grad_norm.to_bits(),
+        "iteration {i}: grad norm differs"
+    );
+}
+
+#[test]
+fn cuda_two_plus_resume_to_four_equals_four_bitwise() {
+    if device().is_none() {
+        return;
+    }
+    let plan = plan();
+    let spec = &plan.spec;
+    let dir = Scratch::new("gpu-resume-lib");
+    let root = dir.path().join(checkpoint::CHECKPOINTS_DIR);
+
+    // Uninterrupted.
+    let (a, a_bits) = {
+        let mut models = gpu::build_gpu_models(spec).expect("GPU models");
+        let r = run(&plan, &mut models, 0, 4);
+        (r, models.text_weight_bits().expect("weights"))
+    };
+
+    // Two iterations, a checkpoint, and the models dropped.
+    let actor = exec::host_actor(spec).expect("initial actor");
+    let identity = RunIdentity::with_reference(&plan, spec.reference.enabled.then_some(&actor))
+        .expect("identity");
+    let (b_first, saved_bits) = {
+        let mut models = gpu::build_gpu_models_from(spec, &actor).expect("GPU models");
+        let r = run(&plan, &mut models, 0, 2);
+        let mut host = actor.clone();
+        let path = checkpoint::save_gpu(&root, 2, &models, &mut host, &identity, 0)
+            .expect("save the checkpoint");
+        println!("checkpoint: {}", path.display());
+        (r, models.text_weight_bits().expect("weights"))
+    };
+    for i in 0..2 {
+        assert_same_iteration(i as u32, &a[i], &b_first[i]);
+    }
+
+    // Fresh models from the initial actor, resumed from the checkpoint.
+    let fresh = gpu::build_gpu_models_from(spec, &actor).expect("GPU models");
+    let initial_bits = fresh.text_weight_bits().expect("weights");
+    let ckpt = checkpoint::resolve(dir.path()).expect("the checkpoint");
+    let mut r = checkpoint::load_gpu(&ckpt, &identity, fresh).expect("resume");
+    assert_eq!(r.completed, 2);
+    assert_eq!(r.models.trainer.steps(), 2, "optimizer steps restored");
+    let resumed_bits = r.models.text_weight_bits().expect("weights");
+    assert!(
+        initial_bits != saved_bits,
+        "two iterations changed the weights, or the comparisons prove little"
+    );
+    let differ = resumed_bits
+        .iter()
+        .zip(&saved_bits)
+        .filter(|(x, y)| x != y)
+        .count();
+    assert!(
+        differ == 0 && resumed_bits.len() == saved_bits.len(),
+        "the bf16 compute copy after the resume differs from the saving run's in {differ} of {} values",
+        saved_bits.len()
+    );
+    let b = run(&plan, &mut r.models, 2, 2);
+    for (k, (x, y)) in a[2..].iter().zip(&b).enumerate() {
+        assert_same_iteration(2 + k as u32, x, y);
+    }
+    assert_ne!(
+        a[2].metrics.loss.loss.to_bits(),
+        a[3].metrics.loss.loss.to_bits(),
+        "the iterations differ from one another"
+    );
+    let b_bits = r.models.text_weight_bits().expect("weights");
+    assert!(a_bits == b_bits, "final weights differ");
+
+    // The same checkpoint loads on the CPU backend (numbers then follow the CPU engine).
+    let cpu_fresh = exec::build_cpu_models(spec).expect("CPU models");
+    let cpu_identity = RunIdentity::of(&plan, &cpu_fresh).expect("identity");
+    assert_eq!(cpu_identity, identity, "the run identity is backend-neutral");
+    let c = checkpoint::load(&ckpt, &cpu_identity, cpu_fresh).expect("a cuda checkpoint on cpu");
+    assert_eq!(c.completed, 2);
+    assert_eq!(c.models.trainer.optimizer().steps(), 2);
+}
+
+fn args(plan: &Path, out: &Path, iterations: u32) -> RunArgs {
+    RunArgs {
+        plan: plan.to_path_buf(),
+        backend: BackendChoice::Cuda,
+        iterations,
+        out: out.to_path_buf(),
+        trace: None,
+        svg: None,
+        cost_profile: None,
+        profile: None,
+        save_every: 1,
+        keep_checkpoints: 2,
+        resume: None,
+        eval: 0,
+        quiet: true,
+    }
+}
+
+/// metrics.jsonl without its timings (keys ending in `_s`).
+fn metrics(out: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v.as_object_mut().unwrap().retain(|k, _| !k.ends_with("_s"));
+            v
+        })
+        .collect()
+}
+
+fn read(p: PathBuf) -> Vec<u8> {
+    std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+#[test]
+fn cuda_cli_resume_continues_bitwise() {
+    if device().is_none() {
+        return;
+    }
+    let dir = Scratch::new("gpu-resume-cli");
+    let plan_path = dir.path().join("plan.bin");
+    std::fs::write(&plan_path, rollplex_plan::encode(&plan(), "tests").unwrap()).unwrap();
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+
+    cli::run(&args(&plan_path, &a, 4)).expect("uninterrupted run");
+    cli::run(&args(&plan_path, &b, 2)).expect("first half");
+    let mut resume = args(&plan_path, &b, 4);
+    resume.resume = Some(b.clone());
+    cli::run(&resume).expect("resumed run");
+
+    let (ma, mb) = (metrics(&a), metrics(&b));
+    assert_eq!(ma.len(), 4);
+    assert_eq!(ma, mb, "metrics of 4 vs 2 + resume to 4 (timings aside)");
+    let ckpt = |out: &Path, k: u32| out.join(format!("checkpoints/iter-{k:08}"));
+    for f in ["model.safetensors", "optimizer.safetensors", "config.json"] {
+        assert!(
+            read(ckpt(&a, 4).join(f)) == read(ckpt(&b, 4).join(f)),
+            "{f} of iteration 4 differs between the runs"
+        );
+    }
+    assert!(
+        !ckpt(&a, 2).exists() && ckpt(&a, 3).exists(),
+        "--keep-checkpoints 2 keeps the newest two"
+    );
+}
