@@ -56,7 +56,7 @@ use crate::gpu::streams::{Priority as PartPriority, StreamSet};
 use crate::gpu::text::DeviceScores;
 use crate::gpu::train::{GpuGroupBatch, GpuTrainError, GpuTrainer};
 use crate::gpu::{GpuEncodedMedia, GpuError, GpuKvArena, GpuModel, GpuPrefixState, GpuPrompt};
-use crate::model::{DecodeSlot, GenerateConfig, MediaInput, Qwen25VL, SamplingParams};
+use crate::model::{DecodeSlot, GenerateConfig, MediaInput, SamplingParams};
 
 impl From<GpuError> for ExecError {
     fn from(e: GpuError) -> Self {
@@ -127,23 +127,18 @@ impl GpuModels {
 /// through the CPU model), the trainer around it, and the reference (a copy of the initial
 /// actor). Returns once the uploads have finished.
 pub fn build_gpu_models(spec: &JobSpec) -> Result<GpuModels, ExecError> {
-    build_gpu_models_from(spec, &super::host_actor(spec)?)
-}
-
-/// [`build_gpu_models`] from the job's initial actor already on the host (`host_actor`), for
-/// a caller that keeps it (checkpoints hash it and save through a host copy).
-pub fn build_gpu_models_from(spec: &JobSpec, actor: &Qwen25VL) -> Result<GpuModels, ExecError> {
     let gpu = open_gpu()?;
+    let actor = super::host_actor(spec)?;
     let stream = gpu.stream(0)?;
     let reference = if spec.reference.enabled {
-        Some(GpuModel::upload(&gpu, &stream, actor)?)
+        Some(GpuModel::upload(&gpu, &stream, &actor)?)
     } else {
         None
     };
     let trainer = GpuTrainer::new(
         &gpu,
         &stream,
-        actor,
+        &actor,
         super::cpu::train_config(spec)?,
         spec.train.optimizer.clone(),
     )?;
@@ -933,13 +928,14 @@ pub fn run_gpu_loop(
             .ok_or_else(|| ExecError::Plan("GPU program 0 has no stream".into()))?
             .id,
     )?;
-    for it in iterations {
+    // the next iteration's prompts are drawn on a host thread while this one runs
+    super::prompts::for_each_prefetched(source, iterations, groups, |it, prompts, t0| {
         models.gpu.ctx().synchronize()?;
-        let t0 = Instant::now();
         let origin = models.gpu.timing_event()?;
         origin.record(origin_stream)?;
+        // the host instant of `origin` (device times map onto the host clock from here)
+        let t_origin = Instant::now();
         observer.iteration_started(it, tasks);
-        let prompts = source.prompts(it, groups)?;
         let (result, times) = {
             let mut iter = GpuIteration::new(plan, models, &streams, reward, it, &prompts)?;
             let mut started = Started {
@@ -955,12 +951,11 @@ pub fn run_gpu_loop(
         };
         let wall = t0.elapsed();
         for (i, a, b) in times {
-            let at = |ms: f64| t0 + Duration::from_secs_f64(ms.max(0.0) / 1e3);
+            let at = |ms: f64| t_origin + Duration::from_secs_f64(ms.max(0.0) / 1e3);
             observer.task_done(it, &plan.tasks[i], at(a), at(b));
         }
-        observer.iteration_done(it, &result, LoopModels::Gpu(models), t0, wall)?;
-    }
-    Ok(())
+        observer.iteration_done(it, &result, LoopModels::Gpu(models), t0, wall)
+    })
 }
 
 /// Tells the observer when each task is launched (its device times come after the iteration).

@@ -342,10 +342,8 @@ pub fn run_cpu_loop(
     let groups = plan.parallel.prompts_per_rollout_replica as usize;
     let gpu = plan.gpus[0].id;
     let tasks = plan.tasks.iter().filter(|t| t.gpu == gpu).count();
-    for it in iterations {
-        let t0 = Instant::now();
+    prompts::for_each_prefetched(source, iterations, groups, |it, prompts, t0| {
         observer.iteration_started(it, tasks);
-        let prompts = source.prompts(it, groups)?;
         let result = {
             let mut iter = cpu::CpuIteration::new(plan, models, reward, it, &prompts)?;
             let mut timed = Timed {
@@ -357,9 +355,8 @@ pub fn run_cpu_loop(
             iter.finish()
         };
         let wall = t0.elapsed();
-        observer.iteration_done(it, &result, LoopModels::Cpu(models), t0, wall)?;
-    }
-    Ok(())
+        observer.iteration_done(it, &result, LoopModels::Cpu(models), t0, wall)
+    })
 }
 
 /// Runs iterations `first .. first + count` of `plan` on the CPU backend. `on_iteration` sees

@@ -15,9 +15,52 @@ use super::{ExecError, MediaData, PromptData};
 use crate::model::philox::{philox4x32_10, uniform_open01};
 use crate::model::{Grid, MediaKind};
 
-/// Supplies the prompts (one per GRPO group) of each iteration.
-pub trait PromptSource {
+/// Supplies the prompts (one per GRPO group) of each iteration. `Send`, so the loops can draw
+/// the next iteration's prompts on a background thread ([`for_each_prefetched`]).
+pub trait PromptSource: Send {
     fn prompts(&mut self, iteration: u32, count: usize) -> Result<Vec<PromptData>, ExecError>;
+}
+
+/// Runs `body(iteration, prompts, start)` for every iteration of `iterations` in order, drawing the
+/// next iteration's `count` prompts from `source` on a background thread while `body` runs:
+/// generating and preprocessing prompts (decoding and resizing video frames, patchifying) is
+/// host work that the device need not wait for. At most one iteration is drawn ahead; the
+/// source sees exactly the calls, in exactly the order, of a loop without prefetching (so the
+/// prompts, and every number downstream, are unchanged). An error of either side stops both and
+/// is returned; an error of `body` wins over one of a prefetch it never used. `start` is when
+/// the loop began waiting for the iteration's prompts: an iteration's wall time counts whatever
+/// part of their preparation the previous iteration did not hide (all of it for the first).
+pub fn for_each_prefetched(
+    source: &mut dyn PromptSource,
+    iterations: std::ops::Range<u32>,
+    count: usize,
+    mut body: impl FnMut(u32, Vec<PromptData>, std::time::Instant) -> Result<(), ExecError>,
+) -> Result<(), ExecError> {
+    std::thread::scope(|scope| {
+        // capacity 0: the producer hands over iteration i + 1 only when the consumer asks for
+        // it, so it is at most one iteration ahead
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Result<Vec<PromptData>, ExecError>>(0);
+        let drawn = iterations.clone();
+        scope.spawn(move || {
+            for it in drawn {
+                let prompts = source.prompts(it, count);
+                let failed = prompts.is_err();
+                if tx.send(prompts).is_err() || failed {
+                    break;
+                }
+            }
+        });
+        for it in iterations {
+            let start = std::time::Instant::now();
+            let prompts = rx.recv().map_err(|_| {
+                ExecError::Data(format!(
+                    "the prompt source stopped before iteration {it} (its thread panicked)"
+                ))
+            })??;
+            body(it, prompts, start)?;
+        }
+        Ok(())
+    })
 }
 
 /// The media grid `(t, h, w)` in patches of one media item of the declared shape.
@@ -130,5 +173,87 @@ impl PromptSource for SyntheticPrompts {
             });
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// Records every call; fails at iteration `fail_at`.
+    struct Recording {
+        calls: Arc<Mutex<Vec<(u32, usize)>>>,
+        fail_at: Option<u32>,
+    }
+
+    impl PromptSource for Recording {
+        fn prompts(&mut self, iteration: u32, count: usize) -> Result<Vec<PromptData>, ExecError> {
+            self.calls.lock().unwrap().push((iteration, count));
+            if self.fail_at == Some(iteration) {
+                return Err(ExecError::Data(format!("no prompts for {iteration}")));
+            }
+            Ok((0..count)
+                .map(|g| PromptData {
+                    id: format!("{iteration}-{g}"),
+                    text: String::new(),
+                    ids: vec![iteration, g as u32],
+                    media: Vec::new(),
+                    answer: String::new(),
+                })
+                .collect())
+        }
+    }
+
+    fn source(fail_at: Option<u32>) -> (Recording, Arc<Mutex<Vec<(u32, usize)>>>) {
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let r = Recording {
+            calls: calls.clone(),
+            fail_at,
+        };
+        (r, calls)
+    }
+
+    #[test]
+    fn prefetching_makes_the_same_calls_and_hands_each_iteration_its_prompts() {
+        let (mut src, calls) = source(None);
+        let mut seen = Vec::new();
+        for_each_prefetched(&mut src, 3..7, 2, |it, p, _| {
+            assert_eq!(p.len(), 2);
+            assert!(p.iter().all(|p| p.ids[0] == it), "iteration {it} got {p:?}");
+            seen.push(it);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(seen, vec![3, 4, 5, 6]);
+        assert_eq!(*calls.lock().unwrap(), vec![(3, 2), (4, 2), (5, 2), (6, 2)]);
+    }
+
+    #[test]
+    fn a_source_error_stops_the_loop_after_the_iterations_before_it() {
+        let (mut src, _) = source(Some(5));
+        let mut seen = Vec::new();
+        let err = for_each_prefetched(&mut src, 3..9, 1, |it, _, _| {
+            seen.push(it);
+            Ok(())
+        })
+        .unwrap_err();
+        assert_eq!(seen, vec![3, 4]);
+        assert!(err.to_string().contains("no prompts for 5"), "{err}");
+    }
+
+    #[test]
+    fn a_body_error_stops_the_prefetching_and_is_returned() {
+        let (mut src, calls) = source(None);
+        let err = for_each_prefetched(&mut src, 0..100, 1, |it, _, _| {
+            if it == 2 {
+                return Err(ExecError::Data("body failed".into()));
+            }
+            Ok(())
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("body failed"), "{err}");
+        // at most one iteration was drawn ahead of the failing one
+        assert!(calls.lock().unwrap().len() <= 4, "{:?}", calls.lock().unwrap());
     }
 }
