@@ -254,6 +254,10 @@ mod tests {
         .unwrap_err();
         assert!(err.to_string().contains("body failed"), "{err}");
         // at most one iteration was drawn ahead of the failing one
-        assert!(calls.lock().unwrap().len() <= 4, "{:?}", calls.lock().unwrap());
+        assert!(
+            calls.lock().unwrap().len() <= 4,
+            "{:?}",
+            calls.lock().unwrap()
+        );
     }
 }
