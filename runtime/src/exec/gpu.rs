@@ -56,7 +56,7 @@ use crate::gpu::streams::{Priority as PartPriority, StreamSet};
 use crate::gpu::text::DeviceScores;
 use crate::gpu::train::{GpuGroupBatch, GpuTrainError, GpuTrainer};
 use crate::gpu::{GpuEncodedMedia, GpuError, GpuKvArena, GpuModel, GpuPrefixState, GpuPrompt};
-use crate::model::{DecodeSlot, GenerateConfig, MediaInput, SamplingParams};
+use crate::model::{DecodeSlot, GenerateConfig, MediaInput, Qwen25VL, SamplingParams};
 
 impl From<GpuError> for ExecError {
     fn from(e: GpuError) -> Self {
@@ -127,18 +127,23 @@ impl GpuModels {
 /// through the CPU model), the trainer around it, and the reference (a copy of the initial
 /// actor). Returns once the uploads have finished.
 pub fn build_gpu_models(spec: &JobSpec) -> Result<GpuModels, ExecError> {
+    build_gpu_models_from(spec, &super::host_actor(spec)?)
+}
+
+/// [`build_gpu_models`] from the job's initial actor already on the host (`host_actor`), for
+/// a caller that keeps it (checkpoints hash it and save through a host copy).
+pub fn build_gpu_models_from(spec: &JobSpec, actor: &Qwen25VL) -> Result<GpuModels, ExecError> {
     let gpu = open_gpu()?;
-    let actor = super::host_actor(spec)?;
     let stream = gpu.stream(0)?;
     let reference = if spec.reference.enabled {
-        Some(GpuModel::upload(&gpu, &stream, &actor)?)
+        Some(GpuModel::upload(&gpu, &stream, actor)?)
     } else {
         None
     };
     let trainer = GpuTrainer::new(
         &gpu,
         &stream,
-        &actor,
+        actor,
         super::cpu::train_config(spec)?,
         spec.train.optimizer.clone(),
     )?;
