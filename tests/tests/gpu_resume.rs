@@ -230,7 +230,10 @@ fn cuda_two_plus_resume_to_four_equals_four_bitwise() {
     // The same checkpoint loads on the CPU backend (numbers then follow the CPU engine).
     let cpu_fresh = exec::build_cpu_models(spec).expect("CPU models");
     let cpu_identity = RunIdentity::of(&plan, &cpu_fresh).expect("identity");
-    assert_eq!(cpu_identity, identity, "the run identity is backend-neutral");
+    assert_eq!(
+        cpu_identity, identity,
+        "the run identity is backend-neutral"
+    );
     let c = checkpoint::load(&ckpt, &cpu_identity, cpu_fresh).expect("a cuda checkpoint on cpu");
     assert_eq!(c.completed, 2);
     assert_eq!(c.models.trainer.optimizer().steps(), 2);

@@ -334,6 +334,53 @@ fn packing_places_prompts_responses_and_media_rows() {
     assert!(PackedTrain::new(&m.config, &bad).is_err());
 }
 
+/// The fused <-> split mapping that checkpoints go through (`export_state` / `import_state`):
+/// every device tensor splits into the CPU model's tensors bitwise and fuses back bitwise, and
+/// the CPU tensors covered are exactly those the CPU backend trains with vision and merger
+/// frozen (same names: a checkpoint is backend-neutral).
+#[test]
+fn fused_tensors_split_into_the_cpu_backends_trained_tensors_and_back() {
+    for tie in [false, true] {
+        let m = model(tie);
+        let (table, layout) = (&m.weights.table, &m.weights.layout);
+        let mut covered = Vec::new();
+        for s in train_slots(layout) {
+            let (fused, _, _) = host_values(&m, s).expect("a host tensor per slot");
+            let parts = cpu_parts(layout, s);
+            let split = split_fused(table, &parts, &fused).unwrap();
+            assert_eq!(split.len(), parts.len(), "{s:?}");
+            for &(id, x) in &split {
+                let want: Vec<u32> = m.weights.get(id).iter().map(|v| v.to_bits()).collect();
+                let got: Vec<u32> = x.iter().map(|v| v.to_bits()).collect();
+                assert!(got == want, "{s:?}: part {} differs", table.entry(id).name);
+                covered.push(table.entry(id).name.clone());
+            }
+            let back = fuse_parts(table, &parts, fused.len(), |id| Ok(m.weights.get(id))).unwrap();
+            assert!(
+                back.iter()
+                    .map(|v| v.to_bits())
+                    .eq(fused.iter().map(|v| v.to_bits())),
+                "{s:?}: fuse(split) is not the fused tensor"
+            );
+            // a fused tensor of the wrong size is refused, not cut
+            assert!(split_fused(table, &parts, &fused[..fused.len() - 1]).is_err());
+        }
+        let cfg = train_cfg();
+        let mut cpu: Vec<String> = table
+            .entries()
+            .iter()
+            .filter(|e| cfg.trainable(&e.name))
+            .map(|e| e.name.clone())
+            .collect();
+        covered.sort();
+        cpu.sort();
+        assert_eq!(
+            covered, cpu,
+            "tie = {tie}: GPU-trained vs CPU-trained tensors"
+        );
+    }
+}
+
 #[test]
 fn trainer_refuses_a_trainable_vision_tower() {
     // refused before any upload
