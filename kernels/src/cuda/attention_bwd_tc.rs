@@ -50,8 +50,10 @@ pub enum BwdKernel {
     TensorCores,
 }
 
-/// Whether [`BwdKernel::Auto`] takes the tensor cores when `ROLLPLEX_ATTN_BWD` is unset.
-pub const TC_BWD_BY_DEFAULT: bool = false;
+/// Whether [`BwdKernel::Auto`] takes the tensor cores when `ROLLPLEX_ATTN_BWD` is unset: yes
+/// since its tests passed on the H200 (docs/perf.md, "Attention backward on the tensor cores");
+/// `ROLLPLEX_ATTN_BWD=simt` takes the SIMT kernel.
+pub const TC_BWD_BY_DEFAULT: bool = true;
 
 /// The head dims the tensor-core backward is compiled and tested for.
 pub const TC_BWD_HEAD_DIMS: [usize; 2] = [64, 128];
