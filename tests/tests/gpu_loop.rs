@@ -7,63 +7,11 @@
 //!
 //! Each test prints `skipped: ...` and passes where no CUDA GPU is present (CI).
 
+mod common;
+
 use rollplex_plan::spec::Mode;
 use rollplex_plan::Plan;
 use rollplex_runtime::exec::{self, gpu, IterationResult};
-
-struct Files;
-impl rollplex_dsl::Env for Files {
-    fn read_file(&self, path: &str) -> Result<String, String> {
-        std::fs::read_to_string(path).map_err(|e| e.to_string())
-    }
-}
-
-/// `None` (after printing why) when there is no GPU to run on.
-fn device() -> Option<()> {
-    match gpu::open_gpu() {
-        Ok(_) => Some(()),
-        Err(e) => {
-            println!("skipped: no CUDA device ({e})");
-            None
-        }
-    }
-}
-
-fn compile(src: &str, mode: Mode) -> Plan {
-    let checked = rollplex_dsl::compile_source("pipeline.rpx", src, &Files)
-        .unwrap_or_else(|d| panic!("{}", d.render("pipeline.rpx", src, false)));
-    let opts = rollplex_compiler::Options {
-        mode: Some(mode),
-        ..Default::default()
-    };
-    rollplex_compiler::compile(&checked.spec, &opts)
-        .expect("compiles")
-        .plan
-}
-
-/// tests/in/e2e/overlap_small.rpx (the tiny model with prompts large enough that the overlap
-/// plan moves side work into decode windows) with the vision tower frozen, as the GPU trainer
-/// requires.
-fn overlap_small_src() -> String {
-    // (relative to the working directory when the test binary runs outside this checkout)
-    let path = [
-        concat!(env!("CARGO_MANIFEST_DIR"), "/in/e2e/overlap_small.rpx"),
-        "tests/in/e2e/overlap_small.rpx",
-    ]
-    .into_iter()
-    .find(|p| std::path::Path::new(p).exists())
-    .expect("tests/in/e2e/overlap_small.rpx");
-    let src = std::fs::read_to_string(path).expect("tests/in/e2e/overlap_small.rpx");
-    let anchor = "mini_batch = PROMPTS * G   // the whole iteration: one optimizer step";
-    assert!(
-        src.contains(anchor),
-        "overlap_small.rpx changed: update this test"
-    );
-    src.replace(
-        anchor,
-        &format!("{anchor}\n        freeze = [vision, merger]"),
-    )
-}
 
 fn run_gpu(plan: &Plan, iterations: u32) -> (Vec<IterationResult>, Vec<u16>) {
     let spec = &plan.spec;
@@ -108,12 +56,12 @@ fn obits(v: &[Option<Vec<f32>>]) -> Vec<Option<Vec<u32>>> {
 
 #[test]
 fn cuda_serial_and_overlap_plans_give_bitwise_identical_training() {
-    if device().is_none() {
+    if common::gpu_device().is_none() {
         return;
     }
-    let src = overlap_small_src();
-    let serial = compile(&src, Mode::Serial);
-    let overlap = compile(&src, Mode::Overlap);
+    let src = common::overlap_small_frozen();
+    let serial = common::compile("overlap_small.rpx", &src, Mode::Serial);
+    let overlap = common::compile("overlap_small.rpx", &src, Mode::Overlap);
     let side_work = |p: &Plan| {
         p.tasks
             .iter()
@@ -170,11 +118,11 @@ fn cuda_serial_and_overlap_plans_give_bitwise_identical_training() {
 
 #[test]
 fn cuda_first_iteration_agrees_with_the_cpu_backend() {
-    if device().is_none() {
+    if common::gpu_device().is_none() {
         return;
     }
-    let src = overlap_small_src();
-    let mut plan = compile(&src, Mode::Overlap);
+    let src = common::overlap_small_frozen();
+    let mut plan = common::compile("overlap_small.rpx", &src, Mode::Overlap);
     // greedy: the device's sampler and the CPU's draw different tokens from equal logits
     plan.spec.rollout.sampling.temperature = 0.0;
     let (gpu_run, _) = run_gpu(&plan, 1);
@@ -260,18 +208,11 @@ fn cuda_first_iteration_agrees_with_the_cpu_backend() {
 fn cuda_tiny_h200_learns_the_moving_shapes_task() {
     use rollplex_runtime::exec::data;
     use rollplex_runtime::tasks::moving_shapes::Split;
-    if device().is_none() {
+    if common::gpu_device().is_none() {
         return;
     }
-    let path = [
-        concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/tiny-h200.rpx"),
-        "examples/tiny-h200.rpx",
-    ]
-    .into_iter()
-    .find(|p| std::path::Path::new(p).exists())
-    .expect("examples/tiny-h200.rpx");
-    let src = std::fs::read_to_string(path).expect("examples/tiny-h200.rpx");
-    let plan = compile(&src, Mode::Overlap);
+    let src = common::repo_file("examples/tiny-h200.rpx");
+    let plan = common::compile("tiny-h200.rpx", &src, Mode::Overlap);
     let spec = &plan.spec;
     let iterations: u32 = std::env::var("TINY_H200_ITERS")
         .ok()
@@ -351,7 +292,11 @@ fn cuda_pick_order_changes_no_number() {
             u8::from(self.1 && gpu::blocks_host(&t.op))
         }
     }
-    let plan = compile(&overlap_small_src(), Mode::Overlap);
+    let plan = common::compile(
+        "overlap_small.rpx",
+        &common::overlap_small_frozen(),
+        Mode::Overlap,
+    );
     let spec = &plan.spec;
     let run = |ranked: bool| {
         let mut models = exec::build_cpu_models(spec).expect("CPU models");

@@ -14,6 +14,8 @@
 //!
 //! Each test prints `skipped: ...` and passes where no CUDA GPU is present (CI).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use rollplex_plan::spec::Mode;
@@ -22,73 +24,14 @@ use rollplex_runtime::cli::{self, BackendChoice, RunArgs};
 use rollplex_runtime::exec::checkpoint::{self, RunIdentity};
 use rollplex_runtime::exec::{self, gpu, IterationResult};
 
-struct Files;
-impl rollplex_dsl::Env for Files {
-    fn read_file(&self, path: &str) -> Result<String, String> {
-        std::fs::read_to_string(path).map_err(|e| e.to_string())
-    }
-}
-
-/// A scratch directory under the system temp dir, removed when dropped.
-struct Scratch(PathBuf);
-impl Scratch {
-    fn new(name: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("rollplex-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Scratch(p)
-    }
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// `None` (after printing why) when there is no GPU to run on.
-fn device() -> Option<()> {
-    match gpu::open_gpu() {
-        Ok(_) => Some(()),
-        Err(e) => {
-            println!("skipped: no CUDA device ({e})");
-            None
-        }
-    }
-}
-
 /// tests/in/e2e/overlap_small.rpx with the vision tower frozen (the GPU trainer's requirement),
 /// compiled as an overlap plan.
 fn plan() -> Plan {
-    // (relative to the working directory when the test binary runs outside this checkout)
-    let path = [
-        concat!(env!("CARGO_MANIFEST_DIR"), "/in/e2e/overlap_small.rpx"),
-        "tests/in/e2e/overlap_small.rpx",
-    ]
-    .into_iter()
-    .find(|p| Path::new(p).exists())
-    .expect("tests/in/e2e/overlap_small.rpx");
-    let src = std::fs::read_to_string(path).expect("tests/in/e2e/overlap_small.rpx");
-    let anchor = "mini_batch = PROMPTS * G   // the whole iteration: one optimizer step";
-    assert!(
-        src.contains(anchor),
-        "overlap_small.rpx changed: update this test"
-    );
-    let src = src.replace(
-        anchor,
-        &format!("{anchor}\n        freeze = [vision, merger]"),
-    );
-    let checked = rollplex_dsl::compile_source("pipeline.rpx", &src, &Files)
-        .unwrap_or_else(|d| panic!("{}", d.render("pipeline.rpx", &src, false)));
-    let opts = rollplex_compiler::Options {
-        mode: Some(Mode::Overlap),
-        ..Default::default()
-    };
-    rollplex_compiler::compile(&checked.spec, &opts)
-        .expect("compiles")
-        .plan
+    common::compile(
+        "overlap_small.rpx",
+        &common::overlap_small_frozen(),
+        Mode::Overlap,
+    )
 }
 
 /// Runs iterations `first .. first + count` on `models`.
@@ -161,12 +104,12 @@ fn assert_same_iteration(i: u32, x: &IterationResult, y: &IterationResult) {
 
 #[test]
 fn cuda_two_plus_resume_to_four_equals_four_bitwise() {
-    if device().is_none() {
+    if common::gpu_device().is_none() {
         return;
     }
     let plan = plan();
     let spec = &plan.spec;
-    let dir = Scratch::new("gpu-resume-lib");
+    let dir = common::Scratch::new("gpu-resume-lib");
     let root = dir.path().join(checkpoint::CHECKPOINTS_DIR);
 
     // Uninterrupted.
@@ -276,10 +219,10 @@ fn read(p: PathBuf) -> Vec<u8> {
 
 #[test]
 fn cuda_cli_resume_continues_bitwise() {
-    if device().is_none() {
+    if common::gpu_device().is_none() {
         return;
     }
-    let dir = Scratch::new("gpu-resume-cli");
+    let dir = common::Scratch::new("gpu-resume-cli");
     let plan_path = dir.path().join("plan.bin");
     std::fs::write(&plan_path, rollplex_plan::encode(&plan(), "tests").unwrap()).unwrap();
     let (a, b) = (dir.path().join("a"), dir.path().join("b"));

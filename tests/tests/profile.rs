@@ -5,7 +5,9 @@
 //! The first two tests feed the recorder synthetic times (deterministic); the last one runs
 //! examples/tiny.rpx on the CPU backend and compares with the clock.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use rollplex_cost::Profile;
@@ -14,45 +16,17 @@ use rollplex_plan::Plan;
 use rollplex_runtime::cli::{self, BackendChoice, RunArgs};
 use rollplex_runtime::exec::profile::{median, Execution, ProfileRecorder};
 
-struct Scratch(PathBuf);
-impl Scratch {
-    fn new(name: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("rollplex-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Scratch(p)
-    }
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-struct Files;
-impl rollplex_dsl::Env for Files {
-    fn read_file(&self, path: &str) -> Result<String, String> {
-        std::fs::read_to_string(path).map_err(|e| e.to_string())
-    }
-}
-
 /// examples/tiny.rpx compiled in `mode`, with `profile` when given.
 fn tiny(mode: Mode, profile: Option<&Profile>) -> Plan {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/tiny.rpx");
-    let src = std::fs::read_to_string(path).expect("examples/tiny.rpx");
-    let checked = rollplex_dsl::compile_source("tiny.rpx", &src, &Files)
-        .unwrap_or_else(|d| panic!("{}", d.render("tiny.rpx", &src, false)));
     let opts = rollplex_compiler::Options {
         mode: Some(mode),
         profile: profile.cloned(),
         ..Default::default()
     };
-    rollplex_compiler::compile(&checked.spec, &opts)
-        .expect("compiles")
-        .plan
+    common::compile_spec(
+        &common::spec("tiny.rpx", &common::repo_file("examples/tiny.rpx")),
+        &opts,
+    )
 }
 
 /// Feeds `rec` one warm-up iteration at 100x the plan's predicted times, then iterations at
@@ -173,7 +147,7 @@ fn measured_median(metrics: &Path) -> f64 {
 
 #[test]
 fn cpu_run_profile_moves_the_prediction_toward_the_measurement() {
-    let dir = Scratch::new("profile");
+    let dir = common::Scratch::new("profile");
     let before = tiny(Mode::Serial, None);
     let plan_path = dir.path().join("plan.bin");
     std::fs::write(&plan_path, rollplex_plan::encode(&before, "tests").unwrap()).unwrap();

@@ -4,51 +4,17 @@
 //! the newest K are kept, and a missing, corrupt or foreign checkpoint is refused with a
 //! message naming it before anything is written.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use rollplex_plan::spec::Mode;
 use rollplex_plan::Plan;
 use rollplex_runtime::cli::{self, BackendChoice, RunArgs};
 
-/// A scratch directory under the system temp dir, removed when dropped.
-struct Scratch(PathBuf);
-impl Scratch {
-    fn new(name: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("rollplex-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Scratch(p)
-    }
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-struct Files;
-impl rollplex_dsl::Env for Files {
-    fn read_file(&self, path: &str) -> Result<String, String> {
-        std::fs::read_to_string(path).map_err(|e| e.to_string())
-    }
-}
-
 /// tests/in/e2e/overlap_small.rpx compiled in `mode`.
 fn compile(mode: Mode) -> Plan {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/in/e2e/overlap_small.rpx");
-    let src = std::fs::read_to_string(path).expect("tests/in/e2e/overlap_small.rpx");
-    let checked = rollplex_dsl::compile_source("overlap_small.rpx", &src, &Files)
-        .unwrap_or_else(|d| panic!("{}", d.render("overlap_small.rpx", &src, false)));
-    let opts = rollplex_compiler::Options {
-        mode: Some(mode),
-        ..Default::default()
-    };
-    rollplex_compiler::compile(&checked.spec, &opts)
-        .expect("compiles")
-        .plan
+    common::compile("overlap_small.rpx", &common::overlap_small(), mode)
 }
 
 fn write_plan(plan: &Plan, path: &Path) {
@@ -105,7 +71,7 @@ fn read(p: PathBuf) -> Vec<u8> {
 
 #[test]
 fn three_plus_resume_to_six_equals_six_bitwise() {
-    let dir = Scratch::new("resume-bitwise");
+    let dir = common::Scratch::new("resume-bitwise");
     let plan = compile(Mode::Overlap);
     let plan_path = dir.path().join("plan.bin");
     write_plan(&plan, &plan_path);
@@ -180,7 +146,7 @@ fn refused(a: &RunArgs) -> String {
 
 #[test]
 fn bad_checkpoints_are_refused_with_a_clear_message() {
-    let dir = Scratch::new("resume-refused");
+    let dir = common::Scratch::new("resume-refused");
     let plan = compile(Mode::Overlap);
     let plan_path = dir.path().join("plan.bin");
     write_plan(&plan, &plan_path);

@@ -3,29 +3,20 @@
 //! Prefix deduplication must not change a number either. Runs the tiny example on the CPU
 //! backend end to end (compile -> plan -> RL iterations).
 
+mod common;
+
 use rollplex_plan::spec::Mode;
 use rollplex_plan::Plan;
 use rollplex_runtime::exec::{self, IterationResult};
 
-struct Files;
-impl rollplex_dsl::Env for Files {
-    fn read_file(&self, path: &str) -> Result<String, String> {
-        std::fs::read_to_string(path).map_err(|e| e.to_string())
-    }
-}
-
 fn compile(src: &str, mode: Mode, dedup: bool) -> Plan {
-    let checked = rollplex_dsl::compile_source("tiny.rpx", src, &Files)
-        .unwrap_or_else(|d| panic!("{}", d.render("tiny.rpx", src, false)));
-    let mut spec = checked.spec;
+    let mut spec = common::spec("tiny.rpx", src);
     spec.schedule.prefix_dedup = dedup;
     let opts = rollplex_compiler::Options {
         mode: Some(mode),
         ..Default::default()
     };
-    rollplex_compiler::compile(&spec, &opts)
-        .expect("tiny compiles")
-        .plan
+    common::compile_spec(&spec, &opts)
 }
 
 /// Runs `iterations` RL iterations and returns every result plus the final weights' bits.

@@ -7,24 +7,14 @@
 //! (`cargo test -p rollplex-tests --test tiny_learns -- --ignored` forces it).
 //! The quick test checks the starting point the full one measures from.
 
+mod common;
+
 use rollplex_plan::Plan;
 use rollplex_runtime::exec;
 
-struct Files;
-impl rollplex_dsl::Env for Files {
-    fn read_file(&self, path: &str) -> Result<String, String> {
-        std::fs::read_to_string(path).map_err(|e| e.to_string())
-    }
-}
-
 fn tiny_plan() -> Plan {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/tiny.rpx");
-    let src = std::fs::read_to_string(path).expect("examples/tiny.rpx");
-    let checked = rollplex_dsl::compile_source("tiny.rpx", &src, &Files)
-        .unwrap_or_else(|d| panic!("{}", d.render("tiny.rpx", &src, false)));
-    rollplex_compiler::compile(&checked.spec, &Default::default())
-        .expect("tiny compiles")
-        .plan
+    let spec = common::spec("tiny.rpx", &common::repo_file("examples/tiny.rpx"));
+    common::compile_spec(&spec, &Default::default())
 }
 
 #[test]

@@ -2,8 +2,9 @@
 //! every iteration, on the tracks the simulator's trace of the same plan uses. The file parses,
 //! holds one event per executed task, and the events of one stream never overlap.
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
 
 use rollplex_plan::spec::Mode;
 use rollplex_plan::Plan;
@@ -11,44 +12,8 @@ use rollplex_runtime::cli::{self, BackendChoice, RunArgs};
 use rollplex_runtime::trace::read_complete_events;
 use serde_json::Value;
 
-/// A scratch directory under the system temp dir, removed when dropped.
-struct Scratch(PathBuf);
-impl Scratch {
-    fn new(name: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("rollplex-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Scratch(p)
-    }
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-struct Files;
-impl rollplex_dsl::Env for Files {
-    fn read_file(&self, path: &str) -> Result<String, String> {
-        std::fs::read_to_string(path).map_err(|e| e.to_string())
-    }
-}
-
 fn compile(mode: Mode) -> Plan {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/in/e2e/overlap_small.rpx");
-    let src = std::fs::read_to_string(path).expect("tests/in/e2e/overlap_small.rpx");
-    let checked = rollplex_dsl::compile_source("overlap_small.rpx", &src, &Files)
-        .unwrap_or_else(|d| panic!("{}", d.render("overlap_small.rpx", &src, false)));
-    let opts = rollplex_compiler::Options {
-        mode: Some(mode),
-        ..Default::default()
-    };
-    rollplex_compiler::compile(&checked.spec, &opts)
-        .expect("compiles")
-        .plan
+    common::compile("overlap_small.rpx", &common::overlap_small(), mode)
 }
 
 /// `(pid, tid) -> name` of the thread (or, with tid None, process) metadata of a trace.
@@ -69,7 +34,7 @@ fn track_names(trace: &Value, what: &str) -> BTreeMap<(u64, Option<u64>), String
 
 #[test]
 fn cpu_trace_measures_every_task_on_the_simulators_tracks() {
-    let dir = Scratch::new("trace");
+    let dir = common::Scratch::new("trace");
     let plan = compile(Mode::Overlap);
     let plan_path = dir.path().join("plan.bin");
     std::fs::write(&plan_path, rollplex_plan::encode(&plan, "tests").unwrap()).unwrap();

@@ -1,0 +1,106 @@
+//! What the end-to-end tests share: compiling a pipeline source into a plan, finding the
+//! repository's pipelines, a scratch directory, and the GPU check of the GPU tests. Each test
+//! binary includes this module (`mod common;`) and uses a part of it.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use rollplex_plan::spec::{JobSpec, Mode};
+use rollplex_plan::Plan;
+
+/// The DSL's file access: the real filesystem.
+pub struct Files;
+impl rollplex_dsl::Env for Files {
+    fn read_file(&self, path: &str) -> Result<String, String> {
+        std::fs::read_to_string(path).map_err(|e| e.to_string())
+    }
+}
+
+/// The checked job of pipeline source `src` (`name` in diagnostics); panics with the rendered
+/// diagnostics when it does not check.
+pub fn spec(name: &str, src: &str) -> JobSpec {
+    rollplex_dsl::compile_source(name, src, &Files)
+        .unwrap_or_else(|d| panic!("{}", d.render(name, src, false)))
+        .spec
+}
+
+/// `spec` compiled with `opts`.
+pub fn compile_spec(spec: &JobSpec, opts: &rollplex_compiler::Options) -> Plan {
+    rollplex_compiler::compile(spec, opts)
+        .expect("compiles")
+        .plan
+}
+
+/// Pipeline source `src` compiled in `mode`.
+pub fn compile(name: &str, src: &str, mode: Mode) -> Plan {
+    let opts = rollplex_compiler::Options {
+        mode: Some(mode),
+        ..Default::default()
+    };
+    compile_spec(&spec(name, src), &opts)
+}
+
+/// The text of `rel` (a path from the repository root, e.g. `examples/tiny.rpx`): found from
+/// this crate's manifest dir, else from the working directory (the GPU test binaries run from a
+/// copy of the tree on another machine).
+pub fn repo_file(rel: &str) -> String {
+    let path = [
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(rel),
+        PathBuf::from(rel),
+    ]
+    .into_iter()
+    .find(|p| p.exists())
+    .unwrap_or_else(|| panic!("{rel} not found"));
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// tests/in/e2e/overlap_small.rpx (the tiny model with prompts large enough that the overlap
+/// plan moves side work into decode windows).
+pub fn overlap_small() -> String {
+    repo_file("tests/in/e2e/overlap_small.rpx")
+}
+
+/// [`overlap_small`] with the vision tower and merger frozen, as the GPU trainer requires.
+pub fn overlap_small_frozen() -> String {
+    let src = overlap_small();
+    let anchor = "mini_batch = PROMPTS * G   // the whole iteration: one optimizer step";
+    assert!(
+        src.contains(anchor),
+        "overlap_small.rpx changed: update tests/tests/common"
+    );
+    src.replace(
+        anchor,
+        &format!("{anchor}\n        freeze = [vision, merger]"),
+    )
+}
+
+/// A scratch directory under the system temp dir, removed when dropped.
+pub struct Scratch(PathBuf);
+impl Scratch {
+    pub fn new(name: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("rollplex-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        Scratch(p)
+    }
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `None` (after printing why) when there is no CUDA GPU to run on: GPU tests then pass as
+/// skipped (CI has no GPU).
+pub fn gpu_device() -> Option<()> {
+    match rollplex_runtime::exec::gpu::open_gpu() {
+        Ok(_) => Some(()),
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}
