@@ -38,6 +38,61 @@ pub const ATTENTION_BWD: KernelModule = KernelModule {
     source: include_str!("../../cuda/attention_bwd.cu"),
 };
 
+/// The extent both backward launchers (SIMT and tensor cores) pass their kernels, as u32: per
+/// group of buffers that share a row stride (the query side: `q`, `dq`, `out`, `dout`; the
+/// keys: `k`, `v`, `dk`, `dv`; the prefix: `prefix_k/v`, `dprefix_k/v`) the fewest rows any of
+/// them holds (kernels touch only rows below these), and the strides.
+pub(crate) struct BwdExtent {
+    pub q_rows: u32,
+    pub kv_rows: u32,
+    pub prefix_rows: u32,
+    pub q_stride: u32,
+    pub kv_stride: u32,
+    pub prefix_stride: u32,
+    pub out_stride: u32,
+}
+
+/// [`BwdExtent`] from the buffers' lengths (in elements; each group in the order the struct's
+/// doc names them); checks that `lse` (`lse_len` elements) covers every query row's heads.
+/// Pure: tested without a GPU.
+pub(crate) fn bwd_extent(
+    op: &'static str,
+    dims: &AttnDims,
+    strides: RowStrides,
+    q_lens: [usize; 4],
+    kv_lens: [usize; 4],
+    prefix_lens: [usize; 4],
+    lse_len: usize,
+) -> Result<BwdExtent> {
+    let (qw, kvw) = (dims.q_width(), dims.kv_width());
+    let fewest = |lens: [usize; 4], strides: [usize; 4], width: usize| {
+        lens.iter()
+            .zip(strides)
+            .map(|(&len, stride)| rows_of(len, width, stride))
+            .min()
+            .unwrap_or(0)
+    };
+    let q_rows = fewest(q_lens, [strides.q, strides.q, strides.out, strides.out], qw);
+    let kv_rows = fewest(kv_lens, [strides.kv; 4], kvw);
+    let prefix_rows = fewest(prefix_lens, [strides.prefix; 4], kvw);
+    let want = q_rows * dims.num_heads;
+    if lse_len < want {
+        return Err(shape(
+            op,
+            format!("lse holds {lse_len} elements, needs at least {want}"),
+        ));
+    }
+    Ok(BwdExtent {
+        q_rows: u32_of(op, "q rows", q_rows)?,
+        kv_rows: u32_of(op, "kv rows", kv_rows)?,
+        prefix_rows: u32_of(op, "prefix rows", prefix_rows)?,
+        q_stride: u32_of(op, "q stride", strides.q)?,
+        kv_stride: u32_of(op, "kv stride", strides.kv)?,
+        prefix_stride: u32_of(op, "prefix stride", strides.prefix)?,
+        out_stride: u32_of(op, "out stride", strides.out)?,
+    })
+}
+
 /// Warps (one output row-head each) per block.
 const WARPS: u32 = 4;
 
@@ -53,8 +108,8 @@ fn launch_cfg(items: usize) -> LaunchConfig {
 /// `strides`, plus its `out` and `lse`): writes `dq`, `dk`, `dv` (bf16) and adds the shared
 /// prefix keys' gradients into `dprefix_k`, `dprefix_v` (fp32). Pass `k`, `v` (and any two fp32
 /// buffers of at least one row) as the prefix when no sequence has one. `head_dim` <= 256.
-/// Runs [`BwdKernel::Auto`]'s choice ([`bwd_kernel_for`]: the tensor cores with
-/// `ROLLPLEX_ATTN_BWD=tc` where they take the case, else SIMT).
+/// Runs [`BwdKernel::Auto`]'s choice ([`bwd_kernel_for`]: the tensor cores where they take the
+/// case, unless `ROLLPLEX_ATTN_BWD=simt`; else SIMT).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_bwd_bf16(
     gpu: &Gpu,
@@ -216,52 +271,35 @@ fn attention_bwd_simt_bf16(
         }
     }
     need(OP, "seqs", seqs, n_seqs)?;
-    // Rows each buffer holds; a kernel only touches rows below these counts.
-    let q_rows = [
-        rows_of(q.len(), qw, strides.q),
-        rows_of(dq.len(), qw, strides.q),
-        rows_of(out.len(), qw, strides.out),
-        rows_of(dout.len(), qw, strides.out),
-    ]
-    .into_iter()
-    .min()
-    .unwrap_or(0);
-    let kv_rows = [
-        rows_of(k.len(), kvw, strides.kv),
-        rows_of(v.len(), kvw, strides.kv),
-        rows_of(dk.len(), kvw, strides.kv),
-        rows_of(dv.len(), kvw, strides.kv),
-    ]
-    .into_iter()
-    .min()
-    .unwrap_or(0);
-    let p_rows = [
-        rows_of(prefix_k.len(), kvw, strides.prefix),
-        rows_of(prefix_v.len(), kvw, strides.prefix),
-        rows_of(dprefix_k.len(), kvw, strides.prefix),
-        rows_of(dprefix_v.len(), kvw, strides.prefix),
-    ]
-    .into_iter()
-    .min()
-    .unwrap_or(0);
-    need(OP, "lse", lse, q_rows * nh)?;
-    let (nq32, nkv32, np32) = (
-        u32_of(OP, "q rows", q_rows)?,
-        u32_of(OP, "kv rows", kv_rows)?,
-        u32_of(OP, "prefix rows", p_rows)?,
-    );
+    let BwdExtent {
+        q_rows: nq32,
+        kv_rows: nkv32,
+        prefix_rows: np32,
+        q_stride: qs,
+        kv_stride: kvs,
+        prefix_stride: ps,
+        out_stride: os,
+    } = bwd_extent(
+        OP,
+        &dims,
+        strides,
+        [q.len(), dq.len(), out.len(), dout.len()],
+        [k.len(), v.len(), dk.len(), dv.len()],
+        [
+            prefix_k.len(),
+            prefix_v.len(),
+            dprefix_k.len(),
+            dprefix_v.len(),
+        ],
+        lse.len(),
+    )?;
+    let (q_rows, kv_rows, p_rows) = (nq32 as usize, nkv32 as usize, np32 as usize);
     let (h32, kvh32, hd32) = (
         u32_of(OP, "heads", nh)?,
         u32_of(OP, "kv heads", nkv)?,
         hd as u32,
     );
     let ns32 = u32_of(OP, "n_seqs", n_seqs)?;
-    let (qs, kvs, ps, os) = (
-        u32_of(OP, "q stride", strides.q)?,
-        u32_of(OP, "kv stride", strides.kv)?,
-        u32_of(OP, "prefix stride", strides.prefix)?,
-        u32_of(OP, "out stride", strides.out)?,
-    );
     let causal = matches!(mask, AttnMask::Causal) as u32;
     let (dqp, dkp, dvp, dpkp, dpvp) = (
         ptr_mut(dq, stream),
@@ -367,4 +405,43 @@ fn attention_bwd_simt_bf16(
         unsafe { b.launch(launch_cfg(p_rows * nkv)) }?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn extent_takes_the_fewest_rows_per_stride_group_and_checks_the_lse() {
+        // 4 query heads of 16 (width 64, stride 80), 2 kv heads (width 32, stride 32)
+        let dims = AttnDims {
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 16,
+        };
+        let strides = RowStrides {
+            q: 80,
+            kv: 32,
+            prefix: 40,
+            out: 64,
+        };
+        // q side: q 10 rows, dq 9 rows (+ a partial row), out 12, dout 11 -> 9
+        let q = [9 * 80 + 64, 8 * 80 + 64 + 10, 12 * 64, 11 * 64];
+        let kv = [7 * 32, 7 * 32, 6 * 32, 7 * 32];
+        let prefix = [3 * 40 + 32, 3 * 40 + 32, 5 * 40, 4 * 40];
+        let e = bwd_extent("t", &dims, strides, q, kv, prefix, 9 * 4).unwrap();
+        assert_eq!((e.q_rows, e.kv_rows, e.prefix_rows), (9, 6, 4));
+        assert_eq!(
+            (e.q_stride, e.kv_stride, e.prefix_stride, e.out_stride),
+            (80, 32, 40, 64)
+        );
+        let err = bwd_extent("t", &dims, strides, q, kv, prefix, 9 * 4 - 1)
+            .err()
+            .expect("a short lse is refused");
+        assert!(
+            err.to_string()
+                .contains("lse holds 35 elements, needs at least 36"),
+            "{err}"
+        );
+    }
 }

@@ -26,9 +26,9 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::attention::{rows_of, AttnSeqGpu, RowStrides};
-use super::attention_bwd::ATTENTION_BWD;
-use super::launch::{aligned16, need, ptr, ptr_mut, u32_of};
+use super::attention::{AttnSeqGpu, RowStrides};
+use super::attention_bwd::{bwd_extent, BwdExtent, ATTENTION_BWD};
+use super::launch::{aligned16, need, ptr, ptr_mut};
 use super::nvrtc::KernelModule;
 use super::{shape, Gpu, Result};
 use crate::cpu::{AttnDims, AttnMask};
@@ -194,49 +194,32 @@ pub fn attention_bwd_tc_bf16(
         return Err(shape(OP, why));
     }
     let (nh, nkv, hd) = (dims.num_heads, dims.num_kv_heads, dims.head_dim);
-    let (qw, kvw) = (dims.q_width(), dims.kv_width());
+    let kvw = dims.kv_width();
     need(OP, "seqs", seqs, n_seqs)?;
-    // Rows each buffer holds (as the SIMT launcher counts them); kernels touch rows below these.
-    let q_rows = [
-        rows_of(q.len(), qw, strides.q),
-        rows_of(dq.len(), qw, strides.q),
-        rows_of(out.len(), qw, strides.out),
-        rows_of(dout.len(), qw, strides.out),
-    ]
-    .into_iter()
-    .min()
-    .unwrap_or(0);
-    let kv_rows = [
-        rows_of(k.len(), kvw, strides.kv),
-        rows_of(v.len(), kvw, strides.kv),
-        rows_of(dk.len(), kvw, strides.kv),
-        rows_of(dv.len(), kvw, strides.kv),
-    ]
-    .into_iter()
-    .min()
-    .unwrap_or(0);
-    let p_rows = [
-        rows_of(prefix_k.len(), kvw, strides.prefix),
-        rows_of(prefix_v.len(), kvw, strides.prefix),
-        rows_of(dprefix_k.len(), kvw, strides.prefix),
-        rows_of(dprefix_v.len(), kvw, strides.prefix),
-    ]
-    .into_iter()
-    .min()
-    .unwrap_or(0);
-    need(OP, "lse", lse, q_rows * nh)?;
-    let (nq32, nkv32, np32) = (
-        u32_of(OP, "q rows", q_rows)?,
-        u32_of(OP, "kv rows", kv_rows)?,
-        u32_of(OP, "prefix rows", p_rows)?,
-    );
+    let BwdExtent {
+        q_rows: nq32,
+        kv_rows: nkv32,
+        prefix_rows: np32,
+        q_stride: qs,
+        kv_stride: kvs,
+        prefix_stride: ps,
+        out_stride: os,
+    } = bwd_extent(
+        OP,
+        &dims,
+        strides,
+        [q.len(), dq.len(), out.len(), dout.len()],
+        [k.len(), v.len(), dk.len(), dv.len()],
+        [
+            prefix_k.len(),
+            prefix_v.len(),
+            dprefix_k.len(),
+            dprefix_v.len(),
+        ],
+        lse.len(),
+    )?;
+    let (q_rows, kv_rows, p_rows) = (nq32 as usize, nkv32 as usize, np32 as usize);
     let (h32, kvh32, hd32, ns32) = (nh as u32, nkv as u32, hd as u32, n_seqs as u32);
-    let (qs, kvs, ps, os) = (
-        u32_of(OP, "q stride", strides.q)?,
-        u32_of(OP, "kv stride", strides.kv)?,
-        u32_of(OP, "prefix stride", strides.prefix)?,
-        u32_of(OP, "out stride", strides.out)?,
-    );
     let causal = matches!(mask, AttnMask::Causal) as u32;
     let (dqp, dkp, dvp, dpkp, dpvp) = (
         ptr_mut(dq, stream),
