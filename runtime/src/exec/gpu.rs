@@ -14,9 +14,15 @@
 //! - `DecodeWindow`: the active samples' next-token logits stay on the device; each step draws
 //!   the tokens on the device with the Philox key (seed, iteration, sample, step), takes their
 //!   log-probs there, and brings tokens and log-probs back (the host decides who stops).
+//! - `ActorPrefix{Train}`: the actor's prompt forward of each group with the current weights,
+//!   `copies` per group (one shared by the group's samples with prefix dedup, one per sample
+//!   without: what veRL recomputes), every layer's input and K/V kept in the iteration's
+//!   [`TrainPrefixes`] (`GpuTrainer::prefix_forward`). These tasks are where the plan puts the
+//!   actor's prefix work into decode windows.
 //! - `TrainMicroBatch` / `OptimizerStep`: [`GpuTrainer`] (text decoder; vision and merger
-//!   frozen). Its model *is* the actor: rollout reads the weights `optimizer_step` writes, so
-//!   `WeightSync` has nothing to copy at TP 1.
+//!   frozen): the suffixes' forward over the kept prompts, backward through both
+//!   (`micro_batch_prefixed`). Its model *is* the actor: rollout reads the weights
+//!   `optimizer_step` writes, so `WeightSync` has nothing to copy at TP 1.
 //!
 //! Where the host waits for the device (the walker has one host thread): every decode step
 //! (tokens come back for the stop checks), a micro-batch (its log-probs come down for the
@@ -54,7 +60,7 @@ use super::walker::{self, TaskRunner};
 use super::{ExecError, IterationMetrics, IterationResult, LoopModels, LoopObserver, PromptData};
 use crate::gpu::streams::{Priority as PartPriority, StreamSet};
 use crate::gpu::text::DeviceScores;
-use crate::gpu::train::{GpuGroupBatch, GpuTrainError, GpuTrainer};
+use crate::gpu::train::{GpuTrainError, GpuTrainer, PrefixedGroup, TrainPrefixes};
 use crate::gpu::{GpuEncodedMedia, GpuError, GpuKvArena, GpuModel, GpuPrefixState, GpuPrompt};
 use crate::model::{DecodeSlot, GenerateConfig, MediaInput, Qwen25VL, SamplingParams};
 
@@ -355,6 +361,9 @@ pub struct GpuIteration<'a, 'r> {
     last_on_stream: Vec<Option<TaskId>>,
     /// Reference (`true`) or old log-probs of a group still on the device.
     pending: Vec<(usize, bool, DeviceScores)>,
+    /// The actor's kept prompt forwards for training (`ActorPrefix{Train}`), with the copies
+    /// per group they were laid out for; made by the iteration's first such task.
+    train_prefixes: Option<(TrainPrefixes, u32)>,
 }
 
 impl<'a, 'r> GpuIteration<'a, 'r> {
@@ -391,6 +400,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             events: (0..plan.tasks.len()).map(|_| None).collect(),
             last_on_stream: vec![None; plan.streams.len()],
             pending: Vec::new(),
+            train_prefixes: None,
         })
     }
 
@@ -717,27 +727,78 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
     ) -> Result<(), ExecError> {
         self.collect_scores()?;
         let mb = self.book.micro_batch("CUDA", step, micro_batch, samples)?;
-        let media = self.actor_media(s, &mb.groups)?;
-        let refs: Vec<Vec<&GpuEncodedMedia>> = media.iter().map(|m| m.iter().collect()).collect();
+        let (store, _) = self.train_prefixes.as_ref().ok_or_else(|| {
+            ExecError::Plan(format!(
+                "micro-batch {micro_batch} of step {step} before any ActorPrefix{{Train}} task \
+                 kept its groups' prompt forwards"
+            ))
+        })?;
         let responses = self.book.batches(&mb);
-        let batch: Vec<GpuGroupBatch<'_>> = mb
+        let batch: Vec<PrefixedGroup<'_>> = mb
             .groups
             .iter()
             .enumerate()
-            .map(|(i, &g)| GpuGroupBatch {
-                prompt_ids: &self.book.prompts[g].ids,
-                media: &refs[i],
+            .map(|(i, &g)| PrefixedGroup {
+                group: g,
                 responses: &responses[i],
             })
             .collect();
-        let out =
-            self.models
-                .trainer
-                .micro_batch(&self.models.gpu, s, micro_batch, &batch, mb.norm)?;
+        let out = self.models.trainer.micro_batch_prefixed(
+            &self.models.gpu,
+            s,
+            micro_batch,
+            &batch,
+            mb.norm,
+            store,
+        )?;
         drop(batch);
         drop(responses);
         self.book.metrics.loss.add(&out.metrics);
         self.book.metrics.micro_batches += 1;
+        Ok(())
+    }
+
+    /// `ActorPrefix{Train}`: the actor's prompt forward of `groups` with the current weights,
+    /// `copies` per group, kept for the micro-batches (one device call per group).
+    fn run_train_prefix(
+        &mut self,
+        s: &Arc<CudaStream>,
+        groups: &rollplex_plan::Groups,
+        copies: u32,
+    ) -> Result<(), ExecError> {
+        let groups = self.book.groups_of(groups)?;
+        let media = self.actor_media(s, &groups)?;
+        let copies = copies.max(1);
+        if self.train_prefixes.is_none() {
+            let lens: Vec<(usize, u32)> = self
+                .book
+                .prompts
+                .iter()
+                .map(|p| (p.ids.len(), copies))
+                .collect();
+            let store =
+                TrainPrefixes::new(&self.models.gpu, s, self.models.trainer.model(), &lens)?;
+            self.train_prefixes = Some((store, copies));
+        }
+        let (store, laid_out) = self.train_prefixes.as_mut().expect("made above");
+        if *laid_out != copies {
+            return Err(ExecError::Plan(format!(
+                "ActorPrefix{{Train}} tasks of one iteration keep {laid_out} and {copies} copies \
+                 per group"
+            )));
+        }
+        for (i, &g) in groups.iter().enumerate() {
+            let refs: Vec<&GpuEncodedMedia> = media[i].iter().collect();
+            self.models.trainer.prefix_forward(
+                &self.models.gpu,
+                s,
+                store,
+                g,
+                &self.book.prompts[g].ids,
+                &refs,
+            )?;
+        }
+        self.book.metrics.train_prefix_tasks += 1;
         Ok(())
     }
 
@@ -817,9 +878,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
                         self.old_prefixes[g] = Some(st);
                     }
                 }
-                // The GPU trainer's forward recomputes each response's prompt (gpu/train.rs);
-                // the task is counted, as on the CPU backend.
-                Purpose::Train { .. } => self.book.metrics.train_prefix_tasks += 1,
+                Purpose::Train { .. } => self.run_train_prefix(s, groups, *copies)?,
             },
             Op::ActorSuffix { slot, purpose } => {
                 if *purpose != Purpose::OldLogProb {

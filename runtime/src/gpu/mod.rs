@@ -40,6 +40,7 @@ mod staging;
 pub mod streams;
 pub mod text;
 pub mod train;
+pub mod train_pack;
 pub mod vision;
 pub mod weights;
 

@@ -8,21 +8,31 @@
 //! ```text
 //! let mut t = GpuTrainer::new(&gpu, &stream, &cpu_model, train_cfg, adamw_spec)?;
 //! let media = t.model().encode_media(&gpu, &stream, &items)?;   // frozen: no gradient
-//! t.micro_batch(&gpu, &stream, 0, &groups, norm)?;              // plan order 0, 1, ...
+//! // with kept prompt forwards (the executor: ActorPrefix{Train} tasks, maybe in decode windows)
+//! let mut store = TrainPrefixes::new(&gpu, &stream, t.model(), &[(prompt_len, copies), ..])?;
+//! t.prefix_forward(&gpu, &stream, &mut store, group, prompt_ids, &media)?;
+//! t.micro_batch_prefixed(&gpu, &stream, 0, &[PrefixedGroup { group, responses }], norm, &store)?;
+//! // or, self-contained: each group's prompt runs inside the call
+//! t.micro_batch(&gpu, &stream, 1, &groups, norm)?;              // plan order 0, 1, ...
 //! let report = t.optimizer_step(&gpu, &stream)?;                // clip, AdamW, bf16 copy
 //! ```
 //!
-//! Layout of a micro-batch: every response `r` of a group becomes one packed sequence
-//! `prompt ++ tokens[..n-1]` (the prompt is recomputed per response instead of being shared as
-//! on the CPU backend; the gradient is the same sum up to rounding). Row `P - 1 + j` of the
-//! sequence predicts response token `j`. Prompt rows take the `get_rope_index` positions of
-//! `plan::PackedPrompts`; response rows `P + j + rope_delta`, as `score` does, so a response
-//! token that happens to be a media placeholder id is still text.
+//! Layout (`train_pack`): a group's prompt runs once per copy (one with prefix dedup: every
+//! sample of the group shares it, as on the CPU backend; one per sample without), its layers'
+//! inputs and K/V kept in a [`TrainPrefixes`] store; a micro-batch packs each response's suffix
+//! `tokens[..n-1]` (positions `P + j + rope_delta`, as `score` gives them, so a response token
+//! that happens to be a media placeholder id is still text), attending to its copy's kept K/V.
+//! Token `j >= 1` is scored from suffix row `j - 1`, token 0 from the copy's kept last row.
+//! Backward, per layer top-down: the suffix rows (their attention backward adds the prefix keys'
+//! gradients in fp32), then each group's prompt rows, recomputed from their kept inputs, with
+//! those gradients added to their own K/V gradients; the prompt's top row starts from token 0's
+//! gradients (summed over the copy's responses in response order). Every GRPO group is whole in
+//! one micro-batch (the executor refuses other splits), so a prompt's backward runs once.
 //!
-//! Activations: each layer's input (bf16 residual stream) is kept; backward recomputes the layer
-//! from it (`Recompute::Full` of the CPU backend; the forward ops are deterministic, so the
-//! recomputed activations are bitwise the forward's). The per-layer work buffers are allocated
-//! once per micro-batch.
+//! Activations: each layer's input (bf16 residual stream) is kept, the prompt's in the store, the
+//! suffix's per micro-batch; backward recomputes the layer from it (`Recompute::Full` of the CPU
+//! backend; the forward ops are deterministic, so the recomputed activations are bitwise the
+//! forward's).
 //!
 //! Where things run: everything on the device on the caller's stream, except the policy loss
 //! and its gradient w.r.t. the log-probs, which are elementwise per token and run on the host
@@ -43,11 +53,12 @@
 //!
 //! Invariants: every launch and copy runs on the caller's stream; the weights change only in
 //! [`GpuTrainer::optimizer_step`] and [`GpuTrainer::import_state`]; micro-batches are accepted
-//! in plan order only.
+//! in plan order only; a kept prompt forward trains only with the weights it ran with (it
+//! records the optimizer step; a micro-batch after another step refuses it).
 
 use std::sync::Arc;
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaView, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use half::bf16;
 use rollplex_kernels::cpu::{AttnDims, AttnMask, Gemm};
 use rollplex_kernels::cuda::attention::RowStrides;
@@ -62,12 +73,13 @@ use rollplex_kernels::cuda::{
 use rollplex_plan::spec::AdamWSpec;
 
 use crate::model::weights::{Layout, ParamTable};
-use crate::model::{ModelConfig, Qwen25VL};
+use crate::model::Qwen25VL;
 use crate::train::adamw::{default_decay, lr_at, validate_spec, StepReport};
 use crate::train::loss::{policy_loss, LossBatch, LossMetrics, Normaliser};
 use crate::train::{MicroBatchOutput, ResponseBatch, TrainConfig, TrainError, TrainStepReport};
 
-use super::plan::{check_ids, flat_rope_tables, media_slot, PackedPrompts, PromptSpec};
+use super::plan::{check_ids, media_slot, PackedPrompts, PromptSpec};
+use super::train_pack::{layout_prefixes, PackGroup, PrefixLayout, SuffixPack};
 use super::vision::GpuEncodedMedia;
 use super::weights::{fuse_linears, GpuBlock, GpuLinear, GpuWeights};
 use super::{alloc, download, upload, GpuError, GpuModel};
@@ -104,6 +116,14 @@ pub struct GpuGroupBatch<'a> {
     pub responses: &'a [ResponseBatch<'a>],
 }
 
+/// A GRPO group of a micro-batch whose prompt forward is kept in a [`TrainPrefixes`]: its group
+/// index there and its responses (with one copy per response, response `r` reads copy `r`).
+#[derive(Clone, Copy)]
+pub struct PrefixedGroup<'a> {
+    pub group: usize,
+    pub responses: &'a [ResponseBatch<'a>],
+}
+
 /// Rows of the lm head per chunk (bounds the logits buffer to `CHUNK x vocab`).
 const LM_CHUNK: usize = 1024;
 /// Blocks of the grad-norm partial-sum kernel (fixed: the sum's order depends on nothing else).
@@ -114,8 +134,10 @@ const LM_CHUNK: usize = 1024;
 const NORM_BLOCKS: usize = 1024;
 
 /// The small kernels of this module: the grad-norm partial sums (f64, fixed order: four
-/// strided accumulators per thread, added in a fixed order, then a fixed tree over the block)
-/// and the clip's scaling (`g *= c`, one rounding, as the CPU's `*g *= coef`).
+/// strided accumulators per thread, added in a fixed order, then a fixed tree over the block),
+/// the clip's scaling (`g *= c`, one rounding, as the CPU's `*g *= coef`), the fixed-order sum
+/// of the token-0 row gradients into a kept prompt's last row, and the add of the suffixes'
+/// fp32 prefix K/V gradients into the prefix rows' own (bf16).
 const TRAIN_KERNELS: KernelModule = KernelModule {
     name: "gpu_train",
     source: r#"
@@ -152,8 +174,123 @@ extern "C" __global__ void scale_f32(float* __restrict__ g, u64 n, float c) {
         g[i] = __fmul_rn(g[i], c);
     }
 }
+
+// dst row dst_rows[d] = the fp32 sum of src rows idx[off[d] .. off[d + 1]] in list order, rounded
+// once to bf16. One block per destination row.
+extern "C" __global__ void gather_sum_rows_bf16(bf16* __restrict__ dst,
+                                                const u32* __restrict__ dst_rows,
+                                                const bf16* __restrict__ src,
+                                                const u32* __restrict__ off,
+                                                const u32* __restrict__ idx, u32 width) {
+    const u32 d = blockIdx.x, a = off[d], b = off[d + 1];
+    for (u32 c = threadIdx.x; c < width; c += blockDim.x) {
+        float acc = 0.0f;
+        for (u32 i = a; i < b; i++) acc = __fadd_rn(acc, bf2f(src[(u64)idx[i] * width + c]));
+        dst[(u64)dst_rows[d] * width + c] = f2bf(acc);
+    }
+}
+
+// x = bf16(x + y), one rounding (a bf16 gradient plus an fp32 one).
+extern "C" __global__ void add_f32_into_bf16(bf16* __restrict__ x, const float* __restrict__ y,
+                                             u64 n) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (u64)gridDim.x * blockDim.x) {
+        x[i] = f2bf(__fadd_rn(bf2f(x[i]), y[i]));
+    }
+}
 "#,
 };
+
+/// `x = bf16(x + y)` over `n` elements (`add_f32_into_bf16`).
+fn add_f32_into_bf16(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    x: &mut CudaSlice<bf16>,
+    y: &CudaView<'_, f32>,
+    n: usize,
+) -> Result<()> {
+    if x.len() < n || y.len() < n {
+        return Err(GpuError::Input(format!(
+            "add_f32_into_bf16: {n} elements but buffers of {} and {}",
+            x.len(),
+            y.len()
+        ))
+        .into());
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(&TRAIN_KERNELS, &[], "add_f32_into_bf16")?;
+    let (xp, _x) = x.device_ptr_mut(s);
+    let (yp, _y) = y.device_ptr(s);
+    let n64 = n as u64;
+    let mut b = s.launch_builder(&f);
+    b.arg(&xp).arg(&yp).arg(&n64);
+    // SAFETY: x and y hold at least n elements (checked); arguments match (x, y, n).
+    unsafe {
+        b.launch(LaunchConfig {
+            grid_dim: (n.div_ceil(256).clamp(1, 4096) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }?;
+    Ok(())
+}
+
+/// Row `dst_rows[d]` of `dst` (`[_, width]`) = the fp32 sum, in list order, of the rows
+/// `lists[d]` of `src` (`gather_sum_rows_bf16`). Rows of `dst` not named are left as they are.
+fn gather_sum_rows(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    dst: &mut CudaSlice<bf16>,
+    dst_rows: &[u32],
+    src: &CudaSlice<bf16>,
+    lists: &[Vec<u32>],
+    width: usize,
+) -> Result<()> {
+    if dst_rows.len() != lists.len() {
+        return Err(GpuError::Input("gather_sum_rows: one list per destination row".into()).into());
+    }
+    let (dst_n, src_n) = (dst.len() / width.max(1), src.len() / width.max(1));
+    if dst_rows.iter().any(|&r| r as usize >= dst_n)
+        || lists.iter().flatten().any(|&r| r as usize >= src_n)
+    {
+        return Err(GpuError::Input(format!(
+            "gather_sum_rows: a row outside {dst_n} destination or {src_n} source rows"
+        ))
+        .into());
+    }
+    if dst_rows.is_empty() {
+        return Ok(());
+    }
+    let mut off = vec![0u32];
+    let mut idx = Vec::new();
+    for l in lists {
+        idx.extend_from_slice(l);
+        off.push(idx.len() as u32);
+    }
+    let (dr, offd, idxd) = (upload(s, dst_rows)?, upload(s, &off)?, upload(s, &idx)?);
+    let f = gpu.function(&TRAIN_KERNELS, &[], "gather_sum_rows_bf16")?;
+    let (dp, _d) = dst.device_ptr_mut(s);
+    let (rp, _r) = dr.device_ptr(s);
+    let (sp, _s) = src.device_ptr(s);
+    let (op, _o) = offd.device_ptr(s);
+    let (ip, _i) = idxd.device_ptr(s);
+    let w = width as u32;
+    let mut b = s.launch_builder(&f);
+    b.arg(&dp).arg(&rp).arg(&sp).arg(&op).arg(&ip).arg(&w);
+    // SAFETY: every named row lies inside dst and src (checked); off has one entry more than
+    // the grid's blocks; arguments match (dst, dst_rows, src, off, idx, width).
+    unsafe {
+        b.launch(LaunchConfig {
+            grid_dim: (dst_rows.len() as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }?;
+    // the index buffers are freed at the end of this scope, stream-ordered after the kernel
+    Ok(())
+}
 
 /// The four linears of a decoder layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -240,102 +377,83 @@ pub struct GpuTrainer {
     dw: CudaSlice<bf16>,
 }
 
-/// The host-side tables of one packed micro-batch (pure; tested without a GPU).
-#[derive(Clone, Debug, PartialEq)]
-pub struct PackedTrain {
-    /// Token ids per packed row (media placeholders included).
-    pub ids: Vec<u32>,
-    /// Ids for the embedding backward: media rows carry `vocab` (skipped by the kernel).
-    pub bwd_ids: Vec<u32>,
-    pub seqs: Vec<rollplex_kernels::cpu::AttnSeq>,
-    pub cos: Vec<f32>,
-    pub sin: Vec<f32>,
-    /// Packed rows of the media placeholders, sequence by sequence, in placeholder order.
-    pub media_rows: Vec<u32>,
-    /// `(group, response)` of each sequence.
-    pub owner: Vec<(usize, usize)>,
-    /// The rows whose logits score a response token, sequence by sequence, token by token.
-    pub head_rows: Vec<u32>,
-    pub targets: Vec<u32>,
+/// The actor's kept prompt forwards for training: per GRPO group, `copies` forwards of its
+/// prompt (one with prefix dedup, one per sample without), every layer's input (bf16 residual
+/// stream, for the recompute in backward) and K/V after RoPE (what the suffixes attend to) in
+/// one store per iteration, rows laid out by [`layout_prefixes`]: `inputs [layers, rows, H]`,
+/// `k`, `v` `[layers, rows, kv_width]`; `last [units, H]` holds each copy's last prompt row
+/// after the final layer (token 0 of every response is scored from it).
+///
+/// Filled by [`GpuTrainer::prefix_forward`] (the plan's `ActorPrefix{Train}` tasks, which may
+/// run inside decode windows), read by [`GpuTrainer::micro_batch_prefixed`]. A kept prefix is
+/// valid only for the weights it was computed with: it records the optimizer step, and a
+/// micro-batch of another step refuses it.
+pub struct TrainPrefixes {
+    rows: usize,
+    layouts: Vec<PrefixLayout>,
+    kept: Vec<Option<KeptPrefix>>,
+    inputs: CudaSlice<bf16>,
+    k: CudaSlice<bf16>,
+    v: CudaSlice<bf16>,
+    last: CudaSlice<bf16>,
 }
 
-/// One sequence of a micro-batch: a prompt (with its media slots) and a response.
-pub struct SeqSpec<'a> {
-    pub prompt: PromptSpec<'a>,
-    pub response: &'a [u32],
-    pub owner: (usize, usize),
+/// What a group's prefix forward leaves besides the store rows: the tables its backward
+/// recomputes the layers with.
+struct KeptPrefix {
+    /// Optimizer steps the trainer had taken when the prefix ran (its weight version).
+    version: u64,
+    rope_delta: i64,
+    cos: CudaSlice<f32>,
+    sin: CudaSlice<f32>,
+    /// One causal sequence per copy, rows from 0.
+    seqs: CudaSlice<AttnSeqGpu>,
+    /// Prompt ids with media rows set to `vocab` (the embedding backward skips them: frozen tower).
+    bwd_ids: CudaSlice<u32>,
 }
 
-impl PackedTrain {
-    /// Packs `prompt ++ response[..n-1]` per sequence (responses of at least one token).
-    pub fn new(cfg: &ModelConfig, seqs: &[SeqSpec<'_>]) -> std::result::Result<Self, GpuError> {
-        let vocab = cfg.text().vocab_size as usize;
-        let prompts: Vec<PromptSpec<'_>> = seqs
-            .iter()
-            .map(|s| PromptSpec {
-                ids: s.prompt.ids,
-                media: s.prompt.media.clone(),
-            })
-            .collect();
-        let p = PackedPrompts::new(cfg, &prompts)?;
-        let hd = cfg.text().head_dim() as usize;
-        let mut out = PackedTrain {
-            ids: Vec::new(),
-            bwd_ids: Vec::new(),
-            seqs: Vec::new(),
-            cos: Vec::new(),
-            sin: Vec::new(),
-            media_rows: Vec::new(),
-            owner: Vec::new(),
-            head_rows: Vec::new(),
-            targets: Vec::new(),
-        };
-        // packed prompt row -> row of this batch
-        let mut remap = vec![0u32; p.ids.len()];
-        for (i, s) in seqs.iter().enumerate() {
-            let n = s.response.len();
-            if n == 0 {
-                return Err(GpuError::Input(format!(
-                    "sequence {i}: an empty response has nothing to train"
-                )));
-            }
-            check_ids("train response", s.response, vocab)?;
-            let ps = &p.seqs[i];
-            let (a, plen) = (ps.start as usize, ps.len as usize);
-            let start = out.ids.len();
-            for r in 0..plen {
-                remap[a + r] = (start + r) as u32;
-            }
-            out.ids.extend_from_slice(&p.ids[a..a + plen]);
-            out.cos.extend_from_slice(&p.cos[a * hd..(a + plen) * hd]);
-            out.sin.extend_from_slice(&p.sin[a * hd..(a + plen) * hd]);
-            let positions: Vec<i64> = (0..n - 1)
-                .map(|j| (plen + j) as i64 + p.deltas[i])
-                .collect();
-            let (c, sn) = flat_rope_tables(cfg, &positions);
-            out.cos.extend_from_slice(&c);
-            out.sin.extend_from_slice(&sn);
-            out.ids.extend_from_slice(&s.response[..n - 1]);
-            let len = plen + n - 1;
-            out.seqs.push(rollplex_kernels::cpu::AttnSeq {
-                start: start as u32,
-                len: len as u32,
-                prefix_start: 0,
-                prefix_len: 0,
-            });
-            for j in 0..n {
-                out.head_rows.push((start + plen - 1 + j) as u32);
-                out.targets.push(s.response[j]);
-            }
-            out.owner.push(s.owner);
-        }
-        out.bwd_ids = out.ids.clone();
-        for &r in &p.media_rows {
-            let row = remap[r as usize];
-            out.media_rows.push(row);
-            out.bwd_ids[row as usize] = vocab as u32;
-        }
-        Ok(out)
+impl TrainPrefixes {
+    /// A store for groups given as `(prompt tokens, copies)`, in group order, for `model`'s text
+    /// decoder (contents undefined until each group's prefix forward).
+    pub fn new(
+        gpu: &Gpu,
+        s: &Arc<CudaStream>,
+        model: &GpuModel,
+        groups: &[(usize, u32)],
+    ) -> Result<Self> {
+        let (layouts, rows, units) = layout_prefixes(groups)?;
+        let t = model.config.text();
+        let (l, h) = (t.num_layers as usize, t.hidden_size as usize);
+        let kvw = (t.num_kv_heads * t.head_dim()) as usize;
+        Ok(TrainPrefixes {
+            rows,
+            kept: (0..layouts.len()).map(|_| None).collect(),
+            layouts,
+            inputs: alloc(gpu, s, l * rows * h)?,
+            k: alloc(gpu, s, l * rows * kvw)?,
+            v: alloc(gpu, s, l * rows * kvw)?,
+            last: alloc(gpu, s, units * h)?,
+        })
+    }
+
+    /// Groups the store was laid out for.
+    pub fn groups(&self) -> usize {
+        self.layouts.len()
+    }
+
+    /// Bytes of device memory the store holds.
+    pub fn bytes(&self) -> usize {
+        2 * (self.inputs.len() + self.k.len() + self.v.len() + self.last.len())
+    }
+
+    fn layout(&self, group: usize) -> Result<PrefixLayout> {
+        self.layouts.get(group).copied().ok_or_else(|| {
+            GpuError::Input(format!(
+                "group {group} is not in the prefix store ({} groups)",
+                self.layouts.len()
+            ))
+            .into()
+        })
     }
 }
 
@@ -408,8 +526,17 @@ fn linear(
     Ok(())
 }
 
+/// The kept prefix K/V (this layer's store rows `lo..hi`) that suffix rows attend to; the
+/// sequences' prefix spans count from `lo`.
+struct PreKv<'a> {
+    k: CudaView<'a, bf16>,
+    v: CudaView<'a, bf16>,
+}
+
 /// One decoder layer forward from `x_in`, filling `a`; when `x_out` is given the layer's output
-/// (the next layer's input) is written there. Bitwise the model's `run_blocks` layer.
+/// (the next layer's input) is written there. With `pre`, each sequence attends to its prefix
+/// span there before its own keys (as `score` does). Bitwise the model's `run_blocks` layer.
+#[allow(clippy::too_many_arguments)]
 fn layer_fwd(
     gpu: &Gpu,
     s: &Arc<CudaStream>,
@@ -418,6 +545,7 @@ fn layer_fwd(
     x_in: &impl DevicePtr<bf16>,
     a: &mut Acts,
     x_out: Option<&mut CudaSlice<bf16>>,
+    pre: Option<&PreKv<'_>>,
 ) -> Result<()> {
     let (rows, h, d) = (c.rows, c.hidden, c.dims);
     let (qw, kvw) = (d.q_width(), d.kv_width());
@@ -473,24 +601,46 @@ fn layer_fwd(
         kvw,
     )?;
     let scale = 1.0 / (d.head_dim as f32).sqrt();
-    attention_fwd_bf16(
-        gpu,
-        s,
-        &mut a.att,
-        Some(&mut a.lse as &mut dyn DevicePtrMut<f32>),
-        &a.q,
-        &a.k,
-        &a.v,
-        &a.k,
-        &a.v,
-        c.seqs,
-        c.n_seqs,
-        c.max_q,
-        d,
-        AttnMask::Causal,
-        scale,
-        RowStrides::contiguous(d),
-    )?;
+    let lse = Some(&mut a.lse as &mut dyn DevicePtrMut<f32>);
+    let strides = RowStrides::contiguous(d);
+    match pre {
+        Some(p) => attention_fwd_bf16(
+            gpu,
+            s,
+            &mut a.att,
+            lse,
+            &a.q,
+            &a.k,
+            &a.v,
+            &p.k,
+            &p.v,
+            c.seqs,
+            c.n_seqs,
+            c.max_q,
+            d,
+            AttnMask::Causal,
+            scale,
+            strides,
+        )?,
+        None => attention_fwd_bf16(
+            gpu,
+            s,
+            &mut a.att,
+            lse,
+            &a.q,
+            &a.k,
+            &a.v,
+            &a.k,
+            &a.v,
+            c.seqs,
+            c.n_seqs,
+            c.max_q,
+            d,
+            AttnMask::Causal,
+            scale,
+            strides,
+        )?,
+    }
     linear(gpu, s, &mut a.delta, &a.att, &b.o, rows)?;
     s.memcpy_dtod(x_in, &mut a.x_mid)?;
     add_rmsnorm_fwd_bf16(
@@ -553,8 +703,25 @@ fn weight_grads(
     Ok(())
 }
 
+/// How a layer's attention backward meets a kept prefix.
+enum PrefixGrad<'a, 'b> {
+    /// Suffix rows attending to `pre`: the prefix keys' gradients are added (fp32) into
+    /// `dk`, `dv` (`[hi - lo, kv_width]`, the prefix spans' rows).
+    Attend {
+        pre: &'b PreKv<'a>,
+        dk: &'b mut CudaSlice<f32>,
+        dv: &'b mut CudaSlice<f32>,
+    },
+    /// Prefix rows whose K/V the suffixes also read: their gradients (fp32, these rows') are
+    /// added to the rows' own before RoPE's backward.
+    Extra {
+        dk: CudaView<'a, f32>,
+        dv: CudaView<'a, f32>,
+    },
+}
+
 /// Backward of one layer: `dx` holds the gradient of the layer's output and ends holding the
-/// gradient of its input; parameter gradients are added into `grads`.
+/// gradient of its input; parameter gradients are added into `grads` (see [`PrefixGrad`]).
 #[allow(clippy::too_many_arguments)]
 fn layer_bwd(
     gpu: &Gpu,
@@ -567,6 +734,7 @@ fn layer_bwd(
     dx: &mut CudaSlice<bf16>,
     grads: &mut Grads,
     scratch: &mut CudaSlice<bf16>,
+    prefix: PrefixGrad<'_, '_>,
 ) -> Result<()> {
     let (rows, h, d) = (c.rows, c.hidden, c.dims);
     let (qw, kvw) = (d.q_width(), d.kv_width());
@@ -646,33 +814,67 @@ fn layer_bwd(
     let mut dq = alloc::<bf16>(gpu, s, rows * qw)?;
     let mut dk = alloc::<bf16>(gpu, s, rows * kvw)?;
     let mut dv = alloc::<bf16>(gpu, s, rows * kvw)?;
-    // no sequence has a prefix: one-row fp32 stand-ins
-    let mut dpk = alloc::<f32>(gpu, s, kvw)?;
-    let mut dpv = alloc::<f32>(gpu, s, kvw)?;
     let scale = 1.0 / (d.head_dim as f32).sqrt();
-    attention_bwd_bf16(
-        gpu,
-        s,
-        &mut dq,
-        &mut dk,
-        &mut dv,
-        &mut dpk,
-        &mut dpv,
-        &datt,
-        &a.q,
-        &a.k,
-        &a.v,
-        &a.k,
-        &a.v,
-        &a.att,
-        &a.lse,
-        c.seqs,
-        c.n_seqs,
-        d,
-        AttnMask::Causal,
-        scale,
-        RowStrides::contiguous(d),
-    )?;
+    let strides = RowStrides::contiguous(d);
+    match prefix {
+        PrefixGrad::Attend {
+            pre,
+            dk: dpk,
+            dv: dpv,
+        } => attention_bwd_bf16(
+            gpu,
+            s,
+            &mut dq,
+            &mut dk,
+            &mut dv,
+            dpk,
+            dpv,
+            &datt,
+            &a.q,
+            &a.k,
+            &a.v,
+            &pre.k,
+            &pre.v,
+            &a.att,
+            &a.lse,
+            c.seqs,
+            c.n_seqs,
+            d,
+            AttnMask::Causal,
+            scale,
+            strides,
+        )?,
+        PrefixGrad::Extra { dk: ek, dv: ev } => {
+            // no sequence has a prefix: one-row fp32 stand-ins
+            let mut dpk = alloc::<f32>(gpu, s, kvw)?;
+            let mut dpv = alloc::<f32>(gpu, s, kvw)?;
+            attention_bwd_bf16(
+                gpu,
+                s,
+                &mut dq,
+                &mut dk,
+                &mut dv,
+                &mut dpk,
+                &mut dpv,
+                &datt,
+                &a.q,
+                &a.k,
+                &a.v,
+                &a.k,
+                &a.v,
+                &a.att,
+                &a.lse,
+                c.seqs,
+                c.n_seqs,
+                d,
+                AttnMask::Causal,
+                scale,
+                strides,
+            )?;
+            add_f32_into_bf16(gpu, s, &mut dk, &ek, rows * kvw)?;
+            add_f32_into_bf16(gpu, s, &mut dv, &ev, rows * kvw)?;
+        }
+    }
     drop(datt);
     rope_bwd_bf16(
         gpu,
@@ -1157,7 +1359,9 @@ impl GpuTrainer {
     }
 
     /// Forward, loss and backward of micro-batch `index` (0-based, plan order) of the current
-    /// mini-batch whose normaliser is `norm`; gradients are added into the fp32 sums.
+    /// mini-batch whose normaliser is `norm`, for groups given with their prompts: each group's
+    /// prompt runs once ([`GpuTrainer::prefix_forward`] into a store made for this call), then
+    /// [`GpuTrainer::micro_batch_prefixed`]. Gradients are added into the fp32 sums.
     /// Synchronises once (the log-probs come down for the loss).
     pub fn micro_batch(
         &mut self,
@@ -1167,6 +1371,24 @@ impl GpuTrainer {
         groups: &[GpuGroupBatch<'_>],
         norm: Normaliser,
     ) -> Result<MicroBatchOutput> {
+        self.check_next(index)?;
+        let lens: Vec<(usize, u32)> = groups.iter().map(|g| (g.prompt_ids.len(), 1)).collect();
+        let mut store = TrainPrefixes::new(gpu, stream, &self.model, &lens)?;
+        for (i, g) in groups.iter().enumerate() {
+            self.prefix_forward(gpu, stream, &mut store, i, g.prompt_ids, g.media)?;
+        }
+        let kept: Vec<PrefixedGroup<'_>> = groups
+            .iter()
+            .enumerate()
+            .map(|(i, g)| PrefixedGroup {
+                group: i,
+                responses: g.responses,
+            })
+            .collect();
+        self.micro_batch_prefixed(gpu, stream, index, &kept, norm, &store)
+    }
+
+    fn check_next(&self, index: u32) -> Result<()> {
         if index != self.micro {
             return Err(TrainError::Invalid(format!(
                 "micro-batch {index} given, but micro-batch {} is next in plan order",
@@ -1174,23 +1396,11 @@ impl GpuTrainer {
             ))
             .into());
         }
-        let out = self.forward_backward(gpu, stream, groups, norm)?;
-        self.micro += 1;
-        self.metrics.add(&out.metrics);
-        Ok(out)
+        Ok(())
     }
 
-    fn forward_backward(
-        &mut self,
-        gpu: &Gpu,
-        s: &Arc<CudaStream>,
-        groups: &[GpuGroupBatch<'_>],
-        norm: Normaliser,
-    ) -> Result<MicroBatchOutput> {
-        let cfg = self.model.config.clone();
-        let t = cfg.text();
-        let (h, vocab) = (t.hidden_size as usize, t.vocab_size as usize);
-        let eps = t.rms_norm_eps as f32;
+    fn text_dims(&self) -> Result<AttnDims> {
+        let t = self.model.config.text();
         let dims = AttnDims {
             num_heads: t.num_heads as usize,
             num_kv_heads: t.num_kv_heads as usize,
@@ -1203,9 +1413,186 @@ impl GpuTrainer {
             ))
             .into());
         }
+        Ok(dims)
+    }
+
+    /// The prompt forward of `group` of `store` with the current weights (the plan's
+    /// `ActorPrefix{Train}`): the store's `copies` of the prompt packed in one call, every
+    /// layer's input and K/V kept in the group's store rows, each copy's last row after the
+    /// final layer kept for token 0. One call per group, so a group's bits never depend on the
+    /// others. Nothing synchronises.
+    pub fn prefix_forward(
+        &self,
+        gpu: &Gpu,
+        s: &Arc<CudaStream>,
+        store: &mut TrainPrefixes,
+        group: usize,
+        prompt_ids: &[u32],
+        media: &[&GpuEncodedMedia],
+    ) -> Result<()> {
+        let lay = store.layout(group)?;
+        if prompt_ids.len() != lay.len {
+            return Err(GpuError::Input(format!(
+                "group {group}: a prompt of {} tokens for store rows laid out for {}",
+                prompt_ids.len(),
+                lay.len
+            ))
+            .into());
+        }
+        let cfg = &self.model.config;
+        let t = cfg.text();
+        let (h, vocab) = (t.hidden_size as usize, t.vocab_size as usize);
+        let dims = self.text_dims()?;
+        let spec = PromptSpec {
+            ids: prompt_ids,
+            media: media.iter().map(|m| media_slot(m.kind, m.grid)).collect(),
+        };
+        let p = PackedPrompts::new(cfg, &vec![spec; lay.copies])?;
+        check_ids("train prefix", &p.ids, vocab)?;
+        let rows = p.ids.len();
+        let per_copy: usize = media.iter().map(|m| m.tokens).sum();
+        let media_tokens = per_copy * lay.copies;
+        if media_tokens != p.media_rows.len() {
+            return Err(GpuError::Input(format!(
+                "{} media placeholder tokens but the media carry {media_tokens} embeddings",
+                p.media_rows.len()
+            ))
+            .into());
+        }
+        for m in media {
+            if m.embeds.len() < m.tokens * h {
+                return Err(GpuError::Input(format!(
+                    "a media item holds {} embedding values, expected {} x {h}",
+                    m.embeds.len(),
+                    m.tokens
+                ))
+                .into());
+            }
+        }
+        let mut bwd_ids = p.ids.clone();
+        for &r in &p.media_rows {
+            bwd_ids[r as usize] = vocab as u32;
+        }
+        let ids_d = upload(s, &p.ids)?;
+        let cos = upload(s, &p.cos)?;
+        let sin = upload(s, &p.sin)?;
+        let gseqs: Vec<AttnSeqGpu> = p.seqs.iter().map(AttnSeqGpu::from_fwd).collect();
+        let seqs = upload(s, &gseqs)?;
+        let bwd_ids = upload(s, &bwd_ids)?;
+        let iota_v: Vec<u32> = (0..rows as u32).collect();
+        let iota = upload(s, &iota_v)?;
+        let ones = upload(s, &vec![bf16::ONE; rows])?;
+        let w = &self.model.weights;
+        let mut x = alloc::<bf16>(gpu, s, rows * h)?;
+        embedding_fwd_bf16(gpu, s, &mut x, &w.embed, &ids_d, rows, h, h)?;
+        if media_tokens > 0 {
+            let mut cat = alloc::<bf16>(gpu, s, media_tokens * h)?;
+            let mut off = 0;
+            for _ in 0..lay.copies {
+                for m in media {
+                    let n = m.tokens * h;
+                    s.memcpy_dtod(&m.embeds.slice(..n), &mut cat.slice_mut(off..off + n))?;
+                    off += n;
+                }
+            }
+            let slots = upload(s, &p.media_rows)?;
+            kv_append_bf16(gpu, s, &mut x, &cat, &slots, media_tokens, h, h, h)?;
+        }
+        let ctx = LayerCtx {
+            rows,
+            hidden: h,
+            dims,
+            eps: t.rms_norm_eps as f32,
+            cos: &cos,
+            sin: &sin,
+            seqs: &seqs,
+            n_seqs: lay.copies,
+            max_q: lay.len,
+            iota: &iota,
+            ones: &ones,
+        };
+        let layers = w.text.len();
+        if layers == 0 {
+            return Err(GpuError::Input("the model has no text layers to train".into()).into());
+        }
+        let mut acts = Acts::new(gpu, s, &ctx, &w.text[0])?;
+        let (all, kvw) = (store.rows, dims.kv_width());
+        for (l, b) in w.text.iter().enumerate() {
+            let first = l * all + lay.row0;
+            let r = first * h..(first + rows) * h;
+            s.memcpy_dtod(&x, &mut store.inputs.slice_mut(r.clone()))?;
+            layer_fwd(
+                gpu,
+                s,
+                b,
+                &ctx,
+                &store.inputs.slice(r),
+                &mut acts,
+                Some(&mut x),
+                None,
+            )?;
+            let kr = first * kvw..(first + rows) * kvw;
+            s.memcpy_dtod(&acts.k, &mut store.k.slice_mut(kr.clone()))?;
+            s.memcpy_dtod(&acts.v, &mut store.v.slice_mut(kr))?;
+        }
+        for c in 0..lay.copies {
+            let (row, u) = (c * lay.len + lay.len - 1, lay.unit0 + c);
+            s.memcpy_dtod(
+                &x.slice(row * h..(row + 1) * h),
+                &mut store.last.slice_mut(u * h..(u + 1) * h),
+            )?;
+        }
+        store.kept[group] = Some(KeptPrefix {
+            version: self.steps,
+            rope_delta: p.deltas[0],
+            cos,
+            sin,
+            seqs,
+            bwd_ids,
+        });
+        Ok(())
+    }
+
+    /// Forward, loss and backward of micro-batch `index` (plan order) over groups whose
+    /// prompts' forwards are kept in `store` ([`GpuTrainer::prefix_forward`] with the current
+    /// weights): the response suffixes run as one packed batch attending to their copy's kept
+    /// K/V; backward runs the layers top-down, each layer's suffix rows first (their attention
+    /// adds the prefix keys' gradients, fp32) and then each group's prompt rows (recomputed from
+    /// their kept inputs, the suffixes' K/V gradients added to their own), and ends in the token
+    /// embeddings. Token 0 of a response is scored from its copy's kept last row; its gradient
+    /// reaches that row (summed over the copy's responses in order). Every group is whole in
+    /// its micro-batch, so each prompt's backward runs once, here. Synchronises once.
+    pub fn micro_batch_prefixed(
+        &mut self,
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        index: u32,
+        groups: &[PrefixedGroup<'_>],
+        norm: Normaliser,
+        store: &TrainPrefixes,
+    ) -> Result<MicroBatchOutput> {
+        self.check_next(index)?;
+        let out = self.forward_backward(gpu, stream, groups, norm, store)?;
+        self.micro += 1;
+        self.metrics.add(&out.metrics);
+        Ok(out)
+    }
+
+    fn forward_backward(
+        &mut self,
+        gpu: &Gpu,
+        s: &Arc<CudaStream>,
+        groups: &[PrefixedGroup<'_>],
+        norm: Normaliser,
+        store: &TrainPrefixes,
+    ) -> Result<MicroBatchOutput> {
+        let cfg = self.model.config.clone();
+        let t = cfg.text();
+        let (h, vocab) = (t.hidden_size as usize, t.vocab_size as usize);
+        let eps = t.rms_norm_eps as f32;
+        let dims = self.text_dims()?;
         let temp = self.cfg.temperature;
         // ---- inputs ----
-        let mut seq_specs = Vec::new();
         for (gi, g) in groups.iter().enumerate() {
             for (r, resp) in g.responses.iter().enumerate() {
                 let n = resp.tokens.len();
@@ -1215,16 +1602,6 @@ impl GpuTrainer {
                 crate::train::check_len(&what("mask"), n, resp.mask.len())?;
                 if let Some(rl) = resp.ref_logp {
                     crate::train::check_len(&what("ref_logp"), n, rl.len())?;
-                }
-                if n > 0 {
-                    seq_specs.push(SeqSpec {
-                        prompt: PromptSpec {
-                            ids: g.prompt_ids,
-                            media: g.media.iter().map(|m| media_slot(m.kind, m.grid)).collect(),
-                        },
-                        response: resp.tokens,
-                        owner: (gi, r),
-                    });
                 }
             }
             if self.cfg.loss.kl_coef > 0.0 && g.responses.iter().any(|r| r.ref_logp.is_none()) {
@@ -1236,7 +1613,11 @@ impl GpuTrainer {
             }
         }
         let mut out = MicroBatchOutput::default();
-        if seq_specs.is_empty() {
+        let trains: Vec<bool> = groups
+            .iter()
+            .map(|g| g.responses.iter().any(|r| !r.tokens.is_empty()))
+            .collect();
+        if !trains.iter().any(|&x| x) {
             for g in groups {
                 for _ in g.responses {
                     out.logp.push(Vec::new());
@@ -1245,58 +1626,59 @@ impl GpuTrainer {
             }
             return Ok(out);
         }
-        let pk = PackedTrain::new(&cfg, &seq_specs)?;
-        let rows = pk.ids.len();
-        // media embeddings, sequence by sequence
-        let mut media_tokens = 0usize;
-        for sq in &seq_specs {
-            for m in groups[sq.owner.0].media {
-                if m.embeds.len() < m.tokens * h {
-                    return Err(GpuError::Input(format!(
-                        "a media item holds {} embedding values, expected {} x {h}",
-                        m.embeds.len(),
-                        m.tokens
-                    ))
-                    .into());
-                }
-                media_tokens += m.tokens;
+        let mut packs = Vec::with_capacity(groups.len());
+        let mut kept = Vec::with_capacity(groups.len());
+        for (gi, g) in groups.iter().enumerate() {
+            let layout = store.layout(g.group)?;
+            let k = store.kept[g.group].as_ref().ok_or_else(|| {
+                TrainError::Invalid(format!(
+                    "micro-batch group {gi} (prefix store group {}) trains before its prompt's \
+                     forward (ActorPrefix) ran",
+                    g.group
+                ))
+            })?;
+            if k.version != self.steps {
+                return Err(TrainError::Invalid(format!(
+                    "the kept prompt forward of store group {} ran with the weights after {} \
+                     optimizer steps, but {} steps have been taken: a kept prefix is valid only \
+                     for the weights it ran with (recompute it after the optimizer step)",
+                    g.group, k.version, self.steps
+                ))
+                .into());
             }
+            kept.push(k);
+            packs.push(PackGroup {
+                layout,
+                rope_delta: k.rope_delta,
+                responses: g.responses.iter().map(|r| r.tokens).collect(),
+            });
         }
-        if media_tokens != pk.media_rows.len() {
-            return Err(GpuError::Input(format!(
-                "{} media placeholder tokens but the media carry {media_tokens} embeddings",
-                pk.media_rows.len()
-            ))
-            .into());
-        }
+        let pk = SuffixPack::new(&cfg, &packs)?;
+        let (srows, frows) = (pk.rows(), pk.rows() + pk.first.len());
+        let w = &self.model.weights;
+        let layers = w.text.len();
+        let (all, kvw, lo, hi) = (store.rows, dims.kv_width(), pk.lo, pk.hi);
+        let pre_of = |l: usize| PreKv {
+            k: store.k.slice((l * all + lo) * kvw..(l * all + hi) * kvw),
+            v: store.v.slice((l * all + lo) * kvw..(l * all + hi) * kvw),
+        };
+        let max_rows = packs
+            .iter()
+            .map(|p| p.layout.rows())
+            .chain([srows])
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let iota_v: Vec<u32> = (0..max_rows as u32).collect();
+        let iota = upload(s, &iota_v)?;
+        let ones = upload(s, &vec![bf16::ONE; max_rows])?;
         let ids_d = upload(s, &pk.ids)?;
-        let bwd_ids = upload(s, &pk.bwd_ids)?;
         let cos = upload(s, &pk.cos)?;
         let sin = upload(s, &pk.sin)?;
         let gseqs: Vec<AttnSeqGpu> = pk.seqs.iter().map(AttnSeqGpu::from_fwd).collect();
         let seqs_d = upload(s, &gseqs)?;
-        let iota_v: Vec<u32> = (0..rows as u32).collect();
-        let iota = upload(s, &iota_v)?;
-        let ones = upload(s, &vec![bf16::ONE; rows])?;
-        let max_q = pk.seqs.iter().map(|q| q.len as usize).max().unwrap_or(0);
-        let w = &self.model.weights;
-        let mut x = alloc::<bf16>(gpu, s, rows * h)?;
-        embedding_fwd_bf16(gpu, s, &mut x, &w.embed, &ids_d, rows, h, h)?;
-        if media_tokens > 0 {
-            let mut cat = alloc::<bf16>(gpu, s, media_tokens * h)?;
-            let mut off = 0;
-            for sq in &seq_specs {
-                for m in groups[sq.owner.0].media {
-                    let n = m.tokens * h;
-                    s.memcpy_dtod(&m.embeds.slice(..n), &mut cat.slice_mut(off..off + n))?;
-                    off += n;
-                }
-            }
-            let slots = upload(s, &pk.media_rows)?;
-            kv_append_bf16(gpu, s, &mut x, &cat, &slots, media_tokens, h, h, h)?;
-        }
-        let ctx = LayerCtx {
-            rows,
+        let sctx = LayerCtx {
+            rows: srows,
             hidden: h,
             dims,
             eps,
@@ -1304,21 +1686,41 @@ impl GpuTrainer {
             sin: &sin,
             seqs: &seqs_d,
             n_seqs: gseqs.len(),
-            max_q,
+            max_q: pk.seqs.iter().map(|q| q.len as usize).max().unwrap_or(0),
             iota: &iota,
             ones: &ones,
         };
-        // ---- forward: keep each layer's input ----
-        let layers = w.text.len();
-        if layers == 0 {
-            return Err(GpuError::Input("the model has no text layers to train".into()).into());
+        // ---- suffix forward: keep each layer's input; final rows then the token-0 rows ----
+        let mut fin = alloc::<bf16>(gpu, s, frows * h)?;
+        let mut suffix = None;
+        if srows > 0 {
+            let mut x = alloc::<bf16>(gpu, s, srows * h)?;
+            embedding_fwd_bf16(gpu, s, &mut x, &w.embed, &ids_d, srows, h, h)?;
+            let mut inputs = alloc::<bf16>(gpu, s, layers * srows * h)?;
+            let mut acts = Acts::new(gpu, s, &sctx, &w.text[0])?;
+            for (l, b) in w.text.iter().enumerate() {
+                let r = l * srows * h..(l + 1) * srows * h;
+                s.memcpy_dtod(&x, &mut inputs.slice_mut(r.clone()))?;
+                layer_fwd(
+                    gpu,
+                    s,
+                    b,
+                    &sctx,
+                    &inputs.slice(r),
+                    &mut acts,
+                    Some(&mut x),
+                    Some(&pre_of(l)),
+                )?;
+            }
+            s.memcpy_dtod(&x, &mut fin.slice_mut(..srows * h))?;
+            suffix = Some((inputs, acts));
         }
-        let mut inputs = alloc::<bf16>(gpu, s, layers * rows * h)?;
-        let mut acts = Acts::new(gpu, s, &ctx, &w.text[0])?;
-        for (l, b) in w.text.iter().enumerate() {
-            let r = l * rows * h..(l + 1) * rows * h;
-            s.memcpy_dtod(&x, &mut inputs.slice_mut(r.clone()))?;
-            layer_fwd(gpu, s, b, &ctx, &inputs.slice(r), &mut acts, Some(&mut x))?;
+        for (i, f) in pk.first.iter().enumerate() {
+            let r = srows + i;
+            s.memcpy_dtod(
+                &store.last.slice(f.unit * h..(f.unit + 1) * h),
+                &mut fin.slice_mut(r * h..(r + 1) * h),
+            )?;
         }
         // ---- head forward: log-probs of every response token ----
         let n_head = pk.head_rows.len();
@@ -1328,7 +1730,8 @@ impl GpuTrainer {
         let mut ent_d = alloc::<f32>(gpu, s, n_head)?;
         for c0 in (0..n_head).step_by(LM_CHUNK) {
             let n = LM_CHUNK.min(n_head - c0);
-            let (_, xn, _) = self.head_rows(gpu, s, &x, rows, &head_rows.slice(c0..c0 + n), n)?;
+            let (_, xn, _) =
+                self.head_rows(gpu, s, &fin, frows, &head_rows.slice(c0..c0 + n), n)?;
             let mut logits = alloc::<bf16>(gpu, s, n * vocab)?;
             linear_fwd_bf16(
                 gpu,
@@ -1359,14 +1762,6 @@ impl GpuTrainer {
         let lp = download(s, &lp_d)?;
         let ent = download(s, &ent_d)?;
         // ---- loss on the host, group by group (as the CPU backend) ----
-        // per (group, response): its first head row
-        let mut first = std::collections::HashMap::new();
-        let mut at = 0usize;
-        for (i, sq) in seq_specs.iter().enumerate() {
-            first.insert(sq.owner, at);
-            at += sq.response.len();
-            debug_assert_eq!(pk.owner[i], sq.owner);
-        }
         let mut dlogp_rows = vec![0f32; n_head];
         for (gi, g) in groups.iter().enumerate() {
             let mut offsets = vec![0usize];
@@ -1381,8 +1776,8 @@ impl GpuTrainer {
             let has_ref = g.responses.iter().all(|r| r.ref_logp.is_some());
             for (r, resp) in g.responses.iter().enumerate() {
                 let n = resp.tokens.len();
-                let (l, e) = match first.get(&(gi, r)) {
-                    Some(&a) => (lp[a..a + n].to_vec(), ent[a..a + n].to_vec()),
+                let (l, e) = match pk.starts[gi][r] {
+                    Some(a) => (lp[a..a + n].to_vec(), ent[a..a + n].to_vec()),
                     None => (Vec::new(), Vec::new()),
                 };
                 logp.extend_from_slice(&l);
@@ -1406,12 +1801,12 @@ impl GpuTrainer {
                 mask: &mask,
                 entropy: Some(&en),
             };
-            let lo = policy_loss(&self.cfg.loss, &batch, norm)?;
-            out.metrics.add(&lo.metrics);
+            let lo_ = policy_loss(&self.cfg.loss, &batch, norm)?;
+            out.metrics.add(&lo_.metrics);
             for (r, resp) in g.responses.iter().enumerate() {
-                if let Some(&a) = first.get(&(gi, r)) {
+                if let Some(a) = pk.starts[gi][r] {
                     let n = resp.tokens.len();
-                    dlogp_rows[a..a + n].copy_from_slice(&lo.dlogp[offsets[r]..offsets[r] + n]);
+                    dlogp_rows[a..a + n].copy_from_slice(&lo_.dlogp[offsets[r]..offsets[r] + n]);
                 }
             }
         }
@@ -1422,12 +1817,12 @@ impl GpuTrainer {
         } else {
             Slot::Embed
         };
-        let mut dx = alloc::<bf16>(gpu, s, rows * h)?;
-        s.memset_zeros(&mut dx)?;
+        let mut dfin = alloc::<bf16>(gpu, s, frows * h)?;
+        s.memset_zeros(&mut dfin)?;
         for c0 in (0..n_head).step_by(LM_CHUNK) {
             let n = LM_CHUNK.min(n_head - c0);
             let idx = head_rows.slice(c0..c0 + n);
-            let (g, xn, rstd) = self.head_rows(gpu, s, &x, rows, &idx, n)?;
+            let (g, xn, rstd) = self.head_rows(gpu, s, &fin, frows, &idx, n)?;
             let head = self.model.weights.lm_head();
             let mut logits = alloc::<bf16>(gpu, s, n * vocab)?;
             linear_fwd_bf16(gpu, s, &mut logits, &xn, head, None, n, h, vocab)?;
@@ -1465,40 +1860,126 @@ impl GpuTrainer {
                 h,
                 false,
             )?;
-            // rows are distinct: a scatter
-            kv_append_bf16(gpu, s, &mut dx, &dg, &idx, n, h, h, h)?;
+            // rows are distinct (one token-0 row per response): a scatter
+            kv_append_bf16(gpu, s, &mut dfin, &dg, &idx, n, h, h, h)?;
         }
-        // ---- backward: layers top-down, each recomputed from its kept input ----
-        let w = &self.model.weights;
-        for l in (0..layers).rev() {
-            let b = &w.text[l];
-            let xin = inputs.slice(l * rows * h..(l + 1) * rows * h);
-            layer_fwd(gpu, s, b, &ctx, &xin, &mut acts, None)?;
-            layer_bwd(
-                gpu,
-                s,
-                l,
-                b,
-                &ctx,
-                &xin,
-                &acts,
-                &mut dx,
-                &mut self.grads,
-                &mut self.dw,
+        // ---- token 0: each copy's last prompt row gets its responses' gradients ----
+        let mut dprompt = Vec::with_capacity(groups.len());
+        for (gi, p) in packs.iter().enumerate() {
+            let l = p.layout;
+            let mut d = alloc::<bf16>(gpu, s, l.rows() * h)?;
+            s.memset_zeros(&mut d)?;
+            if trains[gi] {
+                let lists = pk.first_rows_of(gi, l.copies);
+                let dst: Vec<u32> = (0..l.copies)
+                    .map(|c| (c * l.len + l.len - 1) as u32)
+                    .collect();
+                gather_sum_rows(gpu, s, &mut d, &dst, &dfin, &lists, h)?;
+            }
+            dprompt.push(d);
+        }
+        let mut dsuffix = alloc::<bf16>(gpu, s, srows.max(1) * h)?;
+        if srows > 0 {
+            s.memcpy_dtod(
+                &dfin.slice(..srows * h),
+                &mut dsuffix.slice_mut(..srows * h),
             )?;
         }
+        drop((dfin, fin));
+        // ---- backward: layers top-down, suffix rows then each group's prompt rows ----
+        let w = &self.model.weights;
+        let span = (hi - lo).max(1) * kvw;
+        let mut dpk = alloc::<f32>(gpu, s, span)?;
+        let mut dpv = alloc::<f32>(gpu, s, span)?;
+        for l in (0..layers).rev() {
+            let b = &w.text[l];
+            s.memset_zeros(&mut dpk)?;
+            s.memset_zeros(&mut dpv)?;
+            if let Some((inputs, acts)) = suffix.as_mut() {
+                let xin = inputs.slice(l * srows * h..(l + 1) * srows * h);
+                let pre = pre_of(l);
+                layer_fwd(gpu, s, b, &sctx, &xin, acts, None, Some(&pre))?;
+                layer_bwd(
+                    gpu,
+                    s,
+                    l,
+                    b,
+                    &sctx,
+                    &xin,
+                    acts,
+                    &mut dsuffix,
+                    &mut self.grads,
+                    &mut self.dw,
+                    PrefixGrad::Attend {
+                        pre: &pre,
+                        dk: &mut dpk,
+                        dv: &mut dpv,
+                    },
+                )?;
+            }
+            for (gi, p) in packs.iter().enumerate() {
+                if !trains[gi] {
+                    continue;
+                }
+                let (lay, k) = (p.layout, kept[gi]);
+                let rows = lay.rows();
+                let pctx = LayerCtx {
+                    rows,
+                    hidden: h,
+                    dims,
+                    eps,
+                    cos: &k.cos,
+                    sin: &k.sin,
+                    seqs: &k.seqs,
+                    n_seqs: lay.copies,
+                    max_q: lay.len,
+                    iota: &iota,
+                    ones: &ones,
+                };
+                let first = l * all + lay.row0;
+                let xin = store.inputs.slice(first * h..(first + rows) * h);
+                let mut acts = Acts::new(gpu, s, &pctx, b)?;
+                layer_fwd(gpu, s, b, &pctx, &xin, &mut acts, None, None)?;
+                let r0 = lay.row0 - lo;
+                layer_bwd(
+                    gpu,
+                    s,
+                    l,
+                    b,
+                    &pctx,
+                    &xin,
+                    &acts,
+                    &mut dprompt[gi],
+                    &mut self.grads,
+                    &mut self.dw,
+                    PrefixGrad::Extra {
+                        dk: dpk.slice(r0 * kvw..(r0 + rows) * kvw),
+                        dv: dpv.slice(r0 * kvw..(r0 + rows) * kvw),
+                    },
+                )?;
+            }
+        }
         // ---- backward: token embeddings (media rows skipped: the tower is frozen) ----
-        embedding_bwd_f32(
-            gpu,
-            s,
-            self.grads.get(Slot::Embed)?,
-            &dx,
-            &bwd_ids,
-            rows,
-            h,
-            vocab,
-            h,
-        )?;
+        let embed = self.grads.get(Slot::Embed)?;
+        if srows > 0 {
+            embedding_bwd_f32(gpu, s, embed, &dsuffix, &ids_d, srows, h, vocab, h)?;
+        }
+        for (gi, p) in packs.iter().enumerate() {
+            if trains[gi] {
+                let rows = p.layout.rows();
+                embedding_bwd_f32(
+                    gpu,
+                    s,
+                    embed,
+                    &dprompt[gi],
+                    &kept[gi].bwd_ids,
+                    rows,
+                    h,
+                    vocab,
+                    h,
+                )?;
+            }
+        }
         Ok(out)
     }
 

@@ -1,5 +1,5 @@
-//! Tests of the CUDA training step: the packing of a micro-batch on the host (no GPU needed),
-//! then, on a CUDA device (skipped, saying so, where none is usable), on a tiny random model
+//! Tests of the CUDA training step: the fused <-> split tensor mapping on the host (no GPU
+//! needed; the packing of a micro-batch is tested in `train_pack`), then, on a CUDA device (skipped, saying so, where none is usable), on a tiny random model
 //! with its weights rounded to bf16:
 //!
 //! - the gradient of every text parameter tensor against the CPU backend's
@@ -261,78 +261,6 @@ fn gpu_or_skip() -> Option<Gpu> {
 }
 
 // ---------------------------------------------------------------- host-side (no GPU)
-
-#[test]
-fn packing_places_prompts_responses_and_media_rows() {
-    let m = model(false);
-    let slot = media_slot(MediaKind::Image, [1, 4, 6]);
-    let mut prompt = vec![5, 6, VS];
-    prompt.extend([IMG; 6]);
-    prompt.extend([VE, 7]);
-    let (r0, r1) = (vec![10u32, 11, 12, 13], vec![IMG, 20]);
-    let seqs = [
-        SeqSpec {
-            prompt: PromptSpec {
-                ids: &prompt,
-                media: vec![slot],
-            },
-            response: &r0,
-            owner: (0, 0),
-        },
-        SeqSpec {
-            prompt: PromptSpec {
-                ids: &prompt,
-                media: vec![slot],
-            },
-            response: &r1,
-            owner: (0, 1),
-        },
-    ];
-    let p = PackedTrain::new(&m.config, &seqs).unwrap();
-    let plen = prompt.len();
-    // prompt ++ response[..n-1], packed
-    assert_eq!(p.ids.len(), (plen + 3) + (plen + 1));
-    assert_eq!(&p.ids[plen..plen + 3], &[10, 11, 12]);
-    assert_eq!(p.seqs[1].start as usize, plen + 3);
-    // row P-1+j predicts token j
-    let pl = plen as u32;
-    assert_eq!(p.head_rows[..4], [pl - 1, pl, pl + 1, pl + 2]);
-    assert_eq!(p.targets, [10, 11, 12, 13, IMG, 20]);
-    assert_eq!(p.head_rows[4] as usize, plen + 3 + plen - 1);
-    // media rows are the placeholder rows of each prompt, not the IMG-valued response token
-    let want: Vec<u32> = (3..9)
-        .chain(plen as u32 + 3 + 3..plen as u32 + 3 + 9)
-        .collect();
-    assert_eq!(p.media_rows, want);
-    for &r in &p.media_rows {
-        assert_eq!(p.bwd_ids[r as usize], 301);
-    }
-    assert_eq!(p.bwd_ids[2 * plen + 3], IMG); // the response token trains its embedding
-                                              // response rows continue the prompt's positions as `score` does: P + j + rope_delta
-    let hd = m.config.text().head_dim() as usize;
-    let pp = PackedPrompts::new(
-        &m.config,
-        &[PromptSpec {
-            ids: &prompt,
-            media: vec![slot],
-        }],
-    )
-    .unwrap();
-    let (c, _) = flat_rope_tables(&m.config, &[plen as i64 + 1 + pp.deltas[0]]);
-    assert_eq!(&p.cos[(plen + 1) * hd..(plen + 2) * hd], &c[..]);
-    assert_eq!(&p.cos[..plen * hd], &pp.cos[..]);
-    // an empty response is refused
-    let e: Vec<u32> = vec![];
-    let bad = [SeqSpec {
-        prompt: PromptSpec {
-            ids: &prompt,
-            media: vec![slot],
-        },
-        response: &e,
-        owner: (0, 0),
-    }];
-    assert!(PackedTrain::new(&m.config, &bad).is_err());
-}
 
 /// The fused <-> split mapping that checkpoints go through (`export_state` / `import_state`):
 /// every device tensor splits into the CPU model's tensors bitwise and fuses back bitwise, and
@@ -643,4 +571,120 @@ fn test_models_are_bf16_conditioned() {
         println!("tie={tie}: bf16 logits move log-probs by up to {d:.3e}");
         assert!(d < 1e-2, "tie={tie}: {d}");
     }
+}
+
+/// The kept-prompt path as the executor drives it: one store for the iteration with the groups
+/// at other store positions than their micro-batch order, filled by `prefix_forward`, then
+/// `micro_batch_prefixed`, gives bitwise the gradient of the self-contained `micro_batch` (the
+/// same launches on the same shapes); one prompt copy per response (no prefix dedup) gives the
+/// same gradient up to rounding; a kept prompt from before an optimizer step is refused.
+#[test]
+fn kept_prompt_forwards_train_as_the_self_contained_step() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let s = gpu.stream(0).unwrap();
+    let m = model(false);
+    let groups = [
+        Group::new(&m, &[4, 6, 1], 0.1, 1),
+        Group::new(&m, &[5, 3, 7], 0.1, 2),
+    ];
+    let norm = norm_of(&groups);
+    let resp: Vec<_> = groups.iter().map(|g| g.responses()).collect();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    // self-contained
+    let mut a = GpuTrainer::new(&gpu, &s, &m, train_cfg(), adamw(1e-3)).unwrap();
+    let enc: Vec<Vec<GpuEncodedMedia>> = groups
+        .iter()
+        .map(|g| a.model().encode_media(&gpu, &s, &g.media()).unwrap())
+        .collect();
+    let refs: Vec<Vec<&GpuEncodedMedia>> = enc.iter().map(|e| e.iter().collect()).collect();
+    let batch: Vec<GpuGroupBatch<'_>> = groups
+        .iter()
+        .enumerate()
+        .map(|(i, g)| GpuGroupBatch {
+            prompt_ids: &g.prompt,
+            media: &refs[i],
+            responses: &resp[i],
+        })
+        .collect();
+    let out_a = a.micro_batch(&gpu, &s, 0, &batch, norm).unwrap();
+    let grad_a = a.grads_host(&s).unwrap();
+    // kept prompts, one shared copy per group; store order reversed (group i at store 2 - i,
+    // a third, unused group in between)
+    let run_kept = |copies: u32| {
+        let mut t = GpuTrainer::new(&gpu, &s, &m, train_cfg(), adamw(1e-3)).unwrap();
+        let lens = [
+            (groups[1].prompt.len(), copies),
+            (7, copies),
+            (groups[0].prompt.len(), copies),
+        ];
+        let mut store = TrainPrefixes::new(&gpu, &s, t.model(), &lens).unwrap();
+        assert_eq!(store.groups(), 3);
+        for (i, at) in [(0usize, 2usize), (1, 0)] {
+            t.prefix_forward(&gpu, &s, &mut store, at, &groups[i].prompt, &refs[i])
+                .unwrap();
+        }
+        // a prompt of another length than the store's rows is refused
+        assert!(t
+            .prefix_forward(&gpu, &s, &mut store, 1, &groups[0].prompt, &refs[0])
+            .is_err());
+        let kept = [
+            PrefixedGroup {
+                group: 2,
+                responses: &resp[0],
+            },
+            PrefixedGroup {
+                group: 0,
+                responses: &resp[1],
+            },
+        ];
+        // a group whose prompt never ran is refused
+        let missing = [PrefixedGroup {
+            group: 1,
+            responses: &resp[0],
+        }];
+        assert!(t
+            .micro_batch_prefixed(&gpu, &s, 0, &missing, norm, &store)
+            .is_err());
+        let out = t
+            .micro_batch_prefixed(&gpu, &s, 0, &kept, norm, &store)
+            .unwrap();
+        let grad = t.grads_host(&s).unwrap();
+        t.optimizer_step(&gpu, &s).unwrap();
+        // the weights moved: the kept prompts are stale now
+        let stale = t.micro_batch_prefixed(&gpu, &s, 0, &kept, norm, &store);
+        assert!(
+            matches!(stale, Err(GpuTrainError::Train(_))),
+            "stale prefix accepted"
+        );
+        (out, grad)
+    };
+    let (out_b, grad_b) = run_kept(1);
+    assert!(
+        bits(&grad_a) == bits(&grad_b),
+        "kept prompts in a shared store changed the gradient's bits"
+    );
+    assert_eq!(out_a.logp, out_b.logp);
+    assert_eq!(out_a.metrics.loss.to_bits(), out_b.metrics.loss.to_bits());
+    // one prompt copy per response: the same sum up to rounding
+    let (out_c, grad_c) = run_kept(3);
+    let errs = tensor_errors(&m, &grad_c, &grad_b);
+    // judged against 1% of the largest tensor's norm, as `gradients_match` does
+    let floor = 1e-2 * errs.iter().map(|e| e.2).fold(0.0, f64::max);
+    let worst = errs
+        .iter()
+        .map(|(_, e, n)| e * n / n.max(floor))
+        .fold(0.0, f64::max);
+    let lp: f64 = out_c
+        .logp
+        .iter()
+        .flatten()
+        .zip(out_b.logp.iter().flatten())
+        .map(|(x, y)| (*x as f64 - *y as f64).abs())
+        .fold(0.0, f64::max);
+    println!("copies 3 vs 1: worst tensor {worst:.3e}, max |dlogp| {lp:.3e}");
+    assert!(
+        worst < 2e-2,
+        "a copy per response moved a gradient by {worst}"
+    );
+    assert!(lp < 1e-2, "a copy per response moved a log-prob by {lp}");
 }
