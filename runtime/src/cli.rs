@@ -551,15 +551,25 @@ fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
 
 fn table_header() -> String {
     format!(
-        "{:>5} {:>8} {:>7} {:>7} {:>9} {:>9} {:>6} {:>8} {:>8} {:>8}",
-        "iter", "reward", "±std", "resp", "loss", "kl", "clip", "gnorm", "time_s", "tok/s"
+        "{:>5} {:>8} {:>7} {:>7} {:>9} {:>9} {:>6} {:>8} {:>8} {:>8} {:>7}",
+        "iter",
+        "reward",
+        "±std",
+        "resp",
+        "loss",
+        "kl",
+        "clip",
+        "gnorm",
+        "time_s",
+        "tok/s",
+        "mem_GiB"
     )
 }
 
 fn table_row(it: u32, r: &IterationResult, dt: Duration) -> String {
     let m = &r.metrics;
     format!(
-        "{:>5} {:>8.3} {:>7.3} {:>7.1} {:>9.4} {:>9.5} {:>6.3} {:>8.3} {:>8.2} {:>8.0}",
+        "{:>5} {:>8.3} {:>7.3} {:>7.1} {:>9.4} {:>9.5} {:>6.3} {:>8.3} {:>8.2} {:>8.0} {:>7}",
         it,
         r.reward_mean(),
         r.reward_std(),
@@ -569,7 +579,10 @@ fn table_row(it: u32, r: &IterationResult, dt: Duration) -> String {
         m.loss.clip_frac,
         m.grad_norm,
         dt.as_secs_f64(),
-        r.response_tokens() as f64 / dt.as_secs_f64().max(1e-9)
+        r.response_tokens() as f64 / dt.as_secs_f64().max(1e-9),
+        m.peak_mem_bytes
+            .map(|b| format!("{:.2}", b as f64 / (1u64 << 30) as f64))
+            .unwrap_or_else(|| "-".into())
     )
 }
 
@@ -593,6 +606,7 @@ fn metrics_json(it: u32, r: &IterationResult, dt: Duration, phase_s: &[f64; 4]) 
         "optimizer_steps": m.optimizer_steps,
         "time_s": dt.as_secs_f64(),
         "tokens_per_s": r.response_tokens() as f64 / dt.as_secs_f64().max(1e-9),
+        "peak_mem_gib": m.peak_mem_bytes.map(|b| b as f64 / (1u64 << 30) as f64),
     });
     // Measured time per phase (sum of its tasks' host times; side work in decode windows is
     // rollout, as in the simulator's summary).

@@ -39,14 +39,16 @@ fn args(plan: &Path, out: &Path, iterations: u32) -> RunArgs {
     }
 }
 
-/// metrics.jsonl without its timings (keys ending in `_s`).
+/// metrics.jsonl without its measurements (timings: keys ending in `_s`; peak memory).
 fn metrics(out: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(out.join("metrics.jsonl"))
         .unwrap()
         .lines()
         .map(|l| {
             let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v.as_object_mut().unwrap().retain(|k, _| !k.ends_with("_s"));
+            v.as_object_mut()
+                .unwrap()
+                .retain(|k, _| !k.ends_with("_s") && k != "peak_mem_gib");
             v
         })
         .collect()

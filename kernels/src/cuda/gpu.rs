@@ -119,6 +119,70 @@ impl Gpu {
             .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?)
     }
 
+    /// The device's default memory pool (where every stream-ordered allocation of this crate
+    /// comes from).
+    fn pool(&self) -> Result<sys::CUmemoryPool> {
+        self.ctx.bind_to_thread()?;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer and the device of the bound context.
+        unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) }.result()?;
+        Ok(pool)
+    }
+
+    /// Bytes of the default pool in use now and its high-water mark since the last
+    /// [`Gpu::reset_pool_peak`] (what this crate's allocations held at most).
+    pub fn pool_usage(&self) -> Result<(u64, u64)> {
+        let pool = self.pool()?;
+        let (mut used, mut high) = (0u64, 0u64);
+        // SAFETY: the two attributes take a u64 (cuuint64_t) out-value; the pool is valid.
+        unsafe {
+            sys::cuMemPoolGetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+                &mut used as *mut u64 as *mut std::ffi::c_void,
+            )
+            .result()?;
+            sys::cuMemPoolGetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                &mut high as *mut u64 as *mut std::ffi::c_void,
+            )
+            .result()?;
+        }
+        Ok((used, high))
+    }
+
+    /// Starts a new high-water mark of the default pool at its current use.
+    pub fn reset_pool_peak(&self) -> Result<()> {
+        let pool = self.pool()?;
+        let mut zero = 0u64;
+        // SAFETY: setting USED_MEM_HIGH takes a u64 that must be 0 (reset to the current use).
+        unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                &mut zero as *mut u64 as *mut std::ffi::c_void,
+            )
+        }
+        .result()?;
+        Ok(())
+    }
+
+    /// Grows the default pool to hold `bytes` without asking the driver again (one allocation
+    /// of that size, freed back into the pool, whose release threshold the caller set to keep
+    /// it): the plan's device arena is reserved once, before the first iteration, and every
+    /// later buffer is carved from it.
+    pub fn reserve_pool(&self, stream: &Arc<CudaStream>, bytes: u64) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: never read or written; freed (stream-ordered) when dropped below.
+        let block = unsafe { stream.alloc::<u8>(bytes as usize) }?;
+        drop(block);
+        stream.synchronize()?;
+        Ok(())
+    }
+
     /// Allocates `n` elements on `stream` (not initialised: poison or fill before reading).
     pub fn alloc<T: cudarc::driver::DeviceRepr>(
         &self,

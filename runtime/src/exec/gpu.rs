@@ -993,8 +993,22 @@ pub fn run_gpu_loop(
             .id,
     )?;
     // the next iteration's prompts are drawn on a host thread while this one runs
+    // the plan's device arena is reserved in the memory pool once, before the first iteration
+    // (buffers are then carved from the pool, not at the plan's offsets)
+    let (used, _) = models.gpu.pool_usage()?;
+    let arena: u64 = plan
+        .memory
+        .arenas
+        .iter()
+        .filter(|a| a.gpu == program && a.kind == rollplex_plan::plan::ArenaKind::Device)
+        .map(|a| a.bytes)
+        .sum();
+    models
+        .gpu
+        .reserve_pool(&models.stream, arena.saturating_sub(used))?;
     super::prompts::for_each_prefetched(source, iterations, groups, |it, prompts, t0| {
         models.gpu.ctx().synchronize()?;
+        models.gpu.reset_pool_peak()?;
         let origin = models.gpu.timing_event()?;
         origin.record(origin_stream)?;
         // the host instant of `origin` (device times map onto the host clock from here)
@@ -1011,7 +1025,9 @@ pub fn run_gpu_loop(
             walker::walk(plan, program, &mut started, |_, _| {})?;
             iter.models.gpu.ctx().synchronize()?;
             let times = iter.task_times(&origin)?;
-            (iter.finish()?, times)
+            let mut result = iter.finish()?;
+            result.metrics.peak_mem_bytes = Some(models.gpu.pool_usage()?.1);
+            (result, times)
         };
         let wall = t0.elapsed();
         for (i, a, b) in times {

@@ -126,6 +126,10 @@ pub struct IterationMetrics {
     pub tasks: u32,
     /// `ActorPrefix{Train}` tasks (on the CPU backend, folded into their micro-batch).
     pub train_prefix_tasks: u32,
+    /// Peak memory during the iteration, bytes: on cuda the device memory pool's high-water
+    /// mark (weights, optimizer state and every buffer the iteration allocated); on cpu the
+    /// process's resident-set high-water mark. `None` where it could not be read.
+    pub peak_mem_bytes: Option<u64>,
 }
 
 /// Everything an iteration produced: what the bitwise invariant compares.
@@ -344,7 +348,8 @@ pub fn run_cpu_loop(
     let tasks = plan.tasks.iter().filter(|t| t.gpu == gpu).count();
     prompts::for_each_prefetched(source, iterations, groups, |it, prompts, t0| {
         observer.iteration_started(it, tasks);
-        let result = {
+        reset_rss_peak();
+        let mut result = {
             let mut iter = cpu::CpuIteration::new(plan, models, reward, it, &prompts)?;
             let mut timed = Timed {
                 inner: &mut iter,
@@ -354,9 +359,24 @@ pub fn run_cpu_loop(
             walker::walk(plan, gpu, &mut timed, |_, _| {})?;
             iter.finish()
         };
+        result.metrics.peak_mem_bytes = rss_peak();
         let wall = t0.elapsed();
         observer.iteration_done(it, &result, LoopModels::Cpu(models), t0, wall)
     })
+}
+
+/// Starts a new resident-set high-water mark of this process (Linux: `/proc/self/clear_refs`;
+/// elsewhere, or where refused, the mark keeps counting from the process start).
+fn reset_rss_peak() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// This process's resident-set high-water mark, bytes (Linux `VmHWM`), if readable.
+fn rss_peak() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 /// Runs iterations `first .. first + count` of `plan` on the CPU backend. `on_iteration` sees
