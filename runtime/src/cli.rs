@@ -463,6 +463,7 @@ fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
     let partitioned = exec::gpu::PlanStreams::new(plan, &gpu)?.green();
     drop(gpu);
     let spec = &plan.spec;
+    let setup = std::time::Instant::now();
     // Checkpoints (the CPU path's format and checks, `checkpoint::save_gpu` / `load_gpu`): the
     // initial actor stays on the host, hashed for the run's identity and kept as the copy the
     // saves write through; a checkpoint is loaded and checked before anything is written.
@@ -488,6 +489,12 @@ fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
     } else {
         (exec::gpu::build_gpu_models(spec)?, None, None, 0)
     };
+    if !args.quiet || std::env::var_os("ROLLPLEX_TASK_LOG").is_some() {
+        eprintln!(
+            "models built and uploaded in {:.1} s",
+            setup.elapsed().as_secs_f64()
+        );
+    }
     if first >= args.iterations {
         println!(
             "nothing to run: the checkpoint has {first} iterations done and --iterations asks for {} in all",

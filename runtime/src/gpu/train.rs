@@ -1186,16 +1186,16 @@ impl GpuTrainer {
                 .ok_or_else(|| GpuError::Input(format!("model has no host tensor for {s:?}")))?;
             let numel = vals.len();
             biggest = biggest.max(numel);
-            let zeros = vec![0f32; numel];
             t.push(TrainTensor {
                 slot: s,
                 decay: default_decay(&name, &shape),
                 name,
                 numel,
                 master: upload(stream, &vals)?,
-                m: upload(stream, &zeros)?,
-                v: upload(stream, &zeros)?,
-                grad: upload(stream, &zeros)?,
+                // zeroed on the device (no host copy of three model-sized zero buffers)
+                m: stream.alloc_zeros::<f32>(numel.max(1))?,
+                v: stream.alloc_zeros::<f32>(numel.max(1))?,
+                grad: stream.alloc_zeros::<f32>(numel.max(1))?,
             });
         }
         let dw = alloc::<bf16>(gpu, stream, biggest.max(1))?;
