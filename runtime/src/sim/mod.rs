@@ -155,7 +155,7 @@ pub struct SimReport {
 }
 
 /// The phase of a task by what it computes (side work inside a decode window is rollout).
-pub(crate) fn phase_of(op: &Op, in_window: bool) -> Option<Phase> {
+pub fn phase_of(op: &Op, in_window: bool) -> Option<Phase> {
     if in_window {
         return Some(Phase::Rollout);
     }

@@ -1,0 +1,223 @@
+//! Several plans of one job side by side in one process on the GPU: the models are built once,
+//! then the plans run in turn, `--iterations` iterations each (iteration 0 of a run is its
+//! warm-up: NVRTC, GEMM plans, pool growth), for `--rounds` rounds (plan A, B, C, A, B, C, ...).
+//! Prints per plan the warm iterations' median wall time, phases (sums of task device times,
+//! as `rollplex-run`'s metrics), peak device memory and predicted time, and every plan's ratio
+//! to the first; with `--trace-dir` one Perfetto trace per plan run.
+//!
+//! The plans must train the same actor (model, weights, reference, loss, optimizer, freezing);
+//! they may differ in schedule (serial / overlap), prefix dedup, decode window, batch. Timing
+//! only: the actor keeps training from run to run (each run's optimizer steps move it), which
+//! changes no timing of a job with forced response lengths (every run of a plan draws the same
+//! lengths per iteration index), but the numbers of run k are not those of a fresh run.
+//!
+//! Usage: iteration_bench PLAN.bin... [--iterations 2] [--rounds 2] [--trace-dir DIR]
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use rollplex_plan::plan::{Phase, Plan, Task};
+use rollplex_plan::spec::DatasetSpec;
+use rollplex_runtime::exec::gpu::{build_gpu_models, run_gpu_loop};
+use rollplex_runtime::exec::{self, ExecError, IterationResult, LoopModels, LoopObserver};
+use rollplex_runtime::trace::PlanTrace;
+
+/// One plan run's measurements (warm iterations only).
+#[derive(Default)]
+struct Run {
+    wall: Vec<f64>,
+    phases: Vec<[f64; 4]>,
+    peak: Vec<f64>,
+    tokens: Vec<usize>,
+}
+
+struct Observer<'a> {
+    run: &'a mut Run,
+    phase_s: [f64; 4],
+    trace: Option<PlanTrace>,
+}
+
+impl LoopObserver for Observer<'_> {
+    fn iteration_started(&mut self, _: u32, _: usize) {
+        self.phase_s = [0.0; 4];
+    }
+    fn task_done(&mut self, it: u32, task: &Task, start: Instant, end: Instant) {
+        if let Some(p) = rollplex_runtime::sim::phase_of(&task.op, task.window.is_some()) {
+            let i = Phase::ALL.iter().position(|q| *q == p).unwrap_or(0);
+            self.phase_s[i] += end.duration_since(start).as_secs_f64();
+        }
+        if let Some(t) = &mut self.trace {
+            t.task(it, task, start, end);
+        }
+    }
+    fn iteration_done(
+        &mut self,
+        it: u32,
+        r: &IterationResult,
+        _: LoopModels<'_>,
+        start: Instant,
+        wall: Duration,
+    ) -> Result<(), ExecError> {
+        if let Some(t) = &mut self.trace {
+            t.iteration(it, start, start + wall);
+        }
+        if it > 0 {
+            self.run.wall.push(wall.as_secs_f64());
+            self.run.phases.push(self.phase_s);
+            self.run
+                .peak
+                .push(r.metrics.peak_mem_bytes.unwrap_or(0) as f64 / (1u64 << 30) as f64);
+            self.run.tokens.push(r.response_tokens());
+        }
+        Ok(())
+    }
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    if s.is_empty() {
+        f64::NAN
+    } else {
+        s[s.len() / 2]
+    }
+}
+
+fn arg(args: &mut Vec<String>, name: &str) -> Option<String> {
+    let i = args.iter().position(|a| a == name)?;
+    let v = args.get(i + 1).cloned();
+    args.drain(i..(i + 2).min(args.len()));
+    v
+}
+
+/// What every plan must share with the first (the models and optimizer are built once).
+fn check_same_job(a: &Plan, b: &Plan, name: &str) -> Result<()> {
+    let (x, y) = (&a.spec, &b.spec);
+    if x.actor != y.actor
+        || x.reference.enabled != y.reference.enabled
+        || x.train.optimizer != y.train.optimizer
+        || x.train.algorithm != y.train.algorithm
+        || x.train.freeze_vision != y.train.freeze_vision
+        || x.train.freeze_merger != y.train.freeze_merger
+        || x.rollout.sampling.temperature != y.rollout.sampling.temperature
+    {
+        bail!(
+            "{name} trains another job than the first plan (actor, reference, loss, optimizer, \
+             freezing or temperature differ): one process builds one set of models"
+        );
+    }
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let iterations: u32 = arg(&mut args, "--iterations")
+        .map(|v| v.parse())
+        .transpose()?
+        .unwrap_or(2);
+    let rounds: u32 = arg(&mut args, "--rounds")
+        .map(|v| v.parse())
+        .transpose()?
+        .unwrap_or(2);
+    let trace_dir = arg(&mut args, "--trace-dir").map(PathBuf::from);
+    if args.is_empty() || iterations < 2 {
+        bail!("usage: iteration_bench PLAN.bin... [--iterations N >= 2] [--rounds R] [--trace-dir DIR]");
+    }
+    let plans: Vec<(String, Plan)> = args
+        .iter()
+        .map(|p| {
+            let plan = rollplex_runtime::cli::load_plan(std::path::Path::new(p))?;
+            Ok((p.clone(), plan))
+        })
+        .collect::<Result<_, ExecError>>()?;
+    for (name, p) in &plans[1..] {
+        check_same_job(&plans[0].1, p, name)?;
+    }
+    let t0 = Instant::now();
+    let mut models = build_gpu_models(&plans[0].1.spec).context("building the models")?;
+    println!(
+        "device {}; models built in {:.1} s; {} plans x {rounds} rounds x {iterations} iterations (the first of each run is warm-up)",
+        models.gpu.name(),
+        t0.elapsed().as_secs_f64(),
+        plans.len()
+    );
+    let mut runs: Vec<Run> = (0..plans.len()).map(|_| Run::default()).collect();
+    for round in 0..rounds {
+        for (i, (name, plan)) in plans.iter().enumerate() {
+            let spec = &plan.spec;
+            let mut source: Box<dyn exec::prompts::PromptSource> = match &spec.rollout.dataset {
+                DatasetSpec::Synthetic => Box::new(exec::prompts::SyntheticPrompts::new(spec)),
+                other => exec::data_source(spec, other)?,
+            };
+            let mut reward = exec::reward_fn(spec)?;
+            let mut obs = Observer {
+                run: &mut runs[i],
+                phase_s: [0.0; 4],
+                trace: trace_dir.as_ref().map(|_| PlanTrace::new(plan, "cuda")),
+            };
+            run_gpu_loop(
+                plan,
+                &mut models,
+                source.as_mut(),
+                reward.as_mut(),
+                0..iterations,
+                &mut obs,
+            )
+            .with_context(|| format!("running {name}"))?;
+            if let (Some(dir), Some(t)) = (&trace_dir, obs.trace.take()) {
+                std::fs::create_dir_all(dir)?;
+                let stem = std::path::Path::new(name)
+                    .file_stem()
+                    .map(|s| s.to_string_lossy().into_owned())
+                    .unwrap_or_else(|| format!("plan{i}"));
+                let path = dir.join(format!("{stem}.r{round}.json"));
+                std::fs::write(&path, serde_json::to_string(&t.to_json())?)?;
+            }
+            let r = &runs[i];
+            println!(
+                "round {round} {name}: warm iterations {:?} s",
+                &r.wall[r.wall.len() - (iterations as usize - 1)..]
+            );
+        }
+    }
+    println!();
+    println!(
+        "{:<36} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} {:>9}",
+        "plan",
+        "iter_s",
+        "rollout",
+        "scoring",
+        "train",
+        "sync",
+        "mem_GiB",
+        "tokens",
+        "plan_s",
+        "vs first"
+    );
+    let base = median(&runs[0].wall);
+    for ((name, plan), r) in plans.iter().zip(&runs) {
+        let m = median(&r.wall);
+        let ph: Vec<f64> = (0..4)
+            .map(|k| median(&r.phases.iter().map(|p| p[k]).collect::<Vec<_>>()))
+            .collect();
+        println!(
+            "{:<36} {:>9.3} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>8.2} {:>9} {:>8.3} {:>8.3}x",
+            std::path::Path::new(name)
+                .file_name()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            m,
+            ph[0],
+            ph[1],
+            ph[2],
+            ph[3],
+            median(&r.peak),
+            r.tokens.first().copied().unwrap_or(0),
+            plan.predicted.iteration_s,
+            base / m
+        );
+    }
+    println!("(vs first: the first plan's median iteration time / this plan's; above 1 is faster)");
+    Ok(())
+}
