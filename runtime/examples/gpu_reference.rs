@@ -6,12 +6,14 @@
 //! logits with transformers' bf16 logits (max abs error, max abs error relative to the largest
 //! reference logit, relative L2), also with transformers' float32 logits, next to transformers'
 //! own bf16-vs-f32 error for scale. Then decodes 32 tokens greedily (prefill + device KV arena
-//! decode, argmax on the host) and compares them with transformers' bf16 `generate`; at the
-//! first differing token it prints our logit margin between our token and theirs (a near-tie
-//! when it is within bf16 rounding of the logits).
+//! decode, argmax on the host) and compares them with transformers' bf16 `generate`. A step
+//! where our argmax differs from HF's token by at most one bf16 ulp of our top logit (the two
+//! logits equal, or one rounding apart) is a bf16 tie that the implementations may break either
+//! way: it is reported with its margin and decoding continues on HF's token (teacher forcing);
+//! a larger margin is a real divergence and ends the agreement count.
 //! Prints one line per case, writes `results_gpu.json` in ROOT, exits 1 if a case's relative
-//! max error exceeds `--tol` (default 3e-2). Greedy agreement is reported, not required: bf16
-//! near-ties may break differently.
+//! max error exceeds `--tol` (default 3e-2) or its greedy tokens really diverge from HF's within
+//! the 32 (ties excepted).
 //!
 //! Usage: gpu_reference ROOT [--tol 3e-2]     (needs a CUDA device)
 
@@ -171,16 +173,30 @@ fn run_case(gpu: &Gpu, dir: &Path, tol: f64) -> Result<(bool, serde_json::Value)
         .map(|x| x.to_f32())
         .collect();
     s.synchronize()?;
+    // Where our argmax differs from HF's token by no more than one bf16 ulp of our top logit
+    // (the two logits are equal after rounding, or one rounding apart), the step is a bf16 tie
+    // that the two implementations may break either way: it is counted as a tie and decoding
+    // continues on HF's token (teacher forcing), so the comparison goes on past it. A larger
+    // margin is a real divergence: agreement stops there.
+    let ulp = |x: f32| 2f32.powi(x.abs().max(1e-30).log2().floor() as i32 - 7);
     let mut ours = Vec::new();
     let mut margin = None;
+    let mut ties = Vec::new();
+    let mut diverged = None;
     for step in 0..n as usize {
-        let t = argmax(&logits) as u32;
-        if margin.is_none() && t != generated[step] {
-            margin = Some((
-                step,
-                logits[t as usize] - logits[generated[step] as usize],
-                logits[t as usize],
-            ));
+        let mut t = argmax(&logits) as u32;
+        let theirs = generated[step];
+        if t != theirs {
+            let m = logits[t as usize] - logits[theirs as usize];
+            if margin.is_none() {
+                margin = Some((step, m, logits[t as usize]));
+            }
+            if diverged.is_none() && m <= ulp(logits[t as usize]) {
+                ties.push((step, m));
+                t = theirs;
+            } else if diverged.is_none() {
+                diverged = Some(step);
+            }
         }
         ours.push(t);
         if step + 1 == n as usize {
@@ -191,10 +207,11 @@ fn run_case(gpu: &Gpu, dir: &Path, tol: f64) -> Result<(bool, serde_json::Value)
         s.synchronize()?;
     }
     let agree = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
-    let g_bf16 = agree(&ours, &generated);
+    // with ties forced to HF's token, `ours` follows HF's path up to a real divergence
+    let g_bf16 = diverged.unwrap_or(n as usize);
     let g_f32 = agree(&ours, &generated32);
     let hf_g = agree(&generated, &generated32);
-    let passed = e.max_rel <= tol;
+    let passed = e.max_rel <= tol && g_bf16 == n as usize;
     println!(
         "{:<18} {:>6} {:>10.3e} {:>10.3e} {:>10.3e} | {:>10.3e} {:>10.3e} | {:>10.3e} | {:>3}/{:<2} {:>3}/{:<2} {:>3}/{:<2}  {}",
         name,
@@ -215,8 +232,8 @@ fn run_case(gpu: &Gpu, dir: &Path, tol: f64) -> Result<(bool, serde_json::Value)
     );
     if let Some((step, m, top)) = margin {
         println!(
-            "  {name}: greedy differs from HF bf16 at token {step}: our logit margin of our token over theirs {m:.4} (our top logit {top:.3}; one bf16 ulp there is {:.4})\n    ours {ours:?}\n    hf   {generated:?}",
-            2f32.powi(top.abs().max(1e-30).log2().floor() as i32 - 7)
+            "  {name}: greedy differs from HF bf16 first at token {step}: our logit margin of our token over theirs {m:.4} (our top logit {top:.3}; one bf16 ulp there is {:.4}); bf16 ties continued on HF's token: {ties:?}; real divergence: {diverged:?}\n    ours {ours:?}\n    hf   {generated:?}",
+            ulp(top)
         );
     }
     Ok((
@@ -227,7 +244,9 @@ fn run_case(gpu: &Gpu, dir: &Path, tol: f64) -> Result<(bool, serde_json::Value)
             "vs_f32_max_abs": e32.max_abs, "vs_f32_max_rel": e32.max_rel,
             "hf_bf16_vs_f32_max_rel": hf.max_rel,
             "greedy_vs_hf_bf16": g_bf16, "greedy_vs_hf_f32": g_f32, "hf_bf16_vs_f32_greedy": hf_g,
-            "greedy_total": n, "first_divergence": margin.map(|(s, m, _)| serde_json::json!({"step": s, "margin": m})),
+            "greedy_total": n, "first_difference": margin.map(|(s, m, _)| serde_json::json!({"step": s, "margin": m})),
+            "bf16_ties": ties.iter().map(|(s, m)| serde_json::json!({"step": s, "margin": m})).collect::<Vec<_>>(),
+            "real_divergence": diverged,
             "passed": passed,
         }),
     ))
