@@ -587,7 +587,7 @@ extern "C" __global__ void attention_bwd_tc_dkv_reduce(bf16* __restrict__ dk, bf
 // h_first .. h_first + rep - 1 ascending; for each, the query tiles ascending. Every query of a
 // sequence sees every key of its prefix (they come before its own keys, so no causal mask);
 // keys of the tile outside the span count nothing for that sequence. The launcher's pure twin of
-// this list (attention_bwd_tc.rs, `dprefix_plan`) is tested without a GPU.
+// this list (attention_bwd_dprefix.rs, module `plan`) is tested without a GPU.
 
 // Whether sequence s has items in the prefix tile starting at row k0.
 __device__ __forceinline__ bool dp_hits(const AttnSeq& s, u32 k0, u32 q_rows, u32 kv_rows,

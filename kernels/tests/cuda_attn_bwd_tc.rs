@@ -53,6 +53,9 @@ fn dims(num_heads: usize, num_kv_heads: usize, head_dim: usize) -> AttnDims {
 /// (dq, dk, dv, dprefix_k, dprefix_v) of one run.
 type Grads = (Vec<bf16>, Vec<bf16>, Vec<bf16>, Vec<f32>, Vec<f32>);
 
+/// (dq, dk, dv, dprefix_k, dprefix_v) of the CPU twin.
+type CpuGrads = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+
 /// A case's inputs on the host and the device, and the CPU twin's gradients.
 struct Inputs {
     t: usize,
@@ -64,7 +67,7 @@ struct Inputs {
     base_pk: Vec<f32>,
     base_pv: Vec<f32>,
     /// The CPU twin's dq, dk, dv, dprefix_k, dprefix_v (the prefix ones from zeros).
-    want: (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>),
+    want: CpuGrads,
     g: DevInputs,
 }
 
