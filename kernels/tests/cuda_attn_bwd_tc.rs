@@ -359,13 +359,14 @@ fn grpo_group_case() -> Case {
     }
 }
 
-/// Two groups over one prefix buffer at rows 0 and 137 (not 64-aligned; rows 120..137 and from
-/// 287 on belong to no span), and a sequence without a prefix between them.
+/// Two groups over one prefix buffer at rows 0 and 137 (not 64-aligned), a sequence without a
+/// prefix between them, and one whose span (130..140) straddles the second group's start; rows
+/// 120..130 and from 287 on belong to no span.
 fn two_groups_case(dims_: AttnDims, mask: AttnMask, label: &'static str) -> Case {
     Case {
         label,
         dims: dims_,
-        lens: vec![40, 90, 7, 50, 130, 1, 66, 200],
+        lens: vec![40, 90, 7, 50, 130, 1, 66, 200, 25],
         prefix: vec![
             (0, 120),
             (0, 120),
@@ -375,6 +376,7 @@ fn two_groups_case(dims_: AttnDims, mask: AttnMask, label: &'static str) -> Case
             (137, 150),
             (137, 150),
             (137, 150),
+            (130, 10),
         ],
         p_rows: 300,
         mask,

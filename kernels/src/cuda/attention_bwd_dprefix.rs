@@ -662,8 +662,9 @@ mod tests {
     fn dprefix_blocks_add_every_term_once_and_only_to_covered_rows() {
         let r = |q, kv, p| Rows { q, kv, p };
         // (a) a GRPO group over one 200-row prefix; (b) two groups at 0 and 137 (not 64-aligned)
-        // with rows 120..137 and past 287 held by none; a sequence without a prefix; one without
-        // queries; one whose prefix runs past the buffer (ignored) and one whose queries do
+        // and a span 130..140 across the second one's start, rows 120..130 and past 287 held by
+        // none; a sequence without a prefix; one without queries; one whose prefix runs past the
+        // buffer (ignored) and one whose queries do
         let lens_a = [1u32, 37, 300, 64, 65, 129, 250, 17];
         let mut a = Vec::new();
         let mut at = 0;
@@ -685,6 +686,7 @@ mod tests {
             (0, 137, 150),
             (200, 137, 150),
             (9, 250, 60),
+            (25, 130, 10),
         ] {
             b.push(seq(at, l, ps, pl));
             at += l;
