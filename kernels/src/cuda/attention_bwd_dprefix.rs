@@ -59,9 +59,11 @@ pub const DPREFIX_MAX_SPLIT: usize = 16;
 /// into: enough for the (prefix tiles x kv heads x chunks) blocks to reach
 /// [`DPREFIX_TARGET_BLOCKS`] without passing it, at most [`DPREFIX_MAX_SPLIT`], and at most one
 /// chunk per (query head, query tile) that the tile could get were every query row to see it.
+/// A one-row prefix buffer is how callers without a prefix fill the argument
+/// ([`super::attention_bwd_bf16`]'s doc): one chunk, so no scratch and no reduce launch.
 pub fn tc_dprefix_split(dims: &AttnDims, q_rows: usize, p_rows: usize) -> usize {
     let blocks = p_rows.div_ceil(TILE_ROWS) * dims.num_kv_heads;
-    if blocks == 0 {
+    if blocks == 0 || p_rows == 1 {
         return 1;
     }
     let rep = dims.num_heads / dims.num_kv_heads.max(1);
@@ -780,6 +782,9 @@ mod tests {
         assert_eq!(tc_dprefix_split(&d(4, 1, 128), 112, 124), 8);
         assert_eq!(tc_dprefix_split(&d(4, 4, 64), 0, 124), 1);
         assert_eq!(tc_dprefix_split(&d(4, 4, 64), 10, 0), 1);
+        // the one-row stand-in of a batch without a prefix
+        assert_eq!(tc_dprefix_split(&d(16, 2, 128), 2320, 1), 1);
+        assert_eq!(tc_dprefix_split(&d(16, 2, 128), 2320, 2), DPREFIX_MAX_SPLIT);
         for (h, kv, q, p) in [(16, 2, 2320, 1226), (8, 2, 700, 300), (2, 1, 1, 1)] {
             let s = tc_dprefix_split(&d(h, kv, 64), q, p);
             let blocks = p.div_ceil(64) * kv * s;
