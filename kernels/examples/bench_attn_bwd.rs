@@ -5,8 +5,16 @@
 //! (query, visible key) pair; backward: 5 matmuls, S recomputed, dP, dV, dK, dQ). Also prints the
 //! relative difference ‖tc − simt‖ / ‖simt‖ of dq, dk, dv.
 //!
-//! Run: `cargo run --release -p rollplex-kernels --example bench_attn_bwd` (needs a GPU).
-//! Random data; warm-up first; each number is the median of timed repeats (CUDA events).
+//! `prefix`: the shared-prefix keys' gradients alone (`attention_bwd_dprefix_bf16`) at the 3B
+//! shape of a GRPO group: a 1226-row prompt prefix, 8 responses of 120..512 rows (mean 290)
+//! attending to it; SIMT (`attention_bwd_dprefix_f32`) beside the tensor cores
+//! (`attention_bwd_tc_dprefix_f32`, D prep and chunk reduce included) at the automatic split and
+//! at fixed ones. FLOPs counted: 4 matmuls (S, dP, dV, dK) = 8 * hd * heads per (query, prefix
+//! key) pair. Also the whole tensor-core backward of the same batch, and ‖tc − simt‖ / ‖simt‖.
+//!
+//! Run: `cargo run --release -p rollplex-kernels --example bench_attn_bwd [full|prefix]` (needs
+//! a GPU; no argument: both). Random data; warm-up first; each number is the median of timed
+//! repeats (CUDA events).
 
 use std::sync::Arc;
 
@@ -52,6 +60,17 @@ fn time_ms(
     }
     ts.sort_by(|x, y| x.total_cmp(y));
     Ok(ts[ts.len() / 2])
+}
+
+/// ‖a − b‖ / ‖b‖ over f32 values.
+fn rel_diff_f32(a: &[f32], b: &[f32]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        let (x, y) = (x as f64, y as f64);
+        num += (x - y) * (x - y);
+        den += y * y;
+    }
+    (num / den.max(f64::MIN_POSITIVE)).sqrt()
 }
 
 /// ‖a − b‖ / ‖b‖ over bf16 values.
@@ -184,12 +203,190 @@ fn bench(g: &Gpu, s: &Arc<CudaStream>, n_seqs: u32, len: u32) -> Res<()> {
     Ok(())
 }
 
+/// The prefix part alone at the 3B GRPO shape (see the module doc).
+fn bench_prefix(g: &Gpu, s: &Arc<CudaStream>) -> Res<()> {
+    let dims = AttnDims {
+        num_heads: 16,
+        num_kv_heads: 2,
+        head_dim: 128,
+    };
+    let (qw, kvw) = (dims.q_width(), dims.kv_width());
+    let p_len: u32 = 1226;
+    let lens: [u32; 8] = [120, 512, 200, 350, 160, 420, 240, 318]; // 2320 rows, mean 290
+    let t: usize = lens.iter().map(|&l| l as usize).sum();
+    let mut seqs = Vec::new();
+    let mut at = 0;
+    for &l in &lens {
+        seqs.push(AttnSeqGpu::from_fwd(&AttnSeq {
+            start: at,
+            len: l,
+            prefix_start: 0,
+            prefix_len: p_len,
+        }));
+        at += l;
+    }
+    let n = seqs.len();
+    let max_len = *lens.iter().max().unwrap_or(&1) as usize;
+    let gs = s.clone_htod(&seqs)?;
+    let pr = p_len as usize;
+    let (q, k, v, dout, pk, pv) = (
+        s.clone_htod(&rand_bf(t * qw, 18, 1.0))?,
+        s.clone_htod(&rand_bf(t * kvw, 19, 1.0))?,
+        s.clone_htod(&rand_bf(t * kvw, 20, 1.0))?,
+        s.clone_htod(&rand_bf(t * qw, 21, 1.0))?,
+        s.clone_htod(&rand_bf(pr * kvw, 22, 1.0))?,
+        s.clone_htod(&rand_bf(pr * kvw, 23, 1.0))?,
+    );
+    let scale = 1.0 / (128f32).sqrt();
+    let strides = RowStrides::contiguous(dims);
+    let mut out = g.alloc::<bf16>(s, t * qw)?;
+    let mut lse = g.alloc::<f32>(s, t * dims.num_heads)?;
+    {
+        let mut lv = lse.as_view_mut();
+        attention_fwd_bf16(
+            g,
+            s,
+            &mut out,
+            Some(&mut lv),
+            &q,
+            &k,
+            &v,
+            &pk,
+            &pv,
+            &gs,
+            n,
+            max_len,
+            dims,
+            AttnMask::Causal,
+            scale,
+            strides,
+        )?;
+    }
+    let pairs: f64 = lens.iter().map(|&l| l as f64 * p_len as f64).sum();
+    let flops = 8.0 * pairs * 128.0 * 16.0;
+    println!(
+        "dprefix {n} x (120..512, {t} rows) over a {p_len}-row prefix, 16/2 heads, hd 128: {:.1} \
+         GFLOP (4 matmuls); automatic split {}",
+        flops / 1e9,
+        attention_bwd_dprefix::tc_dprefix_split(&dims, t, pr)
+    );
+    let mut rows = Vec::new();
+    let variants: Vec<(String, DprefixKernel, usize)> =
+        [("simt".to_string(), DprefixKernel::Simt, 5)]
+            .into_iter()
+            .chain([0usize, 1, 2, 4, 6, 8, 12, 16].into_iter().map(|split| {
+                let name = if split == 0 {
+                    "tc auto".to_string()
+                } else {
+                    format!("tc split {split}")
+                };
+                (name, DprefixKernel::TensorCores { split }, 20)
+            }))
+            .collect();
+    for (name, kernel, reps) in variants {
+        let (mut dpk, mut dpv) = (
+            s.clone_htod(&vec![0f32; pr * kvw])?,
+            s.clone_htod(&vec![0f32; pr * kvw])?,
+        );
+        let ms = time_ms(g, s, 1, reps, || {
+            attention_bwd_dprefix_bf16(
+                kernel, g, s, &mut dpk, &mut dpv, &dout, &q, &pk, &pv, &out, &lse, &gs, n, t, dims,
+                scale, strides,
+            )?;
+            Ok(())
+        })?;
+        // one more call from zeros for the comparison
+        let (mut ck, mut cv) = (
+            s.clone_htod(&vec![0f32; pr * kvw])?,
+            s.clone_htod(&vec![0f32; pr * kvw])?,
+        );
+        attention_bwd_dprefix_bf16(
+            kernel, g, s, &mut ck, &mut cv, &dout, &q, &pk, &pv, &out, &lse, &gs, n, t, dims,
+            scale, strides,
+        )?;
+        rows.push((name, ms, reps, s.clone_dtoh(&ck)?, s.clone_dtoh(&cv)?));
+    }
+    let simt_ms = rows[0].1;
+    for (name, ms, reps, ck, cv) in &rows {
+        println!(
+            "  dprefix {name:>11}: {ms:8.3} ms (median of {reps}), {:6.1} TFLOP/s, simt / this = \
+             {:6.2}x; rel diff vs simt: dpk {:.2e}, dpv {:.2e}",
+            flops / (ms * 1e-3) / 1e12,
+            simt_ms / ms,
+            rel_diff_f32(ck, &rows[0].3),
+            rel_diff_f32(cv, &rows[0].4)
+        );
+    }
+    let tc_ms = rows[1].1;
+    println!(
+        "  dprefix tc auto / simt time = {:.4} ({:.1}x faster)",
+        tc_ms / simt_ms,
+        simt_ms / tc_ms
+    );
+    // the whole tensor-core backward of this batch (its prefix part is the TC kernel unless
+    // ROLLPLEX_ATTN_DPREFIX=simt)
+    let (mut dq, mut dk, mut dv) = (
+        g.alloc::<bf16>(s, t * qw)?,
+        g.alloc::<bf16>(s, t * kvw)?,
+        g.alloc::<bf16>(s, t * kvw)?,
+    );
+    let (mut dpk, mut dpv) = (
+        s.clone_htod(&vec![0f32; pr * kvw])?,
+        s.clone_htod(&vec![0f32; pr * kvw])?,
+    );
+    let ms = time_ms(g, s, 1, 20, || {
+        attention_bwd_bf16_with(
+            BwdKernel::TensorCores,
+            g,
+            s,
+            &mut dq,
+            &mut dk,
+            &mut dv,
+            &mut dpk,
+            &mut dpv,
+            &dout,
+            &q,
+            &k,
+            &v,
+            &pk,
+            &pv,
+            &out,
+            &lse,
+            &gs,
+            n,
+            dims,
+            AttnMask::Causal,
+            scale,
+            strides,
+        )?;
+        Ok(())
+    })?;
+    println!(
+        "  whole TC backward of this batch (prefix part on {}): {ms:.3} ms (median of 20)",
+        if attention_bwd_dprefix::dprefix_on_tensor_cores() {
+            "the tensor cores"
+        } else {
+            "SIMT, ROLLPLEX_ATTN_DPREFIX=simt"
+        }
+    );
+    Ok(())
+}
+
 fn main() -> Res<()> {
+    let which = std::env::args().nth(1).unwrap_or_default();
+    if !["", "full", "prefix"].contains(&which.as_str()) {
+        return Err(format!("unknown case {which:?}: full, prefix or nothing (both)").into());
+    }
     let g = Gpu::new(0)?;
     let s = g.stream(0)?;
     println!("device: {} ({}, {} SMs)", g.name(), g.arch(), g.sm_count());
-    for len in [1024, 1536] {
-        bench(&g, &s, 8, len)?;
+    if which != "prefix" {
+        for len in [1024, 1536] {
+            bench(&g, &s, 8, len)?;
+        }
+    }
+    if which != "full" {
+        bench_prefix(&g, &s)?;
     }
     Ok(())
 }

@@ -5,7 +5,10 @@
 //! first so an unwritten element fails; relative error ‖out − ref‖ / ‖ref‖ under the SIMT
 //! kernel's tolerances (cuda_backward.rs); two runs give the same bits (determinism); the SIMT
 //! kernel on the same inputs agrees; rows outside every sequence come back as zeros; unsupported
-//! head dims are refused. Each test prints "skipped: no CUDA device" and passes without a GPU.
+//! head dims are refused. Shared prefixes: `dprefix_k/v` start from nonzero values, the
+//! gradients are added to them where a sequence's prefix span reaches and the rest keeps its
+//! bits; the prefix part alone (`attention_bwd_dprefix_bf16`) at several splits. Each test
+//! prints "skipped: no CUDA device" and passes without a GPU.
 #![cfg(feature = "cuda")]
 
 use std::sync::Arc;
@@ -50,7 +53,37 @@ fn dims(num_heads: usize, num_kv_heads: usize, head_dim: usize) -> AttnDims {
 /// (dq, dk, dv, dprefix_k, dprefix_v) of one run.
 type Grads = (Vec<bf16>, Vec<bf16>, Vec<bf16>, Vec<f32>, Vec<f32>);
 
-fn run_case(g: &Gpu, s: &Arc<CudaStream>, c: &Case) {
+/// (dq, dk, dv, dprefix_k, dprefix_v) of the CPU twin.
+type CpuGrads = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+
+/// A case's inputs on the host and the device, and the CPU twin's gradients.
+struct Inputs {
+    t: usize,
+    /// Prefix rows allocated (`p_rows`, at least 1: a stand-in when there is no prefix).
+    pr: usize,
+    seqs: Vec<AttnSeq>,
+    scale: f32,
+    /// What dprefix_k / dprefix_v hold before each run (the kernels add into them).
+    base_pk: Vec<f32>,
+    base_pv: Vec<f32>,
+    /// The CPU twin's dq, dk, dv, dprefix_k, dprefix_v (the prefix ones from zeros).
+    want: CpuGrads,
+    g: DevInputs,
+}
+
+struct DevInputs {
+    q: CudaSlice<bf16>,
+    k: CudaSlice<bf16>,
+    v: CudaSlice<bf16>,
+    pk: CudaSlice<bf16>,
+    pv: CudaSlice<bf16>,
+    seqs: CudaSlice<AttnSeqGpu>,
+    out: CudaSlice<bf16>,
+    lse: CudaSlice<f32>,
+    dout: CudaSlice<bf16>,
+}
+
+fn inputs(s: &Arc<CudaStream>, c: &Case) -> Inputs {
     let d = c.dims;
     let t = c.lens.iter().map(|&l| l as usize).sum::<usize>() + c.spare_rows;
     let (qw, kvw, nh) = (d.q_width(), d.kv_width(), d.num_heads);
@@ -105,25 +138,99 @@ fn run_case(g: &Gpu, s: &Arc<CudaStream>, c: &Case) {
         &out_r, &lse, &seqs, d, c.mask, scale,
     )
     .unwrap();
+    // small nonzero values: the prefix gradients are added to them (and must stay where no
+    // sequence's span reaches)
+    let base_pk: Vec<f32> = rand_vec(pr * kvw, fresh_seed())
+        .iter()
+        .map(|x| x * 0.01)
+        .collect();
+    let base_pv: Vec<f32> = rand_vec(pr * kvw, fresh_seed())
+        .iter()
+        .map(|x| x * 0.01)
+        .collect();
     let gseqs: Vec<AttnSeqGpu> = seqs.iter().map(AttnSeqGpu::from_fwd).collect();
-    let (gq, gk, gv, gpk, gpv, gs, go, gl, gdo) = (
-        up(s, &q),
-        up(s, &k),
-        up(s, &v),
-        up(s, &pk),
-        up(s, &pv),
-        up(s, &gseqs),
-        up(s, &out_b),
-        up(s, &lse),
-        up(s, &dout),
-    );
+    let g = DevInputs {
+        q: up(s, &q),
+        k: up(s, &k),
+        v: up(s, &v),
+        pk: up(s, &pk),
+        pv: up(s, &pv),
+        seqs: up(s, &gseqs),
+        out: up(s, &out_b),
+        lse: up(s, &lse),
+        dout: up(s, &dout),
+    };
+    Inputs {
+        t,
+        pr,
+        seqs,
+        scale,
+        base_pk,
+        base_pv,
+        want: (wdq, wdk, wdv, wdpk, wdpv),
+        g,
+    }
+}
+
+/// Whether some sequence's prefix span holds prefix row `j` (every test descriptor is valid).
+fn covered(seqs: &[AttnSeq], j: usize) -> bool {
+    seqs.iter()
+        .any(|s| j >= s.prefix_start as usize && j < (s.prefix_start + s.prefix_len) as usize)
+}
+
+/// Checks a run's prefix gradients: where a span reaches, (result - base) against `want`
+/// (rel err <= tol); elsewhere the base's bits, untouched. Returns result - base.
+fn check_prefix(
+    label: &str,
+    inp: &Inputs,
+    kvw: usize,
+    p_rows: usize,
+    got: (&[f32], &[f32]),
+    want: (&[f32], &[f32]),
+    tol: f64,
+) -> (Vec<f32>, Vec<f32>) {
+    let mut deltas = Vec::new();
+    for (name, got, base, want) in [
+        ("dprefix_k", got.0, &inp.base_pk, want.0),
+        ("dprefix_v", got.1, &inp.base_pv, want.1),
+    ] {
+        let delta: Vec<f32> = got.iter().zip(base.iter()).map(|(g, b)| g - b).collect();
+        for j in 0..inp.pr {
+            if j >= p_rows || !covered(&inp.seqs, j) {
+                assert_eq!(
+                    bits_f32(&got[j * kvw..(j + 1) * kvw]),
+                    bits_f32(&base[j * kvw..(j + 1) * kvw]),
+                    "{label}: {name} row {j} (no span holds it) must be left untouched"
+                );
+            }
+        }
+        if p_rows > 0 {
+            check(
+                &format!("{label} {name}"),
+                &delta[..p_rows * kvw],
+                want,
+                tol,
+            );
+        }
+        deltas.push(delta);
+    }
+    let dv = deltas.pop().unwrap();
+    (deltas.pop().unwrap(), dv)
+}
+
+fn run_case(g: &Gpu, s: &Arc<CudaStream>, c: &Case) {
+    let d = c.dims;
+    let inp = inputs(s, c);
+    let t = inp.t;
+    let (qw, kvw) = (d.q_width(), d.kv_width());
+    let gi = &inp.g;
     let run = |kernel: BwdKernel| -> Grads {
         let (mut dq, mut dk, mut dv) = (
             poison_bf(s, t * qw),
             poison_bf(s, t * kvw),
             poison_bf(s, t * kvw),
         );
-        let (mut dpk, mut dpv) = (up(s, &vec![0f32; pr * kvw]), up(s, &vec![0f32; pr * kvw]));
+        let (mut dpk, mut dpv) = (up(s, &inp.base_pk), up(s, &inp.base_pv));
         attention_bwd_bf16_with(
             kernel,
             g,
@@ -133,19 +240,19 @@ fn run_case(g: &Gpu, s: &Arc<CudaStream>, c: &Case) {
             &mut dv,
             &mut dpk,
             &mut dpv,
-            &gdo,
-            &gq,
-            &gk,
-            &gv,
-            &gpk,
-            &gpv,
-            &go,
-            &gl,
-            &gs,
-            seqs.len(),
+            &gi.dout,
+            &gi.q,
+            &gi.k,
+            &gi.v,
+            &gi.pk,
+            &gi.pv,
+            &gi.out,
+            &gi.lse,
+            &gi.seqs,
+            inp.seqs.len(),
             d,
             c.mask,
-            scale,
+            inp.scale,
             RowStrides::contiguous(d),
         )
         .unwrap();
@@ -161,11 +268,8 @@ fn run_case(g: &Gpu, s: &Arc<CudaStream>, c: &Case) {
     let tc2 = run(BwdKernel::TensorCores);
     let simt = run(BwdKernel::Simt);
     let l = c.label;
-    for (name, got, want) in [
-        ("dq", &tc.0, &wdq),
-        ("dk", &tc.1, &wdk),
-        ("dv", &tc.2, &wdv),
-    ] {
+    let (wdq, wdk, wdv, wdpk, wdpv) = &inp.want;
+    for (name, got, want) in [("dq", &tc.0, wdq), ("dk", &tc.1, wdk), ("dv", &tc.2, wdv)] {
         check(&format!("tc {l} {name} vs cpu"), &to_f32(got), want, 1e-2);
     }
     for (name, got, want) in [
@@ -180,13 +284,38 @@ fn run_case(g: &Gpu, s: &Arc<CudaStream>, c: &Case) {
             1e-2,
         );
     }
+    // the prefix gradients: added to the base where a span reaches, untouched elsewhere; the
+    // tensor cores round P and dS to bf16 (tolerance as dk / dv), SIMT is fp32 throughout
+    let tcp = check_prefix(
+        &format!("tc {l} vs cpu"),
+        &inp,
+        kvw,
+        c.p_rows,
+        (&tc.3, &tc.4),
+        (wdpk, wdpv),
+        1e-2,
+    );
+    let simtp = check_prefix(
+        &format!("simt {l} vs cpu"),
+        &inp,
+        kvw,
+        c.p_rows,
+        (&simt.3, &simt.4),
+        (wdpk, wdpv),
+        1e-3,
+    );
     if c.p_rows > 0 {
-        check(&format!("tc {l} dprefix_k vs cpu"), &tc.3, &wdpk, 1e-3);
-        check(&format!("tc {l} dprefix_v vs cpu"), &tc.4, &wdpv, 1e-3);
-    } else {
-        assert!(
-            tc.3.iter().chain(&tc.4).all(|&x| x == 0.0),
-            "{l}: no prefix, dprefix untouched"
+        check(
+            &format!("tc {l} dprefix_k vs simt"),
+            &tcp.0[..c.p_rows * kvw],
+            &simtp.0[..c.p_rows * kvw],
+            1e-2,
+        );
+        check(
+            &format!("tc {l} dprefix_v vs simt"),
+            &tcp.1[..c.p_rows * kvw],
+            &simtp.1[..c.p_rows * kvw],
+            1e-2,
         );
     }
     for row in t - c.spare_rows..t {
@@ -214,6 +343,45 @@ fn run_case(g: &Gpu, s: &Arc<CudaStream>, c: &Case) {
     );
     assert_eq!(bits_f32(&tc.3), bits_f32(&tc2.3), "{l}: dprefix_k bits");
     assert_eq!(bits_f32(&tc.4), bits_f32(&tc2.4), "{l}: dprefix_v bits");
+}
+
+/// A GRPO group: 8 responses of varied lengths (1..300) over one 200-row prompt prefix; the
+/// prefix buffer has 11 more rows no span holds.
+fn grpo_group_case() -> Case {
+    Case {
+        label: "causal gqa 16/2 hd128 GRPO group 8 x (1..300) over one 200-row prefix",
+        dims: dims(16, 2, 128),
+        lens: vec![1, 37, 300, 64, 65, 129, 250, 17],
+        prefix: vec![(0, 200); 8],
+        p_rows: 211,
+        mask: AttnMask::Causal,
+        spare_rows: 2,
+    }
+}
+
+/// Two groups over one prefix buffer at rows 0 and 137 (not 64-aligned), a sequence without a
+/// prefix between them, and one whose span (130..140) straddles the second group's start; rows
+/// 120..130 and from 287 on belong to no span.
+fn two_groups_case(dims_: AttnDims, mask: AttnMask, label: &'static str) -> Case {
+    Case {
+        label,
+        dims: dims_,
+        lens: vec![40, 90, 7, 50, 130, 1, 66, 200, 25],
+        prefix: vec![
+            (0, 120),
+            (0, 120),
+            (0, 120),
+            (0, 0),
+            (137, 150),
+            (137, 150),
+            (137, 150),
+            (137, 150),
+            (130, 10),
+        ],
+        p_rows: 300,
+        mask,
+        spare_rows: 1,
+    }
 }
 
 #[test]
@@ -278,6 +446,194 @@ fn attention_bwd_tc_matches_cpu_and_simt() {
     ];
     for c in &cases {
         run_case(g, &s, c);
+    }
+}
+
+/// Shared prefixes (the prefix keys' gradients on the tensor cores): a GRPO group over one
+/// prefix, two groups at unaligned offsets of one prefix buffer, hd 128 and 64, dprefix
+/// pre-filled (added to; rows no span holds untouched).
+#[test]
+fn attention_bwd_tc_shared_prefix_cases_match_cpu_and_simt() {
+    let g = gpu_or_skip!();
+    let s = g.stream(0).unwrap();
+    let cases = [
+        grpo_group_case(),
+        two_groups_case(
+            dims(8, 2, 64),
+            AttnMask::Causal,
+            "causal gqa 8/2 hd64 two groups at prefix rows 0 and 137",
+        ),
+        two_groups_case(
+            dims(16, 2, 128),
+            AttnMask::Full,
+            "full gqa 16/2 hd128 two groups at prefix rows 0 and 137",
+        ),
+    ];
+    for c in &cases {
+        run_case(g, &s, c);
+    }
+}
+
+/// The prefix part alone (`attention_bwd_dprefix_bf16`): SIMT and every split of the tensor
+/// cores against the CPU twin; each split bitwise the same on a second run and within fp32
+/// rounding of split 1; a second call adds the gradient again; rows no span holds untouched;
+/// `Auto` is the automatic split; a split past the limit is refused.
+#[test]
+fn attention_bwd_dprefix_tc_splits_match_cpu_and_add() {
+    use rollplex_kernels::cuda::attention_bwd_dprefix::DPREFIX_MAX_SPLIT;
+    let g = gpu_or_skip!();
+    let s = g.stream(0).unwrap();
+    for c in [
+        two_groups_case(
+            dims(16, 2, 128),
+            AttnMask::Causal,
+            "causal gqa 16/2 hd128 two groups",
+        ),
+        two_groups_case(
+            dims(4, 1, 64),
+            AttnMask::Full,
+            "full gqa 4/1 hd64 two groups",
+        ),
+    ] {
+        let d = c.dims;
+        let kvw = d.kv_width();
+        let inp = inputs(&s, &c);
+        let gi = &inp.g;
+        let run = |kernel: DprefixKernel, calls: usize| -> (Vec<f32>, Vec<f32>) {
+            let (mut dpk, mut dpv) = (up(&s, &inp.base_pk), up(&s, &inp.base_pv));
+            for _ in 0..calls {
+                attention_bwd_dprefix_bf16(
+                    kernel,
+                    g,
+                    &s,
+                    &mut dpk,
+                    &mut dpv,
+                    &gi.dout,
+                    &gi.q,
+                    &gi.pk,
+                    &gi.pv,
+                    &gi.out,
+                    &gi.lse,
+                    &gi.seqs,
+                    inp.seqs.len(),
+                    inp.t,
+                    d,
+                    inp.scale,
+                    RowStrides::contiguous(d),
+                )
+                .unwrap();
+            }
+            (down(&s, &dpk), down(&s, &dpv))
+        };
+        let l = c.label;
+        let (_, _, _, wdpk, wdpv) = &inp.want;
+        let n = c.p_rows * kvw;
+        let simt = run(DprefixKernel::Simt, 1);
+        check_prefix(
+            &format!("alone simt {l} vs cpu"),
+            &inp,
+            kvw,
+            c.p_rows,
+            (&simt.0, &simt.1),
+            (wdpk, wdpv),
+            1e-3,
+        );
+        let mut first: Option<(Vec<f32>, Vec<f32>)> = None;
+        for split in [1, 2, 3, 16, 0] {
+            let kernel = DprefixKernel::TensorCores { split };
+            let (a, b) = (run(kernel, 1), run(kernel, 1));
+            assert_eq!(
+                bits_f32(&a.0),
+                bits_f32(&b.0),
+                "{l} split {split}: dpk bits"
+            );
+            assert_eq!(
+                bits_f32(&a.1),
+                bits_f32(&b.1),
+                "{l} split {split}: dpv bits"
+            );
+            let delta = check_prefix(
+                &format!("alone tc split {split} {l} vs cpu"),
+                &inp,
+                kvw,
+                c.p_rows,
+                (&a.0, &a.1),
+                (wdpk, wdpv),
+                1e-2,
+            );
+            match &first {
+                None => first = Some(delta),
+                Some(f) => {
+                    check(
+                        &format!("{l} split {split} vs 1 dpk"),
+                        &delta.0[..n],
+                        &f.0[..n],
+                        1e-5,
+                    );
+                    check(
+                        &format!("{l} split {split} vs 1 dpv"),
+                        &delta.1[..n],
+                        &f.1[..n],
+                        1e-5,
+                    );
+                }
+            }
+        }
+        // two calls add the gradient twice (a GRPO group's micro-batches into one prefix)
+        let twice = run(DprefixKernel::TensorCores { split: 0 }, 2);
+        let (w2k, w2v): (Vec<f32>, Vec<f32>) = (
+            wdpk.iter().map(|x| 2.0 * x).collect(),
+            wdpv.iter().map(|x| 2.0 * x).collect(),
+        );
+        check_prefix(
+            &format!("alone tc two calls {l} vs 2 x cpu"),
+            &inp,
+            kvw,
+            c.p_rows,
+            (&twice.0, &twice.1),
+            (&w2k, &w2v),
+            1e-2,
+        );
+        if std::env::var("ROLLPLEX_ATTN_DPREFIX").as_deref() != Ok("simt") {
+            let auto = run(DprefixKernel::Auto, 1);
+            let split0 = run(DprefixKernel::TensorCores { split: 0 }, 1);
+            assert_eq!(
+                bits_f32(&auto.0),
+                bits_f32(&split0.0),
+                "{l}: Auto is split 0"
+            );
+            assert_eq!(
+                bits_f32(&auto.1),
+                bits_f32(&split0.1),
+                "{l}: Auto is split 0"
+            );
+        }
+        let (mut dpk, mut dpv) = (up(&s, &inp.base_pk), up(&s, &inp.base_pv));
+        let r = attention_bwd_dprefix_bf16(
+            DprefixKernel::TensorCores {
+                split: DPREFIX_MAX_SPLIT + 1,
+            },
+            g,
+            &s,
+            &mut dpk,
+            &mut dpv,
+            &gi.dout,
+            &gi.q,
+            &gi.pk,
+            &gi.pv,
+            &gi.out,
+            &gi.lse,
+            &gi.seqs,
+            inp.seqs.len(),
+            inp.t,
+            d,
+            inp.scale,
+            RowStrides::contiguous(d),
+        );
+        assert!(
+            matches!(&r, Err(CudaError::Shape { what, .. }) if what.contains("split")),
+            "{l}: a split past the limit is refused, got {r:?}"
+        );
     }
 }
 

@@ -26,6 +26,7 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKern
 use half::bf16;
 
 use super::attention::{rows_of, AttnSeqGpu, RowStrides};
+use super::attention_bwd_dprefix::{launch_dprefix_simt, DprefixArgs};
 use super::attention_bwd_tc::{all_aligned16, attention_bwd_tc_bf16, bwd_kernel_for, BwdKernel};
 use super::launch::{need, ptr, ptr_mut, u32_of};
 use super::nvrtc::KernelModule;
@@ -293,7 +294,7 @@ fn attention_bwd_simt_bf16(
         ],
         lse.len(),
     )?;
-    let (q_rows, kv_rows, p_rows) = (nq32 as usize, nkv32 as usize, np32 as usize);
+    let (q_rows, kv_rows) = (nq32 as usize, nkv32 as usize);
     let (h32, kvh32, hd32) = (
         u32_of(OP, "heads", nh)?,
         u32_of(OP, "kv heads", nkv)?,
@@ -378,32 +379,29 @@ fn attention_bwd_simt_bf16(
         // SAFETY: as above; one warp writes each (key row, kv head) of dk and dv.
         unsafe { b.launch(launch_cfg(kv_rows * nkv)) }?;
     }
-    if p_rows > 0 && n_seqs > 0 {
-        let f = gpu.function(&ATTENTION_BWD, &[], "attention_bwd_dprefix_f32")?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&dpkp)
-            .arg(&dpvp)
-            .arg(&dop)
-            .arg(&qp)
-            .arg(&pkp)
-            .arg(&pvp)
-            .arg(&op_)
-            .arg(&lp)
-            .arg(&sp)
-            .arg(&ns32)
-            .arg(&nq32)
-            .arg(&nkv32)
-            .arg(&np32)
-            .arg(&h32)
-            .arg(&kvh32)
-            .arg(&hd32)
-            .arg(&qs)
-            .arg(&ps)
-            .arg(&os)
-            .arg(&scale);
-        // SAFETY: as above; one warp adds into each (prefix row, kv head) of dprefix_k/v.
-        unsafe { b.launch(launch_cfg(p_rows * nkv)) }?;
-    }
+    let pre = DprefixArgs {
+        dpk: dpkp,
+        dpv: dpvp,
+        dout: dop,
+        q: qp,
+        pk: pkp,
+        pv: pvp,
+        lse: lp,
+        seqs: sp,
+        n_seqs: ns32,
+        q_rows: nq32,
+        kv_rows: nkv32,
+        p_rows: np32,
+        heads: h32,
+        kv_heads: kvh32,
+        head_dim: hd32,
+        q_stride: qs,
+        p_stride: ps,
+        out_stride: os,
+        scale,
+    };
+    // one warp adds into each (prefix row, kv head) of dprefix_k/v
+    launch_dprefix_simt(gpu, stream, &pre, op_)?;
     Ok(())
 }
 

@@ -10,8 +10,10 @@
 //! prefix keys included), `attention_bwd_tc_dkv_bf16` (key-centric: a block owns 64 own keys of
 //! one (sequence, kv head) and a slice of the group's query heads ([`tc_bwd_head_split`]), loops
 //! over those heads then the query tiles, ascending), `attention_bwd_tc_dkv_reduce` (sums the
-//! slices in order, when there are several), and, when prefix rows exist, the SIMT
-//! `attention_bwd_dprefix_f32` for the shared prefix keys.
+//! slices in order, when there are several), and, when prefix rows exist, the shared prefix
+//! keys' gradients: `attention_bwd_tc_dprefix_f32` (+ `attention_bwd_tc_dprefix_reduce`), see
+//! [`super::attention_bwd_dprefix`], or the SIMT `attention_bwd_dprefix_f32` with
+//! `ROLLPLEX_ATTN_DPREFIX=simt`.
 //!
 //! Invariant: deterministic, no atomics; every sum runs in an order fixed by the shapes alone.
 //! Supported: head_dim in [`TC_BWD_HEAD_DIMS`], row strides multiples of 8, every bf16 buffer
@@ -27,7 +29,10 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKern
 use half::bf16;
 
 use super::attention::{AttnSeqGpu, RowStrides};
-use super::attention_bwd::{bwd_extent, BwdExtent, ATTENTION_BWD};
+use super::attention_bwd::{bwd_extent, BwdExtent};
+use super::attention_bwd_dprefix::{
+    dprefix_on_tensor_cores, launch_dprefix_simt, launch_dprefix_tc, tc_dprefix_split, DprefixArgs,
+};
 use super::launch::{aligned16, need, ptr, ptr_mut};
 use super::nvrtc::KernelModule;
 use super::{shape, Gpu, Result};
@@ -71,9 +76,9 @@ pub fn tc_bwd_head_split(dims: &AttnDims) -> usize {
 }
 
 /// Rows (queries or keys) per tile; 4 warps of 16.
-const TILE_ROWS: usize = 64;
+pub(crate) const TILE_ROWS: usize = 64;
 /// Threads per block of every kernel here.
-const THREADS: u32 = 128;
+pub(crate) const THREADS: u32 = 128;
 
 /// `ROLLPLEX_ATTN_BWD` (`tc` or `simt`), read once; `None` when unset or anything else.
 fn env_choice() -> Option<BwdKernel> {
@@ -137,7 +142,8 @@ pub(crate) fn all_aligned16(ptrs: &[u64]) -> bool {
     ptrs.iter().all(|p| p % 16 == 0)
 }
 
-fn warps_cfg(items: usize) -> LaunchConfig {
+/// One warp per item, 4 warps per block.
+pub(crate) fn warps_cfg(items: usize) -> LaunchConfig {
     let warps = (THREADS / 32) as usize;
     LaunchConfig {
         grid_dim: (items.div_ceil(warps).max(1) as u32, 1, 1),
@@ -147,7 +153,7 @@ fn warps_cfg(items: usize) -> LaunchConfig {
 }
 
 /// Raises `f`'s dynamic shared-memory limit to `bytes`.
-fn allow_smem(f: &cudarc::driver::CudaFunction, bytes: u32) -> Result<()> {
+pub(crate) fn allow_smem(f: &cudarc::driver::CudaFunction, bytes: u32) -> Result<()> {
     // SAFETY: a valid function handle of this context; the limit matches what the launch passes
     // (at most 103 KiB, under the 227 KiB an sm_90 block may use).
     unsafe {
@@ -161,9 +167,49 @@ fn allow_smem(f: &cudarc::driver::CudaFunction, bytes: u32) -> Result<()> {
     Ok(())
 }
 
+/// `attention_bwd_tc_prep`: D = rowsum(dout * out) per (query row, head) into `dsum` (q_rows *
+/// heads floats), and zeros for the `dq` rows no valid sequence owns (`dq` = 0: D only). Reads
+/// dout, the descriptors, sizes and strides from `a` (checked by the caller).
+pub(crate) fn launch_tc_prep(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    a: &DprefixArgs,
+    dsum: u64,
+    dq: u64,
+    out: u64,
+) -> Result<()> {
+    if a.q_rows == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(
+        &ATTENTION_BWD_TC,
+        &[("HEAD_DIM", a.head_dim)],
+        "attention_bwd_tc_prep",
+    )?;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&dsum)
+        .arg(&dq)
+        .arg(&a.dout)
+        .arg(&out)
+        .arg(&a.seqs)
+        .arg(&a.n_seqs)
+        .arg(&a.q_rows)
+        .arg(&a.kv_rows)
+        .arg(&a.p_rows)
+        .arg(&a.heads)
+        .arg(&a.q_stride)
+        .arg(&a.out_stride);
+    // SAFETY: one warp per (row < q_rows, head): dsum holds q_rows*heads, dout/out (and dq when
+    // not null) hold q_rows rows of their stride (the caller's check); seqs holds n_seqs;
+    // arguments match the kernel's signature in order.
+    unsafe { b.launch(warps_cfg(a.q_rows as usize * a.heads as usize)) }?;
+    Ok(())
+}
+
 /// [`super::attention_bwd_bf16`] on the tensor cores (same arguments and results): writes `dq`,
 /// `dk`, `dv` (bf16) and adds the shared prefix keys' gradients into `dprefix_k`, `dprefix_v`
-/// (fp32, by the SIMT prefix kernel). Cases [`tc_bwd_refusal`] names, and bf16 buffers not on
+/// (fp32; on the tensor cores too unless `ROLLPLEX_ATTN_DPREFIX=simt`,
+/// [`dprefix_on_tensor_cores`]). Cases [`tc_bwd_refusal`] names, and bf16 buffers not on
 /// 16-byte boundaries, are refused with a shape error.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_bwd_tc_bf16(
@@ -258,26 +304,28 @@ pub fn attention_bwd_tc_bf16(
     // (freed in stream order when dropped at the end of this function).
     let mut dsum = gpu.alloc::<f32>(stream, q_rows * nh)?;
     let dsp = ptr_mut(&mut dsum, stream);
-    if q_rows > 0 {
-        let f = gpu.function(&ATTENTION_BWD_TC, &defs, "attention_bwd_tc_prep")?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&dsp)
-            .arg(&dqp)
-            .arg(&dop)
-            .arg(&op_)
-            .arg(&sp)
-            .arg(&ns32)
-            .arg(&nq32)
-            .arg(&nkv32)
-            .arg(&np32)
-            .arg(&h32)
-            .arg(&qs)
-            .arg(&os);
-        // SAFETY: one warp per (row < q_rows, head): dsum holds q_rows*heads, dout/out/dq hold
-        // q_rows rows of their stride (counted above); seqs holds n_seqs; arguments match the
-        // kernel's signature in order.
-        unsafe { b.launch(warps_cfg(q_rows * nh)) }?;
-    }
+    let pre = DprefixArgs {
+        dpk: dpkp,
+        dpv: dpvp,
+        dout: dop,
+        q: qp,
+        pk: pkp,
+        pv: pvp,
+        lse: lp,
+        seqs: sp,
+        n_seqs: ns32,
+        q_rows: nq32,
+        kv_rows: nkv32,
+        p_rows: np32,
+        heads: h32,
+        kv_heads: kvh32,
+        head_dim: hd32,
+        q_stride: qs,
+        p_stride: ps,
+        out_stride: os,
+        scale,
+    };
+    launch_tc_prep(gpu, stream, &pre, dsp, dqp, op_)?;
     if kv_rows > 0 {
         let f = gpu.function(&ATTENTION_BWD_TC, &defs, "attention_bwd_tc_zero_kv")?;
         let mut b = stream.launch_builder(&f);
@@ -404,32 +452,12 @@ pub fn attention_bwd_tc_bf16(
             unsafe { b.launch(warps_cfg(kv_rows * nkv)) }?;
         }
     }
-    if p_rows > 0 && n_seqs > 0 {
-        let f = gpu.function(&ATTENTION_BWD, &[], "attention_bwd_dprefix_f32")?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&dpkp)
-            .arg(&dpvp)
-            .arg(&dop)
-            .arg(&qp)
-            .arg(&pkp)
-            .arg(&pvp)
-            .arg(&op_)
-            .arg(&lp)
-            .arg(&sp)
-            .arg(&ns32)
-            .arg(&nq32)
-            .arg(&nkv32)
-            .arg(&np32)
-            .arg(&h32)
-            .arg(&kvh32)
-            .arg(&hd32)
-            .arg(&qs)
-            .arg(&ps)
-            .arg(&os)
-            .arg(&scale);
-        // SAFETY: the SIMT prefix kernel with the SIMT launcher's arguments (attention_bwd.rs):
-        // one warp adds into each (prefix row < p_rows, kv head) of dprefix_k/v.
-        unsafe { b.launch(warps_cfg(p_rows * nkv)) }?;
+    // the shared prefix keys (both launchers return at once without prefix rows or sequences)
+    if dprefix_on_tensor_cores() {
+        let split = tc_dprefix_split(&dims, q_rows, p_rows);
+        launch_dprefix_tc(gpu, stream, &pre, dsp, split)?;
+    } else {
+        launch_dprefix_simt(gpu, stream, &pre, op_)?;
     }
     drop((dsum, part));
     Ok(())

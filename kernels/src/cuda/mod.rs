@@ -15,7 +15,7 @@
 //! | `sample_bf16` (Philox4x32-10, temperature / top-k / top-p) | [`sampling::sample_ref`] | `sampling.rs`, `sampling.cu` |
 //! | `adamw_step_f32` | `runtime::train::adamw` (bitwise) | `adamw.rs`, `adamw.cu` |
 //! | `rmsnorm_bwd_bf16`, `rope_bwd_bf16`, `swiglu_bwd_bf16`, `swiglu_bwd_fused_bf16`, `embedding_bwd_f32`, `logprobs_bwd_bf16`, `grad_accumulate_f32` (bf16 activation gradients, fp32 parameter gradients added) | `cpu::backward` (`rmsnorm_bwd`, `rope_bwd`, `swiglu_bwd`, `embedding_bwd`, `logprobs_bwd`) | `backward.rs`, `backward.cu` |
-//! | `attention_bwd_bf16` (SIMT; `attention_bwd_tc_bf16`, FlashAttention-2 on the tensor cores, with `ROLLPLEX_ATTN_BWD=tc`) | `cpu::attention_bwd` | `attention_bwd.rs`, `attention_bwd.cu`, `attention_bwd_tc.rs`, `attention_bwd_tc.cu` |
+//! | `attention_bwd_bf16` (`attention_bwd_tc_bf16`, FlashAttention-2 on the tensor cores, the default; SIMT with `ROLLPLEX_ATTN_BWD=simt`), `attention_bwd_dprefix_bf16` (the shared-prefix keys' part alone: `attention_bwd_tc_dprefix_f32`, or SIMT with `ROLLPLEX_ATTN_DPREFIX=simt`) | `cpu::attention_bwd` | `attention_bwd.rs`, `attention_bwd.cu`, `attention_bwd_tc.rs`, `attention_bwd_dprefix.rs`, `attention_bwd_tc.cu` |
 //!
 //! Invariants:
 //! - Every launch takes an explicit `&CudaStream`; nothing here synchronises a stream or
@@ -32,6 +32,7 @@
 pub mod adamw;
 pub mod attention;
 pub mod attention_bwd;
+pub mod attention_bwd_dprefix;
 pub mod attention_bwd_tc;
 pub mod backward;
 pub mod gemm;
@@ -50,6 +51,7 @@ pub use attention::{
     DecodePlan,
 };
 pub use attention_bwd::{attention_bwd_bf16, attention_bwd_bf16_with};
+pub use attention_bwd_dprefix::{attention_bwd_dprefix_bf16, DprefixKernel};
 pub use attention_bwd_tc::{attention_bwd_tc_bf16, BwdKernel};
 pub use backward::{
     embedding_bwd_f32, grad_accumulate_f32, logprobs_bwd_bf16, rmsnorm_bwd_bf16, rope_bwd_bf16,

@@ -290,16 +290,23 @@ mod tests {
             println!("skipped: libnvrtc not found");
             return;
         }
-        for m in ALL {
-            let variants: &[&[(&str, u32)]] = if m.name == "attention" {
-                &[
-                    &[("HEAD_DIM", 128)],
-                    &[("HEAD_DIM", 80)],
-                    &[("HEAD_DIM", 64)],
-                ]
-            } else {
-                &[&[]]
-            };
+        type Variants = &'static [&'static [(&'static str, u32)]];
+        let hd3: Variants = &[
+            &[("HEAD_DIM", 128)],
+            &[("HEAD_DIM", 80)],
+            &[("HEAD_DIM", 64)],
+        ];
+        let hd_tc: Variants = &[&[("HEAD_DIM", 128)], &[("HEAD_DIM", 64)]];
+        let plain: Variants = &[&[]];
+        // ALL, then the backward modules (defined beside their launchers)
+        let modules = ALL
+            .iter()
+            .map(|&m| (m, if m.name == "attention" { hd3 } else { plain }))
+            .chain([
+                (crate::cuda::attention_bwd::ATTENTION_BWD, plain),
+                (crate::cuda::attention_bwd_tc::ATTENTION_BWD_TC, hd_tc),
+            ]);
+        for (m, variants) in modules {
             for defines in variants {
                 let source = format!("{COMMON}\n#line 1 \"{}.cu\"\n{}", m.name, m.source);
                 match compile_uncached(m.name, &source, &options("sm_90", defines)) {
