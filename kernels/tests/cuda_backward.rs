@@ -45,6 +45,12 @@ fn max_err(out: &[f32], reference: &[f32]) -> f64 {
         / scale
 }
 
+/// The prefix keys' gradients through `attention_bwd_bf16`'s default kernel: the tensor cores
+/// round P and dS to bf16 as for dk / dv (measured on the H200: 1.6e-3 at GQA 4:1 hd 128), so
+/// the same tolerance; the SIMT kernel alone (fp32 throughout) is held to 1e-3 in
+/// cuda_attn_bwd_tc.rs.
+const DPREFIX_TOL: f64 = 1e-2;
+
 fn check(name: &str, out: &[f32], reference: &[f32], tol: f64) {
     let e = rel_err(out, reference);
     println!(
@@ -553,13 +559,13 @@ fn run_attention_bwd(g: &Gpu, s: &Arc<CudaStream>, c: &AttnCase) {
             &format!("attention_bwd_bf16 {l} dprefix_k"),
             &r.3,
             &wdpk,
-            1e-3,
+            DPREFIX_TOL,
         );
         check(
             &format!("attention_bwd_bf16 {l} dprefix_v"),
             &r.4,
             &wdpv,
-            1e-3,
+            DPREFIX_TOL,
         );
     } else {
         assert!(

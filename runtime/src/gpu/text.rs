@@ -782,12 +782,24 @@ impl GpuModel {
             let h = self.hidden();
             let dims = self.text_dims();
             let (cos, sin) = flat_rope_tables(&self.config, &positions);
-            let ids_d = upload(stream, &ids)?;
-            let tgt_d = upload(stream, &targets)?;
-            let cos = upload(stream, &cos)?;
-            let sin = upload(stream, &sin)?;
             let gseqs: Vec<AttnSeqGpu> = seqs.iter().map(AttnSeqGpu::from_fwd).collect();
-            let seqs_d = upload(stream, &gseqs)?;
+            // through page-locked staging: scoring runs as a side task in decode windows, and a
+            // pageable upload would hold the host until the side stream's earlier work is done
+            let bytes = staged_bytes(&ids)
+                + staged_bytes(&targets)
+                + staged_bytes(&cos)
+                + staged_bytes(&sin)
+                + staged_bytes(&gseqs);
+            let (ids_d, tgt_d, cos, sin, seqs_d) = {
+                let mut up = self.stage(stream, bytes)?;
+                (
+                    up.put(gpu, &ids)?,
+                    up.put(gpu, &targets)?,
+                    up.put(gpu, &cos)?,
+                    up.put(gpu, &sin)?,
+                    up.put(gpu, &gseqs)?,
+                )
+            };
             let max_q = seqs.iter().map(|s| s.len as usize).max().unwrap_or(0);
             let mut x = self.embed(gpu, stream, &ids_d, rows)?;
             {
@@ -849,7 +861,10 @@ impl GpuModel {
             for i in 0..n {
                 stream.memcpy_dtod(&*prefix.last_logits, &mut rep.slice_mut(i * v..(i + 1) * v))?;
             }
-            let f = upload(stream, &firsts)?;
+            let f = {
+                let mut up = self.stage(stream, staged_bytes(&firsts))?;
+                up.put(gpu, &firsts)?
+            };
             let mut l = alloc::<f32>(gpu, stream, n)?;
             let mut e = alloc::<f32>(gpu, stream, n)?;
             logprobs_fwd_bf16(

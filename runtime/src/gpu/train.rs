@@ -79,6 +79,7 @@ use crate::train::loss::{policy_loss, LossBatch, LossMetrics, Normaliser};
 use crate::train::{MicroBatchOutput, ResponseBatch, TrainConfig, TrainError, TrainStepReport};
 
 use super::plan::{check_ids, media_slot, PackedPrompts, PromptSpec};
+use super::staging::staged_bytes;
 use super::train_pack::{layout_prefixes, PackGroup, PrefixLayout, SuffixPack};
 use super::vision::GpuEncodedMedia;
 use super::weights::{fuse_linears, GpuBlock, GpuLinear, GpuWeights};
@@ -1473,15 +1474,31 @@ impl GpuTrainer {
         for &r in &p.media_rows {
             bwd_ids[r as usize] = vocab as u32;
         }
-        let ids_d = upload(s, &p.ids)?;
-        let cos = upload(s, &p.cos)?;
-        let sin = upload(s, &p.sin)?;
         let gseqs: Vec<AttnSeqGpu> = p.seqs.iter().map(AttnSeqGpu::from_fwd).collect();
-        let seqs = upload(s, &gseqs)?;
-        let bwd_ids = upload(s, &bwd_ids)?;
-        let iota_v: Vec<u32> = (0..rows as u32).collect();
-        let iota = upload(s, &iota_v)?;
-        let ones = upload(s, &vec![bf16::ONE; rows])?;
+        let ones_v = vec![bf16::ONE; rows];
+        // every table goes up through page-locked staging before the first launch: a pageable
+        // upload would wait for the stream's earlier work, and this task may be one of several
+        // queued on a decode window's side stream that the host must not wait for
+        let bytes = staged_bytes(&p.ids)
+            + staged_bytes(&p.cos)
+            + staged_bytes(&p.sin)
+            + staged_bytes(&gseqs)
+            + staged_bytes(&bwd_ids)
+            + staged_bytes(&ones_v)
+            + staged_bytes(&p.media_rows);
+        let (ids_d, cos, sin, seqs, bwd_ids, ones, slots) = {
+            let mut up = self.model.stage(s, bytes)?;
+            (
+                up.put(gpu, &p.ids)?,
+                up.put(gpu, &p.cos)?,
+                up.put(gpu, &p.sin)?,
+                up.put(gpu, &gseqs)?,
+                up.put(gpu, &bwd_ids)?,
+                up.put(gpu, &ones_v)?,
+                up.put(gpu, &p.media_rows)?,
+            )
+        };
+        let iota = self.model.iota(s, rows)?;
         let w = &self.model.weights;
         let mut x = alloc::<bf16>(gpu, s, rows * h)?;
         embedding_fwd_bf16(gpu, s, &mut x, &w.embed, &ids_d, rows, h, h)?;
@@ -1495,7 +1512,6 @@ impl GpuTrainer {
                     off += n;
                 }
             }
-            let slots = upload(s, &p.media_rows)?;
             kv_append_bf16(gpu, s, &mut x, &cat, &slots, media_tokens, h, h, h)?;
         }
         let ctx = LayerCtx {
