@@ -2146,4 +2146,4 @@ impl GpuTrainer {
 
 #[cfg(test)]
 #[path = "train_tests.rs"]
-mod tests;
+pub(crate) mod tests;
