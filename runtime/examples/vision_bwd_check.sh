@@ -19,16 +19,16 @@ OUT=${OUT:-/tmp/rollplex-out}
 export ROLLPLEX_KERNEL_CACHE=${ROLLPLEX_KERNEL_CACHE:-/tmp/rollplex-kernels}
 steps=${*:-kernel vision forward sanitize}
 
-# the test binary cargo just built (the newest matching executable)
-newest() { ls -t "$1"/deps/$2-* 2>/dev/null | grep -v '\.d$' | head -1; }
+# builds a test binary and prints its path (cargo's "Executable ... (path)" line)
+built() { cargo test --release "$@" --no-run 2>&1 | tee /dev/stderr \
+  | sed -n 's/^ *Executable .*(\(.*\))$/\1/p' | tail -1; }
 
 if [ "$steps" = build ]; then
-  T=${CARGO_TARGET_DIR:-target}
-  cargo test --release -p rollplex-runtime --lib --no-run || exit 1
-  cargo test --release -p rollplex-kernels --test cuda_backward --no-run || exit 1
+  rt=$(built -p rollplex-runtime --lib) && [ -n "$rt" ] || exit 1
+  kb=$(built -p rollplex-kernels --test cuda_backward) && [ -n "$kb" ] || exit 1
   mkdir -p "$B"
-  cp "$(newest "$T/release" rollplex_runtime)" "$B/rt-tests" && strip "$B/rt-tests"
-  cp "$(newest "$T/release" cuda_backward)" "$B/cuda_backward" && strip "$B/cuda_backward"
+  cp "$rt" "$B/rt-tests" && strip "$B/rt-tests"
+  cp "$kb" "$B/cuda_backward" && strip "$B/cuda_backward"
   ls -l "$B"
   exit 0
 fi

@@ -1059,7 +1059,7 @@ pub fn vision_backward(
         hidden: vh,
         dims: k.inp.dims,
         attn: k.inp.attn(&v.fullatt_block_indexes),
-        iota: &*iota,
+        iota: &iota,
         ones: &ones,
     };
     if let Some(b0) = w.vision.first() {
