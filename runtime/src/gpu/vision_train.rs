@@ -192,7 +192,11 @@ pub fn vision_cpu_parts(layout: &Layout, s: VisionSlot) -> Vec<(ParamId, usize, 
 
 /// A device tensor's name (its CPU tensor's; a fused gate|up is named by `gate_proj`, as
 /// `gpu::train` names fused tensors by their first part) and shape on the device.
-fn slot_meta(table: &ParamTable, layout: &Layout, s: VisionSlot) -> (String, Vec<usize>) {
+pub fn vision_slot_meta(
+    table: &ParamTable,
+    layout: &Layout,
+    s: VisionSlot,
+) -> (String, Vec<usize>) {
     let first = vision_cpu_parts(layout, s)[0].0;
     let e = table.entry(first);
     let lin = |l: &[Linear], bias: bool| {
@@ -373,7 +377,7 @@ impl VisionGrads {
     ) -> Result<Self> {
         let mut t = Vec::new();
         for slot in vision_slots(layout, tower, merger) {
-            let (name, shape) = slot_meta(table, layout, slot);
+            let (name, shape) = vision_slot_meta(table, layout, slot);
             let numel: usize = shape.iter().product();
             let parts = part_ranges(table, &vision_cpu_parts(layout, slot), numel)?;
             let mut grad = alloc::<f32>(gpu, stream, numel.max(1))?;

@@ -96,7 +96,7 @@ fn vision_tensors_split_into_the_cpu_models_visual_tensors() {
         let mut covered = Vec::new();
         for s in vision_slots(layout, tower, merger) {
             let vals = vision_host_values(&m, s);
-            let (name, shape) = slot_meta(table, layout, s);
+            let (name, shape) = vision_slot_meta(table, layout, s);
             assert_eq!(shape.iter().product::<usize>(), vals.len(), "{s:?} {name}");
             let parts = part_ranges(table, &vision_cpu_parts(layout, s), vals.len()).unwrap();
             assert_eq!(parts[0].name, name, "{s:?}: named by its first part");
