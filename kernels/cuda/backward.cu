@@ -92,6 +92,29 @@ extern "C" __global__ void swiglu_bwd_bf16(bf16* dgate, bf16* dup, const bf16* _
     }
 }
 
+// GELU backward (the vision merger's nn.GELU()), fp32 math, one rounding:
+//   exact (tanh_approx = 0): dx = dy (Phi(x) + x phi(x)) = dy (0.5 (1 + erf(x / sqrt 2)) + x exp(-x^2 / 2) / sqrt(2 pi))
+//   tanh: u = sqrt(2/pi) (x + k x^3), t = tanh(u) (k = 0.044715):
+//         dx = dy (0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 k x^2))
+// as PyTorch's GeluBackward computes it for bf16 tensors (in fp32, rounded once).
+extern "C" __global__ void gelu_bwd_bf16(bf16* __restrict__ dx, const bf16* __restrict__ dy,
+                                         const bf16* __restrict__ x, u64 n, u32 tanh_approx) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const float v = bf2f(x[i]);
+        float d;
+        if (tanh_approx) {
+            const float k = 0.7978845608028654f, kappa = 0.044715f;
+            const float t = tanhf(k * (v + kappa * v * v * v));
+            d = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * k * (1.0f + 3.0f * kappa * v * v);
+        } else {
+            const float cdf = 0.5f * (1.0f + erff(v * 0.7071067811865476f));
+            const float pdf = expf(-0.5f * v * v) * 0.3989422804014327f;
+            d = cdf + v * pdf;
+        }
+        dx[i] = f2bf(bf2f(dy[i]) * d);
+    }
+}
+
 // acc[i] += g[i] over n elements (a bf16 gradient, e.g. a GEMM's dW, into fp32 accumulators).
 extern "C" __global__ void grad_accumulate_f32(float* acc, const bf16* __restrict__ g, u64 n) {
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)

@@ -349,6 +349,94 @@ fn grad_accumulate_is_an_exact_f32_add() {
     )));
 }
 
+/// bf16 values in the order of the reals, as integers (the distance between two is in ulps).
+fn bf16_ordinal(x: bf16) -> i32 {
+    let b = x.to_bits() as i32;
+    if b & 0x8000 != 0 {
+        -(b & 0x7fff)
+    } else {
+        b
+    }
+}
+
+/// Largest distance in bf16 ulps between `out` and the CPU twin's f32 result rounded to bf16.
+fn max_ulps(out: &[bf16], reference: &[f32]) -> i32 {
+    out.iter()
+        .zip(reference)
+        .map(|(o, r)| (bf16_ordinal(*o) - bf16_ordinal(bf16::from_f32(*r))).abs())
+        .max()
+        .unwrap_or(0)
+}
+
+#[test]
+fn gelu_bwd_matches_cpu_in_both_forms() {
+    let g = gpu_or_skip!();
+    let s = g.stream(0).unwrap();
+    for &n in &[1usize, 1000, 100_003] {
+        let (x, xf) = rand_bf(n, 4.0);
+        let (dy, dyf) = rand_bf(n, 1.0);
+        let (gx, gdy) = (up(&s, &x), up(&s, &dy));
+        for tanh in [false, true] {
+            let mut want = vec![0f32; n];
+            if tanh {
+                cpu::backward::gelu_tanh_bwd(&mut want, &dyf, &xf).unwrap();
+            } else {
+                cpu::backward::gelu_bwd(&mut want, &dyf, &xf).unwrap();
+            }
+            let mut runs = Vec::new();
+            for _ in 0..2 {
+                let mut dx = poison_bf(&s, n);
+                gelu_bwd_bf16(g, &s, &mut dx, &gdy, &gx, n, tanh).unwrap();
+                runs.push(down(&s, &dx));
+            }
+            let label = format!("gelu_bwd_bf16 n={n} tanh={tanh}");
+            check(&label, &to_f32(&runs[0]), &want, 8e-3);
+            // fp32 math rounded once: at most one bf16 ulp from the f64 twin rounded to bf16
+            let ulps = max_ulps(&runs[0], &want);
+            println!("{label}: max {ulps} bf16 ulp from the CPU twin");
+            assert!(ulps <= 1, "{label}: {ulps} ulps from the CPU twin");
+            assert_eq!(bits_bf(&runs[0]), bits_bf(&runs[1]), "{label}: bits");
+        }
+    }
+    // On [-3.5, -1.5] the two forms' derivatives differ by up to 29 bf16 ulps (computed in f64):
+    // each mode must match its own twin there, not the other's (the flag is not ignored).
+    let n = 256;
+    let x: Vec<bf16> = (0..n)
+        .map(|i| bf16::from_f32(-3.5 + 2.0 * i as f32 / n as f32))
+        .collect();
+    let xf = to_f32(&x);
+    let dyf = vec![1f32; n];
+    let dy = vec![bf16::ONE; n];
+    let (mut exact, mut approx) = (vec![0f32; n], vec![0f32; n]);
+    cpu::backward::gelu_bwd(&mut exact, &dyf, &xf).unwrap();
+    cpu::backward::gelu_tanh_bwd(&mut approx, &dyf, &xf).unwrap();
+    let (gx, gdy) = (up(&s, &x), up(&s, &dy));
+    for (tanh, own, other) in [(false, &exact, &approx), (true, &approx, &exact)] {
+        let mut dx = poison_bf(&s, n);
+        gelu_bwd_bf16(g, &s, &mut dx, &gdy, &gx, n, tanh).unwrap();
+        let got = down(&s, &dx);
+        assert!(max_ulps(&got, own) <= 1, "tanh={tanh}: off its own twin");
+        assert!(
+            max_ulps(&got, other) >= 2,
+            "tanh={tanh}: equals the other form"
+        );
+    }
+    let mut short = poison_bf(&s, n - 1);
+    assert!(is_shape_err(gelu_bwd_bf16(
+        g, &s, &mut short, &gdy, &gx, n, false
+    )));
+    let mut dx = poison_bf(&s, n);
+    assert!(is_shape_err(gelu_bwd_bf16(
+        g,
+        &s,
+        &mut dx,
+        &gdy.slice(..n - 1),
+        &gx,
+        n,
+        true
+    )));
+}
+
 #[test]
 fn logprobs_bwd_matches_cpu() {
     let g = gpu_or_skip!();

@@ -6,7 +6,7 @@
 //! | `linear_bwd` | `dx = dy W`, `dW += dyᵀ x`, `db += Σ_rows dy` | `linear_fwd` |
 //! | `rmsnorm_bwd` | `dx = r (g - x̂ mean(g x̂))` with `g = dy w`, `dw += Σ_rows dy x̂` | `rmsnorm_fwd` |
 //! | `rope_bwd` | the transposed rotation, in place | `rope_fwd` |
-//! | `swiglu_bwd`, `gelu_bwd` | elementwise | `swiglu_fwd`, `gelu_fwd` |
+//! | `swiglu_bwd`, `gelu_bwd`, `gelu_tanh_bwd` | elementwise | `swiglu_fwd`, `gelu_fwd` (tanh: the CUDA kernel's mode) |
 //! | `embedding_bwd` | `dtable[ids[t]] += dout[t]` | `embedding_fwd` |
 //! | `attention_bwd` | `dq`, `dk`, `dv`, and `dprefix_k/v +=` (shared prefix) | `attention_fwd` |
 //! | `logprobs_bwd` | `dlogits` from `dlogp` (and `dentropy`) | `logprobs_fwd` |
@@ -225,6 +225,29 @@ pub fn gelu_bwd(dx: &mut [f32], dy: &[f32], x: &[f32]) -> Result<()> {
             let cdf = 0.5 * (1.0 + libm::erf(v * std::f64::consts::FRAC_1_SQRT_2));
             let pdf = (-0.5 * v * v).exp() * inv_sqrt_2pi;
             *o = (dy[b + i] as f64 * (cdf + v * pdf)) as f32;
+        }
+    });
+    Ok(())
+}
+
+/// Backward of the tanh-approximated GELU (`0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))`,
+/// PyTorch's `gelu(approximate='tanh')`): with `u = √(2/π) (x + κ x³)`, `t = tanh(u)`,
+/// `dx = dy (0.5 (1 + t) + 0.5 x (1 - t²) √(2/π) (1 + 3 κ x²))`, evaluated in f64. (The model's
+/// forward has only the exact form, `gelu_fwd`; this is the CPU twin of the CUDA kernel's tanh
+/// mode.)
+pub fn gelu_tanh_bwd(dx: &mut [f32], dy: &[f32], x: &[f32]) -> Result<()> {
+    const OP: &str = "gelu_tanh_bwd";
+    check_len(OP, "dy", dy.len(), dx.len())?;
+    check_len(OP, "x", x.len(), dx.len())?;
+    let k = (2.0 / std::f64::consts::PI).sqrt();
+    const KAPPA: f64 = 0.044715;
+    dx.par_chunks_mut(PAR_CHUNK).enumerate().for_each(|(c, o)| {
+        let b = c * PAR_CHUNK;
+        for (i, o) in o.iter_mut().enumerate() {
+            let v = x[b + i] as f64;
+            let t = (k * (v + KAPPA * v * v * v)).tanh();
+            let d = 0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * k * (1.0 + 3.0 * KAPPA * v * v);
+            *o = (dy[b + i] as f64 * d) as f32;
         }
     });
     Ok(())
@@ -809,6 +832,17 @@ mod tests {
         });
         assert!(rel_err(&dx, &gx) < 1e-6);
         assert!(gelu_bwd(&mut dx, &c[..3], &x).is_err());
+
+        gelu_tanh_bwd(&mut dx, &c, &x).unwrap();
+        let k = (2.0 / std::f64::consts::PI).sqrt();
+        let gelu_t = |v: f64| 0.5 * v * (1.0 + (k * (v + 0.044715 * v * v * v)).tanh());
+        let gt = fd(&to64(&x), |xx| {
+            xx.iter().zip(&c).map(|(v, c)| gelu_t(*v) * *c as f64).sum()
+        });
+        assert!(rel_err(&dx, &gt) < 1e-6);
+        // the two forms differ (by up to ~1e-3 of the derivative): the test sees which one ran
+        assert!(rel_err(&dx, &gx) > 1e-5);
+        assert!(gelu_tanh_bwd(&mut dx, &c, &x[..3]).is_err());
     }
 
     #[test]

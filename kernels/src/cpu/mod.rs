@@ -27,8 +27,8 @@ pub(crate) mod testutil;
 pub use act::{add_fwd, embedding_fwd, gelu_fwd, silu, swiglu_fwd};
 pub use attention::{attention_decode, attention_fwd, AttnDims, AttnMask, AttnSeq, DecodeSeq};
 pub use backward::{
-    attention_bwd, embedding_bwd, gelu_bwd, linear_bwd, logprobs_bwd, rmsnorm_bwd, rope_bwd,
-    swiglu_bwd,
+    attention_bwd, embedding_bwd, gelu_bwd, gelu_tanh_bwd, linear_bwd, logprobs_bwd, rmsnorm_bwd,
+    rope_bwd, swiglu_bwd,
 };
 pub use matmul::{linear_fwd, matmul, Gemm};
 pub use norm::rmsnorm_fwd;

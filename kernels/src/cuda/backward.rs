@@ -334,6 +334,37 @@ pub fn swiglu_bwd_fused_bf16(
     Ok(())
 }
 
+/// Backward of [`super::gelu_fwd_bf16`] over `n` elements: `dx = bf16(dy gelu'(x))` in fp32,
+/// exact erf form (the merger's `nn.GELU()`, CPU twin [`crate::cpu::gelu_bwd`]) or, with
+/// `tanh_approx`, the tanh approximation's derivative ([`crate::cpu::gelu_tanh_bwd`]). `x` is
+/// the forward's input. `dx` may not alias `dy` or `x`.
+pub fn gelu_bwd_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    dx: &mut impl DevicePtrMut<bf16>,
+    dy: &impl DevicePtr<bf16>,
+    x: &impl DevicePtr<bf16>,
+    n: usize,
+    tanh_approx: bool,
+) -> Result<()> {
+    const OP: &str = "gelu_bwd_bf16";
+    need(OP, "dx", dx, n)?;
+    need(OP, "dy", dy, n)?;
+    need(OP, "x", x, n)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(&BACKWARD, &[], "gelu_bwd_bf16")?;
+    let (dxp, dyp, xp) = (ptr_mut(dx, stream), ptr(dy, stream), ptr(x, stream));
+    let (n64, t) = (n as u64, tanh_approx as u32);
+    let mut b = stream.launch_builder(&f);
+    b.arg(&dxp).arg(&dyp).arg(&xp).arg(&n64).arg(&t);
+    // SAFETY: dx, dy and x hold n elements (checked); element i is read and written by one
+    // thread; arguments match (dx, dy, x, n, tanh_approx).
+    unsafe { b.launch(cfg((grid_for(n, 256, 4096), 1), (256, 1))) }?;
+    Ok(())
+}
+
 /// `acc[i] += g[i]` over `n` elements: a bf16 gradient (a GEMM's `dW`, a residual branch) into
 /// fp32 accumulators, as `cpu` adds f32 gradients.
 pub fn grad_accumulate_f32(

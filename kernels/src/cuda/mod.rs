@@ -14,7 +14,7 @@
 //! | `logprobs_fwd_bf16` | `logprobs_fwd` | `logprobs.rs`, `logprobs.cu` |
 //! | `sample_bf16` (Philox4x32-10, temperature / top-k / top-p) | [`sampling::sample_ref`] | `sampling.rs`, `sampling.cu` |
 //! | `adamw_step_f32` | `runtime::train::adamw` (bitwise) | `adamw.rs`, `adamw.cu` |
-//! | `rmsnorm_bwd_bf16`, `rope_bwd_bf16`, `swiglu_bwd_bf16`, `swiglu_bwd_fused_bf16`, `embedding_bwd_f32`, `logprobs_bwd_bf16`, `grad_accumulate_f32` (bf16 activation gradients, fp32 parameter gradients added) | `cpu::backward` (`rmsnorm_bwd`, `rope_bwd`, `swiglu_bwd`, `embedding_bwd`, `logprobs_bwd`) | `backward.rs`, `backward.cu` |
+//! | `rmsnorm_bwd_bf16`, `rope_bwd_bf16`, `swiglu_bwd_bf16`, `swiglu_bwd_fused_bf16`, `gelu_bwd_bf16`, `embedding_bwd_f32`, `logprobs_bwd_bf16`, `grad_accumulate_f32` (bf16 activation gradients, fp32 parameter gradients added) | `cpu::backward` (`rmsnorm_bwd`, `rope_bwd`, `swiglu_bwd`, `gelu_bwd` / `gelu_tanh_bwd`, `embedding_bwd`, `logprobs_bwd`) | `backward.rs`, `backward.cu` |
 //! | `attention_bwd_bf16` (`attention_bwd_tc_bf16`, FlashAttention-2 on the tensor cores, the default; SIMT with `ROLLPLEX_ATTN_BWD=simt`), `attention_bwd_dprefix_bf16` (the shared-prefix keys' part alone: `attention_bwd_tc_dprefix_f32`, or SIMT with `ROLLPLEX_ATTN_DPREFIX=simt`) | `cpu::attention_bwd` | `attention_bwd.rs`, `attention_bwd.cu`, `attention_bwd_tc.rs`, `attention_bwd_dprefix.rs`, `attention_bwd_tc.cu` |
 //!
 //! Invariants:
@@ -54,8 +54,8 @@ pub use attention_bwd::{attention_bwd_bf16, attention_bwd_bf16_with};
 pub use attention_bwd_dprefix::{attention_bwd_dprefix_bf16, DprefixKernel};
 pub use attention_bwd_tc::{attention_bwd_tc_bf16, BwdKernel};
 pub use backward::{
-    embedding_bwd_f32, grad_accumulate_f32, logprobs_bwd_bf16, rmsnorm_bwd_bf16, rope_bwd_bf16,
-    swiglu_bwd_bf16, swiglu_bwd_fused_bf16, SwigluBwdStrides,
+    embedding_bwd_f32, gelu_bwd_bf16, grad_accumulate_f32, logprobs_bwd_bf16, rmsnorm_bwd_bf16,
+    rope_bwd_bf16, swiglu_bwd_bf16, swiglu_bwd_fused_bf16, SwigluBwdStrides,
 };
 pub use gemm::{linear_fwd_bf16, matmul_bf16, matmul_bf16_cublas};
 pub use gpu::Gpu;

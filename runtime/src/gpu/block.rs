@@ -63,6 +63,35 @@ pub(crate) fn run_blocks(
     eps: f32,
     attn: &mut dyn AttnStep,
 ) -> Result<()> {
+    run_blocks_keeping(gpu, stream, blocks, x, rows, hidden, dims, eps, attn, None)
+}
+
+/// [`run_blocks`], also copying each block's input (the residual stream entering it, `[rows,
+/// hidden]`) into `keep[block]` when given (one buffer per block, each at least `rows *
+/// hidden`): what a training backward recomputes the block from. The same launches as without.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn run_blocks_keeping(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    blocks: &[GpuBlock],
+    x: &mut CudaSlice<bf16>,
+    rows: usize,
+    hidden: usize,
+    dims: AttnDims,
+    eps: f32,
+    attn: &mut dyn AttnStep,
+    mut keep: Option<&mut [CudaSlice<bf16>]>,
+) -> Result<()> {
+    if let Some(k) = keep.as_deref() {
+        if k.len() != blocks.len() || k.iter().any(|b| b.len() < rows * hidden) {
+            return Err(super::GpuError::Input(format!(
+                "kept block inputs: {} buffers for {} blocks, each needs {} values",
+                k.len(),
+                blocks.len(),
+                rows * hidden
+            )));
+        }
+    }
     if rows == 0 || blocks.is_empty() {
         return Ok(());
     }
@@ -82,6 +111,10 @@ pub(crate) fn run_blocks(
             add_rmsnorm_fwd_bf16(
                 gpu, stream, &mut xn, None, x, &delta, &b.norm1, rows, hidden, eps,
             )?;
+        }
+        if let Some(k) = keep.as_deref_mut() {
+            // x now holds this block's input
+            stream.memcpy_dtod(&x.slice(..rows * hidden), &mut k[l])?;
         }
         linear(gpu, stream, &mut qkv, &xn, &b.qkv, rows)?;
         attn.attend(gpu, stream, l, &mut qkv, &mut att)?;

@@ -8,7 +8,9 @@
 //! `plan` (host-side index work: window permutation, M-RoPE tables, packed sequences, decode
 //! slot checks; pure, tested without a GPU), `vision` (`encode_media`), `text` (`prefill`,
 //! `forward_logits`, `decode_step`, `score`, the device KV arena), `generate` (a group's rollout
-//! with sampling on the device), `staging` (page-locked uploads of each call's host tables).
+//! with sampling on the device), `staging` (page-locked uploads of each call's host tables),
+//! `train` (the text decoder's training step), `vision_train` (the vision tower's and merger's
+//! training forward and backward).
 //!
 //! Names mirror the CPU engine so the executor can switch backends: `GpuModel::encode_media` /
 //! `prefill` / `decode_step` / `score` / `generate_group`, [`GpuKvArena::store_prefix`], the same
@@ -42,6 +44,7 @@ pub mod text;
 pub mod train;
 pub mod train_pack;
 pub mod vision;
+pub mod vision_train;
 pub mod weights;
 
 pub use generate::sample_params;

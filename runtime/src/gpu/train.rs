@@ -2162,4 +2162,4 @@ impl GpuTrainer {
 
 #[cfg(test)]
 #[path = "train_tests.rs"]
-mod tests;
+pub(crate) mod tests;

@@ -80,7 +80,7 @@ fn spec(tie: bool) -> ModelSpec {
 /// scale 1 give logits of +-30, where bf16 rounding of the logits alone moves log-probs by up
 /// to 0.25 (measured, `test_models_are_bf16_conditioned`), which swamps what the comparison
 /// looks for.
-fn model(tie: bool) -> Qwen25VL {
+pub(crate) fn model(tie: bool) -> Qwen25VL {
     let mut m = Qwen25VL::random(spec(tie), 11).unwrap();
     let entries = m.weights.table.entries().to_vec();
     let embed = m.weights.layout.embed;
@@ -221,7 +221,7 @@ fn norm_of(groups: &[Group]) -> Normaliser {
     n
 }
 
-fn train_cfg() -> TrainConfig {
+pub(crate) fn train_cfg() -> TrainConfig {
     TrainConfig {
         loss: LossConfig {
             clip_low: 0.2,
