@@ -35,7 +35,10 @@ fn main() {
         match &gpu {
             None => gpu = Some(prof.gpu.clone()),
             Some(g) if *g != prof.gpu => {
-                eprintln!("error: {p} was measured on {}, not {}", prof.gpu.name, g.name);
+                eprintln!(
+                    "error: {p} was measured on {}, not {}",
+                    prof.gpu.name, g.name
+                );
                 std::process::exit(1);
             }
             Some(_) => {}

@@ -28,9 +28,13 @@
 //! (tokens come back for the stop checks), a micro-batch (its log-probs come down for the
 //! loss; it first collects the reference and old log-probs, which `RefSuffix` / `ActorSuffix`
 //! leave on the device), an optimizer step (the grad norm). Each such wait is on one stream
-//! only. To keep the GPU busy while the host
-//! waits, [`GpuIteration`] asks the walker to launch every ready non-blocking task before a
-//! blocking one ([`walker::TaskRunner::rank`]).
+//! only. To keep the GPU busy while the host waits, [`GpuIteration`] asks the walker to run
+//! every ready non-blocking task before a blocking one ([`walker::TaskRunner::rank`]). A side
+//! task of a decode window is not launched when the walker runs it but deferred: the window's
+//! decode loop launches it a group call at a time between its steps, keeping at most two such
+//! calls running (thousands of launches queued at once would hold the host in CUDA's launch
+//! queue and start the decode late), and launches what is left when its steps are done. A task
+//! that waits for a deferred one launches it first (unless both are deferred on one stream).
 //!
 //! Streams: outside decode windows each plan stream is a plain CUDA stream on the whole GPU;
 //! inside a window the decode task runs on the window's decode partition and its side tasks on
@@ -44,6 +48,7 @@
 //! freed after the device has finished it (the loop synchronises between iterations, where the
 //! next iteration's rollout must see the trained weights anyway).
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -364,6 +369,36 @@ pub struct GpuIteration<'a, 'r> {
     /// The actor's kept prompt forwards for training (`ActorPrefix{Train}`), with the copies
     /// per group they were laid out for; made by the iteration's first such task.
     train_prefixes: Option<(TrainPrefixes, u32)>,
+    /// Side tasks of decode windows not yet (fully) launched, in walker order.
+    deferred: VecDeque<Deferred>,
+    /// Events behind the launched pieces that may still be running (oldest first).
+    inflight: VecDeque<CudaEvent>,
+}
+
+/// Deferred pieces the decode loop lets run at once (see [`GpuIteration::launch_paced`]).
+const PIECES_IN_FLIGHT: usize = 2;
+
+/// A side task of a decode window whose launches wait for the window's decode loop: the walker
+/// reaches a window's side tasks before its decode task, and launching them all at once (a
+/// prefix forward is some 450 kernels a group) would hold the host in CUDA's launch queue until
+/// the side partition has drained most of them, starting the decode late (measured on the H200:
+/// 120-320 ms late per window). The decode loop launches one piece after each step instead,
+/// while the device runs the step; what is left is launched when the window's steps are done.
+/// The same calls on the same streams as undeferred: no number changes.
+struct Deferred {
+    task: TaskId,
+    stream: Arc<CudaStream>,
+    pieces: VecDeque<Piece>,
+    /// Recorded before the first piece's launches.
+    start: Option<CudaEvent>,
+}
+
+/// A deferred task's unit of launching.
+enum Piece {
+    /// One group of a per-group prefix op.
+    Group(Op, usize),
+    /// The whole op.
+    Whole(Op),
 }
 
 impl<'a, 'r> GpuIteration<'a, 'r> {
@@ -401,6 +436,8 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             last_on_stream: vec![None; plan.streams.len()],
             pending: Vec::new(),
             train_prefixes: None,
+            deferred: VecDeque::new(),
+            inflight: VecDeque::new(),
         })
     }
 
@@ -426,6 +463,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
 
     /// Results of the iteration (downloads the scores still on the device).
     pub fn finish(mut self) -> Result<IterationResult, ExecError> {
+        self.flush_deferred()?;
         self.collect_scores()?;
         Ok(self.book.finish())
     }
@@ -652,14 +690,14 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
                 "decode before every group's prefill".into(),
             ));
         }
-        let gpu = &self.models.gpu;
-        let model = self.models.trainer.model();
-        let arena = self.arena.as_mut().expect("laid out with the slots");
-        let v = model.vocab();
         let temp = self.book.temperature();
         let (seed, iteration) = (self.book.spec.seed, self.book.iteration);
         let mut step = first_step;
         while (until_done || step < first_step + steps) && !self.active.is_empty() {
+            let gpu = &self.models.gpu;
+            let model = self.models.trainer.model();
+            let arena = self.arena.as_mut().expect("laid out with the slots");
+            let v = model.vocab();
             let n = self.active.len();
             for &smp in &self.active {
                 self.book.check_step(smp, step)?;
@@ -713,8 +751,179 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             self.active = feed;
             self.book.step_done(step);
             step += 1;
+            // a piece of the window's side work, launched while the device runs this step
+            self.launch_paced()?;
         }
+        self.flush_deferred()?;
         self.book.end_window();
+        Ok(())
+    }
+
+    /// Whether `task` is a side task of a decode window whose launches wait for the window's
+    /// decode loop (see [`Deferred`]).
+    fn defers(&self, task: &Task) -> bool {
+        let Some(w) = task.window else { return false };
+        let decode = self.plan.windows.get(w.index()).map(|w| w.decode_stream);
+        decode != Some(task.stream) && !blocks_host(&task.op)
+    }
+
+    /// The pieces a deferred task launches in: one per group for the per-group prefix
+    /// forwards (each one device call already), the whole op otherwise.
+    fn pieces_of(&self, op: &Op) -> Result<VecDeque<Piece>, ExecError> {
+        Ok(match op {
+            Op::RefPrefix { groups, .. } => range(*groups)
+                .map(|g| Piece::Group(op.clone(), g))
+                .collect(),
+            Op::ActorPrefix { groups, .. } => self
+                .book
+                .groups_of(groups)?
+                .into_iter()
+                .map(|g| Piece::Group(op.clone(), g))
+                .collect(),
+            _ => VecDeque::from([Piece::Whole(op.clone())]),
+        })
+    }
+
+    /// From the decode loop: the next deferred piece, if fewer than [`PIECES_IN_FLIGHT`]
+    /// launched pieces are still running (more would fill CUDA's launch queue, and the host
+    /// would wait in a launch instead of issuing the next decode step).
+    fn launch_paced(&mut self) -> Result<(), ExecError> {
+        while let Some(e) = self.inflight.front() {
+            if e.try_is_complete()? {
+                self.inflight.pop_front();
+            } else {
+                break;
+            }
+        }
+        if self.inflight.len() < PIECES_IN_FLIGHT {
+            self.launch_deferred(1)?;
+        }
+        Ok(())
+    }
+
+    /// Launches up to `count` pieces of the deferred side tasks, oldest first; a task whose
+    /// last piece is launched gets its end event (its dependents may then run).
+    fn launch_deferred(&mut self, count: usize) -> Result<(), ExecError> {
+        let mut left = count;
+        while left > 0 {
+            let Some(mut d) = self.deferred.pop_front() else {
+                break;
+            };
+            let Some(piece) = d.pieces.pop_front() else {
+                self.finish_deferred(d)?;
+                continue;
+            };
+            if d.start.is_none() {
+                let e = self.models.gpu.timing_event()?;
+                e.record(&d.stream)?;
+                d.start = Some(e);
+            }
+            match &piece {
+                Piece::Group(op, g) => self.run_group_piece(&d.stream, op, *g)?,
+                Piece::Whole(op) => self.run_op(&d.stream, op)?,
+            }
+            let done = self.models.gpu.event()?;
+            done.record(&d.stream)?;
+            self.inflight.push_back(done);
+            left -= 1;
+            if d.pieces.is_empty() {
+                self.finish_deferred(d)?;
+            } else {
+                self.deferred.push_front(d);
+            }
+        }
+        Ok(())
+    }
+
+    fn finish_deferred(&mut self, d: Deferred) -> Result<(), ExecError> {
+        let start = match d.start {
+            Some(e) => e,
+            None => {
+                let e = self.models.gpu.timing_event()?;
+                e.record(&d.stream)?;
+                e
+            }
+        };
+        let end = self.models.gpu.timing_event()?;
+        end.record(&d.stream)?;
+        self.events[d.task.index()] = Some((start, end, d.stream));
+        Ok(())
+    }
+
+    /// Launches deferred pieces, oldest first, until none of the tasks `ids` is deferred any
+    /// more (their end events exist, so a task that waits on one of them can run).
+    fn flush_deferred_for(&mut self, ids: &[TaskId]) -> Result<(), ExecError> {
+        while self.deferred.iter().any(|d| ids.contains(&d.task)) {
+            self.launch_deferred(1)?;
+        }
+        Ok(())
+    }
+
+    /// Launches everything still deferred (the walk is over).
+    pub fn flush_deferred(&mut self) -> Result<(), ExecError> {
+        self.launch_deferred(usize::MAX)
+    }
+
+    fn is_deferred(&self, id: TaskId) -> bool {
+        self.deferred.iter().any(|d| d.task == id)
+    }
+
+    /// One group's share of a per-group prefix op (a deferred task's piece).
+    fn run_group_piece(&mut self, s: &Arc<CudaStream>, op: &Op, g: usize) -> Result<(), ExecError> {
+        match op {
+            Op::RefPrefix { copies, .. } => self.run_ref_prefix(s, &[g], *copies),
+            Op::ActorPrefix {
+                copies, purpose, ..
+            } => match purpose {
+                Purpose::OldLogProb => self.run_old_prefix(s, &[g], *copies),
+                Purpose::Train { .. } => self.run_train_prefix(s, &[g], *copies),
+            },
+            _ => Err(ExecError::Plan(format!("{op:?} has no per-group pieces"))),
+        }
+    }
+
+    fn run_ref_prefix(
+        &mut self,
+        s: &Arc<CudaStream>,
+        groups: &[usize],
+        copies: u32,
+    ) -> Result<(), ExecError> {
+        let media = self.ref_media(s, groups, copies)?;
+        let reference = self.models.reference.as_ref().ok_or_else(no_reference)?;
+        let states = Self::prefill(
+            &self.models.gpu,
+            s,
+            reference,
+            self.book.prompts,
+            groups,
+            &media,
+            copies,
+        )?;
+        for (&g, st) in groups.iter().zip(states) {
+            self.ref_prefixes[g] = Some(st);
+        }
+        Ok(())
+    }
+
+    fn run_old_prefix(
+        &mut self,
+        s: &Arc<CudaStream>,
+        groups: &[usize],
+        copies: u32,
+    ) -> Result<(), ExecError> {
+        let media = self.actor_media(s, groups)?;
+        let states = Self::prefill(
+            &self.models.gpu,
+            s,
+            self.models.trainer.model(),
+            self.book.prompts,
+            groups,
+            &media,
+            copies,
+        )?;
+        for (&g, st) in groups.iter().zip(states) {
+            self.old_prefixes[g] = Some(st);
+        }
         Ok(())
     }
 
@@ -763,11 +972,10 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
     fn run_train_prefix(
         &mut self,
         s: &Arc<CudaStream>,
-        groups: &rollplex_plan::Groups,
+        groups: &[usize],
         copies: u32,
     ) -> Result<(), ExecError> {
-        let groups = self.book.groups_of(groups)?;
-        let media = self.actor_media(s, &groups)?;
+        let media = self.actor_media(s, groups)?;
         let copies = copies.max(1);
         if self.train_prefixes.is_none() {
             let lens: Vec<(usize, u32)> = self
@@ -798,7 +1006,6 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
                 &refs,
             )?;
         }
-        self.book.metrics.train_prefix_tasks += 1;
         Ok(())
     }
 
@@ -827,20 +1034,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             } => self.run_decode(s, *first_step, *steps, *until_done)?,
             Op::RefPrefix { groups, copies } => {
                 let groups: Vec<usize> = range(*groups).collect();
-                let media = self.ref_media(s, &groups, *copies)?;
-                let reference = self.models.reference.as_ref().ok_or_else(no_reference)?;
-                let states = Self::prefill(
-                    &self.models.gpu,
-                    s,
-                    reference,
-                    self.book.prompts,
-                    &groups,
-                    &media,
-                    *copies,
-                )?;
-                for (g, st) in groups.into_iter().zip(states) {
-                    self.ref_prefixes[g] = Some(st);
-                }
+                self.run_ref_prefix(s, &groups, *copies)?;
             }
             Op::RefSuffix { slot } => {
                 let g = self.book.group_of_slot(*slot)?;
@@ -861,25 +1055,13 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
                 groups,
                 copies,
                 purpose,
-            } => match purpose {
-                Purpose::OldLogProb => {
-                    let groups = self.book.groups_of(groups)?;
-                    let media = self.actor_media(s, &groups)?;
-                    let states = Self::prefill(
-                        &self.models.gpu,
-                        s,
-                        self.models.trainer.model(),
-                        self.book.prompts,
-                        &groups,
-                        &media,
-                        *copies,
-                    )?;
-                    for (g, st) in groups.into_iter().zip(states) {
-                        self.old_prefixes[g] = Some(st);
-                    }
+            } => {
+                let groups = self.book.groups_of(groups)?;
+                match purpose {
+                    Purpose::OldLogProb => self.run_old_prefix(s, &groups, *copies)?,
+                    Purpose::Train { .. } => self.run_train_prefix(s, &groups, *copies)?,
                 }
-                Purpose::Train { .. } => self.run_train_prefix(s, groups, *copies)?,
-            },
+            }
             Op::ActorSuffix { slot, purpose } => {
                 if *purpose != Purpose::OldLogProb {
                     return Err(ExecError::Unsupported(
@@ -943,9 +1125,24 @@ impl TaskRunner for GpuIteration<'_, '_> {
         let s = self.streams.for_task(self.plan, task)?;
         // Wait for every task this one depends on, and for the previous task of its plan
         // stream, that ran on another CUDA stream (a plan stream's tasks may run on different
-        // partitions: inside and outside decode windows).
+        // partitions: inside and outside decode windows). Deferred ones are launched first.
         let prev = self.last_on_stream[task.stream.index()];
-        for d in task.deps.iter().chain(prev.as_ref()) {
+        let waits: Vec<TaskId> = task.deps.iter().copied().chain(prev).collect();
+        // A deferred task it waits for is launched first, unless this task is deferred too
+        // behind it on the same CUDA stream (deferred pieces launch in order, so the stream
+        // orders them).
+        let deferring = self.defers(task);
+        let launch_first: Vec<TaskId> = waits
+            .iter()
+            .copied()
+            .filter(|&id| {
+                self.deferred
+                    .iter()
+                    .any(|d| d.task == id && (!deferring || d.stream.cu_stream() != s.cu_stream()))
+            })
+            .collect();
+        self.flush_deferred_for(&launch_first)?;
+        for d in waits.iter().filter(|&&id| !self.is_deferred(id)) {
             let (_, end, on) = self
                 .events
                 .get(d.index())
@@ -956,6 +1153,27 @@ impl TaskRunner for GpuIteration<'_, '_> {
             if on.cu_stream() != s.cu_stream() {
                 s.wait(end)?;
             }
+        }
+        if matches!(
+            task.op,
+            Op::ActorPrefix {
+                purpose: Purpose::Train { .. },
+                ..
+            }
+        ) {
+            self.book.metrics.train_prefix_tasks += 1;
+        }
+        if deferring {
+            let pieces = self.pieces_of(&task.op)?;
+            self.deferred.push_back(Deferred {
+                task: task.id,
+                stream: s,
+                pieces,
+                start: None,
+            });
+            self.last_on_stream[task.stream.index()] = Some(task.id);
+            self.book.metrics.tasks += 1;
+            return Ok(());
         }
         let start = self.models.gpu.timing_event()?;
         start.record(&s)?;
@@ -1023,6 +1241,7 @@ pub fn run_gpu_loop(
                 log: std::env::var_os("ROLLPLEX_TASK_LOG").map(|_| t0),
             };
             walker::walk(plan, program, &mut started, |_, _| {})?;
+            iter.flush_deferred()?;
             iter.models.gpu.ctx().synchronize()?;
             let times = iter.task_times(&origin)?;
             let mut result = iter.finish()?;
