@@ -871,58 +871,52 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
     /// One group's share of a per-group prefix op (a deferred task's piece).
     fn run_group_piece(&mut self, s: &Arc<CudaStream>, op: &Op, g: usize) -> Result<(), ExecError> {
         match op {
-            Op::RefPrefix { copies, .. } => self.run_ref_prefix(s, &[g], *copies),
+            Op::RefPrefix { copies, .. } => self.run_prefix_states(s, &[g], *copies, true),
             Op::ActorPrefix {
                 copies, purpose, ..
             } => match purpose {
-                Purpose::OldLogProb => self.run_old_prefix(s, &[g], *copies),
+                Purpose::OldLogProb => self.run_prefix_states(s, &[g], *copies, false),
                 Purpose::Train { .. } => self.run_train_prefix(s, &[g], *copies),
             },
             _ => Err(ExecError::Plan(format!("{op:?} has no per-group pieces"))),
         }
     }
 
-    fn run_ref_prefix(
+    /// Prefix states of `groups` (one device call per group, `copies` in it): the reference's
+    /// (`reference`), kept for `RefSuffix`, or the actor's for old log-probs (`ActorSuffix`).
+    fn run_prefix_states(
         &mut self,
         s: &Arc<CudaStream>,
         groups: &[usize],
         copies: u32,
+        reference: bool,
     ) -> Result<(), ExecError> {
-        let media = self.ref_media(s, groups, copies)?;
-        let reference = self.models.reference.as_ref().ok_or_else(no_reference)?;
+        let media = if reference {
+            self.ref_media(s, groups, copies)?
+        } else {
+            self.actor_media(s, groups)?
+        };
+        let model = if reference {
+            self.models.reference.as_ref().ok_or_else(no_reference)?
+        } else {
+            self.models.trainer.model()
+        };
         let states = Self::prefill(
             &self.models.gpu,
             s,
-            reference,
+            model,
             self.book.prompts,
             groups,
             &media,
             copies,
         )?;
+        let out = if reference {
+            &mut self.ref_prefixes
+        } else {
+            &mut self.old_prefixes
+        };
         for (&g, st) in groups.iter().zip(states) {
-            self.ref_prefixes[g] = Some(st);
-        }
-        Ok(())
-    }
-
-    fn run_old_prefix(
-        &mut self,
-        s: &Arc<CudaStream>,
-        groups: &[usize],
-        copies: u32,
-    ) -> Result<(), ExecError> {
-        let media = self.actor_media(s, groups)?;
-        let states = Self::prefill(
-            &self.models.gpu,
-            s,
-            self.models.trainer.model(),
-            self.book.prompts,
-            groups,
-            &media,
-            copies,
-        )?;
-        for (&g, st) in groups.iter().zip(states) {
-            self.old_prefixes[g] = Some(st);
+            out[g] = Some(st);
         }
         Ok(())
     }
@@ -1034,7 +1028,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             } => self.run_decode(s, *first_step, *steps, *until_done)?,
             Op::RefPrefix { groups, copies } => {
                 let groups: Vec<usize> = range(*groups).collect();
-                self.run_ref_prefix(s, &groups, *copies)?;
+                self.run_prefix_states(s, &groups, *copies, true)?;
             }
             Op::RefSuffix { slot } => {
                 let g = self.book.group_of_slot(*slot)?;
@@ -1058,7 +1052,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             } => {
                 let groups = self.book.groups_of(groups)?;
                 match purpose {
-                    Purpose::OldLogProb => self.run_old_prefix(s, &groups, *copies)?,
+                    Purpose::OldLogProb => self.run_prefix_states(s, &groups, *copies, false)?,
                     Purpose::Train { .. } => self.run_train_prefix(s, &groups, *copies)?,
                 }
             }

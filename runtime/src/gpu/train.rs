@@ -534,6 +534,42 @@ struct PreKv<'a> {
     v: CudaView<'a, bf16>,
 }
 
+/// Causal attention of the layer's packed rows (q, k, v after RoPE) after each sequence's
+/// prefix span in `pk` / `pv` (the rows' own k / v when no sequence has a prefix), with the LSE
+/// the backward reads.
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    c: &LayerCtx<'_>,
+    att: &mut CudaSlice<bf16>,
+    lse: &mut CudaSlice<f32>,
+    (q, k, v): (&CudaSlice<bf16>, &CudaSlice<bf16>, &CudaSlice<bf16>),
+    pk: &impl DevicePtr<bf16>,
+    pv: &impl DevicePtr<bf16>,
+) -> Result<()> {
+    let d = c.dims;
+    attention_fwd_bf16(
+        gpu,
+        s,
+        att,
+        Some(lse as &mut dyn DevicePtrMut<f32>),
+        q,
+        k,
+        v,
+        pk,
+        pv,
+        c.seqs,
+        c.n_seqs,
+        c.max_q,
+        d,
+        AttnMask::Causal,
+        1.0 / (d.head_dim as f32).sqrt(),
+        RowStrides::contiguous(d),
+    )?;
+    Ok(())
+}
+
 /// One decoder layer forward from `x_in`, filling `a`; when `x_out` is given the layer's output
 /// (the next layer's input) is written there. With `pre`, each sequence attends to its prefix
 /// span there before its own keys (as `score` does). Bitwise the model's `run_blocks` layer.
@@ -601,46 +637,10 @@ fn layer_fwd(
         row,
         kvw,
     )?;
-    let scale = 1.0 / (d.head_dim as f32).sqrt();
-    let lse = Some(&mut a.lse as &mut dyn DevicePtrMut<f32>);
-    let strides = RowStrides::contiguous(d);
+    let (q, k, v) = (&a.q, &a.k, &a.v);
     match pre {
-        Some(p) => attention_fwd_bf16(
-            gpu,
-            s,
-            &mut a.att,
-            lse,
-            &a.q,
-            &a.k,
-            &a.v,
-            &p.k,
-            &p.v,
-            c.seqs,
-            c.n_seqs,
-            c.max_q,
-            d,
-            AttnMask::Causal,
-            scale,
-            strides,
-        )?,
-        None => attention_fwd_bf16(
-            gpu,
-            s,
-            &mut a.att,
-            lse,
-            &a.q,
-            &a.k,
-            &a.v,
-            &a.k,
-            &a.v,
-            c.seqs,
-            c.n_seqs,
-            c.max_q,
-            d,
-            AttnMask::Causal,
-            scale,
-            strides,
-        )?,
+        Some(p) => attend(gpu, s, c, &mut a.att, &mut a.lse, (q, k, v), &p.k, &p.v)?,
+        None => attend(gpu, s, c, &mut a.att, &mut a.lse, (q, k, v), k, v)?,
     }
     linear(gpu, s, &mut a.delta, &a.att, &b.o, rows)?;
     s.memcpy_dtod(x_in, &mut a.x_mid)?;
