@@ -61,6 +61,7 @@ use rollplex_plan::{Span, StreamId, TaskId};
 
 use super::book::{range, Book};
 use super::cpu::RewardFn;
+use super::defer::DeferQueue;
 use super::walker::{self, TaskRunner};
 use super::{ExecError, IterationMetrics, IterationResult, LoopModels, LoopObserver, PromptData};
 use crate::gpu::streams::{Priority as PartPriority, StreamSet};
@@ -369,8 +370,11 @@ pub struct GpuIteration<'a, 'r> {
     /// The actor's kept prompt forwards for training (`ActorPrefix{Train}`), with the copies
     /// per group they were laid out for; made by the iteration's first such task.
     train_prefixes: Option<(TrainPrefixes, u32)>,
-    /// Side tasks of decode windows not yet (fully) launched, in walker order.
-    deferred: VecDeque<Deferred>,
+    /// Side tasks of decode windows not yet (fully) launched, in walker order (see
+    /// [`StreamRef`]).
+    deferred: DeferQueue<Piece, StreamRef>,
+    /// Start events of deferred tasks whose first piece is launched, by task index.
+    deferred_start: Vec<Option<CudaEvent>>,
     /// Events behind the launched pieces that may still be running (oldest first).
     inflight: VecDeque<CudaEvent>,
 }
@@ -378,19 +382,20 @@ pub struct GpuIteration<'a, 'r> {
 /// Deferred pieces the decode loop lets run at once (see [`GpuIteration::launch_paced`]).
 const PIECES_IN_FLIGHT: usize = 2;
 
-/// A side task of a decode window whose launches wait for the window's decode loop: the walker
-/// reaches a window's side tasks before its decode task, and launching them all at once (a
-/// prefix forward is some 450 kernels a group) would hold the host in CUDA's launch queue until
-/// the side partition has drained most of them, starting the decode late (measured on the H200:
-/// 120-320 ms late per window). The decode loop launches one piece after each step instead,
-/// while the device runs the step; what is left is launched when the window's steps are done.
-/// The same calls on the same streams as undeferred: no number changes.
-struct Deferred {
-    task: TaskId,
-    stream: Arc<CudaStream>,
-    pieces: VecDeque<Piece>,
-    /// Recorded before the first piece's launches.
-    start: Option<CudaEvent>,
+/// A side task of a decode window is deferred ([`DeferQueue`]): the walker reaches a window's
+/// side tasks before its decode task, and launching them all at once (a prefix forward is some
+/// 450 kernels a group) would hold the host in CUDA's launch queue until the side partition has
+/// drained most of them, starting the decode late (measured on the H200: 120-320 ms late per
+/// window). The decode loop launches one piece after each step instead, while the device runs
+/// the step; what is left is launched when the window's steps are done. The same calls on the
+/// same streams as undeferred: no number changes. This names a piece's stream.
+#[derive(Clone)]
+struct StreamRef(Arc<CudaStream>);
+
+impl PartialEq for StreamRef {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.cu_stream() == other.0.cu_stream()
+    }
 }
 
 /// A deferred task's unit of launching.
@@ -436,7 +441,8 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             last_on_stream: vec![None; plan.streams.len()],
             pending: Vec::new(),
             train_prefixes: None,
-            deferred: VecDeque::new(),
+            deferred: DeferQueue::default(),
+            deferred_start: (0..plan.tasks.len()).map(|_| None).collect(),
             inflight: VecDeque::new(),
         })
     }
@@ -769,7 +775,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
 
     /// The pieces a deferred task launches in: one per group for the per-group prefix
     /// forwards (each one device call already), the whole op otherwise.
-    fn pieces_of(&self, op: &Op) -> Result<VecDeque<Piece>, ExecError> {
+    fn pieces_of(&self, op: &Op) -> Result<Vec<Piece>, ExecError> {
         Ok(match op {
             Op::RefPrefix { groups, .. } => range(*groups)
                 .map(|g| Piece::Group(op.clone(), g))
@@ -780,7 +786,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
                 .into_iter()
                 .map(|g| Piece::Group(op.clone(), g))
                 .collect(),
-            _ => VecDeque::from([Piece::Whole(op.clone())]),
+            _ => vec![Piece::Whole(op.clone())],
         })
     }
 
@@ -801,59 +807,44 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
         Ok(())
     }
 
-    /// Launches up to `count` pieces of the deferred side tasks, oldest first; a task whose
-    /// last piece is launched gets its end event (its dependents may then run).
+    /// Launches up to `count` pieces of the deferred side tasks, oldest first; a task gets its
+    /// start event before its first piece and its end event after its last (its dependents may
+    /// then run).
     fn launch_deferred(&mut self, count: usize) -> Result<(), ExecError> {
-        let mut left = count;
-        while left > 0 {
-            let Some(mut d) = self.deferred.pop_front() else {
+        for _ in 0..count {
+            let Some(x) = self.deferred.take() else {
                 break;
             };
-            let Some(piece) = d.pieces.pop_front() else {
-                self.finish_deferred(d)?;
-                continue;
-            };
-            if d.start.is_none() {
+            let s = x.stream.0;
+            if x.first {
                 let e = self.models.gpu.timing_event()?;
-                e.record(&d.stream)?;
-                d.start = Some(e);
+                e.record(&s)?;
+                self.deferred_start[x.task.index()] = Some(e);
             }
-            match &piece {
-                Piece::Group(op, g) => self.run_group_piece(&d.stream, op, *g)?,
-                Piece::Whole(op) => self.run_op(&d.stream, op)?,
+            match &x.piece {
+                Some(Piece::Group(op, g)) => self.run_group_piece(&s, op, *g)?,
+                Some(Piece::Whole(op)) => self.run_op(&s, op)?,
+                None => {}
             }
             let done = self.models.gpu.event()?;
-            done.record(&d.stream)?;
+            done.record(&s)?;
             self.inflight.push_back(done);
-            left -= 1;
-            if d.pieces.is_empty() {
-                self.finish_deferred(d)?;
-            } else {
-                self.deferred.push_front(d);
+            if x.last {
+                let start = self.deferred_start[x.task.index()].take().ok_or_else(|| {
+                    ExecError::Plan(format!("{}: deferred without a start", x.task))
+                })?;
+                let end = self.models.gpu.timing_event()?;
+                end.record(&s)?;
+                self.events[x.task.index()] = Some((start, end, s));
             }
         }
-        Ok(())
-    }
-
-    fn finish_deferred(&mut self, d: Deferred) -> Result<(), ExecError> {
-        let start = match d.start {
-            Some(e) => e,
-            None => {
-                let e = self.models.gpu.timing_event()?;
-                e.record(&d.stream)?;
-                e
-            }
-        };
-        let end = self.models.gpu.timing_event()?;
-        end.record(&d.stream)?;
-        self.events[d.task.index()] = Some((start, end, d.stream));
         Ok(())
     }
 
     /// Launches deferred pieces, oldest first, until none of the tasks `ids` is deferred any
     /// more (their end events exist, so a task that waits on one of them can run).
     fn flush_deferred_for(&mut self, ids: &[TaskId]) -> Result<(), ExecError> {
-        while self.deferred.iter().any(|d| ids.contains(&d.task)) {
+        while ids.iter().any(|&id| self.deferred.contains(id)) {
             self.launch_deferred(1)?;
         }
         Ok(())
@@ -861,11 +852,10 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
 
     /// Launches everything still deferred (the walk is over).
     pub fn flush_deferred(&mut self) -> Result<(), ExecError> {
-        self.launch_deferred(usize::MAX)
-    }
-
-    fn is_deferred(&self, id: TaskId) -> bool {
-        self.deferred.iter().any(|d| d.task == id)
+        while !self.deferred.is_empty() {
+            self.launch_deferred(usize::MAX)?;
+        }
+        Ok(())
     }
 
     /// One group's share of a per-group prefix op (a deferred task's piece).
@@ -1126,17 +1116,11 @@ impl TaskRunner for GpuIteration<'_, '_> {
         // behind it on the same CUDA stream (deferred pieces launch in order, so the stream
         // orders them).
         let deferring = self.defers(task);
-        let launch_first: Vec<TaskId> = waits
-            .iter()
-            .copied()
-            .filter(|&id| {
-                self.deferred
-                    .iter()
-                    .any(|d| d.task == id && (!deferring || d.stream.cu_stream() != s.cu_stream()))
-            })
-            .collect();
-        self.flush_deferred_for(&launch_first)?;
-        for d in waits.iter().filter(|&&id| !self.is_deferred(id)) {
+        let first = self
+            .deferred
+            .launch_first(&waits, &StreamRef(s.clone()), deferring);
+        self.flush_deferred_for(&first)?;
+        for d in waits.iter().filter(|&&id| !self.deferred.contains(id)) {
             let (_, end, on) = self
                 .events
                 .get(d.index())
@@ -1159,12 +1143,7 @@ impl TaskRunner for GpuIteration<'_, '_> {
         }
         if deferring {
             let pieces = self.pieces_of(&task.op)?;
-            self.deferred.push_back(Deferred {
-                task: task.id,
-                stream: s,
-                pieces,
-                start: None,
-            });
+            self.deferred.push(task.id, StreamRef(s), pieces);
             self.last_on_stream[task.stream.index()] = Some(task.id);
             self.book.metrics.tasks += 1;
             return Ok(());

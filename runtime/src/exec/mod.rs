@@ -19,6 +19,7 @@ pub mod book;
 pub mod checkpoint;
 pub mod cpu;
 pub mod data;
+pub mod defer;
 pub mod gpu;
 pub mod profile;
 pub mod prompts;
