@@ -263,6 +263,9 @@ impl exec::LoopObserver for LoopRun<'_> {
                     })?;
                     checkpoint::save_gpu(&root, done, m, host, identity, keep)?
                 }
+                exec::LoopModels::CpuTp(_) => {
+                    return Err(tp_checkpoints_unsupported("--save-every"))
+                }
             };
             if !self.args.quiet {
                 self.progress
@@ -273,8 +276,20 @@ impl exec::LoopObserver for LoopRun<'_> {
     }
 }
 
+/// Why a tensor-parallel CPU run refuses `flag`.
+fn tp_checkpoints_unsupported(flag: &str) -> ExecError {
+    ExecError::Unsupported(format!(
+        "{flag}: checkpoints of a tensor-parallel CPU run are not implemented yet (the optimizer \
+         state is sharded over the ranks); run without {flag}, or compile the pipeline for one \
+         rank (`gpu {{ count = 1 }}` without `tp`) to checkpoint"
+    ))
+}
+
 fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
-    exec::check_cpu_plan(plan)?;
+    let degree = exec::cpu_plan_degree(plan)?;
+    if degree > 1 {
+        return run_cpu_tp(plan, args, degree);
+    }
     let spec = &plan.spec;
     // A checkpoint is loaded and checked before anything of the run is written.
     let fresh = exec::build_cpu_models(spec)?;
@@ -359,6 +374,68 @@ fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
     eval(&models, "after")
 }
 
+/// A CPU plan with rollout TP = training TP = GPU count = `degree` > 1: one thread per rank
+/// (`exec::cpu_tp`); rank 0 alone writes metrics and the trace. The held-out evaluations run
+/// on one rank, before on the initial actor and after on the ranks' weights gathered into
+/// Hugging Face layout.
+fn run_cpu_tp(plan: &Plan, args: &RunArgs, degree: usize) -> Result<(), ExecError> {
+    if args.save_every > 0 {
+        return Err(tp_checkpoints_unsupported("--save-every"));
+    }
+    if args.resume.is_some() {
+        return Err(tp_checkpoints_unsupported("--resume"));
+    }
+    if args.profile.is_some() {
+        return Err(ExecError::Unsupported(format!(
+            "--profile: a tensor-parallel CPU run's {degree} ranks are threads sharing this \
+             machine's cores, so their task times would calibrate nothing; profile a plan for \
+             one rank (`gpu {{ count = 1 }}` without `tp`)"
+        )));
+    }
+    let spec = &plan.spec;
+    let actor = exec::host_actor(spec)?;
+    let models = exec::cpu_tp::build_tp_models_from(spec, &actor, degree)?;
+    let (mut source, mut reward, metrics) = open_run(
+        plan,
+        args,
+        0,
+        &format!("cpu TP {degree}, one thread per rank"),
+    )?;
+    let eval = |model: &crate::model::Qwen25VL, when: &str| -> Result<(), ExecError> {
+        let acc = exec::evaluate(spec, model, args.eval)?;
+        report_eval(args, acc, when)
+    };
+    eval(&actor, "before")?;
+    drop(actor);
+    if !args.quiet {
+        println!("{}", table_header());
+    }
+    let mut run = LoopRun {
+        args,
+        metrics,
+        progress: LoopProgress::new(0, args.iterations, args.quiet),
+        trace: args
+            .trace
+            .as_ref()
+            .map(|_| PlanTrace::new(plan, &format!("cpu, rank 0 of TP {degree}"))),
+        identity: None,
+        phase_s: [0.0; 4],
+        profile: None,
+        host: None,
+    };
+    let result = exec::cpu_tp::run_cpu_tp_loop(
+        plan,
+        models,
+        source.as_mut(),
+        reward.as_mut(),
+        0..args.iterations,
+        &mut run,
+    );
+    run.finish()?;
+    let ranks = result?;
+    eval(&exec::cpu_tp::unshard_actor(&ranks)?, "after")
+}
+
 impl LoopRun<'_> {
     /// Closes the bars and writes the trace (also when the loop failed: the trace shows how far
     /// it got).
@@ -397,7 +474,7 @@ impl LoopRun<'_> {
 
 type RunInputs = (
     Box<dyn exec::prompts::PromptSource>,
-    Box<exec::cpu::RewardFn<'static>>,
+    Box<exec::cpu_tp::SendRewardFn<'static>>,
     MetricsLog,
 );
 
