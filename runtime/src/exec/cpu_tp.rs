@@ -2,8 +2,9 @@
 //! = `N` runs as `N` ranks, each holding its shard of the actor and of the reference
 //! ([`TpRankModels`]) and walking the plan's one GPU program with the same
 //! [`CpuIteration`](super::cpu::CpuIteration) as the single-rank backend, over a
-//! [`TpEngine`]. Ranks are threads over [`ThreadComm`] ([`run_cpu_tp_loop`]); [`run_tp_rank`] is
-//! the per-rank loop over any [`Communicator`].
+//! [`TpEngine`]. Ranks are threads over [`ThreadComm`] ([`run_cpu_tp_loop`]) or processes over
+//! `TcpComm` (`rollplex-run --tp-processes`, or ranks started by torchrun/slurm: `cli.rs`);
+//! [`run_tp_rank`] is the per-rank loop over any [`Communicator`].
 //!
 //! What each op does on a rank: `EncodeMedia`, `Prefill`, `RefPrefix`/`RefSuffix`,
 //! `ActorPrefix`/`ActorSuffix` run the `TpModel` operations (replicated outputs: embeddings and
@@ -45,7 +46,7 @@ use crate::model::{
     sample_token, DecodeSlot, EncodedMedia, KvArena, MediaInput, MediaKind, PrefixState, Prompt,
     Qwen25VL, SampleKey, SamplingParams,
 };
-use crate::tp::{run_ranks, Communicator, ThreadComm, TpAdamW, TpModel, TpPlan};
+use crate::tp::{all_gather_uneven, run_ranks, Communicator, ThreadComm, TpAdamW, TpModel, TpPlan};
 use crate::train::backward::{GroupBatch, MicroBatchOutput, TrainConfig};
 use crate::train::loss::Normaliser;
 use crate::train::GradAccumulator;
@@ -92,21 +93,72 @@ pub fn build_tp_models_from(
     actor: &Qwen25VL,
     degree: usize,
 ) -> Result<Vec<TpRankModels>, ExecError> {
-    let cfg = super::cpu::train_config(spec)?;
     let plan = Arc::new(TpPlan::new(&actor.config, degree)?);
     (0..degree)
-        .map(|r| {
-            let shard = TpModel::shard(Arc::clone(&plan), &actor.weights, r)?;
-            let opt = TpAdamW::new(&shard, spec.train.optimizer.clone(), |n| cfg.trainable(n))?;
-            Ok(TpRankModels {
-                reference: spec.reference.enabled.then(|| shard.clone()),
-                acc: GradAccumulator::new(shard.weights.table.total()),
-                actor: shard,
-                opt,
-                cfg: cfg.clone(),
-            })
-        })
+        .map(|r| rank_models(spec, actor, &plan, r))
         .collect()
+}
+
+/// Rank `rank`'s models alone (a process that is one rank of the group).
+pub fn build_tp_rank(
+    spec: &JobSpec,
+    actor: &Qwen25VL,
+    degree: usize,
+    rank: usize,
+) -> Result<TpRankModels, ExecError> {
+    if rank >= degree {
+        return Err(ExecError::Machine(format!(
+            "rank {rank} is not a rank of a TP-{degree} group"
+        )));
+    }
+    let plan = Arc::new(TpPlan::new(&actor.config, degree)?);
+    rank_models(spec, actor, &plan, rank)
+}
+
+fn rank_models(
+    spec: &JobSpec,
+    actor: &Qwen25VL,
+    plan: &Arc<TpPlan>,
+    rank: usize,
+) -> Result<TpRankModels, ExecError> {
+    let cfg = super::cpu::train_config(spec)?;
+    let shard = TpModel::shard(Arc::clone(plan), &actor.weights, rank)?;
+    let opt = TpAdamW::new(&shard, spec.train.optimizer.clone(), |n| cfg.trainable(n))?;
+    Ok(TpRankModels {
+        reference: spec.reference.enabled.then(|| shard.clone()),
+        acc: GradAccumulator::new(shard.weights.table.total()),
+        actor: shard,
+        opt,
+        cfg,
+    })
+}
+
+/// The full actor on rank 0 (`None` on the others) from every rank's shard, over the
+/// communicator (one uneven all-gather); `initial` is the job's initial actor, which gives the
+/// shards' shapes.
+pub fn gather_actor<C: Communicator>(
+    comm: &C,
+    models: &TpRankModels,
+    initial: &Qwen25VL,
+) -> Result<Option<Qwen25VL>, ExecError> {
+    let plan = &models.actor.plan;
+    let mut shards = (0..plan.degree)
+        .map(|r| plan.shard(&initial.weights, r))
+        .collect::<Result<Vec<_>, _>>()?;
+    let counts: Vec<usize> = shards.iter().map(|w| w.data.len()).collect();
+    let all = all_gather_uneven(comm, &models.actor.weights.data, &counts)?;
+    if comm.rank() != 0 {
+        return Ok(None);
+    }
+    let mut off = 0;
+    for (w, &c) in shards.iter_mut().zip(&counts) {
+        w.data.copy_from_slice(&all[off..off + c]);
+        off += c;
+    }
+    Ok(Some(Qwen25VL::new(
+        plan.config.clone(),
+        plan.unshard(&shards)?,
+    )?))
 }
 
 /// The full actor in Hugging Face layout from every rank's models (rank order); checks that

@@ -96,6 +96,32 @@ impl From<String> for ExecError {
 }
 
 impl ExecError {
+    /// The exit status of `rollplex-run`: 1 when the user can fix it, 2 for a bug, and 3
+    /// ([`crate::tp::launch::EXIT_PEER_FAILED`]) for a rank of a TP group that only stopped
+    /// because another rank failed (the launcher then names the root cause).
+    pub fn exit_code(&self) -> u8 {
+        use crate::tp::{CommError, TpError};
+        if let ExecError::Rank { rank, source } = self {
+            let blames_another = match &**source {
+                ExecError::Tp(TpError::Comm(
+                    CommError::PeerFailed { rank: r, .. } | CommError::PeerExited { rank: r, .. },
+                )) => r != rank,
+                ExecError::Tp(TpError::Comm(CommError::Timeout { missing, .. })) => {
+                    !missing.contains(rank)
+                }
+                _ => false,
+            };
+            if blames_another {
+                return crate::tp::launch::EXIT_PEER_FAILED;
+            }
+        }
+        if self.is_user_error() {
+            1
+        } else {
+            2
+        }
+    }
+
     /// Whether the user can fix it (exit 1) or it is a bug (exit 2).
     pub fn is_user_error(&self) -> bool {
         match self {
