@@ -379,7 +379,7 @@ fn rollplex_run_on_a_tp_plan_writes_rank_0s_metrics_once() {
     assert_eq!(lines[1]["iteration"], 1);
     assert_eq!(lines[1]["optimizer_steps"], STEPS_PER_ITER);
     let events =
-        rollplex_runtime::trace::read_complete_events(&dir.path().join("out/trace.json")).unwrap();
+        rollplex_runtime::trace::read_complete_events(dir.path().join("out/trace.json")).unwrap();
     assert_eq!(
         events.len(),
         plan.tasks.len() * 2,
