@@ -13,6 +13,7 @@ use rollplex_plan::{Phase, Plan};
 use crate::exec::checkpoint::{self, RunIdentity};
 use crate::exec::{self, ExecError, IterationResult};
 use crate::metrics::{LoopProgress, MetricsLog};
+use crate::tp::launch;
 use crate::trace::PlanTrace;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -263,6 +264,9 @@ impl exec::LoopObserver for LoopRun<'_> {
                     })?;
                     checkpoint::save_gpu(&root, done, m, host, identity, keep)?
                 }
+                exec::LoopModels::CpuTp(_) => {
+                    return Err(tp_checkpoints_unsupported("--save-every"))
+                }
             };
             if !self.args.quiet {
                 self.progress
@@ -273,8 +277,20 @@ impl exec::LoopObserver for LoopRun<'_> {
     }
 }
 
+/// Why a tensor-parallel CPU run refuses `flag`.
+fn tp_checkpoints_unsupported(flag: &str) -> ExecError {
+    ExecError::Unsupported(format!(
+        "{flag}: checkpoints of a tensor-parallel CPU run are not implemented yet (the optimizer \
+         state is sharded over the ranks); run without {flag}, or compile the pipeline for one \
+         rank (`gpu {{ count = 1 }}` without `tp`) to checkpoint"
+    ))
+}
+
 fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
-    exec::check_cpu_plan(plan)?;
+    let degree = exec::cpu_plan_degree(plan)?;
+    if degree > 1 {
+        return run_cpu_tp(plan, args, degree);
+    }
     let spec = &plan.spec;
     // A checkpoint is loaded and checked before anything of the run is written.
     let fresh = exec::build_cpu_models(spec)?;
@@ -359,6 +375,188 @@ fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
     eval(&models, "after")
 }
 
+/// A CPU plan with rollout TP = training TP = GPU count = `degree` > 1: one thread per rank
+/// (`exec::cpu_tp`), or, when `RANK` is set (children of `--tp-processes`, torchrun, slurm),
+/// this process as that rank over TCP. Rank 0 alone writes metrics and the trace. The held-out
+/// evaluations run on one rank (rank 0), before on the initial actor and after on the ranks'
+/// weights gathered into Hugging Face layout.
+fn run_cpu_tp(plan: &Plan, args: &RunArgs, degree: usize) -> Result<(), ExecError> {
+    if args.save_every > 0 {
+        return Err(tp_checkpoints_unsupported("--save-every"));
+    }
+    if args.resume.is_some() {
+        return Err(tp_checkpoints_unsupported("--resume"));
+    }
+    if args.profile.is_some() {
+        return Err(ExecError::Unsupported(format!(
+            "--profile: a tensor-parallel CPU run's {degree} ranks share this machine's cores, \
+             so their task times would calibrate nothing; profile a plan for one rank \
+             (`gpu {{ count = 1 }}` without `tp`)"
+        )));
+    }
+    let env = launch::RankEnv::from_env().map_err(|e| ExecError::Machine(e.to_string()))?;
+    let actor = exec::host_actor(&plan.spec)?;
+    match env {
+        None => run_cpu_tp_threads(plan, args, degree, actor),
+        Some(env) => run_cpu_tp_process(plan, args, degree, env, actor),
+    }
+}
+
+/// Rank 0's observer of a TP run.
+fn tp_observer<'a>(
+    plan: &Plan,
+    args: &'a RunArgs,
+    degree: usize,
+    how: &str,
+) -> Result<(LoopRun<'a>, RunInputsNoMetrics), ExecError> {
+    let (source, reward, metrics) = open_run(
+        plan,
+        args,
+        0,
+        &format!("cpu (TP {degree}, a {how} per rank)"),
+    )?;
+    let run = LoopRun {
+        args,
+        metrics,
+        progress: LoopProgress::new(0, args.iterations, args.quiet),
+        trace: args
+            .trace
+            .as_ref()
+            .map(|_| PlanTrace::new(plan, &format!("cpu, rank 0 of TP {degree}"))),
+        identity: None,
+        phase_s: [0.0; 4],
+        profile: None,
+        host: None,
+    };
+    Ok((run, (source, reward)))
+}
+
+type RunInputsNoMetrics = (
+    Box<dyn exec::prompts::PromptSource>,
+    Box<exec::cpu_tp::SendRewardFn<'static>>,
+);
+
+fn tp_eval(
+    plan: &Plan,
+    args: &RunArgs,
+    model: &crate::model::Qwen25VL,
+    when: &str,
+) -> Result<(), ExecError> {
+    let acc = exec::evaluate(&plan.spec, model, args.eval)?;
+    report_eval(args, acc, when)
+}
+
+fn run_cpu_tp_threads(
+    plan: &Plan,
+    args: &RunArgs,
+    degree: usize,
+    actor: crate::model::Qwen25VL,
+) -> Result<(), ExecError> {
+    let models = exec::cpu_tp::build_tp_models_from(&plan.spec, &actor, degree)?;
+    let (mut run, (mut source, mut reward)) = tp_observer(plan, args, degree, "thread")?;
+    tp_eval(plan, args, &actor, "before")?;
+    drop(actor);
+    if !args.quiet {
+        println!("{}", table_header());
+    }
+    let result = exec::cpu_tp::run_cpu_tp_loop(
+        plan,
+        models,
+        source.as_mut(),
+        reward.as_mut(),
+        0..args.iterations,
+        &mut run,
+    );
+    run.finish()?;
+    let ranks = result?;
+    if args.eval > 0 {
+        tp_eval(plan, args, &exec::cpu_tp::unshard_actor(&ranks)?, "after")?;
+    }
+    Ok(())
+}
+
+/// This process as rank `env.rank` of the plan's TP group, over TCP.
+fn run_cpu_tp_process(
+    plan: &Plan,
+    args: &RunArgs,
+    degree: usize,
+    env: launch::RankEnv,
+    actor: crate::model::Qwen25VL,
+) -> Result<(), ExecError> {
+    use crate::tp::Communicator;
+    launch::watch_launcher(env.rank);
+    let rank = env.rank;
+    if env.world != degree {
+        return Err(ExecError::Machine(format!(
+            "WORLD_SIZE={} but the plan runs TP {degree}: start one rank per GPU of the plan",
+            env.world
+        )));
+    }
+    let job = format!("plan-{}", checkpoint::plan_hash(plan)?);
+    let comm = launch::join(&env, &job, Vec::new(), crate::tp::TcpOptions::default())
+        .map_err(|e| ExecError::Machine(format!("rank {rank}: {e}")))?;
+    let result = (|| -> Result<(), ExecError> {
+        let mut models = exec::cpu_tp::build_tp_rank(&plan.spec, &actor, degree, rank)?;
+        let iterations = 0..args.iterations;
+        if rank == 0 {
+            let (mut run, (mut source, mut reward)) = tp_observer(plan, args, degree, "process")?;
+            tp_eval(plan, args, &actor, "before")?;
+            if !args.quiet {
+                println!("{}", table_header());
+            }
+            let root = exec::cpu_tp::RootSide {
+                source: source.as_mut(),
+                reward: reward.as_mut(),
+                observer: &mut run,
+            };
+            let r = exec::cpu_tp::run_tp_rank(plan, &comm, &mut models, Some(root), iterations);
+            run.finish()?;
+            r?;
+        } else {
+            exec::cpu_tp::run_tp_rank(plan, &comm, &mut models, None, iterations)?;
+        }
+        if args.eval > 0 {
+            if let Some(full) = exec::cpu_tp::gather_actor(&comm, &models, &actor)? {
+                tp_eval(plan, args, &full, "after")?;
+            }
+        }
+        Ok(())
+    })();
+    if let Err(e) = &result {
+        comm.abort(&e.to_string());
+    }
+    result.map_err(|e| ExecError::Rank {
+        rank,
+        source: Box::new(e),
+    })
+}
+
+/// `rollplex-run PLAN --tp-processes` without `RANK`: starts one process per rank of the
+/// plan's TP group (this executable, these arguments) and waits for them (`tp::launch`).
+pub fn launch_tp_ranks(plan_path: &Path) -> std::process::ExitCode {
+    use std::process::ExitCode;
+    let degree = match load_plan(plan_path).and_then(|p| exec::cpu_plan_degree(&p)) {
+        Ok(d) if d > 1 => d,
+        Ok(_) => {
+            eprintln!(
+                "error: --tp-processes runs a tensor-parallel plan's ranks as processes; this plan runs TP 1 (drop the flag)"
+            );
+            return ExitCode::from(1);
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(e.exit_code());
+        }
+    };
+    match launch::Launch::this_process(degree).and_then(|l| launch::launch(&l)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
+
 impl LoopRun<'_> {
     /// Closes the bars and writes the trace (also when the loop failed: the trace shows how far
     /// it got).
@@ -397,7 +595,7 @@ impl LoopRun<'_> {
 
 type RunInputs = (
     Box<dyn exec::prompts::PromptSource>,
-    Box<exec::cpu::RewardFn<'static>>,
+    Box<exec::cpu_tp::SendRewardFn<'static>>,
     MetricsLog,
 );
 

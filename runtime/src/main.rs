@@ -1,5 +1,6 @@
 //! `rollplex-run`: executes a compiled plan. A main that only dispatches: parse flags, call
-//! `run`, print the error chain once, map it to an exit code (0 ok, 1 user error, 2 internal).
+//! `run`, print the error chain once, map it to an exit code (0 ok, 1 user error, 2 internal,
+//! 3 a tensor-parallel rank that stopped because another rank failed).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -71,12 +72,20 @@ struct Args {
     /// forward repeated ROUNDS times, ranks compared bitwise and against TP=1 (docs/tp.md).
     #[arg(long, value_name = "ROUNDS", num_args = 0..=1, default_missing_value = "3")]
     tp_check: Option<u32>,
+    /// Run a tensor-parallel CPU plan as one process per rank talking over TCP, started here
+    /// (ranks started by torchrun or slurm join from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
+    /// without this flag). Default: one thread per rank of this process; same results bitwise.
+    #[arg(long)]
+    tp_processes: bool,
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
     if let Some(rounds) = args.tp_check {
         return rollplex_runtime::tp::check::main(&args.plan, rounds);
+    }
+    if args.tp_processes && std::env::var_os("RANK").is_none() {
+        return cli::launch_tp_ranks(&args.plan);
     }
     let opts = cli::RunArgs {
         plan: args.plan,
@@ -102,7 +111,7 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
-            ExitCode::from(if e.is_user_error() { 1 } else { 2 })
+            ExitCode::from(e.exit_code())
         }
     }
 }

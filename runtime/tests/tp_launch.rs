@@ -47,10 +47,33 @@ impl rollplex_dsl::Env for NoFiles {
     }
 }
 
+/// [`PIPELINE`] made to train from the first iteration although its synthetic prompts earn no
+/// reward: weight decay moves the weights at every step, then the KL term against the
+/// reference gives a gradient; 3 tokens per response, so decode steps run over the KV arena.
+fn training_pipeline() -> String {
+    let s = PIPELINE.replace(
+        "algorithm = grpo { clip = 0.2 }",
+        "algorithm = grpo { clip = 0.2, kl_coef = 0.05 }",
+    );
+    let s = s.replace(
+        "optimizer = adamw(lr = 1e-3)",
+        "optimizer = adamw(lr = 1e-3, weight_decay = 0.1)",
+    );
+    let s = s.replace("max_new_tokens = 2", "max_new_tokens = 3");
+    s.replace(
+        "response_length = fixed(tokens = 2)",
+        "response_length = fixed(tokens = 3)",
+    )
+}
+
 /// The TP=2 plan, compiled once per test into its own temp dir.
 fn plan_file(dir: &Path) -> PathBuf {
-    let checked = rollplex_dsl::compile_source("tp2.rpx", PIPELINE, &NoFiles)
-        .unwrap_or_else(|d| panic!("{}", d.render("tp2.rpx", PIPELINE, false)));
+    plan_file_of(dir, PIPELINE)
+}
+
+fn plan_file_of(dir: &Path, src: &str) -> PathBuf {
+    let checked = rollplex_dsl::compile_source("tp2.rpx", src, &NoFiles)
+        .unwrap_or_else(|d| panic!("{}", d.render("tp2.rpx", src, false)));
     let plan = rollplex_compiler::compile(&checked.spec, &Default::default())
         .expect("the TP=2 CPU pipeline compiles")
         .plan;
@@ -352,6 +375,76 @@ fn bad_launch_variables_are_refused_with_the_variable_named() {
     let se = String::from_utf8_lossy(&out.stderr);
     assert!(
         se.contains("WORLD_SIZE=4 but the plan runs on 2 GPUs"),
+        "{se}"
+    );
+}
+
+/// The metrics lines of a run without the wall-clock and memory fields.
+fn metrics_without_times(out: &Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let m = v.as_object_mut().unwrap();
+            m.retain(|k, _| !k.ends_with("_s") && k != "peak_mem_gib");
+            v
+        })
+        .collect()
+}
+
+#[test]
+fn training_over_launched_processes_is_bitwise_the_threaded_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = plan_file_of(dir.path(), &training_pipeline());
+    let run = |out: &str, processes: bool| {
+        let mut c = command(&plan);
+        c.args(["--iterations", "3", "-q", "--out"])
+            .arg(dir.path().join(out));
+        if processes {
+            c.arg("--tp-processes");
+        }
+        let o = run_with_timeout(c, Duration::from_secs(120));
+        let (so, se) = (
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr),
+        );
+        assert!(o.status.success(), "stdout:\n{so}\nstderr:\n{se}");
+        (so.to_string(), se.to_string())
+    };
+    let (_, se) = run("processes", true);
+    assert!(se.contains("rank 1 of 2 started"), "{se}");
+    run("threads", false);
+    let (p, t) = (
+        metrics_without_times(&dir.path().join("processes")),
+        metrics_without_times(&dir.path().join("threads")),
+    );
+    assert_eq!(p.len(), 3, "rank 0 alone writes one line per iteration");
+    // the run trains: a KL and a gradient from the second iteration on
+    assert!(p[2]["kl"].as_f64().unwrap() > 0.0, "{:?}", p[2]);
+    assert!(p[2]["grad_norm"].as_f64().unwrap() > 0.0, "{:?}", p[2]);
+    // every number (losses, KL, entropy of the sampled tokens, grad norms) is bitwise equal:
+    // TcpComm reduces in rank order as ThreadComm does
+    assert_eq!(p, t);
+}
+
+#[test]
+fn a_training_rank_that_fails_ends_the_launched_job_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = plan_file_of(dir.path(), &training_pipeline());
+    // rank 0 alone writes the output directory: a file in its place fails rank 0 only, after
+    // the group formed; rank 1 stops because of it (status 3) and the launcher names rank 0
+    let out = dir.path().join("not-a-dir");
+    std::fs::write(&out, "x").unwrap();
+    let mut c = command(&plan);
+    c.args(["--iterations", "2", "-q", "--tp-processes", "--out"])
+        .arg(&out);
+    let o = run_with_timeout(c, Duration::from_secs(120));
+    let se = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{se}");
+    assert!(se.contains("error: rank 0 exited with status 1"), "{se}");
+    assert!(
+        se.contains("[rank 1] error: tensor-parallel rank 1: tensor-parallel rank 0 failed")
+            && se.contains("not-a-dir"),
         "{se}"
     );
 }

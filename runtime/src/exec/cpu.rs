@@ -19,6 +19,11 @@
 //! - `WeightSync`: rollout reads the trainer's weights in place (one layout, TP 1): nothing
 //!   to copy. `Reshard`, `Offload`, `Reload`: no data moves in a single address space.
 //!
+//! The iteration is generic over a [`CpuEngine`]: the model calls an op makes (encode, prefill,
+//! score, decode, draw, train, step). [`CpuModels`] is the single-rank engine; one rank of a
+//! tensor-parallel group is another ([`super::cpu_tp`]), so both walk the plan with the same
+//! code and [`Book`] decides the same stops, slots, rewards and advantages.
+//!
 //! Invariant: every number this engine produces is a function of (plan spec, seed, iteration,
 //! data), never of the order the walker ran tasks in; `tests/tests/serial_overlap.rs` checks
 //! serial and overlap plans bitwise.
@@ -33,9 +38,10 @@ use super::walker::TaskRunner;
 use super::{ExecError, IterationMetrics, PromptData};
 use crate::model::{
     sample_token, DecodeSlot, EncodedMedia, KvArena, KvSpan, MediaInput, PrefixState, Prompt,
-    Qwen25VL, SampleKey,
+    Qwen25VL, SampleKey, SamplingParams,
 };
-use crate::train::backward::{GroupBatch, TrainConfig};
+use crate::train::backward::{GroupBatch, MicroBatchOutput, TrainConfig};
+use crate::train::loss::Normaliser;
 use crate::train::step::Trainer;
 
 /// Scores responses: the reward function the loop was given.
@@ -49,9 +55,169 @@ pub struct CpuModels {
     pub reference: Option<Qwen25VL>,
 }
 
-/// One iteration's state on the CPU backend.
-pub struct CpuIteration<'a, 'r> {
-    models: &'a mut CpuModels,
+/// Which of the job's models an engine call runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// The actor with its current weights (the rollout's, until the iteration's first
+    /// optimizer step).
+    Actor,
+    /// The frozen reference.
+    Reference,
+}
+
+/// The model operations a CPU iteration makes. Logit rows (a prefix state's `last_logits`,
+/// what [`CpuEngine::decode_step`] returns, what [`CpuEngine::draw`] reads) are the engine's
+/// own: the full vocabulary on one rank, the rank's vocabulary shard under TP.
+///
+/// Contract: every method is a deterministic function of its arguments and the models' state;
+/// an engine that is one rank of a group returns on every rank the same values from every
+/// method that returns replicated data (media embeddings, scores, drawn tokens and their
+/// log-probs, micro-batch outputs, grad norms), so the host decisions built on them agree.
+pub trait CpuEngine {
+    /// Whether the job has a reference model.
+    fn has_reference(&self) -> bool;
+    /// Vision tower + merger over one group's media.
+    fn encode(&self, role: Role, media: &[MediaInput<'_>]) -> Result<Vec<EncodedMedia>, ExecError>;
+    /// One prompt's prefix state.
+    fn prefill(&self, role: Role, prompt: Prompt<'_>) -> Result<PrefixState, ExecError>;
+    /// Per-token log-probs of `responses` at `temperature` after a kept prefix.
+    fn score(
+        &self,
+        role: Role,
+        prefix: &PrefixState,
+        responses: &[&[u32]],
+        temperature: f32,
+    ) -> Result<Vec<Vec<f32>>, ExecError>;
+    /// A KV arena of `capacity` rows for the actor's decode.
+    fn kv_arena(&self, capacity: u32) -> KvArena;
+    /// One decode step of the actor (see `Qwen25VL::decode_step`); returns one logit row per
+    /// slot, concatenated.
+    fn decode_step(
+        &self,
+        arena: &mut KvArena,
+        slots: &mut [DecodeSlot],
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, ExecError>;
+    /// Draws each row's next token with its key and returns it with its log-prob at
+    /// `temperature` (the rollout log-prob, bitwise what [`CpuEngine::score`] gives it).
+    fn draw(
+        &self,
+        rows: &[&[f32]],
+        keys: &[SampleKey],
+        sampling: &SamplingParams,
+        temperature: f32,
+    ) -> Result<Vec<(u32, f32)>, ExecError>;
+    /// Forward, loss and backward of micro-batch `index` (plan order) of the running
+    /// mini-batch; its gradient joins the sum.
+    fn micro_batch(
+        &mut self,
+        index: u32,
+        groups: &[GroupBatch<'_>],
+        norm: Normaliser,
+    ) -> Result<MicroBatchOutput, ExecError>;
+    /// Clip, AdamW, new weights; returns the global grad norm before clipping.
+    fn optimizer_step(&mut self) -> Result<f64, ExecError>;
+}
+
+impl CpuModels {
+    fn model(&self, role: Role) -> Result<&Qwen25VL, ExecError> {
+        match role {
+            Role::Actor => Ok(self.trainer.model()),
+            Role::Reference => self.reference.as_ref().ok_or_else(no_reference),
+        }
+    }
+}
+
+pub(crate) fn no_reference() -> ExecError {
+    ExecError::Plan("the plan scores a reference, but the job has none".into())
+}
+
+impl CpuEngine for CpuModels {
+    fn has_reference(&self) -> bool {
+        self.reference.is_some()
+    }
+
+    fn encode(&self, role: Role, media: &[MediaInput<'_>]) -> Result<Vec<EncodedMedia>, ExecError> {
+        Ok(self.model(role)?.encode_media(media, None)?)
+    }
+
+    fn prefill(&self, role: Role, prompt: Prompt<'_>) -> Result<PrefixState, ExecError> {
+        self.model(role)?
+            .prefill(&[prompt], None)?
+            .pop()
+            .ok_or_else(|| ExecError::Plan("prefill returned no state".into()))
+    }
+
+    fn score(
+        &self,
+        role: Role,
+        prefix: &PrefixState,
+        responses: &[&[u32]],
+        temperature: f32,
+    ) -> Result<Vec<Vec<f32>>, ExecError> {
+        Ok(self
+            .model(role)?
+            .score(prefix, responses, temperature, None)?
+            .into_iter()
+            .map(|s| s.logp)
+            .collect())
+    }
+
+    fn kv_arena(&self, capacity: u32) -> KvArena {
+        KvArena::for_model(self.trainer.model(), capacity)
+    }
+
+    fn decode_step(
+        &self,
+        arena: &mut KvArena,
+        slots: &mut [DecodeSlot],
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, ExecError> {
+        let v = self.trainer.model().config.text().vocab_size as usize;
+        let mut logits = vec![0f32; slots.len() * v];
+        self.trainer
+            .model()
+            .decode_step(arena, slots, tokens, &mut logits)?;
+        Ok(logits)
+    }
+
+    fn draw(
+        &self,
+        rows: &[&[f32]],
+        keys: &[SampleKey],
+        sampling: &SamplingParams,
+        temperature: f32,
+    ) -> Result<Vec<(u32, f32)>, ExecError> {
+        let v = self.trainer.model().config.text().vocab_size as usize;
+        rows.iter()
+            .zip(keys)
+            .map(|(row, key)| {
+                let tok = sample_token(row, sampling, *key)?;
+                let mut lp = [0f32];
+                logprobs_fwd(&mut lp, None, None, row, &[tok], 1, v, temperature)?;
+                Ok((tok, lp[0]))
+            })
+            .collect()
+    }
+
+    fn micro_batch(
+        &mut self,
+        index: u32,
+        groups: &[GroupBatch<'_>],
+        norm: Normaliser,
+    ) -> Result<MicroBatchOutput, ExecError> {
+        Ok(self.trainer.micro_batch(index, groups, norm)?)
+    }
+
+    fn optimizer_step(&mut self) -> Result<f64, ExecError> {
+        Ok(self.trainer.optimizer_step()?.step.grad_norm)
+    }
+}
+
+/// One iteration's state on the CPU backend, over engine `E` (the single-rank models, or one
+/// rank of a TP group).
+pub struct CpuIteration<'a, 'r, E: CpuEngine = CpuModels> {
+    models: &'a mut E,
     reward: &'a mut RewardFn<'r>,
     book: Book<'a>,
     encoded: Vec<Option<Vec<EncodedMedia>>>,
@@ -65,10 +231,10 @@ pub struct CpuIteration<'a, 'r> {
     next_logits: Vec<Vec<f32>>,
 }
 
-impl<'a, 'r> CpuIteration<'a, 'r> {
+impl<'a, 'r, E: CpuEngine> CpuIteration<'a, 'r, E> {
     pub fn new(
         plan: &'a Plan,
-        models: &'a mut CpuModels,
+        models: &'a mut E,
         reward: &'a mut RewardFn<'r>,
         iteration: u32,
         prompts: &'a [PromptData],
@@ -81,7 +247,7 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
         let cap = prefix_rows + samples as u64 * max_new as u64;
         let cap =
             u32::try_from(cap).map_err(|_| ExecError::Data("KV arena over 2^32 rows".into()))?;
-        let arena = KvArena::for_model(models.trainer.model(), cap);
+        let arena = models.kv_arena(cap);
         Ok(CpuIteration {
             models,
             reward,
@@ -115,22 +281,24 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
     }
 
     fn encode(
-        model: &Qwen25VL,
+        models: &E,
+        role: Role,
         p: &PromptData,
         copies: u32,
     ) -> Result<Vec<EncodedMedia>, ExecError> {
         let inputs = Self::media_inputs(p);
-        let mut out = model.encode_media(&inputs, None)?;
+        let mut out = models.encode(role, &inputs)?;
         // Without prefix dedup every sample encodes its own copy (the ablation's cost); the
         // copies are identical by determinism, so one is kept.
         for _ in 1..copies {
-            out = model.encode_media(&inputs, None)?;
+            out = models.encode(role, &inputs)?;
         }
         Ok(out)
     }
 
     fn prefill_one(
-        model: &Qwen25VL,
+        models: &E,
+        role: Role,
         p: &PromptData,
         media: &[EncodedMedia],
         copies: u32,
@@ -140,19 +308,17 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
             ids: &p.ids,
             media: &refs,
         };
-        let mut state = model.prefill(&[prompt], None)?;
+        let mut state = models.prefill(role, prompt)?;
         for _ in 1..copies {
-            state = model.prefill(&[prompt], None)?;
+            state = models.prefill(role, prompt)?;
         }
-        state
-            .pop()
-            .ok_or_else(|| ExecError::Plan("prefill returned no state".into()))
+        Ok(state)
     }
 
     fn actor_media(&mut self, g: usize, copies: u32) -> Result<Vec<EncodedMedia>, ExecError> {
         match &self.encoded[g] {
             Some(m) => Ok(m.clone()),
-            None => Self::encode(self.models.trainer.model(), &self.book.prompts[g], copies),
+            None => Self::encode(self.models, Role::Actor, &self.book.prompts[g], copies),
         }
     }
 
@@ -165,10 +331,10 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
         if let Some(m) = &self.ref_encoded[g] {
             return Ok(m.clone());
         }
-        let reference = self.models.reference.as_ref().ok_or_else(|| {
-            ExecError::Plan("the plan scores a reference, but the job has none".into())
-        })?;
-        let m = Self::encode(reference, &self.book.prompts[g], copies)?;
+        if !self.models.has_reference() {
+            return Err(no_reference());
+        }
+        let m = Self::encode(self.models, Role::Reference, &self.book.prompts[g], copies)?;
         self.ref_encoded[g] = Some(m.clone());
         Ok(m)
     }
@@ -177,7 +343,8 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
         for g in range(groups) {
             let media = self.actor_media(g, copies)?;
             let state = Self::prefill_one(
-                self.models.trainer.model(),
+                self.models,
+                Role::Actor,
                 &self.book.prompts[g],
                 &media,
                 copies,
@@ -221,42 +388,44 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
                 "decode before every group's prefill".into(),
             ));
         }
-        let v = self.book.spec.actor.text.vocab_size as usize;
         let temp = self.book.temperature();
         let mut step = first_step;
         while (until_done || step < first_step + steps) && self.book.any_active() {
-            let mut feed_slots = Vec::new();
-            let mut feed_tokens = Vec::new();
-            let mut feed_samples = Vec::new();
+            let mut active = Vec::new();
+            let mut keys = Vec::new();
             for s in 0..self.book.samples() {
                 if self.book.stopped[s] {
                     continue;
                 }
                 self.book.check_step(s, step)?;
-                let key = SampleKey {
+                active.push(s);
+                keys.push(SampleKey {
                     seed: self.book.spec.seed,
                     iteration: self.book.iteration,
                     sample: s as u32,
                     step,
-                };
-                let row = &self.next_logits[s];
-                let tok = sample_token(row, &self.book.sampling, key)?;
-                let mut lp = [0f32];
-                logprobs_fwd(&mut lp, None, None, row, &[tok], 1, v, temp)?;
-                if self.book.push_token(s, tok, lp[0], step) {
+                });
+            }
+            let rows: Vec<&[f32]> = active
+                .iter()
+                .map(|&s| self.next_logits[s].as_slice())
+                .collect();
+            let drawn = self.models.draw(&rows, &keys, &self.book.sampling, temp)?;
+            let mut feed_slots = Vec::new();
+            let mut feed_tokens = Vec::new();
+            let mut feed_samples = Vec::new();
+            for (&s, (tok, lp)) in active.iter().zip(drawn) {
+                if self.book.push_token(s, tok, lp, step) {
                     feed_slots.push(self.slots[s]);
                     feed_tokens.push(tok);
                     feed_samples.push(s);
                 }
             }
             if !feed_samples.is_empty() {
-                let mut logits = vec![0f32; feed_samples.len() * v];
-                self.models.trainer.model().decode_step(
-                    &mut self.arena,
-                    &mut feed_slots,
-                    &feed_tokens,
-                    &mut logits,
-                )?;
+                let logits =
+                    self.models
+                        .decode_step(&mut self.arena, &mut feed_slots, &feed_tokens)?;
+                let v = logits.len() / feed_samples.len();
                 for (i, &s) in feed_samples.iter().enumerate() {
                     self.slots[s] = feed_slots[i];
                     self.next_logits[s] = logits[i * v..(i + 1) * v].to_vec();
@@ -267,19 +436,6 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
         }
         self.book.end_window();
         Ok(())
-    }
-
-    fn score_into(
-        model: &Qwen25VL,
-        prefix: &PrefixState,
-        responses: &[&[u32]],
-        temp: f32,
-    ) -> Result<Vec<Vec<f32>>, ExecError> {
-        Ok(model
-            .score(prefix, responses, temp, None)?
-            .into_iter()
-            .map(|s| s.logp)
-            .collect())
     }
 
     fn run_train_micro_batch(
@@ -305,10 +461,7 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
                 responses: &responses[i],
             })
             .collect();
-        let out = self
-            .models
-            .trainer
-            .micro_batch(micro_batch, &batch, mb.norm)?;
+        let out = self.models.micro_batch(micro_batch, &batch, mb.norm)?;
         self.book.metrics.loss.add(&out.metrics);
         self.book.metrics.micro_batches += 1;
         Ok(())
@@ -320,7 +473,7 @@ impl<'a, 'r> CpuIteration<'a, 'r> {
     }
 }
 
-impl TaskRunner for CpuIteration<'_, '_> {
+impl<E: CpuEngine> TaskRunner for CpuIteration<'_, '_, E> {
     type Error = ExecError;
 
     fn slots_bound(&self) -> u32 {
@@ -333,7 +486,8 @@ impl TaskRunner for CpuIteration<'_, '_> {
             Op::EncodeMedia { groups, copies } => {
                 for g in range(*groups) {
                     self.encoded[g] = Some(Self::encode(
-                        self.models.trainer.model(),
+                        self.models,
+                        Role::Actor,
                         &self.book.prompts[g],
                         *copies,
                     )?);
@@ -348,11 +502,9 @@ impl TaskRunner for CpuIteration<'_, '_> {
             Op::RefPrefix { groups, copies } => {
                 for g in range(*groups) {
                     let media = self.ref_media(g, *copies)?;
-                    let reference = self.models.reference.as_ref().ok_or_else(|| {
-                        ExecError::Plan("the plan scores a reference, but the job has none".into())
-                    })?;
                     self.ref_prefixes[g] = Some(Self::prefill_one(
-                        reference,
+                        self.models,
+                        Role::Reference,
                         &self.book.prompts[g],
                         &media,
                         *copies,
@@ -364,12 +516,9 @@ impl TaskRunner for CpuIteration<'_, '_> {
                 let prefix = self.ref_prefixes[g].as_ref().ok_or_else(|| {
                     ExecError::Plan(format!("ref suffix of group {g} before its prefix"))
                 })?;
-                let reference = self
-                    .models
-                    .reference
-                    .as_ref()
-                    .ok_or_else(|| ExecError::Plan("no reference model".into()))?;
-                let lps = Self::score_into(reference, prefix, &self.book.responses(g), temp)?;
+                let lps =
+                    self.models
+                        .score(Role::Reference, prefix, &self.book.responses(g), temp)?;
                 self.book.set_ref_logp(g, lps);
             }
             Op::ActorPrefix {
@@ -381,7 +530,8 @@ impl TaskRunner for CpuIteration<'_, '_> {
                     for g in self.book.groups_of(groups)? {
                         let media = self.actor_media(g, *copies)?;
                         self.old_prefixes[g] = Some(Self::prefill_one(
-                            self.models.trainer.model(),
+                            self.models,
+                            Role::Actor,
                             &self.book.prompts[g],
                             &media,
                             *copies,
@@ -402,12 +552,9 @@ impl TaskRunner for CpuIteration<'_, '_> {
                         "old-log-prob suffix of group {g} before its prefix"
                     ))
                 })?;
-                let lps = Self::score_into(
-                    self.models.trainer.model(),
-                    prefix,
-                    &self.book.responses(g),
-                    temp,
-                )?;
+                let lps = self
+                    .models
+                    .score(Role::Actor, prefix, &self.book.responses(g), temp)?;
                 self.book.set_old_logp(g, lps);
             }
             Op::Reward { slot } => self.book.reward(*slot, self.reward)?,
@@ -419,8 +566,7 @@ impl TaskRunner for CpuIteration<'_, '_> {
                 ..
             } => self.run_train_micro_batch(*step, *micro_batch, *samples)?,
             Op::OptimizerStep { .. } => {
-                let report = self.models.trainer.optimizer_step()?;
-                self.book.metrics.grad_norm = report.step.grad_norm;
+                self.book.metrics.grad_norm = self.models.optimizer_step()?;
                 self.book.metrics.optimizer_steps += 1;
             }
             Op::WeightSync { .. } | Op::Reshard { .. } | Op::Offload { .. } | Op::Reload { .. } => {

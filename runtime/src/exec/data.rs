@@ -11,7 +11,7 @@
 use rollplex_plan::spec::{DatasetSpec, JobSpec, WeightsSource};
 
 use super::prompts::PromptSource;
-use super::{cpu::RewardFn, ExecError, MediaData, PromptData};
+use super::{ExecError, MediaData, PromptData};
 use crate::chat::{prompt_ids, ChatTemplate, MediaGrid, MediaKind as ChatMedia};
 use crate::data::sampler::Sampler;
 use crate::data::{Dataset, Media, Sample};
@@ -299,7 +299,7 @@ pub fn data_source(
 }
 
 /// The job's reward as the loop calls it: decode each response, score the group.
-pub fn reward_fn(spec: &JobSpec) -> Result<Box<RewardFn<'static>>, ExecError> {
+pub fn reward_fn(spec: &JobSpec) -> Result<Box<super::cpu_tp::SendRewardFn<'static>>, ExecError> {
     let mut reward =
         Reward::from_spec(&spec.reward).map_err(|e| ExecError::Reward(e.to_string()))?;
     let synthetic = matches!(spec.rollout.dataset, DatasetSpec::Synthetic);

@@ -5,7 +5,9 @@
 //! backend, then records metrics. The backends share the walker; `cpu` is [`cpu`], `sim` is
 //! [`crate::sim`] (timing only).
 //!
-//! Module map: `walker` (the order tasks run in), `cpu` (the CPU backend's ops), `prompts`
+//! Module map: `walker` (the order tasks run in), `cpu` (the CPU backend's ops, generic over
+//! the engine), `cpu_tp` (the CPU backend under tensor parallelism: one rank per thread, each
+//! walking the plan with its shard), `prompts`
 //! (prompt sources: synthetic shapes for benchmarks, datasets for training), `checkpoint`
 //! (`--save-every` / `--resume`: the loop's state on disk), `profile` (`--profile`: measured
 //! task times as a cost-model profile). [`run_cpu_loop`] tells a
@@ -18,6 +20,7 @@
 pub mod book;
 pub mod checkpoint;
 pub mod cpu;
+pub mod cpu_tp;
 pub mod data;
 pub mod defer;
 pub mod gpu;
@@ -73,6 +76,18 @@ pub enum ExecError {
         path: String,
         source: std::io::Error,
     },
+    /// Tensor parallelism: a model that does not split, or a collective that failed.
+    #[error(transparent)]
+    Tp(#[from] crate::tp::TpError),
+    /// The error that ended a tensor-parallel group, and the rank it happened on.
+    #[error("tensor-parallel rank {rank}: {source}")]
+    Rank { rank: usize, source: Box<ExecError> },
+}
+
+impl From<crate::tp::CommError> for ExecError {
+    fn from(e: crate::tp::CommError) -> Self {
+        ExecError::Tp(e.into())
+    }
 }
 
 impl From<String> for ExecError {
@@ -82,11 +97,42 @@ impl From<String> for ExecError {
 }
 
 impl ExecError {
+    /// The exit status of `rollplex-run`: 1 when the user can fix it, 2 for a bug, and 3
+    /// ([`crate::tp::launch::EXIT_PEER_FAILED`]) for a rank of a TP group that only stopped
+    /// because another rank failed (the launcher then names the root cause).
+    pub fn exit_code(&self) -> u8 {
+        use crate::tp::{CommError, TpError};
+        if let ExecError::Rank { rank, source } = self {
+            let blames_another = match &**source {
+                ExecError::Tp(TpError::Comm(
+                    CommError::PeerFailed { rank: r, .. } | CommError::PeerExited { rank: r, .. },
+                )) => r != rank,
+                ExecError::Tp(TpError::Comm(CommError::Timeout { missing, .. })) => {
+                    !missing.contains(rank)
+                }
+                _ => false,
+            };
+            if blames_another {
+                return crate::tp::launch::EXIT_PEER_FAILED;
+            }
+        }
+        if self.is_user_error() {
+            1
+        } else {
+            2
+        }
+    }
+
     /// Whether the user can fix it (exit 1) or it is a bug (exit 2).
     pub fn is_user_error(&self) -> bool {
         match self {
             ExecError::Plan(_) | ExecError::Kernel(_) => false,
             ExecError::Gpu(e) => matches!(e, crate::gpu::GpuError::Unsupported(_)),
+            ExecError::Tp(e) => matches!(
+                e,
+                crate::tp::TpError::Config(_) | crate::tp::TpError::Model(_)
+            ),
+            ExecError::Rank { source, .. } => source.is_user_error(),
             _ => true,
         }
     }
@@ -199,13 +245,42 @@ pub fn forced_length(spec: &JobSpec, iteration: u32, sample: u32) -> u32 {
     (len.round() as u32).clamp(1, max)
 }
 
-/// Checks that a plan can run on the CPU backend.
+/// Checks that a plan can run on the CPU backend with one rank (TP 1: [`run_cpu_loop`]).
 pub fn check_cpu_plan(plan: &Plan) -> Result<(), ExecError> {
-    if plan.parallel.rollout_tp != 1 || plan.parallel.train_tp != 1 || plan.target.count != 1 {
+    let degree = cpu_plan_degree(plan)?;
+    if degree != 1 {
         return Err(ExecError::Machine(format!(
-            "the CPU backend runs one rank with TP 1; this plan targets {} x {} with rollout TP {} and training TP {} \
-             (compile a pipeline with `gpu {{ preset = cpu count = 1 }}`, or use --backend sim)",
-            plan.target.count, plan.target.gpu, plan.parallel.rollout_tp, plan.parallel.train_tp
+            "this plan runs tensor-parallel with TP {degree}: run it with \
+             exec::cpu_tp::run_cpu_tp_loop (one thread per rank; `rollplex-run` does this), \
+             or compile the pipeline with `gpu {{ preset = cpu count = 1 }}` for one rank"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks that a plan can run on the CPU backend and returns its tensor-parallel degree: 1
+/// ([`run_cpu_loop`]) or the `N` of rollout TP = training TP = GPU count = `N`
+/// ([`cpu_tp::run_cpu_tp_loop`], one rank per thread).
+pub fn cpu_plan_degree(plan: &Plan) -> Result<usize, ExecError> {
+    let (rt, tt, n) = (
+        plan.parallel.rollout_tp,
+        plan.parallel.train_tp,
+        plan.target.count,
+    );
+    if rt != tt {
+        return Err(ExecError::Unsupported(format!(
+            "the CPU backend runs tensor parallelism with one shard per rank for rollout and training alike; \
+             this plan has rollout TP {rt} and training TP {tt} (reshards between them are not implemented): \
+             compile it with equal `rollout {{ tp }}` and `train {{ tp }}`"
+        )));
+    }
+    if n != tt {
+        return Err(ExecError::Machine(format!(
+            "the CPU backend runs one TP group: this plan targets {n} x {} with TP {tt}, i.e. {} replicas \
+             (data parallelism is not implemented on the CPU backend): set `gpu {{ count = {tt} }}`, \
+             or use --backend sim",
+            plan.target.gpu,
+            n / tt.max(1)
         )));
     }
     if plan.gpus.len() != 1 {
@@ -224,7 +299,7 @@ pub fn check_cpu_plan(plan: &Plan) -> Result<(), ExecError> {
             CPU_PARAM_LIMIT / 1_000_000
         )));
     }
-    Ok(())
+    Ok(tt as usize)
 }
 
 /// Builds the CPU backend's models from the job spec: the actor (random or from its
@@ -255,6 +330,8 @@ pub fn host_actor(spec: &JobSpec) -> Result<crate::model::Qwen25VL, ExecError> {
 pub enum LoopModels<'a> {
     Cpu(&'a cpu::CpuModels),
     Gpu(&'a gpu::GpuModels),
+    /// Rank 0's shard of a tensor-parallel CPU run (the observer runs on rank 0 only).
+    CpuTp(&'a cpu_tp::TpRankModels),
 }
 
 impl<'a> LoopModels<'a> {
@@ -262,7 +339,7 @@ impl<'a> LoopModels<'a> {
     pub fn cpu(self) -> Option<&'a cpu::CpuModels> {
         match self {
             LoopModels::Cpu(m) => Some(m),
-            LoopModels::Gpu(_) => None,
+            LoopModels::Gpu(_) | LoopModels::CpuTp(_) => None,
         }
     }
 }

@@ -788,4 +788,204 @@ mod grads {
             );
         }
     }
+
+    /// `freeze_vision` / `freeze_merger` and the KL term under TP: one GRPO group (image + video
+    /// prompt, 3 responses, reference log-probs, kl_coef 0.05) against `train::forward_backward`
+    /// with the same freezing, at TP 1, 2, 4. A frozen part gets no gradient on any rank, and
+    /// `TpAdamW` over the trainable tensors leaves it unchanged.
+    #[test]
+    fn tp_frozen_parts_and_kl_match_single_rank() {
+        use crate::model::{MediaInput, MediaKind};
+        use crate::train::{
+            forward_backward, GroupBatch, LossConfig, Normaliser, ResponseBatch, TrainConfig,
+        };
+        use rollplex_plan::spec::{KlEstimator, LossAgg, Recompute};
+
+        let m = tiny();
+        let tk = m.config.spec.tokens.clone();
+        let pd = m.config.patch_dim();
+        let (img, vid) = (pixels(24, pd, 3), pixels(32, pd, 4));
+        let media = [
+            MediaInput {
+                kind: MediaKind::Image,
+                pixels: &img,
+                grid: [1, 4, 6],
+            },
+            MediaInput {
+                kind: MediaKind::Video {
+                    second_per_grid_t: Some(0.5),
+                },
+                pixels: &vid,
+                grid: [2, 4, 4],
+            },
+        ];
+        let mut prompt = vec![4, tk.vision_start_token_id];
+        prompt.extend([tk.image_token_id; 6]);
+        prompt.extend([tk.vision_end_token_id, tk.vision_start_token_id]);
+        prompt.extend([tk.video_token_id; 8]);
+        prompt.extend([tk.vision_end_token_id, 17]);
+        let toks: [&[u32]; 3] = [&[40, 41, 42, 43], &[50, 51, 52], &[60, 61]];
+        let lps = |base: f32| -> Vec<Vec<f32>> {
+            toks.iter()
+                .map(|t| (0..t.len()).map(|j| base - 0.07 * j as f32).collect())
+                .collect()
+        };
+        let (old, refl) = (lps(-5.6), lps(-5.8));
+        let adv: Vec<Vec<f32>> = [0.6f32, -0.9, 0.3]
+            .iter()
+            .zip(&toks)
+            .map(|(a, t)| vec![*a; t.len()])
+            .collect();
+        let mask: Vec<Vec<bool>> = toks.iter().map(|t| vec![true; t.len()]).collect();
+        let responses: Vec<ResponseBatch<'_>> = (0..3)
+            .map(|i| ResponseBatch {
+                tokens: toks[i],
+                old_logp: &old[i],
+                ref_logp: Some(&refl[i]),
+                advantages: &adv[i],
+                mask: &mask[i],
+            })
+            .collect();
+        let groups = [GroupBatch {
+            prompt_ids: &prompt,
+            media: &media,
+            responses: &responses,
+        }];
+        let norm = Normaliser { tokens: 9, seqs: 3 };
+        let spec = rollplex_plan::spec::AdamWSpec {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            grad_clip: 1.0,
+            lr_schedule: rollplex_plan::spec::LrSchedule::Constant,
+        };
+        for (freeze_vision, freeze_merger) in [(true, true), (true, false), (false, true)] {
+            let cfg = TrainConfig {
+                loss: LossConfig {
+                    clip_low: 0.2,
+                    clip_high: 0.2,
+                    dual_clip: None,
+                    kl_coef: 0.05,
+                    kl_estimator: KlEstimator::K3,
+                    agg: LossAgg::TokenMean,
+                },
+                recompute: Recompute::None,
+                freeze_vision,
+                freeze_merger,
+                temperature: 1.0,
+            };
+            let what = format!("freeze_vision {freeze_vision}, freeze_merger {freeze_merger}");
+            let mut g0 = vec![0f32; m.weights.table.total()];
+            let out0 = forward_backward(&m, &cfg, &groups, norm, &mut g0).unwrap();
+            assert!(out0.metrics.kl != 0.0, "{what}: the KL term must count");
+            let gmax = g0.iter().fold(0f32, |a, x| a.max(x.abs()));
+            // which elements of the full table are frozen
+            let frozen: Vec<bool> = {
+                let mut f = vec![false; m.weights.table.total()];
+                for e in m.weights.table.entries() {
+                    if !cfg.trainable(&e.name) {
+                        f[e.offset..e.offset + e.len].fill(true);
+                    }
+                }
+                f
+            };
+            assert!(frozen.iter().any(|&f| f) && frozen.iter().any(|&f| !f));
+            assert!(
+                g0.iter().zip(&frozen).all(|(g, f)| !f || *g == 0.0),
+                "{what}: the single-rank trainer gave a frozen part a gradient"
+            );
+            for t in [1, 2, 4] {
+                let plan = Arc::new(TpPlan::new(&m.config, t).unwrap());
+                let ranks: Vec<TpModel> = (0..t)
+                    .map(|r| TpModel::shard(Arc::clone(&plan), &m.weights, r).unwrap())
+                    .collect();
+                let outs = run_ranks(t, |c: &ThreadComm| -> Result<_, TpError> {
+                    let r = &ranks[c.rank()];
+                    let mut g = vec![0f32; r.weights.table.total()];
+                    let o = r.forward_backward(c, &cfg, &groups, norm, &mut g)?;
+                    let mut stepped = r.clone();
+                    let mut opt =
+                        crate::tp::TpAdamW::new(&stepped, spec.clone(), |n| cfg.trainable(n))?;
+                    opt.step(c, &mut stepped, &mut g.clone())?;
+                    Ok((o, g, stepped.weights))
+                })
+                .unwrap();
+                let as_weights = |data: &dyn Fn(usize) -> Vec<f32>| -> Vec<Weights> {
+                    ranks
+                        .iter()
+                        .enumerate()
+                        .map(|(i, r)| Weights {
+                            table: r.weights.table.clone(),
+                            layout: r.weights.layout.clone(),
+                            data: data(i),
+                        })
+                        .collect()
+                };
+                let g = plan
+                    .unshard(&as_weights(&|i| outs[i].1.clone()))
+                    .unwrap()
+                    .data;
+                let w = plan
+                    .unshard(&as_weights(&|i| outs[i].2.data.clone()))
+                    .unwrap()
+                    .data;
+                assert!(
+                    g.iter().zip(&frozen).all(|(g, f)| !f || *g == 0.0),
+                    "TP={t}, {what}: a frozen part got a gradient"
+                );
+                // the trained part of the tower (if any) did get one
+                let visual = m
+                    .weights
+                    .table
+                    .entries()
+                    .iter()
+                    .filter(|e| e.name.starts_with("model.visual.") && cfg.trainable(&e.name));
+                let trained: Vec<f32> = visual
+                    .flat_map(|e| g[e.offset..e.offset + e.len].iter().copied())
+                    .collect();
+                assert_eq!(
+                    trained.iter().any(|&x| x != 0.0),
+                    !(freeze_vision && freeze_merger),
+                    "TP={t}, {what}: the trained part of the tower got no gradient"
+                );
+                assert!(
+                    w.iter()
+                        .zip(&m.weights.data)
+                        .zip(&frozen)
+                        .all(|((a, b), f)| !f || a.to_bits() == b.to_bits()),
+                    "TP={t}, {what}: the optimizer moved a frozen weight"
+                );
+                let eg = g
+                    .iter()
+                    .zip(&g0)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f32::max);
+                let o = &outs[0].0;
+                println!(
+                    "TP={t}, {what}: gradients max abs error {eg:.3e} (max |grad| {gmax:.3e}); \
+                     kl {:.6e} vs {:.6e}",
+                    o.metrics.kl, out0.metrics.kl
+                );
+                if t == 1 {
+                    assert_eq!(
+                        o, &out0,
+                        "TP=1, {what}: output must be bitwise the trainer's"
+                    );
+                    assert_eq!(
+                        g, g0,
+                        "TP=1, {what}: gradients must be bitwise the trainer's"
+                    );
+                }
+                assert!(eg <= 1e-4 * gmax, "TP={t}, {what}: gradient error {eg}");
+                assert!(
+                    (o.metrics.loss - out0.metrics.loss).abs() <= 1e-5 * out0.metrics.loss.abs(),
+                    "TP={t}, {what}: loss {} vs {}",
+                    o.metrics.loss,
+                    out0.metrics.loss
+                );
+            }
+        }
+    }
 }

@@ -7,8 +7,10 @@
 //! prompt embeddings, merger and tower) with the collectives of `super::backward`. A rank's
 //! prefix KV gradient covers its own kv heads.
 //!
-//! Limits (errors, not silent differences): the vision tower and merger must both be trained
-//! (`freeze_vision` / `freeze_merger` are not supported under TP yet). Activations are always
+//! `freeze_vision` / `freeze_merger` as the single-rank trainer: a frozen part gets no gradient
+//! (its slots in `grads` are left as they were); with both frozen the tower keeps no activations
+//! and its backward does not run; with only the tower frozen the merger's gradients come from
+//! its kept activations and the backward stops at the merger's input. Activations are always
 //! kept in full (the `recompute` setting changes memory, not results, so results agree).
 
 use rollplex_kernels::cpu::{
@@ -64,12 +66,6 @@ impl TpModel {
                 self.rank,
                 self.weights.table.total()
             )));
-        }
-        if cfg.freeze_vision || cfg.freeze_merger {
-            return Err(TpError::Config(
-                "freeze_vision / freeze_merger are not supported under tensor parallelism yet"
-                    .into(),
-            ));
         }
         if !(cfg.temperature > 0.0 && cfg.temperature.is_finite()) {
             return Err(input(format!(
@@ -234,11 +230,13 @@ impl TpModel {
             )));
         }
         // ---- forward: media, prompt, responses ----
+        // a frozen tower and merger need no activations: no gradient flows into them
+        let vision_grad = !g.media.is_empty() && (!cfg.freeze_vision || !cfg.freeze_merger);
         let mut vc = VisionCache::new(CacheMode::Full);
         let enc = if g.media.is_empty() {
             Vec::new()
         } else {
-            self.encode_impl(comm, g.media, Some(&mut vc))?
+            self.encode_impl(comm, g.media, vision_grad.then_some(&mut vc))?
         };
         let refs: Vec<&EncodedMedia> = enc.iter().collect();
         let prompt = Prompt {
@@ -543,9 +541,10 @@ impl TpModel {
             }
         }
         self.embedding_bwd_own(&text_ids, &text_dx, grads)?;
-        // ---- backward: merger and vision tower ----
-        if !g.media.is_empty() {
-            self.vision_backward(comm, &vc, &media_d, grads)?;
+        // ---- backward: merger and vision tower (unless both frozen) ----
+        if vision_grad {
+            let train = (!cfg.freeze_merger, !cfg.freeze_vision);
+            self.vision_backward(comm, train, &vc, &media_d, grads)?;
         }
         Ok(())
     }

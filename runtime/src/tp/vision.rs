@@ -213,19 +213,25 @@ impl TpModel {
         }
         let mut vc = VisionCache::new(CacheMode::Full);
         let enc = self.encode_impl(comm, items, Some(&mut vc))?;
-        self.vision_backward(comm, &vc, d_embeds, grads)?;
+        self.vision_backward(comm, (true, true), &vc, d_embeds, grads)?;
         Ok(enc)
     }
 
     /// Backward of the merger and the tower from a forward's cache (`encode_impl` with a
-    /// cache): `d_embeds` as in [`TpModel::vision_forward_backward`].
+    /// cache): `d_embeds` as in [`TpModel::vision_forward_backward`]. A part not trained
+    /// (`train_merger`, `train_tower` false) gets no gradient; a frozen merger still passes the
+    /// gradient through to a trained tower.
     pub(crate) fn vision_backward<C: Communicator>(
         &self,
         comm: &C,
+        (train_merger, train_tower): (bool, bool),
         vc: &VisionCache,
         d_embeds: &[f32],
         grads: &mut [f32],
     ) -> Result<(), TpError> {
+        if !train_merger && !train_tower {
+            return Ok(());
+        }
         let w = &self.weights;
         let lay = &w.layout;
         let cfg = &self.plan.config;
@@ -252,6 +258,7 @@ impl TpModel {
             d_merged[i * out_w..(i + 1) * out_w]
                 .copy_from_slice(&d_embeds[gi * out_w..(gi + 1) * out_w]);
         }
+        // a frozen merger passes its input gradient on without gradients of its own
         let lb = |l: &crate::model::weights::Linear,
                   dx: &mut [f32],
                   dy: &[f32],
@@ -259,7 +266,8 @@ impl TpModel {
                   rows: usize,
                   g: &mut [f32]|
          -> Result<(), TpError> {
-            linear_backward(w, l, Some(dx), dy, x, rows, Some(g), false).map_err(train_err)
+            let g = train_merger.then_some(g);
+            linear_backward(w, l, Some(dx), dy, x, rows, g, false).map_err(train_err)
         };
         // mlp.2 row-parallel: the rank's input columns, no communication
         let mut dg = vec![0f32; groups * mh_local];
@@ -289,7 +297,7 @@ impl TpModel {
         let mut dx = vec![0f32; n * vh];
         rmsnorm_bwd(
             &mut dx,
-            Some(grad_of(w, grads, lay.merger_ln)),
+            train_merger.then(|| grad_of(w, grads, lay.merger_ln)),
             &dxn,
             &vc.merger_in,
             w.get(lay.merger_ln),
@@ -299,6 +307,9 @@ impl TpModel {
             false,
         )?;
         drop(dxn);
+        if !train_tower {
+            return Ok(());
+        }
         let heads = self.dims().vision_heads;
         let dims = AttnDims {
             num_heads: heads,
