@@ -766,7 +766,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
     }
 
     /// Whether `task` is a side task of a decode window whose launches wait for the window's
-    /// decode loop (see [`Deferred`]).
+    /// decode loop (see [`DeferQueue`]).
     fn defers(&self, task: &Task) -> bool {
         let Some(w) = task.window else { return false };
         let decode = self.plan.windows.get(w.index()).map(|w| w.decode_stream);
@@ -852,10 +852,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
 
     /// Launches everything still deferred (the walk is over).
     pub fn flush_deferred(&mut self) -> Result<(), ExecError> {
-        while !self.deferred.is_empty() {
-            self.launch_deferred(usize::MAX)?;
-        }
-        Ok(())
+        self.launch_deferred(usize::MAX)
     }
 
     /// One group's share of a per-group prefix op (a deferred task's piece).

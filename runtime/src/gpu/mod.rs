@@ -36,6 +36,7 @@ use rollplex_kernels::cuda::{CudaError, CudaSlice, CudaStream, Gpu};
 use crate::model::{ModelConfig, ModelError, Qwen25VL};
 
 mod block;
+mod block_bwd;
 pub mod generate;
 pub mod plan;
 mod staging;

@@ -67,8 +67,8 @@ use rollplex_kernels::cuda::{
     adamw_step_f32, add_fwd_bf16_inplace, add_rmsnorm_fwd_bf16, attention_bwd_bf16,
     attention_fwd_bf16, embedding_bwd_f32, embedding_fwd_bf16, grad_accumulate_f32, kv_append_bf16,
     linear_fwd_bf16, logprobs_bwd_bf16, logprobs_fwd_bf16, matmul_bf16, rmsnorm_bwd_bf16,
-    rmsnorm_fwd_bf16, rope_bwd_bf16, rope_fwd_bf16, swiglu_bwd_fused_bf16, swiglu_fwd_bf16,
-    AdamWScalars, AttnSeqGpu, CudaError, CudaSlice, CudaStream, Gpu,
+    rmsnorm_fwd_bf16, rope_bwd_bf16, rope_fwd_bf16, swiglu_fwd_bf16, AdamWScalars, AttnSeqGpu,
+    CudaError, CudaSlice, CudaStream, Gpu,
 };
 use rollplex_plan::spec::AdamWSpec;
 
@@ -78,6 +78,7 @@ use crate::train::adamw::{default_decay, lr_at, validate_spec, StepReport};
 use crate::train::loss::{policy_loss, LossBatch, LossMetrics, Normaliser};
 use crate::train::{MicroBatchOutput, ResponseBatch, TrainConfig, TrainError, TrainStepReport};
 
+use super::block_bwd::{BlockBwd, BlockTensor, GradSink, MlpSaved};
 use super::plan::{check_ids, media_slot, PackedPrompts, PromptSpec};
 use super::staging::staged_bytes;
 use super::train_pack::{layout_prefixes, PackGroup, PrefixLayout, SuffixPack};
@@ -353,13 +354,24 @@ struct Grads {
     t: Vec<TrainTensor>,
 }
 
+impl GradSink<BlockTensor> for Grads {
+    fn grad(&mut self, t: BlockTensor) -> std::result::Result<&mut CudaSlice<f32>, GpuError> {
+        self.get(match t {
+            BlockTensor::Weight(l, k) => Slot::Weight(l, k),
+            BlockTensor::Bias(l, k) => Slot::Bias(l, k),
+            BlockTensor::Norm1(l) => Slot::Norm1(l),
+            BlockTensor::Norm2(l) => Slot::Norm2(l),
+        })
+    }
+}
+
 impl Grads {
-    fn get(&mut self, s: Slot) -> Result<&mut CudaSlice<f32>> {
+    fn get(&mut self, s: Slot) -> std::result::Result<&mut CudaSlice<f32>, GpuError> {
         self.t
             .iter_mut()
             .find(|t| t.slot == s)
             .map(|t| &mut t.grad)
-            .ok_or_else(|| GpuError::Input(format!("no trained tensor {s:?}")).into())
+            .ok_or_else(|| GpuError::Input(format!("no trained tensor {s:?}")))
     }
 }
 
@@ -678,32 +690,6 @@ fn layer_fwd(
     Ok(())
 }
 
-/// `grad[out, inp] += dy[rows, out]^T x[rows, inp]` (bf16 GEMM into `scratch`, added in fp32)
-/// and, when the linear has a bias, `bias_grad[out] += Σ_rows dy`.
-#[allow(clippy::too_many_arguments)]
-fn weight_grads(
-    gpu: &Gpu,
-    s: &Arc<CudaStream>,
-    grads: &mut Grads,
-    scratch: &mut CudaSlice<bf16>,
-    ones: &CudaSlice<bf16>,
-    layer: usize,
-    kind: Lin,
-    l: &GpuLinear,
-    dy: &CudaSlice<bf16>,
-    x: &CudaSlice<bf16>,
-    rows: usize,
-) -> Result<()> {
-    let n = l.out * l.inp;
-    matmul_bf16(gpu, s, scratch, dy, x, Gemm::tn(l.out, rows, l.inp))?;
-    grad_accumulate_f32(gpu, s, grads.get(Slot::Weight(layer, kind))?, scratch, n)?;
-    if l.b.is_some() {
-        matmul_bf16(gpu, s, scratch, ones, dy, Gemm::nn(1, rows, l.out))?;
-        grad_accumulate_f32(gpu, s, grads.get(Slot::Bias(layer, kind))?, scratch, l.out)?;
-    }
-    Ok(())
-}
-
 /// How a layer's attention backward meets a kept prefix.
 enum PrefixGrad<'a, 'b> {
     /// Suffix rows attending to `pre`: the prefix keys' gradients are added (fp32) into
@@ -740,78 +726,25 @@ fn layer_bwd(
     let (rows, h, d) = (c.rows, c.hidden, c.dims);
     let (qw, kvw) = (d.q_width(), d.kv_width());
     let row = qw + 2 * kvw;
-    let ffn = b.ffn;
-    // MLP: delta = down(swiglu(gate_up(norm2(x_mid))))
-    let mut dact = alloc::<bf16>(gpu, s, rows * ffn)?;
-    matmul_bf16(gpu, s, &mut dact, &*dx, &b.down.w, Gemm::nn(rows, h, ffn))?;
-    weight_grads(
+    let bb = BlockBwd {
         gpu,
         s,
-        grads,
-        scratch,
-        c.ones,
         layer,
-        Lin::Down,
-        &b.down,
-        &*dx,
-        &a.act,
+        b,
         rows,
-    )?;
-    let mut dgu = alloc::<bf16>(gpu, s, rows * 2 * ffn)?;
-    swiglu_bwd_fused_bf16(gpu, s, &mut dgu, &dact, &a.gu, rows, ffn)?;
-    drop(dact);
-    let mut dxn = alloc::<bf16>(gpu, s, rows * h)?;
-    matmul_bf16(
-        gpu,
-        s,
-        &mut dxn,
-        &dgu,
-        &b.gate_up.w,
-        Gemm::nn(rows, 2 * ffn, h),
-    )?;
-    weight_grads(
-        gpu,
-        s,
-        grads,
-        scratch,
-        c.ones,
-        layer,
-        Lin::GateUp,
-        &b.gate_up,
-        &dgu,
-        &a.xn2,
-        rows,
-    )?;
-    drop(dgu);
-    rmsnorm_bwd_bf16(
-        gpu,
-        s,
-        dx,
-        Some(grads.get(Slot::Norm2(layer))? as &mut dyn DevicePtrMut<f32>),
-        &dxn,
-        &a.x_mid,
-        &b.norm2,
-        &a.rstd2,
-        rows,
-        h,
-        true,
-    )?;
-    // attention: delta = o(attn(rope(qkv(norm1(x_in)))))
-    let mut datt = alloc::<bf16>(gpu, s, rows * qw)?;
-    matmul_bf16(gpu, s, &mut datt, &*dx, &b.o.w, Gemm::nn(rows, h, qw))?;
-    weight_grads(
-        gpu,
-        s,
-        grads,
-        scratch,
-        c.ones,
-        layer,
-        Lin::O,
-        &b.o,
-        &*dx,
-        &a.att,
-        rows,
-    )?;
+        hidden: h,
+        ones: c.ones,
+    };
+    let saved = MlpSaved {
+        x_mid: &a.x_mid,
+        xn2: &a.xn2,
+        rstd2: &a.rstd2,
+        gu: &a.gu,
+        act: &a.act,
+        att: &a.att,
+    };
+    // MLP: delta = down(swiglu(gate_up(norm2(x_mid)))); attention: delta = o(attn(...))
+    let datt = bb.mlp_and_o(grads, scratch, &saved, dx)?;
     let mut dq = alloc::<bf16>(gpu, s, rows * qw)?;
     let mut dk = alloc::<bf16>(gpu, s, rows * kvw)?;
     let mut dv = alloc::<bf16>(gpu, s, rows * kvw)?;
@@ -924,33 +857,7 @@ fn layer_bwd(
         row,
     )?;
     drop((dq, dk, dv));
-    matmul_bf16(gpu, s, &mut dxn, &dqkv, &b.qkv.w, Gemm::nn(rows, row, h))?;
-    weight_grads(
-        gpu,
-        s,
-        grads,
-        scratch,
-        c.ones,
-        layer,
-        Lin::Qkv,
-        &b.qkv,
-        &dqkv,
-        &a.xn1,
-        rows,
-    )?;
-    rmsnorm_bwd_bf16(
-        gpu,
-        s,
-        dx,
-        Some(grads.get(Slot::Norm1(layer))? as &mut dyn DevicePtrMut<f32>),
-        &dxn,
-        x_in,
-        &b.norm1,
-        &a.rstd1,
-        rows,
-        h,
-        true,
-    )?;
+    bb.qkv_and_norm1(grads, scratch, &dqkv, &a.xn1, &a.rstd1, x_in, dx)?;
     Ok(())
 }
 

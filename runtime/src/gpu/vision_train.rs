@@ -55,7 +55,7 @@ use rollplex_kernels::cuda::attention::RowStrides;
 use rollplex_kernels::cuda::{
     add_rmsnorm_fwd_bf16, attention_bwd_bf16, embedding_fwd_bf16, gelu_bwd_bf16, gelu_fwd_bf16,
     grad_accumulate_f32, kv_append_bf16, matmul_bf16, rmsnorm_bwd_bf16, rmsnorm_fwd_bf16,
-    rope_bwd_bf16, swiglu_bwd_fused_bf16, swiglu_fwd_bf16, CudaSlice, CudaStream, Gpu,
+    rope_bwd_bf16, swiglu_fwd_bf16, CudaSlice, CudaStream, Gpu,
 };
 
 use crate::model::config::VISION_RMS_EPS;
@@ -63,6 +63,7 @@ use crate::model::weights::{Layout, Linear, ParamTable};
 use crate::model::{Grid, MediaInput, MediaKind, ParamId, Qwen25VL};
 
 use super::block::linear;
+use super::block_bwd::{linear_grads, BlockBwd, BlockTensor, GradSink, MlpSaved};
 use super::train::Lin;
 use super::vision::{GpuEncodedMedia, VisionAttn, VisionInputs};
 use super::weights::{fuse_linears, GpuBlock, GpuLinear, GpuWeights};
@@ -364,6 +365,23 @@ pub struct VisionGrads {
     t: Vec<VisionGrad>,
 }
 
+impl GradSink<VisionSlot> for VisionGrads {
+    fn grad(&mut self, s: VisionSlot) -> Result<&mut CudaSlice<f32>> {
+        self.grad_mut(s)
+    }
+}
+
+impl GradSink<BlockTensor> for VisionGrads {
+    fn grad(&mut self, t: BlockTensor) -> Result<&mut CudaSlice<f32>> {
+        self.grad_mut(match t {
+            BlockTensor::Weight(l, k) => VisionSlot::Weight(l, k),
+            BlockTensor::Bias(l, k) => VisionSlot::Bias(l, k),
+            BlockTensor::Norm1(l) => VisionSlot::Norm1(l),
+            BlockTensor::Norm2(l) => VisionSlot::Norm2(l),
+        })
+    }
+}
+
 impl VisionGrads {
     /// Zeroed sums for the tower's tensors (`tower`) and the merger's (`merger`) of a model
     /// with this CPU table and layout (the model the `GpuModel` was uploaded from).
@@ -648,30 +666,6 @@ fn block_recompute(
     Ok(())
 }
 
-/// `grads[w] += dy^T x` (`[out, inp]`, a bf16 GEMM into `scratch` added in fp32) and, when
-/// `bias` names a held tensor, `grads[bias] += Σ_rows dy`.
-#[allow(clippy::too_many_arguments)]
-fn linear_grads(
-    gpu: &Gpu,
-    s: &Arc<CudaStream>,
-    grads: &mut VisionGrads,
-    scratch: &mut CudaSlice<bf16>,
-    ones: &CudaSlice<bf16>,
-    (w, bias): (VisionSlot, Option<VisionSlot>),
-    l: &GpuLinear,
-    dy: &CudaSlice<bf16>,
-    x: &CudaSlice<bf16>,
-    rows: usize,
-) -> Result<()> {
-    matmul_bf16(gpu, s, scratch, dy, x, Gemm::tn(l.out, rows, l.inp))?;
-    grad_accumulate_f32(gpu, s, grads.grad_mut(w)?, scratch, l.out * l.inp)?;
-    if let (Some(bs), Some(_)) = (bias, l.b.as_ref()) {
-        matmul_bf16(gpu, s, scratch, ones, dy, Gemm::nn(1, rows, l.out))?;
-        grad_accumulate_f32(gpu, s, grads.grad_mut(bs)?, scratch, l.out)?;
-    }
-    Ok(())
-}
-
 /// Backward of block `layer`: `dx` holds the gradient of the block's output and ends holding
 /// that of its input; the block's parameter gradients are added into `grads`.
 #[allow(clippy::too_many_arguments)]
@@ -690,83 +684,25 @@ fn block_backward(
     let (rows, h, d) = (c.rows, c.hidden, c.dims);
     let (qw, kvw) = (d.q_width(), d.kv_width());
     let row = qw + 2 * kvw;
-    let ffn = b.ffn;
-    // a device linear has a bias exactly when `vision_slots` lists one (both follow the parts)
-    let lin = |k: Lin| {
-        let bias = block_lin(b, k)
-            .b
-            .is_some()
-            .then_some(VisionSlot::Bias(layer, k));
-        (VisionSlot::Weight(layer, k), bias)
+    let bb = BlockBwd {
+        gpu,
+        s,
+        layer,
+        b,
+        rows,
+        hidden: h,
+        ones: c.ones,
     };
-    // MLP: delta = down(swiglu(gate_up(norm2(x_mid))))
-    let mut dact = alloc::<bf16>(gpu, s, rows * ffn)?;
-    matmul_bf16(gpu, s, &mut dact, &*dx, &b.down.w, Gemm::nn(rows, h, ffn))?;
-    linear_grads(
-        gpu,
-        s,
-        grads,
-        scratch,
-        c.ones,
-        lin(Lin::Down),
-        &b.down,
-        dx,
-        &a.act,
-        rows,
-    )?;
-    let mut dgu = alloc::<bf16>(gpu, s, rows * 2 * ffn)?;
-    swiglu_bwd_fused_bf16(gpu, s, &mut dgu, &dact, &a.gu, rows, ffn)?;
-    drop(dact);
-    let mut dxn = alloc::<bf16>(gpu, s, rows * h)?;
-    matmul_bf16(
-        gpu,
-        s,
-        &mut dxn,
-        &dgu,
-        &b.gate_up.w,
-        Gemm::nn(rows, 2 * ffn, h),
-    )?;
-    linear_grads(
-        gpu,
-        s,
-        grads,
-        scratch,
-        c.ones,
-        lin(Lin::GateUp),
-        &b.gate_up,
-        &dgu,
-        &a.xn2,
-        rows,
-    )?;
-    drop(dgu);
-    rmsnorm_bwd_bf16(
-        gpu,
-        s,
-        dx,
-        Some(grads.grad_mut(VisionSlot::Norm2(layer))? as &mut dyn DevicePtrMut<f32>),
-        &dxn,
-        &a.x_mid,
-        &b.norm2,
-        &a.rstd2,
-        rows,
-        h,
-        true,
-    )?;
-    // attention: delta = proj(attn(rope(qkv(norm1(x_in)))))
-    let mut datt = alloc::<bf16>(gpu, s, rows * qw)?;
-    matmul_bf16(gpu, s, &mut datt, &*dx, &b.o.w, Gemm::nn(rows, h, qw))?;
-    linear_grads(
-        gpu,
-        s,
-        grads,
-        scratch,
-        c.ones,
-        lin(Lin::O),
-        &b.o,
-        dx,
-        &a.att,
-        rows,
-    )?;
+    let saved = MlpSaved {
+        x_mid: &a.x_mid,
+        xn2: &a.xn2,
+        rstd2: &a.rstd2,
+        gu: &a.gu,
+        act: &a.act,
+        att: &a.att,
+    };
+    // MLP: delta = down(swiglu(gate_up(norm2(x_mid)))); attention: delta = proj(attn(...))
+    let datt = bb.mlp_and_o(grads, scratch, &saved, dx)?;
     // q, k, v (rotated) into contiguous buffers: the attention backward writes each gradient at
     // its input's row stride, and three views of one fused buffer cannot be borrowed at once
     let (mut q, mut k, mut v) = (
@@ -868,32 +804,7 @@ fn block_backward(
         d.num_heads + d.num_kv_heads,
         d.head_dim,
     )?;
-    matmul_bf16(gpu, s, &mut dxn, &dqkv, &b.qkv.w, Gemm::nn(rows, row, h))?;
-    linear_grads(
-        gpu,
-        s,
-        grads,
-        scratch,
-        c.ones,
-        lin(Lin::Qkv),
-        &b.qkv,
-        &dqkv,
-        &a.xn1,
-        rows,
-    )?;
-    rmsnorm_bwd_bf16(
-        gpu,
-        s,
-        dx,
-        Some(grads.grad_mut(VisionSlot::Norm1(layer))? as &mut dyn DevicePtrMut<f32>),
-        &dxn,
-        x_in,
-        &b.norm1,
-        &a.rstd1,
-        rows,
-        h,
-        true,
-    )?;
+    bb.qkv_and_norm1(grads, scratch, &dqkv, &a.xn1, &a.rstd1, x_in, dx)?;
     Ok(())
 }
 
