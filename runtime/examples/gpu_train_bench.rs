@@ -49,7 +49,7 @@ use rollplex_plan::spec::{
     AdamWSpec, DType, KlEstimator, LossAgg, LrSchedule, ModelSpec, Recompute, SpecialTokens,
     TextDims, VisionDims, WeightsSource,
 };
-use rollplex_runtime::gpu::train::{GpuGroupBatch, GpuTrainer};
+use rollplex_runtime::gpu::train::{GpuGroupBatch, GpuTrainer, PromptMedia};
 use rollplex_runtime::model::Qwen25VL;
 use rollplex_runtime::train::{LossConfig, Normaliser, ResponseBatch, TrainConfig};
 
@@ -410,7 +410,7 @@ fn main() -> Result<()> {
         let gb: Vec<GpuGroupBatch<'_>> = (0..groups)
             .map(|g| GpuGroupBatch {
                 prompt_ids: &b.prompts[g],
-                media: &[],
+                media: PromptMedia::Encoded(&[]),
                 responses: &resp[g],
             })
             .collect();
@@ -431,7 +431,7 @@ fn main() -> Result<()> {
     let gb: Vec<GpuGroupBatch<'_>> = (0..groups)
         .map(|g| GpuGroupBatch {
             prompt_ids: &b.prompts[g],
-            media: &[],
+            media: PromptMedia::Encoded(&[]),
             responses: &resp[g],
         })
         .collect();

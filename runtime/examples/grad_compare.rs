@@ -11,9 +11,9 @@
 //! above `--tol` (default 1e-3) or the policies differ.
 //!
 //! `--backend cuda` runs our CUDA trainer instead (`gpu::train::GpuTrainer`: bf16 weights and
-//! activations, fp32 gradient sums; vision tower and merger frozen, so only the text decoder's
-//! tensors are compared: token embeddings, every decoder layer, final norm, lm head) against
-//! the cases of `grad_compare.py --dtype bfloat16` (PyTorch autograd of the model cast to bf16).
+//! activations, fp32 gradient sums; the whole actor trained: text decoder, merger and vision
+//! tower, every tensor compared) against the cases of `grad_compare.py --dtype bfloat16`
+//! (PyTorch autograd of the model cast to bf16).
 //! The bound is PyTorch's own bf16 error: where the case has `grad_ref_f32.safetensors` (the
 //! same model in float32), a tensor passes when `‖ours - torch_f32‖ / ‖torch_f32‖ <=
 //! max(--bf16-factor (3) x ‖torch_bf16 - torch_f32‖ / ‖torch_f32‖, --tol)`, i.e. our bf16
@@ -30,10 +30,8 @@ use std::process::ExitCode;
 use anyhow::{anyhow, bail, Context, Result};
 use rollplex_kernels::cuda::Gpu;
 use rollplex_plan::spec::{AdamWSpec, KlEstimator, LossAgg, LrSchedule, Recompute};
-use rollplex_runtime::gpu::train::{GpuGroupBatch, GpuTrainer};
-use rollplex_runtime::gpu::GpuEncodedMedia;
-use rollplex_runtime::model::weights::Layout;
-use rollplex_runtime::model::{MediaInput, MediaKind, ParamId, Qwen25VL};
+use rollplex_runtime::gpu::train::{GpuGroupBatch, GpuTrainer, PromptMedia};
+use rollplex_runtime::model::{MediaInput, MediaKind, Qwen25VL};
 use rollplex_runtime::train::{
     forward_backward, GroupBatch, LossConfig, Normaliser, ResponseBatch, TrainConfig,
 };
@@ -186,22 +184,8 @@ struct CaseResult {
     passed: bool,
 }
 
-/// The text decoder's parameters (what the CUDA trainer trains).
-fn text_ids(l: &Layout) -> Vec<ParamId> {
-    let mut ids = vec![l.embed, l.lm_head, l.final_norm];
-    for p in &l.text_layers {
-        ids.push(p.norm1);
-        ids.push(p.norm2);
-        for lin in [&p.q, &p.k, &p.v, &p.o, &p.gate, &p.up, &p.down] {
-            ids.push(lin.w);
-            ids.extend(lin.b);
-        }
-    }
-    ids
-}
-
-/// The CUDA trainer's gradient (CPU layout, frozen tensors zero), loss and log-probs of the
-/// group.
+/// The CUDA trainer's gradient (CPU layout) of the whole actor (text decoder, merger and
+/// vision tower all trained), loss and log-probs of the group.
 fn cuda_grads(
     model: &Qwen25VL,
     loss: &LossConfig,
@@ -216,8 +200,8 @@ fn cuda_grads(
     let cfg = TrainConfig {
         loss: loss.clone(),
         recompute: Recompute::Full,
-        freeze_vision: true,
-        freeze_merger: true,
+        freeze_vision: false,
+        freeze_merger: false,
         temperature,
     };
     // no optimizer step is taken; the spec only has to be valid
@@ -231,11 +215,9 @@ fn cuda_grads(
         lr_schedule: LrSchedule::Constant,
     };
     let mut tr = GpuTrainer::new(&gpu, &s, model, cfg, adamw)?;
-    let enc = tr.model().encode_media(&gpu, &s, items)?;
-    let refs: Vec<&GpuEncodedMedia> = enc.iter().collect();
     let group = [GpuGroupBatch {
         prompt_ids: ids,
-        media: &refs,
+        media: PromptMedia::Raw(items),
         responses,
     }];
     let out = tr.micro_batch(&gpu, &s, 0, &group, norm)?;
@@ -434,13 +416,8 @@ fn run_case(dir: &Path, backend: Backend, bound: Bound, quiet: bool) -> Result<C
 
     let mut tensors = Vec::new();
     let n_entries = model.weights.table.entries().len();
-    // tensors we must compare: all (CPU) or the text decoder's (CUDA: vision frozen)
-    let mut wanted = vec![backend == Backend::Cpu; n_entries];
-    if backend == Backend::Cuda {
-        for id in text_ids(&model.weights.layout) {
-            wanted[id.0 as usize] = true;
-        }
-    }
+    // every tensor is compared: both backends train the whole actor here
+    let wanted = vec![true; n_entries];
     let mut seen = vec![false; n_entries];
     let mut skipped = 0;
     for tname in rf.names() {

@@ -5,7 +5,7 @@
 # Needs python with torch + transformers (PYTHON=..., default python3) and cargo.
 # DEVICE=cuda runs the PyTorch side on a GPU (float32, TF32 off); AGG picks the aggregation
 # (token_mean, seq_mean_token_mean, seq_mean_token_sum); TOL the per-tensor relative L2 bound.
-# BACKEND=cuda compares our CUDA trainer (bf16, vision frozen: text decoder tensors only) with
+# BACKEND=cuda compares our CUDA trainer (bf16, the whole actor trained: every tensor) with
 # PyTorch in bfloat16 on the GPU (make_tiny_bf16's cases; the bound is 3x PyTorch's own bf16
 # error against its float32 run, or TOL, default 1e-2); needs a CUDA device.
 set -euo pipefail

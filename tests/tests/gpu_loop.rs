@@ -13,7 +13,7 @@ use rollplex_plan::spec::Mode;
 use rollplex_plan::Plan;
 use rollplex_runtime::exec::{self, gpu, IterationResult};
 
-fn run_gpu(plan: &Plan, iterations: u32) -> (Vec<IterationResult>, Vec<u16>) {
+fn run_gpu(plan: &Plan, iterations: u32) -> (Vec<IterationResult>, gpu::WeightBits) {
     let spec = &plan.spec;
     let mut models = gpu::build_gpu_models(spec).expect("GPU models");
     let mut source = exec::data_source(spec, &spec.rollout.dataset).expect("data");
@@ -39,7 +39,7 @@ fn run_gpu(plan: &Plan, iterations: u32) -> (Vec<IterationResult>, Vec<u16>) {
         },
     )
     .expect("GPU run");
-    (results, models.text_weight_bits().expect("weights"))
+    (results, models.weight_bits().expect("weights"))
 }
 
 fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
@@ -56,12 +56,22 @@ fn obits(v: &[Option<Vec<f32>>]) -> Vec<Option<Vec<u32>>> {
 
 #[test]
 fn cuda_serial_and_overlap_plans_give_bitwise_identical_training() {
+    serial_and_overlap_bitwise(&common::overlap_small_frozen());
+}
+
+/// The same with the vision tower and merger trained (the trainer encodes each prompt's media
+/// itself and backpropagates into them).
+#[test]
+fn cuda_serial_and_overlap_plans_train_the_tower_bitwise_identically() {
+    serial_and_overlap_bitwise(&common::overlap_small());
+}
+
+fn serial_and_overlap_bitwise(src: &str) {
     if common::gpu_device().is_none() {
         return;
     }
-    let src = common::overlap_small_frozen();
-    let serial = common::compile("overlap_small.rpx", &src, Mode::Serial);
-    let overlap = common::compile("overlap_small.rpx", &src, Mode::Overlap);
+    let serial = common::compile("overlap_small.rpx", src, Mode::Serial);
+    let overlap = common::compile("overlap_small.rpx", src, Mode::Overlap);
     let side_work = |p: &Plan| {
         p.tasks
             .iter()
@@ -111,9 +121,17 @@ fn cuda_serial_and_overlap_plans_give_bitwise_identical_training() {
     assert!(a.1 == b.1, "final weights differ");
     // the weights really moved, or the comparison above proves little
     let initial = gpu::build_gpu_models(&serial.spec)
-        .and_then(|m| m.text_weight_bits())
+        .and_then(|m| m.weight_bits())
         .expect("initial weights");
     assert!(initial != a.1, "training changed the weights");
+    // the vision tower's and merger's weights moved exactly when they train
+    let t = &serial.spec.train;
+    let frozen = t.freeze_vision && t.freeze_merger;
+    let vision_moved = initial.vision != a.1.vision;
+    assert_eq!(
+        vision_moved, !frozen,
+        "vision weights moved: {vision_moved}"
+    );
 }
 
 #[test]

@@ -34,6 +34,11 @@ fn plan() -> Plan {
     )
 }
 
+/// [`plan`] with the vision tower and merger trained.
+fn plan_tower() -> Plan {
+    common::compile("overlap_small.rpx", &common::overlap_small(), Mode::Overlap)
+}
+
 /// Runs iterations `first .. first + count` on `models`.
 fn run(plan: &Plan, models: &mut gpu::GpuModels, first: u32, count: u32) -> Vec<IterationResult> {
     let spec = &plan.spec;
@@ -104,10 +109,19 @@ fn assert_same_iteration(i: u32, x: &IterationResult, y: &IterationResult) {
 
 #[test]
 fn cuda_two_plus_resume_to_four_equals_four_bitwise() {
+    two_plus_resume(plan());
+}
+
+/// With the tower and merger trained: their masters and moments go through the checkpoint too.
+#[test]
+fn cuda_two_plus_resume_to_four_trains_the_tower_bitwise() {
+    two_plus_resume(plan_tower());
+}
+
+fn two_plus_resume(plan: Plan) {
     if common::gpu_device().is_none() {
         return;
     }
-    let plan = plan();
     let spec = &plan.spec;
     let dir = common::Scratch::new("gpu-resume-lib");
     let root = dir.path().join(checkpoint::CHECKPOINTS_DIR);
@@ -116,7 +130,7 @@ fn cuda_two_plus_resume_to_four_equals_four_bitwise() {
     let (a, a_bits) = {
         let mut models = gpu::build_gpu_models(spec).expect("GPU models");
         let r = run(&plan, &mut models, 0, 4);
-        (r, models.text_weight_bits().expect("weights"))
+        (r, models.weight_bits().expect("weights"))
     };
 
     // Two iterations, a checkpoint, and the models dropped.
@@ -130,7 +144,7 @@ fn cuda_two_plus_resume_to_four_equals_four_bitwise() {
         let path = checkpoint::save_gpu(&root, 2, &models, &mut host, &identity, 0)
             .expect("save the checkpoint");
         println!("checkpoint: {}", path.display());
-        (r, models.text_weight_bits().expect("weights"))
+        (r, models.weight_bits().expect("weights"))
     };
     for i in 0..2 {
         assert_same_iteration(i as u32, &a[i], &b_first[i]);
@@ -138,26 +152,28 @@ fn cuda_two_plus_resume_to_four_equals_four_bitwise() {
 
     // Fresh models from the initial actor, resumed from the checkpoint.
     let fresh = gpu::build_gpu_models_from(spec, &actor).expect("GPU models");
-    let initial_bits = fresh.text_weight_bits().expect("weights");
+    let initial_bits = fresh.weight_bits().expect("weights");
     let ckpt = checkpoint::resolve(dir.path()).expect("the checkpoint");
     let mut r = checkpoint::load_gpu(&ckpt, &identity, fresh).expect("resume");
     assert_eq!(r.completed, 2);
     assert_eq!(r.models.trainer.steps(), 2, "optimizer steps restored");
-    let resumed_bits = r.models.text_weight_bits().expect("weights");
+    let resumed_bits = r.models.weight_bits().expect("weights");
     assert!(
         initial_bits != saved_bits,
         "two iterations changed the weights, or the comparisons prove little"
     );
-    let differ = resumed_bits
-        .iter()
-        .zip(&saved_bits)
-        .filter(|(x, y)| x != y)
-        .count();
-    assert!(
-        differ == 0 && resumed_bits.len() == saved_bits.len(),
-        "the bf16 compute copy after the resume differs from the saving run's in {differ} of {} values",
-        saved_bits.len()
-    );
+    for (what, r, s) in [
+        ("vision", &resumed_bits.vision, &saved_bits.vision),
+        ("text", &resumed_bits.text, &saved_bits.text),
+    ] {
+        let differ = r.iter().zip(s).filter(|(x, y)| x != y).count();
+        assert!(
+            differ == 0 && r.len() == s.len(),
+            "the {what} bf16 compute copy after the resume differs from the saving run's in \
+             {differ} of {} values",
+            s.len()
+        );
+    }
     let b = run(&plan, &mut r.models, 2, 2);
     for (k, (x, y)) in a[2..].iter().zip(&b).enumerate() {
         assert_same_iteration(2 + k as u32, x, y);
@@ -167,7 +183,7 @@ fn cuda_two_plus_resume_to_four_equals_four_bitwise() {
         a[3].metrics.loss.loss.to_bits(),
         "the iterations differ from one another"
     );
-    let b_bits = r.models.text_weight_bits().expect("weights");
+    let b_bits = r.models.weight_bits().expect("weights");
     assert!(a_bits == b_bits, "final weights differ");
 
     // The same checkpoint loads on the CPU backend (numbers then follow the CPU engine).

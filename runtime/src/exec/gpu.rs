@@ -18,9 +18,11 @@
 //!   `copies` per group (one shared by the group's samples with prefix dedup, one per sample
 //!   without: what veRL recomputes), every layer's input and K/V kept in the iteration's
 //!   [`TrainPrefixes`] (`GpuTrainer::prefix_forward`). These tasks are where the plan puts the
-//!   actor's prefix work into decode windows.
-//! - `TrainMicroBatch` / `OptimizerStep`: [`GpuTrainer`] (text decoder; vision and merger
-//!   frozen): the suffixes' forward over the kept prompts, backward through both
+//!   actor's prefix work into decode windows. With the tower or merger trained, each task
+//!   encodes its groups' media itself (keeping what the vision backward needs) instead of
+//!   reading the shared encoding.
+//! - `TrainMicroBatch` / `OptimizerStep`: [`GpuTrainer`]: the suffixes' forward over the kept
+//!   prompts, backward through both and, unless frozen, the merger and tower
 //!   (`micro_batch_prefixed`). Its model *is* the actor: rollout reads the weights
 //!   `optimizer_step` writes, so `WeightSync` has nothing to copy at TP 1.
 //!
@@ -66,7 +68,7 @@ use super::walker::{self, TaskRunner};
 use super::{ExecError, IterationMetrics, IterationResult, LoopModels, LoopObserver, PromptData};
 use crate::gpu::streams::{Priority as PartPriority, StreamSet};
 use crate::gpu::text::DeviceScores;
-use crate::gpu::train::{GpuTrainError, GpuTrainer, PrefixedGroup, TrainPrefixes};
+use crate::gpu::train::{GpuTrainError, GpuTrainer, PrefixedGroup, PromptMedia, TrainPrefixes};
 use crate::gpu::{GpuEncodedMedia, GpuError, GpuKvArena, GpuModel, GpuPrefixState, GpuPrompt};
 use crate::model::{DecodeSlot, GenerateConfig, MediaInput, Qwen25VL, SamplingParams};
 
@@ -110,29 +112,55 @@ pub struct GpuModels {
 }
 
 impl GpuModels {
-    /// The bits of the actor's text-decoder weights as the device holds them (bf16 compute
-    /// copy: token embeddings, every layer's norms and linears, final norm, untied lm head), in
-    /// that order. For comparing runs bitwise; synchronises.
-    pub fn text_weight_bits(&self) -> Result<Vec<u16>, ExecError> {
+    /// The bits of the actor's weights as the device holds them (bf16 compute copy), for
+    /// comparing runs bitwise; synchronises.
+    pub fn weight_bits(&self) -> Result<WeightBits, ExecError> {
         let w = &self.trainer.model().weights;
         let s = &self.stream;
-        let mut bufs: Vec<&CudaSlice<bf16>> = vec![&w.embed];
-        for b in &w.text {
-            bufs.extend([&b.norm1, &b.norm2]);
-            for l in [&b.qkv, &b.o, &b.gate_up, &b.down] {
-                bufs.push(&l.w);
-                bufs.extend(l.b.as_ref());
+        let mut vision: Vec<&CudaSlice<bf16>> = vec![&w.patch_embed];
+        vision.extend(w.vision.iter().flat_map(block_bufs));
+        vision.extend([&w.merger_ln, &w.merger_fc1.w]);
+        vision.extend(w.merger_fc1.b.as_ref());
+        vision.push(&w.merger_fc2.w);
+        vision.extend(w.merger_fc2.b.as_ref());
+        let mut text = vec![&w.embed];
+        text.extend(w.text.iter().flat_map(block_bufs));
+        text.push(&w.final_norm);
+        text.extend(w.lm_head.as_ref());
+        let bits = |bufs: Vec<&CudaSlice<bf16>>| -> Result<Vec<u16>, ExecError> {
+            let mut out = Vec::new();
+            for b in bufs {
+                out.extend(s.clone_dtoh(b)?.into_iter().map(|x| x.to_bits()));
             }
-        }
-        bufs.push(&w.final_norm);
-        bufs.extend(w.lm_head.as_ref());
-        let mut out = Vec::new();
-        for b in bufs {
-            out.extend(s.clone_dtoh(b)?.into_iter().map(|x| x.to_bits()));
-        }
+            Ok(out)
+        };
+        let out = WeightBits {
+            vision: bits(vision)?,
+            text: bits(text)?,
+        };
         s.synchronize()?;
         Ok(out)
     }
+}
+
+/// The bits of a model's bf16 weights on the device ([`GpuModels::weight_bits`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WeightBits {
+    /// The patch embedding, every vision block's norms and linears (weight, bias), the merger.
+    pub vision: Vec<u16>,
+    /// The token embeddings, every decoder layer's norms and linears, final norm, untied lm
+    /// head.
+    pub text: Vec<u16>,
+}
+
+/// A block's weight buffers: norms, then each linear's weight and bias.
+fn block_bufs(b: &crate::gpu::weights::GpuBlock) -> Vec<&CudaSlice<bf16>> {
+    let mut v = vec![&b.norm1, &b.norm2];
+    for l in [&b.qkv, &b.o, &b.gate_up, &b.down] {
+        v.push(&l.w);
+        v.extend(l.b.as_ref());
+    }
+    v
 }
 
 /// Opens GPU 0 and builds the job's models on it: the actor (random or from its checkpoint,
@@ -956,7 +984,14 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
         groups: &[usize],
         copies: u32,
     ) -> Result<(), ExecError> {
-        let media = self.actor_media(s, groups)?;
+        // a trained tower or merger: the trainer encodes each prompt's media itself, keeping
+        // what its backward needs; frozen: the actor's shared encoding
+        let trains_vision = self.models.trainer.trains_vision();
+        let media = if trains_vision {
+            Vec::new()
+        } else {
+            self.actor_media(s, groups)?
+        };
         let copies = copies.max(1);
         if self.train_prefixes.is_none() {
             let lens: Vec<(usize, u32)> = self
@@ -977,15 +1012,20 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             )));
         }
         for (i, &g) in groups.iter().enumerate() {
-            let refs: Vec<&GpuEncodedMedia> = media[i].iter().collect();
-            self.models.trainer.prefix_forward(
-                &self.models.gpu,
-                s,
-                store,
-                g,
-                &self.book.prompts[g].ids,
-                &refs,
-            )?;
+            let prompt = &self.book.prompts[g];
+            let (refs, raw): (Vec<&GpuEncodedMedia>, Vec<MediaInput<'_>>) = if trains_vision {
+                (Vec::new(), Self::media_inputs(prompt))
+            } else {
+                (media[i].iter().collect(), Vec::new())
+            };
+            let m = if trains_vision {
+                PromptMedia::Raw(&raw)
+            } else {
+                PromptMedia::Encoded(&refs)
+            };
+            self.models
+                .trainer
+                .prefix_forward(&self.models.gpu, s, store, g, &prompt.ids, m)?;
         }
         Ok(())
     }

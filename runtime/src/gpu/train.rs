@@ -1,16 +1,20 @@
-//! The actor's training step on CUDA for the text decoder (vision tower and merger frozen; the
-//! media embeddings come from the GPU forward, `GpuModel::encode_media`): forward over a
-//! micro-batch of GRPO groups, per-token log-probs, the policy loss and its gradient, backward
-//! through the lm head, every decoder layer and the token embeddings into fp32 gradients summed
-//! over micro-batches, then the global grad-norm clip and `adamw_step_f32` on fp32 masters with
-//! the bf16 compute copy (the model's own weight buffers) written by the same kernel.
+//! The actor's training step on CUDA: forward over a micro-batch of GRPO groups, per-token
+//! log-probs, the policy loss and its gradient, backward through the lm head, every decoder
+//! layer, the token embeddings and (unless the pipeline freezes them) the merger and the vision
+//! tower (`vision_train.rs`) into fp32 gradients summed over micro-batches, then the global
+//! grad-norm clip and `adamw_step_f32` on fp32 masters with the bf16 compute copy (the model's
+//! own weight buffers) written by the same kernel.
 //!
 //! ```text
 //! let mut t = GpuTrainer::new(&gpu, &stream, &cpu_model, train_cfg, adamw_spec)?;
-//! let media = t.model().encode_media(&gpu, &stream, &items)?;   // frozen: no gradient
+//! // a frozen tower: the media's embeddings, shared with the rollout
+//! let media = t.model().encode_media(&gpu, &stream, &items)?;
+//! let m = PromptMedia::Encoded(&refs);         // refs: &[&GpuEncodedMedia] of `media`
+//! // a trained tower or merger: the media themselves (the prompt forward encodes them)
+//! let m = PromptMedia::Raw(&items);
 //! // with kept prompt forwards (the executor: ActorPrefix{Train} tasks, maybe in decode windows)
 //! let mut store = TrainPrefixes::new(&gpu, &stream, t.model(), &[(prompt_len, copies), ..])?;
-//! t.prefix_forward(&gpu, &stream, &mut store, group, prompt_ids, &media)?;
+//! t.prefix_forward(&gpu, &stream, &mut store, group, prompt_ids, m)?;
 //! t.micro_batch_prefixed(&gpu, &stream, 0, &[PrefixedGroup { group, responses }], norm, &store)?;
 //! // or, self-contained: each group's prompt runs inside the call
 //! t.micro_batch(&gpu, &stream, 1, &groups, norm)?;              // plan order 0, 1, ...
@@ -27,7 +31,12 @@
 //! gradients in fp32), then each group's prompt rows, recomputed from their kept inputs, with
 //! those gradients added to their own K/V gradients; the prompt's top row starts from token 0's
 //! gradients (summed over the copy's responses in response order). Every GRPO group is whole in
-//! one micro-batch (the executor refuses other splits), so a prompt's backward runs once.
+//! one micro-batch (the executor refuses other splits), so a prompt's backward runs once. With
+//! the tower or merger trained, the prompt forward encodes the group's media once with
+//! `encode_media_train` (bitwise `encode_media`'s embeddings; the copies share them) and keeps
+//! its state; after the token embeddings' backward, each group's media rows' gradients, summed
+//! over its copies (`gather_sum_rows`, fp32, copy order), go through `vision_backward` into
+//! the same fp32 sums (group order).
 //!
 //! Activations: each layer's input (bf16 residual stream) is kept, the prompt's in the store, the
 //! suffix's per micro-batch; backward recomputes the layer from it (`Recompute::Full` of the CPU
@@ -73,7 +82,7 @@ use rollplex_kernels::cuda::{
 use rollplex_plan::spec::AdamWSpec;
 
 use crate::model::weights::{Layout, ParamTable};
-use crate::model::Qwen25VL;
+use crate::model::{MediaInput, Qwen25VL};
 use crate::train::adamw::{default_decay, lr_at, validate_spec, StepReport};
 use crate::train::loss::{policy_loss, LossBatch, LossMetrics, Normaliser};
 use crate::train::{MicroBatchOutput, ResponseBatch, TrainConfig, TrainError, TrainStepReport};
@@ -83,6 +92,10 @@ use super::plan::{check_ids, media_slot, PackedPrompts, PromptSpec};
 use super::staging::staged_bytes;
 use super::train_pack::{layout_prefixes, PackGroup, PrefixLayout, SuffixPack};
 use super::vision::GpuEncodedMedia;
+use super::vision_train::{
+    vision_backward, vision_cpu_parts, vision_host_values, vision_slot_meta, vision_slots,
+    vision_weight_mut, VisionSink, VisionSlot, VisionTrainState,
+};
 use super::weights::{fuse_linears, GpuBlock, GpuLinear, GpuWeights};
 use super::{alloc, download, upload, GpuError, GpuModel};
 
@@ -109,12 +122,25 @@ impl From<cudarc::driver::DriverError> for GpuTrainError {
 
 pub type Result<T> = std::result::Result<T, GpuTrainError>;
 
-/// A GRPO group for the GPU step: a prompt, its media encoded on the device (frozen tower: no
-/// gradient flows into them) and its responses with their training inputs.
+/// A prompt's media as the trainer takes them.
+#[derive(Clone, Copy)]
+pub enum PromptMedia<'a> {
+    /// Embeddings of the frozen tower and merger (`GpuModel::encode_media`, shared with the
+    /// rollout): no gradient flows into them. Refused when the trainer trains either.
+    Encoded(&'a [&'a GpuEncodedMedia]),
+    /// The media themselves: the prompt forward encodes them with the trainer's current
+    /// weights, once per prompt (its copies share the encoding), keeping what the vision
+    /// backward needs when the tower or merger trains; the micro-batch's backward then sums the
+    /// copies' media-row gradients and runs the merger's and tower's backward.
+    Raw(&'a [MediaInput<'a>]),
+}
+
+/// A GRPO group for the GPU step: a prompt, its media and its responses with their training
+/// inputs.
 #[derive(Clone, Copy)]
 pub struct GpuGroupBatch<'a> {
     pub prompt_ids: &'a [u32],
-    pub media: &'a [&'a GpuEncodedMedia],
+    pub media: PromptMedia<'a>,
     pub responses: &'a [ResponseBatch<'a>],
 }
 
@@ -314,6 +340,8 @@ pub enum Slot {
     Norm2(usize),
     Weight(usize, Lin),
     Bias(usize, Lin),
+    /// A tensor of the vision tower or merger (trained unless the pipeline freezes it).
+    Vision(VisionSlot),
 }
 
 struct TrainTensor {
@@ -346,6 +374,7 @@ fn weight_mut(w: &mut GpuWeights, s: Slot) -> Option<&mut CudaSlice<bf16>> {
         Slot::Norm2(l) => Some(&mut w.text[l].norm2),
         Slot::Weight(l, k) => Some(&mut lin_of_mut(&mut w.text[l], k).w),
         Slot::Bias(l, k) => lin_of_mut(&mut w.text[l], k).b.as_mut(),
+        Slot::Vision(v) => vision_weight_mut(w, v),
     }
 }
 
@@ -372,6 +401,51 @@ impl Grads {
             .find(|t| t.slot == s)
             .map(|t| &mut t.grad)
             .ok_or_else(|| GpuError::Input(format!("no trained tensor {s:?}")))
+    }
+}
+
+/// The trainer's gradient sums seen by the vision backward: a block's tensors are the vision
+/// tower's (`Slot::Vision`), not the decoder's.
+struct VisionView<'a>(&'a mut Grads);
+
+impl GradSink<VisionSlot> for VisionView<'_> {
+    fn grad(&mut self, v: VisionSlot) -> std::result::Result<&mut CudaSlice<f32>, GpuError> {
+        self.0.get(Slot::Vision(v))
+    }
+}
+
+impl GradSink<BlockTensor> for VisionView<'_> {
+    fn grad(&mut self, t: BlockTensor) -> std::result::Result<&mut CudaSlice<f32>, GpuError> {
+        self.0.get(Slot::Vision(match t {
+            BlockTensor::Weight(l, k) => VisionSlot::Weight(l, k),
+            BlockTensor::Bias(l, k) => VisionSlot::Bias(l, k),
+            BlockTensor::Norm1(l) => VisionSlot::Norm1(l),
+            BlockTensor::Norm2(l) => VisionSlot::Norm2(l),
+        }))
+    }
+}
+
+impl VisionSink for VisionView<'_> {
+    fn holds_tower(&self) -> bool {
+        self.0
+            .t
+            .iter()
+            .any(|t| matches!(t.slot, Slot::Vision(v) if v.in_tower()))
+    }
+    fn holds_merger(&self) -> bool {
+        self.0
+            .t
+            .iter()
+            .any(|t| matches!(t.slot, Slot::Vision(v) if !v.in_tower()))
+    }
+    fn max_numel(&self) -> usize {
+        self.0
+            .t
+            .iter()
+            .filter(|t| matches!(t.slot, Slot::Vision(_)))
+            .map(|t| t.numel)
+            .max()
+            .unwrap_or(1)
     }
 }
 
@@ -421,8 +495,19 @@ struct KeptPrefix {
     sin: CudaSlice<f32>,
     /// One causal sequence per copy, rows from 0.
     seqs: CudaSlice<AttnSeqGpu>,
-    /// Prompt ids with media rows set to `vocab` (the embedding backward skips them: frozen tower).
+    /// Prompt ids with media rows set to `vocab` (the embedding backward skips them: their
+    /// gradient goes to the vision backward, or nowhere when the tower and merger are frozen).
     bwd_ids: CudaSlice<u32>,
+    /// The media's training forward when the tower or merger trains.
+    vision: Option<KeptVision>,
+}
+
+/// A prompt's media encoding kept for the vision backward.
+struct KeptVision {
+    state: VisionTrainState,
+    /// Per media token (the items' tokens in item order), its row in each copy of the prompt
+    /// (copy order), rows of the group's prompt store rows.
+    rows: Vec<Vec<u32>>,
 }
 
 impl TrainPrefixes {
@@ -896,6 +981,10 @@ fn host_values(model: &Qwen25VL, s: Slot) -> Option<(Vec<f32>, String, Vec<usize
             let id = ps.iter().find_map(|p| p.b)?;
             Some((b?, w.table.entry(id).name.clone(), vec![out]))
         }
+        Slot::Vision(v) => {
+            let (name, shape) = vision_slot_meta(&w.table, l, v);
+            Some((vision_host_values(model, v), name, shape))
+        }
     }
 }
 
@@ -939,12 +1028,14 @@ fn cpu_parts(layout: &Layout, s: Slot) -> Vec<(crate::model::ParamId, usize, usi
                 })
                 .collect()
         }
+        Slot::Vision(v) => vision_cpu_parts(layout, v),
     }
 }
 
 /// The trained slots of a model on the device, in the trainer's fixed order: embeddings, the
-/// untied lm head, the final norm, then per layer its norms and fused linears with their biases.
-fn train_slots(layout: &Layout) -> Vec<Slot> {
+/// untied lm head, the final norm, per layer its norms and fused linears with their biases,
+/// then the vision tower's and the merger's unless frozen ([`vision_slots`]' order).
+fn train_slots(layout: &Layout, cfg: &TrainConfig) -> Vec<Slot> {
     let mut slots = vec![Slot::Embed];
     if layout.lm_head != layout.embed {
         slots.push(Slot::LmHead);
@@ -966,6 +1057,12 @@ fn train_slots(layout: &Layout) -> Vec<Slot> {
             }
         }
     }
+    let (tower, merger) = (!cfg.freeze_vision, !cfg.freeze_merger);
+    slots.extend(
+        vision_slots(layout, tower, merger)
+            .into_iter()
+            .map(Slot::Vision),
+    );
     slots
 }
 
@@ -1060,7 +1157,8 @@ pub struct GpuTrainState {
 
 impl GpuTrainer {
     /// Uploads `model` (bf16 compute copy; fp32 masters from its f32 weights) and zeroed
-    /// moments and gradients. The vision tower and merger must be frozen.
+    /// moments and gradients, for every tensor the configuration trains (the text decoder, and
+    /// the vision tower and merger unless `freeze_vision` / `freeze_merger`).
     pub fn new(
         gpu: &Gpu,
         stream: &Arc<CudaStream>,
@@ -1068,14 +1166,6 @@ impl GpuTrainer {
         cfg: TrainConfig,
         spec: AdamWSpec,
     ) -> Result<Self> {
-        if !cfg.freeze_vision || !cfg.freeze_merger {
-            return Err(TrainError::Invalid(
-                "the CUDA training step trains the text decoder only: set freeze_vision and \
-                 freeze_merger (vision backward runs on the CPU backend)"
-                    .into(),
-            )
-            .into());
-        }
         if !(cfg.temperature > 0.0 && cfg.temperature.is_finite()) {
             return Err(TrainError::Invalid(format!(
                 "temperature {} must be positive and finite",
@@ -1086,7 +1176,7 @@ impl GpuTrainer {
         cfg.loss.validate()?;
         validate_spec(&spec)?;
         let gm = GpuModel::upload(gpu, stream, model)?;
-        let slots = train_slots(&model.weights.layout);
+        let slots = train_slots(&model.weights.layout, &cfg);
         let mut t = Vec::with_capacity(slots.len());
         let mut biggest = 0usize;
         for s in slots {
@@ -1153,7 +1243,7 @@ impl GpuTrainer {
     }
 
     /// The trainer's state on the host (synchronises): the fp32 masters written into `into`'s
-    /// trained tensors (the text decoder; its frozen tensors are left as they are, so `into`
+    /// trained tensors (its frozen tensors are left as they are, so `into`
     /// should hold the weights the trainer was built from), and per trained CPU-model tensor
     /// its master and AdamW moments, with the optimizer step. The device's bf16 compute copy
     /// is the round-to-nearest-even of the masters (`adamw_step_f32`, `GpuWeights::upload`),
@@ -1336,7 +1426,7 @@ impl GpuTrainer {
         store: &mut TrainPrefixes,
         group: usize,
         prompt_ids: &[u32],
-        media: &[&GpuEncodedMedia],
+        media: PromptMedia<'_>,
     ) -> Result<()> {
         let lay = store.layout(group)?;
         if prompt_ids.len() != lay.len {
@@ -1347,6 +1437,32 @@ impl GpuTrainer {
             ))
             .into());
         }
+        let owned;
+        let mut vision_state = None;
+        let media: Vec<&GpuEncodedMedia> = match media {
+            PromptMedia::Encoded(m) => {
+                if self.trains_vision() && !m.is_empty() {
+                    return Err(TrainError::Invalid(
+                        "this trainer trains the vision tower or merger: give the prompt's \
+                         media as PromptMedia::Raw (embeddings of a frozen tower carry no \
+                         gradient)"
+                            .into(),
+                    )
+                    .into());
+                }
+                m.to_vec()
+            }
+            PromptMedia::Raw(items) => {
+                owned = if self.trains_vision() && !items.is_empty() {
+                    let (e, st) = self.model.encode_media_train(gpu, s, items)?;
+                    vision_state = Some(st);
+                    e
+                } else {
+                    self.model.encode_media(gpu, s, items)?
+                };
+                owned.iter().collect()
+            }
+        };
         let cfg = &self.model.config;
         let t = cfg.text();
         let (h, vocab) = (t.hidden_size as usize, t.vocab_size as usize);
@@ -1367,7 +1483,7 @@ impl GpuTrainer {
             ))
             .into());
         }
-        for m in media {
+        for m in &media {
             if m.embeds.len() < m.tokens * h {
                 return Err(GpuError::Input(format!(
                     "a media item holds {} embedding values, expected {} x {h}",
@@ -1413,7 +1529,7 @@ impl GpuTrainer {
             let mut cat = alloc::<bf16>(gpu, s, media_tokens * h)?;
             let mut off = 0;
             for _ in 0..lay.copies {
-                for m in media {
+                for m in &media {
                     let n = m.tokens * h;
                     s.memcpy_dtod(&m.embeds.slice(..n), &mut cat.slice_mut(off..off + n))?;
                     off += n;
@@ -1465,6 +1581,18 @@ impl GpuTrainer {
                 &mut store.last.slice_mut(u * h..(u + 1) * h),
             )?;
         }
+        // the media rows are copy-major (each copy's items in order): token i of copy c is
+        // media row c * per_copy + i
+        let vision = vision_state.map(|state| KeptVision {
+            state,
+            rows: (0..per_copy)
+                .map(|i| {
+                    (0..lay.copies)
+                        .map(|c| p.media_rows[c * per_copy + i])
+                        .collect()
+                })
+                .collect(),
+        });
         store.kept[group] = Some(KeptPrefix {
             version: self.steps,
             rope_delta: p.deltas[0],
@@ -1472,6 +1600,7 @@ impl GpuTrainer {
             sin,
             seqs,
             bwd_ids,
+            vision,
         });
         Ok(())
     }
@@ -1882,7 +2011,7 @@ impl GpuTrainer {
                 )?;
             }
         }
-        // ---- backward: token embeddings (media rows skipped: the tower is frozen) ----
+        // ---- backward: token embeddings (media rows skipped: their gradient goes to the vision backward below) ----
         let embed = self.grads.get(Slot::Embed)?;
         if srows > 0 {
             embedding_bwd_f32(gpu, s, embed, &dsuffix, &ids_d, srows, h, vocab, h)?;
@@ -1903,7 +2032,26 @@ impl GpuTrainer {
                 )?;
             }
         }
+        // ---- backward: each group's media rows (summed over its copies) into the merger and
+        // the tower, group by group ----
+        let train_tower = !self.cfg.freeze_vision;
+        for (gi, k) in kept.iter().enumerate() {
+            let Some(kv) = k.vision.as_ref().filter(|_| trains[gi]) else {
+                continue;
+            };
+            let mt = kv.rows.len();
+            let mut d = alloc::<bf16>(gpu, s, mt.max(1) * h)?;
+            let dst: Vec<u32> = (0..mt as u32).collect();
+            gather_sum_rows(gpu, s, &mut d, &dst, &dprompt[gi], &kv.rows, h)?;
+            let mut sink = VisionView(&mut self.grads);
+            vision_backward(gpu, s, &self.model, &kv.state, &d, train_tower, &mut sink)?;
+        }
         Ok(out)
+    }
+
+    /// Whether the trainer trains the vision tower or the merger.
+    pub fn trains_vision(&self) -> bool {
+        !self.cfg.freeze_vision || !self.cfg.freeze_merger
     }
 
     /// Gathers rows `idx` of the final-norm input `x`: `(rows, rmsnorm(rows), rstd)`.

@@ -264,15 +264,24 @@ fn gpu_or_skip() -> Option<Gpu> {
 
 /// The fused <-> split mapping that checkpoints go through (`export_state` / `import_state`):
 /// every device tensor splits into the CPU model's tensors bitwise and fuses back bitwise, and
-/// the CPU tensors covered are exactly those the CPU backend trains with vision and merger
-/// frozen (same names: a checkpoint is backend-neutral).
+/// the CPU tensors covered are exactly those the CPU backend trains, for every freeze setting
+/// of the tower and merger (same names: a checkpoint is backend-neutral).
 #[test]
 fn fused_tensors_split_into_the_cpu_backends_trained_tensors_and_back() {
-    for tie in [false, true] {
+    for (tie, freeze_vision, freeze_merger) in [
+        (false, true, true),
+        (true, true, true),
+        (false, false, false),
+        (false, true, false),
+        (false, false, true),
+    ] {
         let m = model(tie);
         let (table, layout) = (&m.weights.table, &m.weights.layout);
+        let mut cfg = train_cfg();
+        cfg.freeze_vision = freeze_vision;
+        cfg.freeze_merger = freeze_merger;
         let mut covered = Vec::new();
-        for s in train_slots(layout) {
+        for s in train_slots(layout, &cfg) {
             let (fused, _, _) = host_values(&m, s).expect("a host tensor per slot");
             let parts = cpu_parts(layout, s);
             let split = split_fused(table, &parts, &fused).unwrap();
@@ -293,7 +302,6 @@ fn fused_tensors_split_into_the_cpu_backends_trained_tensors_and_back() {
             // a fused tensor of the wrong size is refused, not cut
             assert!(split_fused(table, &parts, &fused[..fused.len() - 1]).is_err());
         }
-        let cfg = train_cfg();
         let mut cpu: Vec<String> = table
             .entries()
             .iter()
@@ -304,29 +312,72 @@ fn fused_tensors_split_into_the_cpu_backends_trained_tensors_and_back() {
         cpu.sort();
         assert_eq!(
             covered, cpu,
-            "tie = {tie}: GPU-trained vs CPU-trained tensors"
+            "tie = {tie}, freeze vision {freeze_vision} merger {freeze_merger}: GPU-trained vs \
+             CPU-trained tensors"
         );
     }
 }
 
+/// A trainer that trains the tower refuses embeddings of a frozen encoding (no gradient could
+/// reach the tower through them) and takes the raw media.
 #[test]
-fn trainer_refuses_a_trainable_vision_tower() {
-    // refused before any upload
+fn trainer_of_the_tower_refuses_encoded_media() {
     let Some(gpu) = gpu_or_skip() else { return };
     let s = gpu.stream(0).unwrap();
+    let m = model(false);
+    let t = GpuTrainer::new(&gpu, &s, &m, vision_cfg(false, false), adamw(1e-3)).unwrap();
+    assert!(t.trains_vision());
+    let g = Group::new(&m, &[2], 0.1, 1);
+    let enc = t.model().encode_media(&gpu, &s, &g.media()).unwrap();
+    let refs: Vec<&GpuEncodedMedia> = enc.iter().collect();
+    let mut store = TrainPrefixes::new(&gpu, &s, t.model(), &[(g.prompt.len(), 1)]).unwrap();
+    let r = t.prefix_forward(
+        &gpu,
+        &s,
+        &mut store,
+        0,
+        &g.prompt,
+        PromptMedia::Encoded(&refs),
+    );
+    assert!(
+        matches!(r, Err(GpuTrainError::Train(_))),
+        "encoded media accepted"
+    );
+    let media = g.media();
+    t.prefix_forward(&gpu, &s, &mut store, 0, &g.prompt, PromptMedia::Raw(&media))
+        .unwrap();
+}
+
+/// `train_cfg` with the tower and merger frozen as given.
+fn vision_cfg(freeze_vision: bool, freeze_merger: bool) -> TrainConfig {
     let mut c = train_cfg();
-    c.freeze_vision = false;
-    let r = GpuTrainer::new(&gpu, &s, &model(false), c, adamw(1e-3));
-    assert!(matches!(r, Err(GpuTrainError::Train(_))));
+    c.freeze_vision = freeze_vision;
+    c.freeze_merger = freeze_merger;
+    c
 }
 
 // ---------------------------------------------------------------- CUDA vs CPU
 
-/// Per-tensor `||a - b|| / ||b||` over the text tensors of two model-layout buffers.
-fn tensor_errors(m: &Qwen25VL, gpu: &[f32], cpu: &[f32]) -> Vec<(String, f64, f64)> {
+/// Per-tensor `(name, ||a - b|| / ||b||, ||b||)` over the tensors `cfg` trains of two
+/// model-layout buffers; every other tensor must be zero in both.
+fn tensor_errors(
+    m: &Qwen25VL,
+    cfg: &TrainConfig,
+    gpu: &[f32],
+    cpu: &[f32],
+) -> Vec<(String, f64, f64)> {
     let mut out = Vec::new();
     for e in m.weights.table.entries() {
-        if e.name.starts_with("model.visual.") {
+        if !cfg.trainable(&e.name) {
+            let (a, b) = (
+                &gpu[e.offset..e.offset + e.len],
+                &cpu[e.offset..e.offset + e.len],
+            );
+            assert!(
+                a.iter().chain(b).all(|&x| x == 0.0),
+                "{}: frozen, yet a gradient",
+                e.name
+            );
             continue;
         }
         let (a, b) = (
@@ -353,7 +404,10 @@ const GRAD_TOL: f64 = 5e-2;
 /// `layers.1.q_proj.bias` at 5.6e-2 (a gradient 1% of the largest; every other tensor <= 3.1e-2).
 const GRAD_TOL_TIED: f64 = 8e-2;
 
-fn gradients_match(tie: bool) {
+/// The CUDA step against the CPU backend's on two groups (each with an image): log-probs,
+/// loss, grad norm and every trained tensor's gradient, the tower and merger trained unless
+/// frozen as given; then the step changes the forward, and plan order is enforced.
+fn gradients_match(tie: bool, freeze_vision: bool, freeze_merger: bool) {
     let Some(gpu) = gpu_or_skip() else { return };
     let s = gpu.stream(0).unwrap();
     let m = model(tie);
@@ -362,7 +416,8 @@ fn gradients_match(tie: bool) {
         Group::new(&m, &[5, 3, 7], 0.1, 2),
     ];
     let norm = norm_of(&groups);
-    let cfg = train_cfg();
+    let cfg = vision_cfg(freeze_vision, freeze_merger);
+    let label = format!("tie={tie} freeze vision {freeze_vision} merger {freeze_merger}");
     // CPU backend
     let media: Vec<_> = groups.iter().map(|g| g.media()).collect();
     let resp: Vec<_> = groups.iter().map(|g| g.responses()).collect();
@@ -380,7 +435,7 @@ fn gradients_match(tie: bool) {
     let cgrad = ct.grads().to_vec();
     let crep = ct.optimizer_step().unwrap();
     // CUDA
-    let mut gt = GpuTrainer::new(&gpu, &s, &m, cfg, adamw(1e-3)).unwrap();
+    let mut gt = GpuTrainer::new(&gpu, &s, &m, cfg.clone(), adamw(1e-3)).unwrap();
     let enc: Vec<Vec<GpuEncodedMedia>> = groups
         .iter()
         .map(|g| gt.model().encode_media(&gpu, &s, &g.media()).unwrap())
@@ -391,7 +446,11 @@ fn gradients_match(tie: bool) {
         .enumerate()
         .map(|(i, g)| GpuGroupBatch {
             prompt_ids: &g.prompt,
-            media: &refs[i],
+            media: if gt.trains_vision() {
+                PromptMedia::Raw(&media[i])
+            } else {
+                PromptMedia::Encoded(&refs[i])
+            },
             responses: &resp[i],
         })
         .collect();
@@ -411,10 +470,10 @@ fn gradients_match(tie: bool) {
     let (gn, cn) = (grep.step.grad_norm, crep.step.grad_norm);
     let norm_rel = (gn - cn).abs() / cn;
     println!(
-        "tie={tie}: loss gpu {gl:.6} cpu {cl:.6} (rel {loss_rel:.2e}); max |dlogp| {lp_err:.2e}; \
+        "{label}: loss gpu {gl:.6} cpu {cl:.6} (rel {loss_rel:.2e}); max |dlogp| {lp_err:.2e}; \
          grad norm gpu {gn:.6} cpu {cn:.6} (rel {norm_rel:.2e})"
     );
-    let errs = tensor_errors(&m, &ggrad, &cgrad);
+    let errs = tensor_errors(&m, &cfg, &ggrad, &cgrad);
     for (name, e, n) in &errs {
         println!("  {e:.3e}  (|g_cpu| {n:.3e})  {name}");
     }
@@ -425,10 +484,19 @@ fn gradients_match(tie: bool) {
         .clone();
     let mean = errs.iter().map(|e| e.1).sum::<f64>() / errs.len() as f64;
     println!(
-        "tie={tie}: {} text tensors, worst {:.3e} ({}), mean {mean:.3e}",
+        "{label}: {} tensors, worst {:.3e} ({}), mean {mean:.3e}",
         errs.len(),
         worst.1,
         worst.0
+    );
+    let visual = errs
+        .iter()
+        .filter(|e| e.0.starts_with("model.visual."))
+        .count();
+    assert_eq!(
+        visual > 0,
+        !(freeze_vision && freeze_merger),
+        "{label}: visual tensors compared"
     );
     assert!(errs.iter().all(|e| e.2 > 0.0), "a CPU gradient is zero");
     // A tensor whose gradient nearly cancels (e.g. the k bias: softmax is shift-invariant but
@@ -458,12 +526,24 @@ fn gradients_match(tie: bool) {
 
 #[test]
 fn cuda_gradients_match_the_cpu_backend_untied() {
-    gradients_match(false);
+    gradients_match(false, true, true);
 }
 
 #[test]
 fn cuda_gradients_match_the_cpu_backend_tied() {
-    gradients_match(true);
+    gradients_match(true, true, true);
+}
+
+/// The whole actor: text decoder, merger and vision tower.
+#[test]
+fn cuda_gradients_match_the_cpu_backend_with_the_tower_and_merger() {
+    gradients_match(false, false, false);
+}
+
+/// Only the merger of the vision side (the tower frozen): its input gradient still flows.
+#[test]
+fn cuda_gradients_match_the_cpu_backend_with_the_merger_only() {
+    gradients_match(false, true, false);
 }
 
 #[test]
@@ -480,7 +560,7 @@ fn cuda_loss_falls_on_a_fixed_batch() {
     let refs: Vec<&GpuEncodedMedia> = enc.iter().collect();
     let batch = [GpuGroupBatch {
         prompt_ids: &g.prompt,
-        media: &refs,
+        media: PromptMedia::Encoded(&refs),
         responses: &resp,
     }];
     let mut losses = Vec::new();
@@ -580,6 +660,17 @@ fn test_models_are_bf16_conditioned() {
 /// same gradient up to rounding; a kept prompt from before an optimizer step is refused.
 #[test]
 fn kept_prompt_forwards_train_as_the_self_contained_step() {
+    kept_prompts(train_cfg());
+}
+
+/// [`kept_prompt_forwards_train_as_the_self_contained_step`] with the tower and merger trained
+/// (the media rows' gradients summed over the copies into one vision backward per prompt).
+#[test]
+fn kept_prompt_forwards_train_the_tower_as_the_self_contained_step() {
+    kept_prompts(vision_cfg(false, false));
+}
+
+fn kept_prompts(cfg: TrainConfig) {
     let Some(gpu) = gpu_or_skip() else { return };
     let s = gpu.stream(0).unwrap();
     let m = model(false);
@@ -591,18 +682,27 @@ fn kept_prompt_forwards_train_as_the_self_contained_step() {
     let resp: Vec<_> = groups.iter().map(|g| g.responses()).collect();
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     // self-contained
-    let mut a = GpuTrainer::new(&gpu, &s, &m, train_cfg(), adamw(1e-3)).unwrap();
+    let mut a = GpuTrainer::new(&gpu, &s, &m, cfg.clone(), adamw(1e-3)).unwrap();
+    let vision = a.trains_vision();
+    let media: Vec<_> = groups.iter().map(|g| g.media()).collect();
     let enc: Vec<Vec<GpuEncodedMedia>> = groups
         .iter()
         .map(|g| a.model().encode_media(&gpu, &s, &g.media()).unwrap())
         .collect();
     let refs: Vec<Vec<&GpuEncodedMedia>> = enc.iter().map(|e| e.iter().collect()).collect();
+    let pm = |i: usize| {
+        if vision {
+            PromptMedia::Raw(&media[i])
+        } else {
+            PromptMedia::Encoded(&refs[i])
+        }
+    };
     let batch: Vec<GpuGroupBatch<'_>> = groups
         .iter()
         .enumerate()
         .map(|(i, g)| GpuGroupBatch {
             prompt_ids: &g.prompt,
-            media: &refs[i],
+            media: pm(i),
             responses: &resp[i],
         })
         .collect();
@@ -611,7 +711,7 @@ fn kept_prompt_forwards_train_as_the_self_contained_step() {
     // kept prompts, one shared copy per group; store order reversed (group i at store 2 - i,
     // a third, unused group in between)
     let run_kept = |copies: u32| {
-        let mut t = GpuTrainer::new(&gpu, &s, &m, train_cfg(), adamw(1e-3)).unwrap();
+        let mut t = GpuTrainer::new(&gpu, &s, &m, cfg.clone(), adamw(1e-3)).unwrap();
         let lens = [
             (groups[1].prompt.len(), copies),
             (7, copies),
@@ -620,12 +720,12 @@ fn kept_prompt_forwards_train_as_the_self_contained_step() {
         let mut store = TrainPrefixes::new(&gpu, &s, t.model(), &lens).unwrap();
         assert_eq!(store.groups(), 3);
         for (i, at) in [(0usize, 2usize), (1, 0)] {
-            t.prefix_forward(&gpu, &s, &mut store, at, &groups[i].prompt, &refs[i])
+            t.prefix_forward(&gpu, &s, &mut store, at, &groups[i].prompt, pm(i))
                 .unwrap();
         }
         // a prompt of another length than the store's rows is refused
         assert!(t
-            .prefix_forward(&gpu, &s, &mut store, 1, &groups[0].prompt, &refs[0])
+            .prefix_forward(&gpu, &s, &mut store, 1, &groups[0].prompt, pm(0))
             .is_err());
         let kept = [
             PrefixedGroup {
@@ -667,7 +767,7 @@ fn kept_prompt_forwards_train_as_the_self_contained_step() {
     assert_eq!(out_a.metrics.loss.to_bits(), out_b.metrics.loss.to_bits());
     // one prompt copy per response: the same sum up to rounding
     let (out_c, grad_c) = run_kept(3);
-    let errs = tensor_errors(&m, &grad_c, &grad_b);
+    let errs = tensor_errors(&m, &cfg, &grad_c, &grad_b);
     // judged against 1% of the largest tensor's norm, as `gradients_match` does
     let floor = 1e-2 * errs.iter().map(|e| e.2).fold(0.0, f64::max);
     let worst = errs
@@ -681,7 +781,7 @@ fn kept_prompt_forwards_train_as_the_self_contained_step() {
         .zip(out_b.logp.iter().flatten())
         .map(|(x, y)| (*x as f64 - *y as f64).abs())
         .fold(0.0, f64::max);
-    println!("copies 3 vs 1: worst tensor {worst:.3e}, max |dlogp| {lp:.3e}");
+    println!("vision {vision}: copies 3 vs 1: worst tensor {worst:.3e}, max |dlogp| {lp:.3e}");
     assert!(
         worst < 2e-2,
         "a copy per response moved a gradient by {worst}"

@@ -382,6 +382,29 @@ impl GradSink<BlockTensor> for VisionGrads {
     }
 }
 
+/// Where [`vision_backward`] adds its gradients: the fp32 sum of a vision tensor by its slot,
+/// a block's tensors by [`BlockTensor`] (the tower's blocks), and which tensors are held.
+/// [`VisionGrads`] is one; the CUDA trainer's own sums are another (`gpu::train`).
+pub(crate) trait VisionSink: GradSink<VisionSlot> + GradSink<BlockTensor> {
+    /// Whether the tower's tensors / the merger's are held.
+    fn holds_tower(&self) -> bool;
+    fn holds_merger(&self) -> bool;
+    /// Elements of the largest tensor held (sizes the weight-gradient scratch).
+    fn max_numel(&self) -> usize;
+}
+
+impl VisionSink for VisionGrads {
+    fn holds_tower(&self) -> bool {
+        self.t.iter().any(|t| t.slot.in_tower())
+    }
+    fn holds_merger(&self) -> bool {
+        self.t.iter().any(|t| !t.slot.in_tower())
+    }
+    fn max_numel(&self) -> usize {
+        self.t.iter().map(|g| g.numel).max().unwrap_or(1)
+    }
+}
+
 impl VisionGrads {
     /// Zeroed sums for the tower's tensors (`tower`) and the merger's (`merger`) of a model
     /// with this CPU table and layout (the model the `GpuModel` was uploaded from).
@@ -435,14 +458,6 @@ impl VisionGrads {
             .find(|t| t.slot == s)
             .map(|t| &mut t.grad)
             .ok_or_else(|| GpuError::Input(format!("no vision gradient buffer for {s:?}")))
-    }
-
-    /// Whether the container holds the tower's tensors / the merger's.
-    pub fn holds_tower(&self) -> bool {
-        self.t.iter().any(|t| t.slot.in_tower())
-    }
-    pub fn holds_merger(&self) -> bool {
-        self.t.iter().any(|t| !t.slot.in_tower())
     }
 
     /// Zeroes every sum (stream-ordered).
@@ -678,7 +693,7 @@ fn block_backward(
     x_in: &CudaSlice<bf16>,
     a: &BlockActs,
     dx: &mut CudaSlice<bf16>,
-    grads: &mut VisionGrads,
+    grads: &mut impl VisionSink,
     scratch: &mut CudaSlice<bf16>,
 ) -> Result<()> {
     let (rows, h, d) = (c.rows, c.hidden, c.dims);
@@ -817,14 +832,14 @@ fn block_backward(
 /// `train_tower` (then `grads` must hold them; without `train_tower` the tower's sums are left
 /// as they are even when held). `model` must hold the weights the forward ran with. Nothing
 /// synchronises.
-pub fn vision_backward(
+pub(crate) fn vision_backward(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     model: &GpuModel,
     state: &VisionTrainState,
     d_embeds: &impl DevicePtr<bf16>,
     train_tower: bool,
-    grads: &mut VisionGrads,
+    grads: &mut impl VisionSink,
 ) -> Result<()> {
     let s = stream;
     let cfg = &model.config;
@@ -870,7 +885,7 @@ pub fn vision_backward(
         GpuError::Input("vision_backward: the state has no window order on the device".into())
     })?;
     let ones = upload(s, &vec![bf16::ONE; n])?;
-    let biggest = grads.iter().map(|g| g.numel).max().unwrap_or(1);
+    let biggest = grads.max_numel();
     let mut scratch = alloc::<bf16>(gpu, s, biggest.max(1))?;
     let fc2_slots = (
         VisionSlot::MergerFc2,
@@ -945,7 +960,8 @@ pub fn vision_backward(
     drop((dh1, xn));
     let mut dx = alloc::<bf16>(gpu, s, n * vh)?;
     let dln = if train_merger {
-        Some(grads.grad_mut(VisionSlot::MergerLn)? as &mut dyn DevicePtrMut<f32>)
+        Some(GradSink::<VisionSlot>::grad(grads, VisionSlot::MergerLn)?
+            as &mut dyn DevicePtrMut<f32>)
     } else {
         None
     };
@@ -990,7 +1006,7 @@ pub fn vision_backward(
     grad_accumulate_f32(
         gpu,
         s,
-        grads.grad_mut(VisionSlot::PatchEmbed)?,
+        GradSink::<VisionSlot>::grad(grads, VisionSlot::PatchEmbed)?,
         &scratch,
         vh * pd,
     )?;

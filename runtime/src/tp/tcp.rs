@@ -603,6 +603,13 @@ impl TcpComm {
             }
         };
         prepare(&s, &opts).map_err(|e| rdv(format!("socket to rank 0 at {addr}: {e}")))?;
+        // rank 0 answers once every rank has said hello, or rejects the group when its own
+        // connect_timeout (counted from before this rank connected) runs out: wait for that
+        // plus dead_after, so that a rejection naming the missing ranks is not lost to a race
+        // with the same deadline on this side
+        let answer_wait = opts.connect_timeout + opts.dead_after;
+        s.set_read_timeout(Some(answer_wait))
+            .map_err(|e| rdv(format!("socket to rank 0 at {addr}: {e}")))?;
         let hello = Put::default().raw(MAGIC).u32(rank).u32(world).str(job).0;
         write_frame(&mut s, kind::HELLO, &hello).map_err(|e| {
             rdv(format!(
@@ -633,8 +640,7 @@ impl TcpComm {
             }
             Err(e) => {
                 return Err(rdv(format!(
-                    "rank {rank}: no welcome from rank 0 at {addr} ({e}) within {:?}",
-                    opts.connect_timeout
+                    "rank {rank}: no welcome from rank 0 at {addr} ({e}) within {answer_wait:?}"
                 )))
             }
         };
