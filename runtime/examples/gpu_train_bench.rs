@@ -23,9 +23,11 @@
 //! trainer runs each group's prompt once (not once per response, as PyTorch's step does): the
 //! bench also prints the rate over the FLOPs of that decomposition (prompt once per group,
 //! suffixes attending to it).
-//! The trainer also recomputes each layer's forward in backward and the lm head's logits
-//! ("hardware FLOPs" adds `2 * layer params * tokens + 4 * heads * hd * pairs` per layer and
-//! `2 * vocab * hidden * head_rows`).
+//! With `Recompute::Full` the trainer also recomputes each layer's forward in backward and the
+//! lm head's logits ("hardware FLOPs" adds `2 * layer params * tokens + 4 * heads * hd * pairs`
+//! per layer and `2 * vocab * hidden * head_rows`); the bench then times the same step with
+//! `Recompute::None` (the suffix activations and logits kept, as PyTorch's step keeps them; the
+//! prompt rows are still recomputed from their kept inputs) beside it.
 //!
 //! Optimizer: `optimizer_step` (grad norm with its download, clip, AdamW per tensor writing the
 //! bf16 copy, gradient zeroing), and `adamw_step_f32` alone over one flat buffer of the same
@@ -347,7 +349,7 @@ fn main() -> Result<()> {
         grad_clip: 1.0,
         lr_schedule: LrSchedule::Constant,
     };
-    let mut tr = GpuTrainer::new(&gpu, &s, &model, cfg, adamw)?;
+    let mut tr = GpuTrainer::new(&gpu, &s, &model, cfg.clone(), adamw.clone())?;
     s.synchronize()?;
     // trained parameters: the text decoder (tied head = the embedding)
     let lay = &model.weights.layout;
@@ -479,6 +481,27 @@ fn main() -> Result<()> {
         hw_flops / ms / 1e9,
         shared_flops / ms / 1e9
     );
+    // ---- the same with the activations kept (Recompute::None: no recomputed layer forward,
+    // no recomputed logits; bitwise the same gradient), as PyTorch's step keeps them
+    {
+        let keep_cfg = TrainConfig {
+            recompute: Recompute::None,
+            ..cfg.clone()
+        };
+        let mut tk = GpuTrainer::new(&gpu, &s, &model, keep_cfg, adamw.clone())?;
+        let mut kidx = 0u32;
+        let (kms, khost) = time_calls(&gpu, &s, 2, iters, || {
+            tk.micro_batch(&gpu, &s, kidx, &gb, norm)?;
+            kidx += 1;
+            Ok(())
+        })?;
+        println!(
+            "ours fwd+bwd, activations kept (recompute none): {kms:.3} ms ({:.3}x the recomputing step), {:.1} TFLOP/s of the full sequences' model FLOPs, {:.1} TFLOP/s of the FLOPs it computes; host {khost:.3} ms inside the call",
+            ms / kms,
+            model_flops / kms / 1e9,
+            shared_flops / kms / 1e9
+        );
+    }
     // ---- optimizer step (a micro-batch before each, untimed)
     let mut opt = Vec::with_capacity(iters);
     for it in 0..iters + 2 {

@@ -39,9 +39,13 @@
 //! the same fp32 sums (group order).
 //!
 //! Activations: each layer's input (bf16 residual stream) is kept, the prompt's in the store, the
-//! suffix's per micro-batch; backward recomputes the layer from it (`Recompute::Full` of the CPU
-//! backend; the forward ops are deterministic, so the recomputed activations are bitwise the
-//! forward's).
+//! suffix's per micro-batch. With `Recompute::Full` backward recomputes each layer from it, and
+//! the lm head's logits from the final rows; with `Recompute::None` the suffix's activations of
+//! every layer and the logits are kept from the forward instead. The forward ops are
+//! deterministic, so the recomputed activations are bitwise the forward's and both policies give
+//! the same bits. The prompt rows are recomputed from their kept inputs under both: they are
+//! kept across tasks (the prompt forward may run in a decode window long before), where a whole
+//! iteration's prompt activations would not fit (~68 GB at 3B and 16 video prompts: 97 KB a row a layer).
 //!
 //! Where things run: everything on the device on the caller's stream, except the policy loss
 //! and its gradient w.r.t. the log-probs, which are elementwise per token and run on the host
@@ -79,7 +83,7 @@ use rollplex_kernels::cuda::{
     rmsnorm_fwd_bf16, rope_bwd_bf16, rope_fwd_bf16, swiglu_fwd_bf16, AdamWScalars, AttnSeqGpu,
     CudaError, CudaSlice, CudaStream, Gpu,
 };
-use rollplex_plan::spec::AdamWSpec;
+use rollplex_plan::spec::{AdamWSpec, Recompute};
 
 use crate::model::weights::{Layout, ParamTable};
 use crate::model::{MediaInput, Qwen25VL};
@@ -1744,28 +1748,44 @@ impl GpuTrainer {
         };
         // ---- suffix forward: keep each layer's input; final rows then the token-0 rows ----
         let mut fin = alloc::<bf16>(gpu, s, frows * h)?;
+        // `Recompute::None` keeps every layer's activations of the suffix rows and the lm head's
+        // logits for the backward; `Full` keeps the layer inputs only and recomputes (the same
+        // launches on the same inputs: bitwise the same activations, so the same gradient)
+        let keep = self.cfg.recompute == Recompute::None;
         let mut suffix = None;
         if srows > 0 {
             let mut x = alloc::<bf16>(gpu, s, srows * h)?;
             embedding_fwd_bf16(gpu, s, &mut x, &w.embed, &ids_d, srows, h, h)?;
             let mut inputs = alloc::<bf16>(gpu, s, layers * srows * h)?;
-            let mut acts = Acts::new(gpu, s, &sctx, &w.text[0])?;
+            // one buffer reused by every layer (`Full`), or one per layer, kept (`None`)
+            let mut acts = match keep {
+                true => None,
+                false => Some(Acts::new(gpu, s, &sctx, &w.text[0])?),
+            };
+            let mut kept_acts: Vec<Option<Acts>> = Vec::new();
             for (l, b) in w.text.iter().enumerate() {
                 let r = l * srows * h..(l + 1) * srows * h;
                 s.memcpy_dtod(&x, &mut inputs.slice_mut(r.clone()))?;
+                let a = match acts.as_mut() {
+                    Some(a) => a,
+                    None => {
+                        kept_acts.push(Some(Acts::new(gpu, s, &sctx, b)?));
+                        kept_acts[l].as_mut().expect("pushed above")
+                    }
+                };
                 layer_fwd(
                     gpu,
                     s,
                     b,
                     &sctx,
                     &inputs.slice(r),
-                    &mut acts,
+                    a,
                     Some(&mut x),
                     Some(&pre_of(l)),
                 )?;
             }
             s.memcpy_dtod(&x, &mut fin.slice_mut(..srows * h))?;
-            suffix = Some((inputs, acts));
+            suffix = Some((inputs, acts, kept_acts));
         }
         for (i, f) in pk.first.iter().enumerate() {
             let r = srows + i;
@@ -1780,9 +1800,11 @@ impl GpuTrainer {
         let targets = upload(s, &pk.targets)?;
         let mut lp_d = alloc::<f32>(gpu, s, n_head)?;
         let mut ent_d = alloc::<f32>(gpu, s, n_head)?;
+        // per chunk (with `keep`): the head's input rows, their norm and rstd, and the logits
+        let mut kept_head = Vec::new();
         for c0 in (0..n_head).step_by(LM_CHUNK) {
             let n = LM_CHUNK.min(n_head - c0);
-            let (_, xn, _) =
+            let (g, xn, rstd) =
                 self.head_rows(gpu, s, &fin, frows, &head_rows.slice(c0..c0 + n), n)?;
             let mut logits = alloc::<bf16>(gpu, s, n * vocab)?;
             linear_fwd_bf16(
@@ -1810,6 +1832,9 @@ impl GpuTrainer {
                 vocab,
                 temp,
             )?;
+            if keep {
+                kept_head.push((g, xn, rstd, logits));
+            }
         }
         let lp = download(s, &lp_d)?;
         let ent = download(s, &ent_d)?;
@@ -1871,13 +1896,20 @@ impl GpuTrainer {
         };
         let mut dfin = alloc::<bf16>(gpu, s, frows * h)?;
         s.memset_zeros(&mut dfin)?;
+        let mut kept_head = kept_head.into_iter();
         for c0 in (0..n_head).step_by(LM_CHUNK) {
             let n = LM_CHUNK.min(n_head - c0);
             let idx = head_rows.slice(c0..c0 + n);
-            let (g, xn, rstd) = self.head_rows(gpu, s, &fin, frows, &idx, n)?;
             let head = self.model.weights.lm_head();
-            let mut logits = alloc::<bf16>(gpu, s, n * vocab)?;
-            linear_fwd_bf16(gpu, s, &mut logits, &xn, head, None, n, h, vocab)?;
+            let (g, xn, rstd, logits) = match kept_head.next() {
+                Some(k) => k,
+                None => {
+                    let (g, xn, rstd) = self.head_rows(gpu, s, &fin, frows, &idx, n)?;
+                    let mut logits = alloc::<bf16>(gpu, s, n * vocab)?;
+                    linear_fwd_bf16(gpu, s, &mut logits, &xn, head, None, n, h, vocab)?;
+                    (g, xn, rstd, logits)
+                }
+            };
             let mut dlogits = alloc::<bf16>(gpu, s, n * vocab)?;
             logprobs_bwd_bf16(
                 gpu,
@@ -1947,10 +1979,24 @@ impl GpuTrainer {
             let b = &w.text[l];
             s.memset_zeros(&mut dpk)?;
             s.memset_zeros(&mut dpv)?;
-            if let Some((inputs, acts)) = suffix.as_mut() {
+            if let Some((inputs, acts, kept_acts)) = suffix.as_mut() {
                 let xin = inputs.slice(l * srows * h..(l + 1) * srows * h);
                 let pre = pre_of(l);
-                layer_fwd(gpu, s, b, &sctx, &xin, acts, None, Some(&pre))?;
+                // a kept layer's activations are used once, then freed
+                let kept_l = kept_acts.get_mut(l).and_then(Option::take);
+                let a = match (&kept_l, acts.as_mut()) {
+                    (Some(k), _) => k,
+                    (None, Some(a)) => {
+                        layer_fwd(gpu, s, b, &sctx, &xin, a, None, Some(&pre))?;
+                        &*a
+                    }
+                    (None, None) => {
+                        return Err(GpuError::Input(format!(
+                            "layer {l}: neither kept nor recomputable activations"
+                        ))
+                        .into())
+                    }
+                };
                 layer_bwd(
                     gpu,
                     s,
@@ -1958,7 +2004,7 @@ impl GpuTrainer {
                     b,
                     &sctx,
                     &xin,
-                    acts,
+                    a,
                     &mut dsuffix,
                     &mut self.grads,
                     &mut self.dw,
