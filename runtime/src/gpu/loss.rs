@@ -151,3 +151,7 @@ pub fn policy_loss_device(
     policy_loss_f32(gpu, stream, dlogp, acc, x, &kernel_params(cfg, norm))?;
     Ok(())
 }
+
+#[cfg(test)]
+#[path = "loss_tests.rs"]
+mod tests;
