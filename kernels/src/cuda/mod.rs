@@ -14,6 +14,7 @@
 //! | `logprobs_fwd_bf16` | `logprobs_fwd` | `logprobs.rs`, `logprobs.cu` |
 //! | `sample_bf16` (Philox4x32-10, temperature / top-k / top-p) | [`sampling::sample_ref`] | `sampling.rs`, `sampling.cu` |
 //! | `adamw_step_f32` | `runtime::train::adamw` (bitwise) | `adamw.rs`, `adamw.cu` |
+//! | `policy_loss_f32` (GRPO / PPO-clip loss: per-token `dlogp`, metrics as order-fixed f64 sums; `policy_loss_reduce_f64` adds them into a [`PolicyLossAcc`]) | `runtime::train::loss::policy_loss` (dlogp bitwise up to `exp`'s last bit) | `policy_loss.rs`, `policy_loss.cu` |
 //! | `rmsnorm_bwd_bf16`, `rope_bwd_bf16`, `swiglu_bwd_bf16`, `swiglu_bwd_fused_bf16`, `gelu_bwd_bf16`, `embedding_bwd_f32`, `logprobs_bwd_bf16`, `grad_accumulate_f32` (bf16 activation gradients, fp32 parameter gradients added) | `cpu::backward` (`rmsnorm_bwd`, `rope_bwd`, `swiglu_bwd`, `gelu_bwd` / `gelu_tanh_bwd`, `embedding_bwd`, `logprobs_bwd`) | `backward.rs`, `backward.cu` |
 //! | `attention_bwd_bf16` (`attention_bwd_tc_bf16`, FlashAttention-2 on the tensor cores, the default; SIMT with `ROLLPLEX_ATTN_BWD=simt`), `attention_bwd_dprefix_bf16` (the shared-prefix keys' part alone: `attention_bwd_tc_dprefix_f32`, or SIMT with `ROLLPLEX_ATTN_DPREFIX=simt`) | `cpu::attention_bwd` | `attention_bwd.rs`, `attention_bwd.cu`, `attention_bwd_tc.rs`, `attention_bwd_dprefix.rs`, `attention_bwd_tc.cu` |
 //!
@@ -43,6 +44,7 @@ pub mod logprobs;
 pub mod norm;
 pub mod nvrtc;
 pub mod pointwise;
+pub mod policy_loss;
 pub mod sampling;
 
 pub use adamw::{adamw_step_f32, AdamWScalars};
@@ -65,6 +67,10 @@ pub use norm::{add_rmsnorm_fwd_bf16, rmsnorm_fwd_bf16};
 pub use pointwise::{
     add_fwd_bf16, add_fwd_bf16_inplace, embedding_fwd_bf16, gelu_fwd_bf16, kv_append_bf16,
     rope_fwd_bf16, rope_kv_append_bf16, swiglu_fwd_bf16,
+};
+pub use policy_loss::{
+    policy_loss_f32, KlKind, LossAggKind, PolicyLossAcc, PolicyLossInputs, PolicyLossParams,
+    PolicyLossSums,
 };
 pub use sampling::{philox4x32_10, sample_bf16, sample_ref, SampleParams};
 

@@ -38,6 +38,7 @@ use crate::model::{ModelConfig, ModelError, Qwen25VL};
 mod block;
 mod block_bwd;
 pub mod generate;
+pub mod loss;
 pub mod plan;
 mod staging;
 pub mod streams;
