@@ -47,11 +47,15 @@
 //! kept across tasks (the prompt forward may run in a decode window long before), where a whole
 //! iteration's prompt activations would not fit (~68 GB at 3B and 16 video prompts: 97 KB a row a layer).
 //!
-//! Where things run: everything on the device on the caller's stream, except the policy loss
-//! and its gradient w.r.t. the log-probs, which are elementwise per token and run on the host
-//! with the CPU backend's own `train::loss::policy_loss` (the log-probs come down, `dlogp` goes
-//! up: one synchronisation per micro-batch), and the final sum of the grad-norm partials (one
-//! download of 1024 doubles per tensor per optimizer step).
+//! Where things run: everything on the device on the caller's stream, the policy loss and its
+//! gradient w.r.t. the log-probs too (`gpu::loss`: one call over the micro-batch's groups, each
+//! token's `dlogp` with the CPU loss's f64 math in its order, so bitwise the CPU's up to the last
+//! bit of `exp`; the metrics as order-fixed f64 sums). A micro-batch synchronises once, after its
+//! whole backward is queued (its log-probs, entropies and metrics come down); the optimizer step
+//! downloads the grad-norm partials (1024 doubles per tensor). The loss's per-token inputs are
+//! uploaded before the first launch. One difference from the CPU's group-by-group loss: the
+//! reference log-probs go to the device for all groups or none, so at `kl_coef = 0` the KL
+//! metric is 0 unless every group carries them.
 //!
 //! Numerics: GEMMs are cuBLASLt bf16 with fp32 accumulation; a weight gradient is produced in
 //! bf16 by its GEMM and added into its fp32 accumulator (`grad_accumulate_f32`); bias gradients
@@ -81,17 +85,18 @@ use rollplex_kernels::cuda::{
     attention_fwd_bf16, embedding_bwd_f32, embedding_fwd_bf16, grad_accumulate_f32, kv_append_bf16,
     linear_fwd_bf16, logprobs_bwd_bf16, logprobs_fwd_bf16, matmul_bf16, rmsnorm_bwd_bf16,
     rmsnorm_fwd_bf16, rope_bwd_bf16, rope_fwd_bf16, swiglu_fwd_bf16, AdamWScalars, AttnSeqGpu,
-    CudaError, CudaSlice, CudaStream, Gpu,
+    CudaError, CudaSlice, CudaStream, Gpu, PolicyLossAcc, PolicyLossInputs,
 };
 use rollplex_plan::spec::{AdamWSpec, Recompute};
 
 use crate::model::weights::{Layout, ParamTable};
 use crate::model::{MediaInput, Qwen25VL};
 use crate::train::adamw::{default_decay, lr_at, validate_spec, StepReport};
-use crate::train::loss::{policy_loss, LossBatch, LossMetrics, Normaliser};
+use crate::train::loss::{LossMetrics, Normaliser};
 use crate::train::{MicroBatchOutput, ResponseBatch, TrainConfig, TrainError, TrainStepReport};
 
 use super::block_bwd::{BlockBwd, BlockTensor, GradSink, MlpSaved};
+use super::loss::{loss_metrics, policy_loss_device, LossTables};
 use super::plan::{check_ids, media_slot, PackedPrompts, PromptSpec};
 use super::staging::staged_bytes;
 use super::train_pack::{layout_prefixes, PackGroup, PrefixLayout, SuffixPack};
@@ -1711,6 +1716,40 @@ impl GpuTrainer {
         }
         let pk = SuffixPack::new(&cfg, &packs)?;
         let (srows, frows) = (pk.rows(), pk.rows() + pk.first.len());
+        // ---- the loss's per-token inputs in head-row order, uploaded before the first launch
+        // (a pageable upload waits for the stream's earlier work) ----
+        let n_head = pk.head_rows.len();
+        let all_ref = groups
+            .iter()
+            .all(|g| g.responses.iter().all(|r| r.ref_logp.is_some()));
+        let mut old_h = vec![0f32; n_head];
+        let mut adv_h = vec![0f32; n_head];
+        let mut ref_h = vec![0f32; if all_ref { n_head } else { 0 }];
+        let mut loss_seqs: Vec<(usize, &[bool])> = Vec::new();
+        for (gi, g) in groups.iter().enumerate() {
+            for (r, resp) in g.responses.iter().enumerate() {
+                let Some(a) = pk.starts[gi][r] else {
+                    loss_seqs.push((0, &[]));
+                    continue;
+                };
+                let rows = a..a + resp.tokens.len();
+                old_h[rows.clone()].copy_from_slice(resp.old_logp);
+                adv_h[rows.clone()].copy_from_slice(resp.advantages);
+                if let (true, Some(rl)) = (all_ref, resp.ref_logp) {
+                    ref_h[rows].copy_from_slice(rl);
+                }
+                loss_seqs.push((a, resp.mask));
+            }
+        }
+        let tables = LossTables::new(n_head, &loss_seqs)?;
+        let old_d = upload(s, &old_h)?;
+        let adv_d = upload(s, &adv_h)?;
+        let ref_d = upload(s, &ref_h)?;
+        let seq_d = upload(s, &tables.seq)?;
+        let mask_d = upload(s, &tables.mask)?;
+        let seq_tokens_d = upload(s, &tables.seq_tokens)?;
+        let head_rows = upload(s, &pk.head_rows)?;
+        let targets = upload(s, &pk.targets)?;
         let w = &self.model.weights;
         let layers = w.text.len();
         let (all, kvw, lo, hi) = (store.rows, dims.kv_width(), pk.lo, pk.hi);
@@ -1795,9 +1834,6 @@ impl GpuTrainer {
             )?;
         }
         // ---- head forward: log-probs of every response token ----
-        let n_head = pk.head_rows.len();
-        let head_rows = upload(s, &pk.head_rows)?;
-        let targets = upload(s, &pk.targets)?;
         let mut lp_d = alloc::<f32>(gpu, s, n_head)?;
         let mut ent_d = alloc::<f32>(gpu, s, n_head)?;
         // per chunk (with `keep`): the head's input rows, their norm and rstd, and the logits
@@ -1836,58 +1872,22 @@ impl GpuTrainer {
                 kept_head.push((g, xn, rstd, logits));
             }
         }
-        let lp = download(s, &lp_d)?;
-        let ent = download(s, &ent_d)?;
-        // ---- loss on the host, group by group (as the CPU backend) ----
-        let mut dlogp_rows = vec![0f32; n_head];
-        for (gi, g) in groups.iter().enumerate() {
-            let mut offsets = vec![0usize];
-            let (mut logp, mut old, mut refl, mut adv, mut mask, mut en) = (
-                Vec::new(),
-                Vec::new(),
-                Vec::new(),
-                Vec::new(),
-                Vec::new(),
-                Vec::new(),
-            );
-            let has_ref = g.responses.iter().all(|r| r.ref_logp.is_some());
-            for (r, resp) in g.responses.iter().enumerate() {
-                let n = resp.tokens.len();
-                let (l, e) = match pk.starts[gi][r] {
-                    Some(a) => (lp[a..a + n].to_vec(), ent[a..a + n].to_vec()),
-                    None => (Vec::new(), Vec::new()),
-                };
-                logp.extend_from_slice(&l);
-                en.extend_from_slice(&e);
-                old.extend_from_slice(resp.old_logp);
-                adv.extend_from_slice(resp.advantages);
-                mask.extend_from_slice(resp.mask);
-                if let Some(rl) = resp.ref_logp.filter(|_| has_ref) {
-                    refl.extend_from_slice(rl);
-                }
-                offsets.push(logp.len());
-                out.logp.push(l);
-                out.entropy.push(e);
-            }
-            let batch = LossBatch {
-                offsets: &offsets,
-                logp: &logp,
-                old_logp: &old,
-                ref_logp: has_ref.then_some(&refl[..]),
-                advantages: &adv,
-                mask: &mask,
-                entropy: Some(&en),
-            };
-            let lo_ = policy_loss(&self.cfg.loss, &batch, norm)?;
-            out.metrics.add(&lo_.metrics);
-            for (r, resp) in g.responses.iter().enumerate() {
-                if let Some(a) = pk.starts[gi][r] {
-                    let n = resp.tokens.len();
-                    dlogp_rows[a..a + n].copy_from_slice(&lo_.dlogp[offsets[r]..offsets[r] + n]);
-                }
-            }
-        }
-        let dlogp_d = upload(s, &dlogp_rows)?;
+        // ---- loss on the device (one call over the groups; the CPU's per-token math) ----
+        let mut dlogp_d = alloc::<f32>(gpu, s, n_head.max(1))?;
+        let mut acc = PolicyLossAcc::new(gpu, s)?;
+        let x = PolicyLossInputs {
+            tokens: n_head,
+            logp: &lp_d,
+            old_logp: &old_d,
+            ref_logp: all_ref.then_some(&ref_d as &dyn DevicePtr<f32>),
+            advantages: &adv_d,
+            mask: &mask_d,
+            entropy: Some(&ent_d),
+            seq: &seq_d,
+            seqs: tables.seq_tokens.len(),
+            seq_tokens: &seq_tokens_d,
+        };
+        policy_loss_device(gpu, s, &self.cfg.loss, norm, &x, &mut dlogp_d, &mut acc)?;
         // ---- backward: log-softmax, lm head, final norm ----
         let head_slot = if self.model.weights.lm_head.is_some() {
             Slot::LmHead
@@ -2092,6 +2092,19 @@ impl GpuTrainer {
             let mut sink = VisionView(&mut self.grads);
             vision_backward(gpu, s, &self.model, &kv.state, &d, train_tower, &mut sink)?;
         }
+        // ---- what the call returns: one synchronisation, after the whole backward is queued
+        let lp = download(s, &lp_d)?;
+        let ent = download(s, &ent_d)?;
+        for (gi, g) in groups.iter().enumerate() {
+            for (r, resp) in g.responses.iter().enumerate() {
+                let rows = pk.starts[gi][r].map(|a| a..a + resp.tokens.len());
+                out.logp
+                    .push(rows.clone().map_or_else(Vec::new, |x| lp[x].to_vec()));
+                out.entropy
+                    .push(rows.map_or_else(Vec::new, |x| ent[x].to_vec()));
+            }
+        }
+        out.metrics = loss_metrics(&acc.read(s)?);
         Ok(out)
     }
 
