@@ -3,7 +3,8 @@
 //! windows on a side SM partition, as the ILP ([`crate::ilp`]) decides.
 //!
 //! This module turns the phase graph into the ILP's inputs (split options from the cost
-//! model's partition sizes, per-window decode times, per-class item times, readiness from the
+//! model's partition sizes, per-window decode times alone on each split, per-class item times
+//! and how much each class slows decode beside it, readiness from the
 //! planned slot finish steps, precedences, memory headroom next to decode), and the answer
 //! back into a [`Placement`]: the ILP's split per window, then a greedy fill with each item's
 //! exact time (the ILP counts items of a class as equal and fractional): up to the ILP's
@@ -71,14 +72,8 @@ pub fn place(
         .copied()
         .filter(|c| classes.contains_key(c))
         .collect();
-    let kinds: Vec<WorkKind> = class_list
-        .iter()
-        .map(|c| pg.node(classes[c][0]).kind)
-        .collect();
-    let slow_dec = kinds
-        .iter()
-        .map(|&k| cost.corun_slowdown(WorkKind::Decode, k))
-        .fold(1.0, f64::max);
+    // Decode alone on each option's decode SMs; what side work beside it costs it is priced
+    // per item (the ILP's module doc, `sched`'s timing pass).
     let decodes = pg.decode_nodes();
     let decode_time: Vec<Vec<f64>> = decodes
         .iter()
@@ -86,10 +81,7 @@ pub fn place(
             let n = pg.node(d);
             options
                 .iter()
-                .map(|o| {
-                    cost.time(WorkKind::Decode, &n.work, o.decode_sms)
-                        * if o.side_sms > 0 { slow_dec } else { 1.0 }
-                })
+                .map(|o| cost.time(WorkKind::Decode, &n.work, o.decode_sms))
                 .collect()
         })
         .collect();
@@ -153,6 +145,7 @@ pub fn place(
             count: items.len() as u32,
             ready,
             item_time,
+            decode_slowdown: cost.corun_slowdown(WorkKind::Decode, kind),
             post_time,
             bytes,
         });
@@ -277,7 +270,7 @@ pub fn place(
             .unwrap_or(f64::INFINITY)
     };
     let mut best_t = predict(&in_window);
-    for w in 0..windows.len() {
+    for (w, opt) in side_opts.iter().enumerate() {
         let items: Vec<NodeId> = in_window
             .iter()
             .filter(|(_, &x)| x as usize == w)
@@ -290,7 +283,14 @@ pub fn place(
             .iter()
             .map(|&i| cost.time(pg.node(i).kind, &pg.node(i).work, total))
             .sum();
-        let penalty = problem.decode_time[w][ans.option[w]] - problem.decode_time[w][nos];
+        // what the split costs decode: its partition, and the items' slowing it while they run
+        let side = opt.map(|o| o.side_sms).unwrap_or(total);
+        let beside: Vec<(f64, f64)> = items
+            .iter()
+            .map(|&i| beside_item(pg, cost, i, side))
+            .collect();
+        let split_dec = rollplex_cost::beside_time(problem.decode_time[w][ans.option[w]], &beside);
+        let penalty = split_dec - problem.decode_time[w][nos];
         if saved > penalty {
             continue;
         }
@@ -344,11 +344,23 @@ pub fn place(
 /// Fraction by which side work may exceed a window's decode time when filling.
 pub const FILL_SLACK: f64 = 0.03;
 
+/// An item of a window on `side_sms` SMs: its time beside decode, and decode's slowdown while
+/// it runs (a piece of [`rollplex_cost::beside_time`]).
+fn beside_item(pg: &PhaseGraph, cost: &CostModel, id: NodeId, side_sms: u32) -> (f64, f64) {
+    let n = pg.node(id);
+    (
+        cost.time(n.kind, &n.work, side_sms) * cost.corun_slowdown(n.kind, WorkKind::Decode),
+        cost.corun_slowdown(WorkKind::Decode, n.kind),
+    )
+}
+
 /// Fills windows in order. In each window with a side partition, items are taken in side
-/// order (class, then item) while they fit in the window's decode time: first up to the ILP's
-/// cumulative target per class, then any other eligible item. An item is eligible when its
-/// groups are planned to be done before the window starts and each of its predecessors runs
-/// before decode, in an earlier window, or earlier in this window.
+/// order (class, then item) while they end before the window's decode (`caps`: decode alone
+/// on the partition; an item that runs `t` s beside a decode it slows `s` times uses up `t / s`
+/// of it): first up to the ILP's cumulative target per class, then any other eligible item.
+/// An item is eligible when its groups are planned to be done before the window starts and
+/// each of its predecessors runs before decode, in an earlier window, or earlier in this
+/// window.
 fn fill(
     pg: &PhaseGraph,
     cost: &CostModel,
@@ -386,8 +398,8 @@ fn fill(
                     if !eligible {
                         break;
                     }
-                    let t = cost.time(n.kind, &n.work, o.side_sms)
-                        * cost.corun_slowdown(n.kind, WorkKind::Decode);
+                    let (t, slow) = beside_item(pg, cost, id, o.side_sms);
+                    let t = t / slow;
                     if load + t > caps[w] * (1.0 + FILL_SLACK) {
                         break;
                     }
