@@ -7,17 +7,27 @@
 //! its memory roof). The search is Nelder-Mead over an unconstrained vector mapped into
 //! [`Bounds`], restarted from several sharpness values; it is deterministic.
 //!
-//! The per-step latency (`step_overhead_s`: kernel launches and tails of one layer pass) is a
-//! property of the runtime more than of the kind, and two workload shapes cannot tell it from
-//! efficiency: a free fit of prefill on the bench explains the 3B model's lower GEMM rate with
-//! 0.4 ms per layer, which would then be charged to every small forward pass. So it is fitted
-//! freely first; the kind where it takes the largest share of the time (decode: many short
-//! steps) fixes it, if that share is at least 5%, and the other kinds are refitted with it.
-//! Kinds whose points have no flops and no bytes (a reward's steps, a no-op sync: what the
-//! runtime's own profiles measure) are pure latency: they keep their own fit and cannot lead
-//! (their share is 1 by construction). A kind whose points the shared latency misses by more
-//! than `MAX_SHARED_ERR` (where its own fit does better) keeps its own fit: the shared value
-//! contradicts what it measured.
+//! The per-step latency (`step_overhead_s`: kernel launches and tails of one layer pass) is
+//! fitted by one of two rules ([`LatencyFit`]).
+//!
+//! [`LatencyFit::Shared`] (the bench, [`Profile::fit`]): two workload shapes of two model widths
+//! cannot tell it from efficiency: a free fit of prefill on the bench explains the 3B model's
+//! lower GEMM rate with 0.4 ms per layer, which would then be charged to every small forward
+//! pass. So it is fitted freely first; the kind where it takes the largest share of the time
+//! (decode: many short steps) fixes it, if that share is at least 5%, and the other kinds are
+//! refitted with it. Only a kind with at least `MIN_LEADER_TIME` of the measured time may lead
+//! (in a runtime's profile the advantages, microseconds of pure latency, would otherwise set
+//! every kind's latency). Kinds whose points have no flops and no bytes (a reward's steps, a
+//! no-op sync: what the runtime's own profiles measure) are pure latency: they keep their own
+//! fit and cannot lead (their share is 1 by construction). A kind whose points the shared
+//! latency misses by more than `MAX_SHARED_ERR` (where its own fit does better) keeps its own
+//! fit: the shared value contradicts what it measured.
+//!
+//! [`LatencyFit::PerKind`] (`rollplex-run --profile`, merges of such profiles): every kind keeps
+//! its free fit. One model's tasks of several sizes (a micro-batch backpropagating into one
+//! prompt copy or eight) tell a kind's fixed cost per layer pass from its rate: on the H200 the
+//! 3B forward and backward kinds fit 260-340 us per layer pass, decode 67 us per step, and the
+//! shared value missed the micro-batches of one size 10% slow and of the other 10% fast.
 //!
 //! Co-run slowdowns: one value per unordered pair of kinds, fitted by golden-section search
 //! against the co-run makespans given the *measured* times alone (so curve errors do not leak
@@ -41,7 +51,9 @@ use rollplex_plan::work::WorkKind;
 
 use crate::curve::{Bounds, KindCurve};
 use crate::defaults::{default_curve, is_host, kind_name, DEFAULT_CORUN};
-use crate::profile::{BesidePoint, CorunEntry, CorunPoint, Point, Profile, ProfileError};
+use crate::profile::{
+    BesidePoint, CorunEntry, CorunPoint, LatencyFit, Point, Profile, ProfileError,
+};
 use crate::{corun_pair_time, CostModel};
 
 /// Weight of the pull towards the default curve (in mapped-parameter units squared).
@@ -56,6 +68,10 @@ const MAX_SHARED_ERR: f64 = 0.25;
 /// A kind whose points spend at least this share of their time in per-step latency fixes the
 /// latency for every kind.
 const MIN_OVERHEAD_SHARE: f64 = 0.05;
+
+/// A kind whose points hold less than this share of all points' measured time cannot fix the
+/// shared latency.
+const MIN_LEADER_TIME: f64 = 0.01;
 
 fn sigmoid(x: f64) -> f64 {
     1.0 / (1.0 + (-x).exp())
@@ -328,15 +344,17 @@ impl Profile {
         points: Vec<Point>,
         corun_points: Vec<CorunPoint>,
     ) -> Result<Profile, ProfileError> {
-        Profile::fit_all(gpu, points, corun_points, Vec::new())
+        Profile::fit_all(gpu, points, corun_points, Vec::new(), LatencyFit::Shared)
     }
 
-    /// [`Profile::fit`] with beside points too (ordered slowdowns, see the module doc).
+    /// [`Profile::fit`] with beside points too (ordered slowdowns) and the per-step latency
+    /// fitted by `latency` (see the module doc).
     pub fn fit_all(
         gpu: &GpuSpec,
         points: Vec<Point>,
         corun_points: Vec<CorunPoint>,
         beside_points: Vec<BesidePoint>,
+        latency: LatencyFit,
     ) -> Result<Profile, ProfileError> {
         if points.is_empty() && corun_points.is_empty() && beside_points.is_empty() {
             return Err(ProfileError::Fit("no measurements were given".into()));
@@ -352,6 +370,7 @@ impl Profile {
             points,
             corun_points,
             beside_points,
+            latency,
         };
         profile.validate()?;
 
@@ -385,9 +404,12 @@ impl Profile {
             pts.iter()
                 .all(|p| p.work.flops <= 0.0 && p.work.bytes <= 0.0)
         };
+        let total: f64 = by_kind.values().flatten().map(|p| p.seconds).sum();
+        let measured = |pts: &[&Point]| pts.iter().map(|p| p.seconds).sum::<f64>();
         let leader = by_kind
             .iter()
-            .filter(|(_, pts)| !latency_only(pts))
+            .filter(|_| latency == LatencyFit::Shared)
+            .filter(|(_, pts)| !latency_only(pts) && measured(pts) >= MIN_LEADER_TIME * total)
             .map(|(k, pts)| (*k, share(k, pts)))
             .max_by(|a, b| a.1.total_cmp(&b.1));
         if let Some((lead, s)) = leader {
@@ -462,8 +484,9 @@ impl Profile {
     /// One profile fitted to the measurements of several (`rollplexc merge-profiles`): e.g.
     /// runs of a serial and an overlap plan, with and without prefix dedup, each of which
     /// covers only its own task sizes and partitions. Every input must have been measured on
-    /// the same GPU (name and peaks); `names` label the inputs in errors and in `source`. The
-    /// measured host and link bandwidths are the first input's that has them.
+    /// the same GPU (name and peaks); the names label the inputs in errors and in `source`. The
+    /// measured host and link bandwidths are the first input's that has them; the latency is
+    /// fitted per kind when every input was, else shared.
     pub fn merge(inputs: &[(String, Profile)]) -> Result<Profile, ProfileError> {
         let Some((_, first)) = inputs.first() else {
             return Err(ProfileError::Fit("no profiles to merge".into()));
@@ -495,7 +518,12 @@ impl Profile {
             corun.extend(p.corun_points.iter().cloned());
             beside.extend(p.beside_points.iter().cloned());
         }
-        let mut merged = Profile::fit_all(&gpu, points, corun, beside)?;
+        let latency = if inputs.iter().all(|(_, p)| p.latency == LatencyFit::PerKind) {
+            LatencyFit::PerKind
+        } else {
+            LatencyFit::Shared
+        };
+        let mut merged = Profile::fit_all(&gpu, points, corun, beside, latency)?;
         merged.host_bw = inputs.iter().find_map(|(_, p)| p.host_bw);
         merged.net_bw = inputs.iter().find_map(|(_, p)| p.net_bw);
         merged.source = format!("merged fit of: {}", sources.join("; "));
@@ -776,7 +804,8 @@ mod tests {
             beside(&timed(&gpu, &truth, r, 68, 25.0), 1.25, d),
         ];
         let without = Profile::fit(&gpu, alone.clone(), vec![]).unwrap();
-        let with = Profile::fit_all(&gpu, alone, vec![], side.to_vec()).unwrap();
+        let with =
+            Profile::fit_all(&gpu, alone, vec![], side.to_vec(), LatencyFit::Shared).unwrap();
         assert_eq!(with.kinds, without.kinds);
         let got = |k, o| with.corun_of(k, o).unwrap();
         // The fit saw decode alone on its partition: its slowdown is the measured one.
@@ -816,7 +845,8 @@ mod tests {
             2.0,
             WorkKind::Reward,
         );
-        let prof = Profile::fit_all(&gpu, vec![p], vec![], vec![fast, host]).unwrap();
+        let prof =
+            Profile::fit_all(&gpu, vec![p], vec![], vec![fast, host], LatencyFit::Shared).unwrap();
         assert_eq!(
             prof.corun_of(WorkKind::Decode, WorkKind::Prefill),
             Some(1.0)
@@ -855,7 +885,7 @@ mod tests {
             beside: WorkKind::Prefill,
             note: String::new(),
         };
-        let prof = Profile::fit_all(&gpu, vec![], corun, vec![b]).unwrap();
+        let prof = Profile::fit_all(&gpu, vec![], corun, vec![b], LatencyFit::Shared).unwrap();
         let s = |k, o| prof.corun_of(k, o).unwrap();
         assert!((s(WorkKind::Decode, WorkKind::Prefill) - 1.6).abs() < 1e-3);
         assert!((s(WorkKind::Prefill, WorkKind::Decode) - 1.2).abs() < 1e-3);
@@ -881,12 +911,19 @@ mod tests {
             vec![timed(&gpu, &truth, WorkKind::Decode, 64, 50.0)],
             vec![],
             vec![side],
+            LatencyFit::PerKind,
         )
         .unwrap();
-        let m = Profile::merge(&[("a.yaml".into(), a.clone()), ("b.yaml".into(), b)]).unwrap();
+        assert_eq!(b.latency, LatencyFit::PerKind);
+        let m =
+            Profile::merge(&[("a.yaml".into(), a.clone()), ("b.yaml".into(), b.clone())]).unwrap();
         assert_eq!((m.points.len(), m.beside_points.len()), (2, 1));
         assert!(m.source.starts_with("merged fit of: a.yaml") && m.source.contains("b.yaml"));
         assert!(m.corun_of(WorkKind::Decode, WorkKind::RefPrefix).unwrap() > 1.3);
+        // per kind only when every input was fitted so
+        assert_eq!(m.latency, LatencyFit::Shared);
+        let both = Profile::merge(&[("b.yaml".into(), b.clone()), ("b2.yaml".into(), b)]).unwrap();
+        assert_eq!(both.latency, LatencyFit::PerKind);
 
         let mut other = a.clone();
         other.gpu = datasheet("H800").unwrap();
@@ -909,13 +946,76 @@ mod tests {
             1.4,
             WorkKind::RefPrefix,
         );
-        let e = Profile::fit_all(&gpu, vec![], vec![], vec![whole])
+        let e = Profile::fit_all(&gpu, vec![], vec![], vec![whole], LatencyFit::Shared)
             .unwrap_err()
             .to_string();
         assert!(
             e.contains("beside point 0") && e.contains("leaves none"),
             "{e}"
         );
+    }
+
+    /// A runtime's profile: micro-batches of two sizes with 300 us per layer pass of fixed cost,
+    /// decode with 60 us, and advantages of a few microseconds of pure latency. Per kind, each
+    /// latency comes back and every point is fitted; shared, the advantages may not lead (they
+    /// hold a negligible share of the time) and the micro-batches take decode's latency, which
+    /// misses their two sizes in opposite directions.
+    #[test]
+    fn per_kind_latency_tells_fixed_costs_from_the_rate() {
+        let gpu = datasheet("H200").unwrap();
+        let c = |o: f64| KindCurve {
+            eff_compute: 0.6,
+            eff_memory: 0.7,
+            compute_exponent: 1.0,
+            sm_bw: 50e9,
+            sharpness: 2.0,
+            step_overhead_s: o,
+        };
+        let at = |kind, curve: &KindCurve, flops: f64, bytes: f64, steps: u32| {
+            let p = Point {
+                kind,
+                sms: 132,
+                work: Work {
+                    flops,
+                    bytes,
+                    steps,
+                    ..Work::default()
+                },
+                seconds: 1.0,
+                note: String::new(),
+            };
+            Point {
+                seconds: predict(&gpu, curve, &p),
+                ..p
+            }
+        };
+        let (bwd, dec) = (c(300e-6), c(60e-6));
+        let mut pts = Vec::new();
+        for _ in 0..4 {
+            pts.push(at(WorkKind::ActorBwd, &bwd, 80e12, 1e11, 180));
+            pts.push(at(WorkKind::ActorBwd, &bwd, 228e12, 2e11, 180));
+        }
+        for gb in [400.0, 450.0, 500.0] {
+            pts.push(at(WorkKind::Decode, &dec, 1e12, gb * 1e9, 2304));
+        }
+        pts.push(at(WorkKind::Advantage, &c(3e-6), 80.0, 128.0, 1));
+        let own = Profile::fit_all(&gpu, pts.clone(), vec![], vec![], LatencyFit::PerKind).unwrap();
+        for r in own.residuals() {
+            assert!(r.rel_err().abs() < 0.01, "{r:?}");
+        }
+        let o = own.kinds[&WorkKind::ActorBwd].step_overhead_s;
+        assert!((o / 300e-6 - 1.0).abs() < 0.1, "{o}");
+        let shared = Profile::fit(&gpu, pts, vec![]).unwrap();
+        let o = shared.kinds[&WorkKind::ActorBwd].step_overhead_s;
+        assert_eq!(o, shared.kinds[&WorkKind::Decode].step_overhead_s);
+        assert!(o < 100e-6, "{o}");
+        let worst = shared
+            .residuals()
+            .iter()
+            .filter(|r| r.what.starts_with("actor_bwd"))
+            .map(|r| r.rel_err().abs())
+            .fold(0.0, f64::max);
+        assert!(worst > 0.05, "{worst}");
     }
 
     #[test]

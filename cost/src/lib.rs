@@ -33,7 +33,7 @@ use rollplex_plan::spec::{ClusterSpec, GpuSpec};
 use rollplex_plan::work::{Work, WorkKind};
 
 pub use curve::KindCurve;
-pub use profile::{BesidePoint, CorunEntry, CorunPoint, Point, Profile, ProfileError};
+pub use profile::{BesidePoint, CorunEntry, CorunPoint, LatencyFit, Point, Profile, ProfileError};
 
 use defaults::{default_curve, is_host, kind_index, ALL_KINDS, DEFAULT_CORUN};
 

@@ -71,6 +71,30 @@ pub struct Profile {
     /// Measurements of one task while work of another kind ran beside it the whole time.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub beside_points: Vec<BesidePoint>,
+    /// How the fit treated the per-step latency (a refit or merge keeps the rule).
+    #[serde(default, skip_serializing_if = "LatencyFit::is_shared")]
+    pub latency: LatencyFit,
+}
+
+/// How [`Profile::fit_all`] fits each kind's per-step latency (`step_overhead_s`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LatencyFit {
+    /// One value, measured where it shows (the kind that spends the largest share of its time
+    /// in it), for every kind it does not contradict: the bench's rule, whose two model widths
+    /// cannot tell a lower GEMM rate from a fixed cost per layer (`crate::fit`'s module doc).
+    #[default]
+    Shared,
+    /// Each kind its own: a runtime's profile of one model, where each kind's fixed costs per
+    /// layer pass (launches, host work inside the task) are its own and task sizes of several
+    /// runs (with and without prefix dedup) tell them from the rate.
+    PerKind,
+}
+
+impl LatencyFit {
+    pub fn is_shared(&self) -> bool {
+        *self == LatencyFit::Shared
+    }
 }
 
 /// `kind` runs `slowdown` times slower while `other` runs beside it.

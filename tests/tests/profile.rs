@@ -12,7 +12,7 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use rollplex_cost::{CostModel, Profile};
+use rollplex_cost::{CostModel, LatencyFit, Profile};
 use rollplex_plan::plan::Op;
 use rollplex_plan::spec::Mode;
 use rollplex_plan::work::WorkKind;
@@ -291,7 +291,14 @@ fn corun_measurements_move_the_overlap_prediction_the_right_way() {
     let free = fitted(1.0, 1.0);
     let mut none = slow.clone();
     none.beside_points.clear();
-    let none = Profile::fit(&none.gpu, none.points.clone(), vec![]).unwrap();
+    let none = Profile::fit_all(
+        &none.gpu,
+        none.points.clone(),
+        vec![],
+        vec![],
+        LatencyFit::PerKind,
+    )
+    .unwrap();
     assert_eq!(none.default_corun, 1.15);
     assert!(
         free.corun.iter().all(|e| e.slowdown < 1.01),

@@ -56,7 +56,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use rollplex_cost::defaults::{is_host, kind_name};
-use rollplex_cost::{BesidePoint, Point, Profile};
+use rollplex_cost::{BesidePoint, LatencyFit, Point, Profile};
 use rollplex_plan::plan::{Op, Plan, Task};
 use rollplex_plan::spec::GpuSpec;
 use rollplex_plan::work::{Work, WorkKind};
@@ -670,8 +670,9 @@ impl ProfileRecorder {
                     .into(),
             ));
         }
-        let mut profile = Profile::fit_all(&self.gpu, points, Vec::new(), beside)
-            .map_err(|e| ExecError::Data(format!("fitting the measured profile: {e}")))?;
+        let mut profile =
+            Profile::fit_all(&self.gpu, points, Vec::new(), beside, LatencyFit::PerKind)
+                .map_err(|e| ExecError::Data(format!("fitting the measured profile: {e}")))?;
         let (first, last) = self.measured_range.unwrap_or((0, 0));
         profile.source = format!(
             "rollplex-run --profile: plan {} ({}), backend {} ({}); iterations {first}..={last} measured \
