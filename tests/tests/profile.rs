@@ -157,18 +157,24 @@ fn h200_3b(mode: Mode, profile: Option<&Profile>) -> Plan {
 /// every task outside a window alone, one after another; each window on its own, its side
 /// tasks back to back from its start, its decode steps (the op's planned count, each 1/n of
 /// the window's time alone on its partition) slowed while a side task runs. Feeds one warm-up
-/// iteration and two measured ones.
+/// iteration and two measured ones. With `spill`, a copy-stream task (the weight sync) runs
+/// over the first half of the first window without a split instead of alone.
 fn feed_corun(
     rec: &mut ProfileRecorder,
     plan: &Plan,
     truth: &CostModel,
     dec_slow: f64,
     side_slow: f64,
+    spill: bool,
 ) {
+    let whole = plan.windows.iter().position(|w| w.side_sms == 0);
     for it in 0..3u32 {
         rec.begin_iteration(Instant::now());
         let mut t = 1000.0;
         for task in plan.tasks.iter().filter(|t| t.window.is_none()) {
+            if spill && task.kind == WorkKind::WeightSync {
+                continue;
+            }
             let d = truth.time(task.kind, &task.work, task.sms).max(1e-6);
             rec.record(task, t, t + d);
             t += d + 1e-3;
@@ -201,8 +207,17 @@ fn feed_corun(
                 let slow = if now < side_end { dec_slow } else { 1.0 };
                 marks.push(now + step * slow);
             }
-            rec.record(decode, base, *marks.last().unwrap());
+            let end = *marks.last().unwrap();
+            rec.record(decode, base, end);
             rec.record_steps(decode, &marks);
+            if spill && whole == Some(w) {
+                let sync = plan.tasks.iter().find(|t| t.kind == WorkKind::WeightSync);
+                rec.record(
+                    sync.expect("a colocated plan syncs"),
+                    base,
+                    (base + end) / 2.0,
+                );
+            }
         }
         rec.end_iteration(it, Duration::from_secs_f64(1.0));
     }
@@ -217,7 +232,7 @@ fn an_overlap_run_measures_decode_beside_side_work_by_step() {
     let split: Vec<_> = plan.windows.iter().filter(|w| w.side_sms > 0).collect();
     assert!(split.len() >= 2, "the plan co-runs side work in windows");
     let mut rec = ProfileRecorder::new(&plan, "test", Execution::Partitioned, 1).unwrap();
-    feed_corun(&mut rec, &plan, &truth, 1.6, 1.3);
+    feed_corun(&mut rec, &plan, &truth, 1.6, 1.3, false);
 
     // Steps alone on a partition: decode points on the window's decode SMs at the speed alone.
     let on_partition: Vec<_> = rec
@@ -268,9 +283,30 @@ fn an_overlap_run_measures_decode_beside_side_work_by_step() {
     assert!(text.contains("beside one kind of side work"), "{text}");
     assert_eq!(&Profile::from_yaml(&text).unwrap(), p);
 
+    // A copy over half of a window without a split: its steps beside the copy give no beside
+    // point (no partition), its steps after it a point on the whole GPU.
+    let mut spilled = ProfileRecorder::new(&plan, "test", Execution::Partitioned, 1).unwrap();
+    feed_corun(&mut spilled, &plan, &truth, 1.6, 1.3, true);
+    let p2 = spilled
+        .profile()
+        .expect("a window overlapped without a split still fits");
+    assert_eq!(p2.profile.beside_points.len(), beside.len());
+    assert!(p2
+        .profile
+        .beside_points
+        .iter()
+        .all(|b| b.beside != WorkKind::WeightSync));
+    // the sync is no point (it never ran alone); the window is a point of its steps alone
+    assert_eq!(p2.profile.points.len(), p.points.len() - 1);
+    assert!(p2
+        .profile
+        .points
+        .iter()
+        .any(|q| q.sms == plan.target.sms && q.note.contains("alone on its partition")));
+
     // On plain streams (no partitions) only the steps alone count, on all SMs.
     let mut shared = ProfileRecorder::new(&plan, "test", Execution::Shared, 1).unwrap();
-    feed_corun(&mut shared, &plan, &truth, 1.6, 1.3);
+    feed_corun(&mut shared, &plan, &truth, 1.6, 1.3, false);
     assert!(shared.beside_points().is_empty());
     assert!(shared.points().iter().all(|p| p.sms == plan.target.sms));
 }
@@ -284,7 +320,7 @@ fn corun_measurements_move_the_overlap_prediction_the_right_way() {
     let truth = CostModel::for_cluster(&plan.spec.cluster, None);
     let fitted = |dec: f64, side: f64| {
         let mut rec = ProfileRecorder::new(&plan, "test", Execution::Partitioned, 1).unwrap();
-        feed_corun(&mut rec, &plan, &truth, dec, side);
+        feed_corun(&mut rec, &plan, &truth, dec, side, false);
         rec.profile().unwrap().profile
     };
     let slow = fitted(1.6, 1.3);

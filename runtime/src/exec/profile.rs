@@ -40,8 +40,9 @@
 //!   that kind beside decode on the side partition: a [`BesidePoint`] of its median.
 //!
 //! [`Profile::fit_all`] turns beside points into ordered slowdowns against the fitted curves.
-//! Beside points need partitions: under [`Execution::Shared`] (plain streams sharing the SMs)
-//! only the alone steps count (on all SMs). Host work (reward) neither slows nor is slowed
+//! Beside points need partitions: under [`Execution::Shared`] (plain streams sharing the SMs),
+//! and in a window without a split that something overlapped (a copy, a side task running
+//! over from the window before), only the alone steps count. Host work (reward) neither slows nor is slowed
 //! (the cost model's rule), so it is ignored when steps are classified. Prorating by steps
 //! assumes a window's steps cost alike; they do not quite (the active samples fall and the KV
 //! grows through a window), a bias of a few percent on a 64-step window.
@@ -465,10 +466,17 @@ impl ProfileRecorder {
                 e.0 += 1;
                 e.1 += m[1] - m[0];
             }
+            // beside points need a partition: the window's decode SMs leave some for the work
+            // beside it (a window without a split that something overlapped gives none)
+            let partitioned = self.execution == Execution::Partitioned
+                && self
+                    .tasks
+                    .get(id.index())
+                    .is_some_and(|m| m.sms < self.gpu.sms);
             for (side, (count, seconds)) in by {
                 let used = side != StepSide::Mixed
                     && count >= MIN_SEGMENT_STEPS
-                    && (self.execution == Execution::Partitioned || side == StepSide::Alone);
+                    && (partitioned || side == StepSide::Alone);
                 if !used {
                     self.steps_dropped += count as u32;
                     continue;
