@@ -135,7 +135,9 @@ fn check_same_job(a: &Plan, b: &Plan, name: &str) -> Result<()> {
 }
 
 /// `--profile-dir`: the run's profile, and its line of `measured.tsv` (appended, so a run cut
-/// short keeps the plans it finished).
+/// short keeps the plans it finished). A profile that cannot be fitted is reported and the
+/// bench goes on (the measured times are still written): one plan's bad measurement must not
+/// cost the device call the plans after it.
 fn write_measured(
     dir: &std::path::Path,
     stem: &str,
@@ -145,9 +147,17 @@ fn write_measured(
 ) -> Result<()> {
     use std::io::Write;
     let path = dir.join(format!("{stem}.r{round}.profile.yaml"));
-    let measured = rec
-        .write(&path)
-        .with_context(|| format!("writing {}", path.display()))?;
+    match rec.write(&path) {
+        Ok(m) => println!(
+            "profile {}: {} points, {} beside points; measured median {:.3} s, predicted {:.3} s",
+            path.display(),
+            m.profile.points.len(),
+            m.profile.beside_points.len(),
+            m.iteration_median_s,
+            plan.predicted.iteration_s
+        ),
+        Err(e) => eprintln!("warning: no profile for {stem} (round {round}): {e}"),
+    }
     let tsv = dir.join("measured.tsv");
     let mut f = std::fs::OpenOptions::new()
         .create(true)
@@ -163,19 +173,11 @@ fn write_measured(
         f,
         "{stem}\t{round}\t{}\t{:.6}\t{:.6}\t{}",
         format!("{:?}", plan.mode).to_lowercase(),
-        measured.iteration_median_s,
+        rec.iteration_median_s().unwrap_or(f64::NAN),
         plan.predicted.iteration_s,
         iters.join("\t")
     )
     .with_context(|| format!("writing {}", tsv.display()))?;
-    println!(
-        "profile {}: {} points, {} beside points; measured median {:.3} s, predicted {:.3} s",
-        path.display(),
-        measured.profile.points.len(),
-        measured.profile.beside_points.len(),
-        measured.iteration_median_s,
-        plan.predicted.iteration_s
-    );
     Ok(())
 }
 
