@@ -54,7 +54,8 @@
 //! n[c][w][j]) + sum_c (N_c - sum_w n[c][w]) post_time[c]` (the windows: decode alone on its
 //! partition plus what the side work beside it costs it, exactly the timing pass's
 //! [`rollplex_cost::beside_time`] while the side work ends first; then what is left for after
-//! decode on the whole GPU) plus tie-breakers (1e-7
+//! decode on the whole GPU; with every `s_c = 1` and the slowdown folded into `decode_time` it
+//! is the whole-window pricing `crate::schedule_overlap` also solves) plus tie-breakers (1e-7
 //! scale) that prefer smaller side partitions and earlier windows, HBM over host (1e-6 per
 //! item, in item order) and the first reshard option, so equal-time plans come
 //! out the same on every run. HiGHS runs single-threaded under a node limit ([`MAX_NODES`])
