@@ -35,8 +35,9 @@
 #        device call: bash runtime/examples/corun_calibrate.sh device
 #        carry: [".devbin/corun"]
 #
-#   3. offline RESULTS (here, after the device call; RESULTS is the fetched corun/ directory):
-#      merges every profile (rollplexc merge-profiles -> RESULTS/merged.yaml), then per plan
+#   3. offline RESULTS (here, after the device call; RESULTS is the fetched corun/ directory,
+#      copied to WORK, default rollplex-out/corun-offline, as fetched files may be read-only):
+#      merges every profile (rollplexc merge-profiles -> WORK/merged.yaml), then per plan
 #      prints the measured median iteration, the plan's own prediction, the measured plan
 #      replayed by the simulator with the merged profile (same placement: this is the
 #      calibration check) and the plan rollplexc now compiles with the merged profile (its
@@ -113,9 +114,13 @@ device() {
 }
 
 offline() {
-  local r=${1:-}
-  [ -n "$r" ] && [ -f "$r/prof/measured.tsv" ] || die "usage: offline RESULTS (the device call's corun/ directory, with prof/measured.tsv)"
+  local src=${1:-}
+  [ -n "$src" ] && [ -f "$src/prof/measured.tsv" ] || die "usage: offline RESULTS (the device call's corun/ directory, with prof/measured.tsv)"
   [ -x "$T/rollplexc" ] && [ -x "$T/rollplex-run" ] || die "no binaries in $T: run 'build' first"
+  # the fetched results may be read-only: work on a copy
+  local r=${WORK:-rollplex-out/corun-offline}
+  mkdir -p "$r" && cp -r "$src/prof" "$r/" && chmod -R u+w "$r"
+  echo "working in $r"
   local profs=("$r"/prof/*.profile.yaml)
   "$T/rollplexc" merge-profiles "${profs[@]}" -o "$r/merged.yaml"
   mkdir -p "$r/recompiled" "$r/sim"
