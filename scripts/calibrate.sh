@@ -21,7 +21,8 @@
 #            job cost/profiles/h200.yaml is the bench-fitted one)
 #   PROFILE1 profile for the "calibrated" compile (default: the one this mode's first run
 #            measured). On a backend that co-runs tasks an overlap run measures no time alone
-#            for the side tasks: give it the serial run's profile.
+#            for the side tasks (only their slowdowns beside decode): merge it with the serial
+#            run's profile (rollplexc merge-profiles) and give it that.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIPELINE=${1:-examples/tiny.rpx}

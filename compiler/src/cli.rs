@@ -5,6 +5,7 @@
 //! rollplexc check PIPELINE.rpx
 //! rollplexc explain PLAN.bin
 //! rollplexc diff A B
+//! rollplexc merge-profiles A.yaml B.yaml... -o MERGED.yaml
 //! ```
 //!
 //! Files are written whole or not at all (a temporary file next to the target, then a rename).
@@ -49,6 +50,9 @@ pub enum Command {
     Explain(ExplainArgs),
     /// Summarise what changed between two plans (binary or YAML), then the raw YAML diff.
     Diff(DiffArgs),
+    /// Fit one cost-model profile to the measurements of several (`rollplex-run --profile` of
+    /// serial and overlap plans, with and without prefix dedup); prints the fit per kind.
+    MergeProfiles(MergeArgs),
 }
 
 #[derive(Args, Debug, Default)]
@@ -102,6 +106,19 @@ pub struct DiffArgs {
     /// The new plan (binary or YAML).
     #[arg(value_name = "B")]
     pub b: PathBuf,
+}
+
+#[derive(Args, Debug)]
+pub struct MergeArgs {
+    /// Profiles measured on one GPU (YAML, as `rollplex-run --profile` writes them).
+    #[arg(value_name = "PROFILE", required = true)]
+    pub profiles: Vec<PathBuf>,
+    /// Write the merged profile here (what `rollplexc --profile` reads).
+    #[arg(short = 'o', long = "output", value_name = "MERGED")]
+    pub output: PathBuf,
+    /// Also print every measurement next to the merged model (stderr).
+    #[arg(long)]
+    pub residuals: bool,
 }
 
 #[derive(Args, Debug, Default)]
@@ -192,6 +209,7 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
         Some(Command::Check(a)) => run_check(a),
         Some(Command::Explain(a)) => run_explain(a),
         Some(Command::Diff(a)) => run_diff(a),
+        Some(Command::MergeProfiles(a)) => run_merge(a),
         None => run_compile(cli.compile),
     }
 }
@@ -382,6 +400,100 @@ fn run_explain(a: ExplainArgs) -> Result<(), Failure> {
     out.write_all(text.as_bytes())
         .and_then(|_| out.flush())
         .map_err(|e| user(format!("cannot write to stdout: {e}")))
+}
+
+fn run_merge(a: MergeArgs) -> Result<(), Failure> {
+    let mut inputs = Vec::new();
+    for p in &a.profiles {
+        let text = std::fs::read_to_string(p)
+            .map_err(|e| user(format!("cannot read profile {}: {e}", p.display())))?;
+        let prof = rollplex_cost::Profile::from_yaml(&text)
+            .map_err(|e| user(format!("profile {}: {e}", p.display())))?;
+        inputs.push((p.display().to_string(), prof));
+    }
+    let merged = rollplex_cost::Profile::merge(&inputs).map_err(|e| user(e.to_string()))?;
+    let (points, corun, beside): (usize, usize, usize) = (
+        merged.points.len(),
+        merged.corun_points.len(),
+        merged.beside_points.len(),
+    );
+    let header = format!(
+        "# Merged by rollplexc merge-profiles from {} profiles: {points} points alone, {corun} \
+         co-run points, {beside} beside points.\n# Recompile with it: rollplexc PIPELINE.rpx \
+         --profile THIS.yaml\n",
+        inputs.len()
+    );
+    write_atomic(
+        &a.output,
+        format!("{header}{}", merged.to_yaml()).as_bytes(),
+    )?;
+    eprint!("{}", merge_summary(&merged, a.residuals));
+    eprintln!(
+        "merged {} profiles into {}: {points} points alone, {corun} co-run points, {beside} beside points",
+        inputs.len(),
+        a.output.display()
+    );
+    Ok(())
+}
+
+/// Per kind (and per co-run pair): how many measurements, and how far the merged model is from
+/// them (root mean square and worst of predicted / measured - 1); with `all`, every row.
+fn merge_summary(p: &rollplex_cost::Profile, all: bool) -> String {
+    use std::collections::BTreeMap;
+    let rows = p.residuals();
+    let mut s = String::new();
+    if all {
+        for r in &rows {
+            s.push_str(&format!(
+                "{:<40} measured {:>10.3} ms  model {:>10.3} ms  {:>+7.1}%  {}\n",
+                r.what,
+                r.measured_s * 1e3,
+                r.predicted_s * 1e3,
+                r.rel_err() * 100.0,
+                r.note
+            ));
+        }
+    }
+    // `what` is `kind@sms`, `kind@sms beside other` or `a || b`: group by kind (and pair).
+    let mut by: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for r in &rows {
+        let key = match r.what.split_once(" beside ") {
+            Some((a, b)) => format!("{} beside {b}", a.split('@').next().unwrap_or(a)),
+            None if r.what.contains(" || ") => "co-run pairs (bench)".to_string(),
+            None => r.what.split('@').next().unwrap_or(&r.what).to_string(),
+        };
+        by.entry(key).or_default().push(r.rel_err());
+    }
+    s.push_str(&format!(
+        "{:<36} {:>6} {:>8} {:>8}\n",
+        "fit of the merged model", "count", "rms", "worst"
+    ));
+    for (k, e) in by {
+        let rms = (e.iter().map(|x| x * x).sum::<f64>() / e.len() as f64).sqrt();
+        let worst = e
+            .iter()
+            .copied()
+            .fold(0.0f64, |a, b| if b.abs() > a.abs() { b } else { a });
+        s.push_str(&format!(
+            "{k:<36} {:>6} {:>7.1}% {:>+7.1}%\n",
+            e.len(),
+            rms * 100.0,
+            worst * 100.0
+        ));
+    }
+    for e in &p.corun {
+        s.push_str(&format!(
+            "slowdown of {} beside {}: {:.4}\n",
+            rollplex_cost::defaults::kind_name(e.kind),
+            rollplex_cost::defaults::kind_name(e.other),
+            e.slowdown
+        ));
+    }
+    s.push_str(&format!(
+        "slowdown of pairs not measured: {:.4}\n",
+        p.default_corun
+    ));
+    s
 }
 
 /// Writes `bytes` to `path` through a temporary file in the same directory and a rename, so a

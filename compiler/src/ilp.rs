@@ -18,9 +18,11 @@
 //!
 //! Constraints:
 //! - one option per window: `sum_j y[w][j] = 1`;
-//! - side work fits in the window's decode time under its option (no big-M: the per-option
-//!   item counts make the relaxation tight): `sum_c n[c][w][j] * item_time[c][j] <=
-//!   decode_time[w][j] * y[w][j]`; the option without side SMs admits no item;
+//! - side work ends before the window's decode (no big-M: the per-option item counts make the
+//!   relaxation tight): while an item of class `c` runs, decode advances at `1 / s_c` of its
+//!   speed alone (`s_c = decode_slowdown`), so the side work uses up `sum_c n[c][w][j] *
+//!   item_time[c][j] / s_c <= decode_time[w][j] * y[w][j]` of the decode's time alone; the
+//!   option without side SMs admits no item;
 //! - readiness: `cum(c, w) <= ready[c][w]` (items whose groups finish before `w` starts);
 //! - precedence, cumulative over windows: `All` (`n[succ][w] <= N_succ z[pred][w]`,
 //!   `N_pred z[pred][w] <= cum(pred, w)`), `Ratio` (`a cum(pred, w) >= b cum(succ, w)`);
@@ -48,8 +50,12 @@
 //!   steep price per GiB over budget (soft rows keep the model feasible; the driver reports a
 //!   plan that still does not fit with its numbers).
 //!
-//! Objective: `sum_w sum_j decode_time[w][j] y[w][j] + sum_c (N_c - sum_w n[c][w]) post_time[c]`
-//! (the windows, then what is left for after decode on the whole GPU) plus tie-breakers (1e-7
+//! Objective: `sum_w sum_j (decode_time[w][j] y[w][j] + sum_c (1 - 1/s_c) item_time[c][j]
+//! n[c][w][j]) + sum_c (N_c - sum_w n[c][w]) post_time[c]` (the windows: decode alone on its
+//! partition plus what the side work beside it costs it, exactly the timing pass's
+//! [`rollplex_cost::beside_time`] while the side work ends first; then what is left for after
+//! decode on the whole GPU; with every `s_c = 1` and the slowdown folded into `decode_time` it
+//! is the whole-window pricing `crate::schedule_overlap` also solves) plus tie-breakers (1e-7
 //! scale) that prefer smaller side partitions and earlier windows, HBM over host (1e-6 per
 //! item, in item order) and the first reshard option, so equal-time plans come
 //! out the same on every run. HiGHS runs single-threaded under a node limit ([`MAX_NODES`])
@@ -88,6 +94,8 @@ pub struct ClassInput {
     pub ready: Vec<u32>,
     /// Per option: seconds per item on the option's side SMs, co-running with decode.
     pub item_time: Vec<f64>,
+    /// How many times slower decode runs while an item of this class runs beside it (>= 1).
+    pub decode_slowdown: f64,
     /// Seconds per item after decode, on the whole GPU.
     pub post_time: f64,
     /// Device bytes that must live next to decode if any item runs in a window.
@@ -112,7 +120,8 @@ pub struct Prec {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Problem {
     pub options: Vec<SplitOption>,
-    /// `decode_time[w][j]`: seconds of window `w`'s decode under option `j`.
+    /// `decode_time[w][j]`: seconds of window `w`'s decode alone on option `j`'s decode SMs
+    /// (what side work beside it adds is priced per item, see the module doc).
     pub decode_time: Vec<Vec<f64>>,
     pub classes: Vec<ClassInput>,
     pub precs: Vec<Prec>,
@@ -229,8 +238,9 @@ pub const PRESOLVE_RULES_OFF: i32 = 1 << 17;
 /// are as good as the cost model can tell apart.
 pub const MIP_REL_GAP: f32 = 1e-3;
 
-/// Decode slowdowns (relative to decode on the whole GPU, co-run factor included) at which a
-/// split is offered: for each, the split with the fewest decode SMs within it.
+/// Decode slowdowns of a partition (decode alone on the split's decode SMs relative to decode
+/// on the whole GPU; what side work beside it adds is priced per item) at which a split is
+/// offered: for each, the split with the fewest decode SMs within it.
 pub const KNEES: [f64; 4] = [0.02, 0.08, 0.2, 0.4];
 
 /// Options offered for one window: decode alone, and per knee the split that gives decode the
@@ -258,6 +268,15 @@ fn useful_options(p: &Problem, w: usize) -> Vec<usize> {
     keep.extend(nos);
     keep.sort_unstable();
     keep
+}
+
+/// A slowdown as the model uses it: finite and at least 1.
+fn slowdown(s: f64) -> f64 {
+    if s.is_finite() {
+        s.max(1.0)
+    } else {
+        1.0
+    }
 }
 
 pub fn solve(p: &Problem) -> Result<Answer, String> {
@@ -386,6 +405,13 @@ pub fn solve(p: &Problem) -> Result<Answer, String> {
         obj += cl.count as f64 * cl.post_time;
         for w in 0..nw {
             obj += (1e-7 * (w as f64 + 1.0) - cl.post_time) * nw_expr(c, w);
+            // what each item costs the decode beside it
+            let cost = 1.0 - 1.0 / slowdown(cl.decode_slowdown);
+            for j in 0..nj {
+                if let Some(v) = n[c][w][j] {
+                    obj += cost * cl.item_time[j] * v;
+                }
+            }
         }
     }
     for (i, it) in res.items.iter().enumerate() {
@@ -437,8 +463,12 @@ pub fn solve(p: &Problem) -> Result<Answer, String> {
         add!(constraint!(one == 1.0));
         for j in 0..nj {
             let Some(yv) = y[w][j] else { continue };
+            // the decode's time alone that the side work beside it uses up
             let load: Expression = (0..nc)
-                .filter_map(|c| n[c][w][j].map(|v| p.classes[c].item_time[j] * v))
+                .filter_map(|c| {
+                    let cl = &p.classes[c];
+                    n[c][w][j].map(|v| cl.item_time[j] / slowdown(cl.decode_slowdown) * v)
+                })
                 .sum();
             if (0..nc).any(|c| n[c][w][j].is_some()) {
                 add!(constraint!(load <= p.decode_time[w][j] * yv));
@@ -624,6 +654,12 @@ pub fn solve(p: &Problem) -> Result<Answer, String> {
     for (c, cl) in p.classes.iter().enumerate() {
         let placed: u32 = counts[c].iter().sum();
         objective += cl.count.saturating_sub(placed) as f64 * cl.post_time;
+        let cost = 1.0 - 1.0 / slowdown(cl.decode_slowdown);
+        for w in 0..nw {
+            if counts[c][w] > 0 {
+                objective += cost * counts[c][w] as f64 * cl.item_time[option[w]];
+            }
+        }
     }
     let off_ans: Vec<bool> = off.iter().map(|&v| sol.value(v) > 0.5).collect();
     let reshard = x
@@ -789,6 +825,7 @@ mod tests {
                 count: 4,
                 ready: vec![4],
                 item_time: vec![1.0, f64::INFINITY],
+                decode_slowdown: 1.0,
                 post_time: 1.0,
                 bytes: 8.0 * GIB,
             }],
@@ -817,6 +854,36 @@ mod tests {
             }),
             time_limit_s: 5.0,
         }
+    }
+
+    /// One window: decode takes 10 s alone on the split's 64 SMs, 9 s on the whole GPU; 4
+    /// items of 1 s each (on the side partition, or after decode). An item slows decode `s`
+    /// times while it runs, costing it `1 - 1/s` s: with s = 2 the window takes 10 + 4 x 0.5 =
+    /// 12 s against 9 + 4 = 13 s without the split (a whole-window slowdown would have priced
+    /// the split at 20 s); with s = 5, 10 + 4 x 0.8 = 13.2 s, and the items run after decode.
+    #[test]
+    fn side_items_cost_decode_only_while_they_run() {
+        let p = |s: f64| {
+            let mut p = kept(100.0, 0.0, 100.0);
+            p.decode_time = vec![vec![10.0, 9.0]];
+            p.classes[0].decode_slowdown = s;
+            p.residency.as_mut().unwrap().kept.clear();
+            p
+        };
+        let placed = |a: &Answer| a.counts[0].iter().sum::<u32>();
+        let a = solve(&p(2.0)).unwrap();
+        assert_eq!((placed(&a), a.option.clone()), (4, vec![0]));
+        assert!((a.objective - 12.0).abs() < 1e-6, "{}", a.objective);
+        let a = solve(&p(5.0)).unwrap();
+        assert_eq!((placed(&a), a.option.clone()), (0, vec![1]));
+        assert!((a.objective - 13.0).abs() < 1e-6, "{}", a.objective);
+        // the side work must end before decode: at s = 2, 4 items use up 2 s of decode's 10 s;
+        // with decode at 1.2 s alone on the split only 2 items fit (2 x 0.5 <= 1.2 < 3 x 0.5)
+        let mut q = p(2.0);
+        q.decode_time = vec![vec![1.2, 1.0]];
+        let a = solve(&q).unwrap();
+        assert_eq!(placed(&a), 2);
+        assert!((a.objective - 4.2).abs() < 1e-6, "{}", a.objective);
     }
 
     #[test]

@@ -18,7 +18,11 @@
 //!
 //! Prefix dedup on: one encoding per media item (shared by rollout, reference and actor when
 //! the tower and merger are frozen and the layouts are colocated) and one prefix per GRPO group.
-//! Off: every phase encodes and prefills every sample (`copies = group_size`).
+//! Off: every phase prefills every sample (`copies = group_size`), and the rollout encodes
+//! every sample's media; the reference and actor prefixes count no encoding of their own when
+//! the tower and merger are frozen and the layouts colocated (both backends reuse the
+//! rollout's encoding then: same weights, bitwise the same embeddings), and decode reads one
+//! prompt KV per group either way (the runtime keeps the first copy; `Workload::decode`).
 //!
 //! Invariants: edges point from producer to consumer and the graph is acyclic; every node's
 //! `role` says where scheduling may put it; `ready_step` is the planned number of decode steps
@@ -384,7 +388,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
         } else {
             vec![decodes[wi - 1]]
         };
-        let work = b.wl.decode(n_r as f64, g, dedup, w.first, w.steps, rtp);
+        let work = b.wl.decode(n_r as f64, g, w.first, w.steps, rtp);
         decodes.push(b.add(
             format!("decode.w{wi}"),
             WorkKind::Decode,
@@ -423,8 +427,11 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
     };
     // Disaggregated training starts when rollout is complete (the usual two-engine design).
     let tail_gate: Vec<NodeId> = if colocated { vec![] } else { vec![last_decode] };
+    // What a prefix task encodes itself (the rollout's encoding is reused when it can be: see
+    // the module doc).
+    let reuses_encoding = colocated && spec.train.freeze_vision && spec.train.freeze_merger;
     let own_vision = |s: &Span, tp: u32, wl: &Workload| -> Work {
-        if shared_encoding || !media {
+        if shared_encoding || reuses_encoding || !media {
             Work::default()
         } else {
             wl.vision(s.len() as f64 * copies as f64 * items, tp)

@@ -7,9 +7,13 @@
 //!   not before the planned decode step its groups wait for (`ready_step`) is reached;
 //! - a decode window starts when the previous window's decode and side tasks have all ended
 //!   (the planner sizes windows so that side work fits; if it does not, decode waits);
-//! - inside a window decode runs on `decode_sms`, side tasks on `side_sms`, each slowed by the
-//!   cost model's co-run factor against the other side; elsewhere a task has the whole GPU
-//!   (transfers on the copy stream are assumed not to slow compute);
+//! - inside a window decode runs on `decode_sms`, side tasks on `side_sms`; a side task is
+//!   slowed by the cost model's co-run factor against decode for its whole time; decode is
+//!   slowed by its factor against each side task only while that task runs (the window's side
+//!   tasks one after another from the decode's start, in issue order), and runs alone on its
+//!   partition after them ([`rollplex_cost::beside_time`]: what the runtime measures, a
+//!   window's steps beside side work slower than its steps after it). Elsewhere a task has the
+//!   whole GPU (transfers on the copy stream are assumed not to slow compute);
 //! - a step inside a window is reached in proportion to the window's duration.
 //!
 //! Invariant: `tasks` is in issue order: every dependency index is smaller than the task's.
@@ -120,12 +124,17 @@ pub fn predict(s: &mut Sched, cost: &CostModel) {
     // Per window: decode start/end and the latest side end.
     let mut dec: Vec<Option<(f64, f64)>> = vec![None; nw];
     let mut side_end = vec![0.0f64; nw];
-    // Kinds of side work per window (for the decode slowdown).
-    let mut side_kinds: Vec<Vec<WorkKind>> = vec![Vec::new(); nw];
+    // Side work per window, in issue order: (its slowed time, decode's slowdown beside it).
+    let mut side_load: Vec<Vec<(f64, f64)>> = vec![Vec::new(); nw];
     for t in &s.tasks {
         if let Some(w) = t.window {
-            if t.stream == s.windows[w as usize].side_stream && t.kind != WorkKind::Decode {
-                side_kinds[w as usize].push(t.kind);
+            let win = &s.windows[w as usize];
+            if t.stream == win.side_stream && t.kind != WorkKind::Decode && win.side_sms > 0 {
+                let alone = cost.time(t.kind, &t.work, t.sms.clamp(1, total_sms));
+                side_load[w as usize].push((
+                    alone * cost.corun_slowdown(t.kind, WorkKind::Decode),
+                    cost.corun_slowdown(WorkKind::Decode, t.kind),
+                ));
             }
         }
     }
@@ -159,11 +168,7 @@ pub fn predict(s: &mut Sched, cost: &CostModel) {
             let win = &s.windows[w as usize];
             if win.side_sms > 0 {
                 if is_decode {
-                    let worst = side_kinds[w as usize]
-                        .iter()
-                        .map(|&k| cost.corun_slowdown(WorkKind::Decode, k))
-                        .fold(1.0, f64::max);
-                    dur *= worst;
+                    dur = rollplex_cost::beside_time(dur, &side_load[w as usize]);
                 } else {
                     dur *= cost.corun_slowdown(kind, WorkKind::Decode);
                 }

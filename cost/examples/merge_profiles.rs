@@ -1,8 +1,11 @@
 //! Fits one profile to the measurements of several (`rollplex-run --profile` of runs of other
-//! plans of the same job, e.g. with and without prefix dedup: each alone covers only its own
-//! task sizes), so that the planner's curves hold across all of them. The GPUs must be the
-//! same; the merged file lists every point and prints the fit's residuals to stderr.
+//! plans of the same job, e.g. serial and overlap, with and without prefix dedup: each alone
+//! covers only its own task sizes and partitions), so that the planner's curves and co-run
+//! slowdowns hold across all of them ([`Profile::merge`]). The GPUs must be the same; the
+//! merged file lists every measurement and the fit's residuals go to stderr.
 //!
+//! `rollplexc merge-profiles A.yaml B.yaml... -o MERGED.yaml` does the same and prints a
+//! summary per kind; this example stays for scripts that have only the cost crate:
 //! `cargo run -p rollplex-cost --example merge_profiles -- A.yaml B.yaml... > MERGED.yaml`
 
 use rollplex_cost::Profile;
@@ -13,57 +16,34 @@ fn main() {
         eprintln!("usage: merge_profiles A.yaml B.yaml... > MERGED.yaml");
         std::process::exit(1);
     }
-    let mut points = Vec::new();
-    let mut corun = Vec::new();
-    let mut gpu = None;
-    let mut sources = Vec::new();
+    let mut inputs = Vec::new();
     for p in &paths {
-        let text = match std::fs::read_to_string(p) {
-            Ok(t) => t,
+        let prof = std::fs::read_to_string(p)
+            .map_err(|e| e.to_string())
+            .and_then(|t| Profile::from_yaml(&t).map_err(|e| e.to_string()));
+        match prof {
+            Ok(x) => inputs.push((p.clone(), x)),
             Err(e) => {
                 eprintln!("error: {p}: {e}");
                 std::process::exit(1);
             }
-        };
-        let prof = match Profile::from_yaml(&text) {
-            Ok(x) => x,
-            Err(e) => {
-                eprintln!("error: {p}: {e}");
-                std::process::exit(1);
-            }
-        };
-        match &gpu {
-            None => gpu = Some(prof.gpu.clone()),
-            Some(g) if *g != prof.gpu => {
-                eprintln!(
-                    "error: {p} was measured on {}, not {}",
-                    prof.gpu.name, g.name
-                );
-                std::process::exit(1);
-            }
-            Some(_) => {}
         }
-        sources.push(format!("{p} ({})", prof.source));
-        points.extend(prof.points);
-        corun.extend(prof.corun_points);
     }
-    let gpu = gpu.expect("at least one profile");
-    let mut merged = match Profile::fit(&gpu, points, corun) {
+    let merged = match Profile::merge(&inputs) {
         Ok(p) => p,
         Err(e) => {
             eprintln!("error: {e}");
             std::process::exit(1);
         }
     };
-    merged.source = format!("merged fit of: {}", sources.join("; "));
     print!("{}", merged.to_yaml());
     eprintln!(
-        "{:<34} {:>10} {:>10} {:>7}  note",
+        "{:<40} {:>10} {:>10} {:>7}  note",
         "what", "measured", "model", "err"
     );
     for r in merged.residuals() {
         eprintln!(
-            "{:<34} {:>8.1}ms {:>8.1}ms {:>+6.1}%  {}",
+            "{:<40} {:>8.1}ms {:>8.1}ms {:>+6.1}%  {}",
             r.what,
             r.measured_s * 1e3,
             r.predicted_s * 1e3,

@@ -7,22 +7,42 @@
 //! its memory roof). The search is Nelder-Mead over an unconstrained vector mapped into
 //! [`Bounds`], restarted from several sharpness values; it is deterministic.
 //!
-//! The per-step latency (`step_overhead_s`: kernel launches and tails of one layer pass) is a
-//! property of the runtime more than of the kind, and two workload shapes cannot tell it from
-//! efficiency: a free fit of prefill on the bench explains the 3B model's lower GEMM rate with
-//! 0.4 ms per layer, which would then be charged to every small forward pass. So it is fitted
-//! freely first; the kind where it takes the largest share of the time (decode: many short
-//! steps) fixes it, if that share is at least 5%, and the other kinds are refitted with it.
-//! Kinds whose points have no flops and no bytes (a reward's steps, a no-op sync: what the
-//! runtime's own profiles measure) are pure latency: they keep their own fit and cannot lead
-//! (their share is 1 by construction). A kind whose points the shared latency misses by more
-//! than `MAX_SHARED_ERR` (where its own fit does better) keeps its own fit: the shared value
-//! contradicts what it measured.
+//! The per-step latency (`step_overhead_s`: kernel launches and tails of one layer pass) is
+//! fitted by one of two rules ([`LatencyFit`]).
+//!
+//! [`LatencyFit::Shared`] (the bench, [`Profile::fit`]): two workload shapes of two model widths
+//! cannot tell it from efficiency: a free fit of prefill on the bench explains the 3B model's
+//! lower GEMM rate with 0.4 ms per layer, which would then be charged to every small forward
+//! pass. So it is fitted freely first; the kind where it takes the largest share of the time
+//! (decode: many short steps) fixes it, if that share is at least 5%, and the other kinds are
+//! refitted with it. Only a kind with at least `MIN_LEADER_TIME` of the measured time may lead
+//! (in a runtime's profile the advantages, microseconds of pure latency, would otherwise set
+//! every kind's latency). Kinds whose points have no flops and no bytes (a reward's steps, a
+//! no-op sync: what the runtime's own profiles measure) are pure latency: they keep their own
+//! fit and cannot lead (their share is 1 by construction). A kind whose points the shared
+//! latency misses by more than `MAX_SHARED_ERR` (where its own fit does better) keeps its own
+//! fit: the shared value contradicts what it measured.
+//!
+//! [`LatencyFit::PerKind`] (`rollplex-run --profile`, merges of such profiles): every kind keeps
+//! its free fit. One model's tasks of several sizes (a micro-batch backpropagating into one
+//! prompt copy or eight) tell a kind's fixed cost per layer pass from its rate: on the H200 the
+//! 3B forward and backward kinds fit 260-340 us per layer pass, decode 67 us per step, and the
+//! shared value missed the micro-batches of one size 10% slow and of the other 10% fast.
 //!
 //! Co-run slowdowns: one value per unordered pair of kinds, fitted by golden-section search
 //! against the co-run makespans given the *measured* times alone (so curve errors do not leak
 //! into it). The measurements of `shared/bench/` do not separate who slows whom, so both orders
 //! get the same value.
+//!
+//! Beside points (one side of a co-run, its time alone not measured: what a run of an overlap
+//! plan gives, [`crate::BesidePoint`]) give *ordered* slowdowns: for each (kind, beside) pair, the
+//! geometric mean of measured / the fitted curve's time alone on the same SMs, at least 1. The
+//! curves are fitted first and without them (a slowed time is not a time alone), so here the
+//! curve's error at that partition does leak into the slowdown: that product is what the
+//! planner multiplies, and what the run measured. Where a pair has both, the beside points'
+//! value wins for its order (they were measured on the runtime that runs the plans; the
+//! bench's symmetric value stays for the other order). `default_corun`, the slowdown of pairs
+//! no measurement covers, is the mean of all fitted entries.
 
 use std::collections::BTreeMap;
 
@@ -30,8 +50,10 @@ use rollplex_plan::spec::GpuSpec;
 use rollplex_plan::work::WorkKind;
 
 use crate::curve::{Bounds, KindCurve};
-use crate::defaults::{default_curve, kind_name, DEFAULT_CORUN};
-use crate::profile::{CorunEntry, CorunPoint, Point, Profile, ProfileError};
+use crate::defaults::{default_curve, is_host, kind_name, DEFAULT_CORUN};
+use crate::profile::{
+    BesidePoint, CorunEntry, CorunPoint, LatencyFit, Point, Profile, ProfileError,
+};
 use crate::{corun_pair_time, CostModel};
 
 /// Weight of the pull towards the default curve (in mapped-parameter units squared).
@@ -46,6 +68,10 @@ const MAX_SHARED_ERR: f64 = 0.25;
 /// A kind whose points spend at least this share of their time in per-step latency fixes the
 /// latency for every kind.
 const MIN_OVERHEAD_SHARE: f64 = 0.05;
+
+/// A kind whose points hold less than this share of all points' measured time cannot fix the
+/// shared latency.
+const MIN_LEADER_TIME: f64 = 0.01;
 
 fn sigmoid(x: f64) -> f64 {
     1.0 / (1.0 + (-x).exp())
@@ -255,6 +281,44 @@ fn log_err(pred: f64, meas: f64) -> f64 {
     }
 }
 
+/// Ordered slowdowns from beside points: per (kind, beside) pair, the geometric mean of the
+/// measured time over `curves`' time alone on the same SMs (the default curve for a kind
+/// without one), at least 1, rounded to 1e-4. Pairs with host work are skipped: the model
+/// never slows it nor lets it slow anything. In (kind, beside) order.
+fn beside_slowdowns(
+    gpu: &GpuSpec,
+    curves: &BTreeMap<WorkKind, KindCurve>,
+    beside: &[BesidePoint],
+) -> Vec<CorunEntry> {
+    let mut logs: BTreeMap<(WorkKind, WorkKind), Vec<f64>> = BTreeMap::new();
+    for b in beside {
+        if is_host(b.kind) || is_host(b.beside) {
+            continue;
+        }
+        let curve = curves
+            .get(&b.kind)
+            .cloned()
+            .unwrap_or_else(|| default_curve(gpu, b.kind));
+        let alone = predict(gpu, &curve, &b.as_point());
+        if alone > 0.0 && alone.is_finite() {
+            logs.entry((b.kind, b.beside))
+                .or_default()
+                .push((b.seconds / alone).ln());
+        }
+    }
+    logs.into_iter()
+        .map(|((kind, other), l)| {
+            let mean = l.iter().sum::<f64>() / l.len() as f64;
+            let s = mean.exp().clamp(1.0, 10.0);
+            CorunEntry {
+                kind,
+                other,
+                slowdown: (s * 1e4).round() / 1e4,
+            }
+        })
+        .collect()
+}
+
 /// One row of [`Profile::residuals`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct Residual {
@@ -280,7 +344,19 @@ impl Profile {
         points: Vec<Point>,
         corun_points: Vec<CorunPoint>,
     ) -> Result<Profile, ProfileError> {
-        if points.is_empty() && corun_points.is_empty() {
+        Profile::fit_all(gpu, points, corun_points, Vec::new(), LatencyFit::Shared)
+    }
+
+    /// [`Profile::fit`] with beside points too (ordered slowdowns) and the per-step latency
+    /// fitted by `latency` (see the module doc).
+    pub fn fit_all(
+        gpu: &GpuSpec,
+        points: Vec<Point>,
+        corun_points: Vec<CorunPoint>,
+        beside_points: Vec<BesidePoint>,
+        latency: LatencyFit,
+    ) -> Result<Profile, ProfileError> {
+        if points.is_empty() && corun_points.is_empty() && beside_points.is_empty() {
             return Err(ProfileError::Fit("no measurements were given".into()));
         }
         let mut profile = Profile {
@@ -293,6 +369,8 @@ impl Profile {
             corun: Vec::new(),
             points,
             corun_points,
+            beside_points,
+            latency,
         };
         profile.validate()?;
 
@@ -326,9 +404,12 @@ impl Profile {
             pts.iter()
                 .all(|p| p.work.flops <= 0.0 && p.work.bytes <= 0.0)
         };
+        let total: f64 = by_kind.values().flatten().map(|p| p.seconds).sum();
+        let measured = |pts: &[&Point]| pts.iter().map(|p| p.seconds).sum::<f64>();
         let leader = by_kind
             .iter()
-            .filter(|(_, pts)| !latency_only(pts))
+            .filter(|_| latency == LatencyFit::Shared)
+            .filter(|(_, pts)| !latency_only(pts) && measured(pts) >= MIN_LEADER_TIME * total)
             .map(|(k, pts)| (*k, share(k, pts)))
             .max_by(|a, b| a.1.total_cmp(&b.1));
         if let Some((lead, s)) = leader {
@@ -382,6 +463,15 @@ impl Profile {
                 });
             }
         }
+        for e in beside_slowdowns(gpu, &profile.kinds, &profile.beside_points) {
+            match corun
+                .iter_mut()
+                .find(|c| c.kind == e.kind && c.other == e.other)
+            {
+                Some(c) => c.slowdown = e.slowdown,
+                None => corun.push(e),
+            }
+        }
         if !corun.is_empty() {
             let mean = corun.iter().map(|e| e.slowdown).sum::<f64>() / corun.len() as f64;
             profile.default_corun = (mean * 1e4).round() / 1e4;
@@ -391,8 +481,59 @@ impl Profile {
         Ok(profile)
     }
 
+    /// One profile fitted to the measurements of several (`rollplexc merge-profiles`): e.g.
+    /// runs of a serial and an overlap plan, with and without prefix dedup, each of which
+    /// covers only its own task sizes and partitions. Every input must have been measured on
+    /// the same GPU (name and peaks); the names label the inputs in errors and in `source`. The
+    /// measured host and link bandwidths are the first input's that has them; the latency is
+    /// fitted per kind when every input was, else shared.
+    pub fn merge(inputs: &[(String, Profile)]) -> Result<Profile, ProfileError> {
+        let Some((_, first)) = inputs.first() else {
+            return Err(ProfileError::Fit("no profiles to merge".into()));
+        };
+        let gpu = first.gpu.clone();
+        let (mut points, mut corun, mut beside) = (Vec::new(), Vec::new(), Vec::new());
+        let mut sources = Vec::new();
+        for (name, p) in inputs {
+            if p.gpu != gpu {
+                return Err(ProfileError::Invalid(format!(
+                    "{name} was measured on {} ({} SMs, {:.3e} B/s, {:.3e} FLOP/s), {} on {}                      ({} SMs, {:.3e} B/s, {:.3e} FLOP/s): merge only profiles of one GPU",
+                    p.gpu.name,
+                    p.gpu.sms,
+                    p.gpu.hbm_bw,
+                    p.gpu.bf16_flops,
+                    inputs[0].0,
+                    gpu.name,
+                    gpu.sms,
+                    gpu.hbm_bw,
+                    gpu.bf16_flops
+                )));
+            }
+            sources.push(if p.source.is_empty() {
+                name.clone()
+            } else {
+                format!("{name} ({})", p.source)
+            });
+            points.extend(p.points.iter().cloned());
+            corun.extend(p.corun_points.iter().cloned());
+            beside.extend(p.beside_points.iter().cloned());
+        }
+        let latency = if inputs.iter().all(|(_, p)| p.latency == LatencyFit::PerKind) {
+            LatencyFit::PerKind
+        } else {
+            LatencyFit::Shared
+        };
+        let mut merged = Profile::fit_all(&gpu, points, corun, beside, latency)?;
+        merged.host_bw = inputs.iter().find_map(|(_, p)| p.host_bw);
+        merged.net_bw = inputs.iter().find_map(|(_, p)| p.net_bw);
+        merged.source = format!("merged fit of: {}", sources.join("; "));
+        merged.validate()?;
+        Ok(merged)
+    }
+
     /// Each stored measurement next to what this profile's model predicts for it (co-runs with
-    /// the model's own times alone, as a planner would see them).
+    /// the model's own times alone, as a planner would see them; a beside point as its time
+    /// alone times its slowdown).
     pub fn residuals(&self) -> Vec<Residual> {
         let model = CostModel::new(&self.gpu, Some(self));
         let mut out = Vec::new();
@@ -407,6 +548,15 @@ impl Profile {
                 note: p.note.clone(),
                 measured_s: p.seconds,
                 predicted_s: model.time(p.kind, &p.work, p.sms),
+            });
+        }
+        for b in &self.beside_points {
+            out.push(Residual {
+                what: format!("{} beside {}", at(&b.as_point()), kind_name(b.beside)),
+                note: b.note.clone(),
+                measured_s: b.seconds,
+                predicted_s: model.time(b.kind, &b.work, b.sms)
+                    * model.corun_slowdown(b.kind, b.beside),
             });
         }
         for c in &self.corun_points {
@@ -592,6 +742,280 @@ mod tests {
             assert!(r.rel_err().abs() < 0.05, "{} {r:?}", r.what);
         }
         assert!((prof.kinds[&WorkKind::Reward].step_overhead_s / 40e-6 - 1.0).abs() < 0.05);
+    }
+
+    /// Points of `kind` timed under `truth` on `sms` (work: bytes and steps).
+    fn timed(gpu: &GpuSpec, truth: &KindCurve, kind: WorkKind, sms: u32, gb: f64) -> Point {
+        let p = Point {
+            kind,
+            sms,
+            work: Work {
+                flops: gb * 40e9,
+                bytes: gb * 1e9,
+                steps: 100,
+                ..Work::default()
+            },
+            seconds: 1.0,
+            note: String::new(),
+        };
+        Point {
+            seconds: predict(gpu, truth, &p),
+            ..p
+        }
+    }
+
+    fn beside(p: &Point, slowdown: f64, beside: WorkKind) -> BesidePoint {
+        BesidePoint {
+            kind: p.kind,
+            sms: p.sms,
+            work: p.work.clone(),
+            seconds: p.seconds * slowdown,
+            beside,
+            note: String::new(),
+        }
+    }
+
+    /// A run of an overlap plan: decode alone on the whole GPU and on its partition, decode's
+    /// steps beside the side work 1.5x slower, the side work on its partition 1.25x slower than
+    /// the curve says. The fit gives back both ordered slowdowns, and the beside points leave
+    /// the curves as the points alone fit them.
+    #[test]
+    fn beside_points_give_ordered_slowdowns_and_leave_the_curves() {
+        let gpu = datasheet("H200").unwrap();
+        let truth = KindCurve {
+            eff_compute: 0.5,
+            eff_memory: 0.6,
+            compute_exponent: 1.0,
+            sm_bw: 40e9,
+            sharpness: 2.0,
+            step_overhead_s: 20e-6,
+        };
+        let (d, r) = (WorkKind::Decode, WorkKind::RefPrefix);
+        let mut alone = Vec::new();
+        for gb in [200.0, 300.0, 400.0] {
+            for sms in [64, 132] {
+                alone.push(timed(&gpu, &truth, d, sms, gb));
+            }
+            alone.push(timed(&gpu, &truth, r, 132, gb / 10.0));
+        }
+        let side = [
+            beside(&timed(&gpu, &truth, d, 64, 250.0), 1.5, r),
+            beside(&timed(&gpu, &truth, d, 64, 150.0), 1.5, r),
+            beside(&timed(&gpu, &truth, r, 68, 25.0), 1.25, d),
+        ];
+        let without = Profile::fit(&gpu, alone.clone(), vec![]).unwrap();
+        let with =
+            Profile::fit_all(&gpu, alone, vec![], side.to_vec(), LatencyFit::Shared).unwrap();
+        assert_eq!(with.kinds, without.kinds);
+        let got = |k, o| with.corun_of(k, o).unwrap();
+        // The fit saw decode alone on its partition: its slowdown is the measured one.
+        assert!((got(d, r) / 1.5 - 1.0).abs() < 0.01, "{}", got(d, r));
+        // ref_prefix was seen alone only on the whole GPU: its slowdown carries the curve's
+        // error on 68 SMs, so that the product is what was measured.
+        let model = CostModel::new(&gpu, Some(&with));
+        let b = &side[2];
+        let alone = model.time(r, &b.work, 68);
+        assert!((got(r, d) * alone / b.seconds - 1.0).abs() < 1e-3);
+        assert!(got(r, d) > 1.0);
+        assert!((with.default_corun - (got(d, r) + got(r, d)) / 2.0).abs() < 1e-4);
+        assert_eq!(model.corun_slowdown(d, r), got(d, r));
+        for res in with.residuals() {
+            assert!(res.rel_err().abs() < 0.02, "{res:?}");
+        }
+        assert!(with
+            .residuals()
+            .iter()
+            .any(|res| res.what == "decode@64 beside ref_prefix"));
+    }
+
+    /// A beside point faster than the curve alone gives no speed-up (slowdowns are >= 1); a
+    /// pair with host work is not fitted (the model never slows it).
+    #[test]
+    fn beside_slowdowns_are_at_least_one_and_skip_host_work() {
+        let gpu = datasheet("H200").unwrap();
+        let truth = default_curve(&gpu, WorkKind::Decode);
+        let p = timed(&gpu, &truth, WorkKind::Decode, 132, 100.0);
+        let fast = beside(
+            &timed(&gpu, &truth, WorkKind::Decode, 64, 100.0),
+            0.8,
+            WorkKind::Prefill,
+        );
+        let host = beside(
+            &timed(&gpu, &truth, WorkKind::Decode, 64, 100.0),
+            2.0,
+            WorkKind::Reward,
+        );
+        let prof =
+            Profile::fit_all(&gpu, vec![p], vec![], vec![fast, host], LatencyFit::Shared).unwrap();
+        assert_eq!(
+            prof.corun_of(WorkKind::Decode, WorkKind::Prefill),
+            Some(1.0)
+        );
+        assert_eq!(prof.corun_of(WorkKind::Decode, WorkKind::Reward), None);
+    }
+
+    /// The bench's symmetric value stays for the order the runtime did not measure.
+    #[test]
+    fn beside_slowdown_replaces_the_bench_value_for_its_order_only() {
+        let gpu = datasheet("H200").unwrap();
+        let pt = |kind, sms, seconds| Point {
+            kind,
+            sms,
+            work: Work {
+                flops: 1e12,
+                ..Work::default()
+            },
+            seconds,
+            note: String::new(),
+        };
+        let corun = vec![CorunPoint {
+            seconds: corun_pair_time(0.6, 0.5, 1.2, 1.2),
+            a: pt(WorkKind::Decode, 64, 0.6),
+            b: pt(WorkKind::Prefill, 68, 0.5),
+            note: String::new(),
+        }];
+        let curve_only = Profile::fit(&gpu, vec![], corun.clone()).unwrap();
+        let model = CostModel::new(&gpu, Some(&curve_only));
+        let alone = model.time(WorkKind::Decode, &pt(WorkKind::Decode, 64, 1.0).work, 64);
+        let b = BesidePoint {
+            kind: WorkKind::Decode,
+            sms: 64,
+            work: pt(WorkKind::Decode, 64, 1.0).work,
+            seconds: alone * 1.6,
+            beside: WorkKind::Prefill,
+            note: String::new(),
+        };
+        let prof = Profile::fit_all(&gpu, vec![], corun, vec![b], LatencyFit::Shared).unwrap();
+        let s = |k, o| prof.corun_of(k, o).unwrap();
+        assert!((s(WorkKind::Decode, WorkKind::Prefill) - 1.6).abs() < 1e-3);
+        assert!((s(WorkKind::Prefill, WorkKind::Decode) - 1.2).abs() < 1e-3);
+    }
+
+    #[test]
+    fn merge_fits_every_input_and_refuses_another_gpu() {
+        let gpu = datasheet("H200").unwrap();
+        let truth = default_curve(&gpu, WorkKind::Decode);
+        let a = Profile::fit(
+            &gpu,
+            vec![timed(&gpu, &truth, WorkKind::Decode, 132, 100.0)],
+            vec![],
+        )
+        .unwrap();
+        let side = beside(
+            &timed(&gpu, &truth, WorkKind::Decode, 64, 100.0),
+            1.4,
+            WorkKind::RefPrefix,
+        );
+        let b = Profile::fit_all(
+            &gpu,
+            vec![timed(&gpu, &truth, WorkKind::Decode, 64, 50.0)],
+            vec![],
+            vec![side],
+            LatencyFit::PerKind,
+        )
+        .unwrap();
+        assert_eq!(b.latency, LatencyFit::PerKind);
+        let m =
+            Profile::merge(&[("a.yaml".into(), a.clone()), ("b.yaml".into(), b.clone())]).unwrap();
+        assert_eq!((m.points.len(), m.beside_points.len()), (2, 1));
+        assert!(m.source.starts_with("merged fit of: a.yaml") && m.source.contains("b.yaml"));
+        assert!(m.corun_of(WorkKind::Decode, WorkKind::RefPrefix).unwrap() > 1.3);
+        // per kind only when every input was fitted so
+        assert_eq!(m.latency, LatencyFit::Shared);
+        let both = Profile::merge(&[("b.yaml".into(), b.clone()), ("b2.yaml".into(), b)]).unwrap();
+        assert_eq!(both.latency, LatencyFit::PerKind);
+
+        let mut other = a.clone();
+        other.gpu = datasheet("H800").unwrap();
+        let e = Profile::merge(&[("a.yaml".into(), a), ("h800.yaml".into(), other)])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("h800.yaml was measured on H800") && e.contains("a.yaml on H200"),
+            "{e}"
+        );
+        assert!(Profile::merge(&[]).is_err());
+    }
+
+    #[test]
+    fn a_beside_point_must_leave_sms_for_the_work_beside_it() {
+        let gpu = datasheet("H200").unwrap();
+        let truth = default_curve(&gpu, WorkKind::Decode);
+        let whole = beside(
+            &timed(&gpu, &truth, WorkKind::Decode, 132, 100.0),
+            1.4,
+            WorkKind::RefPrefix,
+        );
+        let e = Profile::fit_all(&gpu, vec![], vec![], vec![whole], LatencyFit::Shared)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("beside point 0") && e.contains("leaves none"),
+            "{e}"
+        );
+    }
+
+    /// A runtime's profile: micro-batches of two sizes with 300 us per layer pass of fixed cost,
+    /// decode with 60 us, and advantages of a few microseconds of pure latency. Per kind, each
+    /// latency comes back and every point is fitted; shared, the advantages may not lead (they
+    /// hold a negligible share of the time) and the micro-batches take decode's latency, which
+    /// misses their two sizes in opposite directions.
+    #[test]
+    fn per_kind_latency_tells_fixed_costs_from_the_rate() {
+        let gpu = datasheet("H200").unwrap();
+        let c = |o: f64| KindCurve {
+            eff_compute: 0.6,
+            eff_memory: 0.7,
+            compute_exponent: 1.0,
+            sm_bw: 50e9,
+            sharpness: 2.0,
+            step_overhead_s: o,
+        };
+        let at = |kind, curve: &KindCurve, flops: f64, bytes: f64, steps: u32| {
+            let p = Point {
+                kind,
+                sms: 132,
+                work: Work {
+                    flops,
+                    bytes,
+                    steps,
+                    ..Work::default()
+                },
+                seconds: 1.0,
+                note: String::new(),
+            };
+            Point {
+                seconds: predict(&gpu, curve, &p),
+                ..p
+            }
+        };
+        let (bwd, dec) = (c(300e-6), c(60e-6));
+        let mut pts = Vec::new();
+        for _ in 0..4 {
+            pts.push(at(WorkKind::ActorBwd, &bwd, 80e12, 1e11, 180));
+            pts.push(at(WorkKind::ActorBwd, &bwd, 228e12, 2e11, 180));
+        }
+        for gb in [400.0, 450.0, 500.0] {
+            pts.push(at(WorkKind::Decode, &dec, 1e12, gb * 1e9, 2304));
+        }
+        pts.push(at(WorkKind::Advantage, &c(3e-6), 80.0, 128.0, 1));
+        let own = Profile::fit_all(&gpu, pts.clone(), vec![], vec![], LatencyFit::PerKind).unwrap();
+        for r in own.residuals() {
+            assert!(r.rel_err().abs() < 0.01, "{r:?}");
+        }
+        let o = own.kinds[&WorkKind::ActorBwd].step_overhead_s;
+        assert!((o / 300e-6 - 1.0).abs() < 0.1, "{o}");
+        let shared = Profile::fit(&gpu, pts, vec![]).unwrap();
+        let o = shared.kinds[&WorkKind::ActorBwd].step_overhead_s;
+        assert_eq!(o, shared.kinds[&WorkKind::Decode].step_overhead_s);
+        assert!(o < 100e-6, "{o}");
+        let worst = shared
+            .residuals()
+            .iter()
+            .filter(|r| r.what.starts_with("actor_bwd"))
+            .map(|r| r.rel_err().abs())
+            .fold(0.0, f64::max);
+        assert!(worst > 0.05, "{worst}");
     }
 
     #[test]

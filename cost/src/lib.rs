@@ -33,7 +33,7 @@ use rollplex_plan::spec::{ClusterSpec, GpuSpec};
 use rollplex_plan::work::{Work, WorkKind};
 
 pub use curve::KindCurve;
-pub use profile::{CorunEntry, CorunPoint, Point, Profile, ProfileError};
+pub use profile::{BesidePoint, CorunEntry, CorunPoint, LatencyFit, Point, Profile, ProfileError};
 
 use defaults::{default_curve, is_host, kind_index, ALL_KINDS, DEFAULT_CORUN};
 
@@ -294,6 +294,32 @@ pub fn corun_pair_time(a: f64, b: f64, slow_a: f64, slow_b: f64) -> f64 {
         let t1 = b * sb;
         t1 + (a - t1 / sa)
     }
+}
+
+/// Time of a task that takes `alone` seconds alone while side work runs beside it from its
+/// start: side piece `i` lasts `side[i].0` seconds (its own, slowed time) and slows the task
+/// `side[i].1` times while it runs; the pieces run one after another, and once they are done
+/// (or once the task is) the task runs at full speed. With one piece that ends first it is
+/// [`corun_pair_time`]'s makespan; with side work longer than the slowed task, `alone` times the
+/// slowdown. How the planner prices a decode window with side tasks in it.
+pub fn beside_time(alone: f64, side: &[(f64, f64)]) -> f64 {
+    if alone.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
+        return 0.0;
+    }
+    let (mut left, mut elapsed) = (alone, 0.0);
+    for &(t, slow) in side {
+        let slow = if slow.is_finite() { slow.max(1.0) } else { 1.0 };
+        // NaN and non-positive times count as none
+        if t.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
+            continue;
+        }
+        if left * slow <= t {
+            return elapsed + left * slow;
+        }
+        elapsed += t;
+        left -= t / slow;
+    }
+    elapsed + left
 }
 
 #[cfg(test)]

@@ -9,9 +9,16 @@
 //! on). On that same GPU the cost model reproduces the measured absolute speeds even if the job
 //! declares other peak numbers; on another GPU the fractions carry over to its peaks.
 //!
+//! Three kinds of measurement: `points` (a task alone on its SMs), `corun_points` (two tasks
+//! started together on disjoint partitions, each also timed alone on its partition: what the
+//! bench measures) and `beside_points` (one task timed while work of another kind ran on the
+//! rest of the GPU the whole time, its time alone on that partition not measured: what one run
+//! of an overlap plan measures, `rollplex-run --profile`). [`Profile::merge`] fits one profile
+//! to the measurements of several.
+//!
 //! Invariants checked by [`Profile::validate`] (run by `from_yaml` and `fit`): every curve is
 //! inside [`crate::curve::Bounds`], slowdowns are finite and >= 1, points have positive times
-//! and SM counts within the GPU.
+//! and SM counts within the GPU, a beside point leaves SMs for the work beside it.
 
 use std::collections::BTreeMap;
 
@@ -61,6 +68,33 @@ pub struct Profile {
     /// Measurements of two tasks co-running on disjoint SM partitions.
     #[serde(default)]
     pub corun_points: Vec<CorunPoint>,
+    /// Measurements of one task while work of another kind ran beside it the whole time.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub beside_points: Vec<BesidePoint>,
+    /// How the fit treated the per-step latency (a refit or merge keeps the rule).
+    #[serde(default, skip_serializing_if = "LatencyFit::is_shared")]
+    pub latency: LatencyFit,
+}
+
+/// How [`Profile::fit_all`] fits each kind's per-step latency (`step_overhead_s`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LatencyFit {
+    /// One value, measured where it shows (the kind that spends the largest share of its time
+    /// in it), for every kind it does not contradict: the bench's rule, whose two model widths
+    /// cannot tell a lower GEMM rate from a fixed cost per layer (`crate::fit`'s module doc).
+    #[default]
+    Shared,
+    /// Each kind its own: a runtime's profile of one model, where each kind's fixed costs per
+    /// layer pass (launches, host work inside the task) are its own and task sizes of several
+    /// runs (with and without prefix dedup) tell them from the rate.
+    PerKind,
+}
+
+impl LatencyFit {
+    pub fn is_shared(&self) -> bool {
+        *self == LatencyFit::Shared
+    }
 }
 
 /// `kind` runs `slowdown` times slower while `other` runs beside it.
@@ -95,6 +129,37 @@ pub struct CorunPoint {
     pub seconds: f64,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub note: String,
+}
+
+/// One side of a co-run whose other side was not timed alone: `work` of `kind` on `sms` SMs
+/// took `seconds` while work of kind `beside` ran on (some of) the other SMs the whole time.
+/// It is a point of the model's time alone times its slowdown beside `beside`
+/// ([`crate::CostModel::corun_slowdown`]): the fit turns it into that ordered slowdown, never
+/// into a curve. `rollplex-run --profile` of an overlap plan measures them: a decode window's
+/// steps while side tasks run, and the side tasks themselves.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BesidePoint {
+    pub kind: WorkKind,
+    pub sms: u32,
+    pub work: Work,
+    pub seconds: f64,
+    pub beside: WorkKind,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub note: String,
+}
+
+impl BesidePoint {
+    /// The measurement as a point (kind, SMs, work, seconds), for the checks points share.
+    pub fn as_point(&self) -> Point {
+        Point {
+            kind: self.kind,
+            sms: self.sms,
+            work: self.work.clone(),
+            seconds: self.seconds,
+            note: self.note.clone(),
+        }
+    }
 }
 
 /// Whether `x` is a positive number (false for NaN).
@@ -202,6 +267,19 @@ impl Profile {
             }
             if !(positive(c.seconds) && c.seconds.is_finite()) {
                 return bad(format!("corun point {i}: seconds must be positive"));
+            }
+        }
+        for (i, b) in self.beside_points.iter().enumerate() {
+            let what = format!("beside point {i}");
+            check_point(&b.as_point(), &what)?;
+            if b.sms >= gpu.sms {
+                return bad(format!(
+                    "{what} ({} beside {}): sms = {} leaves none of the GPU's {} SMs for the work beside it",
+                    kind_name(b.kind),
+                    kind_name(b.beside),
+                    b.sms,
+                    gpu.sms
+                ));
             }
         }
         Ok(())

@@ -102,6 +102,30 @@ fn corun_pair_time_cases() {
 }
 
 #[test]
+fn beside_time_cases() {
+    // nothing beside: alone
+    assert_eq!(beside_time(2.0, &[]), 2.0);
+    // one side piece that ends first: the pair's makespan
+    let pair = corun_pair_time(2.0, 0.5, 1.5, 1.2);
+    assert!((beside_time(2.0, &[(0.5 * 1.2, 1.5)]) - pair).abs() < 1e-12);
+    // 1 s slowed 2x costs 0.5 s of progress: 1 + (2 - 0.5) = 2.5
+    assert!((beside_time(2.0, &[(1.0, 2.0)]) - 2.5).abs() < 1e-12);
+    // two pieces: 1 s at 2x (0.5 s done), 1 s at 1.25x (0.8 s done), 0.7 s alone
+    assert!((beside_time(2.0, &[(1.0, 2.0), (1.0, 1.25)]) - 2.7).abs() < 1e-12);
+    // side work longer than the slowed task: alone times the slowdown
+    assert!((beside_time(2.0, &[(5.0, 1.5)]) - 3.0).abs() < 1e-12);
+    // host work (slowdown 1) costs nothing; bad inputs count as none
+    assert_eq!(
+        beside_time(2.0, &[(1.0, 1.0), (f64::NAN, 2.0), (-1.0, 2.0)]),
+        2.0
+    );
+    assert_eq!(beside_time(0.0, &[(1.0, 2.0)]), 0.0);
+    // never below alone, never above alone times the worst slowdown
+    let t = beside_time(1.0, &[(0.3, 1.4), (0.4, 1.1), (2.0, 1.3)]);
+    assert!((1.0..=1.4).contains(&t), "{t}");
+}
+
+#[test]
 fn profile_from_the_same_gpu_keeps_absolute_rates() {
     let gpu = h200();
     let mut prof = Profile::fit(

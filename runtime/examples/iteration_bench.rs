@@ -11,7 +11,15 @@
 //! changes no timing of a job with forced response lengths (every run of a plan draws the same
 //! lengths per iteration index), but the numbers of run k are not those of a fresh run.
 //!
+//! With `--profile-dir DIR`, every plan run also records what `rollplex-run --profile` records
+//! (`exec::profile`: times alone, and for an overlap plan its decode windows cut by step beside
+//! the side work) and writes `DIR/STEM.r{round}.profile.yaml` as soon as the run is done, and a
+//! line `STEM round mode median_s predicted_s iteration_s...` to `DIR/measured.tsv` (the warm
+//! iterations), so a run cut short by a time limit keeps what it finished; merge the profiles
+//! with `rollplexc merge-profiles` (`runtime/examples/corun_calibrate.sh` does it all).
+//!
 //! Usage: iteration_bench PLAN.bin... [--iterations 2] [--rounds 2] [--trace-dir DIR]
+//! [--profile-dir DIR]
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -19,7 +27,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use rollplex_plan::plan::{Phase, Plan, Task};
 use rollplex_plan::spec::DatasetSpec;
-use rollplex_runtime::exec::gpu::{build_gpu_models, run_gpu_loop};
+use rollplex_runtime::exec::gpu::{build_gpu_models, run_gpu_loop, PlanStreams};
+use rollplex_runtime::exec::profile::{Execution, ProfileRecorder};
 use rollplex_runtime::exec::{self, ExecError, IterationResult, LoopModels, LoopObserver};
 use rollplex_runtime::trace::PlanTrace;
 
@@ -36,11 +45,15 @@ struct Observer<'a> {
     run: &'a mut Run,
     phase_s: [f64; 4],
     trace: Option<PlanTrace>,
+    profile: Option<ProfileRecorder>,
 }
 
 impl LoopObserver for Observer<'_> {
     fn iteration_started(&mut self, _: u32, _: usize) {
         self.phase_s = [0.0; 4];
+        if let Some(p) = &mut self.profile {
+            p.begin_iteration(Instant::now());
+        }
     }
     fn task_done(&mut self, it: u32, task: &Task, start: Instant, end: Instant) {
         if let Some(p) = rollplex_runtime::sim::phase_of(&task.op, task.window.is_some()) {
@@ -49,6 +62,14 @@ impl LoopObserver for Observer<'_> {
         }
         if let Some(t) = &mut self.trace {
             t.task(it, task, start, end);
+        }
+        if let Some(p) = &mut self.profile {
+            p.record_instants(task, start, end);
+        }
+    }
+    fn decode_steps(&mut self, _: u32, task: &Task, marks: &[Instant]) {
+        if let Some(p) = &mut self.profile {
+            p.record_step_instants(task, marks);
         }
     }
     fn iteration_done(
@@ -61,6 +82,9 @@ impl LoopObserver for Observer<'_> {
     ) -> Result<(), ExecError> {
         if let Some(t) = &mut self.trace {
             t.iteration(it, start, start + wall);
+        }
+        if let Some(p) = &mut self.profile {
+            p.end_iteration(it, wall);
         }
         if it > 0 {
             self.run.wall.push(wall.as_secs_f64());
@@ -110,6 +134,53 @@ fn check_same_job(a: &Plan, b: &Plan, name: &str) -> Result<()> {
     Ok(())
 }
 
+/// `--profile-dir`: the run's profile, and its line of `measured.tsv` (appended, so a run cut
+/// short keeps the plans it finished). A profile that cannot be fitted is reported and the
+/// bench goes on (the measured times are still written): one plan's bad measurement must not
+/// cost the device call the plans after it.
+fn write_measured(
+    dir: &std::path::Path,
+    stem: &str,
+    round: u32,
+    plan: &Plan,
+    rec: &ProfileRecorder,
+) -> Result<()> {
+    use std::io::Write;
+    let path = dir.join(format!("{stem}.r{round}.profile.yaml"));
+    match rec.write(&path) {
+        Ok(m) => println!(
+            "profile {}: {} points, {} beside points; measured median {:.3} s, predicted {:.3} s",
+            path.display(),
+            m.profile.points.len(),
+            m.profile.beside_points.len(),
+            m.iteration_median_s,
+            plan.predicted.iteration_s
+        ),
+        Err(e) => eprintln!("warning: no profile for {stem} (round {round}): {e}"),
+    }
+    let tsv = dir.join("measured.tsv");
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&tsv)
+        .with_context(|| format!("opening {}", tsv.display()))?;
+    let iters: Vec<String> = rec
+        .iterations_s()
+        .iter()
+        .map(|t| format!("{t:.6}"))
+        .collect();
+    writeln!(
+        f,
+        "{stem}\t{round}\t{}\t{:.6}\t{:.6}\t{}",
+        format!("{:?}", plan.mode).to_lowercase(),
+        rec.iteration_median_s().unwrap_or(f64::NAN),
+        plan.predicted.iteration_s,
+        iters.join("\t")
+    )
+    .with_context(|| format!("writing {}", tsv.display()))?;
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     let iterations: u32 = arg(&mut args, "--iterations")
@@ -121,8 +192,13 @@ fn main() -> Result<()> {
         .transpose()?
         .unwrap_or(2);
     let trace_dir = arg(&mut args, "--trace-dir").map(PathBuf::from);
+    let profile_dir = arg(&mut args, "--profile-dir").map(PathBuf::from);
     if args.is_empty() || iterations < 2 {
-        bail!("usage: iteration_bench PLAN.bin... [--iterations N >= 2] [--rounds R] [--trace-dir DIR]");
+        bail!("usage: iteration_bench PLAN.bin... [--iterations N >= 2] [--rounds R] [--trace-dir DIR] [--profile-dir DIR]");
+    }
+    if let Some(dir) = &profile_dir {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("creating --profile-dir {}", dir.display()))?;
     }
     let plans: Vec<(String, Plan)> = args
         .iter()
@@ -151,10 +227,25 @@ fn main() -> Result<()> {
                 other => exec::data_source(spec, other)?,
             };
             let mut reward = exec::reward_fn(spec)?;
+            let profile = match &profile_dir {
+                Some(_) => {
+                    // as rollplex-run: partitions where green contexts work, else shared SMs
+                    let execution = if PlanStreams::new(plan, &models.gpu)?.green() {
+                        Execution::Partitioned
+                    } else {
+                        Execution::Shared
+                    };
+                    Some(ProfileRecorder::for_run(
+                        plan, "cuda", execution, iterations,
+                    )?)
+                }
+                None => None,
+            };
             let mut obs = Observer {
                 run: &mut runs[i],
                 phase_s: [0.0; 4],
                 trace: trace_dir.as_ref().map(|_| PlanTrace::new(plan, "cuda")),
+                profile,
             };
             run_gpu_loop(
                 plan,
@@ -165,14 +256,17 @@ fn main() -> Result<()> {
                 &mut obs,
             )
             .with_context(|| format!("running {name}"))?;
+            let stem = std::path::Path::new(name)
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| format!("plan{i}"));
             if let (Some(dir), Some(t)) = (&trace_dir, obs.trace.take()) {
                 std::fs::create_dir_all(dir)?;
-                let stem = std::path::Path::new(name)
-                    .file_stem()
-                    .map(|s| s.to_string_lossy().into_owned())
-                    .unwrap_or_else(|| format!("plan{i}"));
                 let path = dir.join(format!("{stem}.r{round}.json"));
                 std::fs::write(&path, serde_json::to_string(&t.to_json())?)?;
+            }
+            if let (Some(dir), Some(rec)) = (&profile_dir, obs.profile.take()) {
+                write_measured(dir, &stem, round, plan, &rec)?;
             }
             let r = &runs[i];
             println!(

@@ -225,6 +225,12 @@ impl exec::LoopObserver for LoopRun<'_> {
         self.progress.task_done();
     }
 
+    fn decode_steps(&mut self, _: u32, task: &Task, marks: &[Instant]) {
+        if let Some(p) = &mut self.profile {
+            p.record_step_instants(task, marks);
+        }
+    }
+
     fn iteration_done(
         &mut self,
         it: u32,

@@ -2,16 +2,20 @@
 //! `rollplexc --profile` reads, and recompiling with it moves the plan's predicted iteration
 //! time toward the measured one (issue 6, item 7).
 //!
-//! The first two tests feed the recorder synthetic times (deterministic); the last one runs
-//! examples/tiny.rpx on the CPU backend and compares with the clock.
+//! The first tests feed the recorder synthetic times (deterministic); the last one runs
+//! examples/tiny.rpx on the CPU backend and compares with the clock. The co-run tests lay out
+//! an overlap plan's decode windows as the runtime measures them: decode steps slower while the
+//! window's side tasks run, at the partition's speed after them.
 
 mod common;
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use rollplex_cost::Profile;
+use rollplex_cost::{CostModel, LatencyFit, Profile};
+use rollplex_plan::plan::Op;
 use rollplex_plan::spec::Mode;
+use rollplex_plan::work::WorkKind;
 use rollplex_plan::Plan;
 use rollplex_runtime::cli::{self, BackendChoice, RunArgs};
 use rollplex_runtime::exec::profile::{median, Execution, ProfileRecorder};
@@ -129,6 +133,225 @@ fn recompiling_with_a_profile_of_slower_tasks_predicts_a_slower_iteration() {
          (want ~{} s)",
         4.0 * b
     );
+}
+
+/// examples/h200-3b-video.rpx compiled in `mode` (datasheet numbers unless `profile`): decode
+/// windows of 64 steps, side work in some of them.
+fn h200_3b(mode: Mode, profile: Option<&Profile>) -> Plan {
+    let opts = rollplex_compiler::Options {
+        mode: Some(mode),
+        profile: profile.cloned(),
+        ..Default::default()
+    };
+    common::compile_spec(
+        &common::spec(
+            "h200-3b-video.rpx",
+            &common::repo_file("examples/h200-3b-video.rpx"),
+        ),
+        &opts,
+    )
+}
+
+/// A run of `plan` as a GPU with `truth`'s times alone would measure it, decode slowed
+/// `dec_slow` times while side tasks run and side tasks `side_slow` times beside decode:
+/// every task outside a window alone, one after another; each window on its own, its side
+/// tasks back to back from its start, its decode steps (the op's planned count, each 1/n of
+/// the window's time alone on its partition) slowed while a side task runs. Feeds one warm-up
+/// iteration and two measured ones. With `spill`, a copy-stream task (the weight sync) runs
+/// over the first half of the first window without a split instead of alone.
+fn feed_corun(
+    rec: &mut ProfileRecorder,
+    plan: &Plan,
+    truth: &CostModel,
+    dec_slow: f64,
+    side_slow: f64,
+    spill: bool,
+) {
+    let whole = plan.windows.iter().position(|w| w.side_sms == 0);
+    for it in 0..3u32 {
+        rec.begin_iteration(Instant::now());
+        let mut t = 1000.0;
+        for task in plan.tasks.iter().filter(|t| t.window.is_none()) {
+            if spill && task.kind == WorkKind::WeightSync {
+                continue;
+            }
+            let d = truth.time(task.kind, &task.work, task.sms).max(1e-6);
+            rec.record(task, t, t + d);
+            t += d + 1e-3;
+        }
+        for (w, win) in plan.windows.iter().enumerate() {
+            let base = 10.0 * (w as f64 + 1.0);
+            let mut side_end = base;
+            for task in plan
+                .tasks
+                .iter()
+                .filter(|t| t.window == Some(win.id) && !matches!(t.op, Op::DecodeWindow { .. }))
+            {
+                let d = truth.time(task.kind, &task.work, task.sms).max(1e-6) * side_slow;
+                rec.record(task, side_end, side_end + d);
+                side_end += d;
+            }
+            let decode = plan
+                .tasks
+                .iter()
+                .find(|t| t.window == Some(win.id) && matches!(t.op, Op::DecodeWindow { .. }))
+                .expect("every window has its decode");
+            let n = match decode.op {
+                Op::DecodeWindow { steps, .. } => steps,
+                _ => unreachable!(),
+            };
+            let step = truth.time(WorkKind::Decode, &decode.work, decode.sms) / n as f64;
+            let mut marks = vec![base];
+            for _ in 0..n {
+                let now = *marks.last().unwrap();
+                let slow = if now < side_end { dec_slow } else { 1.0 };
+                marks.push(now + step * slow);
+            }
+            let end = *marks.last().unwrap();
+            rec.record(decode, base, end);
+            rec.record_steps(decode, &marks);
+            if spill && whole == Some(w) {
+                let sync = plan.tasks.iter().find(|t| t.kind == WorkKind::WeightSync);
+                rec.record(
+                    sync.expect("a colocated plan syncs"),
+                    base,
+                    (base + end) / 2.0,
+                );
+            }
+        }
+        rec.end_iteration(it, Duration::from_secs_f64(1.0));
+    }
+}
+
+/// The recorder cuts the co-run windows by step: decode alone on its partition, decode beside
+/// each kind of side work, side tasks beside decode; the fit gives back the slowdowns.
+#[test]
+fn an_overlap_run_measures_decode_beside_side_work_by_step() {
+    let plan = h200_3b(Mode::Overlap, None);
+    let truth = CostModel::for_cluster(&plan.spec.cluster, None);
+    let split: Vec<_> = plan.windows.iter().filter(|w| w.side_sms > 0).collect();
+    assert!(split.len() >= 2, "the plan co-runs side work in windows");
+    let mut rec = ProfileRecorder::new(&plan, "test", Execution::Partitioned, 1).unwrap();
+    feed_corun(&mut rec, &plan, &truth, 1.6, 1.3, false);
+
+    // Steps alone on a partition: decode points on the window's decode SMs at the speed alone.
+    let on_partition: Vec<_> = rec
+        .points()
+        .into_iter()
+        .filter(|p| p.kind == WorkKind::Decode && p.sms < plan.target.sms)
+        .collect();
+    assert!(!on_partition.is_empty());
+    for p in &on_partition {
+        let r = p.seconds / truth.time(p.kind, &p.work, p.sms);
+        assert!((r - 1.0).abs() < 0.01, "{}: {r}", p.note);
+    }
+    // Steps beside side work, and side tasks beside decode, at their slowdowns.
+    let beside = rec.beside_points();
+    let dec: Vec<_> = beside
+        .iter()
+        .filter(|b| b.kind == WorkKind::Decode)
+        .collect();
+    let side: Vec<_> = beside
+        .iter()
+        .filter(|b| b.kind != WorkKind::Decode)
+        .collect();
+    assert!(!dec.is_empty() && !side.is_empty(), "{beside:?}");
+    for b in &beside {
+        let r = b.seconds / truth.time(b.kind, &b.work, b.sms);
+        let want = if b.kind == WorkKind::Decode { 1.6 } else { 1.3 };
+        assert!((r / want - 1.0).abs() < 0.01, "{}: {r}", b.note);
+        assert!(split
+            .iter()
+            .any(|w| b.sms == w.decode_sms || b.sms == w.side_sms));
+        assert!(b.kind != WorkKind::Decode || b.beside != WorkKind::Decode);
+    }
+
+    let measured = rec.profile().unwrap();
+    let p = &measured.profile;
+    for b in &dec {
+        let s = p.corun_of(WorkKind::Decode, b.beside).unwrap();
+        assert!(
+            (s / 1.6 - 1.0).abs() < 0.03,
+            "decode beside {:?}: {s}",
+            b.beside
+        );
+    }
+    for b in &side {
+        assert!(p.corun_of(b.kind, WorkKind::Decode).unwrap() > 1.1);
+    }
+    let text = measured.to_yaml();
+    assert!(text.contains("beside one kind of side work"), "{text}");
+    assert_eq!(&Profile::from_yaml(&text).unwrap(), p);
+
+    // A copy over half of a window without a split: its steps beside the copy give no beside
+    // point (no partition), its steps after it a point on the whole GPU.
+    let mut spilled = ProfileRecorder::new(&plan, "test", Execution::Partitioned, 1).unwrap();
+    feed_corun(&mut spilled, &plan, &truth, 1.6, 1.3, true);
+    let p2 = spilled
+        .profile()
+        .expect("a window overlapped without a split still fits");
+    assert_eq!(p2.profile.beside_points.len(), beside.len());
+    assert!(p2
+        .profile
+        .beside_points
+        .iter()
+        .all(|b| b.beside != WorkKind::WeightSync));
+    // the sync is no point (it never ran alone); the window is a point of its steps alone
+    assert_eq!(p2.profile.points.len(), p.points.len() - 1);
+    assert!(p2
+        .profile
+        .points
+        .iter()
+        .any(|q| q.sms == plan.target.sms && q.note.contains("alone on its partition")));
+
+    // On plain streams (no partitions) only the steps alone count, on all SMs.
+    let mut shared = ProfileRecorder::new(&plan, "test", Execution::Shared, 1).unwrap();
+    feed_corun(&mut shared, &plan, &truth, 1.6, 1.3, false);
+    assert!(shared.beside_points().is_empty());
+    assert!(shared.points().iter().all(|p| p.sms == plan.target.sms));
+}
+
+/// A profile whose overlap run measured decode slowed 1.6x beside side work makes the planner
+/// predict a slower overlap iteration than the same profile without those measurements (the
+/// 1.15x default), and one that measured no slowdown a faster one.
+#[test]
+fn corun_measurements_move_the_overlap_prediction_the_right_way() {
+    let plan = h200_3b(Mode::Overlap, None);
+    let truth = CostModel::for_cluster(&plan.spec.cluster, None);
+    let fitted = |dec: f64, side: f64| {
+        let mut rec = ProfileRecorder::new(&plan, "test", Execution::Partitioned, 1).unwrap();
+        feed_corun(&mut rec, &plan, &truth, dec, side, false);
+        rec.profile().unwrap().profile
+    };
+    let slow = fitted(1.6, 1.3);
+    let free = fitted(1.0, 1.0);
+    let mut none = slow.clone();
+    none.beside_points.clear();
+    let none = Profile::fit_all(
+        &none.gpu,
+        none.points.clone(),
+        vec![],
+        vec![],
+        LatencyFit::PerKind,
+    )
+    .unwrap();
+    assert_eq!(none.default_corun, 1.15);
+    assert!(
+        free.corun.iter().all(|e| e.slowdown < 1.01),
+        "{:?}",
+        free.corun
+    );
+
+    let t = |p: &Profile| h200_3b(Mode::Overlap, Some(p)).predicted.iteration_s;
+    let (t_slow, t_none, t_free) = (t(&slow), t(&none), t(&free));
+    assert!(
+        t_free < t_none && t_none < t_slow,
+        "predicted overlap iteration: no slowdown {t_free} s, default slowdown {t_none} s, \
+         measured 1.6x {t_slow} s"
+    );
+    // The serial plan has no co-runs: the same prediction with or without them.
+    let s = |p: &Profile| h200_3b(Mode::Serial, Some(p)).predicted.iteration_s;
+    assert!((s(&slow) / s(&none) - 1.0).abs() < 1e-9);
 }
 
 /// Median of the `time_s` of metrics.jsonl's iterations after the first (the warm-up).

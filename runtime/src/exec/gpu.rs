@@ -43,7 +43,9 @@
 //! the side partition ([`crate::gpu::streams::StreamSet`]: green contexts, or prioritised plain
 //! streams with a warning where those are unavailable or `ROLLPLEX_NO_GREEN_CONTEXTS=1`). Results
 //! never depend on the partition (that module's invariant). `ROLLPLEX_TASK_LOG=1` prints each
-//! task to stderr as the host launches it.
+//! task to stderr as the host launches it. Every decode step is marked by a device event
+//! ([`GpuIteration::step_times`], told to the observer's `decode_steps`), so that `--profile`
+//! can cut a window that co-ran with side work into its steps (`exec::profile`).
 //!
 //! Invariants: a task's launches all go to one CUDA stream; a buffer made on one stream is read
 //! on another only after an event of the producing task; everything an iteration allocated is
@@ -405,6 +407,11 @@ pub struct GpuIteration<'a, 'r> {
     deferred_start: Vec<Option<CudaEvent>>,
     /// Events behind the launched pieces that may still be running (oldest first).
     inflight: VecDeque<CudaEvent>,
+    /// The running decode window's step marks: an event before each step, one after the last
+    /// (`--profile` cuts a window that co-ran by step: `exec::profile`).
+    step_marks: Vec<CudaEvent>,
+    /// Per task: a decode window's step marks, by task index.
+    decode_marks: Vec<Option<Vec<CudaEvent>>>,
 }
 
 /// Deferred pieces the decode loop lets run at once (see [`GpuIteration::launch_paced`]).
@@ -472,6 +479,8 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             deferred: DeferQueue::default(),
             deferred_start: (0..plan.tasks.len()).map(|_| None).collect(),
             inflight: VecDeque::new(),
+            step_marks: Vec::new(),
+            decode_marks: (0..plan.tasks.len()).map(|_| None).collect(),
         })
     }
 
@@ -490,6 +499,22 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
                     origin.elapsed_ms(a)? as f64,
                     origin.elapsed_ms(b)? as f64,
                 ));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Device times of each decode window's step marks relative to `origin`, in milliseconds,
+    /// by task index. Call after the device finished.
+    pub fn step_times(&self, origin: &CudaEvent) -> Result<Vec<(usize, Vec<f64>)>, ExecError> {
+        let mut out = Vec::new();
+        for (i, marks) in self.decode_marks.iter().enumerate() {
+            if let Some(marks) = marks {
+                let ms = marks
+                    .iter()
+                    .map(|m| origin.elapsed_ms(m).map(f64::from))
+                    .collect::<Result<Vec<f64>, _>>()?;
+                out.push((i, ms));
             }
         }
         Ok(out)
@@ -727,7 +752,11 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
         let temp = self.book.temperature();
         let (seed, iteration) = (self.book.spec.seed, self.book.iteration);
         let mut step = first_step;
+        self.step_marks.clear();
         while (until_done || step < first_step + steps) && !self.active.is_empty() {
+            let mark = self.models.gpu.timing_event()?;
+            mark.record(s)?;
+            self.step_marks.push(mark);
             let gpu = &self.models.gpu;
             let model = self.models.trainer.model();
             let arena = self.arena.as_mut().expect("laid out with the slots");
@@ -788,6 +817,9 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             // a piece of the window's side work, launched while the device runs this step
             self.launch_paced()?;
         }
+        let mark = self.models.gpu.timing_event()?;
+        mark.record(s)?;
+        self.step_marks.push(mark);
         self.flush_deferred()?;
         self.book.end_window();
         Ok(())
@@ -1191,6 +1223,9 @@ impl TaskRunner for GpuIteration<'_, '_> {
         let end = self.models.gpu.timing_event()?;
         end.record(&s)?;
         self.events[task.id.index()] = Some((start, end, s));
+        if matches!(task.op, Op::DecodeWindow { .. }) {
+            self.decode_marks[task.id.index()] = Some(std::mem::take(&mut self.step_marks));
+        }
         self.last_on_stream[task.stream.index()] = Some(task.id);
         self.book.metrics.tasks += 1;
         Ok(())
@@ -1254,14 +1289,20 @@ pub fn run_gpu_loop(
             iter.flush_deferred()?;
             iter.models.gpu.ctx().synchronize()?;
             let times = iter.task_times(&origin)?;
+            let steps = iter.step_times(&origin)?;
             let mut result = iter.finish()?;
             result.metrics.peak_mem_bytes = Some(models.gpu.pool_usage()?.1);
-            (result, times)
+            (result, (times, steps))
         };
+        let (times, steps) = times;
         let wall = t0.elapsed();
+        let at = |ms: f64| t_origin + Duration::from_secs_f64(ms.max(0.0) / 1e3);
         for (i, a, b) in times {
-            let at = |ms: f64| t_origin + Duration::from_secs_f64(ms.max(0.0) / 1e3);
             observer.task_done(it, &plan.tasks[i], at(a), at(b));
+        }
+        for (i, marks) in steps {
+            let marks: Vec<Instant> = marks.into_iter().map(at).collect();
+            observer.decode_steps(it, &plan.tasks[i], &marks);
         }
         observer.iteration_done(it, &result, LoopModels::Gpu(models), t0, wall)
     })

@@ -355,6 +355,10 @@ pub trait LoopObserver {
     /// the device's events around its launches, told after the iteration, mapped onto the host
     /// clock from the iteration's start).
     fn task_done(&mut self, _iteration: u32, _task: &Task, _start: Instant, _end: Instant) {}
+    /// The decode window task `task` of `iteration` ran its steps between consecutive `marks`
+    /// (cuda: a device event before each step and one after the last, told after the
+    /// iteration's `task_done`s on the same clock; the cpu backend does not mark steps).
+    fn decode_steps(&mut self, _iteration: u32, _task: &Task, _marks: &[Instant]) {}
     /// `iteration` is done: its results, the models after it (to checkpoint), its start and its
     /// wall time. An error stops the loop.
     fn iteration_done(

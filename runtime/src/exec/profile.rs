@@ -23,20 +23,42 @@
 //!   whole GPU.
 //!
 //! Tasks that co-ran in some iterations and ran alone in others keep only the alone runs; tasks
-//! that never ran alone are counted in the file's header, not turned into points. One run gives
-//! no co-run points: a [`rollplex_cost::CorunPoint`] needs each side's time alone on the same
-//! partition, which one run of one plan does not measure.
+//! that never ran alone are counted in the file's header, not turned into points.
+//!
+//! Co-running (a run of an overlap plan): one run gives no [`rollplex_cost::CorunPoint`] (that
+//! needs each side's time alone on the same partition), but it gives what the planner prices
+//! a decode window with: the cuda backend marks every decode step on the device
+//! ([`ProfileRecorder::record_steps`]), and a decode window that co-ran is cut into its steps
+//! ([`classify_steps`]):
+//! - steps nothing ran beside (after the window's side work, or before it) are decode alone on
+//!   the window's partition: one point per window, its work the window's prorated by the share
+//!   of the window's steps they are (per measured iteration, averaged);
+//! - steps that side tasks of one kind covered wholly are decode beside that kind: a
+//!   [`BesidePoint`] per window and kind (prorated and averaged the same way);
+//! - steps partly covered, or beside several kinds, are dropped (a window's boundary steps);
+//! - a side task whose run lay wholly inside a decode window's and overlapped nothing else is
+//!   that kind beside decode on the side partition: a [`BesidePoint`] of its median.
+//!
+//! [`Profile::fit_all`] turns beside points into ordered slowdowns against the fitted curves.
+//! Beside points need partitions: under [`Execution::Shared`] (plain streams sharing the SMs),
+//! and in a window without a split that something overlapped (a copy, a side task running
+//! over from the window before), only the alone steps count. Host work (reward) neither slows nor is slowed
+//! (the cost model's rule), so it is ignored when steps are classified. Prorating by steps
+//! assumes a window's steps cost alike; they do not quite (the active samples fall and the KV
+//! grows through a window), a bias of a few percent on a 64-step window.
 //!
 //! Invariants: at least the first iteration is warm-up and never measured; a point's `seconds`
-//! is a median of measured durations (positive, finite); tasks whose work the cost model cannot
-//! scale (no flops, bytes, steps, host or network bytes) are listed, never fitted.
+//! is a median of measured durations (positive, finite), or for a window's steps a mean over
+//! the measured iterations; tasks whose work the cost model cannot scale (no flops, bytes,
+//! steps, host or network bytes) are listed, never fitted.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use rollplex_cost::{Point, Profile};
-use rollplex_plan::plan::{Plan, Task};
+use rollplex_cost::defaults::{is_host, kind_name};
+use rollplex_cost::{BesidePoint, LatencyFit, Point, Profile};
+use rollplex_plan::plan::{Op, Plan, Task};
 use rollplex_plan::spec::GpuSpec;
 use rollplex_plan::work::{Work, WorkKind};
 use rollplex_plan::TaskId;
@@ -122,6 +144,83 @@ pub fn median(xs: &[f64]) -> Option<f64> {
     })
 }
 
+/// What ran beside one decode step ([`classify_steps`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum StepSide {
+    /// No GPU work of another task overlapped the step.
+    Alone,
+    /// Tasks of this one kind covered the whole step.
+    Beside(WorkKind),
+    /// Covered in part, or by tasks of several kinds: not used.
+    Mixed,
+}
+
+/// For each decode step `[marks[i], marks[i + 1]]` (seconds, ascending), what of `others`
+/// (other tasks' `(kind, start, end)` in the same iteration; host work left out by the
+/// caller) ran beside it: nothing, one kind over the whole step (several back-to-back tasks
+/// of it may share the step), or something else. Touching ends do not overlap.
+pub fn classify_steps(marks: &[f64], others: &[(WorkKind, f64, f64)]) -> Vec<StepSide> {
+    marks
+        .windows(2)
+        .map(|m| {
+            let (a, b) = (m[0], m[1]);
+            let mut over: Vec<(WorkKind, f64, f64)> = others
+                .iter()
+                .filter(|&&(_, s, e)| s < b && e > a)
+                .map(|&(k, s, e)| (k, s.max(a), e.min(b)))
+                .collect();
+            let Some(&(kind, _, _)) = over.first() else {
+                return StepSide::Alone;
+            };
+            if over.iter().any(|o| o.0 != kind) {
+                return StepSide::Mixed;
+            }
+            // covered when the clipped intervals leave no gap in [a, b]
+            over.sort_by(|x, y| x.1.total_cmp(&y.1));
+            let mut reach = a;
+            for &(_, s, e) in &over {
+                if s > reach {
+                    return StepSide::Mixed;
+                }
+                reach = reach.max(e);
+            }
+            if reach >= b {
+                StepSide::Beside(kind)
+            } else {
+                StepSide::Mixed
+            }
+        })
+        .collect()
+}
+
+/// A decode window's steps of one [`StepSide`], summed over the measured iterations.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Segment {
+    /// Iterations in which the window had at least [`MIN_SEGMENT_STEPS`] such steps.
+    runs: u32,
+    /// Sum over those iterations of the steps' share of the window's steps.
+    share: f64,
+    steps: u32,
+    seconds: f64,
+}
+
+/// Fewer steps of one side in a window's iteration are not used (a boundary, mostly).
+pub const MIN_SEGMENT_STEPS: usize = 3;
+
+/// What the recorder keeps of a plan task.
+struct TaskMeta {
+    name: String,
+    kind: WorkKind,
+    /// SMs it had when it ran alone (see [`Execution`]).
+    sms: u32,
+    work: Work,
+    predicted: f64,
+    /// A decode window's decode task.
+    decode: bool,
+    /// A side task of a decode window with a side partition (the window's side SMs).
+    side: bool,
+}
+
 /// Whether the cost model can scale `work` (some amount it charges time for is positive).
 fn modelled(w: &Work) -> bool {
     w.flops > 0.0 || w.bytes > 0.0 || w.steps > 0 || w.host_bytes > 0.0 || w.net_bytes > 0.0
@@ -149,8 +248,16 @@ pub struct ProfileRecorder {
     /// The running iteration: its origin and its tasks' intervals (seconds from the origin).
     origin: Option<Instant>,
     current: Vec<(TaskId, f64, f64)>,
-    /// Task metadata, indexed by task id (kind, sms when alone, work, predicted, name).
-    tasks: Vec<(String, WorkKind, u32, Work, f64)>,
+    /// The running iteration's decode step marks per decode task (seconds from the origin).
+    current_steps: Vec<(TaskId, Vec<f64>)>,
+    /// Task metadata, indexed by task id.
+    tasks: Vec<TaskMeta>,
+    /// Decode windows that co-ran, cut by step ([`classify_steps`]).
+    segments: BTreeMap<(TaskId, StepSide), Segment>,
+    /// Side tasks' runs wholly beside their window's decode, seconds, in iteration order.
+    beside_s: BTreeMap<TaskId, Vec<f64>>,
+    /// Measured decode steps left out (boundary steps, several kinds, too few of a side).
+    steps_dropped: u32,
 }
 
 impl ProfileRecorder {
@@ -177,13 +284,17 @@ impl ProfileRecorder {
                     Execution::Partitioned => t.sms.clamp(1, gpu.sms.max(1)),
                     Execution::OneAtATime | Execution::Shared => gpu.sms.max(1),
                 };
-                (
-                    t.name.clone(),
-                    t.kind,
+                let win = t.window.and_then(|w| plan.windows.get(w.index()));
+                TaskMeta {
+                    name: t.name.clone(),
+                    kind: t.kind,
                     sms,
-                    t.work.clone(),
-                    (t.end_s - t.start_s).max(0.0),
-                )
+                    work: t.work.clone(),
+                    predicted: (t.end_s - t.start_s).max(0.0),
+                    decode: matches!(t.op, Op::DecodeWindow { .. }),
+                    side: win.is_some_and(|w| w.side_sms > 0 && w.side_stream == t.stream)
+                        && !matches!(t.op, Op::DecodeWindow { .. }),
+                }
             })
             .collect();
         Ok(ProfileRecorder {
@@ -201,7 +312,11 @@ impl ProfileRecorder {
             alone_sums_s: Vec::new(),
             origin: None,
             current: Vec::new(),
+            current_steps: Vec::new(),
             tasks,
+            segments: BTreeMap::new(),
+            beside_s: BTreeMap::new(),
+            steps_dropped: 0,
         })
     }
 
@@ -232,6 +347,7 @@ impl ProfileRecorder {
     pub fn begin_iteration(&mut self, origin: Instant) {
         self.origin = Some(origin);
         self.current.clear();
+        self.current_steps.clear();
     }
 
     /// `task` ran from `start_s` to `end_s` (seconds from a common origin within the
@@ -247,12 +363,29 @@ impl ProfileRecorder {
     /// first task's start if none was given.
     pub fn record_instants(&mut self, task: &Task, start: Instant, end: Instant) {
         let origin = *self.origin.get_or_insert(start);
-        // signed: a backend may report device times from before the origin was taken
-        let s = |t: Instant| match t.checked_duration_since(origin) {
-            Some(d) => d.as_secs_f64(),
-            None => -origin.duration_since(t).as_secs_f64(),
-        };
-        self.record(task, s(start), s(end));
+        self.record(task, since(origin, start), since(origin, end));
+    }
+
+    /// The decode task `task` ran its steps between consecutive `marks` (seconds from the
+    /// iteration's origin, as [`ProfileRecorder::record`]: step `i` from `marks[i]` to
+    /// `marks[i + 1]`). Marks that are not ascending and finite are ignored, as are tasks that
+    /// are not a decode window's.
+    pub fn record_steps(&mut self, task: &Task, marks: &[f64]) {
+        let ok = marks.len() >= 2
+            && marks.iter().all(|m| m.is_finite())
+            && marks.windows(2).all(|w| w[1] >= w[0]);
+        if ok && matches!(task.op, Op::DecodeWindow { .. }) {
+            self.current_steps.push((task.id, marks.to_vec()));
+        }
+    }
+
+    /// [`ProfileRecorder::record_steps`] with marks on the host clock (the cuda backend's
+    /// device events mapped onto it, as for [`ProfileRecorder::record_instants`]).
+    pub fn record_step_instants(&mut self, task: &Task, marks: &[Instant]) {
+        let Some(&first) = marks.first() else { return };
+        let origin = *self.origin.get_or_insert(first);
+        let m: Vec<f64> = marks.iter().map(|&t| since(origin, t)).collect();
+        self.record_steps(task, &m);
     }
 
     /// Ends iteration `iteration` (wall time `wall`): decides which of its tasks ran alone and
@@ -261,6 +394,7 @@ impl ProfileRecorder {
         self.seen += 1;
         self.origin = None;
         let intervals = std::mem::take(&mut self.current);
+        let steps = std::mem::take(&mut self.current_steps);
         if self.seen <= self.warmup {
             return;
         }
@@ -278,17 +412,20 @@ impl ProfileRecorder {
                 .map(|((_, s, e), _)| e - s)
                 .sum(),
         );
+        if self.execution != Execution::OneAtATime {
+            self.cut_windows(&intervals, &alone, &steps);
+        }
         for ((id, start, end), alone) in intervals.into_iter().zip(alone) {
-            let Some((name, kind, sms, work, predicted)) = self.tasks.get(id.index()) else {
+            let Some(m) = self.tasks.get(id.index()) else {
                 continue;
             };
             let stat = self.stats.entry(id).or_insert_with(|| TaskStat {
                 task: id,
-                name: name.clone(),
-                kind: *kind,
-                sms: *sms,
-                work: work.clone(),
-                predicted_s: *predicted,
+                name: m.name.clone(),
+                kind: m.kind,
+                sms: m.sms,
+                work: m.work.clone(),
+                predicted_s: m.predicted,
                 alone_s: Vec::new(),
                 co_ran: 0,
             });
@@ -296,6 +433,83 @@ impl ProfileRecorder {
                 stat.alone_s.push(end - start);
             } else {
                 stat.co_ran += 1;
+            }
+        }
+    }
+
+    /// One measured iteration's co-runs (see the module doc): the steps of each decode window
+    /// that did not run alone as a whole, and side tasks that ran wholly beside their decode.
+    fn cut_windows(
+        &mut self,
+        intervals: &[(TaskId, f64, f64)],
+        alone: &[bool],
+        steps: &[(TaskId, Vec<f64>)],
+    ) {
+        let gpu_work = |id: TaskId| self.tasks.get(id.index()).filter(|m| !is_host(m.kind));
+        for (id, marks) in steps {
+            let Some(k) = intervals.iter().position(|iv| iv.0 == *id) else {
+                continue;
+            };
+            if alone[k] {
+                continue; // a point as a whole
+            }
+            let others: Vec<(WorkKind, f64, f64)> = intervals
+                .iter()
+                .filter(|iv| iv.0 != *id)
+                .filter_map(|&(o, a, b)| gpu_work(o).map(|m| (m.kind, a, b)))
+                .collect();
+            let sides = classify_steps(marks, &others);
+            let n = sides.len();
+            let mut by: BTreeMap<StepSide, (usize, f64)> = BTreeMap::new();
+            for (side, m) in sides.iter().zip(marks.windows(2)) {
+                let e = by.entry(*side).or_default();
+                e.0 += 1;
+                e.1 += m[1] - m[0];
+            }
+            // beside points need a partition: the window's decode SMs leave some for the work
+            // beside it (a window without a split that something overlapped gives none)
+            let partitioned = self.execution == Execution::Partitioned
+                && self
+                    .tasks
+                    .get(id.index())
+                    .is_some_and(|m| m.sms < self.gpu.sms);
+            for (side, (count, seconds)) in by {
+                let used = side != StepSide::Mixed
+                    && count >= MIN_SEGMENT_STEPS
+                    && (partitioned || side == StepSide::Alone);
+                if !used {
+                    self.steps_dropped += count as u32;
+                    continue;
+                }
+                let seg = self.segments.entry((*id, side)).or_default();
+                seg.runs += 1;
+                seg.share += count as f64 / n as f64;
+                seg.steps += count as u32;
+                seg.seconds += seconds;
+            }
+        }
+        if self.execution != Execution::Partitioned {
+            return;
+        }
+        for (k, &(id, a, b)) in intervals.iter().enumerate() {
+            let side_task = self
+                .tasks
+                .get(id.index())
+                .is_some_and(|m| m.side && !is_host(m.kind));
+            if alone[k] || !side_task || b <= a {
+                continue;
+            }
+            let over: Vec<&(TaskId, f64, f64)> = intervals
+                .iter()
+                .filter(|iv| iv.0 != id && iv.1 < b && iv.2 > a)
+                .filter(|iv| gpu_work(iv.0).is_some())
+                .collect();
+            let inside = !over.is_empty()
+                && over
+                    .iter()
+                    .all(|&&(o, s, e)| self.tasks[o.index()].decode && s <= a && e >= b);
+            if inside {
+                self.beside_s.entry(id).or_default().push(b - a);
             }
         }
     }
@@ -335,9 +549,11 @@ impl ProfileRecorder {
     }
 
     /// One point per task that ran alone in some measured iteration and whose work the cost
-    /// model can scale: the median of its alone runs. In task order.
+    /// model can scale: the median of its alone runs; then one per decode window that co-ran
+    /// and had steps alone on its partition (see the module doc). In task order.
     pub fn points(&self) -> Vec<Point> {
-        self.stats
+        let alone = self
+            .stats
             .values()
             .filter(|s| modelled(&s.work))
             .filter_map(|s| {
@@ -357,8 +573,90 @@ impl ProfileRecorder {
                         s.alone_s.iter().copied().fold(0.0, f64::max),
                     ),
                 })
+            });
+        let steps = self
+            .segments
+            .iter()
+            .filter(|((_, side), _)| *side == StepSide::Alone)
+            .filter_map(|(&(id, _), seg)| {
+                let (work, seconds, note) = self.segment(id, seg, "alone on its partition")?;
+                let m = &self.tasks[id.index()];
+                Some(Point {
+                    kind: m.kind,
+                    sms: m.sms,
+                    work,
+                    seconds,
+                    note,
+                })
+            });
+        alone.chain(steps).collect()
+    }
+
+    /// Beside points (see the module doc): each co-run window's steps beside one kind of side
+    /// work, then each side task's median run wholly beside its window's decode. In task order.
+    pub fn beside_points(&self) -> Vec<BesidePoint> {
+        let steps = self.segments.iter().filter_map(|(&(id, side), seg)| {
+            let StepSide::Beside(kind) = side else {
+                return None;
+            };
+            let what = format!("beside {}", kind_name(kind));
+            let (work, seconds, note) = self.segment(id, seg, &what)?;
+            let m = &self.tasks[id.index()];
+            Some(BesidePoint {
+                kind: m.kind,
+                sms: m.sms,
+                work,
+                seconds,
+                beside: kind,
+                note,
             })
-            .collect()
+        });
+        let side = self.beside_s.iter().filter_map(|(&id, runs)| {
+            let m = self.tasks.get(id.index())?;
+            let med = median(runs)?;
+            (modelled(&m.work) && med >= 1e-9).then(|| BesidePoint {
+                kind: m.kind,
+                sms: m.sms,
+                work: m.work.clone(),
+                seconds: (med * 1e9).round() / 1e9,
+                beside: WorkKind::Decode,
+                note: format!(
+                    "{} ({id}): median of {} runs wholly beside its window's decode",
+                    m.name,
+                    runs.len()
+                ),
+            })
+        });
+        steps.chain(side).collect()
+    }
+
+    /// A window's steps of one side as (work, seconds, note): the window's work prorated by
+    /// the steps' mean share of its steps, their mean time per measured iteration.
+    fn segment(&self, id: TaskId, seg: &Segment, what: &str) -> Option<(Work, f64, String)> {
+        let m = self.tasks.get(id.index())?;
+        if seg.runs == 0 || !modelled(&m.work) {
+            return None;
+        }
+        let share = seg.share / seg.runs as f64;
+        let seconds = ((seg.seconds / seg.runs as f64) * 1e9).round() / 1e9;
+        let w = &m.work;
+        let work = Work {
+            flops: (w.flops * share).round(),
+            bytes: (w.bytes * share).round(),
+            steps: (w.steps as f64 * share).round() as u32,
+            host_bytes: (w.host_bytes * share).round(),
+            net_bytes: (w.net_bytes * share).round(),
+        };
+        (seconds >= 1e-9).then(|| {
+            let note = format!(
+                "{} ({id}): {} steps {what} in {} iterations ({:.1}% of the window's), mean per iteration",
+                m.name,
+                seg.steps,
+                seg.runs,
+                share * 100.0
+            );
+            (work, seconds, note)
+        })
     }
 
     /// Fits the profile: [`Profile::fit`] over [`ProfileRecorder::points`], its `source` saying
@@ -372,6 +670,7 @@ impl ProfileRecorder {
             )));
         }
         let points = self.points();
+        let beside = self.beside_points();
         if points.is_empty() {
             return Err(ExecError::Machine(
                 "no task ran alone in a measured iteration, so there is no time alone to fit: \
@@ -379,8 +678,9 @@ impl ProfileRecorder {
                     .into(),
             ));
         }
-        let mut profile = Profile::fit(&self.gpu, points, Vec::new())
-            .map_err(|e| ExecError::Data(format!("fitting the measured profile: {e}")))?;
+        let mut profile =
+            Profile::fit_all(&self.gpu, points, Vec::new(), beside, LatencyFit::PerKind)
+                .map_err(|e| ExecError::Data(format!("fitting the measured profile: {e}")))?;
         let (first, last) = self.measured_range.unwrap_or((0, 0));
         profile.source = format!(
             "rollplex-run --profile: plan {} ({}), backend {} ({}); iterations {first}..={last} measured \
@@ -412,7 +712,9 @@ impl ProfileRecorder {
         ));
         line(format!("Execution: {}.", self.execution.describe()));
         line(format!(
-            "Rule: `points` are times alone only (medians per task over the measured iterations); \
+            "Rule: `points` are times alone (medians per task over the measured iterations, and a \
+             co-run decode window's steps alone on its partition); `beside_points` are a co-run \
+             window's steps beside one kind of side work and side tasks wholly beside decode; \
              the first {} iteration(s) are warm-up and not measured; no co-run points (one run \
              does not measure each side alone on the same partition).",
             self.warmup
@@ -440,13 +742,40 @@ impl ProfileRecorder {
             .collect();
         let co_ran: u32 = self.stats.values().map(|s| s.co_ran).sum();
         line(format!(
-            "Runs that overlapped another task (not used): {co_ran}; tasks never alone: {}.",
+            "Runs that overlapped another task (not points as a whole): {co_ran}; tasks never alone: {}.",
             if never_alone.is_empty() {
                 "none".to_string()
             } else {
                 never_alone.join(", ")
             }
         ));
+        let alone_steps: u32 = self
+            .segments
+            .iter()
+            .filter(|((_, side), _)| *side == StepSide::Alone)
+            .map(|(_, s)| s.steps)
+            .sum();
+        let beside_steps: u32 = self
+            .segments
+            .iter()
+            .filter(|((_, side), _)| matches!(side, StepSide::Beside(_)))
+            .map(|(_, s)| s.steps)
+            .sum();
+        line(format!(
+            "Co-run decode windows cut by step: {alone_steps} steps alone on their partition, \
+             {beside_steps} beside one kind of side work, {} dropped (boundaries, several kinds, \
+             fewer than {MIN_SEGMENT_STEPS} of a side); {} side tasks wholly beside decode.",
+            self.steps_dropped,
+            self.beside_s.len()
+        ));
+        for e in &fitted.corun {
+            line(format!(
+                "  slowdown of {} beside {}: {:.4}",
+                kind_name(e.kind),
+                kind_name(e.other),
+                e.slowdown
+            ));
+        }
         let unmodelled: Vec<String> = self
             .stats
             .values()
@@ -468,11 +797,12 @@ impl ProfileRecorder {
         );
         let model = rollplex_cost::CostModel::new(&fitted.gpu, Some(fitted));
         for k in self.kind_sums() {
-            let refit: f64 = fitted
-                .points
-                .iter()
-                .filter(|p| p.kind == k.kind)
-                .map(|p| model.time(p.kind, &p.work, p.sms))
+            // the same tasks as `measured`: those with runs alone
+            let refit: f64 = self
+                .stats
+                .values()
+                .filter(|s| s.kind == k.kind && s.median_s().is_some())
+                .map(|s| model.time(s.kind, &s.work, s.sms))
                 .sum();
             line(format!(
                 "  {:<16} {:>3} tasks  measured {:.6}  plan {:.6} ({:.2}x)  fitted {:.6} ({:.2}x)",
@@ -533,6 +863,15 @@ impl MeasuredProfile {
     }
 }
 
+/// Seconds from `origin` to `t`, signed (a backend may report device times from before the
+/// origin was taken).
+fn since(origin: Instant, t: Instant) -> f64 {
+    match t.checked_duration_since(origin) {
+        Some(d) => d.as_secs_f64(),
+        None => -origin.duration_since(t).as_secs_f64(),
+    }
+}
+
 /// For each interval, whether it ran alone: always under [`Execution::OneAtATime`]; else
 /// whether no other interval of the iteration overlaps it (touching ends do not overlap).
 fn alone_flags(intervals: &[(TaskId, f64, f64)], execution: Execution) -> Vec<bool> {
@@ -575,6 +914,40 @@ mod tests {
             .enumerate()
             .map(|(i, &(a, b))| (TaskId(i as u32), a, b))
             .collect()
+    }
+
+    #[test]
+    fn steps_are_alone_beside_one_kind_or_mixed() {
+        use StepSide::*;
+        let (r, a) = (WorkKind::RefPrefix, WorkKind::ActorPrefixFwd);
+        // 8 steps of 1 s; ref prefixes back to back over [0.5, 3.0] and [3.0, 4.0], an actor
+        // prefix over [4.0, 5.5], then nothing
+        let marks: Vec<f64> = (0..=8).map(f64::from).collect();
+        let others = [(r, 0.5, 3.0), (r, 3.0, 4.0), (a, 4.0, 5.5)];
+        assert_eq!(
+            classify_steps(&marks, &others),
+            vec![
+                Mixed,
+                Beside(r),
+                Beside(r),
+                Beside(r),
+                Beside(a),
+                Mixed,
+                Alone,
+                Alone
+            ]
+        );
+        // two kinds in one step; a gap inside a step; touching ends
+        let two = [(r, 0.0, 0.5), (a, 0.5, 1.0)];
+        assert_eq!(classify_steps(&[0.0, 1.0], &two), vec![Mixed]);
+        let gap = [(r, 0.0, 0.4), (r, 0.6, 1.0)];
+        assert_eq!(classify_steps(&[0.0, 1.0], &gap), vec![Mixed]);
+        let touch = [(r, 1.0, 2.0)];
+        assert_eq!(
+            classify_steps(&[0.0, 1.0, 2.0], &touch),
+            vec![Alone, Beside(r)]
+        );
+        assert!(classify_steps(&[1.0], &others).is_empty());
     }
 
     #[test]
