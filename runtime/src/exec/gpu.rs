@@ -379,6 +379,10 @@ pub struct GpuIteration<'a, 'r> {
     reward: &'a mut RewardFn<'r>,
     book: Book<'a>,
     encoded: Vec<Option<Media>>,
+    /// Per group: an event after its `EncodeMedia` task's launches and that task's stream. A
+    /// plan need not make every reader of the media depend on that task (a prefix task of a
+    /// plan without prefix dedup does not), so a reader on another stream waits on this.
+    encoded_ready: Vec<Option<(Arc<CudaEvent>, Arc<CudaStream>)>>,
     ref_encoded: Vec<Option<Media>>,
     prefixes: Vec<Option<GpuPrefixState>>,
     ref_prefixes: Vec<Option<GpuPrefixState>>,
@@ -463,6 +467,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             reward,
             book,
             encoded: vec![None; groups],
+            encoded_ready: (0..groups).map(|_| None).collect(),
             ref_encoded: vec![None; groups],
             prefixes: vec![None; groups],
             ref_prefixes: vec![None; groups],
@@ -634,6 +639,13 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             )?;
             for (g, m) in missing.into_iter().zip(m) {
                 self.encoded[g] = Some(m);
+            }
+        }
+        for &g in groups {
+            if let Some((ready, on)) = &self.encoded_ready[g] {
+                if on.cu_stream() != s.cu_stream() {
+                    s.wait(ready)?;
+                }
             }
         }
         Ok(groups
@@ -1075,8 +1087,12 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
                     &groups,
                     *copies,
                 )?;
+                let ready = self.models.gpu.event()?;
+                ready.record(s)?;
+                let ready = Arc::new(ready);
                 for (g, m) in groups.into_iter().zip(m) {
                     self.encoded[g] = Some(m);
+                    self.encoded_ready[g] = Some((ready.clone(), s.clone()));
                 }
             }
             Op::Prefill { groups, copies } => self.run_prefill(s, *groups, *copies)?,
