@@ -580,6 +580,20 @@ mod tests {
     use crate::defaults::datasheet;
     use rollplex_plan::work::Work;
 
+    /// A point of 1 TFLOP of `kind` on `sms` SMs that took `seconds`.
+    fn pt(kind: WorkKind, sms: u32, seconds: f64) -> Point {
+        Point {
+            kind,
+            sms,
+            work: Work {
+                flops: 1e12,
+                ..Work::default()
+            },
+            seconds,
+            note: String::new(),
+        }
+    }
+
     #[test]
     fn nelder_mead_finds_a_quadratic_minimum() {
         let f = |x: &[f64]| (x[0] - 1.0).powi(2) + 3.0 * (x[1] + 2.0).powi(2);
@@ -676,16 +690,6 @@ mod tests {
     #[test]
     fn fit_recovers_a_corun_slowdown() {
         let gpu = datasheet("H200").unwrap();
-        let pt = |kind, sms, seconds| Point {
-            kind,
-            sms,
-            work: Work {
-                flops: 1e12,
-                ..Work::default()
-            },
-            seconds,
-            note: String::new(),
-        };
         let corun: Vec<CorunPoint> = [(40, 0.6, 0.5), (64, 0.45, 0.7), (80, 0.42, 0.9)]
             .into_iter()
             .map(|(s, d, p)| CorunPoint {
@@ -858,16 +862,6 @@ mod tests {
     #[test]
     fn beside_slowdown_replaces_the_bench_value_for_its_order_only() {
         let gpu = datasheet("H200").unwrap();
-        let pt = |kind, sms, seconds| Point {
-            kind,
-            sms,
-            work: Work {
-                flops: 1e12,
-                ..Work::default()
-            },
-            seconds,
-            note: String::new(),
-        };
         let corun = vec![CorunPoint {
             seconds: corun_pair_time(0.6, 0.5, 1.2, 1.2),
             a: pt(WorkKind::Decode, 64, 0.6),

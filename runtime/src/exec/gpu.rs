@@ -1057,14 +1057,12 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
         }
         for (i, &g) in groups.iter().enumerate() {
             let prompt = &self.book.prompts[g];
-            let (refs, raw): (Vec<&GpuEncodedMedia>, Vec<MediaInput<'_>>) = if trains_vision {
-                (Vec::new(), Self::media_inputs(prompt))
-            } else {
-                (media[i].iter().collect(), Vec::new())
-            };
+            let (raw, refs): (Vec<MediaInput<'_>>, Vec<&GpuEncodedMedia>);
             let m = if trains_vision {
+                raw = Self::media_inputs(prompt);
                 PromptMedia::Raw(&raw)
             } else {
+                refs = media[i].iter().collect();
                 PromptMedia::Encoded(&refs)
             };
             self.models

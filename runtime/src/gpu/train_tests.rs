@@ -349,7 +349,7 @@ fn trainer_of_the_tower_refuses_encoded_media() {
 }
 
 /// `train_cfg` with the tower and merger frozen as given.
-fn vision_cfg(freeze_vision: bool, freeze_merger: bool) -> TrainConfig {
+pub(crate) fn vision_cfg(freeze_vision: bool, freeze_merger: bool) -> TrainConfig {
     let mut c = train_cfg();
     c.freeze_vision = freeze_vision;
     c.freeze_merger = freeze_merger;

@@ -21,7 +21,7 @@ use rollplex_kernels::cuda::{cuda_available, Gpu};
 
 use super::*;
 use crate::gpu::plan::VisionPlan;
-use crate::gpu::train::tests::{model, train_cfg};
+use crate::gpu::train::tests::{model, vision_cfg};
 use crate::model::{CacheMode, MediaInput, MediaKind, VisionCache};
 use crate::train::backward::vision_backward as cpu_vision_backward;
 use crate::train::GroupBatch;
@@ -120,9 +120,7 @@ fn vision_tensors_split_into_the_cpu_models_visual_tensors() {
             // a device tensor of the wrong size is refused, not cut
             assert!(part_ranges(table, &vision_cpu_parts(layout, s), vals.len() - 1).is_err());
         }
-        let mut cfg = train_cfg();
-        cfg.freeze_vision = !tower;
-        cfg.freeze_merger = !merger;
+        let cfg = vision_cfg(!tower, !merger);
         let mut want: Vec<String> = table
             .entries()
             .iter()
@@ -261,6 +259,27 @@ fn sums(s: &Arc<CudaStream>, g: &VisionGrads) -> Vec<(VisionSlot, Vec<f32>)> {
         .collect()
 }
 
+/// `v` rounded to bf16 on the device.
+fn to_bf16_device(s: &Arc<CudaStream>, v: &[f32]) -> CudaSlice<bf16> {
+    upload(s, &v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>()).unwrap()
+}
+
+/// The CPU backend's vision and merger gradients (everything trainable) of `items` for the
+/// media rows' gradient `d`, in a model-sized buffer.
+fn cpu_vision_grads(m: &Qwen25VL, items: &[MediaInput<'_>], d: &[f32]) -> Vec<f32> {
+    let cfg = vision_cfg(false, false);
+    let mut vc = VisionCache::new(CacheMode::LayerInputs);
+    m.encode_media(items, Some(&mut vc)).unwrap();
+    let g = GroupBatch {
+        prompt_ids: &[],
+        media: items,
+        responses: &[],
+    };
+    let mut cpu = vec![0f32; m.weights.table.total()];
+    cpu_vision_backward(m, &cfg, &g, &vc, d, &mut cpu).unwrap();
+    cpu
+}
+
 #[test]
 fn cuda_vision_backward_matches_the_cpu_backend() {
     let Some(gpu) = gpu_or_skip() else { return };
@@ -293,28 +312,8 @@ fn cuda_vision_backward_matches_the_cpu_backend() {
         assert_eq!(tokens, train.iter().map(|e| e.tokens).sum::<usize>());
         assert!(state.bytes() > 0 && state.patches() == tokens * 4);
         let d_host = bf16_values(tokens * ow, 77);
-        let d_dev = upload(
-            &s,
-            &d_host
-                .iter()
-                .map(|&x| bf16::from_f32(x))
-                .collect::<Vec<_>>(),
-        )
-        .unwrap();
-
-        // CPU backend, everything trainable
-        let mut cfg = train_cfg();
-        cfg.freeze_vision = false;
-        cfg.freeze_merger = false;
-        let mut vc = VisionCache::new(CacheMode::LayerInputs);
-        m.encode_media(&inputs, Some(&mut vc)).unwrap();
-        let g = GroupBatch {
-            prompt_ids: &[],
-            media: &inputs,
-            responses: &[],
-        };
-        let mut cpu = vec![0f32; table.total()];
-        cpu_vision_backward(&m, &cfg, &g, &vc, &d_host, &mut cpu).unwrap();
+        let d_dev = to_bf16_device(&s, &d_host);
+        let cpu = cpu_vision_grads(&m, &inputs, &d_host);
 
         // (b) CUDA, everything trainable
         let mut full = VisionGrads::new(&gpu, &s, table, layout, true, true).unwrap();
@@ -447,32 +446,15 @@ fn cuda_vision_backward_of_two_items_is_the_sum_of_each() {
     let one = |i: usize| vec![inputs[i]];
     let (_, st_both) = gm.encode_media_train(&gpu, &s, &inputs).unwrap();
     let d_host = bf16_values(st_both.tokens() * ow, 77);
-    let to_dev = |v: &[f32]| {
-        upload(
-            &s,
-            &v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(),
-        )
-        .unwrap()
-    };
-    let mut cfg = train_cfg();
-    cfg.freeze_vision = false;
-    cfg.freeze_merger = false;
     // (items, rows of d_embeds) -> (CUDA gradient, CPU gradient), model-sized buffers
     let grads = |items: &[MediaInput<'_>], d: &[f32]| {
         let (_, st) = gm.encode_media_train(&gpu, &s, items).unwrap();
         let mut g = VisionGrads::new(&gpu, &s, table, layout, true, true).unwrap();
-        vision_backward(&gpu, &s, &gm, &st, &to_dev(d), true, &mut g).unwrap();
-        let got = g.to_host(&s, table).unwrap();
-        let mut vc = VisionCache::new(CacheMode::LayerInputs);
-        m.encode_media(items, Some(&mut vc)).unwrap();
-        let gb = GroupBatch {
-            prompt_ids: &[],
-            media: items,
-            responses: &[],
-        };
-        let mut cpu = vec![0f32; table.total()];
-        cpu_vision_backward(&m, &cfg, &gb, &vc, d, &mut cpu).unwrap();
-        (got, cpu)
+        vision_backward(&gpu, &s, &gm, &st, &to_bf16_device(&s, d), true, &mut g).unwrap();
+        (
+            g.to_host(&s, table).unwrap(),
+            cpu_vision_grads(&m, items, d),
+        )
     };
     let (_, st0) = gm.encode_media_train(&gpu, &s, &one(0)).unwrap();
     let split = st0.tokens() * ow;
