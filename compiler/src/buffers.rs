@@ -11,7 +11,7 @@
 //! | `ref_weights` | as `actor_weights` | (frozen) | reference prefix/suffix |
 //! | `master_weights`, `adam_moments` | trainable x 4, x 8 / training ranks | optimizer | optimizer |
 //! | `grads.sS` | trainable x 4 / train TP | micro-batches of step S | optimizer step S |
-//! | `vision_emb` | c n x media tokens x out hidden x dtype | encode | prefill, prefixes (shared) |
+//! | `vision_emb` | c n x media tokens x out hidden x dtype | encode | prefill, prefixes (tower and merger frozen) |
 //! | `kv.prompt` | c n P x KV/token / rollout TP | prefill | decode |
 //! | `kv.response` | n g R x KV/token / rollout TP | prefill, decode | decode |
 //! | `samples` | n g R x 4 (token ids, lengths, slot table) | prefill, decode | tail tasks |
@@ -372,7 +372,7 @@ pub fn assign(pg: &mut PhaseGraph) {
         MediaSpec::Image { count, .. } => count as u64,
         MediaSpec::Video { .. } => 1,
     };
-    let own_vision = !pg.shared_encoding && items > 0;
+    let own_vision = !pg.reuses_encoding && items > 0;
     let frozen_tower = spec.train.freeze_vision && spec.train.freeze_merger;
     let kept_full = kept_act_bytes_per_token_layer(&spec.actor, 1, false) / ttp;
 
@@ -382,7 +382,7 @@ pub fn assign(pg: &mut PhaseGraph) {
         let mut reads: Vec<usize> = Vec::new();
         let mut writes: Vec<usize> = Vec::new();
         let mut scratch = 0u64;
-        let emb_t = emb_train.or(if pg.shared_encoding { emb } else { None });
+        let emb_t = emb_train.or(if pg.reuses_encoding { emb } else { None });
         match &node.op {
             Op::WeightSync { .. } => {
                 if colocated {

@@ -21,8 +21,9 @@
 //! Off: every phase prefills every sample (`copies = group_size`), and the rollout encodes
 //! every sample's media; the reference and actor prefixes count no encoding of their own when
 //! the tower and merger are frozen and the layouts colocated (both backends reuse the
-//! rollout's encoding then: same weights, bitwise the same embeddings), and decode reads one
-//! prompt KV per group either way (the runtime keeps the first copy; `Workload::decode`).
+//! rollout's encoding then: same weights, bitwise the same embeddings; their tasks depend on
+//! the encode task they read), and decode reads one prompt KV per group either way (the
+//! runtime keeps the first copy; `Workload::decode`).
 //!
 //! Invariants: edges point from producer to consumer and the graph is acyclic; every node's
 //! `role` says where scheduling may put it; `ready_step` is the planned number of decode steps
@@ -133,8 +134,9 @@ pub struct PhaseGraph {
     pub windows: Vec<WindowPlan>,
     /// Planned decode steps after which completion slot `k` (training replica) has finished.
     pub slot_finish: Vec<u32>,
-    /// Whether rollout, reference and actor share one media encoding.
-    pub shared_encoding: bool,
+    /// Whether the reference and actor prefixes read the rollout's encoding (colocated, media,
+    /// tower and merger frozen; with or without prefix dedup) instead of encoding their own.
+    pub reuses_encoding: bool,
     /// How the actor's weights are shared between the layouts (colocated modes only).
     pub sharing: Option<rollplex_plan::WeightSharing>,
     pub copies: u32,
@@ -253,8 +255,11 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
     let copies = if dedup { 1 } else { g };
     let colocated = topo.mode != Mode::Disaggregated;
     let media = shapes.media_items > 0;
-    let shared_encoding =
-        colocated && dedup && media && spec.train.freeze_vision && spec.train.freeze_merger;
+    // A frozen tower and merger give bitwise the same embeddings in every phase: colocated,
+    // the reference and actor prefixes read the rollout's encoding (with or without dedup)
+    // and so depend on the encode task of their prompts.
+    let reuses_encoding =
+        colocated && media && spec.train.freeze_vision && spec.train.freeze_merger;
     let ref_on = spec.reference.enabled;
     let multi_step = batch.steps > 1;
     let items = shapes.media_items as f64;
@@ -339,7 +344,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
         }
     }
     let mut embed_reshard = None;
-    if shared_encoding && rtp < ttp {
+    if reuses_encoding && rtp < ttp {
         let bytes = embed_gather_bytes(spec, &shapes, &topo.parallel) as f64;
         embed_reshard = Some(b.add(
             "embed_reshard".into(),
@@ -414,7 +419,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
     // chunk; other layouts: all of it or its reshard), nothing when it encodes for itself.
     let t_chunks = chunks(n_t, per_chunk);
     let enc_deps = |i: usize| -> Vec<NodeId> {
-        if !shared_encoding {
+        if !reuses_encoding {
             return vec![];
         }
         if let Some(r) = embed_reshard {
@@ -429,9 +434,8 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
     let tail_gate: Vec<NodeId> = if colocated { vec![] } else { vec![last_decode] };
     // What a prefix task encodes itself (the rollout's encoding is reused when it can be: see
     // the module doc).
-    let reuses_encoding = colocated && spec.train.freeze_vision && spec.train.freeze_merger;
     let own_vision = |s: &Span, tp: u32, wl: &Workload| -> Work {
-        if shared_encoding || reuses_encoding || !media {
+        if reuses_encoding || !media {
             Work::default()
         } else {
             wl.vision(s.len() as f64 * copies as f64 * items, tp)
@@ -599,7 +603,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 let fwd = b.wl.prefix(slots.len() as f64 * copies as f64, ttp, 0.0);
                 let vis = own_vision(&slots, ttp, &b.wl);
                 let mut deps: Vec<NodeId> = prev_step.into_iter().collect();
-                if shared_encoding {
+                if reuses_encoding {
                     match embed_reshard {
                         Some(r) => deps.push(r),
                         None => deps.extend(&encodes),
@@ -781,7 +785,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
         buffers: Vec::new(),
         windows,
         slot_finish,
-        shared_encoding,
+        reuses_encoding,
         sharing,
         copies,
     })

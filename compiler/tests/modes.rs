@@ -63,3 +63,54 @@ fn paper_settings_rank_the_modes() {
         assert!(s.windows.iter().all(|w| w.side_sms == 0));
     }
 }
+
+/// Without prefix dedup a frozen tower's embeddings are still the rollout's: every reference
+/// and actor prefix task reads them, so it must happen after the encode task of its prompts
+/// (before, no-dedup plans lacked that edge and the executor had to add a wait of its own).
+#[test]
+fn prefix_tasks_wait_for_the_encoding_they_read() {
+    use rollplex_plan::validate::HappensBefore;
+    use rollplex_plan::{BufferClass, Op};
+    for dedup in [true, false] {
+        for mode in [Mode::Serial, Mode::Overlap] {
+            let spec = job(|s| {
+                s.schedule.prefix_dedup = dedup;
+                s.train.freeze_vision = true;
+                s.train.freeze_merger = true;
+            });
+            let p = summary(&format!("dedup {dedup}"), &spec, mode);
+            let hb = HappensBefore::new(&p);
+            let emb = p
+                .buffers
+                .iter()
+                .find(|b| b.class == BufferClass::VisionEmbeddings)
+                .expect("a video job has an embedding buffer")
+                .id;
+            let encodes: Vec<_> = p
+                .tasks
+                .iter()
+                .filter(|t| matches!(t.op, Op::EncodeMedia { .. }))
+                .collect();
+            let mut readers = 0;
+            for t in &p.tasks {
+                let groups = match &t.op {
+                    Op::RefPrefix { groups, .. } => *groups,
+                    Op::ActorPrefix { groups, .. } => groups.span(),
+                    _ => continue,
+                };
+                readers += 1;
+                assert!(t.reads.contains(&emb), "{} does not read the embeddings", t.name);
+                for g in groups.start..groups.end {
+                    assert!(
+                        encodes.iter().any(|e| matches!(e.op, Op::EncodeMedia { groups: eg, .. }
+                            if eg.start <= g && g < eg.end)
+                            && hb.strictly_before(e.id, t.id)),
+                        "dedup {dedup} {mode:?}: {} may run before group {g} is encoded",
+                        t.name
+                    );
+                }
+            }
+            assert!(readers > 0);
+        }
+    }
+}

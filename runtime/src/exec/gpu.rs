@@ -379,9 +379,11 @@ pub struct GpuIteration<'a, 'r> {
     reward: &'a mut RewardFn<'r>,
     book: Book<'a>,
     encoded: Vec<Option<Media>>,
-    /// Per group: an event after its `EncodeMedia` task's launches and that task's stream. A
-    /// plan need not make every reader of the media depend on that task (a prefix task of a
-    /// plan without prefix dedup does not), so a reader on another stream waits on this.
+    /// Per group: an event after its `EncodeMedia` task's launches and that task's stream. The
+    /// plan orders the readers it knows of after the encode (a frozen tower's prefixes); an
+    /// old-log-prob prefix with a trained tower is planned to encode its own media but reuses
+    /// the rollout's (same weights, same bits) with no plan edge, so a reader on another stream
+    /// waits on this.
     encoded_ready: Vec<Option<(Arc<CudaEvent>, Arc<CudaStream>)>>,
     ref_encoded: Vec<Option<Media>>,
     prefixes: Vec<Option<GpuPrefixState>>,
