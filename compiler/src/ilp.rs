@@ -19,7 +19,8 @@
 //! Constraints:
 //! - one option per window: `sum_j y[w][j] = 1`;
 //! - side work ends before the window's decode (no big-M: the per-option item counts make the
-//!   relaxation tight): while an item of class `c` runs, decode advances at `1 / s_c` of its
+//!   relaxation tight), and `n[c][w][j]` is at most the whole items of `c` that fit beside
+//!   that decode by themselves (so one large item is not spread over windows): while an item of class `c` runs, decode advances at `1 / s_c` of its
 //!   speed alone (`s_c = decode_slowdown`), so the side work uses up `sum_c n[c][w][j] *
 //!   item_time[c][j] / s_c <= decode_time[w][j] * y[w][j]` of the decode's time alone; the
 //!   option without side SMs admits no item;
@@ -271,6 +272,21 @@ fn useful_options(p: &Problem, w: usize) -> Vec<usize> {
 }
 
 /// A slowdown as the model uses it: finite and at least 1.
+/// How many items that each use up `per_item` of a decode's time alone fit beside a decode of
+/// `decode` seconds (with the fill's slack, [`crate::schedule_overlap::FILL_SLACK`]), at most
+/// `count`.
+fn whole_items(per_item: f64, decode: f64, count: u32) -> u32 {
+    if !(per_item > 0.0) {
+        return count;
+    }
+    let fit = (decode * (1.0 + crate::schedule_overlap::FILL_SLACK) / per_item).floor();
+    if fit.is_finite() {
+        (fit.max(0.0) as u64).min(count as u64) as u32
+    } else {
+        0
+    }
+}
+
 fn slowdown(s: f64) -> f64 {
     if s.is_finite() {
         s.max(1.0)
@@ -346,7 +362,10 @@ pub fn solve(p: &Problem) -> Result<Answer, String> {
     } else {
         vec![]
     };
-    // n[c][w][j] (continuous, see the module docs) only where option j has side SMs.
+    // n[c][w][j] (continuous, see the module docs) only where option j has side SMs, bounded
+    // by the whole items that fit beside the window's decode (a continuous count would
+    // otherwise spread one item too large for any window over several, which the fill cannot
+    // place: the plan then kept none of the side work the objective had counted).
     let n: Vec<Vec<Vec<Option<Variable>>>> = p
         .classes
         .iter()
@@ -359,7 +378,13 @@ pub fn solve(p: &Problem) -> Result<Answer, String> {
                                 && p.options[j].side_sms > 0
                                 && cl.count > 0
                                 && cl.item_time[j].is_finite();
-                            usable.then(|| vars.add(variable().min(0).max(cl.count as f64)))
+                            let fits = whole_items(
+                                cl.item_time[j] / slowdown(cl.decode_slowdown),
+                                p.decode_time[w][j],
+                                cl.count,
+                            );
+                            (usable && fits > 0)
+                                .then(|| vars.add(variable().min(0).max(fits as f64)))
                         })
                         .collect()
                 })
@@ -884,6 +909,31 @@ mod tests {
         let a = solve(&q).unwrap();
         assert_eq!(placed(&a), 2);
         assert!((a.objective - 4.2).abs() < 1e-6, "{}", a.objective);
+    }
+
+    /// Three windows of 1 s decode on the split (0.9 s on the whole GPU), one item of 1.5 s on
+    /// the side partition (0.2 s after decode on the whole GPU): it fits no window by itself.
+    /// A continuous count could put half of it in each of two windows (its cumulative count
+    /// floors to 1, which no window can hold); the count is bounded by the whole items that fit,
+    /// so the item runs after decode and no window splits.
+    #[test]
+    fn an_item_too_large_for_every_window_is_not_spread_over_several() {
+        let mut p = kept(100.0, 0.0, 100.0);
+        p.residency.as_mut().unwrap().kept.clear();
+        p.decode_time = vec![vec![1.0, 0.9]; 3];
+        p.classes[0].count = 1;
+        p.classes[0].ready = vec![1; 3];
+        p.classes[0].item_time = vec![1.5, f64::INFINITY];
+        p.classes[0].post_time = 0.2;
+        let a = solve(&p).unwrap();
+        assert_eq!(a.counts[0], vec![0, 0, 0]);
+        assert_eq!(a.option, vec![1, 1, 1]);
+        assert!((a.objective - 2.9).abs() < 1e-6, "{}", a.objective);
+        assert_eq!(whole_items(0.5, 1.2, 4), 2);
+        assert_eq!(whole_items(1.5, 1.0, 4), 0);
+        assert_eq!(whole_items(0.1, 10.0, 4), 4);
+        assert_eq!(whole_items(0.0, 1.0, 4), 4);
+        assert_eq!(whole_items(1.0, f64::NAN, 4), 0);
     }
 
     #[test]
