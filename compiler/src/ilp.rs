@@ -276,7 +276,8 @@ fn useful_options(p: &Problem, w: usize) -> Vec<usize> {
 /// `decode` seconds (with the fill's slack, [`crate::schedule_overlap::FILL_SLACK`]), at most
 /// `count`.
 fn whole_items(per_item: f64, decode: f64, count: u32) -> u32 {
-    if !(per_item > 0.0) {
+    // zero (or NaN) time per item: nothing bounds the count but the class
+    if per_item.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
         return count;
     }
     let fit = (decode * (1.0 + crate::schedule_overlap::FILL_SLACK) / per_item).floor();
