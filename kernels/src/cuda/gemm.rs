@@ -100,6 +100,11 @@ impl LtState {
         })
     }
 
+    /// Drops the workspace of the stream with handle `key` (the caller has synchronised).
+    pub(crate) fn forget(&mut self, key: usize) {
+        self.workspaces.remove(&key);
+    }
+
     pub(crate) fn workspace(&mut self, stream: &Arc<CudaStream>) -> Result<u64> {
         let key = stream.cu_stream() as usize;
         if let std::collections::hash_map::Entry::Vacant(e) = self.workspaces.entry(key) {

@@ -194,6 +194,28 @@ impl Gpu {
         Ok(unsafe { stream.alloc::<T>(n.max(1)) }?)
     }
 
+    /// Frees what GEMMs keep per stream (the 32 MiB cuBLASLt workspace, the cuBLAS handle) for
+    /// `streams`, which are done with: the device is synchronised first. Whoever makes streams
+    /// for a while (an RL loop's plan streams) calls this before dropping them, so that state of
+    /// dead streams does not pile up (a later stream gets its own again on first use).
+    pub fn forget_streams<'a>(
+        &self,
+        streams: impl IntoIterator<Item = &'a Arc<CudaStream>>,
+    ) -> Result<()> {
+        self.ctx.synchronize()?;
+        let keys: Vec<usize> = streams.into_iter().map(|s| s.cu_stream() as usize).collect();
+        let mut lt = self.lt()?;
+        let mut blas = self
+            .blas
+            .lock()
+            .map_err(|_| CudaError::Nvrtc("cuBLAS state poisoned by a panic".into()))?;
+        for k in keys {
+            lt.forget(k);
+            blas.remove(&k);
+        }
+        Ok(())
+    }
+
     /// Creates what GEMMs on `stream` need (the cuBLASLt workspace) ahead of a graph capture.
     pub fn prepare_stream(&self, stream: &Arc<CudaStream>) -> Result<()> {
         self.lt()?.workspace(stream)?;

@@ -47,10 +47,18 @@
 //! ([`GpuIteration::step_times`], told to the observer's `decode_steps`), so that `--profile`
 //! can cut a window that co-ran with side work into its steps (`exec::profile`).
 //!
+//! Memory: the plan's device arena is reserved in the pool before the first iteration; state
+//! whose plan buffers' lifetimes end before the iteration does ([`Held`]: the decode KV arena,
+//! the media embeddings, the reference's and the old-log-prob prefix states, the kept prompt
+//! forwards) is dropped once the last task of those buffers is launched, after the streams it
+//! was allocated on wait for that task's end event (so they order its frees after every use);
+//! an iteration whose pool peak passes the arena prints a warning.
+//!
 //! Invariants: a task's launches all go to one CUDA stream; a buffer made on one stream is read
 //! on another only after an event of the producing task; everything an iteration allocated is
-//! freed after the device has finished it (the loop synchronises between iterations, where the
-//! next iteration's rollout must see the trained weights anyway).
+//! freed after the device has finished it (early, as above, or when the iteration ends: the
+//! loop synchronises between iterations, where the next iteration's rollout must see the
+//! trained weights anyway).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -273,6 +281,12 @@ pub fn check_gpu_plan(plan: &Plan, gpu: &Gpu) -> Result<(), ExecError> {
 
 const GIB: f64 = (1u64 << 30) as f64;
 
+/// Device memory the plan does not count and an iteration may hold beyond its arena before the
+/// loop warns: the runtime's fixed working buffers (a 32 MiB cuBLASLt workspace per stream,
+/// decode attention workspaces, upload staging), about 0.3-0.5 GiB measured with the tiny
+/// pipeline, whose plan arena is a few MiB.
+const WORKSPACE_ALLOWANCE: u64 = 1 << 30;
+
 /// The DSL preset of a device name, when there is one.
 fn preset_of(name: &str) -> Option<&'static str> {
     let n = name.to_ascii_uppercase();
@@ -332,6 +346,16 @@ impl PlanStreams {
             .get(id.index())
             .and_then(Option::as_ref)
             .ok_or_else(|| ExecError::Plan(format!("{id} is not a stream of GPU program 0")))
+    }
+
+    /// Every CUDA stream of the plan's tasks (plan streams and window partitions).
+    pub fn all(&self) -> impl Iterator<Item = &Arc<CudaStream>> {
+        self.streams.iter().flatten().chain(
+            self.windows
+                .iter()
+                .flatten()
+                .flat_map(|(d, s)| [d, s].into_iter()),
+        )
     }
 
     /// Whether windows run on real SM partitions (green contexts).
@@ -418,6 +442,103 @@ pub struct GpuIteration<'a, 'r> {
     step_marks: Vec<CudaEvent>,
     /// Per task: a decode window's step marks, by task index.
     decode_marks: Vec<Option<Vec<CudaEvent>>>,
+    /// State to free before the iteration ends, and the task after whose launches the plan's
+    /// buffers of it are dead (their `Lifetime::Tasks` end), ascending by task.
+    retire: Vec<(TaskId, Held)>,
+    /// Per [`Held`] (in [`Held::ALL`] order): the streams its buffers were allocated on.
+    made_on: [Vec<Arc<CudaStream>>; 5],
+}
+
+/// Iteration state that follows plan buffers whose lifetimes end before the iteration does:
+/// dropped once the last task of those buffers is launched (its streams waiting on that task's
+/// end event first), so the pool's high-water mark follows the plan's lifetimes instead of
+/// holding every iteration buffer to the end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Held {
+    /// `kv.prompt`, `kv.response`: the decode KV arena and the logits (the prefill states go
+    /// once the arena holds their KV).
+    DecodeKv,
+    /// `vision_emb`: the rollout's media embeddings.
+    Media,
+    /// `ref_prefix_kv`: the reference's prefix states.
+    RefPrefixes,
+    /// `old_prefix_kv`: the actor's prefix states for old log-probs.
+    OldPrefixes,
+    /// `train_prefix.sS` (every step's: one store serves them all): the kept prompt forwards.
+    TrainPrefixes,
+}
+
+impl Held {
+    const ALL: [Held; 5] = [
+        Held::DecodeKv,
+        Held::Media,
+        Held::RefPrefixes,
+        Held::OldPrefixes,
+        Held::TrainPrefixes,
+    ];
+
+    fn of_buffer(name: &str) -> Option<Held> {
+        match name {
+            "kv.prompt" | "kv.response" => Some(Held::DecodeKv),
+            "vision_emb" => Some(Held::Media),
+            "ref_prefix_kv" => Some(Held::RefPrefixes),
+            "old_prefix_kv" => Some(Held::OldPrefixes),
+            n if n.strip_prefix("train_prefix.s").is_some_and(|s| s.parse::<u32>().is_ok()) => {
+                Some(Held::TrainPrefixes)
+            }
+            _ => None,
+        }
+    }
+
+    /// What running `op` allocates of the iteration's held state.
+    fn made_by(op: &Op) -> Option<Held> {
+        match op {
+            Op::EncodeMedia { .. } => Some(Held::Media),
+            Op::Prefill { .. } | Op::DecodeWindow { .. } => Some(Held::DecodeKv),
+            Op::RefPrefix { .. } => Some(Held::RefPrefixes),
+            Op::ActorPrefix {
+                purpose: Purpose::OldLogProb,
+                ..
+            } => Some(Held::OldPrefixes),
+            Op::ActorPrefix {
+                purpose: Purpose::Train { .. },
+                ..
+            } => Some(Held::TrainPrefixes),
+            _ => None,
+        }
+    }
+
+    fn index(self) -> usize {
+        Held::ALL.iter().position(|&h| h == self).unwrap_or(0)
+    }
+
+    /// When each held state may go: the last task (in plan order) of its buffers on `gpu`;
+    /// none for a state with a persistent buffer.
+    fn retirements(plan: &Plan) -> Vec<(TaskId, Held)> {
+        let gpu = plan.gpus.first().map(|g| g.id);
+        let mut out: Vec<(TaskId, Held)> = Vec::new();
+        for h in Held::ALL {
+            let mut last: Option<TaskId> = None;
+            let mut keep = false;
+            for b in plan
+                .buffers
+                .iter()
+                .filter(|b| Some(b.gpu) == gpu && Held::of_buffer(&b.name) == Some(h))
+            {
+                match b.lifetime {
+                    rollplex_plan::plan::Lifetime::Tasks { last: l, .. } => {
+                        last = Some(last.map_or(l, |x| x.max(l)))
+                    }
+                    rollplex_plan::plan::Lifetime::Persistent => keep = true,
+                }
+            }
+            if let (Some(t), false) = (last, keep) {
+                out.push((t, h));
+            }
+        }
+        out.sort_by_key(|&(t, _)| t);
+        out
+    }
 }
 
 /// Deferred pieces the decode loop lets run at once (see [`GpuIteration::launch_paced`]).
@@ -488,7 +609,49 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             inflight: VecDeque::new(),
             step_marks: Vec::new(),
             decode_marks: (0..plan.tasks.len()).map(|_| None).collect(),
+            retire: Held::retirements(plan),
+            made_on: Default::default(),
         })
+    }
+
+    /// Notes that `held`'s buffers got memory allocated on `s`.
+    fn note_made(&mut self, held: Held, s: &Arc<CudaStream>) {
+        let on = &mut self.made_on[held.index()];
+        if !on.iter().any(|x| x.cu_stream() == s.cu_stream()) {
+            on.push(s.clone());
+        }
+    }
+
+    /// Frees the held state whose buffers' last task has been launched: the streams its memory
+    /// was allocated on (where the drops queue the frees) first wait for that task's end.
+    fn retire_ready(&mut self) -> Result<(), ExecError> {
+        while let Some(&(t, held)) = self.retire.first() {
+            let Some((_, end, on)) = self.events.get(t.index()).and_then(Option::as_ref) else {
+                break;
+            };
+            for x in &self.made_on[held.index()] {
+                if x.cu_stream() != on.cu_stream() {
+                    x.wait(end)?;
+                }
+            }
+            match held {
+                Held::DecodeKv => {
+                    self.arena = None;
+                    self.logits = None;
+                    self.prefixes.iter_mut().for_each(|p| *p = None);
+                }
+                Held::Media => {
+                    self.encoded.iter_mut().for_each(|m| *m = None);
+                    self.encoded_ready.iter_mut().for_each(|m| *m = None);
+                }
+                Held::RefPrefixes => self.ref_prefixes.iter_mut().for_each(|p| *p = None),
+                Held::OldPrefixes => self.old_prefixes.iter_mut().for_each(|p| *p = None),
+                Held::TrainPrefixes => self.train_prefixes = None,
+            }
+            self.made_on[held.index()].clear();
+            self.retire.remove(0);
+        }
+        Ok(())
     }
 
     pub fn metrics(&self) -> &IterationMetrics {
@@ -631,6 +794,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             .filter(|&g| self.encoded[g].is_none())
             .collect();
         if !missing.is_empty() {
+            self.note_made(Held::Media, s);
             let m = Self::encode(
                 &self.models.gpu,
                 s,
@@ -748,6 +912,16 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
         self.arena = Some(arena);
         self.logits = Some(logits);
         self.active = (0..samples).collect();
+        // the prefill states are in the arena now (without prefix dedup each holds every
+        // copy's KV, the plan's `kv.prompt`): their frees wait for the copies above
+        let copied = self.models.gpu.event()?;
+        copied.record(s)?;
+        for x in &self.made_on[Held::DecodeKv.index()] {
+            if x.cu_stream() != s.cu_stream() {
+                x.wait(&copied)?;
+            }
+        }
+        self.prefixes.iter_mut().for_each(|p| *p = None);
         Ok(())
     }
 
@@ -931,6 +1105,9 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
 
     /// One group's share of a per-group prefix op (a deferred task's piece).
     fn run_group_piece(&mut self, s: &Arc<CudaStream>, op: &Op, g: usize) -> Result<(), ExecError> {
+        if let Some(h) = Held::made_by(op) {
+            self.note_made(h, s);
+        }
         match op {
             Op::RefPrefix { copies, .. } => self.run_prefix_states(s, &[g], *copies, true),
             Op::ActorPrefix {
@@ -1075,6 +1252,9 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
     }
 
     fn run_op(&mut self, s: &Arc<CudaStream>, op: &Op) -> Result<(), ExecError> {
+        if let Some(h) = Held::made_by(op) {
+            self.note_made(h, s);
+        }
         let temp = self.book.temperature();
         match op {
             Op::EncodeMedia { groups, copies } => {
@@ -1231,7 +1411,7 @@ impl TaskRunner for GpuIteration<'_, '_> {
             self.deferred.push(task.id, StreamRef(s), pieces);
             self.last_on_stream[task.stream.index()] = Some(task.id);
             self.book.metrics.tasks += 1;
-            return Ok(());
+            return self.retire_ready();
         }
         let start = self.models.gpu.timing_event()?;
         start.record(&s)?;
@@ -1244,7 +1424,7 @@ impl TaskRunner for GpuIteration<'_, '_> {
         }
         self.last_on_stream[task.stream.index()] = Some(task.id);
         self.book.metrics.tasks += 1;
-        Ok(())
+        self.retire_ready()
     }
 }
 
@@ -1273,7 +1453,10 @@ pub fn run_gpu_loop(
     )?;
     // the next iteration's prompts are drawn on a host thread while this one runs
     // the plan's device arena is reserved in the memory pool once, before the first iteration
-    // (buffers are then carved from the pool, not at the plan's offsets)
+    // (buffers are then carved from the pool, not at the plan's offsets: the runtime's layouts,
+    // e.g. the KV arena's `[layers, prompt | response rows]`, are not the plan's buffer split);
+    // state whose plan buffers end early is freed then (`Held`), and an iteration whose pool
+    // peak passes the arena is reported
     let (used, _) = models.gpu.pool_usage()?;
     let arena: u64 = plan
         .memory
@@ -1285,7 +1468,8 @@ pub fn run_gpu_loop(
     models
         .gpu
         .reserve_pool(&models.stream, arena.saturating_sub(used))?;
-    super::prompts::for_each_prefetched(source, iterations, groups, |it, prompts, t0| {
+    let mut over_arena = false;
+    let ran = super::prompts::for_each_prefetched(source, iterations, groups, |it, prompts, t0| {
         models.gpu.ctx().synchronize()?;
         models.gpu.reset_pool_peak()?;
         let origin = models.gpu.timing_event()?;
@@ -1307,7 +1491,19 @@ pub fn run_gpu_loop(
             let times = iter.task_times(&origin)?;
             let steps = iter.step_times(&origin)?;
             let mut result = iter.finish()?;
-            result.metrics.peak_mem_bytes = Some(models.gpu.pool_usage()?.1);
+            let peak = models.gpu.pool_usage()?.1;
+            result.metrics.peak_mem_bytes = Some(peak);
+            if peak > arena + WORKSPACE_ALLOWANCE && !over_arena {
+                // once per run: the plan's memory numbers are what a user sizes GPUs by
+                over_arena = true;
+                eprintln!(
+                    "warning: iteration {it} held {:.2} GiB of device memory at its peak, more \
+                     than 1 GiB above the plan's device arena of {:.2} GiB (the runtime kept \
+                     memory the plan does not count)",
+                    peak as f64 / GIB,
+                    arena as f64 / GIB
+                );
+            }
             (result, (times, steps))
         };
         let (times, steps) = times;
@@ -1321,7 +1517,11 @@ pub fn run_gpu_loop(
             observer.decode_steps(it, &plan.tasks[i], &marks);
         }
         observer.iteration_done(it, &result, LoopModels::Gpu(models), t0, wall)
-    })
+    });
+    // the loop's streams go with it: so do the GEMM workspaces and handles made for them
+    let forgot = models.gpu.forget_streams(streams.all());
+    ran?;
+    Ok(forgot?)
 }
 
 /// Tells the observer when each task is launched (its device times come after the iteration).
@@ -1340,14 +1540,20 @@ impl TaskRunner for Started<'_, '_, '_> {
         let t0 = Instant::now();
         self.inner.run(task)?;
         if let Some(start) = self.log {
-            // host times: when the launches of `task` began and how long the host spent in them
+            // host times: when the launches of `task` began and how long the host spent in them;
+            // the memory pool's bytes in use once they are queued (stream-ordered allocations
+            // count when queued) and its high-water mark of the iteration so far
+            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+            let (used, high) = self.inner.models.gpu.pool_usage().unwrap_or((0, 0));
             eprintln!(
-                "[iteration {} +{:.3} s] {} ({}): host {:.1} ms",
+                "[iteration {} +{:.3} s] {} ({}): host {:.1} ms, pool {:.2} GiB, high {:.2} GiB",
                 self.iteration,
                 t0.duration_since(start).as_secs_f64(),
                 task.name,
                 task.id,
-                t0.elapsed().as_secs_f64() * 1e3
+                t0.elapsed().as_secs_f64() * 1e3,
+                gib(used),
+                gib(high)
             );
         }
         Ok(())
@@ -1401,4 +1607,58 @@ pub fn greedy_tokens(
     };
     let mut out = model.generate_group(gpu, s, &state, &[sample], &cfg)?;
     Ok(out.pop().map(|r| r.tokens).unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Held;
+    use rollplex_plan::plan::Plan;
+
+    fn plan(rel: &str) -> Plan {
+        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(rel);
+        let yaml = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        rollplex_plan::from_yaml(&yaml).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+    }
+
+    /// Each held state is retired after a task that uses one of its buffers, and no task
+    /// later in plan order (the walker's) uses any of them; the states the 3B plan ends
+    /// early are all there.
+    #[test]
+    fn held_state_retires_after_its_buffers_last_task() {
+        for rel in [
+            "examples/h200-3b-video.plan.yaml",
+            "examples/tiny.plan.yaml",
+            "tests/out/plans/no_dedup.yaml",
+            "tests/out/plans/overlap_images_steps.yaml",
+        ] {
+            let p = plan(rel);
+            let r = Held::retirements(&p);
+            assert!(r.windows(2).all(|w| w[0].0 <= w[1].0), "{rel}: in task order");
+            for &(t, h) in &r {
+                let bufs: Vec<_> = p
+                    .buffers
+                    .iter()
+                    .filter(|b| Held::of_buffer(&b.name) == Some(h))
+                    .map(|b| b.id)
+                    .collect();
+                let uses = |i: usize| {
+                    let task = &p.tasks[i];
+                    task.reads.iter().chain(&task.writes).any(|b| bufs.contains(b))
+                };
+                assert!(uses(t.index()), "{rel}: {h:?} retires after {t}, which does not use it");
+                for i in t.index() + 1..p.tasks.len() {
+                    assert!(!uses(i), "{rel}: {h:?} retires after {t} but {} uses it", p.tasks[i].name);
+                }
+            }
+            if rel.contains("h200-3b") {
+                let held: Vec<Held> = r.iter().map(|&(_, h)| h).collect();
+                for h in [Held::DecodeKv, Held::Media, Held::RefPrefixes, Held::TrainPrefixes] {
+                    assert!(held.contains(&h), "{rel}: {h:?} is never retired: {r:?}");
+                }
+            }
+        }
+        assert_eq!(Held::of_buffer("train_prefix.s12"), Some(Held::TrainPrefixes));
+        assert_eq!(Held::of_buffer("train_prefix.sx"), None);
+        assert_eq!(Held::of_buffer("vision_emb.train"), None);
+    }
 }
