@@ -417,7 +417,7 @@ fn main() -> Result<()> {
             })
             .collect();
         let out = tr.micro_batch(&gpu, &s, 0, &gb, norm)?;
-        tr.discard(&s)?;
+        tr.discard(&gpu, &s)?;
         let logp = out.logp;
         drop(gb);
         drop(resp);
@@ -505,7 +505,7 @@ fn main() -> Result<()> {
     // ---- optimizer step (a micro-batch before each, untimed)
     let mut opt = Vec::with_capacity(iters);
     for it in 0..iters + 2 {
-        tr.discard(&s)?;
+        tr.discard(&gpu, &s)?;
         tr.micro_batch(&gpu, &s, 0, &gb, norm)?;
         s.synchronize()?;
         let (a, e) = (gpu.timing_event()?, gpu.timing_event()?);

@@ -361,7 +361,9 @@ struct TrainTensor {
     master: CudaSlice<f32>,
     m: CudaSlice<f32>,
     v: CudaSlice<f32>,
-    grad: CudaSlice<f32>,
+    /// The fp32 gradient sum of the running mini-batch: made (zeroed) by its first micro-batch,
+    /// freed by the optimizer step, as the plan's `grads.sS` lives (see [`Grads`]).
+    grad: Option<CudaSlice<f32>>,
 }
 
 fn lin_of_mut(b: &mut GpuBlock, l: Lin) -> &mut GpuLinear {
@@ -387,7 +389,10 @@ fn weight_mut(w: &mut GpuWeights, s: Slot) -> Option<&mut CudaSlice<bf16>> {
     }
 }
 
-/// The fp32 gradient accumulators, one per trained tensor, in a fixed order.
+/// The fp32 gradient accumulators, one per trained tensor, in a fixed order. They exist only
+/// from a mini-batch's first micro-batch to its optimizer step (the plan's `grads.sS` lifetime),
+/// so that rollout and scoring do not hold them (11.5 GiB at 3B): [`Grads::ensure`] makes them
+/// zeroed on the micro-batch's stream, [`Grads::release`] frees them after the step.
 struct Grads {
     t: Vec<TrainTensor>,
 }
@@ -405,11 +410,45 @@ impl GradSink<BlockTensor> for Grads {
 
 impl Grads {
     fn get(&mut self, s: Slot) -> std::result::Result<&mut CudaSlice<f32>, GpuError> {
-        self.t
+        let t = self
+            .t
             .iter_mut()
             .find(|t| t.slot == s)
-            .map(|t| &mut t.grad)
-            .ok_or_else(|| GpuError::Input(format!("no trained tensor {s:?}")))
+            .ok_or_else(|| GpuError::Input(format!("no trained tensor {s:?}")))?;
+        t.grad.as_mut().ok_or_else(|| {
+            GpuError::Input(format!("no gradient sum for {}: no micro-batch began", t.name))
+        })
+    }
+
+    /// Zeroed sums on `s` for the tensors that have none (a mini-batch's first micro-batch).
+    fn ensure(&mut self, s: &Arc<CudaStream>) -> Result<()> {
+        for t in self.t.iter_mut().filter(|t| t.grad.is_none()) {
+            t.grad = Some(s.alloc_zeros::<f32>(t.numel.max(1))?);
+        }
+        Ok(())
+    }
+
+    /// Frees the sums once the work queued on `s` so far (the optimizer step) is done: the
+    /// stream each was made on, where its drop queues the free, waits for that first.
+    fn release(&mut self, gpu: &Gpu, s: &Arc<CudaStream>) -> Result<()> {
+        let done = gpu.event()?;
+        done.record(s)?;
+        for t in self.t.iter_mut() {
+            if let Some(g) = t.grad.take() {
+                if g.stream().cu_stream() != s.cu_stream() {
+                    g.stream().wait(&done)?;
+                }
+                drop(g);
+            }
+        }
+        Ok(())
+    }
+
+    /// A tensor's sum, an error naming it when no micro-batch made one.
+    fn of(t: &TrainTensor) -> Result<&CudaSlice<f32>> {
+        t.grad.as_ref().ok_or_else(|| {
+            GpuError::Input(format!("no gradient sum for {}: no micro-batch began", t.name)).into()
+        })
     }
 }
 
@@ -1202,7 +1241,7 @@ impl GpuTrainer {
                 // zeroed on the device (no host copy of three model-sized zero buffers)
                 m: stream.alloc_zeros::<f32>(numel.max(1))?,
                 v: stream.alloc_zeros::<f32>(numel.max(1))?,
-                grad: stream.alloc_zeros::<f32>(numel.max(1))?,
+                grad: None,
             });
         }
         let dw = alloc::<bf16>(gpu, stream, biggest.max(1))?;
@@ -1241,7 +1280,8 @@ impl GpuTrainer {
     pub fn grads_host(&self, stream: &Arc<CudaStream>) -> Result<Vec<f32>> {
         let mut out = vec![0f32; self.table.total()];
         for t in &self.grads.t {
-            let g = download(stream, &t.grad)?;
+            let Some(grad) = &t.grad else { continue };
+            let g = download(stream, grad)?;
             let parts = cpu_parts(&self.layout, t.slot);
             for (id, x) in split_fused(&self.table, &parts, &g[..t.numel])? {
                 let e = self.table.entry(id);
@@ -1348,9 +1388,13 @@ impl GpuTrainer {
             stream.memcpy_htod(&master[..], &mut t.master.slice_mut(..t.numel))?;
             stream.memcpy_htod(&m[..], &mut t.m.slice_mut(..t.numel))?;
             stream.memcpy_htod(&v[..], &mut t.v.slice_mut(..t.numel))?;
-            stream.memset_zeros(&mut t.grad)?;
             // the host buffers must outlive the copies
             stream.synchronize()?;
+            // a gradient sum of a mini-batch in progress does not survive the load (the
+            // device is idle here: the drop's free has nothing to wait for)
+            if let Some(g) = t.grad.take() {
+                g.stream().synchronize()?;
+            }
         }
         if used != state.params.len() {
             return Err(GpuError::Input(format!(
@@ -1633,6 +1677,7 @@ impl GpuTrainer {
         store: &TrainPrefixes,
     ) -> Result<MicroBatchOutput> {
         self.check_next(index)?;
+        self.grads.ensure(stream)?;
         let out = self.forward_backward(gpu, stream, groups, norm, store)?;
         self.micro += 1;
         self.metrics.add(&out.metrics);
@@ -2150,7 +2195,7 @@ impl GpuTrainer {
         let mut partial = alloc::<f64>(gpu, s, nt * NORM_BLOCKS)?;
         let f = gpu.function(&TRAIN_KERNELS, &[], "sumsq_partial_f32")?;
         for (i, t) in self.grads.t.iter().enumerate() {
-            let (gp, _g) = t.grad.device_ptr(s);
+            let (gp, _g) = Grads::of(t)?.device_ptr(s);
             let mut view = partial.slice_mut(i * NORM_BLOCKS..(i + 1) * NORM_BLOCKS);
             let (op, _o) = view.device_ptr_mut(s);
             let n = t.numel as u64;
@@ -2189,7 +2234,7 @@ impl GpuTrainer {
     }
 
     /// Clips the accumulated gradient (torch's `min(1, max_norm / (norm + 1e-6))`), takes one
-    /// AdamW step on the fp32 masters writing the bf16 compute copy, zeroes the gradients and
+    /// AdamW step on the fp32 masters writing the bf16 compute copy, frees the gradient sums and
     /// starts the next mini-batch. On error the weights are unchanged and the gradient is kept.
     pub fn optimizer_step(&mut self, gpu: &Gpu, s: &Arc<CudaStream>) -> Result<TrainStepReport> {
         let micro_batches = self.micro;
@@ -2205,7 +2250,10 @@ impl GpuTrainer {
             if coef != 1.0 {
                 let f = gpu.function(&TRAIN_KERNELS, &[], "scale_f32")?;
                 for t in self.grads.t.iter_mut() {
-                    let (gp, _g) = t.grad.device_ptr_mut(s);
+                    let grad = t.grad.as_mut().ok_or_else(|| {
+                        GpuError::Input(format!("no gradient sum for {}", t.name))
+                    })?;
+                    let (gp, _g) = grad.device_ptr_mut(s);
                     let n = t.numel as u64;
                     let mut b = s.launch_builder(&f);
                     b.arg(&gp).arg(&n).arg(&coef);
@@ -2235,6 +2283,10 @@ impl GpuTrainer {
             let out = weight_mut(&mut self.model.weights, t.slot).ok_or_else(|| {
                 GpuError::Input(format!("no device weight for trained tensor {}", t.name))
             })?;
+            let grad = t
+                .grad
+                .as_ref()
+                .ok_or_else(|| GpuError::Input(format!("no gradient sum for {}", t.name)))?;
             adamw_step_f32(
                 gpu,
                 s,
@@ -2242,13 +2294,13 @@ impl GpuTrainer {
                 &mut t.m,
                 &mut t.v,
                 Some(out as &mut dyn DevicePtrMut<bf16>),
-                &t.grad,
+                grad,
                 t.numel,
                 decay,
                 sc,
             )?;
-            s.memset_zeros(&mut t.grad)?;
         }
+        self.grads.release(gpu, s)?;
         self.steps = step;
         self.micro = 0;
         let metrics = std::mem::take(&mut self.metrics);
@@ -2264,10 +2316,8 @@ impl GpuTrainer {
     }
 
     /// Drops the accumulated gradient and metrics without stepping.
-    pub fn discard(&mut self, s: &Arc<CudaStream>) -> Result<()> {
-        for t in self.grads.t.iter_mut() {
-            s.memset_zeros(&mut t.grad)?;
-        }
+    pub fn discard(&mut self, gpu: &Gpu, s: &Arc<CudaStream>) -> Result<()> {
+        self.grads.release(gpu, s)?;
         self.micro = 0;
         self.metrics = LossMetrics::default();
         Ok(())
