@@ -348,3 +348,41 @@ fn cuda_pick_order_changes_no_number() {
     assert_eq!(a.metrics.loss.loss.to_bits(), b.metrics.loss.loss.to_bits());
     assert_eq!(a.metrics.grad_norm.to_bits(), b.metrics.grad_norm.to_bits());
 }
+
+/// Memory of one loop goes with it: the pool holds the same bytes after the second and the
+/// third loop over the same models (each loop makes its own streams, whose GEMM workspaces the
+/// loop frees at its end: they had piled up, 32 MiB per stream and loop), and between loops the
+/// trainer holds no gradient sums (they live from a mini-batch's first micro-batch to its
+/// optimizer step), so a loop ends where it began once its lazily made state exists.
+#[test]
+fn cuda_loops_leave_the_pool_as_they_found_it() {
+    if common::gpu_device().is_none() {
+        return;
+    }
+    let plan = common::compile(
+        "overlap_small.rpx",
+        &common::overlap_small_frozen(),
+        Mode::Overlap,
+    );
+    let spec = &plan.spec;
+    let mut models = gpu::build_gpu_models(spec).expect("GPU models");
+    let mut source = exec::data_source(spec, &spec.rollout.dataset).expect("data");
+    let mut reward = exec::reward_fn(spec).expect("reward");
+    let mut used = Vec::new();
+    for first in 0..3 {
+        gpu::run_gpu_iterations(
+            &plan,
+            &mut models,
+            source.as_mut(),
+            reward.as_mut(),
+            first,
+            1,
+            |_, _, _| Ok(()),
+        )
+        .expect("GPU run");
+        models.gpu.ctx().synchronize().expect("sync");
+        used.push(models.gpu.pool_usage().expect("pool").0);
+    }
+    println!("pool in use after each loop: {used:?} bytes");
+    assert_eq!(used[1], used[2], "a loop left memory behind: {used:?}");
+}
