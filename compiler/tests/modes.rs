@@ -99,12 +99,18 @@ fn prefix_tasks_wait_for_the_encoding_they_read() {
                     _ => continue,
                 };
                 readers += 1;
-                assert!(t.reads.contains(&emb), "{} does not read the embeddings", t.name);
+                assert!(
+                    t.reads.contains(&emb),
+                    "{} does not read the embeddings",
+                    t.name
+                );
                 for g in groups.start..groups.end {
                     assert!(
-                        encodes.iter().any(|e| matches!(e.op, Op::EncodeMedia { groups: eg, .. }
+                        encodes
+                            .iter()
+                            .any(|e| matches!(e.op, Op::EncodeMedia { groups: eg, .. }
                             if eg.start <= g && g < eg.end)
-                            && hb.strictly_before(e.id, t.id)),
+                                && hb.strictly_before(e.id, t.id)),
                         "dedup {dedup} {mode:?}: {} may run before group {g} is encoded",
                         t.name
                     );

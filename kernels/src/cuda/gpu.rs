@@ -203,7 +203,10 @@ impl Gpu {
         streams: impl IntoIterator<Item = &'a Arc<CudaStream>>,
     ) -> Result<()> {
         self.ctx.synchronize()?;
-        let keys: Vec<usize> = streams.into_iter().map(|s| s.cu_stream() as usize).collect();
+        let keys: Vec<usize> = streams
+            .into_iter()
+            .map(|s| s.cu_stream() as usize)
+            .collect();
         let mut lt = self.lt()?;
         let mut blas = self
             .blas

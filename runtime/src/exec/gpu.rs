@@ -483,7 +483,10 @@ impl Held {
             "vision_emb" => Some(Held::Media),
             "ref_prefix_kv" => Some(Held::RefPrefixes),
             "old_prefix_kv" => Some(Held::OldPrefixes),
-            n if n.strip_prefix("train_prefix.s").is_some_and(|s| s.parse::<u32>().is_ok()) => {
+            n if n
+                .strip_prefix("train_prefix.s")
+                .is_some_and(|s| s.parse::<u32>().is_ok()) =>
+            {
                 Some(Held::TrainPrefixes)
             }
             _ => None,
@@ -1615,7 +1618,9 @@ mod tests {
     use rollplex_plan::plan::Plan;
 
     fn plan(rel: &str) -> Plan {
-        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(rel);
+        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(rel);
         let yaml = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
         rollplex_plan::from_yaml(&yaml).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
     }
@@ -1633,7 +1638,10 @@ mod tests {
         ] {
             let p = plan(rel);
             let r = Held::retirements(&p);
-            assert!(r.windows(2).all(|w| w[0].0 <= w[1].0), "{rel}: in task order");
+            assert!(
+                r.windows(2).all(|w| w[0].0 <= w[1].0),
+                "{rel}: in task order"
+            );
             for &(t, h) in &r {
                 let bufs: Vec<_> = p
                     .buffers
@@ -1643,21 +1651,39 @@ mod tests {
                     .collect();
                 let uses = |i: usize| {
                     let task = &p.tasks[i];
-                    task.reads.iter().chain(&task.writes).any(|b| bufs.contains(b))
+                    task.reads
+                        .iter()
+                        .chain(&task.writes)
+                        .any(|b| bufs.contains(b))
                 };
-                assert!(uses(t.index()), "{rel}: {h:?} retires after {t}, which does not use it");
+                assert!(
+                    uses(t.index()),
+                    "{rel}: {h:?} retires after {t}, which does not use it"
+                );
                 for i in t.index() + 1..p.tasks.len() {
-                    assert!(!uses(i), "{rel}: {h:?} retires after {t} but {} uses it", p.tasks[i].name);
+                    assert!(
+                        !uses(i),
+                        "{rel}: {h:?} retires after {t} but {} uses it",
+                        p.tasks[i].name
+                    );
                 }
             }
             if rel.contains("h200-3b") {
                 let held: Vec<Held> = r.iter().map(|&(_, h)| h).collect();
-                for h in [Held::DecodeKv, Held::Media, Held::RefPrefixes, Held::TrainPrefixes] {
+                for h in [
+                    Held::DecodeKv,
+                    Held::Media,
+                    Held::RefPrefixes,
+                    Held::TrainPrefixes,
+                ] {
                     assert!(held.contains(&h), "{rel}: {h:?} is never retired: {r:?}");
                 }
             }
         }
-        assert_eq!(Held::of_buffer("train_prefix.s12"), Some(Held::TrainPrefixes));
+        assert_eq!(
+            Held::of_buffer("train_prefix.s12"),
+            Some(Held::TrainPrefixes)
+        );
         assert_eq!(Held::of_buffer("train_prefix.sx"), None);
         assert_eq!(Held::of_buffer("vision_emb.train"), None);
     }

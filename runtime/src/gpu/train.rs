@@ -416,7 +416,10 @@ impl Grads {
             .find(|t| t.slot == s)
             .ok_or_else(|| GpuError::Input(format!("no trained tensor {s:?}")))?;
         t.grad.as_mut().ok_or_else(|| {
-            GpuError::Input(format!("no gradient sum for {}: no micro-batch began", t.name))
+            GpuError::Input(format!(
+                "no gradient sum for {}: no micro-batch began",
+                t.name
+            ))
         })
     }
 
@@ -447,7 +450,11 @@ impl Grads {
     /// A tensor's sum, an error naming it when no micro-batch made one.
     fn of(t: &TrainTensor) -> Result<&CudaSlice<f32>> {
         t.grad.as_ref().ok_or_else(|| {
-            GpuError::Input(format!("no gradient sum for {}: no micro-batch began", t.name)).into()
+            GpuError::Input(format!(
+                "no gradient sum for {}: no micro-batch began",
+                t.name
+            ))
+            .into()
         })
     }
 }
