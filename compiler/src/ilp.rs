@@ -20,10 +20,11 @@
 //! - one option per window: `sum_j y[w][j] = 1`;
 //! - side work ends before the window's decode (no big-M: the per-option item counts make the
 //!   relaxation tight), and `n[c][w][j]` is at most the whole items of `c` that fit beside
-//!   that decode by themselves (so one large item is not spread over windows): while an item of class `c` runs, decode advances at `1 / s_c` of its
-//!   speed alone (`s_c = decode_slowdown`), so the side work uses up `sum_c n[c][w][j] *
-//!   item_time[c][j] / s_c <= decode_time[w][j] * y[w][j]` of the decode's time alone; the
-//!   option without side SMs admits no item;
+//!   that decode by themselves (so one large item is not spread over windows): while an item
+//!   of class `c` runs, decode advances at `1 / s_c` of its speed alone (`s_c =
+//!   decode_slowdown`), so the side work uses up `sum_c n[c][w][j] * item_time[c][j] / s_c <=
+//!   decode_time[w][j] * y[w][j]` of the decode's time alone; the option without side SMs
+//!   admits no item;
 //! - readiness: `cum(c, w) <= ready[c][w]` (items whose groups finish before `w` starts);
 //! - precedence, cumulative over windows: `All` (`n[succ][w] <= N_succ z[pred][w]`,
 //!   `N_pred z[pred][w] <= cum(pred, w)`), `Ratio` (`a cum(pred, w) >= b cum(succ, w)`);

@@ -20,17 +20,22 @@ use rollplex_plan::Plan;
 use rollplex_runtime::cli::{self, BackendChoice, RunArgs};
 use rollplex_runtime::exec::profile::{median, Execution, ProfileRecorder};
 
-/// examples/tiny.rpx compiled in `mode`, with `profile` when given.
-fn tiny(mode: Mode, profile: Option<&Profile>) -> Plan {
+/// `examples/NAME` compiled in `mode`, with `profile` when given (datasheet numbers else).
+fn example(name: &str, mode: Mode, profile: Option<&Profile>) -> Plan {
     let opts = rollplex_compiler::Options {
         mode: Some(mode),
         profile: profile.cloned(),
         ..Default::default()
     };
     common::compile_spec(
-        &common::spec("tiny.rpx", &common::repo_file("examples/tiny.rpx")),
+        &common::spec(name, &common::repo_file(&format!("examples/{name}"))),
         &opts,
     )
+}
+
+/// examples/tiny.rpx compiled in `mode`, with `profile` when given.
+fn tiny(mode: Mode, profile: Option<&Profile>) -> Plan {
+    example("tiny.rpx", mode, profile)
 }
 
 /// Feeds `rec` one warm-up iteration at 100x the plan's predicted times, then iterations at
@@ -138,18 +143,7 @@ fn recompiling_with_a_profile_of_slower_tasks_predicts_a_slower_iteration() {
 /// examples/h200-3b-video.rpx compiled in `mode` (datasheet numbers unless `profile`): decode
 /// windows of 64 steps, side work in some of them.
 fn h200_3b(mode: Mode, profile: Option<&Profile>) -> Plan {
-    let opts = rollplex_compiler::Options {
-        mode: Some(mode),
-        profile: profile.cloned(),
-        ..Default::default()
-    };
-    common::compile_spec(
-        &common::spec(
-            "h200-3b-video.rpx",
-            &common::repo_file("examples/h200-3b-video.rpx"),
-        ),
-        &opts,
-    )
+    example("h200-3b-video.rpx", mode, profile)
 }
 
 /// A run of `plan` as a GPU with `truth`'s times alone would measure it, decode slowed

@@ -208,10 +208,7 @@ impl Gpu {
             .map(|s| s.cu_stream() as usize)
             .collect();
         let mut lt = self.lt()?;
-        let mut blas = self
-            .blas
-            .lock()
-            .map_err(|_| CudaError::Nvrtc("cuBLAS state poisoned by a panic".into()))?;
+        let mut blas = self.blas()?;
         for k in keys {
             lt.forget(k);
             blas.remove(&k);
@@ -231,16 +228,19 @@ impl Gpu {
             .map_err(|_| CudaError::Nvrtc("cuBLASLt state poisoned by a panic".into()))
     }
 
+    fn blas(&self) -> Result<MutexGuard<'_, HashMap<usize, CudaBlas>>> {
+        self.blas
+            .lock()
+            .map_err(|_| CudaError::Nvrtc("cuBLAS state poisoned by a panic".into()))
+    }
+
     /// The classic cuBLAS handle bound to `stream` (created on first use).
     pub(crate) fn with_blas<R>(
         &self,
         stream: &Arc<CudaStream>,
         f: impl FnOnce(&CudaBlas) -> Result<R>,
     ) -> Result<R> {
-        let mut map = self
-            .blas
-            .lock()
-            .map_err(|_| CudaError::Nvrtc("cuBLAS state poisoned by a panic".into()))?;
+        let mut map = self.blas()?;
         let key = stream.cu_stream() as usize;
         if let std::collections::hash_map::Entry::Vacant(e) = map.entry(key) {
             e.insert(CudaBlas::new(stream.clone())?);

@@ -67,7 +67,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaEvent, DevicePtrMut};
 use half::bf16;
 use rollplex_kernels::cuda::{logprobs_fwd_bf16, CudaSlice, CudaStream, Gpu};
-use rollplex_plan::plan::{Op, Plan, Priority, Purpose, Task};
+use rollplex_plan::plan::{Lifetime, Op, Plan, Priority, Purpose, Task};
 use rollplex_plan::spec::JobSpec;
 use rollplex_plan::{Span, StreamId, TaskId};
 
@@ -445,8 +445,8 @@ pub struct GpuIteration<'a, 'r> {
     /// State to free before the iteration ends, and the task after whose launches the plan's
     /// buffers of it are dead (their `Lifetime::Tasks` end), ascending by task.
     retire: Vec<(TaskId, Held)>,
-    /// Per [`Held`] (in [`Held::ALL`] order): the streams its buffers were allocated on.
-    made_on: [Vec<Arc<CudaStream>>; 5],
+    /// Per [`Held`] (by discriminant): the streams its buffers were allocated on.
+    made_on: [Vec<Arc<CudaStream>>; Held::ALL.len()],
 }
 
 /// Iteration state that follows plan buffers whose lifetimes end before the iteration does:
@@ -512,7 +512,7 @@ impl Held {
     }
 
     fn index(self) -> usize {
-        Held::ALL.iter().position(|&h| h == self).unwrap_or(0)
+        self as usize
     }
 
     /// When each held state may go: the last task (in plan order) of its buffers on `gpu`;
@@ -529,10 +529,8 @@ impl Held {
                 .filter(|b| Some(b.gpu) == gpu && Held::of_buffer(&b.name) == Some(h))
             {
                 match b.lifetime {
-                    rollplex_plan::plan::Lifetime::Tasks { last: l, .. } => {
-                        last = Some(last.map_or(l, |x| x.max(l)))
-                    }
-                    rollplex_plan::plan::Lifetime::Persistent => keep = true,
+                    Lifetime::Tasks { last: l, .. } => last = Some(last.map_or(l, |x| x.max(l))),
+                    Lifetime::Persistent => keep = true,
                 }
             }
             if let (Some(t), false) = (last, keep) {
@@ -632,16 +630,11 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             let Some((_, end, on)) = self.events.get(t.index()).and_then(Option::as_ref) else {
                 break;
             };
-            for x in &self.made_on[held.index()] {
-                if x.cu_stream() != on.cu_stream() {
-                    x.wait(end)?;
-                }
-            }
+            crate::gpu::wait_before_free(&self.made_on[held.index()], on, end)?;
             match held {
                 Held::DecodeKv => {
                     self.arena = None;
                     self.logits = None;
-                    self.prefixes.iter_mut().for_each(|p| *p = None);
                 }
                 Held::Media => {
                     self.encoded.iter_mut().for_each(|m| *m = None);
@@ -919,11 +912,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
         // copy's KV, the plan's `kv.prompt`): their frees wait for the copies above
         let copied = self.models.gpu.event()?;
         copied.record(s)?;
-        for x in &self.made_on[Held::DecodeKv.index()] {
-            if x.cu_stream() != s.cu_stream() {
-                x.wait(&copied)?;
-            }
-        }
+        crate::gpu::wait_before_free(&self.made_on[Held::DecodeKv.index()], s, &copied)?;
         self.prefixes.iter_mut().for_each(|p| *p = None);
         Ok(())
     }
@@ -1546,7 +1535,6 @@ impl TaskRunner for Started<'_, '_, '_> {
             // host times: when the launches of `task` began and how long the host spent in them;
             // the memory pool's bytes in use once they are queued (stream-ordered allocations
             // count when queued) and its high-water mark of the iteration so far
-            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
             let (used, high) = self.inner.models.gpu.pool_usage().unwrap_or((0, 0));
             eprintln!(
                 "[iteration {} +{:.3} s] {} ({}): host {:.1} ms, pool {:.2} GiB, high {:.2} GiB",
@@ -1555,8 +1543,8 @@ impl TaskRunner for Started<'_, '_, '_> {
                 task.name,
                 task.id,
                 t0.elapsed().as_secs_f64() * 1e3,
-                gib(used),
-                gib(high)
+                used as f64 / GIB,
+                high as f64 / GIB
             );
         }
         Ok(())

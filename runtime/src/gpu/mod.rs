@@ -49,6 +49,24 @@ pub mod vision;
 pub mod vision_train;
 pub mod weights;
 
+/// Orders frees after `done`: every stream of `streams` other than `on` (where `done` was
+/// recorded) waits for it. A device buffer's drop queues its free on the stream it was made on,
+/// so state used on other streams is dropped after this, not before.
+pub(crate) fn wait_before_free<'a>(
+    streams: impl IntoIterator<Item = &'a Arc<CudaStream>>,
+    on: &Arc<CudaStream>,
+    done: &cudarc::driver::CudaEvent,
+) -> std::result::Result<(), cudarc::driver::DriverError> {
+    let mut waited = vec![on.cu_stream()];
+    for x in streams {
+        if !waited.contains(&x.cu_stream()) {
+            x.wait(done)?;
+            waited.push(x.cu_stream());
+        }
+    }
+    Ok(())
+}
+
 pub use generate::sample_params;
 pub use text::{GpuKvArena, GpuPrefixState, GpuPrompt};
 pub use vision::GpuEncodedMedia;

@@ -415,12 +415,24 @@ impl Grads {
             .iter_mut()
             .find(|t| t.slot == s)
             .ok_or_else(|| GpuError::Input(format!("no trained tensor {s:?}")))?;
-        t.grad.as_mut().ok_or_else(|| {
-            GpuError::Input(format!(
-                "no gradient sum for {}: no micro-batch began",
-                t.name
-            ))
-        })
+        Grads::of_mut(t)
+    }
+
+    /// The error of a tensor without a gradient sum (no micro-batch of this mini-batch ran).
+    fn no_sum(name: &str) -> GpuError {
+        GpuError::Input(format!("no gradient sum for {name}: no micro-batch began"))
+    }
+
+    /// A tensor's sum, or [`Grads::no_sum`].
+    fn of(t: &TrainTensor) -> std::result::Result<&CudaSlice<f32>, GpuError> {
+        t.grad.as_ref().ok_or_else(|| Grads::no_sum(&t.name))
+    }
+
+    fn of_mut(t: &mut TrainTensor) -> std::result::Result<&mut CudaSlice<f32>, GpuError> {
+        match t.grad.as_mut() {
+            Some(g) => Ok(g),
+            None => Err(Grads::no_sum(&t.name)),
+        }
     }
 
     /// Zeroed sums on `s` for the tensors that have none (a mini-batch's first micro-batch).
@@ -436,26 +448,10 @@ impl Grads {
     fn release(&mut self, gpu: &Gpu, s: &Arc<CudaStream>) -> Result<()> {
         let done = gpu.event()?;
         done.record(s)?;
-        for t in self.t.iter_mut() {
-            if let Some(g) = t.grad.take() {
-                if g.stream().cu_stream() != s.cu_stream() {
-                    g.stream().wait(&done)?;
-                }
-                drop(g);
-            }
-        }
+        let sums: Vec<CudaSlice<f32>> = self.t.iter_mut().filter_map(|t| t.grad.take()).collect();
+        super::wait_before_free(sums.iter().map(|g| g.stream()), s, &done)?;
+        drop(sums);
         Ok(())
-    }
-
-    /// A tensor's sum, an error naming it when no micro-batch made one.
-    fn of(t: &TrainTensor) -> Result<&CudaSlice<f32>> {
-        t.grad.as_ref().ok_or_else(|| {
-            GpuError::Input(format!(
-                "no gradient sum for {}: no micro-batch began",
-                t.name
-            ))
-            .into()
-        })
     }
 }
 
@@ -2257,17 +2253,15 @@ impl GpuTrainer {
             if coef != 1.0 {
                 let f = gpu.function(&TRAIN_KERNELS, &[], "scale_f32")?;
                 for t in self.grads.t.iter_mut() {
-                    let grad = t.grad.as_mut().ok_or_else(|| {
-                        GpuError::Input(format!("no gradient sum for {}", t.name))
-                    })?;
-                    let (gp, _g) = grad.device_ptr_mut(s);
-                    let n = t.numel as u64;
+                    let numel = t.numel;
+                    let (gp, _g) = Grads::of_mut(t)?.device_ptr_mut(s);
+                    let n = numel as u64;
                     let mut b = s.launch_builder(&f);
                     b.arg(&gp).arg(&n).arg(&coef);
                     // SAFETY: g holds numel floats; arguments match (g, n, c).
                     unsafe {
                         b.launch(LaunchConfig {
-                            grid_dim: (t.numel.div_ceil(256).clamp(1, 4096) as u32, 1, 1),
+                            grid_dim: (numel.div_ceil(256).clamp(1, 4096) as u32, 1, 1),
                             block_dim: (256, 1, 1),
                             shared_mem_bytes: 0,
                         })
@@ -2290,10 +2284,7 @@ impl GpuTrainer {
             let out = weight_mut(&mut self.model.weights, t.slot).ok_or_else(|| {
                 GpuError::Input(format!("no device weight for trained tensor {}", t.name))
             })?;
-            let grad = t
-                .grad
-                .as_ref()
-                .ok_or_else(|| GpuError::Input(format!("no gradient sum for {}", t.name)))?;
+            let grad = t.grad.as_ref().ok_or_else(|| Grads::no_sum(&t.name))?;
             adamw_step_f32(
                 gpu,
                 s,
