@@ -52,10 +52,11 @@ use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 use rollplex_kernels::cpu::{AttnDims, AttnMask, Gemm};
 use rollplex_kernels::cuda::attention::RowStrides;
+use rollplex_kernels::cuda::attention_bwd_tc::{bwd_kernel_for, BwdKernel, TC_BWD_HEAD_DIMS};
 use rollplex_kernels::cuda::{
-    add_rmsnorm_fwd_bf16, attention_bwd_bf16, embedding_fwd_bf16, gelu_bwd_bf16, gelu_fwd_bf16,
-    grad_accumulate_f32, kv_append_bf16, matmul_bf16, rmsnorm_bwd_bf16, rmsnorm_fwd_bf16,
-    rope_bwd_bf16, swiglu_fwd_bf16, CudaSlice, CudaStream, Gpu,
+    add_rmsnorm_fwd_bf16, attention_bwd_bf16, attention_bwd_bf16_with, embedding_fwd_bf16,
+    gelu_bwd_bf16, gelu_fwd_bf16, grad_accumulate_f32, kv_append_bf16, matmul_bf16,
+    rmsnorm_bwd_bf16, rmsnorm_fwd_bf16, rope_bwd_bf16, swiglu_fwd_bf16, CudaSlice, CudaStream, Gpu,
 };
 
 use crate::model::config::VISION_RMS_EPS;
@@ -619,7 +620,57 @@ struct Ctx<'a> {
     dims: AttnDims,
     attn: VisionAttn<'a>,
     iota: &'a CudaSlice<u32>,
+    /// `0..rows * heads`, for padding the attention heads ([`pad_heads`]).
+    head_iota: &'a CudaSlice<u32>,
     ones: &'a CudaSlice<bf16>,
+}
+
+/// The dims the attention backward of `d` runs at on the tensor cores when `d`'s head_dim is
+/// one they do not take (the vision tower's 80): the smallest supported head_dim above it,
+/// heads zero-padded to it. Zero columns add exact zeros to every fp32 sum of q.k and
+/// dout.out and give zero gradient columns, so the real columns are what a tensor-core kernel
+/// at `d` would compute. None: `d` runs as it is (the tensor cores take it, or neither takes
+/// the padded case: `ROLLPLEX_ATTN_BWD=simt`, grid limits), on the kernel `Auto` picks.
+fn tc_padded_dims(d: AttnDims, n_seqs: usize) -> Option<AttnDims> {
+    if bwd_kernel_for(&d, RowStrides::contiguous(d), n_seqs) == BwdKernel::TensorCores {
+        return None;
+    }
+    TC_BWD_HEAD_DIMS
+        .iter()
+        .filter(|&&hd| hd > d.head_dim)
+        .map(|&head_dim| AttnDims { head_dim, ..d })
+        .find(|p| bwd_kernel_for(p, RowStrides::contiguous(*p), n_seqs) == BwdKernel::TensorCores)
+}
+
+/// `x` (`heads` heads of `hd` values, one after the other) with each head zero-padded to `hp`.
+fn pad_heads(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    x: &CudaSlice<bf16>,
+    heads: usize,
+    hd: usize,
+    hp: usize,
+    iota: &CudaSlice<u32>,
+) -> Result<CudaSlice<bf16>> {
+    let mut out = s.alloc_zeros::<bf16>(heads * hp)?;
+    kv_append_bf16(gpu, s, &mut out, x, iota, heads, hd, hd, hp)?;
+    Ok(out)
+}
+
+/// The first `hd` values of each of the `heads` heads of `hp` values in `x` ([`pad_heads`]'s
+/// inverse).
+fn unpad_heads(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    x: &CudaSlice<bf16>,
+    heads: usize,
+    hd: usize,
+    hp: usize,
+    iota: &CudaSlice<u32>,
+) -> Result<CudaSlice<bf16>> {
+    let mut out = alloc::<bf16>(gpu, s, heads * hd)?;
+    kv_append_bf16(gpu, s, &mut out, x, iota, heads, hd, hp, hd)?;
+    Ok(out)
 }
 
 /// Block `layer`'s forward from `x_in`, as `block::run_blocks` runs it (the same launches: the
@@ -748,39 +799,92 @@ fn block_backward(
         row,
         kvw,
     )?;
-    let (mut dq, mut dk, mut dv) = (
-        alloc::<bf16>(gpu, s, rows * qw)?,
-        alloc::<bf16>(gpu, s, rows * kvw)?,
-        alloc::<bf16>(gpu, s, rows * kvw)?,
-    );
-    // no sequence has a prefix: one-row fp32 stand-ins
-    let mut dpk = alloc::<f32>(gpu, s, kvw)?;
-    let mut dpv = alloc::<f32>(gpu, s, kvw)?;
     let (seqs, n_seqs, _) = c.attn.seqs(layer);
-    attention_bwd_bf16(
-        gpu,
-        s,
-        &mut dq,
-        &mut dk,
-        &mut dv,
-        &mut dpk,
-        &mut dpv,
-        &datt,
-        &q,
-        &k,
-        &v,
-        &k,
-        &v,
-        &a.att,
-        &a.lse,
-        seqs,
-        n_seqs,
-        d,
-        AttnMask::Full,
-        1.0 / (d.head_dim as f32).sqrt(),
-        RowStrides::contiguous(d),
-    )?;
-    drop((datt, q, k, v, dpk, dpv));
+    let scale = 1.0 / (d.head_dim as f32).sqrt();
+    let (dq, dk, dv) = match tc_padded_dims(d, n_seqs) {
+        Some(pd) => {
+            // the tensor-core backward on heads zero-padded to `pd.head_dim` (see
+            // `tc_padded_dims`), then the gradients' real columns back to `d`'s layout
+            let heads = rows * d.num_heads;
+            let pad = |x: &CudaSlice<bf16>| {
+                pad_heads(gpu, s, x, heads, d.head_dim, pd.head_dim, c.head_iota)
+            };
+            let (qp, kp, vp, op, dop) = (pad(&q)?, pad(&k)?, pad(&v)?, pad(&a.att)?, pad(&datt)?);
+            drop((q, k, v));
+            let (mut dq, mut dk, mut dv) = (
+                alloc::<bf16>(gpu, s, rows * pd.q_width())?,
+                alloc::<bf16>(gpu, s, rows * pd.kv_width())?,
+                alloc::<bf16>(gpu, s, rows * pd.kv_width())?,
+            );
+            let mut dpk = alloc::<f32>(gpu, s, pd.kv_width())?;
+            let mut dpv = alloc::<f32>(gpu, s, pd.kv_width())?;
+            attention_bwd_bf16_with(
+                BwdKernel::TensorCores,
+                gpu,
+                s,
+                &mut dq,
+                &mut dk,
+                &mut dv,
+                &mut dpk,
+                &mut dpv,
+                &dop,
+                &qp,
+                &kp,
+                &vp,
+                &kp,
+                &vp,
+                &op,
+                &a.lse,
+                seqs,
+                n_seqs,
+                pd,
+                AttnMask::Full,
+                scale,
+                RowStrides::contiguous(pd),
+            )?;
+            drop((qp, kp, vp, op, dop, dpk, dpv));
+            let unpad = |x: &CudaSlice<bf16>| {
+                unpad_heads(gpu, s, x, heads, d.head_dim, pd.head_dim, c.head_iota)
+            };
+            (unpad(&dq)?, unpad(&dk)?, unpad(&dv)?)
+        }
+        None => {
+            let (mut dq, mut dk, mut dv) = (
+                alloc::<bf16>(gpu, s, rows * qw)?,
+                alloc::<bf16>(gpu, s, rows * kvw)?,
+                alloc::<bf16>(gpu, s, rows * kvw)?,
+            );
+            // no sequence has a prefix: one-row fp32 stand-ins
+            let mut dpk = alloc::<f32>(gpu, s, kvw)?;
+            let mut dpv = alloc::<f32>(gpu, s, kvw)?;
+            attention_bwd_bf16(
+                gpu,
+                s,
+                &mut dq,
+                &mut dk,
+                &mut dv,
+                &mut dpk,
+                &mut dpv,
+                &datt,
+                &q,
+                &k,
+                &v,
+                &k,
+                &v,
+                &a.att,
+                &a.lse,
+                seqs,
+                n_seqs,
+                d,
+                AttnMask::Full,
+                scale,
+                RowStrides::contiguous(d),
+            )?;
+            drop((q, k, v, dpk, dpv));
+            (dq, dk, dv)
+        }
+    };
+    drop(datt);
     let mut dqkv = alloc::<bf16>(gpu, s, rows * row)?;
     kv_append_bf16(gpu, s, &mut dqkv, &dq, c.iota, rows, qw, qw, row)?;
     kv_append_bf16(
@@ -985,12 +1089,14 @@ pub(crate) fn vision_backward(
 
     // ---- blocks, top-down, each recomputed from its kept input ----
     let iota = model.iota(s, n)?;
+    let head_iota = model.iota(s, n * k.inp.dims.num_heads)?;
     let c = Ctx {
         rows: n,
         hidden: vh,
         dims: k.inp.dims,
         attn: k.inp.attn(&v.fullatt_block_indexes),
         iota: &iota,
+        head_iota: &head_iota,
         ones: &ones,
     };
     if let Some(b0) = w.vision.first() {

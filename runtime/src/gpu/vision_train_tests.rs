@@ -150,6 +150,31 @@ fn vision_tensors_split_into_the_cpu_models_visual_tensors() {
 /// of the forward gather, checked exactly on integer data, and the pixel rows the patch GEMM
 /// reads (and backward keeps) are in the same permuted order as the blocks' rows.
 #[test]
+fn vision_heads_pad_to_the_smallest_tensor_core_width() {
+    // needs no GPU: which dims the attention backward runs at (ROLLPLEX_ATTN_BWD unset)
+    if std::env::var_os("ROLLPLEX_ATTN_BWD").is_some() {
+        eprintln!("skipped: ROLLPLEX_ATTN_BWD is set");
+        return;
+    }
+    let d = |num_heads, num_kv_heads, head_dim| AttnDims {
+        num_heads,
+        num_kv_heads,
+        head_dim,
+    };
+    // Qwen2.5-VL's vision heads (16 of 80) run at 128; the test models' small heads at 64
+    assert_eq!(
+        super::tc_padded_dims(d(16, 16, 80), 64),
+        Some(d(16, 16, 128))
+    );
+    assert_eq!(super::tc_padded_dims(d(2, 2, 16), 3), Some(d(2, 2, 64)));
+    // widths the tensor cores take run as they are; past 128, or past the grid, nothing pads
+    assert_eq!(super::tc_padded_dims(d(16, 2, 128), 64), None);
+    assert_eq!(super::tc_padded_dims(d(4, 4, 64), 64), None);
+    assert_eq!(super::tc_padded_dims(d(4, 4, 160), 64), None);
+    assert_eq!(super::tc_padded_dims(d(4, 4, 80), 70_000), None);
+}
+
+#[test]
 fn window_order_gathers_are_adjoint() {
     let m = model(false);
     let pd = m.config.patch_dim();
