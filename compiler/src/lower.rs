@@ -686,8 +686,10 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                     b.wl.prefix(prefix_bwd.len() as f64 * copies as f64, ttp, 0.0);
                 work = add_work(&work, &b.wl.backward_of(&pf));
                 if !spec.train.freeze_vision && media {
-                    let v =
-                        b.wl.vision(prefix_bwd.len() as f64 * copies as f64 * items, ttp);
+                    // once per group, whatever the copies: the copies' encodings are the same
+                    // bits, so the trainers run the tower's backward once per group (CUDA:
+                    // on the copies' summed embedding gradients, runtime `gpu/train.rs`)
+                    let v = b.wl.vision(prefix_bwd.len() as f64 * items, ttp);
                     work = add_work(&work, &b.wl.backward_of(&v));
                 }
             }

@@ -120,3 +120,42 @@ fn prefix_tasks_wait_for_the_encoding_they_read() {
         }
     }
 }
+
+/// The trainers run the vision tower's backward once per group whatever its copies (the
+/// copies' encodings are the same bits): what training the tower adds to a micro-batch is the
+/// same with and without prefix dedup.
+#[test]
+fn the_towers_backward_is_counted_once_per_group() {
+    use rollplex_plan::Op;
+    let mb_flops = |dedup: bool, train_tower: bool| -> Vec<f64> {
+        let spec = job(|s| {
+            s.schedule.prefix_dedup = dedup;
+            s.train.freeze_vision = !train_tower;
+            s.train.freeze_merger = !train_tower;
+        });
+        let p = summary(
+            &format!("dedup {dedup} tower {train_tower}"),
+            &spec,
+            Mode::Serial,
+        );
+        p.tasks
+            .iter()
+            .filter(|t| matches!(t.op, Op::TrainMicroBatch { .. }))
+            .map(|t| t.work.flops)
+            .collect()
+    };
+    let added = |dedup: bool| -> Vec<f64> {
+        let (on, off) = (mb_flops(dedup, true), mb_flops(dedup, false));
+        assert_eq!(on.len(), off.len());
+        on.iter().zip(&off).map(|(a, b)| a - b).collect()
+    };
+    let (with, without) = (added(true), added(false));
+    assert!(
+        with.iter().any(|&f| f > 0.0),
+        "training the tower adds work"
+    );
+    assert_eq!(with.len(), without.len());
+    for (a, b) in with.iter().zip(&without) {
+        assert!((a - b).abs() <= 1e-9 * a.abs().max(1.0), "{a} vs {b}");
+    }
+}
