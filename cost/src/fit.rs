@@ -59,6 +59,9 @@ use crate::{corun_pair_time, CostModel};
 /// Weight of the pull towards the default curve (in mapped-parameter units squared).
 const PRIOR: f64 = 1e-4;
 
+/// How a merged profile's `source` starts; the list of its inputs follows.
+const MERGED: &str = "merged fit of: ";
+
 /// A kind refitted with the shared per-step latency keeps its own fit instead when the shared
 /// one misses its points by more than this (root mean square of the log errors; 0.25: ~28%):
 /// the shared value contradicts what the kind measured (on the CPU backend a decode step's
@@ -509,10 +512,11 @@ impl Profile {
                     gpu.bf16_flops
                 )));
             }
-            sources.push(if p.source.is_empty() {
-                name.clone()
-            } else {
-                format!("{name} ({})", p.source)
+            // a merged input contributes its own inputs, so merging merges stays one flat list
+            sources.push(match p.source.strip_prefix(MERGED) {
+                Some(inner) => inner.to_string(),
+                None if p.source.is_empty() => name.clone(),
+                None => format!("{name} ({})", p.source),
             });
             points.extend(p.points.iter().cloned());
             corun.extend(p.corun_points.iter().cloned());
@@ -526,7 +530,7 @@ impl Profile {
         let mut merged = Profile::fit_all(&gpu, points, corun, beside, latency)?;
         merged.host_bw = inputs.iter().find_map(|(_, p)| p.host_bw);
         merged.net_bw = inputs.iter().find_map(|(_, p)| p.net_bw);
-        merged.source = format!("merged fit of: {}", sources.join("; "));
+        merged.source = format!("{MERGED}{}", sources.join("; "));
         merged.validate()?;
         Ok(merged)
     }
@@ -913,6 +917,17 @@ mod tests {
             Profile::merge(&[("a.yaml".into(), a.clone()), ("b.yaml".into(), b.clone())]).unwrap();
         assert_eq!((m.points.len(), m.beside_points.len()), (2, 1));
         assert!(m.source.starts_with("merged fit of: a.yaml") && m.source.contains("b.yaml"));
+        // a merge of merges lists the inputs of each, not one merge inside another
+        let mm =
+            Profile::merge(&[("m.yaml".into(), m.clone()), ("c.yaml".into(), a.clone())]).unwrap();
+        assert_eq!(
+            mm.source.matches("merged fit of").count(),
+            1,
+            "{}",
+            mm.source
+        );
+        assert!(mm.source.starts_with(&m.source) && mm.source.contains("c.yaml"));
+        assert!(!mm.source.contains("m.yaml"));
         assert!(m.corun_of(WorkKind::Decode, WorkKind::RefPrefix).unwrap() > 1.3);
         // per kind only when every input was fitted so
         assert_eq!(m.latency, LatencyFit::Shared);

@@ -112,7 +112,7 @@ impl CostModel {
                 "profile measured on {}{}{}",
                 p.gpu.name,
                 if p.source.is_empty() { "" } else { ": " },
-                p.source
+                abridged(&p.source)
             );
         }
         for &k in &ALL_KINDS {
@@ -321,6 +321,21 @@ pub fn beside_time(alone: f64, side: &[(f64, f64)]) -> f64 {
     }
     elapsed + left
 }
+
+/// A profile's `source` for one line of a report: a merge of many runs lists every input, so
+/// past [`SOURCE_CHARS`] characters it is cut (the profile file keeps all of it).
+fn abridged(source: &str) -> String {
+    match source.char_indices().nth(SOURCE_CHARS) {
+        None => source.to_string(),
+        Some((end, _)) => format!(
+            "{} ... (the profile's `source` lists the rest)",
+            &source[..end]
+        ),
+    }
+}
+
+/// Characters of a profile's `source` a report line shows ([`abridged`]).
+const SOURCE_CHARS: usize = 240;
 
 #[cfg(test)]
 mod tests;

@@ -269,3 +269,13 @@ proptest! {
         prop_assert!(t <= (a + b) * sa.max(sb) + 1e-12);
     }
 }
+
+#[test]
+fn report_lines_cut_long_profile_sources_on_a_char_boundary() {
+    assert_eq!(super::abridged("one run"), "one run");
+    let long = "é".repeat(super::SOURCE_CHARS + 5);
+    let cut = super::abridged(&long);
+    assert!(cut.starts_with(&"é".repeat(super::SOURCE_CHARS)));
+    assert!(cut.ends_with("(the profile's `source` lists the rest)"));
+    assert!(!cut.contains(&"é".repeat(super::SOURCE_CHARS + 1)));
+}
