@@ -98,14 +98,10 @@ impl LoopObserver for Observer<'_> {
     }
 }
 
+/// The runtime's median (the mean of the middle two for an even count, as `measured.tsv` and
+/// the profiles take it), NaN when empty.
 fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    if s.is_empty() {
-        f64::NAN
-    } else {
-        s[s.len() / 2]
-    }
+    rollplex_runtime::exec::profile::median(v).unwrap_or(f64::NAN)
 }
 
 fn arg(args: &mut Vec<String>, name: &str) -> Option<String> {
