@@ -270,8 +270,14 @@ impl exec::LoopObserver for LoopRun<'_> {
                     })?;
                     checkpoint::save_gpu(&root, done, m, host, identity, keep)?
                 }
+                exec::LoopModels::CpuTpState(s) => {
+                    checkpoint::save_tp(&root, done, s, identity, keep)?
+                }
                 exec::LoopModels::CpuTp(_) => {
-                    return Err(tp_checkpoints_unsupported("--save-every"))
+                    return Err(ExecError::Plan(format!(
+                        "iteration {done} of a tensor-parallel run is to be checkpointed but its \
+                         ranks did not gather their state (TpCheckpoints not set)"
+                    )))
                 }
             };
             if !self.args.quiet {
@@ -281,15 +287,6 @@ impl exec::LoopObserver for LoopRun<'_> {
         }
         Ok(())
     }
-}
-
-/// Why a tensor-parallel CPU run refuses `flag`.
-fn tp_checkpoints_unsupported(flag: &str) -> ExecError {
-    ExecError::Unsupported(format!(
-        "{flag}: checkpoints of a tensor-parallel CPU run are not implemented yet (the optimizer \
-         state is sharded over the ranks); run without {flag}, or compile the pipeline for one \
-         rank (`gpu {{ count = 1 }}` without `tp`) to checkpoint"
-    ))
 }
 
 fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
@@ -387,12 +384,6 @@ fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
 /// evaluations run on one rank (rank 0), before on the initial actor and after on the ranks'
 /// weights gathered into Hugging Face layout.
 fn run_cpu_tp(plan: &Plan, args: &RunArgs, degree: usize) -> Result<(), ExecError> {
-    if args.save_every > 0 {
-        return Err(tp_checkpoints_unsupported("--save-every"));
-    }
-    if args.resume.is_some() {
-        return Err(tp_checkpoints_unsupported("--resume"));
-    }
     if args.profile.is_some() {
         return Err(ExecError::Unsupported(format!(
             "--profile: a tensor-parallel CPU run's {degree} ranks share this machine's cores, \
@@ -402,9 +393,79 @@ fn run_cpu_tp(plan: &Plan, args: &RunArgs, degree: usize) -> Result<(), ExecErro
     }
     let env = launch::RankEnv::from_env().map_err(|e| ExecError::Machine(e.to_string()))?;
     let actor = exec::host_actor(&plan.spec)?;
+    let start = TpStart::new(plan, args, &actor)?;
+    if start.first >= args.iterations {
+        println!(
+            "nothing to run: the checkpoint has {} iterations done and --iterations asks for {} in all",
+            start.first, args.iterations
+        );
+        return Ok(());
+    }
     match env {
-        None => run_cpu_tp_threads(plan, args, degree, actor),
-        Some(env) => run_cpu_tp_process(plan, args, degree, env, actor),
+        None => run_cpu_tp_threads(plan, args, degree, actor, start),
+        Some(env) => run_cpu_tp_process(plan, args, degree, env, actor, start),
+    }
+}
+
+/// Where a TP run starts: its checkpoint identity (when saving or resuming), the iterations a
+/// resumed checkpoint has done and its state (every rank takes its part of it), and when the
+/// ranks gather their state to save.
+struct TpStart {
+    identity: Option<RunIdentity>,
+    first: u32,
+    resumed: Option<exec::cpu_tp::TpTrainState>,
+    checkpoints: Option<exec::cpu_tp::TpCheckpoints>,
+}
+
+impl TpStart {
+    /// Loads and checks `--resume`'s checkpoint (each rank process reads it itself: the path
+    /// must reach it from every rank) before anything of the run is written.
+    fn new(plan: &Plan, args: &RunArgs, actor: &crate::model::Qwen25VL) -> Result<Self, ExecError> {
+        let spec = &plan.spec;
+        let identity = (args.save_every > 0 || args.resume.is_some())
+            .then(|| RunIdentity::with_reference(plan, spec.reference.enabled.then_some(actor)))
+            .transpose()?;
+        let (first, resumed) = match (&args.resume, &identity) {
+            (Some(p), Some(identity)) => {
+                let dir = checkpoint::resolve(p)?;
+                let fresh = exec::build_cpu_models_from(spec, actor.clone())?;
+                let r = checkpoint::load(&dir, identity, fresh)?;
+                if !args.quiet
+                    && launch::RankEnv::from_env()
+                        .ok()
+                        .flatten()
+                        .is_none_or(|e| e.rank == 0)
+                {
+                    println!(
+                        "resuming from {} after {} iterations",
+                        r.dir.display(),
+                        r.completed
+                    );
+                }
+                let state = exec::cpu_tp::TpTrainState::of_trainer(&r.models.trainer);
+                (r.completed, Some(state))
+            }
+            _ => (0, None),
+        };
+        let checkpoints = (args.save_every > 0).then(|| exec::cpu_tp::TpCheckpoints {
+            every: args.save_every,
+            initial: std::sync::Arc::new(actor.clone()),
+        });
+        Ok(TpStart {
+            identity,
+            first,
+            resumed,
+            checkpoints,
+        })
+    }
+
+    /// A rank's models as this run starts them: the checkpoint's part restored, saves set.
+    fn prepare(&self, models: &mut exec::cpu_tp::TpRankModels) -> Result<(), ExecError> {
+        if let Some(state) = &self.resumed {
+            exec::cpu_tp::restore_rank(models, state)?;
+        }
+        models.set_checkpoints(self.checkpoints.clone());
+        Ok(())
     }
 }
 
@@ -414,22 +475,23 @@ fn tp_observer<'a>(
     args: &'a RunArgs,
     degree: usize,
     how: &str,
+    start: &TpStart,
 ) -> Result<(LoopRun<'a>, RunInputsNoMetrics), ExecError> {
     let (source, reward, metrics) = open_run(
         plan,
         args,
-        0,
+        start.first,
         &format!("cpu (TP {degree}, a {how} per rank)"),
     )?;
     let run = LoopRun {
         args,
         metrics,
-        progress: LoopProgress::new(0, args.iterations, args.quiet),
+        progress: LoopProgress::new(start.first, args.iterations, args.quiet),
         trace: args
             .trace
             .as_ref()
             .map(|_| PlanTrace::new(plan, &format!("cpu, rank 0 of TP {degree}"))),
-        identity: None,
+        identity: start.identity.clone(),
         phase_s: [0.0; 4],
         profile: None,
         host: None,
@@ -457,10 +519,17 @@ fn run_cpu_tp_threads(
     args: &RunArgs,
     degree: usize,
     actor: crate::model::Qwen25VL,
+    start: TpStart,
 ) -> Result<(), ExecError> {
-    let models = exec::cpu_tp::build_tp_models_from(&plan.spec, &actor, degree)?;
-    let (mut run, (mut source, mut reward)) = tp_observer(plan, args, degree, "thread")?;
-    tp_eval(plan, args, &actor, "before")?;
+    let mut models = exec::cpu_tp::build_tp_models_from(&plan.spec, &actor, degree)?;
+    for m in &mut models {
+        start.prepare(m)?;
+    }
+    let (mut run, (mut source, mut reward)) = tp_observer(plan, args, degree, "thread", &start)?;
+    // A resumed run's "before" is the original run's.
+    if start.first == 0 {
+        tp_eval(plan, args, &actor, "before")?;
+    }
     drop(actor);
     if !args.quiet {
         println!("{}", table_header());
@@ -470,7 +539,7 @@ fn run_cpu_tp_threads(
         models,
         source.as_mut(),
         reward.as_mut(),
-        0..args.iterations,
+        start.first..args.iterations,
         &mut run,
     );
     run.finish()?;
@@ -488,6 +557,7 @@ fn run_cpu_tp_process(
     degree: usize,
     env: launch::RankEnv,
     actor: crate::model::Qwen25VL,
+    start: TpStart,
 ) -> Result<(), ExecError> {
     use crate::tp::Communicator;
     launch::watch_launcher(env.rank);
@@ -503,10 +573,14 @@ fn run_cpu_tp_process(
         .map_err(|e| ExecError::Machine(format!("rank {rank}: {e}")))?;
     let result = (|| -> Result<(), ExecError> {
         let mut models = exec::cpu_tp::build_tp_rank(&plan.spec, &actor, degree, rank)?;
-        let iterations = 0..args.iterations;
+        start.prepare(&mut models)?;
+        let iterations = start.first..args.iterations;
         if rank == 0 {
-            let (mut run, (mut source, mut reward)) = tp_observer(plan, args, degree, "process")?;
-            tp_eval(plan, args, &actor, "before")?;
+            let (mut run, (mut source, mut reward)) =
+                tp_observer(plan, args, degree, "process", &start)?;
+            if start.first == 0 {
+                tp_eval(plan, args, &actor, "before")?;
+            }
             if !args.quiet {
                 println!("{}", table_header());
             }

@@ -448,3 +448,59 @@ fn a_training_rank_that_fails_ends_the_launched_job_naming_it() {
         "{se}"
     );
 }
+
+#[test]
+fn launched_processes_checkpoint_and_resume_as_the_threaded_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = plan_file_of(dir.path(), &training_pipeline());
+    let run = |out: &str, iterations: &str, processes: bool, resume: bool| {
+        let mut c = command(&plan);
+        c.args([
+            "--iterations",
+            iterations,
+            "-q",
+            "--save-every",
+            "1",
+            "--keep-checkpoints",
+            "0",
+            "--out",
+        ])
+        .arg(dir.path().join(out));
+        if processes {
+            c.arg("--tp-processes");
+        }
+        if resume {
+            c.arg("--resume").arg(dir.path().join(out));
+        }
+        let o = run_with_timeout(c, Duration::from_secs(120));
+        assert!(
+            o.status.success(),
+            "stdout:\n{}\nstderr:\n{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+    };
+    // threads, 3 iterations; processes, 2 then each rank resumes from the checkpoint to 3
+    run("threads", "3", false, false);
+    run("processes", "2", true, false);
+    run("processes", "3", true, true);
+    let (p, t) = (
+        metrics_without_times(&dir.path().join("processes")),
+        metrics_without_times(&dir.path().join("threads")),
+    );
+    assert_eq!(p.len(), 3, "the resumed run appends to metrics.jsonl");
+    assert_eq!(p, t);
+    for k in 1..=3 {
+        for f in ["model.safetensors", "optimizer.safetensors"] {
+            let at = |out: &str| {
+                std::fs::read(
+                    dir.path()
+                        .join(out)
+                        .join(format!("checkpoints/iter-{k:08}/{f}")),
+                )
+                .unwrap()
+            };
+            assert!(at("processes") == at("threads"), "{f} after iteration {k}");
+        }
+    }
+}

@@ -43,12 +43,14 @@ use rollplex_plan::spec::{DType, JobSpec, WeightsSource};
 use rollplex_plan::Plan;
 
 use super::cpu::CpuModels;
+use super::cpu_tp::TpTrainState;
 use super::gpu::GpuModels;
 use super::ExecError;
 use crate::ckpt_state::{self, AtomicDir, RunState, Tensor32};
 use crate::data::BatchCursor;
 use crate::gpu::train::{GpuTrainState, ParamState};
 use crate::model::Qwen25VL;
+use crate::train::OptTable;
 
 /// Where `--save-every` writes, under the run's output directory.
 pub const CHECKPOINTS_DIR: &str = "checkpoints";
@@ -149,9 +151,16 @@ fn insert_param(
 
 fn opt_state(models: &CpuModels) -> BTreeMap<String, Tensor32> {
     let opt = models.trainer.optimizer();
-    let (master, m, v) = opt.state();
+    opt_state_of(opt.table(), opt.state())
+}
+
+/// The optimizer map of dense AdamW buffers in `table`'s carving.
+fn opt_state_of(
+    table: &OptTable,
+    (master, m, v): (&[f32], &[f32], &[f32]),
+) -> BTreeMap<String, Tensor32> {
     let mut out = BTreeMap::new();
-    for p in opt.table().params() {
+    for p in table.params() {
         let r = p.state_offset..p.state_offset + p.numel;
         insert_param(
             &mut out,
@@ -234,6 +243,23 @@ pub fn save(
         steps: opt.steps(),
     };
     save_state(root, completed, state, identity, keep)
+}
+
+/// [`save`] for a tensor-parallel CPU run, from its state gathered on rank 0: the same
+/// single-rank format, so it resumes at any TP degree.
+pub fn save_tp(
+    root: &Path,
+    completed: u32,
+    state: &TpTrainState,
+    identity: &RunIdentity,
+    keep: usize,
+) -> Result<PathBuf, ExecError> {
+    let trained = TrainedState {
+        model: &state.actor,
+        optimizer: opt_state_of(&state.table, (&state.master, &state.m, &state.v)),
+        steps: state.steps,
+    };
+    save_state(root, completed, trained, identity, keep)
 }
 
 /// [`save`] for the CUDA backend: the trainer's state comes down into `host` (the host copy of

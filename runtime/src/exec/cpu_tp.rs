@@ -42,6 +42,7 @@ use super::{
     walker, EachIteration, ExecError, IterationResult, LoopModels, LoopObserver, MediaData,
     PromptData, Timed,
 };
+use crate::model::Weights;
 use crate::model::{
     sample_token, DecodeSlot, EncodedMedia, KvArena, MediaInput, MediaKind, PrefixState, Prompt,
     Qwen25VL, SampleKey, SamplingParams,
@@ -49,7 +50,8 @@ use crate::model::{
 use crate::tp::{all_gather_uneven, run_ranks, Communicator, ThreadComm, TpAdamW, TpModel, TpPlan};
 use crate::train::backward::{GroupBatch, MicroBatchOutput, TrainConfig};
 use crate::train::loss::Normaliser;
-use crate::train::GradAccumulator;
+use crate::train::step::Trainer;
+use crate::train::{GradAccumulator, OptTable};
 
 /// A reward the thread driver can hand to rank 0's thread.
 pub type SendRewardFn<'a> =
@@ -64,6 +66,67 @@ pub struct TpRankModels {
     opt: TpAdamW,
     acc: GradAccumulator,
     cfg: TrainConfig,
+    /// `--save-every`: when the ranks gather their state for rank 0 to save.
+    checkpoints: Option<TpCheckpoints>,
+}
+
+/// When a TP run gathers its training state on rank 0 (every rank must agree: the gather is a
+/// collective), and the job's initial actor, which gives the shards' shapes.
+#[derive(Clone)]
+pub struct TpCheckpoints {
+    /// After every `every` completed iterations (> 0).
+    pub every: u32,
+    pub initial: Arc<Qwen25VL>,
+}
+
+/// A TP run's training state gathered on rank 0, in the single-rank layout a checkpoint holds
+/// (`checkpoint::save_tp`): the full actor, AdamW's fp32 masters and moments over the full
+/// model's trainable tensors (`table`'s carving) and the steps taken. A checkpoint resumes at
+/// any TP degree, one rank included.
+pub struct TpTrainState {
+    pub actor: Qwen25VL,
+    pub table: OptTable,
+    pub master: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+    pub steps: u64,
+}
+
+impl TpTrainState {
+    /// The state of a single-rank trainer (a loaded checkpoint), to shard with [`restore_rank`].
+    pub fn of_trainer(t: &Trainer) -> Self {
+        let opt = t.optimizer();
+        let (master, m, v) = opt.state();
+        TpTrainState {
+            actor: t.model().clone(),
+            table: opt.table().clone(),
+            master: master.to_vec(),
+            m: m.to_vec(),
+            v: v.to_vec(),
+            steps: opt.steps(),
+        }
+    }
+}
+
+/// `state` (in `table`'s dense carving) spread over a model buffer of `total` elements (zeros
+/// where nothing is trained).
+fn to_model_layout(table: &OptTable, state: &[f32], total: usize) -> Vec<f32> {
+    let mut out = vec![0f32; total];
+    for p in table.params() {
+        out[p.offset..p.offset + p.numel]
+            .copy_from_slice(&state[p.state_offset..p.state_offset + p.numel]);
+    }
+    out
+}
+
+/// The inverse of [`to_model_layout`].
+fn from_model_layout(table: &OptTable, buf: &[f32]) -> Vec<f32> {
+    let mut out = vec![0f32; table.state_len()];
+    for p in table.params() {
+        out[p.state_offset..p.state_offset + p.numel]
+            .copy_from_slice(&buf[p.offset..p.offset + p.numel]);
+    }
+    out
 }
 
 impl TpRankModels {
@@ -78,6 +141,10 @@ impl TpRankModels {
     }
     pub fn optimizer(&self) -> &TpAdamW {
         &self.opt
+    }
+    /// `--save-every` for this rank (every rank of the group must be given the same).
+    pub fn set_checkpoints(&mut self, c: Option<TpCheckpoints>) {
+        self.checkpoints = c;
     }
 }
 
@@ -130,6 +197,7 @@ fn rank_models(
         actor: shard,
         opt,
         cfg,
+        checkpoints: None,
     })
 }
 
@@ -141,12 +209,27 @@ pub fn gather_actor<C: Communicator>(
     models: &TpRankModels,
     initial: &Qwen25VL,
 ) -> Result<Option<Qwen25VL>, ExecError> {
+    let weights = gather_model_buffer(comm, models, initial, &models.actor.weights.data)?;
+    weights
+        .map(|w| Ok(Qwen25VL::new(models.actor.plan.config.clone(), w)?))
+        .transpose()
+}
+
+/// A buffer laid out as this rank's shard (`local`), unsharded into the full model's layout on
+/// rank 0 (`None` on the others): one uneven all-gather. Replicated parameters must be bitwise
+/// equal on every rank (`TpPlan::unshard` checks).
+fn gather_model_buffer<C: Communicator>(
+    comm: &C,
+    models: &TpRankModels,
+    initial: &Qwen25VL,
+    local: &[f32],
+) -> Result<Option<Weights>, ExecError> {
     let plan = &models.actor.plan;
     let mut shards = (0..plan.degree)
         .map(|r| plan.shard(&initial.weights, r))
         .collect::<Result<Vec<_>, _>>()?;
     let counts: Vec<usize> = shards.iter().map(|w| w.data.len()).collect();
-    let all = all_gather_uneven(comm, &models.actor.weights.data, &counts)?;
+    let all = all_gather_uneven(comm, local, &counts)?;
     if comm.rank() != 0 {
         return Ok(None);
     }
@@ -155,10 +238,73 @@ pub fn gather_actor<C: Communicator>(
         w.data.copy_from_slice(&all[off..off + c]);
         off += c;
     }
-    Ok(Some(Qwen25VL::new(
-        plan.config.clone(),
-        plan.unshard(&shards)?,
-    )?))
+    Ok(Some(plan.unshard(&shards)?))
+}
+
+/// Every rank's actor shard and AdamW state gathered into [`TpTrainState`] on rank 0 (`None`
+/// on the others): a collective, every rank calls it at the same point.
+pub fn gather_train_state<C: Communicator>(
+    comm: &C,
+    models: &TpRankModels,
+    initial: &Qwen25VL,
+) -> Result<Option<TpTrainState>, ExecError> {
+    let actor = gather_actor(comm, models, initial)?;
+    let (table, total) = (models.opt.table(), models.actor.weights.table.total());
+    let (master, m, v) = models.opt.state();
+    let mut full = Vec::with_capacity(3);
+    for buf in [master, m, v] {
+        let local = to_model_layout(table, buf, total);
+        full.push(gather_model_buffer(comm, models, initial, &local)?);
+    }
+    let Some(actor) = actor else {
+        return Ok(None);
+    };
+    let full_table = OptTable::from_model(&actor.weights.table, |n| models.cfg.trainable(n))
+        .map_err(|e| ExecError::Plan(format!("the gathered actor's optimizer table: {e}")))?;
+    let mut bufs = Vec::with_capacity(3);
+    for w in full {
+        let w = w.ok_or_else(|| ExecError::Plan("rank 0 gathered no optimizer state".into()))?;
+        bufs.push(from_model_layout(&full_table, &w.data));
+    }
+    let (v, m, master) = match (bufs.pop(), bufs.pop(), bufs.pop()) {
+        (Some(v), Some(m), Some(master)) => (v, m, master),
+        _ => return Err(ExecError::Plan("rank 0 gathered no optimizer state".into())),
+    };
+    Ok(Some(TpTrainState {
+        actor,
+        table: full_table,
+        master,
+        m,
+        v,
+        steps: models.opt.steps(),
+    }))
+}
+
+/// This rank's part of `state` (a checkpoint's): the actor's weights and AdamW's masters,
+/// moments and steps; the reference shard stays (the job's initial actor) and the running
+/// gradient sum is cleared.
+pub fn restore_rank(models: &mut TpRankModels, state: &TpTrainState) -> Result<(), ExecError> {
+    let plan = Arc::clone(&models.actor.plan);
+    let rank = models.rank();
+    let actor = TpModel::shard(Arc::clone(&plan), &state.actor.weights, rank)?;
+    let mut local = Vec::with_capacity(3);
+    for buf in [&state.master, &state.m, &state.v] {
+        let full = Weights {
+            table: state.actor.weights.table.clone(),
+            layout: state.actor.weights.layout.clone(),
+            data: to_model_layout(&state.table, buf, state.actor.weights.table.total()),
+        };
+        local.push(from_model_layout(
+            models.opt.table(),
+            &plan.shard(&full, rank)?.data,
+        ));
+    }
+    models.actor = actor;
+    models
+        .opt
+        .restore(&local[0], &local[1], &local[2], state.steps)?;
+    models.acc.reset();
+    Ok(())
 }
 
 /// The full actor in Hugging Face layout from every rank's models (rank order); checks that
@@ -365,16 +511,37 @@ pub fn run_tp_rank<C: Communicator>(
             // the process's high-water mark: every rank's thread counts
             result.metrics.peak_mem_bytes = super::rss_peak();
             let wall = t0.elapsed();
-            observer.iteration_done(it, &result, LoopModels::CpuTp(models), t0, wall)
+            match save_due(models, it + 1) {
+                Some(initial) => {
+                    let state = gather_train_state(comm, models, &initial)?.ok_or_else(|| {
+                        ExecError::Plan("rank 0 gathered no training state".into())
+                    })?;
+                    observer.iteration_done(it, &result, LoopModels::CpuTpState(&state), t0, wall)
+                }
+                None => observer.iteration_done(it, &result, LoopModels::CpuTp(models), t0, wall),
+            }
         }),
         None => {
             for it in iterations {
                 let prompts = share_prompts(comm, None)?;
                 tp_iteration(plan, comm, models, None, None, it, &prompts)?;
+                if let Some(initial) = save_due(models, it + 1) {
+                    gather_train_state(comm, models, &initial)?;
+                }
             }
             Ok(())
         }
     }
+}
+
+/// The initial actor when the state after `completed` iterations is to be saved (the same
+/// answer on every rank: every rank was given the same [`TpCheckpoints`]).
+fn save_due(models: &TpRankModels, completed: u32) -> Option<Arc<Qwen25VL>> {
+    models
+        .checkpoints
+        .as_ref()
+        .filter(|c| c.every > 0 && completed.is_multiple_of(c.every))
+        .map(|c| Arc::clone(&c.initial))
 }
 
 /// One iteration on one rank: the plan's walk over a [`TpEngine`], rewards from rank 0, and the

@@ -305,7 +305,14 @@ pub fn cpu_plan_degree(plan: &Plan) -> Result<usize, ExecError> {
 /// Builds the CPU backend's models from the job spec: the actor (random or from its
 /// checkpoint), the trainer around it, and the frozen reference (a copy of the initial actor).
 pub fn build_cpu_models(spec: &JobSpec) -> Result<cpu::CpuModels, ExecError> {
-    let actor = host_actor(spec)?;
+    build_cpu_models_from(spec, host_actor(spec)?)
+}
+
+/// [`build_cpu_models`] around a given initial actor.
+pub fn build_cpu_models_from(
+    spec: &JobSpec,
+    actor: crate::model::Qwen25VL,
+) -> Result<cpu::CpuModels, ExecError> {
     let reference = spec.reference.enabled.then(|| actor.clone());
     let trainer = crate::train::step::Trainer::new(
         actor,
@@ -332,6 +339,9 @@ pub enum LoopModels<'a> {
     Gpu(&'a gpu::GpuModels),
     /// Rank 0's shard of a tensor-parallel CPU run (the observer runs on rank 0 only).
     CpuTp(&'a cpu_tp::TpRankModels),
+    /// A tensor-parallel CPU run's state gathered on rank 0, after an iteration whose state is
+    /// to be checkpointed (`cpu_tp::TpCheckpoints`).
+    CpuTpState(&'a cpu_tp::TpTrainState),
 }
 
 impl<'a> LoopModels<'a> {
@@ -339,7 +349,7 @@ impl<'a> LoopModels<'a> {
     pub fn cpu(self) -> Option<&'a cpu::CpuModels> {
         match self {
             LoopModels::Cpu(m) => Some(m),
-            LoopModels::Gpu(_) | LoopModels::CpuTp(_) => None,
+            LoopModels::Gpu(_) | LoopModels::CpuTp(_) | LoopModels::CpuTpState(_) => None,
         }
     }
 }

@@ -46,6 +46,33 @@ impl TpAdamW {
         Ok(TpAdamW { inner, max_norm })
     }
 
+    /// The rank's trainable tensors: where each lies in its shard and in the state buffers.
+    pub fn table(&self) -> &OptTable {
+        self.inner.table()
+    }
+
+    /// The rank's (master, first moment, second moment) buffers, for checkpoints.
+    pub fn state(&self) -> (&[f32], &[f32], &[f32]) {
+        self.inner.state()
+    }
+
+    /// Optimizer steps taken.
+    pub fn steps(&self) -> u64 {
+        self.inner.steps()
+    }
+
+    /// Restores a checkpointed state of this rank's shard (buffers in [`TpAdamW::table`]'s
+    /// carving).
+    pub fn restore(
+        &mut self,
+        master: &[f32],
+        m: &[f32],
+        v: &[f32],
+        step: u64,
+    ) -> Result<(), TpError> {
+        self.inner.restore(master, m, v, step).map_err(train_err)
+    }
+
     /// One step on every rank: global norm, clipping, the AdamW update of this rank's shard
     /// (written into `model.weights`). `grad_norm` in the report is the global norm before
     /// clipping, the same on every rank.
