@@ -5,7 +5,8 @@
 //! exactly, its losses, KL and grad norms within 1e-5 relative, and its final weights within a
 //! measured tolerance; two TP 2 runs are bitwise equal. A variant with 4 vision and 4 kv heads
 //! (so TP 4 splits both towers) trains the vision tower and merger too and is compared at TP 4.
-//! `rollplex-run` on the TP 2 plan writes rank 0's metrics and trace once.
+//! `rollplex-run` on the TP 2 plan writes rank 0's metrics and trace once, and its checkpoints
+//! resume bitwise.
 //!
 //! Run with `--nocapture` to see the measured differences (docs/tp.md lists them).
 

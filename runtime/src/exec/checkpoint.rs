@@ -32,6 +32,11 @@
 //! `adamw_step_f32` writes it: the same bits); the frozen vision tower and merger keep the job's
 //! initial weights, as in the run that saved.
 //!
+//! A tensor-parallel CPU run writes the same format: its ranks gather their shards of the
+//! weights and the AdamW state on rank 0 ([`super::cpu_tp::gather_train_state`]), which saves
+//! them ([`save_tp`]); a resume loads as a single-rank run does and each rank takes its shard
+//! ([`super::cpu_tp::restore_rank`]).
+//!
 //! Invariants: a checkpoint is only ever seen complete or not at all; a resume refuses a
 //! checkpoint of another plan, another seed, another reference, or with a corrupt file, with a
 //! message naming the file, before anything of the run is written.
