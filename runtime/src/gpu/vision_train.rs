@@ -54,9 +54,9 @@ use rollplex_kernels::cpu::{AttnDims, AttnMask, Gemm};
 use rollplex_kernels::cuda::attention::RowStrides;
 use rollplex_kernels::cuda::attention_bwd_tc::{bwd_kernel_for, BwdKernel, TC_BWD_HEAD_DIMS};
 use rollplex_kernels::cuda::{
-    add_rmsnorm_fwd_bf16, attention_bwd_bf16, attention_bwd_bf16_with, embedding_fwd_bf16,
-    gelu_bwd_bf16, gelu_fwd_bf16, grad_accumulate_f32, kv_append_bf16, matmul_bf16,
-    rmsnorm_bwd_bf16, rmsnorm_fwd_bf16, rope_bwd_bf16, swiglu_fwd_bf16, CudaSlice, CudaStream, Gpu,
+    add_rmsnorm_fwd_bf16, attention_bwd_bf16_with, embedding_fwd_bf16, gelu_bwd_bf16,
+    gelu_fwd_bf16, grad_accumulate_f32, kv_append_bf16, matmul_bf16, rmsnorm_bwd_bf16,
+    rmsnorm_fwd_bf16, rope_bwd_bf16, swiglu_fwd_bf16, CudaSlice, CudaStream, Gpu,
 };
 
 use crate::model::config::VISION_RMS_EPS;
@@ -620,7 +620,7 @@ struct Ctx<'a> {
     dims: AttnDims,
     attn: VisionAttn<'a>,
     iota: &'a CudaSlice<u32>,
-    /// `0..rows * heads`, for padding the attention heads ([`pad_heads`]).
+    /// `0..rows * num_heads`, for padding the attention heads ([`repad_heads`]).
     head_iota: &'a CudaSlice<u32>,
     ones: &'a CudaSlice<bf16>,
 }
@@ -642,35 +642,81 @@ fn tc_padded_dims(d: AttnDims, n_seqs: usize) -> Option<AttnDims> {
         .find(|p| bwd_kernel_for(p, RowStrides::contiguous(*p), n_seqs) == BwdKernel::TensorCores)
 }
 
-/// `x` (`heads` heads of `hd` values, one after the other) with each head zero-padded to `hp`.
-fn pad_heads(
+/// `x` (`heads` heads of `from` values, one after the other) with each head cut or zero-padded
+/// to `to` values.
+fn repad_heads(
     gpu: &Gpu,
     s: &Arc<CudaStream>,
     x: &CudaSlice<bf16>,
     heads: usize,
-    hd: usize,
-    hp: usize,
+    from: usize,
+    to: usize,
     iota: &CudaSlice<u32>,
 ) -> Result<CudaSlice<bf16>> {
-    let mut out = s.alloc_zeros::<bf16>(heads * hp)?;
-    kv_append_bf16(gpu, s, &mut out, x, iota, heads, hd, hd, hp)?;
+    let mut out = if to > from {
+        s.alloc_zeros::<bf16>(heads * to)?
+    } else {
+        alloc::<bf16>(gpu, s, heads * to)?
+    };
+    kv_append_bf16(gpu, s, &mut out, x, iota, heads, from.min(to), from, to)?;
     Ok(out)
 }
 
-/// The first `hd` values of each of the `heads` heads of `hp` values in `x` ([`pad_heads`]'s
-/// inverse).
-fn unpad_heads(
-    gpu: &Gpu,
-    s: &Arc<CudaStream>,
-    x: &CudaSlice<bf16>,
-    heads: usize,
-    hd: usize,
-    hp: usize,
-    iota: &CudaSlice<u32>,
-) -> Result<CudaSlice<bf16>> {
-    let mut out = alloc::<bf16>(gpu, s, heads * hd)?;
-    kv_append_bf16(gpu, s, &mut out, x, iota, heads, hd, hp, hd)?;
-    Ok(out)
+/// One vision block's attention backward over contiguous rows (no sequence has a prefix).
+struct AttnBwd<'a, S> {
+    gpu: &'a Gpu,
+    s: &'a Arc<CudaStream>,
+    rows: usize,
+    seqs: &'a S,
+    n_seqs: usize,
+    scale: f32,
+}
+
+impl<S: DevicePtr<rollplex_kernels::cuda::attention::AttnSeqGpu>> AttnBwd<'_, S> {
+    /// `(dq, dk, dv)` at `dims` from `[q, k, v, out, dout]` and the forward's `lse`, on `kernel`.
+    fn run(
+        &self,
+        kernel: BwdKernel,
+        dims: AttnDims,
+        [q, k, v, out, dout]: [&CudaSlice<bf16>; 5],
+        lse: &CudaSlice<f32>,
+    ) -> Result<(CudaSlice<bf16>, CudaSlice<bf16>, CudaSlice<bf16>)> {
+        let (gpu, s, rows) = (self.gpu, self.s, self.rows);
+        let (qw, kvw) = (dims.q_width(), dims.kv_width());
+        let (mut dq, mut dk, mut dv) = (
+            alloc::<bf16>(gpu, s, rows * qw)?,
+            alloc::<bf16>(gpu, s, rows * kvw)?,
+            alloc::<bf16>(gpu, s, rows * kvw)?,
+        );
+        // no sequence has a prefix: one-row fp32 stand-ins
+        let mut dpk = alloc::<f32>(gpu, s, kvw)?;
+        let mut dpv = alloc::<f32>(gpu, s, kvw)?;
+        attention_bwd_bf16_with(
+            kernel,
+            gpu,
+            s,
+            &mut dq,
+            &mut dk,
+            &mut dv,
+            &mut dpk,
+            &mut dpv,
+            dout,
+            q,
+            k,
+            v,
+            k,
+            v,
+            out,
+            lse,
+            self.seqs,
+            self.n_seqs,
+            dims,
+            AttnMask::Full,
+            self.scale,
+            RowStrides::contiguous(dims),
+        )?;
+        Ok((dq, dk, dv))
+    }
 }
 
 /// Block `layer`'s forward from `x_in`, as `block::run_blocks` runs it (the same launches: the
@@ -800,91 +846,44 @@ fn block_backward(
         kvw,
     )?;
     let (seqs, n_seqs, _) = c.attn.seqs(layer);
-    let scale = 1.0 / (d.head_dim as f32).sqrt();
+    let bwd = AttnBwd {
+        gpu,
+        s,
+        rows,
+        seqs,
+        n_seqs,
+        scale: 1.0 / (d.head_dim as f32).sqrt(),
+    };
     let (dq, dk, dv) = match tc_padded_dims(d, n_seqs) {
         Some(pd) => {
             // the tensor-core backward on heads zero-padded to `pd.head_dim` (see
             // `tc_padded_dims`), then the gradients' real columns back to `d`'s layout
-            let heads = rows * d.num_heads;
-            let pad = |x: &CudaSlice<bf16>| {
-                pad_heads(gpu, s, x, heads, d.head_dim, pd.head_dim, c.head_iota)
+            // (q, out and dout hold `num_heads` heads a row, k and v `num_kv_heads`)
+            let (nh, nkv) = (d.num_heads, d.num_kv_heads);
+            let repad = |x: &CudaSlice<bf16>, heads: usize, from: usize, to: usize| {
+                repad_heads(gpu, s, x, rows * heads, from, to, c.head_iota)
             };
-            let (qp, kp, vp, op, dop) = (pad(&q)?, pad(&k)?, pad(&v)?, pad(&a.att)?, pad(&datt)?);
+            let pad = |x: &CudaSlice<bf16>, heads| repad(x, heads, d.head_dim, pd.head_dim);
+            let (qp, kp, vp) = (pad(&q, nh)?, pad(&k, nkv)?, pad(&v, nkv)?);
             drop((q, k, v));
-            let (mut dq, mut dk, mut dv) = (
-                alloc::<bf16>(gpu, s, rows * pd.q_width())?,
-                alloc::<bf16>(gpu, s, rows * pd.kv_width())?,
-                alloc::<bf16>(gpu, s, rows * pd.kv_width())?,
-            );
-            let mut dpk = alloc::<f32>(gpu, s, pd.kv_width())?;
-            let mut dpv = alloc::<f32>(gpu, s, pd.kv_width())?;
-            attention_bwd_bf16_with(
+            let (op, dop) = (pad(&a.att, nh)?, pad(&datt, nh)?);
+            drop(datt);
+            let g = bwd.run(
                 BwdKernel::TensorCores,
-                gpu,
-                s,
-                &mut dq,
-                &mut dk,
-                &mut dv,
-                &mut dpk,
-                &mut dpv,
-                &dop,
-                &qp,
-                &kp,
-                &vp,
-                &kp,
-                &vp,
-                &op,
-                &a.lse,
-                seqs,
-                n_seqs,
                 pd,
-                AttnMask::Full,
-                scale,
-                RowStrides::contiguous(pd),
+                [&qp, &kp, &vp, &op, &dop],
+                &a.lse,
             )?;
-            drop((qp, kp, vp, op, dop, dpk, dpv));
-            let unpad = |x: &CudaSlice<bf16>| {
-                unpad_heads(gpu, s, x, heads, d.head_dim, pd.head_dim, c.head_iota)
-            };
-            (unpad(&dq)?, unpad(&dk)?, unpad(&dv)?)
+            drop((qp, kp, vp, op, dop));
+            let unpad = |x: &CudaSlice<bf16>, heads| repad(x, heads, pd.head_dim, d.head_dim);
+            (unpad(&g.0, nh)?, unpad(&g.1, nkv)?, unpad(&g.2, nkv)?)
         }
         None => {
-            let (mut dq, mut dk, mut dv) = (
-                alloc::<bf16>(gpu, s, rows * qw)?,
-                alloc::<bf16>(gpu, s, rows * kvw)?,
-                alloc::<bf16>(gpu, s, rows * kvw)?,
-            );
-            // no sequence has a prefix: one-row fp32 stand-ins
-            let mut dpk = alloc::<f32>(gpu, s, kvw)?;
-            let mut dpv = alloc::<f32>(gpu, s, kvw)?;
-            attention_bwd_bf16(
-                gpu,
-                s,
-                &mut dq,
-                &mut dk,
-                &mut dv,
-                &mut dpk,
-                &mut dpv,
-                &datt,
-                &q,
-                &k,
-                &v,
-                &k,
-                &v,
-                &a.att,
-                &a.lse,
-                seqs,
-                n_seqs,
-                d,
-                AttnMask::Full,
-                scale,
-                RowStrides::contiguous(d),
-            )?;
-            drop((q, k, v, dpk, dpv));
-            (dq, dk, dv)
+            let g = bwd.run(BwdKernel::Auto, d, [&q, &k, &v, &a.att, &datt], &a.lse)?;
+            drop((q, k, v, datt));
+            g
         }
     };
-    drop(datt);
     let mut dqkv = alloc::<bf16>(gpu, s, rows * row)?;
     kv_append_bf16(gpu, s, &mut dqkv, &dq, c.iota, rows, qw, qw, row)?;
     kv_append_bf16(
