@@ -216,21 +216,6 @@ fn args(plan: &Path, out: &Path, iterations: u32) -> RunArgs {
     }
 }
 
-/// metrics.jsonl without its measurements (timings: keys ending in `_s`; peak memory).
-fn metrics(out: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v.as_object_mut()
-                .unwrap()
-                .retain(|k, _| !k.ends_with("_s") && k != "peak_mem_gib");
-            v
-        })
-        .collect()
-}
-
 fn read(p: PathBuf) -> Vec<u8> {
     std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
@@ -251,7 +236,10 @@ fn cuda_cli_resume_continues_bitwise() {
     resume.resume = Some(b.clone());
     cli::run(&resume).expect("resumed run");
 
-    let (ma, mb) = (metrics(&a), metrics(&b));
+    let (ma, mb) = (
+        common::metrics_without_times(&a),
+        common::metrics_without_times(&b),
+    );
     assert_eq!(ma.len(), 4);
     assert_eq!(ma, mb, "metrics of 4 vs 2 + resume to 4 (timings aside)");
     let ckpt = |out: &Path, k: u32| out.join(format!("checkpoints/iter-{k:08}"));

@@ -39,21 +39,6 @@ fn args(plan: &Path, out: &Path, iterations: u32) -> RunArgs {
     }
 }
 
-/// metrics.jsonl without its measurements (timings: keys ending in `_s`; peak memory).
-fn metrics(out: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v.as_object_mut()
-                .unwrap()
-                .retain(|k, _| !k.ends_with("_s") && k != "peak_mem_gib");
-            v
-        })
-        .collect()
-}
-
 fn checkpoints(out: &Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(out.join("checkpoints"))
         .unwrap()
@@ -86,7 +71,10 @@ fn three_plus_resume_to_six_equals_six_bitwise() {
     resume.resume = Some(b.clone());
     cli::run(&resume).expect("resumed run");
 
-    let (ma, mb) = (metrics(&a), metrics(&b));
+    let (ma, mb) = (
+        common::metrics_without_times(&a),
+        common::metrics_without_times(&b),
+    );
     let its: Vec<u64> = mb
         .iter()
         .map(|m| m["iteration"].as_u64().unwrap())

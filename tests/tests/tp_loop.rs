@@ -420,19 +420,7 @@ fn tp2_checkpoints_resume_bitwise() {
     cli::run(&args("a", 4, false)).expect("uninterrupted TP 2 run");
     cli::run(&args("b", 2, false)).expect("first half");
     cli::run(&args("b", 4, true)).expect("resumed TP 2 run");
-    let metrics = |out: &str| -> Vec<serde_json::Value> {
-        std::fs::read_to_string(dir.path().join(out).join("metrics.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| {
-                let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
-                v.as_object_mut()
-                    .unwrap()
-                    .retain(|k, _| !k.ends_with("_s") && k != "peak_mem_gib");
-                v
-            })
-            .collect()
-    };
+    let metrics = |out: &str| common::metrics_without_times(&dir.path().join(out));
     let (ma, mb) = (metrics("a"), metrics("b"));
     assert_eq!(ma.len(), 4);
     assert_eq!(ma, mb, "metrics of 4 vs 2 + resume to 4 (timings aside)");

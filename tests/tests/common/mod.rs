@@ -1,5 +1,6 @@
 //! What the end-to-end tests share: compiling a pipeline source into a plan, finding the
-//! repository's pipelines, a scratch directory, and the GPU check of the GPU tests. Each test
+//! repository's pipelines, a scratch directory, a run's metrics without timings, and the GPU
+//! check of the GPU tests. Each test
 //! binary includes this module (`mod common;`) and uses a part of it.
 #![allow(dead_code)]
 
@@ -103,4 +104,20 @@ pub fn gpu_device() -> Option<()> {
             None
         }
     }
+}
+
+/// A run's metrics.jsonl without its measurements (timings: keys ending in `_s`; peak memory):
+/// what two runs of the same plan and seed must agree on.
+pub fn metrics_without_times(out: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap_or_else(|e| panic!("{}: {e}", out.join("metrics.jsonl").display()))
+        .lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v.as_object_mut()
+                .unwrap()
+                .retain(|k, _| !k.ends_with("_s") && k != "peak_mem_gib");
+            v
+        })
+        .collect()
 }
