@@ -395,6 +395,9 @@ fn run_cpu_tp(plan: &Plan, args: &RunArgs, degree: usize) -> Result<(), ExecErro
     let actor = exec::host_actor(&plan.spec)?;
     let start = TpStart::new(plan, args, &actor)?;
     if start.first >= args.iterations {
+        if env.as_ref().is_some_and(|e| e.rank != 0) {
+            return Ok(());
+        }
         println!(
             "nothing to run: the checkpoint has {} iterations done and --iterations asks for {} in all",
             start.first, args.iterations
