@@ -289,6 +289,14 @@ impl exec::LoopObserver for LoopRun<'_> {
     }
 }
 
+/// What a resume from a checkpoint with `first` iterations done says when `--iterations`
+/// (`all`) asks for no more.
+fn nothing_to_run(first: u32, all: u32) {
+    println!(
+        "nothing to run: the checkpoint has {first} iterations done and --iterations asks for {all} in all"
+    );
+}
+
 fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
     let degree = exec::cpu_plan_degree(plan)?;
     if degree > 1 {
@@ -317,10 +325,7 @@ fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
         _ => (fresh, 0),
     };
     if first >= args.iterations {
-        println!(
-            "nothing to run: the checkpoint has {first} iterations done and --iterations asks for {} in all",
-            args.iterations
-        );
+        nothing_to_run(first, args.iterations);
         return Ok(());
     }
     let profile = args
@@ -393,15 +398,12 @@ fn run_cpu_tp(plan: &Plan, args: &RunArgs, degree: usize) -> Result<(), ExecErro
     }
     let env = launch::RankEnv::from_env().map_err(|e| ExecError::Machine(e.to_string()))?;
     let actor = exec::host_actor(&plan.spec)?;
-    let start = TpStart::new(plan, args, &actor)?;
+    let rank0 = env.as_ref().is_none_or(|e| e.rank == 0);
+    let start = TpStart::new(plan, args, &actor, rank0)?;
     if start.first >= args.iterations {
-        if env.as_ref().is_some_and(|e| e.rank != 0) {
-            return Ok(());
+        if rank0 {
+            nothing_to_run(start.first, args.iterations);
         }
-        println!(
-            "nothing to run: the checkpoint has {} iterations done and --iterations asks for {} in all",
-            start.first, args.iterations
-        );
         return Ok(());
     }
     match env {
@@ -422,8 +424,14 @@ struct TpStart {
 
 impl TpStart {
     /// Loads and checks `--resume`'s checkpoint (each rank process reads it itself: the path
-    /// must reach it from every rank) before anything of the run is written.
-    fn new(plan: &Plan, args: &RunArgs, actor: &crate::model::Qwen25VL) -> Result<Self, ExecError> {
+    /// must reach it from every rank) before anything of the run is written; `rank0`: this
+    /// process speaks for the run.
+    fn new(
+        plan: &Plan,
+        args: &RunArgs,
+        actor: &crate::model::Qwen25VL,
+        rank0: bool,
+    ) -> Result<Self, ExecError> {
         let spec = &plan.spec;
         let identity = (args.save_every > 0 || args.resume.is_some())
             .then(|| RunIdentity::with_reference(plan, spec.reference.enabled.then_some(actor)))
@@ -431,22 +439,18 @@ impl TpStart {
         let (first, resumed) = match (&args.resume, &identity) {
             (Some(p), Some(identity)) => {
                 let dir = checkpoint::resolve(p)?;
-                let fresh = exec::build_cpu_models_from(spec, actor.clone())?;
-                let r = checkpoint::load(&dir, identity, fresh)?;
-                if !args.quiet
-                    && launch::RankEnv::from_env()
-                        .ok()
-                        .flatten()
-                        .is_none_or(|e| e.rank == 0)
-                {
+                let cfg = exec::cpu::train_config(spec)?;
+                let (completed, state) =
+                    checkpoint::load_tp(&dir, identity, actor.config.clone(), |n| {
+                        cfg.trainable(n)
+                    })?;
+                if !args.quiet && rank0 {
                     println!(
-                        "resuming from {} after {} iterations",
-                        r.dir.display(),
-                        r.completed
+                        "resuming from {} after {completed} iterations",
+                        dir.display()
                     );
                 }
-                let state = exec::cpu_tp::TpTrainState::of_trainer(&r.models.trainer);
-                (r.completed, Some(state))
+                (completed, Some(state))
             }
             _ => (0, None),
         };

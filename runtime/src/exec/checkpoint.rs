@@ -251,7 +251,7 @@ pub fn save(
 }
 
 /// [`save`] for a tensor-parallel CPU run, from its state gathered on rank 0: the same
-/// single-rank format, so it resumes at any TP degree.
+/// single-rank format (its weights load in Hugging Face layout; a resume continues its plan).
 pub fn save_tp(
     root: &Path,
     completed: u32,
@@ -409,25 +409,47 @@ pub struct Resumed {
 /// `fresh` are the models a new run would start from (their reference is kept), `identity`
 /// theirs and the plan's ([`RunIdentity::of`]).
 pub fn load(dir: &Path, identity: &RunIdentity, fresh: CpuModels) -> Result<Resumed, ExecError> {
-    let at = |msg: String| ck(format!("{}: {msg}", dir.display()));
     let (completed, state, loaded) = load_checked(dir, identity)?;
     let CpuModels { trainer, reference } = fresh;
     let cfg = trainer.config().clone();
     let opt_spec = trainer.optimizer().spec().clone();
-    let config = trainer.into_model().config;
-    let actor = Qwen25VL::new(config, loaded.weights).map_err(|e| {
-        at(format!(
-            "{e}: the checkpoint's weights do not fit this job's model"
-        ))
-    })?;
+    let actor = job_actor(dir, trainer.into_model().config, loaded)?;
     let mut trainer = crate::train::step::Trainer::new(actor, cfg, opt_spec)?;
-    // The optimizer: every trainable tensor's three buffers, in the table's carving.
-    let opt = trainer.optimizer();
-    let n = opt.table().state_len();
+    let (master, m, v) = optimizer_buffers(dir, &state, trainer.optimizer().table())?;
+    trainer.restore_optimizer(&master, &m, &v, state.optimizer_step)?;
+    Ok(Resumed {
+        dir: dir.to_path_buf(),
+        completed,
+        models: CpuModels { trainer, reference },
+    })
+}
+
+/// The checkpoint's weights (`loaded`) as the job's model (`config`).
+fn job_actor(
+    dir: &Path,
+    config: crate::model::ModelConfig,
+    loaded: Qwen25VL,
+) -> Result<Qwen25VL, ExecError> {
+    Qwen25VL::new(config, loaded.weights).map_err(|e| {
+        ck(format!(
+            "{}: {e}: the checkpoint's weights do not fit this job's model",
+            dir.display()
+        ))
+    })
+}
+
+/// A checkpoint's optimizer map as AdamW's dense (master, first moment, second moment) buffers
+/// in `table`'s carving; refuses a map of other tensors or shapes.
+fn optimizer_buffers(
+    dir: &Path,
+    state: &RunState,
+    table: &OptTable,
+) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>), ExecError> {
+    let n = table.state_len();
     let (mut master, mut m, mut v) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
     let opath = dir.join(ckpt_state::OPTIMIZER_FILE);
     let mut used = 0usize;
-    for p in opt.table().params() {
+    for p in table.params() {
         let r = p.state_offset..p.state_offset + p.numel;
         for (prefix, buf) in [
             ("master", &mut master),
@@ -461,12 +483,31 @@ pub fn load(dir: &Path, identity: &RunIdentity, fresh: CpuModels) -> Result<Resu
             used / 3
         )));
     }
-    trainer.restore_optimizer(&master, &m, &v, state.optimizer_step)?;
-    Ok(Resumed {
-        dir: dir.to_path_buf(),
-        completed,
-        models: CpuModels { trainer, reference },
-    })
+    Ok((master, m, v))
+}
+
+/// [`load`] for a tensor-parallel CPU run: the same checks, and the checkpoint's state in the
+/// single-rank layout ([`TpTrainState`]) for every rank to take its shard of; `config` is the
+/// job's model, `trainable` its trained tensors. Returns the iterations done.
+pub fn load_tp(
+    dir: &Path,
+    identity: &RunIdentity,
+    config: crate::model::ModelConfig,
+    trainable: impl Fn(&str) -> bool,
+) -> Result<(u32, TpTrainState), ExecError> {
+    let (completed, state, loaded) = load_checked(dir, identity)?;
+    let actor = job_actor(dir, config, loaded)?;
+    let table = OptTable::from_model(&actor.weights.table, trainable)?;
+    let (master, m, v) = optimizer_buffers(dir, &state, &table)?;
+    let tp = TpTrainState {
+        actor,
+        table,
+        master,
+        m,
+        v,
+        steps: state.optimizer_step,
+    };
+    Ok((completed, tp))
 }
 
 /// A loaded checkpoint of the CUDA backend: iterations done, the models to continue with, and

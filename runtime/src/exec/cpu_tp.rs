@@ -50,7 +50,6 @@ use crate::model::{
 use crate::tp::{all_gather_uneven, run_ranks, Communicator, ThreadComm, TpAdamW, TpModel, TpPlan};
 use crate::train::backward::{GroupBatch, MicroBatchOutput, TrainConfig};
 use crate::train::loss::Normaliser;
-use crate::train::step::Trainer;
 use crate::train::{GradAccumulator, OptTable};
 
 /// A reward the thread driver can hand to rank 0's thread.
@@ -80,9 +79,8 @@ pub struct TpCheckpoints {
 }
 
 /// A TP run's training state gathered on rank 0, in the single-rank layout a checkpoint holds
-/// (`checkpoint::save_tp`): the full actor, AdamW's fp32 masters and moments over the full
-/// model's trainable tensors (`table`'s carving) and the steps taken. A checkpoint resumes at
-/// any TP degree, one rank included.
+/// (`checkpoint::save_tp`, `checkpoint::load_tp`): the full actor, AdamW's fp32 masters and
+/// moments over the full model's trainable tensors (`table`'s carving) and the steps taken.
 pub struct TpTrainState {
     pub actor: Qwen25VL,
     pub table: OptTable,
@@ -90,22 +88,6 @@ pub struct TpTrainState {
     pub m: Vec<f32>,
     pub v: Vec<f32>,
     pub steps: u64,
-}
-
-impl TpTrainState {
-    /// The state of a single-rank trainer (a loaded checkpoint), to shard with [`restore_rank`].
-    pub fn of_trainer(t: &Trainer) -> Self {
-        let opt = t.optimizer();
-        let (master, m, v) = opt.state();
-        TpTrainState {
-            actor: t.model().clone(),
-            table: opt.table().clone(),
-            master: master.to_vec(),
-            m: m.to_vec(),
-            v: v.to_vec(),
-            steps: opt.steps(),
-        }
-    }
 }
 
 /// `state` (in `table`'s dense carving) spread over a model buffer of `total` elements (zeros
@@ -209,25 +191,31 @@ pub fn gather_actor<C: Communicator>(
     models: &TpRankModels,
     initial: &Qwen25VL,
 ) -> Result<Option<Qwen25VL>, ExecError> {
-    let weights = gather_model_buffer(comm, models, initial, &models.actor.weights.data)?;
+    let mut shards = shards_of(models, initial)?;
+    let weights = gather_model_buffer(comm, models, &mut shards, &models.actor.weights.data)?;
     weights
         .map(|w| Ok(Qwen25VL::new(models.actor.plan.config.clone(), w)?))
         .transpose()
 }
 
+/// Every rank's shard of `initial` (rank order): the shapes [`gather_model_buffer`] fills.
+fn shards_of(models: &TpRankModels, initial: &Qwen25VL) -> Result<Vec<Weights>, ExecError> {
+    let plan = &models.actor.plan;
+    Ok((0..plan.degree)
+        .map(|r| plan.shard(&initial.weights, r))
+        .collect::<Result<Vec<_>, _>>()?)
+}
+
 /// A buffer laid out as this rank's shard (`local`), unsharded into the full model's layout on
-/// rank 0 (`None` on the others): one uneven all-gather. Replicated parameters must be bitwise
-/// equal on every rank (`TpPlan::unshard` checks).
+/// rank 0 (`None` on the others) through `shards` ([`shards_of`], overwritten): one uneven
+/// all-gather. Replicated parameters must be bitwise equal on every rank (`TpPlan::unshard`
+/// checks).
 fn gather_model_buffer<C: Communicator>(
     comm: &C,
     models: &TpRankModels,
-    initial: &Qwen25VL,
+    shards: &mut [Weights],
     local: &[f32],
 ) -> Result<Option<Weights>, ExecError> {
-    let plan = &models.actor.plan;
-    let mut shards = (0..plan.degree)
-        .map(|r| plan.shard(&initial.weights, r))
-        .collect::<Result<Vec<_>, _>>()?;
     let counts: Vec<usize> = shards.iter().map(|w| w.data.len()).collect();
     let all = all_gather_uneven(comm, local, &counts)?;
     if comm.rank() != 0 {
@@ -238,7 +226,7 @@ fn gather_model_buffer<C: Communicator>(
         w.data.copy_from_slice(&all[off..off + c]);
         off += c;
     }
-    Ok(Some(plan.unshard(&shards)?))
+    Ok(Some(models.actor.plan.unshard(shards)?))
 }
 
 /// Every rank's actor shard and AdamW state gathered into [`TpTrainState`] on rank 0 (`None`
@@ -248,28 +236,23 @@ pub fn gather_train_state<C: Communicator>(
     models: &TpRankModels,
     initial: &Qwen25VL,
 ) -> Result<Option<TpTrainState>, ExecError> {
-    let actor = gather_actor(comm, models, initial)?;
+    let mut shards = shards_of(models, initial)?;
     let (table, total) = (models.opt.table(), models.actor.weights.table.total());
     let (master, m, v) = models.opt.state();
-    let mut full = Vec::with_capacity(3);
-    for buf in [master, m, v] {
-        let local = to_model_layout(table, buf, total);
-        full.push(gather_model_buffer(comm, models, initial, &local)?);
+    let spread = [master, m, v].map(|b| to_model_layout(table, b, total));
+    let mut full = Vec::with_capacity(4);
+    for local in std::iter::once(&models.actor.weights.data).chain(&spread) {
+        full.push(gather_model_buffer(comm, models, &mut shards, local)?);
     }
-    let Some(actor) = actor else {
+    // rank 0 holds the four buffers, every other rank none
+    let full: Option<Vec<Weights>> = full.into_iter().collect();
+    let Some([weights, master, m, v]) = full.and_then(|f| <[Weights; 4]>::try_from(f).ok()) else {
         return Ok(None);
     };
+    let actor = Qwen25VL::new(models.actor.plan.config.clone(), weights)?;
     let full_table = OptTable::from_model(&actor.weights.table, |n| models.cfg.trainable(n))
         .map_err(|e| ExecError::Plan(format!("the gathered actor's optimizer table: {e}")))?;
-    let mut bufs = Vec::with_capacity(3);
-    for w in full {
-        let w = w.ok_or_else(|| ExecError::Plan("rank 0 gathered no optimizer state".into()))?;
-        bufs.push(from_model_layout(&full_table, &w.data));
-    }
-    let (v, m, master) = match (bufs.pop(), bufs.pop(), bufs.pop()) {
-        (Some(v), Some(m), Some(master)) => (v, m, master),
-        _ => return Err(ExecError::Plan("rank 0 gathered no optimizer state".into())),
-    };
+    let [master, m, v] = [master, m, v].map(|w| from_model_layout(&full_table, &w.data));
     Ok(Some(TpTrainState {
         actor,
         table: full_table,

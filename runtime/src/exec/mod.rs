@@ -305,14 +305,7 @@ pub fn cpu_plan_degree(plan: &Plan) -> Result<usize, ExecError> {
 /// Builds the CPU backend's models from the job spec: the actor (random or from its
 /// checkpoint), the trainer around it, and the frozen reference (a copy of the initial actor).
 pub fn build_cpu_models(spec: &JobSpec) -> Result<cpu::CpuModels, ExecError> {
-    build_cpu_models_from(spec, host_actor(spec)?)
-}
-
-/// [`build_cpu_models`] around a given initial actor.
-pub fn build_cpu_models_from(
-    spec: &JobSpec,
-    actor: crate::model::Qwen25VL,
-) -> Result<cpu::CpuModels, ExecError> {
+    let actor = host_actor(spec)?;
     let reference = spec.reference.enabled.then(|| actor.clone());
     let trainer = crate::train::step::Trainer::new(
         actor,
