@@ -55,6 +55,7 @@ T=${CARGO_TARGET_DIR:-$PWD/target}/release
 PLANS=${PLANS:-p4-serial-on p4-overlap-on p4-serial-off p4-overlap-off p16-serial-on p16-overlap-on p16-serial-off p16-overlap-off}
 
 die() { echo "corun_calibrate: $*" >&2; exit 1; }
+. "$(dirname "$0")/common/devbin.sh"
 
 # the pipeline of a plan stem (pP-MODE-D): examples/h200-3b-video.rpx with PROMPTS=P, dedup D
 rpx_of() { local p=${1#p}; p=${p%%-*}; echo "$DIR/h3b-p$p-${1##*-}.rpx"; }
@@ -85,21 +86,16 @@ build() {
       done
     done
   done
-  local tmp; tmp=$(mktemp -d)
-  cp "$T/examples/iteration_bench" "$tmp/" && strip "$tmp/iteration_bench"
-  tar cJf "$DIR/bins.tar.xz" -C "$tmp" iteration_bench
-  rm -rf "$tmp"
+  pack_bins "$DIR/bins.tar.xz" "$T/examples/iteration_bench"
   du -ch "$DIR"/* | tail -1
   echo "device call: bash runtime/examples/corun_calibrate.sh device   (carry: [\"$DIR\"])"
 }
 
 device() {
-  [ -f "$DIR/bins.tar.xz" ] || die "$DIR/bins.tar.xz missing: run 'build' here and carry $DIR"
   local out=${OUT:-/tmp/rollplex-out}/corun
   local bin=/tmp/corun-bin
-  mkdir -p "$out/prof" "$out/traces" "$bin"
-  tar xJf "$DIR/bins.tar.xz" -C "$bin"
-  export ROLLPLEX_KERNEL_CACHE=${ROLLPLEX_KERNEL_CACHE:-/tmp/rk}
+  unpack_bins "$DIR/bins.tar.xz" "$bin"
+  mkdir -p "$out/prof" "$out/traces"
   { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; } \
     > "$out/device.txt" 2>&1 || true
   local plans=()

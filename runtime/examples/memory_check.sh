@@ -25,6 +25,7 @@ PROFILE=${PROFILE:-cost/profiles/h200-3b-runtime.yaml}
 T=${CARGO_TARGET_DIR:-$PWD/target}/release
 
 die() { echo "memory_check: $*" >&2; exit 1; }
+. "$(dirname "$0")/common/devbin.sh"
 
 build() {
   cargo build --release -p rollplex-compiler --bin rollplexc
@@ -41,20 +42,15 @@ build() {
     "$T/rollplexc" explain "$DIR/$m.plan.bin" | awk '$1 == "peak:" { printf "%.2f\n", $2 / 2^30; exit }' \
       > "$DIR/$m.arena"
   done
-  local tmp; tmp=$(mktemp -d)
-  cp "$T/rollplex-run" "$tmp/" && strip "$tmp/rollplex-run"
-  tar cJf "$DIR/bin.tar.xz" -C "$tmp" rollplex-run
-  rm -rf "$tmp"
+  pack_bins "$DIR/bin.tar.xz" "$T/rollplex-run"
   du -ch "$DIR"/* | tail -1
   echo "device call: bash runtime/examples/memory_check.sh device   (carry: [\"$DIR\"])"
 }
 
 device() {
-  [ -f "$DIR/bin.tar.xz" ] || die "$DIR/bin.tar.xz missing: run 'build' here and carry $DIR"
   local out=${OUT:-/tmp/rollplex-out}/memory bin=/tmp/memory-bin
-  mkdir -p "$out" "$bin"
-  tar xJf "$DIR/bin.tar.xz" -C "$bin"
-  export ROLLPLEX_KERNEL_CACHE=${ROLLPLEX_KERNEL_CACHE:-/tmp/rk}
+  unpack_bins "$DIR/bin.tar.xz" "$bin"
+  mkdir -p "$out"
   for m in serial overlap; do
     local rc=0
     ROLLPLEX_TASK_LOG=1 timeout "${LIMIT:-150}" "$bin/rollplex-run" "$DIR/$m.plan.bin" --backend cuda \

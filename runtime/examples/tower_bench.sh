@@ -22,6 +22,7 @@ PROFILE=${PROFILE:-cost/profiles/h200-3b-runtime.yaml}
 T=${CARGO_TARGET_DIR:-$PWD/target}/release
 
 die() { echo "tower_bench: $*" >&2; exit 1; }
+. "$(dirname "$0")/common/devbin.sh"
 
 build() {
   cargo build --release -p rollplex-compiler --bin rollplexc
@@ -43,20 +44,15 @@ build() {
       done
     done
   done
-  local tmp; tmp=$(mktemp -d)
-  cp "$T/examples/iteration_bench" "$tmp/" && strip "$tmp/iteration_bench"
-  tar cJf "$DIR/bin.tar.xz" -C "$tmp" iteration_bench
-  rm -rf "$tmp"
+  pack_bins "$DIR/bin.tar.xz" "$T/examples/iteration_bench"
   du -ch "$DIR"/* | tail -1
   echo "device call: bash runtime/examples/tower_bench.sh device   (carry: [\"$DIR\"])"
 }
 
 device() {
-  [ -f "$DIR/bin.tar.xz" ] || die "$DIR/bin.tar.xz missing: run 'build' here and carry $DIR"
   local out=${OUT:-/tmp/rollplex-out}/tower bin=/tmp/tower-bin
-  mkdir -p "$out/prof" "$bin"
-  tar xJf "$DIR/bin.tar.xz" -C "$bin"
-  export ROLLPLEX_KERNEL_CACHE=${ROLLPLEX_KERNEL_CACHE:-/tmp/rk}
+  unpack_bins "$DIR/bin.tar.xz" "$bin"
+  mkdir -p "$out/prof"
   # shellcheck disable=SC2046
   timeout "${LIMIT:-500}" "$bin/iteration_bench" $(cat "$DIR/plans.txt") --iterations 3 --rounds 1 \
     --profile-dir "$out/prof" > "$out/bench.log" 2>&1 || echo "iteration_bench exit $?"
