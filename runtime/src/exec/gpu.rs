@@ -542,16 +542,53 @@ impl Held {
     }
 }
 
-/// Deferred pieces the decode loop lets run at once (see [`GpuIteration::launch_paced`]).
-const PIECES_IN_FLIGHT: usize = 2;
+/// Where the host's time goes in a decode window (`ROLLPLEX_TASK_LOG=1` prints it per window):
+/// launching the sampling and log-prob kernels, waiting for the step's tokens (the device
+/// runs the step meanwhile), the bookkeeping and the next step's launches, and launching side
+/// pieces. When the wait is near zero the decode loop is bound by the host, not the device.
+#[derive(Default)]
+struct HostSplit {
+    steps: u32,
+    pieces: u32,
+    launch_sample: Duration,
+    wait: Duration,
+    launch_decode: Duration,
+    launch_side: Duration,
+}
+
+impl std::fmt::Display for HostSplit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        write!(
+            f,
+            "{} steps, sample launch {:.1} ms, wait for tokens {:.1} ms, decode launch {:.1} ms, \
+             {} side pieces launched in {:.1} ms",
+            self.steps,
+            ms(self.launch_sample),
+            ms(self.wait),
+            ms(self.launch_decode),
+            self.pieces,
+            ms(self.launch_side)
+        )
+    }
+}
+
+/// Deferred pieces the decode loop lets run at once (see [`GpuIteration::launch_paced`]). One:
+/// a piece (a group's prefix forward, ~450 launches) launched while another still runs fills
+/// CUDA's launch queue, and the host then waits in its launches for the side partition to drain
+/// the first; the decode stream idles meanwhile. Measured on the H200 (session 8, 16 prompts
+/// without dedup, `ROLLPLEX_TASK_LOG`): with two in flight each piece held the decode loop
+/// ~37 ms. With one, the side stream idles at most until the end of the running decode step.
+const PIECES_IN_FLIGHT: usize = 1;
 
 /// A side task of a decode window is deferred ([`DeferQueue`]): the walker reaches a window's
 /// side tasks before its decode task, and launching them all at once (a prefix forward is some
 /// 450 kernels a group) would hold the host in CUDA's launch queue until the side partition has
 /// drained most of them, starting the decode late (measured on the H200: 120-320 ms late per
 /// window). The decode loop launches one piece after each step instead, while the device runs
-/// the step; what is left is launched when the window's steps are done. The same calls on the
-/// same streams as undeferred: no number changes. This names a piece's stream.
+/// the step, when the previous piece is done; what is left goes on to the next window's decode
+/// loop, and the first task outside the windows launches the rest. The same calls on the same
+/// streams as undeferred: no number changes. This names a piece's stream.
 #[derive(Clone)]
 struct StreamRef(Arc<CudaStream>);
 
@@ -933,7 +970,10 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
         let (seed, iteration) = (self.book.spec.seed, self.book.iteration);
         let mut step = first_step;
         self.step_marks.clear();
+        let mut host = HostSplit::default();
+        let window_start = Instant::now();
         while (until_done || step < first_step + steps) && !self.active.is_empty() {
+            let t_step = Instant::now();
             let mark = self.models.gpu.timing_event()?;
             mark.record(s)?;
             self.step_marks.push(mark);
@@ -971,9 +1011,13 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
                 v,
                 temp,
             )?;
+            let t_wait = Instant::now();
             let toks = s.clone_dtoh(&toks_d)?;
             let lps = s.clone_dtoh(&lp_d)?;
             s.synchronize()?;
+            host.launch_sample += t_wait.duration_since(t_step);
+            host.wait += t_wait.elapsed();
+            let t_decode = Instant::now();
             let mut feed = Vec::with_capacity(n);
             let mut feed_tokens = Vec::with_capacity(n);
             let mut feed_slots = Vec::with_capacity(n);
@@ -994,13 +1038,27 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             self.active = feed;
             self.book.step_done(step);
             step += 1;
+            host.launch_decode += t_decode.elapsed();
             // a piece of the window's side work, launched while the device runs this step
-            self.launch_paced()?;
+            let t_side = Instant::now();
+            host.pieces += self.launch_paced()?;
+            host.launch_side += t_side.elapsed();
+            host.steps += 1;
+        }
+        if std::env::var_os("ROLLPLEX_TASK_LOG").is_some() {
+            eprintln!(
+                "[decode steps {first_step}..{step}] host {:.1} ms: {}",
+                window_start.elapsed().as_secs_f64() * 1e3,
+                host
+            );
         }
         let mark = self.models.gpu.timing_event()?;
         mark.record(s)?;
         self.step_marks.push(mark);
-        self.flush_deferred()?;
+        // side pieces still deferred stay queued: the next window's decode loop launches them
+        // paced (launching them all here would hold the host, and so the next window's first
+        // step, until the side partition had drained them); the first task outside a window
+        // launches what is left (`run`)
         self.book.end_window();
         Ok(())
     }
@@ -1033,7 +1091,8 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
     /// From the decode loop: the next deferred piece, if fewer than [`PIECES_IN_FLIGHT`]
     /// launched pieces are still running (more would fill CUDA's launch queue, and the host
     /// would wait in a launch instead of issuing the next decode step).
-    fn launch_paced(&mut self) -> Result<(), ExecError> {
+    /// Returns how many pieces it launched (0 or 1).
+    fn launch_paced(&mut self) -> Result<u32, ExecError> {
         while let Some(e) = self.inflight.front() {
             if e.try_is_complete()? {
                 self.inflight.pop_front();
@@ -1041,10 +1100,11 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
                 break;
             }
         }
-        if self.inflight.len() < PIECES_IN_FLIGHT {
+        if self.inflight.len() < PIECES_IN_FLIGHT && !self.deferred.is_empty() {
             self.launch_deferred(1)?;
+            return Ok(1);
         }
-        Ok(())
+        Ok(0)
     }
 
     /// Launches up to `count` pieces of the deferred side tasks, oldest first; a task gets its
@@ -1373,6 +1433,10 @@ impl TaskRunner for GpuIteration<'_, '_> {
         // behind it on the same CUDA stream (deferred pieces launch in order, so the stream
         // orders them).
         let deferring = self.defers(task);
+        if task.window.is_none() {
+            // out of the decode windows nothing waits to be paced
+            self.flush_deferred()?;
+        }
         let first = self
             .deferred
             .launch_first(&waits, &StreamRef(s.clone()), deferring);
