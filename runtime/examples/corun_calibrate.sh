@@ -30,12 +30,14 @@
 #      its line of measured.tsv are written as soon as its plan is done. Session 4's times give
 #      ~280 s for all eight (45 s setup, 4-prompt pairs 25 + 40 s, 16-prompt pairs 48 + 120 s);
 #      LIMIT (default 285 s) caps the bench, and a cut loses the last plan, p16-overlap-off.
-#      PLANS="..." runs other stems. Results in $OUT/corun: prof/STEM.r0.profile.yaml,
-#      prof/measured.tsv, traces/, bench.log, device.txt.
+#      PLANS="..." runs other stems. Results in corun/ (prof/STEM.r0.profile.yaml,
+#      prof/measured.tsv, traces/, bench.log, device.txt), brought back as the one file
+#      $OUT/corun.tgz (the device tool fetches at most 8 files).
 #        device call: bash runtime/examples/corun_calibrate.sh device
 #        carry: [".devbin/corun"]
 #
-#   3. offline RESULTS (here, after the device call; RESULTS is the fetched corun/ directory,
+#   3. offline RESULTS (here, after the device call; RESULTS is the corun/ directory that
+#      `tar xzf corun.tgz` gives,
 #      copied to WORK, default rollplex-out/corun-offline, as fetched files may be read-only):
 #      merges every profile (rollplexc merge-profiles -> WORK/merged.yaml), then per plan
 #      prints the measured median iteration, the plan's own prediction, the measured plan
@@ -92,7 +94,7 @@ build() {
 }
 
 device() {
-  local out=${OUT:-/tmp/rollplex-out}/corun
+  local out=$RESULTS_DIR/corun
   local bin=/tmp/corun-bin
   unpack_bins "$DIR/bins.tar.xz" "$bin"
   mkdir -p "$out/prof" "$out/traces"
@@ -107,6 +109,7 @@ device() {
     | tee -a "$out/bench.log"
   tail -14 "$out/bench.log"
   echo "profiles written: $(ls "$out/prof" | grep -c "profile.yaml$" || true) of $(echo $PLANS | wc -w)"
+  pack_results corun
 }
 
 offline() {

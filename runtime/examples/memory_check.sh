@@ -11,7 +11,8 @@
 #      .devbin/memory, ignored by git; carried to the device):
 #        bash runtime/examples/memory_check.sh build
 #   2. device (the H200, repository root, $DIR carried): runs both plans, writes logs and a
-#      summary under $OUT/memory (about 2.5 minutes: the 3B models are built once per plan):
+#      summary in memory/, brought back as $OUT/memory.tgz (about 2.5 minutes: the 3B models
+#      are built once per plan):
 #        bash runtime/examples/memory_check.sh device        carry: [".devbin/memory"]
 #
 # Session 6 (docs/perf.md) measured at 8 prompts: plan peak 78.70 GiB for both; pool peak
@@ -48,7 +49,7 @@ build() {
 }
 
 device() {
-  local out=${OUT:-/tmp/rollplex-out}/memory bin=/tmp/memory-bin
+  local out=$RESULTS_DIR/memory bin=/tmp/memory-bin
   unpack_bins "$DIR/bin.tar.xz" "$bin"
   mkdir -p "$out"
   for m in serial overlap; do
@@ -65,6 +66,7 @@ device() {
              if (p != "" && p - u > 1) printf "  iteration %s, after %s: %.2f -> %.2f GiB\n", $2, $5, p, u; p = u }' "$out/$m.log"
     } | tee -a "$out/summary.txt"
   done
+  pack_results memory
 }
 
 case "$MODE" in

@@ -9,7 +9,7 @@
 #      .devbin/tower, ignored by git; carried to the device):
 #        bash runtime/examples/tower_bench.sh build
 #   2. device (the H200, repository root, $DIR carried): writes the bench log and the profiles
-#      under $OUT/tower (about 4 minutes at 4 and 8 prompts):
+#      as one file, $OUT/tower.tgz (about 4 minutes at 4 and 8 prompts; session 8 ran it):
 #        bash runtime/examples/tower_bench.sh device        carry: [".devbin/tower"]
 #
 # Session 7 measured at 8 prompts with dedup 6.539 s (attention backward on SIMT) -> 5.442 s
@@ -50,7 +50,7 @@ build() {
 }
 
 device() {
-  local out=${OUT:-/tmp/rollplex-out}/tower bin=/tmp/tower-bin
+  local out=$RESULTS_DIR/tower bin=/tmp/tower-bin
   unpack_bins "$DIR/bin.tar.xz" "$bin"
   mkdir -p "$out/prof"
   # shellcheck disable=SC2046
@@ -58,6 +58,7 @@ device() {
     --profile-dir "$out/prof" > "$out/bench.log" 2>&1 || echo "iteration_bench exit $?"
   tail -12 "$out/bench.log"
   cat "$out/prof/measured.tsv" 2>/dev/null || true
+  pack_results tower
 }
 
 case "$MODE" in
