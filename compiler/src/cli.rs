@@ -75,8 +75,10 @@ pub struct CompileArgs {
     /// Print pass times, the candidates considered and the ILP size and solve time (stderr).
     #[arg(long)]
     pub stats: bool,
-    /// Time limit of one ILP solve, seconds; on reaching it the best answer found is used.
-    #[arg(long, value_name = "SECONDS", default_value_t = 2.0)]
+    /// Time limit of one ILP solve, seconds; on reaching it the best answer found is used. A
+    /// safety net: a node limit stops long searches first, at the same point on every machine,
+    /// so a plan does not depend on how busy the machine was.
+    #[arg(long, value_name = "SECONDS", default_value_t = rollplex_compiler::driver::DEFAULT_TIME_LIMIT_S)]
     pub time_limit: f64,
     #[command(flatten)]
     pub color: ColorArg,

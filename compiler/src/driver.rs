@@ -38,16 +38,20 @@ pub struct Options {
     pub mode: Option<Mode>,
     /// A measured profile for the cost model.
     pub profile: Option<Profile>,
-    /// Time limit of one ILP solve, seconds.
+    /// Time limit of one ILP solve, seconds: a safety net behind the node limit
+    /// ([`crate::ilp::MAX_NODES`]), which is what stops a long search, the same on every machine.
     pub time_limit_s: f64,
 }
+
+/// The default [`Options::time_limit_s`] (and `rollplexc --time-limit`).
+pub const DEFAULT_TIME_LIMIT_S: f64 = 60.0;
 
 impl Default for Options {
     fn default() -> Self {
         Options {
             mode: None,
             profile: None,
-            time_limit_s: 2.0,
+            time_limit_s: DEFAULT_TIME_LIMIT_S,
         }
     }
 }

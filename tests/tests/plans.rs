@@ -19,13 +19,8 @@ impl rollplex_dsl::Env for Dir {
     }
 }
 
-/// What `rollplexc FILE --emit-yaml OUT` writes on an idle machine. The ILP's time limit is
-/// wall-clock: on a loaded 2-core CI machine the paper-7b solve (2.4 s for its two pricings
-/// here, 2 s each allowed) once stopped at the limit with the same placement and wrote
-/// `status: time_limit`. Every golden plan solves to optimality, so the test gives the solver
-/// the time to get there and the comparison does not depend on the machine's load.
-const SOLVE_LIMIT_S: f64 = 60.0;
-
+/// What `rollplexc FILE --emit-yaml OUT` writes (the ILP stops on a node limit, not the clock,
+/// so the answer does not depend on the machine or its load: `ilp::MAX_NODES`).
 fn compile_yaml(file: &Path) -> String {
     let src = std::fs::read_to_string(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
     let name = file
@@ -36,11 +31,7 @@ fn compile_yaml(file: &Path) -> String {
     let env = Dir(file.parent().map(Path::to_path_buf).unwrap_or_default());
     let checked = rollplex_dsl::compile_source(&name, &src, &env)
         .unwrap_or_else(|d| panic!("{}", d.render(&name, &src, false)));
-    let opts = Options {
-        time_limit_s: SOLVE_LIMIT_S,
-        ..Options::default()
-    };
-    let c = compile(&checked.spec, &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let c = compile(&checked.spec, &Options::default()).unwrap_or_else(|e| panic!("{name}: {e}"));
     rollplex_plan::to_yaml(&c.plan).expect("plans serialise")
 }
 
@@ -154,4 +145,39 @@ fn example_plans_are_fresh() {
 fn compiling_twice_gives_the_same_plan() {
     let f = root().join("examples/paper-32b-32xh800.rpx");
     assert_eq!(compile_yaml(&f), compile_yaml(&f));
+}
+
+/// A search long enough to need a limit stops where the node limit says, whatever the clock:
+/// the 32B example with 4,096-token responses takes ~68 s to solve to optimality (2-core
+/// workspace machine), so with the clock deciding (the old 2 s default, or these two limits with
+/// the old 20,000-node cap) the two compiles below would stop at different incumbents.
+#[test]
+fn a_long_search_stops_at_the_same_plan_under_any_time_limit() {
+    let f = root().join("examples/paper-32b-32xh800.rpx");
+    let src = std::fs::read_to_string(&f).unwrap();
+    assert!(
+        src.contains("max_new_tokens = 1024"),
+        "{}: the test edits that line",
+        f.display()
+    );
+    let src = src.replace("max_new_tokens = 1024", "max_new_tokens = 4096");
+    let env = Dir(f.parent().unwrap().to_path_buf());
+    let checked = rollplex_dsl::compile_source("long.rpx", &src, &env)
+        .unwrap_or_else(|d| panic!("{}", d.render("long.rpx", &src, false)));
+    let plan_with = |limit: f64| {
+        let opts = Options {
+            time_limit_s: limit,
+            ..Options::default()
+        };
+        let c = compile(&checked.spec, &opts).unwrap();
+        assert_eq!(
+            c.plan.solver.status,
+            rollplex_plan::SolveStatus::TimeLimit,
+            "this search is meant to reach the node limit"
+        );
+        rollplex_plan::to_yaml(&c.plan).unwrap()
+    };
+    let a = plan_with(120.0);
+    let b = plan_with(240.0);
+    assert!(a == b, "{}", first_differences(&a, &b, 5));
 }
