@@ -117,6 +117,17 @@ pub fn compile(spec: &JobSpec, opts: &Options) -> Result<Compiled> {
     let cost = cost_model(spec, opts.profile.as_ref());
     st.cost_source = cost.source().to_string();
     let mode = opts.mode.unwrap_or(spec.schedule.mode);
+    // the plan's spec is the job as compiled: the runtime reads the mode from it (a
+    // disaggregated job keeps a rollout copy of the actor)
+    let overridden;
+    let spec = if mode == spec.schedule.mode {
+        spec
+    } else {
+        let mut s = spec.clone();
+        s.schedule.mode = mode;
+        overridden = s;
+        &overridden
+    };
     let topologies: Vec<Topology> = st.time("topology", || -> Result<Vec<Topology>> {
         match mode {
             Mode::Serial | Mode::Overlap => Ok(vec![crate::topology::colocated(spec, mode)?]),

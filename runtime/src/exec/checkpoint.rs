@@ -410,17 +410,28 @@ pub struct Resumed {
 /// theirs and the plan's ([`RunIdentity::of`]).
 pub fn load(dir: &Path, identity: &RunIdentity, fresh: CpuModels) -> Result<Resumed, ExecError> {
     let (completed, state, loaded) = load_checked(dir, identity)?;
-    let CpuModels { trainer, reference } = fresh;
+    let CpuModels {
+        trainer,
+        reference,
+        rollout,
+    } = fresh;
     let cfg = trainer.config().clone();
     let opt_spec = trainer.optimizer().spec().clone();
     let actor = job_actor(dir, trainer.into_model().config, loaded)?;
     let mut trainer = crate::train::step::Trainer::new(actor, cfg, opt_spec)?;
     let (master, m, v) = optimizer_buffers(dir, &state, trainer.optimizer().table())?;
     trainer.restore_optimizer(&master, &m, &v, state.optimizer_step)?;
+    // a disaggregated run's rollout copy held the saved weights too (the iteration's last task
+    // before the save was its weight sync)
+    let rollout = rollout.map(|_| trainer.model().clone());
     Ok(Resumed {
         dir: dir.to_path_buf(),
         completed,
-        models: CpuModels { trainer, reference },
+        models: CpuModels {
+            trainer,
+            reference,
+            rollout,
+        },
     })
 }
 

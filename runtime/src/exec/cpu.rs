@@ -16,8 +16,11 @@
 //!   forward is deterministic, so the numbers are those of a kept prefix); the task is counted.
 //! - `Reward`, `Advantages`: per slot. `TrainMicroBatch`: forward + loss + backward of whole
 //!   groups in slot order, accumulated in micro-batch order; `OptimizerStep`: AdamW.
-//! - `WeightSync`: rollout reads the trainer's weights in place (one layout, TP 1): nothing
-//!   to copy. `Reshard`, `Offload`, `Reload`: no data moves in a single address space.
+//! - `WeightSync`: colocated, rollout reads the trainer's weights in place (one layout, TP 1):
+//!   nothing to copy. Disaggregated (rollout on one GPU program, scoring and training on
+//!   another), the rollout's own copy of the actor ([`CpuModels::rollout`]) is replaced by the
+//!   trainer's weights: what the training GPUs send the rollout GPUs after each step.
+//!   `Reshard`, `Offload`, `Reload`: no data moves in a single address space.
 //!
 //! The iteration is generic over a [`CpuEngine`]: the model calls an op makes (encode, prefill,
 //! score, decode, draw, train, step). [`CpuModels`] is the single-rank engine; one rank of a
@@ -53,14 +56,22 @@ pub struct CpuModels {
     pub trainer: Trainer,
     /// The frozen reference (initial actor weights); `None` when the job scores no reference.
     pub reference: Option<Qwen25VL>,
+    /// Disaggregated plans: the rollout GPUs' copy of the actor, which the rollout runs and
+    /// each `WeightSync` replaces with the trainer's weights. `None` (colocated): the rollout
+    /// reads the trainer's model.
+    pub rollout: Option<Qwen25VL>,
 }
 
 /// Which of the job's models an engine call runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
     /// The actor with its current weights (the rollout's, until the iteration's first
-    /// optimizer step).
+    /// optimizer step), as the training GPUs hold it.
     Actor,
+    /// The actor as the rollout GPUs hold it: the same model when colocated; in disaggregated
+    /// plans their copy, equal to the trainer's weights from each `WeightSync` to the next
+    /// optimizer step, which is when the rollout runs.
+    Rollout,
     /// The frozen reference.
     Reference,
 }
@@ -117,14 +128,25 @@ pub trait CpuEngine {
     ) -> Result<MicroBatchOutput, ExecError>;
     /// Clip, AdamW, new weights; returns the global grad norm before clipping.
     fn optimizer_step(&mut self) -> Result<f64, ExecError>;
+    /// The plan's `WeightSync`: the rollout gets the trainer's weights (nothing to do where
+    /// it reads them in place).
+    fn weight_sync(&mut self) -> Result<(), ExecError> {
+        Ok(())
+    }
 }
 
 impl CpuModels {
     fn model(&self, role: Role) -> Result<&Qwen25VL, ExecError> {
         match role {
             Role::Actor => Ok(self.trainer.model()),
+            Role::Rollout => Ok(self.rollout.as_ref().unwrap_or(self.trainer.model())),
             Role::Reference => self.reference.as_ref().ok_or_else(no_reference),
         }
+    }
+
+    /// The rollout's model (see [`Role::Rollout`]).
+    fn rollout_model(&self) -> &Qwen25VL {
+        self.rollout.as_ref().unwrap_or(self.trainer.model())
     }
 }
 
@@ -164,7 +186,7 @@ impl CpuEngine for CpuModels {
     }
 
     fn kv_arena(&self, capacity: u32) -> KvArena {
-        KvArena::for_model(self.trainer.model(), capacity)
+        KvArena::for_model(self.rollout_model(), capacity)
     }
 
     fn decode_step(
@@ -173,11 +195,10 @@ impl CpuEngine for CpuModels {
         slots: &mut [DecodeSlot],
         tokens: &[u32],
     ) -> Result<Vec<f32>, ExecError> {
-        let v = self.trainer.model().config.text().vocab_size as usize;
+        let model = self.rollout_model();
+        let v = model.config.text().vocab_size as usize;
         let mut logits = vec![0f32; slots.len() * v];
-        self.trainer
-            .model()
-            .decode_step(arena, slots, tokens, &mut logits)?;
+        model.decode_step(arena, slots, tokens, &mut logits)?;
         Ok(logits)
     }
 
@@ -211,6 +232,13 @@ impl CpuEngine for CpuModels {
 
     fn optimizer_step(&mut self) -> Result<f64, ExecError> {
         Ok(self.trainer.optimizer_step()?.step.grad_norm)
+    }
+
+    fn weight_sync(&mut self) -> Result<(), ExecError> {
+        if let Some(r) = &mut self.rollout {
+            r.clone_from(self.trainer.model());
+        }
+        Ok(())
     }
 }
 
@@ -344,7 +372,7 @@ impl<'a, 'r, E: CpuEngine> CpuIteration<'a, 'r, E> {
             let media = self.actor_media(g, copies)?;
             let state = Self::prefill_one(
                 self.models,
-                Role::Actor,
+                Role::Rollout,
                 &self.book.prompts[g],
                 &media,
                 copies,
@@ -487,7 +515,7 @@ impl<E: CpuEngine> TaskRunner for CpuIteration<'_, '_, E> {
                 for g in range(*groups) {
                     self.encoded[g] = Some(Self::encode(
                         self.models,
-                        Role::Actor,
+                        Role::Rollout,
                         &self.book.prompts[g],
                         *copies,
                     )?);
@@ -569,8 +597,8 @@ impl<E: CpuEngine> TaskRunner for CpuIteration<'_, '_, E> {
                 self.book.metrics.grad_norm = self.models.optimizer_step()?;
                 self.book.metrics.optimizer_steps += 1;
             }
-            Op::WeightSync { .. } | Op::Reshard { .. } | Op::Offload { .. } | Op::Reload { .. } => {
-            }
+            Op::WeightSync { .. } => self.models.weight_sync()?,
+            Op::Reshard { .. } | Op::Offload { .. } | Op::Reload { .. } => {}
         }
         self.book.metrics.tasks += 1;
         Ok(())

@@ -317,7 +317,7 @@ pub struct TpEngine<'m, C: Communicator> {
 impl<C: Communicator> TpEngine<'_, C> {
     fn model(&self, role: Role) -> Result<&TpModel, ExecError> {
         match role {
-            Role::Actor => Ok(&self.models.actor),
+            Role::Actor | Role::Rollout => Ok(&self.models.actor),
             Role::Reference => self.models.reference.as_ref().ok_or_else(no_reference),
         }
     }

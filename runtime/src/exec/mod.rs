@@ -30,8 +30,9 @@ pub mod walker;
 
 use std::time::{Duration, Instant};
 
+use rollplex_plan::plan::GpuRole;
 use rollplex_plan::plan::Task;
-use rollplex_plan::spec::{JobSpec, LengthDist};
+use rollplex_plan::spec::{JobSpec, LengthDist, Mode};
 use rollplex_plan::Plan;
 
 pub use data::{data_source, evaluate, reward_fn};
@@ -259,7 +260,8 @@ pub fn check_cpu_plan(plan: &Plan) -> Result<(), ExecError> {
 }
 
 /// Checks that a plan can run on the CPU backend and returns its tensor-parallel degree: 1
-/// ([`run_cpu_loop`]) or the `N` of rollout TP = training TP = GPU count = `N`
+/// ([`run_cpu_loop`]; also a disaggregated plan of one rollout and one training GPU, whose two
+/// programs it runs in turn) or the `N` of rollout TP = training TP = GPU count = `N`
 /// ([`cpu_tp::run_cpu_tp_loop`], one rank per thread).
 pub fn cpu_plan_degree(plan: &Plan) -> Result<usize, ExecError> {
     let (rt, tt, n) = (
@@ -274,7 +276,9 @@ pub fn cpu_plan_degree(plan: &Plan) -> Result<usize, ExecError> {
              compile it with equal `rollout {{ tp }}` and `train {{ tp }}`"
         )));
     }
-    if n != tt {
+    if plan.mode == Mode::Disaggregated {
+        check_cpu_disaggregated(plan)?;
+    } else if n != tt {
         return Err(ExecError::Machine(format!(
             "the CPU backend runs one TP group: this plan targets {n} x {} with TP {tt}, i.e. {} replicas \
              (data parallelism is not implemented on the CPU backend): set `gpu {{ count = {tt} }}`, \
@@ -282,8 +286,7 @@ pub fn cpu_plan_degree(plan: &Plan) -> Result<usize, ExecError> {
             plan.target.gpu,
             n / tt.max(1)
         )));
-    }
-    if plan.gpus.len() != 1 {
+    } else if plan.gpus.len() != 1 {
         return Err(ExecError::Machine(format!(
             "the CPU backend runs one GPU program; this {:?} plan has {}",
             plan.mode,
@@ -302,17 +305,45 @@ pub fn cpu_plan_degree(plan: &Plan) -> Result<usize, ExecError> {
     Ok(tt as usize)
 }
 
+/// A disaggregated plan the CPU backend runs: one rollout GPU program and one training GPU
+/// program, TP 1 each (a larger TP on either side would need ranks as threads on both sides and
+/// reshards between the two layouts).
+fn check_cpu_disaggregated(plan: &Plan) -> Result<(), ExecError> {
+    let (rt, tt) = (plan.parallel.rollout_tp, plan.parallel.train_tp);
+    let roles: Vec<GpuRole> = plan.gpus.iter().map(|g| g.role).collect();
+    if rt != 1 || tt != 1 || roles != [GpuRole::Rollout, GpuRole::Train] {
+        return Err(ExecError::Unsupported(format!(
+            "the CPU backend runs a disaggregated plan with one rollout GPU and one training GPU \
+             (`rollout {{ tp = 1 }}`, `train {{ tp = 1 }}`, `gpu {{ count = 2 }}`); this one has rollout \
+             TP {rt}, training TP {tt} and GPU programs {roles:?}: run it with --backend sim"
+        )));
+    }
+    Ok(())
+}
+
 /// Builds the CPU backend's models from the job spec: the actor (random or from its
-/// checkpoint), the trainer around it, and the frozen reference (a copy of the initial actor).
+/// checkpoint), the trainer around it, the frozen reference (a copy of the initial actor) and,
+/// for a disaggregated job, the rollout GPUs' copy of the actor.
 pub fn build_cpu_models(spec: &JobSpec) -> Result<cpu::CpuModels, ExecError> {
     let actor = host_actor(spec)?;
     let reference = spec.reference.enabled.then(|| actor.clone());
+    let rollout = disaggregated(spec).then(|| actor.clone());
     let trainer = crate::train::step::Trainer::new(
         actor,
         cpu::train_config(spec)?,
         spec.train.optimizer.clone(),
     )?;
-    Ok(cpu::CpuModels { trainer, reference })
+    Ok(cpu::CpuModels {
+        trainer,
+        reference,
+        rollout,
+    })
+}
+
+/// Whether the job's rollout and training run on separate GPUs (each holding its own copy of
+/// the actor's weights).
+pub fn disaggregated(spec: &JobSpec) -> bool {
+    spec.schedule.mode == Mode::Disaggregated
 }
 
 /// The job's initial actor on the host: random weights or its checkpoint.
@@ -430,7 +461,9 @@ pub fn run_cpu_loop(
     check_cpu_plan(plan)?;
     let groups = plan.parallel.prompts_per_rollout_replica as usize;
     let gpu = plan.gpus[0].id;
-    let tasks = plan.tasks.iter().filter(|t| t.gpu == gpu).count();
+    // a disaggregated plan's two programs (rollout, training) run in turn on this host
+    let all = plan.mode == Mode::Disaggregated;
+    let tasks = plan.tasks.iter().filter(|t| all || t.gpu == gpu).count();
     prompts::for_each_prefetched(source, iterations, groups, |it, prompts, t0| {
         observer.iteration_started(it, tasks);
         reset_rss_peak();
@@ -441,7 +474,11 @@ pub fn run_cpu_loop(
                 observer: &mut *observer,
                 iteration: it,
             };
-            walker::walk(plan, gpu, &mut timed, |_, _| {})?;
+            if all {
+                walker::walk_all(plan, &mut timed, |_, _| {})?;
+            } else {
+                walker::walk(plan, gpu, &mut timed, |_, _| {})?;
+            }
             iter.finish()
         };
         result.metrics.peak_mem_bytes = rss_peak();

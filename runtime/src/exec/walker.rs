@@ -55,7 +55,7 @@ pub fn walk<R: TaskRunner>(
     plan: &Plan,
     gpu: rollplex_plan::GpuId,
     runner: &mut R,
-    mut on_task: impl FnMut(TaskId, usize),
+    on_task: impl FnMut(TaskId, usize),
 ) -> Result<(), R::Error> {
     let streams: Vec<StreamId> = plan
         .streams
@@ -63,6 +63,27 @@ pub fn walk<R: TaskRunner>(
         .filter(|s| s.gpu == gpu)
         .map(|s| s.id)
         .collect();
+    walk_streams(plan, &streams, runner, on_task)
+}
+
+/// Runs every task of every GPU program once, in a valid order: one host running the programs
+/// of a disaggregated plan (rollout GPUs and training GPUs) in turn, a task of one waiting for
+/// its dependencies on the other as for any other.
+pub fn walk_all<R: TaskRunner>(
+    plan: &Plan,
+    runner: &mut R,
+    on_task: impl FnMut(TaskId, usize),
+) -> Result<(), R::Error> {
+    let streams: Vec<StreamId> = plan.streams.iter().map(|s| s.id).collect();
+    walk_streams(plan, &streams, runner, on_task)
+}
+
+fn walk_streams<R: TaskRunner>(
+    plan: &Plan,
+    streams: &[StreamId],
+    runner: &mut R,
+    mut on_task: impl FnMut(TaskId, usize),
+) -> Result<(), R::Error> {
     let queues: Vec<Vec<&Task>> = streams
         .iter()
         .map(|&s| plan.stream_tasks(s).collect())
