@@ -23,6 +23,7 @@
 //!
 //! This crate knows the plan's [`Work`] and [`GpuSpec`] types and nothing else of the plan.
 
+pub mod bound;
 pub mod curve;
 pub mod defaults;
 pub mod fit;

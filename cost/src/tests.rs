@@ -279,3 +279,49 @@ fn report_lines_cut_long_profile_sources_on_a_char_boundary() {
     assert!(cut.ends_with("(the profile's `source` lists the rest)"));
     assert!(!cut.contains(&"é".repeat(super::SOURCE_CHARS + 1)));
 }
+
+#[test]
+fn the_free_bound_hides_movable_work_up_to_the_decode_time() {
+    let pt = |kind, seconds| Point {
+        kind,
+        sms: 132,
+        work: work(1e12, 1e9, 1),
+        seconds,
+        note: String::new(),
+    };
+    let serial = |points| {
+        let mut p = Profile::fit(&h200(), vec![pt(WorkKind::Decode, 1.0)], vec![]).unwrap();
+        p.points = points;
+        p
+    };
+    // 1 s of movable work (0.6 ref prefix, 0.4 reward) beside 2 s of decode: all of it hides
+    let p = serial(vec![
+        pt(WorkKind::Prefill, 1.0),
+        pt(WorkKind::Decode, 2.0),
+        pt(WorkKind::RefPrefix, 0.6),
+        pt(WorkKind::Reward, 0.4),
+        pt(WorkKind::ActorBwd, 2.0),
+    ]);
+    let b = bound::free_bound(&p).unwrap();
+    assert_eq!((b.total, b.movable, b.decode), (6.0, 1.0, 2.0));
+    assert!((b.speedup() - 6.0 / 5.0).abs() < 1e-12);
+    assert_eq!(b.by_kind["actor_bwd"], 2.0);
+    // more movable work than decode: only the decode's worth hides
+    let p = serial(vec![
+        pt(WorkKind::Decode, 1.0),
+        pt(WorkKind::ActorPrefixFwd, 3.0),
+    ]);
+    assert!((bound::free_bound(&p).unwrap().speedup() - 4.0 / 3.0).abs() < 1e-12);
+    // an overlap run's profile (co-run measurements) is refused
+    let mut p = serial(vec![pt(WorkKind::Decode, 1.0)]);
+    p.beside_points.push(BesidePoint {
+        kind: WorkKind::Decode,
+        sms: 48,
+        work: work(1e12, 1e9, 1),
+        seconds: 1.5,
+        beside: WorkKind::RefPrefix,
+        note: String::new(),
+    });
+    let e = bound::free_bound(&p).unwrap_err().to_string();
+    assert!(e.contains("serial plan"), "{e}");
+}
