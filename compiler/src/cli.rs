@@ -342,7 +342,7 @@ fn run_compile(a: CompileArgs) -> Result<(), Failure> {
         plan.predicted.iteration_s,
         peak as f64 / (1u64 << 30) as f64,
         if plan.solver.status == rollplex_plan::SolveStatus::TimeLimit {
-            " (the ILP hit its time limit: best answer found)"
+            " (the ILP stopped at its node or time limit: best answer found)"
         } else {
             ""
         }
@@ -549,7 +549,7 @@ fn stats_text(plan: &Plan, st: &Stats) -> String {
             r.solve_s,
             match r.status {
                 rollplex_plan::SolveStatus::Optimal => "optimal",
-                rollplex_plan::SolveStatus::TimeLimit => "time limit reached (best feasible answer used)",
+                rollplex_plan::SolveStatus::TimeLimit => "node or time limit reached (best feasible answer used)",
                 rollplex_plan::SolveStatus::NotRun => "not run",
             },
             r.objective

@@ -537,7 +537,8 @@ pub enum SolveStatus {
     /// No solver ran.
     NotRun,
     Optimal,
-    /// The time limit stopped the solver; the plan uses its best feasible answer.
+    /// The node limit or the time limit stopped the solver; the plan uses its best feasible
+    /// answer (the YAML keeps the name `time_limit`).
     TimeLimit,
 }
 
