@@ -56,20 +56,31 @@ fn read(p: PathBuf) -> Vec<u8> {
     std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
+/// Writes `plan` into `dir`, runs it for `total` iterations into `dir/a`, and for `first` into
+/// `dir/b`, resumed from there (its newest complete checkpoint) to `total`. Returns the plan's
+/// path and the two output directories.
+fn run_and_resume(
+    dir: &common::Scratch,
+    plan: &Plan,
+    first: u32,
+    total: u32,
+) -> (PathBuf, PathBuf, PathBuf) {
+    let plan_path = dir.path().join("plan.bin");
+    write_plan(plan, &plan_path);
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    cli::run(&args(&plan_path, &a, total)).expect("uninterrupted run");
+    cli::run(&args(&plan_path, &b, first)).expect("first part");
+    let mut resume = args(&plan_path, &b, total);
+    resume.resume = Some(b.clone());
+    cli::run(&resume).expect("resumed run");
+    (plan_path, a, b)
+}
+
 #[test]
 fn three_plus_resume_to_six_equals_six_bitwise() {
     let dir = common::Scratch::new("resume-bitwise");
     let plan = compile(Mode::Overlap);
-    let plan_path = dir.path().join("plan.bin");
-    write_plan(&plan, &plan_path);
-    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
-
-    cli::run(&args(&plan_path, &a, 6)).expect("uninterrupted run");
-    cli::run(&args(&plan_path, &b, 3)).expect("first half");
-    // Resume from the output directory: its newest complete checkpoint (iter 3).
-    let mut resume = args(&plan_path, &b, 6);
-    resume.resume = Some(b.clone());
-    cli::run(&resume).expect("resumed run");
+    let (plan_path, a, b) = run_and_resume(&dir, &plan, 3, 6);
 
     let (ma, mb) = (
         common::metrics_without_times(&a),
@@ -234,14 +245,7 @@ fn a_disaggregated_run_resumes_bitwise() {
     let src = src.replacen("count = 1", "count = 2", 1);
     let plan = common::compile("overlap_small.rpx", &src, Mode::Disaggregated);
     assert_eq!(plan.gpus.len(), 2, "a rollout and a training GPU program");
-    let plan_path = dir.path().join("plan.bin");
-    write_plan(&plan, &plan_path);
-    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
-    cli::run(&args(&plan_path, &a, 3)).expect("uninterrupted run");
-    cli::run(&args(&plan_path, &b, 2)).expect("first part");
-    let mut resume = args(&plan_path, &b, 3);
-    resume.resume = Some(b.clone());
-    cli::run(&resume).expect("resumed run");
+    let (_, a, b) = run_and_resume(&dir, &plan, 2, 3);
     let (ma, mb) = (
         common::metrics_without_times(&a),
         common::metrics_without_times(&b),

@@ -139,7 +139,7 @@ impl CpuModels {
     fn model(&self, role: Role) -> Result<&Qwen25VL, ExecError> {
         match role {
             Role::Actor => Ok(self.trainer.model()),
-            Role::Rollout => Ok(self.rollout.as_ref().unwrap_or(self.trainer.model())),
+            Role::Rollout => Ok(self.rollout_model()),
             Role::Reference => self.reference.as_ref().ok_or_else(no_reference),
         }
     }

@@ -42,10 +42,9 @@ use super::{
     walker, EachIteration, ExecError, IterationResult, LoopModels, LoopObserver, MediaData,
     PromptData, Timed,
 };
-use crate::model::Weights;
 use crate::model::{
     sample_token, DecodeSlot, EncodedMedia, KvArena, MediaInput, MediaKind, PrefixState, Prompt,
-    Qwen25VL, SampleKey, SamplingParams,
+    Qwen25VL, SampleKey, SamplingParams, Weights,
 };
 use crate::tp::{all_gather_uneven, run_ranks, Communicator, ThreadComm, TpAdamW, TpModel, TpPlan};
 use crate::train::backward::{GroupBatch, MicroBatchOutput, TrainConfig};

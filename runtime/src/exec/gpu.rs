@@ -542,6 +542,12 @@ impl Held {
     }
 }
 
+/// Whether `ROLLPLEX_TASK_LOG` is set: log each task's launches and each decode window's
+/// [`HostSplit`] to stderr.
+fn task_log() -> bool {
+    std::env::var_os("ROLLPLEX_TASK_LOG").is_some()
+}
+
 /// Where the host's time goes in a decode window (`ROLLPLEX_TASK_LOG=1` prints it per window):
 /// launching the sampling and log-prob kernels, waiting for the step's tokens (the device
 /// runs the step meanwhile), the bookkeeping and the next step's launches, and launching side
@@ -1045,7 +1051,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             host.launch_side += t_side.elapsed();
             host.steps += 1;
         }
-        if std::env::var_os("ROLLPLEX_TASK_LOG").is_some() {
+        if task_log() {
             eprintln!(
                 "[decode steps {first_step}..{step}] host {:.1} ms: {}",
                 window_start.elapsed().as_secs_f64() * 1e3,
@@ -1539,7 +1545,7 @@ pub fn run_gpu_loop(
                 inner: &mut iter,
                 observer: &mut *observer,
                 iteration: it,
-                log: std::env::var_os("ROLLPLEX_TASK_LOG").map(|_| t0),
+                log: task_log().then_some(t0),
             };
             walker::walk(plan, program, &mut started, |_, _| {})?;
             iter.flush_deferred()?;
