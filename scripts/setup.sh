@@ -4,7 +4,10 @@
 set -euo pipefail
 need=()
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
-if ! ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 && ! ls /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1; then
+# bindgen loads libclang.so or libclang-N.so (libclang-cpp.so, which some machines have without
+# it, does not do)
+if ! ls /usr/lib/llvm-*/lib/libclang.so* /usr/lib/llvm-*/lib/libclang-[0-9]*.so* \
+    /usr/lib/x86_64-linux-gnu/libclang.so* /usr/lib/x86_64-linux-gnu/libclang-[0-9]*.so* >/dev/null 2>&1; then
   need+=(libclang-dev)
 fi
 command -v c++ >/dev/null 2>&1 || need+=(g++)
