@@ -55,7 +55,7 @@ device() {
   mkdir -p "$out/prof"
   # shellcheck disable=SC2046
   timeout "${LIMIT:-500}" "$bin/iteration_bench" $(cat "$DIR/plans.txt") --iterations 3 --rounds 1 \
-    --profile-dir "$out/prof" > "$out/bench.log" 2>&1 || echo "iteration_bench exit $?"
+    --profile-dir "$out/prof" --trace-dir "$out/trace" > "$out/bench.log" 2>&1 || echo "iteration_bench exit $?"
   tail -12 "$out/bench.log"
   cat "$out/prof/measured.tsv" 2>/dev/null || true
   pack_results tower
