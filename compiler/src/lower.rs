@@ -36,7 +36,7 @@ use crate::topology::Topology;
 use crate::workload::Workload;
 use petgraph::graph::{DiGraph, NodeIndex};
 use rollplex_plan::spec::{JobSpec, Mode};
-use rollplex_plan::work::{Work, WorkKind};
+use rollplex_plan::work::{Work, WorkKind, WorkPart};
 use rollplex_plan::{GpuId, Groups, Op, Phase, Purpose, ReshardWhat, Span};
 
 pub type NodeId = NodeIndex<u32>;
@@ -229,7 +229,18 @@ fn add_work(a: &Work, b: &Work) -> Work {
         steps: a.steps + b.steps,
         host_bytes: a.host_bytes + b.host_bytes,
         net_bytes: a.net_bytes + b.net_bytes,
+        parts: a.parts.iter().chain(&b.parts).cloned().collect(),
     }
+}
+
+/// `w` with `part` of `kind` inside it (nothing for an empty part).
+fn with_part(w: Work, kind: WorkKind, part: Work) -> Work {
+    if part == Work::default() {
+        return w;
+    }
+    let mut w = w;
+    w.parts.push(WorkPart { kind, work: part });
+    w
 }
 
 /// Builds the phase graph of one iteration of `spec` on `topo`.
@@ -432,13 +443,15 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
     };
     // Disaggregated training starts when rollout is complete (the usual two-engine design).
     let tail_gate: Vec<NodeId> = if colocated { vec![] } else { vec![last_decode] };
-    // What a prefix task encodes itself (the rollout's encoding is reused when it can be: see
-    // the module doc).
-    let own_vision = |s: &Span, tp: u32, wl: &Workload| -> Work {
+    // What a prefix task encodes itself, `per_group` encodings of each group's media (the
+    // rollout's encoding is reused when it can be: see the module doc): the vision tower's
+    // forward, a part of kind `vision_encode` inside the prefix task, priced at the tower's
+    // rate (measured on the H200 well below the decoder's: docs/cost-model.md).
+    let own_vision = |s: &Span, per_group: u32, tp: u32, wl: &Workload| -> Work {
         if reuses_encoding || !media {
             Work::default()
         } else {
-            wl.vision(s.len() as f64 * copies as f64 * items, tp)
+            wl.vision(s.len() as f64 * per_group as f64 * items, tp)
         }
     };
 
@@ -449,7 +462,11 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
         let mut deps = enc_deps(i);
         deps.extend(&tail_gate);
         let fwd = b.wl.prefix(s.len() as f64 * copies as f64, ttp, 0.0);
-        let vis = own_vision(s, ttp, &b.wl);
+        // the reference encodes every copy (runtime `ref_media`), as does the old-log-prob
+        // prefix's count; the training prefix encodes a group's media once and runs its copies'
+        // prompts over it (runtime `gpu/train.rs`, `prefix_forward`)
+        let vis = own_vision(s, copies, ttp, &b.wl);
+        let train_vis = own_vision(s, 1, ttp, &b.wl);
         if ref_on {
             let item = ref_prefix.len() as u32;
             ref_prefix.push(b.add(
@@ -462,7 +479,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                     class: SideClass::RefPrefix,
                     item,
                 },
-                add_work(&fwd, &vis),
+                with_part(fwd.clone(), WorkKind::VisionEncode, vis.clone()),
                 0,
                 &deps,
             ));
@@ -483,7 +500,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                     class: SideClass::OldPrefix,
                     item,
                 },
-                add_work(&fwd, &vis),
+                with_part(fwd.clone(), WorkKind::VisionEncode, vis.clone()),
                 0,
                 &deps,
             ));
@@ -503,7 +520,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                     class: SideClass::TrainPrefix,
                     item,
                 },
-                add_work(&fwd, &vis),
+                with_part(fwd, WorkKind::VisionEncode, train_vis),
                 0,
                 &deps,
             ));
@@ -601,7 +618,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
             for (i, sp) in chunks(mini_slots, per_chunk).into_iter().enumerate() {
                 let slots = Span::new(first_slot + sp.start, first_slot + sp.end);
                 let fwd = b.wl.prefix(slots.len() as f64 * copies as f64, ttp, 0.0);
-                let vis = own_vision(&slots, ttp, &b.wl);
+                let vis = own_vision(&slots, 1, ttp, &b.wl);
                 let mut deps: Vec<NodeId> = prev_step.into_iter().collect();
                 if reuses_encoding {
                     match embed_reshard {
@@ -630,7 +647,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                     tg,
                     Phase::Training,
                     role,
-                    add_work(&fwd, &vis),
+                    with_part(fwd, WorkKind::VisionEncode, vis),
                     ready,
                     &deps,
                 );
@@ -688,9 +705,10 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 if !spec.train.freeze_vision && media {
                     // once per group, whatever the copies: the copies' encodings are the same
                     // bits, so the trainers run the tower's backward once per group (CUDA:
-                    // on the copies' summed embedding gradients, runtime `gpu/train.rs`)
-                    let v = b.wl.vision(prefix_bwd.len() as f64 * items, ttp);
-                    work = add_work(&work, &b.wl.backward_of(&v));
+                    // on the copies' summed embedding gradients, runtime `gpu/train.rs`);
+                    // a part of kind `vision_encode`: the tower's kernels, at their own rate
+                    let v = b.wl.vision_backward(prefix_bwd.len() as f64 * items, ttp);
+                    work = with_part(work, WorkKind::VisionEncode, v);
                 }
             }
             let role = if s == 0 {

@@ -26,13 +26,7 @@ use rollplex_plan::work::Work;
 /// `w` with every amount rounded to a whole number (plans print integers; the error is far
 /// below the model's).
 pub fn rounded(w: &Work) -> Work {
-    Work {
-        flops: w.flops.round(),
-        bytes: w.bytes.round(),
-        steps: w.steps,
-        host_bytes: w.host_bytes.round(),
-        net_bytes: w.net_bytes.round(),
-    }
+    w.scaled(1.0)
 }
 
 /// Work formulas of one job.
@@ -134,6 +128,22 @@ impl Workload<'_> {
             steps: v.depth,
             host_bytes: n * patch_in * b,
             net_bytes: allreduce(2.0 * v.depth as f64 * n * vh * b, tp),
+            parts: Vec::new(),
+        }
+    }
+
+    /// The vision tower's and merger's backward over `items` media items as the trainers run
+    /// it: each block's forward again from its kept input, then the backward (twice the
+    /// forward's FLOPs), so three forwards' FLOPs and bytes, and two passes over the blocks.
+    pub fn vision_backward(&self, items: f64, tp: u32) -> Work {
+        let f = self.vision(items, tp);
+        Work {
+            flops: 3.0 * f.flops,
+            bytes: 3.0 * f.bytes,
+            steps: 2 * f.steps,
+            host_bytes: 0.0,
+            net_bytes: 3.0 * f.net_bytes,
+            parts: Vec::new(),
         }
     }
 
@@ -157,6 +167,7 @@ impl Workload<'_> {
             steps: self.t().num_layers,
             host_bytes: 0.0,
             net_bytes: allreduce(2.0 * self.layers() * self.hidden_bytes(tokens), tp),
+            parts: Vec::new(),
         }
     }
 
@@ -181,6 +192,7 @@ impl Workload<'_> {
             steps: self.t().num_layers,
             host_bytes: 0.0,
             net_bytes: allreduce(2.0 * self.layers() * self.hidden_bytes(tokens), tp),
+            parts: Vec::new(),
         }
     }
 
@@ -194,6 +206,7 @@ impl Workload<'_> {
             steps: fwd.steps * 2,
             host_bytes: 0.0,
             net_bytes: fwd.net_bytes * k,
+            parts: Vec::new(),
         }
     }
 
@@ -228,6 +241,7 @@ impl Workload<'_> {
             steps: steps * self.t().num_layers,
             host_bytes: tokens * 4.0,
             net_bytes: allreduce(2.0 * self.layers() * self.hidden_bytes(tokens), tp),
+            parts: Vec::new(),
         }
     }
 
@@ -260,6 +274,7 @@ impl Workload<'_> {
             steps: 1,
             host_bytes: 0.0,
             net_bytes: net,
+            parts: Vec::new(),
         }
     }
 
@@ -271,6 +286,7 @@ impl Workload<'_> {
             steps: 1,
             host_bytes: g as f64 * self.lengths.mean() * 4.0,
             net_bytes: 0.0,
+            parts: Vec::new(),
         }
     }
 
@@ -282,6 +298,7 @@ impl Workload<'_> {
             steps: 1,
             host_bytes: 0.0,
             net_bytes: 0.0,
+            parts: Vec::new(),
         }
     }
 
@@ -293,6 +310,7 @@ impl Workload<'_> {
             steps: 1,
             host_bytes,
             net_bytes,
+            parts: Vec::new(),
         }
     }
 }

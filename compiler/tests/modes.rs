@@ -141,7 +141,7 @@ fn the_towers_backward_is_counted_once_per_group() {
         p.tasks
             .iter()
             .filter(|t| matches!(t.op, Op::TrainMicroBatch { .. }))
-            .map(|t| t.work.flops)
+            .map(|t| t.work.total_flops())
             .collect()
     };
     let added = |dedup: bool| -> Vec<f64> {
@@ -158,4 +158,73 @@ fn the_towers_backward_is_counted_once_per_group() {
     for (a, b) in with.iter().zip(&without) {
         assert!((a - b).abs() <= 1e-9 * a.abs().max(1.0), "{a} vs {b}");
     }
+}
+
+/// With the tower trained, a prefix that encodes its media itself and a micro-batch that
+/// trains the tower hold the tower's work as a part of kind `vision_encode` (priced at the
+/// tower's rate): the reference encodes every copy, the training prefix a group's media once
+/// (what both runtimes do), and the micro-batch's part is three forwards of one encoding per
+/// group; a frozen tower leaves no part anywhere.
+#[test]
+fn the_towers_work_is_a_part_at_its_own_rate() {
+    use rollplex_plan::work::WorkKind;
+    use rollplex_plan::Op;
+    let parts = |dedup: bool, train_tower: bool| {
+        let spec = job(|s| {
+            s.schedule.prefix_dedup = dedup;
+            s.train.freeze_vision = !train_tower;
+            s.train.freeze_merger = !train_tower;
+        });
+        let p = summary(
+            &format!("dedup {dedup} tower {train_tower}"),
+            &spec,
+            Mode::Serial,
+        );
+        let part = |pick: &dyn Fn(&Op) -> bool| -> Vec<f64> {
+            p.tasks
+                .iter()
+                .filter(|t| pick(&t.op))
+                .map(|t| {
+                    assert!(t
+                        .work
+                        .parts
+                        .iter()
+                        .all(|q| q.kind == WorkKind::VisionEncode));
+                    t.work.parts.iter().map(|q| q.work.flops).sum()
+                })
+                .collect()
+        };
+        let encode: f64 = p
+            .tasks
+            .iter()
+            .filter(|t| matches!(t.op, Op::EncodeMedia { .. }))
+            .map(|t| t.work.flops)
+            .sum();
+        (
+            part(&|op| matches!(op, Op::RefPrefix { .. })),
+            part(&|op| matches!(op, Op::ActorPrefix { .. })),
+            part(&|op| matches!(op, Op::TrainMicroBatch { .. })),
+            encode,
+        )
+    };
+    let copies = job(|_| {}).rollout.group_size as f64;
+    let (ref_on, train_on, mb_on, enc_on) = parts(true, true);
+    let (ref_off, train_off, mb_off, enc_off) = parts(false, true);
+    let sum = |v: &[f64]| v.iter().sum::<f64>();
+    // dedup on: one encoding per group everywhere, the rollout's as much as each prefix's
+    assert!(sum(&ref_on) > 0.0);
+    assert!((sum(&ref_on) / enc_on - 1.0).abs() < 1e-9);
+    assert!((sum(&train_on) / enc_on - 1.0).abs() < 1e-9);
+    assert!((sum(&mb_on) / (3.0 * enc_on) - 1.0).abs() < 1e-9);
+    // dedup off: the rollout and the reference encode every copy, the trainer once per group
+    assert!((enc_off / enc_on - copies).abs() < 1e-9);
+    assert!((sum(&ref_off) / enc_on - copies).abs() < 1e-9);
+    assert!((sum(&train_off) / enc_on - 1.0).abs() < 1e-9);
+    assert!((sum(&mb_off) / (3.0 * enc_on) - 1.0).abs() < 1e-9);
+    let (r, t, m, _) = parts(true, false);
+    assert_eq!(
+        sum(&r) + sum(&t) + sum(&m),
+        0.0,
+        "a frozen tower holds no parts"
+    );
 }

@@ -196,3 +196,33 @@ fn slot_out_of_range() {
     p.tasks[i].op = Op::Reward { slot: 1000 };
     assert_eq!(rules(&p), vec!["ranges"]);
 }
+
+#[test]
+fn negative_or_nested_work() {
+    use rollplex_plan::work::{Work, WorkKind, WorkPart};
+    let mut p = overlap_plan();
+    p.tasks[2].work.bytes = -1.0;
+    assert_eq!(rules(&p), vec!["work"]);
+    let mut p = overlap_plan();
+    let part = WorkPart {
+        kind: WorkKind::VisionEncode,
+        work: p.tasks[2].work.clone(),
+    };
+    p.tasks[2].work.parts = vec![WorkPart {
+        kind: WorkKind::VisionEncode,
+        work: Work {
+            parts: vec![part],
+            ..Default::default()
+        },
+    }];
+    assert_eq!(rules(&p), vec!["work"]);
+    let mut p = overlap_plan();
+    p.tasks[2].work.parts = vec![WorkPart {
+        kind: WorkKind::VisionEncode,
+        work: Work {
+            flops: f64::NAN,
+            ..Default::default()
+        },
+    }];
+    assert_eq!(rules(&p), vec!["work"]);
+}

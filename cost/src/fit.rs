@@ -50,7 +50,7 @@ use rollplex_plan::spec::GpuSpec;
 use rollplex_plan::work::WorkKind;
 
 use crate::curve::{Bounds, KindCurve};
-use crate::defaults::{default_curve, is_host, kind_name, DEFAULT_CORUN};
+use crate::defaults::{default_curve, is_host, kind_index, kind_name, ALL_KINDS, DEFAULT_CORUN};
 use crate::profile::{
     BesidePoint, CorunEntry, CorunPoint, LatencyFit, Point, Profile, ProfileError,
 };
@@ -213,13 +213,29 @@ fn golden(f: &dyn Fn(f64) -> f64, mut lo: f64, mut hi: f64) -> f64 {
     (lo + hi) / 2.0
 }
 
-/// Fits one kind's curve to its points; `overhead` fixes the per-step latency.
+/// Every kind's curve, by [`kind_index`]: `fitted` where given, else the default. What the
+/// parts of a point's work ([`rollplex_plan::work::Work::parts`]) are priced with.
+fn curves_of(gpu: &GpuSpec, fitted: &BTreeMap<WorkKind, KindCurve>) -> Vec<KindCurve> {
+    ALL_KINDS
+        .iter()
+        .map(|k| {
+            fitted
+                .get(k)
+                .cloned()
+                .unwrap_or_else(|| default_curve(gpu, *k))
+        })
+        .collect()
+}
+
+/// Fits one kind's curve to its points; `overhead` fixes the per-step latency; `others` prices
+/// the points' parts.
 fn fit_kind(
     gpu: &GpuSpec,
     map: &Mapping,
     kind: WorkKind,
     pts: &[&Point],
     overhead: Option<f64>,
+    others: &[KindCurve],
 ) -> Result<KindCurve, ProfileError> {
     let mut x0 = map.curve_to_vec(&default_curve(gpu, kind));
     if let Some(o) = overhead {
@@ -236,7 +252,7 @@ fn fit_kind(
         let c = curve_of(x);
         let fit: f64 = pts
             .iter()
-            .map(|p| log_err(predict(gpu, &c, p), p.seconds).powi(2))
+            .map(|p| log_err(predict(gpu, &c, others, p), p.seconds).powi(2))
             .sum::<f64>()
             / pts.len() as f64;
         let prior: f64 = x.iter().zip(&x0).map(|(a, b)| (a - b).powi(2)).sum();
@@ -261,16 +277,28 @@ fn fit_kind(
     Ok(c)
 }
 
-/// Predicted time of a point under `curve` on `gpu` (the same terms as [`CostModel::time`]).
-fn predict(gpu: &GpuSpec, curve: &KindCurve, p: &Point) -> f64 {
-    crate::time_parts(gpu, curve, gpu.host_bw, gpu.host_bw, p.kind, &p.work, p.sms).total()
+/// Predicted time of a point under `curve` on `gpu`, its parts under `others` (the same terms
+/// as [`CostModel::time`]).
+fn predict(gpu: &GpuSpec, curve: &KindCurve, others: &[KindCurve], p: &Point) -> f64 {
+    let curve_of = |k: WorkKind| &others[kind_index(k)];
+    crate::time_parts(
+        gpu,
+        curve,
+        &curve_of,
+        gpu.host_bw,
+        gpu.host_bw,
+        p.kind,
+        &p.work,
+        p.sms,
+    )
+    .total()
 }
 
 /// Root mean square of the log errors of `curve` on `pts`.
-fn rms_log_err(gpu: &GpuSpec, curve: &KindCurve, pts: &[&Point]) -> f64 {
+fn rms_log_err(gpu: &GpuSpec, curve: &KindCurve, others: &[KindCurve], pts: &[&Point]) -> f64 {
     let n = pts.len().max(1) as f64;
     (pts.iter()
-        .map(|p| log_err(predict(gpu, curve, p), p.seconds).powi(2))
+        .map(|p| log_err(predict(gpu, curve, others, p), p.seconds).powi(2))
         .sum::<f64>()
         / n)
         .sqrt()
@@ -294,6 +322,7 @@ fn beside_slowdowns(
     beside: &[BesidePoint],
 ) -> Vec<CorunEntry> {
     let mut logs: BTreeMap<(WorkKind, WorkKind), Vec<f64>> = BTreeMap::new();
+    let others = curves_of(gpu, curves);
     for b in beside {
         if is_host(b.kind) || is_host(b.beside) {
             continue;
@@ -302,7 +331,7 @@ fn beside_slowdowns(
             .get(&b.kind)
             .cloned()
             .unwrap_or_else(|| default_curve(gpu, b.kind));
-        let alone = predict(gpu, &curve, &b.as_point());
+        let alone = predict(gpu, &curve, &others, &b.as_point());
         if alone > 0.0 && alone.is_finite() {
             logs.entry((b.kind, b.beside))
                 .or_default()
@@ -388,24 +417,43 @@ impl Profile {
         let map = Mapping {
             unit_bw: gpu.hbm_bw / gpu.sms.max(1) as f64,
         };
+        // Kinds that are parts of other kinds' work (the vision tower inside a prefix or a
+        // micro-batch) are fitted first, from their own points, so that the kinds holding them
+        // are fitted to what is left of their measured times.
+        let part_kinds: Vec<WorkKind> = by_kind
+            .values()
+            .flatten()
+            .flat_map(|p| p.work.parts.iter().map(|q| q.kind))
+            .collect();
+        let order: Vec<WorkKind> = by_kind
+            .keys()
+            .filter(|k| part_kinds.contains(k))
+            .chain(by_kind.keys().filter(|k| !part_kinds.contains(k)))
+            .copied()
+            .collect();
         let mut kinds = BTreeMap::new();
-        for (kind, pts) in &by_kind {
-            kinds.insert(*kind, fit_kind(gpu, &map, *kind, pts, None)?);
+        for kind in &order {
+            let others = curves_of(gpu, &kinds);
+            kinds.insert(
+                *kind,
+                fit_kind(gpu, &map, *kind, &by_kind[kind], None, &others)?,
+            );
         }
         // The per-step latency is measured where it shows: the kind whose points spend the
         // largest share of their time in it. Every other kind reuses that value instead of
         // letting it absorb differences in efficiency (see the module doc).
         let share = |kind: &WorkKind, pts: &[&Point]| {
             let c = &kinds[kind];
+            let others = curves_of(gpu, &kinds);
             pts.iter()
-                .map(|p| p.work.steps as f64 * c.step_overhead_s / predict(gpu, c, p))
+                .map(|p| p.work.steps as f64 * c.step_overhead_s / predict(gpu, c, &others, p))
                 .sum::<f64>()
                 / pts.len() as f64
         };
         // (validated: work amounts are finite and >= 0)
         let latency_only = |pts: &[&Point]| {
             pts.iter()
-                .all(|p| p.work.flops <= 0.0 && p.work.bytes <= 0.0)
+                .all(|p| p.work.total_flops() <= 0.0 && p.work.total_bytes() <= 0.0)
         };
         let total: f64 = by_kind.values().flatten().map(|p| p.seconds).sum();
         let measured = |pts: &[&Point]| pts.iter().map(|p| p.seconds).sum::<f64>();
@@ -418,12 +466,14 @@ impl Profile {
         if let Some((lead, s)) = leader {
             if s >= MIN_OVERHEAD_SHARE {
                 let overhead = kinds[&lead].step_overhead_s;
-                for (kind, pts) in &by_kind {
+                for kind in &order {
+                    let pts = &by_kind[kind];
                     if *kind != lead && !latency_only(pts) {
-                        let shared = fit_kind(gpu, &map, *kind, pts, Some(overhead))?;
+                        let others = curves_of(gpu, &kinds);
+                        let shared = fit_kind(gpu, &map, *kind, pts, Some(overhead), &others)?;
                         let (e_shared, e_own) = (
-                            rms_log_err(gpu, &shared, pts),
-                            rms_log_err(gpu, &kinds[kind], pts),
+                            rms_log_err(gpu, &shared, &others, pts),
+                            rms_log_err(gpu, &kinds[kind], &others, pts),
                         );
                         if e_shared <= MAX_SHARED_ERR || e_shared <= e_own {
                             kinds.insert(*kind, shared);
@@ -667,7 +717,7 @@ mod tests {
                     seconds: 1.0,
                     note: String::new(),
                 };
-                let seconds = predict(&gpu, &truth, &p);
+                let seconds = predict(&gpu, &truth, &[], &p);
                 points.push(Point { seconds, ..p });
             }
         }
@@ -682,13 +732,120 @@ mod tests {
                     seconds: 1.0,
                     note: String::new(),
                 };
-                let (a, b) = (predict(&gpu, &truth, &p), predict(&gpu, fitted, &p));
+                let (a, b) = (
+                    predict(&gpu, &truth, &[], &p),
+                    predict(&gpu, fitted, &[], &p),
+                );
                 assert!(
                     (b / a - 1.0).abs() < 0.02,
                     "sms {sms}: truth {a} fitted {b}"
                 );
             }
         }
+    }
+
+    /// A kind whose points hold a part of another kind (a micro-batch with the vision tower's
+    /// backward inside) is fitted to what the part leaves: the part kind's own points fix its
+    /// rate, and the holder's fitted curve predicts its own work alone as the truth does.
+    /// Pricing the part at the holder's rate (what the fit did before parts) misses by > 10%.
+    #[test]
+    fn fit_subtracts_the_parts_of_a_kind() {
+        use rollplex_plan::work::WorkPart;
+        let gpu = datasheet("H200").unwrap();
+        let curve = |eff_compute: f64| KindCurve {
+            eff_compute,
+            eff_memory: 0.7,
+            compute_exponent: 1.0,
+            sm_bw: 50e9,
+            sharpness: 2.0,
+            step_overhead_s: 300e-6,
+        };
+        let (vision, bwd) = (curve(0.25), curve(0.55));
+        let mut truth = curves_of(&gpu, &BTreeMap::new());
+        truth[kind_index(WorkKind::VisionEncode)] = vision.clone();
+        truth[kind_index(WorkKind::ActorBwd)] = bwd.clone();
+        let work = |f: f64, steps: u32| Work {
+            flops: f,
+            bytes: f / 400.0,
+            steps,
+            ..Work::default()
+        };
+        let mut points = Vec::new();
+        let mut point = |kind: WorkKind, work: Work| {
+            let c = truth[kind_index(kind)].clone();
+            let p = Point {
+                kind,
+                sms: 132,
+                work,
+                seconds: 1.0,
+                note: String::new(),
+            };
+            let seconds = predict(&gpu, &c, &truth, &p);
+            points.push(Point { seconds, ..p });
+        };
+        for items in [1.0, 2.0, 4.0, 8.0] {
+            point(WorkKind::VisionEncode, work(20e12 * items, 32));
+        }
+        // micro-batches of one or eight prompt copies, each with one group's tower backward
+        for (copies, groups) in [(1.0, 1.0), (1.0, 2.0), (8.0, 1.0), (8.0, 2.0), (4.0, 1.0)] {
+            let mut w = work(150e12 * copies * groups + 100e12, 72);
+            w.parts.push(WorkPart {
+                kind: WorkKind::VisionEncode,
+                work: work(60e12 * groups, 64),
+            });
+            point(WorkKind::ActorBwd, w);
+        }
+        let prof = Profile::fit_all(&gpu, points, vec![], vec![], LatencyFit::PerKind).unwrap();
+        let plain = Point {
+            kind: WorkKind::ActorBwd,
+            sms: 132,
+            work: work(600e12, 72),
+            seconds: 1.0,
+            note: String::new(),
+        };
+        let fitted = curves_of(&gpu, &prof.kinds);
+        let (want, got) = (
+            predict(&gpu, &bwd, &truth, &plain),
+            predict(
+                &gpu,
+                &fitted[kind_index(WorkKind::ActorBwd)],
+                &fitted,
+                &plain,
+            ),
+        );
+        assert!(
+            (got / want - 1.0).abs() < 0.03,
+            "fitted {got} vs truth {want}"
+        );
+        // the same points with the part folded into the holder's own work
+        let folded: Vec<Point> = prof
+            .points
+            .iter()
+            .map(|p| {
+                let mut w = p.work.clone();
+                for q in std::mem::take(&mut w.parts) {
+                    w.flops += q.work.flops;
+                    w.bytes += q.work.bytes;
+                    w.steps += q.work.steps;
+                }
+                Point {
+                    work: w,
+                    ..p.clone()
+                }
+            })
+            .collect();
+        let prof = Profile::fit_all(&gpu, folded, vec![], vec![], LatencyFit::PerKind).unwrap();
+        let fitted = curves_of(&gpu, &prof.kinds);
+        let got = predict(
+            &gpu,
+            &fitted[kind_index(WorkKind::ActorBwd)],
+            &fitted,
+            &plain,
+        );
+        assert!(
+            (got / want - 1.0).abs() > 0.10,
+            "folded {got} vs truth {want}"
+        );
     }
 
     #[test]
@@ -767,7 +924,7 @@ mod tests {
             note: String::new(),
         };
         Point {
-            seconds: predict(gpu, truth, &p),
+            seconds: predict(gpu, truth, &[], &p),
             ..p
         }
     }
@@ -994,7 +1151,7 @@ mod tests {
                 note: String::new(),
             };
             Point {
-                seconds: predict(&gpu, curve, &p),
+                seconds: predict(&gpu, curve, &[], &p),
                 ..p
             }
         };

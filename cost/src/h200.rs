@@ -65,6 +65,7 @@ impl ProbeDims {
             steps: (l * steps) as u32,
             host_bytes: 0.0,
             net_bytes: 0.0,
+            parts: Vec::new(),
         }
     }
 
@@ -83,6 +84,7 @@ impl ProbeDims {
             steps: (l * chunks) as u32,
             host_bytes: 0.0,
             net_bytes: 0.0,
+            parts: Vec::new(),
         }
     }
 }
@@ -249,6 +251,7 @@ pub fn bench_points() -> (Vec<Point>, Vec<CorunPoint>) {
             steps: 1,
             host_bytes: 0.0,
             net_bytes: 0.0,
+            parts: Vec::new(),
         },
         seconds: COPY_BYTES / (COPY_TBS * 1e12),
         note: "h200-7b-b64-s1024.json: copy_tbs (device copy, read + written)".into(),

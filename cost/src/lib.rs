@@ -53,12 +53,18 @@ pub struct TimeParts {
     pub host_s: f64,
     /// net_bytes / link bandwidth.
     pub net_s: f64,
+    /// The work's parts of other kinds ([`Work::parts`]), each at its own kind's time.
+    pub parts_s: f64,
 }
 
 impl TimeParts {
     /// The task's time: the larger roof plus the additive terms.
     pub fn total(&self) -> f64 {
-        self.compute_s.max(self.memory_s) + self.overhead_s + self.host_s + self.net_s
+        self.compute_s.max(self.memory_s)
+            + self.overhead_s
+            + self.host_s
+            + self.net_s
+            + self.parts_s
     }
 
     /// Whether the memory roof is the binding one.
@@ -162,7 +168,17 @@ impl CostModel {
     /// [`CostModel::time`] split into its terms.
     pub fn time_parts(&self, kind: WorkKind, work: &Work, sms: u32) -> TimeParts {
         let c = &self.curves[kind_index(kind)];
-        time_parts(&self.gpu, c, self.host_bw, self.net_bw(), kind, work, sms)
+        let curve_of = |k: WorkKind| &self.curves[kind_index(k)];
+        time_parts(
+            &self.gpu,
+            c,
+            &curve_of,
+            self.host_bw,
+            self.net_bw(),
+            kind,
+            work,
+            sms,
+        )
     }
 
     /// Multiplier (>= 1) on a task's time while it co-runs with a task of kind `other` on the
@@ -245,8 +261,34 @@ impl CostModel {
     }
 }
 
-/// The terms of [`CostModel::time`] for one curve (shared with the fitter).
-pub(crate) fn time_parts(
+/// The terms of [`CostModel::time`] for one curve `c` of the task's kind, its parts priced
+/// with `curve_of` their kinds (shared with the fitter).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn time_parts<'a>(
+    gpu: &GpuSpec,
+    c: &KindCurve,
+    curve_of: &dyn Fn(WorkKind) -> &'a KindCurve,
+    host_bw: f64,
+    net_bw: f64,
+    kind: WorkKind,
+    work: &Work,
+    sms: u32,
+) -> TimeParts {
+    let parts_s = work
+        .parts
+        .iter()
+        .map(|p| {
+            own_time_parts(gpu, curve_of(p.kind), host_bw, net_bw, p.kind, &p.work, sms).total()
+        })
+        .sum();
+    TimeParts {
+        parts_s,
+        ..own_time_parts(gpu, c, host_bw, net_bw, kind, work, sms)
+    }
+}
+
+/// The terms of a work's own amounts (without its parts) under curve `c`.
+fn own_time_parts(
     gpu: &GpuSpec,
     c: &KindCurve,
     host_bw: f64,
@@ -275,6 +317,7 @@ pub(crate) fn time_parts(
         overhead_s: work.steps as f64 * c.step_overhead_s,
         host_s: div(work.host_bytes, host_bw),
         net_s: div(work.net_bytes, net_bw),
+        parts_s: 0.0,
     }
 }
 

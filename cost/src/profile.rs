@@ -243,7 +243,7 @@ impl Profile {
                 ));
             }
             let w = &p.work;
-            for v in [w.flops, w.bytes, w.host_bytes, w.net_bytes] {
+            for v in w.amounts() {
                 if !(v >= 0.0 && v.is_finite()) {
                     return bad(format!(
                         "{what} ({}): work amounts must be >= 0",

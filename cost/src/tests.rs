@@ -50,6 +50,31 @@ fn host_and_network_terms_add() {
 }
 
 #[test]
+fn a_part_is_priced_at_its_own_kind() {
+    use rollplex_plan::work::WorkPart;
+    let mut m = CostModel::new(&h200(), None);
+    let mut slow = m.curve(WorkKind::VisionEncode).clone();
+    slow.eff_compute = 0.2;
+    m.set_curve(WorkKind::VisionEncode, slow);
+    let own = work(3e14, 1e9, 36);
+    let part = work(1e14, 1e8, 64);
+    let mut w = own.clone();
+    w.parts.push(WorkPart {
+        kind: WorkKind::VisionEncode,
+        work: part.clone(),
+    });
+    for sms in [48, 84, 132] {
+        let t = m.time_parts(WorkKind::ActorBwd, &w, sms);
+        let alone = m.time(WorkKind::ActorBwd, &own, sms);
+        let vision = m.time(WorkKind::VisionEncode, &part, sms);
+        assert!((t.parts_s - vision).abs() < 1e-12, "{t:?}");
+        assert!((t.total() - alone - vision).abs() < 1e-9, "{t:?}");
+        // the slow tower is not priced at the backward's rate
+        assert!(vision > m.time(WorkKind::ActorBwd, &part, sms) * 2.5);
+    }
+}
+
+#[test]
 fn zero_sms_is_infinite_for_gpu_work_and_harmless_for_host_work() {
     let m = CostModel::new(&h200(), None);
     assert!(m
@@ -211,6 +236,7 @@ fn any_work() -> impl Strategy<Value = Work> {
             steps,
             host_bytes,
             net_bytes,
+            parts: Vec::new(),
         })
 }
 

@@ -32,6 +32,8 @@
 //!   lifetimes ordered by happens-before (one's last task before the other's first); a
 //!   persistent buffer overlaps nothing; each GPU's device arena fits its budget and `peak`
 //!   equals the device arena size.
+//! - `work`: every task's work amounts (its own and its parts') are finite and >= 0, and
+//!   parts hold no parts of their own.
 //! - `timing`: predicted times are finite, `start_s <= end_s`, a task starts no earlier than
 //!   its dependencies end, and tasks of a stream do not overlap in time.
 
@@ -98,6 +100,7 @@ pub fn validate(plan: &Plan) -> Result<(), Violations> {
     v.deadlock(&hb);
     v.ranges();
     v.memory(&hb);
+    v.work();
     v.timing();
     if v.out.is_empty() {
         Ok(())
@@ -705,6 +708,29 @@ impl Checker<'_> {
                     format!(
                         "{} reports live peak {} above its arena peak {}",
                         m.gpu, m.live_peak, m.peak
+                    ),
+                );
+            }
+        }
+    }
+
+    fn work(&mut self) {
+        for t in &self.plan.tasks {
+            if t.work.amounts().any(|a| !(a >= 0.0 && a.is_finite())) {
+                self.err(
+                    "work",
+                    format!(
+                        "{} `{}` has a work amount that is negative or not finite",
+                        t.id, t.name
+                    ),
+                );
+            }
+            if t.work.parts.iter().any(|p| !p.work.parts.is_empty()) {
+                self.err(
+                    "work",
+                    format!(
+                        "{} `{}` has a work part with parts of its own",
+                        t.id, t.name
                     ),
                 );
             }

@@ -38,7 +38,13 @@ pub enum WorkKind {
 }
 
 /// Machine-independent amount of work of one task.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+///
+/// `parts` is work of another kind inside the task, priced at that kind's rate: a reference or
+/// training prefix that encodes its media itself holds the vision tower's forward (kind
+/// `vision_encode`), a micro-batch that trains the tower holds its backward. The amounts above
+/// are the task's own work, without its parts; parts do not nest. The YAML form leaves out an
+/// empty `parts` (the binary form always carries it).
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 pub struct Work {
     /// Dense floating-point operations (2 per multiply-add).
     pub flops: f64,
@@ -50,4 +56,131 @@ pub struct Work {
     pub host_bytes: f64,
     /// GPU <-> GPU bytes (per GPU).
     pub net_bytes: f64,
+    /// Work of other kinds inside the task (see the type's doc).
+    #[serde(default)]
+    pub parts: Vec<WorkPart>,
+}
+
+/// Work of `kind` inside a task of another kind (see [`Work`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WorkPart {
+    pub kind: WorkKind,
+    pub work: Work,
+}
+
+impl Work {
+    /// FLOPs of the task with its parts.
+    pub fn total_flops(&self) -> f64 {
+        self.flops + self.parts.iter().map(|p| p.work.flops).sum::<f64>()
+    }
+
+    /// HBM bytes of the task with its parts.
+    pub fn total_bytes(&self) -> f64 {
+        self.bytes + self.parts.iter().map(|p| p.work.bytes).sum::<f64>()
+    }
+
+    /// `share` of the work, its parts too (a part of a decode window's steps), amounts rounded
+    /// to whole numbers as plans print them.
+    pub fn scaled(&self, share: f64) -> Work {
+        Work {
+            flops: (self.flops * share).round(),
+            bytes: (self.bytes * share).round(),
+            steps: (self.steps as f64 * share).round() as u32,
+            host_bytes: (self.host_bytes * share).round(),
+            net_bytes: (self.net_bytes * share).round(),
+            parts: self
+                .parts
+                .iter()
+                .map(|p| WorkPart {
+                    kind: p.kind,
+                    work: p.work.scaled(share),
+                })
+                .collect(),
+        }
+    }
+
+    /// Every amount of the task and its parts, for validation (finite, >= 0).
+    pub fn amounts(&self) -> impl Iterator<Item = f64> + '_ {
+        std::iter::once(self)
+            .chain(self.parts.iter().map(|p| &p.work))
+            .flat_map(|w| [w.flops, w.bytes, w.host_bytes, w.net_bytes])
+    }
+}
+
+// By hand: a human-readable form (YAML, JSON) leaves out empty `parts`, so that plans and
+// profiles without parts read as before; a compact one (the binary plan) always writes every
+// field, in order, as it reads them.
+impl Serialize for Work {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let with_parts = !serializer.is_human_readable() || !self.parts.is_empty();
+        let mut st = serializer.serialize_struct("Work", 5 + with_parts as usize)?;
+        st.serialize_field("flops", &self.flops)?;
+        st.serialize_field("bytes", &self.bytes)?;
+        st.serialize_field("steps", &self.steps)?;
+        st.serialize_field("host_bytes", &self.host_bytes)?;
+        st.serialize_field("net_bytes", &self.net_bytes)?;
+        if with_parts {
+            st.serialize_field("parts", &self.parts)?;
+        } else {
+            st.skip_field("parts")?;
+        }
+        st.end()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn work(flops: f64) -> Work {
+        Work {
+            flops,
+            bytes: 2.0 * flops,
+            steps: 3,
+            host_bytes: 4.0,
+            net_bytes: 5.0,
+            parts: Vec::new(),
+        }
+    }
+
+    fn with_part() -> Work {
+        Work {
+            parts: vec![WorkPart {
+                kind: WorkKind::VisionEncode,
+                work: work(7.0),
+            }],
+            ..work(1.0)
+        }
+    }
+
+    #[test]
+    fn yaml_leaves_out_empty_parts_and_reads_them_back() {
+        let plain = serde_yaml::to_string(&work(1.0)).unwrap();
+        assert!(!plain.contains("parts"), "{plain}");
+        assert_eq!(serde_yaml::from_str::<Work>(&plain).unwrap(), work(1.0));
+        let mixed = serde_yaml::to_string(&with_part()).unwrap();
+        assert!(
+            mixed.contains("parts") && mixed.contains("vision_encode"),
+            "{mixed}"
+        );
+        assert_eq!(serde_yaml::from_str::<Work>(&mixed).unwrap(), with_part());
+    }
+
+    #[test]
+    fn the_binary_form_always_carries_parts() {
+        for w in [work(1.0), with_part()] {
+            let bytes = postcard::to_allocvec(&(w.clone(), 9u32)).unwrap();
+            let back: (Work, u32) = postcard::from_bytes(&bytes).unwrap();
+            assert_eq!(back, (w, 9));
+        }
+    }
+
+    #[test]
+    fn totals_count_the_parts() {
+        let w = with_part();
+        assert_eq!(w.total_flops(), 8.0);
+        assert_eq!(w.total_bytes(), 16.0);
+        assert_eq!(w.amounts().count(), 8);
+    }
 }

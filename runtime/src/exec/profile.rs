@@ -639,14 +639,7 @@ impl ProfileRecorder {
         }
         let share = seg.share / seg.runs as f64;
         let seconds = ((seg.seconds / seg.runs as f64) * 1e9).round() / 1e9;
-        let w = &m.work;
-        let work = Work {
-            flops: (w.flops * share).round(),
-            bytes: (w.bytes * share).round(),
-            steps: (w.steps as f64 * share).round() as u32,
-            host_bytes: (w.host_bytes * share).round(),
-            net_bytes: (w.net_bytes * share).round(),
-        };
+        let work = m.work.scaled(share);
         (seconds >= 1e-9).then(|| {
             let note = format!(
                 "{} ({id}): {} steps {what} in {} iterations ({:.1}% of the window's), mean per iteration",

@@ -287,8 +287,8 @@ fn record(input: &Input, running: &[Running], now: f64, samples: &mut [Vec<Devic
             let t = &input.tasks[r.task];
             s.sms += r.sms;
             if r.rate.is_finite() {
-                s.hbm_bw += t.work.bytes * r.rate;
-                s.flops += t.work.flops * r.rate;
+                s.hbm_bw += t.work.total_bytes() * r.rate;
+                s.flops += t.work.total_flops() * r.rate;
             }
             s.running += 1;
         }
