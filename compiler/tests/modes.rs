@@ -121,6 +121,21 @@ fn prefix_tasks_wait_for_the_encoding_they_read() {
     }
 }
 
+/// The serial plan of the fixture job with prefix dedup on or off and the vision tower and
+/// merger trained or frozen.
+fn tower_plan(dedup: bool, train_tower: bool) -> rollplex_plan::Plan {
+    let spec = job(|s| {
+        s.schedule.prefix_dedup = dedup;
+        s.train.freeze_vision = !train_tower;
+        s.train.freeze_merger = !train_tower;
+    });
+    summary(
+        &format!("dedup {dedup} tower {train_tower}"),
+        &spec,
+        Mode::Serial,
+    )
+}
+
 /// The trainers run the vision tower's backward once per group whatever its copies (the
 /// copies' encodings are the same bits): what training the tower adds to a micro-batch is the
 /// same with and without prefix dedup.
@@ -128,17 +143,8 @@ fn prefix_tasks_wait_for_the_encoding_they_read() {
 fn the_towers_backward_is_counted_once_per_group() {
     use rollplex_plan::Op;
     let mb_flops = |dedup: bool, train_tower: bool| -> Vec<f64> {
-        let spec = job(|s| {
-            s.schedule.prefix_dedup = dedup;
-            s.train.freeze_vision = !train_tower;
-            s.train.freeze_merger = !train_tower;
-        });
-        let p = summary(
-            &format!("dedup {dedup} tower {train_tower}"),
-            &spec,
-            Mode::Serial,
-        );
-        p.tasks
+        tower_plan(dedup, train_tower)
+            .tasks
             .iter()
             .filter(|t| matches!(t.op, Op::TrainMicroBatch { .. }))
             .map(|t| t.work.total_flops())
@@ -170,16 +176,7 @@ fn the_towers_work_is_a_part_at_its_own_rate() {
     use rollplex_plan::work::WorkKind;
     use rollplex_plan::Op;
     let parts = |dedup: bool, train_tower: bool| {
-        let spec = job(|s| {
-            s.schedule.prefix_dedup = dedup;
-            s.train.freeze_vision = !train_tower;
-            s.train.freeze_merger = !train_tower;
-        });
-        let p = summary(
-            &format!("dedup {dedup} tower {train_tower}"),
-            &spec,
-            Mode::Serial,
-        );
+        let p = tower_plan(dedup, train_tower);
         let part = |pick: &dyn Fn(&Op) -> bool| -> Vec<f64> {
             p.tasks
                 .iter()
@@ -227,4 +224,39 @@ fn the_towers_work_is_a_part_at_its_own_rate() {
         0.0,
         "a frozen tower holds no parts"
     );
+}
+
+/// With the tower trained, each training prefix keeps its group's vision inputs for the
+/// tower's backward (pixel rows, every block's input, the merger's input: what the CUDA
+/// trainer's `VisionTrainState` holds), once per group with or without dedup; the plan's
+/// `train_prefix` buffer counts them (measured on the H200 before they were: the pool peaked
+/// 3.2-3.6 GiB above the 16-prompt plans' arenas).
+#[test]
+fn a_trained_towers_kept_inputs_are_in_the_train_prefix_buffer() {
+    use rollplex_compiler::shapes::Shapes;
+    let bytes = |dedup: bool, train_tower: bool| -> u64 {
+        let p = tower_plan(dedup, train_tower);
+        p.buffers
+            .iter()
+            .find(|b| b.name == "train_prefix.s0")
+            .expect("a single-step job keeps its training prefixes")
+            .bytes
+    };
+    let spec = job(|_| {});
+    let sh = Shapes::new(&spec);
+    let v = &spec.actor.vision;
+    let patch_in = (v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size) as u64;
+    let per_group = sh.media_items as u64
+        * sh.patches_per_item
+        * (patch_in + (v.depth as u64 + 1) * v.hidden_size as u64)
+        * sh.dtype_bytes;
+    let groups = spec.rollout.prompts_per_iter as u64;
+    assert!(per_group > 0);
+    for dedup in [true, false] {
+        assert_eq!(
+            bytes(dedup, true) - bytes(dedup, false),
+            groups * per_group,
+            "dedup {dedup}"
+        );
+    }
 }
