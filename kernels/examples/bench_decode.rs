@@ -791,7 +791,9 @@ fn main() -> Res<()> {
     // --cases 4,8,9: only those rows of the case table below (0-based)
     let mut cases: Option<Vec<usize>> = None;
     if let Some(i) = args.iter().position(|a| a == "--cases") {
-        let list = args.get(i + 1).ok_or("--cases needs a list such as 4,8,9")?;
+        let list = args
+            .get(i + 1)
+            .ok_or("--cases needs a list such as 4,8,9")?;
         cases = Some(
             list.split(',')
                 .map(|x| x.trim().parse::<usize>())
