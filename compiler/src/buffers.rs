@@ -16,7 +16,7 @@
 //! | `kv.response` | n g R x KV/token / rollout TP | prefill, decode | decode |
 //! | `samples` | n g R x 4 (token ids, lengths, slot table) | prefill, decode | tail tasks |
 //! | `ref_prefix_kv`, `old_prefix_kv` | c n P x KV/token / train TP | prefixes | suffixes |
-//! | `train_prefix.sS` | c n P x kept bytes/token (+ n x the tower's kept inputs when it trains) | actor prefix of step S | its micro-batches |
+//! | `train_prefix.sS` | c n P x kept bytes/token (+ n x the vision inputs kept when the tower or merger trains) | actor prefix of step S | its micro-batches |
 //! | `ref_logprobs`, `old_logprobs` | n g R x 4 | suffixes | micro-batches |
 //! | `scalars` | n g x 8 (rewards, advantages) | reward, advantages | micro-batches |
 //!
@@ -308,22 +308,23 @@ pub fn assign(pg: &mut PhaseGraph) {
     });
     let step_groups = if multi { batch.mini as u64 / g } else { n_t };
     // With the tower or merger trained, a training prefix encodes its group's media once and
-    // keeps, for the tower's backward, the pixel rows, every block's input and the merger's
-    // input (runtime `gpu/vision_train.rs`, `VisionTrainState`): per patch (patch dim + (depth
-    // + 1) x vision hidden) x dtype, whatever the copies; split across the TP group as the
-    // text's kept activations are.
+    // keeps what their backward needs (runtime `gpu/vision_train.rs`, `VisionTrainState`): the
+    // merger's input, and when the tower trains the pixel rows and every block's input too;
+    // per patch (patch dim + (depth + 1) x vision hidden) x dtype, or the vision hidden alone,
+    // whatever the copies; split across the TP group as the text's kept activations are.
     let vis = &spec.actor.vision;
     let keeps_vision = !pg.reuses_encoding
         && sh.media_items > 0
         && !(spec.train.freeze_vision && spec.train.freeze_merger);
     let kept_vis = if keeps_vision {
-        let patch_in =
-            (vis.in_channels * vis.temporal_patch_size * vis.patch_size * vis.patch_size) as u64;
-        sh.media_items as u64
-            * sh.patches_per_item
-            * (patch_in + (vis.depth as u64 + 1) * vis.hidden_size as u64)
-            * db
-            / ttp
+        let vh = vis.hidden_size as u64;
+        let per_patch = if spec.train.freeze_vision {
+            vh
+        } else {
+            (vis.in_channels * vis.temporal_patch_size * vis.patch_size * vis.patch_size) as u64
+                + (vis.depth as u64 + 1) * vh
+        };
+        sh.media_items as u64 * sh.patches_per_item * per_patch * db / ttp
     } else {
         0
     };

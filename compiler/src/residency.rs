@@ -513,9 +513,6 @@ mod tests {
     fn tight_decode_moves_train_prefix_states_to_host() {
         let mut spec = paper_job(QwenSize::B32);
         spec.rollout.max_new_tokens = 4096;
-        // the merger frozen too: a trained merger's prefixes also keep the vision inputs for
-        // its backward, and the default budget would then not hold the states in HBM
-        spec.train.freeze_merger = true;
         let roomy = compile(&spec, Mode::Overlap);
         let kept = |p: &rollplex_plan::Plan| -> (usize, usize) {
             let n = |f: fn(&Op) -> bool| {

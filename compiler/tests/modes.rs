@@ -228,15 +228,21 @@ fn the_towers_work_is_a_part_at_its_own_rate() {
 
 /// With the tower trained, each training prefix keeps its group's vision inputs for the
 /// tower's backward (pixel rows, every block's input, the merger's input: what the CUDA
-/// trainer's `VisionTrainState` holds), once per group with or without dedup; the plan's
-/// `train_prefix` buffer counts them (measured on the H200 before they were: the pool peaked
-/// 3.2-3.6 GiB above the 16-prompt plans' arenas).
+/// trainer's `VisionTrainState` holds), with only the merger trained the merger's input alone,
+/// once per group with or without dedup; the plan's `train_prefix` buffer counts them
+/// (measured on the H200 before they were: the pool peaked 3.2-3.6 GiB above the 16-prompt
+/// plans' arenas).
 #[test]
 fn a_trained_towers_kept_inputs_are_in_the_train_prefix_buffer() {
     use rollplex_compiler::shapes::Shapes;
-    let bytes = |dedup: bool, train_tower: bool| -> u64 {
-        let p = tower_plan(dedup, train_tower);
-        p.buffers
+    let bytes = |dedup: bool, vision: bool, merger: bool| -> u64 {
+        let spec = job(|s| {
+            s.schedule.prefix_dedup = dedup;
+            s.train.freeze_vision = !vision;
+            s.train.freeze_merger = !merger;
+        });
+        summary("kept", &spec, Mode::Serial)
+            .buffers
             .iter()
             .find(|b| b.name == "train_prefix.s0")
             .expect("a single-step job keeps its training prefixes")
@@ -246,17 +252,21 @@ fn a_trained_towers_kept_inputs_are_in_the_train_prefix_buffer() {
     let sh = Shapes::new(&spec);
     let v = &spec.actor.vision;
     let patch_in = (v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size) as u64;
-    let per_group = sh.media_items as u64
-        * sh.patches_per_item
-        * (patch_in + (v.depth as u64 + 1) * v.hidden_size as u64)
-        * sh.dtype_bytes;
+    let vh = v.hidden_size as u64;
+    let patches = sh.media_items as u64 * sh.patches_per_item * sh.dtype_bytes;
     let groups = spec.rollout.prompts_per_iter as u64;
-    assert!(per_group > 0);
+    assert!(patches > 0);
     for dedup in [true, false] {
+        let frozen = bytes(dedup, false, false);
         assert_eq!(
-            bytes(dedup, true) - bytes(dedup, false),
-            groups * per_group,
-            "dedup {dedup}"
+            bytes(dedup, true, true) - frozen,
+            groups * patches * (patch_in + (v.depth as u64 + 1) * vh),
+            "dedup {dedup}, tower and merger trained"
+        );
+        assert_eq!(
+            bytes(dedup, false, true) - frozen,
+            groups * patches * vh,
+            "dedup {dedup}, merger trained"
         );
     }
 }

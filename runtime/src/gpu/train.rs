@@ -1510,7 +1510,9 @@ impl GpuTrainer {
             }
             PromptMedia::Raw(items) => {
                 owned = if self.trains_vision() && !items.is_empty() {
-                    let (e, st) = self.model.encode_media_train(gpu, s, items)?;
+                    let (e, st) =
+                        self.model
+                            .encode_media_train(gpu, s, items, !self.cfg.freeze_vision)?;
                     vision_state = Some(st);
                     e
                 } else {

@@ -2,7 +2,7 @@
 //! the backward from the gradient of the media embeddings into fp32 gradient sums per tensor.
 //!
 //! ```text
-//! let (media, state) = gm.encode_media_train(&gpu, &s, &items)?;  // == encode_media, bitwise
+//! let (media, state) = gm.encode_media_train(&gpu, &s, &items, true)?;  // == encode_media, bitwise; false: merger only
 //! // ... the decoder's forward and backward give d_embeds [state.tokens(), out_hidden] (bf16),
 //! //     the media rows' gradient in item order, as the decoder reads the embeddings ...
 //! let mut grads = VisionGrads::new(&gpu, &s, &cpu.weights.table, &cpu.weights.layout, true, true)?;
@@ -495,9 +495,10 @@ pub struct VisionTrainState {
 struct Kept {
     /// The forward's tables (`window_index` uploaded).
     inp: VisionInputs,
-    /// Pixel rows in permuted order `[patches, patch_dim]` (the patch GEMM's input).
-    pix: CudaSlice<bf16>,
-    /// Each block's input `[patches, vh]`.
+    /// Pixel rows in permuted order `[patches, patch_dim]` (the patch GEMM's input); only when
+    /// the tower trains.
+    pix: Option<CudaSlice<bf16>>,
+    /// Each block's input `[patches, vh]`; empty unless the tower trains.
     block_inputs: Vec<CudaSlice<bf16>>,
     /// The merger's input `[patches, vh]` (the last block's output).
     merger_in: CudaSlice<bf16>,
@@ -519,7 +520,7 @@ impl VisionTrainState {
     /// Bytes of device memory held.
     pub fn bytes(&self) -> usize {
         self.kept.as_ref().map_or(0, |k| {
-            2 * (k.pix.len()
+            2 * (k.pix.as_ref().map_or(0, |p| p.len())
                 + k.merger_in.len()
                 + k.block_inputs.iter().map(|b| b.len()).sum::<usize>())
         })
@@ -529,12 +530,14 @@ impl VisionTrainState {
 impl GpuModel {
     /// [`GpuModel::encode_media`] for training: the same embeddings (bitwise: the same launches
     /// on the same shapes, plus copies of each block's input) and the state
-    /// [`vision_backward`] needs. Nothing synchronises.
+    /// [`vision_backward`] needs: the merger's input, and with `tower` (the tower trains, not
+    /// only the merger) the pixel rows and every block's input too. Nothing synchronises.
     pub fn encode_media_train(
         &self,
         gpu: &Gpu,
         stream: &Arc<CudaStream>,
         items: &[MediaInput<'_>],
+        tower: bool,
     ) -> Result<(Vec<GpuEncodedMedia>, VisionTrainState)> {
         let unit = {
             let m = self.config.vision().spatial_merge_size as usize;
@@ -557,16 +560,25 @@ impl GpuModel {
         let n = inp.plan.patches;
         let vh = self.config.vision().hidden_size as usize;
         let mut x = self.vision_patch_embed(gpu, stream, &pix, n)?;
-        let mut block_inputs = (0..self.weights.vision.len())
-            .map(|_| alloc::<bf16>(gpu, stream, n * vh))
-            .collect::<Result<Vec<_>>>()?;
-        self.vision_blocks(gpu, stream, &inp, &mut x, Some(&mut block_inputs[..]))?;
+        let mut block_inputs = if tower {
+            (0..self.weights.vision.len())
+                .map(|_| alloc::<bf16>(gpu, stream, n * vh))
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            Vec::new()
+        };
+        let keep = if tower {
+            Some(&mut block_inputs[..])
+        } else {
+            None
+        };
+        self.vision_blocks(gpu, stream, &inp, &mut x, keep)?;
         let xn = self.vision_merger_norm(gpu, stream, &x, n, None)?;
         let out = self.vision_merger_mlp(gpu, stream, &inp, &xn, items)?;
         let state = VisionTrainState {
             kept: Some(Kept {
                 inp,
-                pix,
+                pix: tower.then_some(pix),
                 block_inputs,
                 merger_in: x,
             }),
@@ -976,12 +988,17 @@ pub(crate) fn vision_backward(
     let plan = &k.inp.plan;
     let n = plan.patches;
     let groups = n / plan.unit;
-    if groups * mh != n * vh || k.block_inputs.len() != w.vision.len() {
+    if groups * mh != n * vh || (train_tower && k.block_inputs.len() != w.vision.len()) {
         return Err(GpuError::Input(format!(
-            "vision_backward: a state of {n} patches and {} blocks does not fit this model \
-             ({} blocks, merger width {mh})",
+            "vision_backward: a state of {n} patches and {} kept block inputs does not fit this \
+             model ({} blocks, merger width {mh}){}",
             k.block_inputs.len(),
-            w.vision.len()
+            w.vision.len(),
+            if train_tower && k.block_inputs.is_empty() {
+                ": the state was encoded for the merger alone (tower = false)"
+            } else {
+                ""
+            }
         )));
     }
     let window_index = k.inp.window_index.as_ref().ok_or_else(|| {
@@ -1107,7 +1124,11 @@ pub(crate) fn vision_backward(
         }
     }
     // ---- patch embedding: dW [vh, pd] += dx^T pix (rows in the same permuted order) ----
-    matmul_bf16(gpu, s, &mut scratch, &dx, &k.pix, Gemm::tn(vh, n, pd))?;
+    let pix = k
+        .pix
+        .as_ref()
+        .ok_or_else(|| GpuError::Input("vision_backward: the state kept no pixel rows".into()))?;
+    matmul_bf16(gpu, s, &mut scratch, &dx, pix, Gemm::tn(vh, n, pd))?;
     grad_accumulate_f32(
         gpu,
         s,

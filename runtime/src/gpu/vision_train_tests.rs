@@ -319,7 +319,7 @@ fn cuda_vision_backward_matches_the_cpu_backend() {
         let inputs = media.inputs();
         // (a) the training forward's embeddings are encode_media's, bitwise
         let plain = gm.encode_media(&gpu, &s, &inputs).unwrap();
-        let (train, state) = gm.encode_media_train(&gpu, &s, &inputs).unwrap();
+        let (train, state) = gm.encode_media_train(&gpu, &s, &inputs, true).unwrap();
         assert_eq!(plain.len(), train.len());
         for (i, (a, b)) in plain.iter().zip(&train).enumerate() {
             let (a, b) = (
@@ -442,13 +442,64 @@ fn cuda_no_media_trains_nothing() {
     let s = gpu.stream(0).unwrap();
     let m = model(false);
     let gm = GpuModel::upload(&gpu, &s, &m).unwrap();
-    let (out, state) = gm.encode_media_train(&gpu, &s, &[]).unwrap();
+    let (out, state) = gm.encode_media_train(&gpu, &s, &[], true).unwrap();
     assert!(out.is_empty() && state.tokens() == 0 && state.bytes() == 0);
     let (table, layout) = (&m.weights.table, &m.weights.layout);
     let mut g = VisionGrads::new(&gpu, &s, table, layout, true, true).unwrap();
     let d = upload(&s, &[bf16::ZERO; 1]).unwrap();
     vision_backward(&gpu, &s, &gm, &state, &d, true, &mut g).unwrap();
     assert!(g.to_host(&s, table).unwrap().iter().all(|&x| x == 0.0));
+}
+
+/// With the tower frozen the trainer keeps only the merger's input (`tower = false`): the
+/// embeddings are bitwise the full state's, the merger's gradients too, the state holds a
+/// small part of the full one's bytes, and a tower backward from it is refused.
+#[test]
+fn cuda_a_merger_only_state_keeps_the_mergers_input_alone() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let s = gpu.stream(0).unwrap();
+    let m = model(false);
+    let gm = GpuModel::upload(&gpu, &s, &m).unwrap();
+    let (table, layout) = (&m.weights.table, &m.weights.layout);
+    let ow = m.config.vision().out_hidden_size as usize;
+    let media = Media::new(&m, &cases()[2].1);
+    let inputs = media.inputs();
+    let (e_full, full) = gm.encode_media_train(&gpu, &s, &inputs, true).unwrap();
+    let (e_merger, merger) = gm.encode_media_train(&gpu, &s, &inputs, false).unwrap();
+    let host = |e: &[GpuEncodedMedia]| -> Vec<Vec<u32>> {
+        e.iter()
+            .map(|x| {
+                let h = x.to_host(&s).unwrap();
+                h.embeds.iter().map(|v| v.to_bits()).collect()
+            })
+            .collect()
+    };
+    assert_eq!(host(&e_full), host(&e_merger), "the same embeddings");
+    let vh = m.config.vision().hidden_size as usize;
+    let patches = full.patches();
+    assert_eq!(merger.bytes(), 2 * patches * vh, "the merger's input alone");
+    let depth = m.config.vision().depth as usize;
+    assert_eq!(
+        full.bytes(),
+        2 * patches * (m.config.patch_dim() + (depth + 1) * vh),
+        "pixel rows, every block's input and the merger's"
+    );
+    let d = to_bf16_device(&s, &bf16_values(full.tokens() * ow, 31));
+    let grads = |st: &VisionTrainState| {
+        let mut g = VisionGrads::new(&gpu, &s, table, layout, false, true).unwrap();
+        vision_backward(&gpu, &s, &gm, st, &d, false, &mut g).unwrap();
+        g.to_host(&s, table).unwrap()
+    };
+    let (a, b) = (grads(&full), grads(&merger));
+    assert!(a.iter().any(|&x| x != 0.0));
+    assert_eq!(
+        a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        b.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        "the merger's gradients from either state"
+    );
+    let mut tower = VisionGrads::new(&gpu, &s, table, layout, true, true).unwrap();
+    let err = vision_backward(&gpu, &s, &gm, &merger, &d, true, &mut tower).unwrap_err();
+    assert!(err.to_string().contains("merger alone"), "{err}");
 }
 
 /// The tower and merger treat media items independently, so the gradient of two items in one
@@ -469,11 +520,11 @@ fn cuda_vision_backward_of_two_items_is_the_sum_of_each() {
     let both = Media::new(&m, &cases()[2].1);
     let inputs = both.inputs();
     let one = |i: usize| vec![inputs[i]];
-    let (_, st_both) = gm.encode_media_train(&gpu, &s, &inputs).unwrap();
+    let (_, st_both) = gm.encode_media_train(&gpu, &s, &inputs, true).unwrap();
     let d_host = bf16_values(st_both.tokens() * ow, 77);
     // (items, rows of d_embeds) -> (CUDA gradient, CPU gradient), model-sized buffers
     let grads = |items: &[MediaInput<'_>], d: &[f32]| {
-        let (_, st) = gm.encode_media_train(&gpu, &s, items).unwrap();
+        let (_, st) = gm.encode_media_train(&gpu, &s, items, true).unwrap();
         let mut g = VisionGrads::new(&gpu, &s, table, layout, true, true).unwrap();
         vision_backward(&gpu, &s, &gm, &st, &to_bf16_device(&s, d), true, &mut g).unwrap();
         (
@@ -481,7 +532,7 @@ fn cuda_vision_backward_of_two_items_is_the_sum_of_each() {
             cpu_vision_grads(&m, items, d),
         )
     };
-    let (_, st0) = gm.encode_media_train(&gpu, &s, &one(0)).unwrap();
+    let (_, st0) = gm.encode_media_train(&gpu, &s, &one(0), true).unwrap();
     let split = st0.tokens() * ow;
     let (g01, c01) = grads(&inputs, &d_host);
     let (g0, c0) = grads(&one(0), &d_host[..split]);
