@@ -321,8 +321,7 @@ pub fn assign(pg: &mut PhaseGraph) {
         let per_patch = if spec.train.freeze_vision {
             vh
         } else {
-            (vis.in_channels * vis.temporal_patch_size * vis.patch_size * vis.patch_size) as u64
-                + (vis.depth as u64 + 1) * vh
+            vis.patch_dim() + (vis.depth as u64 + 1) * vh
         };
         sh.media_items as u64 * sh.patches_per_item * per_patch * db / ttp
     } else {

@@ -94,7 +94,7 @@ pub fn param_classes(spec: &JobSpec) -> Vec<ParamClass> {
         v.num_heads.max(1) as u64,
     );
     let vhd = vh / vheads;
-    let patch_in = (v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size) as u64;
+    let patch_in = v.patch_dim();
     let depth = v.depth;
     let m2 = (v.spatial_merge_size as u64).pow(2);
     let mh = vh * m2;
@@ -762,7 +762,7 @@ mod tests {
         assert_eq!((s.train.tp, s.rollout.tp), (4, 2));
         let (v, t) = (&s.actor.vision, &s.actor.text);
         let (vh, h) = (v.hidden_size as u64, t.hidden_size as u64);
-        let patch = (v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size) as u64;
+        let patch = v.patch_dim();
         // per block: norm1, norm2, attn.proj bias, mlp.down bias; merger ln_q and mlp.2 bias;
         // text: two norms per layer and the final norm.
         let replicated = patch * vh

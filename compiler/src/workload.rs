@@ -101,7 +101,7 @@ impl Workload<'_> {
             return Work::default();
         }
         let (vh, vi) = (v.hidden_size as f64, v.intermediate_size as f64);
-        let patch_in = (v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size) as f64;
+        let patch_in = v.patch_dim() as f64;
         let frame = (sh.grid.1 as f64 * sh.grid.2 as f64).max(1.0);
         let win = ((v.window_size / v.patch_size.max(1)) as f64)
             .powi(2)

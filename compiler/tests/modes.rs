@@ -251,7 +251,7 @@ fn a_trained_towers_kept_inputs_are_in_the_train_prefix_buffer() {
     let spec = job(|_| {});
     let sh = Shapes::new(&spec);
     let v = &spec.actor.vision;
-    let patch_in = (v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size) as u64;
+    let patch_in = v.patch_dim();
     let vh = v.hidden_size as u64;
     let patches = sh.media_items as u64 * sh.patches_per_item * sh.dtype_bytes;
     let groups = spec.rollout.prompts_per_iter as u64;

@@ -442,11 +442,11 @@ impl Profile {
         // The per-step latency is measured where it shows: the kind whose points spend the
         // largest share of their time in it. Every other kind reuses that value instead of
         // letting it absorb differences in efficiency (see the module doc).
+        let fitted = curves_of(gpu, &kinds);
         let share = |kind: &WorkKind, pts: &[&Point]| {
             let c = &kinds[kind];
-            let others = curves_of(gpu, &kinds);
             pts.iter()
-                .map(|p| p.work.steps as f64 * c.step_overhead_s / predict(gpu, c, &others, p))
+                .map(|p| p.work.steps as f64 * c.step_overhead_s / predict(gpu, c, &fitted, p))
                 .sum::<f64>()
                 / pts.len() as f64
         };

@@ -278,25 +278,10 @@ pub(crate) fn time_parts<'a>(
         .parts
         .iter()
         .map(|p| {
-            own_time_parts(gpu, curve_of(p.kind), host_bw, net_bw, p.kind, &p.work, sms).total()
+            let pc = curve_of(p.kind);
+            time_parts(gpu, pc, curve_of, host_bw, net_bw, p.kind, &p.work, sms).total()
         })
         .sum();
-    TimeParts {
-        parts_s,
-        ..own_time_parts(gpu, c, host_bw, net_bw, kind, work, sms)
-    }
-}
-
-/// The terms of a work's own amounts (without its parts) under curve `c`.
-fn own_time_parts(
-    gpu: &GpuSpec,
-    c: &KindCurve,
-    host_bw: f64,
-    net_bw: f64,
-    kind: WorkKind,
-    work: &Work,
-    sms: u32,
-) -> TimeParts {
     let total = gpu.sms.max(1);
     // Host work does not run on SMs: it sees the whole device for its (small) GPU part.
     let s = if is_host(kind) { total } else { sms.min(total) };
@@ -317,7 +302,7 @@ fn own_time_parts(
         overhead_s: work.steps as f64 * c.step_overhead_s,
         host_s: div(work.host_bytes, host_bw),
         net_s: div(work.net_bytes, net_bw),
-        parts_s: 0.0,
+        parts_s,
     }
 }
 

@@ -109,6 +109,13 @@ pub struct VisionDims {
     pub out_hidden_size: u32,
 }
 
+impl VisionDims {
+    /// Values in one patch: channels x temporal x spatial patch size (the patch GEMM's width).
+    pub fn patch_dim(&self) -> u64 {
+        (self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size) as u64
+    }
+}
+
 /// Text decoder dimensions (Hugging Face `text_config`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TextDims {
@@ -393,7 +400,7 @@ impl ModelSpec {
     pub fn param_count(&self) -> ParamCount {
         let v = &self.vision;
         let (vh, vi) = (v.hidden_size as u64, v.intermediate_size as u64);
-        let patch_in = (v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size) as u64;
+        let patch_in = v.patch_dim();
         // per block: norm1, norm2 (RMSNorm weights), qkv (+bias), proj (+bias), gate/up (+bias), down (+bias)
         let block =
             2 * vh + (3 * vh * vh + 3 * vh) + (vh * vh + vh) + 2 * (vh * vi + vi) + (vi * vh + vh);

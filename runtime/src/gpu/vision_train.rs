@@ -2,7 +2,8 @@
 //! the backward from the gradient of the media embeddings into fp32 gradient sums per tensor.
 //!
 //! ```text
-//! let (media, state) = gm.encode_media_train(&gpu, &s, &items, true)?;  // == encode_media, bitwise; false: merger only
+//! let (media, state) = gm.encode_media_train(&gpu, &s, &items, true)?;  // == encode_media, bitwise
+//! // (tower = false: the merger trains alone, only the merger's input is kept)
 //! // ... the decoder's forward and backward give d_embeds [state.tokens(), out_hidden] (bf16),
 //! //     the media rows' gradient in item order, as the decoder reads the embeddings ...
 //! let mut grads = VisionGrads::new(&gpu, &s, &cpu.weights.table, &cpu.weights.layout, true, true)?;
@@ -567,11 +568,7 @@ impl GpuModel {
         } else {
             Vec::new()
         };
-        let keep = if tower {
-            Some(&mut block_inputs[..])
-        } else {
-            None
-        };
+        let keep = tower.then_some(&mut block_inputs[..]);
         self.vision_blocks(gpu, stream, &inp, &mut x, keep)?;
         let xn = self.vision_merger_norm(gpu, stream, &x, n, None)?;
         let out = self.vision_merger_mlp(gpu, stream, &inp, &xn, items)?;
