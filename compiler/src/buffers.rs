@@ -20,6 +20,9 @@
 //! | `ref_logprobs`, `old_logprobs` | n g R x 4 | suffixes | micro-batches |
 //! | `scalars` | n g x 8 (rewards, advantages) | reward, advantages | micro-batches |
 //!
+//! Every size also allows [`ALIGN`] bytes per tensor the runtime places in the buffer (it puts
+//! each buffer's tensors at the plan's offset, each aligned).
+//!
 //! Kept bytes per token follow the recompute policy ([`crate::shapes::kept_act_bytes_per_token_layer`]);
 //! activations kept for backward are split across the TP group (sequence parallelism).
 //! Sizes that depend on response length use the maximum (`max_new_tokens`): the arena is
@@ -31,6 +34,19 @@ use crate::lower::PhaseGraph;
 use crate::shapes::{kept_act_bytes_per_token_layer, transient_bytes_per_token};
 use rollplex_plan::spec::{MediaSpec, Mode, Recompute};
 use rollplex_plan::{BufferClass, GpuId, Op, Purpose};
+
+/// Alignment, in bytes, of every tensor the runtime places in a buffer's range (cuBLASLt's
+/// default minimum for its operands): a buffer's size allows it once per tensor the runtime
+/// cuts the buffer into (its weight tensors; keys and values per prefix; one per media item).
+pub const ALIGN: u64 = 256;
+
+/// Parameter tensors of the actor at most: twelve per vision block and text layer (two norms,
+/// the attention's and the MLP's weights and biases) and the embeddings, patch embedding,
+/// merger and head.
+fn param_tensors(spec: &rollplex_plan::spec::JobSpec) -> u64 {
+    let blocks = spec.actor.vision.depth as u64 + spec.actor.text.num_layers as u64;
+    12 * blocks + 16
+}
 
 /// How a buffer may be moved to host memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -379,6 +395,31 @@ pub fn assign(pg: &mut PhaseGraph) {
         false,
         Offload::No,
     );
+
+    // The runtime places each buffer's tensors at aligned addresses in its range.
+    let items_per_prompt = sh.media_items as u64;
+    for b in &mut t.bufs {
+        let pieces = match b.class {
+            // (rollout weights apart from the actor's exist only at TP > 1 or on another GPU,
+            // where the executor places nothing)
+            BufferClass::RolloutWeights => 0,
+            BufferClass::ActorWeights
+            | BufferClass::RefWeights
+            | BufferClass::MasterWeights
+            | BufferClass::Grads => param_tensors(spec),
+            BufferClass::OptimizerMoments => 2 * param_tensors(spec),
+            BufferClass::VisionEmbeddings if b.name == "vision_emb" => c * n_r * items_per_prompt,
+            BufferClass::VisionEmbeddings => n_t * items_per_prompt,
+            // the decode KV arena's keys and values span `kv.prompt` and `kv.response`
+            BufferClass::KvPrefix => 2,
+            // keys and values per group
+            BufferClass::PrefixState => 2 * n_t,
+            // kept layer inputs, keys, values
+            BufferClass::Activations => 3,
+            _ => 1,
+        };
+        b.bytes += ALIGN * pieces;
+    }
 
     // Transient sizes.
     let vocab = spec.actor.text.vocab_size as u64;

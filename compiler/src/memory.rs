@@ -9,7 +9,7 @@
 //! Placement: per arena (one device and, when anything is offloaded, one pinned-host arena per
 //! GPU program), persistent buffers first, then the rest by size (largest first), each at the
 //! lowest 256-byte-aligned offset where it overlaps no conflicting buffer placed before it
-//! (first fit over the gaps). Peak = the device arena's size; `live_peak` = the largest sum of
+//! (first fit over the gaps); a pair of [`TOGETHER`] is placed as one block. Peak = the device arena's size; `live_peak` = the largest sum of
 //! buffers certainly alive at one task (those pairwise conflict, so it is a lower bound).
 //!
 //! Invariant of an `Ok` layout: the plan's `memory` rule of `validate` holds, including the
@@ -22,6 +22,11 @@ use rollplex_plan::{
 };
 
 pub const ALIGN: u64 = 256;
+
+/// Buffers placed back to back, the first's (aligned) end at the second's start: the CUDA
+/// executor's decode KV arena holds its keys, then its values, each over the prompt and the
+/// response rows of every layer, in the two buffers' bytes.
+const TOGETHER: [(&str, &str); 1] = [("kv.response", "kv.prompt")];
 
 /// Why a layout does not fit: the numbers a user needs.
 #[derive(Clone, Debug, PartialEq)]
@@ -139,12 +144,33 @@ pub fn layout(plan: &mut Plan) -> Result<(), OverBudget> {
                 i,
             )
         });
+        // the second of a pair placed back to back goes with its first
+        let partner = |i: usize| -> Option<usize> {
+            let b = &plan.buffers[i];
+            let (_, second) = TOGETHER.iter().find(|(f, _)| *f == b.name)?;
+            members
+                .iter()
+                .copied()
+                .find(|&j| plan.buffers[j].name == *second && plan.buffers[j].gpu == b.gpu)
+        };
+        let pairs: Vec<(usize, Option<usize>)> = members.iter().map(|&i| (i, partner(i))).collect();
+        let seconds: Vec<usize> = pairs.iter().filter_map(|p| p.1).collect();
         let mut placed: Vec<usize> = Vec::new();
-        for &i in &members {
-            let (bytes, lt) = (plan.buffers[i].bytes, plan.buffers[i].lifetime);
+        for &(i, second) in pairs.iter().filter(|(i, _)| !seconds.contains(i)) {
+            let lts: Vec<Lifetime> = std::iter::once(i)
+                .chain(second)
+                .map(|k| plan.buffers[k].lifetime)
+                .collect();
+            let bytes = match second {
+                Some(p) => plan.buffers[i].bytes.div_ceil(ALIGN) * ALIGN + plan.buffers[p].bytes,
+                None => plan.buffers[i].bytes,
+            };
             let mut busy: Vec<(u64, u64)> = placed
                 .iter()
-                .filter(|&&j| !ordered(&hb, lt, plan.buffers[j].lifetime))
+                .filter(|&&j| {
+                    lts.iter()
+                        .any(|&lt| !ordered(&hb, lt, plan.buffers[j].lifetime))
+                })
                 .map(|&j| {
                     (
                         plan.buffers[j].offset,
@@ -163,6 +189,10 @@ pub fn layout(plan: &mut Plan) -> Result<(), OverBudget> {
             plan.buffers[i].offset = off;
             a.bytes = a.bytes.max(off + bytes);
             placed.push(i);
+            if let Some(p) = second {
+                plan.buffers[p].offset = off + plan.buffers[i].bytes.div_ceil(ALIGN) * ALIGN;
+                placed.push(p);
+            }
         }
     }
 
