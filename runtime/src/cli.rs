@@ -755,7 +755,7 @@ fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
     let (mut models, identity, host, first) = if args.save_every > 0 || args.resume.is_some() {
         let actor = exec::host_actor(spec)?;
         let identity = RunIdentity::with_reference(plan, spec.reference.enabled.then_some(&actor))?;
-        let fresh = exec::gpu::build_gpu_models_from(spec, &actor)?;
+        let fresh = exec::gpu::build_gpu_models_for(plan, &actor)?;
         match &args.resume {
             Some(p) => {
                 let dir = checkpoint::resolve(p)?;
@@ -772,7 +772,13 @@ fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
             None => (fresh, Some(identity), Some(actor), 0),
         }
     } else {
-        (exec::gpu::build_gpu_models(spec)?, None, None, 0)
+        let actor = exec::host_actor(spec)?;
+        (
+            exec::gpu::build_gpu_models_for(plan, &actor)?,
+            None,
+            None,
+            0,
+        )
     };
     if !args.quiet || std::env::var_os("ROLLPLEX_TASK_LOG").is_some() {
         eprintln!(
@@ -837,6 +843,18 @@ fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
     );
     run.finish()?;
     result?;
+    if let Some(a) = &models.arena {
+        let spilled = a.usage().iter().any(|u| u.spills > 0);
+        if spilled {
+            eprintln!(
+                "warning: some buffers did not fit their plan ranges and came from the memory \
+                 pool (the plan sized them otherwise than this run's data)"
+            );
+        }
+        if !args.quiet || spilled {
+            eprint!("{}", a.report());
+        }
+    }
     run.write_profile(plan)?;
     eval(&models, "after")
 }

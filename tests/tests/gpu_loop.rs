@@ -12,10 +12,27 @@ mod common;
 use rollplex_plan::spec::Mode;
 use rollplex_plan::Plan;
 use rollplex_runtime::exec::{self, gpu, IterationResult};
+use rollplex_runtime::gpu::arena::RegionUsage;
 
 fn run_gpu(plan: &Plan, iterations: u32) -> (Vec<IterationResult>, gpu::WeightBits) {
+    let (r, w, _) = run_gpu_in(plan, iterations, false);
+    (r, w)
+}
+
+/// [`run_gpu`], with the models built for the plan when `placed` (its device arena allocated
+/// once, every kept buffer at its plan offset); also each arena region's use.
+fn run_gpu_in(
+    plan: &Plan,
+    iterations: u32,
+    placed: bool,
+) -> (Vec<IterationResult>, gpu::WeightBits, Vec<RegionUsage>) {
     let spec = &plan.spec;
-    let mut models = gpu::build_gpu_models(spec).expect("GPU models");
+    let mut models = if placed {
+        let actor = exec::host_actor(spec).expect("actor");
+        gpu::build_gpu_models_for(plan, &actor).expect("GPU models")
+    } else {
+        gpu::build_gpu_models(spec).expect("GPU models")
+    };
     let mut source = exec::data_source(spec, &spec.rollout.dataset).expect("data");
     let mut reward = exec::reward_fn(spec).expect("reward");
     let mut results = Vec::new();
@@ -39,7 +56,8 @@ fn run_gpu(plan: &Plan, iterations: u32) -> (Vec<IterationResult>, gpu::WeightBi
         },
     )
     .expect("GPU run");
-    (results, models.weight_bits().expect("weights"))
+    let usage = models.arena.as_ref().map(|a| a.usage()).unwrap_or_default();
+    (results, models.weight_bits().expect("weights"), usage)
 }
 
 fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
@@ -85,8 +103,35 @@ fn serial_and_overlap_bitwise(src: &str) {
         side_work(&overlap) > 0,
         "the overlap plan should move side work into decode windows"
     );
-    let a = run_gpu(&serial, 3);
-    let b = run_gpu(&overlap, 3);
+    // both at their plans' arena offsets (what rollplex-run does), and serial again from the
+    // memory pool: placement changes no number either
+    let (ra, wa, ua) = run_gpu_in(&serial, 3, true);
+    let (rb, wb, ub) = run_gpu_in(&overlap, 3, true);
+    let pool = run_gpu(&serial, 3);
+    for u in ua.iter().chain(&ub) {
+        println!("{u:?}");
+        assert_eq!(
+            u.spills, 0,
+            "{}: buffers did not fit the plan's ranges",
+            u.name
+        );
+        assert!(u.peak > 0 && u.peak <= u.capacity, "{}: {u:?}", u.name);
+    }
+    assert!(ua.len() >= 6, "regions placed: {ua:?}");
+    assert_eq!(pool.0.len(), ra.len());
+    for (i, (x, y)) in ra.iter().zip(&pool.0).enumerate() {
+        assert_eq!(
+            x.tokens, y.tokens,
+            "iteration {i}: placed and pooled tokens differ"
+        );
+        assert_eq!(
+            x.metrics.loss.loss.to_bits(),
+            y.metrics.loss.loss.to_bits(),
+            "iteration {i}: placed and pooled losses differ"
+        );
+    }
+    assert!(wa == pool.1, "placed and pooled final weights differ");
+    let (a, b) = ((ra, wa), (rb, wb));
     for (i, (x, y)) in a.0.iter().zip(&b.0).enumerate() {
         assert!(x.metrics.optimizer_steps > 0, "iteration {i} trained");
         assert_eq!(x.tokens, y.tokens, "iteration {i}: sampled tokens differ");

@@ -74,11 +74,16 @@ use rollplex_plan::{Span, StreamId, TaskId};
 use super::book::{range, Book};
 use super::cpu::RewardFn;
 use super::defer::DeferQueue;
+use super::placement::{PlanArena, Role};
 use super::walker::{self, TaskRunner};
 use super::{ExecError, IterationMetrics, IterationResult, LoopModels, LoopObserver, PromptData};
+use crate::gpu::arena::DevBuf;
+use crate::gpu::arena::Region;
 use crate::gpu::streams::{Priority as PartPriority, StreamSet};
 use crate::gpu::text::DeviceScores;
-use crate::gpu::train::{GpuTrainError, GpuTrainer, PrefixedGroup, PromptMedia, TrainPrefixes};
+use crate::gpu::train::{
+    GpuTrainError, GpuTrainer, PrefixedGroup, PromptMedia, TrainPrefixes, TrainerPlacement,
+};
 use crate::gpu::{GpuEncodedMedia, GpuError, GpuKvArena, GpuModel, GpuPrefixState, GpuPrompt};
 use crate::model::{DecodeSlot, GenerateConfig, MediaInput, Qwen25VL, SamplingParams};
 
@@ -117,6 +122,10 @@ pub struct GpuModels {
     pub reference: Option<GpuModel>,
     /// The stream the models were uploaded on (also evaluation's).
     pub stream: Arc<CudaStream>,
+    /// The device arena of the plan the models were built for ([`build_gpu_models_for`]):
+    /// the weights, masters and moments lie at its offsets, and the loop places the
+    /// iteration's buffers there too; `None`: everything from the memory pool.
+    pub arena: Option<PlanArena>,
     /// Declared last: dropped after every buffer above (its drop synchronises the device).
     pub gpu: Gpu,
 }
@@ -127,7 +136,7 @@ impl GpuModels {
     pub fn weight_bits(&self) -> Result<WeightBits, ExecError> {
         let w = &self.trainer.model().weights;
         let s = &self.stream;
-        let mut vision: Vec<&CudaSlice<bf16>> = vec![&w.patch_embed];
+        let mut vision: Vec<&DevBuf<bf16>> = vec![&w.patch_embed];
         vision.extend(w.vision.iter().flat_map(block_bufs));
         vision.extend([&w.merger_ln, &w.merger_fc1.w]);
         vision.extend(w.merger_fc1.b.as_ref());
@@ -137,10 +146,10 @@ impl GpuModels {
         text.extend(w.text.iter().flat_map(block_bufs));
         text.push(&w.final_norm);
         text.extend(w.lm_head.as_ref());
-        let bits = |bufs: Vec<&CudaSlice<bf16>>| -> Result<Vec<u16>, ExecError> {
+        let bits = |bufs: Vec<&DevBuf<bf16>>| -> Result<Vec<u16>, ExecError> {
             let mut out = Vec::new();
             for b in bufs {
-                out.extend(s.clone_dtoh(b)?.into_iter().map(|x| x.to_bits()));
+                out.extend(s.clone_dtoh(&**b)?.into_iter().map(|x| x.to_bits()));
             }
             Ok(out)
         };
@@ -164,7 +173,7 @@ pub struct WeightBits {
 }
 
 /// A block's weight buffers: norms, then each linear's weight and bias.
-fn block_bufs(b: &crate::gpu::weights::GpuBlock) -> Vec<&CudaSlice<bf16>> {
+fn block_bufs(b: &crate::gpu::weights::GpuBlock) -> Vec<&DevBuf<bf16>> {
     let mut v = vec![&b.norm1, &b.norm2];
     for l in [&b.qkv, &b.o, &b.gate_up, &b.down] {
         v.push(&l.w);
@@ -183,25 +192,53 @@ pub fn build_gpu_models(spec: &JobSpec) -> Result<GpuModels, ExecError> {
 /// [`build_gpu_models`] from the job's initial actor already on the host (`host_actor`), for
 /// a caller that keeps it (checkpoints hash it and save through a host copy).
 pub fn build_gpu_models_from(spec: &JobSpec, actor: &Qwen25VL) -> Result<GpuModels, ExecError> {
+    build_models(spec, actor, None)
+}
+
+/// [`build_gpu_models_from`] for `plan`: its device arena is allocated once, first, and the
+/// actor's and reference's weights, the fp32 masters and the Adam moments are uploaded at the
+/// plan's offsets in it (`exec::placement`); [`run_gpu_loop`] of that plan places the
+/// iteration's buffers there too.
+pub fn build_gpu_models_for(plan: &Plan, actor: &Qwen25VL) -> Result<GpuModels, ExecError> {
+    build_models(&plan.spec, actor, Some(plan))
+}
+
+fn build_models(
+    spec: &JobSpec,
+    actor: &Qwen25VL,
+    plan: Option<&Plan>,
+) -> Result<GpuModels, ExecError> {
     let gpu = open_gpu()?;
     let stream = gpu.stream(0)?;
+    let arena = match plan {
+        Some(p) => PlanArena::new(p, &gpu)?,
+        None => None,
+    };
+    let region = |r: Role| arena.as_ref().and_then(|a| a.region(r)).cloned();
     let reference = if spec.reference.enabled {
-        Some(GpuModel::upload(&gpu, &stream, actor)?)
+        let r = region(Role::RefWeights);
+        Some(GpuModel::upload_in(&gpu, &stream, actor, r.as_deref())?)
     } else {
         None
     };
-    let trainer = GpuTrainer::new(
+    let trainer = GpuTrainer::new_in(
         &gpu,
         &stream,
         actor,
         super::cpu::train_config(spec)?,
         spec.train.optimizer.clone(),
+        &TrainerPlacement {
+            weights: region(Role::ActorWeights),
+            masters: region(Role::Masters),
+            moments: region(Role::Moments),
+        },
     )?;
     stream.synchronize()?;
     Ok(GpuModels {
         trainer,
         reference,
         stream,
+        arena,
         gpu,
     })
 }
@@ -658,6 +695,11 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
         })
     }
 
+    /// The plan arena's region for `role`, when the models were built for the plan.
+    fn region(&self, role: Role) -> Option<Arc<Region>> {
+        self.models.arena.as_ref()?.region(role).cloned()
+    }
+
     /// Notes that `held`'s buffers got memory allocated on `s`.
     fn note_made(&mut self, held: Held, s: &Arc<CudaStream>) {
         let on = &mut self.made_on[held.index()];
@@ -771,6 +813,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
         prompts: &[PromptData],
         groups: &[usize],
         copies: u32,
+        region: Option<&Region>,
     ) -> Result<Vec<Media>, ExecError> {
         let mut out = Vec::with_capacity(groups.len());
         for &g in groups {
@@ -784,7 +827,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             for _ in 0..copies.max(1) {
                 items.extend_from_slice(&inputs);
             }
-            let mut m = model.encode_media(gpu, s, &items)?;
+            let mut m = model.encode_media_in(gpu, s, &items, region)?;
             m.truncate(n);
             out.push(Arc::new(m));
         }
@@ -793,7 +836,8 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
 
     /// Prefills the prompts of `groups` with `model`, one packed call per group (`copies`
     /// copies of its prompt); returns each group's first copy (see [`Self::encode`] on why per
-    /// group).
+    /// group), its keys and values in `region` of the plan's arena when given.
+    #[allow(clippy::too_many_arguments)] // the state it reads, borrowed apart from `self`
     fn prefill(
         gpu: &Gpu,
         s: &Arc<CudaStream>,
@@ -802,6 +846,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
         groups: &[usize],
         media: &[Media],
         copies: u32,
+        region: Option<&Region>,
     ) -> Result<Vec<GpuPrefixState>, ExecError> {
         let mut out = Vec::with_capacity(groups.len());
         for (i, &g) in groups.iter().enumerate() {
@@ -812,7 +857,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             };
             let batch = vec![prompt; copies.max(1) as usize];
             let state = model
-                .prefill(gpu, s, &batch)?
+                .prefill_in(gpu, s, &batch, region)?
                 .into_iter()
                 .next()
                 .ok_or_else(|| ExecError::Plan("prefill returned no state".into()))?;
@@ -841,6 +886,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
                 self.book.prompts,
                 &missing,
                 1,
+                None,
             )?;
             for (g, m) in missing.into_iter().zip(m) {
                 self.encoded[g] = Some(m);
@@ -884,6 +930,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
                 self.book.prompts,
                 &missing,
                 copies,
+                None,
             )?;
             for (g, m) in missing.into_iter().zip(m) {
                 self.ref_encoded[g] = Some(m);
@@ -911,6 +958,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             &groups,
             &media,
             copies,
+            None,
         )?;
         for (g, st) in groups.into_iter().zip(states) {
             self.prefixes[g] = Some(st);
@@ -924,9 +972,11 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
     /// Once every group's prefix is known: the KV arena `[group prefixes | sample suffixes]`,
     /// the decode slots, and every sample's first logits (its group's last prompt logits).
     fn lay_out(&mut self, s: &Arc<CudaStream>) -> Result<(), ExecError> {
+        let region = self.region(Role::DecodeKv);
         let model = self.models.trainer.model();
         let gpu = &self.models.gpu;
-        let mut arena = GpuKvArena::for_model(model, gpu, s, self.arena_rows)?;
+        let mut arena =
+            GpuKvArena::for_model_in(model, gpu, s, self.arena_rows, region.as_deref())?;
         let mut off = 0u32;
         let mut spans = Vec::with_capacity(self.prefixes.len());
         for p in self.prefixes.iter().flatten() {
@@ -1192,6 +1242,11 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
         } else {
             self.actor_media(s, groups)?
         };
+        let region = self.region(if reference {
+            Role::RefPrefixes
+        } else {
+            Role::OldPrefixes
+        });
         let model = if reference {
             self.models.reference.as_ref().ok_or_else(no_reference)?
         } else {
@@ -1205,6 +1260,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             groups,
             &media,
             copies,
+            region.as_deref(),
         )?;
         let out = if reference {
             &mut self.ref_prefixes
@@ -1232,6 +1288,8 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
                  kept its groups' prompt forwards"
             ))
         })?;
+        let grads = self.region(Role::Grads(step));
+        self.models.trainer.set_grads_region(grads);
         let responses = self.book.batches(&mb);
         let batch: Vec<PrefixedGroup<'_>> = mb
             .groups
@@ -1281,8 +1339,14 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
                 .iter()
                 .map(|p| (p.ids.len(), copies))
                 .collect();
-            let store =
-                TrainPrefixes::new(&self.models.gpu, s, self.models.trainer.model(), &lens)?;
+            let region = self.region(Role::TrainPrefixes);
+            let store = TrainPrefixes::new_in(
+                &self.models.gpu,
+                s,
+                self.models.trainer.model(),
+                &lens,
+                region.as_deref(),
+            )?;
             self.train_prefixes = Some((store, copies));
         }
         let (store, laid_out) = self.train_prefixes.as_mut().expect("made above");
@@ -1317,6 +1381,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
         match op {
             Op::EncodeMedia { groups, copies } => {
                 let groups: Vec<usize> = range(*groups).collect();
+                let region = self.region(Role::Media);
                 let m = Self::encode(
                     &self.models.gpu,
                     s,
@@ -1324,6 +1389,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
                     self.book.prompts,
                     &groups,
                     *copies,
+                    region.as_deref(),
                 )?;
                 let ready = self.models.gpu.event()?;
                 ready.record(s)?;
@@ -1513,13 +1579,14 @@ pub fn run_gpu_loop(
             .ok_or_else(|| ExecError::Plan("GPU program 0 has no stream".into()))?
             .id,
     )?;
-    // the next iteration's prompts are drawn on a host thread while this one runs
-    // the plan's device arena is reserved in the memory pool once, before the first iteration
-    // (buffers are then carved from the pool, not at the plan's offsets: the runtime's layouts,
-    // e.g. the KV arena's `[layers, prompt | response rows]`, are not the plan's buffer split);
-    // state whose plan buffers end early is freed then (`Held`), and an iteration whose pool
-    // peak passes the arena is reported
-    let (used, _) = models.gpu.pool_usage()?;
+    // Memory. Models built for this plan (`build_gpu_models_for`) sit in its device arena,
+    // allocated once, and each iteration's kept buffers go at their plan offsets in it
+    // (`exec::placement`); the working sets inside tasks come from the memory pool. Models
+    // built without a plan (benchmarks that run several plans on one set of models): the
+    // plan's arena is reserved in the pool once instead, and every buffer comes from the pool.
+    // Either way state whose plan buffers end early is let go then (`Held`), and an iteration
+    // that holds more than the plan counts (plus an allowance for fixed workspaces) is
+    // reported.
     let arena: u64 = plan
         .memory
         .arenas
@@ -1527,13 +1594,44 @@ pub fn run_gpu_loop(
         .filter(|a| a.gpu == program && a.kind == rollplex_plan::plan::ArenaKind::Device)
         .map(|a| a.bytes)
         .sum();
-    models
-        .gpu
-        .reserve_pool(&models.stream, arena.saturating_sub(used))?;
+    let placed = match &models.arena {
+        Some(a) if !a.fits(plan) => {
+            return Err(ExecError::Plan(
+                "the models were placed in another plan's device arena: build them for this \
+                 plan (build_gpu_models_for)"
+                    .into(),
+            ))
+        }
+        Some(a) => a.mapped(),
+        None => {
+            let (used, _) = models.gpu.pool_usage()?;
+            models
+                .gpu
+                .reserve_pool(&models.stream, arena.saturating_sub(used))?;
+            0
+        }
+    };
+    // with the arena placed, the pool holds the tasks' working sets the arena also leaves room
+    // for (its `scratch.*` ranges): the bound is then the job's budget
+    let budget = plan
+        .memory
+        .gpus
+        .iter()
+        .find(|m| m.gpu == program)
+        .map_or(0, |m| m.budget);
+    let limit = if placed > 0 {
+        budget.max(arena + WORKSPACE_ALLOWANCE)
+    } else {
+        arena + WORKSPACE_ALLOWANCE
+    };
     let mut over_arena = false;
     let ran = super::prompts::for_each_prefetched(source, iterations, groups, |it, prompts, t0| {
         models.gpu.ctx().synchronize()?;
         models.gpu.reset_pool_peak()?;
+        if let Some(a) = &models.arena {
+            // the device is idle: the last iteration's buffers are dead
+            a.reset_iteration();
+        }
         let origin = models.gpu.timing_event()?;
         origin.record(origin_stream)?;
         // the host instant of `origin` (device times map onto the host clock from here)
@@ -1553,17 +1651,21 @@ pub fn run_gpu_loop(
             let times = iter.task_times(&origin)?;
             let steps = iter.step_times(&origin)?;
             let mut result = iter.finish()?;
-            let peak = models.gpu.pool_usage()?.1;
+            let peak = placed + models.gpu.pool_usage()?.1;
             result.metrics.peak_mem_bytes = Some(peak);
-            if peak > arena + WORKSPACE_ALLOWANCE && !over_arena {
+            if peak > limit && !over_arena {
                 // once per run: the plan's memory numbers are what a user sizes GPUs by
                 over_arena = true;
                 eprintln!(
                     "warning: iteration {it} held {:.2} GiB of device memory at its peak, more \
-                     than 1 GiB above the plan's device arena of {:.2} GiB (the runtime kept \
-                     memory the plan does not count)",
+                     than {} ({:.2} GiB): the runtime kept memory the plan does not count",
                     peak as f64 / GIB,
-                    arena as f64 / GIB
+                    if placed > 0 {
+                        "the job's memory budget"
+                    } else {
+                        "1 GiB above the plan's device arena"
+                    },
+                    limit as f64 / GIB
                 );
             }
             (result, (times, steps))
@@ -1657,11 +1759,19 @@ pub fn greedy_tokens(
 ) -> Result<Vec<u32>, ExecError> {
     let (gpu, s) = (&models.gpu, &models.stream);
     let model = models.trainer.model();
-    let media = GpuIteration::encode(gpu, s, model, std::slice::from_ref(prompt), &[0], 1)?;
-    let state =
-        GpuIteration::prefill(gpu, s, model, std::slice::from_ref(prompt), &[0], &media, 1)?
-            .pop()
-            .ok_or_else(|| ExecError::Plan("prefill returned no state".into()))?;
+    let media = GpuIteration::encode(gpu, s, model, std::slice::from_ref(prompt), &[0], 1, None)?;
+    let state = GpuIteration::prefill(
+        gpu,
+        s,
+        model,
+        std::slice::from_ref(prompt),
+        &[0],
+        &media,
+        1,
+        None,
+    )?
+    .pop()
+    .ok_or_else(|| ExecError::Plan("prefill returned no state".into()))?;
     let cfg = GenerateConfig {
         sampling: SamplingParams::greedy(),
         ..cfg.clone()

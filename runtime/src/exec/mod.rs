@@ -24,6 +24,7 @@ pub mod cpu_tp;
 pub mod data;
 pub mod defer;
 pub mod gpu;
+pub mod placement;
 pub mod profile;
 pub mod prompts;
 pub mod walker;

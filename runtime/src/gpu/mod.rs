@@ -35,6 +35,7 @@ use rollplex_kernels::cuda::{CudaError, CudaSlice, CudaStream, Gpu};
 
 use crate::model::{ModelConfig, ModelError, Qwen25VL};
 
+pub mod arena;
 mod block;
 mod block_bwd;
 pub mod generate;
@@ -108,8 +109,18 @@ impl GpuModel {
     /// synchronisation would hand the pool's memory back to the driver, so the next call
     /// would map it again.
     pub fn upload(gpu: &Gpu, stream: &Arc<CudaStream>, model: &Qwen25VL) -> Result<Self> {
+        Self::upload_in(gpu, stream, model, None)
+    }
+
+    /// [`GpuModel::upload`] with the weights in `region` of the plan's arena.
+    pub fn upload_in(
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        model: &Qwen25VL,
+        region: Option<&arena::Region>,
+    ) -> Result<Self> {
         keep_pool_memory(gpu)?;
-        let weights = GpuWeights::upload(gpu, stream, model)?;
+        let weights = GpuWeights::upload(gpu, stream, model, region)?;
         let iota = stream.clone_htod(&(0..IOTA_ROWS as u32).collect::<Vec<u32>>())?;
         Ok(GpuModel {
             config: model.config.clone(),

@@ -28,6 +28,7 @@ use rollplex_kernels::cuda::{
 
 use crate::model::{DecodeSlot, KvSpan, TokenScores};
 
+use super::arena::{alloc_in, DevBuf, Region};
 use super::block::{run_blocks, AttnStep};
 use super::plan::{
     check_decode_slots, check_ids, decode_kernel_for, flat_rope_tables, media_slot, DecodeKernel,
@@ -47,8 +48,8 @@ pub struct GpuPrompt<'a> {
 
 /// Every layer's k/v (after RoPE) of one packed prefill batch: `[layers, rows, kv_width]`.
 pub struct PrefillKv {
-    pub k: CudaSlice<bf16>,
-    pub v: CudaSlice<bf16>,
+    pub k: DevBuf<bf16>,
+    pub v: DevBuf<bf16>,
     pub rows: usize,
     pub kv_width: usize,
 }
@@ -71,8 +72,8 @@ pub struct GpuKvArena {
     layers: usize,
     kv_width: usize,
     capacity: u32,
-    k: CudaSlice<bf16>,
-    v: CudaSlice<bf16>,
+    k: DevBuf<bf16>,
+    v: DevBuf<bf16>,
 }
 
 impl GpuKvArena {
@@ -83,6 +84,17 @@ impl GpuKvArena {
         stream: &Arc<CudaStream>,
         capacity: u32,
     ) -> Result<Self> {
+        Self::for_model_in(model, gpu, stream, capacity, None)
+    }
+
+    /// [`GpuKvArena::for_model`] in `region` of the plan's arena (`kv.prompt` + `kv.response`).
+    pub fn for_model_in(
+        model: &GpuModel,
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        capacity: u32,
+        region: Option<&Region>,
+    ) -> Result<Self> {
         let t = model.config.text();
         let layers = t.num_layers as usize;
         let kv_width = (t.num_kv_heads * t.head_dim()) as usize;
@@ -91,8 +103,8 @@ impl GpuKvArena {
             layers,
             kv_width,
             capacity,
-            k: alloc(gpu, stream, n)?,
-            v: alloc(gpu, stream, n)?,
+            k: alloc_in(gpu, stream, n, region)?,
+            v: alloc_in(gpu, stream, n, region)?,
         })
     }
     pub fn capacity(&self) -> u32 {
@@ -479,7 +491,19 @@ impl GpuModel {
         stream: &Arc<CudaStream>,
         prompts: &[GpuPrompt<'_>],
     ) -> Result<Vec<GpuPrefixState>> {
-        Ok(self.prefill_impl(gpu, stream, prompts, false)?.0)
+        self.prefill_in(gpu, stream, prompts, None)
+    }
+
+    /// [`GpuModel::prefill`] with the prefix keys and values in `region` of the plan's arena
+    /// (the reference's or the old policy's kept prefixes).
+    pub fn prefill_in(
+        &self,
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        prompts: &[GpuPrompt<'_>],
+        region: Option<&Region>,
+    ) -> Result<Vec<GpuPrefixState>> {
+        Ok(self.prefill_impl(gpu, stream, prompts, false, region)?.0)
     }
 
     /// Full-sequence forward of one prompt as HF's `model(input_ids, ...)`: logits of every
@@ -490,7 +514,7 @@ impl GpuModel {
         stream: &Arc<CudaStream>,
         prompt: GpuPrompt<'_>,
     ) -> Result<CudaSlice<bf16>> {
-        let (_, all) = self.prefill_impl(gpu, stream, &[prompt], true)?;
+        let (_, all) = self.prefill_impl(gpu, stream, &[prompt], true, None)?;
         all.ok_or_else(|| GpuError::Input("forward_logits: no logits".into()))
     }
 
@@ -500,6 +524,7 @@ impl GpuModel {
         stream: &Arc<CudaStream>,
         prompts: &[GpuPrompt<'_>],
         all_logits: bool,
+        region: Option<&Region>,
     ) -> Result<(Vec<GpuPrefixState>, Option<CudaSlice<bf16>>)> {
         self.check_text_dims()?;
         if prompts.is_empty() {
@@ -578,8 +603,8 @@ impl GpuModel {
         let layers = self.weights.text.len();
         let kvw = dims.kv_width();
         let mut kv = PrefillKv {
-            k: alloc(gpu, stream, layers * rows * kvw)?,
-            v: alloc(gpu, stream, layers * rows * kvw)?,
+            k: alloc_in(gpu, stream, layers * rows * kvw, region)?,
+            v: alloc_in(gpu, stream, layers * rows * kvw, region)?,
             rows,
             kv_width: kvw,
         };

@@ -95,6 +95,7 @@ use crate::train::adamw::{default_decay, lr_at, validate_spec, StepReport};
 use crate::train::loss::{LossMetrics, Normaliser};
 use crate::train::{MicroBatchOutput, ResponseBatch, TrainConfig, TrainError, TrainStepReport};
 
+use super::arena::{alloc_in, upload_in, zeros_in, DevBuf, Region};
 use super::block_bwd::{BlockBwd, BlockTensor, GradSink, MlpSaved};
 use super::loss::{loss_metrics, policy_loss_device, LossTables};
 use super::plan::{check_ids, media_slot, PackedPrompts, PromptSpec};
@@ -358,12 +359,12 @@ struct TrainTensor {
     name: String,
     numel: usize,
     decay: bool,
-    master: CudaSlice<f32>,
-    m: CudaSlice<f32>,
-    v: CudaSlice<f32>,
+    master: DevBuf<f32>,
+    m: DevBuf<f32>,
+    v: DevBuf<f32>,
     /// The fp32 gradient sum of the running mini-batch: made (zeroed) by its first micro-batch,
     /// freed by the optimizer step, as the plan's `grads.sS` lives (see [`Grads`]).
-    grad: Option<CudaSlice<f32>>,
+    grad: Option<DevBuf<f32>>,
 }
 
 fn lin_of_mut(b: &mut GpuBlock, l: Lin) -> &mut GpuLinear {
@@ -376,7 +377,7 @@ fn lin_of_mut(b: &mut GpuBlock, l: Lin) -> &mut GpuLinear {
 }
 
 /// The bf16 compute copy of a slot (the buffer the forward reads).
-fn weight_mut(w: &mut GpuWeights, s: Slot) -> Option<&mut CudaSlice<bf16>> {
+fn weight_mut(w: &mut GpuWeights, s: Slot) -> Option<&mut DevBuf<bf16>> {
     match s {
         Slot::Embed => Some(&mut w.embed),
         Slot::LmHead => w.lm_head.as_mut(),
@@ -395,6 +396,9 @@ fn weight_mut(w: &mut GpuWeights, s: Slot) -> Option<&mut CudaSlice<bf16>> {
 /// zeroed on the micro-batch's stream, [`Grads::release`] frees them after the step.
 struct Grads {
     t: Vec<TrainTensor>,
+    /// Where the next mini-batch's sums go: the plan's `grads.sS` region of the running step
+    /// (set by the executor), or the memory pool.
+    region: Option<Arc<Region>>,
 }
 
 impl GradSink<BlockTensor> for Grads {
@@ -425,20 +429,25 @@ impl Grads {
 
     /// A tensor's sum, or [`Grads::no_sum`].
     fn of(t: &TrainTensor) -> std::result::Result<&CudaSlice<f32>, GpuError> {
-        t.grad.as_ref().ok_or_else(|| Grads::no_sum(&t.name))
+        t.grad.as_deref().ok_or_else(|| Grads::no_sum(&t.name))
     }
 
     fn of_mut(t: &mut TrainTensor) -> std::result::Result<&mut CudaSlice<f32>, GpuError> {
-        match t.grad.as_mut() {
+        match t.grad.as_deref_mut() {
             Some(g) => Ok(g),
             None => Err(Grads::no_sum(&t.name)),
         }
     }
 
-    /// Zeroed sums on `s` for the tensors that have none (a mini-batch's first micro-batch).
-    fn ensure(&mut self, s: &Arc<CudaStream>) -> Result<()> {
+    /// Zeroed sums on `s` for the tensors that have none (a mini-batch's first micro-batch):
+    /// a new lifetime of the step's region when none has one.
+    fn ensure(&mut self, gpu: &Gpu, s: &Arc<CudaStream>) -> Result<()> {
+        let region = self.region.as_deref();
+        if let Some(r) = region.filter(|_| self.t.iter().all(|t| t.grad.is_none())) {
+            r.reset();
+        }
         for t in self.t.iter_mut().filter(|t| t.grad.is_none()) {
-            t.grad = Some(s.alloc_zeros::<f32>(t.numel.max(1))?);
+            t.grad = Some(zeros_in::<f32>(gpu, s, t.numel, region)?);
         }
         Ok(())
     }
@@ -448,7 +457,7 @@ impl Grads {
     fn release(&mut self, gpu: &Gpu, s: &Arc<CudaStream>) -> Result<()> {
         let done = gpu.event()?;
         done.record(s)?;
-        let sums: Vec<CudaSlice<f32>> = self.t.iter_mut().filter_map(|t| t.grad.take()).collect();
+        let sums: Vec<DevBuf<f32>> = self.t.iter_mut().filter_map(|t| t.grad.take()).collect();
         super::wait_before_free(sums.iter().map(|g| g.stream()), s, &done)?;
         drop(sums);
         Ok(())
@@ -515,6 +524,18 @@ pub struct GpuTrainer {
     dw: CudaSlice<bf16>,
 }
 
+/// Regions of the plan's arena for the trainer's loop-carried state ([`GpuTrainer::new_in`]);
+/// `None`: the memory pool.
+#[derive(Clone, Default)]
+pub struct TrainerPlacement {
+    /// The bf16 compute copy (`actor_weights`).
+    pub weights: Option<Arc<Region>>,
+    /// fp32 master weights (`master_weights`).
+    pub masters: Option<Arc<Region>>,
+    /// AdamW's moments (`adam_moments`).
+    pub moments: Option<Arc<Region>>,
+}
+
 /// The actor's kept prompt forwards for training: per GRPO group, `copies` forwards of its
 /// prompt (one with prefix dedup, one per sample without), every layer's input (bf16 residual
 /// stream, for the recompute in backward) and K/V after RoPE (what the suffixes attend to) in
@@ -530,9 +551,9 @@ pub struct TrainPrefixes {
     rows: usize,
     layouts: Vec<PrefixLayout>,
     kept: Vec<Option<KeptPrefix>>,
-    inputs: CudaSlice<bf16>,
-    k: CudaSlice<bf16>,
-    v: CudaSlice<bf16>,
+    inputs: DevBuf<bf16>,
+    k: DevBuf<bf16>,
+    v: DevBuf<bf16>,
     last: CudaSlice<bf16>,
 }
 
@@ -570,6 +591,18 @@ impl TrainPrefixes {
         model: &GpuModel,
         groups: &[(usize, u32)],
     ) -> Result<Self> {
+        Self::new_in(gpu, s, model, groups, None)
+    }
+
+    /// [`TrainPrefixes::new`] with the kept layer inputs, keys and values in `region` of the
+    /// plan's arena (`train_prefix.sS`).
+    pub fn new_in(
+        gpu: &Gpu,
+        s: &Arc<CudaStream>,
+        model: &GpuModel,
+        groups: &[(usize, u32)],
+        region: Option<&Region>,
+    ) -> Result<Self> {
         let (layouts, rows, units) = layout_prefixes(groups)?;
         let t = model.config.text();
         let (l, h) = (t.num_layers as usize, t.hidden_size as usize);
@@ -578,9 +611,9 @@ impl TrainPrefixes {
             rows,
             kept: (0..layouts.len()).map(|_| None).collect(),
             layouts,
-            inputs: alloc(gpu, s, l * rows * h)?,
-            k: alloc(gpu, s, l * rows * kvw)?,
-            v: alloc(gpu, s, l * rows * kvw)?,
+            inputs: alloc_in(gpu, s, l * rows * h, region)?,
+            k: alloc_in(gpu, s, l * rows * kvw, region)?,
+            v: alloc_in(gpu, s, l * rows * kvw, region)?,
             last: alloc(gpu, s, units * h)?,
         })
     }
@@ -1217,6 +1250,19 @@ impl GpuTrainer {
         cfg: TrainConfig,
         spec: AdamWSpec,
     ) -> Result<Self> {
+        Self::new_in(gpu, stream, model, cfg, spec, &TrainerPlacement::default())
+    }
+
+    /// [`GpuTrainer::new`] with the weights, masters and moments in `place`'s regions of the
+    /// plan's arena.
+    pub fn new_in(
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        model: &Qwen25VL,
+        cfg: TrainConfig,
+        spec: AdamWSpec,
+        place: &TrainerPlacement,
+    ) -> Result<Self> {
         if !(cfg.temperature > 0.0 && cfg.temperature.is_finite()) {
             return Err(TrainError::Invalid(format!(
                 "temperature {} must be positive and finite",
@@ -1226,7 +1272,8 @@ impl GpuTrainer {
         }
         cfg.loss.validate()?;
         validate_spec(&spec)?;
-        let gm = GpuModel::upload(gpu, stream, model)?;
+        let gm = GpuModel::upload_in(gpu, stream, model, place.weights.as_deref())?;
+        let (masters, moments) = (place.masters.as_deref(), place.moments.as_deref());
         let slots = train_slots(&model.weights.layout, &cfg);
         let mut t = Vec::with_capacity(slots.len());
         let mut biggest = 0usize;
@@ -1240,10 +1287,10 @@ impl GpuTrainer {
                 decay: default_decay(&name, &shape),
                 name,
                 numel,
-                master: upload(stream, &vals)?,
+                master: upload_in(gpu, stream, &vals, masters)?,
                 // zeroed on the device (no host copy of three model-sized zero buffers)
-                m: stream.alloc_zeros::<f32>(numel.max(1))?,
-                v: stream.alloc_zeros::<f32>(numel.max(1))?,
+                m: zeros_in::<f32>(gpu, stream, numel, moments)?,
+                v: zeros_in::<f32>(gpu, stream, numel, moments)?,
                 grad: None,
             });
         }
@@ -1254,12 +1301,18 @@ impl GpuTrainer {
             spec,
             layout: model.weights.layout.clone(),
             table: model.weights.table.clone(),
-            grads: Grads { t },
+            grads: Grads { t, region: None },
             steps: 0,
             micro: 0,
             metrics: LossMetrics::default(),
             dw,
         })
+    }
+
+    /// Where the next mini-batch's gradient sums go (the plan's `grads.sS` of the step about to
+    /// run; `None`: the memory pool). Sums in progress stay where they are.
+    pub fn set_grads_region(&mut self, region: Option<Arc<Region>>) {
+        self.grads.region = region;
     }
 
     /// The model with its current bf16 weights (to encode media, score, generate).
@@ -1682,7 +1735,7 @@ impl GpuTrainer {
         store: &TrainPrefixes,
     ) -> Result<MicroBatchOutput> {
         self.check_next(index)?;
-        self.grads.ensure(stream)?;
+        self.grads.ensure(gpu, stream)?;
         let out = self.forward_backward(gpu, stream, groups, norm, store)?;
         self.micro += 1;
         self.metrics.add(&out.metrics);

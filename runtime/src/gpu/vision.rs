@@ -25,6 +25,7 @@ use rollplex_kernels::cuda::{
 use crate::model::config::VISION_RMS_EPS;
 use crate::model::{EncodedMedia, Grid, MediaInput, MediaKind};
 
+use super::arena::{alloc_in, DevBuf, Region};
 use super::block::{linear, run_blocks_keeping, AttnStep};
 use super::plan::VisionPlan;
 use super::staging::staged_bytes;
@@ -36,7 +37,7 @@ pub struct GpuEncodedMedia {
     pub kind: MediaKind,
     pub grid: Grid,
     /// `[tokens, text_hidden]`.
-    pub embeds: CudaSlice<bf16>,
+    pub embeds: DevBuf<bf16>,
     pub tokens: usize,
 }
 
@@ -191,6 +192,18 @@ impl GpuModel {
         stream: &Arc<CudaStream>,
         items: &[MediaInput<'_>],
     ) -> Result<Vec<GpuEncodedMedia>> {
+        self.encode_media_in(gpu, stream, items, None)
+    }
+
+    /// [`GpuModel::encode_media`] with the embeddings in `region` of the plan's arena
+    /// (`vision_emb`).
+    pub fn encode_media_in(
+        &self,
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        items: &[MediaInput<'_>],
+        region: Option<&Region>,
+    ) -> Result<Vec<GpuEncodedMedia>> {
         let Some((pix, inp)) = self.vision_inputs(gpu, stream, items, false)? else {
             return Ok(Vec::new());
         };
@@ -199,7 +212,7 @@ impl GpuModel {
         self.vision_blocks(gpu, stream, &inp, &mut x, None)?;
         let xn = self.vision_merger_norm(gpu, stream, &x, inp.plan.patches, None)?;
         drop(x);
-        self.vision_merger_mlp(gpu, stream, &inp, &xn, items)
+        self.vision_merger_mlp(gpu, stream, &inp, &xn, items, region)
     }
 
     /// Checks `items`, builds their [`VisionPlan`] and uploads its tables through the staging
@@ -379,6 +392,7 @@ impl GpuModel {
         inp: &VisionInputs,
         xn: &CudaSlice<bf16>,
         items: &[MediaInput<'_>],
+        region: Option<&Region>,
     ) -> Result<Vec<GpuEncodedMedia>> {
         let w = &self.weights;
         let plan = &inp.plan;
@@ -396,7 +410,7 @@ impl GpuModel {
         let mut off = 0usize;
         for it in items {
             let toks = (it.grid[0] * it.grid[1] * it.grid[2]) as usize / plan.unit;
-            let mut e = alloc::<bf16>(gpu, stream, toks * ow)?;
+            let mut e = alloc_in::<bf16>(gpu, stream, toks * ow, region)?;
             let ids = inp.inv.slice(off..off + toks);
             embedding_fwd_bf16(gpu, stream, &mut e, &merged, &ids, toks, ow, ow)?;
             out.push(GpuEncodedMedia {

@@ -64,6 +64,7 @@ use crate::model::config::VISION_RMS_EPS;
 use crate::model::weights::{Layout, Linear, ParamTable};
 use crate::model::{Grid, MediaInput, MediaKind, ParamId, Qwen25VL};
 
+use super::arena::DevBuf;
 use super::block::linear;
 use super::block_bwd::{linear_grads, BlockBwd, BlockTensor, GradSink, MlpSaved};
 use super::train::Lin;
@@ -271,7 +272,7 @@ fn block_lin_mut(b: &mut GpuBlock, k: Lin) -> &mut GpuLinear {
 
 /// The bf16 compute copy of a vision tensor on the device (the buffer the forward reads, the
 /// one an optimizer step writes); `None` for a bias the device linear lacks.
-pub fn vision_weight(w: &GpuWeights, s: VisionSlot) -> Option<&CudaSlice<bf16>> {
+pub fn vision_weight(w: &GpuWeights, s: VisionSlot) -> Option<&DevBuf<bf16>> {
     match s {
         VisionSlot::PatchEmbed => Some(&w.patch_embed),
         VisionSlot::Norm1(b) => w.vision.get(b).map(|x| &x.norm1),
@@ -287,7 +288,7 @@ pub fn vision_weight(w: &GpuWeights, s: VisionSlot) -> Option<&CudaSlice<bf16>> 
 }
 
 /// [`vision_weight`], writable (for the optimizer's bf16 copy and checkpoint restores).
-pub fn vision_weight_mut(w: &mut GpuWeights, s: VisionSlot) -> Option<&mut CudaSlice<bf16>> {
+pub fn vision_weight_mut(w: &mut GpuWeights, s: VisionSlot) -> Option<&mut DevBuf<bf16>> {
     match s {
         VisionSlot::PatchEmbed => Some(&mut w.patch_embed),
         VisionSlot::Norm1(b) => w.vision.get_mut(b).map(|x| &mut x.norm1),
@@ -446,7 +447,7 @@ impl VisionGrads {
     pub fn iter_with_weights<'a>(
         &'a self,
         w: &'a GpuWeights,
-    ) -> impl Iterator<Item = (&'a VisionGrad, Option<&'a CudaSlice<bf16>>)> {
+    ) -> impl Iterator<Item = (&'a VisionGrad, Option<&'a DevBuf<bf16>>)> {
         self.t.iter().map(move |g| (g, vision_weight(w, g.slot)))
     }
 
@@ -571,7 +572,7 @@ impl GpuModel {
         let keep = tower.then_some(&mut block_inputs[..]);
         self.vision_blocks(gpu, stream, &inp, &mut x, keep)?;
         let xn = self.vision_merger_norm(gpu, stream, &x, n, None)?;
-        let out = self.vision_merger_mlp(gpu, stream, &inp, &xn, items)?;
+        let out = self.vision_merger_mlp(gpu, stream, &inp, &xn, items, None)?;
         let state = VisionTrainState {
             kept: Some(Kept {
                 inp,

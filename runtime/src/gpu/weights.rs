@@ -13,23 +13,25 @@ use std::sync::Arc;
 use half::bf16;
 use rollplex_kernels::cuda::{CudaSlice, CudaStream, Gpu};
 
+use super::arena::{upload_in, DevBuf, Region};
+
 use crate::model::weights::{BlockParams, Linear};
 use crate::model::{Qwen25VL, Weights};
 
-use super::{upload, Result};
+use super::Result;
 
 /// A linear layer on the device: `w [out, inp]`, optional `b [out]`.
 pub struct GpuLinear {
-    pub w: CudaSlice<bf16>,
-    pub b: Option<CudaSlice<bf16>>,
+    pub w: DevBuf<bf16>,
+    pub b: Option<DevBuf<bf16>>,
     pub out: usize,
     pub inp: usize,
 }
 
 /// One block (vision block or text layer) on the device.
 pub struct GpuBlock {
-    pub norm1: CudaSlice<bf16>,
-    pub norm2: CudaSlice<bf16>,
+    pub norm1: DevBuf<bf16>,
+    pub norm2: DevBuf<bf16>,
     /// `[q | k | v]` rows.
     pub qkv: GpuLinear,
     pub o: GpuLinear,
@@ -42,17 +44,17 @@ pub struct GpuBlock {
 /// All weights of a model on one device.
 pub struct GpuWeights {
     /// `[vision_hidden, patch_dim]`.
-    pub patch_embed: CudaSlice<bf16>,
+    pub patch_embed: DevBuf<bf16>,
     pub vision: Vec<GpuBlock>,
-    pub merger_ln: CudaSlice<bf16>,
+    pub merger_ln: DevBuf<bf16>,
     pub merger_fc1: GpuLinear,
     pub merger_fc2: GpuLinear,
     /// `[vocab, hidden]`.
-    pub embed: CudaSlice<bf16>,
+    pub embed: DevBuf<bf16>,
     pub text: Vec<GpuBlock>,
-    pub final_norm: CudaSlice<bf16>,
+    pub final_norm: DevBuf<bf16>,
     /// `[vocab, hidden]`; `None` when tied to `embed`.
-    pub lm_head: Option<CudaSlice<bf16>>,
+    pub lm_head: Option<DevBuf<bf16>>,
     /// Bytes held on the device.
     pub bytes: usize,
 }
@@ -86,14 +88,16 @@ fn to_bf16(x: &[f32]) -> Vec<bf16> {
 }
 
 struct Up<'a> {
+    gpu: &'a Gpu,
     stream: &'a Arc<CudaStream>,
+    region: Option<&'a Region>,
     bytes: usize,
 }
 
 impl Up<'_> {
-    fn t(&mut self, x: &[f32]) -> Result<CudaSlice<bf16>> {
+    fn t(&mut self, x: &[f32]) -> Result<DevBuf<bf16>> {
         self.bytes += x.len() * 2;
-        upload(self.stream, &to_bf16(x))
+        upload_in(self.gpu, self.stream, &to_bf16(x), self.region)
     }
     fn lin(&mut self, w: &Weights, parts: &[&Linear]) -> Result<GpuLinear> {
         if let Some(bad) = parts.iter().find(|l| l.inp != parts[0].inp) {
@@ -127,11 +131,22 @@ impl Up<'_> {
 }
 
 impl GpuWeights {
-    /// Converts to bf16 and uploads on `stream`.
-    pub fn upload(_gpu: &Gpu, stream: &Arc<CudaStream>, model: &Qwen25VL) -> Result<Self> {
+    /// Converts to bf16 and uploads on `stream`, into `region` of the plan's arena (or the
+    /// memory pool).
+    pub fn upload(
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        model: &Qwen25VL,
+        region: Option<&Region>,
+    ) -> Result<Self> {
         let w = &model.weights;
         let l = &w.layout;
-        let mut up = Up { stream, bytes: 0 };
+        let mut up = Up {
+            gpu,
+            stream,
+            region,
+            bytes: 0,
+        };
         let patch_embed = up.t(w.get(l.patch_embed))?;
         let vision = l
             .vision_blocks

@@ -1,0 +1,280 @@
+//! Which of a plan's buffers the CUDA executor places at the plan's offsets, and the regions of
+//! the plan's device arena they make ([`crate::gpu::arena`] has the mechanism).
+//!
+//! Placed: the loop-carried state (actor and reference weights, fp32 master weights, Adam
+//! moments), each step's gradient sums, and the iteration's kept data (media embeddings, the
+//! decode KV arena over `kv.prompt` and `kv.response`, the reference's and the old policy's
+//! prefix KV, the kept prompt forwards for training). From the memory pool instead: the working
+//! sets inside a task (the plan's `scratch.*`), small per-group tables (last-prompt logits,
+//! rope tables), and what the plan keeps elsewhere:
+//! - a buffer the plan moves to host memory in some phase (the CUDA executor keeps it on the
+//!   device, so its range would be reused under it);
+//! - `vision_emb` when the tower or merger trains: an old-log-prob prefix then reuses the
+//!   rollout's embeddings where the plan encodes its own, a read the plan's lifetimes do not
+//!   see;
+//! - `train_prefix.sS` of a plan of several optimizer steps: the runtime keeps one store for
+//!   every step's groups, alive until the last step's micro-batches, where the plan may reuse
+//!   an earlier step's range.
+//!
+//! [`layout`] is pure; [`PlanArena`] allocates it on a GPU.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use rollplex_plan::plan::{ArenaKind, Lifetime, Residency};
+use rollplex_plan::{GpuId, Plan};
+
+use super::ExecError;
+use crate::gpu::arena::{DeviceArena, Region, RegionUsage};
+use rollplex_kernels::cuda::Gpu;
+
+/// What the runtime keeps in a region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Role {
+    ActorWeights,
+    RefWeights,
+    Masters,
+    Moments,
+    /// Gradient sums of optimizer step `S` (`grads.sS`).
+    Grads(u32),
+    Media,
+    DecodeKv,
+    RefPrefixes,
+    OldPrefixes,
+    TrainPrefixes,
+}
+
+impl Role {
+    /// The role of a plan buffer, by name.
+    pub fn of_buffer(name: &str) -> Option<Role> {
+        let step = |p: &str| name.strip_prefix(p).and_then(|s| s.parse::<u32>().ok());
+        Some(match name {
+            "actor_weights" => Role::ActorWeights,
+            "ref_weights" => Role::RefWeights,
+            "master_weights" => Role::Masters,
+            "adam_moments" => Role::Moments,
+            "vision_emb" => Role::Media,
+            "kv.prompt" | "kv.response" => Role::DecodeKv,
+            "ref_prefix_kv" => Role::RefPrefixes,
+            "old_prefix_kv" => Role::OldPrefixes,
+            _ => {
+                if let Some(s) = step("grads.s") {
+                    Role::Grads(s)
+                } else if step("train_prefix.s").is_some() {
+                    Role::TrainPrefixes
+                } else {
+                    return None;
+                }
+            }
+        })
+    }
+
+    /// Whether the region holds state that lives across iterations (never reset).
+    pub fn loop_carried(self) -> bool {
+        matches!(
+            self,
+            Role::ActorWeights | Role::RefWeights | Role::Masters | Role::Moments
+        )
+    }
+
+    /// Whether the region holds one iteration's data (reset as each iteration starts).
+    pub fn per_iteration(self) -> bool {
+        matches!(
+            self,
+            Role::Media
+                | Role::DecodeKv
+                | Role::RefPrefixes
+                | Role::OldPrefixes
+                | Role::TrainPrefixes
+        )
+    }
+}
+
+/// The placement of one GPU program's buffers: its device arena's size, each role's byte
+/// ranges, and the buffers left to the pool with the reason.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Layout {
+    pub arena_bytes: u64,
+    pub regions: BTreeMap<Role, Vec<(u64, u64)>>,
+    pub unplaced: Vec<(String, &'static str)>,
+}
+
+/// The placement of `program`'s buffers in its device arena (see the module docs).
+pub fn layout(plan: &Plan, program: GpuId) -> Layout {
+    let Some(arena) = plan
+        .memory
+        .arenas
+        .iter()
+        .find(|a| a.gpu == program && a.kind == ArenaKind::Device)
+    else {
+        return Layout::default();
+    };
+    let trains_vision = !(plan.spec.train.freeze_vision && plan.spec.train.freeze_merger);
+    let mine = |b: &&rollplex_plan::plan::Buffer| b.gpu == program && b.arena == arena.id;
+    let train_prefix_steps = plan
+        .buffers
+        .iter()
+        .filter(mine)
+        .filter(|b| Role::of_buffer(&b.name) == Some(Role::TrainPrefixes))
+        .count();
+    let mut out = Layout {
+        arena_bytes: arena.bytes,
+        ..Layout::default()
+    };
+    for b in plan.buffers.iter().filter(mine) {
+        let Some(role) = Role::of_buffer(&b.name) else {
+            continue;
+        };
+        let why = if b.residency.iter().any(|r| r.residency == Residency::Host) {
+            Some("offloaded to host memory in a phase")
+        } else if role == Role::Media && trains_vision {
+            Some("read past its plan lifetime when the vision tower trains")
+        } else if role == Role::TrainPrefixes && train_prefix_steps > 1 {
+            // each step's range may be reused once its micro-batches are done, while the one
+            // store still holds the later steps' groups
+            Some("one store for every step's groups, where the plan has one buffer per step")
+        } else if role.loop_carried() != matches!(b.lifetime, Lifetime::Persistent) {
+            Some("lifetime not the one its runtime state has")
+        } else {
+            None
+        };
+        match why {
+            Some(w) => out.unplaced.push((b.name.clone(), w)),
+            None => out
+                .regions
+                .entry(role)
+                .or_default()
+                .push((b.offset, b.bytes)),
+        }
+    }
+    out
+}
+
+/// A plan's device arena allocated on the GPU, with its regions.
+pub struct PlanArena {
+    layout: Layout,
+    arena: Arc<DeviceArena>,
+    regions: BTreeMap<Role, Arc<Region>>,
+}
+
+impl PlanArena {
+    /// Allocates the device arena of `plan`'s first GPU program (none when it has no device
+    /// arena).
+    pub fn new(plan: &Plan, gpu: &Gpu) -> Result<Option<Self>, ExecError> {
+        let Some(program) = plan.gpus.first().map(|g| g.id) else {
+            return Ok(None);
+        };
+        let layout = layout(plan, program);
+        if layout.arena_bytes == 0 {
+            return Ok(None);
+        }
+        let used: Vec<(u64, u64)> = layout.regions.values().flatten().copied().collect();
+        let arena = DeviceArena::new(gpu, layout.arena_bytes, &used).map_err(|e| {
+            ExecError::Machine(format!(
+                "allocating the plan's device arena of {:.2} GiB: {e}",
+                layout.arena_bytes as f64 / (1u64 << 30) as f64
+            ))
+        })?;
+        let mut regions = BTreeMap::new();
+        for (role, ranges) in &layout.regions {
+            let name = format!("{role:?}");
+            let r = Region::new(arena.clone(), name, ranges.clone()).map_err(ExecError::Plan)?;
+            regions.insert(*role, Arc::new(r));
+        }
+        Ok(Some(PlanArena {
+            layout,
+            arena,
+            regions,
+        }))
+    }
+
+    /// Whether this arena was laid out for `plan` (the same arena size and regions).
+    pub fn fits(&self, plan: &Plan) -> bool {
+        plan.gpus
+            .first()
+            .is_some_and(|g| layout(plan, g.id) == self.layout)
+    }
+
+    pub fn region(&self, role: Role) -> Option<&Arc<Region>> {
+        self.regions.get(&role)
+    }
+
+    /// A new iteration: its regions' earlier contents are dead.
+    pub fn reset_iteration(&self) {
+        for (_, r) in self.regions.iter().filter(|(k, _)| k.per_iteration()) {
+            r.reset();
+        }
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.arena.bytes()
+    }
+
+    /// Device memory mapped under the arena (the placed buffers' ranges).
+    pub fn mapped(&self) -> u64 {
+        self.arena.mapped()
+    }
+
+    /// Each region's use so far.
+    pub fn usage(&self) -> Vec<RegionUsage> {
+        self.regions.values().map(|r| r.usage()).collect()
+    }
+
+    pub fn unplaced(&self) -> &[(String, &'static str)] {
+        &self.layout.unplaced
+    }
+
+    /// One line per region: capacity, peak, what spilled to the pool; then what was left to
+    /// the pool and why.
+    pub fn report(&self) -> String {
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        let mut s = format!(
+            "plan arena: {:.1} MiB of address space; {:.1} MiB of device memory mapped once \
+             under the placed buffers' ranges (rounded to the allocation granularity; the rest \
+             of the arena holds only tasks' working sets, which come from the pool); buffers \
+             at the plan's offsets:\n",
+            mib(self.bytes()),
+            mib(self.mapped())
+        );
+        for u in self.usage() {
+            s += &format!(
+                "  {:<14} {:>10.1} MiB, peak {:>10.1} MiB{}\n",
+                u.name,
+                mib(u.capacity),
+                mib(u.peak),
+                if u.spills > 0 {
+                    format!(
+                        ", {} allocations ({:.1} MiB) did not fit: from the pool",
+                        u.spills,
+                        mib(u.spilled)
+                    )
+                } else {
+                    String::new()
+                }
+            );
+        }
+        for (n, why) in &self.layout.unplaced {
+            s += &format!("  {n}: from the pool ({why})\n");
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roles_by_buffer_name() {
+        assert_eq!(Role::of_buffer("kv.prompt"), Some(Role::DecodeKv));
+        assert_eq!(Role::of_buffer("kv.response"), Some(Role::DecodeKv));
+        assert_eq!(Role::of_buffer("grads.s3"), Some(Role::Grads(3)));
+        assert_eq!(
+            Role::of_buffer("train_prefix.s1"),
+            Some(Role::TrainPrefixes)
+        );
+        assert_eq!(Role::of_buffer("scratch.decode.w0"), None);
+        assert_eq!(Role::of_buffer("grads.sx"), None);
+        assert_eq!(Role::of_buffer("samples"), None);
+    }
+}

@@ -1,0 +1,88 @@
+//! Which plan buffers the CUDA executor places at the plan's offsets (`exec::placement`), on the
+//! shipped pipelines the CUDA backend runs and the GPU tests' pipelines: every kept buffer of a
+//! one-step frozen-tower plan is placed, the decode KV arena's two buffers touch (the runtime's
+//! keys and values each span both), and what is left to the pool says why. The placement on
+//! the device is tested by `gpu_loop.rs` (no allocation spills, bitwise equal to the pool).
+
+mod common;
+
+use rollplex_plan::spec::Mode;
+use rollplex_plan::Plan;
+use rollplex_runtime::exec::placement::{layout, Layout, Role};
+
+fn layout_of(plan: &Plan) -> Layout {
+    layout(plan, plan.gpus[0].id)
+}
+
+fn check_decode_kv(name: &str, l: &Layout) {
+    let kv = &l.regions[&Role::DecodeKv];
+    let (mut r, mut end) = (kv.clone(), 0);
+    r.sort_unstable();
+    for (o, b) in r {
+        assert!(
+            end == 0 || o == end,
+            "{name}: kv.prompt and kv.response apart: {kv:?}"
+        );
+        end = o + b;
+    }
+}
+
+#[test]
+fn the_3b_video_plans_place_every_kept_buffer() {
+    let src = common::repo_file("examples/h200-3b-video.rpx");
+    for mode in [Mode::Serial, Mode::Overlap] {
+        let plan = common::compile("h200-3b-video.rpx", &src, mode);
+        let l = layout_of(&plan);
+        assert!(l.unplaced.is_empty(), "{mode:?}: {:?}", l.unplaced);
+        let roles: Vec<Role> = l.regions.keys().copied().collect();
+        assert_eq!(
+            roles,
+            vec![
+                Role::ActorWeights,
+                Role::RefWeights,
+                Role::Masters,
+                Role::Moments,
+                Role::Grads(0),
+                Role::Media,
+                Role::DecodeKv,
+                Role::RefPrefixes,
+                Role::TrainPrefixes,
+            ],
+            "{mode:?}"
+        );
+        check_decode_kv(&format!("{mode:?}"), &l);
+        // inside the arena
+        for (role, ranges) in &l.regions {
+            for (o, b) in ranges {
+                assert!(o + b <= l.arena_bytes, "{role:?} past the arena");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_trained_tower_leaves_the_rollout_embeddings_to_the_pool() {
+    for (name, src) in [
+        ("overlap_small", common::overlap_small()),
+        ("overlap_small_frozen", common::overlap_small_frozen()),
+    ] {
+        for mode in [Mode::Serial, Mode::Overlap] {
+            let plan = common::compile("overlap_small.rpx", &src, mode);
+            let l = layout_of(&plan);
+            let t = &plan.spec.train;
+            let frozen = t.freeze_vision && t.freeze_merger;
+            assert_eq!(
+                l.regions.contains_key(&Role::Media),
+                frozen,
+                "{name} {mode:?}"
+            );
+            let unplaced: Vec<&str> = l.unplaced.iter().map(|(n, _)| n.as_str()).collect();
+            assert_eq!(
+                unplaced,
+                if frozen { vec![] } else { vec!["vision_emb"] },
+                "{name} {mode:?}"
+            );
+            check_decode_kv(&format!("{name} {mode:?}"), &l);
+        }
+    }
+}
