@@ -86,3 +86,26 @@ fn a_trained_tower_leaves_the_rollout_embeddings_to_the_pool() {
         }
     }
 }
+
+/// The shipped pipelines whose plans the CUDA backend runs declare prompts as long as their
+/// datasets' (a longer prompt than the plan counts does not fit its buffers: the executor takes
+/// it from the pool and warns).
+#[test]
+fn shipped_pipelines_declare_their_datasets_prompt_lengths() {
+    for file in ["examples/tiny-h200.rpx", "examples/tiny.rpx"] {
+        let plan = common::compile(file, &common::repo_file(file), Mode::Overlap);
+        let spec = &plan.spec;
+        let declared = rollplex_compiler::shapes::Shapes::new(spec).prompt_tokens as usize;
+        let mut source =
+            rollplex_runtime::exec::data_source(spec, &spec.rollout.dataset).expect("data");
+        let longest = (0..64)
+            .flat_map(|it| source.prompts(it, 8).expect("prompts"))
+            .map(|p| p.ids.len())
+            .max()
+            .unwrap();
+        assert!(
+            longest <= declared,
+            "{file}: prompts of {longest} tokens, the plan counts {declared}"
+        );
+    }
+}
