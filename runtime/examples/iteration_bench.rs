@@ -18,8 +18,15 @@
 //! iterations), so a run cut short by a time limit keeps what it finished; merge the profiles
 //! with `rollplexc merge-profiles` (`runtime/examples/corun_calibrate.sh` does it all).
 //!
+//! With `--placed` the models are built for the plan they run (`build_gpu_models_for`: its
+//! device arena allocated once, the weights, optimizer state and every iteration's kept buffers
+//! at the plan's offsets, as `rollplex-run` does), again from the host actor for a plan of
+//! another arena layout (so the actor does not carry its training from plan to plan then).
+//! Without it the models and every buffer come from the memory pool, reserved to the plan's
+//! arena size.
+//!
 //! Usage: iteration_bench PLAN.bin... [--iterations 2] [--rounds 2] [--trace-dir DIR]
-//! [--profile-dir DIR]
+//! [--profile-dir DIR] [--placed]
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -27,7 +34,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use rollplex_plan::plan::{Phase, Plan, Task};
 use rollplex_plan::spec::DatasetSpec;
-use rollplex_runtime::exec::gpu::{build_gpu_models, run_gpu_loop, PlanStreams};
+use rollplex_runtime::exec::gpu::{
+    build_gpu_models, build_gpu_models_for, run_gpu_loop, PlanStreams,
+};
 use rollplex_runtime::exec::profile::{Execution, ProfileRecorder};
 use rollplex_runtime::exec::{self, ExecError, IterationResult, LoopModels, LoopObserver};
 use rollplex_runtime::trace::PlanTrace;
@@ -189,8 +198,15 @@ fn main() -> Result<()> {
         .unwrap_or(2);
     let trace_dir = arg(&mut args, "--trace-dir").map(PathBuf::from);
     let profile_dir = arg(&mut args, "--profile-dir").map(PathBuf::from);
+    let placed = match args.iter().position(|a| a == "--placed") {
+        Some(i) => {
+            args.remove(i);
+            true
+        }
+        None => false,
+    };
     if args.is_empty() || iterations < 2 {
-        bail!("usage: iteration_bench PLAN.bin... [--iterations N >= 2] [--rounds R] [--trace-dir DIR] [--profile-dir DIR]");
+        bail!("usage: iteration_bench PLAN.bin... [--iterations N >= 2] [--rounds R] [--trace-dir DIR] [--profile-dir DIR] [--placed]");
     }
     if let Some(dir) = &profile_dir {
         std::fs::create_dir_all(dir)
@@ -207,16 +223,42 @@ fn main() -> Result<()> {
         check_same_job(&plans[0].1, p, name)?;
     }
     let t0 = Instant::now();
-    let mut models = build_gpu_models(&plans[0].1.spec).context("building the models")?;
+    let actor = if placed {
+        Some(exec::host_actor(&plans[0].1.spec)?)
+    } else {
+        None
+    };
+    let models = match &actor {
+        Some(a) => build_gpu_models_for(&plans[0].1, a),
+        None => build_gpu_models(&plans[0].1.spec),
+    }
+    .context("building the models")?;
+    let models_gpu_name = models.gpu.name().to_string();
+    let mut slot = Some(models);
     println!(
-        "device {}; models built in {:.1} s; {} plans x {rounds} rounds x {iterations} iterations (the first of each run is warm-up)",
-        models.gpu.name(),
+        "device {}; models built in {:.1} s ({}); {} plans x {rounds} rounds x {iterations} iterations (the first of each run is warm-up)",
+        models_gpu_name,
         t0.elapsed().as_secs_f64(),
+        if placed {
+            "at the first plan's arena offsets"
+        } else {
+            "from the memory pool"
+        },
         plans.len()
     );
     let mut runs: Vec<Run> = (0..plans.len()).map(|_| Run::default()).collect();
     for round in 0..rounds {
         for (i, (name, plan)) in plans.iter().enumerate() {
+            if let (Some(a), Some(arena)) = (&actor, &slot.as_ref().and_then(|m| m.arena.as_ref()))
+            {
+                if !arena.fits(plan) {
+                    print!("{}", arena.report());
+                    // one arena at a time: the old models go first
+                    drop(slot.take());
+                    slot = Some(build_gpu_models_for(plan, a).context("building the models")?);
+                }
+            }
+            let models = slot.as_mut().expect("built above");
             let spec = &plan.spec;
             let mut source: Box<dyn exec::prompts::PromptSource> = match &spec.rollout.dataset {
                 DatasetSpec::Synthetic => Box::new(exec::prompts::SyntheticPrompts::new(spec)),
@@ -245,7 +287,7 @@ fn main() -> Result<()> {
             };
             run_gpu_loop(
                 plan,
-                &mut models,
+                models,
                 source.as_mut(),
                 reward.as_mut(),
                 0..iterations,
@@ -270,6 +312,9 @@ fn main() -> Result<()> {
                 &r.wall[r.wall.len() - (iterations as usize - 1)..]
             );
         }
+    }
+    if let Some(a) = slot.as_ref().and_then(|m| m.arena.as_ref()) {
+        print!("{}", a.report());
     }
     println!();
     println!(
