@@ -47,12 +47,17 @@
 //! ([`GpuIteration::step_times`], told to the observer's `decode_steps`), so that `--profile`
 //! can cut a window that co-ran with side work into its steps (`exec::profile`).
 //!
-//! Memory: the plan's device arena is reserved in the pool before the first iteration; state
-//! whose plan buffers' lifetimes end before the iteration does ([`Held`]: the decode KV arena,
-//! the media embeddings, the reference's and the old-log-prob prefix states, the kept prompt
-//! forwards) is dropped once the last task of those buffers is launched, after the streams it
-//! was allocated on wait for that task's end event (so they order its frees after every use);
-//! an iteration whose pool peak passes the arena prints a warning.
+//! Memory: with models built for the plan ([`build_gpu_models_for`], what `rollplex-run` does),
+//! the plan's device arena is reserved once and the iteration's kept buffers go at their plan
+//! offsets in it (the region of each [`Role`], `exec::placement`; reset as each iteration
+//! starts, never freed: the plan's layout decides when bytes are reused); without, the arena
+//! is reserved in the memory pool before the first iteration and everything comes from the
+//! pool. Either way state whose plan buffers' lifetimes end before the iteration does
+//! ([`Held`]: the decode KV arena, the media embeddings, the reference's and the old-log-prob
+//! prefix states, the kept prompt forwards) is dropped once the last task of those buffers is
+//! launched, after the streams it was allocated on wait for that task's end event (so they
+//! order its frees after every use: what of it came from the pool goes back then); an
+//! iteration that holds more than the plan counts prints a warning.
 //!
 //! Invariants: a task's launches all go to one CUDA stream; a buffer made on one stream is read
 //! on another only after an event of the producing task; everything an iteration allocated is
