@@ -60,29 +60,45 @@ fn the_3b_video_plans_place_every_kept_buffer() {
     }
 }
 
+/// With the tower trained, an old-log-prob prefix (plans of several optimizer steps) reuses the
+/// rollout's embeddings outside their plan lifetime: those plans leave them to the pool, and so
+/// do several-step plans their kept prompt forwards (one store for every step's groups).
 #[test]
-fn a_trained_tower_leaves_the_rollout_embeddings_to_the_pool() {
+fn what_a_plan_reads_outside_its_lifetimes_stays_in_the_pool() {
+    let one_step = "mini_batch = PROMPTS * G   // the whole iteration: one optimizer step";
     for (name, src) in [
         ("overlap_small", common::overlap_small()),
         ("overlap_small_frozen", common::overlap_small_frozen()),
     ] {
-        for mode in [Mode::Serial, Mode::Overlap] {
-            let plan = common::compile("overlap_small.rpx", &src, mode);
-            let l = layout_of(&plan);
-            let t = &plan.spec.train;
-            let frozen = t.freeze_vision && t.freeze_merger;
-            assert_eq!(
-                l.regions.contains_key(&Role::Media),
-                frozen,
-                "{name} {mode:?}"
-            );
-            let unplaced: Vec<&str> = l.unplaced.iter().map(|(n, _)| n.as_str()).collect();
-            assert_eq!(
-                unplaced,
-                if frozen { vec![] } else { vec!["vision_emb"] },
-                "{name} {mode:?}"
-            );
-            check_decode_kv(&format!("{name} {mode:?}"), &l);
+        for steps in [1, 2] {
+            let src = if steps == 1 {
+                src.clone()
+            } else {
+                assert!(src.contains(one_step), "overlap_small.rpx changed");
+                src.replace(one_step, "mini_batch = PROMPTS * G / 2")
+            };
+            for mode in [Mode::Serial, Mode::Overlap] {
+                let plan = common::compile("overlap_small.rpx", &src, mode);
+                let l = layout_of(&plan);
+                let t = &plan.spec.train;
+                let frozen = t.freeze_vision && t.freeze_merger;
+                let what = format!("{name}, {steps} steps, {mode:?}");
+                let mut expect = Vec::new();
+                if !frozen && steps > 1 {
+                    expect.push("vision_emb");
+                }
+                if steps > 1 {
+                    expect.extend(["train_prefix.s0", "train_prefix.s1"]);
+                }
+                let unplaced: Vec<&str> = l.unplaced.iter().map(|(n, _)| n.as_str()).collect();
+                assert_eq!(unplaced, expect, "{what}");
+                assert_eq!(
+                    l.regions.contains_key(&Role::OldPrefixes),
+                    steps > 1,
+                    "{what}"
+                );
+                check_decode_kv(&what, &l);
+            }
         }
     }
 }

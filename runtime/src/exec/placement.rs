@@ -9,9 +9,9 @@
 //! rope tables), and what the plan keeps elsewhere:
 //! - a buffer the plan moves to host memory in some phase (the CUDA executor keeps it on the
 //!   device, so its range would be reused under it);
-//! - `vision_emb` when the tower or merger trains: an old-log-prob prefix then reuses the
-//!   rollout's embeddings where the plan encodes its own, a read the plan's lifetimes do not
-//!   see;
+//! - `vision_emb` of a plan with old-log-prob prefixes when the tower or merger trains: such a
+//!   prefix reuses the rollout's embeddings where the plan encodes its own, a read the plan's
+//!   lifetimes do not see;
 //! - `train_prefix.sS` of a plan of several optimizer steps: the runtime keeps one store for
 //!   every step's groups, alive until the last step's micro-batches, where the plan may reuse
 //!   an earlier step's range.
@@ -110,6 +110,19 @@ pub fn layout(plan: &Plan, program: GpuId) -> Layout {
         return Layout::default();
     };
     let trains_vision = !(plan.spec.train.freeze_vision && plan.spec.train.freeze_merger);
+    // with the tower trained, the plan has an old-log-prob prefix encode its own media, where
+    // the executor reuses the rollout's (the same weights and bits): a read of `vision_emb` its
+    // plan lifetime does not cover
+    let old_prefixes = plan.tasks.iter().any(|t| {
+        t.gpu == program
+            && matches!(
+                t.op,
+                rollplex_plan::Op::ActorPrefix {
+                    purpose: rollplex_plan::Purpose::OldLogProb,
+                    ..
+                }
+            )
+    });
     let mine = |b: &&rollplex_plan::plan::Buffer| b.gpu == program && b.arena == arena.id;
     let train_prefix_steps = plan
         .buffers
@@ -127,8 +140,8 @@ pub fn layout(plan: &Plan, program: GpuId) -> Layout {
         };
         let why = if b.residency.iter().any(|r| r.residency == Residency::Host) {
             Some("offloaded to host memory in a phase")
-        } else if role == Role::Media && trains_vision {
-            Some("read past its plan lifetime when the vision tower trains")
+        } else if role == Role::Media && trains_vision && old_prefixes {
+            Some("read past its plan lifetime by old-log-prob prefixes when the tower trains")
         } else if role == Role::TrainPrefixes && train_prefix_steps > 1 {
             // each step's range may be reused once its micro-batches are done, while the one
             // store still holds the later steps' groups
