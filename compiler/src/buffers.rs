@@ -414,8 +414,15 @@ pub fn assign(pg: &mut PhaseGraph) {
             BufferClass::KvPrefix => 2,
             // keys and values per group
             BufferClass::PrefixState => 2 * n_t,
-            // kept layer inputs, keys, values
-            BufferClass::Activations => 3,
+            // kept layer inputs, keys, values; per group its media's kept vision state (pixel
+            // rows, every block's input, the merger's input)
+            BufferClass::Activations => {
+                3 + if keeps_vision {
+                    step_groups * items_per_prompt * (vis.depth as u64 + 2)
+                } else {
+                    0
+                }
+            }
             _ => 1,
         };
         b.bytes += ALIGN * pieces;

@@ -11,6 +11,8 @@
 #   2. device (the H200, repository root, $DIR carried): writes the bench log and the profiles
 #      as one file, $OUT/tower.tgz (about 4 minutes at 4 and 8 prompts; session 8 ran it):
 #        bash runtime/examples/tower_bench.sh device        carry: [".devbin/tower"]
+#      With PLACED=1 the models are built for each plan (`iteration_bench --placed`: the plan's
+#      arena, buffers at its offsets, as rollplex-run does; rebuilt per plan, ~50 s each).
 #
 # Session 7 measured at 8 prompts with dedup 6.539 s (attention backward on SIMT) -> 5.442 s
 # (tensor cores, heads padded 80 -> 128), predicted 4.999 s by the shipped profile.
@@ -55,7 +57,8 @@ device() {
   mkdir -p "$out/prof"
   # shellcheck disable=SC2046
   timeout "${LIMIT:-500}" "$bin/iteration_bench" $(cat "$DIR/plans.txt") --iterations 3 --rounds 1 \
-    --profile-dir "$out/prof" --trace-dir "$out/trace" > "$out/bench.log" 2>&1 || echo "iteration_bench exit $?"
+    --profile-dir "$out/prof" --trace-dir "$out/trace" ${PLACED:+--placed} > "$out/bench.log" 2>&1 ||
+    echo "iteration_bench exit $?"
   tail -12 "$out/bench.log"
   cat "$out/prof/measured.tsv" 2>/dev/null || true
   pack_results tower

@@ -1350,7 +1350,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
                 s,
                 self.models.trainer.model(),
                 &lens,
-                region.as_deref(),
+                region,
             )?;
             self.train_prefixes = Some((store, copies));
         }

@@ -353,6 +353,22 @@ pub fn zeros_in<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     Ok(b)
 }
 
+/// `src` kept in `region` (copied there on `stream`, `src` then freed in stream order), or
+/// `src` itself without one.
+pub fn keep_in<T: DeviceRepr>(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    src: CudaSlice<T>,
+    region: Option<&Region>,
+) -> Result<DevBuf<T>> {
+    let Some(r) = region else {
+        return Ok(DevBuf::from(src));
+    };
+    let mut b = r.alloc::<T>(gpu, stream, src.len())?;
+    stream.memcpy_dtod(&src, &mut *b)?;
+    Ok(b)
+}
+
 /// A device buffer in a [`Region`] of the plan's arena (never freed: the plan reuses its
 /// memory) or from the memory pool (freed, stream-ordered, when dropped). Derefs to the
 /// `CudaSlice` every launcher takes.

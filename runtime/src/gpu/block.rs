@@ -15,6 +15,7 @@ use rollplex_kernels::cuda::{
     CudaSlice, CudaStream, Gpu,
 };
 
+use super::arena::DevBuf;
 use super::weights::{GpuBlock, GpuLinear};
 use super::{alloc, Result};
 
@@ -80,7 +81,7 @@ pub(crate) fn run_blocks_keeping(
     dims: AttnDims,
     eps: f32,
     attn: &mut dyn AttnStep,
-    mut keep: Option<&mut [CudaSlice<bf16>]>,
+    mut keep: Option<&mut [DevBuf<bf16>]>,
 ) -> Result<()> {
     if let Some(k) = keep.as_deref() {
         if k.len() != blocks.len() || k.iter().any(|b| b.len() < rows * hidden) {

@@ -555,6 +555,8 @@ pub struct TrainPrefixes {
     k: DevBuf<bf16>,
     v: DevBuf<bf16>,
     last: CudaSlice<bf16>,
+    /// The plan's region the store lies in: each group's kept vision state goes there too.
+    region: Option<Arc<Region>>,
 }
 
 /// What a group's prefix forward leaves besides the store rows: the tables its backward
@@ -595,14 +597,15 @@ impl TrainPrefixes {
     }
 
     /// [`TrainPrefixes::new`] with the kept layer inputs, keys and values in `region` of the
-    /// plan's arena (`train_prefix.sS`).
+    /// plan's arena (`train_prefix.sS`), and later each group's kept vision state.
     pub fn new_in(
         gpu: &Gpu,
         s: &Arc<CudaStream>,
         model: &GpuModel,
         groups: &[(usize, u32)],
-        region: Option<&Region>,
+        region: Option<Arc<Region>>,
     ) -> Result<Self> {
+        let r = region.as_deref();
         let (layouts, rows, units) = layout_prefixes(groups)?;
         let t = model.config.text();
         let (l, h) = (t.num_layers as usize, t.hidden_size as usize);
@@ -611,10 +614,11 @@ impl TrainPrefixes {
             rows,
             kept: (0..layouts.len()).map(|_| None).collect(),
             layouts,
-            inputs: alloc_in(gpu, s, l * rows * h, region)?,
-            k: alloc_in(gpu, s, l * rows * kvw, region)?,
-            v: alloc_in(gpu, s, l * rows * kvw, region)?,
+            inputs: alloc_in(gpu, s, l * rows * h, r)?,
+            k: alloc_in(gpu, s, l * rows * kvw, r)?,
+            v: alloc_in(gpu, s, l * rows * kvw, r)?,
             last: alloc(gpu, s, units * h)?,
+            region,
         })
     }
 
@@ -1563,9 +1567,13 @@ impl GpuTrainer {
             }
             PromptMedia::Raw(items) => {
                 owned = if self.trains_vision() && !items.is_empty() {
-                    let (e, st) =
-                        self.model
-                            .encode_media_train(gpu, s, items, !self.cfg.freeze_vision)?;
+                    let (e, st) = self.model.encode_media_train_in(
+                        gpu,
+                        s,
+                        items,
+                        !self.cfg.freeze_vision,
+                        store.region.as_deref(),
+                    )?;
                     vision_state = Some(st);
                     e
                 } else {

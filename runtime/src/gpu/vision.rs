@@ -339,7 +339,7 @@ impl GpuModel {
         stream: &Arc<CudaStream>,
         inp: &VisionInputs,
         x: &mut CudaSlice<bf16>,
-        keep: Option<&mut [CudaSlice<bf16>]>,
+        keep: Option<&mut [DevBuf<bf16>]>,
     ) -> Result<()> {
         let v = self.config.vision();
         let mut step = inp.attn(&v.fullatt_block_indexes);

@@ -64,7 +64,7 @@ use crate::model::config::VISION_RMS_EPS;
 use crate::model::weights::{Layout, Linear, ParamTable};
 use crate::model::{Grid, MediaInput, MediaKind, ParamId, Qwen25VL};
 
-use super::arena::DevBuf;
+use super::arena::{alloc_in, keep_in, DevBuf, Region};
 use super::block::linear;
 use super::block_bwd::{linear_grads, BlockBwd, BlockTensor, GradSink, MlpSaved};
 use super::train::Lin;
@@ -499,11 +499,11 @@ struct Kept {
     inp: VisionInputs,
     /// Pixel rows in permuted order `[patches, patch_dim]` (the patch GEMM's input); only when
     /// the tower trains.
-    pix: Option<CudaSlice<bf16>>,
+    pix: Option<DevBuf<bf16>>,
     /// Each block's input `[patches, vh]`; empty unless the tower trains.
-    block_inputs: Vec<CudaSlice<bf16>>,
+    block_inputs: Vec<DevBuf<bf16>>,
     /// The merger's input `[patches, vh]` (the last block's output).
-    merger_in: CudaSlice<bf16>,
+    merger_in: DevBuf<bf16>,
 }
 
 impl VisionTrainState {
@@ -541,6 +541,20 @@ impl GpuModel {
         items: &[MediaInput<'_>],
         tower: bool,
     ) -> Result<(Vec<GpuEncodedMedia>, VisionTrainState)> {
+        self.encode_media_train_in(gpu, stream, items, tower, None)
+    }
+
+    /// [`GpuModel::encode_media_train`] with the kept state in `region` of the plan's arena
+    /// (the group's part of `train_prefix.sS`; the pixel rows and the merger's input are
+    /// copied there from the forward's buffers).
+    pub fn encode_media_train_in(
+        &self,
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        items: &[MediaInput<'_>],
+        tower: bool,
+        region: Option<&Region>,
+    ) -> Result<(Vec<GpuEncodedMedia>, VisionTrainState)> {
         let unit = {
             let m = self.config.vision().spatial_merge_size as usize;
             m * m
@@ -564,7 +578,7 @@ impl GpuModel {
         let mut x = self.vision_patch_embed(gpu, stream, &pix, n)?;
         let mut block_inputs = if tower {
             (0..self.weights.vision.len())
-                .map(|_| alloc::<bf16>(gpu, stream, n * vh))
+                .map(|_| alloc_in::<bf16>(gpu, stream, n * vh, region))
                 .collect::<Result<Vec<_>>>()?
         } else {
             Vec::new()
@@ -576,9 +590,13 @@ impl GpuModel {
         let state = VisionTrainState {
             kept: Some(Kept {
                 inp,
-                pix: tower.then_some(pix),
+                pix: if tower {
+                    Some(keep_in(gpu, stream, pix, region)?)
+                } else {
+                    None
+                },
                 block_inputs,
-                merger_in: x,
+                merger_in: keep_in(gpu, stream, x, region)?,
             }),
             items: metas,
         };
