@@ -4,7 +4,8 @@
 //! Placed: the loop-carried state (actor and reference weights, fp32 master weights, Adam
 //! moments), each step's gradient sums, and the iteration's kept data (media embeddings, the
 //! decode KV arena over `kv.prompt` and `kv.response`, the reference's and the old policy's
-//! prefix KV, the kept prompt forwards for training). From the memory pool instead: the working
+//! prefix KV, the kept prompt forwards for training with a trained tower's kept inputs). From
+//! the memory pool instead: the working
 //! sets inside a task (the plan's `scratch.*`), small per-group tables (last-prompt logits,
 //! rope tables), and what the plan keeps elsewhere:
 //! - a buffer the plan moves to host memory in some phase (the CUDA executor keeps it on the
