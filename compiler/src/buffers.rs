@@ -397,6 +397,11 @@ pub fn assign(pg: &mut PhaseGraph) {
     );
 
     // The runtime places each buffer's tensors at aligned addresses in its range.
+    let kept_vis_tensors = match (keeps_vision, spec.train.freeze_vision) {
+        (false, _) => 0,
+        (true, true) => 1,
+        (true, false) => vis.depth as u64 + 2,
+    };
     let items_per_prompt = sh.media_items as u64;
     for b in &mut t.bufs {
         let pieces = match b.class {
@@ -415,14 +420,9 @@ pub fn assign(pg: &mut PhaseGraph) {
             // keys and values per group
             BufferClass::PrefixState => 2 * n_t,
             // kept layer inputs, keys, values; per group its media's kept vision state (pixel
-            // rows, every block's input, the merger's input)
-            BufferClass::Activations => {
-                3 + if keeps_vision {
-                    step_groups * items_per_prompt * (vis.depth as u64 + 2)
-                } else {
-                    0
-                }
-            }
+            // rows, every block's input, the merger's input; the merger's input alone when only
+            // the merger trains)
+            BufferClass::Activations => 3 + step_groups * items_per_prompt * kept_vis_tensors,
             _ => 1,
         };
         b.bytes += ALIGN * pieces;

@@ -256,16 +256,18 @@ fn a_trained_towers_kept_inputs_are_in_the_train_prefix_buffer() {
     let patches = sh.media_items as u64 * sh.patches_per_item * sh.dtype_bytes;
     let groups = spec.rollout.prompts_per_iter as u64;
     assert!(patches > 0);
+    // each kept tensor (pixel rows, block inputs, merger input) placed 256-byte aligned
+    let align = |tensors: u64| groups * sh.media_items as u64 * tensors * 256;
     for dedup in [true, false] {
         let frozen = bytes(dedup, false, false);
         assert_eq!(
             bytes(dedup, true, true) - frozen,
-            groups * patches * (patch_in + (v.depth as u64 + 1) * vh),
+            groups * patches * (patch_in + (v.depth as u64 + 1) * vh) + align(v.depth as u64 + 2),
             "dedup {dedup}, tower and merger trained"
         );
         assert_eq!(
             bytes(dedup, false, true) - frozen,
-            groups * patches * vh,
+            groups * patches * vh + align(1),
             "dedup {dedup}, merger trained"
         );
     }
