@@ -234,10 +234,6 @@ impl PlanArena {
         self.regions.values().map(|r| r.usage()).collect()
     }
 
-    pub fn unplaced(&self) -> &[(String, &'static str)] {
-        &self.layout.unplaced
-    }
-
     /// One line per region: capacity, peak, what spilled to the pool; then what was left to
     /// the pool and why.
     pub fn report(&self) -> String {

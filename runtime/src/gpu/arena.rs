@@ -297,15 +297,6 @@ impl Region {
     pub fn usage(&self) -> RegionUsage {
         self.state().1.clone()
     }
-
-    /// Whether `ptr` lies in this region's ranges.
-    pub fn holds(&self, ptr: sys::CUdeviceptr) -> bool {
-        let st = self.state();
-        let base = self.arena.ptr;
-        st.0.ranges()
-            .iter()
-            .any(|&(o, b)| ptr >= base + o && ptr < base + o + b)
-    }
 }
 
 /// `n` elements in `region`, or from the pool without one.
@@ -376,13 +367,6 @@ pub struct DevBuf<T> {
     slice: ManuallyDrop<CudaSlice<T>>,
     /// The arena the memory is part of, when placed.
     arena: Option<Arc<DeviceArena>>,
-}
-
-impl<T> DevBuf<T> {
-    /// Whether the buffer lies in the plan's arena.
-    pub fn placed(&self) -> bool {
-        self.arena.is_some()
-    }
 }
 
 impl<T> From<CudaSlice<T>> for DevBuf<T> {
