@@ -33,12 +33,7 @@
 use crate::lower::PhaseGraph;
 use crate::shapes::{kept_act_bytes_per_token_layer, transient_bytes_per_token};
 use rollplex_plan::spec::{MediaSpec, Mode, Recompute};
-use rollplex_plan::{BufferClass, GpuId, Op, Purpose};
-
-/// Alignment, in bytes, of every tensor the runtime places in a buffer's range (cuBLASLt's
-/// default minimum for its operands): a buffer's size allows it once per tensor the runtime
-/// cuts the buffer into (its weight tensors; keys and values per prefix; one per media item).
-pub const ALIGN: u64 = 256;
+use rollplex_plan::{BufferClass, GpuId, Op, Purpose, ALIGN};
 
 /// Parameter tensors of the actor at most: twelve per vision block and text layer (two norms,
 /// the attention's and the MLP's weights and biases) and the embeddings, patch embedding,

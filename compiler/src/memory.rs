@@ -21,7 +21,7 @@ use rollplex_plan::{
     Arena, ArenaId, ArenaKind, BufferId, GpuId, GpuMemory, Lifetime, Plan, Residency, TaskId,
 };
 
-pub const ALIGN: u64 = 256;
+use rollplex_plan::ALIGN;
 
 /// Buffers placed back to back, the first's (aligned) end at the second's start: the CUDA
 /// executor's decode KV arena holds its keys, then its values, each over the prompt and the
@@ -161,8 +161,10 @@ pub fn layout(plan: &mut Plan) -> Result<(), OverBudget> {
                 .chain(second)
                 .map(|k| plan.buffers[k].lifetime)
                 .collect();
+            // the second starts where the first ends, aligned
+            let first = plan.buffers[i].bytes.next_multiple_of(ALIGN);
             let bytes = match second {
-                Some(p) => plan.buffers[i].bytes.div_ceil(ALIGN) * ALIGN + plan.buffers[p].bytes,
+                Some(p) => first + plan.buffers[p].bytes,
                 None => plan.buffers[i].bytes,
             };
             let mut busy: Vec<(u64, u64)> = placed
@@ -190,7 +192,7 @@ pub fn layout(plan: &mut Plan) -> Result<(), OverBudget> {
             a.bytes = a.bytes.max(off + bytes);
             placed.push(i);
             if let Some(p) = second {
-                plan.buffers[p].offset = off + plan.buffers[i].bytes.div_ceil(ALIGN) * ALIGN;
+                plan.buffers[p].offset = off + first;
                 placed.push(p);
             }
         }

@@ -472,6 +472,11 @@ pub struct Memory {
     pub gpus: Vec<GpuMemory>,
 }
 
+/// Alignment, in bytes, of every buffer's offset in an arena and of every tensor the runtime
+/// places inside a buffer (cuBLASLt's default minimum for its operands); a buffer's size allows
+/// it once per such tensor.
+pub const ALIGN: u64 = 256;
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Arena {
     pub id: ArenaId,

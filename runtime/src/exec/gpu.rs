@@ -519,20 +519,20 @@ impl Held {
         Held::TrainPrefixes,
     ];
 
+    /// The held state of a plan buffer: that of its per-iteration [`Role`].
     fn of_buffer(name: &str) -> Option<Held> {
-        match name {
-            "kv.prompt" | "kv.response" => Some(Held::DecodeKv),
-            "vision_emb" => Some(Held::Media),
-            "ref_prefix_kv" => Some(Held::RefPrefixes),
-            "old_prefix_kv" => Some(Held::OldPrefixes),
-            n if n
-                .strip_prefix("train_prefix.s")
-                .is_some_and(|s| s.parse::<u32>().is_ok()) =>
-            {
-                Some(Held::TrainPrefixes)
-            }
-            _ => None,
-        }
+        Some(match Role::of_buffer(name)? {
+            Role::DecodeKv => Held::DecodeKv,
+            Role::Media => Held::Media,
+            Role::RefPrefixes => Held::RefPrefixes,
+            Role::OldPrefixes => Held::OldPrefixes,
+            Role::TrainPrefixes => Held::TrainPrefixes,
+            Role::ActorWeights
+            | Role::RefWeights
+            | Role::Masters
+            | Role::Moments
+            | Role::Grads(_) => return None,
+        })
     }
 
     /// What running `op` allocates of the iteration's held state.
@@ -1584,6 +1584,7 @@ pub fn run_gpu_loop(
             .ok_or_else(|| ExecError::Plan("GPU program 0 has no stream".into()))?
             .id,
     )?;
+    // The next iteration's prompts are drawn on a host thread while this one runs.
     // Memory. Models built for this plan (`build_gpu_models_for`) sit in its device arena,
     // allocated once, and each iteration's kept buffers go at their plan offsets in it
     // (`exec::placement`); the working sets inside tasks come from the memory pool. Models

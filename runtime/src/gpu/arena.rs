@@ -23,11 +23,9 @@ use cudarc::driver::{
     sys, CudaContext, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, SyncOnDrop,
 };
 use rollplex_kernels::cuda::{CudaSlice, CudaStream, Gpu};
+use rollplex_plan::ALIGN;
 
 use super::Result;
-
-/// Alignment of every placed buffer (the pool's own minimum; enough for any vector load).
-pub const ALIGN: u64 = 256;
 
 /// The plan's device arena: its address range reserved once, and device memory mapped
 /// (`cuMemCreate` + `cuMemMap`, at the device's allocation granularity) under the ranges the
@@ -206,7 +204,6 @@ pub struct RegionUsage {
     pub name: String,
     pub capacity: u64,
     pub peak: u64,
-    pub placed: u64,
     pub spilled: u64,
     pub spills: u64,
 }
@@ -249,43 +246,25 @@ impl Region {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// `n` elements in the region (uninitialised), or from the pool when they do not fit.
-    pub fn alloc<T: DeviceRepr>(
-        &self,
-        gpu: &Gpu,
-        stream: &Arc<CudaStream>,
-        n: usize,
-    ) -> Result<DevBuf<T>> {
-        let n = n.max(1);
+    /// `n` elements in the region (uninitialised), or `None`, counted as spilled, when they
+    /// do not fit.
+    fn place<T: DeviceRepr>(&self, stream: &Arc<CudaStream>, n: usize) -> Option<DevBuf<T>> {
         let bytes = (n * std::mem::size_of::<T>()) as u64;
-        let at = {
-            let mut st = self.state();
-            let (bump, usage) = &mut *st;
-            let at = bump.take(bytes, ALIGN);
-            match at {
-                Some(_) => {
-                    usage.placed += bytes;
-                    usage.peak = usage.peak.max(bump.used());
-                }
-                None => {
-                    usage.spilled += bytes;
-                    usage.spills += 1;
-                }
-            }
-            at
+        let mut st = self.state();
+        let (bump, usage) = &mut *st;
+        let Some(off) = bump.take(bytes, ALIGN) else {
+            usage.spilled += bytes;
+            usage.spills += 1;
+            return None;
         };
-        match at {
-            Some(off) => {
-                // SAFETY: [off, off + bytes) lies in the arena (Bump keeps to its ranges, which
-                // `new` checked), which the DevBuf keeps alive and never frees.
-                let s = unsafe { stream.upgrade_device_ptr::<T>(self.arena.ptr + off, n) };
-                Ok(DevBuf {
-                    slice: ManuallyDrop::new(s),
-                    arena: Some(self.arena.clone()),
-                })
-            }
-            None => Ok(DevBuf::from(gpu.alloc::<T>(stream, n)?)),
-        }
+        usage.peak = usage.peak.max(bump.used());
+        // SAFETY: [off, off + bytes) lies in the arena (Bump keeps to its ranges, which `new`
+        // checked), which the DevBuf keeps alive and never frees.
+        let s = unsafe { stream.upgrade_device_ptr::<T>(self.arena.ptr + off, n) };
+        Some(DevBuf {
+            slice: ManuallyDrop::new(s),
+            arena: Some(self.arena.clone()),
+        })
     }
 
     /// A new lifetime of the region's buffers: their earlier contents are dead (the plan orders
@@ -299,15 +278,17 @@ impl Region {
     }
 }
 
-/// `n` elements in `region`, or from the pool without one.
+/// `n` elements (at least one; uninitialised) in `region`, or from the pool without one or
+/// when they do not fit it.
 pub fn alloc_in<T: DeviceRepr>(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     n: usize,
     region: Option<&Region>,
 ) -> Result<DevBuf<T>> {
-    match region {
-        Some(r) => r.alloc(gpu, stream, n),
+    let n = n.max(1);
+    match region.and_then(|r| r.place(stream, n)) {
+        Some(b) => Ok(b),
         None => Ok(DevBuf::from(gpu.alloc::<T>(stream, n)?)),
     }
 }
@@ -319,10 +300,7 @@ pub fn upload_in<T: DeviceRepr>(
     data: &[T],
     region: Option<&Region>,
 ) -> Result<DevBuf<T>> {
-    let Some(r) = region else {
-        return Ok(DevBuf::from(super::upload(stream, data)?));
-    };
-    let mut b = r.alloc::<T>(gpu, stream, data.len())?;
+    let mut b = alloc_in::<T>(gpu, stream, data.len(), region)?;
     if !data.is_empty() {
         stream.memcpy_htod(data, &mut *b)?;
     }
@@ -336,10 +314,7 @@ pub fn zeros_in<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     n: usize,
     region: Option<&Region>,
 ) -> Result<DevBuf<T>> {
-    let Some(r) = region else {
-        return Ok(DevBuf::from(stream.alloc_zeros::<T>(n.max(1))?));
-    };
-    let mut b = r.alloc::<T>(gpu, stream, n)?;
+    let mut b = alloc_in::<T>(gpu, stream, n, region)?;
     stream.memset_zeros(&mut *b)?;
     Ok(b)
 }
@@ -352,10 +327,10 @@ pub fn keep_in<T: DeviceRepr>(
     src: CudaSlice<T>,
     region: Option<&Region>,
 ) -> Result<DevBuf<T>> {
-    let Some(r) = region else {
+    if region.is_none() {
         return Ok(DevBuf::from(src));
-    };
-    let mut b = r.alloc::<T>(gpu, stream, src.len())?;
+    }
+    let mut b = alloc_in::<T>(gpu, stream, src.len(), region)?;
     stream.memcpy_dtod(&src, &mut *b)?;
     Ok(b)
 }
