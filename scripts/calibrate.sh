@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Predicted vs measured iteration time, before and after calibrating the cost model with the
-# runtime's own measurements (issue 6, item 7; docs/perf.md "Predicted vs measured, and
-# calibration").
+# runtime's own measurements (docs/perf-archive-2026.md "Predicted vs measured", on
+# the CPU backend).
 #
 # Per mode: compile PIPELINE (datasheet cost model, or PROFILE0 if set), run it on BACKEND with
 # `--profile` (the first iteration of every run is warm-up), recompile with the measured

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# The tensor-core prefix gradients (attention_bwd_tc_dprefix_f32) in one device call: the
+# The tensor-core prefix gradients (attention_bwd_tc_dprefix_f32) on a GPU host, in one run: the
 # attention backward tests (each test its own process, so that a faulting kernel cannot poison
 # the others), the same with ROLLPLEX_ATTN_DPREFIX=simt (the switch back), the prefix tests under
-# compute-sanitizer (memcheck, racecheck), and the workbench (bench_attn_bwd prefix, and full to
-# see that the refactored dkv kernel runs as fast as before). Logs under $OUT.
+# compute-sanitizer (memcheck, racecheck), and the workbench (bench_attn_bwd prefix, and full:
+# the whole attention backward timed the same way). Logs under $OUT. Entry point:
+# scripts/gpu-bench.sh build|run dprefix.
 #
-# On the CPU machine (builds release binaries, strips them into $DEVBIN, default .devbin/dprefix):
+# build (on a machine with the Rust toolchain) packs the binaries: release builds of the
+# cuda_attn_bwd_tc and cuda_backward tests and of bench_attn_bwd, stripped, into $DEVBIN
+# (default .devbin/dprefix, the packed binaries, ignored by git):
 #   bash kernels/examples/dprefix_check.sh build
-# On the GPU machine (carry .devbin/dprefix):
+# run (on the GPU host, repository root, $DEVBIN beside it) runs them:
 #   bash kernels/examples/dprefix_check.sh [tests|simt-env|sanitize|racecheck|bench|bench-full]...
 #   (default: tests simt-env sanitize bench)
 set -o pipefail

@@ -1,17 +1,40 @@
 #!/usr/bin/env bash
-# One device call: GPU tests (each kernel vs its CPU twin, one process per test so that a
-# faulting kernel cannot poison the others), the decode kernels under compute-sanitizer, the
-# GEMM and decode workbenches, and PyTorch's CUDA-graph decode of the same dims (side by side).
-# Expects prebuilt binaries in .devbin/ (docs/cuda.md); writes logs under $OUT.
-# Usage: bash kernels/examples/gpu_check.sh [tests|tests-decode|sanitize|gemm|decode|torch]...
+# The CUDA kernels on a GPU host, in one run: the kernel tests (each kernel vs its CPU twin, one
+# process per test so that a faulting kernel cannot poison the others), the decode kernels under
+# compute-sanitizer, the GEMM and decode workbenches, and PyTorch's CUDA-graph decode of the same
+# dims (side by side). Entry point: scripts/gpu-bench.sh build|run kernels.
+#
+# build (on a machine with the Rust toolchain) packs the binaries: the release test binaries
+# cuda_kernels and cuda_skinny and the examples bench_gemm and bench_decode, stripped, into
+# $DEVBIN (default .devbin, the packed binaries, ignored by git):
+#   bash kernels/examples/gpu_check.sh build
+# run (on the GPU host, repository root, $DEVBIN beside it) runs them; logs under $OUT:
+#   bash kernels/examples/gpu_check.sh [tests|tests-decode|sanitize|gemm|decode|torch]...
 #   (default: tests sanitize gemm decode torch; tests-decode runs only the tests that touch the
 #   decode path: cuda_skinny and the decode attention / linear tests of cuda_kernels)
 set -o pipefail
 B=${DEVBIN:-.devbin}
 OUT=${OUT:-/tmp/rollplex-out}
-mkdir -p "$OUT"
 export ROLLPLEX_KERNEL_CACHE=${ROLLPLEX_KERNEL_CACHE:-/tmp/rollplex-kernels}
 steps=${*:-tests sanitize gemm decode torch}
+
+if [ "$steps" = build ]; then
+  set -e
+  mkdir -p "$B"
+  for t in cuda_kernels cuda_skinny; do
+    exe=$(cargo test --release -p rollplex-kernels --test $t --no-run 2>&1 \
+      | sed -n "s/.*Executable tests\/$t.rs (\(.*\))/\1/p" | tail -1)
+    [ -n "$exe" ] || { echo "no test binary for $t" >&2; exit 1; }
+    cp "$exe" "$B/$t"
+  done
+  cargo build --release -p rollplex-kernels --example bench_gemm --example bench_decode
+  cp "${CARGO_TARGET_DIR:-target}"/release/examples/bench_{gemm,decode} "$B/"
+  for f in cuda_kernels cuda_skinny bench_gemm bench_decode; do strip "$B/$f"; done
+  ls -la "$B"
+  exit 0
+fi
+
+mkdir -p "$OUT"
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv; } 2>&1 | tee "$OUT/device.txt"
 run_tests() {  # binary, grep filter of test names
   for t in $("$B/$1" --list 2>/dev/null | sed -n 's/: test$//p' | grep -E "$2"); do

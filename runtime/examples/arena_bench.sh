@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The plan's device arena on the H200 (issue 6: "allocates each arena once at the plan's
-# offsets"): the GPU loop tests (serial vs overlap bitwise with every kept buffer at its plan
+# The plan's device arena on the H200 (each arena allocated once, buffers at the plan's
+# offsets): the GPU loop tests (serial vs overlap bitwise with every kept buffer at its plan
 # offset, and bitwise equal to the same run from the memory pool; `rollplex-run` of the tiny H200
 # pipeline saving and resuming a checkpoint), then the shipped 3B video
 # pipeline (examples/h200-3b-video.rpx, PLANS below) run by `iteration_bench` twice, back to
@@ -9,12 +9,14 @@
 # plan's offsets: what `rollplex-run` does). Iteration times, peak memory and the arena's
 # per-region use side by side.
 #
-#   1. build (here, no GPU): the plans, the stripped iteration_bench and the gpu_loop and
-#      gpu_resume test binaries, rollplex-run and the tiny H200 plan into $DIR (default .devbin/arena, ignored by git):
+# Entry point: scripts/gpu-bench.sh build arena, then scripts/gpu-bench.sh run arena [tests|bench].
+#   1. build (on a machine with the Rust toolchain, no GPU needed) packs the binaries: the plans,
+#      the stripped iteration_bench, rollplex-run, the gpu_loop and gpu_resume test binaries
+#      and the tiny H200 plan into $DIR (default .devbin/arena, the packed binaries, ignored by git):
 #        bash runtime/examples/arena_bench.sh build
-#   2. device (the H200, repository root, $DIR carried):
-#        bash runtime/examples/arena_bench.sh tests         carry: [".devbin/arena"]
-#        bash runtime/examples/arena_bench.sh bench         carry: [".devbin/arena"]
+#   2. run (on the H200, repository root, $DIR beside it) unpacks and runs them:
+#        bash runtime/examples/arena_bench.sh tests
+#        bash runtime/examples/arena_bench.sh bench
 set -euo pipefail
 MODE=${1:-}
 DIR=${DIR:-.devbin/arena}
@@ -50,7 +52,7 @@ build() {
   pack_bins "$DIR/bin.tar.xz" "$T/examples/iteration_bench" "$T/rollplex-run" "$T/gpu_loop-test" \
     "$T/gpu_resume-test"
   du -ch "$DIR"/* | tail -1
-  echo "device calls: bash runtime/examples/arena_bench.sh tests | bench   (carry: [\"$DIR\"])"
+  echo "on the GPU host, with $DIR copied: scripts/gpu-bench.sh run arena [tests|bench]"
 }
 
 tests() {

@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# Co-run calibration of the cost model on one H200 (issue 6, "predicted vs measured within
-# 10%"): the eight plans of examples/h200-3b-video.rpx (serial/overlap x prefix dedup on/off x
+# Co-run calibration of the cost model on one H200 (predicted vs measured within 10%): the eight plans of examples/h200-3b-video.rpx (serial/overlap x prefix dedup on/off x
 # 4/16 prompts) run side by side in one process with their profiles recorded (times alone, and
 # for the overlap plans each decode window cut by step into decode alone on its partition and
 # decode beside each kind of side work: runtime/src/exec/profile.rs); then, offline, one profile
@@ -9,13 +8,16 @@
 #
 # Three modes, in this order:
 #
-#   1. build (here, no GPU): plans and binaries into $DIR (default .devbin/corun, ignored by
-#      git; carried to the device). It runs exactly:
+# Entry point for the first two: scripts/gpu-bench.sh build corun, then scripts/gpu-bench.sh run corun.
+#
+#   1. build (on a machine with the Rust toolchain, no GPU needed) packs the binaries: plans and
+#      binaries into $DIR (default .devbin/corun, the packed binaries, ignored by git). It runs
+#      exactly:
 #        export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
 #        cargo build --release -p rollplex-compiler --bin rollplexc
 #        cargo build --release -p rollplex-runtime --bin rollplex-run --example iteration_bench
 #        # per PROMPTS in 4 16, dedup on/off: examples/h200-3b-video.rpx with `const PROMPTS`
-#        # and `prefix_dedup = off` changed (as .devbin/mkplans.sh did), then per mode:
+#        # and `prefix_dedup = off` changed, then per mode:
 #        $CARGO_TARGET_DIR/release/rollplexc $DIR/h3b-p$P-$D.rpx --mode $M --profile $PROFILE \
 #            -o $DIR/p$P-$M-$D.plan.bin
 #        cp $CARGO_TARGET_DIR/release/examples/iteration_bench ...; strip; tar cJf $DIR/bins.tar.xz
@@ -23,20 +25,19 @@
 #      placement; the build refuses an overlap plan that puts no side work into a window (it
 #      would measure no co-run).
 #
-#   2. device (the H200, in the repository root with $DIR carried): unpacks the binaries and
+#   2. device (on the H200, in the repository root with $DIR beside it): unpacks the binaries and
 #      runs `iteration_bench PLANS --iterations 3 --rounds 1 --profile-dir --trace-dir` (models
 #      built once, ~45 s; iteration 0 of each plan is warm-up). Plans run smallest first, so a
 #      cut-short run still has the 4-prompt ones and the 16-prompt dedup pair; each profile and
-#      its line of measured.tsv are written as soon as its plan is done. Session 4's times give
+#      its line of measured.tsv are written as soon as its plan is done. Measured times give
 #      ~280 s for all eight (45 s setup, 4-prompt pairs 25 + 40 s, 16-prompt pairs 48 + 120 s);
 #      LIMIT (default 285 s) caps the bench, and a cut loses the last plan, p16-overlap-off.
 #      PLANS="..." runs other stems. Results in corun/ (prof/STEM.r0.profile.yaml,
 #      prof/measured.tsv, traces/, bench.log, device.txt), brought back as the one file
-#      $OUT/corun.tgz (the device tool fetches at most 8 files).
-#        device call: bash runtime/examples/corun_calibrate.sh device
-#        carry: [".devbin/corun"]
+#      $OUT/corun.tgz (one file for the whole directory).
+#        bash runtime/examples/corun_calibrate.sh device
 #
-#   3. offline RESULTS (here, after the device call; RESULTS is the corun/ directory that
+#   3. offline RESULTS (on the build machine, after the run; RESULTS is the corun/ directory that
 #      `tar xzf corun.tgz` gives,
 #      copied to WORK, default rollplex-out/corun-offline, as fetched files may be read-only):
 #      merges every profile (rollplexc merge-profiles -> WORK/merged.yaml), then per plan
@@ -90,7 +91,7 @@ build() {
   done
   pack_bins "$DIR/bins.tar.xz" "$T/examples/iteration_bench"
   du -ch "$DIR"/* | tail -1
-  echo "device call: bash runtime/examples/corun_calibrate.sh device   (carry: [\"$DIR\"])"
+  echo "on the GPU host, with $DIR copied: scripts/gpu-bench.sh run corun"
 }
 
 device() {
@@ -114,7 +115,7 @@ device() {
 
 offline() {
   local src=${1:-}
-  [ -n "$src" ] && [ -f "$src/prof/measured.tsv" ] || die "usage: offline RESULTS (the device call's corun/ directory, with prof/measured.tsv)"
+  [ -n "$src" ] && [ -f "$src/prof/measured.tsv" ] || die "usage: offline RESULTS (the GPU run's corun/ directory, with prof/measured.tsv)"
   [ -x "$T/rollplexc" ] && [ -x "$T/rollplex-run" ] || die "no binaries in $T: run 'build' first"
   # the fetched results may be read-only: work on a copy
   local r=${WORK:-rollplex-out/corun-offline}

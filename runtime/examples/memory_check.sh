@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device memory against the plan on one H200 (issue 6: memory by data lifetime): the 3B video
+# Device memory against the plan on one H200 (memory by data lifetime): the 3B video
 # pipeline (examples/h200-3b-video.rpx) at PROMPTS prompts (default 8) without prefix dedup,
 # serial and overlap, each run for 2 iterations by `rollplex-run --backend cuda` with
 # ROLLPLEX_TASK_LOG=1, which prints after each task the memory pool's bytes in use and its
@@ -7,17 +7,20 @@
 # per iteration (the metrics table's mem_GiB), and lists the tasks after which the pool dropped
 # by more than 1 GiB (where the executor freed state whose plan buffers had ended).
 #
-#   1. build (here, no GPU): plans and the stripped rollplex-run into $DIR (default
-#      .devbin/memory, ignored by git; carried to the device):
+# Entry point: scripts/gpu-bench.sh build memory, then scripts/gpu-bench.sh run memory.
+#   1. build (on a machine with the Rust toolchain, no GPU needed) packs the binaries: plans
+#      and the stripped rollplex-run into $DIR (default .devbin/memory, the packed binaries,
+#      ignored by git):
 #        bash runtime/examples/memory_check.sh build
-#   2. device (the H200, repository root, $DIR carried): runs both plans, writes logs and a
-#      summary in memory/, brought back as $OUT/memory.tgz (about 2.5 minutes: the 3B models
-#      are built once per plan):
-#        bash runtime/examples/memory_check.sh device        carry: [".devbin/memory"]
+#   2. device (on the H200, repository root, $DIR beside it) unpacks and runs both plans,
+#      writes logs and a summary in memory/, packed as $OUT/memory.tgz (about 2.5 minutes: the
+#      3B models are built once per plan):
+#        bash runtime/examples/memory_check.sh device
 #
-# Session 6 (docs/perf.md) measured at 8 prompts: plan peak 78.70 GiB for both; pool peak
-# serial 83.28 GiB before the executor freed state at the end of its plan lifetime, 76.39 after;
-# overlap 83.94 -> 82.14 GiB, with the gradient sums still held for the whole run then.
+# Measured on 2026-12-01 at 8 prompts (docs/perf-archive-2026.md): plan peak 78.70 GiB for
+# both; pool peak serial 83.28 GiB before the executor freed state at the end of its plan
+# lifetime, 76.39 after; overlap 83.94 -> 82.14 GiB, then 76.58 once the gradient sums lived
+# only from a mini-batch's first micro-batch to its optimizer step.
 set -euo pipefail
 MODE=${1:-}
 DIR=${DIR:-.devbin/memory}
@@ -45,7 +48,7 @@ build() {
   done
   pack_bins "$DIR/bin.tar.xz" "$T/rollplex-run"
   du -ch "$DIR"/* | tail -1
-  echo "device call: bash runtime/examples/memory_check.sh device   (carry: [\"$DIR\"])"
+  echo "on the GPU host, with $DIR copied: scripts/gpu-bench.sh run memory"
 }
 
 device() {

@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
-# The 3B video pipeline with the vision tower and merger trained (docs/perf.md, session 7): the
+# The 3B video pipeline with the vision tower and merger trained (docs/perf.md, "tower trained"): the
 # shipped examples/h200-3b-video.rpx with `freeze = []`, PROMPTS_LIST prompts (default "4 8")
 # x prefix dedup on/off x serial/overlap, compiled with PROFILE, run side by side in one
 # `iteration_bench` process on the H200 (3 iterations each, iteration 0 warm-up; with
 # --profile-dir, so the runs' profiles can be merged into PROFILE: `rollplexc merge-profiles`).
 #
-#   1. build (here, no GPU): plans and the stripped iteration_bench into $DIR (default
-#      .devbin/tower, ignored by git; carried to the device):
+# Entry point: scripts/gpu-bench.sh build tower, then scripts/gpu-bench.sh run tower.
+#   1. build (on a machine with the Rust toolchain, no GPU needed) packs the binaries: plans
+#      and the stripped iteration_bench into $DIR (default .devbin/tower, the packed binaries,
+#      ignored by git):
 #        bash runtime/examples/tower_bench.sh build
-#   2. device (the H200, repository root, $DIR carried): writes the bench log and the profiles
-#      as one file, $OUT/tower.tgz (about 4 minutes at 4 and 8 prompts; session 8 ran it):
-#        bash runtime/examples/tower_bench.sh device        carry: [".devbin/tower"]
+#   2. device (on the H200, repository root, $DIR beside it) unpacks and runs them; writes the
+#      bench log and the profiles as one file, $OUT/tower.tgz (about 4 minutes at 4 and 8 prompts):
+#        bash runtime/examples/tower_bench.sh device
 #      With PLACED=1 the models are built for each plan (`iteration_bench --placed`: the plan's
 #      arena, buffers at its offsets, as rollplex-run does; rebuilt per plan, ~50 s each).
 #
-# Session 7 measured at 8 prompts with dedup 6.539 s (attention backward on SIMT) -> 5.442 s
-# (tensor cores, heads padded 80 -> 128), predicted 4.999 s by the shipped profile.
+# Measured on 2026-12-01 at 8 prompts with dedup: 6.539 s (attention backward on SIMT) -> 5.442 s
+# (tensor cores, heads padded 80 -> 128); docs/perf.md has the current numbers.
 set -euo pipefail
 MODE=${1:-}
 DIR=${DIR:-.devbin/tower}
@@ -48,7 +50,7 @@ build() {
   done
   pack_bins "$DIR/bin.tar.xz" "$T/examples/iteration_bench"
   du -ch "$DIR"/* | tail -1
-  echo "device call: bash runtime/examples/tower_bench.sh device   (carry: [\"$DIR\"])"
+  echo "on the GPU host, with $DIR copied: scripts/gpu-bench.sh run tower"
 }
 
 device() {

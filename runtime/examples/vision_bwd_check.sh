@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The vision tower / merger backward's GPU checks in one device call, over prebuilt release test
-# binaries in $DEVBIN (default .devbin/vision-bwd, ignored by git: carry it in the device call).
+# The vision tower / merger backward's GPU checks on a GPU host, in one run. Entry point:
+# scripts/gpu-bench.sh build|run vision-bwd.
 #
-# Build them here (CPU machine) first:
+# build (on a machine with the Rust toolchain) packs the binaries:
 #   bash runtime/examples/vision_bwd_check.sh build
 # which runs
 #   cargo test --release -p rollplex-runtime --lib --no-run                    -> rt-tests
 #   cargo test --release -p rollplex-kernels --test cuda_backward --no-run     -> cuda_backward
-# and copies (stripped) the two binaries into $DEVBIN. Then on the GPU machine:
+# and copies the two binaries, stripped, into $DEVBIN (default .devbin/vision-bwd, the packed
+# binaries, ignored by git). run (on the GPU host, repository root, $DEVBIN beside it):
 #   bash runtime/examples/vision_bwd_check.sh          # steps: kernel vision forward sanitize
 # Steps: kernel = gelu_bwd_bf16 vs its CPU twins (cuda_backward); vision = gpu::vision_train (one
 # process per test); forward = the tests that cover encode_media and the text trainer, whose

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The PyTorch + transformers baseline of one RL iteration of examples/h200-3b-video.rpx.
 
-What a user writes without Rollplex (issue 6, item 7): the same iteration as the pipeline, done
+What a user writes without Rollplex: the same iteration as the pipeline, done
 the straightforward way with PyTorch + transformers on one GPU, timed phase by phase.
 
 The iteration (defaults = examples/h200-3b-video.rpx):

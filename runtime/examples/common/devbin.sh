@@ -1,6 +1,7 @@
-# Sourced by the build-here / run-there scripts of runtime/examples (memory_check.sh,
-# tower_bench.sh, corun_calibrate.sh): binaries built here travel to the GPU machine stripped,
-# in one tarball inside the carried directory.
+# Sourced by the GPU benchmark scripts of runtime/examples (arena_bench.sh, memory_check.sh,
+# tower_bench.sh, corun_calibrate.sh; entry point scripts/gpu-bench.sh): `build`, on a machine
+# with the Rust toolchain, packs the binaries stripped into one tarball in the benchmark's
+# .devbin/ folder (the packed binaries); `run`, on the GPU host, unpacks and runs them.
 
 # pack_bins TARBALL FILE...: FILEs (built binaries) stripped into the xz tarball TARBALL.
 pack_bins() {
@@ -18,7 +19,7 @@ pack_bins() {
 # unpack_bins TARBALL DEST: the binaries of TARBALL into DEST; the kernel cache where the
 # device scripts keep it (unless set).
 unpack_bins() {
-  [ -f "$1" ] || die "$1 missing: run 'build' here and carry $(dirname "$1")"
+  [ -f "$1" ] || die "$1 missing: build the binaries on a machine with the Rust toolchain (scripts/gpu-bench.sh build ...) and copy $(dirname "$1") here"
   mkdir -p "$2"
   tar xJf "$1" -C "$2"
   export ROLLPLEX_KERNEL_CACHE=${ROLLPLEX_KERNEL_CACHE:-/tmp/rk}
@@ -27,9 +28,9 @@ unpack_bins() {
 # Device runs write under $RESULTS_DIR/NAME (RESULTS_DIR: /tmp/rollplex-out unless set).
 RESULTS_DIR=${RESULTS_DIR:-/tmp/rollplex-out}
 
-# pack_results NAME: $RESULTS_DIR/NAME as the one file $OUT/NAME.tgz (the device tool brings back
-# at most 8 files from $OUT, so a directory of profiles and traces would come back cut short);
-# unpack it here with `tar xzf NAME.tgz`. Without OUT (a run by hand) the results stay put.
+# pack_results NAME: $RESULTS_DIR/NAME as the one file $OUT/NAME.tgz, so that a directory of
+# profiles and traces travels back from the GPU host as one file; unpack it with
+# `tar xzf NAME.tgz`. Without OUT the results stay in $RESULTS_DIR.
 pack_results() {
   [ -n "${OUT:-}" ] || { echo "results in $RESULTS_DIR/$1"; return 0; }
   tar czf "$OUT/$1.tgz" -C "$RESULTS_DIR" "$1"
