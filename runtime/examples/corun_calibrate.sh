@@ -16,11 +16,12 @@
 #        export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
 #        cargo build --release -p rollplex-compiler --bin rollplexc
 #        cargo build --release -p rollplex-runtime --bin rollplex-run --example iteration_bench
-#        # per PROMPTS in 4 16, dedup on/off: examples/h200-3b-video.rpx with `const PROMPTS`
+#        # per P in $PROMPTS_LIST, dedup on/off: examples/h200-3b-video.rpx with `const PROMPTS`
 #        # and `prefix_dedup = off` changed, then per mode:
 #        $CARGO_TARGET_DIR/release/rollplexc $DIR/h3b-p$P-$D.rpx --mode $M --profile $PROFILE \
 #            -o $DIR/p$P-$M-$D.plan.bin
 #        cp $CARGO_TARGET_DIR/release/examples/iteration_bench ...; strip; tar cJf $DIR/bins.tar.xz
+#      PROMPTS_LIST (default "4 16") sets the prompt counts.
 #      PROFILE (default cost/profiles/h200.yaml, the bench's) only decides the measured plans'
 #      placement; the build refuses an overlap plan that puts no side work into a window (it
 #      would measure no co-run).
@@ -54,8 +55,12 @@ MODE=${1:-}
 DIR=${DIR:-.devbin/corun}
 PROFILE=${PROFILE:-cost/profiles/h200.yaml}
 T=${CARGO_TARGET_DIR:-$PWD/target}/release
+# the prompt counts the plans are built for (each: serial/overlap x dedup on/off)
+PROMPTS_LIST=${PROMPTS_LIST:-4 16}
 # smallest first: see mode 2
-PLANS=${PLANS:-p4-serial-on p4-overlap-on p4-serial-off p4-overlap-off p16-serial-on p16-overlap-on p16-serial-off p16-overlap-off}
+if [ -z "${PLANS:-}" ]; then
+  PLANS=$(for p in $PROMPTS_LIST; do printf 'p%s-serial-on p%s-overlap-on p%s-serial-off p%s-overlap-off ' $p $p $p $p; done)
+fi
 
 die() { echo "corun_calibrate: $*" >&2; exit 1; }
 . "$(dirname "$0")/common/devbin.sh"
@@ -73,7 +78,7 @@ build() {
   local src=examples/h200-3b-video.rpx
   grep -q '^const PROMPTS = 16 ' "$src" || die "$src: no 'const PROMPTS = 16' line to change"
   grep -q '^        host_memory = 256GiB$' "$src" || die "$src: no 'host_memory = 256GiB' line to add prefix_dedup after"
-  for p in 4 16; do
+  for p in $PROMPTS_LIST; do
     for d in on off; do
       local f=$DIR/h3b-p$p-$d.rpx
       sed -e "s/^const PROMPTS = 16 .*/const PROMPTS = $p/" "$src" > "$f"
