@@ -19,7 +19,7 @@ use rollplex_plan::work::WorkKind;
 use crate::curve::KindCurve;
 
 /// Slowdown of a GPU task while another GPU task runs beside it, without a profile: the middle
-/// of the 10-25% the H200 reference measurements show (`shared/bench/README.md`).
+/// of the 10-25% the H200 reference measurements show (`cost/profiles/reference/README.md`).
 pub const DEFAULT_CORUN: f64 = 1.15;
 
 /// Every work kind, in declaration order (the index of [`kind_index`]).

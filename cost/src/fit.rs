@@ -31,7 +31,7 @@
 //!
 //! Co-run slowdowns: one value per unordered pair of kinds, fitted by golden-section search
 //! against the co-run makespans given the *measured* times alone (so curve errors do not leak
-//! into it). The measurements of `shared/bench/` do not separate who slows whom, so both orders
+//! into it). The reference measurements (`cost/profiles/reference/`) do not separate who slows whom, so both orders
 //! get the same value.
 //!
 //! Beside points (one side of a co-run, its time alone not measured: what a run of an overlap

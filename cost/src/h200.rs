@@ -1,4 +1,4 @@
-//! The H200 reference measurements of `shared/bench/` as profile points, and the shipped
+//! The H200 reference measurements of `cost/profiles/reference/` as profile points, and the shipped
 //! profile built from them (`cost/profiles/h200.yaml` is [`profile_yaml`]'s output:
 //! `cargo run -p rollplex-cost --example calibrate_h200 > cost/profiles/h200.yaml`).
 //!
@@ -106,7 +106,7 @@ pub struct ProbeRun {
     pub green: &'static [(u32, f64, f64, f64)],
 }
 
-/// The three runs of `shared/bench/README.md`'s table.
+/// The three runs of `cost/profiles/reference/README.md`'s table.
 pub const RUNS: [ProbeRun; 3] = [
     ProbeRun {
         file: "h200-7b-b64-s1024.json",
@@ -281,7 +281,7 @@ pub fn profile() -> Result<Profile, ProfileError> {
             p.kinds.insert(kind, c);
         }
     }
-    p.source = "shared/bench (overlap_probe.py, PyTorch 2.11, CUDA 13.0, driver 580), \
+    p.source = "cost/profiles/reference (overlap_probe.py, PyTorch 2.11, CUDA 13.0, driver 580), \
                 fitted by rollplex-cost (cargo run -p rollplex-cost --example calibrate_h200)"
         .into();
     p.validate()?;
@@ -307,10 +307,10 @@ const HEADER: &str = "\
 # (rollplex-cost's test `shipped_profile_is_the_fit_of_the_bench` fails when this file and the
 # fit disagree.)
 #
-# Where the numbers come from (all in shared/bench/, measured on one H200 with PyTorch 2.11):
+# Where the numbers come from (all in cost/profiles/reference/, measured on one H200 with PyTorch 2.11):
 # - gpu: datasheet peaks of the H200 SXM (132 SMs, 4.8 TB/s HBM3e, 989 TFLOP/s dense bf16,
 #   PCIe Gen5 64 GB/s); every efficiency below is a fraction of these.
-# - points / corun_points: the times of the three overlap_probe.py runs of bench/README.md's
+# - points / corun_points: the times of the three overlap_probe.py runs of reference/README.md's
 #   table; each `note` names the JSON file and field. Work amounts are computed from the
 #   probe's dims with its formulas (rollplex_cost::h200::ProbeDims). `sms: 132` points are
 #   the plain-stream runs (t_dec_ms, t_pre_ms); the others ran in green contexts.

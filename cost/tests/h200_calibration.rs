@@ -1,4 +1,4 @@
-//! The shipped H200 profile against the measurements it was fitted to (`shared/bench/`).
+//! The shipped H200 profile against the measurements it was fitted to (`cost/profiles/reference/`).
 //!
 //! Tolerances (stated in docs/cost-model.md): times alone within 10% on the whole GPU and 16%
 //! on a green partition (one decode plateau of the 3B B=64 run, flat from 48 to 56 SMs then a
