@@ -8,13 +8,12 @@ use cudarc::driver::DevicePtrMut;
 use half::bf16;
 use rollplex_kernels::cpu::Gemm;
 use rollplex_kernels::cuda::{
-    embedding_bwd_f32, grad_accumulate_f32, kv_append_bf16, linear_fwd_bf16, logprobs_bwd_bf16,
-    matmul_bf16, rmsnorm_bwd_bf16, CudaSlice, CudaStream, Gpu,
+    embedding_bwd_f32, gather_sum_rows_bf16, grad_accumulate_f32, kv_append_bf16, linear_fwd_bf16,
+    logprobs_bwd_bf16, matmul_bf16, rmsnorm_bwd_bf16, CudaSlice, CudaStream, Gpu,
 };
 
 use super::super::vision_train::vision_backward;
 use super::super::{alloc, GpuError};
-use super::kernels::gather_sum_rows;
 use super::layer::{layer_bwd, layer_fwd, Acts, LayerCtx, PrefixGrad};
 use super::params::{Slot, VisionView};
 use super::step::{Batch, HeadChunk, LayerGrads, RowTables, SuffixActs, LM_CHUNK};
@@ -259,7 +258,7 @@ impl GpuTrainer {
             let mt = kv.rows.len();
             let mut d = alloc::<bf16>(gpu, s, mt.max(1) * h)?;
             let dst: Vec<u32> = (0..mt as u32).collect();
-            gather_sum_rows(gpu, s, &mut d, &dst, &dprompt[gi], &kv.rows, h)?;
+            gather_sum_rows_bf16(gpu, s, &mut d, &dst, &dprompt[gi], &kv.rows, h)?;
             let mut sink = VisionView(&mut self.grads);
             vision_backward(gpu, s, &self.model, &kv.state, &d, train_tower, &mut sink)?;
         }
@@ -287,7 +286,7 @@ pub(super) fn token0_grads(
             let dst: Vec<u32> = (0..l.copies)
                 .map(|c| (c * l.len + l.len - 1) as u32)
                 .collect();
-            gather_sum_rows(gpu, s, &mut d, &dst, dfin, &lists, h)?;
+            gather_sum_rows_bf16(gpu, s, &mut d, &dst, dfin, &lists, h)?;
         }
         dprompt.push(d);
     }

@@ -8,15 +8,14 @@ use half::bf16;
 use rollplex_kernels::cpu::{AttnDims, AttnMask};
 use rollplex_kernels::cuda::attention::RowStrides;
 use rollplex_kernels::cuda::{
-    add_fwd_bf16_inplace, add_rmsnorm_fwd_bf16, attention_bwd_bf16, attention_fwd_bf16,
-    kv_append_bf16, linear_fwd_bf16, rmsnorm_fwd_bf16, rope_bwd_bf16, rope_fwd_bf16,
-    swiglu_fwd_bf16, AttnSeqGpu, CudaSlice, CudaStream, Gpu,
+    add_f32_into_bf16, add_fwd_bf16_inplace, add_rmsnorm_fwd_bf16, attention_bwd_bf16,
+    attention_fwd_bf16, kv_append_bf16, linear_fwd_bf16, rmsnorm_fwd_bf16, rope_bwd_bf16,
+    rope_fwd_bf16, swiglu_fwd_bf16, AttnSeqGpu, CudaSlice, CudaStream, Gpu,
 };
 
 use super::super::alloc;
 use super::super::block_bwd::{BlockBwd, MlpSaved};
 use super::super::weights::{GpuBlock, GpuLinear};
-use super::kernels::add_f32_into_bf16;
 use super::params::Grads;
 use super::Result;
 

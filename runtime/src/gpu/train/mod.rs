@@ -74,7 +74,6 @@
 //! records the optimizer step; a micro-batch after another step refuses it).
 
 mod backward;
-mod kernels;
 mod layer;
 mod optim;
 mod params;

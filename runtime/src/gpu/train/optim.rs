@@ -3,16 +3,17 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::DevicePtrMut;
 use half::bf16;
-use rollplex_kernels::cuda::{adamw_step_f32, AdamWScalars, CudaStream, Gpu};
+use rollplex_kernels::cuda::{
+    adamw_step_f32, scale_f32, sumsq_partial_f32, AdamWScalars, CudaStream, Gpu, SUMSQ_BLOCKS,
+};
 
 use crate::train::adamw::{lr_at, StepReport};
 use crate::train::loss::LossMetrics;
 use crate::train::{TrainError, TrainStepReport};
 
 use super::super::{alloc, download, GpuError};
-use super::kernels::{NORM_BLOCKS, TRAIN_KERNELS};
 use super::params::{weight_mut, Grads};
 use super::{GpuTrainer, Result};
 
@@ -21,30 +22,16 @@ impl GpuTrainer {
     /// on the host in tensor order). Synchronises.
     pub fn grad_norm(&self, gpu: &Gpu, s: &Arc<CudaStream>) -> Result<f64> {
         let nt = self.grads.t.len();
-        let mut partial = alloc::<f64>(gpu, s, nt * NORM_BLOCKS)?;
-        let f = gpu.function(&TRAIN_KERNELS, &[], "sumsq_partial_f32")?;
+        let mut partial = alloc::<f64>(gpu, s, nt * SUMSQ_BLOCKS)?;
         for (i, t) in self.grads.t.iter().enumerate() {
-            let (gp, _g) = Grads::of(t)?.device_ptr(s);
-            let mut view = partial.slice_mut(i * NORM_BLOCKS..(i + 1) * NORM_BLOCKS);
-            let (op, _o) = view.device_ptr_mut(s);
-            let n = t.numel as u64;
-            let mut b = s.launch_builder(&f);
-            b.arg(&gp).arg(&n).arg(&op);
-            // SAFETY: g holds numel floats, out NORM_BLOCKS doubles; 256 threads match the
-            // kernel's shared array; arguments match (g, n, out).
-            unsafe {
-                b.launch(LaunchConfig {
-                    grid_dim: (NORM_BLOCKS as u32, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                })
-            }?;
+            let mut view = partial.slice_mut(i * SUMSQ_BLOCKS..(i + 1) * SUMSQ_BLOCKS);
+            sumsq_partial_f32(gpu, s, Grads::of(t)?, t.numel, &mut view)?;
         }
         let p = download(s, &partial)?;
         let mut sq = 0f64;
         let mut culprit = None;
         for (i, t) in self.grads.t.iter().enumerate() {
-            let part: f64 = p[i * NORM_BLOCKS..(i + 1) * NORM_BLOCKS].iter().sum();
+            let part: f64 = p[i * SUMSQ_BLOCKS..(i + 1) * SUMSQ_BLOCKS].iter().sum();
             if !part.is_finite() && culprit.is_none() {
                 culprit = Some(t.name.clone());
             }
@@ -77,21 +64,9 @@ impl GpuTrainer {
         if self.spec.grad_clip > 0.0 {
             let coef = (self.spec.grad_clip / (grad_norm + 1e-6)).min(1.0) as f32;
             if coef != 1.0 {
-                let f = gpu.function(&TRAIN_KERNELS, &[], "scale_f32")?;
                 for t in self.grads.t.iter_mut() {
                     let numel = t.numel;
-                    let (gp, _g) = Grads::of_mut(t)?.device_ptr_mut(s);
-                    let n = numel as u64;
-                    let mut b = s.launch_builder(&f);
-                    b.arg(&gp).arg(&n).arg(&coef);
-                    // SAFETY: g holds numel floats; arguments match (g, n, c).
-                    unsafe {
-                        b.launch(LaunchConfig {
-                            grid_dim: (numel.div_ceil(256).clamp(1, 4096) as u32, 1, 1),
-                            block_dim: (256, 1, 1),
-                            shared_mem_bytes: 0,
-                        })
-                    }?;
+                    scale_f32(gpu, s, Grads::of_mut(t)?, numel, coef)?;
                 }
             }
         }
