@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use half::bf16;
 use rollplex_kernels::cpu::Gemm;
+use rollplex_kernels::cuda::green::Priority;
 use rollplex_kernels::cuda::*;
 
 type Res<T> = std::result::Result<T, Box<dyn std::error::Error>>;
@@ -266,24 +267,27 @@ fn main() -> Res<()> {
         );
     }
 
-    let part = SmPartition::new(&g, &[48])?;
+    let set = StreamSet::new(&g)?;
+    let granted = set.granted(48, Priority::High)?;
+    let parts = [
+        (Priority::High, granted),
+        (Priority::Normal, g.sm_count() - granted),
+    ];
     println!(
-        "partition: {:?} SMs {:?} {}",
-        part.kind(),
-        part.sm_counts(),
-        part.warning().unwrap_or("")
+        "partitions: green {}, SMs {:?} {}",
+        set.green(),
+        parts.map(|(_, n)| n),
+        set.warning().unwrap_or("")
     );
-    for i in 0..2 {
-        g.prepare_stream(part.stream(i))?;
+    for (i, (prio, sms)) in parts.into_iter().enumerate() {
+        let stream = set.partition(sms, prio)?;
+        g.prepare_stream(&stream)?;
         run(
-            &format!(
-                "matmul_bf16 8192^3 on partition {i} ({} SMs)",
-                part.sm_counts()[i]
-            ),
+            &format!("matmul_bf16 8192^3 on partition {i} ({sms} SMs)"),
             8192,
             8192,
             8192,
-            part.stream(i),
+            &stream,
             true,
         )?;
     }

@@ -11,6 +11,7 @@ use half::bf16;
 use rollplex_kernels::cpu;
 use rollplex_kernels::cpu::{AttnDims, AttnMask, AttnSeq, DecodeSeq, Gemm};
 use rollplex_kernels::cuda::attention::RowStrides;
+use rollplex_kernels::cuda::green::Priority;
 use rollplex_kernels::cuda::pointwise::add_fwd_bf16_inplace;
 use rollplex_kernels::cuda::sampling::philox_fill;
 use rollplex_kernels::cuda::*;
@@ -830,16 +831,21 @@ fn adamw_is_bitwise_the_cpu_rule() {
 #[test]
 fn green_partitions_give_identical_bits_and_events_order_them() {
     let g = gpu_or_skip!();
-    let part = SmPartition::new(g, &[40]).unwrap();
+    let set = StreamSet::new(g).unwrap();
+    let rest = g.sm_count() - set.granted(40, Priority::High).unwrap();
     println!(
-        "SmPartition: kind {:?}, SMs {:?}, warning {:?}, driver {}",
-        part.kind(),
-        part.sm_counts(),
-        part.warning(),
+        "StreamSet: green {}, layout {:?}, warning {:?}, driver {}",
+        set.green(),
+        set.layout(),
+        set.warning(),
         rollplex_kernels::cuda::green::driver_version().unwrap()
     );
     let full = g.stream(0).unwrap();
-    let (a_s, b_s) = (part.stream(0), part.stream(1));
+    let (a, b) = (
+        set.partition(40, Priority::High).unwrap(),
+        set.partition(rest, Priority::Normal).unwrap(),
+    );
+    let (a_s, b_s) = (&a, &b);
     for st in [&full, a_s, b_s] {
         g.prepare_stream(st).unwrap();
     }

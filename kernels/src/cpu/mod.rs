@@ -9,6 +9,7 @@
 //! | `attention_fwd`, `attention_decode` | varlen / windowed / shared-prefix attention, decode | `attention.rs` |
 //! | `softmax`, `logprobs_fwd`, `argmax` | row reductions over the vocabulary | `softmax.rs` |
 //! | `*_bwd` | backward of every op above | `backward.rs` |
+//! | `sumsq_partial`, `scale`, `gather_sum_rows`, `add_into` | the training step's gradient sums, clip, row sums | `grad.rs` |
 //!
 //! Invariant: every op is deterministic and batch-composition independent: an output row's
 //! bits depend only on the inputs it reads, never on the other rows of the batch or on the
@@ -17,6 +18,7 @@
 pub mod act;
 pub mod attention;
 pub mod backward;
+pub mod grad;
 pub mod matmul;
 pub mod norm;
 pub mod rope;

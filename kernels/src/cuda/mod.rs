@@ -17,6 +17,7 @@
 //! | `policy_loss_f32` (GRPO / PPO-clip loss: per-token `dlogp`, metrics as order-fixed f64 sums; `policy_loss_reduce_f64` adds them into a [`PolicyLossAcc`]) | `runtime::train::loss::policy_loss` (dlogp bitwise up to `exp`'s last bit) | `policy_loss.rs`, `policy_loss.cu` |
 //! | `rmsnorm_bwd_bf16`, `rope_bwd_bf16`, `swiglu_bwd_bf16`, `swiglu_bwd_fused_bf16`, `gelu_bwd_bf16`, `embedding_bwd_f32`, `logprobs_bwd_bf16`, `grad_accumulate_f32` (bf16 activation gradients, fp32 parameter gradients added) | `cpu::backward` (`rmsnorm_bwd`, `rope_bwd`, `swiglu_bwd`, `gelu_bwd` / `gelu_tanh_bwd`, `embedding_bwd`, `logprobs_bwd`) | `backward.rs`, `backward.cu` |
 //! | `attention_bwd_bf16` (`attention_bwd_tc_bf16`, FlashAttention-2 on the tensor cores, the default; SIMT with `ROLLPLEX_ATTN_BWD=simt`), `attention_bwd_dprefix_bf16` (the shared-prefix keys' part alone: `attention_bwd_tc_dprefix_f32`, or SIMT with `ROLLPLEX_ATTN_DPREFIX=simt`) | `cpu::attention_bwd` | `attention_bwd.rs`, `attention_bwd.cu`, `attention_bwd_tc.rs`, `attention_bwd_dprefix.rs`, `attention_bwd_tc.cu` |
+//! | `sumsq_partial_f32` (the grad-norm's f64 partial sums, fixed order), `scale_f32` (the clip), `gather_sum_rows_bf16` (fixed-order row sums), `add_f32_into_bf16` | `cpu::grad` (`sumsq_partial`, `scale`, `gather_sum_rows`, `add_into`) | `grad.rs`, `grad.cu` |
 //!
 //! Invariants:
 //! - Every launch takes an explicit `&CudaStream`; nothing here synchronises a stream or
@@ -38,6 +39,7 @@ pub mod attention_bwd_tc;
 pub mod backward;
 pub mod gemm;
 mod gpu;
+pub mod grad;
 pub mod green;
 mod launch;
 pub mod logprobs;
@@ -61,7 +63,10 @@ pub use backward::{
 };
 pub use gemm::{linear_fwd_bf16, matmul_bf16, matmul_bf16_cublas};
 pub use gpu::Gpu;
-pub use green::{SmPartition, SmPartitionKind};
+pub use grad::{
+    add_f32_into_bf16, gather_sum_rows_bf16, scale_f32, sumsq_partial_f32, SUMSQ_BLOCKS,
+};
+pub use green::StreamSet;
 pub use logprobs::logprobs_fwd_bf16;
 pub use norm::{add_rmsnorm_fwd_bf16, rmsnorm_fwd_bf16};
 pub use pointwise::{

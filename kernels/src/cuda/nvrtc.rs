@@ -306,6 +306,7 @@ mod tests {
                 (crate::cuda::attention_bwd::ATTENTION_BWD, plain),
                 (crate::cuda::attention_bwd_tc::ATTENTION_BWD_TC, hd_tc),
                 (crate::cuda::policy_loss::POLICY_LOSS, plain),
+                (crate::cuda::grad::GRAD, plain),
             ]);
         for (m, variants) in modules {
             for defines in variants {

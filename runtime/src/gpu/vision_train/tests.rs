@@ -17,12 +17,16 @@
 //!     tower's sums are bitwise the full run's and the merger's are not written.
 
 use half::bf16;
-use rollplex_kernels::cuda::{cuda_available, Gpu};
+use rollplex_kernels::cpu::AttnDims;
+use rollplex_kernels::cuda::{cuda_available, CudaSlice, Gpu};
 
+use super::params::part_ranges;
 use super::*;
 use crate::gpu::plan::VisionPlan;
 use crate::gpu::train::tests::{model, vision_cfg};
-use crate::model::{CacheMode, MediaInput, MediaKind, VisionCache};
+use crate::gpu::train::Lin;
+use crate::gpu::{download, upload};
+use crate::model::{CacheMode, MediaInput, MediaKind, Qwen25VL, VisionCache};
 use crate::train::backward::vision_backward as cpu_vision_backward;
 use crate::train::GroupBatch;
 
@@ -163,15 +167,18 @@ fn vision_heads_pad_to_the_smallest_tensor_core_width() {
     };
     // Qwen2.5-VL's vision heads (16 of 80) run at 128; the test models' small heads at 64
     assert_eq!(
-        super::tc_padded_dims(d(16, 16, 80), 64),
+        super::backward::tc_padded_dims(d(16, 16, 80), 64),
         Some(d(16, 16, 128))
     );
-    assert_eq!(super::tc_padded_dims(d(2, 2, 16), 3), Some(d(2, 2, 64)));
+    assert_eq!(
+        super::backward::tc_padded_dims(d(2, 2, 16), 3),
+        Some(d(2, 2, 64))
+    );
     // widths the tensor cores take run as they are; past 128, or past the grid, nothing pads
-    assert_eq!(super::tc_padded_dims(d(16, 2, 128), 64), None);
-    assert_eq!(super::tc_padded_dims(d(4, 4, 64), 64), None);
-    assert_eq!(super::tc_padded_dims(d(4, 4, 160), 64), None);
-    assert_eq!(super::tc_padded_dims(d(4, 4, 80), 70_000), None);
+    assert_eq!(super::backward::tc_padded_dims(d(16, 2, 128), 64), None);
+    assert_eq!(super::backward::tc_padded_dims(d(4, 4, 64), 64), None);
+    assert_eq!(super::backward::tc_padded_dims(d(4, 4, 160), 64), None);
+    assert_eq!(super::backward::tc_padded_dims(d(4, 4, 80), 70_000), None);
 }
 
 #[test]

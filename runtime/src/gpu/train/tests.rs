@@ -15,10 +15,11 @@ use rollplex_plan::spec::{
     TextDims, VisionDims, WeightsSource,
 };
 
+use super::params::{cpu_parts, fuse_parts, split_fused};
 use super::*;
 use crate::model::weights::Init;
 use crate::model::{EncodedMedia, MediaInput, MediaKind, Prompt, Qwen25VL};
-use crate::train::loss::LossConfig;
+use crate::train::loss::{LossConfig, Normaliser};
 use crate::train::{grpo_advantages, GroupBatch, Trainer};
 
 const VS: u32 = 296;

@@ -1,0 +1,351 @@
+//! The rollout's ops: media encoding, prefill of each group's prompt, the KV arena and the
+//! decode windows.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::DevicePtrMut;
+use half::bf16;
+use rollplex_kernels::cuda::{logprobs_fwd_bf16, CudaStream, Gpu};
+use rollplex_plan::Span;
+
+use super::super::book::range;
+use super::super::placement::Role;
+use super::super::{ExecError, PromptData};
+use super::held::Held;
+use super::ops::no_reference;
+use super::pacing::{task_log, HostSplit};
+use super::{GpuIteration, Media};
+use crate::gpu::arena::Region;
+use crate::gpu::{GpuEncodedMedia, GpuKvArena, GpuModel, GpuPrefixState, GpuPrompt};
+use crate::model::{DecodeSlot, MediaInput};
+
+impl GpuIteration<'_, '_> {
+    pub(super) fn media_inputs(p: &PromptData) -> Vec<MediaInput<'_>> {
+        p.media
+            .iter()
+            .map(|m| MediaInput {
+                kind: m.kind,
+                pixels: &m.pixels,
+                grid: m.grid,
+            })
+            .collect()
+    }
+
+    /// Encodes the media of `groups` with `model`, one call per group (`copies` copies of the
+    /// group's media in it, the ablation's cost); returns each group's first copy. One call per
+    /// group keeps every GEMM's shape a function of the group alone, so the bits do not depend
+    /// on how a plan cut its tasks.
+    pub(super) fn encode(
+        gpu: &Gpu,
+        s: &Arc<CudaStream>,
+        model: &GpuModel,
+        prompts: &[PromptData],
+        groups: &[usize],
+        copies: u32,
+        region: Option<&Region>,
+    ) -> Result<Vec<Media>, ExecError> {
+        let mut out = Vec::with_capacity(groups.len());
+        for &g in groups {
+            let inputs = Self::media_inputs(&prompts[g]);
+            if inputs.is_empty() {
+                out.push(Arc::new(Vec::new()));
+                continue;
+            }
+            let n = inputs.len();
+            let mut items = Vec::with_capacity(n * copies.max(1) as usize);
+            for _ in 0..copies.max(1) {
+                items.extend_from_slice(&inputs);
+            }
+            let mut m = model.encode_media_in(gpu, s, &items, region)?;
+            m.truncate(n);
+            out.push(Arc::new(m));
+        }
+        Ok(out)
+    }
+
+    /// Prefills the prompts of `groups` with `model`, one packed call per group (`copies`
+    /// copies of its prompt); returns each group's first copy (see [`Self::encode`] on why per
+    /// group), its keys and values in `region` of the plan's arena when given.
+    #[allow(clippy::too_many_arguments)] // the state it reads, borrowed apart from `self`
+    pub(super) fn prefill(
+        gpu: &Gpu,
+        s: &Arc<CudaStream>,
+        model: &GpuModel,
+        prompts: &[PromptData],
+        groups: &[usize],
+        media: &[Media],
+        copies: u32,
+        region: Option<&Region>,
+    ) -> Result<Vec<GpuPrefixState>, ExecError> {
+        let mut out = Vec::with_capacity(groups.len());
+        for (i, &g) in groups.iter().enumerate() {
+            let refs: Vec<&GpuEncodedMedia> = media[i].iter().collect();
+            let prompt = GpuPrompt {
+                ids: &prompts[g].ids,
+                media: &refs,
+            };
+            let batch = vec![prompt; copies.max(1) as usize];
+            let state = model
+                .prefill_in(gpu, s, &batch, region)?
+                .into_iter()
+                .next()
+                .ok_or_else(|| ExecError::Plan("prefill returned no state".into()))?;
+            out.push(state);
+        }
+        Ok(out)
+    }
+
+    /// The actor's (rollout) media of `groups`, encoding those not encoded yet on `s`.
+    pub(super) fn actor_media(
+        &mut self,
+        s: &Arc<CudaStream>,
+        groups: &[usize],
+    ) -> Result<Vec<Media>, ExecError> {
+        let missing: Vec<usize> = groups
+            .iter()
+            .copied()
+            .filter(|&g| self.encoded[g].is_none())
+            .collect();
+        if !missing.is_empty() {
+            self.note_made(Held::Media, s);
+            let m = Self::encode(
+                &self.models.gpu,
+                s,
+                self.models.trainer.model(),
+                self.book.prompts,
+                &missing,
+                1,
+                None,
+            )?;
+            for (g, m) in missing.into_iter().zip(m) {
+                self.encoded[g] = Some(m);
+            }
+        }
+        for &g in groups {
+            if let Some((ready, on)) = &self.encoded_ready[g] {
+                if on.cu_stream() != s.cu_stream() {
+                    s.wait(ready)?;
+                }
+            }
+        }
+        Ok(groups
+            .iter()
+            .map(|&g| self.encoded[g].clone().expect("encoded above"))
+            .collect())
+    }
+
+    /// The reference's media of `groups`: the actor's when the tower is frozen (same weights),
+    /// else encoded with the reference (`copies` times, the ablation's cost).
+    pub(super) fn ref_media(
+        &mut self,
+        s: &Arc<CudaStream>,
+        groups: &[usize],
+        copies: u32,
+    ) -> Result<Vec<Media>, ExecError> {
+        if self.book.frozen_tower() {
+            return self.actor_media(s, groups);
+        }
+        let missing: Vec<usize> = groups
+            .iter()
+            .copied()
+            .filter(|&g| self.ref_encoded[g].is_none())
+            .collect();
+        if !missing.is_empty() {
+            let reference = self.models.reference.as_ref().ok_or_else(no_reference)?;
+            let m = Self::encode(
+                &self.models.gpu,
+                s,
+                reference,
+                self.book.prompts,
+                &missing,
+                copies,
+                None,
+            )?;
+            for (g, m) in missing.into_iter().zip(m) {
+                self.ref_encoded[g] = Some(m);
+            }
+        }
+        Ok(groups
+            .iter()
+            .map(|&g| self.ref_encoded[g].clone().expect("encoded above"))
+            .collect())
+    }
+
+    pub(super) fn run_prefill(
+        &mut self,
+        s: &Arc<CudaStream>,
+        groups: Span,
+        copies: u32,
+    ) -> Result<(), ExecError> {
+        let groups: Vec<usize> = range(groups).collect();
+        let media = self.actor_media(s, &groups)?;
+        let states = Self::prefill(
+            &self.models.gpu,
+            s,
+            self.models.trainer.model(),
+            self.book.prompts,
+            &groups,
+            &media,
+            copies,
+            None,
+        )?;
+        for (g, st) in groups.into_iter().zip(states) {
+            self.prefixes[g] = Some(st);
+        }
+        if self.prefixes.iter().all(Option::is_some) && self.slots.is_empty() {
+            self.lay_out(s)?;
+        }
+        Ok(())
+    }
+
+    /// Once every group's prefix is known: the KV arena `[group prefixes | sample suffixes]`,
+    /// the decode slots, and every sample's first logits (its group's last prompt logits).
+    pub(super) fn lay_out(&mut self, s: &Arc<CudaStream>) -> Result<(), ExecError> {
+        let region = self.region(Role::DecodeKv);
+        let model = self.models.trainer.model();
+        let gpu = &self.models.gpu;
+        let mut arena =
+            GpuKvArena::for_model_in(model, gpu, s, self.arena_rows, region.as_deref())?;
+        let mut off = 0u32;
+        let mut spans = Vec::with_capacity(self.prefixes.len());
+        for p in self.prefixes.iter().flatten() {
+            spans.push(arena.store_prefix(s, off, p)?);
+            off += p.len;
+        }
+        let max_new = self.book.spec.rollout.max_new_tokens;
+        let samples = self.book.samples();
+        let v = model.vocab();
+        let mut logits = gpu.alloc::<bf16>(s, samples * v)?;
+        for smp in 0..samples {
+            let g = smp / self.book.group_size;
+            let p = self.prefixes[g].as_ref().expect("all prefixes known");
+            self.slots
+                .push(DecodeSlot::new(spans[g], p.rope_delta, off, max_new));
+            s.memcpy_dtod(
+                &*p.last_logits,
+                &mut logits.slice_mut(smp * v..(smp + 1) * v),
+            )?;
+            off += max_new;
+        }
+        self.arena = Some(arena);
+        self.logits = Some(logits);
+        self.active = (0..samples).collect();
+        // the prefill states are in the arena now (without prefix dedup each holds every
+        // copy's KV, the plan's `kv.prompt`): their frees wait for the copies above
+        let copied = self.models.gpu.event()?;
+        copied.record(s)?;
+        crate::gpu::wait_before_free(&self.made_on[Held::DecodeKv.index()], s, &copied)?;
+        self.prefixes.iter_mut().for_each(|p| *p = None);
+        Ok(())
+    }
+
+    pub(super) fn run_decode(
+        &mut self,
+        s: &Arc<CudaStream>,
+        first_step: u32,
+        steps: u32,
+        until_done: bool,
+    ) -> Result<(), ExecError> {
+        if self.slots.is_empty() {
+            return Err(ExecError::Plan(
+                "decode before every group's prefill".into(),
+            ));
+        }
+        let temp = self.book.temperature();
+        let (seed, iteration) = (self.book.spec.seed, self.book.iteration);
+        let mut step = first_step;
+        self.step_marks.clear();
+        let mut host = HostSplit::default();
+        let window_start = Instant::now();
+        while (until_done || step < first_step + steps) && !self.active.is_empty() {
+            let t_step = Instant::now();
+            let mark = self.models.gpu.timing_event()?;
+            mark.record(s)?;
+            self.step_marks.push(mark);
+            let gpu = &self.models.gpu;
+            let model = self.models.trainer.model();
+            let arena = self.arena.as_mut().expect("laid out with the slots");
+            let v = model.vocab();
+            let n = self.active.len();
+            for &smp in &self.active {
+                self.book.check_step(smp, step)?;
+            }
+            let logits = self.logits.as_ref().expect("laid out with the slots");
+            let ids: Vec<u32> = self.active.iter().map(|&x| x as u32).collect();
+            let toks_d = model.sample_tokens(
+                gpu,
+                s,
+                logits,
+                &self.book.sampling,
+                seed,
+                iteration,
+                &ids,
+                &vec![step; n],
+            )?;
+            let mut lp_d = gpu.alloc::<f32>(s, n)?;
+            logprobs_fwd_bf16(
+                gpu,
+                s,
+                &mut lp_d,
+                None::<&mut dyn DevicePtrMut<f32>>,
+                None,
+                logits,
+                &toks_d,
+                n,
+                v,
+                v,
+                temp,
+            )?;
+            let t_wait = Instant::now();
+            let toks = s.clone_dtoh(&toks_d)?;
+            let lps = s.clone_dtoh(&lp_d)?;
+            s.synchronize()?;
+            host.launch_sample += t_wait.duration_since(t_step);
+            host.wait += t_wait.elapsed();
+            let t_decode = Instant::now();
+            let mut feed = Vec::with_capacity(n);
+            let mut feed_tokens = Vec::with_capacity(n);
+            let mut feed_slots = Vec::with_capacity(n);
+            for (i, &smp) in self.active.iter().enumerate() {
+                if self.book.push_token(smp, toks[i], lps[i], step) {
+                    feed.push(smp);
+                    feed_tokens.push(toks[i]);
+                    feed_slots.push(self.slots[smp]);
+                }
+            }
+            if !feed.is_empty() {
+                self.logits =
+                    Some(model.decode_step(gpu, s, arena, &mut feed_slots, &feed_tokens)?);
+                for (slot, &smp) in feed_slots.iter().zip(&feed) {
+                    self.slots[smp] = *slot;
+                }
+            }
+            self.active = feed;
+            self.book.step_done(step);
+            step += 1;
+            host.launch_decode += t_decode.elapsed();
+            // a piece of the window's side work, launched while the device runs this step
+            let t_side = Instant::now();
+            host.pieces += self.launch_paced()?;
+            host.launch_side += t_side.elapsed();
+            host.steps += 1;
+        }
+        if task_log() {
+            eprintln!(
+                "[decode steps {first_step}..{step}] host {:.1} ms: {}",
+                window_start.elapsed().as_secs_f64() * 1e3,
+                host
+            );
+        }
+        let mark = self.models.gpu.timing_event()?;
+        mark.record(s)?;
+        self.step_marks.push(mark);
+        // side pieces still deferred stay queued: the next window's decode loop launches them
+        // paced (launching them all here would hold the host, and so the next window's first
+        // step, until the side partition had drained them); the first task outside a window
+        // launches what is left (`run`)
+        self.book.end_window();
+        Ok(())
+    }
+}

@@ -1,0 +1,244 @@
+//! The text decoder's attention steps: over a packed batch (prefill, scoring) and over the
+//! decode KV arena (one token per sample).
+
+use std::sync::Arc;
+
+use half::bf16;
+use rollplex_kernels::cpu::{AttnDims, AttnMask};
+use rollplex_kernels::cuda::attention::RowStrides;
+use rollplex_kernels::cuda::{
+    attention_decode_bf16, attention_fwd_bf16, decode_plan, kv_append_bf16, rope_fwd_bf16,
+    rope_kv_append_bf16, AttnSeqGpu, CudaSlice, CudaStream, Gpu,
+};
+
+use super::super::block::AttnStep;
+use super::super::plan::DecodeKernel;
+use super::super::{alloc, Result};
+use super::{GpuKvArena, PrefillKv};
+
+/// Text attention over a packed batch: rotate q and k (HF's bf16 text rounding), attend each
+/// sequence causally (after an optional prefix KV of this layer), keep k/v when asked.
+pub(super) struct PackedAttn<'a> {
+    pub(super) cos: &'a CudaSlice<f32>,
+    pub(super) sin: &'a CudaSlice<f32>,
+    pub(super) seqs: &'a CudaSlice<AttnSeqGpu>,
+    pub(super) n_seqs: usize,
+    pub(super) max_q: usize,
+    pub(super) dims: AttnDims,
+    pub(super) rows: usize,
+    /// A prefix KV (`[layers, prefix_rows, kvw]`) the sequences' prefix spans index.
+    pub(super) prefix: Option<&'a PrefillKv>,
+    /// Where to keep this batch's k/v (`[layers, rows, kvw]`) and the identity slots.
+    pub(super) keep: Option<(&'a mut PrefillKv, &'a CudaSlice<u32>)>,
+}
+
+impl AttnStep for PackedAttn<'_> {
+    fn attend(
+        &mut self,
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        layer: usize,
+        qkv: &mut CudaSlice<bf16>,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<()> {
+        let d = self.dims;
+        let (qw, kvw) = (d.q_width(), d.kv_width());
+        let row = qw + 2 * kvw;
+        rope_fwd_bf16(
+            gpu,
+            stream,
+            qkv,
+            self.cos,
+            self.sin,
+            self.rows,
+            row,
+            d.num_heads + d.num_kv_heads,
+            d.head_dim,
+            true,
+        )?;
+        if let Some((kv, iota)) = self.keep.as_mut() {
+            let n = kv.rows * kvw;
+            let (a, b) = (layer * n, (layer + 1) * n);
+            let ks = qkv.slice(qw..);
+            let vs = qkv.slice(qw + kvw..);
+            kv_append_bf16(
+                gpu,
+                stream,
+                &mut kv.k.slice_mut(a..b),
+                &ks,
+                *iota,
+                self.rows,
+                kvw,
+                row,
+                kvw,
+            )?;
+            kv_append_bf16(
+                gpu,
+                stream,
+                &mut kv.v.slice_mut(a..b),
+                &vs,
+                *iota,
+                self.rows,
+                kvw,
+                row,
+                kvw,
+            )?;
+        }
+        let k = qkv.slice(qw..qkv.len() - kvw);
+        let v = qkv.slice(qw + kvw..);
+        let scale = 1.0 / (d.head_dim as f32).sqrt();
+        match self.prefix {
+            Some(p) => {
+                let n = p.rows * kvw;
+                let pk = p.k.slice(layer * n..(layer + 1) * n);
+                let pv = p.v.slice(layer * n..(layer + 1) * n);
+                let strides = RowStrides {
+                    q: row,
+                    kv: row,
+                    prefix: kvw,
+                    out: qw,
+                };
+                attention_fwd_bf16(
+                    gpu,
+                    stream,
+                    out,
+                    None,
+                    qkv,
+                    &k,
+                    &v,
+                    &pk,
+                    &pv,
+                    self.seqs,
+                    self.n_seqs,
+                    self.max_q,
+                    d,
+                    AttnMask::Causal,
+                    scale,
+                    strides,
+                )?;
+            }
+            None => {
+                let strides = RowStrides {
+                    q: row,
+                    kv: row,
+                    prefix: row,
+                    out: qw,
+                };
+                attention_fwd_bf16(
+                    gpu,
+                    stream,
+                    out,
+                    None,
+                    qkv,
+                    &k,
+                    &v,
+                    &k,
+                    &v,
+                    self.seqs,
+                    self.n_seqs,
+                    self.max_q,
+                    d,
+                    AttnMask::Causal,
+                    scale,
+                    strides,
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Decode attention: rotate q and k, append k/v at each sample's next suffix row, attend
+/// `[prefix | suffix]` of each sample in the arena.
+pub(super) struct DecodeAttn<'a> {
+    pub(super) cos: &'a CudaSlice<f32>,
+    pub(super) sin: &'a CudaSlice<f32>,
+    pub(super) slots: &'a CudaSlice<u32>,
+    pub(super) seqs: &'a CudaSlice<AttnSeqGpu>,
+    pub(super) dims: AttnDims,
+    pub(super) batch: usize,
+    pub(super) max_kv: usize,
+    pub(super) kernel: DecodeKernel,
+    pub(super) workspace: Option<CudaSlice<f32>>,
+    pub(super) arena: &'a mut GpuKvArena,
+}
+
+impl AttnStep for DecodeAttn<'_> {
+    fn attend(
+        &mut self,
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        layer: usize,
+        qkv: &mut CudaSlice<bf16>,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<()> {
+        let d = self.dims;
+        let (qw, kvw) = (d.q_width(), d.kv_width());
+        let row = qw + 2 * kvw;
+        let ll = self.arena.layer_len();
+        let (a, b) = (layer * ll, (layer + 1) * ll);
+        {
+            let mut kc = self.arena.k.slice_mut(a..b);
+            let mut vc = self.arena.v.slice_mut(a..b);
+            rope_kv_append_bf16(
+                gpu,
+                stream,
+                qkv,
+                &mut kc,
+                &mut vc,
+                self.cos,
+                self.sin,
+                self.slots,
+                self.batch,
+                d.num_heads,
+                d.num_kv_heads,
+                d.head_dim,
+                true,
+            )?;
+        }
+        let kc = self.arena.k.slice(a..b);
+        let vc = self.arena.v.slice(a..b);
+        let scale = 1.0 / (d.head_dim as f32).sqrt();
+        let strides = RowStrides {
+            q: row,
+            kv: kvw,
+            prefix: kvw,
+            out: qw,
+        };
+        match self.kernel {
+            DecodeKernel::TensorCores => {
+                let plan = decode_plan(self.batch, d, self.max_kv);
+                let ws = match &mut self.workspace {
+                    Some(w) => w,
+                    None => self
+                        .workspace
+                        .insert(alloc::<f32>(gpu, stream, plan.workspace_len())?),
+                };
+                attention_decode_bf16(
+                    gpu, stream, out, None, ws, qkv, &kc, &vc, self.seqs, d, scale, strides, plan,
+                )?;
+            }
+            DecodeKernel::Varlen => {
+                attention_fwd_bf16(
+                    gpu,
+                    stream,
+                    out,
+                    None,
+                    qkv,
+                    &kc,
+                    &vc,
+                    &kc,
+                    &vc,
+                    self.seqs,
+                    self.batch,
+                    1,
+                    d,
+                    AttnMask::Causal,
+                    scale,
+                    strides,
+                )?;
+            }
+        }
+        Ok(())
+    }
+}

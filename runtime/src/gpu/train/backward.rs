@@ -1,0 +1,301 @@
+//! The backward stages of a micro-batch's step: the lm head and final norm, token 0's rows,
+//! the layers top-down (suffix rows, then each group's prompt rows), the token embeddings and
+//! each group's media rows into the merger and the tower.
+
+use std::sync::Arc;
+
+use cudarc::driver::DevicePtrMut;
+use half::bf16;
+use rollplex_kernels::cpu::Gemm;
+use rollplex_kernels::cuda::{
+    embedding_bwd_f32, gather_sum_rows_bf16, grad_accumulate_f32, kv_append_bf16, linear_fwd_bf16,
+    logprobs_bwd_bf16, matmul_bf16, rmsnorm_bwd_bf16, CudaSlice, CudaStream, Gpu,
+};
+
+use super::super::vision_train::vision_backward;
+use super::super::{alloc, GpuError};
+use super::layer::{layer_bwd, layer_fwd, Acts, LayerCtx, PrefixGrad};
+use super::params::{Slot, VisionView};
+use super::step::{Batch, HeadChunk, LayerGrads, RowTables, SuffixActs, LM_CHUNK};
+use super::{GpuTrainer, Result};
+
+impl GpuTrainer {
+    /// Backward through the log-softmax, the lm head and the final norm, chunk by chunk (the
+    /// logits recomputed unless kept): the gradient of the head's input rows (`[frows, H]`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn head_backward(
+        &mut self,
+        gpu: &Gpu,
+        s: &Arc<CudaStream>,
+        b: &Batch<'_, '_>,
+        fin: &CudaSlice<bf16>,
+        head_rows: &CudaSlice<u32>,
+        targets: &CudaSlice<u32>,
+        dlogp_d: &CudaSlice<f32>,
+        kept_head: Vec<HeadChunk>,
+    ) -> Result<CudaSlice<bf16>> {
+        let (n_head, h, vocab, frows, temp) = (b.n_head, b.h, b.vocab, b.frows, b.temp);
+        let head_slot = if self.model.weights.lm_head.is_some() {
+            Slot::LmHead
+        } else {
+            Slot::Embed
+        };
+        let mut dfin = alloc::<bf16>(gpu, s, frows * h)?;
+        s.memset_zeros(&mut dfin)?;
+        let mut kept_head = kept_head.into_iter();
+        for c0 in (0..n_head).step_by(LM_CHUNK) {
+            let n = LM_CHUNK.min(n_head - c0);
+            let idx = head_rows.slice(c0..c0 + n);
+            let head = self.model.weights.lm_head();
+            let (g, xn, rstd, logits) = match kept_head.next() {
+                Some(k) => k,
+                None => {
+                    let (g, xn, rstd) = self.head_rows(gpu, s, fin, frows, &idx, n)?;
+                    let mut logits = alloc::<bf16>(gpu, s, n * vocab)?;
+                    linear_fwd_bf16(gpu, s, &mut logits, &xn, head, None, n, h, vocab)?;
+                    (g, xn, rstd, logits)
+                }
+            };
+            let mut dlogits = alloc::<bf16>(gpu, s, n * vocab)?;
+            logprobs_bwd_bf16(
+                gpu,
+                s,
+                &mut dlogits,
+                &dlogp_d.slice(c0..c0 + n),
+                None,
+                &logits,
+                &targets.slice(c0..c0 + n),
+                n,
+                vocab,
+                vocab,
+                vocab,
+                temp,
+            )?;
+            drop(logits);
+            let mut dxn = alloc::<bf16>(gpu, s, n * h)?;
+            matmul_bf16(gpu, s, &mut dxn, &dlogits, head, Gemm::nn(n, vocab, h))?;
+            matmul_bf16(gpu, s, &mut self.dw, &dlogits, &xn, Gemm::tn(vocab, n, h))?;
+            grad_accumulate_f32(gpu, s, self.grads.get(head_slot)?, &self.dw, vocab * h)?;
+            let mut dg = alloc::<bf16>(gpu, s, n * h)?;
+            rmsnorm_bwd_bf16(
+                gpu,
+                s,
+                &mut dg,
+                Some(self.grads.get(Slot::FinalNorm)? as &mut dyn DevicePtrMut<f32>),
+                &dxn,
+                &g,
+                &self.model.weights.final_norm,
+                &rstd,
+                n,
+                h,
+                false,
+            )?;
+            // rows are distinct (one token-0 row per response): a scatter
+            kv_append_bf16(gpu, s, &mut dfin, &dg, &idx, n, h, h, h)?;
+        }
+        Ok(dfin)
+    }
+
+    /// Backward through the layers top-down: per layer, the suffix rows (recomputed unless
+    /// kept; their attention adds the prefix keys' gradients into `d.pk`, `d.pv`), then each
+    /// training group's prompt rows, recomputed from their kept inputs, with those gradients
+    /// added to their own.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn layers_backward(
+        &mut self,
+        gpu: &Gpu,
+        s: &Arc<CudaStream>,
+        b: &Batch<'_, '_>,
+        rt: &RowTables,
+        sctx: &LayerCtx<'_>,
+        mut suffix: Option<&mut SuffixActs>,
+        d: &mut LayerGrads<'_>,
+    ) -> Result<()> {
+        let (srows, h, dims, eps) = (b.srows, b.h, b.dims, b.eps);
+        let (all, kvw, lo) = (b.store.rows, dims.kv_width(), b.pk.lo);
+        let w = &self.model.weights;
+        let layers = w.text.len();
+        for l in (0..layers).rev() {
+            let blk = &w.text[l];
+            s.memset_zeros(d.pk)?;
+            s.memset_zeros(d.pv)?;
+            if let Some(SuffixActs {
+                inputs,
+                acts,
+                kept: kept_acts,
+            }) = suffix.as_deref_mut()
+            {
+                let xin = inputs.slice(l * srows * h..(l + 1) * srows * h);
+                let pre = b.pre_kv(l);
+                // a kept layer's activations are used once, then freed
+                let kept_l = kept_acts.get_mut(l).and_then(Option::take);
+                let a = match (&kept_l, acts.as_mut()) {
+                    (Some(k), _) => k,
+                    (None, Some(a)) => {
+                        layer_fwd(gpu, s, blk, sctx, &xin, a, None, Some(&pre))?;
+                        &*a
+                    }
+                    (None, None) => {
+                        return Err(GpuError::Input(format!(
+                            "layer {l}: neither kept nor recomputable activations"
+                        ))
+                        .into())
+                    }
+                };
+                layer_bwd(
+                    gpu,
+                    s,
+                    l,
+                    blk,
+                    sctx,
+                    &xin,
+                    a,
+                    d.suffix,
+                    &mut self.grads,
+                    &mut self.dw,
+                    PrefixGrad::Attend {
+                        pre: &pre,
+                        dk: d.pk,
+                        dv: d.pv,
+                    },
+                )?;
+            }
+            for (gi, p) in b.packs.iter().enumerate() {
+                if !b.trains[gi] {
+                    continue;
+                }
+                let (lay, k) = (p.layout, b.kept[gi]);
+                let rows = lay.rows();
+                let pctx = LayerCtx {
+                    rows,
+                    hidden: h,
+                    dims,
+                    eps,
+                    cos: &k.cos,
+                    sin: &k.sin,
+                    seqs: &k.seqs,
+                    n_seqs: lay.copies,
+                    max_q: lay.len,
+                    iota: &rt.iota,
+                    ones: &rt.ones,
+                };
+                let first = l * all + lay.row0;
+                let xin = b.store.inputs.slice(first * h..(first + rows) * h);
+                let mut acts = Acts::new(gpu, s, &pctx, blk)?;
+                layer_fwd(gpu, s, blk, &pctx, &xin, &mut acts, None, None)?;
+                let r0 = lay.row0 - lo;
+                layer_bwd(
+                    gpu,
+                    s,
+                    l,
+                    blk,
+                    &pctx,
+                    &xin,
+                    &acts,
+                    &mut d.prompt[gi],
+                    &mut self.grads,
+                    &mut self.dw,
+                    PrefixGrad::Extra {
+                        dk: d.pk.slice(r0 * kvw..(r0 + rows) * kvw),
+                        dv: d.pv.slice(r0 * kvw..(r0 + rows) * kvw),
+                    },
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Backward into the token embeddings: the suffix rows, then each training group's prompt
+    /// rows (media rows skipped: their gradient goes to the vision backward).
+    pub(super) fn embed_backward(
+        &mut self,
+        gpu: &Gpu,
+        s: &Arc<CudaStream>,
+        b: &Batch<'_, '_>,
+        ids_d: &CudaSlice<u32>,
+        dsuffix: &CudaSlice<bf16>,
+        dprompt: &[CudaSlice<bf16>],
+    ) -> Result<()> {
+        let (srows, h, vocab) = (b.srows, b.h, b.vocab);
+        let embed = self.grads.get(Slot::Embed)?;
+        if srows > 0 {
+            embedding_bwd_f32(gpu, s, embed, dsuffix, ids_d, srows, h, vocab, h)?;
+        }
+        for (gi, p) in b.packs.iter().enumerate() {
+            if b.trains[gi] {
+                let rows = p.layout.rows();
+                embedding_bwd_f32(
+                    gpu,
+                    s,
+                    embed,
+                    &dprompt[gi],
+                    &b.kept[gi].bwd_ids,
+                    rows,
+                    h,
+                    vocab,
+                    h,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Backward of each training group's media rows (summed over its copies) into the merger
+    /// and the tower, group by group.
+    pub(super) fn media_backward(
+        &mut self,
+        gpu: &Gpu,
+        s: &Arc<CudaStream>,
+        b: &Batch<'_, '_>,
+        dprompt: &[CudaSlice<bf16>],
+    ) -> Result<()> {
+        let h = b.h;
+        let train_tower = !self.cfg.freeze_vision;
+        for (gi, k) in b.kept.iter().enumerate() {
+            let Some(kv) = k.vision.as_ref().filter(|_| b.trains[gi]) else {
+                continue;
+            };
+            let mt = kv.rows.len();
+            let mut d = alloc::<bf16>(gpu, s, mt.max(1) * h)?;
+            let dst: Vec<u32> = (0..mt as u32).collect();
+            gather_sum_rows_bf16(gpu, s, &mut d, &dst, &dprompt[gi], &kv.rows, h)?;
+            let mut sink = VisionView(&mut self.grads);
+            vision_backward(gpu, s, &self.model, &kv.state, &d, train_tower, &mut sink)?;
+        }
+        Ok(())
+    }
+}
+
+/// Token 0's gradients: each copy's last prompt row gets the sum of its responses' token-0
+/// rows of `dfin` (fixed order); returns each group's prompt-row gradients (`[rows, H]`, zero
+/// elsewhere) and the suffix rows' (`[max(srows, 1), H]`).
+pub(super) fn token0_grads(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    b: &Batch<'_, '_>,
+    dfin: &CudaSlice<bf16>,
+) -> Result<(Vec<CudaSlice<bf16>>, CudaSlice<bf16>)> {
+    let (srows, h) = (b.srows, b.h);
+    let mut dprompt = Vec::with_capacity(b.packs.len());
+    for (gi, p) in b.packs.iter().enumerate() {
+        let l = p.layout;
+        let mut d = alloc::<bf16>(gpu, s, l.rows() * h)?;
+        s.memset_zeros(&mut d)?;
+        if b.trains[gi] {
+            let lists = b.pk.first_rows_of(gi, l.copies);
+            let dst: Vec<u32> = (0..l.copies)
+                .map(|c| (c * l.len + l.len - 1) as u32)
+                .collect();
+            gather_sum_rows_bf16(gpu, s, &mut d, &dst, dfin, &lists, h)?;
+        }
+        dprompt.push(d);
+    }
+    let mut dsuffix = alloc::<bf16>(gpu, s, srows.max(1) * h)?;
+    if srows > 0 {
+        s.memcpy_dtod(
+            &dfin.slice(..srows * h),
+            &mut dsuffix.slice_mut(..srows * h),
+        )?;
+    }
+    Ok((dprompt, dsuffix))
+}

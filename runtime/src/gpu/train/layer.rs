@@ -1,0 +1,416 @@
+//! One decoder layer's training forward and backward over packed rows, with or without a kept
+//! prefix to attend to.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaView, DevicePtr, DevicePtrMut};
+use half::bf16;
+use rollplex_kernels::cpu::{AttnDims, AttnMask};
+use rollplex_kernels::cuda::attention::RowStrides;
+use rollplex_kernels::cuda::{
+    add_f32_into_bf16, add_fwd_bf16_inplace, add_rmsnorm_fwd_bf16, attention_bwd_bf16,
+    attention_fwd_bf16, kv_append_bf16, linear_fwd_bf16, rmsnorm_fwd_bf16, rope_bwd_bf16,
+    rope_fwd_bf16, swiglu_fwd_bf16, AttnSeqGpu, CudaSlice, CudaStream, Gpu,
+};
+
+use super::super::alloc;
+use super::super::block_bwd::{BlockBwd, MlpSaved};
+use super::super::weights::{GpuBlock, GpuLinear};
+use super::params::Grads;
+use super::Result;
+
+/// One layer's activations (recomputed from its input in backward).
+pub(super) struct Acts {
+    pub(super) xn1: CudaSlice<bf16>,
+    pub(super) rstd1: CudaSlice<f32>,
+    pub(super) qkv: CudaSlice<bf16>,
+    pub(super) q: CudaSlice<bf16>,
+    pub(super) k: CudaSlice<bf16>,
+    pub(super) v: CudaSlice<bf16>,
+    pub(super) att: CudaSlice<bf16>,
+    pub(super) lse: CudaSlice<f32>,
+    pub(super) x_mid: CudaSlice<bf16>,
+    pub(super) xn2: CudaSlice<bf16>,
+    pub(super) rstd2: CudaSlice<f32>,
+    pub(super) gu: CudaSlice<bf16>,
+    pub(super) act: CudaSlice<bf16>,
+    pub(super) delta: CudaSlice<bf16>,
+}
+
+/// What a layer forward needs besides weights and activations.
+pub(super) struct LayerCtx<'a> {
+    pub(super) rows: usize,
+    pub(super) hidden: usize,
+    pub(super) dims: AttnDims,
+    pub(super) eps: f32,
+    pub(super) cos: &'a CudaSlice<f32>,
+    pub(super) sin: &'a CudaSlice<f32>,
+    pub(super) seqs: &'a CudaSlice<AttnSeqGpu>,
+    pub(super) n_seqs: usize,
+    pub(super) max_q: usize,
+    pub(super) iota: &'a CudaSlice<u32>,
+    pub(super) ones: &'a CudaSlice<bf16>,
+}
+
+impl Acts {
+    pub(super) fn new(
+        gpu: &Gpu,
+        s: &Arc<CudaStream>,
+        c: &LayerCtx<'_>,
+        b: &GpuBlock,
+    ) -> Result<Self> {
+        let (r, h) = (c.rows, c.hidden);
+        let (qw, kvw) = (c.dims.q_width(), c.dims.kv_width());
+        Ok(Acts {
+            xn1: alloc(gpu, s, r * h)?,
+            rstd1: alloc(gpu, s, r)?,
+            qkv: alloc(gpu, s, r * b.qkv.out)?,
+            q: alloc(gpu, s, r * qw)?,
+            k: alloc(gpu, s, r * kvw)?,
+            v: alloc(gpu, s, r * kvw)?,
+            att: alloc(gpu, s, r * qw)?,
+            lse: alloc(gpu, s, r * c.dims.num_heads)?,
+            x_mid: alloc(gpu, s, r * h)?,
+            xn2: alloc(gpu, s, r * h)?,
+            rstd2: alloc(gpu, s, r)?,
+            gu: alloc(gpu, s, r * 2 * b.ffn)?,
+            act: alloc(gpu, s, r * b.ffn)?,
+            delta: alloc(gpu, s, r * h)?,
+        })
+    }
+}
+
+pub(super) fn linear(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    y: &mut CudaSlice<bf16>,
+    x: &CudaSlice<bf16>,
+    l: &GpuLinear,
+    rows: usize,
+) -> Result<()> {
+    let b = l.b.as_ref().map(|b| b as &dyn DevicePtr<bf16>);
+    linear_fwd_bf16(gpu, s, y, x, &l.w, b, rows, l.inp, l.out)?;
+    Ok(())
+}
+
+/// The kept prefix K/V (this layer's store rows `lo..hi`) that suffix rows attend to; the
+/// sequences' prefix spans count from `lo`.
+pub(super) struct PreKv<'a> {
+    pub(super) k: CudaView<'a, bf16>,
+    pub(super) v: CudaView<'a, bf16>,
+}
+
+/// Causal attention of the layer's packed rows (q, k, v after RoPE) after each sequence's
+/// prefix span in `pk` / `pv` (the rows' own k / v when no sequence has a prefix), with the LSE
+/// the backward reads.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attend(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    c: &LayerCtx<'_>,
+    att: &mut CudaSlice<bf16>,
+    lse: &mut CudaSlice<f32>,
+    (q, k, v): (&CudaSlice<bf16>, &CudaSlice<bf16>, &CudaSlice<bf16>),
+    pk: &impl DevicePtr<bf16>,
+    pv: &impl DevicePtr<bf16>,
+) -> Result<()> {
+    let d = c.dims;
+    attention_fwd_bf16(
+        gpu,
+        s,
+        att,
+        Some(lse as &mut dyn DevicePtrMut<f32>),
+        q,
+        k,
+        v,
+        pk,
+        pv,
+        c.seqs,
+        c.n_seqs,
+        c.max_q,
+        d,
+        AttnMask::Causal,
+        1.0 / (d.head_dim as f32).sqrt(),
+        RowStrides::contiguous(d),
+    )?;
+    Ok(())
+}
+
+/// One decoder layer forward from `x_in`, filling `a`; when `x_out` is given the layer's output
+/// (the next layer's input) is written there. With `pre`, each sequence attends to its prefix
+/// span there before its own keys (as `score` does). Bitwise the model's `run_blocks` layer.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn layer_fwd(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    b: &GpuBlock,
+    c: &LayerCtx<'_>,
+    x_in: &impl DevicePtr<bf16>,
+    a: &mut Acts,
+    x_out: Option<&mut CudaSlice<bf16>>,
+    pre: Option<&PreKv<'_>>,
+) -> Result<()> {
+    let (rows, h, d) = (c.rows, c.hidden, c.dims);
+    let (qw, kvw) = (d.q_width(), d.kv_width());
+    let row = qw + 2 * kvw;
+    let ffn = b.ffn;
+    rmsnorm_fwd_bf16(
+        gpu,
+        s,
+        &mut a.xn1,
+        Some(&mut a.rstd1 as &mut dyn DevicePtrMut<f32>),
+        x_in,
+        &b.norm1,
+        rows,
+        h,
+        c.eps,
+    )?;
+    linear(gpu, s, &mut a.qkv, &a.xn1, &b.qkv, rows)?;
+    rope_fwd_bf16(
+        gpu,
+        s,
+        &mut a.qkv,
+        c.cos,
+        c.sin,
+        rows,
+        row,
+        d.num_heads + d.num_kv_heads,
+        d.head_dim,
+        true,
+    )?;
+    // q, k, v into contiguous buffers (the attention backward writes dq/dk/dv at its inputs'
+    // strides, and three views of one fused gradient buffer cannot be borrowed at once)
+    kv_append_bf16(gpu, s, &mut a.q, &a.qkv, c.iota, rows, qw, row, qw)?;
+    kv_append_bf16(
+        gpu,
+        s,
+        &mut a.k,
+        &a.qkv.slice(qw..),
+        c.iota,
+        rows,
+        kvw,
+        row,
+        kvw,
+    )?;
+    kv_append_bf16(
+        gpu,
+        s,
+        &mut a.v,
+        &a.qkv.slice(qw + kvw..),
+        c.iota,
+        rows,
+        kvw,
+        row,
+        kvw,
+    )?;
+    let (q, k, v) = (&a.q, &a.k, &a.v);
+    match pre {
+        Some(p) => attend(gpu, s, c, &mut a.att, &mut a.lse, (q, k, v), &p.k, &p.v)?,
+        None => attend(gpu, s, c, &mut a.att, &mut a.lse, (q, k, v), k, v)?,
+    }
+    linear(gpu, s, &mut a.delta, &a.att, &b.o, rows)?;
+    s.memcpy_dtod(x_in, &mut a.x_mid)?;
+    add_rmsnorm_fwd_bf16(
+        gpu,
+        s,
+        &mut a.xn2,
+        Some(&mut a.rstd2 as &mut dyn DevicePtrMut<f32>),
+        &mut a.x_mid,
+        &a.delta,
+        &b.norm2,
+        rows,
+        h,
+        c.eps,
+    )?;
+    linear(gpu, s, &mut a.gu, &a.xn2, &b.gate_up, rows)?;
+    let up = a.gu.slice(ffn..);
+    swiglu_fwd_bf16(
+        gpu,
+        s,
+        &mut a.act,
+        &a.gu,
+        &up,
+        rows,
+        ffn,
+        ffn,
+        2 * ffn,
+        2 * ffn,
+    )?;
+    if let Some(x) = x_out {
+        linear(gpu, s, &mut a.delta, &a.act, &b.down, rows)?;
+        s.memcpy_dtod(&a.x_mid, x)?;
+        add_fwd_bf16_inplace(gpu, s, x, &a.delta, rows * h)?;
+    }
+    Ok(())
+}
+
+/// How a layer's attention backward meets a kept prefix.
+pub(super) enum PrefixGrad<'a, 'b> {
+    /// Suffix rows attending to `pre`: the prefix keys' gradients are added (fp32) into
+    /// `dk`, `dv` (`[hi - lo, kv_width]`, the prefix spans' rows).
+    Attend {
+        pre: &'b PreKv<'a>,
+        dk: &'b mut CudaSlice<f32>,
+        dv: &'b mut CudaSlice<f32>,
+    },
+    /// Prefix rows whose K/V the suffixes also read: their gradients (fp32, these rows') are
+    /// added to the rows' own before RoPE's backward.
+    Extra {
+        dk: CudaView<'a, f32>,
+        dv: CudaView<'a, f32>,
+    },
+}
+
+/// Backward of one layer: `dx` holds the gradient of the layer's output and ends holding the
+/// gradient of its input; parameter gradients are added into `grads` (see [`PrefixGrad`]).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn layer_bwd(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    layer: usize,
+    b: &GpuBlock,
+    c: &LayerCtx<'_>,
+    x_in: &impl DevicePtr<bf16>,
+    a: &Acts,
+    dx: &mut CudaSlice<bf16>,
+    grads: &mut Grads,
+    scratch: &mut CudaSlice<bf16>,
+    prefix: PrefixGrad<'_, '_>,
+) -> Result<()> {
+    let (rows, h, d) = (c.rows, c.hidden, c.dims);
+    let (qw, kvw) = (d.q_width(), d.kv_width());
+    let row = qw + 2 * kvw;
+    let bb = BlockBwd {
+        gpu,
+        s,
+        layer,
+        b,
+        rows,
+        hidden: h,
+        ones: c.ones,
+    };
+    let saved = MlpSaved {
+        x_mid: &a.x_mid,
+        xn2: &a.xn2,
+        rstd2: &a.rstd2,
+        gu: &a.gu,
+        act: &a.act,
+        att: &a.att,
+    };
+    // MLP: delta = down(swiglu(gate_up(norm2(x_mid)))); attention: delta = o(attn(...))
+    let datt = bb.mlp_and_o(grads, scratch, &saved, dx)?;
+    let mut dq = alloc::<bf16>(gpu, s, rows * qw)?;
+    let mut dk = alloc::<bf16>(gpu, s, rows * kvw)?;
+    let mut dv = alloc::<bf16>(gpu, s, rows * kvw)?;
+    let scale = 1.0 / (d.head_dim as f32).sqrt();
+    let strides = RowStrides::contiguous(d);
+    match prefix {
+        PrefixGrad::Attend {
+            pre,
+            dk: dpk,
+            dv: dpv,
+        } => attention_bwd_bf16(
+            gpu,
+            s,
+            &mut dq,
+            &mut dk,
+            &mut dv,
+            dpk,
+            dpv,
+            &datt,
+            &a.q,
+            &a.k,
+            &a.v,
+            &pre.k,
+            &pre.v,
+            &a.att,
+            &a.lse,
+            c.seqs,
+            c.n_seqs,
+            d,
+            AttnMask::Causal,
+            scale,
+            strides,
+        )?,
+        PrefixGrad::Extra { dk: ek, dv: ev } => {
+            // no sequence has a prefix: one-row fp32 stand-ins
+            let mut dpk = alloc::<f32>(gpu, s, kvw)?;
+            let mut dpv = alloc::<f32>(gpu, s, kvw)?;
+            attention_bwd_bf16(
+                gpu,
+                s,
+                &mut dq,
+                &mut dk,
+                &mut dv,
+                &mut dpk,
+                &mut dpv,
+                &datt,
+                &a.q,
+                &a.k,
+                &a.v,
+                &a.k,
+                &a.v,
+                &a.att,
+                &a.lse,
+                c.seqs,
+                c.n_seqs,
+                d,
+                AttnMask::Causal,
+                scale,
+                strides,
+            )?;
+            add_f32_into_bf16(gpu, s, &mut dk, &ek, rows * kvw)?;
+            add_f32_into_bf16(gpu, s, &mut dv, &ev, rows * kvw)?;
+        }
+    }
+    drop(datt);
+    rope_bwd_bf16(
+        gpu,
+        s,
+        &mut dq,
+        c.cos,
+        c.sin,
+        rows,
+        qw,
+        d.num_heads,
+        d.head_dim,
+    )?;
+    rope_bwd_bf16(
+        gpu,
+        s,
+        &mut dk,
+        c.cos,
+        c.sin,
+        rows,
+        kvw,
+        d.num_kv_heads,
+        d.head_dim,
+    )?;
+    let mut dqkv = alloc::<bf16>(gpu, s, rows * row)?;
+    kv_append_bf16(gpu, s, &mut dqkv, &dq, c.iota, rows, qw, qw, row)?;
+    kv_append_bf16(
+        gpu,
+        s,
+        &mut dqkv.slice_mut(qw..),
+        &dk,
+        c.iota,
+        rows,
+        kvw,
+        kvw,
+        row,
+    )?;
+    kv_append_bf16(
+        gpu,
+        s,
+        &mut dqkv.slice_mut(qw + kvw..),
+        &dv,
+        c.iota,
+        rows,
+        kvw,
+        kvw,
+        row,
+    )?;
+    drop((dq, dk, dv));
+    bb.qkv_and_norm1(grads, scratch, &dqkv, &a.xn1, &a.rstd1, x_in, dx)?;
+    Ok(())
+}
