@@ -8,7 +8,7 @@
 //! | `swiglu_fwd`, `gelu_fwd`, `add_fwd`, `embedding_fwd` | elementwise, gather | `act.rs` |
 //! | `attention_fwd`, `attention_decode` | varlen / windowed / shared-prefix attention, decode | `attention.rs` |
 //! | `softmax`, `logprobs_fwd`, `argmax` | row reductions over the vocabulary | `softmax.rs` |
-//! | `*_bwd` | backward of every op above | `backward.rs` |
+//! | `*_bwd` | backward of every op above | `backward/` (one file per op family) |
 //!
 //! Invariant: every op is deterministic and batch-composition independent: an output row's
 //! bits depend only on the inputs it reads, never on the other rows of the batch or on the

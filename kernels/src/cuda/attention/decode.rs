@@ -4,14 +4,12 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{
-    CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
 use half::bf16;
 
 use super::{check_dims, check_stride, rows_of, AttnSeqGpu, KvSrc, RowStrides};
 use crate::cpu::AttnDims;
-use crate::cuda::launch::{aligned16, need, ptr, ptr_mut, u32_of};
+use crate::cuda::launch::{aligned16, launch, need, ptr, ptr_mut, u32_of, Grid};
 use crate::cuda::nvrtc::ATTENTION;
 use crate::cuda::{shape, Gpu, Result};
 
@@ -308,26 +306,12 @@ fn split_pass(
     } else {
         "attention_decode_simt_bf16"
     };
-    let f1 = gpu.function(&ATTENTION, &[("HEAD_DIM", hd)], name)?;
     // The tensor-core kernel: 4 warps x 2 stages x (K + V) tiles of 32 keys, rows padded by 8.
     let smem = if tensor_cores {
         (4 * 2 * 2 * 32 * (dims.head_dim + 8) * 2) as u32
     } else {
         0
     };
-    if smem > 0 {
-        // SAFETY: a valid function handle of this context; the attribute only raises the
-        // dynamic shared-memory limit to what this launch passes (139 KiB for head_dim 128,
-        // within the 227 KiB a Hopper block may use).
-        unsafe {
-            cudarc::driver::sys::cuFuncSetAttribute(
-                f1.cu_function(),
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-        }
-        .result()?;
-    }
     let (nh, nkv) = (dims.num_heads as u32, dims.num_kv_heads as u32);
     let (chunk, splits) = (u32_of(op, "chunk", chunk)?, u32_of(op, "splits", splits)?);
     let (base, total) = (
@@ -337,34 +321,44 @@ fn split_pass(
     let qs = p.q_stride as u32;
     let hg = ((dims.num_heads / dims.num_kv_heads).div_ceil(8) * dims.num_kv_heads) as u32;
     let bz = u32_of(op, "batch", p.batch)?;
-    let cfg1 = LaunchConfig {
-        grid_dim: (splits, hg, bz),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: smem,
+    let cfg1 = Grid {
+        grid: (splits, hg, bz),
+        block: (128, 1, 1),
+        smem,
     };
-    let mut l1 = stream.launch_builder(&f1);
-    l1.arg(&p.part_o)
-        .arg(&p.part_ml)
-        .arg(&p.q)
-        .arg(&qs)
-        .arg(&p.src)
-        .arg(&p.seqs)
-        .arg(&nh)
-        .arg(&nkv);
-    l1.arg(&chunk)
-        .arg(&splits)
-        .arg(&scale_log2)
-        .arg(&p.kv_rows)
-        .arg(&p.kv_rows)
-        .arg(&skip_prefix)
-        .arg(&base)
-        .arg(&total);
     // SAFETY: q holds batch rows; the workspace holds batch*heads*total_splits*(hd+2) floats
     // and split_base + splits <= total_splits (callers), so the partial slots written are
     // inside it; the kernel checks each descriptor against kv_rows and reads only rows inside
     // the caches; arguments match (part_o, part_ml, q, q_stride, src, seqs, n_heads, n_kv,
     // chunk, splits, scale_log2, p_rows, kv_rows, skip_prefix, split_base, total_splits).
-    unsafe { l1.launch(cfg1) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &ATTENTION,
+            &[("HEAD_DIM", hd)],
+            name,
+            cfg1,
+            &[
+                &p.part_o,
+                &p.part_ml,
+                &p.q,
+                &qs,
+                &p.src,
+                &p.seqs,
+                &nh,
+                &nkv,
+                &chunk,
+                &splits,
+                &scale_log2,
+                &p.kv_rows,
+                &p.kv_rows,
+                &skip_prefix,
+                &base,
+                &total,
+            ],
+        )
+    }?;
     Ok(())
 }
 
@@ -382,32 +376,29 @@ pub(super) fn reduce_pass(
     total_splits: usize,
 ) -> Result<()> {
     let hd = dims.head_dim as u32;
-    let f2 = gpu.function(
-        &ATTENTION,
-        &[("HEAD_DIM", hd)],
-        "attention_decode_reduce_bf16",
-    )?;
     let nh = dims.num_heads as u32;
     let splits = u32_of(op, "total splits", total_splits)?;
     let bz = u32_of(op, "batch", p.batch)?;
     let os = out_stride as u32;
-    let cfg2 = LaunchConfig {
-        grid_dim: (nh, bz, 1),
-        block_dim: (hd.min(128), 1, 1),
-        shared_mem_bytes: 0,
+    let cfg2 = Grid {
+        grid: (nh, bz, 1),
+        block: (hd.min(128), 1, 1),
+        smem: 0,
     };
-    let mut l2 = stream.launch_builder(&f2);
-    l2.arg(&out)
-        .arg(&os)
-        .arg(&lse)
-        .arg(&p.part_o)
-        .arg(&p.part_ml)
-        .arg(&nh)
-        .arg(&splits);
     // SAFETY: out holds batch rows of heads*hd (checked by callers), lse batch*heads (checked);
     // the partials were written by the passes before on the same stream; arguments match (out,
     // out_stride, lse, part_o, part_ml, n_heads, splits).
-    unsafe { l2.launch(cfg2) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &ATTENTION,
+            &[("HEAD_DIM", hd)],
+            "attention_decode_reduce_bf16",
+            cfg2,
+            &[&out, &os, &lse, &p.part_o, &p.part_ml, &nh, &splits],
+        )
+    }?;
     Ok(())
 }
 
@@ -434,30 +425,15 @@ pub(super) fn group_pass(
 ) -> Result<()> {
     let (group, per_block, z, chunk, splits) = a;
     let hd = dims.head_dim as u32;
-    let f = gpu.function(
-        &ATTENTION,
-        &[("HEAD_DIM", hd)],
-        "attention_decode_grouped_bf16",
-    )?;
     let smem = (4 * 2 * 32 * (dims.head_dim + 8) * 2) as u32; // 4 stages of K + V, 32 keys
-                                                              // SAFETY: a valid function handle of this context; raises the dynamic shared-memory limit
-                                                              // to what this launch passes (68 KiB for head_dim 128).
-    unsafe {
-        cudarc::driver::sys::cuFuncSetAttribute(
-            f.cu_function(),
-            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-    }
-    .result()?;
-    let cfg = LaunchConfig {
-        grid_dim: (
+    let cfg = Grid {
+        grid: (
             u32_of(op, "splits", splits)?,
             dims.num_kv_heads as u32,
             u32_of(op, "blocks along z", z)?,
         ),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: smem,
+        block: (128, 1, 1),
+        smem,
     };
     let p = g.pass;
     let (qs, kvs) = (p.q_stride as u32, g.kv_stride as u32);
@@ -473,28 +449,6 @@ pub(super) fn group_pass(
         u32_of(op, "slots", g.total)?,
     );
     let (per_sample, skip, base) = (mode.0, mode.1, u32_of(op, "split base", mode.2)?);
-    let mut l = stream.launch_builder(&f);
-    l.arg(&p.part_o)
-        .arg(&p.part_ml)
-        .arg(&p.q)
-        .arg(&qs)
-        .arg(&g.k)
-        .arg(&g.v)
-        .arg(&kvs)
-        .arg(&p.seqs)
-        .arg(&bb)
-        .arg(&gg)
-        .arg(&pb);
-    l.arg(&nh)
-        .arg(&nkv)
-        .arg(&ch)
-        .arg(&sp)
-        .arg(&ts)
-        .arg(&g.scale_log2)
-        .arg(&p.kv_rows)
-        .arg(&per_sample)
-        .arg(&skip)
-        .arg(&base);
     // SAFETY: q holds batch rows and the workspace batch*heads*total*(hd+2) floats (checked by
     // the caller); the pass writes slots split_base + split < total of samples < batch only;
     // the kernel checks the descriptors it reads keys through against kv_rows (computed from
@@ -502,7 +456,39 @@ pub(super) fn group_pass(
     // arguments match (part_o, part_ml, q, q_stride, k, v, kv_stride, seqs, batch, group,
     // per_block, n_heads, n_kv, chunk, splits, total_splits, scale_log2, kv_rows, per_sample,
     // skip_prefix, split_base).
-    unsafe { l.launch(cfg) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &ATTENTION,
+            &[("HEAD_DIM", hd)],
+            "attention_decode_grouped_bf16",
+            cfg,
+            &[
+                &p.part_o,
+                &p.part_ml,
+                &p.q,
+                &qs,
+                &g.k,
+                &g.v,
+                &kvs,
+                &p.seqs,
+                &bb,
+                &gg,
+                &pb,
+                &nh,
+                &nkv,
+                &ch,
+                &sp,
+                &ts,
+                &g.scale_log2,
+                &p.kv_rows,
+                &per_sample,
+                &skip,
+                &base,
+            ],
+        )
+    }?;
     Ok(())
 }
 

@@ -2,12 +2,12 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::{check_dims, check_stride, rows_of, AttnSeqGpu, KvSrc, RowStrides};
 use crate::cpu::{AttnDims, AttnMask};
-use crate::cuda::launch::{aligned16, need, ptr, ptr_mut, u32_of};
+use crate::cuda::launch::{aligned16, launch, need, ptr, ptr_mut, u32_of, Grid};
 use crate::cuda::nvrtc::ATTENTION;
 use crate::cuda::{shape, Gpu, Result};
 
@@ -175,25 +175,12 @@ pub fn attention_fwd_bf16_with(
     } else {
         "attention_fwd_bf16"
     };
-    let f = gpu.function(&ATTENTION, &[("HEAD_DIM", hd)], name)?;
     // the tensor-core kernel: 2 stages of a 64-key K and V tile, rows padded by 8 bf16
     let smem = if tc {
         (2 * 2 * 64 * (dims.head_dim + 8) * 2) as u32
     } else {
         0
     };
-    if tc {
-        // SAFETY: a valid function handle of this context; raises the dynamic shared-memory
-        // limit to what this launch passes (68 KiB for head_dim 128).
-        unsafe {
-            cudarc::driver::sys::cuFuncSetAttribute(
-                f.cu_function(),
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-        }
-        .result()?;
-    }
     let (os, qs) = (strides.out as u32, strides.q as u32);
     let (nh, nkv) = (dims.num_heads as u32, dims.num_kv_heads as u32);
     let causal = matches!(mask, AttnMask::Causal) as u32;
@@ -206,28 +193,41 @@ pub fn attention_fwd_bf16_with(
     let q_tile = if tc { 64 } else { 16 };
     let gx = u32_of(OP, "max_q_len", max_q_len.div_ceil(q_tile))?.min(65535);
     let gz = u32_of(OP, "n_seqs", n_seqs)?;
-    let cfg = LaunchConfig {
-        grid_dim: (gx, nh, gz),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: smem,
+    let cfg = Grid {
+        grid: (gx, nh, gz),
+        block: (128, 1, 1),
+        smem,
     };
-    let mut b = stream.launch_builder(&f);
-    b.arg(&op_)
-        .arg(&os)
-        .arg(&lse_p)
-        .arg(&qp)
-        .arg(&qs)
-        .arg(&src)
-        .arg(&sp)
-        .arg(&nh)
-        .arg(&nkv)
-        .arg(&causal);
-    b.arg(&scale_log2).arg(&qr).arg(&pr).arg(&kr);
     // SAFETY: the kernel checks each descriptor against q_rows / p_rows / kv_rows (computed from
     // the buffers' lengths and strides, out and lse included) and touches only rows inside them;
     // rows are 16-byte aligned (checked); arguments match both kernels' signature
     // (out, o_stride, lse, q, q_stride, src, seqs, n_heads, n_kv, causal, scale_log2, q_rows,
     // p_rows, kv_rows).
-    unsafe { b.launch(cfg) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &ATTENTION,
+            &[("HEAD_DIM", hd)],
+            name,
+            cfg,
+            &[
+                &op_,
+                &os,
+                &lse_p,
+                &qp,
+                &qs,
+                &src,
+                &sp,
+                &nh,
+                &nkv,
+                &causal,
+                &scale_log2,
+                &qr,
+                &pr,
+                &kr,
+            ],
+        )
+    }?;
     Ok(())
 }
