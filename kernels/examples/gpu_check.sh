@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device call: GPU tests (each kernel vs its CPU twin, one process per test so that a
-# faulting kernel cannot poison the others), the decode kernels under compute-sanitizer, the
-# GEMM and decode workbenches, and PyTorch's CUDA-graph decode of the same dims (side by side).
+# On a GPU host: GPU tests (each kernel vs its CPU twin, one process per test so that a
+# faulting kernel cannot poison the others; ROLLPLEX_REQUIRE_GPU=1, so a device that does not
+# open fails them), the decode kernels under compute-sanitizer, the GEMM and decode workbenches,
+# and PyTorch's CUDA-graph decode of the same dims (side by side).
 # Expects prebuilt binaries in .devbin/ (docs/cuda.md); writes logs under $OUT.
 # Usage: bash kernels/examples/gpu_check.sh [tests|tests-decode|sanitize|gemm|decode|torch]...
 #   (default: tests sanitize gemm decode torch; tests-decode runs only the tests that touch the
@@ -11,6 +12,7 @@ B=${DEVBIN:-.devbin}
 OUT=${OUT:-/tmp/rollplex-out}
 mkdir -p "$OUT"
 export ROLLPLEX_KERNEL_CACHE=${ROLLPLEX_KERNEL_CACHE:-/tmp/rollplex-kernels}
+export ROLLPLEX_REQUIRE_GPU=1
 steps=${*:-tests sanitize gemm decode torch}
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv; } 2>&1 | tee "$OUT/device.txt"
 run_tests() {  # binary, grep filter of test names

@@ -532,15 +532,14 @@ pub fn logprobs_bwd_bf16(
 #[cfg(test)]
 mod tests {
     use super::super::attention_bwd::ATTENTION_BWD;
-    use super::super::nvrtc::{compile_uncached, nvrtc_present, options, COMMON};
+    use super::super::nvrtc::{compile_uncached, nvrtc_or_skip, options, COMMON};
     use super::*;
 
     /// Both backward sources compile for sm_90 where libnvrtc loads (no GPU needed); prints the
     /// ptxas report (registers, spills).
     #[test]
     fn backward_modules_compile_for_sm90() {
-        if !nvrtc_present() {
-            println!("skipped: libnvrtc not found");
+        if !nvrtc_or_skip() {
             return;
         }
         for m in [BACKWARD, ATTENTION_BWD] {

@@ -728,7 +728,7 @@ pub fn gate_up_swiglu_bf16(
 #[cfg(test)]
 mod skinny_tests {
     use super::*;
-    use crate::cuda::nvrtc::{compile_uncached, nvrtc_present, options, COMMON};
+    use crate::cuda::nvrtc::{compile_uncached, nvrtc_or_skip, options, COMMON};
 
     #[test]
     fn plans_cover_k_and_fill_the_grid() {
@@ -779,8 +779,7 @@ mod skinny_tests {
     /// ptxas's register / spill report.
     #[test]
     fn gemv_variants_compile_for_sm90() {
-        if !nvrtc_present() {
-            println!("skipped: libnvrtc not found");
+        if !nvrtc_or_skip() {
             return;
         }
         let source = format!("{COMMON}\n#line 1 \"gemv.cu\"\n{}", GEMV.source);

@@ -138,3 +138,24 @@ pub fn cuda_available() -> Result<usize> {
     }
     Ok(n as usize)
 }
+
+/// The environment variable that turns a GPU test's skip into a failure: with
+/// `ROLLPLEX_REQUIRE_GPU=1` (on a GPU host) a test that finds no usable device fails.
+pub const REQUIRE_GPU_VAR: &str = "ROLLPLEX_REQUIRE_GPU";
+
+/// The GPU-or-skip rule of every GPU test: device 0 when it opens. When none opens, the test
+/// skips: `None`, after printing `skipped: no CUDA device (why)`; but with
+/// `ROLLPLEX_REQUIRE_GPU=1` a missing driver or device, or a device that fails to open, panics
+/// with the reason, so that a GPU host never passes a GPU test silently.
+pub fn test_gpu() -> Option<Gpu> {
+    match Gpu::new(0) {
+        Ok(g) => Some(g),
+        Err(e) if std::env::var(REQUIRE_GPU_VAR).is_ok_and(|v| v == "1") => {
+            panic!("{REQUIRE_GPU_VAR}=1 but no CUDA device opens: {e}")
+        }
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}

@@ -5,7 +5,7 @@
 
 use half::bf16;
 use rollplex_kernels::cuda::nvrtc::KernelModule;
-use rollplex_kernels::cuda::{cuda_available, Gpu};
+use rollplex_kernels::cuda::{test_gpu, Gpu};
 use rollplex_plan::spec::{DType, ModelSpec, SpecialTokens, TextDims, VisionDims, WeightsSource};
 
 use super::*;
@@ -111,14 +111,9 @@ fn cache_keys_follow_the_granted_sms() {
 
 // ---------------------------------------------------------------- on a CUDA device
 
+/// Device 0, or a printed skip (a failure with `ROLLPLEX_REQUIRE_GPU=1`).
 fn gpu_or_skip() -> Option<Gpu> {
-    match cuda_available() {
-        Ok(_) => Some(Gpu::new(0).expect("opening device 0")),
-        Err(e) => {
-            eprintln!("skipped: no CUDA device ({e})");
-            None
-        }
-    }
+    test_gpu()
 }
 
 /// Each block's SM id and its start / end times (globaltimer, ns) after spinning `spin` clocks.

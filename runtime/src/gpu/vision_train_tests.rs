@@ -17,7 +17,7 @@
 //!     tower's sums are bitwise the full run's and the merger's are not written.
 
 use half::bf16;
-use rollplex_kernels::cuda::{cuda_available, Gpu};
+use rollplex_kernels::cuda::{test_gpu, Gpu};
 
 use super::*;
 use crate::gpu::plan::VisionPlan;
@@ -220,14 +220,9 @@ fn window_order_gathers_are_adjoint() {
 
 // ---------------------------------------------------------------- CUDA vs CPU
 
+/// Device 0, or a printed skip (a failure with `ROLLPLEX_REQUIRE_GPU=1`).
 fn gpu_or_skip() -> Option<Gpu> {
-    match cuda_available() {
-        Ok(_) => Some(Gpu::new(0).expect("opening device 0")),
-        Err(e) => {
-            eprintln!("skipped: no CUDA device ({e})");
-            None
-        }
-    }
+    test_gpu()
 }
 
 /// Worst per-tensor gradient error allowed against the CPU backend (bf16 activations and GEMM
