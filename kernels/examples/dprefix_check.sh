@@ -17,6 +17,7 @@ set -o pipefail
 B=${DEVBIN:-.devbin/dprefix}
 OUT=${OUT:-/tmp/rollplex-out}
 export ROLLPLEX_KERNEL_CACHE=${ROLLPLEX_KERNEL_CACHE:-/tmp/rollplex-kernels}
+export ROLLPLEX_REQUIRE_GPU=1
 steps=${*:-tests simt-env sanitize bench}
 
 if [ "$steps" = build ]; then

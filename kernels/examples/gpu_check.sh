@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA kernels on a GPU host, in one run: the kernel tests (each kernel vs its CPU twin, one
-# process per test so that a faulting kernel cannot poison the others), the decode kernels under
+# process per test so that a faulting kernel cannot poison the others; ROLLPLEX_REQUIRE_GPU=1,
+# so a device that does not open fails them), the decode kernels under
 # compute-sanitizer, the GEMM and decode workbenches, and PyTorch's CUDA-graph decode of the same
 # dims (side by side). Entry point: scripts/gpu-bench.sh build|run kernels.
 #
@@ -16,6 +17,7 @@ set -o pipefail
 B=${DEVBIN:-.devbin}
 OUT=${OUT:-/tmp/rollplex-out}
 export ROLLPLEX_KERNEL_CACHE=${ROLLPLEX_KERNEL_CACHE:-/tmp/rollplex-kernels}
+export ROLLPLEX_REQUIRE_GPU=1
 steps=${*:-tests sanitize gemm decode torch}
 
 if [ "$steps" = build ]; then

@@ -5,6 +5,8 @@
 //! must fail. `five_mistakes.rpx` must get exactly five errors, on five different lines.
 //! A checkpoint named in a file is read relative to `tests/in/diag/`.
 
+mod common;
+
 use rollplex_dsl::{compile_source, Env, Severity};
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -104,7 +106,7 @@ fn diff(expected: &str, actual: &str) -> String {
 
 #[test]
 fn golden_diagnostics() {
-    let bless = std::env::var("BLESS").is_ok_and(|v| v == "1");
+    let bless = common::bless();
     let out_dir = root().join("out/diag");
     let mut failures = Vec::new();
     let inputs = inputs();

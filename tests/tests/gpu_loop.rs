@@ -5,7 +5,8 @@
 //! - the first iteration on the GPU agrees with the CPU backend on the same plan (greedy
 //!   sampling, since the device's sampler draws differently from the CPU's; bf16 vs f32).
 //!
-//! Each test prints `skipped: ...` and passes where no CUDA GPU is present (CI).
+//! Each test prints `skipped: ...` and passes where no CUDA GPU is present (CI); with
+//! `ROLLPLEX_REQUIRE_GPU=1` that is a failure.
 
 mod common;
 

@@ -12,7 +12,8 @@
 //! Refusing a corrupt checkpoint or one of another plan, seed or reference is the code path
 //! both backends share (`checkpoint::load_checked`), tested on the CPU in `resume.rs`.
 //!
-//! Each test prints `skipped: ...` and passes where no CUDA GPU is present (CI).
+//! Each test prints `skipped: ...` and passes where no CUDA GPU is present (CI); with
+//! `ROLLPLEX_REQUIRE_GPU=1` that is a failure.
 
 mod common;
 

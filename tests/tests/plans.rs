@@ -1,6 +1,8 @@
 //! Golden plans. Each `tests/in/plans/NAME.rpx` compiles to `tests/out/plans/NAME.yaml`, and
 //! each `examples/NAME.rpx` to its checked-in `examples/NAME.plan.yaml`. A mismatch prints the
 //! first differing lines and the command that refreshes the file; `BLESS=1` rewrites them all.
+mod common;
+
 use rollplex_compiler::{compile, Options};
 use std::path::{Path, PathBuf};
 
@@ -60,7 +62,7 @@ fn first_differences(a: &str, b: &str, n: usize) -> String {
 
 /// Compares (or with BLESS=1 rewrites) every `(input, expected)` pair; fails listing all stale files.
 fn check(pairs: &[(PathBuf, PathBuf)], refresh: impl Fn(&Path, &Path) -> String) {
-    let bless = std::env::var_os("BLESS").is_some();
+    let bless = common::bless();
     let mut stale = Vec::new();
     for (input, expected) in pairs {
         let got = compile_yaml(input);

@@ -8,7 +8,7 @@
 //! | `swiglu_fwd`, `gelu_fwd`, `add_fwd`, `embedding_fwd` | elementwise, gather | `act.rs` |
 //! | `attention_fwd`, `attention_decode` | varlen / windowed / shared-prefix attention, decode | `attention.rs` |
 //! | `softmax`, `logprobs_fwd`, `argmax` | row reductions over the vocabulary | `softmax.rs` |
-//! | `*_bwd` | backward of every op above | `backward.rs` |
+//! | `*_bwd` | backward of every op above | `backward/` (one file per op family) |
 //! | `sumsq_partial`, `scale`, `gather_sum_rows`, `add_into` | the training step's gradient sums, clip, row sums | `grad.rs` |
 //!
 //! Invariant: every op is deterministic and batch-composition independent: an output row's

@@ -5,10 +5,10 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::launch::{grid_for, need, ptr, ptr_mut};
+use super::launch::{grid_for, launch, need, ptr, ptr_mut, Grid};
 use super::nvrtc::ADAMW;
 use super::{shape, Gpu, Result};
 
@@ -79,7 +79,6 @@ pub fn adamw_step_f32(
     if n == 0 {
         return Ok(());
     }
-    let f = gpu.function(&ADAMW, &[], "adamw_step_f32")?;
     let (pp, mp, vp, gp) = (
         ptr_mut(p, stream),
         ptr_mut(m, stream),
@@ -87,29 +86,39 @@ pub fn adamw_step_f32(
         ptr(g, stream),
     );
     let (n64, d) = (n as u64, decay as u32);
-    let cfg = LaunchConfig {
-        grid_dim: (grid_for(n, 256, 8192), 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
+    let cfg = Grid {
+        grid: (grid_for(n, 256, 8192), 1, 1),
+        block: (256, 1, 1),
+        smem: 0,
     };
-    let mut b = stream.launch_builder(&f);
-    b.arg(&pp)
-        .arg(&mp)
-        .arg(&vp)
-        .arg(&gp)
-        .arg(&op_)
-        .arg(&n64)
-        .arg(&d);
-    b.arg(&s.decay_mul)
-        .arg(&s.w1)
-        .arg(&s.b2)
-        .arg(&s.one_minus_b2)
-        .arg(&s.neg_step_size)
-        .arg(&s.bc2_sqrt)
-        .arg(&s.eps);
     // SAFETY: p, m, v, g (and out when given) hold n elements (checked); element i is touched
     // only by one thread; arguments match (p, m, v, g, out, n, decay, decay_mul, w1, b2,
     // one_minus_b2, neg_step_size, bc2_sqrt, eps).
-    unsafe { b.launch(cfg) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &ADAMW,
+            &[],
+            "adamw_step_f32",
+            cfg,
+            &[
+                &pp,
+                &mp,
+                &vp,
+                &gp,
+                &op_,
+                &n64,
+                &d,
+                &s.decay_mul,
+                &s.w1,
+                &s.b2,
+                &s.one_minus_b2,
+                &s.neg_step_size,
+                &s.bc2_sqrt,
+                &s.eps,
+            ],
+        )
+    }?;
     Ok(())
 }

@@ -22,13 +22,13 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::attention::{rows_of, AttnSeqGpu, RowStrides};
 use super::attention_bwd_dprefix::{launch_dprefix_simt, DprefixArgs};
 use super::attention_bwd_tc::{all_aligned16, attention_bwd_tc_bf16, bwd_kernel_for, BwdKernel};
-use super::launch::{need, ptr, ptr_mut, u32_of};
+use super::launch::{launch, need, ptr, ptr_mut, u32_of, Grid};
 use super::nvrtc::KernelModule;
 use super::{shape, Gpu, Result};
 use crate::cpu::{AttnDims, AttnMask};
@@ -97,11 +97,11 @@ pub(crate) fn bwd_extent(
 /// Warps (one output row-head each) per block.
 const WARPS: u32 = 4;
 
-fn launch_cfg(items: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (items.div_ceil(WARPS as usize) as u32, 1, 1),
-        block_dim: (32 * WARPS, 1, 1),
-        shared_mem_bytes: 0,
+fn launch_cfg(items: usize) -> Grid {
+    Grid {
+        grid: (items.div_ceil(WARPS as usize) as u32, 1, 1),
+        block: (32 * WARPS, 1, 1),
+        smem: 0,
     }
 }
 
@@ -321,63 +321,41 @@ fn attention_bwd_simt_bf16(
         ptr(seqs, stream),
     );
     if q_rows > 0 {
-        let f = gpu.function(&ATTENTION_BWD, &[], "attention_bwd_dq_bf16")?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&dqp)
-            .arg(&dop)
-            .arg(&qp)
-            .arg(&kp)
-            .arg(&vp)
-            .arg(&pkp)
-            .arg(&pvp)
-            .arg(&op_)
-            .arg(&lp)
-            .arg(&sp)
-            .arg(&ns32)
-            .arg(&nq32)
-            .arg(&nkv32)
-            .arg(&np32)
-            .arg(&h32)
-            .arg(&kvh32)
-            .arg(&hd32)
-            .arg(&qs)
-            .arg(&kvs)
-            .arg(&ps)
-            .arg(&os)
-            .arg(&causal)
-            .arg(&scale);
         // SAFETY: the kernel touches rows below q_rows / kv_rows / p_rows only (descriptors
         // outside them are ignored), each of which every buffer of its kind holds (counted
         // above), lse holds q_rows*heads, seqs n_seqs; one warp writes each (row, head) of dq;
         // arguments match the kernel's signature in order.
-        unsafe { b.launch(launch_cfg(q_rows * nh)) }?;
+        unsafe {
+            launch(
+                gpu,
+                stream,
+                &ATTENTION_BWD,
+                &[],
+                "attention_bwd_dq_bf16",
+                launch_cfg(q_rows * nh),
+                &[
+                    &dqp, &dop, &qp, &kp, &vp, &pkp, &pvp, &op_, &lp, &sp, &ns32, &nq32, &nkv32,
+                    &np32, &h32, &kvh32, &hd32, &qs, &kvs, &ps, &os, &causal, &scale,
+                ],
+            )
+        }?;
     }
     if kv_rows > 0 {
-        let f = gpu.function(&ATTENTION_BWD, &[], "attention_bwd_dkv_bf16")?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&dkp)
-            .arg(&dvp)
-            .arg(&dop)
-            .arg(&qp)
-            .arg(&kp)
-            .arg(&vp)
-            .arg(&op_)
-            .arg(&lp)
-            .arg(&sp)
-            .arg(&ns32)
-            .arg(&nq32)
-            .arg(&nkv32)
-            .arg(&np32)
-            .arg(&h32)
-            .arg(&kvh32)
-            .arg(&hd32)
-            .arg(&qs)
-            .arg(&kvs)
-            .arg(&os)
-            .arg(&causal)
-            .arg(&scale);
         // SAFETY: as above; one warp writes each (key row, kv head) of dk and dv.
-        unsafe { b.launch(launch_cfg(kv_rows * nkv)) }?;
+        unsafe {
+            launch(
+                gpu,
+                stream,
+                &ATTENTION_BWD,
+                &[],
+                "attention_bwd_dkv_bf16",
+                launch_cfg(kv_rows * nkv),
+                &[
+                    &dkp, &dvp, &dop, &qp, &kp, &vp, &op_, &lp, &sp, &ns32, &nq32, &nkv32, &np32,
+                    &h32, &kvh32, &hd32, &qs, &kvs, &os, &causal, &scale,
+                ],
+            )
+        }?;
     }
     let pre = DprefixArgs {
         dpk: dpkp,

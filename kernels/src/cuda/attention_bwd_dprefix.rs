@@ -21,16 +21,15 @@
 
 use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::attention::{AttnSeqGpu, RowStrides};
 use super::attention_bwd::{bwd_extent, BwdExtent, ATTENTION_BWD};
 use super::attention_bwd_tc::{
-    all_aligned16, allow_smem, launch_tc_prep, tc_bwd_refusal, warps_cfg, ATTENTION_BWD_TC,
-    THREADS, TILE_ROWS,
+    all_aligned16, launch_tc_prep, tc_bwd_refusal, warps_cfg, ATTENTION_BWD_TC, THREADS, TILE_ROWS,
 };
-use super::launch::{aligned16, need, ptr, ptr_mut, u32_of};
+use super::launch::{aligned16, launch, need, ptr, ptr_mut, u32_of, Grid};
 use super::{shape, Gpu, Result};
 use crate::cpu::AttnDims;
 
@@ -116,33 +115,42 @@ pub(crate) fn launch_dprefix_simt(
     if a.p_rows == 0 || a.n_seqs == 0 {
         return Ok(());
     }
-    let f = gpu.function(&ATTENTION_BWD, &[], "attention_bwd_dprefix_f32")?;
-    let mut b = stream.launch_builder(&f);
-    b.arg(&a.dpk)
-        .arg(&a.dpv)
-        .arg(&a.dout)
-        .arg(&a.q)
-        .arg(&a.pk)
-        .arg(&a.pv)
-        .arg(&out)
-        .arg(&a.lse)
-        .arg(&a.seqs)
-        .arg(&a.n_seqs)
-        .arg(&a.q_rows)
-        .arg(&a.kv_rows)
-        .arg(&a.p_rows)
-        .arg(&a.heads)
-        .arg(&a.kv_heads)
-        .arg(&a.head_dim)
-        .arg(&a.q_stride)
-        .arg(&a.p_stride)
-        .arg(&a.out_stride)
-        .arg(&a.scale);
     // SAFETY: the kernel touches rows below q_rows / p_rows only (descriptors outside the
     // buffers are ignored), which every buffer of its kind holds (the caller's check); one warp
     // adds into each (prefix row < p_rows, kv head) of dpk / dpv; arguments match the kernel's
     // signature in order.
-    unsafe { b.launch(warps_cfg(a.p_rows as usize * a.kv_heads as usize)) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &ATTENTION_BWD,
+            &[],
+            "attention_bwd_dprefix_f32",
+            warps_cfg(a.p_rows as usize * a.kv_heads as usize),
+            &[
+                &a.dpk,
+                &a.dpv,
+                &a.dout,
+                &a.q,
+                &a.pk,
+                &a.pv,
+                &out,
+                &a.lse,
+                &a.seqs,
+                &a.n_seqs,
+                &a.q_rows,
+                &a.kv_rows,
+                &a.p_rows,
+                &a.heads,
+                &a.kv_heads,
+                &a.head_dim,
+                &a.q_stride,
+                &a.p_stride,
+                &a.out_stride,
+                &a.scale,
+            ],
+        )
+    }?;
     Ok(())
 }
 
@@ -170,42 +178,18 @@ pub(crate) fn launch_dprefix_tc(
         None
     };
     let partp = part.as_mut().map(|p| ptr_mut(p, stream)).unwrap_or(0);
-    let f = gpu.function(&ATTENTION_BWD_TC, &defs, "attention_bwd_tc_dprefix_f32")?;
     let tile_bytes = TILE_ROWS * (hd + 8) * 2;
     // K and V of the block's prefix rows, then 2 stages of (q, dout, lse, D)
     let smem = (2 * tile_bytes + 2 * (2 * tile_bytes + 2 * TILE_ROWS * 4)) as u32;
-    allow_smem(&f, smem)?;
-    let cfg = LaunchConfig {
-        grid_dim: (
+    let cfg = Grid {
+        grid: (
             p_rows.div_ceil(TILE_ROWS).clamp(1, 65535) as u32,
             a.kv_heads,
             nsplit,
         ),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: smem,
+        block: (THREADS, 1, 1),
+        smem,
     };
-    let mut b = stream.launch_builder(&f);
-    b.arg(&a.dpk)
-        .arg(&a.dpv)
-        .arg(&a.dout)
-        .arg(&a.q)
-        .arg(&a.pk)
-        .arg(&a.pv)
-        .arg(&a.lse)
-        .arg(&dsum)
-        .arg(&a.seqs)
-        .arg(&a.n_seqs)
-        .arg(&a.q_rows)
-        .arg(&a.kv_rows)
-        .arg(&a.p_rows)
-        .arg(&a.heads)
-        .arg(&a.kv_heads)
-        .arg(&a.q_stride)
-        .arg(&a.p_stride)
-        .arg(&a.out_stride)
-        .arg(&a.scale)
-        .arg(&nsplit)
-        .arg(&partp);
     // SAFETY: the kernel reads only descriptors that fit q_rows / kv_rows / p_rows and rows
     // below them, which every buffer of each kind holds; bf16 buffers are 16-byte aligned and
     // strides multiples of 8 (the caller's checks), as cp.async needs; lse and dsum hold
@@ -213,25 +197,66 @@ pub(crate) fn launch_dprefix_tc(
     // tiles and kv head, or writes only its chunk c of `part`, which holds
     // 2 * split * p_rows * kv_width floats (allocated above whenever split > 1); the grid's z
     // is split and its y the kv heads, as the kernel reads them; arguments match its signature.
-    unsafe { b.launch(cfg) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &ATTENTION_BWD_TC,
+            &defs,
+            "attention_bwd_tc_dprefix_f32",
+            cfg,
+            &[
+                &a.dpk,
+                &a.dpv,
+                &a.dout,
+                &a.q,
+                &a.pk,
+                &a.pv,
+                &a.lse,
+                &dsum,
+                &a.seqs,
+                &a.n_seqs,
+                &a.q_rows,
+                &a.kv_rows,
+                &a.p_rows,
+                &a.heads,
+                &a.kv_heads,
+                &a.q_stride,
+                &a.p_stride,
+                &a.out_stride,
+                &a.scale,
+                &nsplit,
+                &partp,
+            ],
+        )
+    }?;
     if split > 1 {
-        let f = gpu.function(&ATTENTION_BWD_TC, &defs, "attention_bwd_tc_dprefix_reduce")?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&a.dpk)
-            .arg(&a.dpv)
-            .arg(&partp)
-            .arg(&a.seqs)
-            .arg(&a.n_seqs)
-            .arg(&a.q_rows)
-            .arg(&a.kv_rows)
-            .arg(&a.p_rows)
-            .arg(&a.kv_heads)
-            .arg(&a.p_stride)
-            .arg(&nsplit)
-            .arg(&a.scale);
         // SAFETY: one warp per (prefix row < p_rows, kv head) reads its split chunks of `part`
         // (the kernel above wrote every row < p_rows of every chunk) and adds into that row.
-        unsafe { b.launch(warps_cfg(p_rows * kvh)) }?;
+        unsafe {
+            launch(
+                gpu,
+                stream,
+                &ATTENTION_BWD_TC,
+                &defs,
+                "attention_bwd_tc_dprefix_reduce",
+                warps_cfg(p_rows * kvh),
+                &[
+                    &a.dpk,
+                    &a.dpv,
+                    &partp,
+                    &a.seqs,
+                    &a.n_seqs,
+                    &a.q_rows,
+                    &a.kv_rows,
+                    &a.p_rows,
+                    &a.kv_heads,
+                    &a.p_stride,
+                    &nsplit,
+                    &a.scale,
+                ],
+            )
+        }?;
     }
     // freed in stream order, after the kernels reading it
     drop(part);

@@ -25,7 +25,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::attention::{AttnSeqGpu, RowStrides};
@@ -33,7 +33,7 @@ use super::attention_bwd::{bwd_extent, BwdExtent};
 use super::attention_bwd_dprefix::{
     dprefix_on_tensor_cores, launch_dprefix_simt, launch_dprefix_tc, tc_dprefix_split, DprefixArgs,
 };
-use super::launch::{aligned16, need, ptr, ptr_mut};
+use super::launch::{aligned16, launch, need, ptr, ptr_mut, Grid};
 use super::nvrtc::KernelModule;
 use super::{shape, Gpu, Result};
 use crate::cpu::{AttnDims, AttnMask};
@@ -143,28 +143,13 @@ pub(crate) fn all_aligned16(ptrs: &[u64]) -> bool {
 }
 
 /// One warp per item, 4 warps per block.
-pub(crate) fn warps_cfg(items: usize) -> LaunchConfig {
+pub(crate) fn warps_cfg(items: usize) -> Grid {
     let warps = (THREADS / 32) as usize;
-    LaunchConfig {
-        grid_dim: (items.div_ceil(warps).max(1) as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
+    Grid {
+        grid: (items.div_ceil(warps).max(1) as u32, 1, 1),
+        block: (THREADS, 1, 1),
+        smem: 0,
     }
-}
-
-/// Raises `f`'s dynamic shared-memory limit to `bytes`.
-pub(crate) fn allow_smem(f: &cudarc::driver::CudaFunction, bytes: u32) -> Result<()> {
-    // SAFETY: a valid function handle of this context; the limit matches what the launch passes
-    // (at most 103 KiB, under the 227 KiB an sm_90 block may use).
-    unsafe {
-        cudarc::driver::sys::cuFuncSetAttribute(
-            f.cu_function(),
-            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            bytes as i32,
-        )
-    }
-    .result()?;
-    Ok(())
 }
 
 /// `attention_bwd_tc_prep`: D = rowsum(dout * out) per (query row, head) into `dsum` (q_rows *
@@ -181,28 +166,33 @@ pub(crate) fn launch_tc_prep(
     if a.q_rows == 0 {
         return Ok(());
     }
-    let f = gpu.function(
-        &ATTENTION_BWD_TC,
-        &[("HEAD_DIM", a.head_dim)],
-        "attention_bwd_tc_prep",
-    )?;
-    let mut b = stream.launch_builder(&f);
-    b.arg(&dsum)
-        .arg(&dq)
-        .arg(&a.dout)
-        .arg(&out)
-        .arg(&a.seqs)
-        .arg(&a.n_seqs)
-        .arg(&a.q_rows)
-        .arg(&a.kv_rows)
-        .arg(&a.p_rows)
-        .arg(&a.heads)
-        .arg(&a.q_stride)
-        .arg(&a.out_stride);
     // SAFETY: one warp per (row < q_rows, head): dsum holds q_rows*heads, dout/out (and dq when
     // not null) hold q_rows rows of their stride (the caller's check); seqs holds n_seqs;
     // arguments match the kernel's signature in order.
-    unsafe { b.launch(warps_cfg(a.q_rows as usize * a.heads as usize)) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &ATTENTION_BWD_TC,
+            &[("HEAD_DIM", a.head_dim)],
+            "attention_bwd_tc_prep",
+            warps_cfg(a.q_rows as usize * a.heads as usize),
+            &[
+                &dsum,
+                &dq,
+                &a.dout,
+                &out,
+                &a.seqs,
+                &a.n_seqs,
+                &a.q_rows,
+                &a.kv_rows,
+                &a.p_rows,
+                &a.heads,
+                &a.q_stride,
+                &a.out_stride,
+            ],
+        )
+    }?;
     Ok(())
 }
 
@@ -327,60 +317,47 @@ pub fn attention_bwd_tc_bf16(
     };
     launch_tc_prep(gpu, stream, &pre, dsp, dqp, op_)?;
     if kv_rows > 0 {
-        let f = gpu.function(&ATTENTION_BWD_TC, &defs, "attention_bwd_tc_zero_kv")?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&dkp)
-            .arg(&dvp)
-            .arg(&sp)
-            .arg(&ns32)
-            .arg(&nq32)
-            .arg(&nkv32)
-            .arg(&np32)
-            .arg(&kvh32)
-            .arg(&kvs);
         // SAFETY: one warp per (key row < kv_rows, kv head), writing only inside dk/dv rows.
-        unsafe { b.launch(warps_cfg(kv_rows * nkv)) }?;
+        unsafe {
+            launch(
+                gpu,
+                stream,
+                &ATTENTION_BWD_TC,
+                &defs,
+                "attention_bwd_tc_zero_kv",
+                warps_cfg(kv_rows * nkv),
+                &[&dkp, &dvp, &sp, &ns32, &nq32, &nkv32, &np32, &kvh32, &kvs],
+            )
+        }?;
     }
     let tile_bytes = TILE_ROWS * (hd + 8) * 2;
     if q_rows > 0 && n_seqs > 0 {
-        let f = gpu.function(&ATTENTION_BWD_TC, &defs, "attention_bwd_tc_dq_bf16")?;
         // 2 stages of a K and a V tile
         let smem = (4 * tile_bytes) as u32;
-        allow_smem(&f, smem)?;
-        let cfg = LaunchConfig {
-            grid_dim: (q_rows.div_ceil(TILE_ROWS).clamp(1, 65535) as u32, h32, ns32),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: smem,
+        let cfg = Grid {
+            grid: (q_rows.div_ceil(TILE_ROWS).clamp(1, 65535) as u32, h32, ns32),
+            block: (THREADS, 1, 1),
+            smem,
         };
-        let mut b = stream.launch_builder(&f);
-        b.arg(&dqp)
-            .arg(&dop)
-            .arg(&qp)
-            .arg(&kp)
-            .arg(&vp)
-            .arg(&pkp)
-            .arg(&pvp)
-            .arg(&lp)
-            .arg(&dsp)
-            .arg(&sp)
-            .arg(&ns32)
-            .arg(&nq32)
-            .arg(&nkv32)
-            .arg(&np32)
-            .arg(&h32)
-            .arg(&kvh32)
-            .arg(&qs)
-            .arg(&kvs)
-            .arg(&ps)
-            .arg(&os)
-            .arg(&causal)
-            .arg(&scale);
         // SAFETY: the kernel checks each descriptor against q_rows / kv_rows / p_rows (counted
         // from every buffer of each kind) and touches only rows inside them; bf16 buffers are
         // 16-byte aligned and strides multiples of 8 (checked), as cp.async needs; lse and dsum
         // hold q_rows*heads; the block (z, h) writes only the dq rows its sequence owns; the
         // arguments match the kernel's signature in order.
-        unsafe { b.launch(cfg) }?;
+        unsafe {
+            launch(
+                gpu,
+                stream,
+                &ATTENTION_BWD_TC,
+                &defs,
+                "attention_bwd_tc_dq_bf16",
+                cfg,
+                &[
+                    &dqp, &dop, &qp, &kp, &vp, &pkp, &pvp, &lp, &dsp, &sp, &ns32, &nq32, &nkv32,
+                    &np32, &h32, &kvh32, &qs, &kvs, &ps, &os, &causal, &scale,
+                ],
+            )
+        }?;
     }
     let hsplit = tc_bwd_head_split(&dims);
     let hs32 = hsplit as u32;
@@ -392,64 +369,51 @@ pub fn attention_bwd_tc_bf16(
     };
     let partp = part.as_mut().map(|p| ptr_mut(p, stream)).unwrap_or(0);
     if kv_rows > 0 && n_seqs > 0 {
-        let f = gpu.function(&ATTENTION_BWD_TC, &defs, "attention_bwd_tc_dkv_bf16")?;
         // K and V of the block's keys, then 2 stages of (q, dout, lse, D)
         let smem = (2 * tile_bytes + 2 * (2 * tile_bytes + 2 * TILE_ROWS * 4)) as u32;
-        allow_smem(&f, smem)?;
-        let cfg = LaunchConfig {
-            grid_dim: (
+        let cfg = Grid {
+            grid: (
                 kv_rows.div_ceil(TILE_ROWS).clamp(1, 65535) as u32,
                 kvh32 * hs32,
                 ns32,
             ),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: smem,
+            block: (THREADS, 1, 1),
+            smem,
         };
-        let mut b = stream.launch_builder(&f);
-        b.arg(&dkp)
-            .arg(&dvp)
-            .arg(&dop)
-            .arg(&qp)
-            .arg(&kp)
-            .arg(&vp)
-            .arg(&lp)
-            .arg(&dsp)
-            .arg(&sp)
-            .arg(&ns32)
-            .arg(&nq32)
-            .arg(&nkv32)
-            .arg(&np32)
-            .arg(&h32)
-            .arg(&kvh32)
-            .arg(&qs)
-            .arg(&kvs)
-            .arg(&os)
-            .arg(&causal)
-            .arg(&scale)
-            .arg(&hs32)
-            .arg(&partp);
         // SAFETY: as above; the block (z, y) writes only the dk/dv rows its sequence owns
         // (hsplit == 1), or their slice y % hsplit of `part`, which holds 2 * hsplit * kv_rows *
         // kv_width floats (allocated above whenever hsplit > 1).
-        unsafe { b.launch(cfg) }?;
+        unsafe {
+            launch(
+                gpu,
+                stream,
+                &ATTENTION_BWD_TC,
+                &defs,
+                "attention_bwd_tc_dkv_bf16",
+                cfg,
+                &[
+                    &dkp, &dvp, &dop, &qp, &kp, &vp, &lp, &dsp, &sp, &ns32, &nq32, &nkv32, &np32,
+                    &h32, &kvh32, &qs, &kvs, &os, &causal, &scale, &hs32, &partp,
+                ],
+            )
+        }?;
         if hsplit > 1 {
-            let f = gpu.function(&ATTENTION_BWD_TC, &defs, "attention_bwd_tc_dkv_reduce")?;
-            let mut b = stream.launch_builder(&f);
-            b.arg(&dkp)
-                .arg(&dvp)
-                .arg(&partp)
-                .arg(&sp)
-                .arg(&ns32)
-                .arg(&nq32)
-                .arg(&nkv32)
-                .arg(&np32)
-                .arg(&kvh32)
-                .arg(&kvs)
-                .arg(&hs32)
-                .arg(&scale);
             // SAFETY: one warp per (key row < kv_rows, kv head) reads its hsplit slices of
             // `part` (written above for every row a valid sequence owns) and writes that row.
-            unsafe { b.launch(warps_cfg(kv_rows * nkv)) }?;
+            unsafe {
+                launch(
+                    gpu,
+                    stream,
+                    &ATTENTION_BWD_TC,
+                    &defs,
+                    "attention_bwd_tc_dkv_reduce",
+                    warps_cfg(kv_rows * nkv),
+                    &[
+                        &dkp, &dvp, &partp, &sp, &ns32, &nq32, &nkv32, &np32, &kvh32, &kvs, &hs32,
+                        &scale,
+                    ],
+                )
+            }?;
         }
     }
     // the shared prefix keys (both launchers return at once without prefix rows or sequences)

@@ -16,10 +16,10 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::launch::{grid_for, need, ptr, ptr_mut, u32_of};
+use super::launch::{grid_for, launch, need, ptr, ptr_mut, u32_of, Grid};
 use super::nvrtc::KernelModule;
 use super::{shape, Gpu, Result};
 
@@ -29,11 +29,11 @@ pub const BACKWARD: KernelModule = KernelModule {
     source: include_str!("../../cuda/backward.cu"),
 };
 
-fn cfg(grid: (u32, u32), block: (u32, u32)) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (grid.0, grid.1, 1),
-        block_dim: (block.0, block.1, 1),
-        shared_mem_bytes: 0,
+fn cfg(grid: (u32, u32), block: (u32, u32)) -> Grid {
+    Grid {
+        grid: (grid.0, grid.1, 1),
+        block: (block.0, block.1, 1),
+        smem: 0,
     }
 }
 
@@ -97,33 +97,35 @@ pub fn rmsnorm_bwd_bf16(
         ptr(w, stream),
         ptr(rstd, stream),
     );
-    let f = gpu.function(&BACKWARD, &[], "rmsnorm_bwd_dx_bf16")?;
     let acc = accumulate_dx as u32;
     let threads = if d >= 4096 { 512 } else { 256 };
-    let mut b = stream.launch_builder(&f);
-    b.arg(&dxp)
-        .arg(&dyp)
-        .arg(&xp)
-        .arg(&wp)
-        .arg(&rp)
-        .arg(&rows32)
-        .arg(&d32)
-        .arg(&acc);
     // SAFETY: dx, dy, x hold rows*d elements, w d, rstd rows (checked); arguments match (dx, dy,
     // x, w, rstd, rows, cols, accumulate); each dx element is touched by one thread.
-    unsafe { b.launch(cfg((rows32, 1), (threads, 1))) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &BACKWARD,
+            &[],
+            "rmsnorm_bwd_dx_bf16",
+            cfg((rows32, 1), (threads, 1)),
+            &[&dxp, &dyp, &xp, &wp, &rp, &rows32, &d32, &acc],
+        )
+    }?;
     if let Some(dwp) = dw_p {
-        let f = gpu.function(&BACKWARD, &[], "rmsnorm_bwd_dw_f32")?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&dwp)
-            .arg(&dyp)
-            .arg(&xp)
-            .arg(&rp)
-            .arg(&rows32)
-            .arg(&d32);
         // SAFETY: dw holds d elements, dy and x rows*d, rstd rows (checked); column j of dw is
         // written by one thread only; arguments match (dw, dy, x, rstd, rows, cols).
-        unsafe { b.launch(cfg((d32.div_ceil(32), 1), (32, 16))) }?;
+        unsafe {
+            launch(
+                gpu,
+                stream,
+                &BACKWARD,
+                &[],
+                "rmsnorm_bwd_dw_f32",
+                cfg((d32.div_ceil(32), 1), (32, 16)),
+                &[&dwp, &dyp, &xp, &rp, &rows32, &d32],
+            )
+        }?;
     }
     Ok(())
 }
@@ -159,7 +161,6 @@ pub fn rope_bwd_bf16(
     need_rows(OP, "dx", dx, tokens, heads * head_dim, row_stride)?;
     need(OP, "cos", cos, tokens * head_dim)?;
     need(OP, "sin", sin, tokens * head_dim)?;
-    let f = gpu.function(&BACKWARD, &[], "rope_bwd_bf16")?;
     let (xp, cp, sp) = (ptr_mut(dx, stream), ptr(cos, stream), ptr(sin, stream));
     let (t, rs, h, hd) = (
         u32_of(OP, "tokens", tokens)?,
@@ -167,18 +168,20 @@ pub fn rope_bwd_bf16(
         u32_of(OP, "heads", heads)?,
         u32_of(OP, "head_dim", head_dim)?,
     );
-    let mut b = stream.launch_builder(&f);
-    b.arg(&xp)
-        .arg(&cp)
-        .arg(&sp)
-        .arg(&t)
-        .arg(&rs)
-        .arg(&h)
-        .arg(&hd);
     // SAFETY: dx covers every rotated element of every row, cos/sin hold tokens*head_dim
     // (checked); each element pair is touched by one thread; arguments match (dx, cos, sin,
     // tokens, row_stride, n_heads, head_dim).
-    unsafe { b.launch(cfg((t, 1), (128, 1))) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &BACKWARD,
+            &[],
+            "rope_bwd_bf16",
+            cfg((t, 1), (128, 1)),
+            &[&xp, &cp, &sp, &t, &rs, &h, &hd],
+        )
+    }?;
     Ok(())
 }
 
@@ -242,7 +245,6 @@ pub fn swiglu_bwd_bf16(
     need_rows(OP, "dout", dout, rows, cols, strides.dout)?;
     need_rows(OP, "gate", gate, rows, cols, strides.gate)?;
     need_rows(OP, "up", up, rows, cols, strides.up)?;
-    let f = gpu.function(&BACKWARD, &[], "swiglu_bwd_bf16")?;
     let (dgp, dup_, dop, gp, upp) = (
         ptr_mut(dgate, stream),
         ptr_mut(dup, stream),
@@ -262,21 +264,22 @@ pub fn swiglu_bwd_bf16(
     .iter()
     .map(|&v| u32_of(OP, "stride", v))
     .collect::<Result<_>>()?;
-    let mut b = stream.launch_builder(&f);
-    b.arg(&dgp)
-        .arg(&dup_)
-        .arg(&dop)
-        .arg(&gp)
-        .arg(&upp)
-        .arg(&r)
-        .arg(&c);
-    for v in &s {
-        b.arg(v);
-    }
     // SAFETY: every buffer covers rows-1 strides plus one row of cols (checked); each output
     // element is written by one thread; arguments match (dgate, dup, dout, gate, up, rows, cols,
     // dgate_stride, dup_stride, dout_stride, gate_stride, up_stride).
-    unsafe { b.launch(cfg((grid_for(cols, 256, 64), r), (256, 1))) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &BACKWARD,
+            &[],
+            "swiglu_bwd_bf16",
+            cfg((grid_for(cols, 256, 64), r), (256, 1)),
+            &[
+                &dgp, &dup_, &dop, &gp, &upp, &r, &c, &s[0], &s[1], &s[2], &s[3], &s[4],
+            ],
+        )
+    }?;
     Ok(())
 }
 
@@ -302,7 +305,6 @@ pub fn swiglu_bwd_fused_bf16(
     need(OP, "dgate_up", dgate_up, rows * 2 * cols)?;
     need(OP, "gate_up", gate_up, rows * 2 * cols)?;
     need(OP, "dout", dout, rows * cols)?;
-    let f = gpu.function(&BACKWARD, &[], "swiglu_bwd_bf16")?;
     let half = (cols * std::mem::size_of::<bf16>()) as u64;
     let (dgp, dop, gp) = (
         ptr_mut(dgate_up, stream),
@@ -313,24 +315,21 @@ pub fn swiglu_bwd_fused_bf16(
     let r = u32_of(OP, "rows", rows)?;
     let c = u32_of(OP, "cols", cols)?;
     let c2 = u32_of(OP, "2 cols", 2 * cols)?;
-    let mut b = stream.launch_builder(&f);
-    b.arg(&dgp)
-        .arg(&dup_)
-        .arg(&dop)
-        .arg(&gp)
-        .arg(&upp)
-        .arg(&r)
-        .arg(&c)
-        .arg(&c2)
-        .arg(&c2)
-        .arg(&c)
-        .arg(&c2)
-        .arg(&c2);
     // SAFETY: dgate_up and gate_up hold rows*2*cols elements, dout rows*cols (checked); the
     // dgate half (columns 0..cols) and the dup half (cols..2 cols) of a row are disjoint, each
     // element written by one thread; arguments match (dgate, dup, dout, gate, up, rows, cols,
     // dgate_stride, dup_stride, dout_stride, gate_stride, up_stride).
-    unsafe { b.launch(cfg((grid_for(cols, 256, 64), r), (256, 1))) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &BACKWARD,
+            &[],
+            "swiglu_bwd_bf16",
+            cfg((grid_for(cols, 256, 64), r), (256, 1)),
+            &[&dgp, &dup_, &dop, &gp, &upp, &r, &c, &c2, &c2, &c, &c2, &c2],
+        )
+    }?;
     Ok(())
 }
 
@@ -354,14 +353,21 @@ pub fn gelu_bwd_bf16(
     if n == 0 {
         return Ok(());
     }
-    let f = gpu.function(&BACKWARD, &[], "gelu_bwd_bf16")?;
     let (dxp, dyp, xp) = (ptr_mut(dx, stream), ptr(dy, stream), ptr(x, stream));
     let (n64, t) = (n as u64, tanh_approx as u32);
-    let mut b = stream.launch_builder(&f);
-    b.arg(&dxp).arg(&dyp).arg(&xp).arg(&n64).arg(&t);
     // SAFETY: dx, dy and x hold n elements (checked); element i is read and written by one
     // thread; arguments match (dx, dy, x, n, tanh_approx).
-    unsafe { b.launch(cfg((grid_for(n, 256, 4096), 1), (256, 1))) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &BACKWARD,
+            &[],
+            "gelu_bwd_bf16",
+            cfg((grid_for(n, 256, 4096), 1), (256, 1)),
+            &[&dxp, &dyp, &xp, &n64, &t],
+        )
+    }?;
     Ok(())
 }
 
@@ -380,13 +386,20 @@ pub fn grad_accumulate_f32(
     if n == 0 {
         return Ok(());
     }
-    let f = gpu.function(&BACKWARD, &[], "grad_accumulate_f32")?;
     let (ap, gp, n64) = (ptr_mut(acc, stream), ptr(g, stream), n as u64);
-    let mut b = stream.launch_builder(&f);
-    b.arg(&ap).arg(&gp).arg(&n64);
     // SAFETY: acc and g hold n elements (checked); element i is touched by one thread;
     // arguments match (acc, g, n).
-    unsafe { b.launch(cfg((grid_for(n, 256, 8192), 1), (256, 1))) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &BACKWARD,
+            &[],
+            "grad_accumulate_f32",
+            cfg((grid_for(n, 256, 8192), 1), (256, 1)),
+            &[&ap, &gp, &n64],
+        )
+    }?;
     Ok(())
 }
 
@@ -417,7 +430,6 @@ pub fn embedding_bwd_f32(
     }
     need(OP, "ids", ids, tokens)?;
     need_rows(OP, "dout", dout, tokens, d, dout_stride)?;
-    let f = gpu.function(&BACKWARD, &[], "embedding_bwd_f32")?;
     let (tp, op_, ip) = (ptr_mut(dtable, stream), ptr(dout, stream), ptr(ids, stream));
     let (t, h, v, s) = (
         u32_of(OP, "tokens", tokens)?,
@@ -426,18 +438,20 @@ pub fn embedding_bwd_f32(
         u32_of(OP, "dout_stride", dout_stride)?,
     );
     let slices = EMBED_SLICES.min(vocab) as u32;
-    let mut b = stream.launch_builder(&f);
-    b.arg(&tp)
-        .arg(&op_)
-        .arg(&ip)
-        .arg(&t)
-        .arg(&h)
-        .arg(&v)
-        .arg(&s);
     // SAFETY: dtable holds vocab*d, ids tokens, dout covers tokens rows (checked); the kernel
     // skips ids >= vocab; element (id, j) is owned by one thread (column j, slice id % slices);
     // arguments match (dtable, dout, ids, tokens, hidden, vocab, dout_stride).
-    unsafe { b.launch(cfg((h.div_ceil(128), slices), (128, 1))) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &BACKWARD,
+            &[],
+            "embedding_bwd_f32",
+            cfg((h.div_ceil(128), slices), (128, 1)),
+            &[&tp, &op_, &ip, &t, &h, &v, &s],
+        )
+    }?;
     Ok(())
 }
 
@@ -486,7 +500,6 @@ pub fn logprobs_bwd_bf16(
         }
         None => 0u64,
     };
-    let f = gpu.function(&BACKWARD, &[], "logprobs_bwd_bf16")?;
     let (dlp, gp, xp, tp) = (
         ptr_mut(dlogits, stream),
         ptr(dlogp, stream),
@@ -499,36 +512,34 @@ pub fn logprobs_bwd_bf16(
         u32_of(OP, "row_stride", row_stride)?,
         u32_of(OP, "out_stride", out_stride)?,
     );
-    let mut b = stream.launch_builder(&f);
-    b.arg(&dlp)
-        .arg(&gp)
-        .arg(&dep)
-        .arg(&xp)
-        .arg(&tp)
-        .arg(&r)
-        .arg(&v)
-        .arg(&rs)
-        .arg(&os)
-        .arg(&temperature);
     // SAFETY: logits and dlogits cover rows rows of vocab (checked), dlogp/targets/dentropy hold
     // rows; each dlogits element is written by one thread; arguments match (dlogits, dlogp,
     // dentropy, logits, targets, rows, vocab, row_stride, out_stride, temperature).
-    unsafe { b.launch(cfg((r, 1), (512, 1))) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &BACKWARD,
+            &[],
+            "logprobs_bwd_bf16",
+            cfg((r, 1), (512, 1)),
+            &[&dlp, &gp, &dep, &xp, &tp, &r, &v, &rs, &os, &temperature],
+        )
+    }?;
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::super::attention_bwd::ATTENTION_BWD;
-    use super::super::nvrtc::{compile_uncached, nvrtc_present, options, COMMON};
+    use super::super::nvrtc::{compile_uncached, nvrtc_or_skip, options, COMMON};
     use super::*;
 
     /// Both backward sources compile for sm_90 where libnvrtc loads (no GPU needed); prints the
     /// ptxas report (registers, spills).
     #[test]
     fn backward_modules_compile_for_sm90() {
-        if !nvrtc_present() {
-            println!("skipped: libnvrtc not found");
+        if !nvrtc_or_skip() {
             return;
         }
         for m in [BACKWARD, ATTENTION_BWD] {

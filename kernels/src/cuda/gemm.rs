@@ -27,10 +27,10 @@ use std::sync::Arc;
 use cudarc::cublas::sys as bsys;
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys as ltsys;
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::launch::{aligned16, ptr, ptr_mut, u32_of};
+use super::launch::{aligned16, launch, ptr, ptr_mut, u32_of, Grid};
 use super::nvrtc::KernelModule;
 use super::{shape, CudaError, Gpu, Result};
 use crate::cpu::Gemm;
@@ -536,48 +536,38 @@ fn skinny_launch(
         ("GEMV_S", plan.splits as u32),
         ("GEMV_SWIGLU", swiglu as u32),
     ];
-    let f = gpu.function(&GEMV, &defines, "gemv_bf16")?;
     let smem = plan.smem_bytes() as u32;
-    // SAFETY: a valid function handle of this context; raises the dynamic shared-memory limit to
-    // what this launch passes (at most 96 KiB, within the 227 KiB a Hopper block may use).
-    unsafe {
-        cudarc::driver::sys::cuFuncSetAttribute(
-            f.cu_function(),
-            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-    }
-    .result()?;
     let rows_per_block = if swiglu {
         plan.block_rows() / 2
     } else {
         plan.block_rows()
     };
     let gy = u32_of(op, "row blocks", n.div_ceil(rows_per_block))?;
-    let cfg = LaunchConfig {
-        grid_dim: (plan.splits as u32, gy, 1),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: smem,
+    let cfg = Grid {
+        grid: (plan.splits as u32, gy, 1),
+        block: (128, 1, 1),
+        smem,
     };
     let (mm, nn, kk) = (m as u32, u32_of(op, "n", n)?, u32_of(op, "k", k)?);
     let (lx, ly) = (u32_of(op, "ldx", ldx)?, u32_of(op, "ldy", ldy)?);
     let (ks, uo) = (plan.kslice as u32, u32_of(op, "up_off", up_off)?);
-    let mut b = stream.launch_builder(&f);
-    b.arg(&y)
-        .arg(&x)
-        .arg(&w)
-        .arg(&bias)
-        .arg(&mm)
-        .arg(&nn)
-        .arg(&kk);
-    b.arg(&lx).arg(&ly).arg(&ks).arg(&uo);
     // SAFETY: the callers checked that y holds (m-1)*ldy + n elements, x (m-1)*ldx + k, w every
     // weight row the kernel reads (n rows of k, or up_off + n rows in the SwiGLU form) and bias
     // n (up_off + n) elements; the kernel reads x rows < m and weight rows < n (+ up_off) only,
     // k < min(k, slice end), and writes y rows < m, columns < n; x and w are 16-byte aligned,
     // k % 8 == 0 and ldx % 8 == 0 (checked); grid.x == splits == the compiled cluster size;
     // arguments match (y, x, w, bias, m, n, k, ldx, ldy, kslice, up_off).
-    unsafe { b.launch(cfg) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &GEMV,
+            &defines,
+            "gemv_bf16",
+            cfg,
+            &[&y, &x, &w, &bias, &mm, &nn, &kk, &lx, &ly, &ks, &uo],
+        )
+    }?;
     Ok(())
 }
 
@@ -738,7 +728,7 @@ pub fn gate_up_swiglu_bf16(
 #[cfg(test)]
 mod skinny_tests {
     use super::*;
-    use crate::cuda::nvrtc::{compile_uncached, nvrtc_present, options, COMMON};
+    use crate::cuda::nvrtc::{compile_uncached, nvrtc_or_skip, options, COMMON};
 
     #[test]
     fn plans_cover_k_and_fill_the_grid() {
@@ -789,8 +779,7 @@ mod skinny_tests {
     /// ptxas's register / spill report.
     #[test]
     fn gemv_variants_compile_for_sm90() {
-        if !nvrtc_present() {
-            println!("skipped: libnvrtc not found");
+        if !nvrtc_or_skip() {
             return;
         }
         let source = format!("{COMMON}\n#line 1 \"gemv.cu\"\n{}", GEMV.source);

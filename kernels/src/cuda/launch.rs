@@ -1,8 +1,87 @@
-//! Small helpers every launcher uses: raw device pointers, length and alignment checks.
+//! What every launcher uses: [`launch`] (the one way a kernel of this crate is started), its
+//! [`Grid`], raw device pointers, length and alignment checks.
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
+use cudarc::driver::{
+    CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, LaunchArgs, LaunchConfig,
+    PushKernelArg,
+};
 
-use super::{shape, Result};
+use super::nvrtc::KernelModule;
+use super::{shape, Gpu, Result};
+
+/// Where a kernel runs: its grid, its block, and the bytes of dynamic shared memory it gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Grid {
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+    pub smem: u32,
+}
+
+impl Grid {
+    /// `grid` blocks of `threads` threads along x, no dynamic shared memory.
+    pub fn new(grid: (u32, u32, u32), threads: u32) -> Grid {
+        Grid {
+            grid,
+            block: (threads, 1, 1),
+            smem: 0,
+        }
+    }
+}
+
+/// One kernel argument, passed by reference: a device address (`u64`), a size, a scalar or a
+/// `repr(C)` struct that mirrors the kernel's.
+pub(crate) trait KernelArg {
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>);
+}
+
+impl<T: DeviceRepr> KernelArg for T {
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        b.arg(self);
+    }
+}
+
+/// Launches kernel `func` of `module` (compiled with `defines` on first use) on `stream` over
+/// `g`, with `args` in order. When `g.smem > 0` the kernel's dynamic shared-memory limit is
+/// first raised to exactly that (the launch then passes it).
+///
+/// # Safety
+/// `args` match the kernel's signature (count, order and types), and the buffers behind the
+/// addresses among them hold every element the kernel reads or writes for this grid.
+pub(crate) unsafe fn launch(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    module: &KernelModule,
+    defines: &[(&'static str, u32)],
+    func: &'static str,
+    g: Grid,
+    args: &[&dyn KernelArg],
+) -> Result<()> {
+    let f = gpu.function(module, defines, func)?;
+    if g.smem > 0 {
+        // SAFETY: a valid function handle of this context; the limit is what this launch
+        // passes (every launcher keeps it under the 227 KiB an sm_90 block may use).
+        unsafe {
+            cudarc::driver::sys::cuFuncSetAttribute(
+                f.cu_function(),
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                g.smem as i32,
+            )
+        }
+        .result()?;
+    }
+    let mut b = stream.launch_builder(&f);
+    for a in args {
+        a.push(&mut b);
+    }
+    let cfg = LaunchConfig {
+        grid_dim: g.grid,
+        block_dim: g.block,
+        shared_mem_bytes: g.smem,
+    };
+    // SAFETY: the caller's (see above).
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
 
 /// The raw device address of a buffer to read (no event bookkeeping: tracking is off).
 pub(crate) fn ptr<T>(x: &(impl DevicePtr<T> + ?Sized), s: &CudaStream) -> u64 {

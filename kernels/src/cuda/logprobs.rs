@@ -4,10 +4,10 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::launch::{need, ptr, ptr_mut, u32_of};
+use super::launch::{launch, need, ptr, ptr_mut, u32_of, Grid};
 use super::nvrtc::LOGPROBS;
 use super::{shape, Gpu, Result};
 
@@ -58,7 +58,6 @@ pub fn logprobs_fwd_bf16(
     };
     let ep = opt("entropy", entropy)?;
     let lp = opt("lse", lse)?;
-    let f = gpu.function(&LOGPROBS, &[], "logprobs_fwd_bf16")?;
     let (outp, xp, tp) = (
         ptr_mut(logp, stream),
         ptr(logits, stream),
@@ -69,24 +68,24 @@ pub fn logprobs_fwd_bf16(
         u32_of(OP, "vocab", vocab)?,
         u32_of(OP, "row_stride", row_stride)?,
     );
-    let cfg = LaunchConfig {
-        grid_dim: (r, 1, 1),
-        block_dim: (512, 1, 1),
-        shared_mem_bytes: 0,
+    let cfg = Grid {
+        grid: (r, 1, 1),
+        block: (512, 1, 1),
+        smem: 0,
     };
-    let mut b = stream.launch_builder(&f);
-    b.arg(&outp)
-        .arg(&ep)
-        .arg(&lp)
-        .arg(&xp)
-        .arg(&tp)
-        .arg(&r)
-        .arg(&v)
-        .arg(&rs)
-        .arg(&temperature);
     // SAFETY: logits cover rows*row_stride (checked), targets/logp/entropy/lse hold `rows`;
     // the kernel bounds-checks each target; arguments match (logp, entropy, lse, logits,
     // targets, rows, vocab, row_stride, temperature).
-    unsafe { b.launch(cfg) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &LOGPROBS,
+            &[],
+            "logprobs_fwd_bf16",
+            cfg,
+            &[&outp, &ep, &lp, &xp, &tp, &r, &v, &rs, &temperature],
+        )
+    }?;
     Ok(())
 }

@@ -10,7 +10,7 @@
 //! | `matmul_bf16`, `linear_fwd_bf16` (cuBLASLt, fp32 accumulate; at m <= 8 the skinny split-k kernel `gemv_bf16`), `linear_fwd_bf16_cublaslt`, `gate_up_swiglu_bf16` (gate\|up GEMM with SwiGLU fused at small m) | `matmul`, `linear_fwd` (+ `swiglu_fwd`) | `gemm.rs`, `gemv.cu` |
 //! | `rmsnorm_fwd_bf16`, `add_rmsnorm_fwd_bf16` (residual add + norm) | `rmsnorm_fwd` (+ `add_fwd`) | `norm.rs`, `norm.cu` |
 //! | `rope_fwd_bf16`, `swiglu_fwd_bf16`, `gelu_fwd_bf16`, `add_fwd_bf16`, `embedding_fwd_bf16`, `kv_append_bf16`, `rope_kv_append_bf16` | `rope_fwd`, `swiglu_fwd`, `gelu_fwd`, `add_fwd`, `embedding_fwd` | `pointwise.rs`, `pointwise.cu` |
-//! | `attention_fwd_bf16`, `attention_decode_bf16` (block-pipelined tensor-core kernel with a split-K LSE merge; older warp-split and SIMT variants kept for timing), `attention_decode_grouped_bf16` (a GRPO group's shared prefix read once per group) | `attention_fwd`, `attention_decode` | `attention.rs`, `attention.cu` |
+//! | `attention_fwd_bf16`, `attention_decode_bf16` (block-pipelined tensor-core kernel with a split-K LSE merge; older warp-split and SIMT variants kept for timing), `attention_decode_grouped_bf16` (a GRPO group's shared prefix read once per group) | `attention_fwd`, `attention_decode` | `attention/` (`fwd.rs`, `decode.rs`, `grouped.rs`), `attention.cu` |
 //! | `logprobs_fwd_bf16` | `logprobs_fwd` | `logprobs.rs`, `logprobs.cu` |
 //! | `sample_bf16` (Philox4x32-10, temperature / top-k / top-p) | [`sampling::sample_ref`] | `sampling.rs`, `sampling.cu` |
 //! | `adamw_step_f32` | `runtime::train::adamw` (bitwise) | `adamw.rs`, `adamw.cu` |
@@ -30,6 +30,8 @@
 //!   algorithms are chosen once per GEMM shape and reused on every stream.
 //! - Launchers check buffer lengths, strides and alignment and return [`CudaError::Shape`]; a
 //!   launch that passes the checks reads and writes only inside the buffers it was given.
+//! - Every kernel starts through one helper (`launch::launch`: the function compiled on first
+//!   use, its grid, block and dynamic shared memory, the arguments in order, the stream).
 
 pub mod adamw;
 pub mod attention;
@@ -140,4 +142,25 @@ pub fn cuda_available() -> Result<usize> {
         ));
     }
     Ok(n as usize)
+}
+
+/// The environment variable that turns a GPU test's skip into a failure: with
+/// `ROLLPLEX_REQUIRE_GPU=1` (on a GPU host) a test that finds no usable device fails.
+pub const REQUIRE_GPU_VAR: &str = "ROLLPLEX_REQUIRE_GPU";
+
+/// The GPU-or-skip rule of every GPU test: device 0 when it opens. When none opens, the test
+/// skips: `None`, after printing `skipped: no CUDA device (why)`; but with
+/// `ROLLPLEX_REQUIRE_GPU=1` a missing driver or device, or a device that fails to open, panics
+/// with the reason, so that a GPU host never passes a GPU test silently.
+pub fn test_gpu() -> Option<Gpu> {
+    match Gpu::new(0) {
+        Ok(g) => Some(g),
+        Err(e) if std::env::var(REQUIRE_GPU_VAR).is_ok_and(|v| v == "1") => {
+            panic!("{REQUIRE_GPU_VAR}=1 but no CUDA device opens: {e}")
+        }
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            None
+        }
+    }
 }

@@ -4,10 +4,10 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::launch::{need, ptr, ptr_mut, u32_of};
+use super::launch::{launch, need, ptr, ptr_mut, u32_of, Grid};
 use super::nvrtc::NORM;
 use super::{Gpu, Result};
 
@@ -39,28 +39,27 @@ pub fn rmsnorm_fwd_bf16(
         }
         None => 0u64,
     };
-    let f = gpu.function(&NORM, &[], "rmsnorm_fwd_bf16")?;
     let (xp, wp, yp) = (ptr(x, stream), ptr(w, stream), ptr_mut(y, stream));
     let (rows32, d32) = (u32_of(OP, "rows", rows)?, u32_of(OP, "d", d)?);
     let threads = if d >= 4096 { 512 } else { 256 };
-    let cfg = LaunchConfig {
-        grid_dim: (rows32, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
+    let cfg = Grid {
+        grid: (rows32, 1, 1),
+        block: (threads, 1, 1),
+        smem: 0,
     };
-    let mut b = stream.launch_builder(&f);
-    b.arg(&xp)
-        .arg(&wp)
-        .arg(&yp)
-        .arg(&rstd_p)
-        .arg(&rows32)
-        .arg(&d32)
-        .arg(&d32)
-        .arg(&d32)
-        .arg(&eps);
     // SAFETY: x and y hold rows*d elements, w holds d, rstd (when given) rows; the argument list
     // matches the kernel's (x, w, y, rstd, rows, cols, x_stride, y_stride, eps) signature.
-    unsafe { b.launch(cfg) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &NORM,
+            &[],
+            "rmsnorm_fwd_bf16",
+            cfg,
+            &[&xp, &wp, &yp, &rstd_p, &rows32, &d32, &d32, &d32, &eps],
+        )
+    }?;
     Ok(())
 }
 
@@ -95,7 +94,6 @@ pub fn add_rmsnorm_fwd_bf16(
         }
         None => 0u64,
     };
-    let f = gpu.function(&NORM, &[], "add_rmsnorm_fwd_bf16")?;
     let (hp, dp, wp, yp) = (
         ptr_mut(h, stream),
         ptr(delta, stream),
@@ -104,22 +102,23 @@ pub fn add_rmsnorm_fwd_bf16(
     );
     let (rows32, d32) = (u32_of(OP, "rows", rows)?, u32_of(OP, "d", d)?);
     let threads = if d >= 4096 { 512 } else { 256 };
-    let cfg = LaunchConfig {
-        grid_dim: (rows32, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
+    let cfg = Grid {
+        grid: (rows32, 1, 1),
+        block: (threads, 1, 1),
+        smem: 0,
     };
-    let mut b = stream.launch_builder(&f);
-    b.arg(&hp)
-        .arg(&dp)
-        .arg(&wp)
-        .arg(&yp)
-        .arg(&rstd_p)
-        .arg(&rows32)
-        .arg(&d32)
-        .arg(&eps);
     // SAFETY: h, delta, y hold rows*d elements, w d, rstd rows (checked); each element of h is
     // read and written by one thread; arguments match (h, delta, w, y, rstd, rows, cols, eps).
-    unsafe { b.launch(cfg) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &NORM,
+            &[],
+            "add_rmsnorm_fwd_bf16",
+            cfg,
+            &[&hp, &dp, &wp, &yp, &rstd_p, &rows32, &d32, &eps],
+        )
+    }?;
     Ok(())
 }

@@ -82,6 +82,21 @@ pub fn nvrtc_present() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
+/// For tests that compile kernels without a device: whether libnvrtc loads here; `false` after
+/// printing `skipped: libnvrtc not found`, a panic with `ROLLPLEX_REQUIRE_GPU=1` (a GPU host has
+/// it), as [`super::test_gpu`] does for devices.
+#[cfg(test)]
+pub(crate) fn nvrtc_or_skip() -> bool {
+    if nvrtc_present() {
+        return true;
+    }
+    if std::env::var(super::REQUIRE_GPU_VAR).is_ok_and(|v| v == "1") {
+        panic!("{}=1 but libnvrtc was not found", super::REQUIRE_GPU_VAR);
+    }
+    println!("skipped: libnvrtc not found");
+    false
+}
+
 /// 64-bit FNV-1a over several byte strings, each followed by a 0 separator.
 pub fn fnv1a64(parts: &[&[u8]]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -286,8 +301,7 @@ mod tests {
     /// ptxas report. Skips, saying so, where NVRTC is missing.
     #[test]
     fn all_modules_compile_for_sm90() {
-        if !nvrtc_present() {
-            println!("skipped: libnvrtc not found");
+        if !nvrtc_or_skip() {
             return;
         }
         type Variants = &'static [&'static [(&'static str, u32)]];

@@ -5,18 +5,18 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::launch::{grid_for, need, ptr, ptr_mut, u32_of};
+use super::launch::{grid_for, launch, need, ptr, ptr_mut, u32_of, Grid};
 use super::nvrtc::POINTWISE;
 use super::{shape, Gpu, Result};
 
-fn cfg(grid: (u32, u32), threads: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (grid.0, grid.1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
+fn cfg(grid: (u32, u32), threads: u32) -> Grid {
+    Grid {
+        grid: (grid.0, grid.1, 1),
+        block: (threads, 1, 1),
+        smem: 0,
     }
 }
 
@@ -53,7 +53,6 @@ pub fn rope_fwd_bf16(
     need(OP, "x", x, (tokens - 1) * row_stride + heads * head_dim)?;
     need(OP, "cos", cos, tokens * head_dim)?;
     need(OP, "sin", sin, tokens * head_dim)?;
-    let f = gpu.function(&POINTWISE, &[], "rope_fwd_bf16")?;
     let (xp, cp, sp) = (ptr_mut(x, stream), ptr(cos, stream), ptr(sin, stream));
     let (t, rs, h, hd) = (
         u32_of(OP, "tokens", tokens)?,
@@ -62,18 +61,19 @@ pub fn rope_fwd_bf16(
         head_dim as u32,
     );
     let mode = hf_text_rounding as u32;
-    let mut b = stream.launch_builder(&f);
-    b.arg(&xp)
-        .arg(&cp)
-        .arg(&sp)
-        .arg(&t)
-        .arg(&rs)
-        .arg(&h)
-        .arg(&hd)
-        .arg(&mode);
     // SAFETY: x covers every rotated element of every token row, cos/sin hold tokens*head_dim;
     // arguments match (x, cos, sin, tokens, row_stride, n_heads, head_dim, hf_text_rounding).
-    unsafe { b.launch(cfg((t, 1), 128)) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &POINTWISE,
+            &[],
+            "rope_fwd_bf16",
+            cfg((t, 1), 128),
+            &[&xp, &cp, &sp, &t, &rs, &h, &hd, &mode],
+        )
+    }?;
     Ok(())
 }
 
@@ -103,24 +103,24 @@ pub fn swiglu_fwd_bf16(
     need(OP, "out", out, (rows - 1) * out_stride + cols)?;
     need(OP, "gate", gate, (rows - 1) * gate_stride + cols)?;
     need(OP, "up", up, (rows - 1) * up_stride + cols)?;
-    let f = gpu.function(&POINTWISE, &[], "swiglu_fwd_bf16")?;
     let (op_, gp, upp) = (ptr_mut(out, stream), ptr(gate, stream), ptr(up, stream));
     let r = u32_of(OP, "rows", rows)?;
     let c = u32_of(OP, "cols", cols)?;
     let (gs, us, os) = (gate_stride as u32, up_stride as u32, out_stride as u32);
     let bx = grid_for(cols / 8 + 1, 256, 64);
-    let mut b = stream.launch_builder(&f);
-    b.arg(&gp)
-        .arg(&upp)
-        .arg(&op_)
-        .arg(&r)
-        .arg(&c)
-        .arg(&gs)
-        .arg(&us)
-        .arg(&os);
     // SAFETY: each buffer covers (rows-1)*stride + cols elements (checked); arguments match
     // (gate, up, out, rows, cols, gate_stride, up_stride, out_stride).
-    unsafe { b.launch(cfg((bx, r), 256)) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &POINTWISE,
+            &[],
+            "swiglu_fwd_bf16",
+            cfg((bx, r), 256),
+            &[&gp, &upp, &op_, &r, &c, &gs, &us, &os],
+        )
+    }?;
     Ok(())
 }
 
@@ -139,13 +139,20 @@ pub fn gelu_fwd_bf16(
     if n == 0 {
         return Ok(());
     }
-    let f = gpu.function(&POINTWISE, &[], "gelu_fwd_bf16")?;
     let (xp, yp) = (ptr(x, stream), ptr_mut(y, stream));
     let (n64, t) = (n as u64, tanh_approx as u32);
-    let mut b = stream.launch_builder(&f);
-    b.arg(&xp).arg(&yp).arg(&n64).arg(&t);
     // SAFETY: x and y hold n elements; arguments match (x, y, n, tanh_approx).
-    unsafe { b.launch(cfg((grid_for(n, 256, 4096), 1), 256)) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &POINTWISE,
+            &[],
+            "gelu_fwd_bf16",
+            cfg((grid_for(n, 256, 4096), 1), 256),
+            &[&xp, &yp, &n64, &t],
+        )
+    }?;
     Ok(())
 }
 
@@ -193,13 +200,20 @@ fn launch_add(
     if n == 0 {
         return Ok(());
     }
-    let f = gpu.function(&POINTWISE, &[], "add_fwd_bf16")?;
     let n64 = n as u64;
-    let mut l = stream.launch_builder(&f);
-    l.arg(&a).arg(&b).arg(&out).arg(&n64);
     // SAFETY: all three buffers hold n elements (checked by the callers); each element is read
     // and written by the same thread, so out may alias a or b; arguments match (a, b, out, n).
-    unsafe { l.launch(cfg((grid_for(n / 8 + 1, 256, 4096), 1), 256)) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &POINTWISE,
+            &[],
+            "add_fwd_bf16",
+            cfg((grid_for(n / 8 + 1, 256, 4096), 1), 256),
+            &[&a, &b, &out, &n64],
+        )
+    }?;
     Ok(())
 }
 
@@ -239,7 +253,6 @@ pub fn embedding_fwd_bf16(
             ),
         ));
     }
-    let f = gpu.function(&POINTWISE, &[], "embedding_fwd_bf16")?;
     let (tp, ip, op_) = (ptr(table, stream), ptr(ids, stream), ptr_mut(out, stream));
     let (t, d32, v, os) = (
         u32_of(OP, "tokens", tokens)?,
@@ -247,18 +260,20 @@ pub fn embedding_fwd_bf16(
         u32_of(OP, "vocab", vocab)?,
         out_stride as u32,
     );
-    let mut b = stream.launch_builder(&f);
-    b.arg(&tp)
-        .arg(&ip)
-        .arg(&op_)
-        .arg(&t)
-        .arg(&d32)
-        .arg(&v)
-        .arg(&os);
     // SAFETY: ids holds `tokens` entries, each checked against `vocab` in the kernel before the
     // table is read; out covers every written row; arguments match
     // (table, ids, out, tokens, hidden, vocab, out_stride).
-    unsafe { b.launch(cfg((t, 1), 128)) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &POINTWISE,
+            &[],
+            "embedding_fwd_bf16",
+            cfg((t, 1), 128),
+            &[&tp, &ip, &op_, &t, &d32, &v, &os],
+        )
+    }?;
     Ok(())
 }
 
@@ -291,7 +306,6 @@ pub fn kv_append_bf16(
     } else {
         (cache.len() - width) / cache_stride + 1
     };
-    let f = gpu.function(&POINTWISE, &[], "kv_append_bf16")?;
     let (sp, slp, cp) = (ptr(src, stream), ptr(slots, stream), ptr_mut(cache, stream));
     let (t, w, ss, cs, ns) = (
         u32_of(OP, "tokens", tokens)?,
@@ -300,19 +314,20 @@ pub fn kv_append_bf16(
         cache_stride as u32,
         u32_of(OP, "slots", n_slots)?,
     );
-    let mut b = stream.launch_builder(&f);
-    b.arg(&sp)
-        .arg(&slp)
-        .arg(&cp)
-        .arg(&t)
-        .arg(&w)
-        .arg(&ss)
-        .arg(&cs)
-        .arg(&ns);
     // SAFETY: src covers `tokens` rows; the kernel writes only slots < n_slots, each of whose
     // rows lies inside `cache`; arguments match
     // (src, slots, cache, tokens, width, src_stride, cache_stride, n_slots).
-    unsafe { b.launch(cfg((t, 1), 128)) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &POINTWISE,
+            &[],
+            "kv_append_bf16",
+            cfg((t, 1), 128),
+            &[&sp, &slp, &cp, &t, &w, &ss, &cs, &ns],
+        )
+    }?;
     Ok(())
 }
 
@@ -352,7 +367,6 @@ pub fn rope_kv_append_bf16(
         return Err(shape(OP, "v_cache must hold as many elements as k_cache"));
     }
     let n_slots = u32_of(OP, "cache rows", k_cache.len() / kvw.max(1))?;
-    let f = gpu.function(&POINTWISE, &[], "rope_kv_append_bf16")?;
     let (xp, kp, vp) = (
         ptr_mut(qkv, stream),
         ptr_mut(k_cache, stream),
@@ -366,22 +380,21 @@ pub fn rope_kv_append_bf16(
         head_dim as u32,
         hf_text_rounding as u32,
     );
-    let mut b = stream.launch_builder(&f);
-    b.arg(&xp)
-        .arg(&cp)
-        .arg(&sp)
-        .arg(&kp)
-        .arg(&vp)
-        .arg(&slp)
-        .arg(&t)
-        .arg(&h)
-        .arg(&kvh)
-        .arg(&hd)
-        .arg(&mode)
-        .arg(&n_slots);
     // SAFETY: qkv holds tokens rows, cos/sin tokens*head_dim, slots tokens (checked); the kernel
     // writes only cache rows < n_slots, inside both caches; arguments match (qkv, cos, sin,
     // k_cache, v_cache, slots, tokens, n_heads, n_kv, head_dim, hf_text_rounding, n_slots).
-    unsafe { b.launch(cfg((t, 1), 128)) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &POINTWISE,
+            &[],
+            "rope_kv_append_bf16",
+            cfg((t, 1), 128),
+            &[
+                &xp, &cp, &sp, &kp, &vp, &slp, &t, &h, &kvh, &hd, &mode, &n_slots,
+            ],
+        )
+    }?;
     Ok(())
 }

@@ -28,9 +28,9 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use super::launch::{need, ptr, ptr_mut, u32_of};
+use super::launch::{launch, need, ptr, ptr_mut, u32_of, Grid};
 use super::nvrtc::KernelModule;
 use super::{shape, Gpu, Result};
 
@@ -342,7 +342,6 @@ pub fn policy_loss_f32(
     let stp = ptr(x.seq_tokens, stream);
     let accp = ptr_mut(&mut acc.slots, stream);
     if n > 0 {
-        let f = gpu.function(&POLICY_LOSS, &[], "policy_loss_f32")?;
         let (lo, hi) = (1.0 - p.clip_low, 1.0 + p.clip_high);
         let has_dual = p.dual_clip.is_some() as u32;
         let dual_c = p.dual_clip.unwrap_or(0.0);
@@ -367,33 +366,11 @@ pub fn policy_loss_f32(
         );
         let rp = x.ref_logp.map(|r| ptr(r, stream)).unwrap_or(0);
         let ep = x.entropy.map(|e| ptr(e, stream)).unwrap_or(0);
-        let cfg = LaunchConfig {
-            grid_dim: (nb32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
+        let cfg = Grid {
+            grid: (nb32, 1, 1),
+            block: (THREADS, 1, 1),
+            smem: 0,
         };
-        let mut b = stream.launch_builder(&f);
-        b.arg(&outp)
-            .arg(&pp)
-            .arg(&lp)
-            .arg(&op)
-            .arg(&rp)
-            .arg(&ap)
-            .arg(&mp)
-            .arg(&ep)
-            .arg(&sp)
-            .arg(&stp)
-            .arg(&n32)
-            .arg(&s32)
-            .arg(&lo)
-            .arg(&hi)
-            .arg(&has_dual)
-            .arg(&dual_c)
-            .arg(&p.kl_coef)
-            .arg(&est)
-            .arg(&agg)
-            .arg(&inv_tokens)
-            .arg(&inv_seqs);
         // SAFETY: thread slots cover tokens t < n only (the kernel bounds-checks t); logp,
         // old_logp, advantages, mask, seq, dlogp and, when given (else null, never read),
         // ref_logp and entropy hold at least n elements (checked above); seq_tokens[s] is read
@@ -401,30 +378,67 @@ pub fn policy_loss_f32(
         // block b writes only partial[b * 8 .. b * 8 + 8] and the grid has `blocks` blocks,
         // which is what `partial` holds; dlogp[t] is written by one thread; arguments match
         // the kernel's signature in order.
-        unsafe { b.launch(cfg) }?;
+        unsafe {
+            launch(
+                gpu,
+                stream,
+                &POLICY_LOSS,
+                &[],
+                "policy_loss_f32",
+                cfg,
+                &[
+                    &outp,
+                    &pp,
+                    &lp,
+                    &op,
+                    &rp,
+                    &ap,
+                    &mp,
+                    &ep,
+                    &sp,
+                    &stp,
+                    &n32,
+                    &s32,
+                    &lo,
+                    &hi,
+                    &has_dual,
+                    &dual_c,
+                    &p.kl_coef,
+                    &est,
+                    &agg,
+                    &inv_tokens,
+                    &inv_seqs,
+                ],
+            )
+        }?;
     }
-    let f = gpu.function(&POLICY_LOSS, &[], "policy_loss_reduce_f64")?;
     let has_entropy = x.entropy.is_some() as u32;
     let norm_tokens = p.norm_tokens as f64;
-    let mut b = stream.launch_builder(&f);
-    b.arg(&accp)
-        .arg(&pp)
-        .arg(&nb32)
-        .arg(&stp)
-        .arg(&s32)
-        .arg(&p.kl_coef)
-        .arg(&has_entropy)
-        .arg(&norm_tokens);
-    let cfg = LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = Grid::new((1, 1, 1), THREADS);
     // SAFETY: one block reads partial[b * 8 + k] for b < blocks (written by the launch above
     // on the same stream; never read when blocks == 0, where the 1-element scratch keeps the
     // pointer valid) and seq_tokens[s] for s < seqs (held, checked); thread 0 alone adds into
     // the accumulator's ACC_SLOTS slots, which `acc` owns; arguments match the signature.
-    unsafe { b.launch(cfg) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &POLICY_LOSS,
+            &[],
+            "policy_loss_reduce_f64",
+            cfg,
+            &[
+                &accp,
+                &pp,
+                &nb32,
+                &stp,
+                &s32,
+                &p.kl_coef,
+                &has_entropy,
+                &norm_tokens,
+            ],
+        )
+    }?;
     // freed in stream order, after the reduction that reads it
     drop(partial);
     Ok(())

@@ -20,10 +20,10 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::launch::{need, ptr, ptr_mut, u32_of};
+use super::launch::{launch, need, ptr, ptr_mut, u32_of, Grid};
 use super::nvrtc::SAMPLING;
 use super::{shape, Gpu, Result};
 
@@ -186,7 +186,6 @@ pub fn sample_bf16(
     need(OP, "tokens", tokens, rows)?;
     need(OP, "sample_ids", sample_ids, rows)?;
     need(OP, "steps", steps, rows)?;
-    let f = gpu.function(&SAMPLING, &[], "sample_bf16")?;
     let (xp, tp, sp, stp) = (
         ptr(logits, stream),
         ptr_mut(tokens, stream),
@@ -199,29 +198,39 @@ pub fn sample_bf16(
         vocab as u32,
     );
     let (s0, s1) = (params.seed as u32, (params.seed >> 32) as u32);
-    let cfg = LaunchConfig {
-        grid_dim: (r, 1, 1),
-        block_dim: (1024, 1, 1),
-        shared_mem_bytes: 0,
+    let cfg = Grid {
+        grid: (r, 1, 1),
+        block: (1024, 1, 1),
+        smem: 0,
     };
-    let mut b = stream.launch_builder(&f);
-    b.arg(&xp)
-        .arg(&rs)
-        .arg(&r)
-        .arg(&v)
-        .arg(&params.temperature)
-        .arg(&params.top_k)
-        .arg(&params.top_p);
-    b.arg(&s0)
-        .arg(&s1)
-        .arg(&params.iteration)
-        .arg(&sp)
-        .arg(&stp)
-        .arg(&tp);
     // SAFETY: logits cover rows*row_stride, the per-row arrays hold `rows` (checked); arguments
     // match (logits, row_stride, rows, vocab, temperature, top_k, top_p, seed_lo, seed_hi,
     // iteration, sample_ids, steps, tokens).
-    unsafe { b.launch(cfg) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &SAMPLING,
+            &[],
+            "sample_bf16",
+            cfg,
+            &[
+                &xp,
+                &rs,
+                &r,
+                &v,
+                &params.temperature,
+                &params.top_k,
+                &params.top_p,
+                &s0,
+                &s1,
+                &params.iteration,
+                &sp,
+                &stp,
+                &tp,
+            ],
+        )
+    }?;
     Ok(())
 }
 
@@ -239,25 +248,26 @@ pub fn philox_fill(
     if n_blocks == 0 {
         return Ok(());
     }
-    let f = gpu.function(&SAMPLING, &[], "philox_fill")?;
     let op_ = ptr_mut(out, stream);
     let n = u32_of(OP, "n_blocks", n_blocks)?;
-    let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(256), 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
+    let cfg = Grid {
+        grid: (n.div_ceil(256), 1, 1),
+        block: (256, 1, 1),
+        smem: 0,
     };
-    let mut b = stream.launch_builder(&f);
-    b.arg(&op_)
-        .arg(&n)
-        .arg(&c[0])
-        .arg(&c[1])
-        .arg(&c[2])
-        .arg(&key[0])
-        .arg(&key[1]);
     // SAFETY: out holds 4*n_blocks words (checked); arguments match (out, n_blocks, c1, c2, c3,
     // k0, k1).
-    unsafe { b.launch(cfg) }?;
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &SAMPLING,
+            &[],
+            "philox_fill",
+            cfg,
+            &[&op_, &n, &c[0], &c[1], &c[2], &key[0], &key[1]],
+        )
+    }?;
     Ok(())
 }
 

@@ -1,25 +1,21 @@
-//! Helpers the CUDA test files share: the device (or a "skipped: no CUDA device" message and a
-//! pass where none is present), fresh random inputs, uploads/downloads, NaN-poisoned outputs
+//! Helpers the CUDA test files share: the device ([`rollplex_kernels::cuda::test_gpu`]'s rule: a
+//! "skipped: no CUDA device" message and a pass where none opens, a failure with
+//! `ROLLPLEX_REQUIRE_GPU=1`), fresh random inputs (each seed printed), uploads/downloads,
+//! NaN-poisoned outputs
 //! (an unwritten element fails), and the bf16 tolerance check ‖out − ref‖ / ‖ref‖.
 //! Included with `#[macro_use] mod common; use common::*;`: a file's own item of the same name
 //! shadows the one here.
-#![allow(dead_code)]
+#![allow(dead_code, unused_macros)]
 
 use std::sync::{Arc, OnceLock};
 
 use half::bf16;
 use rollplex_kernels::cuda::*;
 
+/// The device every test of the binary shares, opened once ([`test_gpu`]).
 pub fn gpu() -> Option<&'static Gpu> {
     static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
-    GPU.get_or_init(|| match cuda_available().and_then(|_| Gpu::new(0)) {
-        Ok(g) => Some(g),
-        Err(e) => {
-            println!("skipped: no CUDA device ({e})");
-            None
-        }
-    })
-    .as_ref()
+    GPU.get_or_init(test_gpu).as_ref()
 }
 
 macro_rules! gpu_or_skip {
@@ -49,7 +45,8 @@ pub fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// A fresh seed per call (tests draw new inputs every run).
+/// A fresh seed per call (tests draw new inputs every run), printed so that a failing test's
+/// output names the inputs it drew (`rand_vec(n, seed)` draws them again).
 pub fn fresh_seed() -> u64 {
     use std::time::{SystemTime, UNIX_EPOCH};
     static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -57,7 +54,9 @@ pub fn fresh_seed() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(1);
-    t ^ N.fetch_add(0x9E37_79B9, std::sync::atomic::Ordering::Relaxed)
+    let seed = t ^ N.fetch_add(0x9E37_79B9, std::sync::atomic::Ordering::Relaxed);
+    println!("random inputs: seed {seed:#x}");
+    seed
 }
 
 /// Random bf16 values scaled by `scale`, and the same values as f32 (what the CPU twin reads).

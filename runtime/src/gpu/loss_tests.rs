@@ -13,7 +13,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use rollplex_kernels::cuda::{cuda_available, CudaSlice, Gpu, PolicyLossAcc, PolicyLossInputs};
+use rollplex_kernels::cuda::{test_gpu, CudaSlice, Gpu, PolicyLossAcc, PolicyLossInputs};
 use rollplex_plan::spec::{KlEstimator, LossAgg};
 
 use super::*;
@@ -424,15 +424,11 @@ fn compare(
     bitwise
 }
 
+/// Device 0, opened once for every test here, or a printed skip (a failure with
+/// `ROLLPLEX_REQUIRE_GPU=1`).
 fn gpu_or_skip() -> Option<&'static Gpu> {
     static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
-    let g = GPU.get_or_init(|| match cuda_available().and_then(|_| Gpu::new(0)) {
-        Ok(g) => Some(g),
-        Err(e) => {
-            println!("(no CUDA device: {e})");
-            None
-        }
-    });
+    let g = GPU.get_or_init(test_gpu);
     if g.is_none() {
         println!("skipped: no CUDA device");
     }

@@ -5,21 +5,16 @@
 use std::sync::Arc;
 
 use half::bf16;
-use rollplex_kernels::cuda::{cuda_available, CudaStream, Gpu};
+use rollplex_kernels::cuda::{test_gpu, CudaStream, Gpu};
 use rollplex_plan::spec::{DType, ModelSpec, SpecialTokens, TextDims, VisionDims, WeightsSource};
 
 use super::*;
 use crate::gpu::{GpuKvArena, GpuModel, GpuPrompt};
 use crate::model::{DecodeSlot, Qwen25VL};
 
+/// Device 0, or a printed skip (a failure with `ROLLPLEX_REQUIRE_GPU=1`).
 fn gpu_or_skip() -> Option<Gpu> {
-    match cuda_available() {
-        Ok(_) => Some(Gpu::new(0).expect("opening device 0")),
-        Err(e) => {
-            eprintln!("skipped: no CUDA device ({e})");
-            None
-        }
-    }
+    test_gpu()
 }
 
 /// A small random model whose ops spread over more SMs than a 40-SM partition has.

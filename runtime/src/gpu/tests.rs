@@ -7,7 +7,7 @@
 
 use half::bf16;
 use rollplex_kernels::cpu::linear_fwd;
-use rollplex_kernels::cuda::{cuda_available, sample_ref, Gpu};
+use rollplex_kernels::cuda::{sample_ref, test_gpu, Gpu};
 use rollplex_plan::spec::{DType, ModelSpec, SpecialTokens, TextDims, VisionDims, WeightsSource};
 
 use super::plan::*;
@@ -257,14 +257,9 @@ fn decode_slot_checks() {
 
 // ---------------------------------------------------------------- CUDA vs CPU
 
+/// Device 0, or a printed skip (a failure with `ROLLPLEX_REQUIRE_GPU=1`).
 fn gpu_or_skip() -> Option<Gpu> {
-    match cuda_available() {
-        Ok(_) => Some(Gpu::new(0).expect("opening device 0")),
-        Err(e) => {
-            eprintln!("skipped: no CUDA device ({e})");
-            None
-        }
-    }
+    test_gpu()
 }
 
 /// Max relative error allowed between the bf16 GPU forward and the CPU forward on bf16

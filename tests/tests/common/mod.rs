@@ -1,6 +1,6 @@
 //! What the end-to-end tests share: compiling a pipeline source into a plan, finding the
-//! repository's pipelines, a scratch directory, a run's metrics without timings, and the GPU
-//! check of the GPU tests. Each test
+//! repository's pipelines, a scratch directory, a run's metrics without timings, the `BLESS=1`
+//! rule of the golden harnesses and the GPU check of the GPU tests. Each test
 //! binary includes this module (`mod common;`) and uses a part of it.
 #![allow(dead_code)]
 
@@ -94,16 +94,17 @@ impl Drop for Scratch {
     }
 }
 
-/// `None` (after printing why) when there is no CUDA GPU to run on: GPU tests then pass as
-/// skipped (CI has no GPU).
+/// Whether a golden harness rewrites its expected files instead of comparing: `BLESS=1` (unset
+/// or any other value compares). The one rule of every golden harness here.
+pub fn bless() -> bool {
+    std::env::var("BLESS").is_ok_and(|v| v == "1")
+}
+
+/// `None` (after printing why) when no CUDA GPU opens here: GPU tests then pass as skipped (CI
+/// has no GPU), unless `ROLLPLEX_REQUIRE_GPU=1` makes that a failure
+/// ([`rollplex_kernels::cuda::test_gpu`], the rule of every GPU test).
 pub fn gpu_device() -> Option<()> {
-    match rollplex_runtime::exec::gpu::open_gpu() {
-        Ok(_) => Some(()),
-        Err(e) => {
-            println!("skipped: no CUDA device ({e})");
-            None
-        }
-    }
+    rollplex_kernels::cuda::test_gpu().map(|_| ())
 }
 
 /// A run's metrics.jsonl without its measurements (timings: keys ending in `_s`; peak memory):

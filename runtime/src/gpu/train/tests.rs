@@ -9,7 +9,7 @@
 //! - the loss on a fixed batch falls over optimizer steps and follows the CPU backend's curve.
 
 use half::bf16;
-use rollplex_kernels::cuda::{cuda_available, Gpu};
+use rollplex_kernels::cuda::{test_gpu, Gpu};
 use rollplex_plan::spec::{
     AdamWSpec, DType, KlEstimator, LossAgg, LrSchedule, ModelSpec, Recompute, SpecialTokens,
     TextDims, VisionDims, WeightsSource,
@@ -251,14 +251,9 @@ fn adamw(lr: f64) -> AdamWSpec {
     }
 }
 
+/// Device 0, or a printed skip (a failure with `ROLLPLEX_REQUIRE_GPU=1`).
 fn gpu_or_skip() -> Option<Gpu> {
-    match cuda_available() {
-        Ok(_) => Some(Gpu::new(0).expect("opening device 0")),
-        Err(e) => {
-            eprintln!("skipped: no CUDA device ({e})");
-            None
-        }
-    }
+    test_gpu()
 }
 
 // ---------------------------------------------------------------- host-side (no GPU)

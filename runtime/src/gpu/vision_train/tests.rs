@@ -18,7 +18,7 @@
 
 use half::bf16;
 use rollplex_kernels::cpu::AttnDims;
-use rollplex_kernels::cuda::{cuda_available, CudaSlice, Gpu};
+use rollplex_kernels::cuda::{test_gpu, CudaSlice, Gpu};
 
 use super::params::part_ranges;
 use super::*;
@@ -227,14 +227,9 @@ fn window_order_gathers_are_adjoint() {
 
 // ---------------------------------------------------------------- CUDA vs CPU
 
+/// Device 0, or a printed skip (a failure with `ROLLPLEX_REQUIRE_GPU=1`).
 fn gpu_or_skip() -> Option<Gpu> {
-    match cuda_available() {
-        Ok(_) => Some(Gpu::new(0).expect("opening device 0")),
-        Err(e) => {
-            eprintln!("skipped: no CUDA device ({e})");
-            None
-        }
-    }
+    test_gpu()
 }
 
 /// Worst per-tensor gradient error allowed against the CPU backend (bf16 activations and GEMM

@@ -1,0 +1,291 @@
+//! `attention_decode_grouped_bf16`: decode attention reading each GRPO group's shared prefix
+//! once for the group ([`grouped_decode_plan`]).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use half::bf16;
+
+use super::decode::{
+    check_decode_io, group_pass, pipelined_split, reduce_pass, GroupPass, SplitPass,
+    DECODE_TARGET_BLOCKS,
+};
+use super::{check_dims, AttnSeqGpu, KvSrc, RowStrides};
+use crate::cpu::AttnDims;
+use crate::cuda::launch::{aligned16, ptr, ptr_mut};
+use crate::cuda::{shape, Gpu, Result};
+
+/// How a group-shared decode ([`attention_decode_grouped_bf16`]) is cut: samples
+/// `i * group .. (i + 1) * group` form GRPO group `i` and share its first sample's prefix. The
+/// group pass (skipped when `p_splits == 0`) gives a block `per_block` samples of one group (all
+/// query heads of one kv head: at most 64 MMA rows) over `p_chunk` prefix keys; the per-sample
+/// pass gives a block one sample's query heads of one kv head over `s_chunk` of its own keys
+/// (all its keys when there is no group pass); an ordered merge of the `p_splits + s_splits`
+/// slots ends it. A function of (batch, group, dims, length hints) only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupedDecodePlan {
+    pub batch: usize,
+    pub group: usize,
+    pub per_block: usize,
+    pub num_heads: usize,
+    pub head_dim: usize,
+    pub p_splits: usize,
+    pub p_chunk: usize,
+    pub s_splits: usize,
+    pub s_chunk: usize,
+}
+
+impl GroupedDecodePlan {
+    /// f32 elements of scratch (partial outputs, then (max, sum) pairs, for every slot).
+    pub fn workspace_len(&self) -> usize {
+        self.batch * self.num_heads * (self.p_splits + self.s_splits) * (self.head_dim + 2)
+    }
+}
+
+/// The fewest (group part, kv head) units for which the group pass pays: with one group of 8
+/// at 3B / 7B dims (2 or 4 units) the prefix must be cut into 32-key chunks to fill the GPU and
+/// the partials (64 rows a block) cost more than the shared reads save: 0.68-0.71 ms against
+/// 0.40-0.45 ms for the per-sample pass over 28-36 layers (docs/perf.md, decode-perf). At 16
+/// and 32 units (8 groups of 8) the group pass won, 1.04-1.13 ms against 1.16-1.66 ms.
+pub const GROUP_PASS_MIN_UNITS: usize = 16;
+
+/// The grouped plan for `batch` samples in groups of `group` sharing a prefix of at most
+/// `max_prefix_len` keys, each with at most `max_suffix_len` own keys. Hints only: the last
+/// chunk of each pass takes every key left, so a short hint costs speed, never results. With a
+/// prefix and at least [`GROUP_PASS_MIN_UNITS`] (group part, kv head) units, both passes aim at
+/// [`DECODE_TARGET_BLOCKS`] blocks ([`grouped_decode_plan_for_blocks`]; measured faster than
+/// [`pipelined_split`]'s cut at 3B and 7B dims, batch 64, groups of 8); otherwise there is no
+/// group pass and every sample reads all its keys in the per-sample pass, cut by
+/// [`pipelined_split`] (the fastest measured there).
+pub fn grouped_decode_plan(
+    batch: usize,
+    group: usize,
+    dims: AttnDims,
+    max_prefix_len: usize,
+    max_suffix_len: usize,
+) -> GroupedDecodePlan {
+    let group = group.clamp(1, batch.max(1));
+    let r = (dims.num_heads / dims.num_kv_heads.max(1)).max(1);
+    let per_block = (64 / r).clamp(1, group);
+    let units = batch.div_ceil(group) * group.div_ceil(per_block) * dims.num_kv_heads;
+    if max_prefix_len > 0 && units >= GROUP_PASS_MIN_UNITS {
+        return grouped_decode_plan_for_blocks(
+            batch,
+            group,
+            dims,
+            max_prefix_len,
+            max_suffix_len,
+            DECODE_TARGET_BLOCKS,
+        );
+    }
+    let own = max_prefix_len + max_suffix_len;
+    let (s_splits, s_chunk) = pipelined_split(batch * dims.num_kv_heads, own, 32, r);
+    GroupedDecodePlan {
+        batch,
+        group,
+        per_block,
+        num_heads: dims.num_heads,
+        head_dim: dims.head_dim,
+        p_splits: 0,
+        p_chunk: 32,
+        s_splits,
+        s_chunk,
+    }
+}
+
+/// A grouped plan aiming at `target_blocks` blocks per pass, always with a group pass when
+/// `max_prefix_len > 0` (for the workbench, which times it beside [`grouped_decode_plan`]'s).
+pub fn grouped_decode_plan_for_blocks(
+    batch: usize,
+    group: usize,
+    dims: AttnDims,
+    max_prefix_len: usize,
+    max_suffix_len: usize,
+    target_blocks: usize,
+) -> GroupedDecodePlan {
+    let group = group.clamp(1, batch.max(1));
+    let r = (dims.num_heads / dims.num_kv_heads.max(1)).max(1);
+    let per_block = (64 / r).clamp(1, group);
+    let split = |units: usize, len: usize| {
+        let splits = target_blocks
+            .max(1)
+            .div_ceil(units.max(1))
+            .clamp(1, len.div_ceil(32).max(1));
+        let chunk = len.max(1).div_ceil(splits).div_ceil(32) * 32;
+        (len.max(1).div_ceil(chunk), chunk)
+    };
+    let (p_splits, p_chunk) = if max_prefix_len == 0 {
+        (0, 32)
+    } else {
+        let units = batch.div_ceil(group) * group.div_ceil(per_block) * dims.num_kv_heads;
+        split(units, max_prefix_len)
+    };
+    let (s_splits, s_chunk) = split(batch * dims.num_kv_heads, max_suffix_len);
+    GroupedDecodePlan {
+        batch,
+        group,
+        per_block,
+        num_heads: dims.num_heads,
+        head_dim: dims.head_dim,
+        p_splits,
+        p_chunk,
+        s_splits,
+        s_chunk,
+    }
+}
+
+/// Decode attention with each GRPO group's shared prefix read once per group (the CPU twin is
+/// still [`crate::cpu::attention_decode`]): the same buffers and descriptors as
+/// [`attention_decode_bf16`], plus the grouping in `plan`. Samples of a group must name the
+/// same prefix rows (`p_start`, `p_len`) as the group's first sample; one that does not gets
+/// NaN outputs. Launches on `stream`: the group pass (when `plan.p_splits > 0`), the
+/// per-sample pass, the merge.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_decode_grouped_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    out: &mut impl DevicePtrMut<bf16>,
+    lse: Option<&mut dyn DevicePtrMut<f32>>,
+    workspace: &mut impl DevicePtrMut<f32>,
+    q: &impl DevicePtr<bf16>,
+    k_cache: &impl DevicePtr<bf16>,
+    v_cache: &impl DevicePtr<bf16>,
+    seqs: &impl DevicePtr<AttnSeqGpu>,
+    dims: AttnDims,
+    scale: f32,
+    strides: RowStrides,
+    plan: GroupedDecodePlan,
+) -> Result<()> {
+    const OP: &str = "attention_decode_grouped_bf16";
+    check_dims(OP, &dims, true)?;
+    let b = plan.batch;
+    let r = dims.num_heads / dims.num_kv_heads;
+    if plan.num_heads != dims.num_heads
+        || plan.head_dim != dims.head_dim
+        || plan.group == 0
+        || plan.per_block == 0
+        || plan.per_block * r > 64
+        || plan.p_chunk == 0
+        || plan.s_splits == 0
+        || plan.s_chunk == 0
+    {
+        return Err(shape(
+            OP,
+            format!("plan {plan:?} does not fit dims {dims:?} (per_block * heads per kv head <= 64, nothing zero)"),
+        ));
+    }
+    if b == 0 {
+        return Ok(());
+    }
+    let (kv_rows, lse_p) = check_decode_io(
+        OP,
+        stream,
+        &dims,
+        &strides,
+        b,
+        plan.workspace_len(),
+        &*out,
+        lse,
+        &*workspace,
+        q,
+        k_cache,
+        v_cache,
+        seqs,
+    )?;
+    let (kp, vp) = (ptr(k_cache, stream), ptr(v_cache, stream));
+    let src = KvSrc {
+        pk: kp,
+        pv: vp,
+        p_stride: strides.kv as u32,
+        k: kp,
+        v: vp,
+        kv_stride: strides.kv as u32,
+    };
+    let (op_, qp, sp) = (ptr_mut(out, stream), ptr(q, stream), ptr(seqs, stream));
+    for (name, p) in [("q", qp), ("k_cache", kp), ("v_cache", vp)] {
+        aligned16(OP, name, p)?;
+    }
+    let total = plan.p_splits + plan.s_splits;
+    let wp = ptr_mut(workspace, stream);
+    let part_ml = wp + (b * dims.num_heads * total * dims.head_dim * 4) as u64;
+    let pass = SplitPass {
+        part_o: wp,
+        part_ml,
+        q: qp,
+        q_stride: strides.q,
+        src,
+        seqs: sp,
+        batch: b,
+        kv_rows,
+    };
+
+    let scale_log2 = scale * std::f32::consts::LOG2_E;
+    let g = GroupPass {
+        pass: &pass,
+        k: kp,
+        v: vp,
+        kv_stride: strides.kv,
+        total,
+        scale_log2,
+    };
+    // 1. the group pass over the shared prefixes: slots 0..p_splits
+    if plan.p_splits > 0 {
+        let groups = b.div_ceil(plan.group);
+        let z = groups * plan.group.div_ceil(plan.per_block);
+        let a = (plan.group, plan.per_block, z, plan.p_chunk, plan.p_splits);
+        group_pass(OP, gpu, stream, &dims, &g, a, (0, 0, 0))?;
+    }
+    // 2. every sample's own keys (all its keys without a group pass): slots p_splits..total
+    let a = (1, 1, b, plan.s_chunk, plan.s_splits);
+    let skip = (plan.p_splits > 0) as u32;
+    group_pass(OP, gpu, stream, &dims, &g, a, (1, skip, plan.p_splits))?;
+    // 3. the ordered merge of all slots
+    reduce_pass(
+        OP,
+        gpu,
+        stream,
+        &dims,
+        &pass,
+        op_,
+        strides.out,
+        lse_p,
+        total,
+    )
+}
+
+#[cfg(test)]
+mod plan_tests {
+    use super::*;
+
+    fn dims(h: usize, kv: usize) -> AttnDims {
+        AttnDims {
+            num_heads: h,
+            num_kv_heads: kv,
+            head_dim: 128,
+        }
+    }
+
+    /// Groups of 8 sharing 1792 of 2048 keys: a group pass at batch 64 (the 264-block plan),
+    /// none at batch 8 (one group: every sample reads its own keys).
+    #[test]
+    fn group_pass_only_with_enough_groups() {
+        for d in [dims(16, 2), dims(28, 4)] {
+            let p = grouped_decode_plan(64, 8, d, 1792, 256);
+            assert_eq!(p, grouped_decode_plan_for_blocks(64, 8, d, 1792, 256, 264));
+            assert!(p.p_splits > 0 && p.per_block == 8);
+            let p = grouped_decode_plan(8, 8, d, 1792, 256);
+            assert_eq!(p.p_splits, 0);
+            assert!(p.s_splits * p.s_chunk >= 2048);
+        }
+        let p = grouped_decode_plan(64, 8, dims(16, 2), 1792, 256);
+        assert_eq!(
+            (p.p_splits, p.p_chunk, p.s_splits, p.s_chunk),
+            (14, 128, 3, 96)
+        );
+        let p = grouped_decode_plan(64, 8, dims(28, 4), 1792, 256);
+        assert_eq!(
+            (p.p_splits, p.p_chunk, p.s_splits, p.s_chunk),
+            (8, 224, 2, 128)
+        );
+    }
+}
