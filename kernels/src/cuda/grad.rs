@@ -10,12 +10,10 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{
-    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 use half::bf16;
 
-use super::launch::{need, ptr, ptr_mut};
+use super::launch::{launch, need, ptr, ptr_mut, Grid};
 use super::nvrtc::KernelModule;
 use super::{shape, Gpu, Result};
 
@@ -29,7 +27,7 @@ pub const GRAD: KernelModule = KernelModule {
 /// 1024 blocks of 256 threads with four loads in flight each keep enough bytes in flight to
 /// stream a gradient at near the copy rate: at 619M parameters on the H200 the optimizer step
 /// went from 13.1 ms (128 blocks, one load in flight) to 6.5 ms, its AdamW alone being 5.2 ms
-/// (docs/perf.md, "Training step speed").
+/// (docs/perf.md, "Training step").
 pub const SUMSQ_BLOCKS: usize = 1024;
 
 /// Threads of every kernel's blocks (`sumsq_partial_f32`'s shared array is this long).
@@ -48,19 +46,20 @@ pub fn sumsq_partial_f32(
     const OP: &str = "sumsq_partial_f32";
     need(OP, "g", g, n)?;
     need(OP, "out", out, SUMSQ_BLOCKS)?;
-    let f = gpu.function(&GRAD, &[], "sumsq_partial_f32")?;
     let (gp, op) = (ptr(g, stream), ptr_mut(out, stream));
     let n = n as u64;
-    let mut b = stream.launch_builder(&f);
-    b.arg(&gp).arg(&n).arg(&op);
     // SAFETY: g holds n floats, out SUMSQ_BLOCKS doubles (checked); THREADS match the kernel's
     // shared array; arguments match (g, n, out).
     unsafe {
-        b.launch(LaunchConfig {
-            grid_dim: (SUMSQ_BLOCKS as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        })
+        launch(
+            gpu,
+            stream,
+            &GRAD,
+            &[],
+            "sumsq_partial_f32",
+            Grid::new((SUMSQ_BLOCKS as u32, 1, 1), THREADS),
+            &[&gp, &n, &op],
+        )
     }?;
     Ok(())
 }
@@ -74,18 +73,19 @@ pub fn scale_f32(
     c: f32,
 ) -> Result<()> {
     need("scale_f32", "g", g, n)?;
-    let f = gpu.function(&GRAD, &[], "scale_f32")?;
     let gp = ptr_mut(g, stream);
     let n64 = n as u64;
-    let mut b = stream.launch_builder(&f);
-    b.arg(&gp).arg(&n64).arg(&c);
     // SAFETY: g holds n floats (checked); arguments match (g, n, c).
     unsafe {
-        b.launch(LaunchConfig {
-            grid_dim: (n.div_ceil(256).clamp(1, 4096) as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        })
+        launch(
+            gpu,
+            stream,
+            &GRAD,
+            &[],
+            "scale_f32",
+            Grid::new((n.div_ceil(256).clamp(1, 4096) as u32, 1, 1), THREADS),
+            &[&gp, &n64, &c],
+        )
     }?;
     Ok(())
 }
@@ -107,18 +107,19 @@ pub fn add_f32_into_bf16(
     if n == 0 {
         return Ok(());
     }
-    let f = gpu.function(&GRAD, &[], "add_f32_into_bf16")?;
     let (xp, yp) = (ptr_mut(x, stream), ptr(y, stream));
     let n64 = n as u64;
-    let mut b = stream.launch_builder(&f);
-    b.arg(&xp).arg(&yp).arg(&n64);
     // SAFETY: x and y hold at least n elements (checked); arguments match (x, y, n).
     unsafe {
-        b.launch(LaunchConfig {
-            grid_dim: (n.div_ceil(256).clamp(1, 4096) as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        })
+        launch(
+            gpu,
+            stream,
+            &GRAD,
+            &[],
+            "add_f32_into_bf16",
+            Grid::new((n.div_ceil(256).clamp(1, 4096) as u32, 1, 1), THREADS),
+            &[&xp, &yp, &n64],
+        )
     }?;
     Ok(())
 }
@@ -163,7 +164,6 @@ pub fn gather_sum_rows_bf16(
         table(stream, &off)?,
         table(stream, &idx)?,
     );
-    let f = gpu.function(&GRAD, &[], "gather_sum_rows_bf16")?;
     let dp = ptr_mut(dst, stream);
     let (rp, sp, op, ip) = (
         ptr(&dr, stream),
@@ -172,16 +172,18 @@ pub fn gather_sum_rows_bf16(
         ptr(&idxd, stream),
     );
     let w = width as u32;
-    let mut b = stream.launch_builder(&f);
-    b.arg(&dp).arg(&rp).arg(&sp).arg(&op).arg(&ip).arg(&w);
     // SAFETY: every named row lies inside dst and src (checked); off has one entry more than
     // the grid's blocks; arguments match (dst, dst_rows, src, off, idx, width).
     unsafe {
-        b.launch(LaunchConfig {
-            grid_dim: (dst_rows.len() as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        })
+        launch(
+            gpu,
+            stream,
+            &GRAD,
+            &[],
+            "gather_sum_rows_bf16",
+            Grid::new((dst_rows.len() as u32, 1, 1), THREADS),
+            &[&dp, &rp, &sp, &op, &ip, &w],
+        )
     }?;
     // the index buffers are freed at the end of this scope, stream-ordered after the kernel
     Ok(())
