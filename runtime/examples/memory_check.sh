@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Device memory against the plan on one H200 (memory by data lifetime): the 3B video
 # pipeline (examples/h200-3b-video.rpx) at PROMPTS prompts (default 8) without prefix dedup,
-# serial and overlap, each run for 2 iterations by `rollplex-run --backend cuda` with
-# ROLLPLEX_TASK_LOG=1, which prints after each task the memory pool's bytes in use and its
+# serial and overlap, each run for 2 iterations by `rollplex-run --backend cuda --task-log`,
+# which prints after each task the memory pool's bytes in use and its
 # high-water mark. The summary sets each plan's device arena (its peak) beside the pool's peak
 # per iteration (the metrics table's mem_GiB), and lists the tasks after which the pool dropped
 # by more than 1 GiB (where the executor freed state whose plan buffers had ended).
@@ -57,7 +57,7 @@ device() {
   mkdir -p "$out"
   for m in serial overlap; do
     local rc=0
-    ROLLPLEX_TASK_LOG=1 timeout "${LIMIT:-150}" "$bin/rollplex-run" "$DIR/$m.plan.bin" --backend cuda \
+    timeout "${LIMIT:-150}" "$bin/rollplex-run" "$DIR/$m.plan.bin" --backend cuda --task-log \
       --iterations 2 --out "$out/$m" > "$out/$m.out" 2> "$out/$m.log" || rc=$?
     local arena; arena=$(cat "$DIR/$m.arena" 2>/dev/null || true)
     {

@@ -43,6 +43,12 @@ pub struct RunArgs {
     pub resume: Option<PathBuf>,
     pub eval: u32,
     pub quiet: bool,
+    /// Print each task's host launch time and each decode window's host split (`--task-log`;
+    /// cuda).
+    pub task_log: bool,
+    /// Run decode windows on prioritised plain streams instead of green-context SM partitions
+    /// (`--no-green-contexts`; cuda).
+    pub no_green_contexts: bool,
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ExecError + '_ {
@@ -745,7 +751,13 @@ fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
     exec::gpu::check_gpu_plan(plan, &gpu)?;
     // Decode windows run on SM partitions when green contexts work (exec::gpu::PlanStreams),
     // else on plain streams sharing the SMs (exec::profile::Execution).
-    let partitioned = exec::gpu::PlanStreams::new(plan, &gpu)?.green();
+    let options = exec::gpu::GpuExecOptions {
+        task_log: args.task_log,
+        streams: crate::gpu::streams::StreamOptions {
+            green_contexts: !args.no_green_contexts,
+        },
+    };
+    let partitioned = exec::gpu::PlanStreams::with_options(plan, &gpu, options.streams)?.green();
     drop(gpu);
     let spec = &plan.spec;
     let setup = std::time::Instant::now();
@@ -780,7 +792,7 @@ fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
             0,
         )
     };
-    if !args.quiet || std::env::var_os("ROLLPLEX_TASK_LOG").is_some() {
+    if !args.quiet || args.task_log {
         eprintln!(
             "models built and uploaded in {:.1} s",
             setup.elapsed().as_secs_f64()
@@ -833,13 +845,14 @@ fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
         profile,
         host,
     };
-    let result = exec::gpu::run_gpu_loop(
+    let result = exec::gpu::run_gpu_loop_with(
         plan,
         &mut models,
         source.as_mut(),
         reward.as_mut(),
         first..args.iterations,
         &mut run,
+        options,
     );
     run.finish()?;
     result?;

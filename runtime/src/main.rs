@@ -77,6 +77,14 @@ struct Args {
     /// without this flag). Default: one thread per rank of this process; same results bitwise.
     #[arg(long)]
     tp_processes: bool,
+    /// Print each task's host launch time and the memory pool's use, and each decode window's
+    /// host split, to stderr (cuda).
+    #[arg(long)]
+    task_log: bool,
+    /// Run decode windows on prioritised plain streams sharing the SMs instead of green-context
+    /// SM partitions (cuda).
+    #[arg(long)]
+    no_green_contexts: bool,
 }
 
 fn main() -> ExitCode {
@@ -106,6 +114,8 @@ fn main() -> ExitCode {
         resume: args.resume,
         eval: args.eval,
         quiet: args.quiet,
+        task_log: args.task_log,
+        no_green_contexts: args.no_green_contexts,
     };
     match cli::run(&opts) {
         Ok(()) => ExitCode::SUCCESS,

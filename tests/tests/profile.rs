@@ -383,6 +383,8 @@ fn cpu_run_profile_moves_the_prediction_toward_the_measurement() {
         resume: None,
         eval: 0,
         quiet: true,
+        task_log: false,
+        no_green_contexts: false,
     };
     cli::run(&args).expect("run");
     let profile = Profile::from_yaml(&std::fs::read_to_string(&prof_path).unwrap()).unwrap();

@@ -36,6 +36,8 @@ fn args(plan: &Path, out: &Path, iterations: u32) -> RunArgs {
         resume: None,
         eval: 0,
         quiet: true,
+        task_log: false,
+        no_green_contexts: false,
     }
 }
 

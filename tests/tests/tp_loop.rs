@@ -364,6 +364,8 @@ fn rollplex_run_on_a_tp_plan_writes_rank_0s_metrics_once() {
         resume: None,
         eval: 0,
         quiet: true,
+        task_log: false,
+        no_green_contexts: false,
     };
     cli::run(&args(0)).expect("TP 2 run");
     let metrics = std::fs::read_to_string(dir.path().join("out/metrics.jsonl")).unwrap();
@@ -416,6 +418,8 @@ fn tp2_checkpoints_resume_bitwise() {
         resume: resume.then(|| dir.path().join(out)),
         eval: 0,
         quiet: true,
+        task_log: false,
+        no_green_contexts: false,
     };
     cli::run(&args("a", 4, false)).expect("uninterrupted TP 2 run");
     cli::run(&args("b", 2, false)).expect("first half");

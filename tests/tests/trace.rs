@@ -54,6 +54,8 @@ fn cpu_trace_measures_every_task_on_the_simulators_tracks() {
         resume: None,
         eval: 0,
         quiet: true,
+        task_log: false,
+        no_green_contexts: false,
     })
     .expect("run");
 

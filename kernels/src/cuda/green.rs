@@ -23,7 +23,8 @@
 //! from one host thread: launches bind the primary context and name the stream.
 //!
 //! Where green contexts are unavailable (driver older than CUDA 12.5, no SM resource, a failed
-//! split, or `ROLLPLEX_NO_GREEN_CONTEXTS=1`), [`StreamSet::new`] prints one warning line and
+//! split, or turned off by [`StreamOptions::green_contexts`]), [`StreamSet::new`] prints one
+//! warning line and
 //! hands out plain streams with the same priorities and the same cache keys; SM counts are then
 //! only advice ([`StreamSet::green`] says which).
 //!
@@ -195,13 +196,34 @@ pub struct StreamSet {
 unsafe impl Send for StreamSet {}
 unsafe impl Sync for StreamSet {}
 
+/// How a [`StreamSet`] makes its partitions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamOptions {
+    /// Green contexts where the driver has them (the default); `false`: prioritised plain
+    /// streams, with the warning line saying so (`rollplex-run --no-green-contexts`).
+    pub green_contexts: bool,
+}
+
+impl Default for StreamOptions {
+    fn default() -> Self {
+        StreamOptions {
+            green_contexts: true,
+        }
+    }
+}
+
 impl StreamSet {
+    /// [`StreamSet::with_options`] with the default options (green contexts where available).
+    pub fn new(gpu: &Gpu) -> Result<Self> {
+        Self::with_options(gpu, StreamOptions::default())
+    }
+
     /// Detects green-context support (driver >= 12.5 for `cuGreenCtxStreamCreate`, the SM
     /// resource and its split); prints one warning line and falls back to plain prioritised
-    /// streams when unavailable or when `ROLLPLEX_NO_GREEN_CONTEXTS=1`.
-    pub fn new(gpu: &Gpu) -> Result<Self> {
-        let why_not = if std::env::var("ROLLPLEX_NO_GREEN_CONTEXTS").is_ok_and(|v| v == "1") {
-            Some("green contexts disabled by ROLLPLEX_NO_GREEN_CONTEXTS=1".to_string())
+    /// streams when unavailable or when `options` turn them off.
+    pub fn with_options(gpu: &Gpu, options: StreamOptions) -> Result<Self> {
+        let why_not = if !options.green_contexts {
+            Some("green contexts turned off".to_string())
         } else {
             match driver_version()? {
                 v if v < 12050 => Some(format!(

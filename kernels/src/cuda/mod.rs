@@ -68,7 +68,7 @@ pub use gpu::Gpu;
 pub use grad::{
     add_f32_into_bf16, gather_sum_rows_bf16, scale_f32, sumsq_partial_f32, SUMSQ_BLOCKS,
 };
-pub use green::StreamSet;
+pub use green::{StreamOptions, StreamSet};
 pub use logprobs::logprobs_fwd_bf16;
 pub use norm::{add_rmsnorm_fwd_bf16, rmsnorm_fwd_bf16};
 pub use pointwise::{

@@ -1,5 +1,5 @@
 //! The bookkeeping of deferred side tasks (pure: no GPU; the CUDA executor's use is in
-//! `exec/gpu.rs`): a decode window's side tasks are queued when the walker runs them and their
+//! `exec/gpu/`): a decode window's side tasks are queued when the walker runs them and their
 //! pieces (one group call each) are launched later, in queue order, between the window's decode
 //! steps.
 //!

@@ -1,5 +1,5 @@
-//! The parts of a pre-norm block's backward that the text decoder's trainer (`train.rs`) and the
-//! vision tower's (`vision_train.rs`) share: a linear's weight and bias gradients, the MLP and
+//! The parts of a pre-norm block's backward that the text decoder's trainer (`train/`) and the
+//! vision tower's (`vision_train/`) share: a linear's weight and bias gradients, the MLP and
 //! its norm, the output projection, and the fused q|k|v projection with the first norm. Only
 //! the attention between them (causal over a kept prefix, or windows / frames with 2D RoPE)
 //! differs, and stays with each caller.

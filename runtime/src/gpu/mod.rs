@@ -10,7 +10,8 @@
 //! `forward_logits`, `decode_step`, `score`, the device KV arena), `generate` (a group's rollout
 //! with sampling on the device), `staging` (page-locked uploads of each call's host tables),
 //! `train` (the text decoder's training step), `vision_train` (the vision tower's and merger's
-//! training forward and backward).
+//! training forward and backward), `streams` (the decode windows' SM partitions: the
+//! `StreamSet` of `rollplex_kernels::cuda::green`).
 //!
 //! Names mirror the CPU engine so the executor can switch backends: `GpuModel::encode_media` /
 //! `prefill` / `decode_step` / `score` / `generate_group`, [`GpuKvArena::store_prefix`], the same

@@ -2,7 +2,7 @@
 //! window): the green contexts of `rollplex_kernels::cuda::green`, where the device code lives,
 //! under the names the executor and the benchmarks use.
 
-pub use rollplex_kernels::cuda::green::{Placement, Priority, SmLayout, StreamSet};
+pub use rollplex_kernels::cuda::green::{Placement, Priority, SmLayout, StreamOptions, StreamSet};
 
 #[cfg(test)]
 #[path = "streams_tests.rs"]

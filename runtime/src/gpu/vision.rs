@@ -10,7 +10,7 @@
 //!
 //! The pass is cut into pieces (`vision_inputs`, `vision_patch_embed`, `vision_blocks`,
 //! `vision_merger_norm`, `vision_merger_mlp`) that the training forward and the backward's
-//! recompute (`vision_train.rs`) call too, so their activations are bitwise these.
+//! recompute (`vision_train/`) call too, so their activations are bitwise these.
 
 use std::sync::Arc;
 

@@ -41,9 +41,9 @@
 //! Streams: outside decode windows each plan stream is a plain CUDA stream on the whole GPU;
 //! inside a window the decode task runs on the window's decode partition and its side tasks on
 //! the side partition ([`crate::gpu::streams::StreamSet`]: green contexts, or prioritised plain
-//! streams with a warning where those are unavailable or `ROLLPLEX_NO_GREEN_CONTEXTS=1`). Results
-//! never depend on the partition (that module's invariant). `ROLLPLEX_TASK_LOG=1` prints each
-//! task to stderr as the host launches it. Every decode step is marked by a device event
+//! streams with a warning where those are unavailable or [`GpuExecOptions::streams`] turns them
+//! off). Results never depend on the partition (that module's invariant).
+//! [`GpuExecOptions::task_log`] prints each task to stderr as the host launches it. Every decode step is marked by a device event
 //! ([`GpuIteration::step_times`], told to the observer's `decode_steps`), so that `--profile`
 //! can cut a window that co-ran with side work into its steps (`exec::profile`).
 //!
@@ -88,6 +88,7 @@ use super::defer::DeferQueue;
 use super::placement::Role;
 use super::{ExecError, IterationMetrics, IterationResult, PromptData};
 use crate::gpu::arena::Region;
+use crate::gpu::streams::StreamOptions;
 use crate::gpu::text::DeviceScores;
 use crate::gpu::train::{GpuTrainError, TrainPrefixes};
 use crate::gpu::{GpuEncodedMedia, GpuError, GpuKvArena, GpuPrefixState};
@@ -99,7 +100,7 @@ pub use models::{
     build_gpu_models, build_gpu_models_for, build_gpu_models_from, check_gpu_plan, open_gpu,
     GpuModels, WeightBits,
 };
-pub use run::{greedy_tokens, run_gpu_iterations, run_gpu_loop};
+pub use run::{greedy_tokens, run_gpu_iterations, run_gpu_loop, run_gpu_loop_with};
 pub use streams::{blocks_host, PlanStreams};
 
 impl From<GpuError> for ExecError {
@@ -130,6 +131,17 @@ impl From<cudarc::driver::DriverError> for ExecError {
 }
 
 type Media = Arc<Vec<GpuEncodedMedia>>;
+
+/// The CUDA executor's options (`rollplex-run --task-log`, `--no-green-contexts`). None changes
+/// a number: they say what is logged and how decode windows' SM partitions are made.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GpuExecOptions {
+    /// Print to stderr each task's host launch time with the memory pool's use, and each decode
+    /// window's host split ([`pacing::HostSplit`]).
+    pub task_log: bool,
+    /// How the decode windows' partitions are made (green contexts, or plain streams).
+    pub streams: StreamOptions,
+}
 
 /// One iteration's state on the CUDA backend.
 pub struct GpuIteration<'a, 'r> {
@@ -183,6 +195,8 @@ pub struct GpuIteration<'a, 'r> {
     retire: Vec<(TaskId, Held)>,
     /// Per [`Held`] (by discriminant): the streams its buffers were allocated on.
     made_on: [Vec<Arc<CudaStream>>; Held::ALL.len()],
+    /// Log each decode window's host split ([`GpuExecOptions::task_log`]).
+    task_log: bool,
 }
 
 impl<'a, 'r> GpuIteration<'a, 'r> {
@@ -193,6 +207,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
         reward: &'a mut RewardFn<'r>,
         iteration: u32,
         prompts: &'a [PromptData],
+        task_log: bool,
     ) -> Result<Self, ExecError> {
         let book = Book::new(plan, iteration, prompts)?;
         let groups = book.groups();
@@ -228,6 +243,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             decode_marks: (0..plan.tasks.len()).map(|_| None).collect(),
             retire: Held::retirements(plan),
             made_on: Default::default(),
+            task_log,
         })
     }
 

@@ -12,13 +12,7 @@ use super::super::ExecError;
 use super::streams::blocks_host;
 use super::GpuIteration;
 
-/// Whether `ROLLPLEX_TASK_LOG` is set: log each task's launches and each decode window's
-/// [`HostSplit`] to stderr.
-pub(super) fn task_log() -> bool {
-    std::env::var_os("ROLLPLEX_TASK_LOG").is_some()
-}
-
-/// Where the host's time goes in a decode window (`ROLLPLEX_TASK_LOG=1` prints it per window):
+/// Where the host's time goes in a decode window (`--task-log` prints it per window):
 /// launching the sampling and log-prob kernels, waiting for the step's tokens (the device
 /// runs the step meanwhile), the bookkeeping and the next step's launches, and launching side
 /// pieces. When the wait is near zero the decode loop is bound by the host, not the device.
@@ -53,7 +47,7 @@ impl std::fmt::Display for HostSplit {
 /// a piece (a group's prefix forward, ~450 launches) launched while another still runs fills
 /// CUDA's launch queue, and the host then waits in its launches for the side partition to drain
 /// the first; the decode stream idles meanwhile. Measured on the H200 (session 8, 16 prompts
-/// without dedup, `ROLLPLEX_TASK_LOG`): with two in flight each piece held the decode loop
+/// without dedup, `--task-log`): with two in flight each piece held the decode loop
 /// ~37 ms. With one, the side stream idles at most until the end of the running decode step.
 pub(super) const PIECES_IN_FLIGHT: usize = 1;
 

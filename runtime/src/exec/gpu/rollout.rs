@@ -14,7 +14,7 @@ use super::super::placement::Role;
 use super::super::{ExecError, PromptData};
 use super::held::Held;
 use super::ops::no_reference;
-use super::pacing::{task_log, HostSplit};
+use super::pacing::HostSplit;
 use super::{GpuIteration, Media};
 use crate::gpu::arena::Region;
 use crate::gpu::{GpuEncodedMedia, GpuKvArena, GpuModel, GpuPrefixState, GpuPrompt};
@@ -331,7 +331,7 @@ impl GpuIteration<'_, '_> {
             host.launch_side += t_side.elapsed();
             host.steps += 1;
         }
-        if task_log() {
+        if self.task_log {
             eprintln!(
                 "[decode steps {first_step}..{step}] host {:.1} ms: {}",
                 window_start.elapsed().as_secs_f64() * 1e3,

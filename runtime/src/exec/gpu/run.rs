@@ -10,10 +10,9 @@ use super::super::cpu::RewardFn;
 use super::super::walker::{self, TaskRunner};
 use super::super::{ExecError, IterationResult, LoopModels, LoopObserver, PromptData};
 use super::models::{check_gpu_plan, GpuModels, GIB, WORKSPACE_ALLOWANCE};
-use super::pacing::task_log;
 use super::pacing::StreamRef;
 use super::streams::{blocks_host, PlanStreams};
-use super::GpuIteration;
+use super::{GpuExecOptions, GpuIteration};
 use crate::model::{GenerateConfig, SamplingParams};
 
 impl TaskRunner for GpuIteration<'_, '_> {
@@ -91,9 +90,7 @@ impl TaskRunner for GpuIteration<'_, '_> {
     }
 }
 
-/// Runs iterations `iterations` of `plan` on the GPU, telling `observer` about every task (with
-/// its device start and end, mapped onto the host clock from the iteration's start) and every
-/// iteration.
+/// [`run_gpu_loop_with`] with the default options.
 pub fn run_gpu_loop(
     plan: &Plan,
     models: &mut GpuModels,
@@ -102,8 +99,24 @@ pub fn run_gpu_loop(
     iterations: std::ops::Range<u32>,
     observer: &mut dyn LoopObserver,
 ) -> Result<(), ExecError> {
+    let options = GpuExecOptions::default();
+    run_gpu_loop_with(plan, models, source, reward, iterations, observer, options)
+}
+
+/// Runs iterations `iterations` of `plan` on the GPU, telling `observer` about every task (with
+/// its device start and end, mapped onto the host clock from the iteration's start) and every
+/// iteration.
+pub fn run_gpu_loop_with(
+    plan: &Plan,
+    models: &mut GpuModels,
+    source: &mut dyn super::super::prompts::PromptSource,
+    reward: &mut RewardFn<'_>,
+    iterations: std::ops::Range<u32>,
+    observer: &mut dyn LoopObserver,
+    options: GpuExecOptions,
+) -> Result<(), ExecError> {
     check_gpu_plan(plan, &models.gpu)?;
-    let streams = PlanStreams::new(plan, &models.gpu)?;
+    let streams = PlanStreams::with_options(plan, &models.gpu, options.streams)?;
     let groups = plan.parallel.prompts_per_rollout_replica as usize;
     let program = plan.gpus[0].id;
     let tasks = plan.tasks.iter().filter(|t| t.gpu == program).count();
@@ -178,12 +191,20 @@ pub fn run_gpu_loop(
             let t_origin = Instant::now();
             observer.iteration_started(it, tasks);
             let (result, times) = {
-                let mut iter = GpuIteration::new(plan, models, &streams, reward, it, &prompts)?;
+                let mut iter = GpuIteration::new(
+                    plan,
+                    models,
+                    &streams,
+                    reward,
+                    it,
+                    &prompts,
+                    options.task_log,
+                )?;
                 let mut started = Started {
                     inner: &mut iter,
                     observer: &mut *observer,
                     iteration: it,
-                    log: task_log().then_some(t0),
+                    log: options.task_log.then_some(t0),
                 };
                 walker::walk(plan, program, &mut started, |_, _| {})?;
                 iter.flush_deferred()?;
@@ -234,7 +255,8 @@ struct Started<'a, 'b, 'r> {
     inner: &'a mut GpuIteration<'b, 'r>,
     observer: &'a mut dyn LoopObserver,
     iteration: u32,
-    /// `ROLLPLEX_TASK_LOG=1`: the iteration's start, to log each task to stderr as it runs.
+    /// With [`GpuExecOptions::task_log`]: the iteration's start, to log each task to stderr as it
+    /// runs.
     log: Option<Instant>,
 }
 

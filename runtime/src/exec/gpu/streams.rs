@@ -7,7 +7,7 @@ use rollplex_plan::plan::{Op, Plan, Priority, Task};
 use rollplex_plan::StreamId;
 
 use super::super::ExecError;
-use crate::gpu::streams::{Priority as PartPriority, StreamSet};
+use crate::gpu::streams::{Priority as PartPriority, StreamOptions, StreamSet};
 
 /// The plan's streams of one GPU program as CUDA streams. Outside decode windows a task runs
 /// on its plan stream's own CUDA stream (`High` priority: the device's most urgent; `Normal`:
@@ -22,8 +22,14 @@ pub struct PlanStreams {
 }
 
 impl PlanStreams {
+    /// [`PlanStreams::with_options`] with the default options (green contexts where available).
     pub fn new(plan: &Plan, gpu: &Gpu) -> Result<Self, ExecError> {
-        let set = StreamSet::new(gpu)?;
+        Self::with_options(plan, gpu, StreamOptions::default())
+    }
+
+    /// The plan's streams, the decode windows' partitions made as `options` say.
+    pub fn with_options(plan: &Plan, gpu: &Gpu, options: StreamOptions) -> Result<Self, ExecError> {
+        let set = StreamSet::with_options(gpu, options)?;
         let (least, most_urgent) = gpu.priority_range()?;
         let mut streams = vec![None; plan.streams.len()];
         let program = plan.gpus[0].id;

@@ -1,7 +1,7 @@
 //! The actor's training step on CUDA: forward over a micro-batch of GRPO groups, per-token
 //! log-probs, the policy loss and its gradient, backward through the lm head, every decoder
 //! layer, the token embeddings and (unless the pipeline freezes them) the merger and the vision
-//! tower (`vision_train.rs`) into fp32 gradients summed over micro-batches, then the global
+//! tower (`vision_train/`) into fp32 gradients summed over micro-batches, then the global
 //! grad-norm clip and `adamw_step_f32` on fp32 masters with the bf16 compute copy (the model's
 //! own weight buffers) written by the same kernel.
 //!

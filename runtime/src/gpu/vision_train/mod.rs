@@ -26,7 +26,7 @@
 //! kept pixels are in the same permuted order as `dx`. The patch embedding has no bias (Conv3d
 //! without bias in Qwen2.5-VL; the CPU model has none).
 //!
-//! Numerics as the text trainer (`train.rs`): bf16 activations and activation gradients, fp32
+//! Numerics as the text trainer (`train/`): bf16 activations and activation gradients, fp32
 //! math in every kernel; a weight gradient is a bf16 GEMM (`matmul_bf16`, transposed A) added
 //! into its fp32 sum (`grad_accumulate_f32`); a bias gradient is the same GEMM against a row of
 //! ones; norm gradients are fp32 directly.
