@@ -1,11 +1,13 @@
 //! The Rollplex plan format: the job spec every plan carries ([`spec`]), machine-independent
 //! work descriptors ([`work`]), typed ids ([`ids`]), the plan types ([`plan`]), the binary and
-//! YAML codecs ([`codec`]) and the verifier ([`validate`]).
+//! YAML codecs ([`codec`]) and the verifier ([`validate`]); and the built-in model presets
+//! ([`models`]), the one table the DSL, the compiler's fixtures and the runtime read.
 //!
 //! Invariant: this crate knows nothing of the DSL, the solver or the GPU. It is the only thing
 //! that crosses from the compiler to the runtime.
 pub mod codec;
 pub mod ids;
+pub mod models;
 pub mod plan;
 pub mod spec;
 pub mod validate;
