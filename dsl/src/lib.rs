@@ -15,7 +15,6 @@
 //! error yields no spec.
 
 pub mod ast;
-pub mod checkpoint;
 mod checks;
 pub mod diag;
 pub mod eval;

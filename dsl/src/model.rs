@@ -6,7 +6,6 @@
 #![allow(clippy::manual_is_multiple_of)]
 
 use crate::ast::{Body, Ident};
-use crate::checkpoint;
 use crate::diag::Diagnostic;
 use crate::presets;
 use crate::resolve::count_list;
@@ -151,8 +150,9 @@ pub fn model(
         match env
             .read_file(&path)
             .map_err(|e| format!("cannot read `{path}`: {e}"))
-            .and_then(|text| checkpoint::parse_config(&text).map_err(|e| format!("`{path}`: {e}")))
-        {
+            .and_then(|text| {
+                rollplex_plan::hf_config::parse(&text).map_err(|e| format!("`{path}`: {e}"))
+            }) {
             Ok(c) => {
                 base = Some((c.vision, c.text, c.tokens));
                 base_span = Some(sp);

@@ -19,11 +19,13 @@ use rollplex_kernels::cpu::{AttnDims, AttnMask, AttnSeq};
 use rollplex_kernels::cuda::attention::{attention_fwd_bf16_with, FwdKernel, RowStrides};
 use rollplex_kernels::cuda::{bf16, linear_fwd_bf16, AttnSeqGpu};
 use rollplex_kernels::cuda::{CudaStream, Gpu};
-use rollplex_plan::spec::{DType, ModelSpec, SpecialTokens, TextDims, VisionDims, WeightsSource};
 use rollplex_runtime::gpu::plan::VisionPlan;
 use rollplex_runtime::gpu::weights::GpuBlock;
 use rollplex_runtime::gpu::{GpuModel, GpuPrompt};
 use rollplex_runtime::model::{MediaInput, MediaKind, Qwen25VL};
+
+#[path = "common/widths.rs"]
+mod widths;
 
 fn arg(args: &[String], name: &str, default: usize) -> Result<usize> {
     match args.iter().position(|a| a == name) {
@@ -33,47 +35,6 @@ fn arg(args: &[String], name: &str, default: usize) -> Result<usize> {
             .parse()
             .with_context(|| name.to_string()),
         None => Ok(default),
-    }
-}
-
-fn spec(text_layers: u32, vision_blocks: u32) -> ModelSpec {
-    ModelSpec {
-        name: "qwen2.5-vl-3b-widths".into(),
-        vision: VisionDims {
-            depth: vision_blocks,
-            hidden_size: 1280,
-            num_heads: 16,
-            intermediate_size: 3420,
-            patch_size: 14,
-            temporal_patch_size: 2,
-            spatial_merge_size: 2,
-            window_size: 112,
-            fullatt_block_indexes: vec![vision_blocks - 1],
-            in_channels: 3,
-            out_hidden_size: 2048,
-        },
-        text: TextDims {
-            num_layers: text_layers,
-            hidden_size: 2048,
-            num_heads: 16,
-            num_kv_heads: 2,
-            intermediate_size: 11008,
-            vocab_size: 151936,
-            rope_theta: 1000000.0,
-            mrope_section: [16, 24, 24],
-            tie_word_embeddings: true,
-            rms_norm_eps: 1e-6,
-            max_position_embeddings: 128000,
-        },
-        tokens: SpecialTokens {
-            image_token_id: 151655,
-            video_token_id: 151656,
-            vision_start_token_id: 151652,
-            vision_end_token_id: 151653,
-            eos_token_ids: vec![151645],
-        },
-        dtype: DType::Bf16,
-        weights: WeightsSource::Random { seed: 1 },
     }
 }
 
@@ -227,7 +188,7 @@ fn main() -> Result<()> {
     let gpu = Gpu::new(0).context("gpu_bench needs a CUDA device")?;
     let s = gpu.stream(0)?;
     let t0 = std::time::Instant::now();
-    let model = Qwen25VL::random(spec(tl, vb), 7)?;
+    let model = Qwen25VL::random(widths::qwen3b_widths(tl, vb), 7)?;
     let gm = GpuModel::upload(&gpu, &s, &model)?;
     s.synchronize()?;
     println!(

@@ -18,10 +18,12 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result};
 use rollplex_kernels::cuda::{CudaStream, Gpu};
-use rollplex_plan::spec::{DType, ModelSpec, SpecialTokens, TextDims, VisionDims, WeightsSource};
 use rollplex_runtime::gpu::streams::{Priority, StreamSet};
 use rollplex_runtime::gpu::{GpuKvArena, GpuModel, GpuPrompt};
 use rollplex_runtime::model::{DecodeSlot, Qwen25VL};
+
+#[path = "common/widths.rs"]
+mod widths;
 
 fn arg(args: &[String], name: &str, default: usize) -> Result<usize> {
     match args.iter().position(|a| a == name) {
@@ -43,48 +45,6 @@ fn list(args: &[String], name: &str, default: &[u32]) -> Result<Vec<u32>> {
             .map(|v| v.parse().with_context(|| format!("{name}: {v}")))
             .collect(),
         None => Ok(default.to_vec()),
-    }
-}
-
-/// Qwen2.5-VL-3B's widths with `layers` text layers and one vision block (unused here).
-fn spec(layers: u32) -> ModelSpec {
-    ModelSpec {
-        name: "qwen2.5-vl-3b-widths".into(),
-        vision: VisionDims {
-            depth: 1,
-            hidden_size: 1280,
-            num_heads: 16,
-            intermediate_size: 3420,
-            patch_size: 14,
-            temporal_patch_size: 2,
-            spatial_merge_size: 2,
-            window_size: 112,
-            fullatt_block_indexes: vec![0],
-            in_channels: 3,
-            out_hidden_size: 2048,
-        },
-        text: TextDims {
-            num_layers: layers,
-            hidden_size: 2048,
-            num_heads: 16,
-            num_kv_heads: 2,
-            intermediate_size: 11008,
-            vocab_size: 151936,
-            rope_theta: 1000000.0,
-            mrope_section: [16, 24, 24],
-            tie_word_embeddings: true,
-            rms_norm_eps: 1e-6,
-            max_position_embeddings: 128000,
-        },
-        tokens: SpecialTokens {
-            image_token_id: 151655,
-            video_token_id: 151656,
-            vision_start_token_id: 151652,
-            vision_end_token_id: 151653,
-            eos_token_ids: vec![151645],
-        },
-        dtype: DType::Bf16,
-        weights: WeightsSource::Random { seed: 1 },
     }
 }
 
@@ -235,7 +195,7 @@ fn main() -> Result<()> {
     );
     let whole = set.partition(total, Priority::High)?;
     let t0 = std::time::Instant::now();
-    let model = Qwen25VL::random(spec(layers), 7)?;
+    let model = Qwen25VL::random(widths::qwen3b_widths(layers, 1), 7)?;
     let gm = GpuModel::upload(&gpu, &whole, &model)?;
     drop(model);
     // every sample's KV: its own copy of a prefilled prompt of `pre` tokens

@@ -1,11 +1,15 @@
 //! The Rollplex plan format: the job spec every plan carries ([`spec`]), machine-independent
 //! work descriptors ([`work`]), typed ids ([`ids`]), the plan types ([`plan`]), the binary and
-//! YAML codecs ([`codec`]) and the verifier ([`validate`]).
+//! YAML codecs ([`codec`]) and the verifier ([`validate`]); and what the DSL and the runtime
+//! both know of a model's dimensions: the built-in presets ([`models`]) and the reader of a
+//! Hugging Face `config.json` ([`hf_config`]).
 //!
 //! Invariant: this crate knows nothing of the DSL, the solver or the GPU. It is the only thing
 //! that crosses from the compiler to the runtime.
 pub mod codec;
+pub mod hf_config;
 pub mod ids;
+pub mod models;
 pub mod plan;
 pub mod spec;
 pub mod validate;

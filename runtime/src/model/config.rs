@@ -1,14 +1,16 @@
 //! Model configuration: the dimensions of a [`ModelSpec`] plus the few Qwen2.5-VL constants the
 //! plan's spec does not carry, read from and written to a Hugging Face `config.json`.
 //!
-//! Both config layouts are read: transformers 5 (`text_config`, `vision_config`,
-//! `rope_parameters`) and the flat layout of the released checkpoints (text fields at the top,
-//! `rope_scaling.mrope_section`). Written configs use the transformers 5 layout.
+//! Reading is `rollplex_plan::hf_config`'s, the reader the DSL uses too (both layouts: the
+//! transformers 5 one and the flat one of the released checkpoints); this module adds the
+//! generation config's EOS ids and the checks the forward relies on. Written configs use the
+//! transformers 5 layout.
 
 use std::path::Path;
 
-use rollplex_plan::spec::{DType, ModelSpec, SpecialTokens, TextDims, VisionDims, WeightsSource};
-use serde_json::{json, Map, Value};
+use rollplex_plan::hf_config;
+use rollplex_plan::spec::{DType, ModelSpec, TextDims, VisionDims, WeightsSource};
+use serde_json::{json, Value};
 
 use super::ModelError;
 
@@ -137,204 +139,54 @@ impl ModelConfig {
         }
     }
 
-    /// Reads `dir/config.json` (and `dir/generation_config.json` for extra EOS ids, if present).
+    /// Reads `dir/config.json` (and `dir/generation_config.json` for extra EOS ids, if present)
+    /// with the one reader of that file (`rollplex_plan::hf_config`); an error names the file
+    /// and every field at fault.
     pub fn load(dir: &Path) -> Result<Self, ModelError> {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
-        let root: Value = serde_json::from_str(&text)
-            .map_err(|e| ModelError::Config(format!("{}: not valid JSON: {e}", path.display())))?;
-        let mut cfg = Self::from_json(&root, dir)?;
+        let mut cfg = Self::parse(&text, dir)
+            .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))?;
         let gpath = dir.join("generation_config.json");
         if let Ok(g) = std::fs::read_to_string(&gpath) {
             if let Ok(g) = serde_json::from_str::<Value>(&g) {
-                for id in ids_of(g.get("eos_token_id")) {
+                let ids = g.get("eos_token_id").and_then(hf_config::token_ids);
+                for id in ids.unwrap_or_default() {
                     if !cfg.spec.tokens.eos_token_ids.contains(&id) {
                         cfg.spec.tokens.eos_token_ids.push(id);
                     }
                 }
             }
         }
+        cfg.validate().map_err(|e| match e {
+            ModelError::Config(m) => ModelError::Config(format!("{}: {m}", path.display())),
+            e => e,
+        })?;
         Ok(cfg)
     }
 
-    /// Parses a `config.json` value; `dir` only names the model and its weights source.
-    pub fn from_json(root: &Value, dir: &Path) -> Result<Self, ModelError> {
-        let empty = Value::Object(Map::new());
-        let tc = root.get("text_config").unwrap_or(root);
-        let vc = root
-            .get("vision_config")
-            .ok_or_else(|| ModelError::Config("config.json has no vision_config".into()))?;
-        // text fields: text_config first, then the top level (flat released layout)
-        let tget = |k: &str| {
-            tc.get(k)
-                .filter(|v| !v.is_null())
-                .or_else(|| root.get(k).filter(|v| !v.is_null()))
-        };
-        let tu = |k: &str| -> Result<u32, ModelError> {
-            tget(k)
-                .and_then(Value::as_u64)
-                .map(|x| x as u32)
-                .ok_or_else(|| {
-                    ModelError::Config(format!(
-                        "config.json: text field `{k}` missing or not an integer"
-                    ))
-                })
-        };
-        let vu = |k: &str, d: Option<u32>| -> Result<u32, ModelError> {
-            match vc.get(k).and_then(Value::as_u64) {
-                Some(x) => Ok(x as u32),
-                None => d.ok_or_else(|| {
-                    ModelError::Config(format!("config.json: vision_config.{k} missing"))
-                }),
-            }
-        };
-        for (act, where_) in [
-            (tget("hidden_act"), "text"),
-            (vc.get("hidden_act"), "vision"),
-        ] {
-            if let Some(a) = act.and_then(Value::as_str) {
-                if a != "silu" {
-                    return Err(ModelError::Config(format!(
-                        "{where_} hidden_act `{a}` is not supported (only silu)"
-                    )));
-                }
-            }
-        }
-        let rope = tget("rope_parameters")
-            .or_else(|| tget("rope_scaling"))
-            .unwrap_or(&empty);
-        let rope_theta = rope
-            .get("rope_theta")
-            .and_then(Value::as_f64)
-            .or_else(|| tget("rope_theta").and_then(Value::as_f64))
-            .unwrap_or(1_000_000.0);
-        let sec: Vec<u32> = rope
-            .get("mrope_section")
-            .or_else(|| {
-                root.get("rope_scaling")
-                    .and_then(|r| r.get("mrope_section"))
-            })
-            .and_then(Value::as_array)
-            .map(|a| {
-                a.iter()
-                    .filter_map(Value::as_u64)
-                    .map(|x| x as u32)
-                    .collect()
-            })
-            .ok_or_else(|| {
-                ModelError::Config(
-                    "config.json: no mrope_section in rope_parameters / rope_scaling".into(),
-                )
-            })?;
-        if sec.len() != 3 {
-            return Err(ModelError::Config(format!(
-                "mrope_section must have 3 entries, got {sec:?}"
-            )));
-        }
-        let heads = tu("num_attention_heads")?;
-        let tie = root
-            .get("tie_word_embeddings")
-            .and_then(Value::as_bool)
-            .unwrap_or(false)
-            || tc
-                .get("tie_word_embeddings")
-                .and_then(Value::as_bool)
-                .unwrap_or(false);
-        let text = TextDims {
-            num_layers: tu("num_hidden_layers")?,
-            hidden_size: tu("hidden_size")?,
-            num_heads: heads,
-            num_kv_heads: tget("num_key_value_heads")
-                .and_then(Value::as_u64)
-                .map(|x| x as u32)
-                .unwrap_or(heads),
-            intermediate_size: tu("intermediate_size")?,
-            vocab_size: tu("vocab_size")?,
-            rope_theta,
-            mrope_section: [sec[0], sec[1], sec[2]],
-            tie_word_embeddings: tie,
-            rms_norm_eps: tget("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6),
-            max_position_embeddings: tget("max_position_embeddings")
-                .and_then(Value::as_u64)
-                .unwrap_or(32768) as u32,
-        };
-        let vision = VisionDims {
-            depth: vu("depth", None)?,
-            hidden_size: vu("hidden_size", None)?,
-            num_heads: vu("num_heads", None)?,
-            intermediate_size: vu("intermediate_size", None)?,
-            patch_size: vu("patch_size", Some(14))?,
-            temporal_patch_size: vu("temporal_patch_size", Some(2))?,
-            spatial_merge_size: vu("spatial_merge_size", Some(2))?,
-            window_size: vu("window_size", Some(112))?,
-            fullatt_block_indexes: vc
-                .get("fullatt_block_indexes")
-                .and_then(Value::as_array)
-                .map(|a| {
-                    a.iter()
-                        .filter_map(Value::as_u64)
-                        .map(|x| x as u32)
-                        .collect()
-                })
-                .unwrap_or_else(|| vec![7, 15, 23, 31]),
-            in_channels: vu("in_channels", None).or_else(|_| vu("in_chans", Some(3)))?,
-            out_hidden_size: vu("out_hidden_size", None)?,
-        };
-        let top_u = |k: &str, d: u32| {
-            root.get(k)
-                .and_then(Value::as_u64)
-                .map(|x| x as u32)
-                .unwrap_or(d)
-        };
-        let mut eos = ids_of(tget("eos_token_id"));
-        if eos.is_empty() {
-            eos.push(151645);
-        }
-        let tokens = SpecialTokens {
-            image_token_id: top_u("image_token_id", 151655),
-            video_token_id: top_u("video_token_id", 151656),
-            vision_start_token_id: top_u("vision_start_token_id", 151652),
-            vision_end_token_id: top_u("vision_end_token_id", 151653),
-            eos_token_ids: eos,
-        };
-        let dtype = match root
-            .get("torch_dtype")
-            .or_else(|| root.get("dtype"))
-            .and_then(Value::as_str)
-        {
-            Some("float32") => DType::F32,
-            Some("float16") => DType::F16,
-            _ => DType::Bf16,
-        };
+    /// Parses the text of a `config.json`, unvalidated; `dir` names the model and its weights
+    /// source.
+    fn parse(text: &str, dir: &Path) -> Result<Self, String> {
+        let c = hf_config::parse(text)?;
         let name = dir
             .file_name()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "model".into());
-        let spec = ModelSpec {
-            name,
-            vision,
-            text,
-            tokens,
-            dtype,
-            weights: WeightsSource::Checkpoint {
-                path: dir.display().to_string(),
+        Ok(ModelConfig {
+            spec: ModelSpec {
+                name,
+                vision: c.vision,
+                text: c.text,
+                tokens: c.tokens,
+                dtype: c.dtype,
+                weights: WeightsSource::Checkpoint {
+                    path: dir.display().to_string(),
+                },
             },
-        };
-        let cfg = ModelConfig {
-            spec,
-            tokens_per_second: vc
-                .get("tokens_per_second")
-                .and_then(Value::as_u64)
-                .unwrap_or(4) as u32,
-            vision_rope_theta: vc
-                .get("rope_parameters")
-                .and_then(|r| r.get("rope_theta"))
-                .and_then(Value::as_f64)
-                .or_else(|| vc.get("rope_theta").and_then(Value::as_f64))
-                .unwrap_or(10000.0),
-        };
-        cfg.validate()?;
-        Ok(cfg)
+            tokens_per_second: c.tokens_per_second,
+            vision_rope_theta: c.vision_rope_theta,
+        })
     }
 
     /// The `config.json` of this model in the transformers 5 layout.
@@ -397,17 +249,5 @@ impl ModelConfig {
                 "rope_parameters": {"rope_type": "axial", "rope_theta": self.vision_rope_theta},
             },
         })
-    }
-}
-
-fn ids_of(v: Option<&Value>) -> Vec<u32> {
-    match v {
-        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .filter_map(Value::as_u64)
-            .map(|x| x as u32)
-            .collect(),
-        _ => Vec::new(),
     }
 }

@@ -536,11 +536,12 @@ fn trace_has_a_track_per_stream_and_an_event_per_task() {
         .any(|e| e["ph"] == "C" && e["name"] == "SMs allocated"));
 }
 
+/// The SVG timeline and the summary name every task. `ROLLPLEX_SIM_OUT=dir`, a switch of this
+/// test only, keeps its outputs for a look (`rsvg-convert dir/sim.svg -o sim.png`).
 #[test]
 fn svg_and_summary_show_every_task() {
     let r = simulate(&plan(Some((48, 84))), &h200()).unwrap();
     let svg = r.svg();
-    // ROLLPLEX_SIM_OUT=dir keeps the outputs for a look (rsvg-convert dir/sim.svg -o sim.png)
     if let Some(dir) = std::env::var_os("ROLLPLEX_SIM_OUT") {
         let dir = std::path::PathBuf::from(dir);
         std::fs::write(dir.join("sim.svg"), &svg).unwrap();

@@ -4,7 +4,9 @@
 //! then every rank compares what it computed with every other rank, and rank 0 compares it with
 //! the same computation at TP = 1.
 //!
-//! What it knows: the model, a [`Communicator`], the job's actor spec. What it checks: the
+//! What it knows: the model, a [`Communicator`], the job's spec (the prompt's length and seed).
+//! Loading the plan, building the actor, joining the group and the exit status are the
+//! binary's (`cli::tp_check`). What it checks: the
 //! rendezvous handed every rank the same unique id; the ranks agree bitwise (greedy tokens and
 //! the hash of the full gathered logits); every round repeats round 0 bitwise; and how far the
 //! TP logits are from TP = 1 (reported, not judged: `docs/tp.md` has the tolerances).
@@ -12,9 +14,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use rollplex_plan::spec::{JobSpec, WeightsSource};
+use rollplex_plan::spec::JobSpec;
 
-use super::{CommError, Communicator, ThreadComm, TpError, TpModel, TpPlan};
+use super::{Communicator, ThreadComm, TpError, TpModel, TpPlan};
 use crate::model::philox::philox4x32_10;
 use crate::model::{Prompt, Qwen25VL};
 
@@ -51,14 +53,6 @@ fn fnv(words: impl Iterator<Item = u32>) -> u64 {
         h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }
     h
-}
-
-/// The actor the job starts from.
-pub fn build_actor(spec: &JobSpec) -> Result<Qwen25VL, TpError> {
-    Ok(match &spec.actor.weights {
-        WeightsSource::Random { seed } => Qwen25VL::random(spec.actor.clone(), *seed)?,
-        WeightsSource::Checkpoint { path } => Qwen25VL::load(std::path::Path::new(path))?,
-    })
 }
 
 /// The check's prompt: ordinary text ids (no media or special token) drawn from the job's seed.
@@ -178,18 +172,20 @@ fn gather_words<C: Communicator>(comm: &C, words: &[u32]) -> Result<Vec<Vec<u32>
 }
 
 /// Runs the check on this rank (every rank of the group calls it with the same arguments but
-/// its `unique_id`, which must be the same everywhere); an error names the rank that differs.
+/// its `unique_id`, which must be the same everywhere): `full` is the job's actor, unsharded,
+/// as every rank builds it; `spec` gives the prompt's length and seed. An error names the rank
+/// that differs.
 pub fn run_check<C: Communicator>(
     comm: &C,
     spec: &JobSpec,
+    full: &Qwen25VL,
     unique_id: &[u8],
     rounds: u32,
 ) -> Result<CheckReport, TpError> {
     let (rank, world) = (comm.rank(), comm.world());
-    let full = build_actor(spec)?;
     let plan = Arc::new(TpPlan::new(&full.config, world)?);
     let model = TpModel::shard(Arc::clone(&plan), &full.weights, rank)?;
-    let ids = prompt_ids(spec, &full);
+    let ids = prompt_ids(spec, full);
     let counting = Counting {
         inner: comm,
         n: Default::default(),
@@ -290,145 +286,4 @@ pub fn run_check<C: Communicator>(
         seconds,
         collectives_per_round: per_round,
     })
-}
-
-/// `rollplex-run PLAN --tp-check[=ROUNDS]`: without `RANK` in the environment, launches one
-/// process per GPU of the plan on this node ([`super::launch::launch`]); as a rank (`RANK`,
-/// `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` set, by the launcher or by torchrun/slurm), joins
-/// the group and runs [`run_check`]. Returns the process's exit status: 0 ok, 1 this rank's
-/// error, [`super::launch::EXIT_PEER_FAILED`] when another rank failed, a failed rank's status
-/// for the launcher.
-pub fn main(plan_path: &std::path::Path, rounds: u32) -> std::process::ExitCode {
-    use super::launch::{self, RankEnv};
-    use std::process::ExitCode;
-    let env = match RankEnv::from_env() {
-        Ok(e) => e,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    let plan = match crate::cli::load_plan(plan_path) {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    let world = plan.target.count as usize;
-    let params = plan.spec.actor.param_count().total();
-    if params > CPU_PARAM_LIMIT {
-        eprintln!(
-            "error: --tp-check runs the actor on the CPU; this one has {:.2} B parameters (at most {} M)",
-            params as f64 / 1e9,
-            CPU_PARAM_LIMIT / 1_000_000
-        );
-        return ExitCode::from(1);
-    }
-    let Some(env) = env else {
-        // the launcher: one process per GPU of the plan, on this node
-        let l = match launch::Launch::this_process(world) {
-            Ok(l) => l,
-            Err(e) => {
-                eprintln!("error: {e}");
-                return ExitCode::from(1);
-            }
-        };
-        return match launch::launch(&l) {
-            Ok(()) => {
-                println!("rollplex-run: tp-check passed on {world} ranks");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("error: {e}");
-                ExitCode::from(e.exit_code())
-            }
-        };
-    };
-    launch::watch_launcher(env.rank);
-    if env.world != world {
-        eprintln!(
-            "error: WORLD_SIZE={} but the plan runs on {world} GPUs (one rank per GPU)",
-            env.world
-        );
-        return ExitCode::from(1);
-    }
-    let job = match crate::exec::checkpoint::plan_hash(&plan) {
-        Ok(h) => format!("plan-{h}"),
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    // rank 0's blob: what ncclGetUniqueId returns on the CUDA path; here 128 bytes of this
-    // process's identity, so the check sees the blob reach every rank
-    let unique_id: Vec<u8> = (0..32u32)
-        .flat_map(|i| {
-            philox4x32_10(
-                [i, std::process::id(), 0, 0x4E43_4349],
-                [env.master_port as u32, 0],
-            )[0]
-            .to_le_bytes()
-        })
-        .collect();
-    // a round takes milliseconds: a rank alive (heartbeats) but absent from a collective for
-    // minutes is stuck, and the group ends naming it
-    let opts = super::TcpOptions {
-        collective_timeout: Some(std::time::Duration::from_secs(300)),
-        ..Default::default()
-    };
-    let comm = match launch::join(&env, &job, unique_id, opts) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("error: rank {}: {e}", env.rank);
-            return ExitCode::from(e.exit_code());
-        }
-    };
-    eprintln!(
-        "rollplex-tp: rank {} joined the group of {} (local rank {})",
-        env.rank, env.world, env.local_rank
-    );
-    match run_check(&comm, &plan.spec, comm.unique_id(), rounds) {
-        Ok(r) => {
-            if r.rank == 0 {
-                println!(
-                    "tp-check: {} ranks over TCP (job {job}): ranks agree bitwise (tokens {:?}, logits hash {:016x}); \
-                     max |logit - TP=1| {:.3e}, greedy tokens {} TP=1; {} rounds in {:.3} s ({} collectives per round)",
-                    r.world,
-                    r.tokens,
-                    r.logits_hash,
-                    r.max_err_vs_tp1.unwrap_or(f32::NAN),
-                    if r.tokens_equal_tp1 == Some(true) { "equal" } else { "differ from" },
-                    r.rounds,
-                    r.seconds,
-                    r.collectives_per_round
-                );
-            } else {
-                println!("tp-check: rank {} agrees", r.rank);
-            }
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            comm.abort(&e.to_string());
-            eprintln!("error: rank {}: {e}", env.rank);
-            ExitCode::from(if blames_another(&e, env.rank) {
-                launch::EXIT_PEER_FAILED
-            } else {
-                1
-            })
-        }
-    }
-}
-
-/// The CPU check's model size limit (as the CPU backend's).
-const CPU_PARAM_LIMIT: u64 = 200_000_000;
-
-/// Whether `e` reports another rank's failure (this rank only stopped because of it).
-fn blames_another(e: &TpError, me: usize) -> bool {
-    match e {
-        TpError::Comm(CommError::PeerFailed { rank, .. })
-        | TpError::Comm(CommError::PeerExited { rank, .. }) => *rank != me,
-        TpError::Comm(CommError::Timeout { missing, .. }) => !missing.contains(&me),
-        _ => false,
-    }
 }

@@ -14,11 +14,12 @@
 //! `optim` ([`TpAdamW`]: AdamW over a shard with the global grad-norm clip), `tcp`
 //! ([`TcpComm`]: the communicator between processes, its rendezvous and liveness), `launch`
 //! (one process per GPU: `rollplex-run` as launcher, or a rank of a torchrun/slurm job), `check`
-//! (`rollplex-run --tp-check`: the TP forward on the launched ranks, compared across ranks).
+//! (what `rollplex-run --tp-check` runs on each launched rank: the TP forward, compared across
+//! ranks and with TP = 1).
 //!
 //! What it knows: the model's forward and backward, the policy loss's inputs, and where the
-//! collectives go. What it does not know: the RL loop, devices (`check` reads a plan's actor
-//! and GPU count, nothing else of it).
+//! collectives go. What it does not know: the RL loop, devices, plans (the
+//! binary's `cli` loads them and starts the ranks).
 //!
 //! Invariants: (1) every rank of a group holds the same replicated values and, after each
 //! collective, the same replicated activations (all-reduce results are bitwise equal on every

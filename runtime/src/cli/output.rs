@@ -1,0 +1,293 @@
+//! A training run's output (cpu, cuda): its observer of the loop (metrics.jsonl and the console
+//! table, the trace, progress bars, checkpoints, the measured profile), its inputs (prompts,
+//! reward, metrics log) and the held-out evaluations' reports.
+
+use std::time::{Duration, Instant};
+
+use rollplex_plan::plan::Task;
+use rollplex_plan::spec::DatasetSpec;
+use rollplex_plan::{Phase, Plan};
+
+use super::{io_err, RunArgs};
+use crate::exec::checkpoint::{self, RunIdentity};
+use crate::exec::{self, ExecError, IterationResult};
+use crate::metrics::{LoopProgress, MetricsLog};
+use crate::trace::PlanTrace;
+
+/// A training run's observer (cpu, cuda): metrics file and table, trace, progress bars,
+/// checkpoints.
+pub(super) struct LoopRun<'a> {
+    pub(super) args: &'a RunArgs,
+    pub(super) metrics: MetricsLog,
+    pub(super) progress: LoopProgress,
+    pub(super) trace: Option<PlanTrace>,
+    /// What checkpoints are stamped with (computed only when saving or resuming).
+    pub(super) identity: Option<RunIdentity>,
+    /// Seconds per phase (rollout, scoring, training, sync) of the running iteration.
+    pub(super) phase_s: [f64; 4],
+    /// `--profile`: every task's measured time.
+    pub(super) profile: Option<exec::profile::ProfileRecorder>,
+    /// cuda with `--save-every`: the host copy of the actor that checkpoints are written
+    /// through (`checkpoint::save_gpu`).
+    pub(super) host: Option<crate::model::Qwen25VL>,
+}
+
+impl exec::LoopObserver for LoopRun<'_> {
+    fn iteration_started(&mut self, it: u32, tasks: usize) {
+        self.phase_s = [0.0; 4];
+        if let Some(p) = &mut self.profile {
+            p.begin_iteration(Instant::now());
+        }
+        self.progress.start_iteration(it, tasks);
+    }
+
+    fn task_started(&mut self, _: u32, task: &Task) {
+        self.progress.task_started(&task.name);
+    }
+
+    fn task_done(&mut self, it: u32, task: &Task, start: Instant, end: Instant) {
+        if let Some(phase) = crate::sim::phase_of(&task.op, task.window.is_some()) {
+            let i = Phase::ALL.iter().position(|p| *p == phase).unwrap_or(0);
+            self.phase_s[i] += end.duration_since(start).as_secs_f64();
+        }
+        if let Some(t) = &mut self.trace {
+            t.task(it, task, start, end);
+        }
+        if let Some(p) = &mut self.profile {
+            p.record_instants(task, start, end);
+        }
+        self.progress.task_done();
+    }
+
+    fn decode_steps(&mut self, _: u32, task: &Task, marks: &[Instant]) {
+        if let Some(p) = &mut self.profile {
+            p.record_step_instants(task, marks);
+        }
+    }
+
+    fn iteration_done(
+        &mut self,
+        it: u32,
+        r: &IterationResult,
+        models: exec::LoopModels<'_>,
+        start: Instant,
+        dt: Duration,
+    ) -> Result<(), ExecError> {
+        if let Some(t) = &mut self.trace {
+            t.iteration(it, start, start + dt);
+        }
+        if let Some(p) = &mut self.profile {
+            p.end_iteration(it, dt);
+        }
+        let line = metrics_json(it, r, dt, &self.phase_s);
+        self.metrics
+            .log_line(&line)
+            .map_err(|e| ExecError::Data(e.to_string()))?;
+        self.progress.iteration_done();
+        if !self.args.quiet {
+            self.progress.println(&table_row(it, r, dt));
+        }
+        let done = it + 1;
+        let every = self.args.save_every;
+        if let Some(identity) = self
+            .identity
+            .as_ref()
+            .filter(|_| every > 0 && done.is_multiple_of(every))
+        {
+            let root = self.args.out.join(checkpoint::CHECKPOINTS_DIR);
+            let keep = self.args.keep_checkpoints;
+            let path = match models {
+                exec::LoopModels::Cpu(m) => checkpoint::save(&root, done, m, identity, keep)?,
+                exec::LoopModels::Gpu(m) => {
+                    let host = self.host.as_mut().ok_or_else(|| {
+                        ExecError::Checkpoint("no host copy of the actor to save through".into())
+                    })?;
+                    checkpoint::save_gpu(&root, done, m, host, identity, keep)?
+                }
+                exec::LoopModels::CpuTpState(s) => {
+                    checkpoint::save_tp(&root, done, s, identity, keep)?
+                }
+                exec::LoopModels::CpuTp(_) => {
+                    return Err(ExecError::Plan(format!(
+                        "iteration {done} of a tensor-parallel run is to be checkpointed but its \
+                         ranks did not gather their state (TpCheckpoints not set)"
+                    )))
+                }
+            };
+            if !self.args.quiet {
+                self.progress
+                    .println(&format!("checkpoint: {}", path.display()));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a resume from a checkpoint with `first` iterations done says when `--iterations`
+/// (`all`) asks for no more.
+pub(super) fn nothing_to_run(first: u32, all: u32) {
+    println!(
+        "nothing to run: the checkpoint has {first} iterations done and --iterations asks for {all} in all"
+    );
+}
+
+impl LoopRun<'_> {
+    /// Closes the bars and writes the trace (also when the loop failed: the trace shows how far
+    /// it got).
+    pub(super) fn finish(&self) -> Result<(), ExecError> {
+        self.progress.finish();
+        if let (Some(path), Some(t)) = (&self.args.trace, &self.trace) {
+            t.write(path).map_err(|e| ExecError::Data(e.to_string()))?;
+            if !self.args.quiet {
+                println!(
+                    "trace: {} ({} tasks measured)",
+                    path.display(),
+                    t.events().len()
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// `--profile`: fits the measured task times and writes the profile.
+    pub(super) fn write_profile(&self, plan: &Plan) -> Result<(), ExecError> {
+        if let (Some(path), Some(p)) = (&self.args.profile, &self.profile) {
+            let measured = p.write(path)?;
+            if !self.args.quiet {
+                println!(
+                    "profile: {} ({} points; measured iteration median {:.6} s, predicted {:.6} s)",
+                    path.display(),
+                    measured.profile.points.len(),
+                    measured.iteration_median_s,
+                    plan.predicted.iteration_s
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+pub(super) type RunInputs = (
+    Box<dyn exec::prompts::PromptSource>,
+    Box<exec::cpu_tp::SendRewardFn<'static>>,
+    MetricsLog,
+);
+
+/// The prompt source, the reward and the metrics log of a training run (cpu, cuda), and its
+/// first console line.
+pub(super) fn open_run(
+    plan: &Plan,
+    args: &RunArgs,
+    first: u32,
+    backend: &str,
+) -> Result<RunInputs, ExecError> {
+    let spec = &plan.spec;
+    let source: Box<dyn exec::prompts::PromptSource> = match &spec.rollout.dataset {
+        DatasetSpec::Synthetic => Box::new(exec::prompts::SyntheticPrompts::new(spec)),
+        other => crate::exec::data_source(spec, other)?,
+    };
+    let reward = crate::exec::reward_fn(spec)?;
+    std::fs::create_dir_all(&args.out).map_err(io_err(&args.out))?;
+    let metrics_path = args.out.join("metrics.jsonl");
+    let metrics = if args.resume.is_some() {
+        MetricsLog::resume(&metrics_path, first as u64)
+    } else {
+        MetricsLog::create(&metrics_path)
+    }
+    .map_err(|e| ExecError::Data(e.to_string()))?
+    .with_console(None);
+    if !args.quiet {
+        println!(
+            "rollplex-run: {} ({:?}, {} groups x {}, {backend} backend), iterations {first}..{}; metrics -> {}",
+            spec.name,
+            plan.mode,
+            plan.parallel.prompts_per_rollout_replica,
+            spec.rollout.group_size,
+            args.iterations,
+            metrics_path.display()
+        );
+    }
+    Ok((source, reward, metrics))
+}
+
+/// Prints and writes a held-out evaluation (`None`: the data has no test split).
+pub(super) fn report_eval(args: &RunArgs, acc: Option<f64>, when: &str) -> Result<(), ExecError> {
+    if let Some(acc) = acc {
+        println!(
+            "eval ({when}): mean reward of greedy answers to {} held-out prompts = {acc:.3}",
+            args.eval
+        );
+        let line =
+            serde_json::json!({"eval": when, "prompts": args.eval, "reward_mean": acc}).to_string();
+        std::fs::write(args.out.join(format!("eval-{when}.json")), line)
+            .map_err(io_err(&args.out))?;
+    }
+    Ok(())
+}
+
+pub(super) fn table_header() -> String {
+    format!(
+        "{:>5} {:>8} {:>7} {:>7} {:>9} {:>9} {:>6} {:>8} {:>8} {:>8} {:>7}",
+        "iter",
+        "reward",
+        "±std",
+        "resp",
+        "loss",
+        "kl",
+        "clip",
+        "gnorm",
+        "time_s",
+        "tok/s",
+        "mem_GiB"
+    )
+}
+
+fn table_row(it: u32, r: &IterationResult, dt: Duration) -> String {
+    let m = &r.metrics;
+    format!(
+        "{:>5} {:>8.3} {:>7.3} {:>7.1} {:>9.4} {:>9.5} {:>6.3} {:>8.3} {:>8.2} {:>8.0} {:>7}",
+        it,
+        r.reward_mean(),
+        r.reward_std(),
+        r.response_len_mean(),
+        m.loss.loss,
+        m.loss.kl,
+        m.loss.clip_frac,
+        m.grad_norm,
+        dt.as_secs_f64(),
+        r.response_tokens() as f64 / dt.as_secs_f64().max(1e-9),
+        m.peak_mem_bytes
+            .map(|b| format!("{:.2}", b as f64 / (1u64 << 30) as f64))
+            .unwrap_or_else(|| "-".into())
+    )
+}
+
+fn metrics_json(it: u32, r: &IterationResult, dt: Duration, phase_s: &[f64; 4]) -> String {
+    let m = &r.metrics;
+    let mut v = serde_json::json!({
+        "iteration": it,
+        "reward_mean": r.reward_mean(),
+        "reward_std": r.reward_std(),
+        "response_len_mean": r.response_len_mean(),
+        "response_tokens": r.response_tokens(),
+        "loss": m.loss.loss,
+        "pg_loss": m.loss.pg_loss,
+        "kl": m.loss.kl,
+        "clip_frac": m.loss.clip_frac,
+        "approx_kl": m.loss.approx_kl,
+        "entropy": m.loss.entropy,
+        "grad_norm": m.grad_norm,
+        "decode_steps": m.decode_steps,
+        "micro_batches": m.micro_batches,
+        "optimizer_steps": m.optimizer_steps,
+        "time_s": dt.as_secs_f64(),
+        "tokens_per_s": r.response_tokens() as f64 / dt.as_secs_f64().max(1e-9),
+        "peak_mem_gib": m.peak_mem_bytes.map(|b| b as f64 / (1u64 << 30) as f64),
+    });
+    // Measured time per phase (sum of its tasks' host times; side work in decode windows is
+    // rollout, as in the simulator's summary).
+    for (p, s) in Phase::ALL.iter().zip(phase_s) {
+        v[format!("{}_s", format!("{p:?}").to_lowercase())] = serde_json::json!(s);
+    }
+    v.to_string()
+}
