@@ -1,5 +1,5 @@
 //! A Hugging Face Qwen2.5-VL `config.json` -> model dimensions, special tokens and the few
-//! constants of the model a [`crate::spec::ModelSpec`] does not carry. The one reader of that
+//! constants of the model a [`crate::spec::ModelSpec`] does not hold. The one reader of that
 //! file: the DSL reads a checkpoint's dimensions with it (through its `Env`), the runtime loads
 //! a checkpoint with it.
 //!

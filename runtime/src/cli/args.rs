@@ -1,5 +1,5 @@
 //! `rollplex-run`'s flags: [`Command`] is what the binary parses; [`RunArgs`], the options of a
-//! run, is also what tests and tools build to call [`super::run`] directly.
+//! run, is also what tests and tools build to run a plan through [`super::run`].
 
 use std::path::PathBuf;
 

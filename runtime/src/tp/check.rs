@@ -5,11 +5,11 @@
 //! the same computation at TP = 1.
 //!
 //! What it knows: the model, a [`Communicator`], the job's spec (the prompt's length and seed).
-//! Loading the plan, building the actor, joining the group and the exit status are the
-//! binary's (`cli::tp_check`). What it checks: the
-//! rendezvous handed every rank the same unique id; the ranks agree bitwise (greedy tokens and
-//! the hash of the full gathered logits); every round repeats round 0 bitwise; and how far the
-//! TP logits are from TP = 1 (reported, not judged: `docs/tp.md` has the tolerances).
+//! What it checks: the rendezvous handed every rank the same unique id; the ranks agree bitwise
+//! (greedy tokens and the hash of the full gathered logits); every round repeats round 0
+//! bitwise; and how far the TP logits are from TP = 1 (reported, not judged: `docs/tp.md` has
+//! the tolerances). Loading the plan, building the actor, joining the group and the exit status
+//! are the binary's (`cli::tp_check`).
 
 use std::sync::Arc;
 use std::time::Instant;
