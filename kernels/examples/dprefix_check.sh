@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
-# The tensor-core prefix gradients (attention_bwd_tc_dprefix_f32) in one device call: the
-# attention backward tests (each test its own process, so that a faulting kernel cannot poison
-# the others), the same with ROLLPLEX_ATTN_DPREFIX=simt (the switch back), the prefix tests under
-# compute-sanitizer (memcheck, racecheck), and the workbench (bench_attn_bwd prefix, and full to
-# see that the refactored dkv kernel runs as fast as before). Logs under $OUT.
+# The tensor-core prefix gradients (attention_bwd_tc_dprefix_f32) on a GPU host: the attention
+# backward tests (each test its own process, so that a faulting kernel cannot poison the
+# others), the prefix tests under compute-sanitizer (memcheck, racecheck), and the workbench
+# (bench_attn_bwd prefix, and full to see that the refactored dkv kernel runs as fast as
+# before). Logs under $OUT.
 #
-# On the CPU machine (builds release binaries, strips them into $DEVBIN, default .devbin/dprefix):
+# On a build machine (builds release binaries, strips them into $DEVBIN, default .devbin/dprefix):
 #   bash kernels/examples/dprefix_check.sh build
-# On the GPU machine (carry .devbin/dprefix):
-#   bash kernels/examples/dprefix_check.sh [tests|simt-env|sanitize|racecheck|bench|bench-full]...
-#   (default: tests simt-env sanitize bench)
+# On the GPU host (with $DEVBIN copied there):
+#   bash kernels/examples/dprefix_check.sh [tests|sanitize|racecheck|bench|bench-full]...
+#   (default: tests sanitize bench)
 set -o pipefail
 B=${DEVBIN:-.devbin/dprefix}
 OUT=${OUT:-/tmp/rollplex-out}
 export ROLLPLEX_KERNEL_CACHE=${ROLLPLEX_KERNEL_CACHE:-/tmp/rollplex-kernels}
 export ROLLPLEX_REQUIRE_GPU=1
-steps=${*:-tests simt-env sanitize bench}
+steps=${*:-tests sanitize bench}
 
 if [ "$steps" = build ]; then
   set -e
@@ -50,8 +50,6 @@ for st in $steps; do
     tests)
       run_tests tests.log cuda_attn_bwd_tc .
       run_tests tests.log cuda_backward attention_bwd ;;
-    simt-env)
-      ROLLPLEX_ATTN_DPREFIX=simt run_tests tests_simt_env.log cuda_attn_bwd_tc 'shared_prefix|dprefix' ;;
     sanitize)
       sanitize memcheck attention_bwd_dprefix_tc_splits_match_cpu_and_add
       sanitize memcheck attention_bwd_tc_shared_prefix_cases_match_cpu_and_simt ;;
@@ -59,7 +57,7 @@ for st in $steps; do
       sanitize racecheck attention_bwd_dprefix_tc_splits_match_cpu_and_add ;;
     bench) timeout 300 "$B/bench_attn_bwd" prefix 2>&1 | tee "$OUT/bench_prefix.log" ;;
     bench-full) timeout 300 "$B/bench_attn_bwd" full 2>&1 | tee "$OUT/bench_full.log" ;;
-    *) echo "unknown step $st (tests simt-env sanitize racecheck bench bench-full, or build)" ;;
+    *) echo "unknown step $st (tests sanitize racecheck bench bench-full, or build)" ;;
   esac
   echo "== $st exit $?"
 done
