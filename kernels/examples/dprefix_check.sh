@@ -26,7 +26,7 @@ if [ "$steps" = build ]; then
     [ -n "$exe" ] || { echo "no test binary for $t" >&2; exit 1; }
     cp "$exe" "$B/$t"
   done
-  cargo build --release -p rollplex-kernels --example bench_attn_bwd
+  cargo build --release -p rollplex-kernels --features bench --example bench_attn_bwd
   cp "${CARGO_TARGET_DIR:-target}/release/examples/bench_attn_bwd" "$B/"
   strip "$B"/*
   ls -la "$B"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU host: GPU tests (each kernel vs its CPU twin, one process per test so that a
 # faulting kernel cannot poison the others; ROLLPLEX_REQUIRE_GPU=1, so a device that does not
-# open fails them), the decode kernels under compute-sanitizer, the GEMM and decode workbenches,
-# and PyTorch's CUDA-graph decode of the same dims (side by side).
+# open fails them), the decode kernels under compute-sanitizer, the GEMM and decode workbenches
+# (built with `--features bench`), and PyTorch's CUDA-graph decode of the same dims (side by side).
 # Expects prebuilt binaries in .devbin/ (docs/cuda.md); writes logs under $OUT.
 # Usage: bash kernels/examples/gpu_check.sh [tests|tests-decode|sanitize|gemm|decode|torch]...
 #   (default: tests sanitize gemm decode torch; tests-decode runs only the tests that touch the

@@ -50,9 +50,10 @@ pub mod policy_loss;
 pub mod sampling;
 
 pub use adamw::{adamw_step_f32, AdamWScalars};
+#[cfg(feature = "bench")]
+pub use attention::decode_plan_for_blocks;
 pub use attention::{
-    attention_decode_bf16, attention_fwd_bf16, decode_plan, decode_plan_for_blocks, AttnSeqGpu,
-    DecodePlan,
+    attention_decode_bf16, attention_fwd_bf16, decode_plan, AttnSeqGpu, DecodePlan,
 };
 pub use attention_bwd::{attention_bwd_bf16, attention_bwd_bf16_with};
 pub use attention_bwd_dprefix::{attention_bwd_dprefix_bf16, DprefixKernel};
@@ -61,7 +62,9 @@ pub use backward::{
     embedding_bwd_f32, gelu_bwd_bf16, grad_accumulate_f32, logprobs_bwd_bf16, rmsnorm_bwd_bf16,
     rope_bwd_bf16, swiglu_bwd_bf16, swiglu_bwd_fused_bf16, SwigluBwdStrides,
 };
-pub use gemm::{linear_fwd_bf16, matmul_bf16, matmul_bf16_cublas};
+#[cfg(feature = "bench")]
+pub use gemm::matmul_bf16_cublas;
+pub use gemm::{linear_fwd_bf16, matmul_bf16};
 pub use gpu::Gpu;
 pub use green::{SmPartition, SmPartitionKind};
 pub use logprobs::logprobs_fwd_bf16;

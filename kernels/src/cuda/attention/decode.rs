@@ -92,7 +92,9 @@ pub fn pipelined_split(units: usize, len: usize, mult: usize, rows: usize) -> (u
 }
 
 /// The warp-split kernel's plan aiming at `target_blocks` blocks (its default was
-/// [`DECODE_TARGET_BLOCKS`]); for the workbench, which times it beside [`decode_plan`]'s.
+/// [`DECODE_TARGET_BLOCKS`]); for the workbench, which times it beside [`decode_plan`]'s
+/// (feature `bench`).
+#[cfg(feature = "bench")]
 pub fn decode_plan_for_blocks(
     batch: usize,
     dims: AttnDims,

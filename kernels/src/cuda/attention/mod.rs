@@ -30,9 +30,11 @@ mod decode;
 mod fwd;
 mod grouped;
 
+#[cfg(feature = "bench")]
+pub use decode::decode_plan_for_blocks;
 pub use decode::{
-    attention_decode_bf16, decode_plan, decode_plan_for_blocks, pipelined_split, DecodePlan,
-    DECODE_TARGET_BLOCKS, PIPELINED_SLOTS,
+    attention_decode_bf16, decode_plan, pipelined_split, DecodePlan, DECODE_TARGET_BLOCKS,
+    PIPELINED_SLOTS,
 };
 pub use fwd::{
     attention_fwd_bf16, attention_fwd_bf16_with, fwd_kernel_for, FwdKernel, TC_FWD_MAX_HEAD_DIM,
