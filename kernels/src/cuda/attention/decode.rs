@@ -132,10 +132,10 @@ pub(super) fn check_decode_io(
     out: &impl DeviceSlice<bf16>,
     lse: Option<&mut dyn DevicePtrMut<f32>>,
     workspace: &impl DeviceSlice<f32>,
-    q: &impl DeviceSlice<bf16>,
-    k_cache: &impl DeviceSlice<bf16>,
-    v_cache: &impl DeviceSlice<bf16>,
-    seqs: &impl DeviceSlice<AttnSeqGpu>,
+    q: &(impl DeviceSlice<bf16> + ?Sized),
+    k_cache: &(impl DeviceSlice<bf16> + ?Sized),
+    v_cache: &(impl DeviceSlice<bf16> + ?Sized),
+    seqs: &(impl DeviceSlice<AttnSeqGpu> + ?Sized),
 ) -> Result<(u32, u64)> {
     let (qw, kvw) = (dims.q_width(), dims.kv_width());
     check_stride(op, "q", strides.q, qw)?;
