@@ -323,8 +323,7 @@ fn bench_prefix(g: &Gpu, s: &Arc<CudaStream>) -> Res<()> {
         tc_ms / simt_ms,
         simt_ms / tc_ms
     );
-    // the whole tensor-core backward of this batch (its prefix part is the TC kernel unless
-    // ROLLPLEX_ATTN_DPREFIX=simt)
+    // the whole tensor-core backward of this batch (its prefix part on the tensor cores)
     let (mut dq, mut dk, mut dv) = (
         g.alloc::<bf16>(s, t * qw)?,
         g.alloc::<bf16>(s, t * kvw)?,
@@ -362,12 +361,7 @@ fn bench_prefix(g: &Gpu, s: &Arc<CudaStream>) -> Res<()> {
         Ok(())
     })?;
     println!(
-        "  whole TC backward of this batch (prefix part on {}): {ms:.3} ms (median of 20)",
-        if attention_bwd_dprefix::dprefix_on_tensor_cores() {
-            "the tensor cores"
-        } else {
-            "SIMT, ROLLPLEX_ATTN_DPREFIX=simt"
-        }
+        "  whole TC backward of this batch (prefix part on the tensor cores): {ms:.3} ms (median of 20)"
     );
     Ok(())
 }

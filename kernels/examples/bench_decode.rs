@@ -31,7 +31,7 @@ use half::bf16;
 use rollplex_kernels::cpu::{AttnDims, DecodeSeq};
 use rollplex_kernels::cuda::attention::{
     attention_decode_grouped_bf16, grouped_decode_plan, grouped_decode_plan_for_blocks,
-    GroupedDecodePlan, RowStrides,
+    DecodeInputs, GroupedDecodePlan, RowStrides,
 };
 use rollplex_kernels::cuda::gemm::{
     gate_up_swiglu_bf16, linear_fwd_bf16_cublaslt, skinny_gate_up_swiglu_bf16,
@@ -310,13 +310,15 @@ impl Model {
                 &mut self.attn,
                 None,
                 &mut self.ws,
-                &self.qkv,
-                &ly.kc,
-                &ly.vc,
-                &self.seqs,
-                dims,
-                1.0 / (d.hd as f32).sqrt(),
-                strides,
+                DecodeInputs {
+                    q: &self.qkv,
+                    k_cache: &ly.kc,
+                    v_cache: &ly.vc,
+                    seqs: &self.seqs,
+                    dims,
+                    scale: 1.0 / (d.hd as f32).sqrt(),
+                    strides,
+                },
                 self.gplan,
             )?;
             return Ok(());

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The tensor-core prefix gradients (attention_bwd_tc_dprefix_f32) on a GPU host, in one run: the
 # attention backward tests (each test its own process, so that a faulting kernel cannot poison
-# the others), the same with ROLLPLEX_ATTN_DPREFIX=simt (the switch back), the prefix tests under
-# compute-sanitizer (memcheck, racecheck), and the workbench (bench_attn_bwd prefix, and full:
+# the others), the prefix tests under compute-sanitizer (memcheck, racecheck), and the workbench (bench_attn_bwd prefix, and full:
 # the whole attention backward timed the same way). Logs under $OUT. Entry point:
 # scripts/gpu-bench.sh build|run dprefix.
 #
@@ -11,14 +10,14 @@
 # (default .devbin/dprefix, the packed binaries, ignored by git):
 #   bash kernels/examples/dprefix_check.sh build
 # run (on the GPU host, repository root, $DEVBIN beside it) runs them:
-#   bash kernels/examples/dprefix_check.sh [tests|simt-env|sanitize|racecheck|bench|bench-full]...
-#   (default: tests simt-env sanitize bench)
+#   bash kernels/examples/dprefix_check.sh [tests|sanitize|racecheck|bench|bench-full]...
+#   (default: tests sanitize bench)
 set -o pipefail
 B=${DEVBIN:-.devbin/dprefix}
 OUT=${OUT:-/tmp/rollplex-out}
 export ROLLPLEX_KERNEL_CACHE=${ROLLPLEX_KERNEL_CACHE:-/tmp/rollplex-kernels}
 export ROLLPLEX_REQUIRE_GPU=1
-steps=${*:-tests simt-env sanitize bench}
+steps=${*:-tests sanitize bench}
 
 if [ "$steps" = build ]; then
   set -e
@@ -29,7 +28,7 @@ if [ "$steps" = build ]; then
     [ -n "$exe" ] || { echo "no test binary for $t" >&2; exit 1; }
     cp "$exe" "$B/$t"
   done
-  cargo build --release -p rollplex-kernels --example bench_attn_bwd
+  cargo build --release -p rollplex-kernels --features bench --example bench_attn_bwd
   cp "${CARGO_TARGET_DIR:-target}/release/examples/bench_attn_bwd" "$B/"
   strip "$B"/*
   ls -la "$B"
@@ -53,8 +52,6 @@ for st in $steps; do
     tests)
       run_tests tests.log cuda_attn_bwd_tc .
       run_tests tests.log cuda_backward attention_bwd ;;
-    simt-env)
-      ROLLPLEX_ATTN_DPREFIX=simt run_tests tests_simt_env.log cuda_attn_bwd_tc 'shared_prefix|dprefix' ;;
     sanitize)
       sanitize memcheck attention_bwd_dprefix_tc_splits_match_cpu_and_add
       sanitize memcheck attention_bwd_tc_shared_prefix_cases_match_cpu_and_simt ;;
@@ -62,7 +59,7 @@ for st in $steps; do
       sanitize racecheck attention_bwd_dprefix_tc_splits_match_cpu_and_add ;;
     bench) timeout 300 "$B/bench_attn_bwd" prefix 2>&1 | tee "$OUT/bench_prefix.log" ;;
     bench-full) timeout 300 "$B/bench_attn_bwd" full 2>&1 | tee "$OUT/bench_full.log" ;;
-    *) echo "unknown step $st (tests simt-env sanitize racecheck bench bench-full, or build)" ;;
+    *) echo "unknown step $st (tests sanitize racecheck bench bench-full, or build)" ;;
   esac
   echo "== $st exit $?"
 done

@@ -2,7 +2,7 @@
 # The CUDA kernels on a GPU host, in one run: the kernel tests (each kernel vs its CPU twin, one
 # process per test so that a faulting kernel cannot poison the others; ROLLPLEX_REQUIRE_GPU=1,
 # so a device that does not open fails them), the decode kernels under
-# compute-sanitizer, the GEMM and decode workbenches, and PyTorch's CUDA-graph decode of the same
+# compute-sanitizer, the GEMM and decode workbenches (built with `--features bench`), and PyTorch's CUDA-graph decode of the same
 # dims (side by side). Entry point: scripts/gpu-bench.sh build|run kernels.
 #
 # build (on a machine with the Rust toolchain) packs the binaries: the release test binaries
@@ -29,7 +29,7 @@ if [ "$steps" = build ]; then
     [ -n "$exe" ] || { echo "no test binary for $t" >&2; exit 1; }
     cp "$exe" "$B/$t"
   done
-  cargo build --release -p rollplex-kernels --example bench_gemm --example bench_decode
+  cargo build --release -p rollplex-kernels --features bench --example bench_gemm --example bench_decode
   cp "${CARGO_TARGET_DIR:-target}"/release/examples/bench_{gemm,decode} "$B/"
   for f in cuda_kernels cuda_skinny bench_gemm bench_decode; do strip "$B/$f"; done
   ls -la "$B"

@@ -594,20 +594,18 @@ fn attention_bwd_dprefix_tc_splits_match_cpu_and_add() {
             (&w2k, &w2v),
             1e-2,
         );
-        if std::env::var("ROLLPLEX_ATTN_DPREFIX").as_deref() != Ok("simt") {
-            let auto = run(DprefixKernel::Auto, 1);
-            let split0 = run(DprefixKernel::TensorCores { split: 0 }, 1);
-            assert_eq!(
-                bits_f32(&auto.0),
-                bits_f32(&split0.0),
-                "{l}: Auto is split 0"
-            );
-            assert_eq!(
-                bits_f32(&auto.1),
-                bits_f32(&split0.1),
-                "{l}: Auto is split 0"
-            );
-        }
+        let auto = run(DprefixKernel::Auto, 1);
+        let split0 = run(DprefixKernel::TensorCores { split: 0 }, 1);
+        assert_eq!(
+            bits_f32(&auto.0),
+            bits_f32(&split0.0),
+            "{l}: Auto is split 0"
+        );
+        assert_eq!(
+            bits_f32(&auto.1),
+            bits_f32(&split0.1),
+            "{l}: Auto is split 0"
+        );
         let (mut dpk, mut dpv) = (up(&s, &inp.base_pk), up(&s, &inp.base_pv));
         let r = attention_bwd_dprefix_bf16(
             DprefixKernel::TensorCores {

@@ -9,7 +9,8 @@ use half::bf16;
 use rollplex_kernels::cpu;
 use rollplex_kernels::cpu::{AttnDims, DecodeSeq};
 use rollplex_kernels::cuda::attention::{
-    attention_decode_grouped_bf16, grouped_decode_plan, grouped_decode_plan_for_blocks, RowStrides,
+    attention_decode_grouped_bf16, grouped_decode_plan, grouped_decode_plan_for_blocks,
+    DecodeInputs, RowStrides,
 };
 use rollplex_kernels::cuda::gemm::{
     gate_up_swiglu_bf16, linear_fwd_bf16_cublaslt, skinny_gate_up_swiglu_bf16,
@@ -230,13 +231,15 @@ fn attention_decode_grouped_matches_cpu() {
                 &mut dout,
                 Some(&mut lv),
                 &mut ws,
-                &dq,
-                &dk,
-                &dv,
-                &ds,
-                dims,
-                scale,
-                RowStrides::contiguous(dims),
+                DecodeInputs {
+                    q: &dq,
+                    k_cache: &dk,
+                    v_cache: &dv,
+                    seqs: &ds,
+                    dims,
+                    scale,
+                    strides: RowStrides::contiguous(dims),
+                },
                 plan,
             )
             .unwrap();
@@ -269,13 +272,15 @@ fn attention_decode_grouped_matches_cpu() {
                 &mut dout,
                 None,
                 &mut ws,
-                &dq,
-                &dk,
-                &dv,
-                &dbad,
-                dims,
-                scale,
-                RowStrides::contiguous(dims),
+                DecodeInputs {
+                    q: &dq,
+                    k_cache: &dk,
+                    v_cache: &dv,
+                    seqs: &dbad,
+                    dims,
+                    scale,
+                    strides: RowStrides::contiguous(dims),
+                },
                 plan,
             )
             .unwrap();

@@ -11,9 +11,9 @@
 //! (see the kernel file), no atomics.
 //!
 //! [`attention_bwd_bf16`] dispatches: the tensor-core FlashAttention-2 kernels of
-//! [`super::attention_bwd_tc`] when [`super::attention_bwd_tc::bwd_kernel_for`] says so
-//! (`ROLLPLEX_ATTN_BWD=tc`, head_dim 64 or 128), else the SIMT kernels here;
-//! [`attention_bwd_bf16_with`] picks one explicitly.
+//! [`super::attention_bwd_tc`] where [`super::attention_bwd_tc::bwd_kernel_for`] says they take
+//! the case (head_dim 64 or 128), else the SIMT kernels here; [`attention_bwd_bf16_with`] takes
+//! the caller's choice ([`BwdKernel`]).
 //!
 //! Gradient buffers use their input's stride: `dq` the q stride, `dk`/`dv` the kv stride,
 //! `dprefix_*` the prefix stride, `dout` the out stride, so a fused dqkv buffer is written in
@@ -110,7 +110,7 @@ fn launch_cfg(items: usize) -> Grid {
 /// prefix keys' gradients into `dprefix_k`, `dprefix_v` (fp32). Pass `k`, `v` (and any two fp32
 /// buffers of at least one row) as the prefix when no sequence has one. `head_dim` <= 256.
 /// Runs [`BwdKernel::Auto`]'s choice ([`bwd_kernel_for`]: the tensor cores where they take the
-/// case, unless `ROLLPLEX_ATTN_BWD=simt`; else SIMT).
+/// case, else SIMT); [`attention_bwd_bf16_with`] takes another.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_bwd_bf16(
     gpu: &Gpu,

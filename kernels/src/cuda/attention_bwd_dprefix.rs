@@ -5,8 +5,8 @@
 //! `attention_bwd_dprefix_f32` (`cuda/attention_bwd.cu`).
 //!
 //! [`super::attention_bwd_tc::attention_bwd_tc_bf16`] runs the tensor-core kernel for its prefix
-//! part unless `ROLLPLEX_ATTN_DPREFIX=simt` ([`dprefix_on_tensor_cores`]);
-//! [`attention_bwd_dprefix_bf16`] runs the prefix part alone on a chosen kernel (tests, bench).
+//! part; [`attention_bwd_dprefix_bf16`] runs the prefix part alone on a chosen kernel (tests,
+//! bench).
 //!
 //! The tensor-core kernel is key-centric over the prefix buffer: a block owns 64 prefix rows (a
 //! tile) of one kv head; the tile's work is the list of (sequence, query head, query tile) items
@@ -19,7 +19,7 @@
 //! device's SM count or the stream's SM partition), every sum runs in an order fixed by the
 //! descriptors and shapes. A prefix row that no valid descriptor's span holds is left untouched.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
@@ -36,8 +36,8 @@ use crate::cpu::AttnDims;
 /// Which kernel [`attention_bwd_dprefix_bf16`] runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DprefixKernel {
-    /// The tensor cores where [`tc_bwd_refusal`] takes the case, the buffers are 16-byte aligned
-    /// and `ROLLPLEX_ATTN_DPREFIX` is not `simt`; else SIMT.
+    /// The tensor cores where [`tc_bwd_refusal`] takes the case and the buffers are 16-byte
+    /// aligned (what the whole tensor-core backward runs); else SIMT.
     Auto,
     /// `attention_bwd_dprefix_f32`: one warp per (prefix row, kv head), fp32 FMAs.
     Simt,
@@ -70,14 +70,6 @@ pub fn tc_dprefix_split(dims: &AttnDims, q_rows: usize, p_rows: usize) -> usize 
     (DPREFIX_TARGET_BLOCKS / blocks)
         .clamp(1, DPREFIX_MAX_SPLIT)
         .min(items.max(1))
-}
-
-/// Whether [`super::attention_bwd_tc::attention_bwd_tc_bf16`] computes the prefix gradients on
-/// the tensor cores: yes unless `ROLLPLEX_ATTN_DPREFIX=simt` (read once; `tc` or anything else:
-/// the tensor cores).
-pub fn dprefix_on_tensor_cores() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("ROLLPLEX_ATTN_DPREFIX").as_deref() != Ok("simt"))
 }
 
 /// The arguments both prefix kernels take (raw device addresses, as u32 sizes), checked by the
@@ -379,8 +371,7 @@ pub fn attention_bwd_dprefix_bf16(
             }
             Some(split)
         }
-        DprefixKernel::Auto => (dprefix_on_tensor_cores()
-            && tc_bwd_refusal(&dims, strides, n_seqs).is_none()
+        DprefixKernel::Auto => (tc_bwd_refusal(&dims, strides, n_seqs).is_none()
             && all_aligned16(&[a.dout, a.q, a.pk, a.pv]))
         .then_some(0),
     };

@@ -12,27 +12,24 @@
 //! over those heads then the query tiles, ascending), `attention_bwd_tc_dkv_reduce` (sums the
 //! slices in order, when there are several), and, when prefix rows exist, the shared prefix
 //! keys' gradients: `attention_bwd_tc_dprefix_f32` (+ `attention_bwd_tc_dprefix_reduce`), see
-//! [`super::attention_bwd_dprefix`], or the SIMT `attention_bwd_dprefix_f32` with
-//! `ROLLPLEX_ATTN_DPREFIX=simt`.
+//! [`super::attention_bwd_dprefix`].
 //!
 //! Invariant: deterministic, no atomics; every sum runs in an order fixed by the shapes alone.
 //! Supported: head_dim in [`TC_BWD_HEAD_DIMS`], row strides multiples of 8, every bf16 buffer
 //! 16-byte aligned, at most 65535 sequences and heads ([`tc_bwd_refusal`]); anything else is
 //! refused with [`super::CudaError::Shape`] and [`BwdKernel::Auto`] takes the SIMT kernel.
 //!
-//! Kernel choice: [`bwd_kernel_for`] reads `ROLLPLEX_ATTN_BWD` once (`tc` or `simt`); unset, it
-//! follows [`TC_BWD_BY_DEFAULT`].
+//! Kernel choice: the caller's [`BwdKernel`]; [`BwdKernel::Auto`] takes the tensor cores wherever
+//! [`tc_bwd_refusal`] accepts the case ([`bwd_kernel_for`]).
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::attention::{AttnSeqGpu, RowStrides};
 use super::attention_bwd::{bwd_extent, BwdExtent};
-use super::attention_bwd_dprefix::{
-    dprefix_on_tensor_cores, launch_dprefix_simt, launch_dprefix_tc, tc_dprefix_split, DprefixArgs,
-};
+use super::attention_bwd_dprefix::{launch_dprefix_tc, tc_dprefix_split, DprefixArgs};
 use super::launch::{aligned16, launch, need, ptr, ptr_mut, Grid};
 use super::nvrtc::KernelModule;
 use super::{shape, Gpu, Result};
@@ -55,11 +52,6 @@ pub enum BwdKernel {
     TensorCores,
 }
 
-/// Whether [`BwdKernel::Auto`] takes the tensor cores when `ROLLPLEX_ATTN_BWD` is unset: yes
-/// since its tests passed on the H200 (docs/perf.md, "Attention backward on the tensor cores");
-/// `ROLLPLEX_ATTN_BWD=simt` takes the SIMT kernel.
-pub const TC_BWD_BY_DEFAULT: bool = true;
-
 /// The head dims the tensor-core backward is compiled and tested for.
 pub const TC_BWD_HEAD_DIMS: [usize; 2] = [64, 128];
 
@@ -79,16 +71,6 @@ pub fn tc_bwd_head_split(dims: &AttnDims) -> usize {
 pub(crate) const TILE_ROWS: usize = 64;
 /// Threads per block of every kernel here.
 pub(crate) const THREADS: u32 = 128;
-
-/// `ROLLPLEX_ATTN_BWD` (`tc` or `simt`), read once; `None` when unset or anything else.
-fn env_choice() -> Option<BwdKernel> {
-    static CHOICE: OnceLock<Option<BwdKernel>> = OnceLock::new();
-    *CHOICE.get_or_init(|| match std::env::var("ROLLPLEX_ATTN_BWD").as_deref() {
-        Ok("tc") => Some(BwdKernel::TensorCores),
-        Ok("simt") => Some(BwdKernel::Simt),
-        _ => None,
-    })
-}
 
 /// Why the tensor-core backward cannot take this case (`None`: it can). Buffer alignment is
 /// checked at launch.
@@ -123,14 +105,11 @@ pub fn tc_bwd_refusal(dims: &AttnDims, strides: RowStrides, n_seqs: usize) -> Op
     None
 }
 
-/// The kernel [`BwdKernel::Auto`] runs: the tensor cores when `ROLLPLEX_ATTN_BWD=tc` (or unset
-/// and [`TC_BWD_BY_DEFAULT`]) and [`tc_bwd_refusal`] accepts the case, else SIMT.
+/// The kernel [`BwdKernel::Auto`] runs: the tensor cores where [`tc_bwd_refusal`] accepts the
+/// case (the default since its tests passed on the H200: docs/perf.md, "Attention backward on
+/// the tensor cores"), else SIMT.
 pub fn bwd_kernel_for(dims: &AttnDims, strides: RowStrides, n_seqs: usize) -> BwdKernel {
-    let want_tc = match env_choice() {
-        Some(k) => k == BwdKernel::TensorCores,
-        None => TC_BWD_BY_DEFAULT,
-    };
-    if want_tc && tc_bwd_refusal(dims, strides, n_seqs).is_none() {
+    if tc_bwd_refusal(dims, strides, n_seqs).is_none() {
         BwdKernel::TensorCores
     } else {
         BwdKernel::Simt
@@ -198,9 +177,8 @@ pub(crate) fn launch_tc_prep(
 
 /// [`super::attention_bwd_bf16`] on the tensor cores (same arguments and results): writes `dq`,
 /// `dk`, `dv` (bf16) and adds the shared prefix keys' gradients into `dprefix_k`, `dprefix_v`
-/// (fp32; on the tensor cores too unless `ROLLPLEX_ATTN_DPREFIX=simt`,
-/// [`dprefix_on_tensor_cores`]). Cases [`tc_bwd_refusal`] names, and bf16 buffers not on
-/// 16-byte boundaries, are refused with a shape error.
+/// (fp32; on the tensor cores too, `attention_bwd_tc_dprefix_f32`). Cases [`tc_bwd_refusal`] names, and
+/// bf16 buffers not on 16-byte boundaries, are refused with a shape error.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_bwd_tc_bf16(
     gpu: &Gpu,
@@ -416,13 +394,9 @@ pub fn attention_bwd_tc_bf16(
             }?;
         }
     }
-    // the shared prefix keys (both launchers return at once without prefix rows or sequences)
-    if dprefix_on_tensor_cores() {
-        let split = tc_dprefix_split(&dims, q_rows, p_rows);
-        launch_dprefix_tc(gpu, stream, &pre, dsp, split)?;
-    } else {
-        launch_dprefix_simt(gpu, stream, &pre, op_)?;
-    }
+    // the shared prefix keys (the launcher returns at once without prefix rows or sequences)
+    let split = tc_dprefix_split(&dims, q_rows, p_rows);
+    launch_dprefix_tc(gpu, stream, &pre, dsp, split)?;
     drop((dsum, part));
     Ok(())
 }

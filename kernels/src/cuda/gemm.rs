@@ -24,6 +24,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+#[cfg(feature = "bench")]
 use cudarc::cublas::sys as bsys;
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys as ltsys;
@@ -364,7 +365,9 @@ pub fn linear_fwd_bf16_cublaslt(
 }
 
 /// The same product through the classic cuBLAS API (`cublasGemmEx`, fp32 compute), for
-/// comparison with the cuBLASLt path. Its algorithm is cuBLAS's choice per call.
+/// comparison with the cuBLASLt path (feature `bench`). Its algorithm is cuBLAS's choice per
+/// call.
+#[cfg(feature = "bench")]
 pub fn matmul_bf16_cublas(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,

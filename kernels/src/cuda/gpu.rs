@@ -4,11 +4,12 @@
 //! [`super::nvrtc`]) and kept per (module, defines). cuBLASLt runs with one handle, one GEMM plan
 //! per shape (algorithm chosen once, so every stream runs the same algorithm and gets the same
 //! bits), and one 32 MiB workspace per stream (two streams never share a workspace). cuBLAS (the
-//! classic API, kept for comparison) gets one handle per stream.
+//! classic API, kept for timing beside cuBLASLt: feature `bench`) gets one handle per stream.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+#[cfg(feature = "bench")]
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
     sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream,
@@ -30,6 +31,7 @@ pub struct Gpu {
     functions: Mutex<HashMap<(ModuleKey, &'static str), CudaFunction>>,
     compile_logs: Mutex<Vec<(String, String)>>,
     pub(crate) lt: Mutex<LtState>,
+    #[cfg(feature = "bench")]
     blas: Mutex<HashMap<usize, CudaBlas>>,
 }
 
@@ -68,6 +70,7 @@ impl Gpu {
             functions: Mutex::new(HashMap::new()),
             compile_logs: Mutex::new(Vec::new()),
             lt: Mutex::new(lt),
+            #[cfg(feature = "bench")]
             blas: Mutex::new(HashMap::new()),
         })
     }
@@ -208,9 +211,11 @@ impl Gpu {
             .map(|s| s.cu_stream() as usize)
             .collect();
         let mut lt = self.lt()?;
+        #[cfg(feature = "bench")]
         let mut blas = self.blas()?;
         for k in keys {
             lt.forget(k);
+            #[cfg(feature = "bench")]
             blas.remove(&k);
         }
         Ok(())
@@ -228,6 +233,7 @@ impl Gpu {
             .map_err(|_| CudaError::Nvrtc("cuBLASLt state poisoned by a panic".into()))
     }
 
+    #[cfg(feature = "bench")]
     fn blas(&self) -> Result<MutexGuard<'_, HashMap<usize, CudaBlas>>> {
         self.blas
             .lock()
@@ -235,6 +241,7 @@ impl Gpu {
     }
 
     /// The classic cuBLAS handle bound to `stream` (created on first use).
+    #[cfg(feature = "bench")]
     pub(crate) fn with_blas<R>(
         &self,
         stream: &Arc<CudaStream>,

@@ -16,7 +16,7 @@
 //! | `adamw_step_f32` | `runtime::train::adamw` (bitwise) | `adamw.rs`, `adamw.cu` |
 //! | `policy_loss_f32` (GRPO / PPO-clip loss: per-token `dlogp`, metrics as order-fixed f64 sums; `policy_loss_reduce_f64` adds them into a [`PolicyLossAcc`]) | `runtime::train::loss::policy_loss` (dlogp bitwise up to `exp`'s last bit) | `policy_loss.rs`, `policy_loss.cu` |
 //! | `rmsnorm_bwd_bf16`, `rope_bwd_bf16`, `swiglu_bwd_bf16`, `swiglu_bwd_fused_bf16`, `gelu_bwd_bf16`, `embedding_bwd_f32`, `logprobs_bwd_bf16`, `grad_accumulate_f32` (bf16 activation gradients, fp32 parameter gradients added) | `cpu::backward` (`rmsnorm_bwd`, `rope_bwd`, `swiglu_bwd`, `gelu_bwd` / `gelu_tanh_bwd`, `embedding_bwd`, `logprobs_bwd`) | `backward.rs`, `backward.cu` |
-//! | `attention_bwd_bf16` (`attention_bwd_tc_bf16`, FlashAttention-2 on the tensor cores, the default; SIMT with `ROLLPLEX_ATTN_BWD=simt`), `attention_bwd_dprefix_bf16` (the shared-prefix keys' part alone: `attention_bwd_tc_dprefix_f32`, or SIMT with `ROLLPLEX_ATTN_DPREFIX=simt`) | `cpu::attention_bwd` | `attention_bwd.rs`, `attention_bwd.cu`, `attention_bwd_tc.rs`, `attention_bwd_dprefix.rs`, `attention_bwd_tc.cu` |
+//! | `attention_bwd_bf16` (`attention_bwd_tc_bf16`, FlashAttention-2 on the tensor cores where they take the case, else SIMT; `attention_bwd_bf16_with` takes a [`BwdKernel`]), `attention_bwd_dprefix_bf16` (the shared-prefix keys' part alone on a chosen [`DprefixKernel`]: `attention_bwd_tc_dprefix_f32` or SIMT) | `cpu::attention_bwd` | `attention_bwd.rs`, `attention_bwd.cu`, `attention_bwd_tc.rs`, `attention_bwd_dprefix.rs`, `attention_bwd_tc.cu` |
 //! | `sumsq_partial_f32` (the grad-norm's f64 partial sums, fixed order), `scale_f32` (the clip), `gather_sum_rows_bf16` (fixed-order row sums), `add_f32_into_bf16` | `cpu::grad` (`sumsq_partial`, `scale`, `gather_sum_rows`, `add_into`) | `grad.rs`, `grad.cu` |
 //!
 //! Invariants:
@@ -52,9 +52,10 @@ pub mod policy_loss;
 pub mod sampling;
 
 pub use adamw::{adamw_step_f32, AdamWScalars};
+#[cfg(feature = "bench")]
+pub use attention::decode_plan_for_blocks;
 pub use attention::{
-    attention_decode_bf16, attention_fwd_bf16, decode_plan, decode_plan_for_blocks, AttnSeqGpu,
-    DecodePlan,
+    attention_decode_bf16, attention_fwd_bf16, decode_plan, AttnSeqGpu, DecodePlan,
 };
 pub use attention_bwd::{attention_bwd_bf16, attention_bwd_bf16_with};
 pub use attention_bwd_dprefix::{attention_bwd_dprefix_bf16, DprefixKernel};
@@ -63,7 +64,9 @@ pub use backward::{
     embedding_bwd_f32, gelu_bwd_bf16, grad_accumulate_f32, logprobs_bwd_bf16, rmsnorm_bwd_bf16,
     rope_bwd_bf16, swiglu_bwd_bf16, swiglu_bwd_fused_bf16, SwigluBwdStrides,
 };
-pub use gemm::{linear_fwd_bf16, matmul_bf16, matmul_bf16_cublas};
+#[cfg(feature = "bench")]
+pub use gemm::matmul_bf16_cublas;
+pub use gemm::{linear_fwd_bf16, matmul_bf16};
 pub use gpu::Gpu;
 pub use grad::{
     add_f32_into_bf16, gather_sum_rows_bf16, scale_f32, sumsq_partial_f32, SUMSQ_BLOCKS,

@@ -92,7 +92,9 @@ pub fn pipelined_split(units: usize, len: usize, mult: usize, rows: usize) -> (u
 }
 
 /// The warp-split kernel's plan aiming at `target_blocks` blocks (its default was
-/// [`DECODE_TARGET_BLOCKS`]); for the workbench, which times it beside [`decode_plan`]'s.
+/// [`DECODE_TARGET_BLOCKS`]); for the workbench, which times it beside [`decode_plan`]'s
+/// (feature `bench`).
+#[cfg(feature = "bench")]
 pub fn decode_plan_for_blocks(
     batch: usize,
     dims: AttnDims,
@@ -130,10 +132,10 @@ pub(super) fn check_decode_io(
     out: &impl DeviceSlice<bf16>,
     lse: Option<&mut dyn DevicePtrMut<f32>>,
     workspace: &impl DeviceSlice<f32>,
-    q: &impl DeviceSlice<bf16>,
-    k_cache: &impl DeviceSlice<bf16>,
-    v_cache: &impl DeviceSlice<bf16>,
-    seqs: &impl DeviceSlice<AttnSeqGpu>,
+    q: &(impl DeviceSlice<bf16> + ?Sized),
+    k_cache: &(impl DeviceSlice<bf16> + ?Sized),
+    v_cache: &(impl DeviceSlice<bf16> + ?Sized),
+    seqs: &(impl DeviceSlice<AttnSeqGpu> + ?Sized),
 ) -> Result<(u32, u64)> {
     let (qw, kvw) = (dims.q_width(), dims.kv_width());
     check_stride(op, "q", strides.q, qw)?;

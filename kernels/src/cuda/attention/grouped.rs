@@ -3,14 +3,14 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaStream, DevicePtrMut};
 use half::bf16;
 
 use super::decode::{
     check_decode_io, group_pass, pipelined_split, reduce_pass, GroupPass, SplitPass,
     DECODE_TARGET_BLOCKS,
 };
-use super::{check_dims, AttnSeqGpu, KvSrc, RowStrides};
+use super::{check_dims, DecodeInputs, KvSrc};
 use crate::cpu::AttnDims;
 use crate::cuda::launch::{aligned16, ptr, ptr_mut};
 use crate::cuda::{shape, Gpu, Result};
@@ -136,7 +136,7 @@ pub fn grouped_decode_plan_for_blocks(
 
 /// Decode attention with each GRPO group's shared prefix read once per group (the CPU twin is
 /// still [`crate::cpu::attention_decode`]): the same buffers and descriptors as
-/// [`attention_decode_bf16`], plus the grouping in `plan`. Samples of a group must name the
+/// [`attention_decode_bf16`] (the inputs in `x`), plus the grouping in `plan`. Samples of a group must name the
 /// same prefix rows (`p_start`, `p_len`) as the group's first sample; one that does not gets
 /// NaN outputs. Launches on `stream`: the group pass (when `plan.p_splits > 0`), the
 /// per-sample pass, the merge.
@@ -147,16 +147,19 @@ pub fn attention_decode_grouped_bf16(
     out: &mut impl DevicePtrMut<bf16>,
     lse: Option<&mut dyn DevicePtrMut<f32>>,
     workspace: &mut impl DevicePtrMut<f32>,
-    q: &impl DevicePtr<bf16>,
-    k_cache: &impl DevicePtr<bf16>,
-    v_cache: &impl DevicePtr<bf16>,
-    seqs: &impl DevicePtr<AttnSeqGpu>,
-    dims: AttnDims,
-    scale: f32,
-    strides: RowStrides,
+    x: DecodeInputs,
     plan: GroupedDecodePlan,
 ) -> Result<()> {
     const OP: &str = "attention_decode_grouped_bf16";
+    let DecodeInputs {
+        q,
+        k_cache,
+        v_cache,
+        seqs,
+        dims,
+        scale,
+        strides,
+    } = x;
     check_dims(OP, &dims, true)?;
     let b = plan.batch;
     let r = dims.num_heads / dims.num_kv_heads;

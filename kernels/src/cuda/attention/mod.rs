@@ -30,9 +30,11 @@ mod decode;
 mod fwd;
 mod grouped;
 
+#[cfg(feature = "bench")]
+pub use decode::decode_plan_for_blocks;
 pub use decode::{
-    attention_decode_bf16, decode_plan, decode_plan_for_blocks, pipelined_split, DecodePlan,
-    DECODE_TARGET_BLOCKS, PIPELINED_SLOTS,
+    attention_decode_bf16, decode_plan, pipelined_split, DecodePlan, DECODE_TARGET_BLOCKS,
+    PIPELINED_SLOTS,
 };
 pub use fwd::{
     attention_fwd_bf16, attention_fwd_bf16_with, fwd_kernel_for, FwdKernel, TC_FWD_MAX_HEAD_DIM,
@@ -43,7 +45,8 @@ pub use grouped::{
     GroupedDecodePlan, GROUP_PASS_MIN_UNITS,
 };
 
-use cudarc::driver::DeviceRepr;
+use cudarc::driver::{DevicePtr, DeviceRepr};
+use half::bf16;
 
 use super::{shape, Result};
 use crate::cpu::{AttnDims, AttnSeq, DecodeSeq};
@@ -104,6 +107,21 @@ struct KvSrc {
 }
 // SAFETY: repr(C) mirror of the device struct; passed by value.
 unsafe impl DeviceRepr for KvSrc {}
+
+/// What a decode attention reads ([`attention_decode_grouped_bf16`]): `q` `[B, heads*hd]` (rows
+/// `strides.q` apart), the KV arena `k_cache`, `v_cache` `[S, kv_heads*hd]` (rows `strides.kv`
+/// apart; prefix and suffix rows in the same arena), the `seqs` `[B]` descriptors on the device
+/// ([`AttnSeqGpu::from_decode`]), the dims and the softmax scale.
+#[derive(Clone, Copy)]
+pub struct DecodeInputs<'a> {
+    pub q: &'a dyn DevicePtr<bf16>,
+    pub k_cache: &'a dyn DevicePtr<bf16>,
+    pub v_cache: &'a dyn DevicePtr<bf16>,
+    pub seqs: &'a dyn DevicePtr<AttnSeqGpu>,
+    pub dims: AttnDims,
+    pub scale: f32,
+    pub strides: RowStrides,
+}
 
 /// Elements between consecutive rows of each buffer (a fused qkv output is read in place by
 /// giving its row width as the q/kv stride and a view starting at the part).

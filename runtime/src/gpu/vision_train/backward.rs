@@ -76,7 +76,7 @@ struct Ctx<'a> {
 /// heads zero-padded to it. Zero columns add exact zeros to every fp32 sum of q.k and
 /// dout.out and give zero gradient columns, so the real columns are what a tensor-core kernel
 /// at `d` would compute. None: `d` runs as it is (the tensor cores take it, or neither takes
-/// the padded case: `ROLLPLEX_ATTN_BWD=simt`, grid limits), on the kernel `Auto` picks.
+/// the padded case: grid limits), on the kernel `Auto` picks.
 pub(super) fn tc_padded_dims(d: AttnDims, n_seqs: usize) -> Option<AttnDims> {
     if bwd_kernel_for(&d, RowStrides::contiguous(d), n_seqs) == BwdKernel::TensorCores {
         return None;

@@ -155,11 +155,7 @@ fn vision_tensors_split_into_the_cpu_models_visual_tensors() {
 /// reads (and backward keeps) are in the same permuted order as the blocks' rows.
 #[test]
 fn vision_heads_pad_to_the_smallest_tensor_core_width() {
-    // needs no GPU: which dims the attention backward runs at (ROLLPLEX_ATTN_BWD unset)
-    if std::env::var_os("ROLLPLEX_ATTN_BWD").is_some() {
-        eprintln!("skipped: ROLLPLEX_ATTN_BWD is set");
-        return;
-    }
+    // needs no GPU: which dims the attention backward runs at
     let d = |num_heads, num_kv_heads, head_dim| AttnDims {
         num_heads,
         num_kv_heads,
