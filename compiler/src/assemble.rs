@@ -29,7 +29,7 @@ use crate::lower::{NodeId, PhaseGraph, Role, SideClass};
 use crate::sched::{topo_order, PBuf, STask, SWindow, Sched};
 use crate::workload::Workload;
 use rollplex_plan::work::WorkKind;
-use rollplex_plan::{BufferClass, GpuId, Op, Phase, Priority, ReshardPoint, Residency};
+use rollplex_plan::{BufferClass, BufferRole, GpuId, Op, Phase, Priority, ReshardPoint, Residency};
 use std::collections::BTreeMap;
 
 /// Where large buffers live outside the phases that use them, and where the weight sync runs
@@ -64,9 +64,6 @@ impl ResidencyChoice {
         }
     }
 }
-
-/// The frozen incompatible tensors' gathered rollout part ([`crate::buffers`]).
-pub const FROZEN_ROLLOUT: &str = "rollout_weights.frozen";
 
 /// A mode's decisions.
 #[derive(Clone, Debug, PartialEq)]
@@ -207,10 +204,13 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
         } && lb.offload != Offload::No;
         if host {
             let h = s.buffers.len();
-            s.buffers
-                .push(pbuf(lb, format!("{}.host", lb.name), true, true));
+            let mut copy = pbuf(lb, format!("{}.host", lb.name), true, true);
+            copy.role = BufferRole::HostCopy;
+            s.buffers.push(copy);
             let d = s.buffers.len();
-            s.buffers.push(pbuf(lb, lb.name.clone(), false, false));
+            let mut dev = pbuf(lb, lb.name.clone(), false, false);
+            dev.host_twin = true;
+            s.buffers.push(dev);
             map.push(d);
             reloads.push(Reload {
                 logical: li,
@@ -220,12 +220,14 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
             });
         } else {
             map.push(s.buffers.len());
-            let persistent =
-                lb.persistent && !(lb.name == FROZEN_ROLLOUT && p.residency.frozen_rebuilt);
+            let persistent = lb.persistent
+                && !(lb.role == BufferRole::FrozenRolloutWeights && p.residency.frozen_rebuilt);
             s.buffers.push(pbuf(lb, lb.name.clone(), persistent, false));
         }
     }
-    let frozen_buf = pg.buffer_named(FROZEN_ROLLOUT).map(|i| map[i]);
+    let frozen_buf = pg
+        .buffer_with(BufferRole::FrozenRolloutWeights)
+        .map(|i| map[i]);
     s.reshard_point = pg.sharing.as_ref().map(|_| p.residency.reshard);
     s.frozen_rebuilt = p.residency.frozen_rebuilt;
 
@@ -333,7 +335,8 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
     if !p.single_stream {
         for (class, _) in crate::residency::KEPT {
             if p.residency.kept_host(class) {
-                if let Some(li) = pg.buffer_named(crate::residency::kept_buffer(class)) {
+                if let Some(li) = crate::residency::kept_role(class).and_then(|r| pg.buffer_with(r))
+                {
                     offload_kept(&mut s, pg, class, li, map[li], &wl)?;
                 }
             }
@@ -377,12 +380,14 @@ struct Reload {
 fn pbuf(lb: &LogicalBuffer, name: String, persistent: bool, host: bool) -> PBuf {
     PBuf {
         name,
+        role: lb.role,
         class: lb.class,
         gpu: lb.gpu,
         bytes: lb.bytes,
         shape: lb.shape.clone(),
         persistent,
         host,
+        host_twin: false,
         residency: Vec::new(),
         offload: lb.offload,
     }
@@ -572,12 +577,16 @@ fn offload_kept(
     for (k, pname) in producers.iter().enumerate() {
         let dev = s.buffers.len();
         let mut b = pbuf(lb, format!("{}[{k}]", lb.name), false, false);
+        b.role = BufferRole::KeptChunk;
+        b.host_twin = true;
         b.bytes = chunk;
         b.shape = format!("chunk {k} of {items}: {}", lb.shape);
         s.buffers.push(b.clone());
         let host = s.buffers.len();
         b.name = format!("{}[{k}].host", lb.name);
+        b.role = BufferRole::HostCopy;
         b.host = true;
+        b.host_twin = false;
         s.buffers.push(b);
         let at = find(s, pname)?;
         for w in s.tasks[at].writes.iter_mut() {
@@ -700,14 +709,6 @@ fn set_residency(s: &mut Sched, pg: &PhaseGraph) {
         }
     }
     let full_recompute = pg.spec.train.recompute == rollplex_plan::spec::Recompute::Full;
-    // Device copies of offloaded buffers: their host twin is named `<name>.host`.
-    let host_twins: Vec<Option<usize>> = (0..n)
-        .map(|i| {
-            s.buffers
-                .iter()
-                .position(|h| h.host && h.name == format!("{}.host", s.buffers[i].name))
-        })
-        .collect();
     for i in 0..n {
         let b = &s.buffers[i];
         let (first, last) = match (used[i].iter().min(), used[i].iter().max()) {
@@ -720,13 +721,13 @@ fn set_residency(s: &mut Sched, pg: &PhaseGraph) {
                 let alive = b.persistent || (ph >= first && ph <= last);
                 let r = if b.host {
                     Residency::Host
-                } else if host_twins[i].is_some() {
+                } else if b.host_twin {
                     if used[i].contains(&ph) {
                         Residency::Hbm
                     } else {
                         Residency::Host
                     }
-                } else if !alive && b.name == FROZEN_ROLLOUT {
+                } else if !alive && b.role == BufferRole::FrozenRolloutWeights {
                     Residency::Recompute
                 } else if !alive {
                     Residency::Absent

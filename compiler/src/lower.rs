@@ -105,7 +105,7 @@ pub struct Node {
     pub kind: WorkKind,
     pub op: Op,
     pub gpu: GpuId,
-    /// The phase the task belongs to when it is not moved into a decode window.
+    /// The phase the task belongs to when it is not moved into a decode window ([`Op::phase`]).
     pub phase: Phase,
     pub role: Role,
     pub work: Work,
@@ -196,12 +196,13 @@ impl Builder<'_> {
         kind: WorkKind,
         op: Op,
         gpu: GpuId,
-        phase: Phase,
         role: Role,
         work: Work,
         ready_step: u32,
         deps: &[NodeId],
     ) -> NodeId {
+        // (a phase graph holds no transfers: those come with residency)
+        let phase = op.phase(false).unwrap_or(Phase::Training);
         let id = self.g.add_node(Node {
             name,
             kind,
@@ -320,7 +321,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 to_tp: rtp,
             },
             rg,
-            Phase::Sync,
             Role::PreDecode,
             b.wl.transfer(moved as f64, 0.0),
             0,
@@ -345,7 +345,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 WorkKind::VisionEncode,
                 Op::EncodeMedia { groups: *s, copies },
                 rg,
-                Phase::Rollout,
                 Role::PreDecode,
                 w,
                 0,
@@ -366,7 +365,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 to_tp: ttp,
             },
             rg,
-            Phase::Rollout,
             Role::PreDecode,
             b.wl.transfer(bytes, 0.0),
             0,
@@ -389,7 +387,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
             WorkKind::Prefill,
             Op::Prefill { groups: *s, copies },
             rg,
-            Phase::Rollout,
             Role::PreDecode,
             w,
             0,
@@ -414,7 +411,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 until_done: last,
             },
             rg,
-            Phase::Rollout,
             Role::Decode { window: wi as u32 },
             work,
             0,
@@ -474,7 +470,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 WorkKind::RefPrefix,
                 Op::RefPrefix { groups: *s, copies },
                 tg,
-                Phase::Scoring,
                 Role::Side {
                     class: SideClass::RefPrefix,
                     item,
@@ -495,7 +490,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                     purpose: Purpose::OldLogProb,
                 },
                 tg,
-                Phase::Scoring,
                 Role::Side {
                     class: SideClass::OldPrefix,
                     item,
@@ -515,7 +509,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                     purpose: Purpose::Train { step: 0 },
                 },
                 tg,
-                Phase::Training,
                 Role::Side {
                     class: SideClass::TrainPrefix,
                     item,
@@ -541,7 +534,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 WorkKind::RefSuffix,
                 Op::RefSuffix { slot: k },
                 tg,
-                Phase::Scoring,
                 Role::Side {
                     class: SideClass::RefSuffix,
                     item: k,
@@ -562,7 +554,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                     purpose: Purpose::OldLogProb,
                 },
                 tg,
-                Phase::Scoring,
                 Role::Side {
                     class: SideClass::OldSuffix,
                     item: k,
@@ -577,7 +568,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
             WorkKind::Reward,
             Op::Reward { slot: k },
             tg,
-            Phase::Scoring,
             Role::Side {
                 class: SideClass::Reward,
                 item: k,
@@ -591,7 +581,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
             WorkKind::Advantage,
             Op::Advantages { slot: k },
             tg,
-            Phase::Scoring,
             Role::Side {
                 class: SideClass::Advantages,
                 item: k,
@@ -645,7 +634,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                         purpose: Purpose::Train { step: s },
                     },
                     tg,
-                    Phase::Training,
                     role,
                     with_part(fwd, WorkKind::VisionEncode, vis),
                     ready,
@@ -730,7 +718,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                     prefix_bwd_slots: prefix_bwd,
                 },
                 tg,
-                Phase::Training,
                 role,
                 work,
                 ready,
@@ -748,7 +735,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
             WorkKind::Optimizer,
             Op::OptimizerStep { step: s },
             tg,
-            Phase::Training,
             Role::Post,
             b.wl.optimizer(ttp, par.train_replicas),
             0,
@@ -782,7 +768,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 to_tp: rtp,
             },
             rg,
-            Phase::Sync,
             Role::Post,
             work,
             0,

@@ -47,7 +47,7 @@ use crate::lower::{PhaseGraph, Role, SideClass};
 use rollplex_cost::CostModel;
 use rollplex_plan::spec::Mode;
 use rollplex_plan::work::WorkKind;
-use rollplex_plan::{BufferClass, Op, Phase, ReshardPoint, SolverStats};
+use rollplex_plan::{BufferClass, BufferRole, Op, Phase, ReshardPoint, SolverStats};
 
 /// Bytes by which earlier attempts overshot, per memory row.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -74,8 +74,8 @@ pub struct Model {
     pub reshard: Vec<ReshardPoint>,
 }
 
-fn bytes(pg: &PhaseGraph, name: &str) -> f64 {
-    pg.buffer_named(name)
+fn bytes(pg: &PhaseGraph, role: BufferRole) -> f64 {
+    pg.buffer_with(role)
         .map(|i| pg.buffers[i].bytes as f64)
         .unwrap_or(0.0)
 }
@@ -100,14 +100,14 @@ pub fn model(
     let host_s = |b: f64| cost.time(WorkKind::Transfer, &wl.transfer(0.0, b), total);
     let mut items = Vec::new();
     let mut kinds = Vec::new();
-    let item_names: &[&str] = &[
-        "ref_weights",
-        "master_weights",
-        "adam_moments",
-        "rollout_weights.frozen",
+    let item_roles = [
+        BufferRole::RefWeights,
+        BufferRole::MasterWeights,
+        BufferRole::AdamMoments,
+        BufferRole::FrozenRolloutWeights,
     ];
-    if pg.buffer_named("ref_weights").is_some() {
-        let b = bytes(pg, "ref_weights");
+    if pg.buffer_with(BufferRole::RefWeights).is_some() {
+        let b = bytes(pg, BufferRole::RefWeights);
         items.push(ResItem {
             name: "ref_weights".into(),
             bytes: b,
@@ -124,7 +124,7 @@ pub fn model(
         });
         kinds.push(Item::RefWeights);
     }
-    let opt = bytes(pg, "master_weights") + bytes(pg, "adam_moments");
+    let opt = bytes(pg, BufferRole::MasterWeights) + bytes(pg, BufferRole::AdamMoments);
     if opt > 0.0 {
         items.push(ResItem {
             name: "optimizer state".into(),
@@ -146,7 +146,7 @@ pub fn model(
     let sync_s = sync
         .map(|i| cost.time(WorkKind::WeightSync, &pg.node(i).work, total))
         .unwrap_or(0.0);
-    let frozen = bytes(pg, "rollout_weights.frozen");
+    let frozen = bytes(pg, BufferRole::FrozenRolloutWeights);
     let mut frozen_idx = None;
     if frozen > 0.0 {
         if let Some(i) = sync {
@@ -175,7 +175,10 @@ pub fn model(
     let mut kept = Vec::new();
     let mut kept_classes = Vec::new();
     for (class, consumer) in KEPT {
-        let (Some(ci), Some(bi)) = (class_index(class), pg.buffer_named(kept_buffer(class))) else {
+        let (Some(ci), Some(bi)) = (
+            class_index(class),
+            kept_role(class).and_then(|r| pg.buffer_with(r)),
+        ) else {
             continue;
         };
         let n = pg
@@ -188,7 +191,7 @@ pub fn model(
         let b = pg.buffers[bi].bytes;
         let chunk = b.div_ceil(n) as f64;
         kept.push(KeptState {
-            name: kept_buffer(class).into(),
+            name: pg.buffers[bi].name.clone(),
             class: ci,
             consumers: class_index(consumer).into_iter().collect(),
             host_resident: (2.0 * chunk).min(b as f64),
@@ -222,11 +225,10 @@ pub fn model(
         }
     }
     // Bases.
-    let is_item = |n: &str| item_names.contains(&n);
     let persistent_on = |g| -> f64 {
         pg.buffers
             .iter()
-            .filter(|b| b.persistent && b.gpu == g && !is_item(&b.name))
+            .filter(|b| b.persistent && b.gpu == g && !item_roles.contains(&b.role))
             .map(|b| b.bytes as f64)
             .sum()
     };
@@ -239,19 +241,19 @@ pub fn model(
             .unwrap_or(0) as f64
     };
     let mut decode_base = persistent_on(rg);
-    for name in [
-        "vision_emb",
-        "vision_emb.train",
-        "kv.prompt",
-        "kv.response",
-        "samples",
-        "rollout_weights",
+    for role in [
+        BufferRole::MediaEmbeddings,
+        BufferRole::TrainMediaEmbeddings,
+        BufferRole::KvPrompt,
+        BufferRole::KvResponse,
+        BufferRole::Samples,
+        BufferRole::RolloutWeights,
     ] {
         if pg
-            .buffer_named(name)
+            .buffer_with(role)
             .is_some_and(|i| !pg.buffers[i].persistent && pg.buffers[i].gpu == rg)
         {
-            decode_base += bytes(pg, name);
+            decode_base += bytes(pg, role);
         }
     }
     decode_base += max_scratch(&|n| matches!(n.role, Role::Decode { .. }));
@@ -267,18 +269,18 @@ pub fn model(
     };
     let mut train_base =
         persistent_on(tg) + largest(BufferClass::Grads) + largest(BufferClass::Activations);
-    for name in [
-        "ref_logprobs",
-        "old_logprobs",
-        "scalars",
-        "samples",
-        "samples.train",
+    for role in [
+        BufferRole::RefLogProbs,
+        BufferRole::OldLogProbs,
+        BufferRole::Scalars,
+        BufferRole::Samples,
+        BufferRole::TrainSamples,
     ] {
         if pg
-            .buffer_named(name)
+            .buffer_with(role)
             .is_some_and(|i| !pg.buffers[i].persistent && pg.buffers[i].gpu == tg)
         {
-            train_base += bytes(pg, name);
+            train_base += bytes(pg, role);
         }
     }
     train_base += max_scratch(&|n| n.phase == Phase::Training);
@@ -311,13 +313,13 @@ pub const KEPT: [(SideClass, SideClass); 3] = [
     (SideClass::TrainPrefix, SideClass::MicroBatch),
 ];
 
-/// The buffer a kept-state producer class writes (`""` for other classes).
-pub fn kept_buffer(class: SideClass) -> &'static str {
+/// The role of the buffer a kept-state producer class writes (`None` for other classes).
+pub fn kept_role(class: SideClass) -> Option<BufferRole> {
     match class {
-        SideClass::RefPrefix => "ref_prefix_kv",
-        SideClass::OldPrefix => "old_prefix_kv",
-        SideClass::TrainPrefix => "train_prefix.s0",
-        _ => "",
+        SideClass::RefPrefix => Some(BufferRole::RefPrefixKv),
+        SideClass::OldPrefix => Some(BufferRole::OldPrefixKv),
+        SideClass::TrainPrefix => Some(BufferRole::TrainPrefix { step: 0 }),
+        _ => None,
     }
 }
 

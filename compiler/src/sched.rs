@@ -50,12 +50,15 @@ pub struct SWindow {
 #[derive(Clone, Debug, PartialEq)]
 pub struct PBuf {
     pub name: String,
+    pub role: rollplex_plan::BufferRole,
     pub class: BufferClass,
     pub gpu: GpuId,
     pub bytes: u64,
     pub shape: String,
     pub persistent: bool,
     pub host: bool,
+    /// A device buffer with a pinned-host copy (offloaded, or a kept state's chunk).
+    pub host_twin: bool,
     pub residency: Vec<(Phase, Residency)>,
     pub offload: Offload,
 }

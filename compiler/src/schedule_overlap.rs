@@ -36,7 +36,7 @@ use crate::lower::{NodeId, PhaseGraph, Role, SideClass};
 use crate::residency::Cuts;
 use rollplex_cost::CostModel;
 use rollplex_plan::work::WorkKind;
-use rollplex_plan::{SolveStatus, SolverStats};
+use rollplex_plan::{BufferRole, SolveStatus, SolverStats};
 use std::collections::BTreeMap;
 
 /// How the ILP prices the side work of a window (see the module doc).
@@ -136,8 +136,8 @@ fn place_priced(
         })
         .collect();
 
-    let buf = |name: &str| {
-        pg.buffer_named(name)
+    let buf = |role: BufferRole| {
+        pg.buffer_with(role)
             .map(|i| pg.buffers[i].bytes as f64)
             .unwrap_or(0.0)
     };
@@ -181,14 +181,14 @@ fn place_priced(
             })
             .collect();
         let bytes = match c {
-            SideClass::RefPrefix => buf("ref_prefix_kv"),
-            SideClass::OldPrefix => buf("old_prefix_kv"),
-            SideClass::TrainPrefix => buf("train_prefix.s0"),
-            SideClass::RefSuffix => buf("ref_logprobs"),
-            SideClass::OldSuffix => buf("old_logprobs"),
-            SideClass::Reward => buf("scalars"),
+            SideClass::RefPrefix => buf(BufferRole::RefPrefixKv),
+            SideClass::OldPrefix => buf(BufferRole::OldPrefixKv),
+            SideClass::TrainPrefix => buf(BufferRole::TrainPrefix { step: 0 }),
+            SideClass::RefSuffix => buf(BufferRole::RefLogProbs),
+            SideClass::OldSuffix => buf(BufferRole::OldLogProbs),
+            SideClass::Reward => buf(BufferRole::Scalars),
             SideClass::Advantages => 0.0,
-            SideClass::MicroBatch => buf("grads.s0"),
+            SideClass::MicroBatch => buf(BufferRole::Grads { step: 0 }),
         };
         inputs.push(ClassInput {
             name: c.name(),

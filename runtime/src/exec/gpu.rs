@@ -519,9 +519,9 @@ impl Held {
         Held::TrainPrefixes,
     ];
 
-    /// The held state of a plan buffer: that of its per-iteration [`Role`].
-    fn of_buffer(name: &str) -> Option<Held> {
-        Some(match Role::of_buffer(name)? {
+    /// The held state of a plan buffer of `role`: that of its per-iteration [`Role`].
+    fn of(role: rollplex_plan::BufferRole) -> Option<Held> {
+        Some(match Role::of(role)? {
             Role::DecodeKv => Held::DecodeKv,
             Role::Media => Held::Media,
             Role::RefPrefixes => Held::RefPrefixes,
@@ -568,7 +568,7 @@ impl Held {
             for b in plan
                 .buffers
                 .iter()
-                .filter(|b| Some(b.gpu) == gpu && Held::of_buffer(&b.name) == Some(h))
+                .filter(|b| Some(b.gpu) == gpu && Held::of(b.role) == Some(h))
             {
                 match b.lifetime {
                     Lifetime::Tasks { last: l, .. } => last = Some(last.map_or(l, |x| x.max(l))),
@@ -1820,7 +1820,7 @@ mod tests {
                 let bufs: Vec<_> = p
                     .buffers
                     .iter()
-                    .filter(|b| Held::of_buffer(&b.name) == Some(h))
+                    .filter(|b| Held::of(b.role) == Some(h))
                     .map(|b| b.id)
                     .collect();
                 let uses = |i: usize| {
@@ -1854,11 +1854,12 @@ mod tests {
                 }
             }
         }
+        use rollplex_plan::BufferRole;
         assert_eq!(
-            Held::of_buffer("train_prefix.s12"),
+            Held::of(BufferRole::TrainPrefix { step: 12 }),
             Some(Held::TrainPrefixes)
         );
-        assert_eq!(Held::of_buffer("train_prefix.sx"), None);
-        assert_eq!(Held::of_buffer("vision_emb.train"), None);
+        assert_eq!(Held::of(BufferRole::KeptChunk), None);
+        assert_eq!(Held::of(BufferRole::TrainMediaEmbeddings), None);
     }
 }
