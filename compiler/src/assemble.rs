@@ -23,59 +23,16 @@
 //!
 //! Invariant: the output is in issue order (every dependency precedes its task).
 
-use crate::buffers::{LogicalBuffer, Offload};
 use crate::error::{CompileError, Result};
-use crate::lower::{NodeId, PhaseGraph, Role, SideClass};
-use crate::sched::{topo_order, PBuf, STask, SWindow, Sched};
+use crate::ir::{
+    kept_role, LBufId, LogicalBuffer, NodeId, Offload, PBuf, PhaseGraph, Placement, Role, STask,
+    SWindow, Sched, SideClass, KEPT,
+};
+use crate::sched::topo_order;
 use crate::workload::Workload;
 use rollplex_plan::work::WorkKind;
 use rollplex_plan::{BufferClass, BufferRole, GpuId, Op, Phase, Priority, ReshardPoint, Residency};
 use std::collections::BTreeMap;
-
-/// Where large buffers live outside the phases that use them, and where the weight sync runs
-/// ([`crate::residency`] decides).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct ResidencyChoice {
-    /// Reference weights: on host, reloaded before the first reference task.
-    pub ref_host: bool,
-    /// fp32 master weights and Adam moments: on host, reloaded before the first optimizer
-    /// step and written back after the last.
-    pub optimizer_host: bool,
-    /// `rollout_weights.frozen`: dropped after decode and rebuilt by every weight sync
-    /// instead of kept in HBM.
-    pub frozen_rebuilt: bool,
-    /// Kept prefix states on host ([`crate::residency`]): each producer in a decode window
-    /// writes its own chunk, offloaded right after it and reloaded after decode.
-    pub ref_prefix_host: bool,
-    pub old_prefix_host: bool,
-    pub train_prefix_host: bool,
-    /// Where the colocated weight sync runs.
-    pub reshard: ReshardPoint,
-}
-
-impl ResidencyChoice {
-    /// Whether the kept state `class` produces goes to host.
-    pub fn kept_host(&self, class: SideClass) -> bool {
-        match class {
-            SideClass::RefPrefix => self.ref_prefix_host,
-            SideClass::OldPrefix => self.old_prefix_host,
-            SideClass::TrainPrefix => self.train_prefix_host,
-            _ => false,
-        }
-    }
-}
-
-/// A mode's decisions.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Placement {
-    /// One stream per GPU program, no windows split (serial, disaggregated).
-    pub single_stream: bool,
-    /// Per decode window: (decode SMs, side SMs); side 0 = decode has the whole GPU.
-    pub splits: Vec<(u32, u32)>,
-    /// Side-class nodes moved into a window.
-    pub in_window: BTreeMap<NodeId, u32>,
-    pub residency: ResidencyChoice,
-}
 
 /// Issue-order key: pre-decode work, then windows (decode before its side work), then the
 /// rest by phase, class and item.
@@ -213,7 +170,7 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
             s.buffers.push(dev);
             map.push(d);
             reloads.push(Reload {
-                logical: li,
+                logical: LBufId::from_index(li),
                 host: h,
                 device: d,
                 write_back: lb.offload == Offload::Mutable,
@@ -227,7 +184,7 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
     }
     let frozen_buf = pg
         .buffer_with(BufferRole::FrozenRolloutWeights)
-        .map(|i| map[i]);
+        .map(|i| map[i.index()]);
     s.reshard_point = pg.sharing.as_ref().map(|_| p.residency.reshard);
     s.frozen_rebuilt = p.residency.frozen_rebuilt;
 
@@ -291,7 +248,7 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
         }
         t_deps.sort_unstable();
         t_deps.dedup();
-        let mut writes: Vec<usize> = n.writes.iter().map(|&b| map[b]).collect();
+        let mut writes: Vec<usize> = n.writes.iter().map(|&b| map[b.index()]).collect();
         let mut work = n.work.clone();
         // A rebuilt frozen extra is part of every colocated weight sync.
         if let (Op::WeightSync { .. }, Role::PreDecode, true, Some(fb)) =
@@ -311,7 +268,7 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
             stream,
             window,
             deps: t_deps,
-            reads: n.reads.iter().map(|&b| map[b]).collect(),
+            reads: n.reads.iter().map(|&b| map[b.index()]).collect(),
             writes,
             work: crate::workload::rounded(&work),
             scratch: n.scratch,
@@ -333,11 +290,10 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
         insert_transfers(&mut s, pg, p, r, &wl)?;
     }
     if !p.single_stream {
-        for (class, _) in crate::residency::KEPT {
+        for (class, _) in KEPT {
             if p.residency.kept_host(class) {
-                if let Some(li) = crate::residency::kept_role(class).and_then(|r| pg.buffer_with(r))
-                {
-                    offload_kept(&mut s, pg, class, li, map[li], &wl)?;
+                if let Some(li) = kept_role(class).and_then(|r| pg.buffer_with(r)) {
+                    offload_kept(&mut s, pg, class, li, map[li.index()], &wl)?;
                 }
             }
         }
@@ -371,7 +327,7 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
 }
 
 struct Reload {
-    logical: usize,
+    logical: LBufId,
     host: usize,
     device: usize,
     write_back: bool,
@@ -421,8 +377,8 @@ fn insert_transfers(
     } else {
         s.stream(gpu, "copy", Priority::Normal)
     };
-    let bytes = pg.buffers[r.logical].bytes as f64;
-    let name = pg.buffers[r.logical].name.clone();
+    let bytes = pg.buffer(r.logical).bytes as f64;
+    let name = pg.buffer(r.logical).name.clone();
     let on_gpu = |i: usize| s.tasks[i].gpu == gpu;
     let anchor = if s.tasks[first].window.is_some() {
         (0..first)
@@ -522,11 +478,11 @@ fn offload_kept(
     s: &mut Sched,
     pg: &PhaseGraph,
     class: SideClass,
-    li: usize,
+    li: LBufId,
     d: usize,
     wl: &Workload,
 ) -> Result<()> {
-    let lb = &pg.buffers[li];
+    let lb = pg.buffer(li);
     let gpu = lb.gpu;
     let producers: Vec<String> = s
         .tasks

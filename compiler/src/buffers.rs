@@ -32,10 +32,10 @@
 //!
 //! Invariant: every buffer a node names exists and lives on the node's GPU program.
 
-use crate::lower::PhaseGraph;
+use crate::ir::{LBufId, LogicalBuffer, Offload, PhaseGraph};
 use crate::shapes::{kept_act_bytes_per_token_layer, transient_bytes_per_token};
 use rollplex_plan::spec::{MediaSpec, Mode, Recompute};
-use rollplex_plan::{placed_bytes, BufferClass, BufferRole, GpuId, Op, Purpose};
+use rollplex_plan::{placed_bytes, BufferRole, GpuId, Op, Purpose};
 
 /// Parameter tensors of the actor at most: twelve per vision block and text layer (two norms,
 /// the attention's and the MLP's weights and biases) and the embeddings, patch embedding,
@@ -45,38 +45,14 @@ fn param_tensors(spec: &rollplex_plan::spec::JobSpec) -> u64 {
     12 * blocks + 16
 }
 
-/// How a buffer may be moved to host memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Offload {
-    /// Must stay in device memory.
-    No,
-    /// Never written during the iteration: a host copy stays valid, reload only.
-    Frozen,
-    /// Written during the iteration: offload writes back, reload reads it.
-    Mutable,
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub struct LogicalBuffer {
-    pub name: String,
-    pub role: BufferRole,
-    /// The class `role` fixes.
-    pub class: BufferClass,
-    pub gpu: GpuId,
-    pub bytes: u64,
-    pub shape: String,
-    /// Loop-carried: alive across iterations.
-    pub persistent: bool,
-    pub offload: Offload,
-}
-
 struct Table {
     bufs: Vec<LogicalBuffer>,
 }
 
 impl Table {
-    fn len(&self) -> usize {
-        self.bufs.len()
+    /// The id the next buffer added gets.
+    fn next(&self) -> LBufId {
+        LBufId::from_index(self.bufs.len())
     }
 
     #[allow(clippy::too_many_arguments)] // one argument per column of the buffer table
@@ -89,7 +65,8 @@ impl Table {
         shape: String,
         persistent: bool,
         offload: Offload,
-    ) -> usize {
+    ) -> LBufId {
+        let id = self.next();
         self.bufs.push(LogicalBuffer {
             name: name.into(),
             role,
@@ -102,7 +79,7 @@ impl Table {
             persistent,
             offload,
         });
-        self.bufs.len() - 1
+        id
     }
 }
 
@@ -162,7 +139,7 @@ pub fn assign(pg: &mut PhaseGraph) {
             ));
         }
         if frozen > 0 {
-            frozen_w = Some(t.len());
+            frozen_w = Some(t.next());
             rollout_w.push(t.add(
                 "rollout_weights.frozen",
                 BufferRole::FrozenRolloutWeights,
@@ -216,7 +193,7 @@ pub fn assign(pg: &mut PhaseGraph) {
         true,
         Offload::Mutable,
     );
-    let grads: Vec<usize> = (0..batch.steps)
+    let grads: Vec<LBufId> = (0..batch.steps)
         .map(|s| {
             t.add(
                 &format!("grads.s{s}"),
@@ -345,7 +322,7 @@ pub fn assign(pg: &mut PhaseGraph) {
     } else {
         0
     };
-    let train_prefix: Vec<usize> = (0..batch.steps)
+    let train_prefix: Vec<LBufId> = (0..batch.steps)
         .map(|s| {
             t.add(
                 &format!("train_prefix.s{s}"),
@@ -454,8 +431,8 @@ pub fn assign(pg: &mut PhaseGraph) {
     let ids: Vec<_> = pg.graph.node_indices().collect();
     for id in ids {
         let node = &pg.graph[id];
-        let mut reads: Vec<usize> = Vec::new();
-        let mut writes: Vec<usize> = Vec::new();
+        let mut reads: Vec<LBufId> = Vec::new();
+        let mut writes: Vec<LBufId> = Vec::new();
         let mut scratch = 0u64;
         let emb_t = emb_train.or(if pg.reuses_encoding { emb } else { None });
         match &node.op {
@@ -602,11 +579,4 @@ fn t_find_unique(bufs: &[LogicalBuffer]) -> bool {
     roles.sort_unstable();
     roles.dedup();
     n == names.len() && n == roles.len()
-}
-
-impl PhaseGraph {
-    /// The logical buffer of `role` (the table has at most one of each).
-    pub fn buffer_with(&self, role: BufferRole) -> Option<usize> {
-        self.buffers.iter().position(|b| b.role == role)
-    }
 }

@@ -6,8 +6,7 @@
 //! transient working set becomes a `scratch.<task>` buffer used by that task alone; times are
 //! rounded to the microsecond (monotone, so the order of times is kept).
 
-use crate::lower::PhaseGraph;
-use crate::sched::Sched;
+use crate::ir::{PhaseGraph, Sched};
 use rollplex_cost::CostModel;
 use rollplex_plan::{
     Buffer, BufferClass, BufferId, BufferRole, Gpu, Lifetime, Memory, Op, Phase, PhaseResidency,

@@ -39,11 +39,9 @@
 //! the driver lays out memory exactly and, when a plan is over budget, lowers the budget of
 //! the row where the peak sits by the overshoot and solves again.
 
-use crate::assemble::ResidencyChoice;
-use crate::driver::IlpRun;
 use crate::error::{CompileError, Result};
-use crate::ilp::{self, KeptState, ResItem, ReshardOption, Residency};
-use crate::lower::{PhaseGraph, Role, SideClass};
+use crate::ilp::{self, IlpRun, KeptState, ResItem, ReshardOption, Residency};
+use crate::ir::{kept_role, Node, PhaseGraph, ResidencyChoice, Role, SideClass, KEPT};
 use rollplex_cost::CostModel;
 use rollplex_plan::spec::Mode;
 use rollplex_plan::work::WorkKind;
@@ -76,7 +74,7 @@ pub struct Model {
 
 fn bytes(pg: &PhaseGraph, role: BufferRole) -> f64 {
     pg.buffer_with(role)
-        .map(|i| pg.buffers[i].bytes as f64)
+        .map(|i| pg.buffer(i).bytes as f64)
         .unwrap_or(0.0)
 }
 
@@ -188,10 +186,10 @@ pub fn model(
         if n == 0 {
             continue;
         }
-        let b = pg.buffers[bi].bytes;
+        let b = pg.buffer(bi).bytes;
         let chunk = b.div_ceil(n) as f64;
         kept.push(KeptState {
-            name: pg.buffers[bi].name.clone(),
+            name: pg.buffer(bi).name.clone(),
             class: ci,
             consumers: class_index(consumer).into_iter().collect(),
             host_resident: (2.0 * chunk).min(b as f64),
@@ -232,7 +230,7 @@ pub fn model(
             .map(|b| b.bytes as f64)
             .sum()
     };
-    let max_scratch = |f: &dyn Fn(&crate::lower::Node) -> bool| -> f64 {
+    let max_scratch = |f: &dyn Fn(&Node) -> bool| -> f64 {
         pg.ids()
             .map(|i| pg.node(i))
             .filter(|n| f(n))
@@ -251,7 +249,7 @@ pub fn model(
     ] {
         if pg
             .buffer_with(role)
-            .is_some_and(|i| !pg.buffers[i].persistent && pg.buffers[i].gpu == rg)
+            .is_some_and(|i| !pg.buffer(i).persistent && pg.buffer(i).gpu == rg)
         {
             decode_base += bytes(pg, role);
         }
@@ -278,7 +276,7 @@ pub fn model(
     ] {
         if pg
             .buffer_with(role)
-            .is_some_and(|i| !pg.buffers[i].persistent && pg.buffers[i].gpu == tg)
+            .is_some_and(|i| !pg.buffer(i).persistent && pg.buffer(i).gpu == tg)
         {
             train_base += bytes(pg, role);
         }
@@ -303,23 +301,6 @@ pub fn model(
         items: kinds,
         kept: kept_classes,
         reshard: points,
-    }
-}
-
-/// Kept prefix states' producer classes and the class that consumes each.
-pub const KEPT: [(SideClass, SideClass); 3] = [
-    (SideClass::RefPrefix, SideClass::RefSuffix),
-    (SideClass::OldPrefix, SideClass::OldSuffix),
-    (SideClass::TrainPrefix, SideClass::MicroBatch),
-];
-
-/// The role of the buffer a kept-state producer class writes (`None` for other classes).
-pub fn kept_role(class: SideClass) -> Option<BufferRole> {
-    match class {
-        SideClass::RefPrefix => Some(BufferRole::RefPrefixKv),
-        SideClass::OldPrefix => Some(BufferRole::OldPrefixKv),
-        SideClass::TrainPrefix => Some(BufferRole::TrainPrefix { step: 0 }),
-        _ => None,
     }
 }
 

@@ -28,11 +28,9 @@
 //! The weight-version rule holds by construction: only version-0 work has a side class
 //! (later steps' prefixes and micro-batches are `Role::Post`).
 
-use crate::assemble::Placement;
-use crate::driver::IlpRun;
 use crate::error::{CompileError, Result};
-use crate::ilp::{self, ClassInput, Prec, PrecKind, Problem, SplitOption};
-use crate::lower::{NodeId, PhaseGraph, Role, SideClass};
+use crate::ilp::{self, ClassInput, IlpRun, Prec, PrecKind, Problem, SplitOption, FILL_SLACK};
+use crate::ir::{NodeId, PhaseGraph, Placement, Role, SideClass, KEPT};
 use crate::residency::Cuts;
 use rollplex_cost::CostModel;
 use rollplex_plan::work::WorkKind;
@@ -138,7 +136,7 @@ fn place_priced(
 
     let buf = |role: BufferRole| {
         pg.buffer_with(role)
-            .map(|i| pg.buffers[i].bytes as f64)
+            .map(|i| pg.buffer(i).bytes as f64)
             .unwrap_or(0.0)
     };
     let windows = &pg.windows;
@@ -260,7 +258,7 @@ fn place_priced(
     let ans = ilp::solve(&problem).map_err(CompileError::internal)?;
     let res = crate::residency::choice(&rmodel, &ans.off, &ans.kept_host, ans.reshard);
     // Consumers of a kept state on host run after decode (its reloads follow decode).
-    let banned: Vec<SideClass> = crate::residency::KEPT
+    let banned: Vec<SideClass> = KEPT
         .iter()
         .filter(|(p, _)| res.kept_host(*p))
         .map(|&(_, c)| c)
@@ -395,9 +393,6 @@ fn place_priced(
         best_t,
     ))
 }
-
-/// Fraction by which side work may exceed a window's decode time when filling.
-pub const FILL_SLACK: f64 = 0.03;
 
 /// An item of a window on `side_sms` SMs: its time beside decode, and decode's slowdown while
 /// it runs (a piece of [`rollplex_cost::beside_time`]).
