@@ -23,62 +23,16 @@
 //!
 //! Invariant: the output is in issue order (every dependency precedes its task).
 
-use crate::buffers::{LogicalBuffer, Offload};
 use crate::error::{CompileError, Result};
-use crate::lower::{NodeId, PhaseGraph, Role, SideClass};
-use crate::sched::{topo_order, PBuf, STask, SWindow, Sched};
+use crate::ir::{
+    kept_role, LBufId, LogicalBuffer, NodeId, Offload, PBuf, PhaseGraph, Placement, Role, STask,
+    SWindow, Sched, SideClass, KEPT,
+};
+use crate::sched::topo_order;
 use crate::workload::Workload;
 use rollplex_plan::work::WorkKind;
-use rollplex_plan::{BufferClass, GpuId, Op, Phase, Priority, ReshardPoint, Residency};
+use rollplex_plan::{BufferClass, BufferRole, GpuId, Op, Phase, Priority, ReshardPoint, Residency};
 use std::collections::BTreeMap;
-
-/// Where large buffers live outside the phases that use them, and where the weight sync runs
-/// ([`crate::residency`] decides).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct ResidencyChoice {
-    /// Reference weights: on host, reloaded before the first reference task.
-    pub ref_host: bool,
-    /// fp32 master weights and Adam moments: on host, reloaded before the first optimizer
-    /// step and written back after the last.
-    pub optimizer_host: bool,
-    /// `rollout_weights.frozen`: dropped after decode and rebuilt by every weight sync
-    /// instead of kept in HBM.
-    pub frozen_rebuilt: bool,
-    /// Kept prefix states on host ([`crate::residency`]): each producer in a decode window
-    /// writes its own chunk, offloaded right after it and reloaded after decode.
-    pub ref_prefix_host: bool,
-    pub old_prefix_host: bool,
-    pub train_prefix_host: bool,
-    /// Where the colocated weight sync runs.
-    pub reshard: ReshardPoint,
-}
-
-impl ResidencyChoice {
-    /// Whether the kept state `class` produces goes to host.
-    pub fn kept_host(&self, class: SideClass) -> bool {
-        match class {
-            SideClass::RefPrefix => self.ref_prefix_host,
-            SideClass::OldPrefix => self.old_prefix_host,
-            SideClass::TrainPrefix => self.train_prefix_host,
-            _ => false,
-        }
-    }
-}
-
-/// The frozen incompatible tensors' gathered rollout part ([`crate::buffers`]).
-pub const FROZEN_ROLLOUT: &str = "rollout_weights.frozen";
-
-/// A mode's decisions.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Placement {
-    /// One stream per GPU program, no windows split (serial, disaggregated).
-    pub single_stream: bool,
-    /// Per decode window: (decode SMs, side SMs); side 0 = decode has the whole GPU.
-    pub splits: Vec<(u32, u32)>,
-    /// Side-class nodes moved into a window.
-    pub in_window: BTreeMap<NodeId, u32>,
-    pub residency: ResidencyChoice,
-}
 
 /// Issue-order key: pre-decode work, then windows (decode before its side work), then the
 /// rest by phase, class and item.
@@ -207,25 +161,30 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
         } && lb.offload != Offload::No;
         if host {
             let h = s.buffers.len();
-            s.buffers
-                .push(pbuf(lb, format!("{}.host", lb.name), true, true));
+            let mut copy = pbuf(lb, format!("{}.host", lb.name), true, true);
+            copy.role = BufferRole::HostCopy;
+            s.buffers.push(copy);
             let d = s.buffers.len();
-            s.buffers.push(pbuf(lb, lb.name.clone(), false, false));
+            let mut dev = pbuf(lb, lb.name.clone(), false, false);
+            dev.host_twin = true;
+            s.buffers.push(dev);
             map.push(d);
             reloads.push(Reload {
-                logical: li,
+                logical: LBufId::from_index(li),
                 host: h,
                 device: d,
                 write_back: lb.offload == Offload::Mutable,
             });
         } else {
             map.push(s.buffers.len());
-            let persistent =
-                lb.persistent && !(lb.name == FROZEN_ROLLOUT && p.residency.frozen_rebuilt);
+            let persistent = lb.persistent
+                && !(lb.role == BufferRole::FrozenRolloutWeights && p.residency.frozen_rebuilt);
             s.buffers.push(pbuf(lb, lb.name.clone(), persistent, false));
         }
     }
-    let frozen_buf = pg.buffer_named(FROZEN_ROLLOUT).map(|i| map[i]);
+    let frozen_buf = pg
+        .buffer_with(BufferRole::FrozenRolloutWeights)
+        .map(|i| map[i.index()]);
     s.reshard_point = pg.sharing.as_ref().map(|_| p.residency.reshard);
     s.frozen_rebuilt = p.residency.frozen_rebuilt;
 
@@ -289,7 +248,7 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
         }
         t_deps.sort_unstable();
         t_deps.dedup();
-        let mut writes: Vec<usize> = n.writes.iter().map(|&b| map[b]).collect();
+        let mut writes: Vec<usize> = n.writes.iter().map(|&b| map[b.index()]).collect();
         let mut work = n.work.clone();
         // A rebuilt frozen extra is part of every colocated weight sync.
         if let (Op::WeightSync { .. }, Role::PreDecode, true, Some(fb)) =
@@ -309,7 +268,7 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
             stream,
             window,
             deps: t_deps,
-            reads: n.reads.iter().map(|&b| map[b]).collect(),
+            reads: n.reads.iter().map(|&b| map[b.index()]).collect(),
             writes,
             work: crate::workload::rounded(&work),
             scratch: n.scratch,
@@ -331,10 +290,10 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
         insert_transfers(&mut s, pg, p, r, &wl)?;
     }
     if !p.single_stream {
-        for (class, _) in crate::residency::KEPT {
+        for (class, _) in KEPT {
             if p.residency.kept_host(class) {
-                if let Some(li) = pg.buffer_named(crate::residency::kept_buffer(class)) {
-                    offload_kept(&mut s, pg, class, li, map[li], &wl)?;
+                if let Some(li) = kept_role(class).and_then(|r| pg.buffer_with(r)) {
+                    offload_kept(&mut s, pg, class, li, map[li.index()], &wl)?;
                 }
             }
         }
@@ -368,7 +327,7 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
 }
 
 struct Reload {
-    logical: usize,
+    logical: LBufId,
     host: usize,
     device: usize,
     write_back: bool,
@@ -377,12 +336,14 @@ struct Reload {
 fn pbuf(lb: &LogicalBuffer, name: String, persistent: bool, host: bool) -> PBuf {
     PBuf {
         name,
+        role: lb.role,
         class: lb.class,
         gpu: lb.gpu,
         bytes: lb.bytes,
         shape: lb.shape.clone(),
         persistent,
         host,
+        host_twin: false,
         residency: Vec::new(),
         offload: lb.offload,
     }
@@ -416,8 +377,8 @@ fn insert_transfers(
     } else {
         s.stream(gpu, "copy", Priority::Normal)
     };
-    let bytes = pg.buffers[r.logical].bytes as f64;
-    let name = pg.buffers[r.logical].name.clone();
+    let bytes = pg.buffer(r.logical).bytes as f64;
+    let name = pg.buffer(r.logical).name.clone();
     let on_gpu = |i: usize| s.tasks[i].gpu == gpu;
     let anchor = if s.tasks[first].window.is_some() {
         (0..first)
@@ -517,11 +478,11 @@ fn offload_kept(
     s: &mut Sched,
     pg: &PhaseGraph,
     class: SideClass,
-    li: usize,
+    li: LBufId,
     d: usize,
     wl: &Workload,
 ) -> Result<()> {
-    let lb = &pg.buffers[li];
+    let lb = pg.buffer(li);
     let gpu = lb.gpu;
     let producers: Vec<String> = s
         .tasks
@@ -572,12 +533,16 @@ fn offload_kept(
     for (k, pname) in producers.iter().enumerate() {
         let dev = s.buffers.len();
         let mut b = pbuf(lb, format!("{}[{k}]", lb.name), false, false);
+        b.role = BufferRole::KeptChunk;
+        b.host_twin = true;
         b.bytes = chunk;
         b.shape = format!("chunk {k} of {items}: {}", lb.shape);
         s.buffers.push(b.clone());
         let host = s.buffers.len();
         b.name = format!("{}[{k}].host", lb.name);
+        b.role = BufferRole::HostCopy;
         b.host = true;
+        b.host_twin = false;
         s.buffers.push(b);
         let at = find(s, pname)?;
         for w in s.tasks[at].writes.iter_mut() {
@@ -700,14 +665,6 @@ fn set_residency(s: &mut Sched, pg: &PhaseGraph) {
         }
     }
     let full_recompute = pg.spec.train.recompute == rollplex_plan::spec::Recompute::Full;
-    // Device copies of offloaded buffers: their host twin is named `<name>.host`.
-    let host_twins: Vec<Option<usize>> = (0..n)
-        .map(|i| {
-            s.buffers
-                .iter()
-                .position(|h| h.host && h.name == format!("{}.host", s.buffers[i].name))
-        })
-        .collect();
     for i in 0..n {
         let b = &s.buffers[i];
         let (first, last) = match (used[i].iter().min(), used[i].iter().max()) {
@@ -720,13 +677,13 @@ fn set_residency(s: &mut Sched, pg: &PhaseGraph) {
                 let alive = b.persistent || (ph >= first && ph <= last);
                 let r = if b.host {
                     Residency::Host
-                } else if host_twins[i].is_some() {
+                } else if b.host_twin {
                     if used[i].contains(&ph) {
                         Residency::Hbm
                     } else {
                         Residency::Host
                     }
-                } else if !alive && b.name == FROZEN_ROLLOUT {
+                } else if !alive && b.role == BufferRole::FrozenRolloutWeights {
                     Residency::Recompute
                 } else if !alive {
                     Residency::Absent

@@ -20,8 +20,10 @@
 //! | `ref_logprobs`, `old_logprobs` | n g R x 4 | suffixes | micro-batches |
 //! | `scalars` | n g x 8 (rewards, advantages) | reward, advantages | micro-batches |
 //!
-//! Every size also allows [`ALIGN`] bytes per tensor the runtime places in the buffer (it puts
-//! each buffer's tensors at the plan's offset, each aligned).
+//! Every buffer has its [`BufferRole`] (the display names above are for people; the runtime
+//! and the later passes go by role). Every size allows the runtime's alignment of each tensor
+//! it places in the buffer ([`placed_bytes`]: it puts each buffer's tensors at the plan's
+//! offset, each aligned).
 //!
 //! Kept bytes per token follow the recompute policy ([`crate::shapes::kept_act_bytes_per_token_layer`]);
 //! activations kept for backward are split across the TP group (sequence parallelism).
@@ -30,10 +32,10 @@
 //!
 //! Invariant: every buffer a node names exists and lives on the node's GPU program.
 
-use crate::lower::PhaseGraph;
+use crate::ir::{LBufId, LogicalBuffer, Offload, PhaseGraph};
 use crate::shapes::{kept_act_bytes_per_token_layer, transient_bytes_per_token};
 use rollplex_plan::spec::{MediaSpec, Mode, Recompute};
-use rollplex_plan::{BufferClass, GpuId, Op, Purpose, ALIGN};
+use rollplex_plan::{placed_bytes, BufferRole, GpuId, Op, Purpose};
 
 /// Parameter tensors of the actor at most: twelve per vision block and text layer (two norms,
 /// the attention's and the MLP's weights and biases) and the embeddings, patch embedding,
@@ -43,59 +45,41 @@ fn param_tensors(spec: &rollplex_plan::spec::JobSpec) -> u64 {
     12 * blocks + 16
 }
 
-/// How a buffer may be moved to host memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Offload {
-    /// Must stay in device memory.
-    No,
-    /// Never written during the iteration: a host copy stays valid, reload only.
-    Frozen,
-    /// Written during the iteration: offload writes back, reload reads it.
-    Mutable,
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub struct LogicalBuffer {
-    pub name: String,
-    pub class: BufferClass,
-    pub gpu: GpuId,
-    pub bytes: u64,
-    pub shape: String,
-    /// Loop-carried: alive across iterations.
-    pub persistent: bool,
-    pub offload: Offload,
-}
-
 struct Table {
     bufs: Vec<LogicalBuffer>,
 }
 
 impl Table {
-    fn len(&self) -> usize {
-        self.bufs.len()
+    /// The id the next buffer added gets.
+    fn next(&self) -> LBufId {
+        LBufId::from_index(self.bufs.len())
     }
 
     #[allow(clippy::too_many_arguments)] // one argument per column of the buffer table
     fn add(
         &mut self,
         name: &str,
-        class: BufferClass,
+        role: BufferRole,
         gpu: GpuId,
         bytes: u64,
         shape: String,
         persistent: bool,
         offload: Offload,
-    ) -> usize {
+    ) -> LBufId {
+        let id = self.next();
         self.bufs.push(LogicalBuffer {
             name: name.into(),
-            class,
+            role,
+            class: role
+                .class()
+                .expect("the roles of the buffer table fix their class"),
             gpu,
             bytes,
             shape,
             persistent,
             offload,
         });
-        self.bufs.len() - 1
+        id
     }
 }
 
@@ -129,7 +113,7 @@ pub fn assign(pg: &mut PhaseGraph) {
     let train_w = crate::sharing::train_bytes(spec);
     let actor_w = t.add(
         "actor_weights",
-        BufferClass::ActorWeights,
+        BufferRole::ActorWeights,
         tg,
         train_w,
         format!("(params {params} / tp {ttp}, norms replicated) {dt}"),
@@ -146,7 +130,7 @@ pub fn assign(pg: &mut PhaseGraph) {
         if sharing.resharded_bytes > 0 {
             rollout_w.push(t.add(
                 "rollout_weights",
-                BufferClass::RolloutWeights,
+                BufferRole::RolloutWeights,
                 rg,
                 sharing.resharded_bytes,
                 format!("(trainable incompatible tensors at tp {rtp} - own train shard) {dt}"),
@@ -155,10 +139,10 @@ pub fn assign(pg: &mut PhaseGraph) {
             ));
         }
         if frozen > 0 {
-            frozen_w = Some(t.len());
+            frozen_w = Some(t.next());
             rollout_w.push(t.add(
                 "rollout_weights.frozen",
-                BufferClass::RolloutWeights,
+                BufferRole::FrozenRolloutWeights,
                 rg,
                 frozen,
                 format!("(frozen incompatible tensors at tp {rtp} - own train shard) {dt}"),
@@ -169,7 +153,7 @@ pub fn assign(pg: &mut PhaseGraph) {
     } else {
         rollout_w.push(t.add(
             "rollout_weights",
-            BufferClass::RolloutWeights,
+            BufferRole::RolloutWeights,
             rg,
             crate::sharing::layout_bytes(spec, par.rollout_tp),
             format!("(params {params} / tp {rtp}, norms replicated) {dt}"),
@@ -180,7 +164,7 @@ pub fn assign(pg: &mut PhaseGraph) {
     let ref_w = spec.reference.enabled.then(|| {
         t.add(
             "ref_weights",
-            BufferClass::RefWeights,
+            BufferRole::RefWeights,
             tg,
             train_w,
             format!("(params {params} / tp {ttp}, norms replicated) {dt}"),
@@ -193,7 +177,7 @@ pub fn assign(pg: &mut PhaseGraph) {
     let opt_shard = ttp * par.train_replicas as u64;
     let master = t.add(
         "master_weights",
-        BufferClass::MasterWeights,
+        BufferRole::MasterWeights,
         tg,
         trainable * 4 / opt_shard,
         format!("(trainable {trainable} / ranks {opt_shard}) f32"),
@@ -202,18 +186,18 @@ pub fn assign(pg: &mut PhaseGraph) {
     );
     let moments = t.add(
         "adam_moments",
-        BufferClass::OptimizerMoments,
+        BufferRole::AdamMoments,
         tg,
         trainable * 8 / opt_shard,
         format!("(2, trainable {trainable} / ranks {opt_shard}) f32"),
         true,
         Offload::Mutable,
     );
-    let grads: Vec<usize> = (0..batch.steps)
+    let grads: Vec<LBufId> = (0..batch.steps)
         .map(|s| {
             t.add(
                 &format!("grads.s{s}"),
-                BufferClass::Grads,
+                BufferRole::Grads { step: s },
                 tg,
                 trainable * 4 / ttp,
                 format!("(trainable {trainable} / tp {ttp}) f32"),
@@ -227,7 +211,7 @@ pub fn assign(pg: &mut PhaseGraph) {
     let emb = (media_tok > 0).then(|| {
         t.add(
             "vision_emb",
-            BufferClass::VisionEmbeddings,
+            BufferRole::MediaEmbeddings,
             rg,
             c * n_r * media_tok * out_h * db,
             format!("(copies {c} x prompts {n_r}, tokens {media_tok}, hidden {out_h}) {dt}"),
@@ -242,7 +226,7 @@ pub fn assign(pg: &mut PhaseGraph) {
         .then(|| {
             t.add(
                 "vision_emb.train",
-                BufferClass::VisionEmbeddings,
+                BufferRole::TrainMediaEmbeddings,
                 tg,
                 n_t * media_tok * out_h * db,
                 format!("(prompts {n_t}, tokens {media_tok}, hidden {out_h}) {dt}"),
@@ -252,7 +236,7 @@ pub fn assign(pg: &mut PhaseGraph) {
         });
     let kv_prompt = t.add(
         "kv.prompt",
-        BufferClass::KvPrefix,
+        BufferRole::KvPrompt,
         rg,
         c * n_r * p * kv / rtp,
         format!("(copies {c} x prompts {n_r}, tokens {p}, kv bytes {kv} / tp {rtp})"),
@@ -261,7 +245,7 @@ pub fn assign(pg: &mut PhaseGraph) {
     );
     let kv_resp = t.add(
         "kv.response",
-        BufferClass::KvSuffix,
+        BufferRole::KvResponse,
         rg,
         n_r * g * r * kv / rtp,
         format!(
@@ -274,7 +258,7 @@ pub fn assign(pg: &mut PhaseGraph) {
     let samples_n = n_r.max(n_t) * g;
     let samples = t.add(
         "samples",
-        BufferClass::Samples,
+        BufferRole::Samples,
         rg,
         samples_n * (r + 2) * 4,
         format!("(samples {samples_n}, tokens {r} + 2) i32"),
@@ -286,7 +270,7 @@ pub fn assign(pg: &mut PhaseGraph) {
     } else {
         t.add(
             "samples.train",
-            BufferClass::Samples,
+            BufferRole::TrainSamples,
             tg,
             n_t * g * (r + 2) * 4,
             format!("(samples {}, tokens {r} + 2) i32", n_t * g),
@@ -297,7 +281,7 @@ pub fn assign(pg: &mut PhaseGraph) {
     let ref_kv = spec.reference.enabled.then(|| {
         t.add(
             "ref_prefix_kv",
-            BufferClass::PrefixState,
+            BufferRole::RefPrefixKv,
             tg,
             c * n_t * p * kv / ttp,
             format!("(copies {c} x prompts {n_t}, tokens {p}, kv bytes {kv} / tp {ttp})"),
@@ -309,7 +293,7 @@ pub fn assign(pg: &mut PhaseGraph) {
     let old_kv = multi.then(|| {
         t.add(
             "old_prefix_kv",
-            BufferClass::PrefixState,
+            BufferRole::OldPrefixKv,
             tg,
             c * n_t * p * kv / ttp,
             format!("(copies {c} x prompts {n_t}, tokens {p}, kv bytes {kv} / tp {ttp})"),
@@ -338,11 +322,11 @@ pub fn assign(pg: &mut PhaseGraph) {
     } else {
         0
     };
-    let train_prefix: Vec<usize> = (0..batch.steps)
+    let train_prefix: Vec<LBufId> = (0..batch.steps)
         .map(|s| {
             t.add(
                 &format!("train_prefix.s{s}"),
-                BufferClass::Activations,
+                BufferRole::TrainPrefix { step: s },
                 tg,
                 step_groups * (c * p * kept_tok + kept_vis),
                 format!(
@@ -362,7 +346,7 @@ pub fn assign(pg: &mut PhaseGraph) {
     let ref_lp = spec.reference.enabled.then(|| {
         t.add(
             "ref_logprobs",
-            BufferClass::LogProbs,
+            BufferRole::RefLogProbs,
             tg,
             n_t * g * r * 4,
             format!("(samples {}, tokens {r}) f32", n_t * g),
@@ -373,7 +357,7 @@ pub fn assign(pg: &mut PhaseGraph) {
     let old_lp = multi.then(|| {
         t.add(
             "old_logprobs",
-            BufferClass::LogProbs,
+            BufferRole::OldLogProbs,
             tg,
             n_t * g * r * 4,
             format!("(samples {}, tokens {r}) f32", n_t * g),
@@ -383,7 +367,7 @@ pub fn assign(pg: &mut PhaseGraph) {
     });
     let scalars = t.add(
         "scalars",
-        BufferClass::Scalars,
+        BufferRole::Scalars,
         tg,
         n_t * g * 8,
         format!("(samples {}, reward + advantage) f32", n_t * g),
@@ -399,28 +383,28 @@ pub fn assign(pg: &mut PhaseGraph) {
     };
     let items_per_prompt = sh.media_items as u64;
     for b in &mut t.bufs {
-        let pieces = match b.class {
+        let pieces = match b.role {
             // (rollout weights apart from the actor's exist only at TP > 1 or on another GPU,
             // where the executor places nothing)
-            BufferClass::RolloutWeights => 0,
-            BufferClass::ActorWeights
-            | BufferClass::RefWeights
-            | BufferClass::MasterWeights
-            | BufferClass::Grads => param_tensors(spec),
-            BufferClass::OptimizerMoments => 2 * param_tensors(spec),
-            BufferClass::VisionEmbeddings if b.name == "vision_emb" => c * n_r * items_per_prompt,
-            BufferClass::VisionEmbeddings => n_t * items_per_prompt,
+            BufferRole::RolloutWeights | BufferRole::FrozenRolloutWeights => 0,
+            BufferRole::ActorWeights
+            | BufferRole::RefWeights
+            | BufferRole::MasterWeights
+            | BufferRole::Grads { .. } => param_tensors(spec),
+            BufferRole::AdamMoments => 2 * param_tensors(spec),
+            BufferRole::MediaEmbeddings => c * n_r * items_per_prompt,
+            BufferRole::TrainMediaEmbeddings => n_t * items_per_prompt,
             // the decode KV arena's keys and values span `kv.prompt` and `kv.response`
-            BufferClass::KvPrefix => 2,
+            BufferRole::KvPrompt => 2,
             // keys and values per group
-            BufferClass::PrefixState => 2 * n_t,
+            BufferRole::RefPrefixKv | BufferRole::OldPrefixKv => 2 * n_t,
             // kept layer inputs, keys, values; per group its media's kept vision state (pixel
             // rows, every block's input, the merger's input; the merger's input alone when only
             // the merger trains)
-            BufferClass::Activations => 3 + step_groups * items_per_prompt * kept_vis_tensors,
+            BufferRole::TrainPrefix { .. } => 3 + step_groups * items_per_prompt * kept_vis_tensors,
             _ => 1,
         };
-        b.bytes += ALIGN * pieces;
+        b.bytes = placed_bytes(b.bytes, pieces);
     }
 
     // Transient sizes.
@@ -447,8 +431,8 @@ pub fn assign(pg: &mut PhaseGraph) {
     let ids: Vec<_> = pg.graph.node_indices().collect();
     for id in ids {
         let node = &pg.graph[id];
-        let mut reads: Vec<usize> = Vec::new();
-        let mut writes: Vec<usize> = Vec::new();
+        let mut reads: Vec<LBufId> = Vec::new();
+        let mut writes: Vec<LBufId> = Vec::new();
         let mut scratch = 0u64;
         let emb_t = emb_train.or(if pg.reuses_encoding { emb } else { None });
         match &node.op {
@@ -585,17 +569,14 @@ pub fn assign(pg: &mut PhaseGraph) {
     debug_assert!(t_find_unique(&pg.buffers));
 }
 
+/// Names and roles are unique in the table.
 fn t_find_unique(bufs: &[LogicalBuffer]) -> bool {
     let mut names: Vec<&str> = bufs.iter().map(|b| b.name.as_str()).collect();
     names.sort_unstable();
     let n = names.len();
     names.dedup();
-    n == names.len()
-}
-
-impl PhaseGraph {
-    /// The logical buffer called `name`.
-    pub fn buffer_named(&self, name: &str) -> Option<usize> {
-        self.buffers.iter().position(|b| b.name == name)
-    }
+    let mut roles: Vec<BufferRole> = bufs.iter().map(|b| b.role).collect();
+    roles.sort_unstable();
+    roles.dedup();
+    n == names.len() && n == roles.len()
 }

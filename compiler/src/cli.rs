@@ -319,6 +319,7 @@ fn run_compile(a: CompileArgs) -> Result<(), Failure> {
         mode: a.mode.map(Mode::from),
         profile,
         time_limit_s: a.time_limit,
+        ..Options::default()
     };
     let compiled = compile(&checked.spec, &opts)
         .map_err(|e| compile_failure(e, &name, &src, &checked, color))?;

@@ -423,6 +423,7 @@ mod tests {
         let kv = Buffer {
             id: BufferId(0),
             name: "kv.prefix".into(),
+            role: BufferRole::KvPrompt,
             class: BufferClass::KvPrefix,
             gpu: g,
             bytes: 8 << 30,

@@ -13,6 +13,9 @@
 //! 7. [`crate::memory`]: lifetimes, arena offsets, peaks (a candidate over budget is dropped);
 //! 8. `rollplex_plan::validate` on the chosen plan (a failure is a compiler bug).
 //!
+//! The passes hand each other the types of [`crate::ir`]; in debug builds (and with
+//! [`Options::check_ir`]) the IR is verified after step 3 and step 5.
+//!
 //! A plan whose exact memory layout is over budget is planned again with the overshoot taken
 //! off the budget of the ILP's memory row (decode or training phase) where its peak sits, up
 //! to [`MAX_ATTEMPTS`] solves per topology. Among the candidates that fit (one per
@@ -21,15 +24,17 @@
 //!
 //! The driver is pure: the spec and an optional profile in, a plan and statistics out.
 
-use crate::assemble::{assemble, Placement};
+use crate::assemble::assemble;
 use crate::error::{CompileError, Result};
-use crate::lower::{lower, PhaseGraph};
+use crate::ilp::IlpRun;
+use crate::ir::{PhaseGraph, Placement};
+use crate::lower::lower;
 use crate::memory::OverBudget;
 use crate::residency::Cuts;
 use crate::topology::Topology;
 use rollplex_cost::{CostModel, Profile};
 use rollplex_plan::spec::{JobSpec, Mode};
-use rollplex_plan::{Op, Plan, SolveStatus, SolverStats};
+use rollplex_plan::{Op, Plan, SolverStats};
 use std::time::Instant;
 
 #[derive(Clone, Debug)]
@@ -41,6 +46,9 @@ pub struct Options {
     /// Time limit of one ILP solve, seconds: a safety net behind the node limit
     /// ([`crate::ilp::MAX_NODES`]), which is what stops a long search, the same on every machine.
     pub time_limit_s: f64,
+    /// Check the IR between passes ([`crate::ir::verify_graph`], [`crate::ir::verify_sched`])
+    /// in release builds too (debug builds always do).
+    pub check_ir: bool,
 }
 
 /// The default [`Options::time_limit_s`] (and `rollplexc --time-limit`).
@@ -52,20 +60,9 @@ impl Default for Options {
             mode: None,
             profile: None,
             time_limit_s: DEFAULT_TIME_LIMIT_S,
+            check_ir: false,
         }
     }
-}
-
-/// One ILP solve.
-#[derive(Clone, Debug, PartialEq)]
-pub struct IlpRun {
-    pub label: String,
-    pub variables: u32,
-    pub integer_variables: u32,
-    pub constraints: u32,
-    pub solve_s: f64,
-    pub status: SolveStatus,
-    pub objective: f64,
 }
 
 /// One candidate plan the driver considered.
@@ -154,6 +151,7 @@ pub fn compile(spec: &JobSpec, opts: &Options) -> Result<Compiled> {
         }
     })?;
 
+    let check_ir = cfg!(debug_assertions) || opts.check_ir;
     let mut best: Option<(f64, Plan)> = None;
     let mut closest: Option<OverBudget> = None;
     let mut host_short: Option<(u64, u64)> = None;
@@ -168,6 +166,9 @@ pub fn compile(spec: &JobSpec, opts: &Options) -> Result<Compiled> {
         };
         let mut pg: PhaseGraph = st.time("lower", || lower(spec, topo))?;
         st.time("buffers", || crate::buffers::assign(&mut pg));
+        if check_ir {
+            crate::ir::verify_graph(&pg).map_err(CompileError::internal)?;
+        }
         // One ILP decides residency and the reshard point (and, in overlap mode, the
         // windows); when the exact layout is over budget, the memory row where the peak sits
         // gets the overshoot less and the ILP runs again.
@@ -204,7 +205,7 @@ pub fn compile(spec: &JobSpec, opts: &Options) -> Result<Compiled> {
                 "{label_topo}, {}",
                 crate::residency::label(&placement.residency, mode != Mode::Disaggregated)
             );
-            let outcome = build(&mut st, &pg, &placement, &cost, solver)?;
+            let outcome = build(&mut st, &pg, &placement, &cost, solver, check_ir)?;
             match outcome {
                 Ok(plan) => {
                     let t = plan.predicted.iteration_s;
@@ -297,8 +298,12 @@ fn build(
     p: &Placement,
     cost: &CostModel,
     solver: SolverStats,
+    check_ir: bool,
 ) -> Result<std::result::Result<Plan, (Unfit, f64)>> {
     let sched = st.time("assemble", || assemble(pg, p, cost))?;
+    if check_ir {
+        crate::ir::verify_sched(&sched).map_err(CompileError::internal)?;
+    }
     let mut plan = st.time("emit", || crate::emit::emit(pg, &sched, cost, solver));
     let t = plan.predicted.iteration_s;
     if let Err(o) = st.time("memory", || crate::memory::layout(&mut plan)) {

@@ -6,13 +6,12 @@
 //! transient working set becomes a `scratch.<task>` buffer used by that task alone; times are
 //! rounded to the microsecond (monotone, so the order of times is kept).
 
-use crate::lower::PhaseGraph;
-use crate::sched::Sched;
+use crate::ir::{PhaseGraph, Sched};
 use rollplex_cost::CostModel;
 use rollplex_plan::{
-    Buffer, BufferClass, BufferId, Gpu, Lifetime, Memory, Op, Phase, PhaseResidency, PhaseTime,
-    Plan, Predicted, Reshard, ReshardWhat, SolverStats, Stream, StreamId, Target, Task, TaskId,
-    Window, WindowId,
+    Buffer, BufferClass, BufferId, BufferRole, Gpu, Lifetime, Memory, Op, Phase, PhaseResidency,
+    PhaseTime, Plan, Predicted, Reshard, ReshardWhat, SolverStats, Stream, StreamId, Target, Task,
+    TaskId, Window, WindowId,
 };
 
 /// Rounds seconds to the microsecond.
@@ -45,6 +44,7 @@ pub fn emit(pg: &PhaseGraph, s: &Sched, cost: &CostModel, solver: SolverStats) -
         buffers.push(Buffer {
             id,
             name: b.name.clone(),
+            role: b.role,
             class: b.class,
             gpu: b.gpu,
             bytes: b.bytes,
@@ -77,6 +77,7 @@ pub fn emit(pg: &PhaseGraph, s: &Sched, cost: &CostModel, solver: SolverStats) -
             buffers.push(Buffer {
                 id: sid,
                 name: format!("scratch.{}", t.name),
+                role: BufferRole::Scratch,
                 class: BufferClass::Scratch,
                 gpu: t.gpu,
                 bytes: t.scratch,

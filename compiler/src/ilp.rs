@@ -1,7 +1,7 @@
 //! The planner's MILP (good_lp + HiGHS): per decode window, the SM split and how many items
 //! of each side class run in it; which classes' buffers must fit next to decode; which large
 //! buffers stay in HBM and where the weight sync runs ([`Residency`], built by
-//! [`crate::residency`]). Serial and disaggregated plans solve the residency part alone (no
+//! the residency pass). Serial and disaggregated plans solve the residency part alone (no
 //! windows, no classes).
 //!
 //! Items of a class are interchangeable (same shapes) and run in item order, so the model
@@ -57,7 +57,7 @@
 //! partition plus what the side work beside it costs it, exactly the timing pass's
 //! [`rollplex_cost::beside_time`] while the side work ends first; then what is left for after
 //! decode on the whole GPU; with every `s_c = 1` and the slowdown folded into `decode_time` it
-//! is the whole-window pricing `crate::schedule_overlap` also solves) plus tie-breakers (1e-7
+//! is the whole-window pricing the overlap scheduler also solves) plus tie-breakers (1e-7
 //! scale) that prefer smaller side partitions and earlier windows, HBM over host (1e-6 per
 //! item, in item order) and the first reshard option, so equal-time plans come
 //! out the same on every run. HiGHS runs single-threaded under a node limit ([`MAX_NODES`])
@@ -79,6 +79,21 @@ use good_lp::{
 };
 use rollplex_plan::SolveStatus;
 use std::time::Instant;
+
+/// Fraction by which side work may exceed a window's decode time when filling.
+pub const FILL_SLACK: f64 = 0.03;
+
+/// One ILP solve.
+#[derive(Clone, Debug, PartialEq)]
+pub struct IlpRun {
+    pub label: String,
+    pub variables: u32,
+    pub integer_variables: u32,
+    pub constraints: u32,
+    pub solve_s: f64,
+    pub status: SolveStatus,
+    pub objective: f64,
+}
 
 /// One way to split a window's SMs.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -226,7 +241,7 @@ pub struct Answer {
 
 /// Branch-and-bound node limit: what stops a long search. Unlike a wall-clock limit it stops at
 /// the same point on every machine and under any load, so plans (and the checked-in examples)
-/// are reproducible; the time limit ([`crate::driver::Options::time_limit_s`]) is only a safety
+/// are reproducible; the time limit (`Options::time_limit_s` of the driver) is only a safety
 /// net. Reaching either is reported as a time limit. Every checked-in example solves to
 /// optimality well inside it; `examples/paper-32b-32xh800.rpx` with `max_new_tokens = 4096`
 /// reaches it after ~7 s on the 2-core workspace machine with an objective 0.3% above the
@@ -279,14 +294,14 @@ fn useful_options(p: &Problem, w: usize) -> Vec<usize> {
 
 /// A slowdown as the model uses it: finite and at least 1.
 /// How many items that each use up `per_item` of a decode's time alone fit beside a decode of
-/// `decode` seconds (with the fill's slack, [`crate::schedule_overlap::FILL_SLACK`]), at most
+/// `decode` seconds (with the fill's slack, [`FILL_SLACK`]), at most
 /// `count`.
 fn whole_items(per_item: f64, decode: f64, count: u32) -> u32 {
     // zero (or NaN) time per item: nothing bounds the count but the class
     if per_item.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
         return count;
     }
-    let fit = (decode * (1.0 + crate::schedule_overlap::FILL_SLACK) / per_item).floor();
+    let fit = (decode * (1.0 + FILL_SLACK) / per_item).floor();
     if fit.is_finite() {
         (fit.max(0.0) as u64).min(count as u64) as u32
     } else {

@@ -1,6 +1,8 @@
 //! The Rollplex compiler: a checked job spec in, a plan out.
 //!
-//! The pipeline is listed in [`driver`]; each pass is one module. The compiler is pure: it
+//! The pipeline is listed in [`driver`]; each pass is one module, and the types they hand each
+//! other are in [`ir`] (which also gives the order of the modules: none uses one above it).
+//! The compiler is pure: it
 //! reads no files and touches no device (the `rollplexc` binary does the IO).
 //!
 //! Invariants: the compiler never links cudarc; only `rollplex_plan` types leave it; every plan
@@ -13,6 +15,7 @@ pub mod emit;
 pub mod error;
 pub mod fixtures;
 pub mod ilp;
+pub mod ir;
 pub mod lengths;
 pub mod lower;
 pub mod memory;

@@ -30,150 +30,19 @@
 //! after which the groups a node waits for have finished.
 
 use crate::error::{CompileError, Result};
+use crate::ir::{Node, NodeId, PhaseGraph, Role, SideClass, WindowPlan};
 use crate::lengths::Lengths;
 use crate::shapes::Shapes;
 use crate::topology::Topology;
 use crate::workload::Workload;
-use petgraph::graph::{DiGraph, NodeIndex};
+use petgraph::graph::DiGraph;
 use rollplex_plan::spec::{JobSpec, Mode};
 use rollplex_plan::work::{Work, WorkKind, WorkPart};
 use rollplex_plan::{GpuId, Groups, Op, Phase, Purpose, ReshardWhat, Span};
 
-pub type NodeId = NodeIndex<u32>;
-
 /// Prefix work is batched into tasks of about this many prompt tokens (large enough for
 /// efficient GEMMs, small enough to pack into decode windows).
 pub const PREFIX_CHUNK_TOKENS: u64 = 4096;
-
-/// Kinds of work that overlap mode may move into decode windows. Items of one class are
-/// interchangeable in size and run in item order.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum SideClass {
-    RefPrefix,
-    OldPrefix,
-    TrainPrefix,
-    RefSuffix,
-    OldSuffix,
-    Reward,
-    Advantages,
-    MicroBatch,
-}
-
-impl SideClass {
-    /// In the order a side stream runs them within a window (producers first).
-    pub const ALL: [SideClass; 8] = [
-        SideClass::RefPrefix,
-        SideClass::OldPrefix,
-        SideClass::TrainPrefix,
-        SideClass::Reward,
-        SideClass::Advantages,
-        SideClass::RefSuffix,
-        SideClass::OldSuffix,
-        SideClass::MicroBatch,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            SideClass::RefPrefix => "ref_prefix",
-            SideClass::OldPrefix => "old_prefix",
-            SideClass::TrainPrefix => "train_prefix",
-            SideClass::RefSuffix => "ref_suffix",
-            SideClass::OldSuffix => "old_suffix",
-            SideClass::Reward => "reward",
-            SideClass::Advantages => "advantages",
-            SideClass::MicroBatch => "micro_batch",
-        }
-    }
-}
-
-/// Where scheduling may put a node.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Role {
-    /// Before decode, on the rollout program's main stream.
-    PreDecode,
-    /// Decode window `window`.
-    Decode { window: u32 },
-    /// In a decode window's side partition (overlap) or after decode.
-    Side { class: SideClass, item: u32 },
-    /// After decode only.
-    Post,
-}
-
-#[derive(Clone, Debug)]
-pub struct Node {
-    pub name: String,
-    pub kind: WorkKind,
-    pub op: Op,
-    pub gpu: GpuId,
-    /// The phase the task belongs to when it is not moved into a decode window.
-    pub phase: Phase,
-    pub role: Role,
-    pub work: Work,
-    pub ready_step: u32,
-    /// Logical buffers (indices into `PhaseGraph::buffers`), filled by [`crate::buffers`].
-    pub reads: Vec<usize>,
-    pub writes: Vec<usize>,
-    /// Transient device bytes the task needs while it runs (filled by [`crate::buffers`]).
-    pub scratch: u64,
-}
-
-/// A planned decode window: steps `first .. first + steps`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct WindowPlan {
-    pub first: u32,
-    pub steps: u32,
-}
-
-pub struct PhaseGraph {
-    pub spec: JobSpec,
-    pub topo: Topology,
-    pub shapes: Shapes,
-    pub lengths: Lengths,
-    pub graph: DiGraph<Node, (), u32>,
-    pub buffers: Vec<crate::buffers::LogicalBuffer>,
-    pub windows: Vec<WindowPlan>,
-    /// Planned decode steps after which completion slot `k` (training replica) has finished.
-    pub slot_finish: Vec<u32>,
-    /// Whether the reference and actor prefixes read the rollout's encoding (colocated, media,
-    /// tower and merger frozen; with or without prefix dedup) instead of encoding their own.
-    pub reuses_encoding: bool,
-    /// How the actor's weights are shared between the layouts (colocated modes only).
-    pub sharing: Option<rollplex_plan::WeightSharing>,
-    pub copies: u32,
-}
-
-impl PhaseGraph {
-    pub fn node(&self, id: NodeId) -> &Node {
-        &self.graph[id]
-    }
-
-    pub fn ids(&self) -> impl Iterator<Item = NodeId> + '_ {
-        self.graph.node_indices()
-    }
-
-    /// Direct predecessors of `id`, in insertion order.
-    pub fn deps(&self, id: NodeId) -> Vec<NodeId> {
-        let mut v: Vec<NodeId> = self
-            .graph
-            .neighbors_directed(id, petgraph::Direction::Incoming)
-            .collect();
-        v.sort();
-        v.dedup();
-        v
-    }
-
-    pub fn decode_nodes(&self) -> Vec<NodeId> {
-        let mut v: Vec<(u32, NodeId)> = self
-            .ids()
-            .filter_map(|i| match self.graph[i].role {
-                Role::Decode { window } => Some((window, i)),
-                _ => None,
-            })
-            .collect();
-        v.sort();
-        v.into_iter().map(|(_, i)| i).collect()
-    }
-}
 
 /// Splits `0..n` into consecutive spans of `per` (the last may be shorter).
 pub fn chunks(n: u32, per: u32) -> Vec<Span> {
@@ -196,12 +65,13 @@ impl Builder<'_> {
         kind: WorkKind,
         op: Op,
         gpu: GpuId,
-        phase: Phase,
         role: Role,
         work: Work,
         ready_step: u32,
         deps: &[NodeId],
     ) -> NodeId {
+        // (a phase graph holds no transfers: those come with residency)
+        let phase = op.phase(false).unwrap_or(Phase::Training);
         let id = self.g.add_node(Node {
             name,
             kind,
@@ -320,7 +190,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 to_tp: rtp,
             },
             rg,
-            Phase::Sync,
             Role::PreDecode,
             b.wl.transfer(moved as f64, 0.0),
             0,
@@ -345,7 +214,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 WorkKind::VisionEncode,
                 Op::EncodeMedia { groups: *s, copies },
                 rg,
-                Phase::Rollout,
                 Role::PreDecode,
                 w,
                 0,
@@ -366,7 +234,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 to_tp: ttp,
             },
             rg,
-            Phase::Rollout,
             Role::PreDecode,
             b.wl.transfer(bytes, 0.0),
             0,
@@ -389,7 +256,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
             WorkKind::Prefill,
             Op::Prefill { groups: *s, copies },
             rg,
-            Phase::Rollout,
             Role::PreDecode,
             w,
             0,
@@ -414,7 +280,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 until_done: last,
             },
             rg,
-            Phase::Rollout,
             Role::Decode { window: wi as u32 },
             work,
             0,
@@ -474,7 +339,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 WorkKind::RefPrefix,
                 Op::RefPrefix { groups: *s, copies },
                 tg,
-                Phase::Scoring,
                 Role::Side {
                     class: SideClass::RefPrefix,
                     item,
@@ -495,7 +359,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                     purpose: Purpose::OldLogProb,
                 },
                 tg,
-                Phase::Scoring,
                 Role::Side {
                     class: SideClass::OldPrefix,
                     item,
@@ -515,7 +378,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                     purpose: Purpose::Train { step: 0 },
                 },
                 tg,
-                Phase::Training,
                 Role::Side {
                     class: SideClass::TrainPrefix,
                     item,
@@ -541,7 +403,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 WorkKind::RefSuffix,
                 Op::RefSuffix { slot: k },
                 tg,
-                Phase::Scoring,
                 Role::Side {
                     class: SideClass::RefSuffix,
                     item: k,
@@ -562,7 +423,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                     purpose: Purpose::OldLogProb,
                 },
                 tg,
-                Phase::Scoring,
                 Role::Side {
                     class: SideClass::OldSuffix,
                     item: k,
@@ -577,7 +437,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
             WorkKind::Reward,
             Op::Reward { slot: k },
             tg,
-            Phase::Scoring,
             Role::Side {
                 class: SideClass::Reward,
                 item: k,
@@ -591,7 +450,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
             WorkKind::Advantage,
             Op::Advantages { slot: k },
             tg,
-            Phase::Scoring,
             Role::Side {
                 class: SideClass::Advantages,
                 item: k,
@@ -645,7 +503,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                         purpose: Purpose::Train { step: s },
                     },
                     tg,
-                    Phase::Training,
                     role,
                     with_part(fwd, WorkKind::VisionEncode, vis),
                     ready,
@@ -730,7 +587,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                     prefix_bwd_slots: prefix_bwd,
                 },
                 tg,
-                Phase::Training,
                 role,
                 work,
                 ready,
@@ -748,7 +604,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
             WorkKind::Optimizer,
             Op::OptimizerStep { step: s },
             tg,
-            Phase::Training,
             Role::Post,
             b.wl.optimizer(ttp, par.train_replicas),
             0,
@@ -782,7 +637,6 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 to_tp: rtp,
             },
             rg,
-            Phase::Sync,
             Role::Post,
             work,
             0,

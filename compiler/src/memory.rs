@@ -8,7 +8,7 @@
 //!
 //! Placement: per arena (one device and, when anything is offloaded, one pinned-host arena per
 //! GPU program), persistent buffers first, then the rest by size (largest first), each at the
-//! lowest 256-byte-aligned offset where it overlaps no conflicting buffer placed before it
+//! lowest aligned offset ([`align_up`]) where it overlaps no conflicting buffer placed before it
 //! (first fit over the gaps); a pair of [`TOGETHER`] is placed as one block. Peak = the device arena's size; `live_peak` = the largest sum of
 //! buffers certainly alive at one task (those pairwise conflict, so it is a lower bound).
 //!
@@ -18,15 +18,14 @@
 use crate::error::gib;
 use rollplex_plan::validate::HappensBefore;
 use rollplex_plan::{
-    Arena, ArenaId, ArenaKind, BufferId, GpuId, GpuMemory, Lifetime, Plan, Residency, TaskId,
+    align_up, Arena, ArenaId, ArenaKind, BufferId, BufferRole, GpuId, GpuMemory, Lifetime, Plan,
+    Residency, TaskId,
 };
-
-use rollplex_plan::ALIGN;
 
 /// Buffers placed back to back, the first's (aligned) end at the second's start: the CUDA
 /// executor's decode KV arena holds its keys, then its values, each over the prompt and the
 /// response rows of every layer, in the two buffers' bytes.
-const TOGETHER: [(&str, &str); 1] = [("kv.response", "kv.prompt")];
+const TOGETHER: [(BufferRole, BufferRole); 1] = [(BufferRole::KvResponse, BufferRole::KvPrompt)];
 
 /// Why a layout does not fit: the numbers a user needs.
 #[derive(Clone, Debug, PartialEq)]
@@ -147,11 +146,11 @@ pub fn layout(plan: &mut Plan) -> Result<(), OverBudget> {
         // the second of a pair placed back to back goes with its first
         let partner = |i: usize| -> Option<usize> {
             let b = &plan.buffers[i];
-            let (_, second) = TOGETHER.iter().find(|(f, _)| *f == b.name)?;
+            let (_, second) = TOGETHER.iter().find(|(f, _)| *f == b.role)?;
             members
                 .iter()
                 .copied()
-                .find(|&j| plan.buffers[j].name == *second && plan.buffers[j].gpu == b.gpu)
+                .find(|&j| plan.buffers[j].role == *second && plan.buffers[j].gpu == b.gpu)
         };
         let pairs: Vec<(usize, Option<usize>)> = members.iter().map(|&i| (i, partner(i))).collect();
         let seconds: Vec<usize> = pairs.iter().filter_map(|p| p.1).collect();
@@ -162,7 +161,7 @@ pub fn layout(plan: &mut Plan) -> Result<(), OverBudget> {
                 .map(|k| plan.buffers[k].lifetime)
                 .collect();
             // the second starts where the first ends, aligned
-            let first = plan.buffers[i].bytes.next_multiple_of(ALIGN);
+            let first = align_up(plan.buffers[i].bytes);
             let bytes = match second {
                 Some(p) => first + plan.buffers[p].bytes,
                 None => plan.buffers[i].bytes,
@@ -186,7 +185,7 @@ pub fn layout(plan: &mut Plan) -> Result<(), OverBudget> {
                 if off + bytes <= s {
                     break;
                 }
-                off = off.max(e.div_ceil(ALIGN) * ALIGN);
+                off = off.max(align_up(e));
             }
             plan.buffers[i].offset = off;
             a.bytes = a.bytes.max(off + bytes);

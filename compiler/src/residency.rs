@@ -39,15 +39,13 @@
 //! the driver lays out memory exactly and, when a plan is over budget, lowers the budget of
 //! the row where the peak sits by the overshoot and solves again.
 
-use crate::assemble::ResidencyChoice;
-use crate::driver::IlpRun;
 use crate::error::{CompileError, Result};
-use crate::ilp::{self, KeptState, ResItem, ReshardOption, Residency};
-use crate::lower::{PhaseGraph, Role, SideClass};
+use crate::ilp::{self, IlpRun, KeptState, ResItem, ReshardOption, Residency};
+use crate::ir::{kept_role, Node, PhaseGraph, ResidencyChoice, Role, SideClass, KEPT};
 use rollplex_cost::CostModel;
 use rollplex_plan::spec::Mode;
 use rollplex_plan::work::WorkKind;
-use rollplex_plan::{BufferClass, Op, Phase, ReshardPoint, SolverStats};
+use rollplex_plan::{BufferClass, BufferRole, Op, Phase, ReshardPoint, SolverStats};
 
 /// Bytes by which earlier attempts overshot, per memory row.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -74,9 +72,9 @@ pub struct Model {
     pub reshard: Vec<ReshardPoint>,
 }
 
-fn bytes(pg: &PhaseGraph, name: &str) -> f64 {
-    pg.buffer_named(name)
-        .map(|i| pg.buffers[i].bytes as f64)
+fn bytes(pg: &PhaseGraph, role: BufferRole) -> f64 {
+    pg.buffer_with(role)
+        .map(|i| pg.buffer(i).bytes as f64)
         .unwrap_or(0.0)
 }
 
@@ -100,14 +98,14 @@ pub fn model(
     let host_s = |b: f64| cost.time(WorkKind::Transfer, &wl.transfer(0.0, b), total);
     let mut items = Vec::new();
     let mut kinds = Vec::new();
-    let item_names: &[&str] = &[
-        "ref_weights",
-        "master_weights",
-        "adam_moments",
-        "rollout_weights.frozen",
+    let item_roles = [
+        BufferRole::RefWeights,
+        BufferRole::MasterWeights,
+        BufferRole::AdamMoments,
+        BufferRole::FrozenRolloutWeights,
     ];
-    if pg.buffer_named("ref_weights").is_some() {
-        let b = bytes(pg, "ref_weights");
+    if pg.buffer_with(BufferRole::RefWeights).is_some() {
+        let b = bytes(pg, BufferRole::RefWeights);
         items.push(ResItem {
             name: "ref_weights".into(),
             bytes: b,
@@ -124,7 +122,7 @@ pub fn model(
         });
         kinds.push(Item::RefWeights);
     }
-    let opt = bytes(pg, "master_weights") + bytes(pg, "adam_moments");
+    let opt = bytes(pg, BufferRole::MasterWeights) + bytes(pg, BufferRole::AdamMoments);
     if opt > 0.0 {
         items.push(ResItem {
             name: "optimizer state".into(),
@@ -146,7 +144,7 @@ pub fn model(
     let sync_s = sync
         .map(|i| cost.time(WorkKind::WeightSync, &pg.node(i).work, total))
         .unwrap_or(0.0);
-    let frozen = bytes(pg, "rollout_weights.frozen");
+    let frozen = bytes(pg, BufferRole::FrozenRolloutWeights);
     let mut frozen_idx = None;
     if frozen > 0.0 {
         if let Some(i) = sync {
@@ -175,7 +173,10 @@ pub fn model(
     let mut kept = Vec::new();
     let mut kept_classes = Vec::new();
     for (class, consumer) in KEPT {
-        let (Some(ci), Some(bi)) = (class_index(class), pg.buffer_named(kept_buffer(class))) else {
+        let (Some(ci), Some(bi)) = (
+            class_index(class),
+            kept_role(class).and_then(|r| pg.buffer_with(r)),
+        ) else {
             continue;
         };
         let n = pg
@@ -185,10 +186,10 @@ pub fn model(
         if n == 0 {
             continue;
         }
-        let b = pg.buffers[bi].bytes;
+        let b = pg.buffer(bi).bytes;
         let chunk = b.div_ceil(n) as f64;
         kept.push(KeptState {
-            name: kept_buffer(class).into(),
+            name: pg.buffer(bi).name.clone(),
             class: ci,
             consumers: class_index(consumer).into_iter().collect(),
             host_resident: (2.0 * chunk).min(b as f64),
@@ -222,15 +223,14 @@ pub fn model(
         }
     }
     // Bases.
-    let is_item = |n: &str| item_names.contains(&n);
     let persistent_on = |g| -> f64 {
         pg.buffers
             .iter()
-            .filter(|b| b.persistent && b.gpu == g && !is_item(&b.name))
+            .filter(|b| b.persistent && b.gpu == g && !item_roles.contains(&b.role))
             .map(|b| b.bytes as f64)
             .sum()
     };
-    let max_scratch = |f: &dyn Fn(&crate::lower::Node) -> bool| -> f64 {
+    let max_scratch = |f: &dyn Fn(&Node) -> bool| -> f64 {
         pg.ids()
             .map(|i| pg.node(i))
             .filter(|n| f(n))
@@ -239,19 +239,19 @@ pub fn model(
             .unwrap_or(0) as f64
     };
     let mut decode_base = persistent_on(rg);
-    for name in [
-        "vision_emb",
-        "vision_emb.train",
-        "kv.prompt",
-        "kv.response",
-        "samples",
-        "rollout_weights",
+    for role in [
+        BufferRole::MediaEmbeddings,
+        BufferRole::TrainMediaEmbeddings,
+        BufferRole::KvPrompt,
+        BufferRole::KvResponse,
+        BufferRole::Samples,
+        BufferRole::RolloutWeights,
     ] {
         if pg
-            .buffer_named(name)
-            .is_some_and(|i| !pg.buffers[i].persistent && pg.buffers[i].gpu == rg)
+            .buffer_with(role)
+            .is_some_and(|i| !pg.buffer(i).persistent && pg.buffer(i).gpu == rg)
         {
-            decode_base += bytes(pg, name);
+            decode_base += bytes(pg, role);
         }
     }
     decode_base += max_scratch(&|n| matches!(n.role, Role::Decode { .. }));
@@ -267,18 +267,18 @@ pub fn model(
     };
     let mut train_base =
         persistent_on(tg) + largest(BufferClass::Grads) + largest(BufferClass::Activations);
-    for name in [
-        "ref_logprobs",
-        "old_logprobs",
-        "scalars",
-        "samples",
-        "samples.train",
+    for role in [
+        BufferRole::RefLogProbs,
+        BufferRole::OldLogProbs,
+        BufferRole::Scalars,
+        BufferRole::Samples,
+        BufferRole::TrainSamples,
     ] {
         if pg
-            .buffer_named(name)
-            .is_some_and(|i| !pg.buffers[i].persistent && pg.buffers[i].gpu == tg)
+            .buffer_with(role)
+            .is_some_and(|i| !pg.buffer(i).persistent && pg.buffer(i).gpu == tg)
         {
-            train_base += bytes(pg, name);
+            train_base += bytes(pg, role);
         }
     }
     train_base += max_scratch(&|n| n.phase == Phase::Training);
@@ -301,23 +301,6 @@ pub fn model(
         items: kinds,
         kept: kept_classes,
         reshard: points,
-    }
-}
-
-/// Kept prefix states' producer classes and the class that consumes each.
-pub const KEPT: [(SideClass, SideClass); 3] = [
-    (SideClass::RefPrefix, SideClass::RefSuffix),
-    (SideClass::OldPrefix, SideClass::OldSuffix),
-    (SideClass::TrainPrefix, SideClass::MicroBatch),
-];
-
-/// The buffer a kept-state producer class writes (`""` for other classes).
-pub fn kept_buffer(class: SideClass) -> &'static str {
-    match class {
-        SideClass::RefPrefix => "ref_prefix_kv",
-        SideClass::OldPrefix => "old_prefix_kv",
-        SideClass::TrainPrefix => "train_prefix.s0",
-        _ => "",
     }
 }
 

@@ -18,103 +18,10 @@
 //!
 //! Invariant: `tasks` is in issue order: every dependency index is smaller than the task's.
 
-use crate::buffers::Offload;
+use crate::ir::Sched;
 use rollplex_cost::CostModel;
-use rollplex_plan::work::{Work, WorkKind};
-use rollplex_plan::{BufferClass, GpuId, Op, Phase, Priority, Residency};
-
-#[derive(Clone, Debug, PartialEq)]
-pub struct SStream {
-    pub gpu: GpuId,
-    pub name: &'static str,
-    pub priority: Priority,
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub struct SWindow {
-    pub gpu: GpuId,
-    pub first_step: u32,
-    pub steps: u32,
-    pub decode_stream: usize,
-    pub side_stream: usize,
-    pub decode_sms: u32,
-    pub side_sms: u32,
-    pub expected_active: f64,
-    pub expected_groups_done: u32,
-    pub start: f64,
-    pub end: f64,
-}
-
-/// A buffer as the plan will hold it (a logical buffer may become a host copy and a device
-/// copy when it is offloaded).
-#[derive(Clone, Debug, PartialEq)]
-pub struct PBuf {
-    pub name: String,
-    pub class: BufferClass,
-    pub gpu: GpuId,
-    pub bytes: u64,
-    pub shape: String,
-    pub persistent: bool,
-    pub host: bool,
-    pub residency: Vec<(Phase, Residency)>,
-    pub offload: Offload,
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub struct STask {
-    pub name: String,
-    pub kind: WorkKind,
-    pub op: Op,
-    pub gpu: GpuId,
-    /// Effective phase (work moved into a decode window counts as rollout).
-    pub phase: Phase,
-    pub stream: usize,
-    pub window: Option<u32>,
-    pub deps: Vec<usize>,
-    pub reads: Vec<usize>,
-    pub writes: Vec<usize>,
-    pub work: Work,
-    pub scratch: u64,
-    pub sms: u32,
-    pub ready_step: u32,
-    pub start: f64,
-    pub end: f64,
-}
-
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Sched {
-    pub streams: Vec<SStream>,
-    pub windows: Vec<SWindow>,
-    pub tasks: Vec<STask>,
-    pub buffers: Vec<PBuf>,
-    /// Where the colocated weight sync runs (`None`: not colocated).
-    pub reshard_point: Option<rollplex_plan::ReshardPoint>,
-    /// Whether the sync also rebuilds the frozen rollout extra.
-    pub frozen_rebuilt: bool,
-}
-
-impl Sched {
-    pub fn stream(&mut self, gpu: GpuId, name: &'static str, priority: Priority) -> usize {
-        if let Some(i) = self
-            .streams
-            .iter()
-            .position(|s| s.gpu == gpu && s.name == name)
-        {
-            return i;
-        }
-        self.streams.push(SStream {
-            gpu,
-            name,
-            priority,
-        });
-        self.streams.len() - 1
-    }
-
-    /// Predicted iteration time: the last end.
-    pub fn makespan(&self) -> f64 {
-        self.tasks.iter().map(|t| t.end).fold(0.0, f64::max)
-    }
-}
+use rollplex_plan::work::WorkKind;
+use rollplex_plan::Op;
 
 /// Computes `start`/`end` of every task and window (see the module docs).
 pub fn predict(s: &mut Sched, cost: &CostModel) {

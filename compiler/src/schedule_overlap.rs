@@ -28,15 +28,13 @@
 //! The weight-version rule holds by construction: only version-0 work has a side class
 //! (later steps' prefixes and micro-batches are `Role::Post`).
 
-use crate::assemble::Placement;
-use crate::driver::IlpRun;
 use crate::error::{CompileError, Result};
-use crate::ilp::{self, ClassInput, Prec, PrecKind, Problem, SplitOption};
-use crate::lower::{NodeId, PhaseGraph, Role, SideClass};
+use crate::ilp::{self, ClassInput, IlpRun, Prec, PrecKind, Problem, SplitOption, FILL_SLACK};
+use crate::ir::{NodeId, PhaseGraph, Placement, Role, SideClass, KEPT};
 use crate::residency::Cuts;
 use rollplex_cost::CostModel;
 use rollplex_plan::work::WorkKind;
-use rollplex_plan::{SolveStatus, SolverStats};
+use rollplex_plan::{BufferRole, SolveStatus, SolverStats};
 use std::collections::BTreeMap;
 
 /// How the ILP prices the side work of a window (see the module doc).
@@ -136,9 +134,9 @@ fn place_priced(
         })
         .collect();
 
-    let buf = |name: &str| {
-        pg.buffer_named(name)
-            .map(|i| pg.buffers[i].bytes as f64)
+    let buf = |role: BufferRole| {
+        pg.buffer_with(role)
+            .map(|i| pg.buffer(i).bytes as f64)
             .unwrap_or(0.0)
     };
     let windows = &pg.windows;
@@ -181,14 +179,14 @@ fn place_priced(
             })
             .collect();
         let bytes = match c {
-            SideClass::RefPrefix => buf("ref_prefix_kv"),
-            SideClass::OldPrefix => buf("old_prefix_kv"),
-            SideClass::TrainPrefix => buf("train_prefix.s0"),
-            SideClass::RefSuffix => buf("ref_logprobs"),
-            SideClass::OldSuffix => buf("old_logprobs"),
-            SideClass::Reward => buf("scalars"),
+            SideClass::RefPrefix => buf(BufferRole::RefPrefixKv),
+            SideClass::OldPrefix => buf(BufferRole::OldPrefixKv),
+            SideClass::TrainPrefix => buf(BufferRole::TrainPrefix { step: 0 }),
+            SideClass::RefSuffix => buf(BufferRole::RefLogProbs),
+            SideClass::OldSuffix => buf(BufferRole::OldLogProbs),
+            SideClass::Reward => buf(BufferRole::Scalars),
             SideClass::Advantages => 0.0,
-            SideClass::MicroBatch => buf("grads.s0"),
+            SideClass::MicroBatch => buf(BufferRole::Grads { step: 0 }),
         };
         inputs.push(ClassInput {
             name: c.name(),
@@ -260,7 +258,7 @@ fn place_priced(
     let ans = ilp::solve(&problem).map_err(CompileError::internal)?;
     let res = crate::residency::choice(&rmodel, &ans.off, &ans.kept_host, ans.reshard);
     // Consumers of a kept state on host run after decode (its reloads follow decode).
-    let banned: Vec<SideClass> = crate::residency::KEPT
+    let banned: Vec<SideClass> = KEPT
         .iter()
         .filter(|(p, _)| res.kept_host(*p))
         .map(|&(_, c)| c)
@@ -395,9 +393,6 @@ fn place_priced(
         best_t,
     ))
 }
-
-/// Fraction by which side work may exceed a window's decode time when filling.
-pub const FILL_SLACK: f64 = 0.03;
 
 /// An item of a window on `side_sms` SMs: its time beside decode, and decode's slowdown while
 /// it runs (a piece of [`rollplex_cost::beside_time`]).

@@ -4,8 +4,7 @@
 //!
 //! Invariant: no task is in a window's side partition; every window gives decode all SMs.
 
-use crate::assemble::{Placement, ResidencyChoice};
-use crate::lower::PhaseGraph;
+use crate::ir::{PhaseGraph, Placement, ResidencyChoice};
 use std::collections::BTreeMap;
 
 pub fn place(pg: &PhaseGraph, residency: ResidencyChoice) -> Placement {

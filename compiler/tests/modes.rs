@@ -244,7 +244,7 @@ fn a_trained_towers_kept_inputs_are_in_the_train_prefix_buffer() {
         summary("kept", &spec, Mode::Serial)
             .buffers
             .iter()
-            .find(|b| b.name == "train_prefix.s0")
+            .find(|b| b.role == rollplex_plan::BufferRole::TrainPrefix { step: 0 })
             .expect("a single-step job keeps its training prefixes")
             .bytes
     };

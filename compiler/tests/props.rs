@@ -160,6 +160,7 @@ fn outcome(spec: &JobSpec, mode: Mode) -> Result<Plan, String> {
         &Options {
             mode: Some(mode),
             time_limit_s: 5.0,
+            check_ir: true,
             ..Options::default()
         },
     ) {

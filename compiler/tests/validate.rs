@@ -3,7 +3,9 @@
 use rollplex_compiler::fixtures::{job, paper_job, QwenSize};
 use rollplex_compiler::{compile, Options};
 use rollplex_plan::spec::Mode;
-use rollplex_plan::{validate, BufferId, Lifetime, Op, Plan, StreamId, TaskId};
+use rollplex_plan::{
+    validate, BufferClass, BufferId, BufferRole, Lifetime, Op, Plan, StreamId, TaskId, ALIGN,
+};
 
 fn plan(spec: &rollplex_plan::spec::JobSpec, mode: Mode) -> Plan {
     compile(
@@ -142,18 +144,56 @@ fn decode_waiting_on_a_slot_task_deadlocks() {
 fn overlapping_live_buffers() {
     let mut p = overlap_plan();
     // kv.prompt and kv.response are both alive during decode.
-    let a = p
-        .buffers
-        .iter()
-        .position(|b| b.name == "kv.prompt")
-        .expect("kv.prompt");
-    let b = p
-        .buffers
-        .iter()
-        .position(|b| b.name == "kv.response")
-        .expect("kv.response");
+    let a = role_at(&p, BufferRole::KvPrompt);
+    let b = role_at(&p, BufferRole::KvResponse);
     p.buffers[b].offset = p.buffers[a].offset;
     assert!(rules(&p).contains(&"memory"));
+}
+
+fn role_at(p: &Plan, role: BufferRole) -> usize {
+    p.buffers
+        .iter()
+        .position(|b| b.role == role)
+        .unwrap_or_else(|| panic!("no {role:?} buffer"))
+}
+
+#[test]
+fn role_of_another_class() {
+    let mut p = overlap_plan();
+    let i = role_at(&p, BufferRole::ActorWeights);
+    p.buffers[i].class = BufferClass::RefWeights;
+    assert_eq!(rules(&p), vec!["roles"]);
+}
+
+#[test]
+fn two_buffers_of_one_role() {
+    let mut p = overlap_plan();
+    let i = role_at(&p, BufferRole::RefWeights);
+    p.buffers[i].role = BufferRole::ActorWeights;
+    p.buffers[i].class = BufferClass::ActorWeights;
+    assert_eq!(rules(&p), vec!["roles"]);
+    // every training program has its optimizer state
+    let mut p = overlap_plan();
+    let i = role_at(&p, BufferRole::AdamMoments);
+    p.buffers[i].role = BufferRole::Scalars;
+    p.buffers[i].class = BufferClass::Scalars;
+    assert!(rules(&p).contains(&"roles"), "{:?}", rules(&p));
+}
+
+#[test]
+fn grads_of_a_step_that_does_not_run() {
+    let mut p = overlap_plan();
+    let i = role_at(&p, BufferRole::Grads { step: 0 });
+    p.buffers[i].role = BufferRole::Grads { step: 9 };
+    assert_eq!(rules(&p), vec!["roles"]);
+}
+
+#[test]
+fn decode_kv_rows_apart() {
+    let mut p = overlap_plan();
+    let i = role_at(&p, BufferRole::KvPrompt);
+    p.buffers[i].offset += ALIGN;
+    assert!(rules(&p).contains(&"roles"), "{:?}", rules(&p));
 }
 
 #[test]

@@ -65,7 +65,7 @@ impl LoopObserver for Observer<'_> {
         }
     }
     fn task_done(&mut self, it: u32, task: &Task, start: Instant, end: Instant) {
-        if let Some(p) = rollplex_runtime::sim::phase_of(&task.op, task.window.is_some()) {
+        if let Some(p) = task.op.phase(task.window.is_some()) {
             let i = Phase::ALL.iter().position(|q| *q == p).unwrap_or(0);
             self.phase_s[i] += end.duration_since(start).as_secs_f64();
         }

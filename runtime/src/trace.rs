@@ -268,7 +268,9 @@ impl PlanTrace {
             .get(task.stream.index())
             .copied()
             .unwrap_or((task.gpu.index() as u32, task.stream.index() as u32));
-        let phase = crate::sim::phase_of(&task.op, task.window.is_some())
+        let phase = task
+            .op
+            .phase(task.window.is_some())
             .map(|p| format!("{p:?}").to_lowercase());
         let (ts, te) = (self.us(start), self.us(end));
         self.writer.complete(

@@ -8,7 +8,8 @@
 //!   each on its own data shard (tensor-parallel peers and data-parallel replicas run identical
 //!   schedules, so a 32-GPU colocated plan has one program);
 //! - `streams` per GPU program, `windows` (decode windows with their SM split), `tasks` in
-//!   issue order, `buffers` with their arena offsets, `reshards`, `memory` (arenas and peaks);
+//!   issue order, `buffers` with their roles ([`BufferRole`]: what a program matches on; names
+//!   are for display) and arena offsets, `reshards`, `memory` (arenas and peaks);
 //! - `spec`: the job spec the plan was compiled from (the runtime builds models, data and the
 //!   RL loop from it).
 //!
@@ -240,6 +241,41 @@ pub enum Op {
 }
 
 impl Op {
+    /// The phase of a task running this op (side work inside a decode window, `in_window`,
+    /// is rollout); `None` for transfers, which belong to the phase they serve.
+    pub fn phase(&self, in_window: bool) -> Option<Phase> {
+        if in_window {
+            return Some(Phase::Rollout);
+        }
+        Some(match self {
+            Op::EncodeMedia { .. } | Op::Prefill { .. } | Op::DecodeWindow { .. } => Phase::Rollout,
+            Op::Reshard {
+                what: ReshardWhat::Embeddings,
+                ..
+            } => Phase::Rollout,
+            Op::RefPrefix { .. }
+            | Op::RefSuffix { .. }
+            | Op::ActorSuffix { .. }
+            | Op::Reward { .. }
+            | Op::Advantages { .. }
+            | Op::Reshard {
+                what: ReshardWhat::Samples,
+                ..
+            } => Phase::Scoring,
+            Op::ActorPrefix { purpose, .. } => match purpose {
+                Purpose::OldLogProb => Phase::Scoring,
+                Purpose::Train { .. } => Phase::Training,
+            },
+            Op::TrainMicroBatch { .. } | Op::OptimizerStep { .. } => Phase::Training,
+            Op::WeightSync { .. }
+            | Op::Reshard {
+                what: ReshardWhat::Weights,
+                ..
+            } => Phase::Sync,
+            Op::Offload { .. } | Op::Reload { .. } => return None,
+        })
+    }
+
     /// The optimizer step whose weights an actor op uses (`None`: not an actor-weight op).
     pub fn actor_weight_version(&self) -> Option<u32> {
         match self {
@@ -288,8 +324,10 @@ pub enum ReshardWhat {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Buffer {
     pub id: BufferId,
-    /// Unique readable name (`kv.prefix`, `ref_weights.hbm`).
+    /// Unique readable name (`kv.prefix`, `ref_weights.hbm`), for display only: programs go
+    /// by `role`.
     pub name: String,
+    pub role: BufferRole,
     pub class: BufferClass,
     pub gpu: GpuId,
     pub bytes: u64,
@@ -300,6 +338,97 @@ pub struct Buffer {
     pub residency: Vec<PhaseResidency>,
     pub arena: ArenaId,
     pub offset: u64,
+}
+
+/// What a buffer holds: the compiler sets it where it creates the buffer, the runtime and the
+/// compiler's own passes find buffers by it (the verifier's `roles` rule says which roles are
+/// one buffer per GPU program). The names in the docs are the compiler's display names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BufferRole {
+    /// The actor's weights in the training layout (`actor_weights`).
+    ActorWeights,
+    /// Rollout-layout weights beyond the training shard that each weight sync rebuilds, or a
+    /// rollout GPU's own copy of the weights (`rollout_weights`).
+    RolloutWeights,
+    /// The frozen incompatible tensors' gathered rollout part, built once
+    /// (`rollout_weights.frozen`).
+    FrozenRolloutWeights,
+    /// The reference model's weights (`ref_weights`).
+    RefWeights,
+    /// fp32 master weights (`master_weights`).
+    MasterWeights,
+    /// Adam's first and second moments (`adam_moments`).
+    AdamMoments,
+    /// Gradient sums of optimizer step `step` (`grads.sS`).
+    Grads { step: u32 },
+    /// The rollout's merged media embeddings (`vision_emb`).
+    MediaEmbeddings,
+    /// The media embeddings resharded to a training replica (`vision_emb.train`).
+    TrainMediaEmbeddings,
+    /// The decode KV arena's prompt rows (`kv.prompt`).
+    KvPrompt,
+    /// The decode KV arena's response rows (`kv.response`); `kv.prompt` follows it.
+    KvResponse,
+    /// Sampled tokens, lengths and the slot table (`samples`).
+    Samples,
+    /// The samples resharded to a training GPU program (`samples.train`).
+    TrainSamples,
+    /// The reference's kept prefix KV (`ref_prefix_kv`).
+    RefPrefixKv,
+    /// The actor's kept prefix KV for old log-probs (`old_prefix_kv`).
+    OldPrefixKv,
+    /// The kept prompt forwards (and a trained tower's kept inputs) of optimizer step `step`
+    /// (`train_prefix.sS`).
+    TrainPrefix { step: u32 },
+    /// Per-token reference log-probs (`ref_logprobs`).
+    RefLogProbs,
+    /// Per-token old-policy log-probs (`old_logprobs`).
+    OldLogProbs,
+    /// Rewards and advantages (`scalars`).
+    Scalars,
+    /// One producer's chunk of a kept prefix state staged through host memory (`<state>[k]`).
+    KeptChunk,
+    /// The pinned-host copy of an offloaded buffer or chunk (`<name>.host`).
+    HostCopy,
+    /// One task's transient working set (`scratch.<task>`).
+    Scratch,
+}
+
+impl BufferRole {
+    /// Whether a GPU program has at most one buffer of this role.
+    pub fn unique(self) -> bool {
+        !matches!(
+            self,
+            BufferRole::KeptChunk | BufferRole::HostCopy | BufferRole::Scratch
+        )
+    }
+
+    /// The class every buffer of this role has (`None`: the class of what it copies).
+    pub fn class(self) -> Option<BufferClass> {
+        Some(match self {
+            BufferRole::ActorWeights => BufferClass::ActorWeights,
+            BufferRole::RolloutWeights | BufferRole::FrozenRolloutWeights => {
+                BufferClass::RolloutWeights
+            }
+            BufferRole::RefWeights => BufferClass::RefWeights,
+            BufferRole::MasterWeights => BufferClass::MasterWeights,
+            BufferRole::AdamMoments => BufferClass::OptimizerMoments,
+            BufferRole::Grads { .. } => BufferClass::Grads,
+            BufferRole::MediaEmbeddings | BufferRole::TrainMediaEmbeddings => {
+                BufferClass::VisionEmbeddings
+            }
+            BufferRole::KvPrompt => BufferClass::KvPrefix,
+            BufferRole::KvResponse => BufferClass::KvSuffix,
+            BufferRole::Samples | BufferRole::TrainSamples => BufferClass::Samples,
+            BufferRole::RefPrefixKv | BufferRole::OldPrefixKv => BufferClass::PrefixState,
+            BufferRole::TrainPrefix { .. } => BufferClass::Activations,
+            BufferRole::RefLogProbs | BufferRole::OldLogProbs => BufferClass::LogProbs,
+            BufferRole::Scalars => BufferClass::Scalars,
+            BufferRole::Scratch => BufferClass::Scratch,
+            BufferRole::KeptChunk | BufferRole::HostCopy => return None,
+        })
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -474,8 +603,20 @@ pub struct Memory {
 
 /// Alignment, in bytes, of every buffer's offset in an arena and of every tensor the runtime
 /// places inside a buffer (cuBLASLt's default minimum for its operands); a buffer's size allows
-/// it once per such tensor.
+/// it once per such tensor ([`placed_bytes`]).
 pub const ALIGN: u64 = 256;
+
+/// `offset` rounded up to the next multiple of [`ALIGN`]: where the compiler places a buffer
+/// after another and where the runtime places a tensor after another in a buffer's range.
+pub fn align_up(offset: u64) -> u64 {
+    offset.next_multiple_of(ALIGN)
+}
+
+/// The bytes a buffer needs to hold `content` bytes as `tensors` tensors, each placed by the
+/// runtime at an [`align_up`] address: at most [`ALIGN`] bytes of padding before each.
+pub fn placed_bytes(content: u64, tensors: u64) -> u64 {
+    content + ALIGN * tensors
+}
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Arena {

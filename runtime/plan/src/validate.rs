@@ -32,13 +32,21 @@
 //!   lifetimes ordered by happens-before (one's last task before the other's first); a
 //!   persistent buffer overlaps nothing; each GPU's device arena fits its budget and `peak`
 //!   equals the device arena size.
+//! - `roles`: a buffer's class is the one its role fixes; a GPU program has at most one buffer
+//!   of each role but kept-state chunks, host copies and scratch (one actor-weights buffer,
+//!   one `grads` per step, ...), and one each of actor weights, master weights and Adam moments
+//!   where it runs optimizer steps; `grads` and `train_prefix` of step S only where
+//!   `OptimizerStep{S}` runs; host copies, and only they, are in host arenas, and an offload
+//!   writes (a reload reads) a host copy and nothing else; the decode KV arena's `kv_prompt`
+//!   starts at the aligned end of its `kv_response` (the runtime sees them as one range).
 //! - `work`: every task's work amounts (its own and its parts') are finite and >= 0, and
 //!   parts hold no parts of their own.
 //! - `timing`: predicted times are finite, `start_s <= end_s`, a task starts no earlier than
 //!   its dependencies end, and tasks of a stream do not overlap in time.
 
 use crate::ids::{BufferId, GpuId, TaskId};
-use crate::plan::{ArenaKind, GpuRole, Lifetime, Op, Plan};
+use crate::plan::{align_up, ArenaKind, BufferRole, GpuRole, Lifetime, Op, Plan};
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 /// One broken invariant.
@@ -100,6 +108,7 @@ pub fn validate(plan: &Plan) -> Result<(), Violations> {
     v.deadlock(&hb);
     v.ranges();
     v.memory(&hb);
+    v.roles();
     v.work();
     v.timing();
     if v.out.is_empty() {
@@ -710,6 +719,119 @@ impl Checker<'_> {
                         m.gpu, m.live_peak, m.peak
                     ),
                 );
+            }
+        }
+    }
+
+    fn roles(&mut self) {
+        let p = self.plan;
+        let mut seen: BTreeMap<(GpuId, BufferRole), BufferId> = BTreeMap::new();
+        for b in &p.buffers {
+            if let Some(c) = b.role.class().filter(|&c| c != b.class) {
+                self.err(
+                    "roles",
+                    format!(
+                        "{} `{}` has role {:?} but class {:?} (the role's is {c:?})",
+                        b.id, b.name, b.role, b.class
+                    ),
+                );
+            }
+            if b.role.unique() {
+                if let Some(other) = seen.insert((b.gpu, b.role), b.id) {
+                    self.err(
+                        "roles",
+                        format!(
+                            "{} `{}` and {other} are both {:?} of {}",
+                            b.id, b.name, b.role, b.gpu
+                        ),
+                    );
+                }
+            }
+            let host_arena = p.memory.arenas[b.arena.index()].kind == ArenaKind::Host;
+            if host_arena != (b.role == BufferRole::HostCopy) {
+                self.err(
+                    "roles",
+                    format!(
+                        "{} `{}` is {:?} in a {} arena",
+                        b.id,
+                        b.name,
+                        b.role,
+                        if host_arena { "host" } else { "device" }
+                    ),
+                );
+            }
+        }
+        let mut steps: BTreeSet<(GpuId, u32)> = BTreeSet::new();
+        for t in &p.tasks {
+            let (host, dev) = match t.op {
+                Op::Offload { from, to } => (to, from),
+                Op::Reload { from, to } => (from, to),
+                Op::OptimizerStep { step } => {
+                    steps.insert((t.gpu, step));
+                    continue;
+                }
+                _ => continue,
+            };
+            let role = |b: BufferId| p.buffers[b.index()].role;
+            if role(host) != BufferRole::HostCopy || role(dev) == BufferRole::HostCopy {
+                self.err(
+                    "roles",
+                    format!(
+                        "{} `{}` moves {host} ({:?}) and {dev} ({:?}): one host copy and one \
+                         device buffer",
+                        t.id,
+                        t.name,
+                        role(host),
+                        role(dev)
+                    ),
+                );
+            }
+        }
+        for &(gpu, step) in &steps {
+            for role in [
+                BufferRole::ActorWeights,
+                BufferRole::MasterWeights,
+                BufferRole::AdamMoments,
+            ] {
+                if !seen.contains_key(&(gpu, role)) {
+                    self.err(
+                        "roles",
+                        format!("{gpu} runs optimizer step {step} but has no {role:?} buffer"),
+                    );
+                }
+            }
+        }
+        for (&(gpu, role), &id) in &seen {
+            if let BufferRole::Grads { step } | BufferRole::TrainPrefix { step } = role {
+                if !steps.contains(&(gpu, step)) {
+                    self.err(
+                        "roles",
+                        format!("{id} is {role:?} of {gpu}, which runs no optimizer step {step}"),
+                    );
+                }
+            }
+            if role != BufferRole::KvResponse {
+                continue;
+            }
+            let resp = &p.buffers[id.index()];
+            match seen.get(&(gpu, BufferRole::KvPrompt)) {
+                Some(&q) => {
+                    let prompt = &p.buffers[q.index()];
+                    let end = align_up(resp.offset.saturating_add(resp.bytes));
+                    if prompt.arena != resp.arena || prompt.offset != end {
+                        self.err(
+                            "roles",
+                            format!(
+                                "{q} `{}` is at {} of {} but {id} `{}` ends at {end} of {}",
+                                prompt.name, prompt.offset, prompt.arena, resp.name, resp.arena
+                            ),
+                        );
+                    }
+                }
+                None => self.err(
+                    "roles",
+                    format!("{gpu} has {id} `{}` without a KvPrompt buffer", resp.name),
+                ),
             }
         }
     }

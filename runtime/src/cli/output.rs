@@ -46,7 +46,7 @@ impl exec::LoopObserver for LoopRun<'_> {
     }
 
     fn task_done(&mut self, it: u32, task: &Task, start: Instant, end: Instant) {
-        if let Some(phase) = crate::sim::phase_of(&task.op, task.window.is_some()) {
+        if let Some(phase) = task.op.phase(task.window.is_some()) {
             let i = Phase::ALL.iter().position(|p| *p == phase).unwrap_or(0);
             self.phase_s[i] += end.duration_since(start).as_secs_f64();
         }

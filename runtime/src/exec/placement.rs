@@ -22,7 +22,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use rollplex_plan::plan::{ArenaKind, Lifetime, Residency};
+use rollplex_plan::plan::{ArenaKind, BufferRole, Lifetime, Residency};
 use rollplex_plan::{GpuId, Plan};
 
 use super::ExecError;
@@ -46,27 +46,30 @@ pub enum Role {
 }
 
 impl Role {
-    /// The role of a plan buffer, by name.
-    pub fn of_buffer(name: &str) -> Option<Role> {
-        let step = |p: &str| name.strip_prefix(p).and_then(|s| s.parse::<u32>().ok());
-        Some(match name {
-            "actor_weights" => Role::ActorWeights,
-            "ref_weights" => Role::RefWeights,
-            "master_weights" => Role::Masters,
-            "adam_moments" => Role::Moments,
-            "vision_emb" => Role::Media,
-            "kv.prompt" | "kv.response" => Role::DecodeKv,
-            "ref_prefix_kv" => Role::RefPrefixes,
-            "old_prefix_kv" => Role::OldPrefixes,
-            _ => {
-                if let Some(s) = step("grads.s") {
-                    Role::Grads(s)
-                } else if step("train_prefix.s").is_some() {
-                    Role::TrainPrefixes
-                } else {
-                    return None;
-                }
-            }
+    /// The region of a plan buffer of `role` (`None`: left to the pool).
+    pub fn of(role: BufferRole) -> Option<Role> {
+        Some(match role {
+            BufferRole::ActorWeights => Role::ActorWeights,
+            BufferRole::RefWeights => Role::RefWeights,
+            BufferRole::MasterWeights => Role::Masters,
+            BufferRole::AdamMoments => Role::Moments,
+            BufferRole::Grads { step } => Role::Grads(step),
+            BufferRole::MediaEmbeddings => Role::Media,
+            BufferRole::KvPrompt | BufferRole::KvResponse => Role::DecodeKv,
+            BufferRole::RefPrefixKv => Role::RefPrefixes,
+            BufferRole::OldPrefixKv => Role::OldPrefixes,
+            BufferRole::TrainPrefix { .. } => Role::TrainPrefixes,
+            BufferRole::RolloutWeights
+            | BufferRole::FrozenRolloutWeights
+            | BufferRole::TrainMediaEmbeddings
+            | BufferRole::Samples
+            | BufferRole::TrainSamples
+            | BufferRole::RefLogProbs
+            | BufferRole::OldLogProbs
+            | BufferRole::Scalars
+            | BufferRole::KeptChunk
+            | BufferRole::HostCopy
+            | BufferRole::Scratch => return None,
         })
     }
 
@@ -129,14 +132,14 @@ pub fn layout(plan: &Plan, program: GpuId) -> Layout {
         .buffers
         .iter()
         .filter(mine)
-        .filter(|b| Role::of_buffer(&b.name) == Some(Role::TrainPrefixes))
+        .filter(|b| Role::of(b.role) == Some(Role::TrainPrefixes))
         .count();
     let mut out = Layout {
         arena_bytes: arena.bytes,
         ..Layout::default()
     };
     for b in plan.buffers.iter().filter(mine) {
-        let Some(role) = Role::of_buffer(&b.name) else {
+        let Some(role) = Role::of(b.role) else {
             continue;
         };
         let why = if b.residency.iter().any(|r| r.residency == Residency::Host) {
@@ -275,16 +278,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn roles_by_buffer_name() {
-        assert_eq!(Role::of_buffer("kv.prompt"), Some(Role::DecodeKv));
-        assert_eq!(Role::of_buffer("kv.response"), Some(Role::DecodeKv));
-        assert_eq!(Role::of_buffer("grads.s3"), Some(Role::Grads(3)));
+    fn regions_by_buffer_role() {
+        assert_eq!(Role::of(BufferRole::KvPrompt), Some(Role::DecodeKv));
+        assert_eq!(Role::of(BufferRole::KvResponse), Some(Role::DecodeKv));
         assert_eq!(
-            Role::of_buffer("train_prefix.s1"),
+            Role::of(BufferRole::Grads { step: 3 }),
+            Some(Role::Grads(3))
+        );
+        assert_eq!(
+            Role::of(BufferRole::TrainPrefix { step: 1 }),
             Some(Role::TrainPrefixes)
         );
-        assert_eq!(Role::of_buffer("scratch.decode.w0"), None);
-        assert_eq!(Role::of_buffer("grads.sx"), None);
-        assert_eq!(Role::of_buffer("samples"), None);
+        assert_eq!(Role::of(BufferRole::Scratch), None);
+        assert_eq!(Role::of(BufferRole::KeptChunk), None);
+        assert_eq!(Role::of(BufferRole::Samples), None);
     }
 }

@@ -28,7 +28,7 @@ mod tests;
 
 use rollplex_cost::CostModel;
 use rollplex_plan::work::WorkKind;
-use rollplex_plan::{ArenaKind, Lifetime, Op, Phase, Plan, Purpose, ReshardWhat};
+use rollplex_plan::{ArenaKind, Lifetime, Phase, Plan};
 
 pub use engine::DeviceSample;
 
@@ -154,40 +154,6 @@ pub struct SimReport {
     pub warnings: Vec<String>,
 }
 
-/// The phase of a task by what it computes (side work inside a decode window is rollout).
-pub fn phase_of(op: &Op, in_window: bool) -> Option<Phase> {
-    if in_window {
-        return Some(Phase::Rollout);
-    }
-    Some(match op {
-        Op::EncodeMedia { .. } | Op::Prefill { .. } | Op::DecodeWindow { .. } => Phase::Rollout,
-        Op::Reshard {
-            what: ReshardWhat::Embeddings,
-            ..
-        } => Phase::Rollout,
-        Op::RefPrefix { .. }
-        | Op::RefSuffix { .. }
-        | Op::ActorSuffix { .. }
-        | Op::Reward { .. }
-        | Op::Advantages { .. }
-        | Op::Reshard {
-            what: ReshardWhat::Samples,
-            ..
-        } => Phase::Scoring,
-        Op::ActorPrefix { purpose, .. } => match purpose {
-            Purpose::OldLogProb => Phase::Scoring,
-            Purpose::Train { .. } => Phase::Training,
-        },
-        Op::TrainMicroBatch { .. } | Op::OptimizerStep { .. } => Phase::Training,
-        Op::WeightSync { .. }
-        | Op::Reshard {
-            what: ReshardWhat::Weights,
-            ..
-        } => Phase::Sync,
-        Op::Offload { .. } | Op::Reload { .. } => return None,
-    })
-}
-
 /// Whether a task of `kind` occupies SMs.
 fn uses_sms(kind: WorkKind) -> bool {
     !matches!(kind, WorkKind::Reward | WorkKind::Transfer)
@@ -297,7 +263,7 @@ pub fn simulate(plan: &Plan, cost: &CostModel) -> Result<SimReport, SimError> {
         .map(|(t, o)| SimTask {
             name: t.name.clone(),
             kind: t.kind,
-            phase: phase_of(&t.op, t.window.is_some()).unwrap_or(Phase::Training),
+            phase: t.op.phase(t.window.is_some()).unwrap_or(Phase::Training),
             device: t.gpu.index(),
             stream: t.stream.index(),
             window: t.window.map(|w| w.0),
@@ -311,11 +277,9 @@ pub fn simulate(plan: &Plan, cost: &CostModel) -> Result<SimReport, SimError> {
             bytes: t.work.bytes,
         })
         .collect();
-    let mut phases = phase_spans(plan, &tasks, |t| {
-        phase_of(&t.op, t.window.is_some()).is_some()
-    });
+    let mut phases = phase_spans(plan, &tasks, |t| t.op.phase(t.window.is_some()).is_some());
     for (t, st) in plan.tasks.iter().zip(tasks.iter_mut()) {
-        if phase_of(&t.op, t.window.is_some()).is_none() {
+        if t.op.phase(t.window.is_some()).is_none() {
             st.phase = phases
                 .iter()
                 .filter(|p| p.tasks > 0 && p.start_s <= st.start_s)

@@ -276,10 +276,11 @@ fn plan(split: Option<(u32, u32)>) -> Plan {
             end_s: 0.0,
         });
     }
-    let buffer = |id: u32, name: &str, bytes: u64, lifetime: Lifetime| Buffer {
+    let buffer = |id: u32, name: &str, role: BufferRole, bytes: u64, lifetime: Lifetime| Buffer {
         id: BufferId(id),
         name: name.into(),
-        class: BufferClass::Activations,
+        role,
+        class: role.class().unwrap_or(BufferClass::Activations),
         gpu: g,
         bytes,
         shape: String::new(),
@@ -289,10 +290,17 @@ fn plan(split: Option<(u32, u32)>) -> Plan {
         offset: 0,
     };
     let buffers = vec![
-        buffer(0, "weights", 16 << 30, Lifetime::Persistent),
+        buffer(
+            0,
+            "weights",
+            BufferRole::ActorWeights,
+            16 << 30,
+            Lifetime::Persistent,
+        ),
         buffer(
             1,
             "kv.prefix",
+            BufferRole::KvPrompt,
             8 << 30,
             Lifetime::Tasks {
                 first: TaskId(2),
@@ -302,6 +310,7 @@ fn plan(split: Option<(u32, u32)>) -> Plan {
         buffer(
             2,
             "acts",
+            BufferRole::TrainPrefix { step: 0 },
             4 << 30,
             Lifetime::Tasks {
                 first: TaskId(5),

@@ -38,9 +38,9 @@ impl Held {
         Held::TrainPrefixes,
     ];
 
-    /// The held state of a plan buffer: that of its per-iteration [`Role`].
-    pub(super) fn of_buffer(name: &str) -> Option<Held> {
-        Some(match Role::of_buffer(name)? {
+    /// The held state of a plan buffer of `role`: that of its per-iteration [`Role`].
+    pub(super) fn of(role: rollplex_plan::BufferRole) -> Option<Held> {
+        Some(match Role::of(role)? {
             Role::DecodeKv => Held::DecodeKv,
             Role::Media => Held::Media,
             Role::RefPrefixes => Held::RefPrefixes,
@@ -87,7 +87,7 @@ impl Held {
             for b in plan
                 .buffers
                 .iter()
-                .filter(|b| Some(b.gpu) == gpu && Held::of_buffer(&b.name) == Some(h))
+                .filter(|b| Some(b.gpu) == gpu && Held::of(b.role) == Some(h))
             {
                 match b.lifetime {
                     Lifetime::Tasks { last: l, .. } => last = Some(last.map_or(l, |x| x.max(l))),

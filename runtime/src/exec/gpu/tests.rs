@@ -1,5 +1,6 @@
 use super::Held;
 use rollplex_plan::plan::Plan;
+use rollplex_plan::BufferRole;
 
 fn plan(rel: &str) -> Plan {
     let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -30,7 +31,7 @@ fn held_state_retires_after_its_buffers_last_task() {
             let bufs: Vec<_> = p
                 .buffers
                 .iter()
-                .filter(|b| Held::of_buffer(&b.name) == Some(h))
+                .filter(|b| Held::of(b.role) == Some(h))
                 .map(|b| b.id)
                 .collect();
             let uses = |i: usize| {
@@ -65,9 +66,9 @@ fn held_state_retires_after_its_buffers_last_task() {
         }
     }
     assert_eq!(
-        Held::of_buffer("train_prefix.s12"),
+        Held::of(BufferRole::TrainPrefix { step: 12 }),
         Some(Held::TrainPrefixes)
     );
-    assert_eq!(Held::of_buffer("train_prefix.sx"), None);
-    assert_eq!(Held::of_buffer("vision_emb.train"), None);
+    assert_eq!(Held::of(BufferRole::KeptChunk), None);
+    assert_eq!(Held::of(BufferRole::TrainMediaEmbeddings), None);
 }
