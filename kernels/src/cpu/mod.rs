@@ -9,6 +9,7 @@
 //! | `attention_fwd`, `attention_decode` | varlen / windowed / shared-prefix attention, decode | `attention.rs` |
 //! | `softmax`, `logprobs_fwd`, `argmax` | row reductions over the vocabulary | `softmax.rs` |
 //! | `*_bwd` | backward of every op above | `backward.rs` |
+//! | `philox4x32_10`, `uniform_open01` | the counter-based RNG of sampling and initialisation | `philox.rs` |
 //!
 //! Invariant: every op is deterministic and batch-composition independent: an output row's
 //! bits depend only on the inputs it reads, never on the other rows of the batch or on the
@@ -19,6 +20,7 @@ pub mod attention;
 pub mod backward;
 pub mod matmul;
 pub mod norm;
+pub mod philox;
 pub mod rope;
 pub mod softmax;
 #[cfg(test)]
@@ -32,5 +34,6 @@ pub use backward::{
 };
 pub use matmul::{linear_fwd, matmul, Gemm};
 pub use norm::rmsnorm_fwd;
+pub use philox::{philox4x32_10, uniform_open01};
 pub use rope::rope_fwd;
 pub use softmax::{argmax, logprobs_fwd, softmax};
