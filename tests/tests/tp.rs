@@ -203,7 +203,8 @@ fn reference(m: &Qwen25VL, inp: &Inputs) -> Outputs {
 /// The same operations on one rank of a TP group (logits gathered, tokens from the
 /// vocab-parallel argmax).
 fn rank_outputs(r: &TpModel, c: &ThreadComm, inp: &Inputs) -> Result<Outputs, TpError> {
-    let enc = r.encode_media(c, &inp.media())?;
+    let r = r.as_rank();
+    let enc = r.encode_media(c, &inp.media(), None)?;
     let refs: Vec<&EncodedMedia> = enc.iter().collect();
     let mp = Prompt {
         ids: &inp.ids,
@@ -214,7 +215,7 @@ fn rank_outputs(r: &TpModel, c: &ThreadComm, inp: &Inputs) -> Result<Outputs, Tp
         media: &[],
     };
     let forward = r.gather_logits(c, &r.forward_logits(c, mp)?)?;
-    let states = r.prefill(c, &[mp, tp])?;
+    let states = r.prefill(c, &[mp, tp], None)?;
     let local_last: Vec<f32> = states.iter().flat_map(|s| s.last_logits.clone()).collect();
     let last = r.gather_logits(c, &local_last)?;
     let st = &states[0];
@@ -239,7 +240,7 @@ fn rank_outputs(r: &TpModel, c: &ThreadComm, inp: &Inputs) -> Result<Outputs, Tp
         }
     }
     let resp: Vec<&[u32]> = tokens.iter().map(|t| t.as_slice()).collect();
-    let mut scores = r.score(c, st, &resp, 1.0)?;
+    let mut scores = r.score(c, st, &resp, 1.0, None)?;
     // the rollout's log-probs (from decode logits) are bitwise the scoring pass's, under TP too
     for s in 0..2 {
         if scores[s].logp[1..] != rollout_logp[s][..] {
@@ -251,7 +252,7 @@ fn rank_outputs(r: &TpModel, c: &ThreadComm, inp: &Inputs) -> Result<Outputs, Tp
             )));
         }
     }
-    scores.extend(r.score(c, st, &resp, 0.7)?);
+    scores.extend(r.score(c, st, &resp, 0.7, None)?);
     Ok(Outputs {
         embeds: enc.iter().flat_map(|e| e.embeds.clone()).collect(),
         forward,

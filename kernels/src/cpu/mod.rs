@@ -10,6 +10,7 @@
 //! | `softmax`, `logprobs_fwd`, `argmax` | row reductions over the vocabulary | `softmax.rs` |
 //! | `*_bwd` | backward of every op above | `backward/` (one file per op family) |
 //! | `sumsq_partial`, `scale`, `gather_sum_rows`, `add_into` | the training step's gradient sums, clip, row sums | `grad.rs` |
+//! | `philox4x32_10`, `uniform_open01` | the counter-based RNG of sampling and initialisation | `philox.rs` |
 //!
 //! Invariant: every op is deterministic and batch-composition independent: an output row's
 //! bits depend only on the inputs it reads, never on the other rows of the batch or on the
@@ -21,6 +22,7 @@ pub mod backward;
 pub mod grad;
 pub mod matmul;
 pub mod norm;
+pub mod philox;
 pub mod rope;
 pub mod softmax;
 #[cfg(test)]
@@ -34,5 +36,6 @@ pub use backward::{
 };
 pub use matmul::{linear_fwd, matmul, Gemm};
 pub use norm::rmsnorm_fwd;
+pub use philox::{philox4x32_10, uniform_open01};
 pub use rope::rope_fwd;
 pub use softmax::{argmax, logprobs_fwd, softmax};

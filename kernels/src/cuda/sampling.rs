@@ -26,20 +26,7 @@ use half::bf16;
 use super::launch::{launch, need, ptr, ptr_mut, u32_of, Grid};
 use super::nvrtc::SAMPLING;
 use super::{shape, Gpu, Result};
-
-/// Philox4x32-10 (Salmon et al., Random123): 4 words from a 128-bit counter and a 64-bit key.
-pub fn philox4x32_10(mut c: [u32; 4], mut k: [u32; 2]) -> [u32; 4] {
-    for _ in 0..10 {
-        let p0 = 0xD251_1F53u64 * c[0] as u64;
-        let p1 = 0xCD9E_8D57u64 * c[2] as u64;
-        let (hi0, lo0) = ((p0 >> 32) as u32, p0 as u32);
-        let (hi1, lo1) = ((p1 >> 32) as u32, p1 as u32);
-        c = [hi1 ^ c[1] ^ k[0], lo1, hi0 ^ c[3] ^ k[1], lo0];
-        k[0] = k[0].wrapping_add(0x9E37_79B9);
-        k[1] = k[1].wrapping_add(0xBB67_AE85);
-    }
-    c
-}
+pub use crate::cpu::philox::philox4x32_10;
 
 /// Sampling settings shared by a batch of rows.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -274,26 +261,6 @@ pub fn philox_fill(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Known-answer vectors of Random123's kat_vectors for philox4x32_10.
-    #[test]
-    fn philox_known_answers() {
-        assert_eq!(
-            philox4x32_10([0; 4], [0; 2]),
-            [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8]
-        );
-        assert_eq!(
-            philox4x32_10([u32::MAX; 4], [u32::MAX; 2]),
-            [0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd]
-        );
-        assert_eq!(
-            philox4x32_10(
-                [0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344],
-                [0xa4093822, 0x299f31d0]
-            ),
-            [0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1]
-        );
-    }
 
     fn row(vals: &[f32]) -> Vec<bf16> {
         vals.iter().map(|&v| bf16::from_f32(v)).collect()

@@ -7,12 +7,12 @@
 //! [`run_tp_rank`] is the per-rank loop over any [`Communicator`].
 //!
 //! What each op does on a rank: `EncodeMedia`, `Prefill`, `RefPrefix`/`RefSuffix`,
-//! `ActorPrefix`/`ActorSuffix` run the `TpModel` operations (replicated outputs: embeddings and
+//! `ActorPrefix`/`ActorSuffix` run the model engine on the rank's shard (replicated outputs: embeddings and
 //! log-probs are bitwise equal on every rank); `DecodeWindow` decodes over the rank's KV arena
 //! (its kv heads), then gathers the active samples' logit rows and draws every token with the
 //! same Philox key on every rank, so tokens agree without a broadcast; the rollout log-prob is
-//! the vocab-parallel log-softmax, bitwise what `TpModel::score` gives the same token;
-//! `TrainMicroBatch` is `TpModel::forward_backward` into a zeroed shard-sized buffer, added to
+//! the vocab-parallel log-softmax, bitwise what `RankModel::score` gives the same token;
+//! `TrainMicroBatch` is `RankModel::forward_backward` into a zeroed shard-sized buffer, added to
 //! the running sum in plan order (`GradAccumulator`); `OptimizerStep` is [`TpAdamW`] (global
 //! grad-norm clip across ranks); `WeightSync` is a no-op (rollout and training use the same
 //! shards at equal degrees), as are `Reshard`, `Offload`, `Reload`.
@@ -328,12 +328,16 @@ impl<C: Communicator> CpuEngine for TpEngine<'_, C> {
     }
 
     fn encode(&self, role: Role, media: &[MediaInput<'_>]) -> Result<Vec<EncodedMedia>, ExecError> {
-        Ok(self.model(role)?.encode_media(self.comm, media)?)
+        Ok(self
+            .model(role)?
+            .as_rank()
+            .encode_media(self.comm, media, None)?)
     }
 
     fn prefill(&self, role: Role, prompt: Prompt<'_>) -> Result<PrefixState, ExecError> {
         self.model(role)?
-            .prefill(self.comm, &[prompt])?
+            .as_rank()
+            .prefill(self.comm, &[prompt], None)?
             .pop()
             .ok_or_else(|| ExecError::Plan("prefill returned no state".into()))
     }
@@ -347,14 +351,15 @@ impl<C: Communicator> CpuEngine for TpEngine<'_, C> {
     ) -> Result<Vec<Vec<f32>>, ExecError> {
         Ok(self
             .model(role)?
-            .score(self.comm, prefix, responses, temperature)?
+            .as_rank()
+            .score(self.comm, prefix, responses, temperature, None)?
             .into_iter()
             .map(|s| s.logp)
             .collect())
     }
 
     fn kv_arena(&self, capacity: u32) -> KvArena {
-        self.models.actor.kv_arena(capacity)
+        self.models.actor.as_rank().kv_arena(capacity)
     }
 
     fn decode_step(
@@ -366,6 +371,7 @@ impl<C: Communicator> CpuEngine for TpEngine<'_, C> {
         Ok(self
             .models
             .actor
+            .as_rank()
             .decode_step(self.comm, arena, slots, tokens)?)
     }
 
@@ -388,7 +394,7 @@ impl<C: Communicator> CpuEngine for TpEngine<'_, C> {
         if rows.is_empty() {
             return Ok(Vec::new());
         }
-        let actor = &self.models.actor;
+        let actor = self.models.actor.as_rank();
         let local = rows.concat();
         let full = actor.gather_logits(self.comm, &local)?;
         let v = full.len() / rows.len();
@@ -417,6 +423,7 @@ impl<C: Communicator> CpuEngine for TpEngine<'_, C> {
         let mut g = vec![0f32; m.actor.weights.table.total()];
         let out = m
             .actor
+            .as_rank()
             .forward_backward(self.comm, &m.cfg, groups, norm, &mut g)?;
         m.acc.add(index, &g)?;
         Ok(out)

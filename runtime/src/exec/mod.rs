@@ -38,10 +38,10 @@ use rollplex_plan::Plan;
 
 pub use data::{data_source, evaluate, reward_fn};
 
-use crate::model::philox::{philox4x32_10, uniform_open01};
 use crate::model::{Grid, MediaKind, ModelError};
 use crate::train::loss::LossMetrics;
 use crate::train::TrainError;
+use rollplex_kernels::cpu::{philox4x32_10, uniform_open01};
 
 /// Errors of running a plan. `is_user_error` decides the exit code.
 #[derive(Debug, thiserror::Error)]
@@ -65,9 +65,9 @@ pub enum ExecError {
     #[error("checkpoint: {0}")]
     Checkpoint(String),
     #[error(transparent)]
-    Model(#[from] ModelError),
+    Model(ModelError),
     #[error(transparent)]
-    Train(#[from] TrainError),
+    Train(TrainError),
     #[error(transparent)]
     Kernel(#[from] rollplex_kernels::KernelError),
     /// The CUDA backend failed (a driver or kernel error, or a model the kernels cannot run).
@@ -89,6 +89,27 @@ pub enum ExecError {
 impl From<crate::tp::CommError> for ExecError {
     fn from(e: crate::tp::CommError) -> Self {
         ExecError::Tp(e.into())
+    }
+}
+
+/// A model error; a failed collective inside the model is a tensor-parallel error (the rank it
+/// names decides the exit status).
+impl From<ModelError> for ExecError {
+    fn from(e: ModelError) -> Self {
+        match e {
+            ModelError::Comm(c) => c.into(),
+            other => ExecError::Model(other),
+        }
+    }
+}
+
+/// A trainer error; a failed collective inside the trainer is a tensor-parallel error.
+impl From<TrainError> for ExecError {
+    fn from(e: TrainError) -> Self {
+        match e {
+            TrainError::Model(ModelError::Comm(c)) => c.into(),
+            other => ExecError::Train(other),
+        }
     }
 }
 

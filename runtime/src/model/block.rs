@@ -2,6 +2,16 @@
 //! `x += o(attn(rope(q(n1 x)), rope(k(n1 x)), v(n1 x)))`, then `x += down(silu(gate(n2 x)) * up(n2 x))`.
 //! The two differ only in their weights (biases, fused qkv) and in how attention finds its keys
 //! ([`Attend`]).
+//!
+//! A block runs on one rank's shard over a [`Communicator`]: q/k/v and gate/up are
+//! column-parallel (the rank's heads and intermediate rows, no communication), o and down are
+//! row-parallel: each rank multiplies its columns, the partial products are all-reduced (sum in
+//! rank order), then the replicated bias is added once and the result joins the residual. Two
+//! all-reduces of `[rows, H]` per block; over [`SoloComm`](crate::tp::SoloComm) they are no-ops
+//! and the block is the whole model's.
+//!
+//! Invariant: at degree 1 the arithmetic is exactly that of `linear_fwd` with its bias (the
+//! kernel adds the bias after the matmul, as the row-parallel linear does after its all-reduce).
 
 use rollplex_kernels::cpu::{
     add_fwd, attention_decode, attention_fwd, linear_fwd, rmsnorm_fwd, rope_fwd, swiglu_fwd,
@@ -11,6 +21,7 @@ use rollplex_kernels::cpu::{
 use super::cache::{CacheMode, LayerCache};
 use super::weights::{BlockParams, Linear, Weights};
 use super::ModelError;
+use crate::tp::Communicator;
 
 /// Where a block's attention reads its keys.
 pub enum Attend<'a> {
@@ -32,16 +43,42 @@ pub enum Attend<'a> {
     },
 }
 
+/// A column-parallel (or replicated) linear: the rank's output rows, its bias part included.
 pub fn linear(w: &Weights, l: &Linear, x: &[f32], rows: usize) -> Result<Vec<f32>, ModelError> {
     let mut y = vec![0f32; rows * l.out];
     linear_fwd(&mut y, x, w.lin_w(l), w.lin_b(l), rows, l.inp, l.out)?;
     Ok(y)
 }
 
-/// Runs one block in place on `x` `[rows, H]`; returns this block's k and v after RoPE
-/// (`[rows, KV]`), which a prefill keeps as the prompt's KV.
+/// A row-parallel linear: `x` holds the rank's input columns `[rows, l.inp]`; the partial
+/// products are all-reduced and the (replicated) bias added after, as `linear_fwd` adds it after
+/// its matmul. Every rank gets the same `[rows, l.out]`.
+pub fn row_parallel<C: Communicator>(
+    comm: &C,
+    w: &Weights,
+    l: &Linear,
+    x: &[f32],
+    rows: usize,
+) -> Result<Vec<f32>, ModelError> {
+    let mut y = vec![0f32; rows * l.out];
+    linear_fwd(&mut y, x, w.lin_w(l), None, rows, l.inp, l.out)?;
+    comm.all_reduce_sum(&mut y)?;
+    if let Some(b) = w.lin_b(l) {
+        for row in y.chunks_mut(l.out.max(1)) {
+            for (o, bi) in row.iter_mut().zip(b) {
+                *o += bi;
+            }
+        }
+    }
+    Ok(y)
+}
+
+/// Runs one block in place on `x` `[rows, H]` (replicated on every rank); `dims` are the rank's
+/// heads. Returns this block's k and v after RoPE (`[rows, KV]`, the rank's kv heads), which a
+/// prefill keeps as the prompt's KV. With a cache, keeps what `CacheMode` says.
 #[allow(clippy::too_many_arguments)]
-pub fn block_fwd(
+pub fn block_fwd<C: Communicator>(
+    comm: &C,
     w: &Weights,
     p: &BlockParams,
     x: &mut [f32],
@@ -120,8 +157,13 @@ pub fn block_fwd(
             )?;
         }
     }
-    let o = linear(w, &p.o, &attn, rows)?;
+    let o = row_parallel(comm, w, &p.o, &attn, rows)?;
     add_fwd(x, &o)?;
+    if full {
+        if let Some(c) = cache.as_deref_mut() {
+            c.x_mid = x.to_vec();
+        }
+    }
     let mut rstd2 = vec![0f32; rows];
     let mut xn2 = vec![0f32; rows * h];
     rmsnorm_fwd(&mut xn2, Some(&mut rstd2), x, w.get(p.norm2), rows, h, eps)?;
@@ -129,12 +171,7 @@ pub fn block_fwd(
     let up = linear(w, &p.up, &xn2, rows)?;
     let mut act = vec![0f32; gate.len()];
     swiglu_fwd(&mut act, &gate, &up)?;
-    let down = linear(w, &p.down, &act, rows)?;
-    if full {
-        if let Some(c) = cache.as_deref_mut() {
-            c.x_mid = x.to_vec();
-        }
-    }
+    let down = row_parallel(comm, w, &p.down, &act, rows)?;
     add_fwd(x, &down)?;
     if full {
         if let Some(c) = cache {

@@ -61,6 +61,9 @@ pub struct ForwardCache {
     pub final_in: Vec<f32>,
     pub final_rstd: Vec<f32>,
     pub final_out: Vec<f32>,
+    /// `score` only: each row's log-sum-exp of `logits / temperature` `[T]` (f64, over the whole
+    /// vocabulary), what the lm head's backward reads.
+    pub lse: Vec<f64>,
 }
 
 impl ForwardCache {
@@ -76,6 +79,7 @@ impl ForwardCache {
             final_in: Vec::new(),
             final_rstd: Vec::new(),
             final_out: Vec::new(),
+            lse: Vec::new(),
         }
     }
 }

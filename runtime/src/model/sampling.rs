@@ -5,8 +5,8 @@
 
 use rollplex_plan::spec::SamplingSpec;
 
-use super::philox::{philox4x32_10, uniform_open01};
 use super::ModelError;
+use rollplex_kernels::cpu::{philox4x32_10, uniform_open01};
 
 /// Sampling parameters. `temperature == 0` is greedy (argmax, first index on ties).
 #[derive(Clone, Copy, Debug, PartialEq)]

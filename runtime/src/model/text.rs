@@ -7,21 +7,38 @@
 //! Positions: prompt tokens get `get_rope_index` positions; every later token at sequence index
 //! `n` gets `n + rope_delta` in all three sections (what `generate` does in transformers).
 //!
+//! The operations run on one rank's part of the model ([`RankModel`]) over a communicator; the
+//! [`Qwen25VL`] methods are rank 0 of a group of one (`SoloComm`). Under tensor parallelism:
+//! - the embedding is vocab-parallel: a rank copies the rows of the ids it owns, zeros elsewhere;
+//!   an all-reduce sums them (exact: each element is one value plus zeros);
+//! - decoder layers are [`block_fwd`] with the rank's heads; the KV a prefill keeps and the
+//!   [`KvArena`] a rank decodes over hold the rank's kv heads only;
+//! - the lm head is vocab-parallel: a rank computes the logits of its vocabulary range
+//!   `[n, V/T]`. [`RankModel::vocab_logprobs`] computes log-softmax statistics without gathering
+//!   logits: the max is all-reduced (Max), then `sum exp(z - max)` and `sum p z` (f64) are
+//!   all-reduced (Sum), and the target's logit comes from its owning rank (the others add 0).
+//!   [`RankModel::greedy`] gathers each rank's (max, index) and takes the first maximum;
+//!   [`RankModel::gather_logits`] gathers full rows when a caller needs them.
+//!
+//! A rank's [`PrefixState`] has `kv_width` = the rank's kv heads x head dim and `last_logits` =
+//! the rank's vocabulary shard of the last prompt token's logits.
+//!
 //! Invariants: (1) a response's log-probs from `score` are bitwise those of the logits that
 //! `decode_step` produced for the same tokens (same attention key order, row-independent
 //! matmuls); (2) scoring G responses in one call gives bitwise the scores of G separate calls;
 //! (3) prefill-then-decode logits equal the full forward's rows bitwise when positions agree
-//! (always, unless a video's temporal positions exceed its spatial ones; see `positions`).
+//! (always, unless a video's temporal positions exceed its spatial ones; see `positions`);
+//! (4) replicated activations (the residual stream, normed hidden states) are bitwise equal on
+//! every rank, because every value entering them is either replicated or all-reduced.
 
-use rollplex_kernels::cpu::{
-    embedding_fwd, linear_fwd, logprobs_fwd, rmsnorm_fwd, AttnDims, AttnMask, AttnSeq, DecodeSeq,
-};
+use rollplex_kernels::cpu::{linear_fwd, rmsnorm_fwd, AttnDims, AttnMask, AttnSeq, DecodeSeq};
 
 use super::block::{block_fwd, Attend};
 use super::cache::{CacheMode, ForwardCache, LayerCache};
 use super::positions::{mrope_tables, rope_index, MediaSlot};
 use super::vision::EncodedMedia;
-use super::{ModelError, Qwen25VL};
+use super::{ModelError, Qwen25VL, RankModel};
+use crate::tp::{split_range, Communicator, SoloComm};
 
 /// A prompt: token ids (media placeholders included) and the encoded media filling its
 /// placeholder runs, in order.
@@ -91,12 +108,7 @@ impl KvArena {
     }
     /// An arena for `model` with `capacity` rows.
     pub fn for_model(model: &Qwen25VL, capacity: u32) -> Self {
-        let t = model.config.text();
-        Self::new(
-            t.num_layers as usize,
-            (t.num_kv_heads * t.head_dim()) as usize,
-            capacity,
-        )
+        model.as_rank().kv_arena(capacity)
     }
     pub fn capacity(&self) -> u32 {
         self.capacity
@@ -244,39 +256,81 @@ pub struct TokenScores {
 type PromptInputs = (Vec<f32>, [Vec<i64>; 3], i64);
 
 /// Rows of hidden states per lm-head chunk (bounds the logits buffer to `CHUNK x vocab`).
-const LM_CHUNK: usize = 64;
+pub(crate) const LM_CHUNK: usize = 64;
 
-impl Qwen25VL {
-    fn text_dims(&self) -> AttnDims {
-        let t = self.config.text();
-        AttnDims {
-            num_heads: t.num_heads as usize,
-            num_kv_heads: t.num_kv_heads as usize,
-            head_dim: t.head_dim() as usize,
-        }
-    }
-    fn hidden(&self) -> usize {
+pub(crate) fn input(msg: String) -> ModelError {
+    ModelError::Input(msg)
+}
+
+impl RankModel<'_> {
+    pub(crate) fn hidden(&self) -> usize {
         self.config.text().hidden_size as usize
     }
-    fn vocab(&self) -> usize {
+    pub(crate) fn vocab(&self) -> usize {
         self.config.text().vocab_size as usize
     }
-    fn eps(&self) -> f32 {
+    pub(crate) fn eps(&self) -> f32 {
         self.config.text().rms_norm_eps as f32
     }
+    fn head_dim(&self) -> usize {
+        self.config.text().head_dim() as usize
+    }
+    /// This rank's attention dims (its query and kv heads).
+    pub(crate) fn text_dims(&self) -> AttnDims {
+        AttnDims {
+            num_heads: self.dims.q_heads,
+            num_kv_heads: self.dims.kv_heads,
+            head_dim: self.head_dim(),
+        }
+    }
+    /// Width of this rank's KV rows.
+    pub fn kv_width(&self) -> usize {
+        self.dims.kv_heads * self.head_dim()
+    }
+    /// A KV arena for this rank's kv heads with `capacity` rows.
+    pub fn kv_arena(&self, capacity: u32) -> KvArena {
+        KvArena::new(
+            self.config.text().num_layers as usize,
+            self.kv_width(),
+            capacity,
+        )
+    }
+    /// Vocabulary entries each rank owns (the counts of a logits gather).
+    pub fn vocab_counts(&self) -> Vec<usize> {
+        (0..self.degree)
+            .map(|r| split_range(self.vocab(), self.degree, r).len())
+            .collect()
+    }
 
-    /// Token embeddings `[ids, H]`.
-    fn embed(&self, ids: &[u32]) -> Result<Vec<f32>, ModelError> {
-        let h = self.hidden();
+    /// Token embeddings `[ids, H]`, vocab-parallel.
+    pub fn embed<C: Communicator>(&self, comm: &C, ids: &[u32]) -> Result<Vec<f32>, ModelError> {
+        let (h, voc) = (self.hidden(), self.vocab());
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= voc) {
+            return Err(input(format!(
+                "token id {bad} outside the vocabulary of {voc}"
+            )));
+        }
+        let range = self.dims.vocab.clone();
+        let table = self.weights.get(self.weights.layout.embed);
         let mut x = vec![0f32; ids.len() * h];
-        embedding_fwd(&mut x, self.weights.get(self.weights.layout.embed), ids, h)
-            .map_err(|e| ModelError::Input(e.to_string()))?;
+        for (row, &id) in x.chunks_mut(h.max(1)).zip(ids) {
+            let id = id as usize;
+            if range.contains(&id) {
+                let j = id - range.start;
+                row.copy_from_slice(&table[j * h..(j + 1) * h]);
+            }
+        }
+        comm.all_reduce_sum(&mut x)?;
         Ok(x)
     }
 
-    /// Embeddings of a prompt with media placeholders replaced, and its 3D positions.
-    fn prompt_inputs(&self, p: &Prompt<'_>) -> Result<PromptInputs, ModelError> {
-        let cfg = &self.config;
+    /// Embeddings of a prompt with its media placeholders filled, and its 3D positions.
+    pub(crate) fn prompt_inputs<C: Communicator>(
+        &self,
+        comm: &C,
+        p: &Prompt<'_>,
+    ) -> Result<PromptInputs, ModelError> {
+        let cfg = self.config;
         let tok = &cfg.spec.tokens;
         let m = cfg.vision().spatial_merge_size;
         let slots: Vec<MediaSlot> = p
@@ -295,7 +349,7 @@ impl Qwen25VL {
             m,
             cfg.tokens_per_second,
         )?;
-        let mut x = self.embed(p.ids)?;
+        let mut x = self.embed(comm, p.ids)?;
         let h = self.hidden();
         // rope_index checked that runs and media agree; fill each run with its item's embeddings
         let mut item = 0;
@@ -306,7 +360,7 @@ impl Qwen25VL {
                 let e = p.media[item];
                 let n = e.tokens(m);
                 if e.embeds.len() != n * h {
-                    return Err(ModelError::Input(format!(
+                    return Err(input(format!(
                         "media item {item}: {} embedding values, expected {n} x {h}",
                         e.embeds.len()
                     )));
@@ -323,10 +377,11 @@ impl Qwen25VL {
 
     /// Runs every decoder layer over a packed batch `x [T, H]` in place (x ends as the final
     /// norm's input). `prefix`: a shared prefix state whose KV every sequence's `prefix_*` span
-    /// indexes. Returns each layer's k/v `[L, T, KV]` when `keep_kv`.
+    /// indexes. Returns the rank's k/v of every layer `[L, T, KV]` when `keep_kv`.
     #[allow(clippy::too_many_arguments)]
-    fn decoder_packed(
+    fn decoder_packed<C: Communicator>(
         &self,
+        comm: &C,
         x: &mut [f32],
         rows: usize,
         cos: &[f32],
@@ -352,7 +407,8 @@ impl Qwen25VL {
             };
             let mut lc = LayerCache::default();
             let (k, v) = block_fwd(
-                &self.weights,
+                comm,
+                self.weights,
                 lp,
                 x,
                 rows,
@@ -374,8 +430,12 @@ impl Qwen25VL {
         Ok((ks, vs))
     }
 
-    /// Final norm of the given rows of `x [T, H]` -> `[rows, H]`.
-    fn final_norm(&self, x: &[f32], rows: &[usize]) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
+    /// Final norm (replicated) of the given rows of `x [T, H]` -> `([rows, H], 1/rms [rows])`.
+    pub(crate) fn final_norm(
+        &self,
+        x: &[f32],
+        rows: &[usize],
+    ) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
         let h = self.hidden();
         let mut g = Vec::with_capacity(rows.len() * h);
         for &r in rows {
@@ -395,10 +455,10 @@ impl Qwen25VL {
         Ok((out, rstd))
     }
 
-    /// lm head over normed hidden rows `[n, H]` -> logits `[n, V]`.
-    fn lm_head(&self, xn: &[f32], n: usize) -> Result<Vec<f32>, ModelError> {
-        let (h, v) = (self.hidden(), self.vocab());
-        let mut logits = vec![0f32; n * v];
+    /// The rank's logits `[n, V_rank]` of normed hidden rows `[n, H]`.
+    pub(crate) fn lm_head(&self, xn: &[f32], n: usize) -> Result<Vec<f32>, ModelError> {
+        let (h, vl) = (self.hidden(), self.dims.vocab.len());
+        let mut logits = vec![0f32; n * vl];
         linear_fwd(
             &mut logits,
             xn,
@@ -406,37 +466,44 @@ impl Qwen25VL {
             None,
             n,
             h,
-            v,
+            vl,
         )?;
         Ok(logits)
     }
 
-    /// Prefill: runs each prompt once (packed, causal) and returns its prefix state.
-    /// With a cache, the cache covers the packed batch of all prompts.
-    pub fn prefill(
+    /// Prefill: runs each prompt once (packed, causal) and returns its prefix state (the rank's
+    /// kv heads, the rank's vocabulary shard of the last logits). With a cache, the cache covers
+    /// the packed batch of all prompts.
+    pub fn prefill<C: Communicator>(
         &self,
+        comm: &C,
         prompts: &[Prompt<'_>],
         cache: Option<&mut ForwardCache>,
     ) -> Result<Vec<PrefixState>, ModelError> {
-        let (states, _) = self.prefill_impl(prompts, false, cache)?;
-        Ok(states)
+        Ok(self.prefill_impl(comm, prompts, false, cache)?.0)
     }
 
     /// Full-sequence forward of one prompt as Hugging Face computes `model(input_ids, ...)`:
-    /// logits of every position `[len, V]`.
-    pub fn forward_logits(&self, prompt: Prompt<'_>) -> Result<Vec<f32>, ModelError> {
-        let (_, logits) = self.prefill_impl(&[prompt], true, None)?;
-        Ok(logits)
+    /// this rank's logits of every position `[len, V_rank]` (gather them with
+    /// [`RankModel::gather_logits`]).
+    pub fn forward_logits<C: Communicator>(
+        &self,
+        comm: &C,
+        prompt: Prompt<'_>,
+    ) -> Result<Vec<f32>, ModelError> {
+        Ok(self.prefill_impl(comm, &[prompt], true, None)?.1)
     }
 
-    fn prefill_impl(
+    fn prefill_impl<C: Communicator>(
         &self,
+        comm: &C,
         prompts: &[Prompt<'_>],
         all_logits: bool,
         mut cache: Option<&mut ForwardCache>,
     ) -> Result<(Vec<PrefixState>, Vec<f32>), ModelError> {
+        self.check_comm(comm)?;
         let t = self.config.text();
-        let hd = t.head_dim() as usize;
+        let hd = self.head_dim();
         let mut x = Vec::new();
         let mut pos: [Vec<i64>; 3] = [Vec::new(), Vec::new(), Vec::new()];
         let mut seqs = Vec::new();
@@ -444,9 +511,9 @@ impl Qwen25VL {
         let mut ids = Vec::new();
         for (i, p) in prompts.iter().enumerate() {
             if p.ids.is_empty() {
-                return Err(ModelError::Input(format!("prompt {i} is empty")));
+                return Err(input(format!("prompt {i} is empty")));
             }
-            let (xe, pp, d) = self.prompt_inputs(p)?;
+            let (xe, pp, d) = self.prompt_inputs(comm, p)?;
             seqs.push(AttnSeq {
                 start: pos[0].len() as u32,
                 len: p.ids.len() as u32,
@@ -463,6 +530,7 @@ impl Qwen25VL {
         let rows = ids.len();
         let (cos, sin) = mrope_tables(&pos, hd, t.rope_theta, t.mrope_section);
         let (ks, vs) = self.decoder_packed(
+            comm,
             &mut x,
             rows,
             &cos,
@@ -489,10 +557,10 @@ impl Qwen25VL {
         if let Some(c) = cache {
             self.finish_cache(c, &x, rows, seqs.clone(), ids, cos, sin)?;
         }
-        let (layers, kvw, v) = (
+        let (layers, kvw, vl) = (
             t.num_layers as usize,
-            (t.num_kv_heads * t.head_dim()) as usize,
-            self.vocab(),
+            self.kv_width(),
+            self.dims.vocab.len(),
         );
         let states = seqs
             .iter()
@@ -513,7 +581,7 @@ impl Qwen25VL {
                     kv_width: kvw,
                     k,
                     v: vv,
-                    last_logits: last_logits[i * v..(i + 1) * v].to_vec(),
+                    last_logits: last_logits[i * vl..(i + 1) * vl].to_vec(),
                 }
             })
             .collect();
@@ -546,36 +614,40 @@ impl Qwen25VL {
         Ok(())
     }
 
-    /// One decode step: `tokens[b]` is appended to sample `b`'s suffix (its K/V written to the
-    /// arena at `suffix_offset + suffix_len`), attends `[prefix | suffix]`, and its next-token
-    /// logits land in `logits[b]` (`[B, vocab]`). Advances each slot's `suffix_len`.
-    pub fn decode_step(
+    /// One decode step on this rank: `tokens[b]` is appended to sample `b`'s suffix (its K/V
+    /// written to the rank's arena at `suffix_offset + suffix_len`), attends `[prefix | suffix]`;
+    /// returns the rank's next-token logits `[B, V_rank]`. Advances each slot's `suffix_len`.
+    /// Every rank must pass the same slots and tokens.
+    pub fn decode_step<C: Communicator>(
         &self,
+        comm: &C,
         arena: &mut KvArena,
         slots: &mut [DecodeSlot],
         tokens: &[u32],
-        logits: &mut [f32],
-    ) -> Result<(), ModelError> {
+    ) -> Result<Vec<f32>, ModelError> {
+        self.check_comm(comm)?;
         let b = slots.len();
         let t = self.config.text();
-        let (hd, v) = (t.head_dim() as usize, self.vocab());
-        if tokens.len() != b || logits.len() != b * v {
-            return Err(ModelError::Input(format!(
-                "decode_step: {b} slots, {} tokens, {} logits (expected {b} and {})",
-                tokens.len(),
-                logits.len(),
-                b * v
+        let hd = self.head_dim();
+        if tokens.len() != b {
+            return Err(input(format!(
+                "decode_step: {b} slots and {} tokens",
+                tokens.len()
             )));
         }
-        if arena.layers != t.num_layers as usize
-            || arena.kv_width != (t.num_kv_heads * t.head_dim()) as usize
-        {
-            return Err(ModelError::Input(
-                "decode_step: the KV arena was made for another model".into(),
-            ));
+        if arena.layers != t.num_layers as usize || arena.kv_width != self.kv_width() {
+            return Err(input(format!(
+                "decode_step: the KV arena ({} layers x {} KV width) was not made for rank {} \
+                 of this model ({} x {})",
+                arena.layers,
+                arena.kv_width,
+                self.rank,
+                t.num_layers,
+                self.kv_width()
+            )));
         }
-        DecodeSlot::check_batch(slots, arena.capacity).map_err(ModelError::Input)?;
-        let mut x = self.embed(tokens)?;
+        DecodeSlot::check_batch(slots, arena.capacity).map_err(input)?;
+        let mut x = self.embed(comm, tokens)?;
         let p: Vec<i64> = slots.iter().map(DecodeSlot::next_position).collect();
         let pos = [p.clone(), p.clone(), p];
         let (cos, sin) = mrope_tables(&pos, hd, t.rope_theta, t.mrope_section);
@@ -591,7 +663,8 @@ impl Qwen25VL {
                 write_rows: &write_rows,
             };
             block_fwd(
-                &self.weights,
+                comm,
+                self.weights,
                 lp,
                 &mut x,
                 b,
@@ -605,31 +678,38 @@ impl Qwen25VL {
         }
         let all: Vec<usize> = (0..b).collect();
         let (xn, _) = self.final_norm(&x, &all)?;
-        logits.copy_from_slice(&self.lm_head(&xn, b)?);
+        let logits = self.lm_head(&xn, b)?;
         for s in slots.iter_mut() {
             s.suffix_len += 1;
         }
-        Ok(())
+        Ok(logits)
     }
 
-    /// Log-probs (and entropies) of `responses` given a kept prefix state, at `temperature`
-    /// (logits are divided by it, as the RL loop's sampling did). Token 0 is scored from
+    /// Log-probs (and entropies) of `responses` given a kept prefix state (this rank's), at
+    /// `temperature` (logits are divided by it, as the RL loop's sampling did), with the
+    /// vocab-parallel log-softmax; every rank returns the same scores. Token 0 is scored from
     /// `prefix.last_logits`; tokens `1..` from one packed forward of every response's suffix
     /// over the shared prefix KV. With a cache, it covers that packed suffix batch (rows
-    /// `responses[r][..len-1]`, in order).
-    pub fn score(
+    /// `responses[r][..len-1]`, in order) and keeps each row's log-sum-exp.
+    pub fn score<C: Communicator>(
         &self,
+        comm: &C,
         prefix: &PrefixState,
         responses: &[&[u32]],
         temperature: f32,
         mut cache: Option<&mut ForwardCache>,
     ) -> Result<Vec<TokenScores>, ModelError> {
+        self.check_comm(comm)?;
         let t = self.config.text();
-        let (hd, v) = (t.head_dim() as usize, self.vocab());
-        if prefix.layers != t.num_layers as usize || prefix.last_logits.len() != v {
-            return Err(ModelError::Input(
-                "score: the prefix state was made by another model".into(),
-            ));
+        let hd = self.head_dim();
+        if prefix.layers != t.num_layers as usize
+            || prefix.kv_width != self.kv_width()
+            || prefix.last_logits.len() != self.dims.vocab.len()
+        {
+            return Err(input(format!(
+                "score: the prefix state was not made by rank {} of this model",
+                self.rank
+            )));
         }
         let mut ids = Vec::new();
         let mut targets = Vec::new();
@@ -653,12 +733,16 @@ impl Qwen25VL {
             }
         }
         let rows = ids.len();
-        let mut lp = vec![0f32; rows];
-        let mut ent = vec![0f32; rows];
+        let (mut lp, mut ent, mut lse) = (
+            Vec::with_capacity(rows),
+            Vec::with_capacity(rows),
+            Vec::with_capacity(rows),
+        );
         if rows > 0 {
-            let mut x = self.embed(&ids)?;
+            let mut x = self.embed(comm, &ids)?;
             let (cos, sin) = mrope_tables(&pos, hd, t.rope_theta, t.mrope_section);
             self.decoder_packed(
+                comm,
                 &mut x,
                 rows,
                 &cos,
@@ -673,24 +757,30 @@ impl Qwen25VL {
                 let (xn, _) = self.final_norm(&x, ch)?;
                 let logits = self.lm_head(&xn, ch.len())?;
                 let o = ci * LM_CHUNK;
-                let n = ch.len();
-                logprobs_fwd(
-                    &mut lp[o..o + n],
-                    Some(&mut ent[o..o + n]),
-                    None,
-                    &logits,
-                    &targets[o..o + n],
-                    n,
-                    v,
-                    temperature,
-                )
-                .map_err(|e| ModelError::Input(e.to_string()))?;
+                let (l, e, s) =
+                    self.vocab_logprobs_lse(comm, &logits, &targets[o..o + ch.len()], temperature)?;
+                lp.extend(l);
+                ent.extend(e);
+                lse.extend(s);
             }
             if let Some(c) = cache {
                 self.finish_cache(c, &x, rows, seqs.clone(), ids.clone(), cos, sin)?;
+                c.lse = lse;
             }
         }
+        // token 0 of every non-empty response, from the prefix's last logits (one batch)
+        let firsts: Vec<u32> = responses
+            .iter()
+            .filter_map(|r| r.first().copied())
+            .collect();
+        let (l0, e0) = if firsts.is_empty() {
+            (Vec::new(), Vec::new())
+        } else {
+            let first_logits = prefix.last_logits.repeat(firsts.len());
+            self.vocab_logprobs(comm, &first_logits, &firsts, temperature)?
+        };
         let mut out = Vec::with_capacity(responses.len());
+        let mut fi = 0;
         for (r, s) in responses.iter().zip(&seqs) {
             if r.is_empty() {
                 out.push(TokenScores {
@@ -699,25 +789,72 @@ impl Qwen25VL {
                 });
                 continue;
             }
-            let (mut l0, mut e0) = ([0f32], [0f32]);
-            logprobs_fwd(
-                &mut l0,
-                Some(&mut e0),
-                None,
-                &prefix.last_logits,
-                &r[..1],
-                1,
-                v,
-                temperature,
-            )
-            .map_err(|e| ModelError::Input(e.to_string()))?;
             let (a, n) = (s.start as usize, s.len as usize);
-            let mut logp = vec![l0[0]];
+            let mut logp = vec![l0[fi]];
             logp.extend_from_slice(&lp[a..a + n]);
-            let mut entropy = vec![e0[0]];
+            let mut entropy = vec![e0[fi]];
             entropy.extend_from_slice(&ent[a..a + n]);
+            fi += 1;
             out.push(TokenScores { logp, entropy });
         }
         Ok(out)
+    }
+}
+
+/// The whole model's operations: rank 0 of a group of one.
+impl Qwen25VL {
+    /// Prefill: runs each prompt once (packed, causal) and returns its prefix state.
+    /// With a cache, the cache covers the packed batch of all prompts.
+    pub fn prefill(
+        &self,
+        prompts: &[Prompt<'_>],
+        cache: Option<&mut ForwardCache>,
+    ) -> Result<Vec<PrefixState>, ModelError> {
+        self.as_rank().prefill(&SoloComm, prompts, cache)
+    }
+
+    /// Full-sequence forward of one prompt as Hugging Face computes `model(input_ids, ...)`:
+    /// logits of every position `[len, V]`.
+    pub fn forward_logits(&self, prompt: Prompt<'_>) -> Result<Vec<f32>, ModelError> {
+        self.as_rank().forward_logits(&SoloComm, prompt)
+    }
+
+    /// One decode step: `tokens[b]` is appended to sample `b`'s suffix (its K/V written to the
+    /// arena at `suffix_offset + suffix_len`), attends `[prefix | suffix]`, and its next-token
+    /// logits land in `logits[b]` (`[B, vocab]`). Advances each slot's `suffix_len`.
+    pub fn decode_step(
+        &self,
+        arena: &mut KvArena,
+        slots: &mut [DecodeSlot],
+        tokens: &[u32],
+        logits: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let want = slots.len() * self.as_rank().vocab();
+        if logits.len() != want {
+            return Err(input(format!(
+                "decode_step: {} logits for {} slots (expected {want})",
+                logits.len(),
+                slots.len()
+            )));
+        }
+        logits.copy_from_slice(
+            &self
+                .as_rank()
+                .decode_step(&SoloComm, arena, slots, tokens)?,
+        );
+        Ok(())
+    }
+
+    /// Log-probs (and entropies) of `responses` given a kept prefix state, at `temperature`
+    /// (see [`RankModel::score`]).
+    pub fn score(
+        &self,
+        prefix: &PrefixState,
+        responses: &[&[u32]],
+        temperature: f32,
+        cache: Option<&mut ForwardCache>,
+    ) -> Result<Vec<TokenScores>, ModelError> {
+        self.as_rank()
+            .score(&SoloComm, prefix, responses, temperature, cache)
     }
 }

@@ -12,16 +12,23 @@
 //!
 //! Several items encoded together give bitwise the embeddings of each encoded alone (attention
 //! never crosses a frame, every other op is row-wise).
+//!
+//! On one rank of a tensor-parallel group ([`RankModel::encode_media`]): the patch embedding and
+//! every norm are replicated; each block runs with the rank's heads (rows of the fused qkv) and
+//! intermediate rows; the merger's first linear is column-parallel (GELU is element-wise, so it
+//! stays local) and its second row-parallel, all-reduced. The embeddings every rank returns are
+//! bitwise equal. [`Qwen25VL::encode_media`] is rank 0 of a group of one.
 
 use rollplex_kernels::cpu::{gelu_fwd, linear_fwd, rmsnorm_fwd, AttnDims, AttnMask, AttnSeq};
 
-use super::block::{block_fwd, linear, Attend};
+use super::block::{block_fwd, linear, row_parallel, Attend};
 use super::cache::{CacheMode, LayerCache, VisionCache};
 use super::config::VISION_RMS_EPS;
 use super::positions::{
     vision_cu_seqlens, vision_patch_hw, vision_rope_tables, vision_window_index, Grid, MediaKind,
 };
-use super::{ModelError, Qwen25VL};
+use super::{ModelError, Qwen25VL, RankModel};
+use crate::tp::{Communicator, SoloComm};
 
 /// One image or video to encode.
 #[derive(Clone, Copy, Debug)]
@@ -55,7 +62,32 @@ impl Qwen25VL {
         items: &[MediaInput<'_>],
         cache: Option<&mut VisionCache>,
     ) -> Result<Vec<EncodedMedia>, ModelError> {
-        let cfg = &self.config;
+        self.as_rank().encode_media(&SoloComm, items, cache)
+    }
+}
+
+impl RankModel<'_> {
+    /// This rank's attention dims in the vision tower (its heads).
+    pub(crate) fn vision_dims(&self) -> AttnDims {
+        let heads = self.dims.vision_heads;
+        AttnDims {
+            num_heads: heads,
+            num_kv_heads: heads,
+            head_dim: self.config.vision_head_dim(),
+        }
+    }
+
+    /// Encodes media items on this rank (one vision-tower pass over all of them); every rank
+    /// passes the same items and gets the same embeddings. With a cache, keeps what its mode
+    /// says (the blocks' activations at the rank's widths).
+    pub fn encode_media<C: Communicator>(
+        &self,
+        comm: &C,
+        items: &[MediaInput<'_>],
+        cache: Option<&mut VisionCache>,
+    ) -> Result<Vec<EncodedMedia>, ModelError> {
+        self.check_comm(comm)?;
+        let cfg = self.config;
         let v = cfg.vision();
         let m = v.spatial_merge_size;
         let unit = (m * m) as usize;
@@ -86,18 +118,11 @@ impl Qwen25VL {
         if n == 0 {
             return Ok(Vec::new());
         }
-        let lw = &self.weights.layout;
+        let w = self.weights;
+        let lw = &w.layout;
         // patch embedding: [N, pd] x [vh, pd]^T
         let mut x0 = vec![0f32; n * vh];
-        linear_fwd(
-            &mut x0,
-            &pixels,
-            self.weights.get(lw.patch_embed),
-            None,
-            n,
-            pd,
-            vh,
-        )?;
+        linear_fwd(&mut x0, &pixels, w.get(lw.patch_embed), None, n, pd, vh)?;
         // window permutation of merge groups
         let (window_index, cu_window) = vision_window_index(&grids, m, v.window_size, v.patch_size);
         let permute = |src: &[f32], width: usize| -> Vec<f32> {
@@ -116,11 +141,7 @@ impl Qwen25VL {
         let (cos, sin) = (permute(&cos0, hd), permute(&sin0, hd));
         let full_seqs = AttnSeq::from_cu_seqlens(&vision_cu_seqlens(&grids));
         let window_seqs = AttnSeq::from_cu_seqlens(&cu_window);
-        let dims = AttnDims {
-            num_heads: v.num_heads as usize,
-            num_kv_heads: v.num_heads as usize,
-            head_dim: hd,
-        };
+        let dims = self.vision_dims();
         let mode = cache.as_ref().map(|c| c.mode);
         let mut blocks_cache = Vec::new();
         for (bi, bp) in lw.vision_blocks.iter().enumerate() {
@@ -138,7 +159,8 @@ impl Qwen25VL {
             let mut lc = LayerCache::default();
             let c = mode.map(|md| (md, &mut lc));
             block_fwd(
-                &self.weights,
+                comm,
+                w,
                 bp,
                 &mut x,
                 n,
@@ -160,16 +182,16 @@ impl Qwen25VL {
             &mut xn,
             Some(&mut rstd),
             &x,
-            self.weights.get(lw.merger_ln),
+            w.get(lw.merger_ln),
             n,
             vh,
             VISION_RMS_EPS,
         )?;
         let groups = n / unit;
-        let fc1 = linear(&self.weights, &lw.merger_fc1, &xn, groups)?;
+        let fc1 = linear(w, &lw.merger_fc1, &xn, groups)?;
         let mut g = vec![0f32; fc1.len()];
         gelu_fwd(&mut g, &fc1)?;
-        let merged = linear(&self.weights, &lw.merger_fc2, &g, groups)?;
+        let merged = row_parallel(comm, w, &lw.merger_fc2, &g, groups)?;
         let out_w = lw.merger_fc2.out;
         let mut unperm = vec![0f32; merged.len()];
         for (i, &gi) in window_index.iter().enumerate() {

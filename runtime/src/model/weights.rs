@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::fmt;
 
 use super::config::ModelConfig;
-use super::philox::{philox4x32_10, uniform_open01};
+use rollplex_kernels::cpu::{philox4x32_10, uniform_open01};
 
 /// Index of a parameter in its [`ParamTable`] (prints as `param17`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -89,6 +89,7 @@ fn continue_greedy<C: Communicator>(
     m: &TpModel,
     ids: &[u32],
 ) -> Result<(Vec<u32>, Vec<f32>), TpError> {
+    let m = m.as_rank();
     let mut seq = ids.to_vec();
     let vl = m.vocab_counts()[m.rank];
     for _ in 0..NEW_TOKENS {
@@ -259,7 +260,7 @@ pub fn run_check<C: Communicator>(
         let l1 = if t1 == tokens {
             l1
         } else {
-            one.forward_logits(
+            one.as_rank().forward_logits(
                 &c1,
                 Prompt {
                     ids: &seq,

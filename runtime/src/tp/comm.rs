@@ -157,6 +157,47 @@ pub trait Communicator: Send + Sync {
     }
 }
 
+/// The group of one: rank 0 of a world of 1. Every collective is the identity (an all-reduce
+/// touches nothing, a gather copies the one part), so the model run over it is the single-rank
+/// model at no cost.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SoloComm;
+
+impl Communicator for SoloComm {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world(&self) -> usize {
+        1
+    }
+    fn all_reduce<T: Elem>(&self, _buf: &mut [T], _op: ReduceOp) -> Result<(), CommError> {
+        Ok(())
+    }
+    fn all_gather<T: Elem>(&self, send: &[T], recv: &mut [T]) -> Result<(), CommError> {
+        if recv.len() != send.len() {
+            return Err(CommError::Invalid(format!(
+                "all_gather: {} elements received for {} sent in a group of one",
+                recv.len(),
+                send.len()
+            )));
+        }
+        recv.copy_from_slice(send);
+        Ok(())
+    }
+    fn broadcast<T: Elem>(&self, _buf: &mut [T], root: usize) -> Result<(), CommError> {
+        if root != 0 {
+            return Err(CommError::Invalid(format!(
+                "broadcast from rank {root} in a group of one"
+            )));
+        }
+        Ok(())
+    }
+    fn barrier(&self) -> Result<(), CommError> {
+        Ok(())
+    }
+    fn abort(&self, _reason: &str) {}
+}
+
 /// Gathers buffers of different lengths (`counts[r]` elements from rank `r`) into their rank
 /// order concatenation: pads each to the largest count, gathers, trims (what an NCCL
 /// implementation does too, as `ncclAllGather` moves equal counts).

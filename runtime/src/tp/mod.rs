@@ -3,55 +3,50 @@
 //! without GPUs, or as processes (one per GPU) talking over TCP with bitwise the same results;
 //! a CUDA/NCCL backend implements the same [`Communicator`] later.
 //!
-//! Module map: `comm` (the [`Communicator`] trait, [`ThreadComm`], [`run_ranks`]), `shard`
-//! ([`TpPlan`]: which part of every parameter each rank holds; `shard`/`unshard` to and from
-//! Hugging Face layout), `block` (one transformer block with column/row-parallel linears and
-//! its two all-reduces), `text` (vocab-parallel embedding, prefill, decode over a per-rank KV
-//! arena, scoring with a vocab-parallel log-softmax, greedy argmax), `vision` (the vision tower
-//! and merger, heads split, and its backward), `backward` (the text decoder's backward and the
-//! TP block backward both towers use: column/row-parallel with the conjugate collectives),
-//! `train` (a GRPO micro-batch's forward, loss and backward, as `train::forward_backward`),
+//! The model itself is not here: `model` (forward, decode, scoring) and `train` (the
+//! micro-batch's forward, loss and backward) run on one rank's part of the model
+//! ([`RankModel`](crate::model::RankModel)) over any [`Communicator`]; the single-rank model is
+//! rank 0 of a group of one ([`SoloComm`], whose collectives are no-ops). This module holds what
+//! only a group needs.
+//!
+//! Module map: `comm` (the [`Communicator`] trait, [`SoloComm`], [`ThreadComm`], [`run_ranks`]),
+//! `shard` ([`TpPlan`]: which part of every parameter each rank holds; `shard`/`unshard` to and
+//! from Hugging Face layout), [`TpModel`] (a rank's shard; `as_rank` is what the engine runs),
 //! `optim` ([`TpAdamW`]: AdamW over a shard with the global grad-norm clip), `tcp`
 //! ([`TcpComm`]: the communicator between processes, its rendezvous and liveness), `launch`
 //! (one process per GPU: `rollplex-run` as launcher, or a rank of a torchrun/slurm job), `check`
 //! (what `rollplex-run --tp-check` runs on each launched rank: the TP forward, compared across
 //! ranks and with TP = 1).
 //!
-//! What it knows: the model's forward and backward, the policy loss's inputs, and where the
-//! collectives go. What it does not know: the RL loop, devices, plans (the
-//! binary's `cli` loads them and starts the ranks).
+//! What it knows: how parameters split over ranks and how ranks talk. What it does not know:
+//! the RL loop, devices, plans (the binary's `cli` loads them and starts the ranks).
 //!
 //! Invariants: (1) every rank of a group holds the same replicated values and, after each
 //! collective, the same replicated activations (all-reduce results are bitwise equal on every
 //! rank), so ranks never diverge; (2) a TP run is bitwise reproducible for a given degree
 //! (collectives reduce in rank order); (3) at degree 1 every operation (forward and gradients) is
-//! bitwise the single-rank model's and trainer's (the row-parallel bias is added after the
-//! matmul, as `linear_fwd` does).
+//! bitwise the single-rank model's and trainer's: they are the same code over `SoloComm`.
 
-pub mod backward;
-pub mod block;
 pub mod check;
 pub mod comm;
 pub mod launch;
 pub mod optim;
 pub mod shard;
 pub mod tcp;
-pub mod text;
-pub mod train;
-pub mod vision;
 
 use std::sync::Arc;
 
 use rollplex_kernels::KernelError;
 
 pub use comm::{
-    all_gather_uneven, run_ranks, CommError, Communicator, Elem, RankError, ReduceOp, ThreadComm,
+    all_gather_uneven, run_ranks, CommError, Communicator, Elem, RankError, ReduceOp, SoloComm,
+    ThreadComm,
 };
 pub use optim::TpAdamW;
 pub use shard::{split_range, RankDims, Split, TpPlan};
 pub use tcp::{run_ranks_tcp, TcpComm, TcpOptions};
 
-use crate::model::{ModelError, Weights};
+use crate::model::{ModelError, RankModel, Weights};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TpError {
@@ -61,9 +56,32 @@ pub enum TpError {
     #[error(transparent)]
     Comm(#[from] CommError),
     #[error(transparent)]
-    Model(#[from] ModelError),
+    Model(ModelError),
     #[error(transparent)]
     Kernel(#[from] KernelError),
+}
+
+/// A model error; a failed collective inside the model stays a communicator error (which rank
+/// failed decides who is blamed).
+impl From<ModelError> for TpError {
+    fn from(e: ModelError) -> Self {
+        match e {
+            ModelError::Comm(c) => TpError::Comm(c),
+            other => TpError::Model(other),
+        }
+    }
+}
+
+/// A trainer error: a failed collective stays a communicator error, a kernel's stays a kernel
+/// error, the rest name the input that was refused.
+impl From<crate::train::TrainError> for TpError {
+    fn from(e: crate::train::TrainError) -> Self {
+        match e {
+            crate::train::TrainError::Kernel(k) => TpError::Kernel(k),
+            crate::train::TrainError::Model(m) => m.into(),
+            other => TpError::Config(other.to_string()),
+        }
+    }
 }
 
 /// One rank's part of a tensor-parallel model: the plan every rank shares and this rank's shard.
@@ -90,18 +108,15 @@ impl TpModel {
         self.plan.dims(self.rank)
     }
 
-    /// Checks that a communicator belongs to this model's group.
-    pub(crate) fn check_comm<C: Communicator>(&self, comm: &C) -> Result<(), TpError> {
-        if comm.world() != self.plan.degree || comm.rank() != self.rank {
-            return Err(TpError::Config(format!(
-                "rank {} of a TP-{} model called with communicator rank {} of {}",
-                self.rank,
-                self.plan.degree,
-                comm.rank(),
-                comm.world()
-            )));
+    /// This rank's part as the model engine runs it (borrowed: nothing is copied).
+    pub fn as_rank(&self) -> RankModel<'_> {
+        RankModel {
+            config: &self.plan.config,
+            weights: &self.weights,
+            dims: self.dims().clone(),
+            rank: self.rank,
+            degree: self.plan.degree,
         }
-        Ok(())
     }
 }
 

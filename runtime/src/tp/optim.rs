@@ -12,7 +12,6 @@ use rollplex_plan::spec::AdamWSpec;
 
 use crate::train::{AdamW, OptTable, StepReport};
 
-use super::backward::train_err;
 use super::comm::Communicator;
 use super::{TpError, TpModel};
 
@@ -32,7 +31,7 @@ impl TpAdamW {
         spec: AdamWSpec,
         trainable: impl Fn(&str) -> bool,
     ) -> Result<Self, TpError> {
-        let table = OptTable::from_model(&model.weights.table, trainable).map_err(train_err)?;
+        let table = OptTable::from_model(&model.weights.table, trainable)?;
         let max_norm = spec.grad_clip;
         let inner = AdamW::new(
             AdamWSpec {
@@ -41,8 +40,7 @@ impl TpAdamW {
             },
             table,
             &model.weights.data,
-        )
-        .map_err(train_err)?;
+        )?;
         Ok(TpAdamW { inner, max_norm })
     }
 
@@ -70,7 +68,7 @@ impl TpAdamW {
         v: &[f32],
         step: u64,
     ) -> Result<(), TpError> {
-        self.inner.restore(master, m, v, step).map_err(train_err)
+        Ok(self.inner.restore(master, m, v, step)?)
     }
 
     /// One step on every rank: global norm, clipping, the AdamW update of this rank's shard
@@ -82,7 +80,7 @@ impl TpAdamW {
         model: &mut TpModel,
         grads: &mut [f32],
     ) -> Result<StepReport, TpError> {
-        model.check_comm(comm)?;
+        model.as_rank().check_comm(comm)?;
         let table = self.inner.table();
         if grads.len() != table.buffer_len() || model.weights.data.len() != table.buffer_len() {
             return Err(TpError::Config(format!(
@@ -119,10 +117,7 @@ impl TpAdamW {
                     .for_each(|g| *g *= coef);
             }
         }
-        let mut report = self
-            .inner
-            .step_f32(grads, &mut model.weights.data)
-            .map_err(train_err)?;
+        let mut report = self.inner.step_f32(grads, &mut model.weights.data)?;
         report.grad_norm = norm;
         Ok(report)
     }

@@ -68,6 +68,23 @@ pub struct RankDims {
     pub merger: Range<usize>,
 }
 
+impl RankDims {
+    /// The widths of the whole model: what rank 0 of a group of one holds.
+    pub fn whole(config: &ModelConfig) -> Self {
+        let (t, v) = (config.text(), config.vision());
+        let m2 = (v.spatial_merge_size * v.spatial_merge_size) as usize;
+        RankDims {
+            q_heads: t.num_heads as usize,
+            kv_heads: t.num_kv_heads as usize,
+            ffn: 0..t.intermediate_size as usize,
+            vocab: 0..t.vocab_size as usize,
+            vision_heads: v.num_heads as usize,
+            vision_ffn: 0..v.intermediate_size as usize,
+            merger: 0..v.hidden_size as usize * m2,
+        }
+    }
+}
+
 /// How a model is split over `degree` ranks.
 #[derive(Clone, Debug)]
 pub struct TpPlan {

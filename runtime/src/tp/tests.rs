@@ -377,6 +377,7 @@ mod grads {
                 eps: t.rms_norm_eps as f32,
             };
             dx = block_bwd(
+                &crate::tp::SoloComm,
                 w,
                 &lay.text_layers[l],
                 &c.layers[l],
@@ -409,7 +410,9 @@ mod grads {
         let outs = run_ranks(degree, |c: &ThreadComm| -> Result<_, TpError> {
             let r = &ranks[c.rank()];
             let mut g = vec![start; r.weights.table.total()];
-            let lp = r.text_forward_backward(c, &SEQS, &dl, TEMP, &mut g)?;
+            let lp = r
+                .as_rank()
+                .text_forward_backward(c, &SEQS, &dl, TEMP, &mut g)?;
             Ok((lp, g))
         })
         .unwrap();
@@ -551,7 +554,7 @@ mod grads {
             let outs = run_ranks(t, |c: &ThreadComm| -> Result<_, TpError> {
                 let r = &ranks[c.rank()];
                 let mut g = vec![0f32; r.weights.table.total()];
-                let e = r.vision_forward_backward(c, &items, &d, &mut g)?;
+                let e = r.as_rank().vision_forward_backward(c, &items, &d, &mut g)?;
                 Ok((e, g))
             })
             .unwrap();
@@ -698,7 +701,9 @@ mod grads {
             let outs = run_ranks(t, |c: &ThreadComm| -> Result<_, TpError> {
                 let r = &ranks[c.rank()];
                 let mut g = vec![0f32; r.weights.table.total()];
-                let o = r.forward_backward(c, &cfg, &groups, norm, &mut g)?;
+                let o = r
+                    .as_rank()
+                    .forward_backward(c, &cfg, &groups, norm, &mut g)?;
                 let mut stepped = r.clone();
                 let mut opt = crate::tp::TpAdamW::new(&stepped, spec.clone(), |_| true)?;
                 let rep = opt.step(c, &mut stepped, &mut g.clone())?;
@@ -904,7 +909,9 @@ mod grads {
                 let outs = run_ranks(t, |c: &ThreadComm| -> Result<_, TpError> {
                     let r = &ranks[c.rank()];
                     let mut g = vec![0f32; r.weights.table.total()];
-                    let o = r.forward_backward(c, &cfg, &groups, norm, &mut g)?;
+                    let o = r
+                        .as_rank()
+                        .forward_backward(c, &cfg, &groups, norm, &mut g)?;
                     let mut stepped = r.clone();
                     let mut opt =
                         crate::tp::TpAdamW::new(&stepped, spec.clone(), |n| cfg.trainable(n))?;

@@ -22,28 +22,36 @@
 //! backward. The forward ops are deterministic and row-independent, so a recomputed layer has
 //! bitwise the kept activations and both policies give bitwise the same gradients.
 //!
-//! Invariant: gradients are *added* into the caller's model-sized buffer (the model's
+//! The trainer runs on one rank's part of the model ([`RankModel::forward_backward`]) over a
+//! communicator; [`forward_backward`] is rank 0 of a group of one. Under tensor parallelism the
+//! loss runs on replicated log-probs (every rank computes the same `dlogp`), the vocab-parallel
+//! head's `dlogits` come from the global log-sum-exp the forward kept and `d xn` is all-reduced,
+//! each block backward brings its own collectives (`block_bwd`), a rank adds the embedding rows
+//! of the ids it owns, and with kv heads replicated over ranks their gradients are summed over
+//! the ranks holding each head (an all-reduce with one slot per kv head).
+//!
+//! Invariant: gradients are *added* into the caller's rank-sized buffer (the shard's
 //! [`ParamTable`](crate::model::ParamTable) offsets) in a fixed order: groups in order; in a group
 //! suffix, token 0, prefix, merger, vision; within each, layers top-down. Frozen parts get no
-//! gradient (their slots are left as they were).
+//! gradient (their slots are left as they were). Every replicated parameter's gradient is
+//! bitwise equal on every rank, so `TpPlan::unshard` of the gradients gives the full gradient.
 
-use rollplex_kernels::cpu::{
-    embedding_bwd, gelu_bwd, gelu_fwd, linear_bwd, linear_fwd, logprobs_bwd, rmsnorm_bwd,
-    rmsnorm_fwd, AttnDims, AttnMask,
-};
+use rollplex_kernels::cpu::{embedding_bwd, rmsnorm_bwd, rmsnorm_fwd, AttnMask};
 use rollplex_plan::spec::{Recompute, TrainSpec};
 
 use super::block_bwd::{block_bwd, grad_of, linear_backward, recompute_block, BlockCtx};
 use super::loss::{policy_loss, LossBatch, LossConfig, LossMetrics, Normaliser};
 use super::{check_len, Result, TrainError};
-use crate::model::config::VISION_RMS_EPS;
-use crate::model::positions::{vision_patch_hw, vision_rope_tables};
+use crate::model::text::LM_CHUNK;
+use crate::model::weights::{BlockParams, Linear};
 use crate::model::{
-    CacheMode, EncodedMedia, ForwardCache, LayerCache, MediaInput, Prompt, Qwen25VL, VisionCache,
+    CacheMode, EncodedMedia, ForwardCache, LayerCache, MediaInput, ParamId, Prompt, Qwen25VL,
+    RankModel, VisionCache,
 };
+use crate::tp::{Communicator, SoloComm};
 
-/// Rows of the lm head per chunk in backward (bounds the logits buffer to `CHUNK x vocab`).
-const LM_CHUNK: usize = 64;
+#[cfg(test)]
+pub(crate) use super::vision_bwd::vision_backward;
 
 /// How the actor trains (from the job's [`TrainSpec`] and the rollout's sampling temperature).
 #[derive(Clone, Debug, PartialEq)]
@@ -127,30 +135,12 @@ pub fn forward_backward(
     norm: Normaliser,
     grads: &mut [f32],
 ) -> Result<MicroBatchOutput> {
-    check_len("gradient buffer", model.weights.table.total(), grads.len())?;
-    if !(cfg.temperature > 0.0 && cfg.temperature.is_finite()) {
-        return Err(TrainError::Invalid(format!(
-            "temperature {} must be positive and finite",
-            cfg.temperature
-        )));
-    }
-    let mut out = MicroBatchOutput::default();
-    for (gi, g) in groups.iter().enumerate() {
-        group_fwd_bwd(model, cfg, gi, g, norm, grads, &mut out)?;
-    }
-    Ok(out)
+    model
+        .as_rank()
+        .forward_backward(&SoloComm, cfg, groups, norm, grads)
 }
 
-fn text_dims(model: &Qwen25VL) -> AttnDims {
-    let t = model.config.text();
-    AttnDims {
-        num_heads: t.num_heads as usize,
-        num_kv_heads: t.num_kv_heads as usize,
-        head_dim: t.head_dim() as usize,
-    }
-}
-
-fn cache_mode(r: Recompute) -> CacheMode {
+pub(crate) fn cache_mode(r: Recompute) -> CacheMode {
     match r {
         Recompute::None => CacheMode::Full,
         Recompute::Full => CacheMode::LayerInputs,
@@ -158,13 +148,13 @@ fn cache_mode(r: Recompute) -> CacheMode {
 }
 
 /// A layer's full activations: the kept ones, or recomputed from the layer input.
-enum LayerActs<'c> {
+pub(crate) enum LayerActs<'c> {
     Kept(&'c LayerCache),
     Recomputed(Box<LayerCache>),
 }
 
 impl LayerActs<'_> {
-    fn get(&self) -> &LayerCache {
+    pub(crate) fn get(&self) -> &LayerCache {
         match self {
             LayerActs::Kept(c) => c,
             LayerActs::Recomputed(c) => c,
@@ -172,594 +162,578 @@ impl LayerActs<'_> {
     }
 }
 
-fn layer_acts<'c>(
-    model: &Qwen25VL,
-    p: &crate::model::weights::BlockParams,
-    kept: &'c LayerCache,
-    mode: CacheMode,
-    rows: usize,
-    ctx: &BlockCtx<'_>,
-) -> Result<LayerActs<'c>> {
-    Ok(match mode {
-        CacheMode::Full => LayerActs::Kept(kept),
-        CacheMode::LayerInputs => LayerActs::Recomputed(Box::new(
-            recompute_block(&model.weights, p, &kept.x_in, rows, ctx)?.0,
-        )),
-    })
+/// `dlogits` of one row of a rank's logits (`logp` backward over the rank's vocabulary, which
+/// starts at `start`): `(dlogp (1[j = target] - exp(z_j - lse))) / T`, `z = logits / T`.
+fn dlogits_row(
+    out: &mut [f32],
+    logits: &[f32],
+    start: usize,
+    lse: f64,
+    dlogp: f32,
+    target: u32,
+    t: f32,
+) {
+    let (tt, gl) = (t as f64, dlogp as f64);
+    for (j, (o, v)) in out.iter_mut().zip(logits).enumerate() {
+        let z = *v as f64 / tt;
+        let p = (z - lse).exp();
+        let onehot = if start + j == target as usize {
+            1.0
+        } else {
+            0.0
+        };
+        *o = ((gl * (onehot - p)) / tt) as f32;
+    }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn group_fwd_bwd(
-    model: &Qwen25VL,
-    cfg: &TrainConfig,
-    gi: usize,
-    g: &GroupBatch<'_>,
-    norm: Normaliser,
-    grads: &mut [f32],
-    out: &mut MicroBatchOutput,
-) -> Result<()> {
-    let mode = cache_mode(cfg.recompute);
-    let w = &model.weights;
-    let lay = &w.layout;
-    let t = model.config.text();
-    let (h, vocab) = (t.hidden_size as usize, t.vocab_size as usize);
-    let eps = t.rms_norm_eps as f32;
-    let dims = text_dims(model);
-    let temp = cfg.temperature;
-
-    for (r, resp) in g.responses.iter().enumerate() {
-        let n = resp.tokens.len();
-        let what = |x: &str| format!("group {gi} response {r} {x}");
-        check_len(&what("old_logp"), n, resp.old_logp.len())?;
-        check_len(&what("advantages"), n, resp.advantages.len())?;
-        check_len(&what("mask"), n, resp.mask.len())?;
-        if let Some(rl) = resp.ref_logp {
-            check_len(&what("ref_logp"), n, rl.len())?;
+impl RankModel<'_> {
+    /// Forward, loss and backward of one micro-batch on this rank; gradients are **added** into
+    /// `grads` (this rank's `weights.table.total()` elements). Every rank of a group passes the
+    /// same groups and gets the same output.
+    pub fn forward_backward<C: Communicator>(
+        &self,
+        comm: &C,
+        cfg: &TrainConfig,
+        groups: &[GroupBatch<'_>],
+        norm: Normaliser,
+        grads: &mut [f32],
+    ) -> Result<MicroBatchOutput> {
+        self.check_comm(comm)?;
+        check_len("gradient buffer", self.weights.table.total(), grads.len())?;
+        if !(cfg.temperature > 0.0 && cfg.temperature.is_finite()) {
+            return Err(TrainError::Invalid(format!(
+                "temperature {} must be positive and finite",
+                cfg.temperature
+            )));
         }
-    }
-    if cfg.loss.kl_coef > 0.0 && g.responses.iter().any(|r| r.ref_logp.is_none()) {
-        return Err(TrainError::Invalid(format!(
-            "group {gi}: kl_coef = {} needs reference log-probs for every response",
-            cfg.loss.kl_coef
-        )));
-    }
-
-    // ---- forward ----
-    let vision_grad = !g.media.is_empty() && (!cfg.freeze_vision || !cfg.freeze_merger);
-    let mut vcache = VisionCache::new(mode);
-    let enc = model.encode_media(g.media, if vision_grad { Some(&mut vcache) } else { None })?;
-    let refs: Vec<&EncodedMedia> = enc.iter().collect();
-    let mut pcache = ForwardCache::new(mode);
-    let prefix = model
-        .prefill(
-            &[Prompt {
-                ids: g.prompt_ids,
-                media: &refs,
-            }],
-            Some(&mut pcache),
-        )?
-        .remove(0);
-    let tokens: Vec<&[u32]> = g.responses.iter().map(|r| r.tokens).collect();
-    let mut scache = ForwardCache::new(mode);
-    let scores = model.score(&prefix, &tokens, temp, Some(&mut scache))?;
-
-    // ---- loss ----
-    let mut offsets = vec![0usize];
-    let (mut logp, mut old, mut refl, mut adv, mut mask, mut ent) = (
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-    );
-    let has_ref = g.responses.iter().all(|r| r.ref_logp.is_some());
-    for (resp, sc) in g.responses.iter().zip(&scores) {
-        logp.extend_from_slice(&sc.logp);
-        ent.extend_from_slice(&sc.entropy);
-        old.extend_from_slice(resp.old_logp);
-        adv.extend_from_slice(resp.advantages);
-        mask.extend_from_slice(resp.mask);
-        if let Some(rl) = resp.ref_logp.filter(|_| has_ref) {
-            refl.extend_from_slice(rl);
+        let prior = self.kv_set_aside(grads);
+        let mut out = MicroBatchOutput::default();
+        for (gi, g) in groups.iter().enumerate() {
+            self.group_fwd_bwd(comm, cfg, gi, g, norm, grads, &mut out)?;
         }
-        offsets.push(logp.len());
+        self.kv_sum_replicas(comm, prior, grads)?;
+        Ok(out)
     }
-    let batch = LossBatch {
-        offsets: &offsets,
-        logp: &logp,
-        old_logp: &old,
-        ref_logp: has_ref.then_some(&refl[..]),
-        advantages: &adv,
-        mask: &mask,
-        entropy: Some(&ent),
-    };
-    let lo = policy_loss(&cfg.loss, &batch, norm)?;
-    out.metrics.add(&lo.metrics);
-    for sc in scores {
-        out.logp.push(sc.logp);
-        out.entropy.push(sc.entropy);
-    }
-    let dlogp = lo.dlogp;
 
-    // ---- backward: suffix rows ----
-    let layers = lay.text_layers.len();
-    let pr = prefix.len as usize;
-    let kvw = dims.kv_width();
-    let mut dpk = vec![0f32; layers * pr * kvw];
-    let mut dpv = vec![0f32; layers * pr * kvw];
-    let rows = scache.tokens;
-    if rows > 0 {
-        let mut row_dlogp = vec![0f32; rows];
-        let mut targets = vec![0u32; rows];
-        for (r, s) in scache.seqs.iter().enumerate() {
-            for j in 0..s.len as usize {
-                row_dlogp[s.start as usize + j] = dlogp[offsets[r] + j + 1];
-                targets[s.start as usize + j] = tokens[r][j + 1];
-            }
+    /// Forward and backward of a packed batch of text sequences (causal, no shared prefix, no
+    /// loss: the caller's `dlogp`). Sequence `s` of length `n` scores its tokens `1..n` (row `j`
+    /// predicts token `j + 1`); `dlogp` holds the gradient of those log-probs, sequences in
+    /// order (`Σ (n_s - 1)` values, the same on every rank). Returns the log-probs (equal on
+    /// every rank) and adds this rank's gradients into `grads`.
+    pub fn text_forward_backward<C: Communicator>(
+        &self,
+        comm: &C,
+        seqs: &[&[u32]],
+        dlogp: &[f32],
+        temperature: f32,
+        grads: &mut [f32],
+    ) -> Result<Vec<f32>> {
+        self.check_comm(comm)?;
+        check_len("gradient buffer", self.weights.table.total(), grads.len())?;
+        if seqs.iter().any(|s| s.len() < 2) {
+            return Err(TrainError::Invalid(
+                "text_forward_backward: every sequence needs at least 2 tokens".into(),
+            ));
         }
+        let prompts: Vec<Prompt<'_>> = seqs
+            .iter()
+            .map(|s| Prompt {
+                ids: &s[..s.len() - 1],
+                media: &[],
+            })
+            .collect();
+        let targets: Vec<u32> = seqs.iter().flat_map(|s| s[1..].iter().copied()).collect();
+        check_len("dlogp", targets.len(), dlogp.len())?;
+        let mut c = ForwardCache::new(CacheMode::Full);
+        self.prefill(comm, &prompts, Some(&mut c))?;
+        let (h, rows) = (self.hidden(), c.tokens);
+        let mut logp = Vec::with_capacity(rows);
+        for (ci, ch) in (0..rows).collect::<Vec<_>>().chunks(LM_CHUNK).enumerate() {
+            let (o, n) = (ci * LM_CHUNK, ch.len());
+            let logits = self.lm_head(&c.final_out[o * h..(o + n) * h], n)?;
+            let (l, _, s) =
+                self.vocab_logprobs_lse(comm, &logits, &targets[o..o + n], temperature)?;
+            logp.extend(l);
+            c.lse.extend(s);
+        }
+        let prior = self.kv_set_aside(grads);
         let mut dx = vec![0f32; rows * h];
         let all: Vec<usize> = (0..rows).collect();
-        head_backward(
-            model, &scache, &all, &row_dlogp, &targets, temp, &mut dx, grads,
-        )?;
-        for l in (0..layers).rev() {
-            let ctx = BlockCtx {
-                seqs: &scache.seqs,
-                mask: AttnMask::Causal,
-                prefix_k: prefix.layer_k(l),
-                prefix_v: prefix.layer_v(l),
-                cos: &scache.cos,
-                sin: &scache.sin,
-                dims,
-                eps,
-            };
-            let lp = &lay.text_layers[l];
-            let acts = layer_acts(model, lp, &scache.layers[l], mode, rows, &ctx)?;
-            let n = pr * kvw;
-            let dprefix = (&mut dpk[l * n..(l + 1) * n], &mut dpv[l * n..(l + 1) * n]);
+        self.head_backward(comm, &c, &all, dlogp, &targets, temperature, &mut dx, grads)?;
+        let lay = &self.weights.layout;
+        for l in (0..lay.text_layers.len()).rev() {
+            let ctx = self.text_ctx(&c, None);
             dx = block_bwd(
-                w,
-                lp,
-                acts.get(),
+                comm,
+                self.weights,
+                &lay.text_layers[l],
+                &c.layers[l],
                 rows,
                 &ctx,
                 &dx,
                 None,
-                Some(dprefix),
+                None,
                 Some(&mut *grads),
             )?;
         }
-        embedding_bwd(grad_of(w, grads, lay.embed), &dx, &scache.ids, h)?;
+        self.embedding_bwd_own(&c.ids, &dx, grads)?;
+        self.kv_sum_replicas(comm, prior, grads)?;
+        Ok(logp)
     }
 
-    // ---- backward: token 0 of every response, from the prefix's last row ----
-    let mut dxp = vec![0f32; pr * h];
-    let mut dlast = vec![0f32; vocab];
-    let mut row = vec![0f32; vocab];
-    let mut any_first = false;
-    for (r, tk) in tokens.iter().enumerate() {
-        if tk.is_empty() {
-            continue;
-        }
-        any_first = true;
-        logprobs_bwd(
-            &mut row,
-            &[dlogp[offsets[r]]],
-            None,
-            &prefix.last_logits,
-            &tk[..1],
-            1,
-            vocab,
-            temp,
-        )?;
-        for (a, b) in dlast.iter_mut().zip(&row) {
-            *a += b;
-        }
-    }
-    if any_first {
-        let (x_last, xn_last, rstd_last) = final_norm_rows(model, &pcache, &[pr - 1])?;
-        let mut dxn = vec![0f32; h];
-        let head = grad_of(w, grads, lay.lm_head);
-        linear_bwd(
-            Some(&mut dxn),
-            Some(head),
-            None,
-            &dlast,
-            &xn_last,
-            w.get(lay.lm_head),
-            1,
-            h,
-            vocab,
-            false,
-        )?;
-        let wn = w.get(lay.final_norm);
-        rmsnorm_bwd(
-            &mut dxp[(pr - 1) * h..],
-            Some(grad_of(w, grads, lay.final_norm)),
-            &dxn,
-            &x_last,
-            wn,
-            &rstd_last,
-            1,
-            h,
-            false,
-        )?;
-    }
-
-    // ---- backward: prefix rows ----
-    for l in (0..layers).rev() {
-        let ctx = BlockCtx {
-            seqs: &pcache.seqs,
+    /// How a text layer's attention ran over a cache's rows (and a shared prefix's KV).
+    fn text_ctx<'c>(
+        &self,
+        c: &'c ForwardCache,
+        prefix: Option<(&'c [f32], &'c [f32])>,
+    ) -> BlockCtx<'c> {
+        let (prefix_k, prefix_v) = prefix.unwrap_or((&[], &[]));
+        BlockCtx {
+            seqs: &c.seqs,
             mask: AttnMask::Causal,
-            prefix_k: &[],
-            prefix_v: &[],
-            cos: &pcache.cos,
-            sin: &pcache.sin,
-            dims,
-            eps,
+            prefix_k,
+            prefix_v,
+            cos: &c.cos,
+            sin: &c.sin,
+            dims: self.text_dims(),
+            eps: self.eps(),
+        }
+    }
+
+    /// A layer's activations: the kept ones (`Full`), or recomputed from its input.
+    pub(crate) fn layer_acts<'c, C: Communicator>(
+        &self,
+        comm: &C,
+        p: &BlockParams,
+        kept: &'c LayerCache,
+        mode: CacheMode,
+        rows: usize,
+        ctx: &BlockCtx<'_>,
+    ) -> Result<LayerActs<'c>> {
+        Ok(match mode {
+            CacheMode::Full => LayerActs::Kept(kept),
+            CacheMode::LayerInputs => LayerActs::Recomputed(Box::new(
+                recompute_block(comm, self.weights, p, &kept.x_in, rows, ctx)?.0,
+            )),
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn group_fwd_bwd<C: Communicator>(
+        &self,
+        comm: &C,
+        cfg: &TrainConfig,
+        gi: usize,
+        g: &GroupBatch<'_>,
+        norm: Normaliser,
+        grads: &mut [f32],
+        out: &mut MicroBatchOutput,
+    ) -> Result<()> {
+        let mode = cache_mode(cfg.recompute);
+        let w = self.weights;
+        let lay = &w.layout;
+        let h = self.hidden();
+        let vl = self.dims.vocab.len();
+        let temp = cfg.temperature;
+
+        for (r, resp) in g.responses.iter().enumerate() {
+            let n = resp.tokens.len();
+            let what = |x: &str| format!("group {gi} response {r} {x}");
+            check_len(&what("old_logp"), n, resp.old_logp.len())?;
+            check_len(&what("advantages"), n, resp.advantages.len())?;
+            check_len(&what("mask"), n, resp.mask.len())?;
+            if let Some(rl) = resp.ref_logp {
+                check_len(&what("ref_logp"), n, rl.len())?;
+            }
+        }
+        if cfg.loss.kl_coef > 0.0 && g.responses.iter().any(|r| r.ref_logp.is_none()) {
+            return Err(TrainError::Invalid(format!(
+                "group {gi}: kl_coef = {} needs reference log-probs for every response",
+                cfg.loss.kl_coef
+            )));
+        }
+
+        // ---- forward ----
+        // a frozen tower and merger need no activations: no gradient flows into them
+        let vision_grad = !g.media.is_empty() && (!cfg.freeze_vision || !cfg.freeze_merger);
+        let mut vcache = VisionCache::new(mode);
+        let enc = self.encode_media(comm, g.media, vision_grad.then_some(&mut vcache))?;
+        let refs: Vec<&EncodedMedia> = enc.iter().collect();
+        let mut pcache = ForwardCache::new(mode);
+        let prompt = Prompt {
+            ids: g.prompt_ids,
+            media: &refs,
         };
-        let lp = &lay.text_layers[l];
-        let acts = layer_acts(model, lp, &pcache.layers[l], mode, pr, &ctx)?;
-        let n = pr * kvw;
-        let extra = (&dpk[l * n..(l + 1) * n], &dpv[l * n..(l + 1) * n]);
-        dxp = block_bwd(
-            w,
-            lp,
-            acts.get(),
-            pr,
-            &ctx,
-            &dxp,
-            Some(extra),
-            None,
-            Some(&mut *grads),
-        )?;
+        let prefix = self.prefill(comm, &[prompt], Some(&mut pcache))?.remove(0);
+        let tokens: Vec<&[u32]> = g.responses.iter().map(|r| r.tokens).collect();
+        let mut scache = ForwardCache::new(mode);
+        let scores = self.score(comm, &prefix, &tokens, temp, Some(&mut scache))?;
+
+        // ---- loss (replicated) ----
+        let mut offsets = vec![0usize];
+        let (mut logp, mut old, mut refl, mut adv, mut mask, mut ent) = (
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+        );
+        let has_ref = g.responses.iter().all(|r| r.ref_logp.is_some());
+        for (resp, sc) in g.responses.iter().zip(&scores) {
+            logp.extend_from_slice(&sc.logp);
+            ent.extend_from_slice(&sc.entropy);
+            old.extend_from_slice(resp.old_logp);
+            adv.extend_from_slice(resp.advantages);
+            mask.extend_from_slice(resp.mask);
+            if let Some(rl) = resp.ref_logp.filter(|_| has_ref) {
+                refl.extend_from_slice(rl);
+            }
+            offsets.push(logp.len());
+        }
+        let batch = LossBatch {
+            offsets: &offsets,
+            logp: &logp,
+            old_logp: &old,
+            ref_logp: has_ref.then_some(&refl[..]),
+            advantages: &adv,
+            mask: &mask,
+            entropy: Some(&ent),
+        };
+        let lo = policy_loss(&cfg.loss, &batch, norm)?;
+        out.metrics.add(&lo.metrics);
+        for sc in scores {
+            out.logp.push(sc.logp);
+            out.entropy.push(sc.entropy);
+        }
+        let dlogp = lo.dlogp;
+
+        // ---- backward: suffix rows ----
+        let layers = lay.text_layers.len();
+        let pr = prefix.len as usize;
+        let n_kv = pr * self.kv_width();
+        let mut dpk = vec![0f32; layers * n_kv];
+        let mut dpv = vec![0f32; layers * n_kv];
+        let rows = scache.tokens;
+        if rows > 0 {
+            let mut row_dlogp = vec![0f32; rows];
+            let mut targets = vec![0u32; rows];
+            for (r, s) in scache.seqs.iter().enumerate() {
+                for j in 0..s.len as usize {
+                    row_dlogp[s.start as usize + j] = dlogp[offsets[r] + j + 1];
+                    targets[s.start as usize + j] = tokens[r][j + 1];
+                }
+            }
+            let mut dx = vec![0f32; rows * h];
+            let all: Vec<usize> = (0..rows).collect();
+            self.head_backward(
+                comm, &scache, &all, &row_dlogp, &targets, temp, &mut dx, grads,
+            )?;
+            for l in (0..layers).rev() {
+                let ctx = self.text_ctx(&scache, Some((prefix.layer_k(l), prefix.layer_v(l))));
+                let lp = &lay.text_layers[l];
+                let acts = self.layer_acts(comm, lp, &scache.layers[l], mode, rows, &ctx)?;
+                let dprefix = (
+                    &mut dpk[l * n_kv..(l + 1) * n_kv],
+                    &mut dpv[l * n_kv..(l + 1) * n_kv],
+                );
+                dx = block_bwd(
+                    comm,
+                    w,
+                    lp,
+                    acts.get(),
+                    rows,
+                    &ctx,
+                    &dx,
+                    None,
+                    Some(dprefix),
+                    Some(&mut *grads),
+                )?;
+            }
+            self.embedding_bwd_own(&scache.ids, &dx, grads)?;
+        }
+
+        // ---- backward: token 0 of every response, from the prefix's last row ----
+        let mut dxp = vec![0f32; pr * h];
+        if let Some(&first) = tokens.iter().find_map(|t| t.first()) {
+            // the last row's log-sum-exp (one row: it does not depend on the target)
+            let (_, _, lse0) =
+                self.vocab_logprobs_lse(comm, &prefix.last_logits, &[first], temp)?;
+            let start = self.dims.vocab.start;
+            let mut dlast = vec![0f32; vl];
+            let mut row = vec![0f32; vl];
+            for (r, tk) in tokens.iter().enumerate() {
+                if tk.is_empty() {
+                    continue;
+                }
+                let d = dlogp[offsets[r]];
+                dlogits_row(
+                    &mut row,
+                    &prefix.last_logits,
+                    start,
+                    lse0[0],
+                    d,
+                    tk[0],
+                    temp,
+                );
+                for (a, b) in dlast.iter_mut().zip(&row) {
+                    *a += b;
+                }
+            }
+            let (x_last, xn_last, rstd_last) = self.final_norm_rows(&pcache, &[pr - 1])?;
+            let mut dxn = vec![0f32; h];
+            linear_backward(
+                w,
+                &self.head(),
+                Some(&mut dxn),
+                &dlast,
+                &xn_last,
+                1,
+                Some(&mut *grads),
+                false,
+            )?;
+            comm.all_reduce_sum(&mut dxn)?;
+            rmsnorm_bwd(
+                &mut dxp[(pr - 1) * h..],
+                Some(grad_of(w, grads, lay.final_norm)),
+                &dxn,
+                &x_last,
+                w.get(lay.final_norm),
+                &rstd_last,
+                1,
+                h,
+                false,
+            )?;
+        }
+
+        // ---- backward: prefix rows ----
+        for l in (0..layers).rev() {
+            let ctx = self.text_ctx(&pcache, None);
+            let lp = &lay.text_layers[l];
+            let acts = self.layer_acts(comm, lp, &pcache.layers[l], mode, pr, &ctx)?;
+            let extra = (
+                &dpk[l * n_kv..(l + 1) * n_kv],
+                &dpv[l * n_kv..(l + 1) * n_kv],
+            );
+            dxp = block_bwd(
+                comm,
+                w,
+                lp,
+                acts.get(),
+                pr,
+                &ctx,
+                &dxp,
+                Some(extra),
+                None,
+                Some(&mut *grads),
+            )?;
+        }
+        drop((dpk, dpv));
+        // prompt inputs: text rows to the embedding table, media runs to their items
+        let tok = &self.config.spec.tokens;
+        let merge = self.config.vision().spatial_merge_size;
+        let (mut text_ids, mut text_dx) = (Vec::new(), Vec::new());
+        let mut media_d = Vec::new();
+        let (mut i, mut item) = (0usize, 0usize);
+        while i < pr {
+            let id = g.prompt_ids[i];
+            if id == tok.image_token_id || id == tok.video_token_id {
+                let n = enc[item].tokens(merge);
+                media_d.extend_from_slice(&dxp[i * h..(i + n) * h]);
+                item += 1;
+                i += n;
+            } else {
+                text_ids.push(id);
+                text_dx.extend_from_slice(&dxp[i * h..(i + 1) * h]);
+                i += 1;
+            }
+        }
+        self.embedding_bwd_own(&text_ids, &text_dx, grads)?;
+
+        // ---- backward: merger and vision tower ----
+        if vision_grad {
+            let train = (!cfg.freeze_merger, !cfg.freeze_vision);
+            self.vision_backward(comm, train, g.media, &vcache, &media_d, grads)?;
+        }
+        Ok(())
     }
-    drop((dpk, dpv));
-    // prompt inputs: text rows to the embedding table, media runs to their items
-    let tok = &model.config.spec.tokens;
-    let merge = model.config.vision().spatial_merge_size;
-    let (mut text_ids, mut text_dx) = (Vec::new(), Vec::new());
-    let mut media_d = Vec::new();
-    let (mut i, mut item) = (0usize, 0usize);
-    while i < pr {
-        let id = g.prompt_ids[i];
-        if id == tok.image_token_id || id == tok.video_token_id {
-            let n = enc[item].tokens(merge);
-            media_d.extend_from_slice(&dxp[i * h..(i + n) * h]);
-            item += 1;
-            i += n;
-        } else {
-            text_ids.push(id);
-            text_dx.extend_from_slice(&dxp[i * h..(i + 1) * h]);
-            i += 1;
+
+    /// The rank's lm head as a linear `[V_rank, H]`.
+    fn head(&self) -> Linear {
+        Linear {
+            w: self.weights.layout.lm_head,
+            b: None,
+            out: self.dims.vocab.len(),
+            inp: self.hidden(),
+            row0: 0,
         }
     }
-    embedding_bwd(grad_of(w, grads, lay.embed), &text_dx, &text_ids, h)?;
 
-    // ---- backward: merger and vision tower ----
-    if vision_grad {
-        vision_backward(model, cfg, g, &vcache, &media_d, grads)?;
-    }
-    Ok(())
-}
-
-/// `(x, rmsnorm(x), rstd)` of the given rows of a cache's final-norm input (kept values when the
-/// cache has them, recomputed otherwise: row-wise, so bitwise equal).
-fn final_norm_rows(
-    model: &Qwen25VL,
-    c: &ForwardCache,
-    rows: &[usize],
-) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-    let h = model.config.text().hidden_size as usize;
-    let mut x = Vec::with_capacity(rows.len() * h);
-    for &r in rows {
-        x.extend_from_slice(&c.final_in[r * h..(r + 1) * h]);
-    }
-    if !c.final_out.is_empty() {
-        let mut xn = Vec::with_capacity(x.len());
-        let mut rs = Vec::with_capacity(rows.len());
+    /// `(x, rmsnorm(x), rstd)` of the given rows of a cache's final-norm input (kept values when
+    /// the cache has them, recomputed otherwise: row-wise, so bitwise equal).
+    fn final_norm_rows(
+        &self,
+        c: &ForwardCache,
+        rows: &[usize],
+    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        let h = self.hidden();
+        let mut x = Vec::with_capacity(rows.len() * h);
         for &r in rows {
-            xn.extend_from_slice(&c.final_out[r * h..(r + 1) * h]);
-            rs.push(c.final_rstd[r]);
+            x.extend_from_slice(&c.final_in[r * h..(r + 1) * h]);
         }
-        return Ok((x, xn, rs));
-    }
-    let w = &model.weights;
-    let mut xn = vec![0f32; x.len()];
-    let mut rs = vec![0f32; rows.len()];
-    let eps = model.config.text().rms_norm_eps as f32;
-    rmsnorm_fwd(
-        &mut xn,
-        Some(&mut rs),
-        &x,
-        w.get(w.layout.final_norm),
-        rows.len(),
-        h,
-        eps,
-    )?;
-    Ok((x, xn, rs))
-}
-
-/// Backward of log-softmax, lm head and final norm over `rows` of a cache, in chunks: writes
-/// `dx[rows, H]` (the final norm input's gradient) and adds the lm head and norm gradients.
-#[allow(clippy::too_many_arguments)]
-fn head_backward(
-    model: &Qwen25VL,
-    c: &ForwardCache,
-    rows: &[usize],
-    dlogp: &[f32],
-    targets: &[u32],
-    temp: f32,
-    dx: &mut [f32],
-    grads: &mut [f32],
-) -> Result<()> {
-    let w = &model.weights;
-    let lay = &w.layout;
-    let t = model.config.text();
-    let (h, v) = (t.hidden_size as usize, t.vocab_size as usize);
-    for (ci, ch) in rows.chunks(LM_CHUNK).enumerate() {
-        let n = ch.len();
-        let o = ci * LM_CHUNK;
-        let (x, xn, rs) = final_norm_rows(model, c, ch)?;
-        let mut logits = vec![0f32; n * v];
-        linear_fwd(&mut logits, &xn, w.get(lay.lm_head), None, n, h, v)?;
-        let mut dlogits = vec![0f32; n * v];
-        logprobs_bwd(
-            &mut dlogits,
-            &dlogp[o..o + n],
-            None,
-            &logits,
-            &targets[o..o + n],
-            n,
-            v,
-            temp,
-        )?;
-        drop(logits);
-        let mut dxn = vec![0f32; n * h];
-        let head = grad_of(w, grads, lay.lm_head);
-        linear_bwd(
-            Some(&mut dxn),
-            Some(head),
-            None,
-            &dlogits,
-            &xn,
-            w.get(lay.lm_head),
-            n,
-            h,
-            v,
-            false,
-        )?;
-        let wn = w.get(lay.final_norm);
-        rmsnorm_bwd(
-            &mut dx[o * h..(o + n) * h],
-            Some(grad_of(w, grads, lay.final_norm)),
-            &dxn,
-            &x,
-            wn,
-            &rs,
-            n,
-            h,
-            false,
-        )?;
-    }
-    Ok(())
-}
-
-/// The vision RoPE tables of a media batch in window-permuted order (what `encode_media`
-/// builds; recomputed when the cache kept only layer inputs).
-fn vision_rope_permuted(
-    model: &Qwen25VL,
-    media: &[MediaInput<'_>],
-    window_index: &[u32],
-) -> (Vec<f32>, Vec<f32>) {
-    let v = model.config.vision();
-    let m = v.spatial_merge_size;
-    let unit = (m * m) as usize;
-    let hd = model.config.vision_head_dim();
-    let grids: Vec<_> = media.iter().map(|it| it.grid).collect();
-    let (cos0, sin0) = vision_rope_tables(
-        &vision_patch_hw(&grids, m),
-        hd,
-        model.config.vision_rope_theta,
-    );
-    let permute = |src: &[f32]| {
-        let mut out = vec![0f32; src.len()];
-        for (i, &gi) in window_index.iter().enumerate() {
-            let (d, s) = (i * unit * hd, gi as usize * unit * hd);
-            out[d..d + unit * hd].copy_from_slice(&src[s..s + unit * hd]);
+        if !c.final_out.is_empty() {
+            let mut xn = Vec::with_capacity(x.len());
+            let mut rs = Vec::with_capacity(rows.len());
+            for &r in rows {
+                xn.extend_from_slice(&c.final_out[r * h..(r + 1) * h]);
+                rs.push(c.final_rstd[r]);
+            }
+            return Ok((x, xn, rs));
         }
-        out
-    };
-    (permute(&cos0), permute(&sin0))
-}
-
-/// Backward of the merger (unless frozen: then only its input gradient) and the vision tower
-/// (unless frozen). `d_embeds` is the gradient of the items' embeddings, concatenated in order.
-pub(crate) fn vision_backward(
-    model: &Qwen25VL,
-    cfg: &TrainConfig,
-    g: &GroupBatch<'_>,
-    vc: &VisionCache,
-    d_embeds: &[f32],
-    grads: &mut [f32],
-) -> Result<()> {
-    let w = &model.weights;
-    let lay = &w.layout;
-    let v = model.config.vision();
-    let m = v.spatial_merge_size;
-    let unit = (m * m) as usize;
-    let vh = v.hidden_size as usize;
-    let pd = model.config.patch_dim();
-    let n = vc.pixels.len() / pd;
-    let groups = n / unit;
-    let (mh, out_w) = (lay.merger_fc1.out, lay.merger_fc2.out);
-    check_len("media embedding gradient", groups * out_w, d_embeds.len())?;
-    let hd = model.config.vision_head_dim();
-    let dims = AttnDims {
-        num_heads: v.num_heads as usize,
-        num_kv_heads: v.num_heads as usize,
-        head_dim: hd,
-    };
-    let (cos, sin) = if vc.cos.is_empty() {
-        vision_rope_permuted(model, g.media, &vc.window_index)
-    } else {
-        (vc.cos.clone(), vc.sin.clone())
-    };
-    let depth = lay.vision_blocks.len();
-    let ctx_of = |b: usize| BlockCtx {
-        seqs: if v.fullatt_block_indexes.contains(&(b as u32)) {
-            &vc.full_seqs
-        } else {
-            &vc.window_seqs
-        },
-        mask: AttnMask::Full,
-        prefix_k: &[],
-        prefix_v: &[],
-        cos: &cos,
-        sin: &sin,
-        dims,
-        eps: VISION_RMS_EPS,
-    };
-
-    // merger activations: kept, or recomputed from the last block's input
-    let mut last_block: Option<LayerCache> = None;
-    let (merger_in, rstd, xn, fc1, gel) = if vc.merger_in.is_empty() {
-        let (c, x) = recompute_block(
-            w,
-            &lay.vision_blocks[depth - 1],
-            &vc.blocks[depth - 1].x_in,
-            n,
-            &ctx_of(depth - 1),
-        )?;
-        last_block = Some(c);
-        let mut rstd = vec![0f32; n];
-        let mut xn = vec![0f32; n * vh];
+        let w = self.weights;
+        let mut xn = vec![0f32; x.len()];
+        let mut rs = vec![0f32; rows.len()];
         rmsnorm_fwd(
             &mut xn,
-            Some(&mut rstd),
+            Some(&mut rs),
             &x,
-            w.get(lay.merger_ln),
-            n,
-            vh,
-            VISION_RMS_EPS,
+            w.get(w.layout.final_norm),
+            rows.len(),
+            h,
+            self.eps(),
         )?;
-        let mut fc1 = vec![0f32; groups * mh];
-        linear_fwd(
-            &mut fc1,
-            &xn,
-            w.lin_w(&lay.merger_fc1),
-            w.lin_b(&lay.merger_fc1),
-            groups,
-            mh,
-            mh,
-        )?;
-        let mut gel = vec![0f32; fc1.len()];
-        gelu_fwd(&mut gel, &fc1)?;
-        (x, rstd, xn, fc1, gel)
-    } else {
-        (
-            vc.merger_in.clone(),
-            vc.merger_rstd.clone(),
-            vc.merger_xn.clone(),
-            vc.merger_fc1.clone(),
-            vc.merger_gelu.clone(),
-        )
-    };
+        Ok((x, xn, rs))
+    }
 
-    // unpermute: embeds row gi came from merged row i with window_index[i] = gi
-    let mut d_merged = vec![0f32; groups * out_w];
-    for (i, &gi) in vc.window_index.iter().enumerate() {
-        let gi = gi as usize;
-        d_merged[i * out_w..(i + 1) * out_w]
-            .copy_from_slice(&d_embeds[gi * out_w..(gi + 1) * out_w]);
-    }
-    let train_merger = !cfg.freeze_merger;
-    let mut dg = vec![0f32; groups * mh];
-    linear_backward(
-        w,
-        &lay.merger_fc2,
-        Some(&mut dg),
-        &d_merged,
-        &gel,
-        groups,
-        train_merger.then_some(&mut *grads),
-        false,
-    )?;
-    let mut dfc1 = vec![0f32; groups * mh];
-    gelu_bwd(&mut dfc1, &dg, &fc1)?;
-    drop(dg);
-    if cfg.freeze_vision && !train_merger {
-        return Ok(());
-    }
-    let mut dxn = vec![0f32; groups * mh];
-    let fc1_grads = train_merger.then_some(&mut *grads);
-    linear_backward(
-        w,
-        &lay.merger_fc1,
-        Some(&mut dxn),
-        &dfc1,
-        &xn,
-        groups,
-        fc1_grads,
-        false,
-    )?;
-    let mut dx = vec![0f32; n * vh];
-    let dln = if train_merger {
-        Some(grad_of(w, grads, lay.merger_ln))
-    } else {
-        None
-    };
-    rmsnorm_bwd(
-        &mut dx,
-        dln,
-        &dxn,
-        &merger_in,
-        w.get(lay.merger_ln),
-        &rstd,
-        n,
-        vh,
-        false,
-    )?;
-    if cfg.freeze_vision {
-        return Ok(());
-    }
-    drop((dxn, dfc1, merger_in, xn, fc1, gel));
-    for b in (0..depth).rev() {
-        let ctx = ctx_of(b);
-        let bp = &lay.vision_blocks[b];
-        let recomputed;
-        let acts: &LayerCache = match (&vc.mode, last_block.take()) {
-            (CacheMode::Full, _) => &vc.blocks[b],
-            (CacheMode::LayerInputs, Some(c)) if b == depth - 1 => {
-                recomputed = c;
-                &recomputed
+    /// Backward of log-softmax, lm head (vocab-parallel: `d xn` all-reduced) and final norm over
+    /// `rows` of a cache that kept each row's log-sum-exp, in chunks: writes `dx[rows, H]` (the
+    /// final norm input's gradient) and adds the lm head and norm gradients.
+    #[allow(clippy::too_many_arguments)]
+    fn head_backward<C: Communicator>(
+        &self,
+        comm: &C,
+        c: &ForwardCache,
+        rows: &[usize],
+        dlogp: &[f32],
+        targets: &[u32],
+        temp: f32,
+        dx: &mut [f32],
+        grads: &mut [f32],
+    ) -> Result<()> {
+        let w = self.weights;
+        let lay = &w.layout;
+        let (h, vl, start) = (self.hidden(), self.dims.vocab.len(), self.dims.vocab.start);
+        check_len("kept log-sum-exp", rows.len(), c.lse.len())?;
+        let head = self.head();
+        for (ci, ch) in rows.chunks(LM_CHUNK).enumerate() {
+            let n = ch.len();
+            let o = ci * LM_CHUNK;
+            let (x, xn, rs) = self.final_norm_rows(c, ch)?;
+            let logits = self.lm_head(&xn, n)?;
+            let mut dlogits = vec![0f32; n * vl];
+            for i in 0..n {
+                dlogits_row(
+                    &mut dlogits[i * vl..(i + 1) * vl],
+                    &logits[i * vl..(i + 1) * vl],
+                    start,
+                    c.lse[o + i],
+                    dlogp[o + i],
+                    targets[o + i],
+                    temp,
+                );
             }
-            (CacheMode::LayerInputs, _) => {
-                recomputed = recompute_block(w, bp, &vc.blocks[b].x_in, n, &ctx)?.0;
-                &recomputed
+            drop(logits);
+            let mut dxn = vec![0f32; n * h];
+            linear_backward(
+                w,
+                &head,
+                Some(&mut dxn),
+                &dlogits,
+                &xn,
+                n,
+                Some(&mut *grads),
+                false,
+            )?;
+            comm.all_reduce_sum(&mut dxn)?;
+            rmsnorm_bwd(
+                &mut dx[o * h..(o + n) * h],
+                Some(grad_of(w, grads, lay.final_norm)),
+                &dxn,
+                &x,
+                w.get(lay.final_norm),
+                &rs,
+                n,
+                h,
+                false,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Vocab-parallel embedding backward: adds the rows of the ids this rank owns.
+    fn embedding_bwd_own(&self, ids: &[u32], dx: &[f32], grads: &mut [f32]) -> Result<()> {
+        let h = self.hidden();
+        let range = self.dims.vocab.clone();
+        let (mut own_ids, mut own_dx) = (Vec::new(), Vec::new());
+        for (i, &id) in ids.iter().enumerate() {
+            if range.contains(&(id as usize)) {
+                own_ids.push(id - range.start as u32);
+                own_dx.extend_from_slice(&dx[i * h..(i + 1) * h]);
             }
-        };
-        dx = block_bwd(w, bp, acts, n, &ctx, &dx, None, None, Some(&mut *grads))?;
+        }
+        let w = self.weights;
+        embedding_bwd(grad_of(w, grads, w.layout.embed), &own_dx, &own_ids, h)?;
+        Ok(())
     }
-    // undo the window permutation, then the patch embedding's weight gradient
-    let mut dx0 = vec![0f32; n * vh];
-    for (i, &gi) in vc.window_index.iter().enumerate() {
-        let (d, s) = (gi as usize * unit * vh, i * unit * vh);
-        dx0[d..d + unit * vh].copy_from_slice(&dx[s..s + unit * vh]);
+
+    /// Whether the text kv heads are fewer than the ranks (each held by `degree / kv` ranks).
+    fn kv_replicated(&self) -> bool {
+        (self.config.text().num_kv_heads as usize) < self.degree
     }
-    let dpatch = grad_of(w, grads, lay.patch_embed);
-    linear_bwd(
-        None,
-        Some(dpatch),
-        None,
-        &dx0,
-        &vc.pixels,
-        w.get(lay.patch_embed),
-        n,
-        pd,
-        vh,
-        false,
-    )?;
-    Ok(())
+
+    /// With replicated kv heads: takes the k/v gradients already in `grads` out (zeroing them),
+    /// so that [`RankModel::kv_sum_replicas`] sums only this pass's replicas.
+    fn kv_set_aside(&self, grads: &mut [f32]) -> Vec<(ParamId, Vec<f32>)> {
+        if !self.kv_replicated() {
+            return Vec::new();
+        }
+        let w = self.weights;
+        w.layout
+            .text_layers
+            .iter()
+            .flat_map(|lp| [lp.k.w, lp.v.w].into_iter().chain(lp.k.b).chain(lp.v.b))
+            .map(|id| {
+                let g = grad_of(w, grads, id);
+                let p = g.to_vec();
+                g.fill(0.0);
+                (id, p)
+            })
+            .collect()
+    }
+
+    /// Sums this pass's k/v gradients over the ranks holding the same kv head (an all-reduce
+    /// of a buffer with one slot per kv head, each rank filling its head's slot: adding zeros
+    /// is exact), then adds back what [`RankModel::kv_set_aside`] took out.
+    fn kv_sum_replicas<C: Communicator>(
+        &self,
+        comm: &C,
+        prior: Vec<(ParamId, Vec<f32>)>,
+        grads: &mut [f32],
+    ) -> Result<()> {
+        let t = self.config.text();
+        let (nq, nkv) = (t.num_heads as usize, t.num_kv_heads as usize);
+        for (id, p) in prior {
+            let head = self.rank * (nq / self.degree) / (nq / nkv);
+            let g = grad_of(self.weights, grads, id);
+            let n = g.len();
+            let mut all = vec![0f32; n * nkv];
+            all[head * n..(head + 1) * n].copy_from_slice(g);
+            comm.all_reduce_sum(&mut all)?;
+            g.copy_from_slice(&all[head * n..(head + 1) * n]);
+            for (g, p) in g.iter_mut().zip(p) {
+                *g += p;
+            }
+        }
+        Ok(())
+    }
 }

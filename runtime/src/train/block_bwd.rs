@@ -12,10 +12,17 @@
 //! as `extra_dkv` and is added to the block's own `dk`/`dv` (after RoPE) before RoPE's backward.
 //! A block that reads a shared prefix adds the prefix k/v gradient into `dprefix`.
 //!
-//! Invariant: parameter gradients are *added* into the model-sized gradient buffer at the
-//! model's offsets, in a fixed order (down, up, gate, norm2, o, v, k, q, norm1); the result
-//! depends only on the cache's bits, so a block recomputed from `x_in` ([`recompute_block`])
-//! gives bitwise the gradients of a kept cache.
+//! On one rank of a tensor-parallel group the conjugate collectives of the forward join in:
+//! row-parallel o/down (forward: all-reduce) get a replicated output gradient, so each rank
+//! computes its input columns' gradient with no communication and the replicated bias gradient
+//! identically; column-parallel q/k/v and gate/up (forward: no communication) give partial input
+//! gradients, all-reduced. Over `SoloComm` both all-reduces are no-ops.
+//!
+//! Invariant: parameter gradients are *added* into the rank's gradient buffer at the shard's
+//! offsets, in a fixed order (down, up, gate, norm2, o, v, k, q, norm1); the result depends only
+//! on the cache's bits, so a block recomputed from `x_in` ([`recompute_block`]) gives bitwise
+//! the gradients of a kept cache; every replicated parameter's gradient is bitwise equal on
+//! every rank (it is computed from replicated values only).
 
 use rollplex_kernels::cpu::{
     attention_bwd, linear_bwd, rmsnorm_bwd, rope_bwd, swiglu_bwd, AttnDims, AttnMask, AttnSeq,
@@ -25,6 +32,7 @@ use super::Result;
 use crate::model::block::{block_fwd, Attend};
 use crate::model::weights::{BlockParams, Linear, ParamId};
 use crate::model::{CacheMode, LayerCache, Weights};
+use crate::tp::Communicator;
 
 /// How a block's attention found its keys, and its RoPE tables (what backward re-reads).
 #[derive(Clone, Copy)]
@@ -42,7 +50,8 @@ pub(crate) struct BlockCtx<'a> {
 
 /// Runs the block forward from its input, keeping every activation. Returns the cache and the
 /// block output.
-pub(crate) fn recompute_block(
+pub(crate) fn recompute_block<C: Communicator>(
+    comm: &C,
     w: &Weights,
     p: &BlockParams,
     x_in: &[f32],
@@ -58,6 +67,7 @@ pub(crate) fn recompute_block(
         prefix_v: ctx.prefix_v,
     };
     block_fwd(
+        comm,
         w,
         p,
         &mut x,
@@ -140,9 +150,11 @@ pub(crate) fn linear_backward(
 }
 
 /// Backward of one block. `c` is a `Full` cache of the block over `rows` rows, `dy` the
-/// gradient of its output `[rows, H]`. Returns the gradient of its input.
+/// gradient of its output `[rows, H]` (replicated). Returns the gradient of its input
+/// (replicated).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn block_bwd(
+pub(crate) fn block_bwd<C: Communicator>(
+    comm: &C,
     w: &Weights,
     p: &BlockParams,
     c: &LayerCache,
@@ -194,6 +206,7 @@ pub(crate) fn block_bwd(
         true,
     )?;
     drop((dgate, dup));
+    comm.all_reduce_sum(&mut dxn2)?;
     let mut dmid = dy.to_vec();
     let dnorm2 = grads.as_deref_mut().map(|g| grad_of(w, g, p.norm2));
     rmsnorm_bwd(
@@ -299,6 +312,7 @@ pub(crate) fn block_bwd(
         true,
     )?;
     drop((dq, dk, dv));
+    comm.all_reduce_sum(&mut dxn1)?;
     let dnorm1 = grads.map(|g| grad_of(w, g, p.norm1));
     rmsnorm_bwd(
         &mut dmid,

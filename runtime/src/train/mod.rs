@@ -1,6 +1,9 @@
 //! The training engine of the actor: the policy loss ([`loss`]), AdamW with fp32 master weights
-//! ([`adamw`]), backward through the whole Qwen2.5-VL actor ([`backward`], one block in
-//! `block_bwd`), and the step API the RL loop calls ([`step::Trainer`]).
+//! ([`adamw`]), backward through the whole Qwen2.5-VL actor ([`backward`]; one block in
+//! `block_bwd`, the vision tower and merger in `vision_bwd`), and the step API the RL loop calls
+//! ([`step::Trainer`]). The backward runs on one rank's part of the model
+//! (`RankModel::forward_backward`) over a communicator: the single-rank trainer is rank 0 of a
+//! group of one, a tensor-parallel rank the same code with its shard and group.
 //!
 //! What this module knows: per-token log-probs, advantages and masks of response tokens; named
 //! parameter tensors and their gradients; the model's saved activations. What it does not know:
@@ -16,6 +19,7 @@ pub mod loss;
 pub mod step;
 #[cfg(test)]
 mod tests;
+mod vision_bwd;
 
 pub use adamw::{AdamW, GradAccumulator, OptParam, OptTable, StepReport};
 pub use backward::{forward_backward, GroupBatch, MicroBatchOutput, ResponseBatch, TrainConfig};
@@ -47,6 +51,13 @@ pub enum TrainError {
 }
 
 pub type Result<T> = std::result::Result<T, TrainError>;
+
+/// A failed collective of the rank's group, as the model reports it.
+impl From<crate::tp::CommError> for TrainError {
+    fn from(e: crate::tp::CommError) -> Self {
+        TrainError::Model(crate::model::ModelError::Comm(e))
+    }
+}
 
 /// Checks that `got` elements are `expected`; the error names `what`.
 pub(crate) fn check_len(what: &str, expected: usize, got: usize) -> Result<()> {

@@ -2,6 +2,9 @@
 //! counter-based generator. The output is a pure function of (counter, key), so a random number
 //! is addressed by what it is for (seed, iteration, sample, step) instead of by how many numbers
 //! were drawn before it: results do not depend on batch composition or execution order.
+//!
+//! The one host implementation: the CPU sampler, random weights and the run's data draws use it,
+//! and the CUDA sampler's device twin (`philox_fill` in `cuda/sampling.rs`) is tested against it.
 
 const M0: u32 = 0xD251_1F53;
 const M1: u32 = 0xCD9E_8D57;
@@ -42,6 +45,7 @@ pub fn uniform_open01(a: u32, b: u32) -> f64 {
 mod tests {
     use super::*;
 
+    /// Known-answer vectors of Random123's kat_vectors for philox4x32_10.
     #[test]
     fn random123_known_answers() {
         assert_eq!(
