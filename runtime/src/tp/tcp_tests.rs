@@ -110,14 +110,14 @@ fn tp_forward_over_tcp_is_bitwise_the_threaded_forward() {
         let threads = within(move || {
             run_ranks(t, |c: &ThreadComm| -> Result<Vec<f32>, TpError> {
                 let m = &m1[c.rank()];
-                let l = m.forward_logits(
+                let l = m.as_rank().forward_logits(
                     c,
                     Prompt {
                         ids: &i1,
                         media: &[],
                     },
                 )?;
-                m.gather_logits(c, &l)
+                Ok(m.as_rank().gather_logits(c, &l)?)
             })
         })
         .unwrap();
@@ -125,14 +125,14 @@ fn tp_forward_over_tcp_is_bitwise_the_threaded_forward() {
         let tcp = within(move || {
             run_ranks_tcp(t, fast(), |c: &TcpComm| -> Result<Vec<f32>, TpError> {
                 let m = &m2[c.rank()];
-                let l = m.forward_logits(
+                let l = m.as_rank().forward_logits(
                     c,
                     Prompt {
                         ids: &i2,
                         media: &[],
                     },
                 )?;
-                m.gather_logits(c, &l)
+                Ok(m.as_rank().gather_logits(c, &l)?)
             })
         })
         .unwrap();
