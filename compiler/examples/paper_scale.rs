@@ -9,7 +9,7 @@
 //! ```
 //!
 //! The cost model is the shipped H200 profile (`cost/profiles/h200.yaml`, fitted to
-//! `shared/bench`), carried over to the H800's datasheet peaks for the paper jobs:
+//! `cost/profiles/reference`), moved over to the H800's datasheet peaks for the paper jobs:
 //! efficiencies are fractions of the peaks, the per-SM bandwidth is the SM's own. Nothing here
 //! is tuned to the paper. "No prefix dedup" is the usual runtimes' job (veRL): every sample
 //! recomputes its prompt prefix in the reference and actor passes. `--out DIR` keeps each plan

@@ -329,7 +329,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
         let fwd = b.wl.prefix(s.len() as f64 * copies as f64, ttp, 0.0);
         // the reference encodes every copy (runtime `ref_media`), as does the old-log-prob
         // prefix's count; the training prefix encodes a group's media once and runs its copies'
-        // prompts over it (runtime `gpu/train.rs`, `prefix_forward`)
+        // prompts over it (runtime `gpu/train/prefixes.rs`, `prefix_forward`)
         let vis = own_vision(s, copies, ttp, &b.wl);
         let train_vis = own_vision(s, 1, ttp, &b.wl);
         if ref_on {
@@ -562,7 +562,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 if !spec.train.freeze_vision && media {
                     // once per group, whatever the copies: the copies' encodings are the same
                     // bits, so the trainers run the tower's backward once per group (CUDA:
-                    // on the copies' summed embedding gradients, runtime `gpu/train.rs`);
+                    // on the copies' summed embedding gradients, runtime `gpu/train/`);
                     // a part of kind `vision_encode`: the tower's kernels, at their own rate
                     let v = b.wl.vision_backward(prefix_bwd.len() as f64 * items, ttp);
                     work = with_part(work, WorkKind::VisionEncode, v);

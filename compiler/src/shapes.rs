@@ -150,7 +150,7 @@ mod tests {
         assert_eq!(sh.grid, (4, 32, 32));
         assert_eq!(sh.patches_per_item, 4096);
         assert_eq!(sh.merged_per_item, 1024);
-        // shared/bench/README.md: 1,126 prompt tokens for this shape.
+        // cost/profiles/reference/README.md: 1,126 prompt tokens for this shape.
         assert_eq!(sh.prompt_tokens, 1126);
     }
 

@@ -1,5 +1,5 @@
 # PyTorch side of the decode side-by-side (docs/perf.md), every workload in one process:
-#  - "layers": the decode step of shared/bench/overlap_probe.py, unchanged (4 distinct layers
+#  - "layers": the decode step of cost/profiles/reference/overlap_probe.py, unchanged (4 distinct layers
 #    cycled to full depth; per layer qkv GEMM, SDPA over a [B, kv_heads, S, head_dim] cache with
 #    enable_gqa, o GEMM + residual, gate|up GEMM, SiLU * up, down GEMM + residual; no embedding,
 #    norms, qkv bias, rotary, KV append, lm_head or sampling);

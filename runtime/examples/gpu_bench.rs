@@ -1,6 +1,6 @@
 //! Throughput of the CUDA model forward at 3B-class dims: packed text prefill and vision
 //! encoding, timed with CUDA events after warm-up (`tests/reference/bench_prefill.py` times
-//! PyTorch on the same dims and shapes in the same device call).
+//! PyTorch on the same dims and shapes in the same run).
 //!
 //! The model is Qwen2.5-VL-3B's widths (text 2048 / 16 heads / 2 kv heads / FFN 11008 / vocab
 //! 151936; vision 1280 / 16 heads / FFN 3420, window 112, patch 14) with fewer layers

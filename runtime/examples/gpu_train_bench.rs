@@ -1,7 +1,7 @@
 //! Throughput of the CUDA training step (`GpuTrainer`) at 3B-class dims: one GRPO micro-batch's
 //! forward + loss + backward, the optimizer step, and the parts that explain them, timed with
 //! CUDA events after warm-up (`tests/reference/bench_train.py` times PyTorch eager and
-//! `torch.compile` on the same dims and step, and the ceilings, in the same device call).
+//! `torch.compile` on the same dims and step, and the ceilings, in the same run).
 //!
 //! Model: Qwen2.5-VL-3B's text widths (hidden 2048, 16 heads / 2 kv heads of 128, FFN 11008,
 //! vocab 151936, tied lm head) with `--layers` layers and random weights; the vision tower (one

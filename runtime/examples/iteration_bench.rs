@@ -142,7 +142,7 @@ fn check_same_job(a: &Plan, b: &Plan, name: &str) -> Result<()> {
 /// `--profile-dir`: the run's profile, and its line of `measured.tsv` (appended, so a run cut
 /// short keeps the plans it finished). A profile that cannot be fitted is reported and the
 /// bench goes on (the measured times are still written): one plan's bad measurement must not
-/// cost the device call the plans after it.
+/// cost the run the plans after it.
 fn write_measured(
     dir: &std::path::Path,
     stem: &str,

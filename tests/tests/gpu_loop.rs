@@ -264,7 +264,7 @@ fn cuda_first_iteration_agrees_with_the_cpu_backend() {
 }
 
 /// examples/tiny-h200.rpx trains the tiny model on the GPU until its greedy answers to held-out
-/// moving-shapes videos are right >= 90% of the time (issue 6 item 5), within `TINY_H200_ITERS`
+/// moving-shapes videos are right >= 90% of the time, within `TINY_H200_ITERS`
 /// iterations (default 600, the CPU backend's tiny job needs 350-400); prints the curve: mean
 /// sampled reward of the last 50 iterations, held-out and train-split greedy accuracy on 64
 /// prompts each, median iteration time.

@@ -1,6 +1,6 @@
 //! `rollplex-run --profile`: measured task times become a cost-model profile that
 //! `rollplexc --profile` reads, and recompiling with it moves the plan's predicted iteration
-//! time toward the measured one (issue 6, item 7).
+//! time toward the measured one.
 //!
 //! The first tests feed the recorder synthetic times (deterministic); the last one runs
 //! examples/tiny.rpx on the CPU backend and compares with the clock. The co-run tests lay out

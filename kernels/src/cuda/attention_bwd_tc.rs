@@ -106,8 +106,7 @@ pub fn tc_bwd_refusal(dims: &AttnDims, strides: RowStrides, n_seqs: usize) -> Op
 }
 
 /// The kernel [`BwdKernel::Auto`] runs: the tensor cores where [`tc_bwd_refusal`] accepts the
-/// case (the default since its tests passed on the H200: docs/perf.md, "Attention backward on
-/// the tensor cores"), else SIMT.
+/// case (the default since its tests passed on the H200: docs/perf.md, "Kernels"), else SIMT.
 pub fn bwd_kernel_for(dims: &AttnDims, strides: RowStrides, n_seqs: usize) -> BwdKernel {
     if tc_bwd_refusal(dims, strides, n_seqs).is_none() {
         BwdKernel::TensorCores

@@ -324,7 +324,7 @@ pub fn linear_fwd_bf16(
 /// The rows of x up to which [`linear_fwd_bf16`] and [`gate_up_swiglu_bf16`] take the skinny
 /// kernel: at m = 8 it beat cuBLASLt on every 3B / 7B decode GEMM in a CUDA graph (by up to 12%
 /// on the small ones); at m = 64 cuBLASLt was 1.2-3.7x faster (our mma.sync kernel is bound by
-/// its shared-memory reads of x there; docs/perf.md, decode-perf).
+/// its shared-memory reads of x there; docs/perf.md, "Decode step").
 pub const SKINNY_DISPATCH_MAX_M: usize = 8;
 
 /// Whether [`linear_fwd_bf16`] runs a product of `m` rows and depth `k` on the skinny kernel
@@ -455,7 +455,7 @@ impl SkinnyPlan {
 /// The plan [`skinny_linear_fwd_bf16`] uses for `y[m, n] = x[m, k] w[n, k]^T` (`n` output
 /// features; for the SwiGLU form the `2f` gate|up rows): a function of the shape only. Blocks of
 /// 64 weight rows, k cut into the fewest slices (1, 2, 4 or 8, each at least 256 k) that give
-/// at least 220 blocks. Measured on the H200 (docs/perf.md, decode-perf): at m = 8 this was the
+/// at least 220 blocks. Measured on the H200 (docs/perf.md, "Decode step"): at m = 8 this was the
 /// fastest or within 3% of the fastest of 1/2 row tiles x 1/2/4/8 slices on every 3B / 7B
 /// decode GEMM.
 pub fn skinny_plan(m: usize, k: usize, n: usize) -> SkinnyPlan {

@@ -4,7 +4,7 @@ use rollplex_plan::models;
 use rollplex_plan::spec::{DType, WeightsSource};
 
 /// transformers 5.17 reported 3.75 B parameters for this 3B-shaped config
-/// (shared/bench/hf_baseline.py, "params 3.754... B").
+/// (cost/profiles/reference/hf_baseline.py, "params 3.754... B").
 #[test]
 fn qwen25_vl_3b_matches_hf_count() {
     let m = models::model("qwen2.5-vl-3b")

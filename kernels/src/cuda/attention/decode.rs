@@ -69,7 +69,7 @@ pub const PIPELINED_SLOTS: usize = 396;
 
 /// How the block-pipelined kernel cuts `len` keys for `units` independent (rows, kv head) units
 /// of `rows` query rows each: `(splits, chunk)`, chunk a multiple of `mult`. A cost model fitted
-/// to the H200 measurements (docs/perf.md, decode-perf): a block costs its chunk plus about 128
+/// to the H200 measurements (docs/perf.md, "Decode step"): a block costs its chunk plus about 128
 /// keys of fixed latency plus two passes over its partial outputs (`rows` keys' worth); blocks
 /// run in waves of [`PIPELINED_SLOTS`]; the split with the least `waves * block cost` wins (the
 /// fewest splits on a tie). It picks the fastest split measured at 3B / 7B dims, batch 64 and
@@ -506,7 +506,7 @@ mod plan_tests {
         }
     }
 
-    /// The splits docs/perf.md (decode-perf) measured as the defaults stay the defaults.
+    /// The splits docs/perf.md ("Decode step") measured as the defaults stay the defaults.
     #[test]
     fn default_splits_are_the_measured_ones() {
         let cases = [

@@ -45,7 +45,7 @@ impl GroupedDecodePlan {
 /// The fewest (group part, kv head) units for which the group pass pays: with one group of 8
 /// at 3B / 7B dims (2 or 4 units) the prefix must be cut into 32-key chunks to fill the GPU and
 /// the partials (64 rows a block) cost more than the shared reads save: 0.68-0.71 ms against
-/// 0.40-0.45 ms for the per-sample pass over 28-36 layers (docs/perf.md, decode-perf). At 16
+/// 0.40-0.45 ms for the per-sample pass over 28-36 layers (docs/perf.md, "Decode step"). At 16
 /// and 32 units (8 groups of 8) the group pass won, 1.04-1.13 ms against 1.16-1.66 ms.
 pub const GROUP_PASS_MIN_UNITS: usize = 16;
 

@@ -46,7 +46,7 @@ impl std::fmt::Display for HostSplit {
 /// Deferred pieces the decode loop lets run at once (see [`GpuIteration::launch_paced`]). One:
 /// a piece (a group's prefix forward, ~450 launches) launched while another still runs fills
 /// CUDA's launch queue, and the host then waits in its launches for the side partition to drain
-/// the first; the decode stream idles meanwhile. Measured on the H200 (session 8, 16 prompts
+/// the first; the decode stream idles meanwhile. Measured on the H200 (2026-12-01, 16 prompts
 /// without dedup, `--task-log`): with two in flight each piece held the decode loop
 /// ~37 ms. With one, the side stream idles at most until the end of the running decode step.
 pub(super) const PIECES_IN_FLIGHT: usize = 1;

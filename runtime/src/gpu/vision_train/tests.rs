@@ -231,7 +231,7 @@ fn gpu_or_skip() -> Option<Gpu> {
 /// Worst per-tensor gradient error allowed against the CPU backend (bf16 activations and GEMM
 /// outputs through the merger and two blocks; the CPU is f32 throughout). The vision tower's
 /// gradients carry more bf16 error than the decoder's, in PyTorch too: on the H200
-/// (2026-12-01, docs/perf.md "Session 5"), `grad_compare --backend cuda` found PyTorch's own
+/// (2026-12-01, docs/perf-archive-2026.md), `grad_compare --backend cuda` found PyTorch's own
 /// bf16 vision gradients up to 4.98e-2 from its f32 ones (`blocks.0.norm1` of mixed_mha_odd;
 /// ours 5.21e-2 there). 7.5e-2 is 1.5x that. The image + video case measures 5.19e-2 (each
 /// item alone 2.3-2.4e-2); `cuda_vision_backward_of_two_items_is_the_sum_of_each` shows the
