@@ -151,15 +151,19 @@ pub fn cuda_available() -> Result<usize> {
 /// `ROLLPLEX_REQUIRE_GPU=1` (on a GPU host) a test that finds no usable device fails.
 pub const REQUIRE_GPU_VAR: &str = "ROLLPLEX_REQUIRE_GPU";
 
-/// The GPU-or-skip rule of every GPU test: device 0 when it opens. When none opens, the test
-/// skips: `None`, after printing `skipped: no CUDA device (why)`; but with
-/// `ROLLPLEX_REQUIRE_GPU=1` a missing driver or device, or a device that fails to open, panics
-/// with the reason, so that a GPU host never passes a GPU test silently.
+/// The GPU-or-skip rule of every GPU test: device 0 when it opens. Without a driver or a
+/// device the test skips: `None`, after printing `skipped: no CUDA device (why)`. A device the
+/// driver reports that fails to open panics with the reason, and so, with
+/// `ROLLPLEX_REQUIRE_GPU=1`, does a missing driver or device: a GPU host never passes a GPU test
+/// silently.
 pub fn test_gpu() -> Option<Gpu> {
     match Gpu::new(0) {
         Ok(g) => Some(g),
         Err(e) if std::env::var(REQUIRE_GPU_VAR).is_ok_and(|v| v == "1") => {
             panic!("{REQUIRE_GPU_VAR}=1 but no CUDA device opens: {e}")
+        }
+        Err(e) if cuda_available().is_ok() => {
+            panic!("the driver reports a CUDA device but device 0 does not open: {e}")
         }
         Err(e) => {
             println!("skipped: no CUDA device ({e})");
