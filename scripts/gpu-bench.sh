@@ -3,9 +3,9 @@
 #
 #   scripts/gpu-bench.sh build BENCH          on a machine with the Rust toolchain (no GPU needed):
 #                                             builds the release binaries (and plans) BENCH needs
-#                                             and packs them, stripped, into .devbin/ (the packed
+#                                             and packs them, stripped, into .gpu-pack/ (the packed
 #                                             binaries, git-ignored)
-#   scripts/gpu-bench.sh run BENCH [ARGS...]  on a GPU host, in the repository root with .devbin/
+#   scripts/gpu-bench.sh run BENCH [ARGS...]  on a GPU host, in the repository root with .gpu-pack/
 #                                             copied beside it: unpacks the binaries and runs them
 #                                             (no Rust toolchain needed there)
 #

@@ -7,13 +7,13 @@
 #
 # build (on a machine with the Rust toolchain) packs the binaries: release builds of the
 # cuda_attn_bwd_tc and cuda_backward tests and of bench_attn_bwd, stripped, into $DEVBIN
-# (default .devbin/dprefix, the packed binaries, ignored by git):
+# (default .gpu-pack/dprefix, the packed binaries, ignored by git):
 #   bash kernels/examples/dprefix_check.sh build
 # run (on the GPU host, repository root, $DEVBIN beside it) runs them:
 #   bash kernels/examples/dprefix_check.sh [tests|sanitize|racecheck|bench|bench-full]...
 #   (default: tests sanitize bench)
 set -o pipefail
-B=${DEVBIN:-.devbin/dprefix}
+B=${DEVBIN:-.gpu-pack/dprefix}
 OUT=${OUT:-/tmp/rollplex-out}
 export ROLLPLEX_KERNEL_CACHE=${ROLLPLEX_KERNEL_CACHE:-/tmp/rollplex-kernels}
 export ROLLPLEX_REQUIRE_GPU=1

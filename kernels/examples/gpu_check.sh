@@ -7,14 +7,14 @@
 #
 # build (on a machine with the Rust toolchain) packs the binaries: the release test binaries
 # cuda_kernels and cuda_skinny and the examples bench_gemm and bench_decode, stripped, into
-# $DEVBIN (default .devbin, the packed binaries, ignored by git):
+# $DEVBIN (default .gpu-pack, the packed binaries, ignored by git):
 #   bash kernels/examples/gpu_check.sh build
 # run (on the GPU host, repository root, $DEVBIN beside it) runs them; logs under $OUT:
 #   bash kernels/examples/gpu_check.sh [tests|tests-decode|sanitize|gemm|decode|torch]...
 #   (default: tests sanitize gemm decode torch; tests-decode runs only the tests that touch the
 #   decode path: cuda_skinny and the decode attention / linear tests of cuda_kernels)
 set -o pipefail
-B=${DEVBIN:-.devbin}
+B=${DEVBIN:-.gpu-pack}
 OUT=${OUT:-/tmp/rollplex-out}
 export ROLLPLEX_KERNEL_CACHE=${ROLLPLEX_KERNEL_CACHE:-/tmp/rollplex-kernels}
 export ROLLPLEX_REQUIRE_GPU=1

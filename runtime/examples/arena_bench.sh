@@ -12,19 +12,19 @@
 # Entry point: scripts/gpu-bench.sh build arena, then scripts/gpu-bench.sh run arena [tests|bench].
 #   1. build (on a machine with the Rust toolchain, no GPU needed) packs the binaries: the plans,
 #      the stripped iteration_bench, rollplex-run, the gpu_loop and gpu_resume test binaries
-#      and the tiny H200 plan into $DIR (default .devbin/arena, the packed binaries, ignored by git):
+#      and the tiny H200 plan into $DIR (default .gpu-pack/arena, the packed binaries, ignored by git):
 #        bash runtime/examples/arena_bench.sh build
 #   2. run (on the H200, repository root, $DIR beside it) unpacks and runs them:
 #        bash runtime/examples/arena_bench.sh tests
 #        bash runtime/examples/arena_bench.sh bench
 set -euo pipefail
 MODE=${1:-}
-DIR=${DIR:-.devbin/arena}
+DIR=${DIR:-.gpu-pack/arena}
 PROFILE=${PROFILE:-cost/profiles/h200-3b-runtime.yaml}
 T=${CARGO_TARGET_DIR:-$PWD/target}/release
 
 die() { echo "arena_bench: $*" >&2; exit 1; }
-. "$(dirname "$0")/common/devbin.sh"
+. "$(dirname "$0")/common/gpu_pack.sh"
 
 # the newest test binary of a test target
 test_bin() {

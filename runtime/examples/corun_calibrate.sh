@@ -11,7 +11,7 @@
 # Entry point for the first two: scripts/gpu-bench.sh build corun, then scripts/gpu-bench.sh run corun.
 #
 #   1. build (on a machine with the Rust toolchain, no GPU needed) packs the binaries: plans and
-#      binaries into $DIR (default .devbin/corun, the packed binaries, ignored by git). It runs
+#      binaries into $DIR (default .gpu-pack/corun, the packed binaries, ignored by git). It runs
 #      exactly:
 #        export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
 #        cargo build --release -p rollplex-compiler --bin rollplexc
@@ -52,7 +52,7 @@
 # The binaries of `offline` are this checkout's ($CARGO_TARGET_DIR/release, built by `build`).
 set -euo pipefail
 MODE=${1:-}
-DIR=${DIR:-.devbin/corun}
+DIR=${DIR:-.gpu-pack/corun}
 PROFILE=${PROFILE:-cost/profiles/h200.yaml}
 T=${CARGO_TARGET_DIR:-$PWD/target}/release
 # the prompt counts the plans are built for (each: serial/overlap x dedup on/off)
@@ -63,7 +63,7 @@ if [ -z "${PLANS:-}" ]; then
 fi
 
 die() { echo "corun_calibrate: $*" >&2; exit 1; }
-. "$(dirname "$0")/common/devbin.sh"
+. "$(dirname "$0")/common/gpu_pack.sh"
 
 # the pipeline of a plan stem (pP-MODE-D): examples/h200-3b-video.rpx with PROMPTS=P, dedup D
 rpx_of() { local p=${1#p}; p=${p%%-*}; echo "$DIR/h3b-p$p-${1##*-}.rpx"; }

@@ -9,7 +9,7 @@
 #
 # Entry point: scripts/gpu-bench.sh build memory, then scripts/gpu-bench.sh run memory.
 #   1. build (on a machine with the Rust toolchain, no GPU needed) packs the binaries: plans
-#      and the stripped rollplex-run into $DIR (default .devbin/memory, the packed binaries,
+#      and the stripped rollplex-run into $DIR (default .gpu-pack/memory, the packed binaries,
 #      ignored by git):
 #        bash runtime/examples/memory_check.sh build
 #   2. device (on the H200, repository root, $DIR beside it) unpacks and runs both plans,
@@ -23,13 +23,13 @@
 # only from a mini-batch's first micro-batch to its optimizer step.
 set -euo pipefail
 MODE=${1:-}
-DIR=${DIR:-.devbin/memory}
+DIR=${DIR:-.gpu-pack/memory}
 PROMPTS=${PROMPTS:-8}
 PROFILE=${PROFILE:-cost/profiles/h200-3b-runtime.yaml}
 T=${CARGO_TARGET_DIR:-$PWD/target}/release
 
 die() { echo "memory_check: $*" >&2; exit 1; }
-. "$(dirname "$0")/common/devbin.sh"
+. "$(dirname "$0")/common/gpu_pack.sh"
 
 build() {
   cargo build --release -p rollplex-compiler --bin rollplexc

@@ -7,7 +7,7 @@
 #
 # Entry point: scripts/gpu-bench.sh build tower, then scripts/gpu-bench.sh run tower.
 #   1. build (on a machine with the Rust toolchain, no GPU needed) packs the binaries: plans
-#      and the stripped iteration_bench into $DIR (default .devbin/tower, the packed binaries,
+#      and the stripped iteration_bench into $DIR (default .gpu-pack/tower, the packed binaries,
 #      ignored by git):
 #        bash runtime/examples/tower_bench.sh build
 #   2. device (on the H200, repository root, $DIR beside it) unpacks and runs them; writes the
@@ -20,13 +20,13 @@
 # (tensor cores, heads padded 80 -> 128); docs/perf.md has the current numbers.
 set -euo pipefail
 MODE=${1:-}
-DIR=${DIR:-.devbin/tower}
+DIR=${DIR:-.gpu-pack/tower}
 PROMPTS_LIST=${PROMPTS_LIST:-4 8}
 PROFILE=${PROFILE:-cost/profiles/h200-3b-runtime.yaml}
 T=${CARGO_TARGET_DIR:-$PWD/target}/release
 
 die() { echo "tower_bench: $*" >&2; exit 1; }
-. "$(dirname "$0")/common/devbin.sh"
+. "$(dirname "$0")/common/gpu_pack.sh"
 
 build() {
   cargo build --release -p rollplex-compiler --bin rollplexc

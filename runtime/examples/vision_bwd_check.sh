@@ -7,7 +7,7 @@
 # which runs
 #   cargo test --release -p rollplex-runtime --lib --no-run                    -> rt-tests
 #   cargo test --release -p rollplex-kernels --test cuda_backward --no-run     -> cuda_backward
-# and copies the two binaries, stripped, into $DEVBIN (default .devbin/vision-bwd, the packed
+# and copies the two binaries, stripped, into $DEVBIN (default .gpu-pack/vision-bwd, the packed
 # binaries, ignored by git). run (on the GPU host, repository root, $DEVBIN beside it):
 #   bash runtime/examples/vision_bwd_check.sh          # steps: kernel vision forward sanitize
 # Steps: kernel = gelu_bwd_bf16 vs its CPU twins (cuda_backward); vision = gpu::vision_train (one
@@ -15,7 +15,7 @@
 # code vision.rs now shares (gpu::tests, gpu::train); sanitize = compute-sanitizer memcheck on the
 # vision backward test. Logs under $OUT (default /tmp/rollplex-out).
 set -o pipefail
-B=${DEVBIN:-.devbin/vision-bwd}
+B=${DEVBIN:-.gpu-pack/vision-bwd}
 OUT=${OUT:-/tmp/rollplex-out}
 export ROLLPLEX_KERNEL_CACHE=${ROLLPLEX_KERNEL_CACHE:-/tmp/rollplex-kernels}
 steps=${*:-kernel vision forward sanitize}
