@@ -127,7 +127,7 @@ fn host(v: &[bf16]) -> Vec<f32> {
 fn fused_linears_compute_their_parts() {
     let m = model(spec(4, 2, 32, false));
     let l = &m.weights.layout.text_layers[1];
-    let (w, b, out) = fuse_linears(&m.weights, &[&l.q, &l.k, &l.v]);
+    let (w, b, out) = fuse_linears(&m.weights, &[l.q, l.k, l.v]);
     assert_eq!(out, l.q.out + l.k.out + l.v.out);
     let rows = 3;
     let x = pixels(rows, l.q.inp, 4);
@@ -147,7 +147,7 @@ fn fused_linears_compute_their_parts() {
         col += part.out;
     }
     // gate|up of a text layer have no bias: none is made up
-    let (_, b2, out2) = fuse_linears(&m.weights, &[&l.gate, &l.up]);
+    let (_, b2, out2) = fuse_linears(&m.weights, &[l.gate, l.up]);
     assert!(b2.is_none());
     assert_eq!(out2, 2 * 99);
 }

@@ -15,7 +15,7 @@ use rollplex_kernels::cuda::{CudaSlice, CudaStream, Gpu};
 
 use super::arena::{upload_in, DevBuf, Region};
 
-use crate::model::weights::{BlockParams, Linear};
+use crate::model::weights::{BlockParams, Lin, Linear};
 use crate::model::{Qwen25VL, Weights};
 
 use super::Result;
@@ -41,6 +41,26 @@ pub struct GpuBlock {
     pub ffn: usize,
 }
 
+impl GpuBlock {
+    /// Fused linear `k`.
+    pub fn lin(&self, k: Lin) -> &GpuLinear {
+        match k {
+            Lin::Qkv => &self.qkv,
+            Lin::O => &self.o,
+            Lin::GateUp => &self.gate_up,
+            Lin::Down => &self.down,
+        }
+    }
+    pub fn lin_mut(&mut self, k: Lin) -> &mut GpuLinear {
+        match k {
+            Lin::Qkv => &mut self.qkv,
+            Lin::O => &mut self.o,
+            Lin::GateUp => &mut self.gate_up,
+            Lin::Down => &mut self.down,
+        }
+    }
+}
+
 /// All weights of a model on one device.
 pub struct GpuWeights {
     /// `[vision_hidden, patch_dim]`.
@@ -61,7 +81,7 @@ pub struct GpuWeights {
 
 /// The host side of a fused linear: the parts' weight rows stacked in order, and their biases
 /// (zeros for a part without one) when any part has a bias.
-pub fn fuse_linears(w: &Weights, parts: &[&Linear]) -> (Vec<f32>, Option<Vec<f32>>, usize) {
+pub fn fuse_linears(w: &Weights, parts: &[Linear]) -> (Vec<f32>, Option<Vec<f32>>, usize) {
     let inp = parts[0].inp;
     let out: usize = parts.iter().map(|l| l.out).sum();
     let mut wt = Vec::with_capacity(out * inp);
@@ -99,7 +119,7 @@ impl Up<'_> {
         self.bytes += x.len() * 2;
         upload_in(self.gpu, self.stream, &to_bf16(x), self.region)
     }
-    fn lin(&mut self, w: &Weights, parts: &[&Linear]) -> Result<GpuLinear> {
+    fn lin(&mut self, w: &Weights, parts: &[Linear]) -> Result<GpuLinear> {
         if let Some(bad) = parts.iter().find(|l| l.inp != parts[0].inp) {
             return Err(super::GpuError::Input(format!(
                 "fused linear parts have different input widths ({} vs {})",
@@ -121,10 +141,10 @@ impl Up<'_> {
         Ok(GpuBlock {
             norm1: self.t(w.get(p.norm1))?,
             norm2: self.t(w.get(p.norm2))?,
-            qkv: self.lin(w, &[&p.q, &p.k, &p.v])?,
-            o: self.lin(w, &[&p.o])?,
-            gate_up: self.lin(w, &[&p.gate, &p.up])?,
-            down: self.lin(w, &[&p.down])?,
+            qkv: self.lin(w, &p.fused(Lin::Qkv))?,
+            o: self.lin(w, &p.fused(Lin::O))?,
+            gate_up: self.lin(w, &p.fused(Lin::GateUp))?,
+            down: self.lin(w, &p.fused(Lin::Down))?,
             ffn: p.gate.out,
         })
     }
@@ -154,8 +174,8 @@ impl GpuWeights {
             .map(|b| up.block(w, b))
             .collect::<Result<Vec<_>>>()?;
         let merger_ln = up.t(w.get(l.merger_ln))?;
-        let merger_fc1 = up.lin(w, &[&l.merger_fc1])?;
-        let merger_fc2 = up.lin(w, &[&l.merger_fc2])?;
+        let merger_fc1 = up.lin(w, &[l.merger_fc1])?;
+        let merger_fc2 = up.lin(w, &[l.merger_fc2])?;
         let embed = up.t(w.get(l.embed))?;
         let text = l
             .text_layers

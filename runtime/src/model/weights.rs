@@ -37,6 +37,40 @@ pub enum Init {
     Zeros,
 }
 
+/// A width of the model that tensor parallelism splits over the ranks of a group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TpDim {
+    /// Text query heads (rows of `head_dim` each).
+    Heads,
+    /// Text kv heads (split, or one per rank when fewer than the ranks).
+    KvHeads,
+    /// Text MLP intermediate rows.
+    Ffn,
+    /// Vocabulary rows (embeddings and lm head).
+    Vocab,
+    /// Vision query heads.
+    VisionHeads,
+    /// Vision MLP intermediate rows.
+    VisionFfn,
+    /// Merger hidden rows (`mlp.0` outputs).
+    Merger,
+}
+
+/// How tensor parallelism splits a parameter (Megatron's rules), the same at every degree:
+/// `tp::TpPlan` turns it into each rank's part.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShardRule {
+    /// Every rank holds all of it: norms, the patch embedding, a row-parallel linear's bias.
+    Replicated,
+    /// Column-parallel: the rank's range of `dim` in the rows, in each of `parts` equal blocks
+    /// of rows (3 for the vision tower's fused qkv, 1 otherwise).
+    Rows { dim: TpDim, parts: usize },
+    /// Row-parallel: the rank's range of `dim` in the columns of an `[out, in]` matrix.
+    Cols(TpDim),
+}
+
+/// One parameter: its name, shape, place in the buffer, initialisation and tensor-parallel
+/// split. The CPU model, the TP shards and the CUDA trainer's fused tensors all read it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParamEntry {
     pub name: String,
@@ -44,6 +78,7 @@ pub struct ParamEntry {
     pub offset: usize,
     pub len: usize,
     pub init: Init,
+    pub shard: ShardRule,
 }
 
 /// The spec table: every parameter's name, shape and offset in the one buffer.
@@ -55,7 +90,13 @@ pub struct ParamTable {
 }
 
 impl ParamTable {
-    pub(crate) fn push(&mut self, name: String, shape: Vec<usize>, init: Init) -> ParamId {
+    pub(crate) fn push(
+        &mut self,
+        name: String,
+        shape: Vec<usize>,
+        init: Init,
+        shard: ShardRule,
+    ) -> ParamId {
         let len = shape.iter().product();
         let id = ParamId(self.entries.len() as u32);
         self.by_name.insert(name.clone(), id);
@@ -65,6 +106,7 @@ impl ParamTable {
             offset: self.total,
             len,
             init,
+            shard,
         });
         self.total += len;
         id
@@ -125,6 +167,34 @@ pub struct BlockParams {
     pub down: Linear,
 }
 
+/// The four linears of a block as a device engine fuses them (rows stacked in the order
+/// [`BlockParams::fused`] lists).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lin {
+    /// q | k | v.
+    Qkv,
+    O,
+    /// gate | up.
+    GateUp,
+    Down,
+}
+
+impl Lin {
+    pub const ALL: [Lin; 4] = [Lin::Qkv, Lin::O, Lin::GateUp, Lin::Down];
+}
+
+impl BlockParams {
+    /// The table's linears fused linear `k` is made of, in row order.
+    pub fn fused(&self, k: Lin) -> Vec<Linear> {
+        match k {
+            Lin::Qkv => vec![self.q, self.k, self.v],
+            Lin::O => vec![self.o],
+            Lin::GateUp => vec![self.gate, self.up],
+            Lin::Down => vec![self.down],
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Layout {
     /// `model.visual.patch_embed.proj.weight`, read as `[vision_hidden, patch_dim]`.
@@ -150,9 +220,22 @@ pub fn build_table(cfg: &ModelConfig) -> (ParamTable, Layout) {
         total: 0,
     };
     let (vh, vi) = (v.hidden_size as usize, v.intermediate_size as usize);
-    let lin = |tb: &mut ParamTable, pre: &str, out: usize, inp: usize, bias: bool| -> Linear {
-        let w = tb.push(format!("{pre}.weight"), vec![out, inp], Init::Normal);
-        let b = bias.then(|| tb.push(format!("{pre}.bias"), vec![out], Init::Zeros));
+    use ShardRule::{Cols, Replicated, Rows};
+    // a linear's weight splits by `rule`; its bias splits with the rows of a column-parallel
+    // weight and is replicated beside a row-parallel one (added once after the all-reduce)
+    let lin = |tb: &mut ParamTable,
+               pre: &str,
+               out: usize,
+               inp: usize,
+               bias: bool,
+               rule: ShardRule|
+     -> Linear {
+        let w = tb.push(format!("{pre}.weight"), vec![out, inp], Init::Normal, rule);
+        let brule = match rule {
+            Rows { .. } => rule,
+            _ => Replicated,
+        };
+        let b = bias.then(|| tb.push(format!("{pre}.bias"), vec![out], Init::Zeros, brule));
         Linear {
             w,
             b,
@@ -171,17 +254,49 @@ pub fn build_table(cfg: &ModelConfig) -> (ParamTable, Layout) {
             v.patch_size as usize,
         ],
         Init::Normal,
+        Replicated,
     );
+    // a column-parallel weight: the rank's range of `dim` in its rows
+    let col = |dim| Rows { dim, parts: 1 };
     let mut vision_blocks = Vec::new();
     for i in 0..v.depth as usize {
         let p = format!("model.visual.blocks.{i}");
-        let norm1 = tb.push(format!("{p}.norm1.weight"), vec![vh], Init::Ones);
-        let norm2 = tb.push(format!("{p}.norm2.weight"), vec![vh], Init::Ones);
-        let qkv = lin(&mut tb, &format!("{p}.attn.qkv"), 3 * vh, vh, true);
-        let o = lin(&mut tb, &format!("{p}.attn.proj"), vh, vh, true);
-        let gate = lin(&mut tb, &format!("{p}.mlp.gate_proj"), vi, vh, true);
-        let up = lin(&mut tb, &format!("{p}.mlp.up_proj"), vi, vh, true);
-        let down = lin(&mut tb, &format!("{p}.mlp.down_proj"), vh, vi, true);
+        let norm1 = tb.push(
+            format!("{p}.norm1.weight"),
+            vec![vh],
+            Init::Ones,
+            Replicated,
+        );
+        let norm2 = tb.push(
+            format!("{p}.norm2.weight"),
+            vec![vh],
+            Init::Ones,
+            Replicated,
+        );
+        let heads3 = Rows {
+            dim: TpDim::VisionHeads,
+            parts: 3,
+        };
+        let qkv = lin(&mut tb, &format!("{p}.attn.qkv"), 3 * vh, vh, true, heads3);
+        let o = lin(
+            &mut tb,
+            &format!("{p}.attn.proj"),
+            vh,
+            vh,
+            true,
+            Cols(TpDim::VisionHeads),
+        );
+        let ffn = col(TpDim::VisionFfn);
+        let gate = lin(&mut tb, &format!("{p}.mlp.gate_proj"), vi, vh, true, ffn);
+        let up = lin(&mut tb, &format!("{p}.mlp.up_proj"), vi, vh, true, ffn);
+        let down = lin(
+            &mut tb,
+            &format!("{p}.mlp.down_proj"),
+            vh,
+            vi,
+            true,
+            Cols(TpDim::VisionFfn),
+        );
         let part = |r: usize| Linear {
             out: vh,
             row0: r * vh,
@@ -205,14 +320,23 @@ pub fn build_table(cfg: &ModelConfig) -> (ParamTable, Layout) {
         "model.visual.merger.ln_q.weight".into(),
         vec![vh],
         Init::Ones,
+        Replicated,
     );
-    let merger_fc1 = lin(&mut tb, "model.visual.merger.mlp.0", mh, mh, true);
+    let merger_fc1 = lin(
+        &mut tb,
+        "model.visual.merger.mlp.0",
+        mh,
+        mh,
+        true,
+        col(TpDim::Merger),
+    );
     let merger_fc2 = lin(
         &mut tb,
         "model.visual.merger.mlp.2",
         v.out_hidden_size as usize,
         mh,
         true,
+        Cols(TpDim::Merger),
     );
     let (h, f, voc) = (
         t.hidden_size as usize,
@@ -225,23 +349,59 @@ pub fn build_table(cfg: &ModelConfig) -> (ParamTable, Layout) {
         "model.language_model.embed_tokens.weight".into(),
         vec![voc, h],
         Init::Normal,
+        col(TpDim::Vocab),
     );
     let mut text_layers = Vec::new();
     for i in 0..t.num_layers as usize {
         let p = format!("model.language_model.layers.{i}");
-        let norm1 = tb.push(format!("{p}.input_layernorm.weight"), vec![h], Init::Ones);
-        let norm2 = tb.push(
-            format!("{p}.post_attention_layernorm.weight"),
-            vec![h],
-            Init::Ones,
+        let norm = |tb: &mut ParamTable, n: &str| {
+            tb.push(format!("{p}.{n}.weight"), vec![h], Init::Ones, Replicated)
+        };
+        let norm1 = norm(&mut tb, "input_layernorm");
+        let norm2 = norm(&mut tb, "post_attention_layernorm");
+        let (heads, kv, ffn) = (col(TpDim::Heads), col(TpDim::KvHeads), col(TpDim::Ffn));
+        let q = lin(
+            &mut tb,
+            &format!("{p}.self_attn.q_proj"),
+            nq * hd,
+            h,
+            true,
+            heads,
         );
-        let q = lin(&mut tb, &format!("{p}.self_attn.q_proj"), nq * hd, h, true);
-        let k = lin(&mut tb, &format!("{p}.self_attn.k_proj"), nkv * hd, h, true);
-        let vv = lin(&mut tb, &format!("{p}.self_attn.v_proj"), nkv * hd, h, true);
-        let o = lin(&mut tb, &format!("{p}.self_attn.o_proj"), h, nq * hd, false);
-        let gate = lin(&mut tb, &format!("{p}.mlp.gate_proj"), f, h, false);
-        let up = lin(&mut tb, &format!("{p}.mlp.up_proj"), f, h, false);
-        let down = lin(&mut tb, &format!("{p}.mlp.down_proj"), h, f, false);
+        let k = lin(
+            &mut tb,
+            &format!("{p}.self_attn.k_proj"),
+            nkv * hd,
+            h,
+            true,
+            kv,
+        );
+        let vv = lin(
+            &mut tb,
+            &format!("{p}.self_attn.v_proj"),
+            nkv * hd,
+            h,
+            true,
+            kv,
+        );
+        let o = lin(
+            &mut tb,
+            &format!("{p}.self_attn.o_proj"),
+            h,
+            nq * hd,
+            false,
+            Cols(TpDim::Heads),
+        );
+        let gate = lin(&mut tb, &format!("{p}.mlp.gate_proj"), f, h, false, ffn);
+        let up = lin(&mut tb, &format!("{p}.mlp.up_proj"), f, h, false, ffn);
+        let down = lin(
+            &mut tb,
+            &format!("{p}.mlp.down_proj"),
+            h,
+            f,
+            false,
+            Cols(TpDim::Ffn),
+        );
         text_layers.push(BlockParams {
             norm1,
             norm2,
@@ -258,11 +418,17 @@ pub fn build_table(cfg: &ModelConfig) -> (ParamTable, Layout) {
         "model.language_model.norm.weight".into(),
         vec![h],
         Init::Ones,
+        Replicated,
     );
     let lm_head = if t.tie_word_embeddings {
         embed
     } else {
-        tb.push("lm_head.weight".into(), vec![voc, h], Init::Normal)
+        tb.push(
+            "lm_head.weight".into(),
+            vec![voc, h],
+            Init::Normal,
+            col(TpDim::Vocab),
+        )
     };
     let layout = Layout {
         patch_embed,

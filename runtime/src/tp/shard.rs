@@ -1,7 +1,8 @@
 //! Megatron-style sharding of Qwen2.5-VL weights for tensor-parallel degree `T`, and its inverse.
 //!
-//! [`TpPlan::new`] checks that a config splits (errors name the dimension and the fix) and
-//! decides, for every parameter and rank, which part the rank holds ([`Split`]):
+//! Which part of a parameter each rank holds is the parameter's [`ShardRule`], set in the one
+//! parameter table (`model::weights::build_table`); [`TpPlan::new`] checks that a config splits
+//! (errors name the dimension and the fix) and turns every rule into each rank's [`Split`]:
 //!
 //! | parameter | split |
 //! |---|---|
@@ -29,7 +30,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use crate::model::weights::{build_table, Linear, ParamId, ParamTable};
+use crate::model::weights::{build_table, ParamId, ParamTable, ShardRule, TpDim};
 use crate::model::{ModelConfig, Weights};
 
 use super::TpError;
@@ -145,10 +146,9 @@ impl TpPlan {
         if !errs.is_empty() {
             return Err(TpError::Config(errs.join("; ")));
         }
-        let (full, layout) = build_table(config);
+        let (full, _) = build_table(config);
         let hd = t.head_dim() as usize;
         let vhd = config.vision_head_dim();
-        let vhid = v.hidden_size as usize;
         let mut splits = Vec::with_capacity(degree);
         let mut dims = Vec::with_capacity(degree);
         for r in 0..degree {
@@ -171,68 +171,33 @@ impl TpPlan {
                 vision_ffn: split_range(v.intermediate_size as usize, degree, r),
                 merger: split_range(mh, degree, r),
             };
-            let mut s: Vec<Option<Split>> = vec![None; full.entries().len()];
-            let mut set = |id: ParamId, sp: Split| s[id.0 as usize] = Some(sp);
-            let rows = |r: &Range<usize>| Split::Rows(vec![r.clone()]);
-            let col_par = |set: &mut dyn FnMut(ParamId, Split), l: &Linear, r: &Range<usize>| {
-                set(l.w, rows(r));
-                if let Some(b) = l.b {
-                    set(b, rows(r));
-                }
-            };
-            let row_par = |set: &mut dyn FnMut(ParamId, Split), l: &Linear, r: &Range<usize>| {
-                set(l.w, Split::Cols(r.clone()));
-                if let Some(b) = l.b {
-                    set(b, Split::Replicated);
-                }
-            };
-            set(layout.patch_embed, Split::Replicated);
             let vq = r * d.vision_heads * vhd..(r + 1) * d.vision_heads * vhd;
-            for b in &layout.vision_blocks {
-                set(b.norm1, Split::Replicated);
-                set(b.norm2, Split::Replicated);
-                // fused qkv: the rank's rows of each third
-                let thirds: Vec<Range<usize>> = (0..3)
-                    .map(|p| p * vhid + vq.start..p * vhid + vq.end)
-                    .collect();
-                set(b.q.w, Split::Rows(thirds.clone()));
-                if let Some(bb) = b.q.b {
-                    set(bb, Split::Rows(thirds));
-                }
-                row_par(&mut set, &b.o, &vq);
-                col_par(&mut set, &b.gate, &d.vision_ffn);
-                col_par(&mut set, &b.up, &d.vision_ffn);
-                row_par(&mut set, &b.down, &d.vision_ffn);
-            }
-            set(layout.merger_ln, Split::Replicated);
-            col_par(&mut set, &layout.merger_fc1, &d.merger);
-            row_par(&mut set, &layout.merger_fc2, &d.merger);
-            set(layout.embed, rows(&d.vocab));
-            for l in &layout.text_layers {
-                set(l.norm1, Split::Replicated);
-                set(l.norm2, Split::Replicated);
-                col_par(&mut set, &l.q, &qrows);
-                col_par(&mut set, &l.k, &kvrows);
-                col_par(&mut set, &l.v, &kvrows);
-                row_par(&mut set, &l.o, &qrows);
-                col_par(&mut set, &l.gate, &d.ffn);
-                col_par(&mut set, &l.up, &d.ffn);
-                row_par(&mut set, &l.down, &d.ffn);
-            }
-            set(layout.final_norm, Split::Replicated);
-            set(layout.lm_head, rows(&d.vocab));
-            let s: Vec<Split> = s
-                .into_iter()
-                .enumerate()
-                .map(|(i, x)| {
-                    x.ok_or_else(|| {
-                        TpError::Config(format!(
-                            "internal: parameter {} has no TP split",
-                            full.entries()[i].name
-                        ))
-                    })
+            // the rank's rows (or columns) of each width the table's rules name
+            let range = |dim: TpDim| match dim {
+                TpDim::Heads => qrows.clone(),
+                TpDim::KvHeads => kvrows.clone(),
+                TpDim::Ffn => d.ffn.clone(),
+                TpDim::Vocab => d.vocab.clone(),
+                TpDim::VisionHeads => vq.clone(),
+                TpDim::VisionFfn => d.vision_ffn.clone(),
+                TpDim::Merger => d.merger.clone(),
+            };
+            let s: Vec<Split> = full
+                .entries()
+                .iter()
+                .map(|e| match e.shard {
+                    ShardRule::Replicated => Split::Replicated,
+                    ShardRule::Rows { dim, parts } => {
+                        let (rg, block) = (range(dim), e.shape[0] / parts);
+                        Split::Rows(
+                            (0..parts)
+                                .map(|p| p * block + rg.start..p * block + rg.end)
+                                .collect(),
+                        )
+                    }
+                    ShardRule::Cols(dim) => Split::Cols(range(dim)),
                 })
-                .collect::<Result<_, _>>()?;
+                .collect();
             splits.push(s);
             dims.push(d);
         }
@@ -293,7 +258,7 @@ impl TpPlan {
             let src = &w.data[e.offset..e.offset + e.len];
             let sp = &self.splits[rank][i];
             let (shape, part) = cut(&e.shape, src, sp);
-            table.push(e.name.clone(), shape, e.init);
+            table.push(e.name.clone(), shape, e.init, e.shard);
             data.extend_from_slice(&part);
         }
         let layout = self.local_layout(w, rank);

@@ -16,18 +16,11 @@ use super::super::vision_train::{
     vision_cpu_parts, vision_host_values, vision_slot_meta, vision_slots, vision_weight_mut,
     VisionSink, VisionSlot,
 };
-use super::super::weights::{fuse_linears, GpuBlock, GpuLinear, GpuWeights};
+use super::super::weights::{fuse_linears, GpuWeights};
 use super::super::GpuError;
 use super::Result;
 
-/// The four linears of a decoder layer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Lin {
-    Qkv,
-    O,
-    GateUp,
-    Down,
-}
+pub use crate::model::weights::Lin;
 
 /// A trained tensor of the text decoder, as the device holds it (q|k|v and gate|up fused).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,15 +50,6 @@ pub(super) struct TrainTensor {
     pub(super) grad: Option<DevBuf<f32>>,
 }
 
-fn lin_of_mut(b: &mut GpuBlock, l: Lin) -> &mut GpuLinear {
-    match l {
-        Lin::Qkv => &mut b.qkv,
-        Lin::O => &mut b.o,
-        Lin::GateUp => &mut b.gate_up,
-        Lin::Down => &mut b.down,
-    }
-}
-
 /// The bf16 compute copy of a slot (the buffer the forward reads).
 pub(super) fn weight_mut(w: &mut GpuWeights, s: Slot) -> Option<&mut DevBuf<bf16>> {
     match s {
@@ -74,8 +58,8 @@ pub(super) fn weight_mut(w: &mut GpuWeights, s: Slot) -> Option<&mut DevBuf<bf16
         Slot::FinalNorm => Some(&mut w.final_norm),
         Slot::Norm1(l) => Some(&mut w.text[l].norm1),
         Slot::Norm2(l) => Some(&mut w.text[l].norm2),
-        Slot::Weight(l, k) => Some(&mut lin_of_mut(&mut w.text[l], k).w),
-        Slot::Bias(l, k) => lin_of_mut(&mut w.text[l], k).b.as_mut(),
+        Slot::Weight(l, k) => Some(&mut w.text[l].lin_mut(k).w),
+        Slot::Bias(l, k) => w.text[l].lin_mut(k).b.as_mut(),
         Slot::Vision(v) => vision_weight_mut(w, v),
     }
 }
@@ -209,15 +193,7 @@ pub(super) fn host_values(model: &Qwen25VL, s: Slot) -> Option<(Vec<f32>, String
         let e = w.table.entry(id);
         (w.get(id).to_vec(), e.name.clone(), e.shape.clone())
     };
-    let parts = |layer: usize, k: Lin| {
-        let p = &l.text_layers[layer];
-        match k {
-            Lin::Qkv => vec![&p.q, &p.k, &p.v],
-            Lin::O => vec![&p.o],
-            Lin::GateUp => vec![&p.gate, &p.up],
-            Lin::Down => vec![&p.down],
-        }
-    };
+    let parts = |layer: usize, k: Lin| l.text_layers[layer].fused(k);
     match s {
         Slot::Embed => Some(named(l.embed)),
         Slot::LmHead => (l.lm_head != l.embed).then(|| named(l.lm_head)),
@@ -246,15 +222,7 @@ pub(super) fn host_values(model: &Qwen25VL, s: Slot) -> Option<(Vec<f32>, String
 /// The CPU model's parameter slots a device tensor splits into: `(param id, first row, rows)`
 /// of the fused tensor, with the part's row width.
 pub(super) fn cpu_parts(layout: &Layout, s: Slot) -> Vec<(crate::model::ParamId, usize, usize)> {
-    let parts = |layer: usize, k: Lin| {
-        let p = &layout.text_layers[layer];
-        match k {
-            Lin::Qkv => vec![p.q, p.k, p.v],
-            Lin::O => vec![p.o],
-            Lin::GateUp => vec![p.gate, p.up],
-            Lin::Down => vec![p.down],
-        }
-    };
+    let parts = |layer: usize, k: Lin| layout.text_layers[layer].fused(k);
     match s {
         Slot::Embed => vec![(layout.embed, 0, 0)],
         Slot::LmHead => vec![(layout.lm_head, 0, 0)],
@@ -299,15 +267,10 @@ pub(super) fn train_slots(layout: &Layout, cfg: &TrainConfig) -> Vec<Slot> {
     for (l, p) in layout.text_layers.iter().enumerate() {
         slots.push(Slot::Norm1(l));
         slots.push(Slot::Norm2(l));
-        for (k, parts) in [
-            (Lin::Qkv, vec![&p.q, &p.k, &p.v]),
-            (Lin::O, vec![&p.o]),
-            (Lin::GateUp, vec![&p.gate, &p.up]),
-            (Lin::Down, vec![&p.down]),
-        ] {
+        for k in Lin::ALL {
             slots.push(Slot::Weight(l, k));
             // as `fuse_linears`: a fused bias when any part has one
-            if parts.iter().any(|x| x.b.is_some()) {
+            if p.fused(k).iter().any(|x| x.b.is_some()) {
                 slots.push(Slot::Bias(l, k));
             }
         }

@@ -14,7 +14,7 @@ use crate::model::{ParamId, Qwen25VL};
 use super::super::arena::DevBuf;
 use super::super::block_bwd::{BlockTensor, GradSink};
 use super::super::train::Lin;
-use super::super::weights::{fuse_linears, GpuBlock, GpuLinear, GpuWeights};
+use super::super::weights::{fuse_linears, GpuWeights};
 use super::super::{alloc, download, GpuError, Result};
 
 /// A trained tensor of the vision tower or merger, as the device holds it.
@@ -52,16 +52,8 @@ impl VisionSlot {
 
 /// The CPU model's linears a block's device linear is made of (as `GpuWeights::upload` fuses).
 fn block_parts(layout: &Layout, block: usize, k: Lin) -> Vec<Linear> {
-    let p = &layout.vision_blocks[block];
-    match k {
-        Lin::Qkv => vec![p.q, p.k, p.v],
-        Lin::O => vec![p.o],
-        Lin::GateUp => vec![p.gate, p.up],
-        Lin::Down => vec![p.down],
-    }
+    layout.vision_blocks[block].fused(k)
 }
-
-const LINS: [Lin; 4] = [Lin::Qkv, Lin::O, Lin::GateUp, Lin::Down];
 
 /// The vision tensors trained, in a fixed order (the CPU table's): with `tower`, the patch
 /// embedding, then per block norm1, norm2 and each linear (qkv, proj, gate|up, down) followed by
@@ -74,7 +66,7 @@ pub fn vision_slots(layout: &Layout, tower: bool, merger: bool) -> Vec<VisionSlo
         for b in 0..layout.vision_blocks.len() {
             s.push(VisionSlot::Norm1(b));
             s.push(VisionSlot::Norm2(b));
-            for k in LINS {
+            for k in Lin::ALL {
                 s.push(VisionSlot::Weight(b, k));
                 if block_parts(layout, b, k).iter().any(|l| l.b.is_some()) {
                     s.push(VisionSlot::Bias(b, k));
@@ -173,8 +165,7 @@ pub fn vision_host_values(model: &Qwen25VL, s: VisionSlot) -> Vec<f32> {
     let w = &model.weights;
     let l = &w.layout;
     let lin = |parts: &[Linear], bias: bool| {
-        let refs: Vec<&Linear> = parts.iter().collect();
-        let (wt, b, _) = fuse_linears(w, &refs);
+        let (wt, b, _) = fuse_linears(w, parts);
         if bias {
             b.unwrap_or_default()
         } else {
@@ -195,24 +186,6 @@ pub fn vision_host_values(model: &Qwen25VL, s: VisionSlot) -> Vec<f32> {
     }
 }
 
-fn block_lin(b: &GpuBlock, k: Lin) -> &GpuLinear {
-    match k {
-        Lin::Qkv => &b.qkv,
-        Lin::O => &b.o,
-        Lin::GateUp => &b.gate_up,
-        Lin::Down => &b.down,
-    }
-}
-
-fn block_lin_mut(b: &mut GpuBlock, k: Lin) -> &mut GpuLinear {
-    match k {
-        Lin::Qkv => &mut b.qkv,
-        Lin::O => &mut b.o,
-        Lin::GateUp => &mut b.gate_up,
-        Lin::Down => &mut b.down,
-    }
-}
-
 /// The bf16 compute copy of a vision tensor on the device (the buffer the forward reads, the
 /// one an optimizer step writes); `None` for a bias the device linear lacks.
 pub fn vision_weight(w: &GpuWeights, s: VisionSlot) -> Option<&DevBuf<bf16>> {
@@ -220,8 +193,8 @@ pub fn vision_weight(w: &GpuWeights, s: VisionSlot) -> Option<&DevBuf<bf16>> {
         VisionSlot::PatchEmbed => Some(&w.patch_embed),
         VisionSlot::Norm1(b) => w.vision.get(b).map(|x| &x.norm1),
         VisionSlot::Norm2(b) => w.vision.get(b).map(|x| &x.norm2),
-        VisionSlot::Weight(b, k) => w.vision.get(b).map(|x| &block_lin(x, k).w),
-        VisionSlot::Bias(b, k) => w.vision.get(b).and_then(|x| block_lin(x, k).b.as_ref()),
+        VisionSlot::Weight(b, k) => w.vision.get(b).map(|x| &x.lin(k).w),
+        VisionSlot::Bias(b, k) => w.vision.get(b).and_then(|x| x.lin(k).b.as_ref()),
         VisionSlot::MergerLn => Some(&w.merger_ln),
         VisionSlot::MergerFc1 => Some(&w.merger_fc1.w),
         VisionSlot::MergerFc1Bias => w.merger_fc1.b.as_ref(),
@@ -236,11 +209,8 @@ pub fn vision_weight_mut(w: &mut GpuWeights, s: VisionSlot) -> Option<&mut DevBu
         VisionSlot::PatchEmbed => Some(&mut w.patch_embed),
         VisionSlot::Norm1(b) => w.vision.get_mut(b).map(|x| &mut x.norm1),
         VisionSlot::Norm2(b) => w.vision.get_mut(b).map(|x| &mut x.norm2),
-        VisionSlot::Weight(b, k) => w.vision.get_mut(b).map(|x| &mut block_lin_mut(x, k).w),
-        VisionSlot::Bias(b, k) => w
-            .vision
-            .get_mut(b)
-            .and_then(|x| block_lin_mut(x, k).b.as_mut()),
+        VisionSlot::Weight(b, k) => w.vision.get_mut(b).map(|x| &mut x.lin_mut(k).w),
+        VisionSlot::Bias(b, k) => w.vision.get_mut(b).and_then(|x| x.lin_mut(k).b.as_mut()),
         VisionSlot::MergerLn => Some(&mut w.merger_ln),
         VisionSlot::MergerFc1 => Some(&mut w.merger_fc1.w),
         VisionSlot::MergerFc1Bias => w.merger_fc1.b.as_mut(),
