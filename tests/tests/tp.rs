@@ -10,7 +10,8 @@
 
 use std::sync::Arc;
 
-use rollplex_plan::spec::{DType, ModelSpec, SpecialTokens, TextDims, VisionDims, WeightsSource};
+use rollplex_plan::models::TestModel;
+use rollplex_plan::spec::ModelSpec;
 use rollplex_runtime::model::{
     DecodeSlot, EncodedMedia, KvArena, MediaInput, MediaKind, Prompt, Qwen25VL, TokenScores,
 };
@@ -27,44 +28,16 @@ const VOCAB: usize = 302;
 const TOL: f32 = 2e-5;
 
 fn spec(kv_heads: u32, tie: bool) -> ModelSpec {
-    ModelSpec {
-        name: "tiny-tp".into(),
-        vision: VisionDims {
-            depth: 3,
-            hidden_size: 32,
-            num_heads: 4,
-            intermediate_size: 40,
-            patch_size: 4,
-            temporal_patch_size: 2,
-            spatial_merge_size: 2,
-            window_size: 16,
-            fullatt_block_indexes: vec![1],
-            in_channels: 3,
-            out_hidden_size: 48,
-        },
-        text: TextDims {
-            num_layers: 2,
-            hidden_size: 48,
-            num_heads: 4,
-            num_kv_heads: kv_heads,
-            intermediate_size: 66,
-            vocab_size: VOCAB as u32,
-            rope_theta: 10000.0,
-            mrope_section: [2, 2, 2],
-            tie_word_embeddings: tie,
-            rms_norm_eps: 1e-6,
-            max_position_embeddings: 4096,
-        },
-        tokens: SpecialTokens {
-            image_token_id: IMG,
-            video_token_id: VID,
-            vision_start_token_id: VS,
-            vision_end_token_id: VE,
-            eos_token_ids: vec![287],
-        },
-        dtype: DType::F32,
-        weights: WeightsSource::Random { seed: 1 },
+    TestModel {
+        name: "tiny-tp",
+        vision_heads: 4,
+        kv_heads,
+        ffn: 66,
+        vocab: VOCAB as u32,
+        tie,
+        ..TestModel::default()
     }
+    .spec()
 }
 
 /// Random weights; zero biases and unit norms perturbed so every path (bias after the

@@ -175,6 +175,131 @@ fn tiny() -> ModelPreset {
     }
 }
 
+/// Small model shapes for tests, one builder for every crate's tests: a test states the widths
+/// it exercises and takes the rest. The defaults are the CPU engine tests' model (3 vision
+/// blocks of width 32 with 2 heads, 2 text layers of width 48 with 4 query and 2 kv heads of 12,
+/// vocabulary 300, f32).
+#[derive(Clone, Debug)]
+pub struct TestModel {
+    pub name: &'static str,
+    pub vision_depth: u32,
+    pub vision_heads: u32,
+    pub vision_ffn: u32,
+    pub layers: u32,
+    pub heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub ffn: u32,
+    pub vocab: u32,
+    pub mrope_section: [u32; 3],
+    pub tie: bool,
+    /// The special tokens are consecutive from here: EOS, vision start, vision end, image,
+    /// video.
+    pub first_special: u32,
+    pub dtype: DType,
+    /// The spec's `Random { seed }`.
+    pub seed: u64,
+}
+
+impl Default for TestModel {
+    fn default() -> Self {
+        TestModel {
+            name: "tiny",
+            vision_depth: 3,
+            vision_heads: 2,
+            vision_ffn: 40,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 12,
+            ffn: 64,
+            vocab: 300,
+            mrope_section: [2, 2, 2],
+            tie: false,
+            first_special: 287,
+            dtype: DType::F32,
+            seed: 1,
+        }
+    }
+}
+
+impl TestModel {
+    /// The CUDA engine tests' shapes: vision head_dim 16, 3 text layers of `heads` x `head_dim`
+    /// (32: the tensor-core decode; 16: the varlen decode), odd FFN (99) and vocabulary (301)
+    /// sizes, bf16.
+    pub fn gpu(heads: u32, kv_heads: u32, head_dim: u32, tie: bool) -> Self {
+        TestModel {
+            name: "tiny-gpu",
+            vision_ffn: 45,
+            layers: 3,
+            heads,
+            kv_heads,
+            head_dim,
+            ffn: 99,
+            vocab: 301,
+            mrope_section: mrope_for(head_dim),
+            tie,
+            first_special: 295,
+            dtype: DType::Bf16,
+            seed: 3,
+            ..TestModel::default()
+        }
+    }
+
+    /// The model spec (vision width 32, patch 4, window 16, the second block full-attention
+    /// where there is one; the merger outputs the text width).
+    pub fn spec(&self) -> ModelSpec {
+        let hidden = self.heads * self.head_dim;
+        let s = self.first_special;
+        ModelSpec {
+            name: self.name.into(),
+            vision: VisionDims {
+                depth: self.vision_depth,
+                hidden_size: 32,
+                num_heads: self.vision_heads,
+                intermediate_size: self.vision_ffn,
+                patch_size: 4,
+                temporal_patch_size: 2,
+                spatial_merge_size: 2,
+                window_size: 16,
+                fullatt_block_indexes: vec![1.min(self.vision_depth.saturating_sub(1))],
+                in_channels: 3,
+                out_hidden_size: hidden,
+            },
+            text: TextDims {
+                num_layers: self.layers,
+                hidden_size: hidden,
+                num_heads: self.heads,
+                num_kv_heads: self.kv_heads,
+                intermediate_size: self.ffn,
+                vocab_size: self.vocab,
+                rope_theta: 10000.0,
+                mrope_section: self.mrope_section,
+                tie_word_embeddings: self.tie,
+                rms_norm_eps: 1e-6,
+                max_position_embeddings: 4096,
+            },
+            tokens: SpecialTokens {
+                eos_token_ids: vec![s],
+                vision_start_token_id: s + 1,
+                vision_end_token_id: s + 2,
+                image_token_id: s + 3,
+                video_token_id: s + 4,
+            },
+            dtype: self.dtype,
+            weights: WeightsSource::Random { seed: self.seed },
+        }
+    }
+}
+
+/// M-RoPE sections for a head of `head_dim`, split like Qwen's 16/24/24 of 64.
+pub fn mrope_for(head_dim: u32) -> [u32; 3] {
+    let half = head_dim / 2;
+    let a = half / 4;
+    let b = (half - a) / 2;
+    [a, b, half - a - b]
+}
+
 /// The preset called `name` (one of [`MODEL_PRESETS`]).
 pub fn model(name: &str) -> Option<ModelPreset> {
     if name == "tiny" {
@@ -192,6 +317,27 @@ pub fn model(name: &str) -> Option<ModelPreset> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn test_models_have_their_widths_and_tokens_inside_the_vocabulary() {
+        assert_eq!(mrope_for(64), [8, 12, 12]);
+        assert_eq!(mrope_for(32), [4, 6, 6]);
+        for m in [
+            TestModel::default(),
+            TestModel::gpu(4, 2, 32, true),
+            TestModel::gpu(2, 1, 16, false),
+        ] {
+            let s = m.spec();
+            let t = &s.text;
+            assert_eq!(t.hidden_size, t.num_heads * m.head_dim);
+            assert_eq!(s.vision.out_hidden_size, t.hidden_size);
+            assert!(t.mrope_section.iter().sum::<u32>() * 2 <= m.head_dim);
+            let k = &s.tokens;
+            let ids = [k.image_token_id, k.video_token_id, k.vision_start_token_id];
+            assert!(ids.iter().chain(&k.eos_token_ids).all(|&i| i < t.vocab_size));
+            assert!(s.vision.fullatt_block_indexes.iter().all(|&b| b < s.vision.depth));
+        }
+    }
 
     #[test]
     fn presets_have_consistent_dims() {

@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use half::bf16;
 use rollplex_kernels::cuda::{test_gpu, CudaStream, Gpu};
-use rollplex_plan::spec::{DType, ModelSpec, SpecialTokens, TextDims, VisionDims, WeightsSource};
+use rollplex_plan::models::{mrope_for, TestModel};
+use rollplex_plan::spec::DType;
 
 use super::*;
 use crate::gpu::{GpuKvArena, GpuModel, GpuPrompt};
@@ -19,44 +20,23 @@ fn gpu_or_skip() -> Option<Gpu> {
 
 /// A small random model whose ops spread over more SMs than a 40-SM partition has.
 fn small_model() -> Qwen25VL {
-    let spec = ModelSpec {
-        name: "streams-test".into(),
-        vision: VisionDims {
-            depth: 1,
-            hidden_size: 32,
-            num_heads: 2,
-            intermediate_size: 48,
-            patch_size: 4,
-            temporal_patch_size: 2,
-            spatial_merge_size: 2,
-            window_size: 16,
-            fullatt_block_indexes: vec![0],
-            in_channels: 3,
-            out_hidden_size: 512,
-        },
-        text: TextDims {
-            num_layers: 2,
-            hidden_size: 512,
-            num_heads: 8,
-            num_kv_heads: 2,
-            intermediate_size: 1376,
-            vocab_size: 3001,
-            rope_theta: 10000.0,
-            mrope_section: [8, 12, 12],
-            tie_word_embeddings: false,
-            rms_norm_eps: 1e-6,
-            max_position_embeddings: 4096,
-        },
-        tokens: SpecialTokens {
-            image_token_id: 2998,
-            video_token_id: 2999,
-            vision_start_token_id: 2996,
-            vision_end_token_id: 2997,
-            eos_token_ids: vec![2995],
-        },
+    let spec = TestModel {
+        name: "streams-test",
+        vision_depth: 1,
+        vision_ffn: 48,
+        layers: 2,
+        heads: 8,
+        kv_heads: 2,
+        head_dim: 64,
+        ffn: 1376,
+        vocab: 3001,
+        mrope_section: mrope_for(64),
+        first_special: 2995,
         dtype: DType::Bf16,
-        weights: WeightsSource::Random { seed: 5 },
-    };
+        seed: 5,
+        ..TestModel::default()
+    }
+    .spec();
     Qwen25VL::random(spec, 13).unwrap()
 }
 

@@ -8,7 +8,8 @@
 use half::bf16;
 use rollplex_kernels::cpu::linear_fwd;
 use rollplex_kernels::cuda::{sample_ref, test_gpu, Gpu};
-use rollplex_plan::spec::{DType, ModelSpec, SpecialTokens, TextDims, VisionDims, WeightsSource};
+use rollplex_plan::models::TestModel;
+use rollplex_plan::spec::ModelSpec;
 
 use super::plan::*;
 use super::weights::fuse_linears;
@@ -23,52 +24,11 @@ const VS: u32 = 296;
 const VE: u32 = 297;
 const IMG: u32 = 298;
 const VID: u32 = 299;
-const EOS: u32 = 295;
 
 /// Tiny dims the CUDA kernels take: vision head_dim 16, text head_dim `text_hd` (32: the
 /// tensor-core decode; 16: the varlen decode path); odd FFN and vocabulary sizes.
 fn spec(text_heads: u32, kv_heads: u32, text_hd: u32, tie: bool) -> ModelSpec {
-    let half = text_hd / 2;
-    let a = half / 4;
-    let b = (half - a) / 2;
-    ModelSpec {
-        name: "tiny-gpu".into(),
-        vision: VisionDims {
-            depth: 3,
-            hidden_size: 32,
-            num_heads: 2,
-            intermediate_size: 45,
-            patch_size: 4,
-            temporal_patch_size: 2,
-            spatial_merge_size: 2,
-            window_size: 16,
-            fullatt_block_indexes: vec![1],
-            in_channels: 3,
-            out_hidden_size: text_heads * text_hd,
-        },
-        text: TextDims {
-            num_layers: 3,
-            hidden_size: text_heads * text_hd,
-            num_heads: text_heads,
-            num_kv_heads: kv_heads,
-            intermediate_size: 99,
-            vocab_size: 301,
-            rope_theta: 10000.0,
-            mrope_section: [a, b, half - a - b],
-            tie_word_embeddings: tie,
-            rms_norm_eps: 1e-6,
-            max_position_embeddings: 4096,
-        },
-        tokens: SpecialTokens {
-            image_token_id: IMG,
-            video_token_id: VID,
-            vision_start_token_id: VS,
-            vision_end_token_id: VE,
-            eos_token_ids: vec![EOS],
-        },
-        dtype: DType::Bf16,
-        weights: WeightsSource::Random { seed: 3 },
-    }
+    TestModel::gpu(text_heads, kv_heads, text_hd, tie).spec()
 }
 
 /// A random model at the scales of tests/reference/make_tiny.py (weights 1/sqrt(fan_in),

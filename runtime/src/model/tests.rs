@@ -2,7 +2,8 @@
 //! changes a bit, sampling is reproducible, checkpoints round-trip.
 
 use rollplex_kernels::cpu::logprobs_fwd;
-use rollplex_plan::spec::{DType, ModelSpec, SpecialTokens, TextDims, VisionDims, WeightsSource};
+use rollplex_plan::models::TestModel;
+use rollplex_plan::spec::{DType, ModelSpec};
 
 use super::*;
 
@@ -13,49 +14,21 @@ const VE: u32 = 289;
 const EOS: u32 = 287;
 
 pub(crate) fn tiny_spec(tie: bool) -> ModelSpec {
-    ModelSpec {
-        name: "tiny".into(),
-        vision: VisionDims {
-            depth: 3,
-            hidden_size: 32,
-            num_heads: 2,
-            intermediate_size: 40,
-            patch_size: 4,
-            temporal_patch_size: 2,
-            spatial_merge_size: 2,
-            window_size: 16,
-            fullatt_block_indexes: vec![1],
-            in_channels: 3,
-            out_hidden_size: 48,
-        },
-        text: TextDims {
-            num_layers: 2,
-            hidden_size: 48,
-            num_heads: 4,
-            num_kv_heads: 2,
-            intermediate_size: 64,
-            vocab_size: 300,
-            rope_theta: 10000.0,
-            mrope_section: [2, 2, 2],
-            tie_word_embeddings: tie,
-            rms_norm_eps: 1e-6,
-            max_position_embeddings: 4096,
-        },
-        tokens: SpecialTokens {
-            image_token_id: IMG,
-            video_token_id: VID,
-            vision_start_token_id: VS,
-            vision_end_token_id: VE,
-            eos_token_ids: vec![EOS],
-        },
-        dtype: DType::F32,
-        weights: WeightsSource::Random { seed: 1 },
+    TestModel {
+        tie,
+        ..TestModel::default()
     }
+    .spec()
 }
 
 /// A model with random weights and random (non-zero) biases and norms, so every path counts.
 fn tiny_model(tie: bool) -> Qwen25VL {
-    let mut m = Qwen25VL::random(tiny_spec(tie), 5).unwrap();
+    perturbed(tiny_spec(tie))
+}
+
+/// `spec`'s random model (seed 5) with its zero biases and unit norms moved off 0 and 1.
+pub(crate) fn perturbed(spec: ModelSpec) -> Qwen25VL {
+    let mut m = Qwen25VL::random(spec, 5).unwrap();
     for (i, x) in m.weights.data.iter_mut().enumerate() {
         if *x == 0.0 || *x == 1.0 {
             *x += 0.05 * (((i * 2654435761) % 1000) as f32 / 500.0 - 1.0);

@@ -10,10 +10,8 @@
 
 use half::bf16;
 use rollplex_kernels::cuda::{test_gpu, Gpu};
-use rollplex_plan::spec::{
-    AdamWSpec, DType, KlEstimator, LossAgg, LrSchedule, ModelSpec, Recompute, SpecialTokens,
-    TextDims, VisionDims, WeightsSource,
-};
+use rollplex_plan::models::TestModel;
+use rollplex_plan::spec::{AdamWSpec, KlEstimator, LossAgg, LrSchedule, ModelSpec, Recompute};
 
 use super::params::{cpu_parts, fuse_parts, split_fused};
 use super::*;
@@ -25,54 +23,16 @@ use crate::train::{grpo_advantages, GroupBatch, Trainer};
 const VS: u32 = 296;
 const VE: u32 = 297;
 const IMG: u32 = 298;
-const VID: u32 = 299;
-const EOS: u32 = 295;
 
 /// The GPU model tests' tiny dims: vision head_dim 16, text 4 heads (2 kv) of 32, 3 layers,
 /// odd FFN and vocabulary sizes.
 fn spec(tie: bool) -> ModelSpec {
-    let (heads, hd) = (4u32, 32u32);
-    let half = hd / 2;
-    let a = half / 4;
-    let b = (half - a) / 2;
-    ModelSpec {
-        name: "tiny-gpu-train".into(),
-        vision: VisionDims {
-            depth: 2,
-            hidden_size: 32,
-            num_heads: 2,
-            intermediate_size: 45,
-            patch_size: 4,
-            temporal_patch_size: 2,
-            spatial_merge_size: 2,
-            window_size: 16,
-            fullatt_block_indexes: vec![1],
-            in_channels: 3,
-            out_hidden_size: heads * hd,
-        },
-        text: TextDims {
-            num_layers: 3,
-            hidden_size: heads * hd,
-            num_heads: heads,
-            num_kv_heads: 2,
-            intermediate_size: 99,
-            vocab_size: 301,
-            rope_theta: 10000.0,
-            mrope_section: [a, b, half - a - b],
-            tie_word_embeddings: tie,
-            rms_norm_eps: 1e-6,
-            max_position_embeddings: 4096,
-        },
-        tokens: SpecialTokens {
-            image_token_id: IMG,
-            video_token_id: VID,
-            vision_start_token_id: VS,
-            vision_end_token_id: VE,
-            eos_token_ids: vec![EOS],
-        },
-        dtype: DType::Bf16,
-        weights: WeightsSource::Random { seed: 3 },
+    TestModel {
+        name: "tiny-gpu-train",
+        vision_depth: 2,
+        ..TestModel::gpu(4, 2, 32, tie)
     }
+    .spec()
 }
 
 /// Random weights at the scales of tests/reference/make_tiny.py (matrices 1/sqrt(fan_in),
