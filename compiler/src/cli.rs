@@ -72,7 +72,8 @@ pub struct CompileArgs {
     /// Override the pipeline's schedule mode.
     #[arg(long, value_enum)]
     pub mode: Option<ModeArg>,
-    /// Print pass times, the candidates considered and the ILP size and solve time (stderr).
+    /// Print pass times, the candidates considered, the ILP size and solve time, and the
+    /// roofline: each phase's and the iteration's least time at the GPU's ceilings (stderr).
     #[arg(long)]
     pub stats: bool,
     /// Time limit of one ILP solve, seconds; on reaching it the best answer found is used. A
@@ -559,6 +560,7 @@ fn stats_text(plan: &Plan, st: &Stats) -> String {
     if let Some(w) = &plan.weight_sharing {
         s.push_str(&sharing_text(w));
     }
+    s.push_str(&rollplex_plan::roofline::roofline(plan).text());
     s.push_str(&format!(
         "plan: {} tasks, {} buffers, {} windows; predicted {:.3} s/iteration, {:.3} s of side work hidden in decode windows\n",
         plan.tasks.len(),

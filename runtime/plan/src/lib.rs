@@ -11,6 +11,7 @@ pub mod hf_config;
 pub mod ids;
 pub mod models;
 pub mod plan;
+pub mod roofline;
 pub mod spec;
 pub mod validate;
 pub mod work;

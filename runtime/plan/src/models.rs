@@ -334,8 +334,15 @@ mod tests {
             assert!(t.mrope_section.iter().sum::<u32>() * 2 <= m.head_dim);
             let k = &s.tokens;
             let ids = [k.image_token_id, k.video_token_id, k.vision_start_token_id];
-            assert!(ids.iter().chain(&k.eos_token_ids).all(|&i| i < t.vocab_size));
-            assert!(s.vision.fullatt_block_indexes.iter().all(|&b| b < s.vision.depth));
+            assert!(ids
+                .iter()
+                .chain(&k.eos_token_ids)
+                .all(|&i| i < t.vocab_size));
+            assert!(s
+                .vision
+                .fullatt_block_indexes
+                .iter()
+                .all(|&b| b < s.vision.depth));
         }
     }
 
