@@ -3,8 +3,8 @@
 //!
 //! A task's floor is the slowest of its terms at the machine's ceilings,
 //! `max(flops / gemm_rate, bytes / copy_rate, host_bytes / host_bw, net_bytes / net_bw)`; a phase's
-//! floor sums its tasks' floors (phases as [`Op::phase`] assigns them, a decode window's side
-//! work to its own phase), and the iteration's floor on a GPU program is the sum of its phases'.
+//! floor sums its tasks' floors (phases as [`crate::plan::Op::phase`] assigns them; side work placed in a
+//! decode window is the rollout's, as `rollplex-run` measures phases), and the iteration's floor on a GPU program is the sum of its phases'.
 //! The overlapped floor lets compute-bound work, memory-bound work and transfers share the time
 //! perfectly: the same `max` over the program's sums. Both take the
 //! slowest GPU program. What the counts leave out (per-step latency, attention's quadratic
@@ -102,7 +102,9 @@ pub fn roofline_at(plan: &Plan, ceilings: Ceilings) -> Roofline {
         let mut mine = vec![PhaseRoof::default(); Phase::ALL.len()];
         let mut sums = Work::default();
         for t in plan.tasks.iter().filter(|t| t.gpu == g.id) {
-            let Some(p) = t.op.phase(false) else { continue };
+            let Some(p) = t.op.phase(t.window.is_some()) else {
+                continue;
+            };
             let r = &mut mine[index(p)];
             let (f, b) = (t.work.total_flops(), t.work.total_bytes());
             r.flops += f;
