@@ -105,9 +105,20 @@ impl TpAdamW {
         comm.all_reduce_sum(&mut sq)?;
         let norm = sq[0].sqrt();
         if !norm.is_finite() {
-            return Err(TpError::Config(
-                "gradient norm is not finite; the optimizer step was not taken".into(),
-            ));
+            let culprit = table
+                .params()
+                .iter()
+                .find(|p| {
+                    grads[p.offset..p.offset + p.numel]
+                        .iter()
+                        .any(|g| !g.is_finite())
+                })
+                .map(|p| format!("{} on rank {}", p.name, model.rank))
+                .unwrap_or_else(|| "(on another rank, or an overflow of the sum)".into());
+            return Err(TpError::Config(format!(
+                "gradient norm is not finite (first non-finite tensor: {culprit}); the optimizer \
+                 step was not taken"
+            )));
         }
         if self.max_norm > 0.0 {
             let coef = (self.max_norm / (norm + 1e-6)).min(1.0) as f32;
