@@ -105,14 +105,7 @@ impl TpAdamW {
         comm.all_reduce_sum(&mut sq)?;
         let norm = sq[0].sqrt();
         if !norm.is_finite() {
-            let culprit = table
-                .params()
-                .iter()
-                .find(|p| {
-                    grads[p.offset..p.offset + p.numel]
-                        .iter()
-                        .any(|g| !g.is_finite())
-                })
+            let culprit = crate::train::adamw::first_non_finite(table, grads)
                 .map(|p| format!("{} on rank {}", p.name, model.rank))
                 .unwrap_or_else(|| "(on another rank, or an overflow of the sum)".into());
             return Err(TpError::Config(format!(
