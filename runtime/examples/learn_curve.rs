@@ -60,7 +60,7 @@ fn main() -> Result<()> {
     let args = parse()?;
     let plan = load_plan(&args.plan)?;
     let spec = &plan.spec;
-    let mut models = exec::build_cpu_models(spec)?;
+    let mut models = [exec::build_cpu_models(spec)?];
     let mut source = data::data_source(spec, &spec.rollout.dataset)?;
     let mut reward = data::reward_fn(spec)?;
     let mut rows =
@@ -73,12 +73,12 @@ fn main() -> Result<()> {
     let mut window = Vec::new();
     let mut report = |it: u32,
                       window: &mut Vec<f64>,
-                      models: &exec::cpu::CpuModels,
+                      models: &[exec::cpu::CpuModels],
                       train_s: f64,
                       eval_s: &mut f64|
      -> Result<()> {
         let t0 = Instant::now();
-        let model = models.trainer.model();
+        let model = &exec::cpu::unshard_actor(models)?;
         let held = data::evaluate_split(spec, model, Split::Test, args.eval)?
             .context("the job's dataset has no held-out split (use dataset = generated(\"moving_shapes\", N))")?;
         let train = data::evaluate_split(spec, model, Split::Train, args.eval)?.unwrap_or(f64::NAN);
@@ -121,9 +121,12 @@ fn main() -> Result<()> {
         report(done, &mut window, &models, train_s, &mut eval_s)?;
     }
     if args.examples > 0 {
-        for (split, i, text) in
-            data::greedy_answers(spec, models.trainer.model(), Split::Test, args.examples)?
-        {
+        for (split, i, text) in data::greedy_answers(
+            spec,
+            &exec::cpu::unshard_actor(&models)?,
+            Split::Test,
+            args.examples,
+        )? {
             println!("{} {i}: {text:?}", split.name());
         }
     }

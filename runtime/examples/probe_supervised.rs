@@ -21,8 +21,9 @@ use anyhow::{bail, Context, Result};
 use rollplex_runtime::cli::load_plan;
 use rollplex_runtime::exec::{self, data, PromptData};
 use rollplex_runtime::model::weights::Init;
-use rollplex_runtime::model::MediaInput;
+use rollplex_runtime::model::{MediaInput, Qwen25VL};
 use rollplex_runtime::tasks::moving_shapes::Split;
+use rollplex_runtime::tp::SoloComm;
 use rollplex_runtime::train::loss::Normaliser;
 use rollplex_runtime::train::step::Trainer;
 use rollplex_runtime::train::{GroupBatch, ResponseBatch, TrainConfig};
@@ -53,9 +54,8 @@ fn main() -> Result<()> {
             l.kl_coef = 0.0
         }
     }
-    let models = exec::build_cpu_models(&spec)?;
     let cfg = TrainConfig::from_spec(&spec.train, 1.0, None)?;
-    let mut model = models.trainer.into_model();
+    let mut model = exec::host_actor(&spec)?;
     // Optionally scale the random normal init (weights only; norms stay 1, biases 0).
     let entries = model.weights.table.entries().to_vec();
     for e in entries
@@ -66,6 +66,7 @@ fn main() -> Result<()> {
             *x *= init_scale;
         }
     }
+    let config = model.config.clone();
     let mut trainer = Trainer::new(model, cfg.clone(), spec.train.optimizer.clone())?;
     let mut source = data::data_source(&spec, &spec.rollout.dataset)?;
     let eos = spec.actor.tokens.eos_token_ids[0];
@@ -82,7 +83,7 @@ fn main() -> Result<()> {
     let mut spread = (1f64, 0f64);
     for i in 0..=iterations {
         if i % every == 0 {
-            let m = trainer.model();
+            let m = &Qwen25VL::new(config.clone(), trainer.weights().clone())?;
             let h = data::evaluate_split(&spec, m, Split::Test, eval)?.unwrap_or(f64::NAN);
             let t = data::evaluate_split(&spec, m, Split::Train, eval)?.unwrap_or(f64::NAN);
             let p = p_sum / p_n.max(1) as f64;
@@ -149,9 +150,9 @@ fn main() -> Result<()> {
                 media: &media[g],
                 responses: &rs,
             }];
-            let mut scratch = vec![0f32; trainer.model().weights.table.total()];
-            let out = rollplex_runtime::train::forward_backward(
-                trainer.model(),
+            let mut scratch = vec![0f32; trainer.weights().table.total()];
+            let out = trainer.actor().as_rank().forward_backward(
+                &SoloComm,
                 &cfg,
                 &batch,
                 norm,
@@ -177,6 +178,7 @@ fn main() -> Result<()> {
                 })
                 .collect();
             trainer.micro_batch(
+                &SoloComm,
                 g as u32,
                 &[GroupBatch {
                     prompt_ids: &p.ids,
@@ -189,13 +191,13 @@ fn main() -> Result<()> {
         if std::env::var_os("PROBE_GRADS").is_some() && i % every == 0 {
             let g = trainer.grads();
             let mut by: std::collections::BTreeMap<String, (f64, f64)> = Default::default();
-            for e in trainer.model().weights.table.entries() {
+            for e in trainer.weights().table.entries() {
                 let key: String = e.name.split('.').take(3).collect::<Vec<_>>().join(".");
                 let n2: f64 = g[e.offset..e.offset + e.len]
                     .iter()
                     .map(|&x| (x as f64).powi(2))
                     .sum();
-                let w2: f64 = trainer.model().weights.data[e.offset..e.offset + e.len]
+                let w2: f64 = trainer.weights().data[e.offset..e.offset + e.len]
                     .iter()
                     .map(|&x| (x as f64).powi(2))
                     .sum();
@@ -211,7 +213,7 @@ fn main() -> Result<()> {
                 );
             }
         }
-        trainer.optimizer_step()?;
+        trainer.optimizer_step(&SoloComm)?;
     }
     Ok(())
 }

@@ -192,7 +192,7 @@ fn cuda_first_iteration_agrees_with_the_cpu_backend() {
     let (gpu_run, _) = run_gpu(&plan, 1);
     let g = &gpu_run[0];
     let spec = &plan.spec;
-    let mut models = exec::build_cpu_models(spec).expect("CPU models");
+    let mut models = [exec::build_cpu_models(spec).expect("CPU models")];
     let mut source = exec::data_source(spec, &spec.rollout.dataset).expect("data");
     let mut reward = exec::reward_fn(spec).expect("reward");
     let mut cpu_run = Vec::new();
@@ -343,8 +343,8 @@ fn cuda_tiny_h200_learns_the_moving_shapes_task() {
 fn cuda_pick_order_changes_no_number() {
     use rollplex_runtime::exec::cpu::CpuIteration;
     use rollplex_runtime::exec::walker::{walk, TaskRunner};
-    struct Ranked<'a, 'b, 'r>(&'a mut CpuIteration<'b, 'r>, bool);
-    impl TaskRunner for Ranked<'_, '_, '_> {
+    struct Ranked<'a, R>(&'a mut R, bool);
+    impl<R: TaskRunner<Error = exec::ExecError>> TaskRunner for Ranked<'_, R> {
         type Error = exec::ExecError;
         fn run(&mut self, t: &rollplex_plan::plan::Task) -> Result<(), exec::ExecError> {
             self.0.run(t)
@@ -369,8 +369,12 @@ fn cuda_pick_order_changes_no_number() {
         let prompts = source
             .prompts(0, plan.parallel.prompts_per_rollout_replica as usize)
             .expect("prompts");
+        let mut engine = exec::cpu::RankEngine {
+            models: &mut models,
+            comm: &rollplex_runtime::tp::SoloComm,
+        };
         let mut iter =
-            CpuIteration::new(&plan, &mut models, reward.as_mut(), 0, &prompts).expect("iteration");
+            CpuIteration::new(&plan, &mut engine, reward.as_mut(), 0, &prompts).expect("iteration");
         let mut order = Vec::new();
         walk(
             &plan,

@@ -188,15 +188,22 @@ fn two_plus_resume(plan: Plan) {
     assert!(a_bits == b_bits, "final weights differ");
 
     // The same checkpoint loads on the CPU backend (numbers then follow the CPU engine).
-    let cpu_fresh = exec::build_cpu_models(spec).expect("CPU models");
-    let cpu_identity = RunIdentity::of(&plan, &cpu_fresh).expect("identity");
+    let cpu_identity = RunIdentity::with_reference(&plan, spec.reference.enabled.then_some(&actor))
+        .expect("identity");
     assert_eq!(
         cpu_identity, identity,
         "the run identity is backend-neutral"
     );
-    let c = checkpoint::load(&ckpt, &cpu_identity, cpu_fresh).expect("a cuda checkpoint on cpu");
-    assert_eq!(c.completed, 2);
-    assert_eq!(c.models.trainer.optimizer().steps(), 2);
+    let cfg = exec::cpu::train_config(spec).expect("train config");
+    let (completed, state) = checkpoint::load(&ckpt, &cpu_identity, actor.config.clone(), |n| {
+        cfg.trainable(n)
+    })
+    .expect("a cuda checkpoint on cpu");
+    assert_eq!(completed, 2);
+    assert_eq!(state.steps, 2);
+    let mut cpu_models = exec::build_cpu_models(spec).expect("CPU models");
+    exec::cpu::restore_rank(&mut cpu_models, &state).expect("restored on cpu");
+    assert_eq!(cpu_models.trainer.optimizer().steps(), 2);
 }
 
 fn args(plan: &Path, out: &Path, iterations: u32) -> RunArgs {

@@ -120,12 +120,9 @@ fn three_plus_resume_to_six_equals_six_bitwise() {
     // The weights load with the model's own loader (HF layout) and are the trained ones.
     let model = rollplex_runtime::model::Qwen25VL::load(&ckpt(&a, 6)).expect("HF layout loads");
     let init = rollplex_runtime::exec::build_cpu_models(&plan.spec).unwrap();
-    assert_eq!(
-        model.weights.data.len(),
-        init.trainer.model().weights.data.len()
-    );
+    assert_eq!(model.weights.data.len(), init.actor().weights.data.len());
     assert!(
-        model.weights.data != init.trainer.model().weights.data,
+        model.weights.data != init.actor().weights.data,
         "training changed the weights"
     );
 

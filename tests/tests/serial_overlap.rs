@@ -22,7 +22,7 @@ fn compile(src: &str, mode: Mode, dedup: bool) -> Plan {
 /// Runs `iterations` RL iterations and returns every result plus the final weights' bits.
 fn run(plan: &Plan, iterations: u32) -> (Vec<IterationResult>, Vec<u32>) {
     let spec = &plan.spec;
-    let mut models = exec::build_cpu_models(spec).expect("models");
+    let mut models = [exec::build_cpu_models(spec).expect("models")];
     let mut source = exec::data_source(spec, &spec.rollout.dataset).expect("data");
     let mut reward = exec::reward_fn(spec).expect("reward");
     let mut results = Vec::new();
@@ -39,9 +39,8 @@ fn run(plan: &Plan, iterations: u32) -> (Vec<IterationResult>, Vec<u32>) {
         },
     )
     .expect("run");
-    let bits = models
-        .trainer
-        .model()
+    let bits = models[0]
+        .actor()
         .weights
         .data
         .iter()

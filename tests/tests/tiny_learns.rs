@@ -21,9 +21,13 @@ fn tiny_plan() -> Plan {
 fn the_random_tiny_model_answers_no_held_out_question() {
     let plan = tiny_plan();
     let models = exec::build_cpu_models(&plan.spec).expect("models");
-    let acc = exec::evaluate(&plan.spec, models.trainer.model(), 16)
-        .expect("eval")
-        .expect("moving_shapes has a test split");
+    let acc = exec::evaluate(
+        &plan.spec,
+        &exec::cpu::unshard_actor(&[models]).expect("actor"),
+        16,
+    )
+    .expect("eval")
+    .expect("moving_shapes has a test split");
     assert_eq!(acc, 0.0, "the random model already answers: {acc}");
 }
 
@@ -35,7 +39,7 @@ fn the_random_tiny_model_answers_no_held_out_question() {
 fn tiny_grpo_gets_held_out_accuracy_well_above_chance() {
     let plan = tiny_plan();
     let spec = &plan.spec;
-    let mut models = exec::build_cpu_models(spec).expect("models");
+    let mut models = [exec::build_cpu_models(spec).expect("models")];
     let mut source = exec::data_source(spec, &spec.rollout.dataset).expect("data");
     let mut reward = exec::reward_fn(spec).expect("reward");
     let mut last = Vec::new();
@@ -55,7 +59,7 @@ fn tiny_grpo_gets_held_out_accuracy_well_above_chance() {
     )
     .expect("run");
     let train = last.iter().sum::<f64>() / last.len() as f64;
-    let held_out = exec::evaluate(spec, models.trainer.model(), 64)
+    let held_out = exec::evaluate(spec, &exec::cpu::unshard_actor(&models).expect("actor"), 64)
         .expect("eval")
         .expect("moving_shapes has a test split");
     // Measured (docs/perf.md, "tiny CPU run"): train reward 0.99 over the last 50 iterations,

@@ -14,7 +14,7 @@ mod common;
 
 use rollplex_plan::spec::Mode;
 use rollplex_plan::Plan;
-use rollplex_runtime::exec::{self, cpu_tp, IterationResult};
+use rollplex_runtime::exec::{self, cpu, IterationResult};
 
 /// Iterations per run.
 const ITERS: u32 = 3;
@@ -72,7 +72,7 @@ fn plan(tp: u32, wide: bool) -> Plan {
 /// The runs score responses by their tokens (mean of `token % 5`) instead of the pipeline's
 /// `choice_letter`, which a random model's responses almost never earn: every group then has
 /// different rewards, non-zero advantages, a policy gradient, and (after the first step) a KL.
-fn token_reward() -> Box<cpu_tp::SendRewardFn<'static>> {
+fn token_reward() -> Box<cpu::SendRewardFn<'static>> {
     Box::new(|_, responses: &[&[u32]]| {
         Ok(responses
             .iter()
@@ -89,11 +89,11 @@ struct Run {
     names: Vec<(String, usize, usize)>,
 }
 
-/// TP 1: the single-rank executor.
+/// TP 1: the single-rank run (one rank over `SoloComm`, on the test's thread).
 fn run_tp1(plan: &Plan) -> Run {
     let spec = &plan.spec;
-    let mut models = exec::build_cpu_models(spec).expect("models");
-    let initial = models.trainer.model().weights.data.clone();
+    let mut models = [exec::build_cpu_models(spec).expect("models")];
+    let initial = models[0].actor().weights.data.clone();
     let mut source = exec::data_source(spec, &spec.rollout.dataset).expect("data");
     let mut reward = token_reward();
     let mut results = Vec::new();
@@ -110,7 +110,7 @@ fn run_tp1(plan: &Plan) -> Run {
         },
     )
     .expect("TP 1 run");
-    let w = &models.trainer.model().weights;
+    let w = &models[0].actor().weights;
     Run {
         results,
         weights: w.data.clone(),
@@ -132,13 +132,13 @@ fn run_tp(plan: &Plan) -> Run {
     let spec = &plan.spec;
     let degree = plan.parallel.train_tp as usize;
     let actor = exec::host_actor(spec).expect("actor");
-    let models = cpu_tp::build_tp_models_from(spec, &actor, degree).expect("rank models");
+    let mut ranks = cpu::build_ranks(spec, &actor, degree).expect("rank models");
     let mut source = exec::data_source(spec, &spec.rollout.dataset).expect("data");
     let mut reward = token_reward();
     let mut results = Vec::new();
-    let ranks = cpu_tp::run_cpu_tp_iterations(
+    cpu::run_cpu_iterations(
         plan,
-        models,
+        &mut ranks,
         source.as_mut(),
         reward.as_mut(),
         0,
@@ -149,7 +149,7 @@ fn run_tp(plan: &Plan) -> Run {
         },
     )
     .unwrap_or_else(|e| panic!("TP {degree} run: {e}"));
-    let full = cpu_tp::unshard_actor(&ranks).expect("unshard");
+    let full = cpu::unshard_actor(&ranks).expect("unshard");
     Run {
         results,
         names: names(&full.weights),

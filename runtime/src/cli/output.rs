@@ -97,21 +97,20 @@ impl exec::LoopObserver for LoopRun<'_> {
             let root = self.args.out.join(checkpoint::CHECKPOINTS_DIR);
             let keep = self.args.keep_checkpoints;
             let path = match models {
-                exec::LoopModels::Cpu(m) => checkpoint::save(&root, done, m, identity, keep)?,
+                exec::LoopModels::Cpu(Some(state)) => {
+                    checkpoint::save(&root, done, state, identity, keep)?
+                }
+                exec::LoopModels::Cpu(None) => {
+                    return Err(ExecError::Plan(format!(
+                        "iteration {done} is to be checkpointed but the ranks did not gather \
+                         their state (CpuModels::set_save_every not called)"
+                    )))
+                }
                 exec::LoopModels::Gpu(m) => {
                     let host = self.host.as_mut().ok_or_else(|| {
                         ExecError::Checkpoint("no host copy of the actor to save through".into())
                     })?;
                     checkpoint::save_gpu(&root, done, m, host, identity, keep)?
-                }
-                exec::LoopModels::CpuTpState(s) => {
-                    checkpoint::save_tp(&root, done, s, identity, keep)?
-                }
-                exec::LoopModels::CpuTp(_) => {
-                    return Err(ExecError::Plan(format!(
-                        "iteration {done} of a tensor-parallel run is to be checkpointed but its \
-                         ranks did not gather their state (TpCheckpoints not set)"
-                    )))
                 }
             };
             if !self.args.quiet {
@@ -167,9 +166,15 @@ impl LoopRun<'_> {
     }
 }
 
+/// A run's prompt source and reward.
+pub(super) type RunSources = (
+    Box<dyn exec::prompts::PromptSource>,
+    Box<exec::cpu::SendRewardFn<'static>>,
+);
+
 pub(super) type RunInputs = (
     Box<dyn exec::prompts::PromptSource>,
-    Box<exec::cpu_tp::SendRewardFn<'static>>,
+    Box<exec::cpu::SendRewardFn<'static>>,
     MetricsLog,
 );
 

@@ -32,10 +32,10 @@
 //! `adamw_step_f32` writes it: the same bits); the frozen vision tower and merger keep the job's
 //! initial weights, as in the run that saved.
 //!
-//! A tensor-parallel CPU run writes the same format: its ranks gather their shards of the
-//! weights and the AdamW state on rank 0 ([`super::cpu_tp::gather_train_state`]), which saves
-//! them ([`save_tp`]); a resume loads as a single-rank run does and each rank takes its shard
-//! ([`super::cpu_tp::restore_rank`]).
+//! The CPU backend saves and loads one state, the whole model's [`TrainState`]: its ranks
+//! gather their shards of the weights and the AdamW state on rank 0
+//! ([`super::cpu::gather_train_state`]; a copy on one rank), which saves it ([`save`]); a
+//! resume [`load`]s it and each rank takes its part ([`super::cpu::restore_rank`]).
 //!
 //! Invariants: a checkpoint is only ever seen complete or not at all; a resume refuses a
 //! checkpoint of another plan, another seed, another reference, or with a corrupt file, with a
@@ -47,8 +47,7 @@ use std::path::{Path, PathBuf};
 use rollplex_plan::spec::{DType, JobSpec, WeightsSource};
 use rollplex_plan::Plan;
 
-use super::cpu::CpuModels;
-use super::cpu_tp::TpTrainState;
+use super::cpu::TrainState;
 use super::gpu::GpuModels;
 use super::ExecError;
 use crate::ckpt_state::{self, AtomicDir, RunState, Tensor32};
@@ -111,10 +110,6 @@ pub struct RunIdentity {
 }
 
 impl RunIdentity {
-    pub fn of(plan: &Plan, models: &CpuModels) -> Result<Self, ExecError> {
-        Self::with_reference(plan, models.reference.as_ref())
-    }
-
     /// The identity of a run whose reference is `reference` (on the host; the initial actor),
     /// whatever backend runs it: the same for `cpu` and `cuda`.
     pub fn with_reference(plan: &Plan, reference: Option<&Qwen25VL>) -> Result<Self, ExecError> {
@@ -152,11 +147,6 @@ fn insert_param(
             },
         );
     }
-}
-
-fn opt_state(models: &CpuModels) -> BTreeMap<String, Tensor32> {
-    let opt = models.trainer.optimizer();
-    opt_state_of(opt.table(), opt.state())
 }
 
 /// The optimizer map of dense AdamW buffers in `table`'s carving.
@@ -232,30 +222,14 @@ fn gpu_state_of(
     Ok(GpuTrainState { params, steps })
 }
 
-/// Saves the state after `completed` iterations as `<root>/iter-<completed>`, atomically, then
-/// removes all but the newest `keep` checkpoints of `root` (`keep == 0`: keeps all).
+/// Saves the CPU backend's state after `completed` iterations as `<root>/iter-<completed>`,
+/// atomically, then removes all but the newest `keep` checkpoints of `root` (`keep == 0`:
+/// keeps all). `state` is the whole model's, gathered from the ranks on rank 0 (its weights
+/// load in Hugging Face layout; a resume continues its plan at any rank count it runs with).
 pub fn save(
     root: &Path,
     completed: u32,
-    models: &CpuModels,
-    identity: &RunIdentity,
-    keep: usize,
-) -> Result<PathBuf, ExecError> {
-    let opt = models.trainer.optimizer();
-    let state = TrainedState {
-        model: models.trainer.model(),
-        optimizer: opt_state(models),
-        steps: opt.steps(),
-    };
-    save_state(root, completed, state, identity, keep)
-}
-
-/// [`save`] for a tensor-parallel CPU run, from its state gathered on rank 0: the same
-/// single-rank format (its weights load in Hugging Face layout; a resume continues its plan).
-pub fn save_tp(
-    root: &Path,
-    completed: u32,
-    state: &TpTrainState,
+    state: &TrainState,
     identity: &RunIdentity,
     keep: usize,
 ) -> Result<PathBuf, ExecError> {
@@ -397,44 +371,6 @@ pub fn resolve(path: &Path) -> Result<PathBuf, ExecError> {
     )))
 }
 
-/// A loaded checkpoint: iterations done and the models and optimizer to continue with.
-pub struct Resumed {
-    pub dir: PathBuf,
-    pub completed: u32,
-    pub models: CpuModels,
-}
-
-/// Loads checkpoint `dir` for `plan`: checks it belongs to this run (plan, seed, reference)
-/// and is intact, then builds the models around its weights and restores the optimizer.
-/// `fresh` are the models a new run would start from (their reference is kept), `identity`
-/// theirs and the plan's ([`RunIdentity::of`]).
-pub fn load(dir: &Path, identity: &RunIdentity, fresh: CpuModels) -> Result<Resumed, ExecError> {
-    let (completed, state, loaded) = load_checked(dir, identity)?;
-    let CpuModels {
-        trainer,
-        reference,
-        rollout,
-    } = fresh;
-    let cfg = trainer.config().clone();
-    let opt_spec = trainer.optimizer().spec().clone();
-    let actor = job_actor(dir, trainer.into_model().config, loaded)?;
-    let mut trainer = crate::train::step::Trainer::new(actor, cfg, opt_spec)?;
-    let (master, m, v) = optimizer_buffers(dir, &state, trainer.optimizer().table())?;
-    trainer.restore_optimizer(&master, &m, &v, state.optimizer_step)?;
-    // a disaggregated run's rollout copy held the saved weights too (the iteration's last task
-    // before the save was its weight sync)
-    let rollout = rollout.map(|_| trainer.model().clone());
-    Ok(Resumed {
-        dir: dir.to_path_buf(),
-        completed,
-        models: CpuModels {
-            trainer,
-            reference,
-            rollout,
-        },
-    })
-}
-
 /// The checkpoint's weights (`loaded`) as the job's model (`config`).
 fn job_actor(
     dir: &Path,
@@ -497,20 +433,21 @@ fn optimizer_buffers(
     Ok((master, m, v))
 }
 
-/// [`load`] for a tensor-parallel CPU run: the same checks, and the checkpoint's state in the
-/// single-rank layout ([`TpTrainState`]) for every rank to take its shard of; `config` is the
-/// job's model, `trainable` its trained tensors. Returns the iterations done.
-pub fn load_tp(
+/// Loads checkpoint `dir` for the CPU backend: checks it belongs to this run (plan, seed,
+/// reference; `identity`, [`RunIdentity::with_reference`]) and is intact, then returns the
+/// iterations done and the whole model's state, for every rank to take its part of
+/// ([`super::cpu::restore_rank`]); `config` is the job's model, `trainable` its trained tensors.
+pub fn load(
     dir: &Path,
     identity: &RunIdentity,
     config: crate::model::ModelConfig,
     trainable: impl Fn(&str) -> bool,
-) -> Result<(u32, TpTrainState), ExecError> {
+) -> Result<(u32, TrainState), ExecError> {
     let (completed, state, loaded) = load_checked(dir, identity)?;
     let actor = job_actor(dir, config, loaded)?;
     let table = OptTable::from_model(&actor.weights.table, trainable)?;
     let (master, m, v) = optimizer_buffers(dir, &state, &table)?;
-    let tp = TpTrainState {
+    let tp = TrainState {
         actor,
         table,
         master,
@@ -539,7 +476,6 @@ pub fn load_gpu(
     identity: &RunIdentity,
     mut fresh: GpuModels,
 ) -> Result<ResumedGpu, ExecError> {
-    let at = |msg: String| ck(format!("{}: {msg}", dir.display()));
     let (completed, state, loaded) = load_checked(dir, identity)?;
     let st = gpu_state_of(dir, state.optimizer, state.optimizer_step)?;
     fresh
@@ -552,11 +488,7 @@ pub fn load_gpu(
             ))
         })?;
     let config = fresh.trainer.model().config.clone();
-    let host = Qwen25VL::new(config, loaded.weights).map_err(|e| {
-        at(format!(
-            "{e}: the checkpoint's weights do not fit this job's model"
-        ))
-    })?;
+    let host = job_actor(dir, config, loaded)?;
     Ok(ResumedGpu {
         dir: dir.to_path_buf(),
         completed,

@@ -299,7 +299,7 @@ pub fn data_source(
 }
 
 /// The job's reward as the loop calls it: decode each response, score the group.
-pub fn reward_fn(spec: &JobSpec) -> Result<Box<super::cpu_tp::SendRewardFn<'static>>, ExecError> {
+pub fn reward_fn(spec: &JobSpec) -> Result<Box<super::cpu::SendRewardFn<'static>>, ExecError> {
     let mut reward =
         Reward::from_spec(&spec.reward).map_err(|e| ExecError::Reward(e.to_string()))?;
     let synthetic = matches!(spec.rollout.dataset, DatasetSpec::Synthetic);

@@ -2,12 +2,12 @@
 //!
 //! `rollplex-run` decodes a plan, checks it against the machine, and hands it here. Per
 //! iteration the loop draws the prompts, then [`walker::walk`]s the plan's tasks on the chosen
-//! backend, then records metrics. The backends share the walker; `cpu` is [`cpu`], `sim` is
-//! [`crate::sim`] (timing only).
+//! backend, then records metrics. The backends share the walker; `cpu` is [`cpu`] (one rank or
+//! a tensor-parallel group, one code path), `cuda` is [`gpu`], `sim` is [`crate::sim`] (timing
+//! only).
 //!
-//! Module map: `walker` (the order tasks run in), `cpu` (the CPU backend's ops, generic over
-//! the engine), `cpu_tp` (the CPU backend under tensor parallelism: one rank per thread, each
-//! walking the plan with its shard), `prompts`
+//! Module map: `walker` (the order tasks run in), `cpu` (the CPU backend: one rank's models and
+//! engine, the plan's ops on a rank, the loop over the ranks), `prompts`
 //! (prompt sources: synthetic shapes for benchmarks, datasets for training), `checkpoint`
 //! (`--save-every` / `--resume`: the loop's state on disk), `profile` (`--profile`: measured
 //! task times as a cost-model profile). [`run_cpu_loop`] tells a
@@ -20,7 +20,6 @@
 pub mod book;
 pub mod checkpoint;
 pub mod cpu;
-pub mod cpu_tp;
 pub mod data;
 pub mod defer;
 pub mod gpu;
@@ -36,6 +35,7 @@ use rollplex_plan::plan::Task;
 use rollplex_plan::spec::{JobSpec, LengthDist, Mode};
 use rollplex_plan::Plan;
 
+pub use cpu::{build_cpu_models, run_cpu_iterations, run_cpu_loop};
 pub use data::{data_source, evaluate, reward_fn};
 
 use crate::model::{Grid, MediaKind, ModelError};
@@ -268,23 +268,10 @@ pub fn forced_length(spec: &JobSpec, iteration: u32, sample: u32) -> u32 {
     (len.round() as u32).clamp(1, max)
 }
 
-/// Checks that a plan can run on the CPU backend with one rank (TP 1: [`run_cpu_loop`]).
-pub fn check_cpu_plan(plan: &Plan) -> Result<(), ExecError> {
-    let degree = cpu_plan_degree(plan)?;
-    if degree != 1 {
-        return Err(ExecError::Machine(format!(
-            "this plan runs tensor-parallel with TP {degree}: run it with \
-             exec::cpu_tp::run_cpu_tp_loop (one thread per rank; `rollplex-run` does this), \
-             or compile the pipeline with `gpu {{ preset = cpu count = 1 }}` for one rank"
-        )));
-    }
-    Ok(())
-}
-
 /// Checks that a plan can run on the CPU backend and returns its tensor-parallel degree: 1
-/// ([`run_cpu_loop`]; also a disaggregated plan of one rollout and one training GPU, whose two
-/// programs it runs in turn) or the `N` of rollout TP = training TP = GPU count = `N`
-/// ([`cpu_tp::run_cpu_tp_loop`], one rank per thread).
+/// (also a disaggregated plan of one rollout and one training GPU, whose two programs one rank
+/// runs in turn) or the `N` of rollout TP = training TP = GPU count = `N`; [`run_cpu_loop`]
+/// runs either.
 pub fn cpu_plan_degree(plan: &Plan) -> Result<usize, ExecError> {
     let (rt, tt, n) = (
         plan.parallel.rollout_tp,
@@ -343,25 +330,6 @@ fn check_cpu_disaggregated(plan: &Plan) -> Result<(), ExecError> {
     Ok(())
 }
 
-/// Builds the CPU backend's models from the job spec: the actor (random or from its
-/// checkpoint), the trainer around it, the frozen reference (a copy of the initial actor) and,
-/// for a disaggregated job, the rollout GPUs' copy of the actor.
-pub fn build_cpu_models(spec: &JobSpec) -> Result<cpu::CpuModels, ExecError> {
-    let actor = host_actor(spec)?;
-    let reference = spec.reference.enabled.then(|| actor.clone());
-    let rollout = disaggregated(spec).then(|| actor.clone());
-    let trainer = crate::train::step::Trainer::new(
-        actor,
-        cpu::train_config(spec)?,
-        spec.train.optimizer.clone(),
-    )?;
-    Ok(cpu::CpuModels {
-        trainer,
-        reference,
-        rollout,
-    })
-}
-
 /// Whether the job's rollout and training run on separate GPUs (each holding its own copy of
 /// the actor's weights).
 pub fn disaggregated(spec: &JobSpec) -> bool {
@@ -381,23 +349,11 @@ pub fn host_actor(spec: &JobSpec) -> Result<crate::model::Qwen25VL, ExecError> {
 /// The models of a backend after an iteration, as the observer sees them.
 #[derive(Clone, Copy)]
 pub enum LoopModels<'a> {
-    Cpu(&'a cpu::CpuModels),
+    /// The CPU backend (rank 0 observes): the whole model's training state gathered from the
+    /// ranks after an iteration whose state is to be checkpointed (`CpuModels::set_save_every`),
+    /// `None` after the others.
+    Cpu(Option<&'a cpu::TrainState>),
     Gpu(&'a gpu::GpuModels),
-    /// Rank 0's shard of a tensor-parallel CPU run (the observer runs on rank 0 only).
-    CpuTp(&'a cpu_tp::TpRankModels),
-    /// A tensor-parallel CPU run's state gathered on rank 0, after an iteration whose state is
-    /// to be checkpointed (`cpu_tp::TpCheckpoints`).
-    CpuTpState(&'a cpu_tp::TpTrainState),
-}
-
-impl<'a> LoopModels<'a> {
-    /// The CPU backend's models (host weights and optimizer state: what checkpoints save).
-    pub fn cpu(self) -> Option<&'a cpu::CpuModels> {
-        match self {
-            LoopModels::Cpu(m) => Some(m),
-            LoopModels::Gpu(_) | LoopModels::CpuTp(_) | LoopModels::CpuTpState(_) => None,
-        }
-    }
 }
 
 /// What the loop tells its caller while it runs (traces, progress bars, metrics). Every method
@@ -470,45 +426,6 @@ impl<R: walker::TaskRunner> walker::TaskRunner for Timed<'_, R> {
     }
 }
 
-/// Runs iterations `iterations` of `plan` on the CPU backend, telling `observer` about every
-/// task and iteration as it happens.
-pub fn run_cpu_loop(
-    plan: &Plan,
-    models: &mut cpu::CpuModels,
-    source: &mut dyn prompts::PromptSource,
-    reward: &mut cpu::RewardFn<'_>,
-    iterations: std::ops::Range<u32>,
-    observer: &mut dyn LoopObserver,
-) -> Result<(), ExecError> {
-    check_cpu_plan(plan)?;
-    let groups = plan.parallel.prompts_per_rollout_replica as usize;
-    let gpu = plan.gpus[0].id;
-    // a disaggregated plan's two programs (rollout, training) run in turn on this host
-    let all = plan.mode == Mode::Disaggregated;
-    let tasks = plan.tasks.iter().filter(|t| all || t.gpu == gpu).count();
-    prompts::for_each_prefetched(source, iterations, groups, |it, prompts, t0| {
-        observer.iteration_started(it, tasks);
-        reset_rss_peak();
-        let mut result = {
-            let mut iter = cpu::CpuIteration::new(plan, models, reward, it, &prompts)?;
-            let mut timed = Timed {
-                inner: &mut iter,
-                observer: &mut *observer,
-                iteration: it,
-            };
-            if all {
-                walker::walk_all(plan, &mut timed, |_, _| {})?;
-            } else {
-                walker::walk(plan, gpu, &mut timed, |_, _| {})?;
-            }
-            iter.finish()
-        };
-        result.metrics.peak_mem_bytes = rss_peak();
-        let wall = t0.elapsed();
-        observer.iteration_done(it, &result, LoopModels::Cpu(models), t0, wall)
-    })
-}
-
 /// Starts a new resident-set high-water mark of this process (Linux: `/proc/self/clear_refs`;
 /// elsewhere, or where refused, the mark keeps counting from the process start).
 fn reset_rss_peak() {
@@ -521,25 +438,4 @@ fn rss_peak() -> Option<u64> {
     let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
-}
-
-/// Runs iterations `first .. first + count` of `plan` on the CPU backend. `on_iteration` sees
-/// each iteration's result and wall time as soon as it is done.
-pub fn run_cpu_iterations(
-    plan: &Plan,
-    models: &mut cpu::CpuModels,
-    source: &mut dyn prompts::PromptSource,
-    reward: &mut cpu::RewardFn<'_>,
-    first: u32,
-    count: u32,
-    on_iteration: impl FnMut(u32, &IterationResult, Duration) -> Result<(), ExecError>,
-) -> Result<(), ExecError> {
-    run_cpu_loop(
-        plan,
-        models,
-        source,
-        reward,
-        first..first + count,
-        &mut EachIteration(on_iteration),
-    )
 }

@@ -105,9 +105,13 @@ impl TpAdamW {
         comm.all_reduce_sum(&mut sq)?;
         let norm = sq[0].sqrt();
         if !norm.is_finite() {
-            return Err(TpError::Config(
-                "gradient norm is not finite; the optimizer step was not taken".into(),
-            ));
+            let culprit = crate::train::adamw::first_non_finite(table, grads)
+                .map(|p| format!("{} on rank {}", p.name, model.rank))
+                .unwrap_or_else(|| "(on another rank, or an overflow of the sum)".into());
+            return Err(TpError::Config(format!(
+                "gradient norm is not finite (first non-finite tensor: {culprit}); the optimizer \
+                 step was not taken"
+            )));
         }
         if self.max_norm > 0.0 {
             let coef = (self.max_norm / (norm + 1e-6)).min(1.0) as f32;

@@ -300,14 +300,7 @@ pub fn clip_grad_norm(table: &OptTable, grads: &mut [f32], max_norm: f64) -> Res
     }
     let norm = sq.sqrt();
     if !norm.is_finite() {
-        let culprit = table
-            .params()
-            .iter()
-            .find(|p| {
-                grads[p.offset..p.offset + p.numel]
-                    .iter()
-                    .any(|g| !g.is_finite())
-            })
+        let culprit = first_non_finite(table, grads)
             .map(|p| p.name.clone())
             .unwrap_or_else(|| "(overflow of the sum)".into());
         return Err(TrainError::Invalid(format!(
@@ -323,6 +316,16 @@ pub fn clip_grad_norm(table: &OptTable, grads: &mut [f32], max_norm: f64) -> Res
         }
     }
     Ok(norm)
+}
+
+/// The first trainable tensor (table order) with a non-finite gradient: what an error about a
+/// non-finite grad norm names.
+pub fn first_non_finite<'t>(table: &'t OptTable, grads: &[f32]) -> Option<&'t OptParam> {
+    table.params().iter().find(|p| {
+        grads[p.offset..p.offset + p.numel]
+            .iter()
+            .any(|g| !g.is_finite())
+    })
 }
 
 /// What one optimizer step did.

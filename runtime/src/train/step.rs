@@ -1,12 +1,14 @@
-//! The training step the RL loop drives: micro-batches in the plan's order, then one optimizer
-//! step per mini-batch.
+//! The training step the RL loop drives, on one rank: micro-batches in the plan's order, then
+//! one optimizer step per mini-batch. The single-rank trainer is rank 0 of a group of one
+//! ([`Trainer::new`]: the whole model, collectives over `SoloComm`); a tensor-parallel rank is
+//! the same code with its shard and its group ([`Trainer::for_shard`]).
 //!
 //! ```text
 //! let norm = Normaliser over every response of the mini-batch (loss::Normaliser::of / merge);
 //! for (i, mb) in micro_batches.iter().enumerate() {      // plan order, i = 0, 1, ...
-//!     trainer.micro_batch(i as u32, mb, norm)?;          // forward + loss + backward, accumulate
+//!     trainer.micro_batch(&comm, i as u32, mb, norm)?;   // forward + loss + backward, accumulate
 //! }
-//! let report = trainer.optimizer_step()?;                // clip, AdamW, write the compute copy
+//! let report = trainer.optimizer_step(&comm)?;           // global clip, AdamW, new weights
 //! ```
 //!
 //! Accumulation contract: micro-batch `i`'s gradient is computed whole into a zeroed buffer,
@@ -16,22 +18,29 @@
 //! `g_a + g_b` (each recomputes the group's prefix, whose gradient is then summed), which equals
 //! the one-micro-batch gradient up to float rounding, not bitwise.
 //!
-//! Invariant: the model's weights (the compute copy) change only in [`Trainer::optimizer_step`].
+//! The optimizer is [`TpAdamW`]: AdamW over the rank's shard with the grad-norm clip of the
+//! whole model; at degree 1 it is bitwise plain AdamW with torch's clip (`train::tests`).
+//!
+//! Invariant: the rank's weights (the compute copy) change only in [`Trainer::optimizer_step`]
+//! and [`Trainer::restore`].
+
+use std::sync::Arc;
 
 use rollplex_plan::spec::AdamWSpec;
 
-use super::adamw::{AdamW, GradAccumulator, OptTable, StepReport};
-use super::backward::{forward_backward, GroupBatch, MicroBatchOutput, TrainConfig};
+use super::adamw::{GradAccumulator, StepReport};
+use super::backward::{GroupBatch, MicroBatchOutput, TrainConfig};
 use super::loss::{LossMetrics, Normaliser};
-use super::{Result, TrainError};
-use crate::model::Qwen25VL;
+use super::TrainError;
+use crate::model::{Qwen25VL, Weights};
+use crate::tp::{Communicator, TpAdamW, TpError, TpModel, TpPlan};
 
-/// The actor, its optimizer and the gradient sum of the current mini-batch.
+/// One rank's actor, its optimizer and the gradient sum of the current mini-batch.
 #[derive(Debug)]
 pub struct Trainer {
-    model: Qwen25VL,
+    actor: TpModel,
     cfg: TrainConfig,
-    opt: AdamW,
+    opt: TpAdamW,
     acc: GradAccumulator,
     /// Metrics of the micro-batches accumulated so far.
     metrics: LossMetrics,
@@ -46,13 +55,24 @@ pub struct TrainStepReport {
 }
 
 impl Trainer {
-    /// Wraps a model for training; the optimizer's master weights start from its weights.
-    pub fn new(model: Qwen25VL, cfg: TrainConfig, optimizer: AdamWSpec) -> Result<Self> {
-        let table = OptTable::from_model(&model.weights.table, |name| cfg.trainable(name))?;
-        let opt = AdamW::new(optimizer, table, &model.weights.data)?;
-        let acc = GradAccumulator::new(model.weights.table.total());
+    /// The whole model as rank 0 of a group of one; the optimizer's master weights start from
+    /// its weights.
+    pub fn new(model: Qwen25VL, cfg: TrainConfig, optimizer: AdamWSpec) -> Result<Self, TpError> {
+        let plan = Arc::new(TpPlan::new(&model.config, 1)?);
+        let actor = TpModel::shard(plan, &model.weights, 0)?;
+        Self::for_shard(actor, cfg, optimizer)
+    }
+
+    /// One rank's shard; the optimizer's master weights start from the shard's weights.
+    pub fn for_shard(
+        actor: TpModel,
+        cfg: TrainConfig,
+        optimizer: AdamWSpec,
+    ) -> Result<Self, TpError> {
+        let opt = TpAdamW::new(&actor, optimizer, |n| cfg.trainable(n))?;
+        let acc = GradAccumulator::new(actor.weights.table.total());
         Ok(Trainer {
-            model,
+            actor,
             cfg,
             opt,
             acc,
@@ -60,55 +80,68 @@ impl Trainer {
         })
     }
 
-    /// The model with its current (compute-copy) weights.
-    pub fn model(&self) -> &Qwen25VL {
-        &self.model
+    /// The rank's actor with its current (compute-copy) weights.
+    pub fn actor(&self) -> &TpModel {
+        &self.actor
+    }
+    /// The rank's current weights (the whole model's at degree 1).
+    pub fn weights(&self) -> &Weights {
+        &self.actor.weights
     }
     pub fn config(&self) -> &TrainConfig {
         &self.cfg
     }
-    pub fn optimizer(&self) -> &AdamW {
+    pub fn optimizer(&self) -> &TpAdamW {
         &self.opt
     }
-    /// The gradient accumulated since the last optimizer step (model-sized buffer).
+    /// The gradient accumulated since the last optimizer step (shard-sized buffer).
     pub fn grads(&self) -> &[f32] {
         self.acc.grads()
     }
 
     /// Forward, loss and backward of micro-batch `index` (0-based, in plan order) of the current
-    /// mini-batch, whose normaliser is `norm`; its gradient joins the sum.
-    pub fn micro_batch(
+    /// mini-batch, whose normaliser is `norm`; its gradient joins the sum. Every rank of the
+    /// group calls it with the same batch.
+    pub fn micro_batch<C: Communicator>(
         &mut self,
+        comm: &C,
         index: u32,
         groups: &[GroupBatch<'_>],
         norm: Normaliser,
-    ) -> Result<MicroBatchOutput> {
+    ) -> Result<MicroBatchOutput, TpError> {
         if index != self.acc.count() {
             return Err(TrainError::Invalid(format!(
                 "micro-batch {index} given, but micro-batch {} is next in plan order",
                 self.acc.count()
-            )));
+            ))
+            .into());
         }
-        let mut g = vec![0f32; self.model.weights.table.total()];
-        let out = forward_backward(&self.model, &self.cfg, groups, norm, &mut g)?;
+        let mut g = vec![0f32; self.actor.weights.table.total()];
+        let out = self
+            .actor
+            .as_rank()
+            .forward_backward(comm, &self.cfg, groups, norm, &mut g)?;
         self.acc.add(index, &g)?;
         self.metrics.add(&out.metrics);
         Ok(out)
     }
 
-    /// Clips the accumulated gradient, takes one AdamW step, writes the new weights into the
-    /// model, and starts the next mini-batch. On error (no micro-batch yet, non-finite gradient)
-    /// the weights are unchanged and the gradient is kept; [`Trainer::discard`] drops it.
-    pub fn optimizer_step(&mut self) -> Result<TrainStepReport> {
+    /// Clips the accumulated gradient by the whole model's norm, takes one AdamW step, writes
+    /// the new weights into the rank's shard, and starts the next mini-batch. On error (no
+    /// micro-batch yet, non-finite gradient) the weights are unchanged and the gradient is
+    /// kept; [`Trainer::discard`] drops it.
+    pub fn optimizer_step<C: Communicator>(
+        &mut self,
+        comm: &C,
+    ) -> Result<TrainStepReport, TpError> {
         let micro_batches = self.acc.count();
         if micro_batches == 0 {
             return Err(TrainError::Invalid(
-                "optimizer_step before any micro-batch: nothing to apply".into(),
-            ));
+                "optimizer step before any micro-batch: nothing to apply".into(),
+            )
+            .into());
         }
-        let step = self
-            .opt
-            .step_f32(self.acc.grads_mut(), &mut self.model.weights.data)?;
+        let step = self.opt.step(comm, &mut self.actor, self.acc.grads_mut())?;
         self.acc.reset();
         let metrics = std::mem::take(&mut self.metrics);
         Ok(TrainStepReport {
@@ -118,17 +151,25 @@ impl Trainer {
         })
     }
 
-    /// Restores the optimizer from a checkpoint (flat buffers as [`AdamW::state`] returned them,
-    /// and the steps taken) and drops any accumulated gradient. The model's weights are the
-    /// caller's: build the trainer around the checkpoint's weights.
-    pub fn restore_optimizer(
+    /// Continues from a checkpoint: the rank's weights (`weights`, laid out as its shard) and
+    /// the optimizer's masters, moments (in [`TpAdamW::table`]'s carving) and steps taken; any
+    /// accumulated gradient is dropped.
+    pub fn restore(
         &mut self,
+        weights: Weights,
         master: &[f32],
         m: &[f32],
         v: &[f32],
         step: u64,
-    ) -> Result<()> {
+    ) -> Result<(), TpError> {
+        if weights.table != self.actor.weights.table {
+            return Err(TpError::Config(format!(
+                "restore on rank {}: the weights are not laid out as this rank's shard",
+                self.actor.rank
+            )));
+        }
         self.opt.restore(master, m, v, step)?;
+        self.actor.weights = weights;
         self.discard();
         Ok(())
     }
@@ -139,8 +180,17 @@ impl Trainer {
         self.metrics = LossMetrics::default();
     }
 
-    /// Gives the model back (e.g. to save a checkpoint or hand weights to rollout).
-    pub fn into_model(self) -> Qwen25VL {
-        self.model
+    /// The whole model (degree 1 only: a shard is not a model).
+    pub fn into_model(self) -> Result<Qwen25VL, TpError> {
+        if self.actor.plan.degree != 1 {
+            return Err(TpError::Config(format!(
+                "rank {} holds a shard of a TP-{} model, not the whole model",
+                self.actor.rank, self.actor.plan.degree
+            )));
+        }
+        Ok(Qwen25VL::new(
+            self.actor.plan.config.clone(),
+            self.actor.weights,
+        )?)
     }
 }

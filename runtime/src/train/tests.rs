@@ -14,6 +14,7 @@ use super::loss::{policy_loss, LossBatch, LossConfig, Normaliser};
 use super::step::Trainer;
 use crate::model::tests::tiny_spec;
 use crate::model::{EncodedMedia, MediaInput, MediaKind, Prompt, Qwen25VL};
+use crate::tp::SoloComm;
 
 const IMG: u32 = 290;
 const VID: u32 = 291;
@@ -401,16 +402,16 @@ fn split_group_accumulates_in_plan_order() {
         lr_schedule: LrSchedule::Constant,
     };
     let mut t1 = Trainer::new(m.clone(), c.clone(), spec.clone()).unwrap();
-    t1.micro_batch(0, &whole, norm).unwrap();
+    t1.micro_batch(&SoloComm, 0, &whole, norm).unwrap();
     let one = t1.grads().to_vec();
     let run = || {
         let mut t = Trainer::new(m.clone(), c.clone(), spec.clone()).unwrap();
         assert!(
-            t.micro_batch(1, &second, norm).is_err(),
+            t.micro_batch(&SoloComm, 1, &second, norm).is_err(),
             "out of plan order"
         );
-        let o0 = t.micro_batch(0, &first, norm).unwrap();
-        let o1 = t.micro_batch(1, &second, norm).unwrap();
+        let o0 = t.micro_batch(&SoloComm, 0, &first, norm).unwrap();
+        let o1 = t.micro_batch(&SoloComm, 1, &second, norm).unwrap();
         (t.grads().to_vec(), o0.metrics.loss + o1.metrics.loss)
     };
     let (split, split_loss) = run();
@@ -440,7 +441,7 @@ fn split_group_accumulates_in_plan_order() {
     let rel = (num / den).sqrt();
     println!("split vs one micro-batch: relative difference {rel:.2e}");
     assert!(rel < 1e-5, "split and whole differ by {rel}");
-    let whole_loss = t1.optimizer_step().unwrap().metrics.loss;
+    let whole_loss = t1.optimizer_step(&SoloComm).unwrap().metrics.loss;
     assert!(
         (split_loss - whole_loss).abs() < 1e-6,
         "losses add up: {split_loss} vs {whole_loss}"
@@ -472,8 +473,8 @@ fn loss_falls_on_a_fixed_batch() {
     let mut t = Trainer::new(m.clone(), c, spec).unwrap();
     let mut losses = Vec::new();
     for _ in 0..20 {
-        t.micro_batch(0, &batch, g.norm()).unwrap();
-        let r = t.optimizer_step().unwrap();
+        t.micro_batch(&SoloComm, 0, &batch, g.norm()).unwrap();
+        let r = t.optimizer_step(&SoloComm).unwrap();
         assert!(r.step.grad_norm.is_finite() && r.step.grad_norm > 0.0);
         losses.push(r.metrics.loss);
     }
@@ -498,7 +499,7 @@ fn loss_falls_on_a_fixed_batch() {
     // the frozen vision tower did not move; the merger and the text decoder did
     let moved = |name: &str| {
         let id = m.weights.table.find(name).unwrap();
-        m.weights.get(id) != t.model().weights.get(id)
+        m.weights.get(id) != t.weights().get(id)
     };
     assert!(
         !moved("model.visual.blocks.0.attn.qkv.weight")
@@ -508,4 +509,93 @@ fn loss_falls_on_a_fixed_batch() {
         moved("model.visual.merger.mlp.0.weight")
             && moved("model.language_model.layers.1.mlp.down_proj.weight")
     );
+}
+
+/// The one training path (a rank's shard over a communicator, `TpAdamW`'s global clip, the
+/// plan-ordered `GradAccumulator`) at degree 1 over `SoloComm` is bitwise plain AdamW with
+/// torch's clip over the whole model's gradient sum: several steps of two micro-batches each,
+/// weight decay on and the clip active, compared weights, moments, grad norms and losses.
+#[test]
+fn one_rank_training_is_bitwise_plain_adamw() {
+    use crate::tp::{TpAdamW, TpModel, TpPlan};
+    use crate::train::{AdamW, GradAccumulator, OptTable};
+    use std::sync::Arc;
+
+    let m = tiny_model(false);
+    let g = Group::new(&m, &[6, 4, 8, 5], 0.3, 43);
+    let media = g.media();
+    let (a, b) = (g.responses(0..2), g.responses(2..4));
+    let mbs = [
+        [GroupBatch {
+            prompt_ids: &g.prompt,
+            media: &media,
+            responses: &a,
+        }],
+        [GroupBatch {
+            prompt_ids: &g.prompt,
+            media: &media,
+            responses: &b,
+        }],
+    ];
+    let spec = AdamWSpec {
+        lr: 2e-3,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        grad_clip: 0.05,
+        lr_schedule: LrSchedule::Constant,
+    };
+    let mut c = cfg(Recompute::None, LossAgg::TokenMean);
+    c.freeze_vision = true;
+    let norm = g.norm();
+
+    // plain: the whole model, AdamW with its own clip
+    let mut plain = m.clone();
+    let table = OptTable::from_model(&m.weights.table, |n| c.trainable(n)).unwrap();
+    let mut opt = AdamW::new(spec.clone(), table, &plain.weights.data).unwrap();
+    let mut acc = GradAccumulator::new(plain.weights.table.total());
+    // the rank path at degree 1
+    let plan = Arc::new(TpPlan::new(&m.config, 1).unwrap());
+    let mut shard = TpModel::shard(plan, &m.weights, 0).unwrap();
+    let mut tp_opt = TpAdamW::new(&shard, spec.clone(), |n| c.trainable(n)).unwrap();
+    let mut tp_acc = GradAccumulator::new(shard.weights.table.total());
+    let mut trainer = Trainer::new(m.clone(), c.clone(), spec.clone()).unwrap();
+
+    for step in 0..4 {
+        for (i, mb) in mbs.iter().enumerate() {
+            let mut gp = vec![0f32; plain.weights.table.total()];
+            let out = forward_backward(&plain, &c, mb, norm, &mut gp).unwrap();
+            acc.add(i as u32, &gp).unwrap();
+            let mut gt = vec![0f32; shard.weights.table.total()];
+            let tout = shard
+                .as_rank()
+                .forward_backward(&SoloComm, &c, mb, norm, &mut gt)
+                .unwrap();
+            tp_acc.add(i as u32, &gt).unwrap();
+            assert_eq!(tout, out, "step {step}, micro-batch {i}: outputs");
+            assert_eq!(
+                trainer.micro_batch(&SoloComm, i as u32, mb, norm).unwrap(),
+                out,
+                "step {step}, micro-batch {i}: the trainer's outputs"
+            );
+        }
+        let rep = opt
+            .step_f32(acc.grads_mut(), &mut plain.weights.data)
+            .unwrap();
+        acc.reset();
+        let tp_rep = tp_opt
+            .step(&SoloComm, &mut shard, tp_acc.grads_mut())
+            .unwrap();
+        tp_acc.reset();
+        let tr = trainer.optimizer_step(&SoloComm).unwrap();
+        assert!(rep.grad_norm > spec.grad_clip, "the clip must be active");
+        assert_eq!(tp_rep, rep, "step {step}: reports");
+        assert_eq!(tr.step, rep, "step {step}: the trainer's report");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&shard.weights.data), bits(&plain.weights.data));
+        assert_eq!(bits(&trainer.weights().data), bits(&plain.weights.data));
+        let (p, q) = (opt.state(), tp_opt.state());
+        assert!(bits(p.0) == bits(q.0) && bits(p.1) == bits(q.1) && bits(p.2) == bits(q.2));
+    }
 }

@@ -17,6 +17,7 @@ use super::params::{cpu_parts, fuse_parts, split_fused};
 use super::*;
 use crate::model::weights::Init;
 use crate::model::{EncodedMedia, MediaInput, MediaKind, Prompt, Qwen25VL};
+use crate::tp::SoloComm;
 use crate::train::loss::{LossConfig, Normaliser};
 use crate::train::{grpo_advantages, GroupBatch, Trainer};
 
@@ -387,9 +388,9 @@ fn gradients_match(tie: bool, freeze_vision: bool, freeze_merger: bool) {
         })
         .collect();
     let mut ct = Trainer::new(m.clone(), cfg.clone(), adamw(1e-3)).unwrap();
-    let cout = ct.micro_batch(0, &cpu_batch, norm).unwrap();
+    let cout = ct.micro_batch(&SoloComm, 0, &cpu_batch, norm).unwrap();
     let cgrad = ct.grads().to_vec();
-    let crep = ct.optimizer_step().unwrap();
+    let crep = ct.optimizer_step(&SoloComm).unwrap();
     // CUDA
     let mut gt = GpuTrainer::new(&gpu, &s, &m, cfg.clone(), adamw(1e-3)).unwrap();
     let enc: Vec<Vec<GpuEncodedMedia>> = groups
@@ -536,8 +537,8 @@ fn cuda_loss_falls_on_a_fixed_batch() {
     let mut ct = Trainer::new(m.clone(), train_cfg(), adamw(3e-3)).unwrap();
     let mut closses = Vec::new();
     for _ in 0..steps {
-        ct.micro_batch(0, &cb, norm).unwrap();
-        closses.push(ct.optimizer_step().unwrap().metrics.loss);
+        ct.micro_batch(&SoloComm, 0, &cb, norm).unwrap();
+        closses.push(ct.optimizer_step(&SoloComm).unwrap().metrics.loss);
     }
     println!("gpu losses: {losses:?}");
     println!("cpu losses: {closses:?}");

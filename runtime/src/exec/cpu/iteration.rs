@@ -1,250 +1,55 @@
-//! The CPU backend: executes each plan op with the CPU model engine (f32), one task at a time,
-//! in the order the [`walker`](super::walker) picks.
+//! One iteration of the plan on one rank of the CPU backend: each plan op with the CPU model
+//! engine (f32), one task at a time, in the order the [`walker`](super::super::walker) picks.
 //!
 //! What each op does here (the plan's `Op` docs say what it means):
-//! - `EncodeMedia`: vision tower + merger over the groups' media with the actor's weights (the
-//!   rollout's); a frozen tower's output is reused by the reference and the actor.
-//! - `Prefill`: the groups' prompt prefill with the actor's weights; the prefix KV is copied
+//! - `EncodeMedia`: vision tower + merger over the groups' media with the rollout's weights; a
+//!   frozen tower's output is reused by the reference and the actor.
+//! - `Prefill`: the groups' prompt prefill with the rollout's weights; the prefix KV is copied
 //!   once per group into the iteration's KV arena `[group prefixes | sample suffixes]`.
 //! - `DecodeWindow`: steps of every unfinished sample; token `s` of a sample is drawn with the
 //!   Philox key (seed, iteration, sample, s), so it does not depend on the window split. Groups
 //!   that finished in the window are bound to completion slots in (finish step, group) order.
 //! - `RefPrefix` / `RefSuffix`: the reference model's prefix state per group, then per-token
 //!   log-probs of the slot's responses.
-//! - `ActorPrefix{OldLogProb}` / `ActorSuffix`: the same with the actor's rollout weights.
+//! - `ActorPrefix{OldLogProb}` / `ActorSuffix`: the same with the actor's weights.
 //!   `ActorPrefix{Train}`: on this backend the micro-batch's forward recomputes its prefix (the
 //!   forward is deterministic, so the numbers are those of a kept prefix); the task is counted.
 //! - `Reward`, `Advantages`: per slot. `TrainMicroBatch`: forward + loss + backward of whole
-//!   groups in slot order, accumulated in micro-batch order; `OptimizerStep`: AdamW.
-//! - `WeightSync`: colocated, rollout reads the trainer's weights in place (one layout, TP 1):
-//!   nothing to copy. Disaggregated (rollout on one GPU program, scoring and training on
-//!   another), the rollout's own copy of the actor ([`CpuModels::rollout`]) is replaced by the
+//!   groups in slot order, accumulated in micro-batch order; `OptimizerStep`: AdamW with the
+//!   global grad-norm clip.
+//! - `WeightSync`: colocated, rollout reads the trainer's weights in place: nothing to copy.
+//!   Disaggregated (rollout on one GPU program, scoring and training on another), the rollout's
+//!   own copy of the actor ([`CpuModels::rollout`](super::CpuModels::rollout)) is replaced by the
 //!   trainer's weights: what the training GPUs send the rollout GPUs after each step.
 //!   `Reshard`, `Offload`, `Reload`: no data moves in a single address space.
 //!
-//! The iteration is generic over a [`CpuEngine`]: the model calls an op makes (encode, prefill,
-//! score, decode, draw, train, step). [`CpuModels`] is the single-rank engine; one rank of a
-//! tensor-parallel group is another ([`super::cpu_tp`]), so both walk the plan with the same
-//! code and [`Book`] decides the same stops, slots, rewards and advantages.
+//! The iteration is generic over a [`CpuEngine`] (the model calls an op makes); [`Book`]
+//! decides stops, slots, rewards and advantages from replicated data, so every rank decides
+//! the same.
 //!
 //! Invariant: every number this engine produces is a function of (plan spec, seed, iteration,
-//! data), never of the order the walker ran tasks in; `tests/tests/serial_overlap.rs` checks
-//! serial and overlap plans bitwise.
+//! data, TP degree), never of the order the walker ran tasks in; `tests/tests/serial_overlap.rs`
+//! checks serial and overlap plans bitwise.
 
-use rollplex_kernels::cpu::logprobs_fwd;
 use rollplex_plan::plan::{Op, Plan, Purpose, Task};
-use rollplex_plan::spec::JobSpec;
 use rollplex_plan::Span;
 
-use super::book::{range, Book};
-use super::walker::TaskRunner;
-use super::{ExecError, IterationMetrics, PromptData};
+use super::super::book::{range, Book};
+use super::super::walker::TaskRunner;
+use super::super::{ExecError, IterationMetrics, IterationResult, PromptData};
+use super::engine::{no_reference, CpuEngine, Role};
 use crate::model::{
-    sample_token, DecodeSlot, EncodedMedia, KvArena, KvSpan, MediaInput, PrefixState, Prompt,
-    Qwen25VL, SampleKey, SamplingParams,
+    DecodeSlot, EncodedMedia, KvArena, KvSpan, MediaInput, PrefixState, Prompt, SampleKey,
 };
-use crate::train::backward::{GroupBatch, MicroBatchOutput, TrainConfig};
-use crate::train::loss::Normaliser;
-use crate::train::step::Trainer;
+use crate::train::backward::GroupBatch;
 
-/// Scores responses: the reward function the loop was given.
-/// Scores the responses of one group (one reward per response, in order).
+/// Scores the responses of one group (one reward per response, in order): the reward function
+/// the loop was given.
 pub type RewardFn<'a> = dyn FnMut(&PromptData, &[&[u32]]) -> Result<Vec<f32>, ExecError> + 'a;
 
-/// The models and optimizer that live across iterations.
-pub struct CpuModels {
-    pub trainer: Trainer,
-    /// The frozen reference (initial actor weights); `None` when the job scores no reference.
-    pub reference: Option<Qwen25VL>,
-    /// Disaggregated plans: the rollout GPUs' copy of the actor, which the rollout runs and
-    /// each `WeightSync` replaces with the trainer's weights. `None` (colocated): the rollout
-    /// reads the trainer's model.
-    pub rollout: Option<Qwen25VL>,
-}
-
-/// Which of the job's models an engine call runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Role {
-    /// The actor with its current weights (the rollout's, until the iteration's first
-    /// optimizer step), as the training GPUs hold it.
-    Actor,
-    /// The actor as the rollout GPUs hold it: the same model when colocated; in disaggregated
-    /// plans their copy, equal to the trainer's weights from each `WeightSync` to the next
-    /// optimizer step, which is when the rollout runs.
-    Rollout,
-    /// The frozen reference.
-    Reference,
-}
-
-/// The model operations a CPU iteration makes. Logit rows (a prefix state's `last_logits`,
-/// what [`CpuEngine::decode_step`] returns, what [`CpuEngine::draw`] reads) are the engine's
-/// own: the full vocabulary on one rank, the rank's vocabulary shard under TP.
-///
-/// Contract: every method is a deterministic function of its arguments and the models' state;
-/// an engine that is one rank of a group returns on every rank the same values from every
-/// method that returns replicated data (media embeddings, scores, drawn tokens and their
-/// log-probs, micro-batch outputs, grad norms), so the host decisions built on them agree.
-pub trait CpuEngine {
-    /// Whether the job has a reference model.
-    fn has_reference(&self) -> bool;
-    /// Vision tower + merger over one group's media.
-    fn encode(&self, role: Role, media: &[MediaInput<'_>]) -> Result<Vec<EncodedMedia>, ExecError>;
-    /// One prompt's prefix state.
-    fn prefill(&self, role: Role, prompt: Prompt<'_>) -> Result<PrefixState, ExecError>;
-    /// Per-token log-probs of `responses` at `temperature` after a kept prefix.
-    fn score(
-        &self,
-        role: Role,
-        prefix: &PrefixState,
-        responses: &[&[u32]],
-        temperature: f32,
-    ) -> Result<Vec<Vec<f32>>, ExecError>;
-    /// A KV arena of `capacity` rows for the actor's decode.
-    fn kv_arena(&self, capacity: u32) -> KvArena;
-    /// One decode step of the actor (see `Qwen25VL::decode_step`); returns one logit row per
-    /// slot, concatenated.
-    fn decode_step(
-        &self,
-        arena: &mut KvArena,
-        slots: &mut [DecodeSlot],
-        tokens: &[u32],
-    ) -> Result<Vec<f32>, ExecError>;
-    /// Draws each row's next token with its key and returns it with its log-prob at
-    /// `temperature` (the rollout log-prob, bitwise what [`CpuEngine::score`] gives it).
-    fn draw(
-        &self,
-        rows: &[&[f32]],
-        keys: &[SampleKey],
-        sampling: &SamplingParams,
-        temperature: f32,
-    ) -> Result<Vec<(u32, f32)>, ExecError>;
-    /// Forward, loss and backward of micro-batch `index` (plan order) of the running
-    /// mini-batch; its gradient joins the sum.
-    fn micro_batch(
-        &mut self,
-        index: u32,
-        groups: &[GroupBatch<'_>],
-        norm: Normaliser,
-    ) -> Result<MicroBatchOutput, ExecError>;
-    /// Clip, AdamW, new weights; returns the global grad norm before clipping.
-    fn optimizer_step(&mut self) -> Result<f64, ExecError>;
-    /// The plan's `WeightSync`: the rollout gets the trainer's weights (nothing to do where
-    /// it reads them in place).
-    fn weight_sync(&mut self) -> Result<(), ExecError> {
-        Ok(())
-    }
-}
-
-impl CpuModels {
-    fn model(&self, role: Role) -> Result<&Qwen25VL, ExecError> {
-        match role {
-            Role::Actor => Ok(self.trainer.model()),
-            Role::Rollout => Ok(self.rollout_model()),
-            Role::Reference => self.reference.as_ref().ok_or_else(no_reference),
-        }
-    }
-
-    /// The rollout's model (see [`Role::Rollout`]).
-    fn rollout_model(&self) -> &Qwen25VL {
-        self.rollout.as_ref().unwrap_or(self.trainer.model())
-    }
-}
-
-pub(crate) fn no_reference() -> ExecError {
-    ExecError::Plan("the plan scores a reference, but the job has none".into())
-}
-
-impl CpuEngine for CpuModels {
-    fn has_reference(&self) -> bool {
-        self.reference.is_some()
-    }
-
-    fn encode(&self, role: Role, media: &[MediaInput<'_>]) -> Result<Vec<EncodedMedia>, ExecError> {
-        Ok(self.model(role)?.encode_media(media, None)?)
-    }
-
-    fn prefill(&self, role: Role, prompt: Prompt<'_>) -> Result<PrefixState, ExecError> {
-        self.model(role)?
-            .prefill(&[prompt], None)?
-            .pop()
-            .ok_or_else(|| ExecError::Plan("prefill returned no state".into()))
-    }
-
-    fn score(
-        &self,
-        role: Role,
-        prefix: &PrefixState,
-        responses: &[&[u32]],
-        temperature: f32,
-    ) -> Result<Vec<Vec<f32>>, ExecError> {
-        Ok(self
-            .model(role)?
-            .score(prefix, responses, temperature, None)?
-            .into_iter()
-            .map(|s| s.logp)
-            .collect())
-    }
-
-    fn kv_arena(&self, capacity: u32) -> KvArena {
-        KvArena::for_model(self.rollout_model(), capacity)
-    }
-
-    fn decode_step(
-        &self,
-        arena: &mut KvArena,
-        slots: &mut [DecodeSlot],
-        tokens: &[u32],
-    ) -> Result<Vec<f32>, ExecError> {
-        let model = self.rollout_model();
-        let v = model.config.text().vocab_size as usize;
-        let mut logits = vec![0f32; slots.len() * v];
-        model.decode_step(arena, slots, tokens, &mut logits)?;
-        Ok(logits)
-    }
-
-    fn draw(
-        &self,
-        rows: &[&[f32]],
-        keys: &[SampleKey],
-        sampling: &SamplingParams,
-        temperature: f32,
-    ) -> Result<Vec<(u32, f32)>, ExecError> {
-        let v = self.trainer.model().config.text().vocab_size as usize;
-        rows.iter()
-            .zip(keys)
-            .map(|(row, key)| {
-                let tok = sample_token(row, sampling, *key)?;
-                let mut lp = [0f32];
-                logprobs_fwd(&mut lp, None, None, row, &[tok], 1, v, temperature)?;
-                Ok((tok, lp[0]))
-            })
-            .collect()
-    }
-
-    fn micro_batch(
-        &mut self,
-        index: u32,
-        groups: &[GroupBatch<'_>],
-        norm: Normaliser,
-    ) -> Result<MicroBatchOutput, ExecError> {
-        Ok(self.trainer.micro_batch(index, groups, norm)?)
-    }
-
-    fn optimizer_step(&mut self) -> Result<f64, ExecError> {
-        Ok(self.trainer.optimizer_step()?.step.grad_norm)
-    }
-
-    fn weight_sync(&mut self) -> Result<(), ExecError> {
-        if let Some(r) = &mut self.rollout {
-            r.clone_from(self.trainer.model());
-        }
-        Ok(())
-    }
-}
-
-/// One iteration's state on the CPU backend, over engine `E` (the single-rank models, or one
-/// rank of a TP group).
-pub struct CpuIteration<'a, 'r, E: CpuEngine = CpuModels> {
+/// One iteration's state on one rank of the CPU backend, over engine `E` (a rank's models and
+/// its communicator: [`super::RankEngine`]).
+pub struct CpuIteration<'a, 'r, E: CpuEngine> {
     models: &'a mut E,
     reward: &'a mut RewardFn<'r>,
     book: Book<'a>,
@@ -496,7 +301,7 @@ impl<'a, 'r, E: CpuEngine> CpuIteration<'a, 'r, E> {
     }
 
     /// Results of the iteration, for metrics, tests and the bitwise invariant.
-    pub fn finish(self) -> super::IterationResult {
+    pub fn finish(self) -> IterationResult {
         self.book.finish()
     }
 }
@@ -603,14 +408,4 @@ impl<E: CpuEngine> TaskRunner for CpuIteration<'_, '_, E> {
         self.book.metrics.tasks += 1;
         Ok(())
     }
-}
-
-/// Builds the training config the trainer runs with.
-pub fn train_config(spec: &JobSpec) -> Result<TrainConfig, ExecError> {
-    let t = spec.rollout.sampling.temperature as f32;
-    Ok(TrainConfig::from_spec(
-        &spec.train,
-        if t > 0.0 { t } else { 1.0 },
-        None,
-    )?)
 }
