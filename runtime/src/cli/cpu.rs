@@ -5,7 +5,7 @@
 
 use rollplex_plan::Plan;
 
-use super::output::{nothing_to_run, open_run, report_eval, table_header, LoopRun};
+use super::output::{nothing_to_run, open_run, report_eval, table_header, LoopRun, RunRoofline};
 use super::RunArgs;
 use crate::exec::checkpoint::{self, RunIdentity};
 use crate::exec::cpu::{self, CpuModels, TrainState};
@@ -135,6 +135,7 @@ pub(super) fn observer<'a>(
         trace: args.trace.as_ref().map(|_| PlanTrace::new(plan, &track)),
         identity: start.identity.clone(),
         phase_s: [0.0; 4],
+        roof: RunRoofline::of(plan),
         profile,
         host: None,
     };

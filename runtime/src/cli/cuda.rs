@@ -2,7 +2,7 @@
 
 use rollplex_plan::Plan;
 
-use super::output::{nothing_to_run, open_run, report_eval, table_header, LoopRun};
+use super::output::{nothing_to_run, open_run, report_eval, table_header, LoopRun, RunRoofline};
 use super::RunArgs;
 use crate::exec::checkpoint::{self, RunIdentity};
 use crate::exec::{self, ExecError};
@@ -104,6 +104,7 @@ pub(super) fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
         trace: args.trace.as_ref().map(|_| PlanTrace::new(plan, "cuda")),
         identity,
         phase_s: [0.0; 4],
+        roof: RunRoofline::of(plan),
         profile,
         host,
     };

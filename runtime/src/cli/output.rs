@@ -5,6 +5,7 @@
 use std::time::{Duration, Instant};
 
 use rollplex_plan::plan::Task;
+use rollplex_plan::roofline::{phase_name, roofline};
 use rollplex_plan::spec::DatasetSpec;
 use rollplex_plan::{Phase, Plan};
 
@@ -25,6 +26,8 @@ pub(super) struct LoopRun<'a> {
     pub(super) identity: Option<RunIdentity>,
     /// Seconds per phase (rollout, scoring, training, sync) of the running iteration.
     pub(super) phase_s: [f64; 4],
+    /// The plan's roofline per phase and its measured time summed over the run's iterations.
+    pub(super) roof: RunRoofline,
     /// `--profile`: every task's measured time.
     pub(super) profile: Option<exec::profile::ProfileRecorder>,
     /// cuda with `--save-every`: the host copy of the actor that checkpoints are written
@@ -79,13 +82,15 @@ impl exec::LoopObserver for LoopRun<'_> {
         if let Some(p) = &mut self.profile {
             p.end_iteration(it, dt);
         }
-        let line = metrics_json(it, r, dt, &self.phase_s);
+        let line = metrics_json(it, r, dt, &self.phase_s, &self.roof);
+        self.roof.add(&self.phase_s, dt);
         self.metrics
             .log_line(&line)
             .map_err(|e| ExecError::Data(e.to_string()))?;
         self.progress.iteration_done();
         if !self.args.quiet {
-            self.progress.println(&table_row(it, r, dt));
+            self.progress
+                .println(&table_row(it, r, dt, self.roof.serial_s));
         }
         let done = it + 1;
         let every = self.args.save_every;
@@ -135,6 +140,9 @@ impl LoopRun<'_> {
     /// it got).
     pub(super) fn finish(&self) -> Result<(), ExecError> {
         self.progress.finish();
+        if !self.args.quiet {
+            print!("{}", self.roof.summary());
+        }
         if let (Some(path), Some(t)) = (&self.args.trace, &self.trace) {
             t.write(path).map_err(|e| ExecError::Data(e.to_string()))?;
             if !self.args.quiet {
@@ -232,7 +240,7 @@ pub(super) fn report_eval(args: &RunArgs, acc: Option<f64>, when: &str) -> Resul
 
 pub(super) fn table_header() -> String {
     format!(
-        "{:>5} {:>8} {:>7} {:>7} {:>9} {:>9} {:>6} {:>8} {:>8} {:>8} {:>7}",
+        "{:>5} {:>8} {:>7} {:>7} {:>9} {:>9} {:>6} {:>8} {:>8} {:>8} {:>7} {:>6}",
         "iter",
         "reward",
         "±std",
@@ -243,14 +251,16 @@ pub(super) fn table_header() -> String {
         "gnorm",
         "time_s",
         "tok/s",
-        "mem_GiB"
+        "mem_GiB",
+        "roof%"
     )
 }
 
-fn table_row(it: u32, r: &IterationResult, dt: Duration) -> String {
+/// A console row; `roof%` is the plan's roofline over the iteration's time.
+fn table_row(it: u32, r: &IterationResult, dt: Duration, roofline_s: f64) -> String {
     let m = &r.metrics;
     format!(
-        "{:>5} {:>8.3} {:>7.3} {:>7.1} {:>9.4} {:>9.5} {:>6.3} {:>8.3} {:>8.2} {:>8.0} {:>7}",
+        "{:>5} {:>8.3} {:>7.3} {:>7.1} {:>9.4} {:>9.5} {:>6.3} {:>8.3} {:>8.2} {:>8.0} {:>7} {:>6.1}",
         it,
         r.reward_mean(),
         r.reward_std(),
@@ -263,11 +273,18 @@ fn table_row(it: u32, r: &IterationResult, dt: Duration) -> String {
         r.response_tokens() as f64 / dt.as_secs_f64().max(1e-9),
         m.peak_mem_bytes
             .map(|b| format!("{:.2}", b as f64 / (1u64 << 30) as f64))
-            .unwrap_or_else(|| "-".into())
+            .unwrap_or_else(|| "-".into()),
+        100.0 * roofline_s / dt.as_secs_f64().max(1e-12)
     )
 }
 
-fn metrics_json(it: u32, r: &IterationResult, dt: Duration, phase_s: &[f64; 4]) -> String {
+fn metrics_json(
+    it: u32,
+    r: &IterationResult,
+    dt: Duration,
+    phase_s: &[f64; 4],
+    roof: &RunRoofline,
+) -> String {
     let m = &r.metrics;
     let mut v = serde_json::json!({
         "iteration": it,
@@ -292,7 +309,84 @@ fn metrics_json(it: u32, r: &IterationResult, dt: Duration, phase_s: &[f64; 4]) 
     // Measured time per phase (sum of its tasks' host times; side work in decode windows is
     // rollout, as in the simulator's summary).
     for (p, s) in Phase::ALL.iter().zip(phase_s) {
-        v[format!("{}_s", format!("{p:?}").to_lowercase())] = serde_json::json!(s);
+        v[format!("{}_s", phase_name(*p))] = serde_json::json!(s);
+    }
+    // The plan's roofline (`rollplexc --stats`) and the share of it achieved: roofline / time.
+    v["roofline_s"] = serde_json::json!(roof.serial_s);
+    v["roofline_frac"] = serde_json::json!(roof.serial_s / dt.as_secs_f64().max(1e-12));
+    for ((p, s), floor) in Phase::ALL.iter().zip(phase_s).zip(&roof.phase_s) {
+        if *s > 0.0 && *floor > 0.0 {
+            v[format!("{}_roofline_frac", phase_name(*p))] = serde_json::json!(floor / s);
+        }
     }
     v.to_string()
+}
+
+/// The plan's roofline per phase (`rollplex_plan::roofline`, phases in [`Phase::ALL`] order)
+/// beside the time the run measured in each.
+pub(super) struct RunRoofline {
+    pub(super) phase_s: [f64; 4],
+    pub(super) serial_s: f64,
+    ceilings: &'static str,
+    /// Measured seconds per phase and of whole iterations, summed, and the iterations.
+    measured: [f64; 4],
+    measured_total: f64,
+    iterations: u32,
+}
+
+impl RunRoofline {
+    pub(super) fn of(plan: &Plan) -> Self {
+        let r = roofline(plan);
+        let mut phase_s = [0.0; 4];
+        for (p, roof) in &r.phases {
+            if let Some(i) = Phase::ALL.iter().position(|q| q == p) {
+                phase_s[i] = roof.seconds;
+            }
+        }
+        RunRoofline {
+            phase_s,
+            serial_s: r.serial_s,
+            ceilings: r.ceilings.source,
+            measured: [0.0; 4],
+            measured_total: 0.0,
+            iterations: 0,
+        }
+    }
+
+    fn add(&mut self, phase_s: &[f64; 4], dt: Duration) {
+        for (m, s) in self.measured.iter_mut().zip(phase_s) {
+            *m += s;
+        }
+        self.measured_total += dt.as_secs_f64();
+        self.iterations += 1;
+    }
+
+    /// Mean achieved time per phase and per iteration against the roofline (printed at the
+    /// end of a run).
+    fn summary(&self) -> String {
+        if self.iterations == 0 {
+            return String::new();
+        }
+        let n = self.iterations as f64;
+        let mut s = format!(
+            "roofline ({}): per iteration {:.3} s achieved, {:.3} s roofline ({:.1}%)\n",
+            self.ceilings,
+            self.measured_total / n,
+            self.serial_s,
+            100.0 * self.serial_s * n / self.measured_total.max(1e-12)
+        );
+        for (i, p) in Phase::ALL.iter().enumerate() {
+            let (m, floor) = (self.measured[i] / n, self.phase_s[i]);
+            if m > 0.0 || floor > 0.0 {
+                s.push_str(&format!(
+                    "  {:<8} {:>8.3} s achieved, {:>8.3} s roofline ({:.1}%)\n",
+                    phase_name(*p),
+                    m,
+                    floor,
+                    if m > 0.0 { 100.0 * floor / m } else { 0.0 }
+                ));
+            }
+        }
+        s
+    }
 }
