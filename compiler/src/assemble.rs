@@ -659,9 +659,8 @@ fn set_residency(s: &mut Sched, pg: &PhaseGraph) {
         }
     }
     let full_recompute = pg.spec.train.recompute == rollplex_plan::spec::Recompute::Full;
-    for i in 0..n {
-        let b = &s.buffers[i];
-        let (first, last) = match (used[i].iter().min(), used[i].iter().max()) {
+    for (b, used) in s.buffers.iter_mut().zip(&used) {
+        let (first, last) = match (used.iter().min(), used.iter().max()) {
             (Some(a), Some(z)) => (*a, *z),
             _ => (Phase::Rollout, Phase::Sync),
         };
@@ -672,7 +671,7 @@ fn set_residency(s: &mut Sched, pg: &PhaseGraph) {
                 let r = if b.host {
                     Residency::Host
                 } else if b.host_twin {
-                    if used[i].contains(&ph) {
+                    if used.contains(&ph) {
                         Residency::Hbm
                     } else {
                         Residency::Host
@@ -689,6 +688,6 @@ fn set_residency(s: &mut Sched, pg: &PhaseGraph) {
                 (ph, r)
             })
             .collect();
-        s.buffers[i].residency = res;
+        b.residency = res;
     }
 }
