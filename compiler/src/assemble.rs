@@ -691,3 +691,46 @@ fn set_residency(s: &mut Sched, pg: &PhaseGraph) {
         b.residency = res;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rollplex_plan::work::Work;
+
+    fn task(name: &str, deps: Vec<STaskId>) -> STask {
+        STask {
+            name: name.into(),
+            kind: WorkKind::Transfer,
+            op: Op::RefSuffix { slot: 0 },
+            gpu: GpuId(0),
+            phase: Phase::Rollout,
+            stream: crate::ir::SStreamId(0),
+            window: None,
+            deps,
+            reads: vec![],
+            writes: vec![],
+            work: Work::default(),
+            scratch: 0,
+            sms: 1,
+            ready_step: 0,
+            start: 0.0,
+            end: 0.0,
+        }
+    }
+
+    /// Inserting at `at` moves every dependency on a task at or after it, and no other.
+    #[test]
+    fn insert_task_renumbers_dependencies() {
+        let mut s = Sched::default();
+        s.stream(GpuId(0), "main", Priority::High);
+        s.tasks.push(task("a", vec![]));
+        s.tasks.push(task("b", vec![STaskId(0)]));
+        s.tasks.push(task("c", vec![STaskId(0), STaskId(1)]));
+        insert_task(&mut s, STaskId(1), task("new", vec![STaskId(0)]));
+        let names: Vec<&str> = s.tasks.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["a", "new", "b", "c"]);
+        assert_eq!(s.task(STaskId(2)).deps, vec![STaskId(0)]);
+        assert_eq!(s.task(STaskId(3)).deps, vec![STaskId(0), STaskId(2)]);
+        assert_eq!(crate::ir::verify_sched(&s), Ok(()));
+    }
+}

@@ -534,3 +534,68 @@ pub fn verify_sched(s: &Sched) -> Result<(), String> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A schedule of two GPU programs with one stream each and `deps` as task 1's dependencies.
+    fn sched(deps: Vec<STaskId>) -> Sched {
+        let mut s = Sched::default();
+        let (g0, g1) = (GpuId(0), GpuId(1));
+        let main0 = s.stream(g0, "main", Priority::High);
+        s.stream(g1, "main", Priority::High);
+        assert_eq!(
+            s.stream(g0, "main", Priority::High),
+            main0,
+            "streams are found again"
+        );
+        for (name, deps) in [("a", vec![]), ("b", deps)] {
+            s.tasks.push(STask {
+                name: name.into(),
+                kind: WorkKind::Transfer,
+                op: Op::RefSuffix { slot: 0 },
+                gpu: g0,
+                phase: Phase::Rollout,
+                stream: main0,
+                window: None,
+                deps,
+                reads: vec![],
+                writes: vec![],
+                work: Work::default(),
+                scratch: 0,
+                sms: 1,
+                ready_step: 0,
+                start: 0.0,
+                end: 0.0,
+            });
+        }
+        s
+    }
+
+    #[test]
+    fn verify_sched_names_what_is_out_of_order_or_of_another_program() {
+        assert_eq!(verify_sched(&sched(vec![STaskId(0)])), Ok(()));
+        let later = verify_sched(&sched(vec![STaskId(1)])).unwrap_err();
+        assert!(later.contains("depends on later task 1"), "{later}");
+        let mut s = sched(vec![]);
+        s.tasks[1].stream = SStreamId(1);
+        let other = verify_sched(&s).unwrap_err();
+        assert!(
+            other.contains("names stream 1 of another program"),
+            "{other}"
+        );
+        let mut s = sched(vec![]);
+        s.tasks[0].reads.push(PBufId(0));
+        let missing = verify_sched(&s).unwrap_err();
+        assert!(missing.contains("names buffer 0 of 0"), "{missing}");
+    }
+
+    #[test]
+    fn add_deps_keeps_them_sorted_and_single() {
+        let mut s = sched(vec![STaskId(0)]);
+        s.task_mut(STaskId(1)).add_deps([STaskId(0), STaskId(0)]);
+        assert_eq!(s.task(STaskId(1)).deps, vec![STaskId(0)]);
+        assert_eq!(PBufId::of_op(PBufId(7).op_id()), PBufId(7));
+    }
+}
