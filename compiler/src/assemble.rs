@@ -25,8 +25,8 @@
 
 use crate::error::{CompileError, Result};
 use crate::ir::{
-    kept_role, LBufId, LogicalBuffer, NodeId, Offload, PBuf, PhaseGraph, Placement, Role, STask,
-    SWindow, Sched, SideClass, KEPT,
+    kept_role, LBufId, LogicalBuffer, NodeId, Offload, PBuf, PBufId, PhaseGraph, Placement, Role,
+    SStreamId, STask, STaskId, SWindow, Sched, SideClass, KEPT,
 };
 use crate::sched::topo_order;
 use crate::workload::Workload;
@@ -149,7 +149,7 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
         .ok_or_else(|| CompileError::internal("scheduling constraints form a cycle"))?;
 
     // ---- buffers after residency ----
-    let mut map: Vec<usize> = Vec::new(); // logical -> device copy (what tasks use)
+    let mut map: Vec<PBufId> = Vec::new(); // logical -> device copy (what tasks use)
     let mut reloads: Vec<Reload> = Vec::new();
     for (li, lb) in pg.buffers.iter().enumerate() {
         let host = match lb.class {
@@ -160,11 +160,11 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
             _ => false,
         } && lb.offload != Offload::No;
         if host {
-            let h = s.buffers.len();
+            let h = s.next_buffer();
             let mut copy = pbuf(lb, format!("{}.host", lb.name), true, true);
             copy.role = BufferRole::HostCopy;
             s.buffers.push(copy);
-            let d = s.buffers.len();
+            let d = s.next_buffer();
             let mut dev = pbuf(lb, lb.name.clone(), false, false);
             dev.host_twin = true;
             s.buffers.push(dev);
@@ -176,7 +176,7 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
                 write_back: lb.offload == Offload::Mutable,
             });
         } else {
-            map.push(s.buffers.len());
+            map.push(s.next_buffer());
             let persistent = lb.persistent
                 && !(lb.role == BufferRole::FrozenRolloutWeights && p.residency.frozen_rebuilt);
             s.buffers.push(pbuf(lb, lb.name.clone(), persistent, false));
@@ -189,13 +189,21 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
     s.frozen_rebuilt = p.residency.frozen_rebuilt;
 
     // ---- tasks ----
-    let mut pos: Vec<usize> = vec![usize::MAX; ids.len()]; // node index -> task index
-    let mut last_side: BTreeMap<GpuId, usize> = BTreeMap::new();
+    let mut pos: Vec<Option<STaskId>> = vec![None; ids.len()]; // node index -> task
+    let mut last_side: BTreeMap<GpuId, STaskId> = BTreeMap::new();
     let mut post_started: BTreeMap<GpuId, bool> = BTreeMap::new();
     for &i in &order {
         let id = ids[i];
         let n = pg.node(id);
-        let mut t_deps: Vec<usize> = deps[i].iter().map(|&d| pos[d]).collect();
+        // `order` is topological, so every dependency already has its task.
+        let mut t_deps: Vec<STaskId> = deps[i]
+            .iter()
+            .map(|&d| {
+                pos[d].ok_or_else(|| {
+                    CompileError::internal(format!("{} is ordered before its dependencies", n.name))
+                })
+            })
+            .collect::<Result<_>>()?;
         let beside = matches!(n.op, Op::WeightSync { .. })
             && n.role == Role::PreDecode
             && p.residency.reshard == ReshardPoint::BesideEncode
@@ -242,19 +250,19 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
                 }
             },
         };
-        let ti = s.tasks.len();
+        let ti = STaskId::from_index(s.tasks.len());
         if window.is_some() && !matches!(n.role, Role::Decode { .. }) {
             last_side.insert(n.gpu, ti);
         }
         t_deps.sort_unstable();
         t_deps.dedup();
-        let mut writes: Vec<usize> = n.writes.iter().map(|&b| map[b.index()]).collect();
+        let mut writes: Vec<PBufId> = n.writes.iter().map(|&b| map[b.index()]).collect();
         let mut work = n.work.clone();
         // A rebuilt frozen extra is part of every colocated weight sync.
         if let (Op::WeightSync { .. }, Role::PreDecode, true, Some(fb)) =
             (&n.op, n.role, p.residency.frozen_rebuilt, frozen_buf)
         {
-            let b = s.buffers[fb].bytes as f64;
+            let b = s.buffer(fb).bytes as f64;
             work.net_bytes += b;
             work.bytes += b;
             writes.push(fb);
@@ -277,7 +285,7 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
             start: 0.0,
             end: 0.0,
         });
-        pos[i] = ti;
+        pos[i] = Some(ti);
     }
 
     // ---- transfers for offloaded buffers ----
@@ -302,23 +310,21 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
     // ---- final join per GPU ----
     for gi in 0..pg.topo.gpus.len() {
         let gpu = GpuId::from_index(gi);
-        let Some(j) = s.tasks.iter().rposition(|t| t.gpu == gpu) else {
+        let Some(j) = s.task_ids().rev().find(|&j| s.task(j).gpu == gpu) else {
             continue;
         };
-        let jstream = s.tasks[j].stream;
+        let jstream = s.task(j).stream;
         let mut extra = Vec::new();
-        for st in 0..s.streams.len() {
-            if st == jstream || s.streams[st].gpu != gpu {
+        for (st, stream) in s.streams.iter().enumerate() {
+            let st = SStreamId::from_index(st);
+            if st == jstream || stream.gpu != gpu {
                 continue;
             }
-            if let Some(k) = s.tasks[..j].iter().rposition(|t| t.stream == st) {
-                extra.push(k);
+            if let Some(k) = s.tasks[..j.index()].iter().rposition(|t| t.stream == st) {
+                extra.push(STaskId::from_index(k));
             }
         }
-        let t = &mut s.tasks[j];
-        t.deps.extend(extra);
-        t.deps.sort_unstable();
-        t.deps.dedup();
+        s.task_mut(j).add_deps(extra);
     }
 
     crate::sched::predict(&mut s, cost);
@@ -328,8 +334,8 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
 
 struct Reload {
     logical: LBufId,
-    host: usize,
-    device: usize,
+    host: PBufId,
+    device: PBufId,
     write_back: bool,
 }
 
@@ -360,18 +366,14 @@ fn insert_transfers(
     r: &Reload,
     wl: &Workload,
 ) -> Result<()> {
-    let users = |s: &Sched| -> Vec<usize> {
-        (0..s.tasks.len())
-            .filter(|&i| {
-                s.tasks[i].reads.contains(&r.device) || s.tasks[i].writes.contains(&r.device)
-            })
-            .collect()
+    let users = |s: &Sched| -> Vec<STaskId> {
+        s.task_ids().filter(|&i| s.task(i).uses(r.device)).collect()
     };
     let u = users(s);
     let Some(&first) = u.first() else {
         return Ok(());
     };
-    let gpu = s.tasks[first].gpu;
+    let gpu = s.task(first).gpu;
     let copy = if p.single_stream {
         s.stream(gpu, "main", Priority::High)
     } else {
@@ -379,24 +381,31 @@ fn insert_transfers(
     };
     let bytes = pg.buffer(r.logical).bytes as f64;
     let name = pg.buffer(r.logical).name.clone();
-    let on_gpu = |i: usize| s.tasks[i].gpu == gpu;
-    let anchor = if s.tasks[first].window.is_some() {
-        (0..first)
-            .rev()
-            .find(|&i| on_gpu(i) && s.tasks[i].window.is_none() && s.tasks[i].phase != Phase::Sync)
+    let before_first = || s.task_ids().take(first.index());
+    let anchor = if s.task(first).window.is_some() {
+        before_first().rev().find(|&i| {
+            let t = s.task(i);
+            t.gpu == gpu && t.window.is_none() && t.phase != Phase::Sync
+        })
     } else {
-        let ph = s.tasks[first].phase;
-        let phase_start = (0..first)
-            .find(|&i| on_gpu(i) && s.tasks[i].window.is_none() && s.tasks[i].phase == ph)
+        let ph = s.task(first).phase;
+        let phase_start = before_first()
+            .find(|&i| {
+                let t = s.task(i);
+                t.gpu == gpu && t.window.is_none() && t.phase == ph
+            })
             .unwrap_or(first);
-        (0..phase_start).rev().find(|&i| on_gpu(i))
+        s.task_ids()
+            .take(phase_start.index())
+            .rev()
+            .find(|&i| s.task(i).gpu == gpu)
     };
     let transfer = |name: String,
                     op: Op,
                     phase: Phase,
-                    deps: Vec<usize>,
-                    reads: Vec<usize>,
-                    writes: Vec<usize>| STask {
+                    deps: Vec<STaskId>,
+                    reads: Vec<PBufId>,
+                    writes: Vec<PBufId>| STask {
         name,
         kind: WorkKind::Transfer,
         op,
@@ -414,20 +423,16 @@ fn insert_transfers(
         start: 0.0,
         end: 0.0,
     };
-    let (host, dev) = (
-        rollplex_plan::BufferId::from_index(r.host),
-        rollplex_plan::BufferId::from_index(r.device),
-    );
-    let at = anchor.map(|a| a + 1).unwrap_or(0);
-    let phase = s.tasks[first].phase;
+    let at = STaskId::from_index(anchor.map_or(0, |a| a.index() + 1));
+    let phase = s.task(first).phase;
     insert_task(
         s,
         at,
         transfer(
             format!("reload.{name}"),
             Op::Reload {
-                from: host,
-                to: dev,
+                from: r.host.op_id(),
+                to: r.device.op_id(),
             },
             phase,
             anchor.into_iter().collect(),
@@ -438,25 +443,23 @@ fn insert_transfers(
     let u = users(s);
     for &i in &u {
         if i != at {
-            s.tasks[i].deps.push(at);
-            s.tasks[i].deps.sort_unstable();
-            s.tasks[i].deps.dedup();
+            s.task_mut(i).add_deps([at]);
         }
     }
     if r.write_back {
-        let users_only: Vec<usize> = u.into_iter().filter(|&i| i != at).collect();
+        let users_only: Vec<STaskId> = u.into_iter().filter(|&i| i != at).collect();
         let Some(&last) = users_only.last() else {
             return Ok(());
         };
-        let phase = s.tasks[last].phase;
+        let phase = s.task(last).phase;
         insert_task(
             s,
-            last + 1,
+            STaskId::from_index(last.index() + 1),
             transfer(
                 format!("offload.{name}"),
                 Op::Offload {
-                    from: dev,
-                    to: host,
+                    from: r.device.op_id(),
+                    to: r.host.op_id(),
                 },
                 phase,
                 users_only,
@@ -479,7 +482,7 @@ fn offload_kept(
     pg: &PhaseGraph,
     class: SideClass,
     li: LBufId,
-    d: usize,
+    d: PBufId,
     wl: &Workload,
 ) -> Result<()> {
     let lb = pg.buffer(li);
@@ -500,18 +503,17 @@ fn offload_kept(
         .max(producers.len()) as u64;
     let chunk = lb.bytes.div_ceil(items);
     let copy = s.stream(gpu, "copy", Priority::Normal);
-    let find = |s: &Sched, name: &str| -> Result<usize> {
-        s.tasks
-            .iter()
-            .position(|t| t.name == name)
+    let find = |s: &Sched, name: &str| -> Result<STaskId> {
+        s.task_ids()
+            .find(|&i| s.task(i).name == name)
             .ok_or_else(|| CompileError::internal(format!("task {name} vanished")))
     };
     let transfer = |name: String,
                     op: Op,
                     phase: Phase,
-                    deps: Vec<usize>,
-                    reads: Vec<usize>,
-                    writes: Vec<usize>| STask {
+                    deps: Vec<STaskId>,
+                    reads: Vec<PBufId>,
+                    writes: Vec<PBufId>| STask {
         name,
         kind: WorkKind::Transfer,
         op,
@@ -529,43 +531,41 @@ fn offload_kept(
         start: 0.0,
         end: 0.0,
     };
-    let mut chunks: Vec<(usize, usize, String)> = Vec::new(); // (device, host, offload name)
+    let mut chunks: Vec<(PBufId, PBufId, String)> = Vec::new(); // (device, host, offload name)
     for (k, pname) in producers.iter().enumerate() {
-        let dev = s.buffers.len();
+        let dev = s.next_buffer();
         let mut b = pbuf(lb, format!("{}[{k}]", lb.name), false, false);
         b.role = BufferRole::KeptChunk;
         b.host_twin = true;
         b.bytes = chunk;
         b.shape = format!("chunk {k} of {items}: {}", lb.shape);
         s.buffers.push(b.clone());
-        let host = s.buffers.len();
+        let host = s.next_buffer();
         b.name = format!("{}[{k}].host", lb.name);
         b.role = BufferRole::HostCopy;
         b.host = true;
         b.host_twin = false;
         s.buffers.push(b);
         let at = find(s, pname)?;
-        for w in s.tasks[at].writes.iter_mut() {
+        for w in s.task_mut(at).writes.iter_mut() {
             if *w == d {
                 *w = dev;
             }
         }
         if k >= 2 {
             let before = find(s, &chunks[k - 2].2)?;
-            s.tasks[at].deps.push(before);
-            s.tasks[at].deps.sort_unstable();
-            s.tasks[at].deps.dedup();
+            s.task_mut(at).add_deps([before]);
         }
         let oname = format!("offload.{}[{k}]", lb.name);
-        let phase = s.tasks[at].phase;
+        let phase = s.task(at).phase;
         insert_task(
             s,
-            at + 1,
+            STaskId::from_index(at.index() + 1),
             transfer(
                 oname.clone(),
                 Op::Offload {
-                    from: rollplex_plan::BufferId::from_index(dev),
-                    to: rollplex_plan::BufferId::from_index(host),
+                    from: dev.op_id(),
+                    to: host.op_id(),
                 },
                 phase,
                 vec![at],
@@ -576,25 +576,22 @@ fn offload_kept(
         chunks.push((dev, host, oname));
     }
     // Reloads go after every window task and offload of this GPU, waiting for the last decode.
-    let on_gpu = |t: &STask| t.gpu == gpu;
-    let last_decode = s
-        .tasks
-        .iter()
-        .rposition(|t| on_gpu(t) && matches!(t.op, Op::DecodeWindow { .. }))
+    let last_on_gpu = |s: &Sched, f: &dyn Fn(&STask) -> bool| {
+        s.task_ids().rev().find(|&i| {
+            let t = s.task(i);
+            t.gpu == gpu && f(t)
+        })
+    };
+    let last_decode = last_on_gpu(s, &|t| matches!(t.op, Op::DecodeWindow { .. }))
         .ok_or_else(|| CompileError::internal("a kept state on host without decode"))?;
     let last_offload = find(s, &chunks[chunks.len() - 1].2)?;
-    let last_window = s
-        .tasks
-        .iter()
-        .rposition(|t| on_gpu(t) && t.window.is_some())
-        .unwrap_or(0);
-    let mut at = last_decode.max(last_offload).max(last_window) + 1;
-    if let Some(early) =
-        (0..at).find(|&i| s.tasks[i].reads.contains(&d) || s.tasks[i].writes.contains(&d))
-    {
+    let last_window = last_on_gpu(s, &|t| t.window.is_some()).unwrap_or(STaskId(0));
+    let mut at = last_decode.max(last_offload).max(last_window).index() + 1;
+    if let Some(early) = s.task_ids().take(at).find(|&i| s.task(i).uses(d)) {
         return Err(CompileError::internal(format!(
             "{} is on host but {} uses it during decode",
-            lb.name, s.tasks[early].name
+            lb.name,
+            s.task(early).name
         )));
     }
     let phase = s.tasks[at..]
@@ -608,14 +605,15 @@ fn offload_kept(
         let mut deps = vec![off, last_decode];
         deps.sort_unstable();
         deps.dedup();
+        let id = STaskId::from_index(at);
         insert_task(
             s,
-            at,
+            id,
             transfer(
                 format!("reload.{}[{k}]", lb.name),
                 Op::Reload {
-                    from: rollplex_plan::BufferId::from_index(*host),
-                    to: rollplex_plan::BufferId::from_index(d),
+                    from: host.op_id(),
+                    to: d.op_id(),
                 },
                 phase,
                 deps,
@@ -623,36 +621,32 @@ fn offload_kept(
                 vec![d],
             ),
         );
-        reloads.push(at);
+        reloads.push(id);
         at += 1;
     }
     // Every other user of `d` comes after the reloads: consumers wait for all of them,
     // producers after decode for the first (so it bounds the buffer's lifetime).
-    for i in at..s.tasks.len() {
-        let t = &mut s.tasks[i];
+    for t in &mut s.tasks[at..] {
         if t.reads.contains(&d) {
-            t.deps.extend(&reloads);
+            t.add_deps(reloads.iter().copied());
         } else if t.writes.contains(&d) {
-            t.deps.push(reloads[0]);
-        } else {
-            continue;
+            t.add_deps([reloads[0]]);
         }
-        t.deps.sort_unstable();
-        t.deps.dedup();
     }
     Ok(())
 }
 
-/// Inserts `t` at index `at`, renumbering every dependency.
-fn insert_task(s: &mut Sched, at: usize, t: STask) {
+/// Inserts `t` so that it gets the id `at`, renumbering every dependency on a task at or after
+/// it.
+fn insert_task(s: &mut Sched, at: STaskId, t: STask) {
     for x in s.tasks.iter_mut() {
         for d in x.deps.iter_mut() {
             if *d >= at {
-                *d += 1;
+                *d = STaskId(d.0 + 1);
             }
         }
     }
-    s.tasks.insert(at, t);
+    s.tasks.insert(at.index(), t);
 }
 
 /// Fills each buffer's residency per phase from the phases of the tasks that use it.
@@ -661,13 +655,12 @@ fn set_residency(s: &mut Sched, pg: &PhaseGraph) {
     let mut used: Vec<Vec<Phase>> = vec![Vec::new(); n];
     for t in &s.tasks {
         for &b in t.reads.iter().chain(&t.writes) {
-            used[b].push(t.phase);
+            used[b.index()].push(t.phase);
         }
     }
     let full_recompute = pg.spec.train.recompute == rollplex_plan::spec::Recompute::Full;
-    for i in 0..n {
-        let b = &s.buffers[i];
-        let (first, last) = match (used[i].iter().min(), used[i].iter().max()) {
+    for (b, used) in s.buffers.iter_mut().zip(&used) {
+        let (first, last) = match (used.iter().min(), used.iter().max()) {
             (Some(a), Some(z)) => (*a, *z),
             _ => (Phase::Rollout, Phase::Sync),
         };
@@ -678,7 +671,7 @@ fn set_residency(s: &mut Sched, pg: &PhaseGraph) {
                 let r = if b.host {
                     Residency::Host
                 } else if b.host_twin {
-                    if used[i].contains(&ph) {
+                    if used.contains(&ph) {
                         Residency::Hbm
                     } else {
                         Residency::Host
@@ -695,6 +688,49 @@ fn set_residency(s: &mut Sched, pg: &PhaseGraph) {
                 (ph, r)
             })
             .collect();
-        s.buffers[i].residency = res;
+        b.residency = res;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rollplex_plan::work::Work;
+
+    fn task(name: &str, deps: Vec<STaskId>) -> STask {
+        STask {
+            name: name.into(),
+            kind: WorkKind::Transfer,
+            op: Op::RefSuffix { slot: 0 },
+            gpu: GpuId(0),
+            phase: Phase::Rollout,
+            stream: crate::ir::SStreamId(0),
+            window: None,
+            deps,
+            reads: vec![],
+            writes: vec![],
+            work: Work::default(),
+            scratch: 0,
+            sms: 1,
+            ready_step: 0,
+            start: 0.0,
+            end: 0.0,
+        }
+    }
+
+    /// Inserting at `at` moves every dependency on a task at or after it, and no other.
+    #[test]
+    fn insert_task_renumbers_dependencies() {
+        let mut s = Sched::default();
+        s.stream(GpuId(0), "main", Priority::High);
+        s.tasks.push(task("a", vec![]));
+        s.tasks.push(task("b", vec![STaskId(0)]));
+        s.tasks.push(task("c", vec![STaskId(0), STaskId(1)]));
+        insert_task(&mut s, STaskId(1), task("new", vec![STaskId(0)]));
+        let names: Vec<&str> = s.tasks.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["a", "new", "b", "c"]);
+        assert_eq!(s.task(STaskId(2)).deps, vec![STaskId(0)]);
+        assert_eq!(s.task(STaskId(3)).deps, vec![STaskId(0), STaskId(2)]);
+        assert_eq!(crate::ir::verify_sched(&s), Ok(()));
     }
 }

@@ -2,11 +2,14 @@
 //! reshard records. Buffers leave here without placement; [`crate::memory`] gives them
 //! lifetimes, arenas and offsets.
 //!
+//! Tasks and streams keep their schedule index as their plan id ([`crate::ir::STaskId`] `i`
+//! becomes `TaskId` `i`); buffers are renumbered, since unused ones are dropped.
+//!
 //! Invariants: buffers nothing uses and that do not persist are dropped; every task's
 //! transient working set becomes a `scratch.<task>` buffer used by that task alone; times are
 //! rounded to the microsecond (monotone, so the order of times is kept).
 
-use crate::ir::{PhaseGraph, Sched};
+use crate::ir::{PBufId, PhaseGraph, Sched};
 use rollplex_cost::CostModel;
 use rollplex_plan::{
     Buffer, BufferClass, BufferId, BufferRole, Gpu, Lifetime, Memory, Op, Phase, PhaseResidency,
@@ -26,11 +29,11 @@ pub fn emit(pg: &PhaseGraph, s: &Sched, cost: &CostModel, solver: SolverStats) -
     let mut used = vec![false; s.buffers.len()];
     for t in &s.tasks {
         for &b in t.reads.iter().chain(&t.writes) {
-            used[b] = true;
+            used[b.index()] = true;
         }
         if let Op::Offload { from, to } | Op::Reload { from, to } = &t.op {
-            used[from.index()] = true;
-            used[to.index()] = true;
+            used[PBufId::of_op(*from).index()] = true;
+            used[PBufId::of_op(*to).index()] = true;
         }
     }
     let mut remap = vec![None; s.buffers.len()];
@@ -67,7 +70,7 @@ pub fn emit(pg: &PhaseGraph, s: &Sched, cost: &CostModel, solver: SolverStats) -
             offset: 0,
         });
     }
-    let map = |b: usize| remap[b].expect("used buffers are kept");
+    let map = |b: PBufId| remap[b.index()].expect("used buffers are kept");
     let mut tasks: Vec<Task> = Vec::with_capacity(s.tasks.len());
     for (i, t) in s.tasks.iter().enumerate() {
         let id = TaskId::from_index(i);
@@ -104,12 +107,12 @@ pub fn emit(pg: &PhaseGraph, s: &Sched, cost: &CostModel, solver: SolverStats) -
         }
         let op = match &t.op {
             Op::Offload { from, to } => Op::Offload {
-                from: map(from.index()),
-                to: map(to.index()),
+                from: map(PBufId::of_op(*from)),
+                to: map(PBufId::of_op(*to)),
             },
             Op::Reload { from, to } => Op::Reload {
-                from: map(from.index()),
-                to: map(to.index()),
+                from: map(PBufId::of_op(*from)),
+                to: map(PBufId::of_op(*to)),
             },
             o => o.clone(),
         };
@@ -119,9 +122,9 @@ pub fn emit(pg: &PhaseGraph, s: &Sched, cost: &CostModel, solver: SolverStats) -
             kind: t.kind,
             op,
             gpu: t.gpu,
-            stream: StreamId::from_index(t.stream),
+            stream: StreamId(t.stream.0),
             window: t.window.map(WindowId),
-            deps: t.deps.iter().map(|&d| TaskId::from_index(d)).collect(),
+            deps: t.deps.iter().map(|&d| TaskId(d.0)).collect(),
             reads: t.reads.iter().map(|&b| map(b)).collect(),
             writes,
             work: t.work.clone(),
@@ -151,8 +154,8 @@ pub fn emit(pg: &PhaseGraph, s: &Sched, cost: &CostModel, solver: SolverStats) -
             gpu: w.gpu,
             first_step: w.first_step,
             steps: w.steps,
-            decode_stream: StreamId::from_index(w.decode_stream),
-            side_stream: StreamId::from_index(w.side_stream),
+            decode_stream: StreamId(w.decode_stream.0),
+            side_stream: StreamId(w.side_stream.0),
             decode_sms: w.decode_sms,
             side_sms: w.side_sms,
             expected_active: (w.expected_active * 100.0).round() / 100.0,

@@ -31,16 +31,68 @@ use std::collections::BTreeMap;
 /// A node of the phase graph.
 pub type NodeId = NodeIndex<u32>;
 
-/// A logical buffer: its index in [`PhaseGraph::buffers`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct LBufId(pub u32);
+/// Defines a typed index into one of the IR's tables, so that an index of one table cannot be
+/// used for another (a task index where a stream index is due is a type error). Ids print as
+/// the bare index.
+macro_rules! table_id {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub struct $name(pub u32);
 
-impl LBufId {
-    pub fn index(self) -> usize {
-        self.0 as usize
+        impl $name {
+            /// The index into the table this id refers to.
+            pub fn index(self) -> usize {
+                self.0 as usize
+            }
+
+            /// The id of the `i`-th element of the table. Tables are bounded by the plan
+            /// format's u32 ids; a larger index is a compiler bug, reported as such.
+            pub fn from_index(i: usize) -> Self {
+                match u32::try_from(i) {
+                    Ok(v) => $name(v),
+                    Err(_) => panic!("{} index {i} does not fit in u32", stringify!($name)),
+                }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "{}", self.0)
+            }
+        }
+    };
+}
+
+table_id!(
+    /// A logical buffer: its index in [`PhaseGraph::buffers`].
+    LBufId
+);
+table_id!(
+    /// A scheduled task: its index in [`Sched::tasks`] (issue order).
+    STaskId
+);
+table_id!(
+    /// A stream: its index in [`Sched::streams`].
+    SStreamId
+);
+table_id!(
+    /// A buffer as the plan will hold it: its index in [`Sched::buffers`].
+    PBufId
+);
+
+impl PBufId {
+    /// The id an [`Op::Offload`] / [`Op::Reload`] of the schedule names this buffer by. Inside
+    /// a [`Sched`] such an op's plan-typed buffer ids hold schedule buffer indices; `emit`
+    /// renumbers them to the plan's buffers.
+    pub fn op_id(self) -> rollplex_plan::BufferId {
+        rollplex_plan::BufferId(self.0)
     }
-    pub fn from_index(i: usize) -> Self {
-        LBufId(i as u32)
+
+    /// The schedule buffer an [`Op::Offload`] / [`Op::Reload`] of the schedule names (the
+    /// inverse of [`PBufId::op_id`]).
+    pub fn of_op(id: rollplex_plan::BufferId) -> Self {
+        PBufId(id.0)
     }
 }
 
@@ -286,8 +338,8 @@ pub struct SWindow {
     pub gpu: GpuId,
     pub first_step: u32,
     pub steps: u32,
-    pub decode_stream: usize,
-    pub side_stream: usize,
+    pub decode_stream: SStreamId,
+    pub side_stream: SStreamId,
     pub decode_sms: u32,
     pub side_sms: u32,
     pub expected_active: f64,
@@ -322,17 +374,32 @@ pub struct STask {
     pub gpu: GpuId,
     /// Effective phase (work moved into a decode window counts as rollout).
     pub phase: Phase,
-    pub stream: usize,
+    pub stream: SStreamId,
     pub window: Option<u32>,
-    pub deps: Vec<usize>,
-    pub reads: Vec<usize>,
-    pub writes: Vec<usize>,
+    /// Tasks this one waits for, each earlier in issue order.
+    pub deps: Vec<STaskId>,
+    pub reads: Vec<PBufId>,
+    pub writes: Vec<PBufId>,
     pub work: Work,
     pub scratch: u64,
     pub sms: u32,
     pub ready_step: u32,
     pub start: f64,
     pub end: f64,
+}
+
+impl STask {
+    /// Whether the task reads or writes `b`.
+    pub fn uses(&self, b: PBufId) -> bool {
+        self.reads.contains(&b) || self.writes.contains(&b)
+    }
+
+    /// Adds dependencies on `more`, keeping `deps` sorted and free of repeats.
+    pub fn add_deps(&mut self, more: impl IntoIterator<Item = STaskId>) {
+        self.deps.extend(more);
+        self.deps.sort_unstable();
+        self.deps.dedup();
+    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -348,20 +415,47 @@ pub struct Sched {
 }
 
 impl Sched {
-    pub fn stream(&mut self, gpu: GpuId, name: &'static str, priority: Priority) -> usize {
+    /// The stream `name` of `gpu`'s program, added (with `priority`) if it is not there yet.
+    pub fn stream(&mut self, gpu: GpuId, name: &'static str, priority: Priority) -> SStreamId {
         if let Some(i) = self
             .streams
             .iter()
             .position(|s| s.gpu == gpu && s.name == name)
         {
-            return i;
+            return SStreamId::from_index(i);
         }
         self.streams.push(SStream {
             gpu,
             name,
             priority,
         });
-        self.streams.len() - 1
+        SStreamId::from_index(self.streams.len() - 1)
+    }
+
+    pub fn task(&self, id: STaskId) -> &STask {
+        &self.tasks[id.index()]
+    }
+
+    pub fn task_mut(&mut self, id: STaskId) -> &mut STask {
+        &mut self.tasks[id.index()]
+    }
+
+    pub fn stream_of(&self, id: SStreamId) -> &SStream {
+        &self.streams[id.index()]
+    }
+
+    pub fn buffer(&self, id: PBufId) -> &PBuf {
+        &self.buffers[id.index()]
+    }
+
+    /// The ids of the tasks, in issue order.
+    pub fn task_ids(&self) -> impl DoubleEndedIterator<Item = STaskId> + ExactSizeIterator {
+        (0..self.tasks.len()).map(STaskId::from_index)
+    }
+
+    /// The id the next pushed buffer gets.
+    pub fn next_buffer(&self) -> PBufId {
+        PBufId::from_index(self.buffers.len())
     }
 
     /// Predicted iteration time: the last end.
@@ -413,16 +507,16 @@ pub fn verify_sched(s: &Sched) -> Result<(), String> {
     let (ns, nw, nb) = (s.streams.len(), s.windows.len(), s.buffers.len());
     for w in &s.windows {
         for st in [w.decode_stream, w.side_stream] {
-            if st >= ns || s.streams[st].gpu != w.gpu {
+            if st.index() >= ns || s.stream_of(st).gpu != w.gpu {
                 return Err(format!("a window of {} names stream {st}", w.gpu));
             }
         }
     }
     for (i, t) in s.tasks.iter().enumerate() {
-        if let Some(d) = t.deps.iter().find(|&&d| d >= i) {
+        if let Some(d) = t.deps.iter().find(|d| d.index() >= i) {
             return Err(format!("{} (task {i}) depends on later task {d}", t.name));
         }
-        if t.stream >= ns || s.streams[t.stream].gpu != t.gpu {
+        if t.stream.index() >= ns || s.stream_of(t.stream).gpu != t.gpu {
             return Err(format!(
                 "{} names stream {} of another program",
                 t.name, t.stream
@@ -434,9 +528,74 @@ pub fn verify_sched(s: &Sched) -> Result<(), String> {
                 t.name
             ));
         }
-        if let Some(b) = t.reads.iter().chain(&t.writes).find(|&&b| b >= nb) {
+        if let Some(b) = t.reads.iter().chain(&t.writes).find(|b| b.index() >= nb) {
             return Err(format!("{} names buffer {b} of {nb}", t.name));
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A schedule of two GPU programs with one stream each and `deps` as task 1's dependencies.
+    fn sched(deps: Vec<STaskId>) -> Sched {
+        let mut s = Sched::default();
+        let (g0, g1) = (GpuId(0), GpuId(1));
+        let main0 = s.stream(g0, "main", Priority::High);
+        s.stream(g1, "main", Priority::High);
+        assert_eq!(
+            s.stream(g0, "main", Priority::High),
+            main0,
+            "streams are found again"
+        );
+        for (name, deps) in [("a", vec![]), ("b", deps)] {
+            s.tasks.push(STask {
+                name: name.into(),
+                kind: WorkKind::Transfer,
+                op: Op::RefSuffix { slot: 0 },
+                gpu: g0,
+                phase: Phase::Rollout,
+                stream: main0,
+                window: None,
+                deps,
+                reads: vec![],
+                writes: vec![],
+                work: Work::default(),
+                scratch: 0,
+                sms: 1,
+                ready_step: 0,
+                start: 0.0,
+                end: 0.0,
+            });
+        }
+        s
+    }
+
+    #[test]
+    fn verify_sched_names_what_is_out_of_order_or_of_another_program() {
+        assert_eq!(verify_sched(&sched(vec![STaskId(0)])), Ok(()));
+        let later = verify_sched(&sched(vec![STaskId(1)])).unwrap_err();
+        assert!(later.contains("depends on later task 1"), "{later}");
+        let mut s = sched(vec![]);
+        s.tasks[1].stream = SStreamId(1);
+        let other = verify_sched(&s).unwrap_err();
+        assert!(
+            other.contains("names stream 1 of another program"),
+            "{other}"
+        );
+        let mut s = sched(vec![]);
+        s.tasks[0].reads.push(PBufId(0));
+        let missing = verify_sched(&s).unwrap_err();
+        assert!(missing.contains("names buffer 0 of 0"), "{missing}");
+    }
+
+    #[test]
+    fn add_deps_keeps_them_sorted_and_single() {
+        let mut s = sched(vec![STaskId(0)]);
+        s.task_mut(STaskId(1)).add_deps([STaskId(0), STaskId(0)]);
+        assert_eq!(s.task(STaskId(1)).deps, vec![STaskId(0)]);
+        assert_eq!(PBufId::of_op(PBufId(7).op_id()), PBufId(7));
+    }
 }

@@ -48,10 +48,10 @@ pub fn predict(s: &mut Sched, cost: &CostModel) {
     for i in 0..s.tasks.len() {
         let (deps_end, stream, window, kind) = {
             let t = &s.tasks[i];
-            let d = t.deps.iter().map(|&d| s.tasks[d].end).fold(0.0, f64::max);
+            let d = t.deps.iter().map(|&d| s.task(d).end).fold(0.0, f64::max);
             (d, t.stream, t.window, t.kind)
         };
-        let mut start = deps_end.max(stream_end[stream]);
+        let mut start = deps_end.max(stream_end[stream.index()]);
         let is_decode = matches!(s.tasks[i].op, Op::DecodeWindow { .. });
         if is_decode {
             if let Some(w) = window {
@@ -88,7 +88,7 @@ pub fn predict(s: &mut Sched, cost: &CostModel) {
         let t = &mut s.tasks[i];
         t.start = start;
         t.end = end;
-        stream_end[stream] = end;
+        stream_end[stream.index()] = end;
         if let Some(w) = window {
             let w = w as usize;
             if is_decode {

@@ -329,13 +329,15 @@ impl Model {
             &mut self.attn,
             None,
             &mut self.ws,
-            &self.qkv,
-            &ly.kc,
-            &ly.vc,
-            &self.seqs,
-            dims,
-            1.0 / (d.hd as f32).sqrt(),
-            strides,
+            DecodeInputs {
+                q: &self.qkv,
+                k_cache: &ly.kc,
+                v_cache: &ly.vc,
+                seqs: &self.seqs,
+                dims,
+                scale: 1.0 / (d.hd as f32).sqrt(),
+                strides,
+            },
             self.plan,
         )?;
         Ok(())

@@ -364,18 +364,20 @@ fn run_attention_fwd(g: &Gpu, s: &Arc<CudaStream>, c: &AttnCase, label: &str) {
         s,
         &mut dout,
         Some(&mut lv),
-        &dq,
-        &dk,
-        &dv,
-        &dpk,
-        &dpv,
-        &ds,
-        seqs.len(),
-        max_q,
-        d,
-        c.mask,
-        scale,
-        RowStrides::contiguous(d),
+        FwdInputs {
+            q: &dq,
+            k: &dk,
+            v: &dv,
+            prefix_k: &dpk,
+            prefix_v: &dpv,
+            seqs: &ds,
+            n_seqs: seqs.len(),
+            max_q_len: max_q,
+            dims: d,
+            mask: c.mask,
+            scale,
+            strides: RowStrides::contiguous(d),
+        },
     )
     .unwrap();
     check(
@@ -397,18 +399,20 @@ fn run_attention_fwd(g: &Gpu, s: &Arc<CudaStream>, c: &AttnCase, label: &str) {
         s,
         &mut dout2,
         None,
-        &dq,
-        &dk,
-        &dv,
-        &dpk,
-        &dpv,
-        &ds,
-        seqs.len(),
-        16,
-        d,
-        c.mask,
-        scale,
-        RowStrides::contiguous(d),
+        FwdInputs {
+            q: &dq,
+            k: &dk,
+            v: &dv,
+            prefix_k: &dpk,
+            prefix_v: &dpv,
+            seqs: &ds,
+            n_seqs: seqs.len(),
+            max_q_len: 16,
+            dims: d,
+            mask: c.mask,
+            scale,
+            strides: RowStrides::contiguous(d),
+        },
     )
     .unwrap();
     assert_eq!(
@@ -473,6 +477,8 @@ fn attention_fwd_matches_cpu() {
     );
 }
 
+/// The SIMT decode kernel is kept for timing only (feature `bench`).
+#[cfg(feature = "bench")]
 #[test]
 fn attention_decode_simt_matches_cpu_with_shared_prefix() {
     decode_case(false);
@@ -565,10 +571,13 @@ fn decode_case(tensor_cores: bool) {
         let mut results = Vec::new();
         // the planned split, and a plan made for a shorter length (the last split takes the rest)
         for (hint, tc) in [(max_len, tensor_cores), (max_len / 3 + 1, tensor_cores)] {
+            let plan = decode_plan(b, dims, hint);
+            #[cfg(feature = "bench")]
             let plan = DecodePlan {
                 tensor_cores: tc,
-                ..decode_plan(b, dims, hint)
+                ..plan
             };
+            assert_eq!(plan.uses_tensor_cores(), tc);
             let mut ws = poison_f32(&s, plan.workspace_len());
             let mut dout = poison_bf(&s, b * dims.q_width());
             let mut dlse = poison_f32(&s, b * dims.num_heads);
@@ -579,13 +588,15 @@ fn decode_case(tensor_cores: bool) {
                 &mut dout,
                 Some(&mut lv),
                 &mut ws,
-                &dq,
-                &dk,
-                &dv,
-                &ds,
-                dims,
-                scale,
-                RowStrides::contiguous(dims),
+                DecodeInputs {
+                    q: &dq,
+                    k_cache: &dk,
+                    v_cache: &dv,
+                    seqs: &ds,
+                    dims,
+                    scale,
+                    strides: RowStrides::contiguous(dims),
+                },
                 plan,
             )
             .unwrap();
@@ -907,10 +918,18 @@ fn green_partitions_give_identical_bits_and_events_order_them() {
         up(&full, &seqs),
     );
     // Both decode kernels: the same bits on the whole GPU and on a partition.
-    for tc in [false, true] {
+    // (the SIMT kernel only with the feature `bench`, which keeps it for timing)
+    let kernels: &[bool] = if cfg!(feature = "bench") {
+        &[false, true]
+    } else {
+        &[true]
+    };
+    for &tc in kernels {
+        let plan = decode_plan(b, dims, len);
+        #[cfg(feature = "bench")]
         let plan = DecodePlan {
             tensor_cores: tc,
-            ..decode_plan(b, dims, len)
+            ..plan
         };
         let mut att = Vec::new();
         for st in [&full, a_s] {
@@ -919,7 +938,21 @@ fn green_partitions_give_identical_bits_and_events_order_them() {
             full.synchronize().unwrap();
             let strides = RowStrides::contiguous(dims);
             attention_decode_bf16(
-                g, st, &mut o, None, &mut ws, &dq, &dk, &dv, &ds, dims, 0.088, strides, plan,
+                g,
+                st,
+                &mut o,
+                None,
+                &mut ws,
+                DecodeInputs {
+                    q: &dq,
+                    k_cache: &dk,
+                    v_cache: &dv,
+                    seqs: &ds,
+                    dims,
+                    scale: 0.088,
+                    strides,
+                },
+                plan,
             )
             .unwrap();
             st.synchronize().unwrap();

@@ -366,13 +366,15 @@ fn attention_decode_pipelined_and_warp_split_match_cpu() {
                 &mut dout,
                 None,
                 &mut ws,
-                &dq,
-                &dk,
-                &dv,
-                &ds,
-                dims,
-                scale,
-                RowStrides::contiguous(dims),
+                DecodeInputs {
+                    q: &dq,
+                    k_cache: &dk,
+                    v_cache: &dv,
+                    seqs: &ds,
+                    dims,
+                    scale,
+                    strides: RowStrides::contiguous(dims),
+                },
                 plan,
             )
             .unwrap();

@@ -16,7 +16,9 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, Context, Result};
 use rollplex_kernels::cpu::{AttnDims, AttnMask, AttnSeq};
-use rollplex_kernels::cuda::attention::{attention_fwd_bf16_with, FwdKernel, RowStrides};
+use rollplex_kernels::cuda::attention::{
+    attention_fwd_bf16_with, FwdInputs, FwdKernel, RowStrides,
+};
 use rollplex_kernels::cuda::{bf16, linear_fwd_bf16, AttnSeqGpu};
 use rollplex_kernels::cuda::{CudaStream, Gpu};
 use rollplex_runtime::gpu::plan::VisionPlan;
@@ -159,18 +161,20 @@ fn attention_ms(
             s,
             &mut out,
             None,
-            &qkv,
-            &k,
-            &v,
-            &k,
-            &v,
-            &sd,
-            g.len(),
-            maxq,
-            dims,
-            mask,
-            scale,
-            st,
+            FwdInputs {
+                q: &qkv,
+                k: &k,
+                v: &v,
+                prefix_k: &k,
+                prefix_v: &v,
+                seqs: &sd,
+                n_seqs: g.len(),
+                max_q_len: maxq,
+                dims,
+                mask,
+                scale,
+                strides: st,
+            },
         )?;
         Ok(())
     })

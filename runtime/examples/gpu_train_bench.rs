@@ -45,7 +45,7 @@ use rollplex_kernels::cpu::{AttnDims, AttnMask, AttnSeq, Gemm};
 use rollplex_kernels::cuda::attention::RowStrides;
 use rollplex_kernels::cuda::{
     adamw_step_f32, attention_bwd_bf16, attention_fwd_bf16, bf16, matmul_bf16, AdamWScalars,
-    AttnSeqGpu, CudaStream, Gpu,
+    AttnSeqGpu, BwdGrads, BwdInputs, CudaStream, FwdInputs, Gpu,
 };
 use rollplex_plan::spec::{AdamWSpec, KlEstimator, LossAgg, LrSchedule, Recompute};
 use rollplex_runtime::gpu::train::{GpuGroupBatch, GpuTrainer, PromptMedia};
@@ -220,18 +220,20 @@ fn attention_ms(
             s,
             &mut out,
             Some(&mut lse as &mut dyn DevicePtrMut<f32>),
-            &q,
-            &k,
-            &v,
-            &k,
-            &v,
-            &sd,
-            g.len(),
-            maxq,
-            d,
-            AttnMask::Causal,
-            scale,
-            st,
+            FwdInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                prefix_k: &k,
+                prefix_v: &v,
+                seqs: &sd,
+                n_seqs: g.len(),
+                max_q_len: maxq,
+                dims: d,
+                mask: AttnMask::Causal,
+                scale,
+                strides: st,
+            },
         )?;
         Ok(())
     })?
@@ -240,25 +242,29 @@ fn attention_ms(
         attention_bwd_bf16(
             gpu,
             s,
-            &mut dq,
-            &mut dk,
-            &mut dv,
-            &mut dpk,
-            &mut dpv,
-            &dout,
-            &q,
-            &k,
-            &v,
-            &k,
-            &v,
-            &out,
-            &lse,
-            &sd,
-            g.len(),
-            d,
-            AttnMask::Causal,
-            scale,
-            st,
+            BwdGrads {
+                dq: &mut dq,
+                dk: &mut dk,
+                dv: &mut dv,
+                dprefix_k: &mut dpk,
+                dprefix_v: &mut dpv,
+            },
+            BwdInputs {
+                dout: &dout,
+                q: &q,
+                k: &k,
+                v: &v,
+                prefix_k: &k,
+                prefix_v: &v,
+                out: &out,
+                lse: &lse,
+                seqs: &sd,
+                n_seqs: g.len(),
+                dims: d,
+                mask: AttnMask::Causal,
+                scale,
+                strides: st,
+            },
         )?;
         Ok(())
     })?

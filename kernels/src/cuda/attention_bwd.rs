@@ -105,45 +105,106 @@ fn launch_cfg(items: usize) -> Grid {
     }
 }
 
-/// Backward of [`super::attention_fwd_bf16`] (the same `seqs`, `dims`, `mask`, `scale`,
-/// `strides`, plus its `out` and `lse`): writes `dq`, `dk`, `dv` (bf16) and adds the shared
-/// prefix keys' gradients into `dprefix_k`, `dprefix_v` (fp32). Pass `k`, `v` (and any two fp32
-/// buffers of at least one row) as the prefix when no sequence has one. `head_dim` <= 256.
-/// Runs [`BwdKernel::Auto`]'s choice ([`bwd_kernel_for`]: the tensor cores where they take the
-/// case, else SIMT); [`attention_bwd_bf16_with`] takes another.
-#[allow(clippy::too_many_arguments)]
+/// What an attention backward writes: `dq` `[T, heads*hd]` (the q stride), `dk`, `dv`
+/// `[T, kv_heads*hd]` (the kv stride), bf16, overwritten; `dprefix_k`, `dprefix_v`
+/// `[P, kv_heads*hd]` (the prefix stride), fp32, added into (the G samples of a group gather
+/// their gradients into the one prefix). Give any two fp32 buffers of at least one row as the
+/// prefix gradients when no sequence has a prefix.
+pub struct BwdGrads<'a> {
+    pub dq: &'a mut dyn DevicePtrMut<bf16>,
+    pub dk: &'a mut dyn DevicePtrMut<bf16>,
+    pub dv: &'a mut dyn DevicePtrMut<bf16>,
+    pub dprefix_k: &'a mut dyn DevicePtrMut<f32>,
+    pub dprefix_v: &'a mut dyn DevicePtrMut<f32>,
+}
+
+/// What an attention backward reads: the forward's inputs ([`super::attention::FwdInputs`]
+/// without its `max_q_len` hint: `q`, `k`, `v`, `prefix_k`, `prefix_v` (`k`, `v` again when no
+/// sequence has a prefix), `n_seqs` descriptors `seqs`, `dims`, `mask`, `scale`, `strides`), the
+/// forward's `out` and natural-log `lse` `[T, heads]`, and `dout` (the out stride).
+#[derive(Clone, Copy)]
+pub struct BwdInputs<'a> {
+    pub dout: &'a dyn DevicePtr<bf16>,
+    pub q: &'a dyn DevicePtr<bf16>,
+    pub k: &'a dyn DevicePtr<bf16>,
+    pub v: &'a dyn DevicePtr<bf16>,
+    pub prefix_k: &'a dyn DevicePtr<bf16>,
+    pub prefix_v: &'a dyn DevicePtr<bf16>,
+    pub out: &'a dyn DevicePtr<bf16>,
+    pub lse: &'a dyn DevicePtr<f32>,
+    pub seqs: &'a dyn DevicePtr<AttnSeqGpu>,
+    pub n_seqs: usize,
+    pub dims: AttnDims,
+    pub mask: AttnMask,
+    pub scale: f32,
+    pub strides: RowStrides,
+}
+
+/// Backward of [`super::attention_fwd_bf16`]: writes the gradients `g` from the inputs `x`
+/// ([`BwdGrads`], [`BwdInputs`]). `head_dim` <= 256. Runs [`BwdKernel::Auto`]'s choice
+/// ([`bwd_kernel_for`]: the tensor cores where they take the case, else SIMT);
+/// [`attention_bwd_bf16_with`] takes another.
 pub fn attention_bwd_bf16(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
-    dq: &mut impl DevicePtrMut<bf16>,
-    dk: &mut impl DevicePtrMut<bf16>,
-    dv: &mut impl DevicePtrMut<bf16>,
-    dprefix_k: &mut impl DevicePtrMut<f32>,
-    dprefix_v: &mut impl DevicePtrMut<f32>,
-    dout: &impl DevicePtr<bf16>,
-    q: &impl DevicePtr<bf16>,
-    k: &impl DevicePtr<bf16>,
-    v: &impl DevicePtr<bf16>,
-    prefix_k: &impl DevicePtr<bf16>,
-    prefix_v: &impl DevicePtr<bf16>,
-    out: &impl DevicePtr<bf16>,
-    lse: &impl DevicePtr<f32>,
-    seqs: &impl DevicePtr<AttnSeqGpu>,
-    n_seqs: usize,
-    dims: AttnDims,
-    mask: AttnMask,
-    scale: f32,
-    strides: RowStrides,
+    g: BwdGrads,
+    x: BwdInputs,
 ) -> Result<()> {
-    attention_bwd_bf16_with(
-        BwdKernel::Auto,
-        gpu,
-        stream,
+    attention_bwd_bf16_with(BwdKernel::Auto, gpu, stream, g, x)
+}
+
+/// [`attention_bwd_bf16`] on a chosen kernel (tests and the bench run them side by side).
+/// [`BwdKernel::TensorCores`] refuses what [`super::attention_bwd_tc::tc_bwd_refusal`] names;
+/// [`BwdKernel::Auto`] falls back to SIMT there and for bf16 buffers off 16-byte boundaries.
+pub fn attention_bwd_bf16_with(
+    kernel: BwdKernel,
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    g: BwdGrads,
+    x: BwdInputs,
+) -> Result<()> {
+    let tc = match kernel {
+        BwdKernel::TensorCores => true,
+        BwdKernel::Simt => false,
+        BwdKernel::Auto => {
+            bwd_kernel_for(&x.dims, x.strides, x.n_seqs) == BwdKernel::TensorCores
+                && all_aligned16(&[
+                    ptr_mut(&mut *g.dq, stream),
+                    ptr_mut(&mut *g.dk, stream),
+                    ptr_mut(&mut *g.dv, stream),
+                    ptr(x.dout, stream),
+                    ptr(x.q, stream),
+                    ptr(x.k, stream),
+                    ptr(x.v, stream),
+                    ptr(x.prefix_k, stream),
+                    ptr(x.prefix_v, stream),
+                    ptr(x.out, stream),
+                ])
+        }
+    };
+    if tc {
+        attention_bwd_tc_bf16(gpu, stream, g, x)
+    } else {
+        attention_bwd_simt_bf16(gpu, stream, g, x)
+    }
+}
+
+/// [`attention_bwd_bf16`] on the SIMT kernels (every head_dim up to 256, any alignment).
+fn attention_bwd_simt_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    g: BwdGrads,
+    x: BwdInputs,
+) -> Result<()> {
+    const OP: &str = "attention_bwd_bf16";
+    let BwdGrads {
         dq,
         dk,
         dv,
         dprefix_k,
         dprefix_v,
+    } = g;
+    let BwdInputs {
         dout,
         q,
         k,
@@ -158,95 +219,7 @@ pub fn attention_bwd_bf16(
         mask,
         scale,
         strides,
-    )
-}
-
-/// [`attention_bwd_bf16`] on a chosen kernel (tests and the bench run them side by side).
-/// [`BwdKernel::TensorCores`] refuses what [`super::attention_bwd_tc::tc_bwd_refusal`] names;
-/// [`BwdKernel::Auto`] falls back to SIMT there and for bf16 buffers off 16-byte boundaries.
-#[allow(clippy::too_many_arguments)]
-pub fn attention_bwd_bf16_with(
-    kernel: BwdKernel,
-    gpu: &Gpu,
-    stream: &Arc<CudaStream>,
-    dq: &mut impl DevicePtrMut<bf16>,
-    dk: &mut impl DevicePtrMut<bf16>,
-    dv: &mut impl DevicePtrMut<bf16>,
-    dprefix_k: &mut impl DevicePtrMut<f32>,
-    dprefix_v: &mut impl DevicePtrMut<f32>,
-    dout: &impl DevicePtr<bf16>,
-    q: &impl DevicePtr<bf16>,
-    k: &impl DevicePtr<bf16>,
-    v: &impl DevicePtr<bf16>,
-    prefix_k: &impl DevicePtr<bf16>,
-    prefix_v: &impl DevicePtr<bf16>,
-    out: &impl DevicePtr<bf16>,
-    lse: &impl DevicePtr<f32>,
-    seqs: &impl DevicePtr<AttnSeqGpu>,
-    n_seqs: usize,
-    dims: AttnDims,
-    mask: AttnMask,
-    scale: f32,
-    strides: RowStrides,
-) -> Result<()> {
-    let tc = match kernel {
-        BwdKernel::TensorCores => true,
-        BwdKernel::Simt => false,
-        BwdKernel::Auto => {
-            bwd_kernel_for(&dims, strides, n_seqs) == BwdKernel::TensorCores
-                && all_aligned16(&[
-                    ptr_mut(dq, stream),
-                    ptr_mut(dk, stream),
-                    ptr_mut(dv, stream),
-                    ptr(dout, stream),
-                    ptr(q, stream),
-                    ptr(k, stream),
-                    ptr(v, stream),
-                    ptr(prefix_k, stream),
-                    ptr(prefix_v, stream),
-                    ptr(out, stream),
-                ])
-        }
-    };
-    if tc {
-        attention_bwd_tc_bf16(
-            gpu, stream, dq, dk, dv, dprefix_k, dprefix_v, dout, q, k, v, prefix_k, prefix_v, out,
-            lse, seqs, n_seqs, dims, mask, scale, strides,
-        )
-    } else {
-        attention_bwd_simt_bf16(
-            gpu, stream, dq, dk, dv, dprefix_k, dprefix_v, dout, q, k, v, prefix_k, prefix_v, out,
-            lse, seqs, n_seqs, dims, mask, scale, strides,
-        )
-    }
-}
-
-/// [`attention_bwd_bf16`] on the SIMT kernels (every head_dim up to 256, any alignment).
-#[allow(clippy::too_many_arguments)]
-fn attention_bwd_simt_bf16(
-    gpu: &Gpu,
-    stream: &Arc<CudaStream>,
-    dq: &mut impl DevicePtrMut<bf16>,
-    dk: &mut impl DevicePtrMut<bf16>,
-    dv: &mut impl DevicePtrMut<bf16>,
-    dprefix_k: &mut impl DevicePtrMut<f32>,
-    dprefix_v: &mut impl DevicePtrMut<f32>,
-    dout: &impl DevicePtr<bf16>,
-    q: &impl DevicePtr<bf16>,
-    k: &impl DevicePtr<bf16>,
-    v: &impl DevicePtr<bf16>,
-    prefix_k: &impl DevicePtr<bf16>,
-    prefix_v: &impl DevicePtr<bf16>,
-    out: &impl DevicePtr<bf16>,
-    lse: &impl DevicePtr<f32>,
-    seqs: &impl DevicePtr<AttnSeqGpu>,
-    n_seqs: usize,
-    dims: AttnDims,
-    mask: AttnMask,
-    scale: f32,
-    strides: RowStrides,
-) -> Result<()> {
-    const OP: &str = "attention_bwd_bf16";
+    } = x;
     let (nh, nkv, hd) = (dims.num_heads, dims.num_kv_heads, dims.head_dim);
     if nh == 0 || nkv == 0 || !nh.is_multiple_of(nkv) {
         return Err(shape(

@@ -255,33 +255,54 @@ pub(crate) fn launch_dprefix_tc(
     Ok(())
 }
 
-/// The shared-prefix part of [`super::attention_bwd_bf16`] alone: adds the prefix keys' and
-/// values' gradients into `dprefix_k`, `dprefix_v` (fp32, the prefix stride), from the same
-/// `dout`, `q`, prefix K/V, forward `out` and natural-log `lse`, descriptors, dims, scale and
-/// strides. `kv_rows`: the own-key rows the descriptors may name (the `k`/`v` buffers' rows in
-/// the whole backward; a descriptor whose own keys end past it is ignored there, and so here).
-/// The mask does not matter: every query of a sequence sees all its prefix keys.
-#[allow(clippy::too_many_arguments)]
+/// What the shared-prefix part of the backward reads ([`attention_bwd_dprefix_bf16`]): the
+/// whole backward's `dout`, `q`, prefix K/V, forward `out` and natural-log `lse`, the `n_seqs`
+/// descriptors `seqs`, dims, scale and strides ([`super::attention_bwd::BwdInputs`]), and
+/// `kv_rows`: the own-key rows the descriptors may name (the `k`/`v` buffers' rows in the whole
+/// backward; a descriptor whose own keys end past it is ignored there, and so here). No mask:
+/// every query of a sequence sees all its prefix keys.
+#[derive(Clone, Copy)]
+pub struct DprefixInputs<'a> {
+    pub dout: &'a dyn DevicePtr<bf16>,
+    pub q: &'a dyn DevicePtr<bf16>,
+    pub prefix_k: &'a dyn DevicePtr<bf16>,
+    pub prefix_v: &'a dyn DevicePtr<bf16>,
+    pub out: &'a dyn DevicePtr<bf16>,
+    pub lse: &'a dyn DevicePtr<f32>,
+    pub seqs: &'a dyn DevicePtr<AttnSeqGpu>,
+    pub n_seqs: usize,
+    pub kv_rows: usize,
+    pub dims: AttnDims,
+    pub scale: f32,
+    pub strides: RowStrides,
+}
+
+/// The shared-prefix part of [`super::attention_bwd_bf16`] alone, on `kernel`: adds the prefix
+/// keys' and values' gradients into `dprefix_k`, `dprefix_v` (fp32, the prefix stride) from the
+/// inputs `x`.
 pub fn attention_bwd_dprefix_bf16(
     kernel: DprefixKernel,
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     dprefix_k: &mut impl DevicePtrMut<f32>,
     dprefix_v: &mut impl DevicePtrMut<f32>,
-    dout: &impl DevicePtr<bf16>,
-    q: &impl DevicePtr<bf16>,
-    prefix_k: &impl DevicePtr<bf16>,
-    prefix_v: &impl DevicePtr<bf16>,
-    out: &impl DevicePtr<bf16>,
-    lse: &impl DevicePtr<f32>,
-    seqs: &impl DevicePtr<AttnSeqGpu>,
-    n_seqs: usize,
-    kv_rows: usize,
-    dims: AttnDims,
-    scale: f32,
-    strides: RowStrides,
+    x: DprefixInputs,
 ) -> Result<()> {
     const OP: &str = "attention_bwd_dprefix_bf16";
+    let DprefixInputs {
+        dout,
+        q,
+        prefix_k,
+        prefix_v,
+        out,
+        lse,
+        seqs,
+        n_seqs,
+        kv_rows,
+        dims,
+        scale,
+        strides,
+    } = x;
     let (nh, nkv, hd) = (dims.num_heads, dims.num_kv_heads, dims.head_dim);
     if nh == 0 || nkv == 0 || !nh.is_multiple_of(nkv) {
         return Err(shape(

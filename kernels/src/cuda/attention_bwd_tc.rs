@@ -24,11 +24,10 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
-use half::bf16;
+use cudarc::driver::CudaStream;
 
-use super::attention::{AttnSeqGpu, RowStrides};
-use super::attention_bwd::{bwd_extent, BwdExtent};
+use super::attention::RowStrides;
+use super::attention_bwd::{bwd_extent, BwdExtent, BwdGrads, BwdInputs};
 use super::attention_bwd_dprefix::{launch_dprefix_tc, tc_dprefix_split, DprefixArgs};
 use super::launch::{aligned16, launch, need, ptr, ptr_mut, Grid};
 use super::nvrtc::KernelModule;
@@ -176,33 +175,38 @@ pub(crate) fn launch_tc_prep(
 
 /// [`super::attention_bwd_bf16`] on the tensor cores (same arguments and results): writes `dq`,
 /// `dk`, `dv` (bf16) and adds the shared prefix keys' gradients into `dprefix_k`, `dprefix_v`
-/// (fp32; on the tensor cores too, `attention_bwd_tc_dprefix_f32`). Cases [`tc_bwd_refusal`] names, and
-/// bf16 buffers not on 16-byte boundaries, are refused with a shape error.
-#[allow(clippy::too_many_arguments)]
+/// (fp32; on the tensor cores too, `attention_bwd_tc_dprefix_f32`). Cases [`tc_bwd_refusal`]
+/// names, and bf16 buffers not on 16-byte boundaries, are refused with a shape error.
 pub fn attention_bwd_tc_bf16(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
-    dq: &mut impl DevicePtrMut<bf16>,
-    dk: &mut impl DevicePtrMut<bf16>,
-    dv: &mut impl DevicePtrMut<bf16>,
-    dprefix_k: &mut impl DevicePtrMut<f32>,
-    dprefix_v: &mut impl DevicePtrMut<f32>,
-    dout: &impl DevicePtr<bf16>,
-    q: &impl DevicePtr<bf16>,
-    k: &impl DevicePtr<bf16>,
-    v: &impl DevicePtr<bf16>,
-    prefix_k: &impl DevicePtr<bf16>,
-    prefix_v: &impl DevicePtr<bf16>,
-    out: &impl DevicePtr<bf16>,
-    lse: &impl DevicePtr<f32>,
-    seqs: &impl DevicePtr<AttnSeqGpu>,
-    n_seqs: usize,
-    dims: AttnDims,
-    mask: AttnMask,
-    scale: f32,
-    strides: RowStrides,
+    g: BwdGrads,
+    x: BwdInputs,
 ) -> Result<()> {
     const OP: &str = "attention_bwd_tc_bf16";
+    let BwdGrads {
+        dq,
+        dk,
+        dv,
+        dprefix_k,
+        dprefix_v,
+    } = g;
+    let BwdInputs {
+        dout,
+        q,
+        k,
+        v,
+        prefix_k,
+        prefix_v,
+        out,
+        lse,
+        seqs,
+        n_seqs,
+        dims,
+        mask,
+        scale,
+        strides,
+    } = x;
     if let Some(why) = tc_bwd_refusal(&dims, strides, n_seqs) {
         return Err(shape(OP, why));
     }

@@ -55,10 +55,11 @@ pub use adamw::{adamw_step_f32, AdamWScalars};
 #[cfg(feature = "bench")]
 pub use attention::decode_plan_for_blocks;
 pub use attention::{
-    attention_decode_bf16, attention_fwd_bf16, decode_plan, AttnSeqGpu, DecodePlan,
+    attention_decode_bf16, attention_fwd_bf16, decode_plan, AttnSeqGpu, DecodeInputs, DecodePlan,
+    FwdInputs,
 };
-pub use attention_bwd::{attention_bwd_bf16, attention_bwd_bf16_with};
-pub use attention_bwd_dprefix::{attention_bwd_dprefix_bf16, DprefixKernel};
+pub use attention_bwd::{attention_bwd_bf16, attention_bwd_bf16_with, BwdGrads, BwdInputs};
+pub use attention_bwd_dprefix::{attention_bwd_dprefix_bf16, DprefixInputs, DprefixKernel};
 pub use attention_bwd_tc::{attention_bwd_tc_bf16, BwdKernel};
 pub use backward::{
     embedding_bwd_f32, gelu_bwd_bf16, grad_accumulate_f32, logprobs_bwd_bf16, rmsnorm_bwd_bf16,

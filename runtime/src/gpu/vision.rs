@@ -19,7 +19,7 @@ use half::bf16;
 use rollplex_kernels::cpu::{AttnDims, AttnMask, AttnSeq};
 use rollplex_kernels::cuda::{
     attention_fwd_bf16, embedding_fwd_bf16, gelu_fwd_bf16, linear_fwd_bf16, rmsnorm_fwd_bf16,
-    rope_fwd_bf16, AttnSeqGpu, CudaSlice, CudaStream, Gpu,
+    rope_fwd_bf16, AttnSeqGpu, CudaSlice, CudaStream, FwdInputs, Gpu,
 };
 
 use crate::model::config::VISION_RMS_EPS;
@@ -121,18 +121,20 @@ impl VisionAttn<'_> {
             stream,
             out,
             lse.map(|l| l as &mut dyn DevicePtrMut<f32>),
-            qkv,
-            &k,
-            &v,
-            &k,
-            &v,
-            seqs,
-            n,
-            maxq,
-            d,
-            AttnMask::Full,
-            1.0 / (d.head_dim as f32).sqrt(),
-            strides,
+            FwdInputs {
+                q: qkv,
+                k: &k,
+                v: &v,
+                prefix_k: &k,
+                prefix_v: &v,
+                seqs,
+                n_seqs: n,
+                max_q_len: maxq,
+                dims: d,
+                mask: AttnMask::Full,
+                scale: 1.0 / (d.head_dim as f32).sqrt(),
+                strides,
+            },
         )?;
         Ok(())
     }

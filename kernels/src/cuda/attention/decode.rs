@@ -4,10 +4,10 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
+use cudarc::driver::{CudaStream, DevicePtrMut, DeviceSlice};
 use half::bf16;
 
-use super::{check_dims, check_stride, rows_of, AttnSeqGpu, KvSrc, RowStrides};
+use super::{check_dims, check_stride, rows_of, AttnSeqGpu, DecodeInputs, KvSrc, RowStrides};
 use crate::cpu::AttnDims;
 use crate::cuda::launch::{aligned16, launch, need, ptr, ptr_mut, u32_of, Grid};
 use crate::cuda::nvrtc::ATTENTION;
@@ -22,7 +22,10 @@ pub struct DecodePlan {
     pub splits: usize,
     pub chunk: usize,
     /// Tensor cores (the default) or the SIMT kernel (`attention_decode_simt_bf16`, kept for
-    /// side-by-side timing). Same results within bf16 rounding; each is deterministic.
+    /// side-by-side timing: feature `bench`). Same results within bf16 rounding; each is
+    /// deterministic. Without the feature the tensor cores always run
+    /// ([`DecodePlan::uses_tensor_cores`]).
+    #[cfg(feature = "bench")]
     pub tensor_cores: bool,
     /// With `tensor_cores`: the block-pipelined kernel (`attention_decode_grouped_bf16` in its
     /// per-sample form, the default of [`decode_plan`]: one block per (sample, kv head, chunk),
@@ -36,6 +39,19 @@ impl DecodePlan {
     /// f32 elements of scratch the decode needs (partial outputs, then (max, sum) pairs).
     pub fn workspace_len(&self) -> usize {
         self.batch * self.num_heads * self.splits * (self.head_dim + 2)
+    }
+
+    /// Whether the tensor-core kernels run: always, unless a workbench (feature `bench`) asked
+    /// for the SIMT kernel.
+    pub fn uses_tensor_cores(&self) -> bool {
+        #[cfg(feature = "bench")]
+        {
+            self.tensor_cores
+        }
+        #[cfg(not(feature = "bench"))]
+        {
+            true
+        }
     }
 }
 
@@ -58,6 +74,7 @@ pub fn decode_plan(batch: usize, dims: AttnDims, max_kv_len: usize) -> DecodePla
         head_dim: dims.head_dim,
         splits,
         chunk,
+        #[cfg(feature = "bench")]
         tensor_cores: true,
         pipelined: r <= 64,
     }
@@ -159,28 +176,29 @@ pub(super) fn check_decode_io(
     Ok((kv_rows, lse_p))
 }
 
-/// Decode attention, as [`crate::cpu::attention_decode`]: `out`, `q` `[B, heads*hd]` (rows
-/// `strides.out` / `strides.q` apart), `k_cache`, `v_cache` `[S, kv_heads*hd]` (rows `strides.kv`
-/// apart; prefix and suffix rows in the same arena), `seqs` `[B]` on the device (see
-/// [`AttnSeqGpu::from_decode`]), `lse` `[B, heads]` if given; `workspace` holds
-/// `plan.workspace_len()` floats.
-#[allow(clippy::too_many_arguments)]
+/// Decode attention, as [`crate::cpu::attention_decode`]: writes `out` `[B, heads*hd]` (rows
+/// `x.strides.out` apart) and, if given, `lse` `[B, heads]` from the inputs `x`
+/// ([`DecodeInputs`]: `seqs` `[B]` made by [`AttnSeqGpu::from_decode`]), split as `plan` says;
+/// `workspace` holds `plan.workspace_len()` floats.
 pub fn attention_decode_bf16(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     out: &mut impl DevicePtrMut<bf16>,
     lse: Option<&mut dyn DevicePtrMut<f32>>,
     workspace: &mut impl DevicePtrMut<f32>,
-    q: &impl DevicePtr<bf16>,
-    k_cache: &impl DevicePtr<bf16>,
-    v_cache: &impl DevicePtr<bf16>,
-    seqs: &impl DevicePtr<AttnSeqGpu>,
-    dims: AttnDims,
-    scale: f32,
-    strides: RowStrides,
+    x: DecodeInputs,
     plan: DecodePlan,
 ) -> Result<()> {
     const OP: &str = "attention_decode_bf16";
+    let DecodeInputs {
+        q,
+        k_cache,
+        v_cache,
+        seqs,
+        dims,
+        scale,
+        strides,
+    } = x;
     check_dims(OP, &dims, true)?;
     let b = plan.batch;
     if plan.num_heads != dims.num_heads
@@ -239,7 +257,8 @@ pub fn attention_decode_bf16(
         kv_rows,
     };
     let scale_log2 = scale * std::f32::consts::LOG2_E;
-    if plan.tensor_cores && plan.pipelined && dims.num_heads / dims.num_kv_heads <= 64 {
+    let tensor_cores = plan.uses_tensor_cores();
+    if tensor_cores && plan.pipelined && dims.num_heads / dims.num_kv_heads <= 64 {
         let g = GroupPass {
             pass: &pass,
             k: kp,
@@ -256,7 +275,7 @@ pub fn attention_decode_bf16(
             OP,
             gpu,
             stream,
-            plan.tensor_cores,
+            tensor_cores,
             &dims,
             scale_log2,
             &pass,
@@ -518,7 +537,7 @@ mod plan_tests {
         for (d, b, (splits, chunk)) in cases {
             let p = decode_plan(b, d, 2048);
             assert_eq!((p.splits, p.chunk), (splits, chunk), "{d:?} B{b}");
-            assert!(p.tensor_cores && p.pipelined);
+            assert!(p.uses_tensor_cores() && p.pipelined);
             assert!(p.splits * p.chunk >= 2048);
         }
     }

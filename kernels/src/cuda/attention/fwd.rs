@@ -42,36 +42,51 @@ pub fn fwd_kernel_for(dims: &AttnDims, max_q_len: usize) -> FwdKernel {
     }
 }
 
-/// Varlen attention over a packed batch, as [`crate::cpu::attention_fwd`]: `out`, `q`
-/// `[T, heads*hd]`; `k`, `v` `[T, kv_heads*hd]`; `prefix_k`, `prefix_v` `[P, kv_heads*hd]` (pass
-/// `k`, `v` again when no sequence has a prefix); `lse` `[T, heads]` if given; rows `strides`
+/// What a prefill attention reads ([`attention_fwd_bf16`]), as [`crate::cpu::attention_fwd`]
+/// takes it: `q` `[T, heads*hd]`; `k`, `v` `[T, kv_heads*hd]`; `prefix_k`, `prefix_v`
+/// `[P, kv_heads*hd]` (give `k`, `v` again when no sequence has a prefix); rows `strides`
 /// apart. `seqs` holds `n_seqs` descriptors on the device; `max_q_len` (a hint) sizes the grid
 /// and picks the kernel ([`fwd_kernel_for`]); every query is attended whatever it says.
-#[allow(clippy::too_many_arguments)]
+#[derive(Clone, Copy)]
+pub struct FwdInputs<'a> {
+    pub q: &'a dyn DevicePtr<bf16>,
+    pub k: &'a dyn DevicePtr<bf16>,
+    pub v: &'a dyn DevicePtr<bf16>,
+    pub prefix_k: &'a dyn DevicePtr<bf16>,
+    pub prefix_v: &'a dyn DevicePtr<bf16>,
+    pub seqs: &'a dyn DevicePtr<AttnSeqGpu>,
+    pub n_seqs: usize,
+    pub max_q_len: usize,
+    pub dims: AttnDims,
+    pub mask: AttnMask,
+    pub scale: f32,
+    pub strides: RowStrides,
+}
+
+/// Varlen attention over a packed batch, as [`crate::cpu::attention_fwd`]: writes `out`
+/// `[T, heads*hd]` (rows `x.strides.out` apart) and, if given, the natural-log `lse`
+/// `[T, heads]` from the inputs `x`, on [`fwd_kernel_for`]'s kernel.
 pub fn attention_fwd_bf16(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     out: &mut impl DevicePtrMut<bf16>,
     lse: Option<&mut dyn DevicePtrMut<f32>>,
-    q: &impl DevicePtr<bf16>,
-    k: &impl DevicePtr<bf16>,
-    v: &impl DevicePtr<bf16>,
-    prefix_k: &impl DevicePtr<bf16>,
-    prefix_v: &impl DevicePtr<bf16>,
-    seqs: &impl DevicePtr<AttnSeqGpu>,
-    n_seqs: usize,
-    max_q_len: usize,
-    dims: AttnDims,
-    mask: AttnMask,
-    scale: f32,
-    strides: RowStrides,
+    x: FwdInputs,
 ) -> Result<()> {
-    attention_fwd_bf16_with(
-        FwdKernel::Auto,
-        gpu,
-        stream,
-        out,
-        lse,
+    attention_fwd_bf16_with(FwdKernel::Auto, gpu, stream, out, lse, x)
+}
+
+/// [`attention_fwd_bf16`] on a chosen kernel (tests and the bench run both side by side).
+/// [`FwdKernel::TensorCores`] with a head_dim past [`TC_FWD_MAX_HEAD_DIM`] is refused.
+pub fn attention_fwd_bf16_with(
+    kernel: FwdKernel,
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    out: &mut impl DevicePtrMut<bf16>,
+    lse: Option<&mut dyn DevicePtrMut<f32>>,
+    x: FwdInputs,
+) -> Result<()> {
+    let FwdInputs {
         q,
         k,
         v,
@@ -84,31 +99,7 @@ pub fn attention_fwd_bf16(
         mask,
         scale,
         strides,
-    )
-}
-
-/// [`attention_fwd_bf16`] on a chosen kernel (tests and the bench run both side by side).
-/// [`FwdKernel::TensorCores`] with a head_dim past [`TC_FWD_MAX_HEAD_DIM`] is refused.
-#[allow(clippy::too_many_arguments)]
-pub fn attention_fwd_bf16_with(
-    kernel: FwdKernel,
-    gpu: &Gpu,
-    stream: &Arc<CudaStream>,
-    out: &mut impl DevicePtrMut<bf16>,
-    lse: Option<&mut dyn DevicePtrMut<f32>>,
-    q: &impl DevicePtr<bf16>,
-    k: &impl DevicePtr<bf16>,
-    v: &impl DevicePtr<bf16>,
-    prefix_k: &impl DevicePtr<bf16>,
-    prefix_v: &impl DevicePtr<bf16>,
-    seqs: &impl DevicePtr<AttnSeqGpu>,
-    n_seqs: usize,
-    max_q_len: usize,
-    dims: AttnDims,
-    mask: AttnMask,
-    scale: f32,
-    strides: RowStrides,
-) -> Result<()> {
+    } = x;
     const OP: &str = "attention_fwd_bf16";
     check_dims(OP, &dims, false)?;
     let (qw, kvw) = (dims.q_width(), dims.kv_width());

@@ -23,8 +23,9 @@
 //!
 //! Decode kernels: the block-pipelined one (`attention_decode_grouped_bf16`: per-sample pass =
 //! the default of `attention_decode_bf16`, group pass for shared prefixes), the warp-split one
-//! (`attention_decode_bf16`, `DecodePlan::pipelined == false`) and the SIMT one
-//! (`tensor_cores == false`), the last two kept for timing.
+//! (`attention_decode_bf16`, `DecodePlan::pipelined == false`: what [`decode_plan`] plans past
+//! 64 query heads per kv head, else kept for timing) and the SIMT one (`tensor_cores == false`,
+//! only with the feature `bench`: kept for timing, no production path runs it).
 
 mod decode;
 mod fwd;
@@ -37,8 +38,8 @@ pub use decode::{
     PIPELINED_SLOTS,
 };
 pub use fwd::{
-    attention_fwd_bf16, attention_fwd_bf16_with, fwd_kernel_for, FwdKernel, TC_FWD_MAX_HEAD_DIM,
-    TC_FWD_MIN_Q,
+    attention_fwd_bf16, attention_fwd_bf16_with, fwd_kernel_for, FwdInputs, FwdKernel,
+    TC_FWD_MAX_HEAD_DIM, TC_FWD_MIN_Q,
 };
 pub use grouped::{
     attention_decode_grouped_bf16, grouped_decode_plan, grouped_decode_plan_for_blocks,
@@ -108,7 +109,8 @@ struct KvSrc {
 // SAFETY: repr(C) mirror of the device struct; passed by value.
 unsafe impl DeviceRepr for KvSrc {}
 
-/// What a decode attention reads ([`attention_decode_grouped_bf16`]): `q` `[B, heads*hd]` (rows
+/// What a decode attention reads ([`attention_decode_bf16`], [`attention_decode_grouped_bf16`]):
+/// `q` `[B, heads*hd]` (rows
 /// `strides.q` apart), the KV arena `k_cache`, `v_cache` `[S, kv_heads*hd]` (rows `strides.kv`
 /// apart; prefix and suffix rows in the same arena), the `seqs` `[B]` descriptors on the device
 /// ([`AttnSeqGpu::from_decode`]), the dims and the softmax scale.

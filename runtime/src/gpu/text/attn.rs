@@ -8,7 +8,7 @@ use rollplex_kernels::cpu::{AttnDims, AttnMask};
 use rollplex_kernels::cuda::attention::RowStrides;
 use rollplex_kernels::cuda::{
     attention_decode_bf16, attention_fwd_bf16, decode_plan, kv_append_bf16, rope_fwd_bf16,
-    rope_kv_append_bf16, AttnSeqGpu, CudaSlice, CudaStream, Gpu,
+    rope_kv_append_bf16, AttnSeqGpu, CudaSlice, CudaStream, DecodeInputs, FwdInputs, Gpu,
 };
 
 use super::super::block::AttnStep;
@@ -103,18 +103,20 @@ impl AttnStep for PackedAttn<'_> {
                     stream,
                     out,
                     None,
-                    qkv,
-                    &k,
-                    &v,
-                    &pk,
-                    &pv,
-                    self.seqs,
-                    self.n_seqs,
-                    self.max_q,
-                    d,
-                    AttnMask::Causal,
-                    scale,
-                    strides,
+                    FwdInputs {
+                        q: qkv,
+                        k: &k,
+                        v: &v,
+                        prefix_k: &pk,
+                        prefix_v: &pv,
+                        seqs: self.seqs,
+                        n_seqs: self.n_seqs,
+                        max_q_len: self.max_q,
+                        dims: d,
+                        mask: AttnMask::Causal,
+                        scale,
+                        strides,
+                    },
                 )?;
             }
             None => {
@@ -129,18 +131,20 @@ impl AttnStep for PackedAttn<'_> {
                     stream,
                     out,
                     None,
-                    qkv,
-                    &k,
-                    &v,
-                    &k,
-                    &v,
-                    self.seqs,
-                    self.n_seqs,
-                    self.max_q,
-                    d,
-                    AttnMask::Causal,
-                    scale,
-                    strides,
+                    FwdInputs {
+                        q: qkv,
+                        k: &k,
+                        v: &v,
+                        prefix_k: &k,
+                        prefix_v: &v,
+                        seqs: self.seqs,
+                        n_seqs: self.n_seqs,
+                        max_q_len: self.max_q,
+                        dims: d,
+                        mask: AttnMask::Causal,
+                        scale,
+                        strides,
+                    },
                 )?;
             }
         }
@@ -215,7 +219,21 @@ impl AttnStep for DecodeAttn<'_> {
                         .insert(alloc::<f32>(gpu, stream, plan.workspace_len())?),
                 };
                 attention_decode_bf16(
-                    gpu, stream, out, None, ws, qkv, &kc, &vc, self.seqs, d, scale, strides, plan,
+                    gpu,
+                    stream,
+                    out,
+                    None,
+                    ws,
+                    DecodeInputs {
+                        q: qkv,
+                        k_cache: &kc,
+                        v_cache: &vc,
+                        seqs: self.seqs,
+                        dims: d,
+                        scale,
+                        strides,
+                    },
+                    plan,
                 )?;
             }
             DecodeKernel::Varlen => {
@@ -224,18 +242,20 @@ impl AttnStep for DecodeAttn<'_> {
                     stream,
                     out,
                     None,
-                    qkv,
-                    &kc,
-                    &vc,
-                    &kc,
-                    &vc,
-                    self.seqs,
-                    self.batch,
-                    1,
-                    d,
-                    AttnMask::Causal,
-                    scale,
-                    strides,
+                    FwdInputs {
+                        q: qkv,
+                        k: &kc,
+                        v: &vc,
+                        prefix_k: &kc,
+                        prefix_v: &vc,
+                        seqs: self.seqs,
+                        n_seqs: self.batch,
+                        max_q_len: 1,
+                        dims: d,
+                        mask: AttnMask::Causal,
+                        scale,
+                        strides,
+                    },
                 )?;
             }
         }

@@ -11,7 +11,8 @@ use rollplex_kernels::cuda::attention_bwd_tc::{bwd_kernel_for, BwdKernel, TC_BWD
 use rollplex_kernels::cuda::{
     add_rmsnorm_fwd_bf16, attention_bwd_bf16_with, embedding_fwd_bf16, gelu_bwd_bf16,
     gelu_fwd_bf16, grad_accumulate_f32, kv_append_bf16, matmul_bf16, rmsnorm_bwd_bf16,
-    rmsnorm_fwd_bf16, rope_bwd_bf16, swiglu_fwd_bf16, CudaSlice, CudaStream, Gpu,
+    rmsnorm_fwd_bf16, rope_bwd_bf16, swiglu_fwd_bf16, BwdGrads, BwdInputs, CudaSlice, CudaStream,
+    Gpu,
 };
 
 use crate::model::config::VISION_RMS_EPS;
@@ -141,25 +142,29 @@ impl<S: DevicePtr<rollplex_kernels::cuda::attention::AttnSeqGpu>> AttnBwd<'_, S>
             kernel,
             gpu,
             s,
-            &mut dq,
-            &mut dk,
-            &mut dv,
-            &mut dpk,
-            &mut dpv,
-            dout,
-            q,
-            k,
-            v,
-            k,
-            v,
-            out,
-            lse,
-            self.seqs,
-            self.n_seqs,
-            dims,
-            AttnMask::Full,
-            self.scale,
-            RowStrides::contiguous(dims),
+            BwdGrads {
+                dq: &mut dq,
+                dk: &mut dk,
+                dv: &mut dv,
+                dprefix_k: &mut dpk,
+                dprefix_v: &mut dpv,
+            },
+            BwdInputs {
+                dout,
+                q,
+                k,
+                v,
+                prefix_k: k,
+                prefix_v: v,
+                out,
+                lse,
+                seqs: self.seqs,
+                n_seqs: self.n_seqs,
+                dims,
+                mask: AttnMask::Full,
+                scale: self.scale,
+                strides: RowStrides::contiguous(dims),
+            },
         )?;
         Ok((dq, dk, dv))
     }

@@ -1,0 +1,117 @@
+//! Reading a solution back: the option per window, whole item counts, the residency and
+//! reshard choices, and the objective of what was read (not the solver's value of the
+//! relaxed counts).
+
+// Counts are indexed by (class, window); index loops read best here.
+#![allow(clippy::needless_range_loop)]
+
+use super::model::Vars;
+use super::options::{decode_alone, slowdown};
+use super::{Answer, Problem, Residency};
+use good_lp::{Solution, SolutionStatus};
+use rollplex_plan::SolveStatus;
+
+/// What the solver reports beside the solution.
+pub(super) struct SolveStats {
+    pub constraints: u32,
+    pub solve_s: f64,
+}
+
+/// The answer `sol` gives to `p` under the variables `v`.
+pub(super) fn read(
+    p: &Problem,
+    res: &Residency,
+    v: &Vars,
+    sol: &impl Solution,
+    stats: SolveStats,
+) -> Answer {
+    let (nw, nj, nc) = (p.decode_time.len(), p.options.len(), p.classes.len());
+    let status = match sol.status() {
+        SolutionStatus::Optimal | SolutionStatus::GapLimit => SolveStatus::Optimal,
+        SolutionStatus::TimeLimit => SolveStatus::TimeLimit,
+    };
+    let nos = decode_alone(p);
+    let option: Vec<usize> = (0..nw)
+        .map(|w| {
+            (0..nj)
+                .filter_map(|j| v.y[w][j].map(|y| (j, sol.value(y))))
+                .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
+                .map(|(j, _)| j)
+                .unwrap_or(nos)
+        })
+        .collect();
+    // Items: floor the cumulative counts (keeps readiness and order; a window may gain part
+    // of an item, which the timing pass accounts for).
+    let counts: Vec<Vec<u32>> = (0..nc)
+        .map(|c| {
+            let mut prev = 0u32;
+            let mut acc = 0.0;
+            (0..nw)
+                .map(|w| {
+                    acc += v.n[c][w]
+                        .iter()
+                        .flatten()
+                        .map(|&n| sol.value(n))
+                        .sum::<f64>();
+                    let cum = (acc + 1e-6).floor().max(0.0) as u32;
+                    let k = cum.saturating_sub(prev);
+                    prev = prev.max(cum);
+                    k
+                })
+                .collect()
+        })
+        .collect();
+    let mut objective = 0.0;
+    for w in 0..nw {
+        objective += p.decode_time[w][option[w]];
+    }
+    for (c, cl) in p.classes.iter().enumerate() {
+        let placed: u32 = counts[c].iter().sum();
+        objective += cl.count.saturating_sub(placed) as f64 * cl.post_time;
+        let cost = 1.0 - 1.0 / slowdown(cl.decode_slowdown);
+        for w in 0..nw {
+            if counts[c][w] > 0 {
+                objective += cost * counts[c][w] as f64 * cl.item_time[option[w]];
+            }
+        }
+    }
+    let off: Vec<bool> = v.off.iter().map(|&o| sol.value(o) > 0.5).collect();
+    let reshard =
+        v.x.iter()
+            .enumerate()
+            .max_by(|a, b| {
+                sol.value(*a.1)
+                    .total_cmp(&sol.value(*b.1))
+                    .then(b.0.cmp(&a.0))
+            })
+            .map(|(k, _)| k)
+            .unwrap_or(0);
+    for (i, it) in res.items.iter().enumerate() {
+        if off[i] {
+            objective += it.off_s;
+        }
+    }
+    objective += res.reshard.get(reshard).map(|o| o.exposed_s).unwrap_or(0.0);
+    let kept_host: Vec<bool> =
+        v.h.iter()
+            .map(|h| h.is_some_and(|h| sol.value(h) > 0.5))
+            .collect();
+    for (k, ks) in res.kept.iter().enumerate() {
+        if kept_host[k] {
+            objective += ks.host_s;
+        }
+    }
+    Answer {
+        option,
+        counts,
+        off,
+        reshard,
+        kept_host,
+        status,
+        objective,
+        variables: v.count,
+        integer_variables: v.integers,
+        constraints: stats.constraints,
+        solve_s: stats.solve_s,
+    }
+}
