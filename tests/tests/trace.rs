@@ -122,7 +122,9 @@ fn cpu_trace_measures_every_task_on_the_simulators_tracks() {
         iterations as usize
     );
 
-    // The metrics carry the measured phase times, which fit in the iteration.
+    // The metrics carry the measured phase times, which fit in the iteration, and each phase's
+    // share of the plan's roofline (`rollplexc --stats`): its floor over its measured time.
+    let roof = rollplex_plan::roofline::roofline(&plan);
     let text = std::fs::read_to_string(dir.path().join("out/metrics.jsonl")).unwrap();
     for line in text.lines() {
         let m: Value = serde_json::from_str(line).unwrap();
@@ -132,5 +134,19 @@ fn cpu_trace_measures_every_task_on_the_simulators_tracks() {
             .sum();
         assert!(m["rollout_s"].as_f64().unwrap() > 0.0);
         assert!(phases <= m["time_s"].as_f64().unwrap() * 1.0001, "{line}");
+        let time = m["time_s"].as_f64().unwrap();
+        assert_eq!(m["roofline_s"].as_f64(), Some(roof.serial_s), "{line}");
+        let frac = m["roofline_frac"].as_f64().unwrap();
+        assert!((frac - roof.serial_s / time).abs() <= 1e-9 * frac, "{line}");
+        for (p, floor) in &roof.phases {
+            let name = rollplex_plan::roofline::phase_name(*p);
+            let measured = m[format!("{name}_s")].as_f64().unwrap();
+            let got = m[format!("{name}_roofline_frac")].as_f64();
+            let want = floor.seconds / measured;
+            assert!(
+                got.is_some_and(|g| (g - want).abs() <= 1e-9 * want),
+                "{name}: {line}"
+            );
+        }
     }
 }

@@ -377,7 +377,7 @@ impl RunRoofline {
         );
         for (i, p) in Phase::ALL.iter().enumerate() {
             let (m, floor) = (self.measured[i] / n, self.phase_s[i]);
-            if m > 0.0 || floor > 0.0 {
+            if floor > 0.0 || m >= 5e-4 {
                 s.push_str(&format!(
                     "  {:<8} {:>8.3} s achieved, {:>8.3} s roofline ({:.1}%)\n",
                     phase_name(*p),
