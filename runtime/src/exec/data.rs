@@ -326,10 +326,9 @@ pub fn reward_fn(spec: &JobSpec) -> Result<Box<super::cpu_tp::SendRewardFn<'stat
                     })
                 })
                 .collect::<Result<Vec<_>, ExecError>>()?;
-            let scores = reward
-                .score(&reqs)
-                .map_err(|e| ExecError::Reward(e.to_string()))?;
-            Ok(scores.into_iter().map(|s| s as f32).collect())
+            reward
+                .score_f32(&reqs)
+                .map_err(|e| ExecError::Reward(e.to_string()))
         },
     ))
 }
