@@ -22,7 +22,7 @@
 //!   and what went wrong. After a failure the program is killed; the next call starts it anew.
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufReader, Read, Write};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
@@ -162,7 +162,7 @@ impl CommandReward {
                 .spawn(move || {
                     let mut out = BufReader::new(stdout);
                     loop {
-                        let line = read_line_capped(&mut out, MAX_LINE);
+                        let line = rollplex_plan::files::read_line_capped(&mut out, MAX_LINE);
                         let last = !matches!(line, Ok(Some(_)));
                         let Some(line) = line.transpose() else { break };
                         if tx.send(line).is_err() || last {
@@ -382,31 +382,6 @@ fn clip(s: &str) -> String {
         }
         format!("{}...", &s[..end])
     }
-}
-
-/// One line of `r` without its `\n`, at most `cap` bytes; `None` at the end of the stream. A
-/// longer line is an error naming the cap (what was read of it is dropped, so memory stays
-/// bounded whatever the program writes).
-fn read_line_capped(r: &mut impl BufRead, cap: usize) -> std::io::Result<Option<String>> {
-    let mut buf = Vec::new();
-    let n = r.by_ref().take(cap as u64 + 1).read_until(b'\n', &mut buf)?;
-    if n == 0 {
-        return Ok(None);
-    }
-    if buf.last() == Some(&b'\n') {
-        buf.pop();
-    } else if buf.len() > cap {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!(
-                "a line longer than the cap of {cap} bytes ({} MiB) on answer lines",
-                cap >> 20
-            ),
-        ));
-    }
-    String::from_utf8(buf)
-        .map(Some)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
 }
 
 /// Polls `child` until it exits or `until` passes: `Ok(None)` if it is still running.
@@ -642,12 +617,20 @@ for line in sys.stdin:
         let mut c = sh("exec 1>&-; sleep 30", 10.0);
         let t = Instant::now();
         let e = c.score(&[req("a", "", "")]).unwrap_err().to_string();
-        assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "took {:?}",
+            t.elapsed()
+        );
         assert!(e.contains("closed its stdout"), "{e}");
         let mut c = sh("exec 1>&-; sleep 30", 0.5);
         let t = Instant::now();
         c.score(&[req("a", "", "")]).unwrap_err();
-        assert!(t.elapsed() < Duration::from_secs(2), "took {:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "took {:?}",
+            t.elapsed()
+        );
     }
 
     #[test]
@@ -680,14 +663,12 @@ for line in sys.stdin:
         );
         let t = Instant::now();
         let e = c.score(&[req("a", "", "")]).unwrap_err().to_string();
-        assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "took {:?}",
+            t.elapsed()
+        );
         assert!(e.contains("1048576 bytes (1 MiB)"), "{e}");
-        let mut r = std::io::Cursor::new(b"ab\ncd".to_vec());
-        assert_eq!(read_line_capped(&mut r, 2).unwrap().as_deref(), Some("ab"));
-        assert_eq!(read_line_capped(&mut r, 2).unwrap().as_deref(), Some("cd"));
-        assert_eq!(read_line_capped(&mut r, 2).unwrap(), None);
-        let mut r = std::io::Cursor::new(b"abc\n".to_vec());
-        assert!(read_line_capped(&mut r, 2).is_err());
     }
 
     #[test]
