@@ -89,10 +89,12 @@ impl exec::LoopObserver for LoopRun<'_> {
         }
         let done = it + 1;
         let every = self.args.save_every;
+        let stop = super::interrupt::requested();
+        let mut saved = None;
         if let Some(identity) = self
             .identity
             .as_ref()
-            .filter(|_| every > 0 && done.is_multiple_of(every))
+            .filter(|_| stop || (every > 0 && done.is_multiple_of(every)))
         {
             let root = self.args.out.join(checkpoint::CHECKPOINTS_DIR);
             let keep = self.args.keep_checkpoints;
@@ -107,6 +109,12 @@ impl exec::LoopObserver for LoopRun<'_> {
                 exec::LoopModels::CpuTpState(s) => {
                     checkpoint::save_tp(&root, done, s, identity, keep)?
                 }
+                exec::LoopModels::CpuTp(_) if stop => {
+                    return Err(ExecError::Interrupted {
+                        done,
+                        checkpoint: None,
+                    })
+                }
                 exec::LoopModels::CpuTp(_) => {
                     return Err(ExecError::Plan(format!(
                         "iteration {done} of a tensor-parallel run is to be checkpointed but its \
@@ -118,6 +126,13 @@ impl exec::LoopObserver for LoopRun<'_> {
                 self.progress
                     .println(&format!("checkpoint: {}", path.display()));
             }
+            saved = Some(path);
+        }
+        if stop {
+            return Err(ExecError::Interrupted {
+                done,
+                checkpoint: saved,
+            });
         }
         Ok(())
     }
