@@ -80,7 +80,14 @@ fn one_run_per_output_directory_and_a_signal_saves_a_checkpoint() {
     let out = dir.path().join("out");
     let run_args = |c: &mut Command| {
         c.arg(&plan)
-            .args(["--backend", "cpu", "--iterations", "100000", "--save-every", "100000"])
+            .args([
+                "--backend",
+                "cpu",
+                "--iterations",
+                "100000",
+                "--save-every",
+                "100000",
+            ])
             .args(["--quiet", "--out"])
             .arg(&out);
     };
@@ -105,7 +112,10 @@ fn one_run_per_output_directory_and_a_signal_saves_a_checkpoint() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("another running rollplex-run"), "{err}");
-    assert!(first.0.try_wait().unwrap().is_none(), "the first run goes on");
+    assert!(
+        first.0.try_wait().unwrap().is_none(),
+        "the first run goes on"
+    );
 
     // SAFETY: kill(2) on the child this test started.
     unsafe {
@@ -122,7 +132,10 @@ fn one_run_per_output_directory_and_a_signal_saves_a_checkpoint() {
     let mut err = String::new();
     std::io::Read::read_to_string(first.0.stderr.as_mut().unwrap(), &mut err).unwrap();
     assert_eq!(status.code(), Some(130), "{err}");
-    assert!(err.contains("stopped by a signal after") && err.contains("checkpoint"), "{err}");
+    assert!(
+        err.contains("stopped by a signal after") && err.contains("checkpoint"),
+        "{err}"
+    );
     let done = std::fs::read_to_string(&metrics).unwrap().lines().count();
     let ckpt = out.join(format!("checkpoints/iter-{done:08}"));
     assert!(ckpt.join("run_state.json").is_file(), "{err}");
