@@ -8,10 +8,13 @@
 //! rollplexc merge-profiles A.yaml B.yaml... -o MERGED.yaml
 //! ```
 //!
-//! Files are written whole or not at all (a temporary file next to the target, then a rename).
+//! Files are read through `rollplex_plan::files` (regular files only, with a size cap) and
+//! written whole or not at all (a synced temporary sibling renamed over the target). An output
+//! that is one of the inputs, or another output, is refused before anything is read or written.
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use rollplex_compiler::{compile, CompileError, Options, Stats};
+use rollplex_plan::files::{self, PLAN_CAP, TEXT_CAP};
 use rollplex_plan::spec::Mode;
 use rollplex_plan::Plan;
 use std::io::{IsTerminal, Write};
@@ -229,14 +232,59 @@ impl rollplex_dsl::Env for FsEnv {
         } else {
             self.base.join(p)
         };
-        std::fs::read_to_string(&full).map_err(|e| format!("{}: {e}", full.display()))
+        files::read_to_string(&full, TEXT_CAP).map_err(|e| format!("{}: {e}", full.display()))
     }
+}
+
+/// The text of a pipeline. Bytes that are not UTF-8 are a diagnostic at the line and column of
+/// the first bad byte.
+fn read_source(path: &Path) -> Result<String, Failure> {
+    let bytes = files::read(path, TEXT_CAP)
+        .map_err(|e| user(format!("cannot read {}: {e}", path.display())))?;
+    String::from_utf8(bytes).map_err(|e| {
+        let at = e.utf8_error().valid_up_to();
+        let before = &e.as_bytes()[..at];
+        let line = before.iter().filter(|&&b| b == b'\n').count() + 1;
+        let line_start = before.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+        // Columns count characters, as diagnostics do; what precedes `at` is valid UTF-8.
+        let col = String::from_utf8_lossy(&before[line_start..]).chars().count() + 1;
+        user(format!(
+            "{}:{line}:{col}: the file is not UTF-8 text (byte 0x{:02x} at offset {at} starts no character)",
+            path.display(),
+            e.as_bytes()[at]
+        ))
+    })
+}
+
+/// Refuses outputs that would overwrite an input or each other: `rollplexc X.rpx -o X.rpx`
+/// must not destroy the pipeline. `outputs` and `inputs` are (flag, path) pairs for the message.
+fn check_outputs(outputs: &[(&str, &Path)], inputs: &[(&str, &Path)]) -> Result<(), Failure> {
+    for (i, (oflag, out)) in outputs.iter().enumerate() {
+        for (iflag, input) in inputs {
+            if files::same_file(out, input) {
+                return Err(user(format!(
+                    "{oflag} {} is the {iflag} {}: writing it would overwrite the input; choose another output path",
+                    out.display(),
+                    input.display()
+                )));
+            }
+        }
+        for (flag2, other) in &outputs[..i] {
+            if files::same_file(out, other) {
+                return Err(user(format!(
+                    "{oflag} {} and {flag2} {} are the same file; give each output its own path",
+                    out.display(),
+                    other.display()
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Reads and checks a pipeline; diagnostics are rendered into the failure.
 fn load(path: &Path, color: bool) -> Result<(String, String, rollplex_dsl::Checked), Failure> {
-    let src = std::fs::read_to_string(path)
-        .map_err(|e| user(format!("cannot read {}: {e}", path.display())))?;
+    let src = read_source(path)?;
     let name = path.display().to_string();
     let env = FsEnv {
         base: path.parent().map(Path::to_path_buf).unwrap_or_default(),
@@ -303,11 +351,23 @@ fn run_compile(a: CompileArgs) -> Result<(), Failure> {
             a.time_limit
         )));
     }
+    let mut outputs = Vec::new();
+    if let Some(o) = &a.output {
+        outputs.push(("-o", o.as_path()));
+    }
+    if let Some(o) = &a.emit_yaml {
+        outputs.push(("--emit-yaml", o.as_path()));
+    }
+    let mut inputs = vec![("pipeline", path.as_path())];
+    if let Some(p) = &a.profile {
+        inputs.push(("--profile", p.as_path()));
+    }
+    check_outputs(&outputs, &inputs)?;
     let color = a.color.enabled();
     let (name, src, checked) = load(&path, color)?;
     let profile = match &a.profile {
         Some(p) => {
-            let text = std::fs::read_to_string(p)
+            let text = files::read_to_string(p, TEXT_CAP)
                 .map_err(|e| user(format!("cannot read profile {}: {e}", p.display())))?;
             Some(
                 rollplex_cost::Profile::from_yaml(&text)
@@ -368,8 +428,8 @@ fn run_check(a: CheckArgs) -> Result<(), Failure> {
 /// Reads a plan from its binary form, or from its YAML form when the file is text that does
 /// not start like a binary plan.
 fn read_plan(path: &Path) -> Result<Plan, Failure> {
-    let bytes =
-        std::fs::read(path).map_err(|e| user(format!("cannot read {}: {e}", path.display())))?;
+    let bytes = files::read(path, PLAN_CAP)
+        .map_err(|e| user(format!("cannot read {}: {e}", path.display())))?;
     match std::str::from_utf8(&bytes) {
         Ok(text) if !bytes.starts_with(&rollplex_plan::codec::MAGIC) => {
             rollplex_plan::from_yaml(text).map_err(|e| user(format!("{}: {e}", path.display())))
@@ -395,7 +455,7 @@ fn run_diff(a: DiffArgs) -> Result<(), Failure> {
 }
 
 fn run_explain(a: ExplainArgs) -> Result<(), Failure> {
-    let bytes = std::fs::read(&a.plan)
+    let bytes = files::read(&a.plan, PLAN_CAP)
         .map_err(|e| user(format!("cannot read {}: {e}", a.plan.display())))?;
     let (_, plan) =
         rollplex_plan::decode(&bytes).map_err(|e| user(format!("{}: {e}", a.plan.display())))?;
@@ -407,9 +467,15 @@ fn run_explain(a: ExplainArgs) -> Result<(), Failure> {
 }
 
 fn run_merge(a: MergeArgs) -> Result<(), Failure> {
+    let named: Vec<(&str, &Path)> = a
+        .profiles
+        .iter()
+        .map(|p| ("profile", p.as_path()))
+        .collect();
+    check_outputs(&[("-o", a.output.as_path())], &named)?;
     let mut inputs = Vec::new();
     for p in &a.profiles {
-        let text = std::fs::read_to_string(p)
+        let text = files::read_to_string(p, TEXT_CAP)
             .map_err(|e| user(format!("cannot read profile {}: {e}", p.display())))?;
         let prof = rollplex_cost::Profile::from_yaml(&text)
             .map_err(|e| user(format!("profile {}: {e}", p.display())))?;
@@ -500,27 +566,10 @@ fn merge_summary(p: &rollplex_cost::Profile, all: bool) -> String {
     s
 }
 
-/// Writes `bytes` to `path` through a temporary file in the same directory and a rename, so a
-/// reader never sees half a file.
+/// Writes `bytes` to `path` whole or not at all ([`files::write_atomic`]).
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), Failure> {
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let file = path
-        .file_name()
-        .ok_or_else(|| user(format!("{} is not a file path", path.display())))?;
-    let tmp = dir.join(format!(
-        ".{}.tmp{}",
-        file.to_string_lossy(),
-        std::process::id()
-    ));
-    let res = std::fs::write(&tmp, bytes).and_then(|_| std::fs::rename(&tmp, path));
-    if let Err(e) = res {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(user(format!("cannot write {}: {e}", path.display())));
-    }
-    Ok(())
+    files::write_atomic(path, bytes)
+        .map_err(|e| user(format!("cannot write {}: {e}", path.display())))
 }
 
 fn stats_text(plan: &Plan, st: &Stats) -> String {

@@ -137,3 +137,86 @@ fn help_everywhere_and_usage_errors() {
     let (code, _, err) = run(bin().arg(root().join("examples/tiny.rpx")));
     assert_eq!(code, 1, "nothing to write is an error: {err}");
 }
+
+#[test]
+fn outputs_never_overwrite_an_input_or_each_other() {
+    let d = tmp("clobber");
+    let src = d.join("p.rpx");
+    let text = std::fs::read(root().join("examples/tiny.rpx")).expect("example");
+    std::fs::write(&src, &text).expect("write");
+    let hard = d.join("hard.rpx");
+    std::fs::hard_link(&src, &hard).expect("hard link");
+    let plan = d.join("plan.bin");
+    let cases: Vec<(Vec<std::ffi::OsString>, &str)> = vec![
+        (
+            vec!["-o".into(), src.clone().into()],
+            "would overwrite the input",
+        ),
+        (
+            vec!["--emit-yaml".into(), src.clone().into()],
+            "would overwrite the input",
+        ),
+        (
+            vec!["-o".into(), hard.clone().into()],
+            "would overwrite the input",
+        ),
+        (
+            vec!["-o".into(), d.join(".").join("p.rpx").into()],
+            "would overwrite the input",
+        ),
+        (
+            vec![
+                "-o".into(),
+                plan.clone().into(),
+                "--emit-yaml".into(),
+                d.join("./plan.bin").into(),
+            ],
+            "are the same file",
+        ),
+    ];
+    for (args, needle) in cases {
+        let (code, _, err) = run(bin().arg(&src).args(&args));
+        assert_eq!(code, 1, "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert_eq!(std::fs::read(&src).expect("source"), text, "{args:?}");
+        assert!(!plan.exists(), "nothing written: {args:?}");
+    }
+    let (code, _, err) = run(bin().arg("merge-profiles").arg(&src).arg("-o").arg(&src));
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("would overwrite the input"), "{err}");
+    assert_eq!(std::fs::read(&src).expect("source"), text);
+}
+
+#[test]
+fn only_regular_files_are_read_and_bad_utf8_is_located() {
+    let d = tmp("special");
+    let (code, _, err) = run(bin().arg("check").arg("/dev/zero"));
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("not a regular file"), "{err}");
+    let (code, _, err) = run(bin().arg("explain").arg("/dev/zero"));
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("not a regular file"), "{err}");
+    let fifo = d.join("fifo.rpx");
+    if Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .is_ok_and(|s| s.success())
+    {
+        let (code, _, err) = run(bin().arg("check").arg(&fifo));
+        assert_eq!(code, 1, "{err}");
+        assert!(err.contains("a FIFO"), "{err}");
+    }
+    let bad = d.join("bad.rpx");
+    std::fs::write(
+        &bad,
+        b"pipeline p {\n    gpu { preset = \"H\xc3\xa9\xff\" }\n}\n",
+    )
+    .expect("write");
+    let (code, _, err) = run(bin().arg("check").arg(&bad));
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("bad.rpx:2:23:"),
+        "line and column of the bad byte: {err}"
+    );
+    assert!(err.contains("0xff"), "{err}");
+}

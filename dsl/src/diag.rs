@@ -5,7 +5,7 @@
 //! stay byte-stable: tabs print as four spaces, columns count characters, and a span that runs
 //! over several lines is underlined to the end of its first line.
 
-use crate::span::{line_col, Span};
+use crate::span::{LineIndex, Span};
 use std::fmt;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -82,10 +82,14 @@ impl Diagnostic {
     /// This diagnostic, rendered against its source.
     pub fn render(&self, file_name: &str, src: &str, color: bool) -> String {
         let mut out = String::new();
-        render_into(&mut out, file_name, src, self, color);
+        let lines = LineIndex::new(src);
+        render_head_and_source(&mut out, file_name, src, &lines, self, color, true);
         out
     }
 }
+
+/// How many diagnostics [`Diagnostics::render`] prints; the rest are counted.
+pub const MAX_RENDERED: usize = 50;
 
 /// Every diagnostic of one file, in source order (errors and warnings together).
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -131,14 +135,27 @@ impl Diagnostics {
         self.0.dedup();
     }
 
-    /// All diagnostics, each as a block, separated by blank lines.
+    /// The first [`MAX_RENDERED`] diagnostics, each as a block, separated by blank lines, then
+    /// a line counting the rest (`... and 12 more: 10 errors, 2 warnings`). Linear in the
+    /// number shown: lines come from one [`LineIndex`] of `src`.
     pub fn render(&self, file_name: &str, src: &str, color: bool) -> String {
         let mut out = String::new();
-        for (i, d) in self.0.iter().enumerate() {
+        let lines = LineIndex::new(src);
+        for (i, d) in self.0.iter().take(MAX_RENDERED).enumerate() {
             if i > 0 {
                 out.push('\n');
             }
-            render_into(&mut out, file_name, src, d, color);
+            render_head_and_source(&mut out, file_name, src, &lines, d, color, true);
+        }
+        if let Some(rest) = self.0.get(MAX_RENDERED..).filter(|r| !r.is_empty()) {
+            let errors = rest.iter().filter(|d| d.is_error()).count();
+            let plural = |n: usize, w: &str| format!("{n} {w}{}", if n == 1 { "" } else { "s" });
+            out.push_str(&format!(
+                "\n... and {} more: {}, {}\n",
+                rest.len(),
+                plural(errors, "error"),
+                plural(rest.len() - errors, "warning")
+            ));
         }
         out
     }
@@ -185,7 +202,8 @@ pub fn render_one(
 ) -> String {
     let d = Diagnostic::error("compile", span, message).with_help_opt(help.map(str::to_string));
     let mut out = String::new();
-    render_head_and_source(&mut out, file_name, src, &d, false, false);
+    let lines = LineIndex::new(src);
+    render_head_and_source(&mut out, file_name, src, &lines, &d, false, false);
     out
 }
 
@@ -195,14 +213,11 @@ const BLUE: &str = "\x1b[1;34m";
 const BOLD: &str = "\x1b[1m";
 const RESET: &str = "\x1b[0m";
 
-fn render_into(out: &mut String, file_name: &str, src: &str, d: &Diagnostic, color: bool) {
-    render_head_and_source(out, file_name, src, d, color, true)
-}
-
 fn render_head_and_source(
     out: &mut String,
     file_name: &str,
     src: &str,
+    lines: &LineIndex,
     d: &Diagnostic,
     color: bool,
     with_code: bool,
@@ -228,7 +243,7 @@ fn render_head_and_source(
     out.push('\n');
 
     let start = d.span.start.min(src.len());
-    let (line, col) = line_col(src, start);
+    let (line, col) = lines.line_col(src, start);
     let gutter = line.to_string().len();
     let pad = " ".repeat(gutter);
     out.push_str(&format!(

@@ -91,9 +91,15 @@ impl Consts {
     }
 
     /// Defines a constant; a second definition of a name is an error.
-    pub fn define(&mut self, name: &Ident, value: Val, diags: &mut Vec<Diagnostic>, src: &str) {
+    pub fn define(
+        &mut self,
+        name: &Ident,
+        value: Val,
+        diags: &mut Vec<Diagnostic>,
+        lines: &crate::span::LineIndex,
+    ) {
         if let Some((_, first)) = self.map.get(&name.name) {
-            let (l, _) = crate::span::line_col(src, first.start);
+            let l = lines.line(first.start);
             diags.push(
                 Diagnostic::error(
                     "duplicate-const",
@@ -364,10 +370,11 @@ mod tests {
         let (file, mut diags) = parse(src);
         let mut consts = Consts::default();
         let mut last = Value::Error;
+        let lines = crate::span::LineIndex::new(src);
         for c in &file.consts {
             let v = eval(&c.value, &consts, &mut diags);
             last = v.value.clone();
-            consts.define(&c.name, v, &mut diags, src);
+            consts.define(&c.name, v, &mut diags, &lines);
         }
         (last, diags)
     }

@@ -18,6 +18,7 @@ pub mod ast;
 mod checks;
 pub mod diag;
 pub mod eval;
+pub mod limits;
 pub mod memory;
 mod model;
 pub mod parser;

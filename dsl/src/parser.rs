@@ -17,7 +17,7 @@
 
 use crate::ast::*;
 use crate::diag::Diagnostic;
-use crate::span::{line_col, Span};
+use crate::span::Span;
 use crate::suggest;
 use crate::units;
 use pest::iterators::Pair;
@@ -52,6 +52,7 @@ pub fn parse(src: &str) -> (File, Vec<Diagnostic>) {
     pest::set_error_detail(true);
     let mut p = Driver {
         src,
+        lines: crate::span::LineIndex::new(src),
         diags: Vec::new(),
         base: 0,
     };
@@ -61,9 +62,20 @@ pub fn parse(src: &str) -> (File, Vec<Diagnostic>) {
 
 struct Driver<'s> {
     src: &'s str,
+    /// Lines of `src`, for the line numbers in messages.
+    lines: crate::span::LineIndex,
     diags: Vec<Diagnostic>,
     /// Offset of the slice the current pest pairs were parsed from.
     base: usize,
+}
+
+/// The parts of a statement head, for [`Driver::head_window`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Head {
+    Ident,
+    OptIdent,
+    Eq,
+    Open,
 }
 
 /// How plainly a line starts a new statement (see [`Driver::starts_statement`]).
@@ -105,7 +117,8 @@ impl<'s> Driver<'s> {
                 }
                 Err(f) => f,
             };
-            let f2 = match self.try_rule(Rule::pipeline_head, p, self.src.len()) {
+            let window = self.head_window(p, &[Head::Ident, Head::Ident, Head::Open]);
+            let f2 = match self.try_rule(Rule::pipeline_head, p, window) {
                 Ok(pair) => {
                     let head = self.span(&pair);
                     let mut it = pair.into_inner();
@@ -114,7 +127,7 @@ impl<'s> Driver<'s> {
                     let open = Span::new(head.end - 1, head.end);
                     let (body, after) = self.body(head.end, open, "pipeline", 1);
                     if let Some(first) = &file.pipeline {
-                        let (l, _) = line_col(self.src, first.name.span.start);
+                        let l = self.lines.line(first.name.span.start);
                         self.diags.push(
                             Diagnostic::error(
                                 "duplicate-pipeline",
@@ -179,7 +192,7 @@ impl<'s> Driver<'s> {
         loop {
             p = self.skip_trivia(p);
             if p >= self.src.len() {
-                let (l, _) = line_col(self.src, open.start);
+                let l = self.lines.line(open.start);
                 self.diags.push(
                     Diagnostic::error(
                         "syntax",
@@ -199,7 +212,7 @@ impl<'s> Driver<'s> {
             if depth > 1 && self.dedented_pipeline_item(p, open.start) {
                 // `gpu { preset = H200` followed by `model actor { ... }` at the indentation
                 // of `gpu`: the `}` was forgotten. Close here so the rest parses in place.
-                let (l, _) = line_col(self.src, open.start);
+                let l = self.lines.line(open.start);
                 self.diags.push(
                     Diagnostic::error(
                         "syntax",
@@ -216,7 +229,8 @@ impl<'s> Driver<'s> {
                 p += 1;
                 continue;
             }
-            if let Ok(pair) = self.try_rule(Rule::assign_block_head, p, self.src.len()) {
+            let window = self.head_window(p, &[Head::Ident, Head::Eq, Head::Ident, Head::Open]);
+            if let Ok(pair) = self.try_rule(Rule::assign_block_head, p, window) {
                 let end = self.span(&pair).end;
                 let mut it = pair.into_inner();
                 let key = self.ident(it.next());
@@ -250,7 +264,8 @@ impl<'s> Driver<'s> {
                 }
                 Err(f) => f,
             };
-            let f2 = match self.try_rule(Rule::section_head, p, self.src.len()) {
+            let window = self.head_window(p, &[Head::Ident, Head::OptIdent, Head::Open]);
+            let f2 = match self.try_rule(Rule::section_head, p, window) {
                 Ok(pair) => {
                     let hs = self.span(&pair);
                     let mut it = pair.into_inner();
@@ -393,7 +408,7 @@ impl<'s> Driver<'s> {
         let at_eol = rest.is_empty() || rest.starts_with(['\n', '\r']);
         let unclosed = self.unclosed_bracket(stmt_start, f.pos);
         if let (true, Some(open)) = (at_eol, unclosed) {
-            let (l, c) = line_col(self.src, open);
+            let (l, c) = self.lines.line_col(self.src, open);
             let ch = &self.src[open..open + 1];
             d = d.with_help(format!(
                 "the `{ch}` at line {l}, column {c} is never closed"
@@ -556,6 +571,71 @@ impl<'s> Driver<'s> {
             Start::Strong
         } else {
             Start::No
+        }
+    }
+
+    /// How much text pest needs to match (or fail) a statement head of `shape` at `p`: the
+    /// head is scanned by hand, as the grammar reads it (identifiers, `=`, `{`, whitespace and
+    /// comments between; the scan accepts a little more than the grammar, never less), and the
+    /// window ends just after its `{`, or a few characters past where the scan stopped, which
+    /// covers every token pest tries there. Pest's result on the window is its result on the
+    /// rest of the file, but a failed match no longer costs a pass over that rest (pest locates
+    /// its error by scanning its input), which made a file of n statements cost O(n^2).
+    fn head_window(&self, p: usize, shape: &[Head]) -> usize {
+        let b = self.src.as_bytes();
+        let stop = |i: usize| {
+            let mut end = (i + 16).min(b.len());
+            while !self.src.is_char_boundary(end) {
+                end += 1;
+            }
+            end
+        };
+        let ident_end = |mut i: usize| {
+            while i < b.len() && (b[i].is_ascii_alphanumeric() || b[i] == b'_') {
+                i += 1;
+            }
+            i
+        };
+        let mut i = p;
+        for (k, part) in shape.iter().enumerate() {
+            if k > 0 {
+                i = match self.trivia_end(i) {
+                    Some(i) => i,
+                    None => return b.len(),
+                };
+            }
+            match part {
+                Head::Ident | Head::OptIdent => {
+                    let j = ident_end(i);
+                    if j == i && *part == Head::Ident {
+                        return stop(i);
+                    }
+                    i = j;
+                }
+                Head::Eq if b.get(i) == Some(&b'=') => i += 1,
+                Head::Open if b.get(i) == Some(&b'{') => return i + 1,
+                Head::Eq | Head::Open => return stop(i),
+            }
+        }
+        stop(i)
+    }
+
+    /// The end of the whitespace and comments at `p`, without reporting anything; `None` for a
+    /// block comment that is never closed.
+    fn trivia_end(&self, mut p: usize) -> Option<usize> {
+        let b = self.src.as_bytes();
+        loop {
+            while p < b.len() && matches!(b[p], b' ' | b'\t' | b'\r' | b'\n') {
+                p += 1;
+            }
+            let rest = &b[p.min(b.len())..];
+            if rest.starts_with(b"//") {
+                p = self.line_end(p);
+            } else if rest.starts_with(b"/*") {
+                p = p + 2 + self.src[p + 2..].find("*/")? + 2;
+            } else {
+                return Some(p);
+            }
         }
     }
 
@@ -974,6 +1054,7 @@ fn too_complex(s: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::span::line_col;
     use crate::units::Dim;
 
     /// The value of `x = <text>` inside a pipeline, and the diagnostics.

@@ -23,8 +23,7 @@ use rollplex_plan::spec::*;
 pub fn resolve(cx: &mut Cx<'_>, file: &File, env: &dyn Env) -> Option<JobSpec> {
     for c in &file.consts {
         let v = cx.eval(&c.value);
-        let src = cx.src;
-        cx.consts.define(&c.name, v, &mut cx.diags, src);
+        cx.consts.define(&c.name, v, &mut cx.diags, &cx.lines);
     }
     let Some(p) = &file.pipeline else {
         if !file.broken {
@@ -92,7 +91,23 @@ fn pipeline(cx: &mut Cx<'_>, p: &Pipeline, env: &dyn Env) -> JobSpec {
         }
     };
     let samples = match rollout.prompts_per_iter.checked_mul(rollout.group_size) {
-        Some(n) => n,
+        Some(n) if n <= crate::limits::MAX_SAMPLES => n,
+        Some(n) => {
+            let sp = cx.span("rollout.prompts");
+            cx.mark_bad("rollout.samples");
+            cx.error(
+                Diagnostic::error(
+                    "limit",
+                    sp,
+                    format!(
+                        "prompts x group is {n} samples per iteration, above the limit of {}",
+                        crate::limits::MAX_SAMPLES
+                    ),
+                )
+                .with_help(crate::limits::HELP),
+            );
+            1
+        }
         None => {
             let sp = cx.span("rollout.prompts");
             cx.mark_bad("rollout.samples");
@@ -119,6 +134,26 @@ fn pipeline(cx: &mut Cx<'_>, p: &Pipeline, env: &dyn Env) -> JobSpec {
             stand_in_train(samples)
         }
     };
+    let steps =
+        u64::from(samples).div_ceil(u64::from(train.micro_batch.max(1))) * u64::from(train.epochs);
+    if steps > u64::from(crate::limits::MAX_MICRO_STEPS)
+        && cx.ok(&["rollout.samples", "train.micro_batch", "train.epochs"])
+    {
+        cx.mark_bad("train.epochs");
+        cx.error(
+            Diagnostic::error(
+                "limit",
+                cx.span("train.micro_batch"),
+                format!(
+                    "{samples} samples in micro-batches of {} over {} epochs are {steps} micro-batch steps per iteration, above the limit of {}",
+                    train.micro_batch,
+                    train.epochs,
+                    crate::limits::MAX_MICRO_STEPS
+                ),
+            )
+            .with_help(format!("raise micro_batch or lower epochs; {}", crate::limits::HELP)),
+        );
+    }
     let reward = match t.call(cx, "reward", &["builtin", "command"]) {
         Some(c) => reward(cx, &c),
         None => {
@@ -239,6 +274,17 @@ fn gpu(cx: &mut Cx<'_>, head: Span, body: &crate::ast::Body) -> ClusterSpec {
     let count = t.count_or(cx, "count", 1, 1);
     let per_node_default = b.map_or(8, |p| p.gpus_per_node).min(count);
     let per_node = t.count(cx, "gpus_per_node", 1);
+    if let Some(n) = per_node.filter(|&n| n > count) {
+        cx.mark_bad("gpu.gpus_per_node");
+        cx.error(
+            Diagnostic::error(
+                "range",
+                cx.span("gpu.gpus_per_node"),
+                format!("`gpus_per_node` in gpu is {n}, more than the {count} GPUs of `count`"),
+            )
+            .with_help(format!("a node holds at most all the GPUs: write `gpus_per_node = {count}` or less, or raise `count`")),
+        );
+    }
     let per_node = base.pick_default(
         cx,
         &mut t,

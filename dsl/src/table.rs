@@ -13,7 +13,7 @@
 use crate::ast::{Body, Ident, Item};
 use crate::diag::Diagnostic;
 use crate::eval::{eval, CallVal, Consts, Val, Value};
-use crate::span::{line_col, Span, SpanMap};
+use crate::span::{LineIndex, Span, SpanMap};
 use crate::suggest;
 use crate::units::Dim;
 use std::collections::HashSet;
@@ -26,6 +26,8 @@ pub struct Cx<'a> {
     pub spans: SpanMap,
     /// Paths whose value is missing or invalid; the spec holds a stand-in there.
     pub bad: HashSet<String>,
+    /// Lines of `src`, for the line numbers in messages.
+    pub lines: LineIndex,
 }
 
 impl<'a> Cx<'a> {
@@ -36,6 +38,7 @@ impl<'a> Cx<'a> {
             diags: Vec::new(),
             spans: SpanMap::new(),
             bad: HashSet::new(),
+            lines: LineIndex::new(src),
         }
     }
 
@@ -228,12 +231,14 @@ impl<'b> Table<'b> {
         t
     }
 
+    /// Reports every key given a second time and keeps the first: linear in the entries
+    /// (a hash of first spans, lines from the file's index, one pass to drop the rest).
     fn report_duplicates(&mut self, cx: &mut Cx<'_>) {
-        let mut firsts: Vec<(String, Span)> = Vec::new();
-        let mut dup_idx = Vec::new();
-        for (i, e) in self.entries.iter().enumerate() {
-            if let Some((_, first)) = firsts.iter().find(|(k, _)| *k == e.key) {
-                let (l, _) = line_col(cx.src, first.start);
+        let mut firsts: std::collections::HashMap<&str, Span> = std::collections::HashMap::new();
+        let mut keep = Vec::with_capacity(self.entries.len());
+        for e in &self.entries {
+            if let Some(first) = firsts.get(e.key.as_str()) {
+                let l = cx.lines.line(first.start);
                 cx.error(
                     Diagnostic::error(
                         "duplicate-key",
@@ -243,14 +248,14 @@ impl<'b> Table<'b> {
                     .with_label("second value")
                     .with_help(format!("the first is at line {l}; keep one")),
                 );
-                dup_idx.push(i);
+                keep.push(false);
             } else {
-                firsts.push((e.key.clone(), e.key_span));
+                firsts.insert(e.key.as_str(), e.key_span);
+                keep.push(true);
             }
         }
-        for i in dup_idx.into_iter().rev() {
-            self.entries.remove(i);
-        }
+        let mut keep = keep.into_iter();
+        self.entries.retain(|_| keep.next().unwrap_or(true));
     }
 
     fn key_path(&self, key: &str) -> String {
@@ -410,9 +415,27 @@ impl<'b> Table<'b> {
         }
     }
 
-    /// A whole number >= `min` (and < 2^32).
+    /// A whole number >= `min` (and < 2^32), and at most its limit if it has one
+    /// ([`crate::limits`]): above it, an error at the value naming the limit.
     pub fn count(&mut self, cx: &mut Cx<'_>, key: &'static str, min: u32) -> Option<u32> {
-        self.typed(cx, key, |v, _| as_count(v, key, min))
+        let n = self.typed(cx, key, |v, _| as_count(v, key, min))?;
+        let path = self.key_path(key);
+        match crate::limits::max_of(&path) {
+            Some(max) if n > max => {
+                let span = cx.span(&path);
+                cx.mark_bad(&path);
+                cx.error(
+                    Diagnostic::error(
+                        "limit",
+                        span,
+                        format!("`{key}` in {} is {n}, above the limit of {max}", self.title),
+                    )
+                    .with_help(crate::limits::HELP),
+                );
+                None
+            }
+            _ => Some(n),
+        }
     }
 
     pub fn count_or(&mut self, cx: &mut Cx<'_>, key: &'static str, min: u32, default: u32) -> u32 {

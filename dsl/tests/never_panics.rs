@@ -6,6 +6,15 @@ use rollplex_dsl::{compile_source, MemFiles, Span};
 
 const TINY: &str = include_str!("../../examples/tiny.rpx");
 
+/// Every shipped example pipeline.
+const EXAMPLES: [&str; 5] = [
+    TINY,
+    include_str!("../../examples/tiny-h200.rpx"),
+    include_str!("../../examples/h200-3b-video.rpx"),
+    include_str!("../../examples/paper-7b-32xh800.rpx"),
+    include_str!("../../examples/paper-32b-32xh800.rpx"),
+];
+
 /// A file that touches every section and most literal kinds.
 const FULL: &str = r#"
 const G = 8
@@ -153,6 +162,11 @@ proptest! {
     #[test]
     fn mutated_tiny_never_panics(edits in proptest::collection::vec((any::<u8>(), any::<usize>(), any::<usize>(), any::<usize>()), 1..6)) {
         run(&mutate(TINY, &edits));
+    }
+
+    #[test]
+    fn mutated_examples_never_panic(which in 0..EXAMPLES.len(), edits in proptest::collection::vec((any::<u8>(), any::<usize>(), any::<usize>(), any::<usize>()), 1..6)) {
+        run(&mutate(EXAMPLES[which], &edits));
     }
 
     #[test]

@@ -216,10 +216,11 @@ impl ChatTemplate {
             if !path.is_file() {
                 return Ok(None);
             }
-            let text = std::fs::read_to_string(&path).map_err(|e| ChatError::Read {
-                path: path.clone(),
-                msg: e.to_string(),
-            })?;
+            let text = rollplex_plan::files::read_to_string(&path, rollplex_plan::files::TEXT_CAP)
+                .map_err(|e| ChatError::Read {
+                    path: path.clone(),
+                    msg: e.to_string(),
+                })?;
             let v = serde_json::from_str(&text).map_err(|e| ChatError::Read {
                 path: path.clone(),
                 msg: e.to_string(),
@@ -230,10 +231,11 @@ impl ChatTemplate {
         let mut found: Option<(String, PathBuf)> = None;
         let jinja = dir.join("chat_template.jinja");
         if jinja.is_file() {
-            let text = std::fs::read_to_string(&jinja).map_err(|e| ChatError::Read {
-                path: jinja.clone(),
-                msg: e.to_string(),
-            })?;
+            let text = rollplex_plan::files::read_to_string(&jinja, rollplex_plan::files::TEXT_CAP)
+                .map_err(|e| ChatError::Read {
+                    path: jinja.clone(),
+                    msg: e.to_string(),
+                })?;
             found = Some((text, jinja));
         }
         if found.is_none() {

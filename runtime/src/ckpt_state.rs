@@ -6,19 +6,25 @@
 //!
 //! ```text
 //! <dir>/run_state.json          manifest: format, version, iteration, seed, RNG words, data
-//!                               cursor, optimizer step, extra values, and the optimizer file's
-//!                               size and CRC32
+//!                               cursor, optimizer step, extra values, the optimizer file's
+//!                               size and CRC32, the size and CRC32 of every other file of the
+//!                               directory (the model's), and `manifest_crc32`, its own CRC32
 //! <dir>/optimizer.safetensors   optimizer tensors (AdamW m, v, fp32 master weights), f32
 //! ```
 //!
 //! Writes are atomic ([`AtomicDir`]): everything goes into a sibling `<dir>.tmp-<unique>`,
 //! files are fsynced, and the directory is renamed into place only when complete. A crash
 //! leaves either the old checkpoint or the new one, plus at most a stray `.tmp-` directory
-//! that [`latest_checkpoint`] ignores.
+//! that [`latest_checkpoint`] ignores and the next [`AtomicDir::begin`] beside it removes.
 //!
-//! Invariant: `load_run_state(save_run_state(s)) == s` bit for bit (f32 tensors are stored as
-//! raw little-endian words, integers as JSON integers, f64 extras in shortest round-trip form),
-//! so a resumed run continues exactly like an uninterrupted one.
+//! Invariants:
+//! - `load_run_state(save_run_state(s)) == s` bit for bit (f32 tensors are stored as raw
+//!   little-endian words, integers as JSON integers, f64 extras in shortest round-trip form),
+//!   so a resumed run continues exactly like an uninterrupted one.
+//! - A checkpoint is resumed as written or not at all: the manifest's CRC32 covers its
+//!   canonical content (compact JSON of every field but the checksum, so formatting does not
+//!   matter and any edited value does), and every file it lists is checked for size and CRC32.
+//!   A mismatch is an error naming the file.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -32,7 +38,8 @@ use crate::data::BatchCursor;
 pub const MANIFEST_FILE: &str = "run_state.json";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 const FORMAT: &str = "rollplex-run-state";
-pub const RUN_STATE_VERSION: u32 = 1;
+/// 2: the manifest carries its own checksum and every file's.
+pub const RUN_STATE_VERSION: u32 = 2;
 
 /// Errors of this module; each names the path involved.
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +48,8 @@ pub enum CkptError {
     Io { path: PathBuf, msg: String },
     #[error("{path}: not a valid run state: {msg}")]
     Format { path: PathBuf, msg: String },
+    #[error("{path}: {msg}")]
+    Damaged { path: PathBuf, msg: String },
     #[error("optimizer tensor {name:?}: shape {shape:?} has {want} elements but {got} values were given")]
     Shape {
         name: String,
@@ -109,7 +118,52 @@ struct Manifest {
     data: BatchCursor,
     optimizer_step: u64,
     optimizer_file: FileSum,
+    /// Size and CRC32 of every other file of the directory, by name.
+    files: BTreeMap<String, FileCheck>,
     extra: BTreeMap<String, serde_json::Value>,
+    /// CRC32 of the manifest's canonical form: [`Manifest::canonical_crc`]. Absent only while
+    /// it is being computed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    manifest_crc32: Option<u32>,
+}
+
+impl Manifest {
+    /// CRC32 of the compact JSON of every field but `manifest_crc32` (in declaration order;
+    /// maps are sorted): independent of how the file is formatted, sensitive to every value.
+    fn canonical_crc(&mut self) -> u32 {
+        let saved = self.manifest_crc32.take();
+        let text = serde_json::to_string(self).expect("manifest serialises");
+        self.manifest_crc32 = saved;
+        crc32fast::hash(text.as_bytes())
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+struct FileCheck {
+    bytes: u64,
+    crc32: u32,
+}
+
+/// Size and CRC32 of the regular file `path`, read in pieces (model files are large).
+fn file_check(path: &Path) -> Result<FileCheck> {
+    use std::io::Read;
+    let (mut f, _) =
+        rollplex_plan::files::open_regular(path, rollplex_plan::files::NO_CAP).map_err(io(path))?;
+    let mut hasher = crc32fast::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut bytes = 0u64;
+    loop {
+        let n = f.read(&mut buf).map_err(io(path))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        bytes += n as u64;
+    }
+    Ok(FileCheck {
+        bytes,
+        crc32: hasher.finalize(),
+    })
 }
 
 #[derive(Serialize, Deserialize)]
@@ -150,6 +204,29 @@ fn fsync_dir(path: &Path) -> Result<()> {
         .map_err(io(path))
 }
 
+/// Removes the `.tmp-` and `.old-` directories (see [`sibling`]) in `parent` left by processes
+/// that are gone (killed mid-save); a live process's, this one's included, are left alone.
+/// Best effort: what cannot be removed stays, and [`latest_checkpoint`] ignores it.
+fn remove_stale_siblings(parent: &Path) {
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some(pid) = [".tmp-", ".old-"].iter().find_map(|tag| {
+            let (_, rest) = name.rsplit_once(tag)?;
+            rest.split('-').next()?.parse::<u32>().ok()
+        }) else {
+            continue;
+        };
+        let alive = pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists();
+        if !alive && entry.file_type().is_ok_and(|t| t.is_dir()) {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
 impl AtomicDir {
     /// Starts writing `target` (its parent is created if missing).
     pub fn begin(target: impl AsRef<Path>) -> Result<Self> {
@@ -162,6 +239,7 @@ impl AtomicDir {
         }
         if let Some(parent) = target.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).map_err(io(parent))?;
+            remove_stale_siblings(parent);
         }
         let tmp = sibling(&target, "tmp");
         std::fs::create_dir(&tmp).map_err(io(&tmp))?;
@@ -258,7 +336,17 @@ pub fn write_run_state(dir: &Path, state: &RunState) -> Result<()> {
         msg: e.to_string(),
     })?;
     std::fs::write(&opt_path, &blob).map_err(io(&opt_path))?;
-    let manifest = Manifest {
+    // Every other file already written (the model's weights and config): size and CRC32.
+    let mut files = BTreeMap::new();
+    for entry in std::fs::read_dir(dir).map_err(io(dir))? {
+        let entry = entry.map_err(io(dir))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name == MANIFEST_FILE || name == OPTIMIZER_FILE || !entry.path().is_file() {
+            continue;
+        }
+        files.insert(name, file_check(&entry.path())?);
+    }
+    let mut manifest = Manifest {
         format: FORMAT.into(),
         version: RUN_STATE_VERSION,
         iteration: state.iteration,
@@ -272,8 +360,11 @@ pub fn write_run_state(dir: &Path, state: &RunState) -> Result<()> {
             crc32: crc32fast::hash(&blob),
             tensors: state.optimizer.len(),
         },
+        files,
         extra: state.extra.clone(),
+        manifest_crc32: None,
     };
+    manifest.manifest_crc32 = Some(manifest.canonical_crc());
     let path = dir.join(MANIFEST_FILE);
     let mut f = std::fs::File::create(&path).map_err(io(&path))?;
     let text = serde_json::to_string_pretty(&manifest).expect("manifest serialises");
@@ -294,26 +385,63 @@ pub fn save_run_state(dir: impl AsRef<Path>, state: &RunState) -> Result<PathBuf
 pub fn load_run_state(dir: impl AsRef<Path>) -> Result<RunState> {
     let dir = dir.as_ref();
     let path = dir.join(MANIFEST_FILE);
-    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
+    let text = rollplex_plan::files::read_to_string(&path, rollplex_plan::files::TEXT_CAP)
+        .map_err(io(&path))?;
     let bad = |msg: String| CkptError::Format {
         path: path.clone(),
         msg,
     };
-    let m: Manifest = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
-    if m.format != FORMAT {
-        return Err(bad(format!(
-            "format is {:?}, expected {FORMAT:?}",
-            m.format
-        )));
+    // Format and version first, so an older or foreign file gets that message.
+    let head: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let format = head.get("format").and_then(|f| f.as_str()).unwrap_or("");
+    if format != FORMAT {
+        return Err(bad(format!("format is {format:?}, expected {FORMAT:?}")));
     }
-    if m.version != RUN_STATE_VERSION {
+    let version = head.get("version").and_then(|v| v.as_u64());
+    if version != Some(RUN_STATE_VERSION as u64) {
         return Err(bad(format!(
             "version {} is not supported (this build reads {RUN_STATE_VERSION})",
-            m.version
+            version.map_or("missing".to_string(), |v| v.to_string())
         )));
     }
+    let mut m: Manifest = serde_json::from_value(head).map_err(|e| bad(e.to_string()))?;
+    let crc = m.canonical_crc();
+    match m.manifest_crc32 {
+        Some(saved) if saved == crc => {}
+        Some(saved) => {
+            return Err(bad(format!(
+                "the file was changed after it was written: its content has CRC32 {crc:08x},                  its `manifest_crc32` says {saved:08x}; resume from an intact checkpoint"
+            )))
+        }
+        None => return Err(bad("`manifest_crc32` is missing".into())),
+    }
+    for (name, want) in &m.files {
+        if name.contains('/') || name == ".." {
+            return Err(bad(format!(
+                "file name {name:?} is not a name in the directory"
+            )));
+        }
+        let p = dir.join(name);
+        let got = file_check(&p)?;
+        if got != *want {
+            return Err(CkptError::Damaged {
+                path: p,
+                msg: format!(
+                    "file is corrupt: {} bytes with CRC32 {:08x}, {MANIFEST_FILE} says {} bytes with {:08x}",
+                    got.bytes, got.crc32, want.bytes, want.crc32
+                ),
+            });
+        }
+    }
     let opt_path = dir.join(&m.optimizer_file.name);
-    let blob = std::fs::read(&opt_path).map_err(io(&opt_path))?;
+    if m.optimizer_file.name.contains('/') {
+        return Err(bad(format!(
+            "optimizer file name {:?} is not a name in the directory",
+            m.optimizer_file.name
+        )));
+    }
+    let blob = rollplex_plan::files::read(&opt_path, rollplex_plan::files::NO_CAP)
+        .map_err(io(&opt_path))?;
     let obad = |msg: String| CkptError::Format {
         path: opt_path.clone(),
         msg,
@@ -507,6 +635,84 @@ mod tests {
         std::fs::create_dir(dir.path().join("iter-00000012.tmp-1-2-3")).unwrap();
         let (n, p) = latest_checkpoint(dir.path()).unwrap().unwrap();
         assert_eq!((n, p), (10, checkpoint_dir(dir.path(), 10)));
+    }
+
+    /// `run_state.json` of `p` with `from` replaced by `to` once.
+    fn edit_manifest(p: &Path, from: &str, to: &str) {
+        let path = p.join(MANIFEST_FILE);
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.contains(from), "{from:?} not in {text}");
+        std::fs::write(&path, text.replacen(from, to, 1)).unwrap();
+    }
+
+    #[test]
+    fn an_edited_manifest_or_any_changed_file_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let save = |name: &str| {
+            let d = AtomicDir::begin(dir.path().join(name)).unwrap();
+            std::fs::write(d.path().join("config.json"), b"{\"hidden_size\": 64}").unwrap();
+            std::fs::write(d.path().join("model.safetensors"), vec![7u8; 5000]).unwrap();
+            write_run_state(d.path(), &state()).unwrap();
+            d.commit().unwrap()
+        };
+        // Formatting is not content: a re-indented manifest still loads.
+        let p = save("fmt");
+        let path = p.join(MANIFEST_FILE);
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        std::fs::write(&path, serde_json::to_string(&v).unwrap()).unwrap();
+        assert_eq!(load_run_state(&p).unwrap(), state());
+        // One digit of a value, or two values changed together so that they still agree.
+        for (from, to) in [
+            ("\"optimizer_step\": 24", "\"optimizer_step\": 25"),
+            ("\"iteration\": 12", "\"iteration\": 13"),
+        ] {
+            let p = save("digit");
+            edit_manifest(&p, from, to);
+            if from.contains("iteration") {
+                edit_manifest(&p, "\"next_batch\": 12", "\"next_batch\": 13");
+            }
+            let e = load_run_state(&p).unwrap_err().to_string();
+            assert!(
+                e.contains("run_state.json") && e.contains("changed after it was written"),
+                "{e}"
+            );
+        }
+        // A checksum removed is refused too.
+        let p = save("nocrc");
+        let path = p.join(MANIFEST_FILE);
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        v.as_object_mut().unwrap().remove("manifest_crc32");
+        std::fs::write(&path, v.to_string()).unwrap();
+        let e = load_run_state(&p).unwrap_err().to_string();
+        assert!(e.contains("`manifest_crc32` is missing"), "{e}");
+        // Every file the manifest lists: the model's config and weights.
+        for (file, bytes) in [
+            ("config.json", b"{\"hidden_size\": 65}".to_vec()),
+            ("model.safetensors", vec![7u8; 4999]),
+        ] {
+            let p = save("files");
+            std::fs::write(p.join(file), bytes).unwrap();
+            let e = load_run_state(&p).unwrap_err().to_string();
+            assert!(e.contains(file) && e.contains("corrupt"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_killed_save_leaves_nothing_after_the_next() {
+        let dir = tempfile::tempdir().unwrap();
+        // A process id that is not running: past the kernel's largest.
+        let dead = dir.path().join("iter-00000003.tmp-4194305-1f-0");
+        std::fs::create_dir(&dead).unwrap();
+        std::fs::write(dead.join("model.safetensors"), b"partial").unwrap();
+        let mine = dir
+            .path()
+            .join(format!("iter-00000004.tmp-{}-2f-0", std::process::id()));
+        std::fs::create_dir(&mine).unwrap();
+        save_run_state(checkpoint_dir(dir.path(), 5), &state()).unwrap();
+        assert!(!dead.exists(), "a dead process's temporary is removed");
+        assert!(mine.exists(), "a live process's temporary is not");
     }
 
     #[test]

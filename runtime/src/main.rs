@@ -1,6 +1,7 @@
 //! `rollplex-run`: executes a compiled plan. A main that only dispatches: parse flags, call
 //! `cli::main`, which prints the error chain once and maps it to an exit code (0 ok, 1 user
-//! error, 2 internal, 3 a tensor-parallel rank that stopped because another rank failed).
+//! error, 2 internal, 3 a tensor-parallel rank that stopped because another rank failed). A bad
+//! command line is a user error (1), as in `rollplexc`; `--help` and `--version` exit 0.
 
 use std::process::ExitCode;
 
@@ -8,5 +9,15 @@ use clap::Parser;
 use rollplex_runtime::cli;
 
 fn main() -> ExitCode {
-    cli::main(cli::Command::parse())
+    match cli::Command::try_parse() {
+        Ok(cmd) => cli::main(cmd),
+        Err(e) => {
+            let _ = e.print();
+            if e.use_stderr() {
+                ExitCode::from(1)
+            } else {
+                ExitCode::SUCCESS
+            }
+        }
+    }
 }

@@ -6,12 +6,21 @@
 //!   the order they were recorded; non-finite values are written as `null` (JSON has no NaN).
 //! - On resume ([`MetricsLog::resume`]) lines of iterations that will run again are dropped,
 //!   so a resumed run's file equals an uninterrupted run's.
+//! - One run writes a directory: a [`MetricsLog`] holds an exclusive lock (`flock`) on its
+//!   directory's [`LOCK_FILE`] for as long as it lives, so a second run given the same `--out`
+//!   stops with an error instead of interleaving or truncating the first one's files. The lock
+//!   goes with the process, so a killed run leaves nothing to clean.
+//! - Each line is appended with one `write` of the whole line to a file opened for appending, so
+//!   a line is never split or interleaved with another writer's.
 //! - The console table's columns are fixed by the first record; its header is repeated every
 //!   [`HEADER_EVERY`] rows. Progress bars draw only when stdout is a terminal, on stderr;
 //!   console lines printed while they show go through [`LoopProgress::println`].
 
 use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::path::{Path, PathBuf};
+
+/// The lock file a [`MetricsLog`] holds in its directory.
+pub const LOCK_FILE: &str = ".rollplex-run.lock";
 
 /// Console rows between repeated headers.
 pub const HEADER_EVERY: usize = 20;
@@ -20,6 +29,8 @@ pub const HEADER_EVERY: usize = 20;
 pub enum MetricsError {
     #[error("{path}: {msg}")]
     Io { path: PathBuf, msg: String },
+    #[error("{dir} is the output directory of another running rollplex-run (it holds {dir}/{LOCK_FILE}); give this run its own --out, or wait for that one to end")]
+    Locked { dir: PathBuf },
     #[error("{path}:{line}: {msg}")]
     Line {
         path: PathBuf,
@@ -141,6 +152,15 @@ pub struct MetricsLog {
     file: std::fs::File,
     table: Table,
     console: Option<Box<dyn Write + Send>>,
+    /// The directory's lock ([`lock_dir`]), held while the log lives.
+    _lock: std::fs::File,
+}
+
+/// The directory of a file path (`.` for a bare name).
+fn dir_of(path: &Path) -> &Path {
+    path.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
 }
 
 impl std::fmt::Debug for MetricsLog {
@@ -151,23 +171,75 @@ impl std::fmt::Debug for MetricsLog {
     }
 }
 
+/// Takes the exclusive lock of `dir` (created if missing): the returned file holds it until it
+/// is dropped or the process ends.
+pub fn lock_dir(dir: &Path) -> Result<std::fs::File> {
+    use std::os::unix::io::AsRawFd;
+    let lock = dir.join(LOCK_FILE);
+    let err = |e: std::io::Error| MetricsError::Io {
+        path: lock.clone(),
+        msg: e.to_string(),
+    };
+    std::fs::create_dir_all(dir).map_err(|e| MetricsError::Io {
+        path: dir.to_path_buf(),
+        msg: e.to_string(),
+    })?;
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock)
+        .map_err(err)?;
+    // SAFETY: flock(2) on a descriptor this function owns; it touches no memory.
+    let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if r != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(if e.kind() == std::io::ErrorKind::WouldBlock {
+            MetricsError::Locked {
+                dir: dir.to_path_buf(),
+            }
+        } else {
+            err(e)
+        });
+    }
+    Ok(file)
+}
+
+/// Appends `line` (newline included) with one `write`: on a file opened for appending the whole
+/// line lands at the end at once, or the call fails.
+fn append_line(file: &mut std::fs::File, line: &str) -> std::io::Result<()> {
+    let n = file.write(line.as_bytes())?;
+    if n != line.len() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::WriteZero,
+            format!("only {n} of {} bytes of a line were written", line.len()),
+        ));
+    }
+    Ok(())
+}
+
 impl MetricsLog {
-    /// Starts a new file (truncating an old one); the table goes to stdout.
+    /// Starts a new file (truncating an old one) after taking its directory's lock; the table
+    /// goes to stdout.
     pub fn create(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
         let err = |e: std::io::Error| MetricsError::Io {
             path: path.clone(),
             msg: e.to_string(),
         };
-        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-            std::fs::create_dir_all(parent).map_err(err)?;
-        }
-        let file = std::fs::File::create(&path).map_err(err)?;
+        let lock = lock_dir(dir_of(&path))?;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(err)?;
+        file.set_len(0).map_err(err)?;
         Ok(Self {
             path,
             file,
             table: Table::default(),
             console: Some(Box::new(std::io::stdout())),
+            _lock: lock,
         })
     }
 
@@ -175,6 +247,7 @@ impl MetricsLog {
     /// `completed` and drops the rest (they will be recorded again).
     pub fn resume(path: impl AsRef<Path>, completed: u64) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
+        let lock = lock_dir(dir_of(&path))?;
         let mut kept = String::new();
         if path.exists() {
             let f = std::fs::File::open(&path).map_err(|e| MetricsError::Io {
@@ -227,6 +300,7 @@ impl MetricsLog {
             file,
             table: Table::default(),
             console: Some(Box::new(std::io::stdout())),
+            _lock: lock,
         })
     }
 
@@ -242,25 +316,19 @@ impl MetricsLog {
 
     /// Appends one JSON object (without newline) to the file, flushed; no console output.
     pub fn log_line(&mut self, json_line: &str) -> Result<()> {
-        self.file
-            .write_all(format!("{json_line}\n").as_bytes())
-            .and_then(|_| self.file.flush())
-            .map_err(|e| MetricsError::Io {
-                path: self.path.clone(),
-                msg: e.to_string(),
-            })
+        append_line(&mut self.file, &format!("{json_line}\n")).map_err(|e| MetricsError::Io {
+            path: self.path.clone(),
+            msg: e.to_string(),
+        })
     }
 
     /// Appends `rec` to the file (flushed) and prints its table row.
     pub fn log(&mut self, rec: &Record) -> Result<()> {
         let line = rec.to_json_line() + "\n";
-        self.file
-            .write_all(line.as_bytes())
-            .and_then(|_| self.file.flush())
-            .map_err(|e| MetricsError::Io {
-                path: self.path.clone(),
-                msg: e.to_string(),
-            })?;
+        append_line(&mut self.file, &line).map_err(|e| MetricsError::Io {
+            path: self.path.clone(),
+            msg: e.to_string(),
+        })?;
         if let Some(c) = &mut self.console {
             for l in self.table.render(rec) {
                 // The console is best effort: a closed stdout must not stop training.
@@ -480,9 +548,26 @@ mod tests {
             })
             .collect();
         assert_eq!(its, vec![0, 1, 2, 3]);
+        drop(log);
         std::fs::write(&path, "{\"iteration\": 0}\nnot json\n").unwrap();
         let e = MetricsLog::resume(&path, 1).unwrap_err().to_string();
         assert!(e.contains("metrics.jsonl:2: not JSON"), "{e}");
+    }
+
+    #[test]
+    fn one_log_per_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out/metrics.jsonl");
+        let mut first = MetricsLog::create(&path).unwrap().with_console(None);
+        first.log(&rec(0, 1.0)).unwrap();
+        for second in [MetricsLog::create(&path), MetricsLog::resume(&path, 0)] {
+            let e = second.unwrap_err().to_string();
+            assert!(e.contains("another running rollplex-run"), "{e}");
+        }
+        first.log(&rec(1, 1.0)).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap().lines().count(), 2);
+        drop(first);
+        MetricsLog::resume(&path, 2).expect("free once the first log is gone");
     }
 
     #[test]

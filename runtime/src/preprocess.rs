@@ -158,7 +158,8 @@ impl PreprocessConfig {
             path: path.into(),
             msg,
         };
-        let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+        let text = rollplex_plan::files::read_to_string(path, rollplex_plan::files::TEXT_CAP)
+            .map_err(|e| err(e.to_string()))?;
         let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| err(e.to_string()))?;
         let mut c = defaults;
         let uint = |key: &str, v: &serde_json::Value| {
@@ -298,15 +299,20 @@ pub fn smart_resize(
     Ok((h_bar, w_bar))
 }
 
+/// Cap on an image file's size: far above any frame a vision model takes, far below memory.
+pub const IMAGE_CAP: u64 = 256 << 20;
+
 /// Opens an image file (PNG or JPEG) as RGB. Alpha is dropped and grey is replicated, as
 /// `PIL.Image.convert("RGB")` does.
 pub fn load_image(path: impl AsRef<Path>) -> Result<RgbImage> {
     let path = path.as_ref();
-    let img = image::ImageReader::open(path)
-        .map_err(|e| PreprocessError::Image {
+    let (file, _) = rollplex_plan::files::open_regular(path, IMAGE_CAP).map_err(|e| {
+        PreprocessError::Image {
             path: path.into(),
             msg: e.to_string(),
-        })?
+        }
+    })?;
+    let img = image::ImageReader::new(std::io::BufReader::new(file))
         .with_guessed_format()
         .map_err(|e| PreprocessError::Image {
             path: path.into(),

@@ -77,7 +77,12 @@ impl TextTokenizer {
                 msg: "no such file".into(),
             });
         }
-        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| TokenizerError::Load {
+        let text = rollplex_plan::files::read_to_string(&path, rollplex_plan::files::TEXT_CAP)
+            .map_err(|e| TokenizerError::Load {
+                path: path.clone(),
+                msg: e.to_string(),
+            })?;
+        let inner = tokenizers::Tokenizer::from_str(&text).map_err(|e| TokenizerError::Load {
             path: path.clone(),
             msg: e.to_string(),
         })?;

@@ -186,7 +186,8 @@ pub fn read_complete_events(path: impl AsRef<Path>) -> Result<Vec<CompleteEvent>
         path: path.into(),
         msg,
     };
-    let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+    let text = rollplex_plan::files::read_to_string(path, rollplex_plan::files::PLAN_CAP)
+        .map_err(|e| err(e.to_string()))?;
     let v: Value = serde_json::from_str(&text).map_err(|e| err(format!("not JSON: {e}")))?;
     let list = v
         .get("traceEvents")

@@ -58,3 +58,53 @@ fn foreign_and_future_files_say_so() {
     f.push(0);
     assert!(matches!(decode(&f), Err(DecodeError::Trailing { .. })));
 }
+
+/// The checked-in plan of the tiny example, in both forms.
+fn tiny_plan() -> (String, Vec<u8>) {
+    let yaml = include_str!("../../../examples/tiny.plan.yaml").to_string();
+    let plan = rollplex_plan::from_yaml(&yaml).expect("the checked-in plan reads");
+    let bytes = rollplex_plan::encode(&plan, "fuzz").expect("encodes");
+    (yaml, bytes)
+}
+
+/// Header bytes before the payload of a plan encoded with producer `fuzz`.
+const HEADER: usize = 4 + 4 + 4 + 2 + 4 + 8;
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// A real plan's payload with a few bytes changed, behind a header whose checksum fits, so
+    /// every change reaches the decoder and, when it still decodes, the verifier.
+    #[test]
+    fn a_mutated_compiled_plan_never_panics(edits in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..4)) {
+        let (_, bytes) = tiny_plan();
+        let mut payload = bytes[HEADER..].to_vec();
+        for (at, b) in edits {
+            let i = at % payload.len();
+            payload[i] = b;
+        }
+        if let Ok((_, plan)) = decode(&framed(&payload)) {
+            let _ = rollplex_plan::validate(&plan);
+        }
+        // Without the checksum fixed up, any change is refused.
+        let mut raw = bytes.clone();
+        let i = HEADER + payload.len() / 2;
+        raw[i] ^= 0x5a;
+        prop_assert!(decode(&raw).is_err());
+    }
+
+    /// A plan's YAML with a few bytes changed reads as an error or as a plan the verifier judges
+    /// without panicking.
+    #[test]
+    fn a_mutated_yaml_plan_never_panics(edits in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..4)) {
+        let (yaml, _) = tiny_plan();
+        let mut b = yaml.into_bytes();
+        for (at, v) in edits {
+            let i = at % b.len();
+            b[i] = b"0123456789-:x \n[]{}"[v as usize % 19];
+        }
+        if let Ok(plan) = rollplex_plan::from_yaml(&String::from_utf8_lossy(&b)) {
+            let _ = rollplex_plan::validate(&plan);
+        }
+    }
+}

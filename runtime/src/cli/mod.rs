@@ -8,6 +8,7 @@
 mod args;
 mod cpu;
 mod cuda;
+mod interrupt;
 mod output;
 mod sim;
 mod tp;
@@ -51,7 +52,8 @@ pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ExecError + 
 
 /// Reads, decodes and verifies a plan file.
 pub fn load_plan(path: &Path) -> Result<Plan, ExecError> {
-    let bytes = std::fs::read(path).map_err(io_err(path))?;
+    let bytes =
+        rollplex_plan::files::read(path, rollplex_plan::files::PLAN_CAP).map_err(io_err(path))?;
     let (_, plan) = rollplex_plan::decode(&bytes)
         .map_err(|e| ExecError::Machine(format!("{}: {e}", path.display())))?;
     rollplex_plan::validate(&plan).map_err(|v| {
@@ -98,6 +100,9 @@ pub fn run(args: &RunArgs) -> Result<(), ExecError> {
              (--cost-profile gives it a profile to replay with)"
                 .into(),
         ));
+    }
+    if backend != BackendChoice::Sim {
+        interrupt::install();
     }
     match backend {
         BackendChoice::Sim => sim::run_sim(&plan, args),

@@ -62,6 +62,10 @@ impl exec::LoopObserver for LoopRun<'_> {
         self.progress.task_done();
     }
 
+    fn stop_requested(&self) -> bool {
+        super::interrupt::requested()
+    }
+
     fn decode_steps(&mut self, _: u32, task: &Task, marks: &[Instant]) {
         if let Some(p) = &mut self.profile {
             p.record_step_instants(task, marks);
@@ -94,16 +98,24 @@ impl exec::LoopObserver for LoopRun<'_> {
         }
         let done = it + 1;
         let every = self.args.save_every;
+        let stop = super::interrupt::requested();
+        let mut saved = None;
         if let Some(identity) = self
             .identity
             .as_ref()
-            .filter(|_| every > 0 && done.is_multiple_of(every))
+            .filter(|_| stop || (every > 0 && done.is_multiple_of(every)))
         {
             let root = self.args.out.join(checkpoint::CHECKPOINTS_DIR);
             let keep = self.args.keep_checkpoints;
             let path = match models {
                 exec::LoopModels::Cpu(Some(state)) => {
                     checkpoint::save(&root, done, state, identity, keep)?
+                }
+                exec::LoopModels::Cpu(None) if stop => {
+                    return Err(ExecError::Interrupted {
+                        done,
+                        checkpoint: None,
+                    })
                 }
                 exec::LoopModels::Cpu(None) => {
                     return Err(ExecError::Plan(format!(
@@ -122,6 +134,13 @@ impl exec::LoopObserver for LoopRun<'_> {
                 self.progress
                     .println(&format!("checkpoint: {}", path.display()));
             }
+            saved = Some(path);
+        }
+        if stop {
+            return Err(ExecError::Interrupted {
+                done,
+                checkpoint: saved,
+            });
         }
         Ok(())
     }

@@ -12,7 +12,8 @@ pub(super) fn run_sim(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
     let gpu = &plan.spec.cluster.gpu;
     let profile = match &args.cost_profile {
         Some(p) => {
-            let text = std::fs::read_to_string(p).map_err(io_err(p))?;
+            let text = rollplex_plan::files::read_to_string(p, rollplex_plan::files::TEXT_CAP)
+                .map_err(io_err(p))?;
             Some(
                 rollplex_cost::Profile::from_yaml(&text)
                     .map_err(|e| ExecError::Data(format!("{}: {e}", p.display())))?,

@@ -11,27 +11,36 @@
 //! are skipped. Paths are relative to the JSONL file's directory unless absolute; every media
 //! file must exist.
 
-use std::io::{BufRead, BufReader};
+use std::io::BufReader;
 use std::path::Path;
 
 use serde_json::Value;
 
 use super::{check_unique_ids, resolve_media, DataError, Media, MediaSource, Result, Sample};
 
-/// Reads every sample of `path`.
+/// Reads every sample of `path`: a regular file, read a line at a time, each line at most
+/// [`rollplex_plan::files::LINE_CAP`] bytes.
 pub fn load(path: &Path) -> Result<Vec<Sample>> {
-    let file = std::fs::File::open(path).map_err(|e| DataError::Read {
+    load_with_lines(path).map(|(samples, _)| samples)
+}
+
+/// [`load`], with the line of each sample (for messages about a record found later).
+pub fn load_with_lines(path: &Path) -> Result<(Vec<Sample>, Vec<u64>)> {
+    use rollplex_plan::files;
+    let (file, _) = files::open_regular(path, files::NO_CAP).map_err(|e| DataError::Read {
         path: path.into(),
         msg: e.to_string(),
     })?;
     let mut samples = Vec::new();
     let mut lines = Vec::new();
-    for (i, line) in BufReader::new(file).lines().enumerate() {
-        let n = i as u64 + 1;
-        let line = line.map_err(|e| DataError::Read {
-            path: path.into(),
-            msg: format!("line {n}: {e}"),
-        })?;
+    let mut reader = BufReader::new(file);
+    for n in 1u64.. {
+        let line =
+            files::read_line_capped(&mut reader, files::LINE_CAP).map_err(|e| DataError::Read {
+                path: path.into(),
+                msg: format!("line {n}: {e}"),
+            })?;
+        let Some(line) = line else { break };
         if line.trim().is_empty() {
             continue;
         }
@@ -47,7 +56,7 @@ pub fn load(path: &Path) -> Result<Vec<Sample>> {
     }
     default_ids(&mut samples, &lines);
     check_unique_ids(path, &samples, &lines)?;
-    Ok(samples)
+    Ok((samples, lines))
 }
 
 /// One record; the error is a message naming the field.
@@ -242,6 +251,15 @@ mod tests {
     fn err_of(lines: &str) -> String {
         let (_d, p) = setup(lines);
         load(&p).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn only_a_regular_file_is_a_dataset() {
+        let e = load(Path::new("/dev/zero")).unwrap_err().to_string();
+        assert!(
+            e.contains("/dev/zero") && e.contains("not a regular file"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -147,6 +147,8 @@ impl Sample {
 pub struct Dataset {
     pub path: PathBuf,
     pub samples: Vec<Sample>,
+    /// The line (row) of each sample in `path`, for messages.
+    pub lines: Vec<u64>,
 }
 
 impl Dataset {
@@ -158,14 +160,15 @@ impl Dataset {
             .and_then(|e| e.to_str())
             .unwrap_or("")
             .to_ascii_lowercase();
-        let samples = match ext.as_str() {
-            "jsonl" | "ndjson" => jsonl::load(path)?,
+        let (samples, lines) = match ext.as_str() {
+            "jsonl" | "ndjson" => jsonl::load_with_lines(path)?,
             "parquet" => return Err(DataError::Parquet { path: path.into() }),
             _ => return Err(DataError::Format { path: path.into() }),
         };
         Ok(Self {
             path: path.into(),
             samples,
+            lines,
         })
     }
 

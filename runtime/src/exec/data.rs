@@ -8,7 +8,7 @@
 //! Invariant: the prompts of iteration `i` are a function of (dataset, seed, i) only: the
 //! sampler permutes each epoch with a key derived from the seed and the epoch.
 
-use rollplex_plan::spec::{DatasetSpec, JobSpec, WeightsSource};
+use rollplex_plan::spec::{DatasetSpec, JobSpec, MediaSpec, WeightsSource};
 
 use super::prompts::PromptSource;
 use super::{ExecError, MediaData, PromptData};
@@ -240,6 +240,121 @@ pub struct DatasetSource {
     builder: PromptBuilder,
     data: Dataset,
     sampler: Sampler,
+    /// What each prompt must fit ([`check_prompt`]).
+    spec: JobSpec,
+}
+
+/// The plan's media in words: `video(frames = 4, size = 56x56)`, `2 images of 448x448`.
+fn planned_media(spec: &JobSpec) -> String {
+    match spec.rollout.media {
+        MediaSpec::None => "no media".into(),
+        MediaSpec::Image {
+            count,
+            height,
+            width,
+        } => format!(
+            "{count} image{} of {width}x{height} per prompt (media = image(size = {width}x{height}, count = {count}))",
+            if count == 1 { "" } else { "s" }
+        ),
+        MediaSpec::Video {
+            frames,
+            height,
+            width,
+        } => format!(
+            "one video of {frames} frames of {width}x{height} per prompt (media = video(frames = {frames}, size = {width}x{height}))"
+        ),
+    }
+}
+
+/// Whether a record's media are of the kind and number the plan was compiled for (checked for
+/// every record when the dataset is loaded, before any media is decoded). The error names the
+/// field, what the plan has and what the record has.
+fn check_media_shape(spec: &JobSpec, s: &Sample) -> Result<(), String> {
+    let plan = || planned_media(spec);
+    match (&spec.rollout.media, &s.media) {
+        (MediaSpec::None, Media::None) => Ok(()),
+        (MediaSpec::None, Media::Images(v)) => Err(format!(
+            "field `images`: the record has {} image(s), the plan has {}",
+            v.len(),
+            plan()
+        )),
+        (MediaSpec::None, Media::Video(_)) => Err(format!(
+            "field `video`: the record has a video, the plan has {}",
+            plan()
+        )),
+        (MediaSpec::Image { count, .. }, Media::Images(v)) if v.len() == *count as usize => Ok(()),
+        (MediaSpec::Image { .. }, Media::Images(v)) => Err(format!(
+            "field `images`: the record has {} image(s), the plan has {}",
+            v.len(),
+            plan()
+        )),
+        (MediaSpec::Video { frames, .. }, Media::Video(v)) if v.len() == *frames as usize => Ok(()),
+        (MediaSpec::Video { .. }, Media::Video(v)) => Err(format!(
+            "field `video`: the record has {} frames, the plan has {}",
+            v.len(),
+            plan()
+        )),
+        (MediaSpec::Image { .. }, Media::Video(_)) => Err(format!(
+            "field `video`: the record has a video, the plan has {}; give `images`",
+            plan()
+        )),
+        (MediaSpec::Video { .. }, Media::Images(_)) => Err(format!(
+            "field `images`: the record has images, the plan has {}; give `video`",
+            plan()
+        )),
+        (_, Media::None) => Err(format!(
+            "field `{}` is missing: the record is text only, the plan has {}",
+            if matches!(spec.rollout.media, MediaSpec::Video { .. }) {
+                "video"
+            } else {
+                "images"
+            },
+            plan()
+        )),
+    }
+}
+
+/// `(width, height)` of each image.
+fn sizes_of(images: &[RgbImage]) -> Vec<(u32, u32)> {
+    images.iter().map(|i| i.dimensions()).collect()
+}
+
+/// Whether a built prompt fits the plan: its media grids are the plan's (the plan's buffers and
+/// tasks are sized by them) and its text (chat template included, media tokens aside) is at
+/// most the plan's `text_tokens`. `sizes` are the record's image or frame sizes, for the
+/// message.
+fn check_prompt(spec: &JobSpec, p: &PromptData, sizes: &[(u32, u32)]) -> Result<(), String> {
+    let merge = spec.actor.vision.spatial_merge_size.max(1);
+    if let Some((kind, grid, _)) = super::prompts::media_grid(spec) {
+        for m in &p.media {
+            if m.grid != grid {
+                let field = if matches!(kind, MediaKind::Image) {
+                    "images"
+                } else {
+                    "video"
+                };
+                let (w, h) = sizes.first().copied().unwrap_or((0, 0));
+                return Err(format!(
+                    "field `{field}`: media of {w}x{h} give a grid of {:?} patches, the plan's is {grid:?} ({}); resize the media to the plan's size",
+                    m.grid,
+                    planned_media(spec)
+                ));
+            }
+        }
+    }
+    let media_tokens: usize = p
+        .media
+        .iter()
+        .map(|m| (m.grid.iter().product::<u32>() / (merge * merge)) as usize + 2)
+        .sum();
+    let text = p.ids.len().saturating_sub(media_tokens);
+    let limit = spec.rollout.prompt_text_tokens as usize;
+    if text > limit {
+        return Err(format!(
+            "field `prompt`: {text} text tokens with the chat template, above the plan's text_tokens = {limit}; shorten the prompt or raise text_tokens"
+        ));
+    }
+    Ok(())
 }
 
 impl PromptSource for DatasetSource {
@@ -256,17 +371,25 @@ impl PromptSource for DatasetSource {
         idx.into_iter()
             .map(|i| {
                 let s = &self.data.samples[i];
-                match &s.media {
-                    Media::None => self.builder.build(s, &[], None),
+                let (prompt, sizes) = match &s.media {
+                    Media::None => (self.builder.build(s, &[], None)?, Vec::new()),
                     Media::Images(v) => {
                         let imgs = v.iter().map(load).collect::<Result<Vec<_>, _>>()?;
-                        self.builder.build(s, &imgs, None)
+                        (self.builder.build(s, &imgs, None)?, sizes_of(&imgs))
                     }
                     Media::Video(v) => {
                         let frames = v.iter().map(load).collect::<Result<Vec<_>, _>>()?;
-                        self.builder.build(s, &[], Some(&frames))
+                        (
+                            self.builder.build(s, &[], Some(&frames))?,
+                            sizes_of(&frames),
+                        )
                     }
-                }
+                };
+                check_prompt(&self.spec, &prompt, &sizes).map_err(|msg| {
+                    let line = self.data.lines.get(i).copied().unwrap_or(0);
+                    ExecError::Data(format!("{}:{line}: {msg}", self.data.path.display()))
+                })?;
+                Ok(prompt)
             })
             .collect()
     }
@@ -287,12 +410,18 @@ pub fn data_source(
         ))),
         DatasetSpec::File { path } => {
             let data = Dataset::load(path).map_err(|e| ExecError::Data(e.to_string()))?;
+            for (s, line) in data.samples.iter().zip(&data.lines) {
+                check_media_shape(spec, s).map_err(|msg| {
+                    ExecError::Data(format!("{}:{line}: {msg}", data.path.display()))
+                })?;
+            }
             let sampler = Sampler::new(data.len(), spec.rollout.prompts_per_iter, spec.seed, true)
                 .map_err(|e| ExecError::Data(format!("{path}: {e}")))?;
             Ok(Box::new(DatasetSource {
                 builder: PromptBuilder::for_spec(spec)?,
                 data,
                 sampler,
+                spec: spec.clone(),
             }))
         }
     }
@@ -326,10 +455,9 @@ pub fn reward_fn(spec: &JobSpec) -> Result<Box<super::cpu::SendRewardFn<'static>
                     })
                 })
                 .collect::<Result<Vec<_>, ExecError>>()?;
-            let scores = reward
-                .score(&reqs)
-                .map_err(|e| ExecError::Reward(e.to_string()))?;
-            Ok(scores.into_iter().map(|s| s as f32).collect())
+            reward
+                .score_f32(&reqs)
+                .map_err(|e| ExecError::Reward(e.to_string()))
         },
     ))
 }
@@ -462,4 +590,94 @@ fn greedy(
         });
     }
     Ok(Some(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tiny example's job (video of 4 frames of 56x56, text_tokens = 40), 2 prompts a
+    /// step, drawn from the JSONL file `lines` (frames `f.png` of 56x56 and `big.png` of 112x112
+    /// beside it).
+    fn source(lines: &[&str]) -> (tempfile::TempDir, Result<Box<dyn PromptSource>, ExecError>) {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        image::RgbImage::new(56, 56)
+            .save(dir.join("f.png"))
+            .unwrap();
+        image::RgbImage::new(112, 112)
+            .save(dir.join("big.png"))
+            .unwrap();
+        let path = dir.join("d.jsonl");
+        std::fs::write(&path, lines.join("\n")).unwrap();
+        let src = include_str!("../../../examples/tiny.rpx")
+            .replacen("const PROMPTS = 8 ", "const PROMPTS = 2 ", 1)
+            .replacen(
+                "generated(\"moving_shapes\", 4096)",
+                &format!("file({:?})", path.display().to_string()),
+                1,
+            );
+        let spec = rollplex_dsl::compile_source("t.rpx", &src, &rollplex_dsl::NoFiles)
+            .unwrap()
+            .spec;
+        let source = data_source(&spec, &spec.rollout.dataset);
+        (tmp, source)
+    }
+
+    const GOOD: &str = r#"{"prompt": "<video> Which way?", "video": ["f.png", "f.png", "f.png", "f.png"], "answer": "A"}"#;
+
+    #[track_caller]
+    fn refused_at_load(bad: &str, needles: &[&str]) {
+        let (_dir, s) = source(&[GOOD, bad]);
+        let e = s.err().expect("refused").to_string();
+        assert!(e.contains("d.jsonl:2: "), "{e}");
+        for n in needles {
+            assert!(e.contains(n), "{n:?} not in: {e}");
+        }
+    }
+
+    #[track_caller]
+    fn refused_when_drawn(bad: &str, needles: &[&str]) {
+        let (_dir, s) = source(&[GOOD, bad]);
+        let mut s = s.expect("loads");
+        let e = s.prompts(0, 2).unwrap_err().to_string();
+        assert!(e.contains("d.jsonl:2: "), "{e}");
+        for n in needles {
+            assert!(e.contains(n), "{n:?} not in: {e}");
+        }
+    }
+
+    #[test]
+    fn records_that_do_not_fit_the_plan_are_errors_naming_line_and_field() {
+        let (_dir, good) = source(&[GOOD, GOOD]);
+        assert_eq!(good.unwrap().prompts(0, 2).unwrap().len(), 2);
+        refused_at_load(
+            r#"{"prompt": "<video> x", "video": ["f.png", "f.png", "f.png"], "answer": "A"}"#,
+            &[
+                "field `video`",
+                "3 frames",
+                "video(frames = 4, size = 56x56)",
+            ],
+        );
+        refused_at_load(
+            r#"{"prompt": "<image> x", "images": ["f.png"], "answer": "A"}"#,
+            &["field `images`", "give `video`"],
+        );
+        refused_at_load(
+            r#"{"prompt": "x", "answer": "A"}"#,
+            &["field `video` is missing", "text only"],
+        );
+        refused_when_drawn(
+            r#"{"prompt": "<video> x", "video": ["big.png", "big.png", "big.png", "big.png"], "answer": "A"}"#,
+            &["field `video`", "112x112", "the plan's is [2, 4, 4]"],
+        );
+        let long = format!(
+            r#"{{"prompt": "<video> {}", "video": ["f.png", "f.png", "f.png", "f.png"], "answer": "A"}}"#,
+            "left right ".repeat(40)
+        );
+        refused_when_drawn(
+            &long,
+            &["field `prompt`", "above the plan's text_tokens = 40"],
+        );
+    }
 }

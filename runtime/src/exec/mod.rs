@@ -81,6 +81,15 @@ pub enum ExecError {
     /// Tensor parallelism: a model that does not split, or a collective that failed.
     #[error(transparent)]
     Tp(#[from] crate::tp::TpError),
+    /// SIGINT or SIGTERM stopped the run at an iteration boundary, after `done` iterations.
+    #[error("stopped by a signal after {done} iterations; {}", match checkpoint {
+        Some(p) => format!("checkpoint {} (continue with --resume)", p.display()),
+        None => "no checkpoint was saved (this run saves none: see --save-every)".into(),
+    })]
+    Interrupted {
+        done: u32,
+        checkpoint: Option<std::path::PathBuf>,
+    },
     /// The error that ended a tensor-parallel group, and the rank it happened on.
     #[error("tensor-parallel rank {rank}: {source}")]
     Rank { rank: usize, source: Box<ExecError> },
@@ -119,6 +128,10 @@ impl From<String> for ExecError {
     }
 }
 
+/// `rollplex-run`'s exit status after a SIGINT or SIGTERM stopped it (128 + SIGINT, as shells
+/// report an interrupted command).
+pub const EXIT_INTERRUPTED: u8 = 130;
+
 impl ExecError {
     /// The exit status of `rollplex-run`: 1 when the user can fix it, 2 for a bug, and 3
     /// ([`crate::tp::launch::EXIT_PEER_FAILED`]) for a rank of a TP group that only stopped
@@ -138,6 +151,9 @@ impl ExecError {
             if blames_another {
                 return crate::tp::launch::EXIT_PEER_FAILED;
             }
+        }
+        if let ExecError::Interrupted { .. } = self {
+            return EXIT_INTERRUPTED;
         }
         if self.is_user_error() {
             1
@@ -371,6 +387,11 @@ pub trait LoopObserver {
     /// (cuda: a device event before each step and one after the last, told after the
     /// iteration's `task_done`s on the same clock; the cpu backend does not mark steps).
     fn decode_steps(&mut self, _iteration: u32, _task: &Task, _marks: &[Instant]) {}
+    /// Whether the run is to stop after the running iteration (a signal): its state is then
+    /// handed to [`LoopObserver::iteration_done`] to save, as at a `--save-every` boundary.
+    fn stop_requested(&self) -> bool {
+        false
+    }
     /// `iteration` is done: its results, the models after it (to checkpoint), its start and its
     /// wall time. An error stops the loop.
     fn iteration_done(

@@ -8,15 +8,22 @@
 //!
 //! Invariants:
 //! - Never a hang: if no valid answer arrives for `timeout` (counted from sending the batch and
-//!   again from each answer), the program is killed and the call fails. Requests are written
-//!   from a helper thread, so a program that stops reading cannot block the runtime either.
+//!   again from each answer), the program is killed and the call fails; a program that closes
+//!   its stdout is waited for at most that long too. Requests are written from a helper
+//!   thread, so a program that stops reading cannot block the runtime either.
+//! - Nothing outlives the run: the program runs in a process group of its own, and the whole
+//!   group (the program and whatever it started) is killed on a failure and when the reward is
+//!   dropped.
+//! - Bounded memory: an answer line may hold at most [`MAX_LINE`] bytes; a longer one is an
+//!   error naming the cap. At most [`QUEUED_LINES`] lines wait unread.
 //! - Never a silent zero: a program that exits, closes stdout, writes a line that is not a JSON
 //!   object, answers an unknown or already answered id, leaves out `reward`, or gives a
 //!   non-number or non-finite reward makes the call fail with an error that names the command
 //!   and what went wrong. After a failure the program is killed; the next call starts it anew.
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufReader, Read, Write};
+use std::os::unix::process::CommandExt;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
@@ -25,6 +32,18 @@ use std::time::{Duration, Instant};
 use super::RewardRequest;
 
 const STDERR_KEEP: usize = 4096;
+
+/// The longest answer line read, in bytes (1 MiB): an answer is one short JSON object, and a
+/// program that writes without newlines must not take the runtime's memory with it.
+pub const MAX_LINE: usize = 1 << 20;
+
+/// How many answer lines may wait unread before the reader stops reading the program's stdout
+/// (the program then blocks on its writes): bounds memory to `QUEUED_LINES * MAX_LINE`.
+pub const QUEUED_LINES: usize = 64;
+
+/// How long a program that closed its stdout is given to exit before it is killed (never more
+/// than the timeout): it can answer nothing more, so only its exit status is waited for.
+const EXIT_GRACE: Duration = Duration::from_secs(2);
 
 /// Errors of an external reward command. Each names the command line.
 #[derive(Debug, thiserror::Error)]
@@ -124,6 +143,8 @@ impl CommandReward {
             let cmd = self.command_line();
             let mut child = Command::new(&self.argv[0])
                 .args(&self.argv[1..])
+                // A group of its own, so that what the program starts is killed with it.
+                .process_group(0)
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
@@ -135,12 +156,16 @@ impl CommandReward {
             let stdin = child.stdin.take().expect("piped stdin");
             let stdout = child.stdout.take().expect("piped stdout");
             let mut stderr_pipe = child.stderr.take().expect("piped stderr");
-            let (tx, rx) = mpsc::channel();
+            let (tx, rx) = mpsc::sync_channel(QUEUED_LINES);
             std::thread::Builder::new()
                 .name("reward-stdout".into())
                 .spawn(move || {
-                    for line in BufReader::new(stdout).lines() {
-                        if tx.send(line).is_err() {
+                    let mut out = BufReader::new(stdout);
+                    loop {
+                        let line = rollplex_plan::files::read_line_capped(&mut out, MAX_LINE);
+                        let last = !matches!(line, Ok(Some(_)));
+                        let Some(line) = line.transpose() else { break };
+                        if tx.send(line).is_err() || last {
                             break;
                         }
                     }
@@ -180,11 +205,10 @@ impl CommandReward {
         Ok(self.running.as_mut().expect("just started"))
     }
 
-    /// Kills and reaps the program (if running).
+    /// Kills the program's process group and reaps the program (if running).
     fn stop(&mut self) {
         if let Some(mut r) = self.running.take() {
-            let _ = r.child.kill();
-            let _ = r.child.wait();
+            kill_group(&mut r.child);
         }
     }
 
@@ -279,8 +303,12 @@ impl CommandReward {
                     });
                 }
                 Err(RecvTimeoutError::Disconnected) => {
-                    let status = match running.child.wait() {
-                        Ok(s) => s.to_string(),
+                    // Stdout is closed: nothing more can come. Wait for the exit status a
+                    // little, never past the deadline; `score` kills what is left.
+                    let until = deadline.min(Instant::now() + EXIT_GRACE);
+                    let status = match wait_until(&mut running.child, until) {
+                        Ok(Some(s)) => s.to_string(),
+                        Ok(None) => "closed its stdout and is still running".to_string(),
                         Err(e) => format!("status unknown: {e}"),
                     };
                     let mut stderr = self.stderr_tail();
@@ -356,23 +384,47 @@ fn clip(s: &str) -> String {
     }
 }
 
+/// Polls `child` until it exits or `until` passes: `Ok(None)` if it is still running.
+fn wait_until(
+    child: &mut Child,
+    until: Instant,
+) -> std::io::Result<Option<std::process::ExitStatus>> {
+    loop {
+        if let Some(s) = child.try_wait()? {
+            return Ok(Some(s));
+        }
+        if Instant::now() >= until {
+            return Ok(None);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Kills the process group `child` leads (see `start`: the program, and whatever it started
+/// that stayed in its group), then reaps `child`.
+fn kill_group(child: &mut Child) {
+    if let Ok(pgid) = libc::pid_t::try_from(child.id()) {
+        // SAFETY: kill(2) with a negative pid signals a process group; it touches no memory.
+        // The group is the child's own (`process_group(0)`), so nothing else is signalled.
+        unsafe {
+            libc::kill(-pgid, libc::SIGKILL);
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
 impl Drop for CommandReward {
     fn drop(&mut self) {
         if let Some(Running {
             mut child, stdin, ..
         }) = self.running.take()
         {
-            // Closing stdin lets a well-behaved program exit on EOF; then make sure it is gone.
+            // Closing stdin lets a well-behaved program exit on EOF; then make sure it and its
+            // group are gone (a child it left behind would otherwise outlive the run).
             drop(stdin);
-            let until = Instant::now() + Duration::from_millis(200);
-            while Instant::now() < until {
-                if let Ok(Some(_)) = child.try_wait() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
+            let _ = wait_until(&mut child, Instant::now() + Duration::from_millis(200));
+            kill_group(&mut child);
         }
     }
 }
@@ -535,6 +587,88 @@ for line in sys.stdin:
             &[req("a", "", ""), req("b", "", "")],
             &["\"a\" was already answered"],
         );
+    }
+
+    fn sh(src: &str, timeout_s: f64) -> CommandReward {
+        CommandReward::new(vec!["sh".into(), "-c".into(), src.into()], timeout_s).unwrap()
+    }
+
+    /// Whether process `pid` is gone (or a zombie nobody has reaped yet).
+    fn gone(pid: &str) -> bool {
+        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Err(_) => true,
+            Ok(stat) => stat
+                .rsplit_once(')')
+                .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+        }
+    }
+
+    #[track_caller]
+    fn assert_gone_soon(pid: &str) {
+        let until = Instant::now() + Duration::from_secs(3);
+        while !gone(pid) {
+            assert!(Instant::now() < until, "process {pid} outlived its reward");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    #[test]
+    fn a_program_that_closes_stdout_is_bounded_by_the_timeout() {
+        let mut c = sh("exec 1>&-; sleep 30", 10.0);
+        let t = Instant::now();
+        let e = c.score(&[req("a", "", "")]).unwrap_err().to_string();
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "took {:?}",
+            t.elapsed()
+        );
+        assert!(e.contains("closed its stdout"), "{e}");
+        let mut c = sh("exec 1>&-; sleep 30", 0.5);
+        let t = Instant::now();
+        c.score(&[req("a", "", "")]).unwrap_err();
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "took {:?}",
+            t.elapsed()
+        );
+    }
+
+    #[test]
+    fn what_the_program_starts_dies_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let pidfile = dir.path().join("pid");
+        // On a timeout.
+        let src = format!("sleep 60 & echo $! > {}; sleep 60", pidfile.display());
+        let mut c = sh(&src, 0.5);
+        c.score(&[req("a", "", "")]).unwrap_err();
+        assert_gone_soon(std::fs::read_to_string(&pidfile).unwrap().trim());
+        // At drop, after a well-behaved exchange.
+        let src = format!(
+            "sleep 60 & echo $! > {}; read l; echo '{{\"id\": \"a\", \"reward\": 1}}'; sleep 60",
+            pidfile.display()
+        );
+        let mut c = sh(&src, 10.0);
+        assert_eq!(c.score(&[req("a", "", "")]).unwrap(), vec![1.0]);
+        let pid = std::fs::read_to_string(&pidfile).unwrap();
+        assert!(!gone(pid.trim()));
+        drop(c);
+        assert_gone_soon(pid.trim());
+    }
+
+    #[test]
+    fn an_endless_line_is_refused_at_the_cap() {
+        let mut c = py(
+            "import sys, time\nsys.stdin.readline()\nsys.stdout.write('x' * (3 << 20))\nsys.stdout.flush()\ntime.sleep(30)",
+            10.0,
+        );
+        let t = Instant::now();
+        let e = c.score(&[req("a", "", "")]).unwrap_err().to_string();
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "took {:?}",
+            t.elapsed()
+        );
+        assert!(e.contains("1048576 bytes (1 MiB)"), "{e}");
     }
 
     #[test]

@@ -37,6 +37,12 @@ pub enum RewardError {
     },
     #[error(transparent)]
     Command(#[from] CommandError),
+    #[error("reward {reward} on request {id:?} is {value:e}, out of the range the trainer computes in (f32: magnitude at most {max:e})", max = f32::MAX)]
+    OutOfRange {
+        reward: String,
+        id: String,
+        value: f64,
+    },
 }
 
 /// A built-in reward.
@@ -122,6 +128,29 @@ impl Reward {
             Reward::Command(c) => Ok(c.score(reqs)?),
         }
     }
+
+    /// [`Reward::score`] as the trainer's f32: a finite reward beyond f32's range (1e308 is a
+    /// valid JSON number) would become infinite, so it is refused as out of range, naming the
+    /// request, rather than passed on as a non-finite value.
+    pub fn score_f32(&mut self, reqs: &[RewardRequest]) -> Result<Vec<f32>, RewardError> {
+        let scores = self.score(reqs)?;
+        scores
+            .iter()
+            .zip(reqs)
+            .map(|(&value, r)| {
+                let x = value as f32;
+                if x.is_finite() {
+                    Ok(x)
+                } else {
+                    Err(RewardError::OutOfRange {
+                        reward: self.name(),
+                        id: r.id.clone(),
+                        value,
+                    })
+                }
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -171,5 +200,33 @@ mod tests {
         })
         .unwrap();
         assert_eq!(cmd.name(), "my-rm '--x y'");
+    }
+
+    #[test]
+    fn a_finite_reward_beyond_f32_is_out_of_range_not_non_finite() {
+        let echo = |reward: &str| {
+            Reward::from_spec(&RewardSpec::Command {
+                argv: vec![
+                    "sh".into(),
+                    "-c".into(),
+                    format!("read l; echo '{{\"id\": \"0/0\", \"reward\": {reward}}}'; sleep 5"),
+                ],
+                timeout_s: 10.0,
+            })
+            .unwrap()
+        };
+        let reqs = [RewardRequest {
+            id: "0/0".into(),
+            prompt: String::new(),
+            response: String::new(),
+            answer: String::new(),
+        }];
+        let e = echo("1e308").score_f32(&reqs).unwrap_err().to_string();
+        assert!(
+            e.contains("out of the range") && e.contains("f32") && e.contains("\"0/0\""),
+            "{e}"
+        );
+        assert!(!e.contains("finite"), "{e}");
+        assert_eq!(echo("-2.5").score_f32(&reqs).unwrap(), vec![-2.5]);
     }
 }

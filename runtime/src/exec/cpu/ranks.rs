@@ -100,8 +100,11 @@ pub fn run_rank<C: Communicator>(
             // the process's high-water mark: every rank's thread counts
             result.metrics.peak_mem_bytes = super::super::rss_peak();
             let wall = t0.elapsed();
+            // a stop (a signal on rank 0) is every rank's: they gather the state to save
+            // together, then end
+            let stop = share_stop(comm, observer.stop_requested())?;
             let state =
-                if models.save_due(it + 1) {
+                if models.save_due(it + 1) || stop {
                     Some(gather_train_state(comm, models)?.ok_or_else(|| {
                         ExecError::Plan("rank 0 gathered no training state".into())
                     })?)
@@ -114,13 +117,25 @@ pub fn run_rank<C: Communicator>(
             for it in iterations {
                 let prompts = share_prompts(comm, None)?;
                 rank_iteration(plan, comm, models, None, None, it, &prompts)?;
-                if models.save_due(it + 1) {
+                let stop = share_stop(comm, false)?;
+                if models.save_due(it + 1) || stop {
                     gather_train_state(comm, models)?;
+                }
+                if stop {
+                    break;
                 }
             }
             Ok(())
         }
     }
+}
+
+/// Rank 0's answer to whether the run stops after this iteration, on every rank (one
+/// broadcast; the other ranks' `mine` is ignored).
+fn share_stop<C: Communicator>(comm: &C, mine: bool) -> Result<bool, ExecError> {
+    let mut flag = [if mine { 1f32 } else { 0f32 }];
+    comm.broadcast(&mut flag, 0)?;
+    Ok(flag[0] != 0.0)
 }
 
 /// One iteration on one rank: the plan's walk over a [`RankEngine`], rewards from rank 0, and
