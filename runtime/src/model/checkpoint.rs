@@ -10,6 +10,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
+use rollplex_plan::files;
 use rollplex_plan::spec::DType;
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
@@ -25,7 +26,8 @@ fn ck(msg: String) -> ModelError {
 fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
-        let text = std::fs::read_to_string(&index).map_err(|e| ModelError::io(&index, e))?;
+        let text = files::read_to_string(&index, files::TEXT_CAP)
+            .map_err(|e| ModelError::io(&index, e))?;
         let v: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| ck(format!("{}: not valid JSON: {e}", index.display())))?;
         let map = v
@@ -89,7 +91,7 @@ pub fn load_checkpoint(dir: &Path) -> Result<Qwen25VL, ModelError> {
     let mut filled = vec![false; weights.table.entries().len()];
     let mut unknown = Vec::new();
     for file in weight_files(dir)? {
-        let bytes = std::fs::read(&file).map_err(|e| ModelError::io(&file, e))?;
+        let bytes = files::read(&file, files::NO_CAP).map_err(|e| ModelError::io(&file, e))?;
         let st =
             SafeTensors::deserialize(&bytes).map_err(|e| ck(format!("{}: {e}", file.display())))?;
         for (name, view) in st.tensors() {

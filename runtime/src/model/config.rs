@@ -8,8 +8,8 @@
 
 use std::path::Path;
 
-use rollplex_plan::hf_config;
 use rollplex_plan::spec::{DType, ModelSpec, TextDims, VisionDims, WeightsSource};
+use rollplex_plan::{files, hf_config};
 use serde_json::{json, Value};
 
 use super::ModelError;
@@ -144,11 +144,12 @@ impl ModelConfig {
     /// and every field at fault.
     pub fn load(dir: &Path) -> Result<Self, ModelError> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
+        let text =
+            files::read_to_string(&path, files::TEXT_CAP).map_err(|e| ModelError::io(&path, e))?;
         let mut cfg = Self::parse(&text, dir)
             .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))?;
         let gpath = dir.join("generation_config.json");
-        if let Ok(g) = std::fs::read_to_string(&gpath) {
+        if let Ok(g) = files::read_to_string(&gpath, files::TEXT_CAP) {
             if let Ok(g) = serde_json::from_str::<Value>(&g) {
                 let ids = g.get("eos_token_id").and_then(hf_config::token_ids);
                 for id in ids.unwrap_or_default() {

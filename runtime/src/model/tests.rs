@@ -422,6 +422,30 @@ fn checkpoint_round_trip_and_old_names() {
     assert!(load_checkpoint(&std::env::temp_dir().join("rollplex-no-such-ckpt")).is_err());
 }
 
+/// A checkpoint whose `config.json` or weights are not regular files (`/dev/zero`, a FIFO no
+/// one writes) is refused at once, naming the file, instead of filling memory or blocking.
+#[test]
+fn checkpoint_files_that_are_not_regular_are_refused() {
+    use std::os::unix::fs::symlink;
+    let m = tiny_model(false);
+    let dir = std::env::temp_dir().join(format!("rollplex-ckpt-odd-{}", std::process::id()));
+    save_checkpoint(&m, &dir, DType::F32).unwrap();
+    let weights = dir.join("model.safetensors");
+    std::fs::remove_file(&weights).unwrap();
+    symlink("/dev/zero", &weights).unwrap();
+    let e = load_checkpoint(&dir).unwrap_err().to_string();
+    assert!(e.contains("model.safetensors"), "{e}");
+    let config = dir.join("config.json");
+    std::fs::remove_file(&config).unwrap();
+    let fifo = std::ffi::CString::new(config.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path; mkfifo does not keep the pointer.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+    let t = std::time::Instant::now();
+    let e = load_checkpoint(&dir).unwrap_err().to_string();
+    assert!(e.contains("config.json") && t.elapsed().as_secs() < 5, "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn random_init_is_deterministic_and_hf_like() {
     let spec = tiny_spec(false);
