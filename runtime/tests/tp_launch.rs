@@ -386,7 +386,7 @@ fn metrics_without_times(out: &Path) -> Vec<serde_json::Value> {
         .map(|l| {
             let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
             let m = v.as_object_mut().unwrap();
-            m.retain(|k, _| !k.ends_with("_s") && k != "peak_mem_gib");
+            m.retain(|k, _| !rollplex_runtime::metrics::is_measurement(k));
             v
         })
         .collect()

@@ -442,7 +442,10 @@ fn checkpoint_files_that_are_not_regular_are_refused() {
     assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
     let t = std::time::Instant::now();
     let e = load_checkpoint(&dir).unwrap_err().to_string();
-    assert!(e.contains("config.json") && t.elapsed().as_secs() < 5, "{e}");
+    assert!(
+        e.contains("config.json") && t.elapsed().as_secs() < 5,
+        "{e}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -107,18 +107,17 @@ pub fn gpu_device() -> Option<()> {
     rollplex_kernels::cuda::test_gpu().map(|_| ())
 }
 
-/// A run's metrics.jsonl without its measurements (timings: keys ending in `_s`, and the
-/// achieved share of the roofline; peak memory): what two runs of the same plan and seed must
-/// agree on.
+/// A run's metrics.jsonl without its measurements (`metrics::is_measurement`): what two runs
+/// of the same plan and seed must agree on.
 pub fn metrics_without_times(out: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(out.join("metrics.jsonl"))
         .unwrap_or_else(|e| panic!("{}: {e}", out.join("metrics.jsonl").display()))
         .lines()
         .map(|l| {
             let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v.as_object_mut().unwrap().retain(|k, _| {
-                !k.ends_with("_s") && !k.ends_with("roofline_frac") && k != "peak_mem_gib"
-            });
+            v.as_object_mut()
+                .unwrap()
+                .retain(|k, _| !rollplex_runtime::metrics::is_measurement(k));
             v
         })
         .collect()
