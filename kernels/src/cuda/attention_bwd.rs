@@ -94,6 +94,80 @@ pub(crate) fn bwd_extent(
     })
 }
 
+/// What both backward launchers hand their kernels, gathered once from their arguments: the
+/// extent ([`bwd_extent`]), the widths as u32, the mask as the kernels' flag, and every
+/// buffer's device address on the launch stream.
+pub(crate) struct BwdArgs {
+    pub ext: BwdExtent,
+    pub heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub n_seqs: u32,
+    /// 1 for a causal mask.
+    pub causal: u32,
+    pub dq: u64,
+    pub dk: u64,
+    pub dv: u64,
+    pub dprefix_k: u64,
+    pub dprefix_v: u64,
+    pub dout: u64,
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub prefix_k: u64,
+    pub prefix_v: u64,
+    pub out: u64,
+    pub lse: u64,
+    pub seqs: u64,
+}
+
+/// [`BwdArgs`] of a backward's grads `g` and inputs `x` (their shapes checked by the caller
+/// first): `seqs` must hold `n_seqs` descriptors and every buffer its extent.
+pub(crate) fn bwd_args(
+    op: &'static str,
+    stream: &CudaStream,
+    g: BwdGrads,
+    x: &BwdInputs,
+) -> Result<BwdArgs> {
+    need(op, "seqs", x.seqs, x.n_seqs)?;
+    let ext = bwd_extent(
+        op,
+        &x.dims,
+        x.strides,
+        [x.q.len(), g.dq.len(), x.out.len(), x.dout.len()],
+        [x.k.len(), x.v.len(), g.dk.len(), g.dv.len()],
+        [
+            x.prefix_k.len(),
+            x.prefix_v.len(),
+            g.dprefix_k.len(),
+            g.dprefix_v.len(),
+        ],
+        x.lse.len(),
+    )?;
+    Ok(BwdArgs {
+        ext,
+        heads: u32_of(op, "heads", x.dims.num_heads)?,
+        kv_heads: u32_of(op, "kv heads", x.dims.num_kv_heads)?,
+        head_dim: u32_of(op, "head_dim", x.dims.head_dim)?,
+        n_seqs: u32_of(op, "n_seqs", x.n_seqs)?,
+        causal: matches!(x.mask, AttnMask::Causal) as u32,
+        dq: ptr_mut(g.dq, stream),
+        dk: ptr_mut(g.dk, stream),
+        dv: ptr_mut(g.dv, stream),
+        dprefix_k: ptr_mut(g.dprefix_k, stream),
+        dprefix_v: ptr_mut(g.dprefix_v, stream),
+        dout: ptr(x.dout, stream),
+        q: ptr(x.q, stream),
+        k: ptr(x.k, stream),
+        v: ptr(x.v, stream),
+        prefix_k: ptr(x.prefix_k, stream),
+        prefix_v: ptr(x.prefix_v, stream),
+        out: ptr(x.out, stream),
+        lse: ptr(x.lse, stream),
+        seqs: ptr(x.seqs, stream),
+    })
+}
+
 /// Warps (one output row-head each) per block.
 const WARPS: u32 = 4;
 
@@ -197,28 +271,11 @@ fn attention_bwd_simt_bf16(
     x: BwdInputs,
 ) -> Result<()> {
     const OP: &str = "attention_bwd_bf16";
-    let BwdGrads {
-        dq,
-        dk,
-        dv,
-        dprefix_k,
-        dprefix_v,
-    } = g;
     let BwdInputs {
-        dout,
-        q,
-        k,
-        v,
-        prefix_k,
-        prefix_v,
-        out,
-        lse,
-        seqs,
-        n_seqs,
         dims,
-        mask,
         scale,
         strides,
+        ..
     } = x;
     let (nh, nkv, hd) = (dims.num_heads, dims.num_kv_heads, dims.head_dim);
     if nh == 0 || nkv == 0 || !nh.is_multiple_of(nkv) {
@@ -244,55 +301,38 @@ fn attention_bwd_simt_bf16(
             ));
         }
     }
-    need(OP, "seqs", seqs, n_seqs)?;
-    let BwdExtent {
-        q_rows: nq32,
-        kv_rows: nkv32,
-        prefix_rows: np32,
-        q_stride: qs,
-        kv_stride: kvs,
-        prefix_stride: ps,
-        out_stride: os,
-    } = bwd_extent(
-        OP,
-        &dims,
-        strides,
-        [q.len(), dq.len(), out.len(), dout.len()],
-        [k.len(), v.len(), dk.len(), dv.len()],
-        [
-            prefix_k.len(),
-            prefix_v.len(),
-            dprefix_k.len(),
-            dprefix_v.len(),
-        ],
-        lse.len(),
-    )?;
+    let BwdArgs {
+        ext:
+            BwdExtent {
+                q_rows: nq32,
+                kv_rows: nkv32,
+                prefix_rows: np32,
+                q_stride: qs,
+                kv_stride: kvs,
+                prefix_stride: ps,
+                out_stride: os,
+            },
+        heads: h32,
+        kv_heads: kvh32,
+        head_dim: hd32,
+        n_seqs: ns32,
+        causal,
+        dq: dqp,
+        dk: dkp,
+        dv: dvp,
+        dprefix_k: dpkp,
+        dprefix_v: dpvp,
+        dout: dop,
+        q: qp,
+        k: kp,
+        v: vp,
+        prefix_k: pkp,
+        prefix_v: pvp,
+        out: op_,
+        lse: lp,
+        seqs: sp,
+    } = bwd_args(OP, stream, g, &x)?;
     let (q_rows, kv_rows) = (nq32 as usize, nkv32 as usize);
-    let (h32, kvh32, hd32) = (
-        u32_of(OP, "heads", nh)?,
-        u32_of(OP, "kv heads", nkv)?,
-        hd as u32,
-    );
-    let ns32 = u32_of(OP, "n_seqs", n_seqs)?;
-    let causal = matches!(mask, AttnMask::Causal) as u32;
-    let (dqp, dkp, dvp, dpkp, dpvp) = (
-        ptr_mut(dq, stream),
-        ptr_mut(dk, stream),
-        ptr_mut(dv, stream),
-        ptr_mut(dprefix_k, stream),
-        ptr_mut(dprefix_v, stream),
-    );
-    let (dop, qp, kp, vp, pkp, pvp, op_, lp, sp) = (
-        ptr(dout, stream),
-        ptr(q, stream),
-        ptr(k, stream),
-        ptr(v, stream),
-        ptr(prefix_k, stream),
-        ptr(prefix_v, stream),
-        ptr(out, stream),
-        ptr(lse, stream),
-        ptr(seqs, stream),
-    );
     if q_rows > 0 {
         // SAFETY: the kernel touches rows below q_rows / kv_rows / p_rows only (descriptors
         // outside them are ignored), each of which every buffer of its kind holds (counted

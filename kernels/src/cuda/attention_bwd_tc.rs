@@ -27,12 +27,12 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 
 use super::attention::RowStrides;
-use super::attention_bwd::{bwd_extent, BwdExtent, BwdGrads, BwdInputs};
+use super::attention_bwd::{bwd_args, BwdArgs, BwdExtent, BwdGrads, BwdInputs};
 use super::attention_bwd_dprefix::{launch_dprefix_tc, tc_dprefix_split, DprefixArgs};
-use super::launch::{aligned16, launch, need, ptr, ptr_mut, Grid};
+use super::launch::{aligned16, launch, ptr_mut, Grid};
 use super::nvrtc::KernelModule;
 use super::{shape, Gpu, Result};
-use crate::cpu::{AttnDims, AttnMask};
+use crate::cpu::AttnDims;
 
 /// The kernel source of this module (compiled by NVRTC per head_dim on first use, cached).
 pub const ATTENTION_BWD_TC: KernelModule = KernelModule {
@@ -184,78 +184,54 @@ pub fn attention_bwd_tc_bf16(
     x: BwdInputs,
 ) -> Result<()> {
     const OP: &str = "attention_bwd_tc_bf16";
-    let BwdGrads {
-        dq,
-        dk,
-        dv,
-        dprefix_k,
-        dprefix_v,
-    } = g;
     let BwdInputs {
-        dout,
-        q,
-        k,
-        v,
-        prefix_k,
-        prefix_v,
-        out,
-        lse,
-        seqs,
         n_seqs,
         dims,
-        mask,
         scale,
         strides,
+        ..
     } = x;
     if let Some(why) = tc_bwd_refusal(&dims, strides, n_seqs) {
         return Err(shape(OP, why));
     }
-    let (nh, nkv, hd) = (dims.num_heads, dims.num_kv_heads, dims.head_dim);
-    let kvw = dims.kv_width();
-    need(OP, "seqs", seqs, n_seqs)?;
-    let BwdExtent {
-        q_rows: nq32,
-        kv_rows: nkv32,
-        prefix_rows: np32,
-        q_stride: qs,
-        kv_stride: kvs,
-        prefix_stride: ps,
-        out_stride: os,
-    } = bwd_extent(
-        OP,
-        &dims,
-        strides,
-        [q.len(), dq.len(), out.len(), dout.len()],
-        [k.len(), v.len(), dk.len(), dv.len()],
-        [
-            prefix_k.len(),
-            prefix_v.len(),
-            dprefix_k.len(),
-            dprefix_v.len(),
-        ],
-        lse.len(),
-    )?;
+    let (nh, nkv, hd, kvw) = (
+        dims.num_heads,
+        dims.num_kv_heads,
+        dims.head_dim,
+        dims.kv_width(),
+    );
+    let BwdArgs {
+        ext:
+            BwdExtent {
+                q_rows: nq32,
+                kv_rows: nkv32,
+                prefix_rows: np32,
+                q_stride: qs,
+                kv_stride: kvs,
+                prefix_stride: ps,
+                out_stride: os,
+            },
+        heads: h32,
+        kv_heads: kvh32,
+        head_dim: hd32,
+        n_seqs: ns32,
+        causal,
+        dq: dqp,
+        dk: dkp,
+        dv: dvp,
+        dprefix_k: dpkp,
+        dprefix_v: dpvp,
+        dout: dop,
+        q: qp,
+        k: kp,
+        v: vp,
+        prefix_k: pkp,
+        prefix_v: pvp,
+        out: op_,
+        lse: lp,
+        seqs: sp,
+    } = bwd_args(OP, stream, g, &x)?;
     let (q_rows, kv_rows, p_rows) = (nq32 as usize, nkv32 as usize, np32 as usize);
-    let (h32, kvh32, hd32, ns32) = (nh as u32, nkv as u32, hd as u32, n_seqs as u32);
-    let causal = matches!(mask, AttnMask::Causal) as u32;
-    let (dqp, dkp, dvp, dpkp, dpvp) = (
-        ptr_mut(dq, stream),
-        ptr_mut(dk, stream),
-        ptr_mut(dv, stream),
-        ptr_mut(dprefix_k, stream),
-        ptr_mut(dprefix_v, stream),
-    );
-    let (dop, qp, kp, vp, pkp, pvp, op_, lp, sp) = (
-        ptr(dout, stream),
-        ptr(q, stream),
-        ptr(k, stream),
-        ptr(v, stream),
-        ptr(prefix_k, stream),
-        ptr(prefix_v, stream),
-        ptr(out, stream),
-        ptr(lse, stream),
-        ptr(seqs, stream),
-    );
     for (name, p) in [
         ("dq", dqp),
         ("dk", dkp),
