@@ -695,27 +695,9 @@ fn set_residency(s: &mut Sched, pg: &PhaseGraph) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rollplex_plan::work::Work;
 
     fn task(name: &str, deps: Vec<STaskId>) -> STask {
-        STask {
-            name: name.into(),
-            kind: WorkKind::Transfer,
-            op: Op::RefSuffix { slot: 0 },
-            gpu: GpuId(0),
-            phase: Phase::Rollout,
-            stream: crate::ir::SStreamId(0),
-            window: None,
-            deps,
-            reads: vec![],
-            writes: vec![],
-            work: Work::default(),
-            scratch: 0,
-            sms: 1,
-            ready_step: 0,
-            start: 0.0,
-            end: 0.0,
-        }
+        STask::bare(name, crate::ir::SStreamId(0), deps)
     }
 
     /// Inserting at `at` moves every dependency on a task at or after it, and no other.

@@ -536,6 +536,32 @@ pub fn verify_sched(s: &Sched) -> Result<(), String> {
 }
 
 #[cfg(test)]
+impl STask {
+    /// A task of GPU 0 that does nothing, on `stream`, after `deps`: what the schedule tests
+    /// move around.
+    pub(crate) fn bare(name: &str, stream: SStreamId, deps: Vec<STaskId>) -> STask {
+        STask {
+            name: name.into(),
+            kind: WorkKind::Transfer,
+            op: Op::RefSuffix { slot: 0 },
+            gpu: GpuId(0),
+            phase: Phase::Rollout,
+            stream,
+            window: None,
+            deps,
+            reads: vec![],
+            writes: vec![],
+            work: Work::default(),
+            scratch: 0,
+            sms: 1,
+            ready_step: 0,
+            start: 0.0,
+            end: 0.0,
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -551,24 +577,7 @@ mod tests {
             "streams are found again"
         );
         for (name, deps) in [("a", vec![]), ("b", deps)] {
-            s.tasks.push(STask {
-                name: name.into(),
-                kind: WorkKind::Transfer,
-                op: Op::RefSuffix { slot: 0 },
-                gpu: g0,
-                phase: Phase::Rollout,
-                stream: main0,
-                window: None,
-                deps,
-                reads: vec![],
-                writes: vec![],
-                work: Work::default(),
-                scratch: 0,
-                sms: 1,
-                ready_step: 0,
-                start: 0.0,
-                end: 0.0,
-            });
+            s.tasks.push(STask::bare(name, main0, deps));
         }
         s
     }
