@@ -291,6 +291,26 @@ impl AtomicDir {
     }
 }
 
+/// Removes the checkpoint directory `dir` so that a kill midway leaves nothing that looks like
+/// a checkpoint: it is first renamed to a `.old-` sibling (the name [`AtomicDir::commit`] gives
+/// the checkpoint it replaces), which no listing of checkpoints reads and the next
+/// [`AtomicDir::begin`] beside it removes once this process is gone; then that is removed.
+pub fn remove_checkpoint(dir: &Path) -> Result<()> {
+    let retired = retire(dir)?;
+    std::fs::remove_dir_all(&retired).map_err(io(&retired))
+}
+
+/// The first step of [`remove_checkpoint`]: renames `dir` out of the checkpoints (durably) and
+/// returns its new path.
+fn retire(dir: &Path) -> Result<PathBuf> {
+    let retired = sibling(dir, "old");
+    std::fs::rename(dir, &retired).map_err(io(dir))?;
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        fsync_dir(parent)?;
+    }
+    Ok(retired)
+}
+
 impl Drop for AtomicDir {
     fn drop(&mut self) {
         if !self.committed {
@@ -713,6 +733,33 @@ mod tests {
         save_run_state(checkpoint_dir(dir.path(), 5), &state()).unwrap();
         assert!(!dead.exists(), "a dead process's temporary is removed");
         assert!(mine.exists(), "a live process's temporary is not");
+    }
+
+    #[test]
+    fn a_killed_removal_leaves_no_checkpoint_and_is_cleaned_by_the_next_save() {
+        let dir = tempfile::tempdir().unwrap();
+        let one = save_run_state(checkpoint_dir(dir.path(), 1), &state()).unwrap();
+        let two = save_run_state(checkpoint_dir(dir.path(), 2), &state()).unwrap();
+        remove_checkpoint(&one).unwrap();
+        assert!(!one.exists());
+        // a removal killed after the rename: what stays is not a checkpoint ...
+        let retired = retire(&two).unwrap();
+        assert!(retired.join(MANIFEST_FILE).is_file());
+        assert_eq!(latest_checkpoint(dir.path()).unwrap(), None);
+        // ... and once the process that left it is gone, the next save removes it
+        let name = retired.file_name().unwrap().to_str().unwrap();
+        let dead = retired.with_file_name(
+            name.replace(&format!(".old-{}-", std::process::id()), ".old-4194305-"),
+        );
+        assert_ne!(dead, retired);
+        std::fs::rename(&retired, &dead).unwrap();
+        save_run_state(checkpoint_dir(dir.path(), 3), &state()).unwrap();
+        assert!(!dead.exists(), "the retired directory is removed");
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec!["iter-00000003"]);
     }
 
     #[test]

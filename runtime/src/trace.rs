@@ -10,6 +10,13 @@
 //! Invariant: the output is deterministic for the same events: metadata first (by pid, tid),
 //! then events sorted by (ts, pid, tid, name), whatever order they were recorded in (events of
 //! several streams are usually recorded out of order).
+//!
+//! Bounded memory: sorting needs every event at hand, so they are kept in memory, about 1 KiB
+//! each (the record, its name and kind, and the args map of a plan task) and as much again
+//! while the file is written. A writer keeps at most [`MAX_EVENTS`] events and counter samples
+//! (some 250 MiB): later ones are dropped and
+//! counted, and the file says so under `otherData.truncated` (`trace truncated after N
+//! events, M dropped`). A long run traced in full is better traced for fewer iterations.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -48,23 +55,68 @@ struct Counter {
     values: Vec<(String, f64)>,
 }
 
+/// The most events and counter samples one trace keeps (see the module doc).
+pub const MAX_EVENTS: usize = 250_000;
+
 fn us(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 
-/// Collects events, writes them as one JSON file.
-#[derive(Clone, Debug, Default)]
+/// Collects events (at most [`MAX_EVENTS`], see the module doc), writes them as one JSON file.
+#[derive(Clone, Debug)]
 pub struct TraceWriter {
     processes: BTreeMap<u32, String>,
     threads: BTreeMap<(u32, u32), String>,
     events: Vec<CompleteEvent>,
     counters: Vec<Counter>,
     other: serde_json::Map<String, Value>,
+    /// How many events and counter samples are kept.
+    cap: usize,
+    /// Events and counter samples dropped once `cap` was reached.
+    dropped: u64,
+}
+
+impl Default for TraceWriter {
+    fn default() -> Self {
+        Self::with_cap(MAX_EVENTS)
+    }
 }
 
 impl TraceWriter {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A writer that keeps at most `cap` events and counter samples.
+    pub fn with_cap(cap: usize) -> Self {
+        Self {
+            processes: BTreeMap::new(),
+            threads: BTreeMap::new(),
+            events: Vec::new(),
+            counters: Vec::new(),
+            other: serde_json::Map::new(),
+            cap,
+            dropped: 0,
+        }
+    }
+
+    /// Whether one more event fits; counts it as dropped when not.
+    fn keep_one(&mut self) -> bool {
+        let full = self.events.len() + self.counters.len() >= self.cap;
+        self.dropped += full as u64;
+        !full
+    }
+
+    /// `trace truncated after N events, M dropped` when the cap was reached, else `None`.
+    pub fn truncated(&self) -> Option<String> {
+        (self.dropped > 0).then(|| {
+            format!(
+                "trace truncated after {} events, {} dropped (at most {} are kept)",
+                self.events.len() + self.counters.len(),
+                self.dropped,
+                self.cap
+            )
+        })
     }
 
     /// Names process `pid` (a GPU: `gpu0`).
@@ -89,6 +141,9 @@ impl TraceWriter {
         dur_us: f64,
         args: Value,
     ) {
+        if !self.keep_one() {
+            return;
+        }
         self.events.push(CompleteEvent {
             name: name.into(),
             cat: cat.into(),
@@ -102,6 +157,9 @@ impl TraceWriter {
 
     /// A counter sample (e.g. `HBM live (GiB)`) on process `pid`.
     pub fn counter(&mut self, pid: u32, name: &str, ts_us: f64, values: &[(&str, f64)]) {
+        if !self.keep_one() {
+            return;
+        }
         self.counters.push(Counter {
             name: name.into(),
             pid,
@@ -161,7 +219,11 @@ impl TraceWriter {
                 .collect();
             out.push(json!({"name": c.name, "ph": "C", "pid": c.pid, "ts": c.ts, "args": args}));
         }
-        json!({"traceEvents": out, "displayTimeUnit": "ms", "otherData": self.other})
+        let mut other = self.other.clone();
+        if let Some(t) = self.truncated() {
+            other.insert("truncated".into(), json!(t));
+        }
+        json!({"traceEvents": out, "displayTimeUnit": "ms", "otherData": other})
     }
 
     /// Writes the trace to `path`.
@@ -305,6 +367,11 @@ impl PlanTrace {
         self.writer.events()
     }
 
+    /// Whether the trace reached [`MAX_EVENTS`] (the message to show the user), else `None`.
+    pub fn truncated(&self) -> Option<String> {
+        self.writer.truncated()
+    }
+
     /// The trace as JSON.
     pub fn to_json(&self) -> Value {
         let mut w = self.writer.clone();
@@ -371,6 +438,32 @@ impl TraceClock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn past_the_cap_events_are_dropped_and_the_file_says_so() {
+        let mut w = TraceWriter::with_cap(3);
+        assert_eq!(w.truncated(), None);
+        for i in 0..4 {
+            w.complete(0, 0, &format!("t{i}"), "k", i as f64, 1.0, Value::Null);
+        }
+        w.counter(0, "HBM live (GiB)", 5.0, &[("live", 1.0)]);
+        assert_eq!(w.events().len(), 3);
+        let why = w.truncated().unwrap();
+        assert!(
+            why.contains("trace truncated after 3 events, 2 dropped"),
+            "{why}"
+        );
+        assert_eq!(w.to_json()["otherData"]["truncated"], json!(why));
+        // the cap is the one `rollplex-run --help` documents
+        use clap::CommandFactory;
+        let help = crate::cli::Command::command()
+            .render_long_help()
+            .to_string();
+        assert!(
+            help.contains(&format!("at most {MAX_EVENTS} events")),
+            "{help}"
+        );
+    }
 
     #[test]
     fn output_is_sorted_and_deterministic() {

@@ -51,7 +51,9 @@ pub struct RunArgs {
     #[arg(long, default_value = "rollplex-out")]
     pub out: PathBuf,
     /// Write a Chrome/Perfetto trace (sim: the predicted iteration; cpu: every task of every
-    /// iteration as measured, on the same tracks as the simulator's).
+    /// iteration as measured, on the same tracks as the simulator's). A measured trace keeps
+    /// at most 250000 events (some 250 MiB in memory); past that it is truncated, with a
+    /// warning and `otherData.truncated` in the file.
     #[arg(long)]
     pub trace: Option<PathBuf>,
     /// Write an SVG timeline (sim).

@@ -171,6 +171,9 @@ impl LoopRun<'_> {
                     t.events().len()
                 );
             }
+            if let Some(why) = t.truncated() {
+                eprintln!("warning: {why}: trace fewer iterations to see them all");
+            }
         }
         Ok(())
     }

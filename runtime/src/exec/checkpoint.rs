@@ -309,7 +309,9 @@ fn save_state(
     Ok(path)
 }
 
-/// Removes all but the newest `keep` complete checkpoints of `root` (`keep == 0`: none).
+/// Removes all but the newest `keep` complete checkpoints of `root` (`keep == 0`: none), each
+/// renamed out of the checkpoints before it is deleted ([`ckpt_state::remove_checkpoint`]), so
+/// a kill midway never leaves a partial `iter-N` that looks like a checkpoint.
 pub fn prune(root: &Path, keep: usize) -> Result<(), ExecError> {
     if keep == 0 {
         return Ok(());
@@ -318,7 +320,7 @@ pub fn prune(root: &Path, keep: usize) -> Result<(), ExecError> {
     all.sort();
     let n = all.len().saturating_sub(keep);
     for (_, p) in all.into_iter().take(n) {
-        std::fs::remove_dir_all(&p).map_err(|e| ck(format!("{}: {e}", p.display())))?;
+        ckpt_state::remove_checkpoint(&p).map_err(|e| ck(e.to_string()))?;
     }
     Ok(())
 }

@@ -523,16 +523,26 @@ pub fn evaluate_split_with(
     n: u32,
     generate: &mut Greedy<'_>,
 ) -> Result<Option<f64>, ExecError> {
-    let Some(answers) = greedy(spec, split, n, generate)? else {
+    let Some(setup) = greedy_setup(spec, n)? else {
         return Ok(None);
     };
     let mut reward =
         Reward::from_spec(&spec.reward).map_err(|e| ExecError::Reward(e.to_string()))?;
-    let scores = reward
-        .score(&answers)
-        .map_err(|e| ExecError::Reward(e.to_string()))?;
-    Ok(Some(scores.iter().sum::<f64>() / n as f64))
+    // answers are generated and scored EVAL_CHUNK at a time, so memory does not grow with n;
+    // the sum runs in prompt order as one sum over all the scores would
+    let mut sum = 0.0;
+    for start in (0..n).step_by(EVAL_CHUNK as usize) {
+        let answers = greedy(&setup, split, start..n.min(start + EVAL_CHUNK), generate)?;
+        let scores = reward
+            .score(&answers)
+            .map_err(|e| ExecError::Reward(e.to_string()))?;
+        sum = scores.iter().fold(sum, |acc, s| acc + s);
+    }
+    Ok(Some(sum / n as f64))
 }
+
+/// How many greedy answers an evaluation holds at once (see [`evaluate_split_with`]).
+const EVAL_CHUNK: u32 = 64;
 
 /// Greedy generation of one prompt (see [`evaluate_split_with`]).
 pub type Greedy<'a> =
@@ -546,21 +556,22 @@ pub fn greedy_answers(
     split: Split,
     n: u32,
 ) -> Result<Vec<(Split, u32, String)>, ExecError> {
-    Ok(greedy(spec, split, n, &mut cpu_greedy(model))?
-        .unwrap_or_default()
+    let Some(setup) = greedy_setup(spec, n)? else {
+        return Ok(Vec::new());
+    };
+    Ok(greedy(&setup, split, 0..n, &mut cpu_greedy(model))?
         .into_iter()
         .enumerate()
         .map(|(i, req)| (split, i as u32, req.response))
         .collect())
 }
 
-/// Greedy answers to the first `n` prompts of `split` as reward requests.
-fn greedy(
+/// The prompt source and the greedy generation settings of an evaluation of `n > 0` prompts;
+/// `None` when the job's data is not the moving-shapes task or `n` is 0.
+fn greedy_setup(
     spec: &JobSpec,
-    split: Split,
     n: u32,
-    generate: &mut Greedy<'_>,
-) -> Result<Option<Vec<RewardRequest>>, ExecError> {
+) -> Result<Option<(ShapesSource, crate::model::GenerateConfig)>, ExecError> {
     use crate::model::{GenerateConfig, SamplingParams};
     let DatasetSpec::Generated { name, size } = &spec.rollout.dataset else {
         return Ok(None);
@@ -578,10 +589,20 @@ fn greedy(
         seed: spec.seed,
         iteration: u32::MAX,
     };
-    let mut out = Vec::with_capacity(n as usize);
-    for i in 0..n {
+    Ok(Some((source, cfg)))
+}
+
+/// Greedy answers to the prompts `range` of `split` as reward requests.
+fn greedy(
+    (source, cfg): &(ShapesSource, crate::model::GenerateConfig),
+    split: Split,
+    range: std::ops::Range<u32>,
+    generate: &mut Greedy<'_>,
+) -> Result<Vec<RewardRequest>, ExecError> {
+    let mut out = Vec::with_capacity(range.len());
+    for i in range {
         let p = source.prompt(split, i as u64)?;
-        let tokens = generate(&p, i, &cfg)?;
+        let tokens = generate(&p, i, cfg)?;
         out.push(RewardRequest {
             id: p.id.clone(),
             prompt: p.text.clone(),
@@ -589,7 +610,7 @@ fn greedy(
             answer: p.answer.clone(),
         });
     }
-    Ok(Some(out))
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -645,6 +666,48 @@ mod tests {
         for n in needles {
             assert!(e.contains(n), "{n:?} not in: {e}");
         }
+    }
+
+    /// An evaluation of more prompts than one chunk generates each prompt once, in order, and
+    /// scores as one pass over all the answers would.
+    #[test]
+    fn evaluation_in_chunks_is_one_pass_over_the_prompts() {
+        let spec = rollplex_dsl::compile_source(
+            "t.rpx",
+            include_str!("../../../examples/tiny.rpx"),
+            &rollplex_dsl::NoFiles,
+        )
+        .unwrap()
+        .spec;
+        let n = 2 * EVAL_CHUNK + 3;
+        let seen = std::cell::RefCell::new(Vec::new());
+        // some answers are the prompt itself (which may name a letter), some empty
+        let mut answer = |p: &PromptData, i: u32, _: &crate::model::GenerateConfig| {
+            seen.borrow_mut().push(i);
+            Ok(if i.is_multiple_of(3) {
+                p.ids.clone()
+            } else {
+                Vec::new()
+            })
+        };
+        let mean = evaluate_split_with(&spec, Split::Test, n, &mut answer)
+            .unwrap()
+            .unwrap();
+        assert_eq!(*seen.borrow(), (0..n).collect::<Vec<_>>());
+        let setup = greedy_setup(&spec, n).unwrap().unwrap();
+        let all = greedy(&setup, Split::Test, 0..n, &mut answer).unwrap();
+        let scores = Reward::from_spec(&spec.reward)
+            .unwrap()
+            .score(&all)
+            .unwrap();
+        assert_eq!(
+            mean.to_bits(),
+            (scores.iter().sum::<f64>() / n as f64).to_bits()
+        );
+        assert_eq!(
+            evaluate_split_with(&spec, Split::Test, 0, &mut answer).unwrap(),
+            None
+        );
     }
 
     #[test]

@@ -16,8 +16,11 @@
 //! `connect_timeout`: rank 0 may start later) and sends `HELLO {magic, rank, world, job}`;
 //! rank 0 accepts until every rank has said hello, checks each (same world size, same job
 //! fingerprint, rank in range, no duplicate) and answers all of them `WELCOME {world,
-//! unique_id}`, or `REJECT {reason}` when the group cannot form (the rendezvous then fails on
-//! every rank with that reason). `unique_id` is an opaque blob chosen by rank 0: the NCCL
+//! unique_id}`. A connection whose hello fails a check gets `REJECT {reason}` alone and is
+//! dropped with a warning: one stranger on the port (another job, a stale process) must not
+//! abort the group, whose real ranks may still come. When the ranks are not all there by
+//! `connect_timeout`, every connected rank gets `REJECT` naming the missing ranks and the
+//! refused connections, and the rendezvous fails on every rank with that reason. `unique_id` is an opaque blob chosen by rank 0: the NCCL
 //! unique id (`ncclGetUniqueId`, 128 bytes) for the CUDA path, so the TCP group is also how NCCL
 //! ranks find each other.
 //!

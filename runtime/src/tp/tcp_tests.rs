@@ -2,7 +2,7 @@
 //! forward), and every failure ends every rank's wait with an error naming the culprit, in
 //! well under a second or within the configured time-outs (each test runs under a watchdog).
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -19,6 +19,31 @@ fn within<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
     });
     rx.recv_timeout(Duration::from_secs(30))
         .expect("collectives hung (no result within 30 s)")
+}
+
+/// Connects to `addr` and sends a well-formed hand-made hello of `rank` of `world` for `job`.
+fn hello(addr: std::net::SocketAddr, rank: u32, world: u32, job: &str) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    let mut p = b"RPLXTP01".to_vec();
+    p.extend_from_slice(&rank.to_le_bytes());
+    p.extend_from_slice(&world.to_le_bytes());
+    p.extend_from_slice(&(job.len() as u32).to_le_bytes());
+    p.extend_from_slice(job.as_bytes());
+    let mut f = ((p.len() + 1) as u64).to_le_bytes().to_vec();
+    f.push(1);
+    f.extend_from_slice(&p);
+    s.write_all(&f).unwrap();
+    s
+}
+
+/// The kind and payload (as text) of the next frame on a hand-made connection.
+fn answer(s: &mut TcpStream) -> (u8, String) {
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut len = [0u8; 8];
+    s.read_exact(&mut len).unwrap();
+    let mut f = vec![0u8; u64::from_le_bytes(len) as usize];
+    s.read_exact(&mut f).unwrap();
+    (f[0], String::from_utf8_lossy(&f[1..]).into_owned())
 }
 
 fn fast() -> TcpOptions {
@@ -310,17 +335,8 @@ fn a_silent_rank_is_declared_dead_after_the_heartbeat_limit() {
     let addr = listener.local_addr().unwrap();
     let t0 = Instant::now();
     let res = within(move || {
-        let mut s = TcpStream::connect(addr).unwrap();
         // a hand-made hello of rank 1 of 2 for job "j", then silence
-        let mut p = b"RPLXTP01".to_vec();
-        p.extend_from_slice(&1u32.to_le_bytes());
-        p.extend_from_slice(&2u32.to_le_bytes());
-        p.extend_from_slice(&1u32.to_le_bytes());
-        p.push(b'j');
-        let mut f = ((p.len() + 1) as u64).to_le_bytes().to_vec();
-        f.push(1);
-        f.extend_from_slice(&p);
-        s.write_all(&f).unwrap();
+        let s = hello(addr, 1, 2, "j");
         let c = TcpComm::serve(listener, 2, "j", vec![], opts).unwrap();
         let r = c.barrier();
         drop(s);
@@ -340,18 +356,26 @@ fn a_silent_rank_is_declared_dead_after_the_heartbeat_limit() {
 
 #[test]
 fn rendezvous_refuses_another_job_and_names_missing_ranks() {
-    // rank 1 of another job: both sides fail with a message naming the rank and both jobs
+    // rank 1 of another job is refused, naming the rank and both jobs; rank 0 waits on for its
+    // own rank 1 and, when it never comes, names it and the refused connection
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
+    let short = TcpOptions {
+        connect_timeout: Duration::from_millis(500),
+        ..fast()
+    };
     let (a, b) = within(move || {
-        let h = std::thread::spawn(move || TcpComm::serve(listener, 2, "plan-a", vec![], fast()));
+        let h = std::thread::spawn(move || TcpComm::serve(listener, 2, "plan-a", vec![], short));
         let b = TcpComm::connect(&addr, 1, 2, "plan-b", fast());
         (h.join().unwrap(), b)
     });
     let a = a.unwrap_err().to_string();
     let b = b.unwrap_err().to_string();
     assert!(
-        a.contains("rank 1") && a.contains("\"plan-b\"") && a.contains("\"plan-a\""),
+        a.contains("ranks [1] of 2 did not connect")
+            && a.contains("refused meanwhile: rank 1")
+            && a.contains("\"plan-b\"")
+            && a.contains("\"plan-a\""),
         "{a}"
     );
     assert!(
@@ -435,4 +459,53 @@ fn strangers_on_the_rendezvous_port_are_ignored() {
         (h.join().unwrap().unwrap(), y)
     });
     assert_eq!(res, (vec![11.0, 22.0], vec![11.0, 22.0]));
+}
+
+/// Well-formed hellos that are not of this group (another job, another world size, a rank out
+/// of range, a second rank 1) are each refused, and the group still forms with its real ranks.
+#[test]
+fn strangers_with_a_valid_hello_do_not_abort_the_rendezvous() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let res = within(move || {
+        // queued before rank 0 accepts, so they are read in this order
+        let mut strangers = vec![
+            hello(addr, 1, 3, "another-job"),
+            hello(addr, 1, 4, "j"),
+            hello(addr, 7, 3, "j"),
+        ];
+        let mut first = hello(addr, 1, 3, "j");
+        strangers.push(hello(addr, 1, 3, "j"));
+        let h = std::thread::spawn(move || TcpComm::serve(listener, 3, "j", vec![9], fast()));
+        let refusals: Vec<(u8, String)> = strangers.iter_mut().map(answer).collect();
+        // the real rank 2 arrives after all of them
+        let two = TcpComm::connect(&addr.to_string(), 2, 3, "j", fast());
+        let welcome = answer(&mut first);
+        let zero = h.join().unwrap();
+        (
+            refusals,
+            welcome.0,
+            zero.map(|c| c.world()),
+            two.map(|c| c.unique_id().to_vec()),
+        )
+    });
+    let (refusals, welcome, zero, two) = res;
+    let why: Vec<&str> = refusals
+        .iter()
+        .map(|(k, w)| {
+            assert_eq!(*k, 3, "a refusal is a REJECT frame: {w}");
+            w.as_str()
+        })
+        .collect();
+    assert!(why[0].contains("\"another-job\""), "{}", why[0]);
+    assert!(why[1].contains("world size 4"), "{}", why[1]);
+    assert!(why[2].contains("rank 7"), "{}", why[2]);
+    assert!(
+        why[3].contains("two processes say they are rank 1"),
+        "{}",
+        why[3]
+    );
+    assert_eq!(welcome, 2, "the first rank 1 is welcomed");
+    assert_eq!(zero.unwrap(), 3);
+    assert_eq!(two.unwrap(), vec![9]);
 }

@@ -19,8 +19,10 @@ const HELLO_WAIT: Duration = Duration::from_secs(5);
 impl TcpComm {
     /// Rank 0 of a group of `world` processes: accepts the other ranks on `listener` (bound by
     /// the caller, possibly to port 0), checks their hellos against `job` and `world`, and sends
-    /// everyone `unique_id`. Fails, naming the ranks, when some do not connect within
-    /// `connect_timeout` or one belongs to another job.
+    /// everyone `unique_id`. A connection whose hello is not of this group (another job or
+    /// world size, a rank out of range or already joined) is refused with a warning and the
+    /// wait goes on. Fails, naming the missing ranks and the refused connections, when some
+    /// ranks do not connect within `connect_timeout`.
     pub fn serve(
         listener: TcpListener,
         world: usize,
@@ -42,6 +44,9 @@ impl TcpComm {
             .map_err(|e| rdv(format!("listening on {addr}: {e}")))?;
         let started = Instant::now();
         let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+        // why each connection with a well-formed hello that is not of this group was dropped:
+        // named again if the group does not form, since one may be a real rank misconfigured
+        let mut refused: Vec<String> = Vec::new();
         let reject_all = |streams: &mut Vec<Option<TcpStream>>, why: &str| {
             for s in streams.iter_mut().flatten() {
                 let _ = write_frame(s, kind::REJECT, why.as_bytes());
@@ -95,9 +100,13 @@ impl TcpComm {
                         None
                     };
                     if let Some(why) = bad {
+                        // a stranger (another job on the same port, a stale or misconfigured
+                        // process) is told why and dropped; the real ranks may still come, so
+                        // the group waits for them until connect_timeout as before
                         let _ = write_frame(&mut s, kind::REJECT, why.as_bytes());
-                        reject_all(&mut streams, &why);
-                        return Err(rdv(why));
+                        eprintln!("warning: rendezvous at {addr}: dropped a connection: {why}");
+                        refused.push(why);
+                        continue;
                     }
                     streams[rank] = Some(s);
                 }
@@ -105,10 +114,14 @@ impl TcpComm {
                     if started.elapsed() >= opts.connect_timeout {
                         let missing: Vec<usize> =
                             (1..world).filter(|&r| streams[r].is_none()).collect();
-                        let why = format!(
+                        let mut why = format!(
                             "ranks {missing:?} of {world} did not connect to rank 0 at {addr} within {:?}",
                             opts.connect_timeout
                         );
+                        if !refused.is_empty() {
+                            why +=
+                                &format!("; connections refused meanwhile: {}", refused.join("; "));
+                        }
                         reject_all(&mut streams, &why);
                         return Err(rdv(why));
                     }
