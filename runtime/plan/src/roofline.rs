@@ -35,7 +35,7 @@ pub struct Ceilings {
 impl Ceilings {
     /// The ceilings of `gpu` with links at `net_bw`: on an H200 the rates measured there (bf16
     /// 8192^3 cuBLASLt GEMM 785 TFLOP/s; a 2 GiB device-to-device copy 4.23 TB/s; docs/perf.md),
-    /// elsewhere the spec's datasheet peaks.
+    /// elsewhere the cluster spec's peaks (datasheet numbers for a GPU).
     pub fn of(gpu: &GpuSpec, net_bw: f64) -> Self {
         if gpu.name.eq_ignore_ascii_case("H200") {
             Ceilings {
@@ -51,7 +51,7 @@ impl Ceilings {
                 bytes: gpu.hbm_bw,
                 host: gpu.host_bw,
                 net: net_bw,
-                source: "datasheet peaks",
+                source: "the cluster spec's peaks",
             }
         }
     }
