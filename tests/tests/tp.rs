@@ -201,7 +201,7 @@ fn rank_outputs(r: &TpModel, c: &ThreadComm, inp: &Inputs) -> Result<Outputs, Tp
     let mut tok = vec![r.greedy(c, &st.last_logits)?[0], 7];
     let mut tokens = vec![vec![tok[0]], vec![tok[1]]];
     let mut decode = Vec::new();
-    let mut rollout_logp = vec![Vec::new(), Vec::new()];
+    let mut rollout_logp = [Vec::new(), Vec::new()];
     for _ in 0..STEPS {
         let local = r.decode_step(c, &mut arena, &mut slots, &tok)?;
         decode.extend(r.gather_logits(c, &local)?);

@@ -20,8 +20,8 @@
 //! reference is the initial actor, rebuilt from the job spec and checked against the saved
 //! hash; the learning rate is a function of the optimizer step.
 //!
-//! Both backends write the same format through one code path (host weights + the optimizer map
-//! + the step): the CUDA trainer's state comes down with `GpuTrainer::export_state`, its fused
+//! Both backends write the same format through one code path (host weights, the optimizer map
+//! and the step): the CUDA trainer's state comes down with `GpuTrainer::export_state`, its fused
 //! q|k|v and gate|up tensors split into the CPU model's tensors and named as the CPU backend
 //! names them, the model file's trained tensors being its fp32 masters. A checkpoint is
 //! therefore backend-neutral for the same plan: a `--backend cuda` checkpoint resumes on
