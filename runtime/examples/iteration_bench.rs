@@ -32,7 +32,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use rollplex_plan::plan::{Phase, Plan, Task};
+use rollplex_plan::plan::{Plan, Task};
 use rollplex_plan::spec::DatasetSpec;
 use rollplex_runtime::exec::gpu::{
     build_gpu_models, build_gpu_models_for, run_gpu_loop, PlanStreams,
@@ -66,7 +66,7 @@ impl LoopObserver for Observer<'_> {
     }
     fn task_done(&mut self, it: u32, task: &Task, start: Instant, end: Instant) {
         if let Some(p) = task.op.phase(task.window.is_some()) {
-            let i = Phase::ALL.iter().position(|q| *q == p).unwrap_or(0);
+            let i = p.index();
             self.phase_s[i] += end.duration_since(start).as_secs_f64();
         }
         if let Some(t) = &mut self.trace {

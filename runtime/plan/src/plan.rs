@@ -477,6 +477,11 @@ pub enum Phase {
 
 impl Phase {
     pub const ALL: [Phase; 4] = [Phase::Rollout, Phase::Scoring, Phase::Training, Phase::Sync];
+
+    /// Its place in [`Phase::ALL`] (per-phase arrays are indexed by it).
+    pub fn index(self) -> usize {
+        self as usize
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -95,7 +95,6 @@ pub fn roofline(plan: &Plan) -> Roofline {
 
 /// The roofline of `plan` at `ceilings`.
 pub fn roofline_at(plan: &Plan, ceilings: Ceilings) -> Roofline {
-    let index = |p: Phase| Phase::ALL.iter().position(|&q| q == p).unwrap_or(0);
     let mut phases = vec![PhaseRoof::default(); Phase::ALL.len()];
     let (mut serial_s, mut overlapped_s) = (0f64, 0f64);
     for g in &plan.gpus {
@@ -105,7 +104,7 @@ pub fn roofline_at(plan: &Plan, ceilings: Ceilings) -> Roofline {
             let Some(p) = t.op.phase(t.window.is_some()) else {
                 continue;
             };
-            let r = &mut mine[index(p)];
+            let r = &mut mine[p.index()];
             let (f, b) = (t.work.total_flops(), t.work.total_bytes());
             r.flops += f;
             r.bytes += b;
@@ -173,6 +172,13 @@ pub fn phase_name(p: Phase) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn phases_index_their_place_in_all() {
+        for (i, p) in Phase::ALL.into_iter().enumerate() {
+            assert_eq!(p.index(), i);
+        }
+    }
 
     #[test]
     fn a_floor_is_the_slowest_term_at_the_ceilings() {

@@ -50,8 +50,7 @@ impl exec::LoopObserver for LoopRun<'_> {
 
     fn task_done(&mut self, it: u32, task: &Task, start: Instant, end: Instant) {
         if let Some(phase) = task.op.phase(task.window.is_some()) {
-            let i = Phase::ALL.iter().position(|p| *p == phase).unwrap_or(0);
-            self.phase_s[i] += end.duration_since(start).as_secs_f64();
+            self.phase_s[phase.index()] += end.duration_since(start).as_secs_f64();
         }
         if let Some(t) = &mut self.trace {
             t.task(it, task, start, end);
@@ -361,9 +360,7 @@ impl RunRoofline {
         let r = roofline(plan);
         let mut phase_s = [0.0; 4];
         for (p, roof) in &r.phases {
-            if let Some(i) = Phase::ALL.iter().position(|q| q == p) {
-                phase_s[i] = roof.seconds;
-            }
+            phase_s[p.index()] = roof.seconds;
         }
         RunRoofline {
             phase_s,
