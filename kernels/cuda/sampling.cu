@@ -90,11 +90,13 @@ __device__ u32 radix_select(const bf16* x, u32 vocab, u32 kmin, u64 need, bool w
     return kmin;
 }
 
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-sample_bf16(const bf16* __restrict__ logits, u32 row_stride, u32 rows, u32 vocab,
-            float temperature, u32 top_k, float top_p, u32 seed_lo, u32 seed_hi, u32 iteration,
-            const u32* __restrict__ sample_ids, const u32* __restrict__ steps,
-            u32* __restrict__ tokens) {
+// One row's draw (block `row` of either entry point below).
+__device__ __forceinline__ void sample_row(const bf16* __restrict__ logits, u32 row_stride,
+                                           u32 rows, u32 vocab, float temperature, u32 top_k,
+                                           float top_p, u32 seed_lo, u32 seed_hi, u32 iteration,
+                                           const u32* __restrict__ sample_ids,
+                                           const u32* __restrict__ steps,
+                                           u32* __restrict__ tokens) {
     __shared__ u64 hist[256];
     __shared__ u64 res[4];
     __shared__ u64 red64[32];
@@ -189,4 +191,24 @@ sample_bf16(const bf16* __restrict__ logits, u32 row_stride, u32 rows, u32 vocab
             if (redf[w] > s || (redf[w] == s && redi[w] < i)) { s = redf[w]; i = redi[w]; }
         tokens[row] = i == 0xffffffffu ? argmax : i;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+sample_bf16(const bf16* __restrict__ logits, u32 row_stride, u32 rows, u32 vocab,
+            float temperature, u32 top_k, float top_p, u32 seed_lo, u32 seed_hi, u32 iteration,
+            const u32* __restrict__ sample_ids, const u32* __restrict__ steps,
+            u32* __restrict__ tokens) {
+    sample_row(logits, row_stride, rows, vocab, temperature, top_k, top_p, seed_lo, seed_hi,
+               iteration, sample_ids, steps, tokens);
+}
+
+// The same draw with (seed_lo, seed_hi, iteration) read from the device (`key[0..3]`), so that a
+// captured CUDA graph serves every iteration.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+sample_bf16_keyed(const bf16* __restrict__ logits, u32 row_stride, u32 rows, u32 vocab,
+                  float temperature, u32 top_k, float top_p, const u32* __restrict__ key,
+                  const u32* __restrict__ sample_ids, const u32* __restrict__ steps,
+                  u32* __restrict__ tokens) {
+    sample_row(logits, row_stride, rows, vocab, temperature, top_k, top_p, key[0], key[1],
+               key[2], sample_ids, steps, tokens);
 }

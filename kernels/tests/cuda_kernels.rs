@@ -1115,3 +1115,148 @@ fn fused_decode_ops_equal_their_parts() {
     );
     println!("add_rmsnorm_fwd_bf16 and rope_kv_append_bf16: bitwise equal to their parts");
 }
+
+/// `decode_advance` against its CPU twin, bitwise: live rows that go on, stop on a stop id, stop
+/// at max_new, stop at a forced length (drawing a stop id that must not stop them), and rows
+/// already done (which only get the padding inputs); then `decode_gather_rows`.
+#[test]
+fn decode_advance_matches_its_twin() {
+    use rollplex_kernels::cuda::decode_loop::DecodeAdvanceRef;
+    let g = gpu_or_skip!();
+    let s = g.stream(0).unwrap();
+    let (n, samples, max_new, hd, table_rows) = (9usize, 12usize, 6usize, 8usize, 20usize);
+    let stop_ids = [7u32, 3];
+    let rows: Vec<DecodeRow> = (0..n)
+        .map(|r| DecodeRow {
+            sample: (r * 5 % samples) as u32,
+            key: 100 + r as u32,
+            prefix_offset: 10 * r as u32,
+            prefix_len: 3 + r as u32,
+            suffix_offset: 200 + 8 * r as u32,
+            suffix_len: (r % 4) as u32,
+            rope_row: (r % 5) as u32,
+            forced: (r % 3 == 2) as u32,
+            stop_len: if r % 3 == 2 { (r % 4) as u32 + 1 } else { 0 },
+            done: (r == 4) as u32,
+            step: (r % 4) as u32 + if r == 5 { 1 } else { 0 },
+        })
+        .collect();
+    // row 0 draws a stop id; row 5 reaches max_new; forced rows 2 and 8 draw a stop id
+    let tokens: Vec<u32> = (0..n as u32)
+        .map(|r| match r {
+            0 | 2 | 8 => 7,
+            _ => 20 + r,
+        })
+        .collect();
+    let mut rows = rows;
+    rows[5].step = max_new as u32 - 1;
+    let logprobs: Vec<f32> = (0..n).map(|r| -0.25 * r as f32).collect();
+    let cos_t: Vec<f32> = (0..table_rows * hd).map(|i| (i as f32 * 0.37).cos()).collect();
+    let sin_t: Vec<f32> = (0..table_rows * hd).map(|i| (i as f32 * 0.37).sin()).collect();
+    // host twin
+    let mut h_rows = rows.clone();
+    let (mut h_ot, mut h_ol, mut h_done) = (
+        vec![u32::MAX; samples * max_new],
+        vec![f32::NAN; samples * max_new],
+        vec![u32::MAX; samples],
+    );
+    let (mut h_feed, mut h_cos, mut h_sin) =
+        (vec![9u32; n], vec![f32::NAN; n * hd], vec![f32::NAN; n * hd]);
+    let mut h_seqs = vec![AttnSeqGpu::default(); n];
+    let (mut h_w, mut h_ids, mut h_steps) = (vec![1u32; n], vec![1u32; n], vec![1u32; n]);
+    decode_advance_ref(DecodeAdvanceRef {
+        rows: &mut h_rows,
+        tokens: &tokens,
+        logprobs: &logprobs,
+        stop_ids: &stop_ids,
+        max_new,
+        out_tokens: &mut h_ot,
+        out_logprobs: &mut h_ol,
+        done_step: &mut h_done,
+        cos_table: &cos_t,
+        sin_table: &sin_t,
+        head_dim: hd,
+        feed: &mut h_feed,
+        cos: &mut h_cos,
+        sin: &mut h_sin,
+        seqs: &mut h_seqs,
+        write_rows: &mut h_w,
+        sample_ids: &mut h_ids,
+        steps: &mut h_steps,
+    });
+    // device, outputs poisoned the same way
+    let mut d_rows = s.clone_htod(&rows).unwrap();
+    let (d_tok, d_lp, d_stop) = (
+        s.clone_htod(&tokens).unwrap(),
+        s.clone_htod(&logprobs).unwrap(),
+        s.clone_htod(&stop_ids).unwrap(),
+    );
+    let mut d_ot = s.clone_htod(&vec![u32::MAX; samples * max_new]).unwrap();
+    let mut d_ol = s.clone_htod(&vec![f32::NAN; samples * max_new]).unwrap();
+    let mut d_done = s.clone_htod(&vec![u32::MAX; samples]).unwrap();
+    let (d_ct, d_st) = (s.clone_htod(&cos_t).unwrap(), s.clone_htod(&sin_t).unwrap());
+    let mut d_feed = s.clone_htod(&vec![9u32; n]).unwrap();
+    let mut d_cos = s.clone_htod(&vec![f32::NAN; n * hd]).unwrap();
+    let mut d_sin = s.clone_htod(&vec![f32::NAN; n * hd]).unwrap();
+    let mut d_seqs = s.clone_htod(&vec![AttnSeqGpu::default(); n]).unwrap();
+    let mut d_w = s.clone_htod(&vec![1u32; n]).unwrap();
+    let mut d_ids = s.clone_htod(&vec![1u32; n]).unwrap();
+    let mut d_steps = s.clone_htod(&vec![1u32; n]).unwrap();
+    decode_advance(
+        &g,
+        &s,
+        DecodeAdvance {
+            rows: &mut d_rows,
+            n_rows: n,
+            tokens: &d_tok,
+            logprobs: &d_lp,
+            stop_ids: &d_stop,
+            n_stop: stop_ids.len(),
+            max_new,
+            out_tokens: &mut d_ot,
+            out_logprobs: &mut d_ol,
+            done_step: &mut d_done,
+            samples,
+            cos_table: &d_ct,
+            sin_table: &d_st,
+            head_dim: hd,
+            feed: &mut d_feed,
+            cos: &mut d_cos,
+            sin: &mut d_sin,
+            seqs: &mut d_seqs,
+            write_rows: &mut d_w,
+            sample_ids: &mut d_ids,
+            steps: &mut d_steps,
+        },
+    )
+    .unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(s.clone_dtoh(&d_rows).unwrap(), h_rows);
+    assert_eq!(s.clone_dtoh(&d_ot).unwrap(), h_ot);
+    assert_eq!(bits(&s.clone_dtoh(&d_ol).unwrap()), bits(&h_ol));
+    assert_eq!(s.clone_dtoh(&d_done).unwrap(), h_done);
+    assert_eq!(s.clone_dtoh(&d_feed).unwrap(), h_feed);
+    assert_eq!(bits(&s.clone_dtoh(&d_cos).unwrap()), bits(&h_cos));
+    assert_eq!(bits(&s.clone_dtoh(&d_sin).unwrap()), bits(&h_sin));
+    assert_eq!(s.clone_dtoh(&d_seqs).unwrap(), h_seqs);
+    assert_eq!(s.clone_dtoh(&d_w).unwrap(), h_w);
+    assert_eq!(s.clone_dtoh(&d_ids).unwrap(), h_ids);
+    assert_eq!(s.clone_dtoh(&d_steps).unwrap(), h_steps);
+    // what the cases mean, on the twin: stop id, max length, forced (stop id ignored), done
+    assert_eq!(h_rows[0].done, 1);
+    assert_eq!(h_rows[5].done, 1);
+    assert_eq!(h_rows[4].step, rows[4].step, "a done row does not advance");
+    assert_eq!(h_w[4], u32::MAX);
+    assert_eq!(h_rows[8].done, u32::from(rows[8].step + 1 >= rows[8].stop_len));
+    assert_eq!(h_rows[1].suffix_len, rows[1].suffix_len + 1);
+    // gather: rows reversed, keys follow
+    let map: Vec<u32> = (0..n as u32).rev().collect();
+    let d_map = s.clone_htod(&map).unwrap();
+    let mut d_dst = s.clone_htod(&vec![DecodeRow::default(); n]).unwrap();
+    decode_gather_rows(&g, &s, &mut d_dst, &d_rows, &d_map, n, &mut d_ids, &mut d_steps).unwrap();
+    let got = s.clone_dtoh(&d_dst).unwrap();
+    let want: Vec<DecodeRow> = map.iter().map(|&i| h_rows[i as usize]).collect();
+    assert_eq!(got, want);
+    let keys: Vec<u32> = want.iter().map(|r| r.key).collect();
+    assert_eq!(s.clone_dtoh(&d_ids).unwrap(), keys);
+}

@@ -39,6 +39,7 @@ pub mod attention_bwd;
 pub mod attention_bwd_dprefix;
 pub mod attention_bwd_tc;
 pub mod backward;
+pub mod decode_loop;
 pub mod gemm;
 mod gpu;
 pub mod grad;
@@ -65,6 +66,9 @@ pub use backward::{
     embedding_bwd_f32, gelu_bwd_bf16, grad_accumulate_f32, logprobs_bwd_bf16, rmsnorm_bwd_bf16,
     rope_bwd_bf16, swiglu_bwd_bf16, swiglu_bwd_fused_bf16, SwigluBwdStrides,
 };
+pub use decode_loop::{
+    decode_advance, decode_advance_ref, decode_gather_rows, DecodeAdvance, DecodeRow,
+};
 #[cfg(feature = "bench")]
 pub use gemm::matmul_bf16_cublas;
 pub use gemm::{linear_fwd_bf16, matmul_bf16};
@@ -83,7 +87,7 @@ pub use policy_loss::{
     policy_loss_f32, KlKind, LossAggKind, PolicyLossAcc, PolicyLossInputs, PolicyLossParams,
     PolicyLossSums,
 };
-pub use sampling::{philox4x32_10, sample_bf16, sample_ref, SampleParams};
+pub use sampling::{philox4x32_10, sample_bf16, sample_bf16_keyed, sample_ref, SampleParams};
 
 pub use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut};
 pub use half::bf16;

@@ -48,9 +48,21 @@ pub const ADAMW: KernelModule = KernelModule {
     name: "adamw",
     source: include_str!("../../cuda/adamw.cu"),
 };
+pub const DECODE_LOOP: KernelModule = KernelModule {
+    name: "decode_loop",
+    source: include_str!("../../cuda/decode_loop.cu"),
+};
 
 /// Every module, for tools that compile them all (the compile check, the workbench).
-pub const ALL: [KernelModule; 6] = [NORM, POINTWISE, ATTENTION, LOGPROBS, SAMPLING, ADAMW];
+pub const ALL: [KernelModule; 7] = [
+    NORM,
+    POINTWISE,
+    ATTENTION,
+    LOGPROBS,
+    SAMPLING,
+    ADAMW,
+    DECODE_LOOP,
+];
 
 /// A compiled variant: CUBIN bytes and what NVRTC said (ptxas register/spill report included).
 #[derive(Clone, Debug)]

@@ -150,6 +150,67 @@ pub fn sample_bf16(
     row_stride: usize,
     params: &SampleParams,
 ) -> Result<()> {
+    let rows_key = SampleRows {
+        tokens: ptr_mut(tokens, stream),
+        logits: ptr(logits, stream),
+        sample_ids: ptr(sample_ids, stream),
+        steps: ptr(steps, stream),
+    };
+    let lens = [tokens.len(), logits.len(), sample_ids.len(), steps.len()];
+    launch_sample(gpu, stream, rows_key, lens, rows, vocab, row_stride, params, None)
+}
+
+/// [`sample_bf16`] with the key's seed and iteration read from the device (`key = [seed_lo,
+/// seed_hi, iteration]`; `params.seed` and `params.iteration` are not used): a CUDA graph that
+/// captured it draws the tokens of whatever iteration `key` holds when it is replayed.
+#[allow(clippy::too_many_arguments)]
+pub fn sample_bf16_keyed(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    tokens: &mut impl DevicePtrMut<u32>,
+    logits: &impl DevicePtr<bf16>,
+    key: &impl DevicePtr<u32>,
+    sample_ids: &impl DevicePtr<u32>,
+    steps: &impl DevicePtr<u32>,
+    rows: usize,
+    vocab: usize,
+    row_stride: usize,
+    params: &SampleParams,
+) -> Result<()> {
+    need("sample_bf16_keyed", "key", key, 3)?;
+    let rows_key = SampleRows {
+        tokens: ptr_mut(tokens, stream),
+        logits: ptr(logits, stream),
+        sample_ids: ptr(sample_ids, stream),
+        steps: ptr(steps, stream),
+    };
+    let lens = [tokens.len(), logits.len(), sample_ids.len(), steps.len()];
+    let k = ptr(key, stream);
+    launch_sample(gpu, stream, rows_key, lens, rows, vocab, row_stride, params, Some(k))
+}
+
+/// The per-row device addresses of a draw.
+struct SampleRows {
+    tokens: u64,
+    logits: u64,
+    sample_ids: u64,
+    steps: u64,
+}
+
+/// Checks and launches either entry point (`key`: the device key's address, or `None` for the
+/// key in `params`). `lens`: elements of tokens, logits, sample_ids, steps.
+#[allow(clippy::too_many_arguments)]
+fn launch_sample(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    p: SampleRows,
+    lens: [usize; 4],
+    rows: usize,
+    vocab: usize,
+    row_stride: usize,
+    params: &SampleParams,
+    key: Option<u64>,
+) -> Result<()> {
     const OP: &str = "sample_bf16";
     if vocab == 0 || row_stride < vocab || vocab >= (1usize << 31) {
         return Err(shape(
@@ -169,16 +230,19 @@ pub fn sample_bf16(
     if rows == 0 {
         return Ok(());
     }
-    need(OP, "logits", logits, (rows - 1) * row_stride + vocab)?;
-    need(OP, "tokens", tokens, rows)?;
-    need(OP, "sample_ids", sample_ids, rows)?;
-    need(OP, "steps", steps, rows)?;
-    let (xp, tp, sp, stp) = (
-        ptr(logits, stream),
-        ptr_mut(tokens, stream),
-        ptr(sample_ids, stream),
-        ptr(steps, stream),
-    );
+    let want = [rows, (rows - 1) * row_stride + vocab, rows, rows];
+    for ((name, have), want) in ["tokens", "logits", "sample_ids", "steps"]
+        .iter()
+        .zip(lens)
+        .zip(want)
+    {
+        if have < want {
+            return Err(shape(
+                OP,
+                format!("{name} holds {have} elements, needs at least {want}"),
+            ));
+        }
+    }
     let (rs, r, v) = (
         u32_of(OP, "row_stride", row_stride)?,
         u32_of(OP, "rows", rows)?,
@@ -190,33 +254,62 @@ pub fn sample_bf16(
         block: (1024, 1, 1),
         smem: 0,
     };
-    // SAFETY: logits cover rows*row_stride, the per-row arrays hold `rows` (checked); arguments
-    // match (logits, row_stride, rows, vocab, temperature, top_k, top_p, seed_lo, seed_hi,
-    // iteration, sample_ids, steps, tokens).
-    unsafe {
-        launch(
-            gpu,
-            stream,
-            &SAMPLING,
-            &[],
-            "sample_bf16",
-            cfg,
-            &[
-                &xp,
-                &rs,
-                &r,
-                &v,
-                &params.temperature,
-                &params.top_k,
-                &params.top_p,
-                &s0,
-                &s1,
-                &params.iteration,
-                &sp,
-                &stp,
-                &tp,
-            ],
-        )
+    let (xp, sp, stp, tp) = (p.logits, p.sample_ids, p.steps, p.tokens);
+    match key {
+        // SAFETY: logits cover rows*row_stride, the per-row arrays hold `rows` (checked);
+        // arguments match (logits, row_stride, rows, vocab, temperature, top_k, top_p,
+        // seed_lo, seed_hi, iteration, sample_ids, steps, tokens).
+        None => unsafe {
+            launch(
+                gpu,
+                stream,
+                &SAMPLING,
+                &[],
+                "sample_bf16",
+                cfg,
+                &[
+                    &xp,
+                    &rs,
+                    &r,
+                    &v,
+                    &params.temperature,
+                    &params.top_k,
+                    &params.top_p,
+                    &s0,
+                    &s1,
+                    &params.iteration,
+                    &sp,
+                    &stp,
+                    &tp,
+                ],
+            )
+        },
+        // SAFETY: as above, with the key's three words at `k` (checked by the caller);
+        // arguments match (logits, row_stride, rows, vocab, temperature, top_k, top_p, key,
+        // sample_ids, steps, tokens).
+        Some(k) => unsafe {
+            launch(
+                gpu,
+                stream,
+                &SAMPLING,
+                &[],
+                "sample_bf16_keyed",
+                cfg,
+                &[
+                    &xp,
+                    &rs,
+                    &r,
+                    &v,
+                    &params.temperature,
+                    &params.top_k,
+                    &params.top_p,
+                    &k,
+                    &sp,
+                    &stp,
+                    &tp,
+                ],
+            )
+        },
     }?;
     Ok(())
 }

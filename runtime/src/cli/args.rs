@@ -92,4 +92,8 @@ pub struct RunArgs {
     /// SM partitions (cuda).
     #[arg(long)]
     pub no_green_contexts: bool,
+    /// Launch each decode step's kernels one at a time instead of replaying the step's CUDA
+    /// graph; the same bits, slower (cuda).
+    #[arg(long)]
+    pub eager_decode: bool,
 }

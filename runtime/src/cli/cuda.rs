@@ -21,6 +21,7 @@ pub(super) fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
         streams: crate::gpu::streams::StreamOptions {
             green_contexts: !args.no_green_contexts,
         },
+        eager_decode: args.eager_decode,
     };
     let partitioned = exec::gpu::PlanStreams::with_options(plan, &gpu, options.streams)?.green();
     drop(gpu);

@@ -191,6 +191,13 @@ impl<'a> Book<'a> {
         Ok(())
     }
 
+    /// The stop rule: the token ids that stop a sample, and each sample's forced length when
+    /// lengths are forced (then tokens stop nothing). A backend that decides stops on the device
+    /// applies exactly this rule ([`Book::push_token`] checks it again).
+    pub fn stop_rule(&self) -> (&[u32], Option<&[u32]>) {
+        (&self.stop_ids, self.forced_len.as_deref())
+    }
+
     fn stop_at(&self, s: usize, tok: u32, len: u32) -> bool {
         if let Some(f) = &self.forced_len {
             return len >= f[s];

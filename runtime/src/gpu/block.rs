@@ -51,6 +51,43 @@ pub(crate) fn linear(
     Ok(())
 }
 
+/// The activations a block stack's pass works in, for up to `rows` rows: normed input, fused
+/// qkv, attention output, the residual delta, fused gate|up and the SwiGLU output. Allocated
+/// once by a caller that runs many passes of one shape (the decode loop: no allocation inside
+/// a step, so a step can be replayed as a CUDA graph).
+pub(crate) struct BlockBufs {
+    rows: usize,
+    xn: CudaSlice<bf16>,
+    qkv: CudaSlice<bf16>,
+    att: CudaSlice<bf16>,
+    delta: CudaSlice<bf16>,
+    gu: CudaSlice<bf16>,
+    act: CudaSlice<bf16>,
+}
+
+impl BlockBufs {
+    /// Buffers for `rows` rows of `blocks` (none when `blocks` is empty).
+    pub(crate) fn new(
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        blocks: &[GpuBlock],
+        rows: usize,
+        hidden: usize,
+        dims: AttnDims,
+    ) -> Result<Self> {
+        let (qkv_w, ffn) = blocks.first().map_or((0, 0), |b| (b.qkv.out, b.ffn));
+        Ok(BlockBufs {
+            rows,
+            xn: alloc::<bf16>(gpu, stream, rows * hidden)?,
+            qkv: alloc::<bf16>(gpu, stream, rows * qkv_w)?,
+            att: alloc::<bf16>(gpu, stream, rows * dims.q_width())?,
+            delta: alloc::<bf16>(gpu, stream, rows * hidden)?,
+            gu: alloc::<bf16>(gpu, stream, rows * 2 * ffn)?,
+            act: alloc::<bf16>(gpu, stream, rows * ffn)?,
+        })
+    }
+}
+
 /// Runs `blocks` over `x [rows, hidden]` in place; `x` ends as the final norm's input.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run_blocks(
@@ -64,12 +101,13 @@ pub(crate) fn run_blocks(
     eps: f32,
     attn: &mut dyn AttnStep,
 ) -> Result<()> {
-    run_blocks_keeping(gpu, stream, blocks, x, rows, hidden, dims, eps, attn, None)
+    run_blocks_keeping(gpu, stream, blocks, x, rows, hidden, dims, eps, attn, None, None)
 }
 
 /// [`run_blocks`], also copying each block's input (the residual stream entering it, `[rows,
 /// hidden]`) into `keep[block]` when given (one buffer per block, each at least `rows *
 /// hidden`): what a training backward recomputes the block from. The same launches as without.
+/// Works in `bufs` when given (at least `rows` rows), else in buffers of its own.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run_blocks_keeping(
     gpu: &Gpu,
@@ -82,6 +120,7 @@ pub(crate) fn run_blocks_keeping(
     eps: f32,
     attn: &mut dyn AttnStep,
     mut keep: Option<&mut [DevBuf<bf16>]>,
+    bufs: Option<&mut BlockBufs>,
 ) -> Result<()> {
     if let Some(k) = keep.as_deref() {
         if k.len() != blocks.len() || k.iter().any(|b| b.len() < rows * hidden) {
@@ -96,40 +135,53 @@ pub(crate) fn run_blocks_keeping(
     if rows == 0 || blocks.is_empty() {
         return Ok(());
     }
-    let qkv_w = blocks[0].qkv.out;
     let ffn = blocks[0].ffn;
-    let mut xn = alloc::<bf16>(gpu, stream, rows * hidden)?;
-    let mut qkv = alloc::<bf16>(gpu, stream, rows * qkv_w)?;
-    let mut att = alloc::<bf16>(gpu, stream, rows * dims.q_width())?;
-    let mut delta = alloc::<bf16>(gpu, stream, rows * hidden)?;
-    let mut gu = alloc::<bf16>(gpu, stream, rows * 2 * ffn)?;
-    let mut act = alloc::<bf16>(gpu, stream, rows * ffn)?;
-    for (l, b) in blocks.iter().enumerate() {
+    let mut own = None;
+    let b = match bufs {
+        Some(b) if b.rows >= rows => b,
+        Some(b) => {
+            return Err(super::GpuError::Input(format!(
+                "block buffers for {} rows, {rows} asked",
+                b.rows
+            )))
+        }
+        None => own.insert(BlockBufs::new(gpu, stream, blocks, rows, hidden, dims)?),
+    };
+    let BlockBufs {
+        xn,
+        qkv,
+        att,
+        delta,
+        gu,
+        act,
+        ..
+    } = b;
+    for (l, blk) in blocks.iter().enumerate() {
         if l == 0 {
-            rmsnorm_fwd_bf16(gpu, stream, &mut xn, None, x, &b.norm1, rows, hidden, eps)?;
+            rmsnorm_fwd_bf16(gpu, stream, xn, None, x, &blk.norm1, rows, hidden, eps)?;
         } else {
             // the previous block's MLP output joins the residual, then this block's norm
             add_rmsnorm_fwd_bf16(
-                gpu, stream, &mut xn, None, x, &delta, &b.norm1, rows, hidden, eps,
+                gpu, stream, xn, None, x, delta, &blk.norm1, rows, hidden, eps,
             )?;
         }
         if let Some(k) = keep.as_deref_mut() {
             // x now holds this block's input
             stream.memcpy_dtod(&x.slice(..rows * hidden), &mut k[l])?;
         }
-        linear(gpu, stream, &mut qkv, &xn, &b.qkv, rows)?;
-        attn.attend(gpu, stream, l, &mut qkv, &mut att)?;
-        linear(gpu, stream, &mut delta, &att, &b.o, rows)?;
+        linear(gpu, stream, qkv, xn, &blk.qkv, rows)?;
+        attn.attend(gpu, stream, l, qkv, att)?;
+        linear(gpu, stream, delta, att, &blk.o, rows)?;
         add_rmsnorm_fwd_bf16(
-            gpu, stream, &mut xn, None, x, &delta, &b.norm2, rows, hidden, eps,
+            gpu, stream, xn, None, x, delta, &blk.norm2, rows, hidden, eps,
         )?;
-        linear(gpu, stream, &mut gu, &xn, &b.gate_up, rows)?;
+        linear(gpu, stream, gu, xn, &blk.gate_up, rows)?;
         let up = gu.slice(ffn..);
         swiglu_fwd_bf16(
             gpu,
             stream,
-            &mut act,
-            &gu,
+            act,
+            &*gu,
             &up,
             rows,
             ffn,
@@ -137,8 +189,8 @@ pub(crate) fn run_blocks_keeping(
             2 * ffn,
             2 * ffn,
         )?;
-        linear(gpu, stream, &mut delta, &act, &b.down, rows)?;
+        linear(gpu, stream, delta, act, &blk.down, rows)?;
     }
-    add_fwd_bf16_inplace(gpu, stream, x, &delta, rows * hidden)?;
+    add_fwd_bf16_inplace(gpu, stream, x, delta, rows * hidden)?;
     Ok(())
 }

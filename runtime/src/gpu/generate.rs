@@ -7,20 +7,18 @@
 //! the kernel's (Gumbel-max over Philox4x32-10 words, docs/cuda.md), not the CPU engine's
 //! inverse CDF, so the two backends agree on greedy tokens (up to bf16 near-ties) but not on
 //! sampled ones; on the same logits the device agrees with `sample_ref`, its CPU twin.
-//! Tokens come back to the host once per step (stop tokens decide who stays in the batch).
+//! Stops are decided on the device ([`DeviceDecode`]); the tokens come back once.
 
 use std::sync::Arc;
 
-use cudarc::driver::DevicePtrMut;
 use half::bf16;
-use rollplex_kernels::cuda::{
-    logprobs_fwd_bf16, sample_bf16, CudaSlice, CudaStream, Gpu, SampleParams,
-};
+use rollplex_kernels::cuda::{sample_bf16, CudaSlice, CudaStream, Gpu, SampleParams};
 
 use crate::model::{DecodeSlot, GenerateConfig, Rollout, SamplingParams, StopReason};
 
+use super::decode::{DecodeStart, DeviceDecode};
 use super::text::{GpuKvArena, GpuPrefixState};
-use super::{alloc, download, upload, GpuError, GpuModel, Result};
+use super::{alloc, upload, GpuError, GpuModel, Result};
 
 /// The kernel's parameters for the CPU engine's sampling settings and key fields.
 pub fn sample_params(p: &SamplingParams, seed: u64, iteration: u32) -> SampleParams {
@@ -74,7 +72,9 @@ impl GpuModel {
     }
 
     /// Generates one response per entry of `sample_ids` from one prefix state (as the CPU
-    /// engine's `generate_group`). Synchronises once per step (the tokens come back).
+    /// engine's `generate_group`), with the rollout's device decode loop
+    /// ([`DeviceDecode`], its steps launched eagerly: a one-off group is not worth capturing);
+    /// the tokens come back once, at the end.
     pub fn generate_group(
         &self,
         gpu: &Gpu,
@@ -85,23 +85,20 @@ impl GpuModel {
     ) -> Result<Vec<Rollout>> {
         let g = sample_ids.len();
         let maxn = cfg.max_new_tokens;
-        let mut out: Vec<Rollout> = (0..g)
-            .map(|_| Rollout {
+        if g == 0 || maxn == 0 {
+            let empty = || Rollout {
                 tokens: Vec::new(),
                 logp: Vec::new(),
                 stop: StopReason::MaxLength,
-            })
-            .collect();
-        if g == 0 || maxn == 0 {
-            return Ok(out);
+            };
+            return Ok((0..g).map(|_| empty()).collect());
         }
-        let v = self.vocab();
         let cap = prefix.len as u64 + g as u64 * maxn as u64;
         let cap = u32::try_from(cap)
             .map_err(|_| GpuError::Input("generate_group: KV arena over 2^32 rows".into()))?;
         let mut arena = GpuKvArena::for_model(self, gpu, stream, cap)?;
         let pspan = arena.store_prefix(stream, 0, prefix)?;
-        let mut slots: Vec<DecodeSlot> = (0..g)
+        let slots: Vec<DecodeSlot> = (0..g)
             .map(|i| DecodeSlot::new(pspan, prefix.rope_delta, prefix.len + i as u32 * maxn, maxn))
             .collect();
         let lp_temp = if cfg.sampling.temperature > 0.0 {
@@ -109,68 +106,46 @@ impl GpuModel {
         } else {
             1.0
         };
-        // step 0: every sample draws from the prefix's last logits
-        let mut logits = alloc::<bf16>(gpu, stream, g * v)?;
+        let max_kv = (prefix.len + maxn) as usize;
+        let mut dd = DeviceDecode::new(self, gpu, stream, g, g, maxn as usize, max_kv)?;
+        dd.set_eager(true);
         for i in 0..g {
-            stream.memcpy_dtod(
-                &*prefix.last_logits,
-                &mut logits.slice_mut(i * v..(i + 1) * v),
-            )?;
+            // step 0: every sample draws from the prefix's last logits
+            stream.memcpy_dtod(&*prefix.last_logits, &mut dd.first_logits_mut(i))?;
         }
-        let mut active: Vec<usize> = (0..g).collect();
+        let start = DecodeStart {
+            slots: &slots,
+            keys: Some(sample_ids),
+            group: g,
+            max_new: maxn,
+            stop_ids: &cfg.stop_ids,
+            forced: None,
+            sampling: sample_params(&cfg.sampling, cfg.seed, cfg.iteration),
+            logprob_temperature: lp_temp,
+        };
+        dd.start(self, gpu, stream, &arena, &start, cfg.seed, cfg.iteration)?;
         for step in 0..maxn {
-            let ids: Vec<u32> = active.iter().map(|&i| sample_ids[i]).collect();
-            let steps = vec![step; active.len()];
-            let toks_d = self.sample_tokens(
-                gpu,
-                stream,
-                &logits,
-                &cfg.sampling,
-                cfg.seed,
-                cfg.iteration,
-                &ids,
-                &steps,
-            )?;
-            let n = active.len();
-            let mut lp_d = alloc::<f32>(gpu, stream, n)?;
-            logprobs_fwd_bf16(
-                gpu,
-                stream,
-                &mut lp_d,
-                None::<&mut dyn DevicePtrMut<f32>>,
-                None,
-                &logits,
-                &toks_d,
-                n,
-                v,
-                v,
-                lp_temp,
-            )?;
-            let toks = download(stream, &toks_d)?;
-            let lps = download(stream, &lp_d)?;
-            let mut next_active = Vec::with_capacity(n);
-            let mut feed = Vec::with_capacity(n);
-            for (ai, &i) in active.iter().enumerate() {
-                let tok = toks[ai];
-                out[i].tokens.push(tok);
-                out[i].logp.push(lps[ai]);
-                if cfg.stop_ids.contains(&tok) {
-                    out[i].stop = StopReason::StopToken;
-                } else if step + 1 < maxn {
-                    next_active.push(i);
-                    feed.push(tok);
-                }
-            }
-            active = next_active;
-            if active.is_empty() {
+            if !dd.step(self, gpu, stream, &mut arena, step)? {
                 break;
             }
-            let mut batch: Vec<DecodeSlot> = active.iter().map(|&i| slots[i]).collect();
-            logits = self.decode_step(gpu, stream, &mut arena, &mut batch, &feed)?;
-            for (s, &i) in batch.iter().zip(&active) {
-                slots[i] = *s;
-            }
         }
-        Ok(out)
+        let out = dd.collect(stream)?;
+        let m = maxn as usize;
+        Ok((0..g)
+            .map(|i| {
+                let n = out.done_step[i].min(maxn - 1) as usize + 1;
+                let tokens = out.tokens[i * m..i * m + n].to_vec();
+                let stop = if tokens.last().is_some_and(|t| cfg.stop_ids.contains(t)) {
+                    StopReason::StopToken
+                } else {
+                    StopReason::MaxLength
+                };
+                Rollout {
+                    tokens,
+                    logp: out.logprobs[i * m..i * m + n].to_vec(),
+                    stop,
+                }
+            })
+            .collect())
     }
 }

@@ -39,6 +39,7 @@ use crate::model::{ModelConfig, ModelError, Qwen25VL};
 pub mod arena;
 mod block;
 mod block_bwd;
+pub mod decode;
 pub mod generate;
 pub mod loss;
 pub mod plan;

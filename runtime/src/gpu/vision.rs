@@ -356,6 +356,7 @@ impl GpuModel {
             VISION_RMS_EPS,
             &mut step,
             keep,
+            None,
         )
     }
 

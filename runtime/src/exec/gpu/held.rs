@@ -121,10 +121,7 @@ impl GpuIteration<'_, '_> {
             };
             crate::gpu::wait_before_free(&self.made_on[held.index()], on, end)?;
             match held {
-                Held::DecodeKv => {
-                    self.arena = None;
-                    self.logits = None;
-                }
+                Held::DecodeKv => self.arena = None,
                 Held::Media => {
                     self.encoded.iter_mut().for_each(|m| *m = None);
                     self.encoded_ready.iter_mut().for_each(|m| *m = None);

@@ -77,8 +77,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use cudarc::driver::CudaEvent;
-use half::bf16;
-use rollplex_kernels::cuda::{CudaSlice, CudaStream};
+use rollplex_kernels::cuda::CudaStream;
 use rollplex_plan::plan::Plan;
 use rollplex_plan::TaskId;
 
@@ -141,6 +140,9 @@ pub struct GpuExecOptions {
     pub task_log: bool,
     /// How the decode windows' partitions are made (green contexts, or plain streams).
     pub streams: StreamOptions,
+    /// Launch each decode step's kernels one at a time instead of replaying the step's CUDA
+    /// graph (the same launches, so the same bits: a check and a measurement).
+    pub eager_decode: bool,
 }
 
 /// One iteration's state on the CUDA backend.
@@ -164,10 +166,11 @@ pub struct GpuIteration<'a, 'r> {
     arena: Option<GpuKvArena>,
     arena_rows: u32,
     slots: Vec<DecodeSlot>,
-    /// Next-token logits `[active, vocab]` of the samples in `active` (ascending), on the
-    /// decode stream.
-    logits: Option<CudaSlice<bf16>>,
+    /// The samples still decoding as the book knows them (ascending).
     active: Vec<usize>,
+    /// Launch decode steps one kernel at a time instead of replaying graphs
+    /// ([`GpuExecOptions::eager_decode`]).
+    eager_decode: bool,
     /// Per task: events recorded on its CUDA stream before its first and after its last
     /// launch, and that stream.
     events: Vec<Option<(CudaEvent, CudaEvent, Arc<CudaStream>)>>,
@@ -207,7 +210,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
         reward: &'a mut RewardFn<'r>,
         iteration: u32,
         prompts: &'a [PromptData],
-        task_log: bool,
+        options: &GpuExecOptions,
     ) -> Result<Self, ExecError> {
         let book = Book::new(plan, iteration, prompts)?;
         let groups = book.groups();
@@ -230,8 +233,8 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             arena: None,
             arena_rows,
             slots: Vec::new(),
-            logits: None,
             active: Vec::new(),
+            eager_decode: options.eager_decode,
             events: (0..plan.tasks.len()).map(|_| None).collect(),
             last_on_stream: vec![None; plan.streams.len()],
             pending: Vec::new(),
@@ -243,7 +246,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             decode_marks: (0..plan.tasks.len()).map(|_| None).collect(),
             retire: Held::retirements(plan),
             made_on: Default::default(),
-            task_log,
+            task_log: options.task_log,
         })
     }
 

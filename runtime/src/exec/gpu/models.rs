@@ -11,6 +11,7 @@ use rollplex_plan::spec::JobSpec;
 use super::super::placement::{PlanArena, Role};
 use super::super::ExecError;
 use crate::gpu::arena::DevBuf;
+use crate::gpu::decode::DeviceDecode;
 use crate::gpu::train::{GpuTrainer, TrainerPlacement};
 use crate::gpu::GpuModel;
 use crate::model::Qwen25VL;
@@ -27,6 +28,9 @@ pub struct GpuModels {
     /// the weights, masters and moments lie at its offsets, and the loop places the
     /// iteration's buffers there too; `None`: everything from the memory pool.
     pub arena: Option<PlanArena>,
+    /// The rollout's device-resident decode loop (buffers and captured step graphs), made by
+    /// the first iteration's decode and kept while the shape allows.
+    pub decode: Option<DeviceDecode>,
     /// Declared last: dropped after every buffer above (its drop synchronises the device).
     pub gpu: Gpu,
 }
@@ -140,6 +144,7 @@ fn build_models(
         reference,
         stream,
         arena,
+        decode: None,
         gpu,
     })
 }

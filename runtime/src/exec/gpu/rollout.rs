@@ -4,9 +4,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::DevicePtrMut;
-use half::bf16;
-use rollplex_kernels::cuda::{logprobs_fwd_bf16, CudaStream, Gpu};
+use rollplex_kernels::cuda::{CudaStream, Gpu};
 use rollplex_plan::Span;
 
 use super::super::book::range;
@@ -17,6 +15,8 @@ use super::ops::no_reference;
 use super::pacing::HostSplit;
 use super::{GpuIteration, Media};
 use crate::gpu::arena::Region;
+use crate::gpu::decode::{DecodeOutput, DecodeStart, DeviceDecode, NOT_DONE};
+use crate::gpu::generate::sample_params;
 use crate::gpu::{GpuEncodedMedia, GpuKvArena, GpuModel, GpuPrefixState, GpuPrompt};
 use crate::model::{DecodeSlot, MediaInput};
 
@@ -200,7 +200,8 @@ impl GpuIteration<'_, '_> {
     }
 
     /// Once every group's prefix is known: the KV arena `[group prefixes | sample suffixes]`,
-    /// the decode slots, and every sample's first logits (its group's last prompt logits).
+    /// the decode slots, and the device decode loop started with every sample's first logits
+    /// (its group's last prompt logits).
     pub(super) fn lay_out(&mut self, s: &Arc<CudaStream>) -> Result<(), ExecError> {
         let region = self.region(Role::DecodeKv);
         let model = self.models.trainer.model();
@@ -215,21 +216,44 @@ impl GpuIteration<'_, '_> {
         }
         let max_new = self.book.spec.rollout.max_new_tokens;
         let samples = self.book.samples();
-        let v = model.vocab();
-        let mut logits = gpu.alloc::<bf16>(s, samples * v)?;
+        let group = self.book.group_size;
+        let mut slots = Vec::with_capacity(samples);
         for smp in 0..samples {
-            let g = smp / self.book.group_size;
-            let p = self.prefixes[g].as_ref().expect("all prefixes known");
-            self.slots
-                .push(DecodeSlot::new(spans[g], p.rope_delta, off, max_new));
-            s.memcpy_dtod(
-                &*p.last_logits,
-                &mut logits.slice_mut(smp * v..(smp + 1) * v),
-            )?;
+            let p = self.prefixes[smp / group].as_ref().expect("all prefixes known");
+            slots.push(DecodeSlot::new(spans[smp / group], p.rope_delta, off, max_new));
             off += max_new;
         }
+        let max_kv = slots
+            .iter()
+            .map(|sl| (sl.prefix.len + max_new) as usize)
+            .max()
+            .unwrap_or(1);
+        let dd = match self.models.decode.take() {
+            Some(d) if d.fits(samples, group, max_new as usize, max_kv) => d,
+            _ => DeviceDecode::new(model, gpu, s, samples, group, max_new as usize, max_kv)?,
+        };
+        let dd = self.models.decode.insert(dd);
+        dd.set_eager(self.eager_decode);
+        for smp in 0..samples {
+            let p = self.prefixes[smp / group].as_ref().expect("all prefixes known");
+            s.memcpy_dtod(&*p.last_logits, &mut dd.first_logits_mut(smp))?;
+        }
+        let (stop_ids, forced) = self.book.stop_rule();
+        let sp = &self.book.sampling;
+        let start = DecodeStart {
+            slots: &slots,
+            keys: None,
+            group,
+            max_new,
+            stop_ids,
+            forced,
+            sampling: sample_params(sp, self.book.spec.seed, self.book.iteration),
+            logprob_temperature: self.book.temperature(),
+        };
+        let model = self.models.trainer.model();
+        dd.start(model, gpu, s, &arena, &start, self.book.spec.seed, self.book.iteration)?;
+        self.slots = slots;
         self.arena = Some(arena);
-        self.logits = Some(logits);
         self.active = (0..samples).collect();
         // the prefill states are in the arena now (without prefix dedup each holds every
         // copy's KV, the plan's `kv.prompt`): their frees wait for the copies above
@@ -240,6 +264,10 @@ impl GpuIteration<'_, '_> {
         Ok(())
     }
 
+    /// Decode steps `first_step..first_step + steps` (or until every sample stopped, with
+    /// `until_done`) on the device ([`DeviceDecode`]): the host launches each step (one graph)
+    /// and a paced piece of the window's side work, and never waits for a step it launched;
+    /// at the window's end the tokens come back once and the book takes them step by step.
     pub(super) fn run_decode(
         &mut self,
         s: &Arc<CudaStream>,
@@ -252,8 +280,6 @@ impl GpuIteration<'_, '_> {
                 "decode before every group's prefill".into(),
             ));
         }
-        let temp = self.book.temperature();
-        let (seed, iteration) = (self.book.spec.seed, self.book.iteration);
         let mut step = first_step;
         self.step_marks.clear();
         let mut host = HostSplit::default();
@@ -262,75 +288,30 @@ impl GpuIteration<'_, '_> {
             let t_step = Instant::now();
             let mark = self.models.gpu.timing_event()?;
             mark.record(s)?;
-            self.step_marks.push(mark);
-            let gpu = &self.models.gpu;
-            let model = self.models.trainer.model();
+            let models = &mut *self.models;
+            let dd = models.decode.as_mut().expect("started by lay_out");
             let arena = self.arena.as_mut().expect("laid out with the slots");
-            let v = model.vocab();
-            let n = self.active.len();
-            for &smp in &self.active {
-                self.book.check_step(smp, step)?;
+            if !dd.step(models.trainer.model(), &models.gpu, s, arena, step)? {
+                break;
             }
-            let logits = self.logits.as_ref().expect("laid out with the slots");
-            let ids: Vec<u32> = self.active.iter().map(|&x| x as u32).collect();
-            let toks_d = model.sample_tokens(
-                gpu,
-                s,
-                logits,
-                &self.book.sampling,
-                seed,
-                iteration,
-                &ids,
-                &vec![step; n],
-            )?;
-            let mut lp_d = gpu.alloc::<f32>(s, n)?;
-            logprobs_fwd_bf16(
-                gpu,
-                s,
-                &mut lp_d,
-                None::<&mut dyn DevicePtrMut<f32>>,
-                None,
-                logits,
-                &toks_d,
-                n,
-                v,
-                v,
-                temp,
-            )?;
-            let t_wait = Instant::now();
-            let toks = s.clone_dtoh(&toks_d)?;
-            let lps = s.clone_dtoh(&lp_d)?;
-            s.synchronize()?;
-            host.launch_sample += t_wait.duration_since(t_step);
-            host.wait += t_wait.elapsed();
-            let t_decode = Instant::now();
-            let mut feed = Vec::with_capacity(n);
-            let mut feed_tokens = Vec::with_capacity(n);
-            let mut feed_slots = Vec::with_capacity(n);
-            for (i, &smp) in self.active.iter().enumerate() {
-                if self.book.push_token(smp, toks[i], lps[i], step) {
-                    feed.push(smp);
-                    feed_tokens.push(toks[i]);
-                    feed_slots.push(self.slots[smp]);
-                }
-            }
-            if !feed.is_empty() {
-                self.logits =
-                    Some(model.decode_step(gpu, s, arena, &mut feed_slots, &feed_tokens)?);
-                for (slot, &smp) in feed_slots.iter().zip(&feed) {
-                    self.slots[smp] = *slot;
-                }
-            }
-            self.active = feed;
-            self.book.step_done(step);
+            self.step_marks.push(mark);
             step += 1;
-            host.launch_decode += t_decode.elapsed();
-            // a piece of the window's side work, launched while the device runs this step
+            host.launch_decode += t_step.elapsed();
+            // a piece of the window's side work, launched while the device runs the steps
             let t_side = Instant::now();
             host.pieces += self.launch_paced()?;
             host.launch_side += t_side.elapsed();
             host.steps += 1;
         }
+        let t_wait = Instant::now();
+        let out = self
+            .models
+            .decode
+            .as_mut()
+            .expect("started by lay_out")
+            .collect(s)?;
+        host.wait += t_wait.elapsed();
+        self.take_tokens(&out, first_step, step)?;
         if self.task_log {
             eprintln!(
                 "[decode steps {first_step}..{step}] host {:.1} ms: {}",
@@ -346,6 +327,39 @@ impl GpuIteration<'_, '_> {
         // step, until the side partition had drained them); the first task outside a window
         // launches what is left (`run`)
         self.book.end_window();
+        Ok(())
+    }
+
+    /// The book takes steps `from..to` of the device's output in step order, as if each step's
+    /// tokens had come back on their own; the device's stop decisions must be the book's.
+    fn take_tokens(&mut self, out: &DecodeOutput, from: u32, to: u32) -> Result<(), ExecError> {
+        let max_new = self.book.spec.rollout.max_new_tokens as usize;
+        for step in from..to {
+            if self.active.is_empty() {
+                break;
+            }
+            let mut next = Vec::with_capacity(self.active.len());
+            for &smp in &self.active {
+                self.book.check_step(smp, step)?;
+                let at = smp * max_new + step as usize;
+                let goes_on = self
+                    .book
+                    .push_token(smp, out.tokens[at], out.logprobs[at], step);
+                let device_goes_on = out.done_step[smp] == NOT_DONE || out.done_step[smp] > step;
+                if goes_on != device_goes_on {
+                    return Err(ExecError::Plan(format!(
+                        "sample {smp} at decode step {step}: the device's stop decision \
+                         (step {}) is not the book's",
+                        out.done_step[smp]
+                    )));
+                }
+                if goes_on {
+                    next.push(smp);
+                }
+            }
+            self.active = next;
+            self.book.step_done(step);
+        }
         Ok(())
     }
 }

@@ -198,7 +198,7 @@ pub fn run_gpu_loop_with(
                     reward,
                     it,
                     &prompts,
-                    options.task_log,
+                    &options,
                 )?;
                 let mut started = Started {
                     inner: &mut iter,

@@ -163,7 +163,8 @@ pub(super) struct DecodeAttn<'a> {
     pub(super) batch: usize,
     pub(super) max_kv: usize,
     pub(super) kernel: DecodeKernel,
-    pub(super) workspace: Option<CudaSlice<f32>>,
+    /// The split-K scratch; (re)allocated here when missing or short.
+    pub(super) workspace: &'a mut Option<CudaSlice<f32>>,
     pub(super) arena: &'a mut GpuKvArena,
 }
 
@@ -212,12 +213,11 @@ impl AttnStep for DecodeAttn<'_> {
         match self.kernel {
             DecodeKernel::TensorCores => {
                 let plan = decode_plan(self.batch, d, self.max_kv);
-                let ws = match &mut self.workspace {
-                    Some(w) => w,
-                    None => self
-                        .workspace
-                        .insert(alloc::<f32>(gpu, stream, plan.workspace_len())?),
-                };
+                let want = plan.workspace_len();
+                if self.workspace.as_ref().is_none_or(|w| w.len() < want) {
+                    *self.workspace = Some(alloc::<f32>(gpu, stream, want)?);
+                }
+                let ws = self.workspace.as_mut().expect("allocated above");
                 attention_decode_bf16(
                     gpu,
                     stream,

@@ -14,6 +14,7 @@
 //! them into an arena for decode.
 
 mod attn;
+mod decode;
 mod score;
 
 use std::sync::Arc;
@@ -26,19 +27,20 @@ use rollplex_kernels::cuda::{
     embedding_fwd_bf16, kv_append_bf16, rmsnorm_fwd_bf16, AttnSeqGpu, CudaSlice, CudaStream, Gpu,
 };
 
-use crate::model::{DecodeSlot, KvSpan};
+use crate::model::KvSpan;
 
 use super::arena::{alloc_in, DevBuf, Region};
 use super::block::run_blocks;
 use super::plan::{
-    check_decode_slots, check_ids, decode_kernel_for, flat_rope_tables, media_slot, PackedPrompts,
+    check_ids, media_slot, PackedPrompts,
     PromptSpec,
 };
 use super::staging::staged_bytes;
 use super::vision::GpuEncodedMedia;
-use super::{alloc, upload, GpuError, GpuModel, Result};
-use attn::{DecodeAttn, PackedAttn};
+use super::{alloc, GpuError, GpuModel, Result};
+use attn::PackedAttn;
 
+pub use decode::{DecodeBufs, DecodeIo};
 pub use score::DeviceScores;
 
 /// A prompt: token ids (media placeholders included) and the device-encoded media filling its
@@ -113,6 +115,13 @@ impl GpuKvArena {
     pub fn capacity(&self) -> u32 {
         self.capacity
     }
+    /// The device addresses of K and V (what a captured decode step bakes in).
+    pub fn addresses(&self, stream: &CudaStream) -> (u64, u64) {
+        (
+            self.k.device_ptr(stream).0,
+            self.v.device_ptr(stream).0,
+        )
+    }
     /// Bytes of the arena (K and V).
     pub fn bytes(&self) -> usize {
         2 * self.layers * self.capacity as usize * self.kv_width * 2
@@ -167,7 +176,7 @@ impl GpuKvArena {
 const LM_CHUNK: usize = 1024;
 
 impl GpuModel {
-    fn text_dims(&self) -> AttnDims {
+    pub(crate) fn text_dims(&self) -> AttnDims {
         let t = self.config.text();
         AttnDims {
             num_heads: t.num_heads as usize,
@@ -175,7 +184,7 @@ impl GpuModel {
             head_dim: t.head_dim() as usize,
         }
     }
-    fn hidden(&self) -> usize {
+    pub(crate) fn hidden(&self) -> usize {
         self.config.text().hidden_size as usize
     }
     /// Vocabulary size (logits row width).
@@ -233,30 +242,46 @@ impl GpuModel {
             h,
         )?;
         let mut xn = alloc::<bf16>(gpu, stream, n * h)?;
+        let mut logits = alloc::<bf16>(gpu, stream, n * v)?;
+        self.head_into(gpu, stream, &g, n, &mut xn, &mut logits)?;
+        Ok(logits)
+    }
+
+    /// Final norm of the first `n` rows of `x` (into `xn`), then the lm head into `logits`
+    /// `[n, V]`.
+    fn head_into(
+        &self,
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        x: &CudaSlice<bf16>,
+        n: usize,
+        xn: &mut CudaSlice<bf16>,
+        logits: &mut CudaSlice<bf16>,
+    ) -> Result<()> {
+        let (h, v) = (self.hidden(), self.vocab());
         rmsnorm_fwd_bf16(
             gpu,
             stream,
-            &mut xn,
+            xn,
             None,
-            &g,
+            x,
             &self.weights.final_norm,
             n,
             h,
             self.eps(),
         )?;
-        let mut logits = alloc::<bf16>(gpu, stream, n * v)?;
         rollplex_kernels::cuda::linear_fwd_bf16(
             gpu,
             stream,
-            &mut logits,
-            &xn,
+            logits,
+            &*xn,
             self.weights.lm_head(),
             None,
             n,
             h,
             v,
         )?;
-        Ok(logits)
+        Ok(())
     }
 
     /// Prefill: runs the prompts once (packed, causal) and returns their prefix states. Nothing
@@ -438,93 +463,5 @@ impl GpuModel {
             });
         }
         Ok((states, full))
-    }
-
-    /// One decode step: `tokens[b]` is appended to sample `b`'s suffix (its K/V written to the
-    /// arena at `suffix_offset + suffix_len`), attends `[prefix | suffix]`, and its next-token
-    /// logits land in the returned `[B, vocab]` buffer. Advances each slot's `suffix_len`.
-    /// Nothing synchronises.
-    pub fn decode_step(
-        &self,
-        gpu: &Gpu,
-        stream: &Arc<CudaStream>,
-        arena: &mut GpuKvArena,
-        slots: &mut [DecodeSlot],
-        tokens: &[u32],
-    ) -> Result<CudaSlice<bf16>> {
-        self.check_text_dims()?;
-        let b = slots.len();
-        if tokens.len() != b {
-            return Err(GpuError::Input(format!(
-                "decode_step: {b} slots but {} tokens",
-                tokens.len()
-            )));
-        }
-        let t = self.config.text();
-        if arena.layers != t.num_layers as usize
-            || arena.kv_width != (t.num_kv_heads * t.head_dim()) as usize
-        {
-            return Err(GpuError::Input(
-                "decode_step: the KV arena was made for another model".into(),
-            ));
-        }
-        check_decode_slots(arena.capacity, slots)?;
-        check_ids("decode_step", tokens, self.vocab())?;
-        if b == 0 {
-            return alloc::<bf16>(gpu, stream, 0);
-        }
-        let dims = self.text_dims();
-        let kernel = decode_kernel_for(dims.head_dim)?;
-        let positions: Vec<i64> = slots.iter().map(DecodeSlot::next_position).collect();
-        let (cos, sin) = flat_rope_tables(&self.config, &positions);
-        let gseqs: Vec<AttnSeqGpu> = slots
-            .iter()
-            .enumerate()
-            .map(|(i, s)| AttnSeqGpu::from_decode(i as u32, &s.decode_seq()))
-            .collect();
-        let max_kv = slots
-            .iter()
-            .map(|s| (s.prefix.len + s.suffix_len + 1) as usize)
-            .max()
-            .unwrap_or(1);
-        let write: Vec<u32> = slots.iter().map(DecodeSlot::write_row).collect();
-        let ids = upload(stream, tokens)?;
-        let cos = upload(stream, &cos)?;
-        let sin = upload(stream, &sin)?;
-        let seqs = upload(stream, &gseqs)?;
-        let wslots = upload(stream, &write)?;
-        let h = self.hidden();
-        let mut x = self.embed(gpu, stream, &ids, b)?;
-        {
-            let mut step = DecodeAttn {
-                cos: &cos,
-                sin: &sin,
-                slots: &wslots,
-                seqs: &seqs,
-                dims,
-                batch: b,
-                max_kv,
-                kernel,
-                workspace: None,
-                arena,
-            };
-            run_blocks(
-                gpu,
-                stream,
-                &self.weights.text,
-                &mut x,
-                b,
-                h,
-                dims,
-                self.eps(),
-                &mut step,
-            )?;
-        }
-        let iota = self.iota(stream, b)?;
-        let logits = self.head_rows(gpu, stream, &x, b, &iota.slice(..b), b)?;
-        for s in slots.iter_mut() {
-            s.suffix_len += 1;
-        }
-        Ok(logits)
     }
 }

@@ -1,0 +1,621 @@
+//! The rollout's decode loop on the device: each step draws every row's token, takes its
+//! log-prob, applies the stop test and prepares the next forward's inputs without the host
+//! (`decode_advance`), then runs the forward ([`GpuModel::decode_forward`]); the whole step is
+//! one CUDA graph, captured once per (batch bucket, stream) and replayed.
+//!
+//! Rows are whole GRPO groups, group-major (the layout group-shared attention reads). The batch
+//! shrinks by buckets of groups (1, 2, 3, 4, 6, 8, 12, 16, ... and the number of groups): every
+//! [`LAG`] steps, the rows are compacted to the smallest bucket holding the groups that were
+//! still decoding [`LAG`] steps earlier. That information comes back asynchronously (a copy of
+//! `done_step` into pinned memory after every [`LAG`]th step, read [`LAG`] steps later), so the
+//! host never waits on the step it just launched, and the compaction points are a function of
+//! the samples' stop steps only: serial and overlapped plans, eager launches and graph replays
+//! run the same batches and give the same bits. Rows of samples that stopped keep running until
+//! a compaction drops their group; what they compute is discarded (`decode_advance` records
+//! nothing for them and gives them no KV row).
+//!
+//! Buffers live as long as the run: a graph replays fixed addresses. Whatever a graph bakes in
+//! that can change between iterations (the KV arena's address, the RoPE table's size, the key
+//! split's length bound) is checked before each iteration, and the graphs are captured again
+//! when it changed; the sampling key (seed, iteration) is read from the device.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaGraph, PinnedHostSlice};
+use half::bf16;
+use rollplex_kernels::cuda::{
+    decode_advance, decode_gather_rows, embedding_fwd_bf16, logprobs_fwd_bf16, sample_bf16_keyed,
+    AttnSeqGpu, CudaEvent, CudaSlice, CudaStream, DecodeAdvance, DecodeRow, Gpu, SampleParams,
+};
+
+use crate::model::DecodeSlot;
+
+use super::plan::flat_rope_tables;
+use super::text::{DecodeBufs, DecodeIo, GpuKvArena};
+use super::{alloc, GpuError, GpuModel, Result};
+
+/// Steps between a compaction decision and the stop information it uses (and between the
+/// copies of that information to the host).
+pub const LAG: u32 = 8;
+
+/// `done_step` of a sample still decoding.
+pub const NOT_DONE: u32 = u32::MAX;
+
+/// Key-split bound granularity: the bound (which fixes the attention's split, so the bits) is
+/// rounded up to it, so that iterations with slightly different prompt lengths share graphs.
+const MAX_KV_ROUND: usize = 512;
+
+/// What one iteration's decode starts from.
+pub struct DecodeStart<'a> {
+    /// One slot per sample, in sample order (group-major, `group` samples a group), every
+    /// suffix `max_new` rows long and empty.
+    pub slots: &'a [DecodeSlot],
+    /// Per sample: the id its draws are keyed by (the sample's index when `None`).
+    pub keys: Option<&'a [u32]>,
+    pub group: usize,
+    pub max_new: u32,
+    /// Token ids that stop a sample (unless lengths are forced).
+    pub stop_ids: &'a [u32],
+    /// Per sample: the number of tokens after which it stops, whatever it draws.
+    pub forced: Option<&'a [u32]>,
+    /// Sampling (temperature, top-k, top-p; the key's seed and iteration go to the device).
+    pub sampling: SampleParams,
+    /// The temperature the drawn tokens' log-probs are taken at.
+    pub logprob_temperature: f32,
+}
+
+/// What a window's steps left on the device, brought to the host ([`DeviceDecode::collect`]).
+pub struct DecodeOutput {
+    /// `[samples, max_new]`: the token drawn at each (sample, step) the sample was live at.
+    pub tokens: Vec<u32>,
+    pub logprobs: Vec<f32>,
+    /// Per sample: the step it stopped at, or [`NOT_DONE`].
+    pub done_step: Vec<u32>,
+}
+
+/// A copy of `done_step` on its way to the host: the step after which it was taken.
+struct DoneCopy {
+    step: u32,
+    buf: usize,
+    ready: CudaEvent,
+}
+
+/// The decode loop's device state and graphs (see the module docs). Lives for the run.
+pub struct DeviceDecode {
+    samples: usize,
+    group: usize,
+    max_new: usize,
+    vocab: usize,
+    head_dim: usize,
+    max_kv: usize,
+    /// Row state, its compaction scratch and the compaction's row map.
+    rows: CudaSlice<DecodeRow>,
+    rows_tmp: CudaSlice<DecodeRow>,
+    map: CudaSlice<u32>,
+    /// The next draw's key per row, and `[seed_lo, seed_hi, iteration]`.
+    sample_ids: CudaSlice<u32>,
+    steps: CudaSlice<u32>,
+    key: CudaSlice<u32>,
+    /// This step's draws and the next forward's inputs.
+    tokens: CudaSlice<u32>,
+    logprobs: CudaSlice<f32>,
+    feed: CudaSlice<u32>,
+    cos: CudaSlice<f32>,
+    sin: CudaSlice<f32>,
+    seqs: CudaSlice<AttnSeqGpu>,
+    write_rows: CudaSlice<u32>,
+    /// RoPE cos / sin by position row (`[table_rows, head_dim]`, capacity for more).
+    cos_table: CudaSlice<f32>,
+    sin_table: CudaSlice<f32>,
+    stop_ids: CudaSlice<u32>,
+    n_stop: usize,
+    /// `[samples, max_new]` outputs and per-sample stop steps.
+    out_tokens: CudaSlice<u32>,
+    out_logprobs: CudaSlice<f32>,
+    done_step: CudaSlice<u32>,
+    /// Next-token logits per row, and the compaction's scratch.
+    logits: CudaSlice<bf16>,
+    logits_tmp: CudaSlice<bf16>,
+    bufs: DecodeBufs,
+    sampling: SampleParams,
+    logprob_temperature: f32,
+    /// Host mirror: the groups in the rows, in row order (the first `bucket` are the batch).
+    order: Vec<usize>,
+    bucket: usize,
+    /// Pinned landing buffers of `done_step` copies, and the copies in flight (oldest first).
+    pinned: Vec<PinnedHostSlice<u32>>,
+    copies: VecDeque<DoneCopy>,
+    /// The newest stop information known on the host: (step it is as of, done_step).
+    known: Option<(u32, Vec<u32>)>,
+    /// Captured steps by (bucket, stream), and what they baked in (arena K and V addresses).
+    graphs: HashMap<(usize, usize), CudaGraph>,
+    baked: (u64, u64),
+    /// Streams on which a capture failed: their steps are launched eagerly.
+    no_graph: Vec<usize>,
+    /// Launch every step eagerly (no graphs): the reference the graph replay is checked against.
+    eager: bool,
+}
+
+/// The batch sizes, in groups, a loop over `groups` groups runs: 1, 2, 3, 4, 6, 8, 12, ...
+/// below `groups`, then `groups`.
+pub fn buckets(groups: usize) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut p = 1usize;
+    while p < groups {
+        out.push(p);
+        if p >= 2 && p + p / 2 < groups {
+            out.push(p + p / 2);
+        }
+        p *= 2;
+    }
+    out.push(groups.max(1));
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+/// The smallest bucket holding `alive` groups.
+fn bucket_for(alive: usize, groups: usize) -> usize {
+    buckets(groups)
+        .into_iter()
+        .find(|&b| b >= alive)
+        .unwrap_or(groups)
+}
+
+impl DeviceDecode {
+    /// Buffers for `samples` samples in groups of `group`, `max_new` tokens each, with
+    /// `model`'s vocabulary; nothing is captured yet.
+    pub fn new(
+        model: &GpuModel,
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        samples: usize,
+        group: usize,
+        max_new: usize,
+        max_kv: usize,
+    ) -> Result<Self> {
+        if group == 0 || samples == 0 || !samples.is_multiple_of(group) || max_new == 0 {
+            return Err(GpuError::Input(format!(
+                "device decode: {samples} samples in groups of {group}, {max_new} tokens each"
+            )));
+        }
+        let v = model.vocab();
+        let hd = model.text_dims().head_dim;
+        let max_kv = max_kv.div_ceil(MAX_KV_ROUND) * MAX_KV_ROUND;
+        let n = samples;
+        let table = (max_kv + max_new) * hd;
+        Ok(DeviceDecode {
+            samples,
+            group,
+            max_new,
+            vocab: v,
+            head_dim: hd,
+            max_kv,
+            rows: alloc(gpu, stream, n)?,
+            rows_tmp: alloc(gpu, stream, n)?,
+            map: alloc(gpu, stream, n)?,
+            sample_ids: alloc(gpu, stream, n)?,
+            steps: alloc(gpu, stream, n)?,
+            key: alloc(gpu, stream, 3)?,
+            tokens: alloc(gpu, stream, n)?,
+            logprobs: alloc(gpu, stream, n)?,
+            feed: alloc(gpu, stream, n)?,
+            cos: alloc(gpu, stream, n * hd)?,
+            sin: alloc(gpu, stream, n * hd)?,
+            seqs: alloc(gpu, stream, n)?,
+            write_rows: alloc(gpu, stream, n)?,
+            cos_table: alloc(gpu, stream, table)?,
+            sin_table: alloc(gpu, stream, table)?,
+            stop_ids: alloc(gpu, stream, 1)?,
+            n_stop: 0,
+            out_tokens: alloc(gpu, stream, n * max_new)?,
+            out_logprobs: alloc(gpu, stream, n * max_new)?,
+            done_step: alloc(gpu, stream, n)?,
+            logits: alloc(gpu, stream, n * v)?,
+            logits_tmp: alloc(gpu, stream, n * v)?,
+            bufs: DecodeBufs::new(model, gpu, stream, n, max_kv)?,
+            sampling: SampleParams {
+                temperature: 0.0,
+                top_k: 0,
+                top_p: 1.0,
+                seed: 0,
+                iteration: 0,
+            },
+            logprob_temperature: 1.0,
+            order: Vec::new(),
+            bucket: 0,
+            pinned: Vec::new(),
+            copies: VecDeque::new(),
+            known: None,
+            graphs: HashMap::new(),
+            baked: (0, 0),
+            no_graph: Vec::new(),
+            eager: false,
+        })
+    }
+
+    /// Whether these buffers serve a loop of this shape (else a new [`DeviceDecode`] is made).
+    pub fn fits(&self, samples: usize, group: usize, max_new: usize, max_kv: usize) -> bool {
+        self.samples == samples
+            && self.group == group
+            && self.max_new == max_new
+            && max_kv <= self.max_kv
+    }
+
+    /// Launch every step eagerly from now on (graph replay's reference in tests and benches).
+    pub fn set_eager(&mut self, eager: bool) {
+        self.eager = eager;
+    }
+
+    /// Row `sample`'s logits, where the caller puts the first step's (its prefix's last logits).
+    pub fn first_logits_mut(&mut self, sample: usize) -> cudarc::driver::CudaViewMut<'_, bf16> {
+        let v = self.vocab;
+        self.logits.slice_mut(sample * v..(sample + 1) * v)
+    }
+
+    /// Starts an iteration's decode over `arena` (on `stream`): uploads the rows, the key, the
+    /// RoPE table and the stop rule; the first logits are the caller's
+    /// ([`DeviceDecode::first_logits_mut`]). Graphs baked for another arena are dropped.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start(
+        &mut self,
+        model: &GpuModel,
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        arena: &GpuKvArena,
+        s: &DecodeStart<'_>,
+        seed: u64,
+        iteration: u32,
+    ) -> Result<()> {
+        let n = s.slots.len();
+        if n != self.samples || s.group != self.group || s.max_new as usize != self.max_new {
+            return Err(GpuError::Input(format!(
+                "device decode made for {} samples (groups of {}, {} tokens), started with {n} \
+                 (groups of {}, {} tokens)",
+                self.samples, self.group, self.max_new, s.group, s.max_new
+            )));
+        }
+        for (what, v) in [("forced lengths", s.forced), ("sampling keys", s.keys)] {
+            if v.is_some_and(|v| v.len() != n) {
+                return Err(GpuError::Input(format!(
+                    "device decode: {what} do not match the {n} samples"
+                )));
+            }
+        }
+        if s.slots.iter().any(|sl| sl.suffix_len != 0 || sl.suffix_capacity != s.max_new) {
+            return Err(GpuError::Input(
+                "device decode: every suffix must start empty with max_new rows".into(),
+            ));
+        }
+        // positions: prefix.len + rope_delta + suffix_len, from the lowest start
+        let starts: Vec<i64> = s
+            .slots
+            .iter()
+            .map(|sl| sl.prefix.len as i64 + sl.rope_delta)
+            .collect();
+        let base = starts.iter().copied().min().unwrap_or(0);
+        let top = starts.iter().copied().max().unwrap_or(0) + s.max_new as i64;
+        let table_rows = (top - base) as usize;
+        let max_kv = s
+            .slots
+            .iter()
+            .map(|sl| (sl.prefix.len + s.max_new) as usize)
+            .max()
+            .unwrap_or(1);
+        let hd = self.head_dim;
+        if table_rows * hd > self.cos_table.len() || max_kv > self.max_kv {
+            return Err(GpuError::Input(format!(
+                "device decode: {table_rows} RoPE rows and {max_kv} keys exceed the buffers \
+                 made for {} and {}",
+                self.cos_table.len() / hd,
+                self.max_kv
+            )));
+        }
+        let positions: Vec<i64> = (base..top).collect();
+        let (cos, sin) = flat_rope_tables(&model.config, &positions);
+        stream.memcpy_htod(&cos, &mut self.cos_table.slice_mut(..cos.len()))?;
+        stream.memcpy_htod(&sin, &mut self.sin_table.slice_mut(..sin.len()))?;
+        let rows: Vec<DecodeRow> = s
+            .slots
+            .iter()
+            .enumerate()
+            .map(|(i, sl)| DecodeRow {
+                sample: i as u32,
+                key: s.keys.map_or(i as u32, |k| k[i]),
+                prefix_offset: sl.prefix.offset,
+                prefix_len: sl.prefix.len,
+                suffix_offset: sl.suffix_offset,
+                suffix_len: 0,
+                rope_row: (starts[i] - base) as u32,
+                forced: s.forced.is_some() as u32,
+                stop_len: s.forced.map_or(0, |f| f[i]),
+                done: 0,
+                step: 0,
+            })
+            .collect();
+        stream.memcpy_htod(&rows, &mut self.rows)?;
+        let ids: Vec<u32> = rows.iter().map(|r| r.key).collect();
+        stream.memcpy_htod(&ids, &mut self.sample_ids)?;
+        stream.memcpy_htod(&vec![0u32; n], &mut self.steps)?;
+        stream.memcpy_htod(&vec![NOT_DONE; n], &mut self.done_step)?;
+        let key = [seed as u32, (seed >> 32) as u32, iteration];
+        stream.memcpy_htod(&key, &mut self.key)?;
+        if s.stop_ids.len() > self.stop_ids.len() {
+            self.stop_ids = alloc(gpu, stream, s.stop_ids.len())?;
+            self.graphs.clear();
+        }
+        stream.memcpy_htod(s.stop_ids, &mut self.stop_ids.slice_mut(..s.stop_ids.len()))?;
+        if s.stop_ids.len() != self.n_stop
+            || s.sampling != self.sampling
+            || s.logprob_temperature != self.logprob_temperature
+        {
+            // baked into the graphs as launch arguments
+            self.graphs.clear();
+        }
+        self.n_stop = s.stop_ids.len();
+        self.sampling = s.sampling;
+        self.logprob_temperature = s.logprob_temperature;
+        let baked = arena.addresses(stream);
+        if baked != self.baked {
+            self.graphs.clear();
+            self.baked = baked;
+        }
+        self.order = (0..n / self.group).collect();
+        self.bucket = self.order.len();
+        self.copies.clear();
+        self.known = None;
+        Ok(())
+    }
+
+    /// Rows in the running batch.
+    pub fn batch_rows(&self) -> usize {
+        self.bucket * self.group
+    }
+
+    /// Runs decode step `step` on `stream`: first the deterministic compaction (see the module
+    /// docs), then the step as a graph replay (captured on first use of the bucket on this
+    /// stream, after one eager launch that also compiles and plans what the capture needs), and
+    /// every [`LAG`]th step a copy of the stop steps for the host. Returns whether the step ran:
+    /// `false` once the host knows every sample has stopped.
+    pub fn step(
+        &mut self,
+        model: &GpuModel,
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        arena: &mut GpuKvArena,
+        step: u32,
+    ) -> Result<bool> {
+        self.poll()?;
+        if let Some((_, done)) = &self.known {
+            if done.iter().all(|&d| d != NOT_DONE) {
+                return Ok(false);
+            }
+        }
+        if step >= LAG && step.is_multiple_of(LAG) {
+            self.compact_as_of(gpu, stream, step - LAG)?;
+        }
+        let sk = stream.cu_stream() as usize;
+        let key = (self.bucket, sk);
+        if let Some(g) = self.graphs.get(&key).filter(|_| !self.eager) {
+            g.launch()?;
+        } else {
+            self.launch_step(model, gpu, stream, arena)?;
+            if !self.eager && !self.no_graph.contains(&sk) {
+                match self.capture(model, gpu, stream, arena) {
+                    Ok(g) => {
+                        self.graphs.insert(key, g);
+                    }
+                    Err(e) => {
+                        eprintln!(
+                            "warning: decode steps on this stream are launched one kernel at a                              time: capturing a CUDA graph failed ({e})"
+                        );
+                        self.no_graph.push(sk);
+                    }
+                }
+            }
+        }
+        if step.is_multiple_of(LAG) {
+            self.copy_done(gpu, stream, step)?;
+        }
+        Ok(true)
+    }
+
+    /// The step's launches: draw, log-prob, advance, forward.
+    fn launch_step(
+        &mut self,
+        model: &GpuModel,
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        arena: &mut GpuKvArena,
+    ) -> Result<()> {
+        let (b, v) = (self.batch_rows(), self.vocab);
+        sample_bf16_keyed(
+            gpu,
+            stream,
+            &mut self.tokens,
+            &self.logits,
+            &self.key,
+            &self.sample_ids,
+            &self.steps,
+            b,
+            v,
+            v,
+            &self.sampling,
+        )?;
+        logprobs_fwd_bf16(
+            gpu,
+            stream,
+            &mut self.logprobs,
+            None::<&mut dyn cudarc::driver::DevicePtrMut<f32>>,
+            None,
+            &self.logits,
+            &self.tokens,
+            b,
+            v,
+            v,
+            self.logprob_temperature,
+        )?;
+        decode_advance(
+            gpu,
+            stream,
+            DecodeAdvance {
+                rows: &mut self.rows,
+                n_rows: b,
+                tokens: &self.tokens,
+                logprobs: &self.logprobs,
+                stop_ids: &self.stop_ids,
+                n_stop: self.n_stop,
+                max_new: self.max_new,
+                out_tokens: &mut self.out_tokens,
+                out_logprobs: &mut self.out_logprobs,
+                done_step: &mut self.done_step,
+                samples: self.samples,
+                cos_table: &self.cos_table,
+                sin_table: &self.sin_table,
+                head_dim: self.head_dim,
+                feed: &mut self.feed,
+                cos: &mut self.cos,
+                sin: &mut self.sin,
+                seqs: &mut self.seqs,
+                write_rows: &mut self.write_rows,
+                sample_ids: &mut self.sample_ids,
+                steps: &mut self.steps,
+            },
+        )?;
+        let io = DecodeIo {
+            tokens: &self.feed,
+            cos: &self.cos,
+            sin: &self.sin,
+            seqs: &self.seqs,
+            write_rows: &self.write_rows,
+            batch: b,
+            max_kv: self.max_kv,
+        };
+        model.decode_forward(gpu, stream, arena, &io, &mut self.bufs, &mut self.logits)
+    }
+
+    /// Captures the step's launches as a graph (not run).
+    fn capture(
+        &mut self,
+        model: &GpuModel,
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        arena: &mut GpuKvArena,
+    ) -> Result<CudaGraph> {
+        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+        let launched = self.launch_step(model, gpu, stream, arena);
+        let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        launched?;
+        graph?.ok_or_else(|| GpuError::Input("stream capture of a decode step was empty".into()))
+    }
+
+    /// Enqueues a copy of the stop steps as of `step` (just launched) into pinned memory.
+    fn copy_done(&mut self, gpu: &Gpu, stream: &Arc<CudaStream>, step: u32) -> Result<()> {
+        let used: Vec<usize> = self.copies.iter().map(|c| c.buf).collect();
+        let buf = match (0..self.pinned.len()).find(|i| !used.contains(i)) {
+            Some(i) => i,
+            None => {
+                // SAFETY: a page-locked host buffer of `samples` u32, written only by the copies
+                // below and read after their events.
+                let p = unsafe { gpu.ctx().alloc_pinned_with_flags::<u32>(self.samples, 0) }?;
+                self.pinned.push(p);
+                self.pinned.len() - 1
+            }
+        };
+        stream.memcpy_dtoh(&self.done_step, &mut self.pinned[buf])?;
+        let ready = gpu.event()?;
+        ready.record(stream)?;
+        self.copies.push_back(DoneCopy { step, buf, ready });
+        Ok(())
+    }
+
+    /// Takes in every copy that has landed, without waiting.
+    fn poll(&mut self) -> Result<()> {
+        while self.copies.front().is_some_and(|c| c.ready.is_complete()) {
+            self.take_oldest()?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the oldest copy in flight and makes it the newest known.
+    fn take_oldest(&mut self) -> Result<()> {
+        let Some(c) = self.copies.pop_front() else {
+            return Ok(());
+        };
+        c.ready.synchronize()?;
+        let done = self.pinned[c.buf].as_slice()?.to_vec();
+        self.known = Some((c.step, done));
+        Ok(())
+    }
+
+    /// Compacts the rows to the bucket of the groups still decoding after step `asof` (waiting
+    /// for that copy if it has not landed: it was launched [`LAG`] steps ago).
+    fn compact_as_of(&mut self, gpu: &Gpu, stream: &Arc<CudaStream>, asof: u32) -> Result<()> {
+        while self.known.as_ref().is_none_or(|(s, _)| *s < asof) {
+            if self.copies.is_empty() {
+                return Err(GpuError::Input(format!(
+                    "device decode: no copy of the stop steps as of step {asof}"
+                )));
+            }
+            self.take_oldest()?;
+        }
+        let (_, done) = self.known.as_ref().expect("taken above");
+        let g = self.group;
+        let alive = |grp: usize| (grp * g..(grp + 1) * g).any(|m| done[m] == NOT_DONE || done[m] > asof);
+        let groups = self.order.len();
+        let n_alive = self.order[..self.bucket].iter().filter(|&&grp| alive(grp)).count();
+        let bucket = bucket_for(n_alive.max(1), groups);
+        if bucket >= self.bucket {
+            return Ok(());
+        }
+        // the live groups first (in their row order), then stopped ones to fill the bucket
+        let mut order: Vec<usize> = self.order.iter().copied().filter(|&grp| alive(grp)).collect();
+        order.extend(self.order.iter().copied().filter(|&grp| !alive(grp)));
+        let pos: HashMap<usize, usize> =
+            self.order.iter().enumerate().map(|(i, &grp)| (grp, i)).collect();
+        let map: Vec<u32> = order[..bucket]
+            .iter()
+            .flat_map(|grp| {
+                let p = pos[grp];
+                (0..g).map(move |m| (p * g + m) as u32)
+            })
+            .collect();
+        let n = map.len();
+        stream.memcpy_htod(&map, &mut self.map.slice_mut(..n))?;
+        decode_gather_rows(
+            gpu,
+            stream,
+            &mut self.rows_tmp,
+            &self.rows,
+            &self.map,
+            n,
+            &mut self.sample_ids,
+            &mut self.steps,
+        )?;
+        stream.memcpy_dtod(&self.rows_tmp.slice(..n), &mut self.rows.slice_mut(..n))?;
+        let v = self.vocab;
+        embedding_fwd_bf16(gpu, stream, &mut self.logits_tmp, &self.logits, &self.map, n, v, v)?;
+        stream.memcpy_dtod(
+            &self.logits_tmp.slice(..n * v),
+            &mut self.logits.slice_mut(..n * v),
+        )?;
+        self.order = order;
+        self.bucket = bucket;
+        Ok(())
+    }
+
+    /// Brings the outputs to the host (synchronises `stream`).
+    pub fn collect(&mut self, stream: &Arc<CudaStream>) -> Result<DecodeOutput> {
+        let out = DecodeOutput {
+            tokens: stream.clone_dtoh(&self.out_tokens)?,
+            logprobs: stream.clone_dtoh(&self.out_logprobs)?,
+            done_step: stream.clone_dtoh(&self.done_step)?,
+        };
+        stream.synchronize()?;
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests;
