@@ -25,10 +25,13 @@ struct DecodeRow {
 // done_step[sample] = s; otherwise `tok` is fed: position rope_row + suffix_len, KV row
 // suffix_offset + suffix_len, attending the prefix and suffix_len + 1 own rows. A done row feeds
 // token 0, writes no KV (row 0xffffffff) and attends its group's first prefix row twice, so its
-// (discarded) work is small and reads only written memory.
+// (discarded) work is small and reads only written memory; with `keep_prefix` (group-shared
+// attention, which reads each group's prefix from its first row's descriptor) it attends the
+// whole prefix and that row.
 extern "C" __global__ void decode_advance(
     DecodeRow* __restrict__ rows, u32 n_rows, const u32* __restrict__ toks,
     const float* __restrict__ lps, const u32* __restrict__ stop_ids, u32 n_stop, u32 max_new,
+    u32 keep_prefix,
     u32* __restrict__ out_tok, float* __restrict__ out_lp, u32* __restrict__ done_step,
     const float* __restrict__ cos_tab, const float* __restrict__ sin_tab, u32 tab_rows,
     u32 head_dim, u32* __restrict__ feed, float* __restrict__ cos, float* __restrict__ sin,
@@ -79,7 +82,7 @@ extern "C" __global__ void decode_advance(
             s.q_start = r;
             s.q_len = 1;
             s.p_start = row.prefix_offset;
-            s.p_len = 1;
+            s.p_len = keep_prefix ? row.prefix_len : 1;
             s.k_start = row.prefix_offset;
             s.k_len = 1;
             seqs[r] = s;

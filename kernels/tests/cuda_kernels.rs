@@ -1121,8 +1121,14 @@ fn fused_decode_ops_equal_their_parts() {
 /// already done (which only get the padding inputs); then `decode_gather_rows`.
 #[test]
 fn decode_advance_matches_its_twin() {
-    use rollplex_kernels::cuda::decode_loop::DecodeAdvanceRef;
     let g = gpu_or_skip!();
+    for keep_prefix in [false, true] {
+        decode_advance_case(&g, keep_prefix);
+    }
+}
+
+fn decode_advance_case(g: &Gpu, keep_prefix: bool) {
+    use rollplex_kernels::cuda::decode_loop::DecodeAdvanceRef;
     let s = g.stream(0).unwrap();
     let (n, samples, max_new, hd, table_rows) = (9usize, 12usize, 6usize, 8usize, 20usize);
     let stop_ids = [7u32, 3];
@@ -1151,8 +1157,12 @@ fn decode_advance_matches_its_twin() {
     let mut rows = rows;
     rows[5].step = max_new as u32 - 1;
     let logprobs: Vec<f32> = (0..n).map(|r| -0.25 * r as f32).collect();
-    let cos_t: Vec<f32> = (0..table_rows * hd).map(|i| (i as f32 * 0.37).cos()).collect();
-    let sin_t: Vec<f32> = (0..table_rows * hd).map(|i| (i as f32 * 0.37).sin()).collect();
+    let cos_t: Vec<f32> = (0..table_rows * hd)
+        .map(|i| (i as f32 * 0.37).cos())
+        .collect();
+    let sin_t: Vec<f32> = (0..table_rows * hd)
+        .map(|i| (i as f32 * 0.37).sin())
+        .collect();
     // host twin
     let mut h_rows = rows.clone();
     let (mut h_ot, mut h_ol, mut h_done) = (
@@ -1160,8 +1170,11 @@ fn decode_advance_matches_its_twin() {
         vec![f32::NAN; samples * max_new],
         vec![u32::MAX; samples],
     );
-    let (mut h_feed, mut h_cos, mut h_sin) =
-        (vec![9u32; n], vec![f32::NAN; n * hd], vec![f32::NAN; n * hd]);
+    let (mut h_feed, mut h_cos, mut h_sin) = (
+        vec![9u32; n],
+        vec![f32::NAN; n * hd],
+        vec![f32::NAN; n * hd],
+    );
     let mut h_seqs = vec![AttnSeqGpu::default(); n];
     let (mut h_w, mut h_ids, mut h_steps) = (vec![1u32; n], vec![1u32; n], vec![1u32; n]);
     decode_advance_ref(DecodeAdvanceRef {
@@ -1170,6 +1183,7 @@ fn decode_advance_matches_its_twin() {
         logprobs: &logprobs,
         stop_ids: &stop_ids,
         max_new,
+        keep_prefix,
         out_tokens: &mut h_ot,
         out_logprobs: &mut h_ol,
         done_step: &mut h_done,
@@ -1203,7 +1217,7 @@ fn decode_advance_matches_its_twin() {
     let mut d_ids = s.clone_htod(&vec![1u32; n]).unwrap();
     let mut d_steps = s.clone_htod(&vec![1u32; n]).unwrap();
     decode_advance(
-        &g,
+        g,
         &s,
         DecodeAdvance {
             rows: &mut d_rows,
@@ -1213,6 +1227,7 @@ fn decode_advance_matches_its_twin() {
             stop_ids: &d_stop,
             n_stop: stop_ids.len(),
             max_new,
+            keep_prefix,
             out_tokens: &mut d_ot,
             out_logprobs: &mut d_ol,
             done_step: &mut d_done,
@@ -1247,13 +1262,28 @@ fn decode_advance_matches_its_twin() {
     assert_eq!(h_rows[5].done, 1);
     assert_eq!(h_rows[4].step, rows[4].step, "a done row does not advance");
     assert_eq!(h_w[4], u32::MAX);
-    assert_eq!(h_rows[8].done, u32::from(rows[8].step + 1 >= rows[8].stop_len));
+    let want_p = if keep_prefix { rows[4].prefix_len } else { 1 };
+    assert_eq!(h_seqs[4].p_len, want_p);
+    assert_eq!(
+        h_rows[8].done,
+        u32::from(rows[8].step + 1 >= rows[8].stop_len)
+    );
     assert_eq!(h_rows[1].suffix_len, rows[1].suffix_len + 1);
     // gather: rows reversed, keys follow
     let map: Vec<u32> = (0..n as u32).rev().collect();
     let d_map = s.clone_htod(&map).unwrap();
     let mut d_dst = s.clone_htod(&vec![DecodeRow::default(); n]).unwrap();
-    decode_gather_rows(&g, &s, &mut d_dst, &d_rows, &d_map, n, &mut d_ids, &mut d_steps).unwrap();
+    decode_gather_rows(
+        g,
+        &s,
+        &mut d_dst,
+        &d_rows,
+        &d_map,
+        n,
+        &mut d_ids,
+        &mut d_steps,
+    )
+    .unwrap();
     let got = s.clone_dtoh(&d_dst).unwrap();
     let want: Vec<DecodeRow> = map.iter().map(|&i| h_rows[i as usize]).collect();
     assert_eq!(got, want);

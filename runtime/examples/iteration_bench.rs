@@ -25,8 +25,11 @@
 //! Without it the models and every buffer come from the memory pool, reserved to the plan's
 //! arena size.
 //!
+//! With `--eager-decode` decode steps are launched one kernel at a time instead of replayed as
+//! CUDA graphs (`rollplex-run --eager-decode`: the same bits).
+//!
 //! Usage: iteration_bench PLAN.bin... [--iterations 2] [--rounds 2] [--trace-dir DIR]
-//! [--profile-dir DIR] [--placed]
+//! [--profile-dir DIR] [--placed] [--eager-decode]
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -35,7 +38,7 @@ use anyhow::{bail, Context, Result};
 use rollplex_plan::plan::{Plan, Task};
 use rollplex_plan::spec::DatasetSpec;
 use rollplex_runtime::exec::gpu::{
-    build_gpu_models, build_gpu_models_for, run_gpu_loop, PlanStreams,
+    build_gpu_models, build_gpu_models_for, run_gpu_loop_with, GpuExecOptions, PlanStreams,
 };
 use rollplex_runtime::exec::profile::{Execution, ProfileRecorder};
 use rollplex_runtime::exec::{self, ExecError, IterationResult, LoopModels, LoopObserver};
@@ -198,15 +201,20 @@ fn main() -> Result<()> {
         .unwrap_or(2);
     let trace_dir = arg(&mut args, "--trace-dir").map(PathBuf::from);
     let profile_dir = arg(&mut args, "--profile-dir").map(PathBuf::from);
-    let placed = match args.iter().position(|a| a == "--placed") {
+    let mut flag = |name: &str| match args.iter().position(|a| a == name) {
         Some(i) => {
             args.remove(i);
             true
         }
         None => false,
     };
+    let placed = flag("--placed");
+    let options = GpuExecOptions {
+        eager_decode: flag("--eager-decode"),
+        ..GpuExecOptions::default()
+    };
     if args.is_empty() || iterations < 2 {
-        bail!("usage: iteration_bench PLAN.bin... [--iterations N >= 2] [--rounds R] [--trace-dir DIR] [--profile-dir DIR] [--placed]");
+        bail!("usage: iteration_bench PLAN.bin... [--iterations N >= 2] [--rounds R] [--trace-dir DIR] [--profile-dir DIR] [--placed] [--eager-decode]");
     }
     if let Some(dir) = &profile_dir {
         std::fs::create_dir_all(dir)
@@ -285,13 +293,14 @@ fn main() -> Result<()> {
                 trace: trace_dir.as_ref().map(|_| PlanTrace::new(plan, "cuda")),
                 profile,
             };
-            run_gpu_loop(
+            run_gpu_loop_with(
                 plan,
                 models,
                 source.as_mut(),
                 reward.as_mut(),
                 0..iterations,
                 &mut obs,
+                options,
             )
             .with_context(|| format!("running {name}"))?;
             let stem = std::path::Path::new(name)

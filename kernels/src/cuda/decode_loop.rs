@@ -57,6 +57,8 @@ pub struct DecodeAdvance<'a> {
     pub stop_ids: &'a CudaSlice<u32>,
     pub n_stop: usize,
     pub max_new: usize,
+    /// Stopped rows attend their group's whole prefix (what group-shared attention needs).
+    pub keep_prefix: bool,
     /// `[samples, max_new]` tokens and log-probs; `[samples]` stop steps.
     pub out_tokens: &'a mut CudaSlice<u32>,
     pub out_logprobs: &'a mut CudaSlice<f32>,
@@ -136,6 +138,7 @@ pub fn decode_advance(gpu: &Gpu, stream: &Arc<CudaStream>, a: DecodeAdvance<'_>)
         ptr_mut(a.sample_ids, stream),
         ptr_mut(a.steps, stream),
     );
+    let keep = u32::from(a.keep_prefix);
     let (n32, ns, mn, tr, hd) = (
         u32_of(OP, "n_rows", n)?,
         u32_of(OP, "n_stop", a.n_stop)?,
@@ -155,8 +158,8 @@ pub fn decode_advance(gpu: &Gpu, stream: &Arc<CudaStream>, a: DecodeAdvance<'_>)
             "decode_advance",
             Grid::new((n32, 1, 1), 64),
             &[
-                &rp, &n32, &tp, &lp, &stop, &ns, &mn, &otp, &olp, &dp, &ctp, &stp, &tr, &hd, &fp,
-                &cp, &sp, &qp, &wp, &sip, &step_p,
+                &rp, &n32, &tp, &lp, &stop, &ns, &mn, &keep, &otp, &olp, &dp, &ctp, &stp, &tr, &hd,
+                &fp, &cp, &sp, &qp, &wp, &sip, &step_p,
             ],
         )
     }?;
@@ -214,6 +217,7 @@ pub struct DecodeAdvanceRef<'a> {
     pub logprobs: &'a [f32],
     pub stop_ids: &'a [u32],
     pub max_new: usize,
+    pub keep_prefix: bool,
     pub out_tokens: &'a mut [u32],
     pub out_logprobs: &'a mut [f32],
     pub done_step: &'a mut [u32],
@@ -273,7 +277,7 @@ pub fn decode_advance_ref(a: DecodeAdvanceRef<'_>) {
                 q_start: r as u32,
                 q_len: 1,
                 p_start: row.prefix_offset,
-                p_len: 1,
+                p_len: if a.keep_prefix { row.prefix_len } else { 1 },
                 k_start: row.prefix_offset,
                 k_len: 1,
             };

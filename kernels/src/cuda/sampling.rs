@@ -157,7 +157,9 @@ pub fn sample_bf16(
         steps: ptr(steps, stream),
     };
     let lens = [tokens.len(), logits.len(), sample_ids.len(), steps.len()];
-    launch_sample(gpu, stream, rows_key, lens, rows, vocab, row_stride, params, None)
+    launch_sample(
+        gpu, stream, rows_key, lens, rows, vocab, row_stride, params, None,
+    )
 }
 
 /// [`sample_bf16`] with the key's seed and iteration read from the device (`key = [seed_lo,
@@ -186,7 +188,17 @@ pub fn sample_bf16_keyed(
     };
     let lens = [tokens.len(), logits.len(), sample_ids.len(), steps.len()];
     let k = ptr(key, stream);
-    launch_sample(gpu, stream, rows_key, lens, rows, vocab, row_stride, params, Some(k))
+    launch_sample(
+        gpu,
+        stream,
+        rows_key,
+        lens,
+        rows,
+        vocab,
+        row_stride,
+        params,
+        Some(k),
+    )
 }
 
 /// The per-row device addresses of a draw.

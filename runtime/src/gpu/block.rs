@@ -101,7 +101,9 @@ pub(crate) fn run_blocks(
     eps: f32,
     attn: &mut dyn AttnStep,
 ) -> Result<()> {
-    run_blocks_keeping(gpu, stream, blocks, x, rows, hidden, dims, eps, attn, None, None)
+    run_blocks_keeping(
+        gpu, stream, blocks, x, rows, hidden, dims, eps, attn, None, None,
+    )
 }
 
 /// [`run_blocks`], also copying each block's input (the residual stream entering it, `[rows,

@@ -31,7 +31,7 @@ use rollplex_kernels::cuda::{
 
 use crate::model::DecodeSlot;
 
-use super::plan::flat_rope_tables;
+use super::plan::{decode_kernel_for, flat_rope_tables, DecodeKernel};
 use super::text::{DecodeBufs, DecodeIo, GpuKvArena};
 use super::{alloc, GpuError, GpuModel, Result};
 
@@ -89,6 +89,10 @@ pub struct DeviceDecode {
     vocab: usize,
     head_dim: usize,
     max_kv: usize,
+    /// The longest group prefix the buffers and graphs are made for.
+    max_prefix: usize,
+    /// Rows are attended by group (each group's prefix read once) rather than one by one.
+    grouped: bool,
     /// Row state, its compaction scratch and the compaction's row map.
     rows: CudaSlice<DecodeRow>,
     rows_tmp: CudaSlice<DecodeRow>,
@@ -164,8 +168,10 @@ fn bucket_for(alive: usize, groups: usize) -> usize {
 }
 
 impl DeviceDecode {
-    /// Buffers for `samples` samples in groups of `group`, `max_new` tokens each, with
-    /// `model`'s vocabulary; nothing is captured yet.
+    /// Buffers for `samples` samples in groups of `group`, `max_new` tokens each, after group
+    /// prefixes of at most `max_prefix` keys, with `model`'s vocabulary; nothing is captured
+    /// yet. Groups of more than one sample share their prefix reads when the model's head
+    /// size takes the tensor-core attention.
     pub fn new(
         model: &GpuModel,
         gpu: &Gpu,
@@ -173,7 +179,7 @@ impl DeviceDecode {
         samples: usize,
         group: usize,
         max_new: usize,
-        max_kv: usize,
+        max_prefix: usize,
     ) -> Result<Self> {
         if group == 0 || samples == 0 || !samples.is_multiple_of(group) || max_new == 0 {
             return Err(GpuError::Input(format!(
@@ -182,7 +188,10 @@ impl DeviceDecode {
         }
         let v = model.vocab();
         let hd = model.text_dims().head_dim;
-        let max_kv = max_kv.div_ceil(MAX_KV_ROUND) * MAX_KV_ROUND;
+        let max_prefix = max_prefix.max(1).div_ceil(MAX_KV_ROUND) * MAX_KV_ROUND;
+        let max_kv = max_prefix + max_new;
+        let grouped =
+            group > 1 && decode_kernel_for(hd).is_ok_and(|k| k == DecodeKernel::TensorCores);
         let n = samples;
         let table = (max_kv + max_new) * hd;
         Ok(DeviceDecode {
@@ -192,6 +201,8 @@ impl DeviceDecode {
             vocab: v,
             head_dim: hd,
             max_kv,
+            max_prefix,
+            grouped,
             rows: alloc(gpu, stream, n)?,
             rows_tmp: alloc(gpu, stream, n)?,
             map: alloc(gpu, stream, n)?,
@@ -214,7 +225,14 @@ impl DeviceDecode {
             done_step: alloc(gpu, stream, n)?,
             logits: alloc(gpu, stream, n * v)?,
             logits_tmp: alloc(gpu, stream, n * v)?,
-            bufs: DecodeBufs::new(model, gpu, stream, n, max_kv)?,
+            bufs: DecodeBufs::new(
+                model,
+                gpu,
+                stream,
+                n,
+                max_kv,
+                (if grouped { group } else { 1 }, max_prefix),
+            )?,
             sampling: SampleParams {
                 temperature: 0.0,
                 top_k: 0,
@@ -236,11 +254,11 @@ impl DeviceDecode {
     }
 
     /// Whether these buffers serve a loop of this shape (else a new [`DeviceDecode`] is made).
-    pub fn fits(&self, samples: usize, group: usize, max_new: usize, max_kv: usize) -> bool {
+    pub fn fits(&self, samples: usize, group: usize, max_new: usize, max_prefix: usize) -> bool {
         self.samples == samples
             && self.group == group
             && self.max_new == max_new
-            && max_kv <= self.max_kv
+            && max_prefix <= self.max_prefix
     }
 
     /// Launch every step eagerly from now on (graph replay's reference in tests and benches).
@@ -283,7 +301,10 @@ impl DeviceDecode {
                 )));
             }
         }
-        if s.slots.iter().any(|sl| sl.suffix_len != 0 || sl.suffix_capacity != s.max_new) {
+        if s.slots
+            .iter()
+            .any(|sl| sl.suffix_len != 0 || sl.suffix_capacity != s.max_new)
+        {
             return Err(GpuError::Input(
                 "device decode: every suffix must start empty with max_new rows".into(),
             ));
@@ -297,20 +318,28 @@ impl DeviceDecode {
         let base = starts.iter().copied().min().unwrap_or(0);
         let top = starts.iter().copied().max().unwrap_or(0) + s.max_new as i64;
         let table_rows = (top - base) as usize;
-        let max_kv = s
+        let max_prefix = s
             .slots
             .iter()
-            .map(|sl| (sl.prefix.len + s.max_new) as usize)
+            .map(|sl| sl.prefix.len as usize)
             .max()
             .unwrap_or(1);
         let hd = self.head_dim;
-        if table_rows * hd > self.cos_table.len() || max_kv > self.max_kv {
+        if table_rows * hd > self.cos_table.len() || max_prefix > self.max_prefix {
             return Err(GpuError::Input(format!(
-                "device decode: {table_rows} RoPE rows and {max_kv} keys exceed the buffers \
-                 made for {} and {}",
+                "device decode: {table_rows} RoPE rows and prefixes of {max_prefix} keys exceed \
+                 the buffers made for {} and {}",
                 self.cos_table.len() / hd,
-                self.max_kv
+                self.max_prefix
             )));
+        }
+        if let Some(f) = s.forced {
+            if let Some(bad) = f.iter().find(|&&l| l == 0 || l > s.max_new) {
+                return Err(GpuError::Input(format!(
+                    "device decode: a forced length of {bad} is outside 1..={}",
+                    s.max_new
+                )));
+            }
         }
         let positions: Vec<i64> = (base..top).collect();
         let (cos, sin) = flat_rope_tables(&model.config, &positions);
@@ -467,6 +496,7 @@ impl DeviceDecode {
                 stop_ids: &self.stop_ids,
                 n_stop: self.n_stop,
                 max_new: self.max_new,
+                keep_prefix: self.grouped,
                 out_tokens: &mut self.out_tokens,
                 out_logprobs: &mut self.out_logprobs,
                 done_step: &mut self.done_step,
@@ -491,6 +521,8 @@ impl DeviceDecode {
             write_rows: &self.write_rows,
             batch: b,
             max_kv: self.max_kv,
+            group: if self.grouped { self.group } else { 1 },
+            max_prefix: self.max_prefix,
         };
         model.decode_forward(gpu, stream, arena, &io, &mut self.bufs, &mut self.logits)
     }
@@ -562,18 +594,31 @@ impl DeviceDecode {
         }
         let (_, done) = self.known.as_ref().expect("taken above");
         let g = self.group;
-        let alive = |grp: usize| (grp * g..(grp + 1) * g).any(|m| done[m] == NOT_DONE || done[m] > asof);
+        let alive =
+            |grp: usize| (grp * g..(grp + 1) * g).any(|m| done[m] == NOT_DONE || done[m] > asof);
         let groups = self.order.len();
-        let n_alive = self.order[..self.bucket].iter().filter(|&&grp| alive(grp)).count();
+        let n_alive = self.order[..self.bucket]
+            .iter()
+            .filter(|&&grp| alive(grp))
+            .count();
         let bucket = bucket_for(n_alive.max(1), groups);
         if bucket >= self.bucket {
             return Ok(());
         }
         // the live groups first (in their row order), then stopped ones to fill the bucket
-        let mut order: Vec<usize> = self.order.iter().copied().filter(|&grp| alive(grp)).collect();
+        let mut order: Vec<usize> = self
+            .order
+            .iter()
+            .copied()
+            .filter(|&grp| alive(grp))
+            .collect();
         order.extend(self.order.iter().copied().filter(|&grp| !alive(grp)));
-        let pos: HashMap<usize, usize> =
-            self.order.iter().enumerate().map(|(i, &grp)| (grp, i)).collect();
+        let pos: HashMap<usize, usize> = self
+            .order
+            .iter()
+            .enumerate()
+            .map(|(i, &grp)| (grp, i))
+            .collect();
         let map: Vec<u32> = order[..bucket]
             .iter()
             .flat_map(|grp| {
@@ -595,7 +640,16 @@ impl DeviceDecode {
         )?;
         stream.memcpy_dtod(&self.rows_tmp.slice(..n), &mut self.rows.slice_mut(..n))?;
         let v = self.vocab;
-        embedding_fwd_bf16(gpu, stream, &mut self.logits_tmp, &self.logits, &self.map, n, v, v)?;
+        embedding_fwd_bf16(
+            gpu,
+            stream,
+            &mut self.logits_tmp,
+            &self.logits,
+            &self.map,
+            n,
+            v,
+            v,
+        )?;
         stream.memcpy_dtod(
             &self.logits_tmp.slice(..n * v),
             &mut self.logits.slice_mut(..n * v),

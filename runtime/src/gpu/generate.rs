@@ -106,8 +106,8 @@ impl GpuModel {
         } else {
             1.0
         };
-        let max_kv = (prefix.len + maxn) as usize;
-        let mut dd = DeviceDecode::new(self, gpu, stream, g, g, maxn as usize, max_kv)?;
+        let mut dd =
+            DeviceDecode::new(self, gpu, stream, g, g, maxn as usize, prefix.len as usize)?;
         dd.set_eager(true);
         for i in 0..g {
             // step 0: every sample draws from the prefix's last logits

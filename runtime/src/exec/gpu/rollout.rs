@@ -219,23 +219,28 @@ impl GpuIteration<'_, '_> {
         let group = self.book.group_size;
         let mut slots = Vec::with_capacity(samples);
         for smp in 0..samples {
-            let p = self.prefixes[smp / group].as_ref().expect("all prefixes known");
-            slots.push(DecodeSlot::new(spans[smp / group], p.rope_delta, off, max_new));
+            let p = self.prefixes[smp / group]
+                .as_ref()
+                .expect("all prefixes known");
+            slots.push(DecodeSlot::new(
+                spans[smp / group],
+                p.rope_delta,
+                off,
+                max_new,
+            ));
             off += max_new;
         }
-        let max_kv = slots
-            .iter()
-            .map(|sl| (sl.prefix.len + max_new) as usize)
-            .max()
-            .unwrap_or(1);
+        let max_prefix = spans.iter().map(|sp| sp.len as usize).max().unwrap_or(1);
         let dd = match self.models.decode.take() {
-            Some(d) if d.fits(samples, group, max_new as usize, max_kv) => d,
-            _ => DeviceDecode::new(model, gpu, s, samples, group, max_new as usize, max_kv)?,
+            Some(d) if d.fits(samples, group, max_new as usize, max_prefix) => d,
+            _ => DeviceDecode::new(model, gpu, s, samples, group, max_new as usize, max_prefix)?,
         };
         let dd = self.models.decode.insert(dd);
         dd.set_eager(self.eager_decode);
         for smp in 0..samples {
-            let p = self.prefixes[smp / group].as_ref().expect("all prefixes known");
+            let p = self.prefixes[smp / group]
+                .as_ref()
+                .expect("all prefixes known");
             s.memcpy_dtod(&*p.last_logits, &mut dd.first_logits_mut(smp))?;
         }
         let (stop_ids, forced) = self.book.stop_rule();
@@ -251,7 +256,15 @@ impl GpuIteration<'_, '_> {
             logprob_temperature: self.book.temperature(),
         };
         let model = self.models.trainer.model();
-        dd.start(model, gpu, s, &arena, &start, self.book.spec.seed, self.book.iteration)?;
+        dd.start(
+            model,
+            gpu,
+            s,
+            &arena,
+            &start,
+            self.book.spec.seed,
+            self.book.iteration,
+        )?;
         self.slots = slots;
         self.arena = Some(arena);
         self.active = (0..samples).collect();

@@ -191,15 +191,8 @@ pub fn run_gpu_loop_with(
             let t_origin = Instant::now();
             observer.iteration_started(it, tasks);
             let (result, times) = {
-                let mut iter = GpuIteration::new(
-                    plan,
-                    models,
-                    &streams,
-                    reward,
-                    it,
-                    &prompts,
-                    &options,
-                )?;
+                let mut iter =
+                    GpuIteration::new(plan, models, &streams, reward, it, &prompts, &options)?;
                 let mut started = Started {
                     inner: &mut iter,
                     observer: &mut *observer,

@@ -33,8 +33,10 @@ fn run(
     states: &[super::super::text::GpuPrefixState],
     iteration: u32,
     eager: bool,
+    temperature: f32,
 ) -> (Vec<Vec<u32>>, Vec<Vec<u32>>, Vec<u32>, Vec<usize>) {
     let (group, max_new) = (4usize, 40u32);
+    let rows_per_group = dd.group;
     let samples = states.len() * group;
     let mut off = 0;
     let mut spans = Vec::new();
@@ -63,20 +65,21 @@ fn run(
             .unwrap();
     }
     let sampling = SamplingParams {
-        temperature: 1.0,
+        temperature,
         top_k: 0,
         top_p: 1.0,
     };
     let start = DecodeStart {
         slots: &slots,
         keys: None,
-        group,
+        group: rows_per_group,
         max_new,
         stop_ids: &[],
         forced: Some(&forced),
         sampling: sample_params(&sampling, 5, iteration),
         logprob_temperature: 1.0,
     };
+    let _ = group;
     dd.start(gm, gpu, s, arena, &start, 5, iteration).unwrap();
     let mut batches = Vec::new();
     for step in 0..max_new {
@@ -91,7 +94,10 @@ fn run(
     let mut lps = Vec::new();
     for i in 0..samples {
         let n = out.done_step[i] as usize + 1;
-        assert_eq!(n, forced[i] as usize, "sample {i} stopped at its forced length");
+        assert_eq!(
+            n, forced[i] as usize,
+            "sample {i} stopped at its forced length"
+        );
         toks.push(out.tokens[i * m..i * m + n].to_vec());
         lps.push(
             out.logprobs[i * m..i * m + n]
@@ -113,23 +119,25 @@ fn graph_replay_is_bitwise_the_eager_steps() {
     let ids: Vec<Vec<u32>> = [7usize, 12, 5]
         .iter()
         .enumerate()
-        .map(|(p, &n)| (0..n as u32).map(|i| 1 + (i * 31 + p as u32 * 7) % 200).collect())
+        .map(|(p, &n)| {
+            (0..n as u32)
+                .map(|i| 1 + (i * 31 + p as u32 * 7) % 200)
+                .collect()
+        })
         .collect();
     let prompts: Vec<GpuPrompt> = ids
         .iter()
-        .map(|x| GpuPrompt {
-            ids: x,
-            media: &[],
-        })
+        .map(|x| GpuPrompt { ids: x, media: &[] })
         .collect();
     let states = gm.prefill(&gpu, &s, &prompts).unwrap();
-    let max_kv = states.iter().map(|p| p.len as usize).max().unwrap() + 40;
-    let mut dd = DeviceDecode::new(&gm, &gpu, &s, 12, 4, 40, max_kv).unwrap();
+    let max_prefix = states.iter().map(|p| p.len as usize).max().unwrap();
+    let mut dd = DeviceDecode::new(&gm, &gpu, &s, 12, 4, 40, max_prefix).unwrap();
+    assert!(dd.grouped, "head_dim 32 takes the group-shared attention");
     let rows: u32 = states.iter().map(|p| p.len).sum::<u32>() + 12 * 40;
     let mut arena = GpuKvArena::for_model(&gm, &gpu, &s, rows).unwrap();
     let a = &mut arena;
-    let eager = run(&mut dd, a, &gm, &gpu, &s, &states, 1, true);
-    let graph = run(&mut dd, a, &gm, &gpu, &s, &states, 1, false);
+    let eager = run(&mut dd, a, &gm, &gpu, &s, &states, 1, true, 1.0);
+    let graph = run(&mut dd, a, &gm, &gpu, &s, &states, 1, false, 1.0);
     println!("batches by step: {:?}", graph.3);
     assert_eq!(graph.0, eager.0, "tokens");
     assert_eq!(graph.1, eager.1, "log-probs");
@@ -137,16 +145,52 @@ fn graph_replay_is_bitwise_the_eager_steps() {
     assert_eq!(graph.3, eager.3, "batches");
     // compactions: group 0 stops by step 3 (seen at step 8 for step 16), group 1 by step 12
     assert_eq!(graph.3[0], 12);
-    assert!(graph.3.contains(&8) && graph.3.contains(&4), "{:?}", graph.3);
+    assert!(
+        graph.3.contains(&8) && graph.3.contains(&4),
+        "{:?}",
+        graph.3
+    );
     // the next iteration replays the same graphs with its own key
     let graphs = dd.graphs.len();
-    let before: Vec<_> = dd.graphs.values().map(|g| g.cu_graph_exec() as usize).collect();
-    let next = run(&mut dd, a, &gm, &gpu, &s, &states, 2, false);
-    let after: Vec<_> = dd.graphs.values().map(|g| g.cu_graph_exec() as usize).collect();
+    let before: Vec<_> = dd
+        .graphs
+        .values()
+        .map(|g| g.cu_graph_exec() as usize)
+        .collect();
+    let next = run(&mut dd, a, &gm, &gpu, &s, &states, 2, false, 1.0);
+    let after: Vec<_> = dd
+        .graphs
+        .values()
+        .map(|g| g.cu_graph_exec() as usize)
+        .collect();
     assert_eq!(dd.graphs.len(), graphs);
-    assert!(before.iter().all(|g| after.contains(g)), "graphs reused across iterations");
+    assert!(
+        before.iter().all(|g| after.contains(g)),
+        "graphs reused across iterations"
+    );
     assert_ne!(next.0, graph.0, "iteration 2 draws other tokens");
-    let next_eager = run(&mut dd, a, &gm, &gpu, &s, &states, 2, true);
+    let next_eager = run(&mut dd, a, &gm, &gpu, &s, &states, 2, true, 1.0);
     assert_eq!(next.0, next_eager.0);
     assert_eq!(next.1, next_eager.1);
+    // group-shared attention against one row at a time (groups of one): greedy tokens agree
+    // and their log-probs are within bf16 rounding
+    let greedy = run(&mut dd, a, &gm, &gpu, &s, &states, 3, false, 0.0);
+    let mut single = DeviceDecode::new(&gm, &gpu, &s, 12, 1, 40, max_prefix).unwrap();
+    assert!(!single.grouped);
+    let alone = run(&mut single, a, &gm, &gpu, &s, &states, 3, false, 0.0);
+    let (mut same, mut worst) = (0usize, 0f32);
+    for (i, (g, o)) in greedy.0.iter().zip(&alone.0).enumerate() {
+        let n = g.iter().zip(o).take_while(|(x, y)| x == y).count();
+        same += n;
+        for t in 0..n {
+            let d = f32::from_bits(greedy.1[i][t]) - f32::from_bits(alone.1[i][t]);
+            worst = worst.max(d.abs());
+        }
+        assert!(n >= 1, "sample {i}: the first greedy token differs");
+    }
+    let total: usize = greedy.0.iter().map(Vec::len).sum();
+    println!(
+        "grouped vs per-row greedy: {same}/{total} tokens agree, log-probs within {worst:.2e}"
+    );
+    assert!(worst < 5e-2, "log-probs differ by {worst}");
 }

@@ -7,8 +7,9 @@ use half::bf16;
 use rollplex_kernels::cpu::{AttnDims, AttnMask};
 use rollplex_kernels::cuda::attention::RowStrides;
 use rollplex_kernels::cuda::{
-    attention_decode_bf16, attention_fwd_bf16, decode_plan, kv_append_bf16, rope_fwd_bf16,
-    rope_kv_append_bf16, AttnSeqGpu, CudaSlice, CudaStream, DecodeInputs, FwdInputs, Gpu,
+    attention_decode_bf16, attention_decode_grouped_bf16, attention_fwd_bf16, decode_plan,
+    grouped_decode_plan, kv_append_bf16, rope_fwd_bf16, rope_kv_append_bf16, AttnSeqGpu, CudaSlice,
+    CudaStream, DecodeInputs, FwdInputs, Gpu,
 };
 
 use super::super::block::AttnStep;
@@ -163,6 +164,9 @@ pub(super) struct DecodeAttn<'a> {
     pub(super) batch: usize,
     pub(super) max_kv: usize,
     pub(super) kernel: DecodeKernel,
+    /// Rows in GRPO groups of this many sharing a prefix of at most the second number of keys
+    /// (group-major): the tensor-core kernel reads each group's prefix once.
+    pub(super) grouped: Option<(usize, usize)>,
     /// The split-K scratch; (re)allocated here when missing or short.
     pub(super) workspace: &'a mut Option<CudaSlice<f32>>,
     pub(super) arena: &'a mut GpuKvArena,
@@ -211,6 +215,33 @@ impl AttnStep for DecodeAttn<'_> {
             out: qw,
         };
         match self.kernel {
+            DecodeKernel::TensorCores if self.grouped.is_some() => {
+                let (group, max_prefix) = self.grouped.expect("matched");
+                let suffix = self.max_kv.saturating_sub(max_prefix);
+                let plan = grouped_decode_plan(self.batch, group, d, max_prefix, suffix);
+                let want = plan.workspace_len();
+                if self.workspace.as_ref().is_none_or(|w| w.len() < want) {
+                    *self.workspace = Some(alloc::<f32>(gpu, stream, want)?);
+                }
+                let ws = self.workspace.as_mut().expect("allocated above");
+                attention_decode_grouped_bf16(
+                    gpu,
+                    stream,
+                    out,
+                    None,
+                    ws,
+                    DecodeInputs {
+                        q: qkv,
+                        k_cache: &kc,
+                        v_cache: &vc,
+                        seqs: self.seqs,
+                        dims: d,
+                        scale,
+                        strides,
+                    },
+                    plan,
+                )?;
+            }
             DecodeKernel::TensorCores => {
                 let plan = decode_plan(self.batch, d, self.max_kv);
                 let want = plan.workspace_len();

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use half::bf16;
 use rollplex_kernels::cuda::{
-    decode_plan, embedding_fwd_bf16, AttnSeqGpu, CudaSlice, CudaStream, Gpu,
+    decode_plan, embedding_fwd_bf16, grouped_decode_plan, AttnSeqGpu, CudaSlice, CudaStream, Gpu,
 };
 
 use crate::model::DecodeSlot;
@@ -19,8 +19,8 @@ use super::attn::DecodeAttn;
 use super::GpuKvArena;
 
 /// The device buffers a decode forward works in, for batches of up to `rows` rows whose
-/// sequences reach at most `max_kv` keys. A loop of many steps allocates them once, so that a
-/// step allocates nothing.
+/// sequences reach at most `max_kv` keys, in groups as [`DecodeIo::group`] says. A loop of many
+/// steps allocates them once, so that a step allocates nothing.
 pub struct DecodeBufs {
     rows: usize,
     max_kv: usize,
@@ -32,17 +32,27 @@ pub struct DecodeBufs {
 }
 
 impl DecodeBufs {
-    /// Buffers for `model`'s decode of up to `rows` rows of at most `max_kv` keys.
+    /// Buffers for `model`'s decode of up to `rows` rows of at most `max_kv` keys, attended
+    /// per `attn` (the [`DecodeIo`] fields `group` and `max_prefix` of the forwards to come).
     pub fn new(
         model: &GpuModel,
         gpu: &Gpu,
         stream: &Arc<CudaStream>,
         rows: usize,
         max_kv: usize,
+        attn: (usize, usize),
     ) -> Result<Self> {
         let (h, dims) = (model.hidden(), model.text_dims());
+        let (group, max_prefix) = attn;
         let ws = (1..=rows)
-            .map(|b| decode_plan(b, dims, max_kv).workspace_len())
+            .map(|b| {
+                if group > 1 {
+                    let suffix = max_kv.saturating_sub(max_prefix);
+                    grouped_decode_plan(b, group, dims, max_prefix, suffix).workspace_len()
+                } else {
+                    decode_plan(b, dims, max_kv).workspace_len()
+                }
+            })
             .max()
             .unwrap_or(0);
         Ok(DecodeBufs {
@@ -69,6 +79,9 @@ impl DecodeBufs {
 /// RoPE cos / sin rows (`[batch, head_dim]`), its attention sequence over the arena and the
 /// arena row its K/V go to (rows past the arena are not written). `max_kv` bounds every
 /// sequence's keys and fixes the attention's split (so the same `max_kv` gives the same bits).
+/// With `group > 1`, rows come in GRPO groups of `group` (group-major) that share a prefix of
+/// at most `max_prefix` keys, and the tensor-core attention reads each group's prefix once
+/// (split by `max_prefix` and `max_kv - max_prefix`, which then fix the bits).
 pub struct DecodeIo<'a> {
     pub tokens: &'a CudaSlice<u32>,
     pub cos: &'a CudaSlice<f32>,
@@ -77,6 +90,8 @@ pub struct DecodeIo<'a> {
     pub write_rows: &'a CudaSlice<u32>,
     pub batch: usize,
     pub max_kv: usize,
+    pub group: usize,
+    pub max_prefix: usize,
 }
 
 impl GpuModel {
@@ -114,7 +129,16 @@ impl GpuModel {
         }
         let (h, dims) = (self.hidden(), self.text_dims());
         let kernel = decode_kernel_for(dims.head_dim)?;
-        embedding_fwd_bf16(gpu, stream, &mut bufs.x, &self.weights.embed, io.tokens, b, h, h)?;
+        embedding_fwd_bf16(
+            gpu,
+            stream,
+            &mut bufs.x,
+            &self.weights.embed,
+            io.tokens,
+            b,
+            h,
+            h,
+        )?;
         {
             let mut step = DecodeAttn {
                 cos: io.cos,
@@ -125,6 +149,7 @@ impl GpuModel {
                 batch: b,
                 max_kv: io.max_kv,
                 kernel,
+                grouped: (io.group > 1).then_some((io.group, io.max_prefix)),
                 workspace: &mut bufs.attn_ws,
                 arena,
             };
@@ -189,7 +214,7 @@ impl GpuModel {
         let sin = upload(stream, &sin)?;
         let seqs = upload(stream, &seqs)?;
         let write_rows = upload(stream, &write)?;
-        let mut bufs = DecodeBufs::new(self, gpu, stream, b, max_kv)?;
+        let mut bufs = DecodeBufs::new(self, gpu, stream, b, max_kv, (1, 0))?;
         let mut logits = alloc::<bf16>(gpu, stream, b * self.vocab())?;
         let io = DecodeIo {
             tokens: &tokens,
@@ -199,6 +224,8 @@ impl GpuModel {
             write_rows: &write_rows,
             batch: b,
             max_kv,
+            group: 1,
+            max_prefix: 0,
         };
         self.decode_forward(gpu, stream, arena, &io, &mut bufs, &mut logits)?;
         for s in slots.iter_mut() {

@@ -31,10 +31,7 @@ use crate::model::KvSpan;
 
 use super::arena::{alloc_in, DevBuf, Region};
 use super::block::run_blocks;
-use super::plan::{
-    check_ids, media_slot, PackedPrompts,
-    PromptSpec,
-};
+use super::plan::{check_ids, media_slot, PackedPrompts, PromptSpec};
 use super::staging::staged_bytes;
 use super::vision::GpuEncodedMedia;
 use super::{alloc, GpuError, GpuModel, Result};
@@ -117,10 +114,7 @@ impl GpuKvArena {
     }
     /// The device addresses of K and V (what a captured decode step bakes in).
     pub fn addresses(&self, stream: &CudaStream) -> (u64, u64) {
-        (
-            self.k.device_ptr(stream).0,
-            self.v.device_ptr(stream).0,
-        )
+        (self.k.device_ptr(stream).0, self.v.device_ptr(stream).0)
     }
     /// Bytes of the arena (K and V).
     pub fn bytes(&self) -> usize {
