@@ -385,6 +385,7 @@ fn cpu_run_profile_moves_the_prediction_toward_the_measurement() {
         quiet: true,
         task_log: false,
         no_green_contexts: false,
+        eager_decode: false,
     };
     cli::run(&args).expect("run");
     let profile = Profile::from_yaml(&std::fs::read_to_string(&prof_path).unwrap()).unwrap();

@@ -366,6 +366,7 @@ fn rollplex_run_on_a_tp_plan_writes_rank_0s_metrics_once() {
         quiet: true,
         task_log: false,
         no_green_contexts: false,
+        eager_decode: false,
     };
     cli::run(&args(0)).expect("TP 2 run");
     let metrics = std::fs::read_to_string(dir.path().join("out/metrics.jsonl")).unwrap();
@@ -420,6 +421,7 @@ fn tp2_checkpoints_resume_bitwise() {
         quiet: true,
         task_log: false,
         no_green_contexts: false,
+        eager_decode: false,
     };
     cli::run(&args("a", 4, false)).expect("uninterrupted TP 2 run");
     cli::run(&args("b", 2, false)).expect("first half");

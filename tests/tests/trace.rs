@@ -56,6 +56,7 @@ fn cpu_trace_measures_every_task_on_the_simulators_tracks() {
         quiet: true,
         task_log: false,
         no_green_contexts: false,
+        eager_decode: false,
     })
     .expect("run");
 
