@@ -51,6 +51,8 @@ struct Run {
     phases: Vec<[f64; 4]>,
     peak: Vec<f64>,
     tokens: Vec<usize>,
+    /// Per warm iteration: decode steps, their device seconds and least bytes.
+    decode: Vec<(u32, f64, f64)>,
 }
 
 struct Observer<'a> {
@@ -105,6 +107,10 @@ impl LoopObserver for Observer<'_> {
                 .peak
                 .push(r.metrics.peak_mem_bytes.unwrap_or(0) as f64 / (1u64 << 30) as f64);
             self.run.tokens.push(r.response_tokens());
+            let m = &r.metrics;
+            self.run
+                .decode
+                .push((m.decode_steps, m.decode_device_s, m.decode_bytes));
         }
         Ok(())
     }
@@ -363,5 +369,31 @@ fn main() -> Result<()> {
         );
     }
     println!("(vs first: the first plan's median iteration time / this plan's; above 1 is faster)");
+    // decode against the copy rate: the steps' device time, the least bytes they moved
+    let copy = rollplex_plan::roofline::roofline(&plans[0].1)
+        .ceilings
+        .bytes;
+    println!(
+        "\n{:<36} {:>6} {:>9} {:>9} {:>9} {:>10}",
+        "decode (warm iterations)", "steps", "device_s", "ms/step", "GB/step", "copy_frac"
+    );
+    for ((name, _), r) in plans.iter().zip(&runs) {
+        let steps: u32 = r.decode.iter().map(|d| d.0).sum();
+        let s: f64 = r.decode.iter().map(|d| d.1).sum();
+        let b: f64 = r.decode.iter().map(|d| d.2).sum();
+        let n = r.decode.len().max(1) as f64;
+        println!(
+            "{:<36} {:>6.0} {:>9.3} {:>9.3} {:>9.3} {:>9.1}%",
+            std::path::Path::new(name)
+                .file_name()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            steps as f64 / n,
+            s / n,
+            1e3 * s / steps.max(1) as f64,
+            b / 1e9 / steps.max(1) as f64,
+            100.0 * b / s.max(1e-12) / copy
+        );
+    }
     Ok(())
 }

@@ -321,6 +321,8 @@ fn metrics_json(
         "entropy": m.loss.entropy,
         "grad_norm": m.grad_norm,
         "decode_steps": m.decode_steps,
+        "decode_device_s": m.decode_device_s,
+        "decode_gb": m.decode_bytes / 1e9,
         "micro_batches": m.micro_batches,
         "optimizer_steps": m.optimizer_steps,
         "time_s": dt.as_secs_f64(),
@@ -335,6 +337,11 @@ fn metrics_json(
     // The plan's roofline (`rollplexc --stats`) and the share of it achieved: roofline / time.
     v["roofline_s"] = serde_json::json!(roof.serial_s);
     v["roofline_frac"] = serde_json::json!(roof.serial_s / dt.as_secs_f64().max(1e-12));
+    // decode's share of the copy rate on the bytes its steps moved (cuda)
+    if m.decode_device_s > 0.0 {
+        v["decode_copy_frac"] =
+            serde_json::json!(m.decode_bytes / m.decode_device_s / roof.copy_rate);
+    }
     for ((p, s), floor) in Phase::ALL.iter().zip(phase_s).zip(&roof.phase_s) {
         if *s > 0.0 && *floor > 0.0 {
             v[format!("{}_roofline_frac", phase_name(*p))] = serde_json::json!(floor / s);
@@ -349,6 +356,8 @@ pub(super) struct RunRoofline {
     pub(super) phase_s: [f64; 4],
     pub(super) serial_s: f64,
     ceilings: &'static str,
+    /// The device copy rate of the ceilings, bytes/s.
+    copy_rate: f64,
     /// Measured seconds per phase and of whole iterations, summed, and the iterations.
     measured: [f64; 4],
     measured_total: f64,
@@ -366,6 +375,7 @@ impl RunRoofline {
             phase_s,
             serial_s: r.serial_s,
             ceilings: r.ceilings.source,
+            copy_rate: r.ceilings.bytes,
             measured: [0.0; 4],
             measured_total: 0.0,
             iterations: 0,

@@ -207,6 +207,11 @@ pub struct IterationMetrics {
     pub loss: LossMetrics,
     pub grad_norm: f64,
     pub decode_steps: u32,
+    /// Device seconds of the decode windows' steps (cuda), and the least bytes those steps
+    /// moved ([`crate::gpu::decode::DeviceDecode::step_bytes`]): their ratio against the copy
+    /// rate is decode's share of the bandwidth limit.
+    pub decode_device_s: f64,
+    pub decode_bytes: f64,
     pub micro_batches: u32,
     pub optimizer_steps: u32,
     pub tasks: u32,

@@ -139,6 +139,13 @@ pub struct DeviceDecode {
     no_graph: Vec<usize>,
     /// Launch every step eagerly (no graphs): the reference the graph replay is checked against.
     eager: bool,
+    /// Per sample: its group's prefix length (for [`DeviceDecode::step_bytes`]).
+    prefix_len: Vec<u32>,
+    /// Per step launched this iteration: (step, rows, prefix keys read).
+    launched: Vec<(u32, usize, u64)>,
+    /// Bytes of the text decoder's weights and lm head, and of one key's K and V over layers.
+    weight_bytes: u64,
+    kv_bytes_per_key: u64,
 }
 
 /// The batch sizes, in groups, a loop over `groups` groups runs: 1, 2, 3, 4, 6, 8, 12, ...
@@ -157,6 +164,20 @@ pub fn buckets(groups: usize) -> Vec<usize> {
     out.sort_unstable();
     out.dedup();
     out
+}
+
+/// Bytes of `model`'s text decoder weights (norms, linears, final norm) and lm head.
+fn decoder_weight_bytes(model: &GpuModel) -> u64 {
+    let w = &model.weights;
+    let lin = |l: &super::weights::GpuLinear| l.w.len() + l.b.as_ref().map_or(0, |b| b.len());
+    let blocks: usize = w
+        .text
+        .iter()
+        .map(|b| {
+            b.norm1.len() + b.norm2.len() + lin(&b.qkv) + lin(&b.o) + lin(&b.gate_up) + lin(&b.down)
+        })
+        .sum();
+    2 * (blocks + w.final_norm.len() + w.lm_head().len()) as u64
 }
 
 /// The smallest bucket holding `alive` groups.
@@ -250,6 +271,13 @@ impl DeviceDecode {
             baked: (0, 0),
             no_graph: Vec::new(),
             eager: false,
+            prefix_len: Vec::new(),
+            launched: Vec::new(),
+            weight_bytes: decoder_weight_bytes(model),
+            kv_bytes_per_key: {
+                let t = model.config.text();
+                2 * t.num_layers as u64 * (t.num_kv_heads * t.head_dim()) as u64 * 2
+            },
         })
     }
 
@@ -375,11 +403,12 @@ impl DeviceDecode {
             self.graphs.clear();
         }
         stream.memcpy_htod(s.stop_ids, &mut self.stop_ids.slice_mut(..s.stop_ids.len()))?;
+        let (a, b) = (&s.sampling, &self.sampling);
         if s.stop_ids.len() != self.n_stop
-            || s.sampling != self.sampling
+            || (a.temperature, a.top_k, a.top_p) != (b.temperature, b.top_k, b.top_p)
             || s.logprob_temperature != self.logprob_temperature
         {
-            // baked into the graphs as launch arguments
+            // baked into the graphs as launch arguments (the key's seed and iteration are not)
             self.graphs.clear();
         }
         self.n_stop = s.stop_ids.len();
@@ -394,7 +423,31 @@ impl DeviceDecode {
         self.bucket = self.order.len();
         self.copies.clear();
         self.known = None;
+        self.prefix_len = s.slots.iter().map(|sl| sl.prefix.len).collect();
+        self.launched.clear();
         Ok(())
+    }
+
+    /// Drops the captured graphs (and so their hold on the streams they were captured on):
+    /// a run whose streams are going away calls it.
+    pub fn forget_graphs(&mut self) {
+        self.graphs.clear();
+        self.no_graph.clear();
+    }
+
+    /// The least bytes step `step` moved, given how many samples were live in it (the caller's
+    /// count; the device knows only its rows): every text weight and the lm head, each group's
+    /// prefix KV once (per row without group-shared attention), each live sample's suffix KV
+    /// and appended row, and the logits written and read twice (draw, log-prob).
+    pub fn step_bytes(&self, step: u32, live: usize) -> f64 {
+        let Some(&(_, rows, prefix_keys)) = self.launched.iter().find(|l| l.0 == step) else {
+            return 0.0;
+        };
+        let kv = self.kv_bytes_per_key as f64;
+        self.weight_bytes as f64
+            + prefix_keys as f64 * kv
+            + live as f64 * (step as f64 + 2.0) * kv
+            + rows as f64 * self.vocab as f64 * 2.0 * 3.0
     }
 
     /// Rows in the running batch.
@@ -447,6 +500,20 @@ impl DeviceDecode {
         if step.is_multiple_of(LAG) {
             self.copy_done(gpu, stream, step)?;
         }
+        let rows = self.batch_rows();
+        let g = self.group;
+        let prefix_keys: u64 = if self.grouped {
+            self.order[..self.bucket]
+                .iter()
+                .map(|&grp| self.prefix_len[grp * g] as u64)
+                .sum()
+        } else {
+            self.order[..self.bucket]
+                .iter()
+                .map(|&grp| g as u64 * self.prefix_len[grp * g] as u64)
+                .sum()
+        };
+        self.launched.push((step, rows, prefix_keys));
         Ok(true)
     }
 

@@ -316,6 +316,9 @@ impl GpuIteration<'_, '_> {
             host.launch_side += t_side.elapsed();
             host.steps += 1;
         }
+        let mark = self.models.gpu.timing_event()?;
+        mark.record(s)?;
+        self.step_marks.push(mark);
         let t_wait = Instant::now();
         let out = self
             .models
@@ -325,6 +328,11 @@ impl GpuIteration<'_, '_> {
             .collect(s)?;
         host.wait += t_wait.elapsed();
         self.take_tokens(&out, first_step, step)?;
+        // the window's device time (its stream is synchronised) and least bytes
+        if let (Some(a), Some(b)) = (self.step_marks.first(), self.step_marks.last()) {
+            let ms = a.elapsed_ms(b)? as f64;
+            self.book.metrics.decode_device_s += ms / 1e3;
+        }
         if self.task_log {
             eprintln!(
                 "[decode steps {first_step}..{step}] host {:.1} ms: {}",
@@ -332,9 +340,6 @@ impl GpuIteration<'_, '_> {
                 host
             );
         }
-        let mark = self.models.gpu.timing_event()?;
-        mark.record(s)?;
-        self.step_marks.push(mark);
         // side pieces still deferred stay queued: the next window's decode loop launches them
         // paced (launching them all here would hold the host, and so the next window's first
         // step, until the side partition had drained them); the first task outside a window
@@ -351,6 +356,9 @@ impl GpuIteration<'_, '_> {
             if self.active.is_empty() {
                 break;
             }
+            let live = self.active.len();
+            let dd = self.models.decode.as_ref().expect("started by lay_out");
+            self.book.metrics.decode_bytes += dd.step_bytes(step, live);
             let mut next = Vec::with_capacity(self.active.len());
             for &smp in &self.active {
                 self.book.check_step(smp, step)?;

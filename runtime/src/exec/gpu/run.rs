@@ -237,7 +237,11 @@ pub fn run_gpu_loop_with(
             observer.iteration_done(it, &result, LoopModels::Gpu(models), t0, wall)
         },
     );
-    // the loop's streams go with it: so do the GEMM workspaces and handles made for them
+    // the loop's streams go with it: so do the GEMM workspaces and handles made for them, and
+    // the decode graphs captured on them (which hold the streams and bake in the workspaces)
+    if let Some(d) = models.decode.as_mut() {
+        d.forget_graphs();
+    }
     let forgot = models.gpu.forget_streams(streams.all());
     ran?;
     Ok(forgot?)
