@@ -26,10 +26,13 @@ pub const LOCK_FILE: &str = ".rollplex-run.lock";
 pub const HEADER_EVERY: usize = 20;
 
 /// Whether a `metrics.jsonl` field is a measurement of this run (times: `*_s`; the achieved
-/// share of the roofline: `*roofline_frac`; peak memory) rather than a result that two runs of
-/// the same plan and seed agree on bit for bit.
+/// share of the roofline, `*roofline_frac`, or of the copy rate, `*copy_frac`; peak memory)
+/// rather than a result that two runs of the same plan and seed agree on bit for bit.
 pub fn is_measurement(key: &str) -> bool {
-    key.ends_with("_s") || key.ends_with("roofline_frac") || key == "peak_mem_gib"
+    key.ends_with("_s")
+        || key.ends_with("roofline_frac")
+        || key.ends_with("copy_frac")
+        || key == "peak_mem_gib"
 }
 
 #[derive(Debug, thiserror::Error)]
