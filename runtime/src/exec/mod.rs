@@ -216,6 +216,64 @@ pub struct IterationMetrics {
     /// mark (weights, optimizer state and every buffer the iteration allocated); on cpu the
     /// process's resident-set high-water mark. `None` where it could not be read.
     pub peak_mem_bytes: Option<u64>,
+    /// The sampler's token log-probs against the trainer's (the old-log-prob pass, or the first
+    /// optimizer step's forward when there is none); `None` when nothing was compared.
+    pub rollout_agreement: Option<Agreement>,
+    /// Dynamic sampling: the rolled-out groups whose rewards were not all equal.
+    pub groups_with_variance: Option<u32>,
+    /// Groups trained this iteration.
+    pub groups_trained: u32,
+}
+
+/// How far the sampler's log-probs of its tokens are from another forward's of the same tokens
+/// (rollout/trainer agreement): absolute differences and the k3 estimate of
+/// KL(sampler ‖ trainer) from the sampler's own tokens, `exp(d) - d - 1` with
+/// `d = trainer - sampler` (clamped to ±20 before `exp`, as the loss clamps log-ratios).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Agreement {
+    pub tokens: u64,
+    pub abs_diff_sum: f64,
+    pub abs_diff_max: f64,
+    pub k3_sum: f64,
+}
+
+impl Agreement {
+    /// The agreement of `sampler` and `trainer`, token by token (the shorter length counts).
+    pub fn of(sampler: &[f32], trainer: &[f32]) -> Self {
+        let mut a = Agreement::default();
+        for (&s, &t) in sampler.iter().zip(trainer) {
+            let d = t as f64 - s as f64;
+            let dc = d.clamp(
+                -crate::train::loss::LOG_RATIO_CLAMP,
+                crate::train::loss::LOG_RATIO_CLAMP,
+            );
+            a.tokens += 1;
+            a.abs_diff_sum += d.abs();
+            a.abs_diff_max = a.abs_diff_max.max(d.abs());
+            a.k3_sum += dc.exp() - dc - 1.0;
+        }
+        a
+    }
+
+    /// Both together.
+    pub fn merge(self, o: &Agreement) -> Self {
+        Agreement {
+            tokens: self.tokens + o.tokens,
+            abs_diff_sum: self.abs_diff_sum + o.abs_diff_sum,
+            abs_diff_max: self.abs_diff_max.max(o.abs_diff_max),
+            k3_sum: self.k3_sum + o.k3_sum,
+        }
+    }
+
+    /// Mean absolute difference per token (0 without tokens).
+    pub fn abs_diff_mean(&self) -> f64 {
+        self.abs_diff_sum / self.tokens.max(1) as f64
+    }
+
+    /// Mean k3 per token (0 without tokens).
+    pub fn k3_mean(&self) -> f64 {
+        self.k3_sum / self.tokens.max(1) as f64
+    }
 }
 
 /// Everything an iteration produced: what the bitwise invariant compares.

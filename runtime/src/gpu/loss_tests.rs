@@ -450,6 +450,8 @@ fn config(agg: LossAgg, est: KlEstimator, dual: Option<f64>, kl_coef: f64) -> Lo
         kl_coef,
         kl_estimator: est,
         agg,
+        ratio: rollplex_plan::spec::RatioLevel::Token,
+        horizon: 0,
     }
 }
 
