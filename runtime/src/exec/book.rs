@@ -522,6 +522,10 @@ impl<'a> Book<'a> {
                 .iter()
                 .map(|a| a.unwrap_or(f32::NAN))
                 .collect(),
+            trained_groups: match &self.picked {
+                Some(p) => p.iter().map(|&g| g as u32).collect(),
+                None => self.slot_groups.iter().take(self.trained).copied().collect(),
+            },
             slot_groups: self.slot_groups,
             group_size: self.group_size as u32,
             metrics: self.metrics,

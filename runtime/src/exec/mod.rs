@@ -289,6 +289,8 @@ pub struct IterationResult {
     pub advantages: Vec<f32>,
     /// Groups in completion-slot order.
     pub slot_groups: Vec<u32>,
+    /// The groups trained, in training-slot order (dynamic sampling: the picked ones).
+    pub trained_groups: Vec<u32>,
     pub group_size: u32,
     pub metrics: IterationMetrics,
 }
