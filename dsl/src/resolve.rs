@@ -878,7 +878,7 @@ fn algorithm(cx: &mut Cx<'_>, c: &CallVal) -> Algorithm {
             cx,
             "overlong_buffer",
             "the tokens before max_new_tokens over which the overlong penalty grows",
-            "overlong_buffer = 4",
+            "4",
         );
     }
     t.finish(cx);
