@@ -222,7 +222,9 @@ fn build(
         return Err(CompileError::user(
             "train.groups",
             format!("{trained} groups trained per iteration of {prompts} rolled out"),
-            format!("train between 1 and {prompts} groups (fewer than rolled out: dynamic sampling)"),
+            format!(
+                "train between 1 and {prompts} groups (fewer than rolled out: dynamic sampling)"
+            ),
         ));
     }
     divides(

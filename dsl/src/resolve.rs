@@ -763,7 +763,14 @@ fn stand_in_train(samples: u32) -> TrainSpec {
 
 /// The algorithm presets of `train { algorithm = ... }`: every one is the same loss with other
 /// defaults, and every option can be set in any of them.
-const ALGORITHMS: &[&str] = &["grpo", "ppo_clip", "dr_grpo", "dapo", "gspo", "reinforce_pp"];
+const ALGORITHMS: &[&str] = &[
+    "grpo",
+    "ppo_clip",
+    "dr_grpo",
+    "dapo",
+    "gspo",
+    "reinforce_pp",
+];
 
 /// The defaults of an algorithm preset (a name of [`ALGORITHMS`]).
 fn default_loss(name: &str) -> PolicyLoss {

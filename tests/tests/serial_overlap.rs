@@ -224,8 +224,11 @@ fn loss_variants_keep_serial_and_overlap_bitwise_identical() {
         let serial = compile(&src, Mode::Serial, true);
         let overlap = compile(&src, Mode::Overlap, true);
         assert!(
-            overlap.tasks.iter().any(|t| t.window.is_some()
-                && !matches!(t.op, rollplex_plan::Op::DecodeWindow { .. })),
+            overlap
+                .tasks
+                .iter()
+                .any(|t| t.window.is_some()
+                    && !matches!(t.op, rollplex_plan::Op::DecodeWindow { .. })),
             "{algorithm}: the overlap plan moves side work into decode windows"
         );
         let a = run(&serial, 2);

@@ -546,7 +546,12 @@ mod tests {
     #[test]
     fn dynamic_sampling_picks_varied_groups_in_prompt_order() {
         let r = |v: &[f32]| v.to_vec();
-        let groups = [r(&[1.0, 1.0]), r(&[0.0, 1.0]), r(&[0.0, 0.0]), r(&[1.0, 0.0])];
+        let groups = [
+            r(&[1.0, 1.0]),
+            r(&[0.0, 1.0]),
+            r(&[0.0, 0.0]),
+            r(&[1.0, 0.0]),
+        ];
         // two with variance: groups 1 and 3
         assert_eq!(pick_trained_groups(&groups, 2), vec![1, 3]);
         // only the first with variance when one is trained

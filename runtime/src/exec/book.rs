@@ -22,9 +22,7 @@ use super::cpu::RewardFn;
 use super::{Agreement, ExecError, IterationMetrics, IterationResult, PromptData};
 use crate::model::SamplingParams;
 use crate::train::backward::{MicroBatchOutput, ResponseBatch};
-use crate::train::loss::{
-    grpo_advantages, reinforce_baseline_advantages, tis_weight, Normaliser,
-};
+use crate::train::loss::{grpo_advantages, reinforce_baseline_advantages, tis_weight, Normaliser};
 
 /// One response's training inputs, owned (borrowed views: [`TrainInputs::batch`]).
 #[derive(Clone, Debug)]
@@ -326,10 +324,7 @@ impl<'a> Book<'a> {
     }
 
     /// The rewards of samples `samples`, each required.
-    fn rewards_of(
-        &self,
-        samples: impl Iterator<Item = usize>,
-    ) -> Result<Vec<f32>, ExecError> {
+    fn rewards_of(&self, samples: impl Iterator<Item = usize>) -> Result<Vec<f32>, ExecError> {
         samples
             .map(|s| {
                 self.rewards[s].ok_or_else(|| {
@@ -524,7 +519,12 @@ impl<'a> Book<'a> {
                 .collect(),
             trained_groups: match &self.picked {
                 Some(p) => p.iter().map(|&g| g as u32).collect(),
-                None => self.slot_groups.iter().take(self.trained).copied().collect(),
+                None => self
+                    .slot_groups
+                    .iter()
+                    .take(self.trained)
+                    .copied()
+                    .collect(),
             },
             slot_groups: self.slot_groups,
             group_size: self.group_size as u32,

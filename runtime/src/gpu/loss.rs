@@ -45,9 +45,7 @@ pub fn kernel_params(cfg: &LossConfig, norm: Normaliser) -> PolicyLossParams {
         agg: match cfg.agg {
             LossAgg::TokenMean => LossAggKind::TokenMean,
             LossAgg::SeqMeanTokenMean => LossAggKind::SeqMeanTokenMean,
-            LossAgg::SeqMeanTokenSum | LossAgg::SeqMeanTokenSumNorm => {
-                LossAggKind::SeqMeanTokenSum
-            }
+            LossAgg::SeqMeanTokenSum | LossAgg::SeqMeanTokenSumNorm => LossAggKind::SeqMeanTokenSum,
         },
         norm_tokens: norm.tokens,
         // Dr. GRPO's `1 / (H S)` is the token-sum weight `1 / S'` with `S' = H S` sequences.

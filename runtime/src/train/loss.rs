@@ -106,7 +106,11 @@ pub fn reinforce_baseline_advantages(
     lens: &[usize],
     whiten: &[usize],
 ) -> Result<Vec<f32>> {
-    check_len("response lengths (one per sample)", rewards.len(), lens.len())?;
+    check_len(
+        "response lengths (one per sample)",
+        rewards.len(),
+        lens.len(),
+    )?;
     let centred = grpo_advantages(rewards, group_size, false)?;
     if let Some(&s) = whiten.iter().find(|&&s| s >= rewards.len()) {
         return Err(TrainError::Invalid(format!(
@@ -384,7 +388,8 @@ pub fn policy_loss_f64<T: Copy + Into<f64>>(
             LossAgg::TokenMean => inv_tokens,
             LossAgg::SeqMeanTokenMean => inv(len) * inv_seqs,
             LossAgg::SeqMeanTokenSum => inv_seqs,
-            LossAgg::SeqMeanTokenSumNorm => inv_seqs / cfg.horizon as f64,
+            // one rounding, as the device computes it (the token-sum weight of H S sequences)
+            LossAgg::SeqMeanTokenSumNorm => inv(norm.seqs * cfg.horizon),
         };
         // GSPO: the sequence's mean log-ratio over its masked tokens, summed in token order.
         let seq_log_ratio = (cfg.ratio == RatioLevel::Sequence).then(|| {
@@ -872,7 +877,11 @@ mod tests {
         assert!((out.loss - 0.0625).abs() < 1e-15, "{}", out.loss);
         assert_eq!(out.dlogp, vec![-0.125, 0.0625, 0.0625, 0.0625]);
         let no_horizon = LossConfig { horizon: 0, ..c };
-        assert!(no_horizon.validate().unwrap_err().to_string().contains("maximum response length"));
+        assert!(no_horizon
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("maximum response length"));
     }
 
     #[test]
@@ -908,7 +917,11 @@ mod tests {
         assert!((out.loss - want).abs() < 1e-12, "{} vs {want}", out.loss);
         assert!((want + 1.504837).abs() < 1e-6);
         for t in 0..2 {
-            assert!((out.dlogp[t] - 0.25 * -2.0 * s0).abs() < 1e-12, "{:?}", out.dlogp);
+            assert!(
+                (out.dlogp[t] - 0.25 * -2.0 * s0).abs() < 1e-12,
+                "{:?}",
+                out.dlogp
+            );
         }
         assert_eq!(&out.dlogp[2..], &[0.0, 0.0]);
         assert!((out.metrics.clip_frac - 0.5).abs() < 1e-15);
@@ -938,7 +951,11 @@ mod tests {
             p[t] += h;
             q[t] -= h;
             let fd = (loss_at(&p) - loss_at(&q)) / (2.0 * h);
-            assert!((fd - out.dlogp[t]).abs() < 1e-8, "token {t}: {fd} vs {}", out.dlogp[t]);
+            assert!(
+                (fd - out.dlogp[t]).abs() < 1e-8,
+                "token {t}: {fd} vs {}",
+                out.dlogp[t]
+            );
         }
     }
 
@@ -947,8 +964,9 @@ mod tests {
         // Groups [1, 0] and [1, 1] with 1, 3, 2, 2 response tokens. Centred: [0.5, -0.5, 0, 0].
         // Token mean mu = (0.5 - 1.5) / 8 = -0.125; variance (1 * 0.625^2 + 3 * 0.375^2 +
         // 4 * 0.125^2) / 8 = 0.109375; std 0.330719.
-        let a = reinforce_baseline_advantages(&[1.0, 0.0, 1.0, 1.0], 2, &[1, 3, 2, 2], &[0, 1, 2, 3])
-            .unwrap();
+        let a =
+            reinforce_baseline_advantages(&[1.0, 0.0, 1.0, 1.0], 2, &[1, 3, 2, 2], &[0, 1, 2, 3])
+                .unwrap();
         let sd = 0.109375f64.sqrt();
         let want = [0.625 / sd, -0.375 / sd, 0.125 / sd, 0.125 / sd];
         for (x, w) in a.iter().zip(want) {

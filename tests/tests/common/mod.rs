@@ -137,7 +137,9 @@ pub fn with_algorithm(src: &str, algorithm: &str, batches: &str, prompts: u32) -
     let eol = line + out[line..].find('\n').expect("a line end");
     out.replace_range(line..eol, batches);
     let c = out.find("const PROMPTS = ").expect("a `const PROMPTS`") + "const PROMPTS = ".len();
-    let n = c + out[c..].find(|ch: char| !ch.is_ascii_digit()).expect("a number");
+    let n = c + out[c..]
+        .find(|ch: char| !ch.is_ascii_digit())
+        .expect("a number");
     out.replace_range(c..n, &prompts.to_string());
     out
 }
