@@ -25,7 +25,8 @@
 //!   inside a decode window use version 0 only (old log-probs, first step's forward).
 //! - `deadlock`: no decode window happens after a task that waits for finished groups (slot
 //!   ops, micro-batches): those waits are released only by decode progress.
-//! - `ranges`: groups, slots and samples of every op are inside the replica's counts.
+//! - `ranges`: groups, slots and samples of every op are inside the replica's counts (training
+//!   slots inside its trained groups, which are at least 1 and at most its scored groups).
 //! - `memory`: a buffer's arena belongs to its GPU and holds `offset..offset+bytes`; a
 //!   buffer's lifetime tasks are on its GPU and every task reading or writing it lies between
 //!   them in happens-before order; two buffers of one arena whose byte ranges overlap have
