@@ -520,3 +520,27 @@ fn rss_peak() -> Option<u64> {
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Agreement;
+
+    #[test]
+    fn agreement_by_hand() {
+        // sampler [-1, -2], trainer [-1.1, -1.5]: d = [-0.1, 0.5]; |d| mean 0.3, max 0.5;
+        // k3 = (e^-0.1 + 0.1 - 1 + e^0.5 - 0.5 - 1) / 2 = (0.0048374 + 0.1487213) / 2.
+        let a = Agreement::of(&[-1.0, -2.0], &[-1.1, -1.5]);
+        assert_eq!(a.tokens, 2);
+        let d0 = -1.1f32 as f64 + 1.0;
+        assert!((a.abs_diff_mean() - (d0.abs() + 0.5) / 2.0).abs() < 1e-12);
+        assert!((a.abs_diff_mean() - 0.3).abs() < 1e-7);
+        assert_eq!(a.abs_diff_max, 0.5);
+        let k3 = (d0.exp() - d0 - 1.0 + 0.5f64.exp() - 0.5 - 1.0) / 2.0;
+        assert!((a.k3_mean() - k3).abs() < 1e-12);
+        assert!((a.k3_mean() - 0.0767793).abs() < 1e-6);
+        // merging adds the sums and keeps the larger maximum; nothing compared gives zeros
+        let b = a.merge(&Agreement::of(&[0.0], &[-0.75]));
+        assert_eq!((b.tokens, b.abs_diff_max), (3, 0.75));
+        assert_eq!(Agreement::default().abs_diff_mean(), 0.0);
+    }
+}
