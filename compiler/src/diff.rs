@@ -461,6 +461,7 @@ mod tests {
                 train_replicas: 1,
                 prompts_per_rollout_replica: 2,
                 prompts_per_train_replica: 2,
+                trained_groups_per_train_replica: 2,
                 group_size: 2,
             },
             predicted: Predicted {

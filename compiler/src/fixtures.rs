@@ -143,6 +143,10 @@ pub fn job(edit: impl FnOnce(&mut JobSpec)) -> JobSpec {
                 kl_estimator: KlEstimator::K3,
                 loss_agg: LossAgg::TokenMean,
                 norm_adv_by_std: true,
+                advantage: AdvantageEstimator::Group,
+                ratio: RatioLevel::Token,
+                tis_cap: None,
+                overlong: None,
             }),
             optimizer: AdamWSpec {
                 lr: 1e-6,
@@ -159,6 +163,7 @@ pub fn job(edit: impl FnOnce(&mut JobSpec)) -> JobSpec {
             freeze_vision: true,
             freeze_merger: false,
             recompute: Recompute::Full,
+            groups: None,
         },
         schedule: ScheduleSpec {
             mode: Mode::Overlap,

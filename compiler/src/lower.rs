@@ -12,9 +12,14 @@
 //! program): reference prefix chunks (by prompt); actor prefix chunks (old log-probs when the
 //! iteration takes several optimizer steps, else the first step's forward with grad); per
 //! completion slot the reference suffix, old-log-prob suffix, reward and advantages; per
-//! optimizer step its micro-batches (samples in slot order, accumulated in index order) and the
-//! step itself; prefixes of later steps are recomputed after the previous step (the
+//! optimizer step its micro-batches (samples in training-slot order, accumulated in index
+//! order) and the step itself; prefixes of later steps are recomputed after the previous step (the
 //! weight-version rule: only version-0 work may overlap decode).
+//!
+//! Dynamic sampling (`train { groups }` below `rollout { prompts }`): rollout, scoring, rewards
+//! and advantages cover every rolled-out group; optimizer steps and micro-batches are sized by
+//! the trained groups, and every training op depends on every slot's scoring (the runtime picks
+//! the trained groups once all rewards are in).
 //!
 //! Prefix dedup on: one encoding per media item (shared by rollout, reference and actor when
 //! the tower and merger are frozen and the layouts are colocated) and one prefix per GRPO group.
@@ -36,7 +41,7 @@ use crate::shapes::Shapes;
 use crate::topology::Topology;
 use crate::workload::Workload;
 use petgraph::graph::DiGraph;
-use rollplex_plan::spec::{JobSpec, Mode};
+use rollplex_plan::spec::{AdvantageEstimator, JobSpec, Mode};
 use rollplex_plan::work::{Work, WorkKind, WorkPart};
 use rollplex_plan::{GpuId, Groups, Op, Phase, Purpose, ReshardWhat, Span};
 
@@ -392,6 +397,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
     let mut ref_suffix = Vec::new();
     let mut old_suffix = Vec::new();
     let mut adv = Vec::new();
+    let mut rewards = Vec::new();
     for k in 0..n_t {
         let ready = slot_finish[k as usize];
         let suf = b.wl.suffix(g as f64, ttp);
@@ -445,6 +451,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
             ready,
             &tail_gate,
         );
+        rewards.push(r);
         adv.push(b.add(
             format!("advantages.slot{k}"),
             WorkKind::Advantage,
@@ -460,6 +467,41 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
         ));
     }
 
+    // Advantages that look past their own group (the batch whitening of REINFORCE++, the pick
+    // of dynamic sampling) wait for every reward.
+    let dynamic = par.trained_groups_per_train_replica < n_t;
+    if dynamic || spec.train.algorithm.loss().advantage == AdvantageEstimator::ReinforceBaseline {
+        let last = slot_finish[n_t as usize - 1];
+        for &a in &adv {
+            for &r in &rewards {
+                if !b.g.contains_edge(r, a) {
+                    b.g.add_edge(r, a, ());
+                }
+            }
+            b.g[a].ready_step = last;
+        }
+    }
+    // Dynamic sampling: training slots name the groups picked after every reward is known, so
+    // every training op waits for all of the scoring of every slot, and is ready when the last
+    // group is; otherwise training slot k is completion slot k.
+    let train_ready = |k: u32| -> u32 {
+        let k = if dynamic { n_t - 1 } else { k };
+        slot_finish[k as usize]
+    };
+    let slot_deps = |covered: Span| -> Vec<NodeId> {
+        let slots = if dynamic { Span::new(0, n_t) } else { covered };
+        let mut deps = Vec::new();
+        for q in slots.iter() {
+            deps.push(adv[q as usize]);
+            if let Some(&r) = ref_suffix.get(q as usize) {
+                deps.push(r);
+            }
+            if let Some(&o) = old_suffix.get(q as usize) {
+                deps.push(o);
+            }
+        }
+        deps
+    };
     let mut prev_step: Option<NodeId> = None;
     let mut step_nodes = Vec::new();
     for s in 0..batch.steps {
@@ -485,6 +527,9 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                     }
                 }
                 deps.extend(&tail_gate);
+                if dynamic {
+                    deps.extend(slot_deps(slots));
+                }
                 let role = if s == 0 {
                     Role::Side {
                         class: SideClass::TrainPrefix,
@@ -493,7 +538,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 } else {
                     Role::Post
                 };
-                let ready = slot_finish[(slots.end - 1) as usize];
+                let ready = train_ready(slots.end - 1);
                 let id = b.add(
                     format!("train_prefix.s{s}[{slots}]"),
                     WorkKind::ActorPrefixFwd,
@@ -534,15 +579,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 _ => Span::new(covered.start, covered.start),
             };
             let mut deps: Vec<NodeId> = prev_mb.into_iter().collect();
-            for q in covered.iter() {
-                deps.push(adv[q as usize]);
-                if let Some(&r) = ref_suffix.get(q as usize) {
-                    deps.push(r);
-                }
-                if let Some(&o) = old_suffix.get(q as usize) {
-                    deps.push(o);
-                }
-            }
+            deps.extend(slot_deps(covered));
             if multi_step {
                 deps.extend(
                     step_prefix
@@ -576,7 +613,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
             } else {
                 Role::Post
             };
-            let ready = slot_finish[(covered.end - 1) as usize];
+            let ready = train_ready(covered.end - 1);
             let id = b.add(
                 format!("mb.s{s}.m{j}"),
                 WorkKind::ActorBwd,

@@ -217,7 +217,25 @@ fn build(
         train_replicas,
         "the training replicas",
     )?;
-    let samples_total = prompts * g;
+    let trained = spec.train.trained_groups(&spec.rollout);
+    if trained == 0 || trained > prompts {
+        return Err(CompileError::user(
+            "train.groups",
+            format!("{trained} groups trained per iteration of {prompts} rolled out"),
+            format!(
+                "train between 1 and {prompts} groups (fewer than rolled out: dynamic sampling)"
+            ),
+        ));
+    }
+    divides(
+        "train.groups",
+        "groups trained per iteration",
+        trained,
+        train_replicas,
+        "the training replicas",
+    )?;
+    // Training is sized by the trained groups; rollout and scoring by the rolled-out ones.
+    let samples_total = trained * g;
     let mini_total = spec.train.mini_batch;
     divides(
         "train.mini_batch",
@@ -260,13 +278,14 @@ fn build(
             train_replicas,
             prompts_per_rollout_replica: prompts / rollout_replicas,
             prompts_per_train_replica: prompts / train_replicas,
+            trained_groups_per_train_replica: trained / train_replicas,
             group_size: g,
         },
         gpus,
         rollout_gpu,
         train_gpu,
         batch: Batch {
-            samples: prompts / train_replicas * g,
+            samples: trained / train_replicas * g,
             mini,
             micro,
             steps_per_epoch,

@@ -237,6 +237,23 @@ fn slot_out_of_range() {
     assert_eq!(rules(&p), vec!["ranges"]);
 }
 
+/// Training ops count training slots: a micro-batch past the trained groups, or more groups
+/// trained than scored, is refused.
+#[test]
+fn training_past_the_trained_groups() {
+    let mut p = overlap_plan();
+    p.parallel.trained_groups_per_train_replica = p.parallel.prompts_per_train_replica + 1;
+    assert_eq!(rules(&p), vec!["ranges"]);
+    let mut p = overlap_plan();
+    assert!(p.parallel.prompts_per_train_replica > 1);
+    p.parallel.trained_groups_per_train_replica = 1;
+    assert_eq!(
+        rules(&p),
+        vec!["ranges"],
+        "micro-batches past one trained group"
+    );
+}
+
 #[test]
 fn negative_or_nested_work() {
     use rollplex_plan::work::{Work, WorkKind, WorkPart};

@@ -314,7 +314,12 @@ fn batches(cx: &mut Cx<'_>, s: &JobSpec) {
     if !cx.ok(&["rollout.samples"]) {
         return;
     }
-    let samples = s.rollout.samples();
+    // Training is sized by the trained groups (all rolled-out ones unless dynamic sampling).
+    let groups = s
+        .train
+        .trained_groups(&s.rollout)
+        .min(s.rollout.prompts_per_iter);
+    let samples = groups * s.rollout.group_size;
     let (micro, mini) = (s.train.micro_batch, s.train.mini_batch);
     let base_ok = cx.ok(&["rollout.prompts", "rollout.group"]);
     let explicit_mini = cx.spans.get_exact("train.mini_batch").is_some();
@@ -339,8 +344,10 @@ fn batches(cx: &mut Cx<'_>, s: &JobSpec) {
             "batch-divides",
             path,
             format!(
-                "{} samples per iteration (prompts {} x group {}) do not split into mini-batches of {mini}",
-                samples, s.rollout.prompts_per_iter, s.rollout.group_size
+                "{} samples per iteration ({} {groups} x group {}) do not split into mini-batches of {mini}",
+                samples,
+                if s.train.groups.is_some() { "train groups" } else { "prompts" },
+                s.rollout.group_size
             ),
             Some(format!("mini_batch must divide {samples}{with}: {}", list(&ok))),
         );
@@ -593,6 +600,22 @@ fn algorithm(cx: &mut Cx<'_>, s: &JobSpec) {
                 Some("drop `reference = on` to skip the reference pass".into()),
             );
         }
+    }
+    if cx.ok(&["train.algorithm", "gpu"])
+        && loss.ratio == RatioLevel::Sequence
+        && s.cluster.gpu.name != "cpu"
+    {
+        warn(
+            cx,
+            "backend",
+            "train.algorithm",
+            format!(
+                "GSPO's sequence-level ratio runs on the cpu backend only; the cuda backend refuses \
+                 this job on a {}",
+                s.cluster.gpu.name
+            ),
+            Some("use `ratio = token` to train on GPUs, or `gpu { preset = cpu }`".into()),
+        );
     }
     if cx.ok(&["train.algorithm"]) && loss.clip_low >= 1.0 {
         err(

@@ -125,7 +125,7 @@ fn pipeline(cx: &mut Cx<'_>, p: &Pipeline, env: &dyn Env) -> JobSpec {
     let train = match t.section(cx, "train") {
         Some((label, head, body)) => {
             no_label(cx, "train", label);
-            train(cx, head, body, samples)
+            train(cx, head, body, samples, rollout.prompts_per_iter)
         }
         None => {
             if !t.has("train") {
@@ -661,7 +661,13 @@ fn reward(cx: &mut Cx<'_>, c: &CallVal) -> RewardSpec {
 
 // ---------------------------------------------------------------- train
 
-fn train(cx: &mut Cx<'_>, head: Span, body: &crate::ast::Body, samples: u32) -> TrainSpec {
+fn train(
+    cx: &mut Cx<'_>,
+    head: Span,
+    body: &crate::ast::Body,
+    samples: u32,
+    prompts: u32,
+) -> TrainSpec {
     let mut t = Table::from_body(cx, "train", "`train`", head, body);
     t.hints = &[
         ("lr", "optimizer = adamw(lr = ...)"),
@@ -672,16 +678,35 @@ fn train(cx: &mut Cx<'_>, head: Span, body: &crate::ast::Body, samples: u32) -> 
         ("ppo_epochs", "epochs"),
     ];
     let tp = t.count_or(cx, "tp", 1, 1);
-    let algorithm = match t.call(cx, "algorithm", &["grpo", "ppo_clip"]) {
+    let algorithm = match t.call(cx, "algorithm", ALGORITHMS) {
         Some(c) => algorithm(cx, &c),
-        None => Algorithm::Grpo(default_loss(true)),
+        None => Algorithm::Grpo(default_loss("grpo")),
     };
     let optimizer = match t.call(cx, "optimizer", &["adamw"]) {
         Some(c) => adamw(cx, &c),
         None => default_adamw(),
     };
+    let groups = t.count(cx, "groups", 1);
+    if let Some(n) = groups.filter(|&n| n > prompts) {
+        let sp = cx.span("train.groups");
+        cx.error(
+            Diagnostic::error(
+                "range",
+                sp,
+                format!("{n} groups trained per iteration, but only {prompts} are rolled out"),
+            )
+            .with_help(format!(
+                "train at most `rollout {{ prompts }}` = {prompts} groups; fewer than rolled out \
+                 turns on dynamic sampling (the groups with reward variance train)"
+            )),
+        );
+    }
+    let trained_samples = match groups {
+        Some(n) if n <= prompts => samples / prompts.max(1) * n,
+        _ => samples,
+    };
     let micro = t.req_count(cx, "micro_batch", 1, "4");
-    let mini = t.count_or(cx, "mini_batch", 1, samples.max(1));
+    let mini = t.count_or(cx, "mini_batch", 1, trained_samples.max(1));
     let epochs = t.count_or(cx, "epochs", 1, 1);
     let freeze = t
         .typed(cx, "freeze", |v, _| {
@@ -717,13 +742,14 @@ fn train(cx: &mut Cx<'_>, head: Span, body: &crate::ast::Body, samples: u32) -> 
         freeze_vision: freeze.contains(&"vision"),
         freeze_merger: freeze.contains(&"merger"),
         recompute,
+        groups,
     }
 }
 
 fn stand_in_train(samples: u32) -> TrainSpec {
     TrainSpec {
         tp: 1,
-        algorithm: Algorithm::Grpo(default_loss(true)),
+        algorithm: Algorithm::Grpo(default_loss("grpo")),
         optimizer: default_adamw(),
         micro_batch: 1,
         mini_batch: samples.max(1),
@@ -731,29 +757,78 @@ fn stand_in_train(samples: u32) -> TrainSpec {
         freeze_vision: false,
         freeze_merger: false,
         recompute: Recompute::None,
+        groups: None,
     }
 }
 
-fn default_loss(grpo: bool) -> PolicyLoss {
-    PolicyLoss {
+/// The algorithm presets of `train { algorithm = ... }`: every one is the same loss with other
+/// defaults, and every option can be set in any of them.
+const ALGORITHMS: &[&str] = &[
+    "grpo",
+    "ppo_clip",
+    "dr_grpo",
+    "dapo",
+    "gspo",
+    "reinforce_pp",
+];
+
+/// The defaults of an algorithm preset (a name of [`ALGORITHMS`]).
+fn default_loss(name: &str) -> PolicyLoss {
+    let base = PolicyLoss {
         clip_low: 0.2,
         clip_high: 0.2,
         kl_coef: 0.001,
         kl_estimator: KlEstimator::K3,
         loss_agg: LossAgg::TokenMean,
-        norm_adv_by_std: grpo,
+        norm_adv_by_std: name != "ppo_clip",
+        advantage: AdvantageEstimator::Group,
+        ratio: RatioLevel::Token,
+        tis_cap: None,
+        overlong: None,
+    };
+    match name {
+        // Dr. GRPO: no std normalisation, a constant loss denominator.
+        "dr_grpo" => PolicyLoss {
+            norm_adv_by_std: false,
+            loss_agg: LossAgg::SeqMeanTokenSumNorm,
+            ..base
+        },
+        // DAPO: clip-higher, token-mean loss, no KL term.
+        "dapo" => PolicyLoss {
+            clip_high: 0.28,
+            kl_coef: 0.0,
+            ..base
+        },
+        // GSPO: the sequence-level ratio with the paper's small clip range.
+        "gspo" => PolicyLoss {
+            clip_low: 3e-4,
+            clip_high: 4e-4,
+            loss_agg: LossAgg::SeqMeanTokenMean,
+            ratio: RatioLevel::Sequence,
+            ..base
+        },
+        "reinforce_pp" => PolicyLoss {
+            advantage: AdvantageEstimator::ReinforceBaseline,
+            norm_adv_by_std: false,
+            ..base
+        },
+        _ => base,
     }
 }
 
 fn algorithm(cx: &mut Cx<'_>, c: &CallVal) -> Algorithm {
-    let grpo = c.name.name == "grpo";
+    let name = c.name.name.as_str();
     let mut t = Table::from_call(cx, "train.algorithm", c, &[]);
     t.hints = &[
         ("kl_estimator", "kl"),
         ("kl_loss_coef", "kl_coef"),
         ("clip_ratio", "clip"),
+        ("tis_imp_ratio_cap", "tis_cap"),
+        ("overlong_buffer_len", "overlong_buffer"),
+        ("overlong_penalty_factor", "overlong_penalty"),
+        ("adv_estimator", "advantage"),
     ];
-    let d = default_loss(grpo);
+    let d = default_loss(name);
     let clip = t.float(cx, "clip", 0.0, 1.0);
     let clip_low = t.float(cx, "clip_low", 0.0, 1.0);
     let clip_high = t.float(cx, "clip_high", 0.0, f64::INFINITY);
@@ -772,18 +847,47 @@ fn algorithm(cx: &mut Cx<'_>, c: &CallVal) -> Algorithm {
     let kl = match t.choice(cx, "kl", &["k1", "k2", "k3"]) {
         Some("k1") => KlEstimator::K1,
         Some("k2") => KlEstimator::K2,
-        _ => KlEstimator::K3,
+        Some(_) => KlEstimator::K3,
+        None => d.kl_estimator,
     };
     let agg = match t.choice(
         cx,
         "loss_agg",
-        &["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"],
+        &[
+            "token_mean",
+            "seq_mean_token_mean",
+            "seq_mean_token_sum",
+            "seq_mean_token_sum_norm",
+        ],
     ) {
+        Some("token_mean") => LossAgg::TokenMean,
         Some("seq_mean_token_mean") => LossAgg::SeqMeanTokenMean,
         Some("seq_mean_token_sum") => LossAgg::SeqMeanTokenSum,
-        _ => LossAgg::TokenMean,
+        Some(_) => LossAgg::SeqMeanTokenSumNorm,
+        None => d.loss_agg,
     };
     let norm = t.bool(cx, "norm_adv_by_std").unwrap_or(d.norm_adv_by_std);
+    let advantage = match t.choice(cx, "advantage", &["group", "reinforce_baseline"]) {
+        Some("group") => AdvantageEstimator::Group,
+        Some(_) => AdvantageEstimator::ReinforceBaseline,
+        None => d.advantage,
+    };
+    let ratio = match t.choice(cx, "ratio", &["token", "sequence"]) {
+        Some("token") => RatioLevel::Token,
+        Some(_) => RatioLevel::Sequence,
+        None => d.ratio,
+    };
+    let tis_cap = t.float(cx, "tis_cap", 1.0, f64::INFINITY);
+    let overlong_buffer = t.count(cx, "overlong_buffer", 1);
+    let overlong_penalty = t.float(cx, "overlong_penalty", 0.0, f64::INFINITY);
+    if overlong_penalty.is_some() && !t.has("overlong_buffer") {
+        t.missing(
+            cx,
+            "overlong_buffer",
+            "the tokens before max_new_tokens over which the overlong penalty grows",
+            "4",
+        );
+    }
     t.finish(cx);
     let loss = PolicyLoss {
         clip_low: clip_low.or(clip).unwrap_or(d.clip_low),
@@ -792,11 +896,18 @@ fn algorithm(cx: &mut Cx<'_>, c: &CallVal) -> Algorithm {
         kl_estimator: kl,
         loss_agg: agg,
         norm_adv_by_std: norm,
+        advantage,
+        ratio,
+        tis_cap,
+        overlong: overlong_buffer.map(|buffer| Overlong {
+            buffer,
+            penalty: overlong_penalty.unwrap_or(1.0),
+        }),
     };
-    if grpo {
-        Algorithm::Grpo(loss)
-    } else {
+    if name == "ppo_clip" {
         Algorithm::PpoClip(loss)
+    } else {
+        Algorithm::Grpo(loss)
     }
 }
 

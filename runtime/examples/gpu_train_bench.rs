@@ -299,6 +299,8 @@ fn main() -> Result<()> {
             kl_coef: 0.0,
             kl_estimator: KlEstimator::K3,
             agg: LossAgg::TokenMean,
+            ratio: rollplex_plan::spec::RatioLevel::Token,
+            horizon: 0,
         },
         recompute: Recompute::Full,
         freeze_vision: true,

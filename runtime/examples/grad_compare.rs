@@ -263,6 +263,8 @@ fn run_case(dir: &Path, backend: Backend, bound: Bound, quiet: bool) -> Result<C
         kl_coef: num("kl_coef")?,
         kl_estimator,
         agg,
+        ratio: rollplex_plan::spec::RatioLevel::Token,
+        horizon: 0,
     };
     let temperature = num("temperature")? as f32;
 

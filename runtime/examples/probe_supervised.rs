@@ -54,7 +54,7 @@ fn main() -> Result<()> {
             l.kl_coef = 0.0
         }
     }
-    let cfg = TrainConfig::from_spec(&spec.train, 1.0, None)?;
+    let cfg = TrainConfig::from_spec(&spec.train, 1.0, None, spec.rollout.max_new_tokens as usize)?;
     let mut model = exec::host_actor(&spec)?;
     // Optionally scale the random normal init (weights only; norms stay 1, biases 0).
     let entries = model.weights.table.entries().to_vec();

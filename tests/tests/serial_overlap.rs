@@ -201,3 +201,47 @@ fn disaggregated_plans_train_as_serial_ones_do() {
     );
     assert_same(&a, &b, "serial vs disaggregated");
 }
+
+/// Every loss variant keeps the invariant: DAPO with dynamic sampling (8 groups rolled out, 4
+/// trained over two optimizer steps, so an old-log-prob pass runs and truncated importance
+/// sampling weighs by it), overlong shaping, GSPO's sequence ratio, REINFORCE++'s batch
+/// whitening and Dr. GRPO's constant denominator.
+#[test]
+fn loss_variants_keep_serial_and_overlap_bitwise_identical() {
+    let variants = [
+        (
+            "dapo(overlong_buffer = 8, tis_cap = 2.0, kl_coef = 0.01)",
+            "mini_batch = 2 * G\n        groups = 4",
+        ),
+        ("gspo(kl_coef = 0.01)", "mini_batch = PROMPTS * G"),
+        (
+            "reinforce_pp(loss_agg = seq_mean_token_sum_norm, kl_coef = 0.01)",
+            "mini_batch = PROMPTS * G",
+        ),
+    ];
+    for (algorithm, batches) in variants {
+        let src = common::with_algorithm(&tiny_src(), algorithm, batches, 8);
+        let serial = compile(&src, Mode::Serial, true);
+        let overlap = compile(&src, Mode::Overlap, true);
+        assert!(
+            overlap
+                .tasks
+                .iter()
+                .any(|t| t.window.is_some()
+                    && !matches!(t.op, rollplex_plan::Op::DecodeWindow { .. })),
+            "{algorithm}: the overlap plan moves side work into decode windows"
+        );
+        let a = run(&serial, 2);
+        let b = run(&overlap, 2);
+        assert!(
+            a.0.iter()
+                .all(|r| r.metrics.optimizer_steps > 0 && r.metrics.loss.loss != 0.0),
+            "{algorithm}: the run trained"
+        );
+        for (x, y) in a.0.iter().zip(&b.0) {
+            assert_eq!(x.trained_groups, y.trained_groups, "{algorithm}");
+            assert_eq!(x.metrics.rollout_agreement, y.metrics.rollout_agreement);
+        }
+        assert_same(&a, &b, algorithm);
+    }
+}

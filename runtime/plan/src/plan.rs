@@ -22,6 +22,12 @@
 //!   finish decoding, ordered by (finish step, group index). The order is a function of the
 //!   sampled tokens only (not of timing), so it is identical in every mode; a slot is bound as
 //!   soon as its group has finished, and a task naming a slot waits until it is bound.
+//! - *training slots* name the groups training ops cover (`TrainMicroBatch` samples and
+//!   `prefix_bwd_slots`, `ActorPrefix` over `Groups::Slots`): training slot `k` is completion
+//!   slot `k` when every scored group trains; under dynamic sampling
+//!   (`trained_groups_per_train_replica < prompts_per_train_replica`) it is the `k`-th group of
+//!   `spec::pick_trained_groups`, bound once every group's rewards are known (the compiler makes
+//!   every training op depend on every `Advantages` task then).
 //!
 //! Invariant: these types are plain data; everything a runtime needs to execute a task is in
 //! its [`Op`], its buffers and its dependencies. `crate::validate` lists the checked invariants.
@@ -77,8 +83,12 @@ pub struct Parallelism {
     pub train_replicas: u32,
     /// Prompts (GRPO groups) each rollout replica generates.
     pub prompts_per_rollout_replica: u32,
-    /// Prompts (GRPO groups) each training replica scores and trains on.
+    /// Prompts (GRPO groups) each training replica scores (completion slots `0..this`).
     pub prompts_per_train_replica: u32,
+    /// GRPO groups each training replica trains on: `prompts_per_train_replica`, or fewer under
+    /// dynamic sampling (`spec::pick_trained_groups` picks them after rewards, at run time).
+    /// Training ops count *training slots* `0..this` (see the module docs).
+    pub trained_groups_per_train_replica: u32,
     pub group_size: u32,
 }
 

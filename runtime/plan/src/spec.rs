@@ -273,6 +273,39 @@ pub struct TrainSpec {
     pub freeze_vision: bool,
     pub freeze_merger: bool,
     pub recompute: Recompute,
+    /// GRPO groups trained per iteration (`train { groups }`); `None`: every rolled-out group.
+    /// Fewer than `rollout.prompts_per_iter` is dynamic sampling (DAPO): more groups are rolled
+    /// out and scored than trained, and the runtime picks the trained ones after rewards by
+    /// [`pick_trained_groups`]'s rule, so every shape of the plan stays static.
+    pub groups: Option<u32>,
+}
+
+impl TrainSpec {
+    /// GRPO groups trained per iteration.
+    pub fn trained_groups(&self, rollout: &RolloutSpec) -> u32 {
+        self.groups.unwrap_or(rollout.prompts_per_iter)
+    }
+}
+
+/// Dynamic sampling's deterministic rule: which `trained` of the groups (in prompt order, each
+/// with the rewards of its samples) train this iteration. The groups whose rewards are not all
+/// equal (non-zero variance: they carry a learning signal) come first, in prompt order; when
+/// fewer than `trained` have variance, the rest are padded with the others in prompt order.
+/// Returns the picked group indices in ascending (prompt) order; every backend and every mode
+/// applies this one function, so the pick is a function of the rewards alone.
+pub fn pick_trained_groups(rewards: &[Vec<f32>], trained: usize) -> Vec<usize> {
+    let varied = |r: &Vec<f32>| r.iter().any(|&x| x != r[0]);
+    let mut picked: Vec<usize> = (0..rewards.len())
+        .filter(|&g| !rewards[g].is_empty() && varied(&rewards[g]))
+        .take(trained)
+        .collect();
+    let pad: Vec<usize> = (0..rewards.len())
+        .filter(|g| !picked.contains(g))
+        .take(trained.saturating_sub(picked.len()))
+        .collect();
+    picked.extend(pad);
+    picked.sort_unstable();
+    picked
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -301,8 +334,61 @@ pub struct PolicyLoss {
     pub kl_coef: f64,
     pub kl_estimator: KlEstimator,
     pub loss_agg: LossAgg,
-    /// Divide advantages by the group's std (GRPO); false keeps mean-centring only.
+    /// Divide advantages by the group's std (GRPO); false keeps mean-centring only (Dr. GRPO).
     pub norm_adv_by_std: bool,
+    /// How rewards become advantages.
+    pub advantage: AdvantageEstimator,
+    /// Where the importance ratio is taken: per token (PPO, GRPO, DAPO) or per sequence (GSPO).
+    pub ratio: RatioLevel,
+    /// Truncated importance sampling against the sampler (veRL's `tis_imp_ratio_cap`): each
+    /// token's policy-gradient term is weighted by `min(pi_old / pi_sampler, cap)`; `None`: off.
+    pub tis_cap: Option<f64>,
+    /// DAPO's overlong reward shaping; `None`: off.
+    pub overlong: Option<Overlong>,
+}
+
+/// How rewards become per-sample advantages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdvantageEstimator {
+    /// GRPO: reward minus the group mean, over the group's std when `norm_adv_by_std`.
+    Group,
+    /// REINFORCE++ with a baseline (OpenRLHF's `reinforce_baseline`): reward minus the group
+    /// mean, then whitened over every response token of the iteration's trained samples
+    /// (token-weighted mean and biased std).
+    ReinforceBaseline,
+}
+
+/// The level of the importance ratio.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RatioLevel {
+    /// `exp(logp - old)` per token.
+    Token,
+    /// GSPO: `exp(mean_t(logp - old))` per sequence, clipped per sequence, the gradient
+    /// through every token (the paper's GSPO-token form).
+    Sequence,
+}
+
+/// DAPO's soft overlong punishment: a response of `L` tokens with `L > max_new_tokens -
+/// buffer` gets `-(L - (max_new_tokens - buffer)) / buffer * penalty` added to its reward.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Overlong {
+    /// Tokens before the maximum length over which the penalty grows (>= 1).
+    pub buffer: u32,
+    /// The penalty at the maximum length.
+    pub penalty: f64,
+}
+
+impl Overlong {
+    /// The reward added to a response of `len` tokens when responses stop at `max_len`.
+    pub fn shaping(&self, len: u32, max_len: u32) -> f64 {
+        let expected = max_len.saturating_sub(self.buffer);
+        if len <= expected || self.buffer == 0 {
+            return 0.0;
+        }
+        -((len - expected) as f64) / self.buffer as f64 * self.penalty
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -322,6 +408,10 @@ pub enum LossAgg {
     SeqMeanTokenMean,
     /// Mean over sequences of each sequence's token sum.
     SeqMeanTokenSum,
+    /// Dr. GRPO: the token sum over the mini-batch divided by a constant, the maximum response
+    /// length (`rollout.max_new_tokens`) times the mini-batch's sequences, so that no sequence's
+    /// tokens weigh by its own length.
+    SeqMeanTokenSumNorm,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -427,5 +517,49 @@ impl ModelSpec {
             merger,
             text,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlong_shaping_by_hand() {
+        // max 10, buffer 4: no penalty up to 6 tokens, then -(L - 6) / 4 * penalty.
+        let o = Overlong {
+            buffer: 4,
+            penalty: 1.0,
+        };
+        assert_eq!(o.shaping(6, 10), 0.0);
+        assert_eq!(o.shaping(8, 10), -0.5);
+        assert_eq!(o.shaping(10, 10), -1.0);
+        let half = Overlong {
+            buffer: 4,
+            penalty: 0.5,
+        };
+        assert_eq!(half.shaping(9, 10), -0.375);
+        // a buffer longer than the responses starts at length 0
+        assert_eq!(o.shaping(2, 3), -0.5);
+    }
+
+    #[test]
+    fn dynamic_sampling_picks_varied_groups_in_prompt_order() {
+        let r = |v: &[f32]| v.to_vec();
+        let groups = [
+            r(&[1.0, 1.0]),
+            r(&[0.0, 1.0]),
+            r(&[0.0, 0.0]),
+            r(&[1.0, 0.0]),
+        ];
+        // two with variance: groups 1 and 3
+        assert_eq!(pick_trained_groups(&groups, 2), vec![1, 3]);
+        // only the first with variance when one is trained
+        assert_eq!(pick_trained_groups(&groups, 1), vec![1]);
+        // too few: padded with the others in prompt order (group 0 first)
+        assert_eq!(pick_trained_groups(&groups, 3), vec![0, 1, 3]);
+        assert_eq!(pick_trained_groups(&groups, 4), vec![0, 1, 2, 3]);
+        let flat = [r(&[0.0, 0.0]), r(&[1.0, 1.0])];
+        assert_eq!(pick_trained_groups(&flat, 1), vec![0]);
     }
 }

@@ -25,7 +25,8 @@
 //!   inside a decode window use version 0 only (old log-probs, first step's forward).
 //! - `deadlock`: no decode window happens after a task that waits for finished groups (slot
 //!   ops, micro-batches): those waits are released only by decode progress.
-//! - `ranges`: groups, slots and samples of every op are inside the replica's counts.
+//! - `ranges`: groups, slots and samples of every op are inside the replica's counts (training
+//!   slots inside its trained groups, which are at least 1 and at most its scored groups).
 //! - `memory`: a buffer's arena belongs to its GPU and holds `offset..offset+bytes`; a
 //!   buffer's lifetime tasks are on its GPU and every task reading or writing it lies between
 //!   them in happens-before order; two buffers of one arena whose byte ranges overlap have
@@ -44,7 +45,7 @@
 //! - `timing`: predicted times are finite, `start_s <= end_s`, a task starts no earlier than
 //!   its dependencies end, and tasks of a stream do not overlap in time.
 
-use crate::ids::{BufferId, GpuId, TaskId};
+use crate::ids::{BufferId, GpuId, Groups, TaskId};
 use crate::plan::{align_up, ArenaKind, BufferRole, GpuRole, Lifetime, Op, Plan};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -544,6 +545,17 @@ impl Checker<'_> {
         let p = self.plan;
         let par = &p.parallel;
         let g = par.group_size;
+        if par.trained_groups_per_train_replica == 0
+            || par.trained_groups_per_train_replica > par.prompts_per_train_replica
+        {
+            self.err(
+                "ranges",
+                format!(
+                    "a training replica trains {} of its {} groups (at least 1, at most all)",
+                    par.trained_groups_per_train_replica, par.prompts_per_train_replica
+                ),
+            );
+        }
         for t in &p.tasks {
             let role = p.gpus[t.gpu.index()].role;
             let rollout_side = matches!(t.op, Op::EncodeMedia { .. } | Op::Prefill { .. });
@@ -552,6 +564,7 @@ impl Checker<'_> {
             } else {
                 par.prompts_per_train_replica
             };
+            let trained = par.trained_groups_per_train_replica;
             let bad = match &t.op {
                 Op::EncodeMedia { groups: s, copies }
                 | Op::Prefill { groups: s, copies }
@@ -562,7 +575,12 @@ impl Checker<'_> {
                     groups: gs, copies, ..
                 } => {
                     let s = gs.span();
-                    s.is_empty() || s.end > groups || (*copies != 1 && *copies != g)
+                    // training slots count only the trained groups
+                    let n = match gs {
+                        Groups::Slots(_) if !rollout_side && role != GpuRole::Rollout => trained,
+                        _ => groups,
+                    };
+                    s.is_empty() || s.end > n || (*copies != 1 && *copies != g)
                 }
                 Op::RefSuffix { slot }
                 | Op::ActorSuffix { slot, .. }
@@ -574,8 +592,8 @@ impl Checker<'_> {
                     ..
                 } => {
                     samples.is_empty()
-                        || samples.end as u64 > groups as u64 * g as u64
-                        || prefix_bwd_slots.end > groups
+                        || samples.end as u64 > trained as u64 * g as u64
+                        || prefix_bwd_slots.end > trained
                 }
                 _ => false,
             };

@@ -328,7 +328,14 @@ fn metrics_json(
         "time_s": dt.as_secs_f64(),
         "tokens_per_s": r.response_tokens() as f64 / dt.as_secs_f64().max(1e-9),
         "peak_mem_gib": m.peak_mem_bytes.map(|b| b as f64 / (1u64 << 30) as f64),
+        "groups_trained": m.groups_trained,
+        "rollout_logp_diff_mean": m.rollout_agreement.map(|a| a.abs_diff_mean()),
+        "rollout_logp_diff_max": m.rollout_agreement.map(|a| a.abs_diff_max),
+        "rollout_kl_k3": m.rollout_agreement.map(|a| a.k3_mean()),
     });
+    if let Some(n) = m.groups_with_variance {
+        v["groups_with_variance"] = serde_json::json!(n);
+    }
     // Measured time per phase (sum of its tasks' host times; side work in decode windows is
     // rollout, as in the simulator's summary).
     for (p, s) in Phase::ALL.iter().zip(phase_s) {

@@ -1,7 +1,10 @@
 //! The host-side record of one iteration, kept the same way by every backend that trains
 //! (`cpu`, `cuda`): sampled tokens and their rollout log-probs, which samples stopped, the
 //! completion slots (groups in (finish step, group) order), reference and old log-probs,
-//! rewards, GRPO advantages, the training inputs of a micro-batch and its normaliser.
+//! rewards (with DAPO's overlong shaping), advantages (GRPO, Dr. GRPO, REINFORCE++ baseline),
+//! dynamic sampling's pick of the trained groups, the training inputs of a micro-batch (with
+//! the truncated importance-sampling weight) and its normaliser, and the agreement between the
+//! sampler's log-probs and the trainer's.
 //!
 //! The backends differ in where the model runs; everything decided on the host (when a sample
 //! stops, which group a slot names, rewards, advantages, the loss normaliser) is decided here,
@@ -12,14 +15,14 @@
 //! group) order within a decode window, and a window's steps run in step order.
 
 use rollplex_plan::plan::Plan;
-use rollplex_plan::spec::JobSpec;
+use rollplex_plan::spec::{pick_trained_groups, AdvantageEstimator, JobSpec};
 use rollplex_plan::{Groups, Span};
 
 use super::cpu::RewardFn;
-use super::{ExecError, IterationMetrics, IterationResult, PromptData};
+use super::{Agreement, ExecError, IterationMetrics, IterationResult, PromptData};
 use crate::model::SamplingParams;
-use crate::train::backward::ResponseBatch;
-use crate::train::loss::{grpo_advantages, Normaliser};
+use crate::train::backward::{MicroBatchOutput, ResponseBatch};
+use crate::train::loss::{grpo_advantages, reinforce_baseline_advantages, tis_weight, Normaliser};
 
 /// One response's training inputs, owned (borrowed views: [`TrainInputs::batch`]).
 #[derive(Clone, Debug)]
@@ -76,6 +79,13 @@ pub struct Book<'a> {
     pub old_logp: Vec<Option<Vec<f32>>>,
     rewards: Vec<Option<f32>>,
     advantages: Vec<Option<f32>>,
+    /// Groups each training replica trains (all of them unless dynamic sampling).
+    trained: usize,
+    /// Dynamic sampling: training slot -> group, once every reward is in.
+    picked: Option<Vec<usize>>,
+    /// Per sample: the sampler's log-probs against the old-log-prob pass or, without one, the
+    /// first optimizer step's training forward (summed in sample order at the end).
+    agreement: Vec<Option<Agreement>>,
     pub metrics: IterationMetrics,
 }
 
@@ -121,6 +131,9 @@ impl<'a> Book<'a> {
             old_logp: vec![None; samples],
             rewards: vec![None; samples],
             advantages: vec![None; samples],
+            trained: plan.parallel.trained_groups_per_train_replica as usize,
+            picked: None,
+            agreement: vec![None; samples],
             metrics: IterationMetrics::default(),
         })
     }
@@ -164,10 +177,38 @@ impl<'a> Book<'a> {
             })
     }
 
+    /// Whether more groups are rolled out than trained (dynamic sampling).
+    pub fn dynamic_sampling(&self) -> bool {
+        self.trained < self.groups()
+    }
+
+    /// The group training slot `k` names: completion slot `k`, or under dynamic sampling the
+    /// `k`-th picked group (see `rollplex_plan::plan`'s indexing conventions).
+    pub fn group_of_train_slot(&self, k: u32) -> Result<usize, ExecError> {
+        if !self.dynamic_sampling() {
+            return self.group_of_slot(k);
+        }
+        let picked = self.picked.as_ref().ok_or_else(|| {
+            ExecError::Plan(format!(
+                "training slot {k} used before every group's reward was in (dynamic sampling \
+                 picks the trained groups then)"
+            ))
+        })?;
+        picked.get(k as usize).copied().ok_or_else(|| {
+            ExecError::Plan(format!(
+                "training slot {k} of {} trained groups",
+                picked.len()
+            ))
+        })
+    }
+
+    /// The groups of an `ActorPrefix` op: prompts, or training slots.
     pub fn groups_of(&self, groups: &Groups) -> Result<Vec<usize>, ExecError> {
         match groups {
             Groups::Prompts(s) => Ok(range(*s).collect()),
-            Groups::Slots(s) => range(*s).map(|k| self.group_of_slot(k as u32)).collect(),
+            Groups::Slots(s) => range(*s)
+                .map(|k| self.group_of_train_slot(k as u32))
+                .collect(),
         }
     }
 
@@ -247,10 +288,13 @@ impl<'a> Book<'a> {
         }
     }
 
-    /// Stores group `g`'s old log-probs (one per member, in order).
+    /// Stores group `g`'s old log-probs (one per member, in order) and their agreement with
+    /// the sampler's.
     pub fn set_old_logp(&mut self, g: usize, lps: Vec<Vec<f32>>) {
         for (m, lp) in lps.into_iter().enumerate() {
-            self.old_logp[g * self.group_size + m] = Some(lp);
+            let s = g * self.group_size + m;
+            self.agreement[s] = Some(Agreement::of(&self.rollout_logp[s], &lp));
+            self.old_logp[s] = Some(lp);
         }
     }
 
@@ -265,23 +309,85 @@ impl<'a> Book<'a> {
                 self.group_size
             )));
         }
+        let overlong = self.spec.train.algorithm.loss().overlong;
+        let max_len = self.spec.rollout.max_new_tokens;
         for (m, r) in rewards.into_iter().enumerate() {
-            self.rewards[g * self.group_size + m] = Some(r);
+            let s = g * self.group_size + m;
+            let shaped = match overlong {
+                Some(o) => (r as f64 + o.shaping(self.tokens[s].len() as u32, max_len)) as f32,
+                None => r,
+            };
+            self.rewards[s] = Some(shaped);
         }
         Ok(())
     }
 
-    /// The `Advantages` op: GRPO advantages of the group in `slot`.
-    pub fn advantages(&mut self, slot: u32) -> Result<(), ExecError> {
-        let g = self.group_of_slot(slot)?;
-        let rewards: Vec<f32> = self
-            .members(g)
+    /// Whether a group's advantages depend on other groups' rewards (REINFORCE++'s batch
+    /// whitening, dynamic sampling's pick): the plan then runs every `Advantages` op after
+    /// every `Reward` op, and the first one computes them all.
+    fn batch_level(&self) -> bool {
+        self.dynamic_sampling()
+            || self.spec.train.algorithm.loss().advantage == AdvantageEstimator::ReinforceBaseline
+    }
+
+    /// The rewards of samples `samples`, each required.
+    fn rewards_of(&self, samples: impl Iterator<Item = usize>) -> Result<Vec<f32>, ExecError> {
+        samples
             .map(|s| {
                 self.rewards[s].ok_or_else(|| {
                     ExecError::Plan(format!("advantage of sample {s} before its reward"))
                 })
             })
-            .collect::<Result<_, _>>()?;
+            .collect()
+    }
+
+    /// Every group's advantages at once, and dynamic sampling's pick (see [`Book::batch_level`]).
+    fn batch_advantages(&mut self) -> Result<(), ExecError> {
+        let loss = self.spec.train.algorithm.loss();
+        let rewards = self.rewards_of(0..self.samples())?;
+        let trained: Vec<usize> = if self.dynamic_sampling() {
+            let per_group: Vec<Vec<f32>> = rewards
+                .chunks(self.group_size)
+                .map(<[f32]>::to_vec)
+                .collect();
+            let varied = per_group
+                .iter()
+                .filter(|r| r.iter().any(|&x| x != r[0]))
+                .count();
+            let picked = pick_trained_groups(&per_group, self.trained);
+            self.metrics.groups_with_variance = Some(varied as u32);
+            self.picked = Some(picked.clone());
+            picked
+        } else {
+            (0..self.groups()).collect()
+        };
+        let adv = match loss.advantage {
+            AdvantageEstimator::Group => {
+                grpo_advantages(&rewards, self.group_size, loss.norm_adv_by_std)?
+            }
+            AdvantageEstimator::ReinforceBaseline => {
+                let lens: Vec<usize> = self.tokens.iter().map(Vec::len).collect();
+                let whiten: Vec<usize> = trained.iter().flat_map(|&g| self.members(g)).collect();
+                reinforce_baseline_advantages(&rewards, self.group_size, &lens, &whiten)?
+            }
+        };
+        for (s, a) in adv.into_iter().enumerate() {
+            self.advantages[s] = Some(a);
+        }
+        Ok(())
+    }
+
+    /// The `Advantages` op: the advantages of the group in `slot` (of every group, the first
+    /// time, when they depend on the whole batch).
+    pub fn advantages(&mut self, slot: u32) -> Result<(), ExecError> {
+        let g = self.group_of_slot(slot)?;
+        if self.batch_level() {
+            if self.advantages[g * self.group_size].is_none() {
+                self.batch_advantages()?;
+            }
+            return Ok(());
+        }
+        let rewards = self.rewards_of(self.members(g))?;
         let norm_std = self.spec.train.algorithm.loss().norm_adv_by_std;
         let adv = grpo_advantages(&rewards, self.group_size, norm_std)?;
         for (s, a) in self.members(g).zip(adv) {
@@ -316,8 +422,9 @@ impl<'a> Book<'a> {
         let mb_start = samples.start / mini * mini;
         let norm = self.mini_batch_normaliser(Span::new(mb_start, mb_start + mini))?;
         let groups: Vec<usize> = (samples.start / g..samples.end / g)
-            .map(|k| self.group_of_slot(k))
+            .map(|k| self.group_of_train_slot(k))
             .collect::<Result<_, _>>()?;
+        let tis_cap = self.spec.train.algorithm.loss().tis_cap;
         let mut inputs = Vec::with_capacity(groups.len());
         for &grp in &groups {
             let mut rs = Vec::with_capacity(self.group_size);
@@ -326,12 +433,23 @@ impl<'a> Book<'a> {
                 let adv = self.advantages[s].ok_or_else(|| {
                     ExecError::Plan(format!("sample {s} trained before its advantage"))
                 })?;
+                // Truncated importance sampling weighs each token's policy-gradient term by
+                // min(pi_old / pi_sampler, cap): a positive constant, applied to the advantage.
+                // Without an old-log-prob pass the old policy is the sampler: weight 1.
+                let advantages = match (tis_cap, &self.old_logp[s]) {
+                    (Some(cap), Some(old)) => old
+                        .iter()
+                        .zip(&self.rollout_logp[s])
+                        .map(|(&o, &r)| (adv as f64 * tis_weight(o, r, cap)) as f32)
+                        .collect(),
+                    _ => vec![adv; n],
+                };
                 rs.push(TrainInputs {
                     sample: s,
                     old_logp: self.old_logp[s]
                         .clone()
                         .unwrap_or_else(|| self.rollout_logp[s].clone()),
-                    advantages: vec![adv; n],
+                    advantages,
                     ref_logp: self.ref_logp[s].clone(),
                     mask: vec![true; n],
                 });
@@ -343,6 +461,23 @@ impl<'a> Book<'a> {
             inputs,
             norm,
         })
+    }
+
+    /// Records what a `TrainMicroBatch` op of optimizer step `step` produced: its loss metrics
+    /// and, on the first step of an iteration without an old-log-prob pass, the agreement of the
+    /// training forward's log-probs with the sampler's.
+    pub fn micro_batch_done(&mut self, step: u32, mb: &MicroBatchInputs, out: &MicroBatchOutput) {
+        self.metrics.loss.add(&out.metrics);
+        self.metrics.micro_batches += 1;
+        if step != 0 {
+            return;
+        }
+        let samples = mb.inputs.iter().flatten().map(|r| r.sample);
+        for (s, lp) in samples.zip(&out.logp) {
+            if self.old_logp[s].is_none() {
+                self.agreement[s] = Some(Agreement::of(&self.rollout_logp[s], lp));
+            }
+        }
     }
 
     /// Response views of a micro-batch's inputs, per group.
@@ -357,7 +492,7 @@ impl<'a> Book<'a> {
         let g = self.group_size as u32;
         let mut tokens = 0usize;
         for k in samples.start / g..samples.end / g {
-            let grp = self.group_of_slot(k)?;
+            let grp = self.group_of_train_slot(k)?;
             for s in self.members(grp) {
                 tokens += self.tokens[s].len();
             }
@@ -369,7 +504,15 @@ impl<'a> Book<'a> {
     }
 
     /// Results of the iteration, for metrics, tests and the bitwise invariant.
-    pub fn finish(self) -> IterationResult {
+    pub fn finish(mut self) -> IterationResult {
+        self.metrics.groups_trained = self.trained as u32;
+        self.metrics.rollout_agreement = self
+            .agreement
+            .iter()
+            .flatten()
+            .fold(None, |acc: Option<Agreement>, a| {
+                Some(acc.map_or(*a, |x| x.merge(a)))
+            });
         IterationResult {
             tokens: self.tokens,
             rollout_logp: self.rollout_logp,
@@ -381,6 +524,15 @@ impl<'a> Book<'a> {
                 .iter()
                 .map(|a| a.unwrap_or(f32::NAN))
                 .collect(),
+            trained_groups: match &self.picked {
+                Some(p) => p.iter().map(|&g| g as u32).collect(),
+                None => self
+                    .slot_groups
+                    .iter()
+                    .take(self.trained)
+                    .copied()
+                    .collect(),
+            },
             slot_groups: self.slot_groups,
             group_size: self.group_size as u32,
             metrics: self.metrics,

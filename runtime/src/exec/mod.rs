@@ -221,6 +221,64 @@ pub struct IterationMetrics {
     /// mark (weights, optimizer state and every buffer the iteration allocated); on cpu the
     /// process's resident-set high-water mark. `None` where it could not be read.
     pub peak_mem_bytes: Option<u64>,
+    /// The sampler's token log-probs against the trainer's (the old-log-prob pass, or the first
+    /// optimizer step's forward when there is none); `None` when nothing was compared.
+    pub rollout_agreement: Option<Agreement>,
+    /// Dynamic sampling: the rolled-out groups whose rewards were not all equal.
+    pub groups_with_variance: Option<u32>,
+    /// Groups trained this iteration.
+    pub groups_trained: u32,
+}
+
+/// How far the sampler's log-probs of its tokens are from another forward's of the same tokens
+/// (rollout/trainer agreement): absolute differences and the k3 estimate of
+/// KL(sampler ‖ trainer) from the sampler's own tokens, `exp(d) - d - 1` with
+/// `d = trainer - sampler` (clamped to ±20 before `exp`, as the loss clamps log-ratios).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Agreement {
+    pub tokens: u64,
+    pub abs_diff_sum: f64,
+    pub abs_diff_max: f64,
+    pub k3_sum: f64,
+}
+
+impl Agreement {
+    /// The agreement of `sampler` and `trainer`, token by token (the shorter length counts).
+    pub fn of(sampler: &[f32], trainer: &[f32]) -> Self {
+        let mut a = Agreement::default();
+        for (&s, &t) in sampler.iter().zip(trainer) {
+            let d = t as f64 - s as f64;
+            let dc = d.clamp(
+                -crate::train::loss::LOG_RATIO_CLAMP,
+                crate::train::loss::LOG_RATIO_CLAMP,
+            );
+            a.tokens += 1;
+            a.abs_diff_sum += d.abs();
+            a.abs_diff_max = a.abs_diff_max.max(d.abs());
+            a.k3_sum += dc.exp() - dc - 1.0;
+        }
+        a
+    }
+
+    /// Both together.
+    pub fn merge(self, o: &Agreement) -> Self {
+        Agreement {
+            tokens: self.tokens + o.tokens,
+            abs_diff_sum: self.abs_diff_sum + o.abs_diff_sum,
+            abs_diff_max: self.abs_diff_max.max(o.abs_diff_max),
+            k3_sum: self.k3_sum + o.k3_sum,
+        }
+    }
+
+    /// Mean absolute difference per token (0 without tokens).
+    pub fn abs_diff_mean(&self) -> f64 {
+        self.abs_diff_sum / self.tokens.max(1) as f64
+    }
+
+    /// Mean k3 per token (0 without tokens).
+    pub fn k3_mean(&self) -> f64 {
+        self.k3_sum / self.tokens.max(1) as f64
+    }
 }
 
 /// Everything an iteration produced: what the bitwise invariant compares.
@@ -236,6 +294,8 @@ pub struct IterationResult {
     pub advantages: Vec<f32>,
     /// Groups in completion-slot order.
     pub slot_groups: Vec<u32>,
+    /// The groups trained, in training-slot order (dynamic sampling: the picked ones).
+    pub trained_groups: Vec<u32>,
     pub group_size: u32,
     pub metrics: IterationMetrics,
 }
@@ -464,4 +524,28 @@ fn rss_peak() -> Option<u64> {
     let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Agreement;
+
+    #[test]
+    fn agreement_by_hand() {
+        // sampler [-1, -2], trainer [-1.1, -1.5]: d = [-0.1, 0.5]; |d| mean 0.3, max 0.5;
+        // k3 = (e^-0.1 + 0.1 - 1 + e^0.5 - 0.5 - 1) / 2 = (0.0048374 + 0.1487213) / 2.
+        let a = Agreement::of(&[-1.0, -2.0], &[-1.1, -1.5]);
+        assert_eq!(a.tokens, 2);
+        let d0 = -1.1f32 as f64 + 1.0;
+        assert!((a.abs_diff_mean() - (d0.abs() + 0.5) / 2.0).abs() < 1e-12);
+        assert!((a.abs_diff_mean() - 0.3).abs() < 1e-7);
+        assert_eq!(a.abs_diff_max, 0.5);
+        let k3 = (d0.exp() - d0 - 1.0 + 0.5f64.exp() - 0.5 - 1.0) / 2.0;
+        assert!((a.k3_mean() - k3).abs() < 1e-12);
+        assert!((a.k3_mean() - 0.0767793).abs() < 1e-6);
+        // merging adds the sums and keeps the larger maximum; nothing compared gives zeros
+        let b = a.merge(&Agreement::of(&[0.0], &[-0.75]));
+        assert_eq!((b.tokens, b.abs_diff_max), (3, 0.75));
+        assert_eq!(Agreement::default().abs_diff_mean(), 0.0);
+    }
 }

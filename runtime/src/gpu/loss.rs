@@ -4,7 +4,8 @@
 //! per optimizer step instead of downloading log-probs and uploading `dlogp` per micro-batch.
 //!
 //! - [`kernel_params`]: a [`LossConfig`] and the mini-batch [`Normaliser`] as the kernel's
-//!   arguments; [`loss_metrics`]: the device sums as a [`LossMetrics`].
+//!   arguments (Dr. GRPO's `seq_mean_token_sum_norm` as the token sum over `horizon x S`
+//!   sequences; GSPO's sequence ratio has no device form yet: [`check_device_loss`] refuses it); [`loss_metrics`]: the device sums as a [`LossMetrics`].
 //! - [`LossTables`]: the host tables the kernel reads besides the per-token values (each row's
 //!   sequence index and mask byte, each sequence's masked token count), built from where each
 //!   sequence's tokens lie in the per-token buffers (any order, as the trainer's head rows).
@@ -23,7 +24,7 @@ use rollplex_kernels::cuda::{
     policy_loss_f32, CudaStream, Gpu, KlKind, LossAggKind, PolicyLossAcc, PolicyLossInputs,
     PolicyLossParams, PolicyLossSums,
 };
-use rollplex_plan::spec::{KlEstimator, LossAgg};
+use rollplex_plan::spec::{KlEstimator, LossAgg, RatioLevel};
 
 use super::{GpuError, Result};
 use crate::train::loss::{LossConfig, LossMetrics, Normaliser};
@@ -44,11 +45,29 @@ pub fn kernel_params(cfg: &LossConfig, norm: Normaliser) -> PolicyLossParams {
         agg: match cfg.agg {
             LossAgg::TokenMean => LossAggKind::TokenMean,
             LossAgg::SeqMeanTokenMean => LossAggKind::SeqMeanTokenMean,
-            LossAgg::SeqMeanTokenSum => LossAggKind::SeqMeanTokenSum,
+            LossAgg::SeqMeanTokenSum | LossAgg::SeqMeanTokenSumNorm => LossAggKind::SeqMeanTokenSum,
         },
         norm_tokens: norm.tokens,
-        norm_seqs: norm.seqs,
+        // Dr. GRPO's `1 / (H S)` is the token-sum weight `1 / S'` with `S' = H S` sequences.
+        norm_seqs: match cfg.agg {
+            LossAgg::SeqMeanTokenSumNorm => norm.seqs * cfg.horizon,
+            _ => norm.seqs,
+        },
     }
+}
+
+/// Whether the device loss computes `cfg`: the kernel takes each token's own ratio, so GSPO's
+/// sequence-level ratio is refused (it runs on the cpu backend).
+pub fn check_device_loss(cfg: &LossConfig) -> Result<()> {
+    if cfg.ratio == RatioLevel::Sequence {
+        return Err(GpuError::Unsupported(
+            "GSPO's sequence-level ratio (`ratio = sequence`, `algorithm = gspo`) runs on the cpu \
+             backend only: the device loss takes each token's own ratio; use the cpu backend or \
+             `ratio = token`"
+                .into(),
+        ));
+    }
+    Ok(())
 }
 
 /// The device sums as the CPU's metrics (the sum of its micro-batches' `LossMetrics`).

@@ -450,6 +450,8 @@ fn config(agg: LossAgg, est: KlEstimator, dual: Option<f64>, kl_coef: f64) -> Lo
         kl_coef,
         kl_estimator: est,
         agg,
+        ratio: rollplex_plan::spec::RatioLevel::Token,
+        horizon: 0,
     }
 }
 
@@ -530,7 +532,66 @@ fn kernel_params_carry_the_config_and_the_normaliser() {
     assert!(bad.validate().is_err() && kernel_params(&bad, norm).validate().is_err());
 }
 
+/// Dr. GRPO's `seq_mean_token_sum_norm` reaches the kernel as the token-sum weight over
+/// `horizon x S` sequences, and the CPU loss gives the same bits either way; GSPO's sequence
+/// ratio is refused (the kernel takes token ratios).
+#[test]
+fn dr_grpo_is_the_token_sum_over_horizon_times_sequences() {
+    use rollplex_kernels::cuda::LossAggKind;
+    let norm = Normaliser {
+        tokens: 17,
+        seqs: 3,
+    };
+    let dr = LossConfig {
+        horizon: 7,
+        ..config(LossAgg::SeqMeanTokenSumNorm, KlEstimator::K3, None, 0.05)
+    };
+    let p = kernel_params(&dr, norm);
+    assert_eq!(p.agg, LossAggKind::SeqMeanTokenSum);
+    assert_eq!((p.norm_tokens, p.norm_seqs), (17, 21));
+    let b = random_batch(&mut Rng(0xD2_6290), SHAPE);
+    let norm = mini_batch_norm(&b);
+    let (d1, m1) = cpu_loss(&dr, &b, norm);
+    let sum = config(LossAgg::SeqMeanTokenSum, KlEstimator::K3, None, 0.05);
+    let (d2, m2) = cpu_loss(
+        &sum,
+        &b,
+        Normaliser {
+            seqs: norm.seqs * 7,
+            ..norm
+        },
+    );
+    assert_eq!(d1, d2);
+    assert_eq!((m1.loss, m1.pg_loss, m1.kl), (m2.loss, m2.pg_loss, m2.kl));
+    assert!(m1.loss != 0.0);
+    let gspo = LossConfig {
+        ratio: rollplex_plan::spec::RatioLevel::Sequence,
+        ..sum
+    };
+    let e = check_device_loss(&gspo).unwrap_err().to_string();
+    assert!(e.contains("cpu backend"), "{e}");
+    assert!(check_device_loss(&dr).is_ok());
+}
+
 // ---------------------------------------------------------------- GPU tests
+
+/// Dr. GRPO on the device against the CPU (the mapping above, through the kernel).
+#[test]
+fn device_loss_matches_cpu_for_dr_grpo() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let s = gpu.stream(0).unwrap();
+    let b = random_batch(&mut Rng(0xD2_6291), SHAPE);
+    let cfg = LossConfig {
+        horizon: 9,
+        ..config(
+            LossAgg::SeqMeanTokenSumNorm,
+            KlEstimator::K3,
+            Some(3.0),
+            0.05,
+        )
+    };
+    compare(gpu, &s, "dr_grpo", &cfg, &b, mini_batch_norm(&b));
+}
 
 /// Every estimator x aggregation x dual clip (off, 3, 1.5) x kl_coef (0, 0.05), each on a fresh
 /// random micro-batch of several groups (GRPO advantages; per-token ones on odd cases).

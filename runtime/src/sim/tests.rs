@@ -88,6 +88,10 @@ fn spec() -> JobSpec {
                 kl_estimator: KlEstimator::K3,
                 loss_agg: LossAgg::TokenMean,
                 norm_adv_by_std: true,
+                advantage: AdvantageEstimator::Group,
+                ratio: RatioLevel::Token,
+                tis_cap: None,
+                overlong: None,
             }),
             optimizer: AdamWSpec {
                 lr: 1e-6,
@@ -104,6 +108,7 @@ fn spec() -> JobSpec {
             freeze_vision: true,
             freeze_merger: false,
             recompute: Recompute::None,
+            groups: None,
         },
         schedule: ScheduleSpec {
             mode: Mode::Overlap,
@@ -338,6 +343,7 @@ fn plan(split: Option<(u32, u32)>) -> Plan {
             train_replicas: 1,
             prompts_per_rollout_replica: 2,
             prompts_per_train_replica: 2,
+            trained_groups_per_train_replica: 2,
             group_size: 2,
         },
         predicted: Predicted {

@@ -65,14 +65,20 @@ pub struct TrainConfig {
 }
 
 impl TrainConfig {
-    pub fn from_spec(train: &TrainSpec, temperature: f32, dual_clip: Option<f64>) -> Result<Self> {
+    /// `horizon`: the maximum response length (the Dr. GRPO aggregation's constant).
+    pub fn from_spec(
+        train: &TrainSpec,
+        temperature: f32,
+        dual_clip: Option<f64>,
+        horizon: usize,
+    ) -> Result<Self> {
         if !(temperature > 0.0 && temperature.is_finite()) {
             return Err(TrainError::Invalid(format!(
                 "temperature {temperature} must be positive and finite"
             )));
         }
         Ok(TrainConfig {
-            loss: LossConfig::from_spec(train.algorithm.loss(), dual_clip)?,
+            loss: LossConfig::from_spec(train.algorithm.loss(), dual_clip, horizon)?,
             recompute: train.recompute,
             freeze_vision: train.freeze_vision,
             freeze_merger: train.freeze_merger,

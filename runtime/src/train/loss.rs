@@ -5,7 +5,11 @@
 //! - **GRPO advantages** ([`grpo_advantages`]): for each group of G consecutive samples,
 //!   `A = (r - mean) / (std + 1e-6)` with the *unbiased* std (Bessel), or `A = r - mean` when
 //!   `norm_adv_by_std` is false; a group of one sample has mean 0 and std 1.
-//! - **Ratio**: `ρ = exp(clamp(logp - old_logp, -20, 20))`.
+//! - **Ratio**: `ρ = exp(clamp(logp - old, -20, 20))` per token; with
+//!   [`RatioLevel::Sequence`] (GSPO) every token of sequence `i` takes the sequence's ratio
+//!   `s_i = exp(clamp(mean_t(logp - old), -20, 20))` (mean over its masked tokens) as its value,
+//!   and its derivative w.r.t. the token's own `logp` is `s_i` (the paper's GSPO-token form
+//!   `sg[s_i] · π(y_t) / sg[π(y_t)]`): the clip and the dual clip below act on `s_i`.
 //! - **Clipped surrogate** per token: `l = max(-A ρ, -A clamp(ρ, 1 - clip_low, 1 + clip_high))`;
 //!   with dual clip `c > 1` and `A < 0`: `l = min(l, -A c)`.
 //! - **KL to the reference** per token, with `d = logp - ref_logp`:
@@ -14,7 +18,9 @@
 //! - **Aggregation** of a per-token quantity `x` over the response mask `m`, with the
 //!   *mini-batch* normaliser ([`Normaliser`]) of N tokens and S sequences:
 //!   token_mean `Σ m x / N`; seq_mean_token_mean `Σ_s (Σ_t m x / n_s) / S`;
-//!   seq_mean_token_sum `Σ_s Σ_t m x / S`. A sequence with no response token adds 0.
+//!   seq_mean_token_sum `Σ_s Σ_t m x / S`; seq_mean_token_sum_norm (Dr. GRPO)
+//!   `Σ_s Σ_t m x / (H S)` with `H` the maximum response length ([`LossConfig::horizon`]).
+//!   A sequence with no response token adds 0.
 //! - **Loss** `= agg(l) + kl_coef · agg(kl)`.
 //!
 //! PPO-clip with given advantages is the same code path ([`policy_loss`] takes per-token
@@ -27,7 +33,7 @@
 //! Gradients at the non-differentiable points follow torch's autograd: `clamp` passes the
 //! gradient on its closed interval, `maximum`/`minimum` split it in half at exact ties.
 
-use rollplex_plan::spec::{KlEstimator, LossAgg, PolicyLoss};
+use rollplex_plan::spec::{KlEstimator, LossAgg, PolicyLoss, RatioLevel};
 
 use super::{check_len, Result, TrainError};
 
@@ -83,6 +89,65 @@ pub fn grpo_advantages(
     Ok(out)
 }
 
+/// The variance floor of [`reinforce_baseline_advantages`]' whitening (OpenRLHF's clamp).
+pub const WHITEN_VAR_MIN: f64 = 1e-8;
+
+/// REINFORCE++ with a baseline (OpenRLHF's `reinforce_baseline`, with γ = 1 and the KL as a
+/// loss term rather than folded into the reward): `c = r - mean_group(r)` per sample, then
+/// whitened over the response tokens of the samples in `whiten` (the trained ones):
+/// `A = (c - μ) / sqrt(max(σ², 1e-8))` with `μ = Σ n_s c_s / N` and `σ² = Σ n_s (c_s - μ)² / N`
+/// token-weighted (`n_s = lens[s]` response tokens, `N = Σ n_s`; every token of a sample carries
+/// its sample's advantage, so this is OpenRLHF's masked mean and biased variance over tokens).
+/// Samples outside `whiten` are shifted and scaled the same way. With no tokens to whiten over,
+/// `A = c`. Computed in f64, summed in sample order.
+pub fn reinforce_baseline_advantages(
+    rewards: &[f32],
+    group_size: usize,
+    lens: &[usize],
+    whiten: &[usize],
+) -> Result<Vec<f32>> {
+    check_len(
+        "response lengths (one per sample)",
+        rewards.len(),
+        lens.len(),
+    )?;
+    let centred = grpo_advantages(rewards, group_size, false)?;
+    if let Some(&s) = whiten.iter().find(|&&s| s >= rewards.len()) {
+        return Err(TrainError::Invalid(format!(
+            "reinforce_baseline_advantages: sample {s} of {} to whiten over",
+            rewards.len()
+        )));
+    }
+    let n: usize = whiten.iter().map(|&s| lens[s]).sum();
+    if n == 0 {
+        return Ok(centred);
+    }
+    let mu = whiten
+        .iter()
+        .map(|&s| lens[s] as f64 * centred[s] as f64)
+        .sum::<f64>()
+        / n as f64;
+    let var = whiten
+        .iter()
+        .map(|&s| lens[s] as f64 * (centred[s] as f64 - mu).powi(2))
+        .sum::<f64>()
+        / n as f64;
+    let rstd = 1.0 / var.max(WHITEN_VAR_MIN).sqrt();
+    Ok(centred
+        .iter()
+        .map(|&c| ((c as f64 - mu) * rstd) as f32)
+        .collect())
+}
+
+/// Truncated importance sampling (veRL's `tis_imp_ratio_cap`): the weight
+/// `min(exp(old - sampler), cap)` of one token's policy-gradient term, a constant of the loss
+/// (no gradient). The policy-gradient term is linear in the advantage and the weight is
+/// positive, so the runtime applies it by scaling the token's advantage.
+pub fn tis_weight(old_logp: f32, sampler_logp: f32, cap: f64) -> f64 {
+    let d = (old_logp as f64 - sampler_logp as f64).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP);
+    d.exp().min(cap)
+}
+
 /// Repeats each sequence's advantage over its tokens (`offsets` as in [`LossBatch`]).
 pub fn broadcast_advantages(per_seq: &[f32], offsets: &[usize]) -> Result<Vec<f32>> {
     check_offsets(offsets)?;
@@ -109,10 +174,16 @@ pub struct LossConfig {
     pub kl_coef: f64,
     pub kl_estimator: KlEstimator,
     pub agg: LossAgg,
+    /// Token or sequence (GSPO) importance ratio.
+    pub ratio: RatioLevel,
+    /// The maximum response length, `seq_mean_token_sum_norm`'s constant (Dr. GRPO); unused by
+    /// the other aggregations.
+    pub horizon: usize,
 }
 
 impl LossConfig {
-    pub fn from_spec(spec: &PolicyLoss, dual_clip: Option<f64>) -> Result<Self> {
+    /// The loss of `spec` for responses of at most `horizon` tokens.
+    pub fn from_spec(spec: &PolicyLoss, dual_clip: Option<f64>, horizon: usize) -> Result<Self> {
         let cfg = LossConfig {
             clip_low: spec.clip_low,
             clip_high: spec.clip_high,
@@ -120,12 +191,19 @@ impl LossConfig {
             kl_coef: spec.kl_coef,
             kl_estimator: spec.kl_estimator,
             agg: spec.loss_agg,
+            ratio: spec.ratio,
+            horizon,
         };
         cfg.validate()?;
         Ok(cfg)
     }
 
     pub fn validate(&self) -> Result<()> {
+        if self.agg == LossAgg::SeqMeanTokenSumNorm && self.horizon == 0 {
+            return Err(TrainError::Invalid(
+                "loss_agg = seq_mean_token_sum_norm divides by the maximum response length, which is 0".into(),
+            ));
+        }
         if !(self.clip_low >= 0.0 && self.clip_low < 1.0) {
             return Err(TrainError::Invalid(format!(
                 "clip_low = {} must lie in [0, 1) (the ratio's lower bound is 1 - clip_low)",
@@ -310,7 +388,18 @@ pub fn policy_loss_f64<T: Copy + Into<f64>>(
             LossAgg::TokenMean => inv_tokens,
             LossAgg::SeqMeanTokenMean => inv(len) * inv_seqs,
             LossAgg::SeqMeanTokenSum => inv_seqs,
+            // one rounding, as the device computes it (the token-sum weight of H S sequences)
+            LossAgg::SeqMeanTokenSumNorm => inv(norm.seqs * cfg.horizon),
         };
+        // GSPO: the sequence's mean log-ratio over its masked tokens, summed in token order.
+        let seq_log_ratio = (cfg.ratio == RatioLevel::Sequence).then(|| {
+            let mut sum = 0.0f64;
+            for t in range.clone().filter(|&t| b.mask[t]) {
+                let (lp, old): (f64, f64) = (b.logp[t].into(), b.old_logp[t].into());
+                sum += lp - old;
+            }
+            sum * inv(len)
+        });
         for t in range {
             if !b.mask[t] {
                 continue;
@@ -318,12 +407,13 @@ pub fn policy_loss_f64<T: Copy + Into<f64>>(
             let logp: f64 = b.logp[t].into();
             let old: f64 = b.old_logp[t].into();
             let a: f64 = b.advantages[t].into();
-            let tok = token_terms(cfg, logp, old, a, b.ref_logp.map(|r| r[t].into()));
+            let raw = seq_log_ratio.unwrap_or(logp - old);
+            let tok = token_terms(cfg, raw, a, b.ref_logp.map(|r| (logp, r[t].into())));
             m.pg_loss += w * tok.pg;
             m.kl += w * tok.kl;
             m.clip_frac += inv_tokens * tok.clipped as u8 as f64;
             m.clip_frac_lower += inv_tokens * tok.clipped_lower as u8 as f64;
-            m.approx_kl += inv_tokens * -tok.log_ratio;
+            m.approx_kl += inv_tokens * -(logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP);
             if let (Some(e), Some(acc)) = (b.entropy, m.entropy.as_mut()) {
                 *acc += w * e[t].into();
             }
@@ -344,14 +434,14 @@ struct TokenTerms {
     dpg: f64,
     kl: f64,
     dkl: f64,
-    /// The clamped log-ratio `logp - old`.
-    log_ratio: f64,
     clipped: bool,
     clipped_lower: bool,
 }
 
-fn token_terms(cfg: &LossConfig, logp: f64, old: f64, a: f64, ref_logp: Option<f64>) -> TokenTerms {
-    let raw = logp - old;
+/// `raw` is the unclamped log-ratio the token's ratio is taken of (its own `logp - old`, or its
+/// sequence's mean under GSPO); its derivative w.r.t. the token's `logp` is 1 either way.
+/// `kl_of`: the token's `(logp, ref_logp)` when the reference is scored.
+fn token_terms(cfg: &LossConfig, raw: f64, a: f64, kl_of: Option<(f64, f64)>) -> TokenTerms {
     let log_ratio = raw.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP);
     let dlog_ratio = if raw.abs() <= LOG_RATIO_CLAMP {
         1.0
@@ -379,16 +469,15 @@ fn token_terms(cfg: &LossConfig, logp: f64, old: f64, a: f64, ref_logp: Option<f
         }
     }
 
-    let (kl, dkl) = match ref_logp {
+    let (kl, dkl) = match kl_of {
         None => (0.0, 0.0),
-        Some(r) => kl_term(cfg.kl_estimator, logp, r),
+        Some((logp, r)) => kl_term(cfg.kl_estimator, logp, r),
     };
     TokenTerms {
         pg,
         dpg,
         kl,
         dkl,
-        log_ratio,
         clipped,
         clipped_lower,
     }
@@ -484,6 +573,8 @@ mod tests {
             kl_coef: 0.05,
             kl_estimator: est,
             agg,
+            ratio: RatioLevel::Token,
+            horizon: 0,
         }
     }
 
@@ -528,6 +619,8 @@ mod tests {
             kl_coef: 0.0,
             kl_estimator: KlEstimator::K1,
             agg: LossAgg::TokenMean,
+            ratio: RatioLevel::Token,
+            horizon: 0,
         };
         let b = LossBatch {
             offsets: &offsets,
@@ -738,5 +831,166 @@ mod tests {
             ..c0
         };
         assert!(policy_loss(&bad, &b, Normaliser { tokens: 2, seqs: 1 }).is_err());
+    }
+
+    /// One-token-per-value batch helper: `seqs` lists each sequence's (logp - old) per token.
+    fn batch_of(seqs: &[&[f64]]) -> (Vec<usize>, Vec<f64>, Vec<f64>) {
+        let mut offsets = vec![0];
+        let (mut logp, mut old) = (Vec::new(), Vec::new());
+        for d in seqs {
+            for &x in *d {
+                old.push(-1.0);
+                logp.push(-1.0 + x);
+            }
+            offsets.push(logp.len());
+        }
+        (offsets, logp, old)
+    }
+
+    #[test]
+    fn dr_grpo_by_hand() {
+        // No std: group [1, 0, 0, 0] has mean 0.25, advantages r - 0.25.
+        let a = grpo_advantages(&[1.0, 0.0, 0.0, 0.0], 4, false).unwrap();
+        assert_eq!(a, vec![0.75, -0.25, -0.25, -0.25]);
+        // Two sequences of 1 and 3 tokens, ratio 1, A = 1 and -0.5, H = 4, S = 2:
+        // loss = (-1 * 1 + 0.5 * 3) / (4 * 2) = 0.0625, dlogp = -A / 8 per token, whatever
+        // the sequence's length (token_sum_norm weighs no sequence by its own length).
+        let (offsets, logp, old) = batch_of(&[&[0.0], &[0.0, 0.0, 0.0]]);
+        let adv = [1.0, -0.5, -0.5, -0.5];
+        let mask = [true; 4];
+        let c = LossConfig {
+            agg: LossAgg::SeqMeanTokenSumNorm,
+            horizon: 4,
+            kl_coef: 0.0,
+            ..cfg(LossAgg::TokenMean, KlEstimator::K1, None)
+        };
+        let b = LossBatch {
+            offsets: &offsets,
+            logp: &logp,
+            old_logp: &old,
+            ref_logp: None,
+            advantages: &adv,
+            mask: &mask,
+            entropy: None,
+        };
+        let out = policy_loss_f64(&c, &b, Normaliser::of(&offsets, &mask).unwrap()).unwrap();
+        assert!((out.loss - 0.0625).abs() < 1e-15, "{}", out.loss);
+        assert_eq!(out.dlogp, vec![-0.125, 0.0625, 0.0625, 0.0625]);
+        let no_horizon = LossConfig { horizon: 0, ..c };
+        assert!(no_horizon
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("maximum response length"));
+    }
+
+    #[test]
+    fn gspo_by_hand() {
+        // Sequence 0: log-ratios [0.1, -0.3], mean -0.1, s = e^-0.1 = 0.904837 inside
+        // [0.8, 1.2], A = 2: each token's term -A s = -1.809675, gradient -A s.
+        // Sequence 1: log-ratios [0.5, 0.3], mean 0.4, s = e^0.4 = 1.491825 above 1.2 with
+        // A = 1 > 0: clipped to -1.2, no gradient. seq_mean_token_mean over S = 2 sequences of
+        // 2 tokens: w = 1/4 per token. loss = 2 w (-1.809675) + 2 w (-1.2) = -1.504837;
+        // dlogp = w (-2 s) = -0.452419 on sequence 0, 0 on sequence 1; clip_frac 2/4.
+        let (offsets, logp, old) = batch_of(&[&[0.1, -0.3], &[0.5, 0.3]]);
+        let adv = [2.0, 2.0, 1.0, 1.0];
+        let mask = [true; 4];
+        let c = LossConfig {
+            clip_low: 0.2,
+            clip_high: 0.2,
+            kl_coef: 0.0,
+            ratio: RatioLevel::Sequence,
+            ..cfg(LossAgg::SeqMeanTokenMean, KlEstimator::K1, None)
+        };
+        let b = LossBatch {
+            offsets: &offsets,
+            logp: &logp,
+            old_logp: &old,
+            ref_logp: None,
+            advantages: &adv,
+            mask: &mask,
+            entropy: None,
+        };
+        let out = policy_loss_f64(&c, &b, Normaliser::of(&offsets, &mask).unwrap()).unwrap();
+        let s0 = (-0.1f64).exp();
+        let want = 0.5 * (-2.0 * s0) + 0.5 * -1.2;
+        assert!((out.loss - want).abs() < 1e-12, "{} vs {want}", out.loss);
+        assert!((want + 1.504837).abs() < 1e-6);
+        for t in 0..2 {
+            assert!(
+                (out.dlogp[t] - 0.25 * -2.0 * s0).abs() < 1e-12,
+                "{:?}",
+                out.dlogp
+            );
+        }
+        assert_eq!(&out.dlogp[2..], &[0.0, 0.0]);
+        assert!((out.metrics.clip_frac - 0.5).abs() < 1e-15);
+        // The same tokens under the token ratio differ: sequence 1's tokens clip one by one
+        // (e^0.5, e^0.3 both above 1.2), sequence 0's keep their own ratios.
+        let tok = policy_loss_f64(
+            &LossConfig {
+                ratio: RatioLevel::Token,
+                ..c.clone()
+            },
+            &b,
+            Normaliser::of(&offsets, &mask).unwrap(),
+        )
+        .unwrap();
+        assert!((tok.dlogp[0] - 0.25 * -2.0 * 0.1f64.exp()).abs() < 1e-12);
+        // With one advantage per sequence and no clipping, the GSPO-token gradient is the
+        // gradient of the sequence-level objective: central differences agree.
+        let h = 1e-6;
+        let loss_at = |lp: &[f64]| {
+            let b = LossBatch { logp: lp, ..b };
+            policy_loss_f64(&c, &b, Normaliser::of(&offsets, &mask).unwrap())
+                .unwrap()
+                .loss
+        };
+        for t in 0..2 {
+            let (mut p, mut q) = (logp.clone(), logp.clone());
+            p[t] += h;
+            q[t] -= h;
+            let fd = (loss_at(&p) - loss_at(&q)) / (2.0 * h);
+            assert!(
+                (fd - out.dlogp[t]).abs() < 1e-8,
+                "token {t}: {fd} vs {}",
+                out.dlogp[t]
+            );
+        }
+    }
+
+    #[test]
+    fn reinforce_baseline_by_hand() {
+        // Groups [1, 0] and [1, 1] with 1, 3, 2, 2 response tokens. Centred: [0.5, -0.5, 0, 0].
+        // Token mean mu = (0.5 - 1.5) / 8 = -0.125; variance (1 * 0.625^2 + 3 * 0.375^2 +
+        // 4 * 0.125^2) / 8 = 0.109375; std 0.330719.
+        let a =
+            reinforce_baseline_advantages(&[1.0, 0.0, 1.0, 1.0], 2, &[1, 3, 2, 2], &[0, 1, 2, 3])
+                .unwrap();
+        let sd = 0.109375f64.sqrt();
+        let want = [0.625 / sd, -0.375 / sd, 0.125 / sd, 0.125 / sd];
+        for (x, w) in a.iter().zip(want) {
+            assert!((*x as f64 - w).abs() < 1e-6, "{a:?} vs {want:?}");
+        }
+        assert!((want[0] - 1.889822).abs() < 1e-6);
+        // Whitened over the first group only: mu = -0.25 (1 * 0.5 - 3 * 0.5 over 4 tokens),
+        // variance (0.75^2 + 3 * 0.25^2) / 4 = 0.1875; the second group is shifted the same way.
+        let a = reinforce_baseline_advantages(&[1.0, 0.0, 1.0, 1.0], 2, &[1, 3, 2, 2], &[0, 1])
+            .unwrap();
+        let sd = 0.1875f64.sqrt();
+        assert!((a[0] as f64 - 0.75 / sd).abs() < 1e-6 && (a[2] as f64 - 0.25 / sd).abs() < 1e-6);
+        // No tokens: the centred rewards.
+        let a = reinforce_baseline_advantages(&[1.0, 0.0], 2, &[0, 0], &[0, 1]).unwrap();
+        assert_eq!(a, vec![0.5, -0.5]);
+        assert!(reinforce_baseline_advantages(&[1.0, 0.0], 2, &[1], &[0]).is_err());
+        assert!(reinforce_baseline_advantages(&[1.0, 0.0], 2, &[1, 1], &[2]).is_err());
+    }
+
+    #[test]
+    fn tis_weight_by_hand() {
+        // pi_old / pi_sampler = e^(-1 + 1.5) = e^0.5 = 1.648721, under a cap of 2, capped at 1.5.
+        assert!((tis_weight(-1.0, -1.5, 2.0) - 0.5f64.exp()).abs() < 1e-12);
+        assert_eq!(tis_weight(-1.0, -1.5, 1.5), 1.5);
+        assert_eq!(tis_weight(-2.0, -2.0, 1.0), 1.0);
     }
 }

@@ -176,6 +176,8 @@ fn cfg(recompute: Recompute, agg: LossAgg) -> TrainConfig {
             kl_coef: 0.1,
             kl_estimator: KlEstimator::K3,
             agg,
+            ratio: rollplex_plan::spec::RatioLevel::Token,
+            horizon: 0,
         },
         recompute,
         freeze_vision: false,

@@ -122,3 +122,24 @@ pub fn metrics_without_times(out: &Path) -> Vec<serde_json::Value> {
         })
         .collect()
 }
+
+/// `src`, a pipeline whose `train` section has an `algorithm = grpo { ... }` block and a
+/// `mini_batch = ...` line (`examples/tiny.rpx`, [`overlap_small`]), with that block replaced
+/// by `algorithm` and that line by `batches`; `prompts` replaces the value of its
+/// `const PROMPTS`.
+pub fn with_algorithm(src: &str, algorithm: &str, batches: &str, prompts: u32) -> String {
+    let start = src
+        .find("algorithm = grpo {")
+        .expect("an `algorithm = grpo { ... }` block");
+    let end = start + src[start..].find('}').expect("the block's `}`") + 1;
+    let mut out = format!("{}algorithm = {algorithm}{}", &src[..start], &src[end..]);
+    let line = out.find("mini_batch =").expect("a `mini_batch = ...` line");
+    let eol = line + out[line..].find('\n').expect("a line end");
+    out.replace_range(line..eol, batches);
+    let c = out.find("const PROMPTS = ").expect("a `const PROMPTS`") + "const PROMPTS = ".len();
+    let n = c + out[c..]
+        .find(|ch: char| !ch.is_ascii_digit())
+        .expect("a number");
+    out.replace_range(c..n, &prompts.to_string());
+    out
+}

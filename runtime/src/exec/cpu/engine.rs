@@ -158,6 +158,7 @@ pub fn train_config(spec: &JobSpec) -> Result<TrainConfig, ExecError> {
         &spec.train,
         if t > 0.0 { t } else { 1.0 },
         None,
+        spec.rollout.max_new_tokens as usize,
     )?)
 }
 

@@ -295,8 +295,9 @@ impl<'a, 'r, E: CpuEngine> CpuIteration<'a, 'r, E> {
             })
             .collect();
         let out = self.models.micro_batch(micro_batch, &batch, mb.norm)?;
-        self.book.metrics.loss.add(&out.metrics);
-        self.book.metrics.micro_batches += 1;
+        drop(batch);
+        drop(responses);
+        self.book.micro_batch_done(step, &mb, &out);
         Ok(())
     }
 

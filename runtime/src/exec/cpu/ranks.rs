@@ -495,6 +495,7 @@ mod tests {
             rewards: vec![1.0],
             advantages: vec![0.0],
             slot_groups: vec![0],
+            trained_groups: vec![0],
             group_size: 1,
             metrics: Default::default(),
         };

@@ -121,8 +121,7 @@ impl GpuIteration<'_, '_> {
         )?;
         drop(batch);
         drop(responses);
-        self.book.metrics.loss.add(&out.metrics);
-        self.book.metrics.micro_batches += 1;
+        self.book.micro_batch_done(step, &mb, &out);
         Ok(())
     }
 

@@ -192,6 +192,8 @@ pub(crate) fn train_cfg() -> TrainConfig {
             kl_coef: 0.1,
             kl_estimator: KlEstimator::K3,
             agg: LossAgg::TokenMean,
+            ratio: rollplex_plan::spec::RatioLevel::Token,
+            horizon: 0,
         },
         recompute: Recompute::Full,
         freeze_vision: true,
