@@ -366,29 +366,36 @@ impl PromptSource for DatasetSource {
                 idx.len()
             )));
         }
-        let load =
-            |m: &crate::data::MediaSource| m.load().map_err(|e| ExecError::Data(e.to_string()));
         idx.into_iter()
             .map(|i| {
                 let s = &self.data.samples[i];
+                // a media item that does not decode is the record's error, located
+                let load = |what: &str, list: &[crate::data::MediaSource]| {
+                    list.iter()
+                        .enumerate()
+                        .map(|(k, m)| {
+                            m.load().map_err(|e| {
+                                ExecError::Data(format!("{}: {what} {k}: {e}", self.data.at(i)))
+                            })
+                        })
+                        .collect::<Result<Vec<_>, _>>()
+                };
                 let (prompt, sizes) = match &s.media {
                     Media::None => (self.builder.build(s, &[], None)?, Vec::new()),
                     Media::Images(v) => {
-                        let imgs = v.iter().map(load).collect::<Result<Vec<_>, _>>()?;
+                        let imgs = load("image", v)?;
                         (self.builder.build(s, &imgs, None)?, sizes_of(&imgs))
                     }
                     Media::Video(v) => {
-                        let frames = v.iter().map(load).collect::<Result<Vec<_>, _>>()?;
+                        let frames = load("video frame", v)?;
                         (
                             self.builder.build(s, &[], Some(&frames))?,
                             sizes_of(&frames),
                         )
                     }
                 };
-                check_prompt(&self.spec, &prompt, &sizes).map_err(|msg| {
-                    let line = self.data.lines.get(i).copied().unwrap_or(0);
-                    ExecError::Data(format!("{}:{line}: {msg}", self.data.path.display()))
-                })?;
+                check_prompt(&self.spec, &prompt, &sizes)
+                    .map_err(|msg| ExecError::Data(format!("{}: {msg}", self.data.at(i))))?;
                 Ok(prompt)
             })
             .collect()
@@ -410,10 +417,9 @@ pub fn data_source(
         ))),
         DatasetSpec::File { path } => {
             let data = Dataset::load(path).map_err(|e| ExecError::Data(e.to_string()))?;
-            for (s, line) in data.samples.iter().zip(&data.lines) {
-                check_media_shape(spec, s).map_err(|msg| {
-                    ExecError::Data(format!("{}:{line}: {msg}", data.path.display()))
-                })?;
+            for (i, s) in data.samples.iter().enumerate() {
+                check_media_shape(spec, s)
+                    .map_err(|msg| ExecError::Data(format!("{}: {msg}", data.at(i))))?;
             }
             let sampler = Sampler::new(data.len(), spec.rollout.prompts_per_iter, spec.seed, true)
                 .map_err(|e| ExecError::Data(format!("{path}: {e}")))?;
