@@ -218,6 +218,65 @@ fn the_tiny_job_trains_on_a_verl_parquet_file_with_embedded_images() {
     );
 }
 
+/// EasyR1's layout: a `problem` string, an `answer` string, `images` as paths relative to the
+/// file; and a path that does not exist is named with its row and column.
+#[test]
+fn easyr1_layout_with_image_paths_loads_and_a_missing_image_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("img")).unwrap();
+    std::fs::write(dir.path().join("img/0.png"), good_image(0)).unwrap();
+    let schema = "message easyr1 {
+        required binary problem (UTF8);
+        required binary answer (UTF8);
+        required group images (LIST) { repeated group list { required binary element (UTF8); } }
+    }";
+    let leaves = |second: &str| {
+        vec![
+            Leaf {
+                values: vec![b"<image>Which colour?".to_vec(); 2],
+                def: None,
+                rep: None,
+            },
+            Leaf {
+                values: vec![b"A".to_vec(), b"B".to_vec()],
+                def: None,
+                rep: None,
+            },
+            Leaf {
+                values: vec![b"img/0.png".to_vec(), second.as_bytes().to_vec()],
+                def: Some(vec![1, 1]),
+                rep: Some(vec![0, 0]),
+            },
+        ]
+    };
+    let data = dir.path().join("easy.parquet");
+    write_parquet(&data, schema, leaves("img/0.png"));
+    let loaded = rollplex_runtime::data::Dataset::load(&data).expect("loads");
+    assert_eq!(loaded.len(), 2);
+    assert_eq!(
+        (
+            loaded.samples[1].prompt.as_str(),
+            loaded.samples[1].answer.as_str()
+        ),
+        ("<image>Which colour?", "B")
+    );
+    assert_eq!(
+        loaded.samples[0].media,
+        rollplex_runtime::data::Media::Images(vec![rollplex_runtime::data::MediaSource::Path(
+            dir.path().join("img/0.png")
+        )])
+    );
+    write_parquet(&data, schema, leaves("img/9.png"));
+    let e = rollplex_runtime::data::Dataset::load(&data)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("easy.parquet:row 1: column `images[0]`: no such file")
+            && e.contains("img/9.png"),
+        "{e}"
+    );
+}
+
 /// A malformed file: the run stops with exit 1 before writing anything, naming the file, the
 /// row and the column.
 #[track_caller]
