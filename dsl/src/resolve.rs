@@ -560,11 +560,31 @@ pub fn count_list(v: &Val, key: &str) -> Result<Vec<u32>, (String, Option<String
     Ok(out)
 }
 
+/// Whether a dataset path names a format the runtime reads: `.jsonl` / `.ndjson` or `.parquet`
+/// (any case), as `rollplex_runtime::data::Dataset::load` picks it.
+fn dataset_format_known(path: &str) -> bool {
+    std::path::Path::new(path)
+        .extension()
+        .and_then(|e| e.to_str())
+        .is_some_and(|e| ["jsonl", "ndjson", "parquet"].contains(&e.to_ascii_lowercase().as_str()))
+}
+
 fn dataset(cx: &mut Cx<'_>, c: &CallVal) -> DatasetSpec {
     match c.name.name.as_str() {
         "file" => {
             let mut t = Table::from_call(cx, "rollout.dataset", c, &["path"]);
-            let path = t.string(cx, "path");
+            // The runtime picks the file's format by its extension: refuse others here.
+            let path = t.typed(cx, "path", |v, _| match &v.value {
+                Value::Str(s) if dataset_format_known(s) => Ok(s.clone()),
+                Value::Str(_) => Err((
+                    "expected a .jsonl or .parquet dataset (the extension picks the format)".into(),
+                    Some("e.g. `file(\"data/train.parquet\")`".into()),
+                )),
+                _ => Err((
+                    "expected a string".into(),
+                    Some("quote it: `path = \"...\"`".into()),
+                )),
+            });
             if path.is_none() && !t.has("path") {
                 t.missing(cx, "path", "a file path", "\"data/train.jsonl\"");
             }

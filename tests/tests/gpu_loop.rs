@@ -337,7 +337,7 @@ fn cuda_tiny_h200_learns_the_moving_shapes_task() {
     loop {
         let acc = |split| {
             data::evaluate_split_with(spec, split, eval, &mut |p, i, cfg| {
-                gpu::greedy_tokens(&models, p, i, cfg)
+                gpu::generate_tokens(&models, p, i, cfg)
             })
             .expect("evaluation")
             .expect("moving shapes has a test split")

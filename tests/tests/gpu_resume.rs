@@ -142,8 +142,15 @@ fn two_plus_resume(plan: Plan) {
         let mut models = gpu::build_gpu_models_from(spec, &actor).expect("GPU models");
         let r = run(&plan, &mut models, 0, 2);
         let mut host = actor.clone();
-        let path = checkpoint::save_gpu(&root, 2, &models, &mut host, &identity, 0)
-            .expect("save the checkpoint");
+        let path = checkpoint::save_gpu(
+            &root,
+            2,
+            &models,
+            &mut host,
+            &identity,
+            &checkpoint::Slot::Newest { keep: 0 },
+        )
+        .expect("save the checkpoint");
         println!("checkpoint: {}", path.display());
         (r, models.weight_bits().expect("weights"))
     };
@@ -220,6 +227,7 @@ fn args(plan: &Path, out: &Path, iterations: u32) -> RunArgs {
         keep_checkpoints: 2,
         resume: None,
         eval: 0,
+        eval_every: 0,
         quiet: true,
         task_log: false,
         no_green_contexts: false,

@@ -382,6 +382,7 @@ fn cpu_run_profile_moves_the_prediction_toward_the_measurement() {
         keep_checkpoints: 2,
         resume: None,
         eval: 0,
+        eval_every: 0,
         quiet: true,
         task_log: false,
         no_green_contexts: false,

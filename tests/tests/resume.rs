@@ -35,6 +35,7 @@ fn args(plan: &Path, out: &Path, iterations: u32) -> RunArgs {
         keep_checkpoints: 2,
         resume: None,
         eval: 0,
+        eval_every: 0,
         quiet: true,
         task_log: false,
         no_green_contexts: false,

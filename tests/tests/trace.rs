@@ -53,6 +53,7 @@ fn cpu_trace_measures_every_task_on_the_simulators_tracks() {
         keep_checkpoints: 2,
         resume: None,
         eval: 0,
+        eval_every: 0,
         quiet: true,
         task_log: false,
         no_green_contexts: false,

@@ -81,6 +81,11 @@ pub struct RunArgs {
     /// Evaluate on N held-out prompts (greedy) before and after training, when the dataset has a test split.
     #[arg(long, default_value_t = 0)]
     pub eval: u32,
+    /// Score the --eval held-out prompts after every K-th iteration too, greedy and sampled
+    /// (the job's sampling, a fixed seed), in metrics.jsonl and on the console, and keep the
+    /// state with the best greedy score in <out>/checkpoints/best (0: never).
+    #[arg(long, default_value_t = 0, value_name = "K")]
+    pub eval_every: u32,
     /// Print less: no progress bars, no table.
     #[arg(long, short)]
     pub quiet: bool,

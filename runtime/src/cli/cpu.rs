@@ -6,6 +6,7 @@
 use rollplex_plan::Plan;
 
 use super::output::{nothing_to_run, open_run, report_eval, table_header, LoopRun, RunRoofline};
+use super::validate::Validation;
 use super::RunArgs;
 use crate::exec::checkpoint::{self, RunIdentity};
 use crate::exec::cpu::{self, CpuModels, TrainState};
@@ -44,14 +45,15 @@ pub(super) fn run_cpu(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
     }
 }
 
-/// Where a run starts: its checkpoint identity (when saving or resuming), the iterations a
-/// resumed checkpoint has done and its state (every rank takes its part of it), and how often
-/// the ranks gather their state to save.
+/// Where a run starts: its checkpoint identity (when saving, resuming or evaluating), the
+/// iterations a resumed checkpoint has done and its state (every rank takes its part of it),
+/// and how often the ranks gather their state to save and to evaluate.
 pub(super) struct Start {
     pub(super) identity: Option<RunIdentity>,
     pub(super) first: u32,
     resumed: Option<TrainState>,
     save_every: u32,
+    eval_every: u32,
 }
 
 impl Start {
@@ -61,7 +63,7 @@ impl Start {
     fn new(plan: &Plan, args: &RunArgs, actor: &Qwen25VL, rank0: bool) -> Result<Self, ExecError> {
         let spec = &plan.spec;
         // Hashing the plan and the reference costs a pass over the weights: only when needed.
-        let identity = (args.save_every > 0 || args.resume.is_some())
+        let identity = (args.save_every > 0 || args.resume.is_some() || args.eval_every > 0)
             .then(|| RunIdentity::with_reference(plan, spec.reference.enabled.then_some(actor)))
             .transpose()?;
         let (first, resumed) = match (&args.resume, &identity) {
@@ -85,6 +87,7 @@ impl Start {
             first,
             resumed,
             save_every: args.save_every,
+            eval_every: args.eval_every,
         })
     }
 
@@ -94,6 +97,7 @@ impl Start {
             cpu::restore_rank(models, state)?;
         }
         models.set_save_every(self.save_every);
+        models.set_eval_every(self.eval_every);
         Ok(())
     }
 }
@@ -114,6 +118,7 @@ pub(super) fn observer<'a>(
             format!("cpu, rank 0 of TP {degree}"),
         )
     };
+    let validation = Validation::new(&plan.spec, args, start.first)?;
     let (source, reward, metrics) = open_run(plan, args, start.first, &backend)?;
     let profile = args
         .profile
@@ -138,6 +143,7 @@ pub(super) fn observer<'a>(
         roof: RunRoofline::of(plan),
         profile,
         host: None,
+        validation,
     };
     Ok((run, (source, reward)))
 }

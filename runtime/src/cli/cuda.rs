@@ -30,7 +30,8 @@ pub(super) fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
     // Checkpoints (the CPU path's format and checks, `checkpoint::save_gpu` / `load_gpu`): the
     // initial actor stays on the host, hashed for the run's identity and kept as the copy the
     // saves write through; a checkpoint is loaded and checked before anything is written.
-    let (mut models, identity, host, first) = if args.save_every > 0 || args.resume.is_some() {
+    let saves = args.save_every > 0 || args.resume.is_some() || args.eval_every > 0;
+    let (mut models, identity, host, first) = if saves {
         let actor = exec::host_actor(spec)?;
         let identity = RunIdentity::with_reference(plan, spec.reference.enabled.then_some(&actor))?;
         let fresh = exec::gpu::build_gpu_models_for(plan, &actor)?;
@@ -81,13 +82,14 @@ pub(super) fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
             ProfileRecorder::for_run(plan, "cuda", execution, args.iterations - first)
         })
         .transpose()?;
+    let validation = super::validate::Validation::new(spec, args, first)?;
     let (mut source, mut reward, metrics) = open_run(plan, args, first, "cuda")?;
     let eval = |models: &exec::gpu::GpuModels, when: &str| -> Result<(), ExecError> {
         let acc = exec::data::evaluate_split_with(
             spec,
             crate::tasks::moving_shapes::Split::Test,
             args.eval,
-            &mut |p, i, cfg| exec::gpu::greedy_tokens(models, p, i, cfg),
+            &mut |p, i, cfg| exec::gpu::generate_tokens(models, p, i, cfg),
         )?;
         report_eval(args, acc, when)
     };
@@ -108,6 +110,7 @@ pub(super) fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
         roof: RunRoofline::of(plan),
         profile,
         host,
+        validation,
     };
     let result = exec::gpu::run_gpu_loop_with(
         plan,

@@ -3,7 +3,8 @@
 //!
 //! `args` (the flags), `sim`, `cpu`, `tp` (a tensor-parallel CPU plan, threads or processes),
 //! `cuda` (one run per backend), `output` (a training run's observer, inputs and reports),
-//! `tp_check` (`--tp-check`: the group check on every launched rank).
+//! `tp_check` (`--tp-check`: the group check on every launched rank), `validate`
+//! (`--eval-every`: held-out scores during training and the best checkpoint).
 
 mod args;
 mod cpu;
@@ -13,6 +14,7 @@ mod output;
 mod sim;
 mod tp;
 mod tp_check;
+mod validate;
 
 use std::io::Write;
 use std::path::Path;
@@ -88,9 +90,11 @@ pub fn run(args: &RunArgs) -> Result<(), ExecError> {
         }
         b => b,
     };
-    if backend == BackendChoice::Sim && (args.save_every > 0 || args.resume.is_some()) {
+    if backend == BackendChoice::Sim
+        && (args.save_every > 0 || args.resume.is_some() || args.eval_every > 0)
+    {
         return Err(ExecError::Machine(
-            "--save-every and --resume apply to training backends (cpu, cuda); the simulator keeps no state"
+            "--save-every, --resume and --eval-every apply to training backends (cpu, cuda); the simulator keeps no state"
                 .into(),
         ));
     }

@@ -30,9 +30,11 @@ pub(super) struct LoopRun<'a> {
     pub(super) roof: RunRoofline,
     /// `--profile`: every task's measured time.
     pub(super) profile: Option<exec::profile::ProfileRecorder>,
-    /// cuda with `--save-every`: the host copy of the actor that checkpoints are written
-    /// through (`checkpoint::save_gpu`).
+    /// cuda with `--save-every` or `--eval-every`: the host copy of the actor that checkpoints
+    /// are written through (`checkpoint::save_gpu`).
     pub(super) host: Option<crate::model::Qwen25VL>,
+    /// `--eval-every`: the held-out scores during training and the best checkpoint.
+    pub(super) validation: Option<super::validate::Validation>,
 }
 
 impl exec::LoopObserver for LoopRun<'_> {
@@ -85,17 +87,26 @@ impl exec::LoopObserver for LoopRun<'_> {
         if let Some(p) = &mut self.profile {
             p.end_iteration(it, dt);
         }
-        let line = metrics_json(it, r, dt, &self.phase_s, &self.roof);
+        let done = it + 1;
+        let scores = match &self.validation {
+            Some(v) if v.due(done) => Some((v.score(models, done)?, v.prompts())),
+            _ => None,
+        };
+        let mut line = metrics_json(it, r, dt, &self.phase_s, &self.roof);
+        if let Some((s, prompts)) = &scores {
+            line["val_reward_greedy"] = serde_json::json!(s.greedy);
+            line["val_reward_sampled"] = serde_json::json!(s.sampled);
+            line["val_prompts"] = serde_json::json!(prompts);
+        }
         self.roof.add(&self.phase_s, dt);
         self.metrics
-            .log_line(&line)
+            .log_line(&line.to_string())
             .map_err(|e| ExecError::Data(e.to_string()))?;
         self.progress.iteration_done();
         if !self.args.quiet {
             self.progress
                 .println(&table_row(it, r, dt, self.roof.serial_s));
         }
-        let done = it + 1;
         let every = self.args.save_every;
         let stop = super::interrupt::requested();
         let mut saved = None;
@@ -107,9 +118,13 @@ impl exec::LoopObserver for LoopRun<'_> {
             let root = self.args.out.join(checkpoint::CHECKPOINTS_DIR);
             let keep = self.args.keep_checkpoints;
             let path = match models {
-                exec::LoopModels::Cpu(Some(state)) => {
-                    checkpoint::save(&root, done, state, identity, keep)?
-                }
+                exec::LoopModels::Cpu(Some(state)) => checkpoint::save(
+                    &root,
+                    done,
+                    state,
+                    identity,
+                    &checkpoint::Slot::Newest { keep },
+                )?,
                 exec::LoopModels::Cpu(None) if stop => {
                     return Err(ExecError::Interrupted {
                         done,
@@ -126,7 +141,14 @@ impl exec::LoopObserver for LoopRun<'_> {
                     let host = self.host.as_mut().ok_or_else(|| {
                         ExecError::Checkpoint("no host copy of the actor to save through".into())
                     })?;
-                    checkpoint::save_gpu(&root, done, m, host, identity, keep)?
+                    checkpoint::save_gpu(
+                        &root,
+                        done,
+                        m,
+                        host,
+                        identity,
+                        &checkpoint::Slot::Newest { keep },
+                    )?
                 }
             };
             if !self.args.quiet {
@@ -134,6 +156,20 @@ impl exec::LoopObserver for LoopRun<'_> {
                     .println(&format!("checkpoint: {}", path.display()));
             }
             saved = Some(path);
+        }
+        if let (Some((s, _)), Some(v)) = (scores, self.validation.as_mut()) {
+            let best = v.is_best(&s);
+            if best {
+                let identity = self.identity.as_ref().ok_or_else(|| {
+                    ExecError::Plan(
+                        "--eval-every saves a best checkpoint but the run has no identity".into(),
+                    )
+                })?;
+                v.save_best(models, self.host.as_mut(), identity, done, s)?;
+            }
+            if !self.args.quiet {
+                self.progress.println(&v.line(done, &s, best));
+            }
         }
         if stop {
             return Err(ExecError::Interrupted {
@@ -305,7 +341,7 @@ fn metrics_json(
     dt: Duration,
     phase_s: &[f64; 4],
     roof: &RunRoofline,
-) -> String {
+) -> serde_json::Value {
     let m = &r.metrics;
     let mut v = serde_json::json!({
         "iteration": it,
@@ -354,7 +390,7 @@ fn metrics_json(
             v[format!("{}_roofline_frac", phase_name(*p))] = serde_json::json!(floor / s);
         }
     }
-    v.to_string()
+    v
 }
 
 /// The plan's roofline per phase (`rollplex_plan::roofline`, phases in [`Phase::ALL`] order)

@@ -16,7 +16,10 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::{check_unique_ids, resolve_media, DataError, Media, MediaSource, Result, Sample};
+use super::{
+    check_unique_ids, default_ids, media_path, DataError, Media, MediaSource, RecordUnit, Result,
+    Sample,
+};
 
 /// Reads every sample of `path`: a regular file, read a line at a time, each line at most
 /// [`rollplex_plan::files::LINE_CAP`] bytes.
@@ -46,6 +49,7 @@ pub fn load_with_lines(path: &Path) -> Result<(Vec<Sample>, Vec<u64>)> {
         }
         let rec = |msg: String| DataError::Record {
             path: path.into(),
+            unit: RecordUnit::Line,
             line: n,
             msg,
         };
@@ -54,8 +58,8 @@ pub fn load_with_lines(path: &Path) -> Result<(Vec<Sample>, Vec<u64>)> {
         samples.push(parse_record(path, &v).map_err(rec)?);
         lines.push(n);
     }
-    default_ids(&mut samples, &lines);
-    check_unique_ids(path, &samples, &lines)?;
+    default_ids(&mut samples, &lines, RecordUnit::Line);
+    check_unique_ids(path, &samples, &lines, RecordUnit::Line)?;
     Ok((samples, lines))
 }
 
@@ -109,13 +113,7 @@ pub(crate) fn parse_record(path: &Path, v: &Value) -> std::result::Result<Sample
             let p = p.as_str().ok_or_else(|| {
                 format!("field `{key}`[{i}] must be a path string, got {}", kind(p))
             })?;
-            let full = resolve_media(path, p);
-            if !full.is_file() {
-                return Err(format!(
-                    "field `{key}`[{i}]: no such file {}",
-                    full.display()
-                ));
-            }
+            let full = media_path(path, p).map_err(|e| format!("field `{key}`[{i}]: {e}"))?;
             out.push(MediaSource::Path(full));
         }
         Ok(Some(out))
@@ -150,15 +148,6 @@ fn kind(v: &Value) -> &'static str {
         Value::String(_) => "a string",
         Value::Array(_) => "a list",
         Value::Object(_) => "an object",
-    }
-}
-
-/// Fills in `line<N>` for samples without an id.
-pub(crate) fn default_ids(samples: &mut [Sample], lines: &[u64]) {
-    for (s, &n) in samples.iter_mut().zip(lines) {
-        if s.id.is_empty() {
-            s.id = format!("line{n}");
-        }
     }
 }
 

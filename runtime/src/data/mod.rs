@@ -5,19 +5,17 @@
 //! ([`sampler`]: deterministic by seed and epoch, batches of `prompts_per_iter`). It does not
 //! decode media (see [`crate::preprocess`]) nor know token ids.
 //!
-//! Parquet (veRL's layout) is read by converting it once with
-//! `tests/reference/verl_parquet_to_jsonl.py` (pyarrow), not in Rust. Measured on this 2-core
-//! machine: the `parquet` crate 60.1 with every default feature off except `snap` (no arrow,
-//! no zstd/brotli/lz4) took 1 min 55 s of CPU and 12 min 40 s of wall time to build while the
-//! other crates of the workspace were building, for a format whose veRL datasets carry
-//! images as embedded bytes the converter can write out as files once. A `.parquet` path is
-//! refused with a message that names the converter.
+//! The file's extension picks its format: `.jsonl` (or `.ndjson`) is [`jsonl`], `.parquet` is
+//! [`parquet`] (veRL's and EasyR1's layout, read directly; the `parquet` cargo feature, on by
+//! default).
 //!
 //! Invariants: every sample has a non-empty unique `id`; media paths are absolute or resolved
 //! against the directory of the file that names them, and exist when the dataset is loaded;
-//! an error about a record names `file:line` (or `file:row`) and the field.
+//! an error about a record names `file:line` (JSONL) or `file:row N` (Parquet) and the field.
 
 pub mod jsonl;
+#[cfg(feature = "parquet")]
+pub mod parquet;
 pub mod rng;
 pub mod sampler;
 
@@ -32,24 +30,26 @@ pub use sampler::{BatchCursor, Sampler};
 pub enum DataError {
     #[error("cannot read dataset {path}: {msg}")]
     Read { path: PathBuf, msg: String },
-    #[error("{path}:{line}: {msg}")]
+    #[error("{}: {msg}", unit.locate(path, *line))]
     Record {
         path: PathBuf,
+        unit: RecordUnit,
         line: u64,
         msg: String,
     },
-    #[error("{path}: id {id:?} is used by line {first} and line {second}")]
+    #[error("{path}: id {id:?} is used by {unit} {first} and {unit} {second}")]
     DuplicateId {
         path: PathBuf,
+        unit: RecordUnit,
         id: String,
         first: u64,
         second: u64,
     },
     #[error("{path}: dataset has no samples")]
     Empty { path: PathBuf },
-    #[error("{path}: unknown dataset format (expected a .jsonl file)")]
+    #[error("{path}: unknown dataset format (expected a .jsonl or .parquet file)")]
     Format { path: PathBuf },
-    #[error("{path}: Parquet is not read directly; convert it once with `python3 tests/reference/verl_parquet_to_jsonl.py {path} OUT_DIR` and use OUT_DIR/<name>.jsonl")]
+    #[error("{path}: this rollplex-run was built without Parquet support (the `parquet` cargo feature); rebuild with it, or give a .jsonl dataset")]
     Parquet { path: PathBuf },
     #[error("batch of {batch} prompts needs at least {batch} samples, the dataset has {samples}")]
     TooSmall { batch: u64, samples: u64 },
@@ -58,6 +58,33 @@ pub enum DataError {
 }
 
 pub type Result<T, E = DataError> = std::result::Result<T, E>;
+
+/// How a dataset file's records are numbered in messages: JSONL by line (from 1, as editors
+/// count), Parquet by row (from 0, as pandas and pyarrow count).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecordUnit {
+    Line,
+    Row,
+}
+
+impl RecordUnit {
+    /// Where record `n` of `path` is: `file:7` (a line) or `file:row 6` (a row).
+    pub fn locate(self, path: &Path, n: u64) -> String {
+        match self {
+            RecordUnit::Line => format!("{}:{n}", path.display()),
+            RecordUnit::Row => format!("{}:row {n}", path.display()),
+        }
+    }
+}
+
+impl std::fmt::Display for RecordUnit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RecordUnit::Line => "line",
+            RecordUnit::Row => "row",
+        })
+    }
+}
 
 /// Where a media item's bytes are.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -147,12 +174,15 @@ impl Sample {
 pub struct Dataset {
     pub path: PathBuf,
     pub samples: Vec<Sample>,
-    /// The line (row) of each sample in `path`, for messages.
+    /// The line (JSONL) or row (Parquet) of each sample in `path`, for messages.
     pub lines: Vec<u64>,
+    /// Whether `lines` are lines or rows.
+    pub unit: RecordUnit,
 }
 
 impl Dataset {
-    /// Loads a `.jsonl` file (a `.parquet` path gets an error naming the converter).
+    /// Loads a dataset file, its format picked by its extension: `.jsonl` / `.ndjson` or
+    /// `.parquet`.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let ext = path
@@ -160,8 +190,11 @@ impl Dataset {
             .and_then(|e| e.to_str())
             .unwrap_or("")
             .to_ascii_lowercase();
-        let (samples, lines) = match ext.as_str() {
-            "jsonl" | "ndjson" => jsonl::load_with_lines(path)?,
+        let ((samples, lines), unit) = match ext.as_str() {
+            "jsonl" | "ndjson" => (jsonl::load_with_lines(path)?, RecordUnit::Line),
+            #[cfg(feature = "parquet")]
+            "parquet" => (parquet::load_with_rows(path)?, RecordUnit::Row),
+            #[cfg(not(feature = "parquet"))]
             "parquet" => return Err(DataError::Parquet { path: path.into() }),
             _ => return Err(DataError::Format { path: path.into() }),
         };
@@ -169,7 +202,14 @@ impl Dataset {
             path: path.into(),
             samples,
             lines,
+            unit,
         })
+    }
+
+    /// Where sample `i` is in the file, for messages: `file:line` or `file:row N`.
+    pub fn at(&self, i: usize) -> String {
+        self.unit
+            .locate(&self.path, self.lines.get(i).copied().unwrap_or(0))
     }
 
     pub fn len(&self) -> usize {
@@ -181,13 +221,28 @@ impl Dataset {
     }
 }
 
+/// Fills in `line<N>` / `row<N>` for samples without an id.
+pub(crate) fn default_ids(samples: &mut [Sample], lines: &[u64], unit: RecordUnit) {
+    for (s, &n) in samples.iter_mut().zip(lines) {
+        if s.id.is_empty() {
+            s.id = format!("{unit}{n}");
+        }
+    }
+}
+
 /// Checks ids are unique; `lines[i]` is the line (row) of sample `i` for the message.
-pub(crate) fn check_unique_ids(path: &Path, samples: &[Sample], lines: &[u64]) -> Result<()> {
+pub(crate) fn check_unique_ids(
+    path: &Path,
+    samples: &[Sample],
+    lines: &[u64],
+    unit: RecordUnit,
+) -> Result<()> {
     let mut seen: HashMap<&str, u64> = HashMap::with_capacity(samples.len());
     for (s, &line) in samples.iter().zip(lines) {
         if let Some(first) = seen.insert(&s.id, line) {
             return Err(DataError::DuplicateId {
                 path: path.into(),
+                unit,
                 id: s.id.clone(),
                 first,
                 second: line,
@@ -207,5 +262,15 @@ pub(crate) fn resolve_media(file: &Path, p: &str) -> PathBuf {
         p.into()
     } else {
         file.parent().unwrap_or(Path::new(".")).join(p)
+    }
+}
+
+/// [`resolve_media`], which must name an existing file (the error says which it looked for).
+pub(crate) fn media_path(file: &Path, p: &str) -> std::result::Result<PathBuf, String> {
+    let full = resolve_media(file, p);
+    if full.is_file() {
+        Ok(full)
+    } else {
+        Err(format!("no such file {}", full.display()))
     }
 }

@@ -37,6 +37,11 @@
 //! ([`super::cpu::gather_train_state`]; a copy on one rank), which saves it ([`save`]); a
 //! resume [`load`]s it and each rank takes its part ([`super::cpu::restore_rank`]).
 //!
+//! `--eval-every` also keeps `<out>/checkpoints/best` ([`BEST_DIR`], [`Slot::Best`]): the same
+//! format, written the same atomic way over the one before, its validation scores in its run
+//! state. It is not an `iter-<k>` name, so [`prune`] and [`resolve`] (the newest checkpoint of
+//! an output directory) never take it; `--resume <out>/checkpoints/best` resumes from it.
+//!
 //! Invariants: a checkpoint is only ever seen complete or not at all; a resume refuses a
 //! checkpoint of another plan, another seed, another reference, or with a corrupt file, with a
 //! message naming the file, before anything of the run is written.
@@ -58,6 +63,22 @@ use crate::train::OptTable;
 
 /// Where `--save-every` writes, under the run's output directory.
 pub const CHECKPOINTS_DIR: &str = "checkpoints";
+/// The checkpoint with the best validation score (`--eval-every`), beside the `iter-<k>` ones
+/// under [`CHECKPOINTS_DIR`]; not an `iter-<k>` name, so pruning and "the newest checkpoint"
+/// never see it.
+pub const BEST_DIR: &str = "best";
+/// Where a best checkpoint's `run_state.json` keeps its scores (under `extra`).
+pub const VALIDATION_KEY: &str = "validation";
+
+/// Which checkpoint a save writes.
+#[derive(Clone, Debug)]
+pub enum Slot {
+    /// `iter-<k>`, then all but the newest `keep` of them removed (`0`: all kept).
+    Newest { keep: usize },
+    /// [`BEST_DIR`], replacing the one there; `scores` go into its run state under
+    /// [`VALIDATION_KEY`], for a resumed run to continue from.
+    Best { scores: serde_json::Value },
+}
 const MODEL_FILE: &str = "model.safetensors";
 
 fn ck(msg: String) -> ExecError {
@@ -222,23 +243,23 @@ fn gpu_state_of(
     Ok(GpuTrainState { params, steps })
 }
 
-/// Saves the CPU backend's state after `completed` iterations as `<root>/iter-<completed>`,
-/// atomically, then removes all but the newest `keep` checkpoints of `root` (`keep == 0`:
-/// keeps all). `state` is the whole model's, gathered from the ranks on rank 0 (its weights
-/// load in Hugging Face layout; a resume continues its plan at any rank count it runs with).
+/// Saves the CPU backend's state after `completed` iterations atomically into `slot`
+/// (`<root>/iter-<completed>` then pruned, or `<root>/best`). `state` is the whole model's,
+/// gathered from the ranks on rank 0 (its weights load in Hugging Face layout; a resume
+/// continues its plan at any rank count it runs with).
 pub fn save(
     root: &Path,
     completed: u32,
     state: &TrainState,
     identity: &RunIdentity,
-    keep: usize,
+    slot: &Slot,
 ) -> Result<PathBuf, ExecError> {
     let trained = TrainedState {
         model: &state.actor,
         optimizer: opt_state_of(&state.table, (&state.master, &state.m, &state.v)),
         steps: state.steps,
     };
-    save_state(root, completed, trained, identity, keep)
+    save_state(root, completed, trained, identity, slot)
 }
 
 /// [`save`] for the CUDA backend: the trainer's state comes down into `host` (the host copy of
@@ -250,7 +271,7 @@ pub fn save_gpu(
     models: &GpuModels,
     host: &mut Qwen25VL,
     identity: &RunIdentity,
-    keep: usize,
+    slot: &Slot,
 ) -> Result<PathBuf, ExecError> {
     let st = models.trainer.export_state(&models.stream, host)?;
     let state = TrainedState {
@@ -258,7 +279,7 @@ pub fn save_gpu(
         optimizer: gpu_opt_state(&st),
         steps: st.steps,
     };
-    save_state(root, completed, state, identity, keep)
+    save_state(root, completed, state, identity, slot)
 }
 
 /// What a checkpoint holds of the trained actor, whatever backend trained it.
@@ -277,10 +298,13 @@ fn save_state(
     completed: u32,
     trained: TrainedState<'_>,
     identity: &RunIdentity,
-    keep: usize,
+    slot: &Slot,
 ) -> Result<PathBuf, ExecError> {
-    let dir = AtomicDir::begin(ckpt_state::checkpoint_dir(root, completed as u64))
-        .map_err(|e| ck(e.to_string()))?;
+    let target = match slot {
+        Slot::Newest { .. } => ckpt_state::checkpoint_dir(root, completed as u64),
+        Slot::Best { .. } => root.join(BEST_DIR),
+    };
+    let dir = AtomicDir::begin(target).map_err(|e| ck(e.to_string()))?;
     let model = trained.model;
     crate::model::checkpoint::save_checkpoint(model, dir.path(), DType::F32)?;
     let mpath = dir.path().join(MODEL_FILE);
@@ -292,6 +316,9 @@ fn save_state(
         "model_file".into(),
         serde_json::json!({"name": MODEL_FILE, "bytes": blob.len(), "crc32": crc32fast::hash(&blob)}),
     );
+    if let Slot::Best { scores } = slot {
+        extra.insert(VALIDATION_KEY.into(), scores.clone());
+    }
     let state = RunState {
         iteration: completed as u64,
         seed: identity.seed,
@@ -305,11 +332,14 @@ fn save_state(
     };
     ckpt_state::write_run_state(dir.path(), &state).map_err(|e| ck(e.to_string()))?;
     let path = dir.commit().map_err(|e| ck(e.to_string()))?;
-    prune(root, keep)?;
+    if let Slot::Newest { keep } = slot {
+        prune(root, *keep)?;
+    }
     Ok(path)
 }
 
-/// Removes all but the newest `keep` complete checkpoints of `root` (`keep == 0`: none), each
+/// Removes all but the newest `keep` complete `iter-<k>` checkpoints of `root` (`keep == 0`:
+/// none; [`BEST_DIR`] is never one of them), each
 /// renamed out of the checkpoints before it is deleted ([`ckpt_state::remove_checkpoint`]), so
 /// a kill midway never leaves a partial `iter-N` that looks like a checkpoint.
 pub fn prune(root: &Path, keep: usize) -> Result<(), ExecError> {

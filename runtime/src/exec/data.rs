@@ -366,29 +366,36 @@ impl PromptSource for DatasetSource {
                 idx.len()
             )));
         }
-        let load =
-            |m: &crate::data::MediaSource| m.load().map_err(|e| ExecError::Data(e.to_string()));
         idx.into_iter()
             .map(|i| {
                 let s = &self.data.samples[i];
+                // a media item that does not decode is the record's error, located
+                let load = |what: &str, list: &[crate::data::MediaSource]| {
+                    list.iter()
+                        .enumerate()
+                        .map(|(k, m)| {
+                            m.load().map_err(|e| {
+                                ExecError::Data(format!("{}: {what} {k}: {e}", self.data.at(i)))
+                            })
+                        })
+                        .collect::<Result<Vec<_>, _>>()
+                };
                 let (prompt, sizes) = match &s.media {
                     Media::None => (self.builder.build(s, &[], None)?, Vec::new()),
                     Media::Images(v) => {
-                        let imgs = v.iter().map(load).collect::<Result<Vec<_>, _>>()?;
+                        let imgs = load("image", v)?;
                         (self.builder.build(s, &imgs, None)?, sizes_of(&imgs))
                     }
                     Media::Video(v) => {
-                        let frames = v.iter().map(load).collect::<Result<Vec<_>, _>>()?;
+                        let frames = load("video frame", v)?;
                         (
                             self.builder.build(s, &[], Some(&frames))?,
                             sizes_of(&frames),
                         )
                     }
                 };
-                check_prompt(&self.spec, &prompt, &sizes).map_err(|msg| {
-                    let line = self.data.lines.get(i).copied().unwrap_or(0);
-                    ExecError::Data(format!("{}:{line}: {msg}", self.data.path.display()))
-                })?;
+                check_prompt(&self.spec, &prompt, &sizes)
+                    .map_err(|msg| ExecError::Data(format!("{}: {msg}", self.data.at(i))))?;
                 Ok(prompt)
             })
             .collect()
@@ -410,10 +417,9 @@ pub fn data_source(
         ))),
         DatasetSpec::File { path } => {
             let data = Dataset::load(path).map_err(|e| ExecError::Data(e.to_string()))?;
-            for (s, line) in data.samples.iter().zip(&data.lines) {
-                check_media_shape(spec, s).map_err(|msg| {
-                    ExecError::Data(format!("{}:{line}: {msg}", data.path.display()))
-                })?;
+            for (i, s) in data.samples.iter().enumerate() {
+                check_media_shape(spec, s)
+                    .map_err(|msg| ExecError::Data(format!("{}: {msg}", data.at(i))))?;
             }
             let sampler = Sampler::new(data.len(), spec.rollout.prompts_per_iter, spec.seed, true)
                 .map_err(|e| ExecError::Data(format!("{path}: {e}")))?;
@@ -481,11 +487,12 @@ pub fn evaluate_split(
     split: Split,
     n: u32,
 ) -> Result<Option<f64>, ExecError> {
-    evaluate_split_with(spec, split, n, &mut cpu_greedy(model))
+    evaluate_split_with(spec, split, n, &mut cpu_generate(model))
 }
 
-/// A greedy generator for [`evaluate_split_with`]: the prompt's response by `model` on the CPU.
-fn cpu_greedy(
+/// A generator for [`score_split_with`]: the prompt's response by `model` on the CPU, decoded
+/// as the config says.
+pub fn cpu_generate(
     model: &crate::model::Qwen25VL,
 ) -> impl FnMut(&PromptData, u32, &crate::model::GenerateConfig) -> Result<Vec<u32>, ExecError> + '_
 {
@@ -521,9 +528,35 @@ pub fn evaluate_split_with(
     spec: &JobSpec,
     split: Split,
     n: u32,
-    generate: &mut Greedy<'_>,
+    generate: &mut Generate<'_>,
 ) -> Result<Option<f64>, ExecError> {
-    let Some(setup) = greedy_setup(spec, n)? else {
+    score_split_with(spec, split, n, Decoding::Greedy, generate)
+}
+
+/// How an evaluation decodes its answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decoding {
+    /// Argmax at every step: the model's one most likely answer.
+    Greedy,
+    /// The job's sampling (temperature, top-k, top-p) under a fixed key: (the job's seed,
+    /// iteration `u32::MAX - 1`, which no training iteration reaches, the prompt's index,
+    /// step). Every evaluation draws the same random numbers, so two evaluations of a run differ
+    /// by the weights only.
+    Sampled,
+}
+
+/// The mean reward of the answers to the first `n` prompts of `split` of the moving-shapes
+/// task, decoded as `decoding` says, with any backend's generation: `generate(prompt, index,
+/// cfg)` returns the response tokens of prompt `index` under `cfg`, whose sampling it honours.
+/// `None` when the job's data has no held-out split ([`has_held_out`]) or `n` is 0.
+pub fn score_split_with(
+    spec: &JobSpec,
+    split: Split,
+    n: u32,
+    decoding: Decoding,
+    generate: &mut Generate<'_>,
+) -> Result<Option<f64>, ExecError> {
+    let Some(setup) = eval_setup(spec, n, decoding)? else {
         return Ok(None);
     };
     let mut reward =
@@ -532,20 +565,20 @@ pub fn evaluate_split_with(
     // the sum runs in prompt order as one sum over all the scores would
     let mut sum = 0.0;
     for start in (0..n).step_by(EVAL_CHUNK as usize) {
-        let answers = greedy(&setup, split, start..n.min(start + EVAL_CHUNK), generate)?;
+        let batch = answers(&setup, split, start..n.min(start + EVAL_CHUNK), generate)?;
         let scores = reward
-            .score(&answers)
+            .score(&batch)
             .map_err(|e| ExecError::Reward(e.to_string()))?;
         sum = scores.iter().fold(sum, |acc, s| acc + s);
     }
     Ok(Some(sum / n as f64))
 }
 
-/// How many greedy answers an evaluation holds at once (see [`evaluate_split_with`]).
+/// How many answers an evaluation holds at once (see [`score_split_with`]).
 const EVAL_CHUNK: u32 = 64;
 
-/// Greedy generation of one prompt (see [`evaluate_split_with`]).
-pub type Greedy<'a> =
+/// Generation of one prompt's answer under a config (see [`score_split_with`]).
+pub type Generate<'a> =
     dyn FnMut(&PromptData, u32, &crate::model::GenerateConfig) -> Result<Vec<u32>, ExecError> + 'a;
 
 /// The greedy responses to the first `n` prompts of `split`, as (index, decoded text), for
@@ -556,48 +589,61 @@ pub fn greedy_answers(
     split: Split,
     n: u32,
 ) -> Result<Vec<(Split, u32, String)>, ExecError> {
-    let Some(setup) = greedy_setup(spec, n)? else {
+    let Some(setup) = eval_setup(spec, n, Decoding::Greedy)? else {
         return Ok(Vec::new());
     };
-    Ok(greedy(&setup, split, 0..n, &mut cpu_greedy(model))?
+    Ok(answers(&setup, split, 0..n, &mut cpu_generate(model))?
         .into_iter()
         .enumerate()
         .map(|(i, req)| (split, i as u32, req.response))
         .collect())
 }
 
-/// The prompt source and the greedy generation settings of an evaluation of `n > 0` prompts;
-/// `None` when the job's data is not the moving-shapes task or `n` is 0.
-fn greedy_setup(
+/// Whether the job's data has a held-out (test) split to evaluate on: the moving-shapes task.
+pub fn has_held_out(spec: &JobSpec) -> bool {
+    matches!(&spec.rollout.dataset, DatasetSpec::Generated { name, .. } if name == "moving_shapes")
+}
+
+/// The prompt source and the generation settings of an evaluation of `n > 0` prompts; `None`
+/// when the job's data has no held-out split or `n` is 0.
+fn eval_setup(
     spec: &JobSpec,
     n: u32,
+    decoding: Decoding,
 ) -> Result<Option<(ShapesSource, crate::model::GenerateConfig)>, ExecError> {
     use crate::model::{GenerateConfig, SamplingParams};
-    let DatasetSpec::Generated { name, size } = &spec.rollout.dataset else {
+    let DatasetSpec::Generated { size, .. } = &spec.rollout.dataset else {
         return Ok(None);
     };
-    if name != "moving_shapes" || n == 0 {
+    if !has_held_out(spec) || n == 0 {
         return Ok(None);
     }
     let source = ShapesSource::new(spec, *size)?;
     let mut stop_ids = spec.actor.tokens.eos_token_ids.clone();
     stop_ids.extend(&spec.rollout.sampling.stop_token_ids);
+    let (sampling, iteration) = match decoding {
+        Decoding::Greedy => (SamplingParams::greedy(), u32::MAX),
+        Decoding::Sampled => (
+            SamplingParams::from_spec(&spec.rollout.sampling),
+            u32::MAX - 1,
+        ),
+    };
     let cfg = GenerateConfig {
-        sampling: SamplingParams::greedy(),
+        sampling,
         max_new_tokens: spec.rollout.max_new_tokens,
         stop_ids,
         seed: spec.seed,
-        iteration: u32::MAX,
+        iteration,
     };
     Ok(Some((source, cfg)))
 }
 
-/// Greedy answers to the prompts `range` of `split` as reward requests.
-fn greedy(
+/// The answers to the prompts `range` of `split` as reward requests.
+fn answers(
     (source, cfg): &(ShapesSource, crate::model::GenerateConfig),
     split: Split,
     range: std::ops::Range<u32>,
-    generate: &mut Greedy<'_>,
+    generate: &mut Generate<'_>,
 ) -> Result<Vec<RewardRequest>, ExecError> {
     let mut out = Vec::with_capacity(range.len());
     for i in range {
@@ -694,8 +740,8 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(*seen.borrow(), (0..n).collect::<Vec<_>>());
-        let setup = greedy_setup(&spec, n).unwrap().unwrap();
-        let all = greedy(&setup, Split::Test, 0..n, &mut answer).unwrap();
+        let setup = eval_setup(&spec, n, Decoding::Greedy).unwrap().unwrap();
+        let all = answers(&setup, Split::Test, 0..n, &mut answer).unwrap();
         let scores = Reward::from_spec(&spec.reward)
             .unwrap()
             .score(&all)

@@ -108,6 +108,8 @@ pub struct CpuModels {
     /// `--save-every`: after every this many completed iterations (0: never) the ranks gather
     /// their training state on rank 0 (a collective: every rank must be given the same).
     save_every: u32,
+    /// `--eval-every`: the same, for rank 0 to evaluate the state.
+    eval_every: u32,
 }
 
 impl CpuModels {
@@ -128,9 +130,15 @@ impl CpuModels {
     pub fn set_save_every(&mut self, every: u32) {
         self.save_every = every;
     }
-    /// Whether the state after `completed` iterations is to be saved.
-    pub(super) fn save_due(&self, completed: u32) -> bool {
-        self.save_every > 0 && completed.is_multiple_of(self.save_every)
+    /// `--eval-every` for this rank (every rank of the group must be given the same).
+    pub fn set_eval_every(&mut self, every: u32) {
+        self.eval_every = every;
+    }
+    /// Whether the state after `completed` iterations is to be gathered (saved or evaluated).
+    pub(super) fn gather_due(&self, completed: u32) -> bool {
+        [self.save_every, self.eval_every]
+            .iter()
+            .any(|&every| every > 0 && completed.is_multiple_of(every))
     }
 
     fn model(&self, role: Role) -> Result<&TpModel, ExecError> {
@@ -211,6 +219,7 @@ fn rank_models(
         reference,
         rollout,
         save_every: 0,
+        eval_every: 0,
     })
 }
 

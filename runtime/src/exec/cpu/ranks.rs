@@ -104,7 +104,7 @@ pub fn run_rank<C: Communicator>(
             // together, then end
             let stop = share_stop(comm, observer.stop_requested())?;
             let state =
-                if models.save_due(it + 1) || stop {
+                if models.gather_due(it + 1) || stop {
                     Some(gather_train_state(comm, models)?.ok_or_else(|| {
                         ExecError::Plan("rank 0 gathered no training state".into())
                     })?)
@@ -118,7 +118,7 @@ pub fn run_rank<C: Communicator>(
                 let prompts = share_prompts(comm, None)?;
                 rank_iteration(plan, comm, models, None, None, it, &prompts)?;
                 let stop = share_stop(comm, false)?;
-                if models.save_due(it + 1) || stop {
+                if models.gather_due(it + 1) || stop {
                     gather_train_state(comm, models)?;
                 }
                 if stop {

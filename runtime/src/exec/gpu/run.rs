@@ -13,7 +13,7 @@ use super::models::{check_gpu_plan, GpuModels, GIB, WORKSPACE_ALLOWANCE};
 use super::pacing::StreamRef;
 use super::streams::{blocks_host, PlanStreams};
 use super::{GpuExecOptions, GpuIteration};
-use crate::model::{GenerateConfig, SamplingParams};
+use crate::model::GenerateConfig;
 
 impl TaskRunner for GpuIteration<'_, '_> {
     type Error = ExecError;
@@ -310,8 +310,9 @@ pub fn run_gpu_iterations(
     )
 }
 
-/// Greedy tokens of one prompt with the GPU model (evaluation): encode, prefill, generate.
-pub fn greedy_tokens(
+/// The answer tokens of one prompt with the GPU model (evaluation): encode, prefill, generate
+/// under `cfg` (greedy or sampled, as its sampling says).
+pub fn generate_tokens(
     models: &GpuModels,
     prompt: &PromptData,
     sample: u32,
@@ -332,10 +333,6 @@ pub fn greedy_tokens(
     )?
     .pop()
     .ok_or_else(|| ExecError::Plan("prefill returned no state".into()))?;
-    let cfg = GenerateConfig {
-        sampling: SamplingParams::greedy(),
-        ..cfg.clone()
-    };
-    let mut out = model.generate_group(gpu, s, &state, &[sample], &cfg)?;
+    let mut out = model.generate_group(gpu, s, &state, &[sample], cfg)?;
     Ok(out.pop().map(|r| r.tokens).unwrap_or_default())
 }
