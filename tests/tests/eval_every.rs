@@ -36,6 +36,7 @@ fn args(plan: &Path, out: &Path, iterations: u32) -> RunArgs {
         quiet: true,
         task_log: false,
         no_green_contexts: false,
+        eager_decode: false,
     }
 }
 
