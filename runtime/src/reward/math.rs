@@ -258,7 +258,7 @@ fn unwrap_all(s: &str, cmd: &str) -> String {
 fn choice_letter(s: &str, exact: bool) -> Option<char> {
     let mut s = s.trim();
     for lead in ["option", "choice"] {
-        if s.len() > lead.len() && s[..lead.len()].eq_ignore_ascii_case(lead) {
+        if s.get(..lead.len()).is_some_and(|h| h.eq_ignore_ascii_case(lead)) {
             s = s[lead.len()..].trim_start();
         }
     }
@@ -373,11 +373,13 @@ struct Ratio {
     d: i128,
 }
 
-fn gcd(mut a: i128, mut b: i128) -> i128 {
+/// The greatest common divisor of `|a|` and `|b|`.
+fn gcd(a: i128, b: i128) -> u128 {
+    let (mut a, mut b) = (a.unsigned_abs(), b.unsigned_abs());
     while b != 0 {
         (a, b) = (b, a % b);
     }
-    a.abs()
+    a
 }
 
 impl Ratio {
@@ -385,7 +387,7 @@ impl Ratio {
         if d == 0 {
             return None;
         }
-        let g = gcd(n, d).max(1);
+        let g = i128::try_from(gcd(n, d)).ok()?.max(1);
         let (n, d) = (n / g, d / g);
         if d < 0 {
             Some(Ratio {
@@ -431,7 +433,7 @@ impl Ratio {
     }
     /// The exact `k`-th root, when there is one.
     fn root(self, k: u32) -> Option<Ratio> {
-        if self.n < 0 && k % 2 == 0 {
+        if self.n < 0 && k.is_multiple_of(2) {
             return None;
         }
         let n = int_root(self.n.abs(), k)?;
@@ -970,6 +972,9 @@ mod tests {
         assert_eq!(math("\\boxed{2^{99999999}}", "1", 1e-9), Ok(0.0));
         assert_eq!(math("\\boxed{10^{300}*10^{300}}", "1", 1e-9), Ok(0.0));
         assert_eq!(math("\\boxed{1/0}", "1", 1e-9), Ok(0.0));
+        assert_eq!(math("\\boxed{(-2)^{127}/(-2)^{127}}", "1", 1e-9), Ok(1.0));
+        assert_eq!(math("\\boxed{opti\u{20ac}n B}", "B", 1e-9), Ok(0.0));
+        assert_eq!(math("\\boxed{\u{20ac}1,000}", "1000", 1e-9), Ok(0.0));
         assert_eq!(math("\\boxed{\\sqrt{-4}}", "2", 1e-9), Ok(0.0));
         let nested = |n: usize| format!("\\boxed{{{}1{}}}", "(".repeat(n), ")".repeat(n));
         assert_eq!(math(&nested(40), "1", 1e-9), Ok(1.0));
