@@ -73,12 +73,14 @@ fn plan(tp: u32, wide: bool) -> Plan {
 /// `choice_letter`, which a random model's responses almost never earn: every group then has
 /// different rewards, non-zero advantages, a policy gradient, and (after the first step) a KL.
 fn token_reward() -> Box<cpu::SendRewardFn<'static>> {
-    Box::new(|_, responses: &[&[u32]]| {
-        Ok(responses
-            .iter()
-            .map(|r| r.iter().map(|&t| (t % 5) as f32).sum::<f32>() / r.len().max(1) as f32)
-            .collect())
-    })
+    Box::new(
+        |_: &exec::PromptData, responses: &[&[u32]]| -> Result<Vec<f32>, exec::ExecError> {
+            Ok(responses
+                .iter()
+                .map(|r| r.iter().map(|&t| (t % 5) as f32).sum::<f32>() / r.len().max(1) as f32)
+                .collect())
+        },
+    )
 }
 
 struct Run {
