@@ -258,7 +258,9 @@ fn unwrap_all(s: &str, cmd: &str) -> String {
 fn choice_letter(s: &str, exact: bool) -> Option<char> {
     let mut s = s.trim();
     for lead in ["option", "choice"] {
-        if s.get(..lead.len()).is_some_and(|h| h.eq_ignore_ascii_case(lead)) {
+        if s.get(..lead.len())
+            .is_some_and(|h| h.eq_ignore_ascii_case(lead))
+        {
             s = s[lead.len()..].trim_start();
         }
     }
