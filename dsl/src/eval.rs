@@ -326,9 +326,13 @@ fn binary(
                 BinOp::Sub => format!("cannot {verb} {r} from {l}"),
                 BinOp::Mul | BinOp::Div => format!("cannot {verb} {l} by {r}"),
             };
-            let d = Diagnostic::error("arithmetic", span, msg).with_help(
-                "arithmetic works on numbers, on a quantity times or divided by a number, and on quantities of the same kind",
-            );
+            let is_call = |v: &Val| matches!(v.value, Call(_));
+            let help = if is_call(a) || is_call(b) {
+                "a call is not a number; to weigh rewards, give each a weight inside `sum`: `reward = sum(builtin(\"math\", weight = 0.9), builtin(\"format\", weight = 0.1))`"
+            } else {
+                "arithmetic works on numbers, on a quantity times or divided by a number, and on quantities of the same kind"
+            };
+            let d = Diagnostic::error("arithmetic", span, msg).with_help(help);
             diags.push(d);
             Error
         }

@@ -62,7 +62,7 @@ fn main() -> Result<()> {
     let spec = &plan.spec;
     let mut models = [exec::build_cpu_models(spec)?];
     let mut source = data::data_source(spec, &spec.rollout.dataset)?;
-    let mut reward = data::reward_fn(spec)?;
+    let mut reward = exec::reward_fn(spec)?;
     let mut rows =
         vec!["iteration\ttrain_reward\theldout_acc\ttrain_greedy_acc\ttrain_s\teval_s".to_string()];
     println!(

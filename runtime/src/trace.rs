@@ -269,6 +269,9 @@ pub fn read_complete_events(path: impl AsRef<Path>) -> Result<Vec<CompleteEvent>
 /// `gpu0 (colocated, 1 ranks)`), one thread per stream (`tid` = the stream's index in
 /// `plan.streams`, named `stream<i> <name>`), one complete event per executed task named by the
 /// task, with its work kind as `cat` and `{"iteration", "task", "phase", "window"}` as args.
+/// Rewards scored on host threads while decode runs are a process of their own after the GPU
+/// programs (`host rewards`), one thread per worker (`reward worker <i>`), one event per group
+/// (`reward group <g>`, `cat` `reward`, `{"iteration", "group"}` as args).
 /// Iterations follow one another on the same tracks; `otherData.iterations` lists each one's
 /// measured span.
 ///
@@ -280,6 +283,10 @@ pub struct PlanTrace {
     origin: Instant,
     /// `(pid, tid)` per stream index.
     tracks: Vec<(u32, u32)>,
+    /// The process of the host reward workers' tracks (after the GPU programs').
+    reward_pid: u32,
+    /// Reward worker tracks named so far.
+    reward_workers: usize,
     iterations: Vec<Value>,
 }
 
@@ -310,6 +317,8 @@ impl PlanTrace {
             writer,
             origin: Instant::now(),
             tracks,
+            reward_pid: plan.gpus.len() as u32,
+            reward_workers: 0,
             iterations: Vec::new(),
         }
     }
@@ -348,6 +357,32 @@ impl PlanTrace {
                 "task": task.id.to_string(),
                 "phase": phase,
                 "window": task.window.map(|w| w.to_string()),
+            }),
+        );
+    }
+
+    /// Records a group's reward computed on a host thread ([`crate::exec::RewardSpan`]).
+    pub fn reward(&mut self, span: &crate::exec::RewardSpan) {
+        if self.reward_workers == 0 {
+            self.writer.process(self.reward_pid, "host rewards");
+        }
+        while self.reward_workers <= span.worker {
+            let w = self.reward_workers;
+            self.writer
+                .thread(self.reward_pid, w as u32, &format!("reward worker {w}"));
+            self.reward_workers += 1;
+        }
+        let (ts, te) = (self.us(span.start), self.us(span.end));
+        self.writer.complete(
+            self.reward_pid,
+            span.worker as u32,
+            &format!("reward group {}", span.key.group),
+            "reward",
+            ts,
+            te - ts,
+            json!({
+                "iteration": span.key.iteration,
+                "group": span.key.group,
             }),
         );
     }

@@ -73,12 +73,14 @@ fn plan(tp: u32, wide: bool) -> Plan {
 /// `choice_letter`, which a random model's responses almost never earn: every group then has
 /// different rewards, non-zero advantages, a policy gradient, and (after the first step) a KL.
 fn token_reward() -> Box<cpu::SendRewardFn<'static>> {
-    Box::new(|_, responses: &[&[u32]]| {
-        Ok(responses
-            .iter()
-            .map(|r| r.iter().map(|&t| (t % 5) as f32).sum::<f32>() / r.len().max(1) as f32)
-            .collect())
-    })
+    Box::new(
+        |_: &exec::PromptData, responses: &[&[u32]]| -> Result<Vec<f32>, exec::ExecError> {
+            Ok(responses
+                .iter()
+                .map(|r| r.iter().map(|&t| (t % 5) as f32).sum::<f32>() / r.len().max(1) as f32)
+                .collect())
+        },
+    )
 }
 
 struct Run {
@@ -378,12 +380,20 @@ fn rollplex_run_on_a_tp_plan_writes_rank_0s_metrics_once() {
     assert_eq!(lines.len(), 2, "one metrics line per iteration:\n{metrics}");
     assert_eq!(lines[1]["iteration"], 1);
     assert_eq!(lines[1]["optimizer_steps"], STEPS_PER_ITER);
-    let events =
-        rollplex_runtime::trace::read_complete_events(dir.path().join("out/trace.json")).unwrap();
+    let (rewards, events): (Vec<_>, Vec<_>) =
+        rollplex_runtime::trace::read_complete_events(dir.path().join("out/trace.json"))
+            .unwrap()
+            .into_iter()
+            .partition(|e| e.cat == "reward");
     assert_eq!(
         events.len(),
         plan.tasks.len() * 2,
         "the trace holds rank 0's tasks once per iteration"
+    );
+    assert_eq!(
+        rewards.len(),
+        plan.parallel.prompts_per_rollout_replica as usize * 2,
+        "rank 0 scores each group once, on a host thread"
     );
 }
 

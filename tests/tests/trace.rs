@@ -1,6 +1,7 @@
 //! `rollplex-run --backend cpu --trace FILE`: a measured Chrome/Perfetto trace of every task of
 //! every iteration, on the tracks the simulator's trace of the same plan uses. The file parses,
-//! holds one event per executed task, and the events of one stream never overlap.
+//! holds one event per executed task and one per group whose reward a host thread scored (on a
+//! track of its own), and the events of one stream never overlap.
 
 mod common;
 
@@ -61,9 +62,22 @@ fn cpu_trace_measures_every_task_on_the_simulators_tracks() {
     })
     .expect("run");
 
-    // One event per executed task: every task of the plan once per iteration, on its stream.
-    let events = read_complete_events(&trace_path).expect("the trace parses");
+    // One event per executed task: every task of the plan once per iteration, on its stream;
+    // and the built-in reward of every group, scored on a host thread, on the host track.
+    let (rewards, events): (Vec<_>, Vec<_>) = read_complete_events(&trace_path)
+        .expect("the trace parses")
+        .into_iter()
+        .partition(|e| e.cat == "reward");
     assert_eq!(events.len(), plan.tasks.len() * iterations as usize);
+    let host = plan.gpus.len() as u32;
+    let groups = plan.parallel.prompts_per_rollout_replica as usize;
+    assert_eq!(rewards.len(), groups * iterations as usize);
+    for e in &rewards {
+        let g = e.args["group"].as_u64().unwrap();
+        assert_eq!(e.pid, host, "{e:?}");
+        assert_eq!(e.name, format!("reward group {g}"));
+        assert!(e.dur >= 0.0 && e.ts >= 0.0);
+    }
     let mut seen = BTreeSet::new();
     for e in &events {
         let id = e.args["task"].as_str().unwrap();
@@ -116,7 +130,22 @@ fn cpu_trace_measures_every_task_on_the_simulators_tracks() {
         .expect("simulates")
         .chrome_trace();
     for what in ["process_name", "thread_name"] {
-        assert_eq!(track_names(&ours, what), track_names(&sim, what), "{what}");
+        let mut names = track_names(&ours, what);
+        // the host reward workers' tracks are the measured run's own
+        let workers: Vec<_> = names
+            .keys()
+            .filter(|k| k.0 == host as u64)
+            .cloned()
+            .collect();
+        for k in &workers {
+            let name = names.remove(k).unwrap();
+            assert!(
+                name == "host rewards" || name.starts_with("reward worker "),
+                "{name}"
+            );
+        }
+        assert!(!workers.is_empty(), "{what}: no host reward track");
+        assert_eq!(names, track_names(&sim, what), "{what}");
     }
     assert_eq!(ours["otherData"]["timing"], "measured");
     assert_eq!(

@@ -250,13 +250,34 @@ pub enum DatasetSpec {
     Synthetic,
 }
 
+/// The built-in rewards' names, as a pipeline writes them in `builtin("...")`.
+pub const BUILTIN_REWARDS: &[&str] = &["exact_match", "choice_letter", "numeric", "math", "format"];
+
+/// The tag names the `format` reward looks for unless the pipeline names others.
+pub const FORMAT_THINK_TAG: &str = "think";
+pub const FORMAT_ANSWER_TAG: &str = "answer";
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RewardSpec {
-    /// A built-in reward by name: "exact_match", "choice_letter", "numeric".
+    /// A built-in reward by name: "exact_match", "choice_letter", "numeric" (`tolerance`:
+    /// absolute), "math" (`tolerance`: relative, for values with an irrational part).
     Builtin { name: String, tolerance: f64 },
     /// An external command speaking JSON lines over stdin/stdout.
     Command { argv: Vec<String>, timeout_s: f64 },
+    /// The built-in `format` reward: reasoning in `<think>` tags, then the answer in `<answer>`
+    /// tags or `\boxed{}`; the tag names (without brackets; an empty `think` asks for no
+    /// reasoning block).
+    Format { think: String, answer: String },
+    /// A weighted sum of rewards, `sum_i weight_i * reward_i`, added in the order written.
+    Sum { terms: Vec<WeightedReward> },
+}
+
+/// One term of [`RewardSpec::Sum`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WeightedReward {
+    pub weight: f64,
+    pub reward: RewardSpec,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

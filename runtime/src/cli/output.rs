@@ -67,6 +67,12 @@ impl exec::LoopObserver for LoopRun<'_> {
         super::interrupt::requested()
     }
 
+    fn reward_span(&mut self, span: &exec::RewardSpan) {
+        if let Some(t) = &mut self.trace {
+            t.reward(span);
+        }
+    }
+
     fn decode_steps(&mut self, _: u32, task: &Task, marks: &[Instant]) {
         if let Some(p) = &mut self.profile {
             p.record_step_instants(task, marks);
@@ -256,7 +262,7 @@ pub(super) fn open_run(
         DatasetSpec::Synthetic => Box::new(exec::prompts::SyntheticPrompts::new(spec)),
         other => crate::exec::data_source(spec, other)?,
     };
-    let reward = crate::exec::reward_fn(spec)?;
+    let reward: Box<exec::cpu::SendRewardFn<'static>> = crate::exec::reward_fn(spec)?;
     std::fs::create_dir_all(&args.out).map_err(io_err(&args.out))?;
     let metrics_path = args.out.join("metrics.jsonl");
     let metrics = if args.resume.is_some() {

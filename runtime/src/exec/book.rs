@@ -19,6 +19,7 @@ use rollplex_plan::spec::{pick_trained_groups, AdvantageEstimator, JobSpec};
 use rollplex_plan::{Groups, Span};
 
 use super::cpu::RewardFn;
+use super::rewards::GroupKey;
 use super::{Agreement, ExecError, IterationMetrics, IterationResult, PromptData};
 use crate::model::SamplingParams;
 use crate::train::backward::{MicroBatchOutput, ResponseBatch};
@@ -57,12 +58,15 @@ pub struct MicroBatchInputs {
 }
 
 /// The host-side state of one iteration (see the module docs).
-pub struct Book<'a> {
+pub struct Book<'a, 'r> {
     pub spec: &'a JobSpec,
     pub iteration: u32,
     pub group_size: usize,
     pub prompts: &'a [PromptData],
     pub sampling: SamplingParams,
+    /// The job's reward: told when a group has finished decoding (it may start scoring it on
+    /// host threads then), asked at the group's `Reward` op.
+    reward: &'a mut RewardFn<'r>,
     stop_ids: Vec<u32>,
     /// Per-sample stop length when the job forces lengths (benchmarks with random weights).
     forced_len: Option<Vec<u32>>,
@@ -89,12 +93,14 @@ pub struct Book<'a> {
     pub metrics: IterationMetrics,
 }
 
-impl<'a> Book<'a> {
-    /// An empty record for `prompts` (one per group) of iteration `iteration` of `plan`.
+impl<'a, 'r> Book<'a, 'r> {
+    /// An empty record for `prompts` (one per group) of iteration `iteration` of `plan`, scored
+    /// by `reward`.
     pub fn new(
         plan: &'a Plan,
         iteration: u32,
         prompts: &'a [PromptData],
+        reward: &'a mut RewardFn<'r>,
     ) -> Result<Self, ExecError> {
         let spec = &plan.spec;
         let g = spec.rollout.group_size as usize;
@@ -119,6 +125,7 @@ impl<'a> Book<'a> {
             group_size: g,
             prompts,
             sampling: SamplingParams::from_spec(&spec.rollout.sampling),
+            reward,
             stop_ids,
             forced_len,
             tokens: vec![Vec::new(); samples],
@@ -248,7 +255,9 @@ impl<'a> Book<'a> {
 
     /// Records token `tok` (log-prob `lp`) drawn at `step` for sample `s`; returns whether the
     /// sample continues (is fed to the next decode step). A group whose last sample stops here
-    /// is queued for binding at the end of the window ([`Book::end_window`]).
+    /// is queued for binding at the end of the window ([`Book::end_window`]), and its reward
+    /// is started ([`GroupReward::start`](super::rewards::GroupReward::start)): its responses
+    /// are final from here on.
     pub fn push_token(&mut self, s: usize, tok: u32, lp: f32, step: u32) -> bool {
         self.tokens[s].push(tok);
         self.rollout_logp[s].push(lp);
@@ -258,6 +267,9 @@ impl<'a> Book<'a> {
             if self.members(g).all(|m| self.stopped[m]) {
                 self.group_done[g] = Some(step);
                 self.newly_done.push((step, g as u32));
+                let responses = views(&self.tokens[self.members(g)]);
+                self.reward
+                    .start(self.group_key(g), &self.prompts[g], &responses);
             }
             false
         } else {
@@ -278,7 +290,7 @@ impl<'a> Book<'a> {
     }
 
     pub fn responses(&self, g: usize) -> Vec<&[u32]> {
-        self.members(g).map(|s| self.tokens[s].as_slice()).collect()
+        views(&self.tokens[self.members(g)])
     }
 
     /// Stores group `g`'s reference log-probs (one per member, in order).
@@ -298,11 +310,21 @@ impl<'a> Book<'a> {
         }
     }
 
-    /// The `Reward` op: scores the group in `slot`.
-    pub fn reward(&mut self, slot: u32, reward: &mut RewardFn<'_>) -> Result<(), ExecError> {
+    /// Group `g` of this iteration, as the reward knows it.
+    fn group_key(&self, g: usize) -> GroupKey {
+        GroupKey {
+            iteration: self.iteration,
+            group: g as u32,
+        }
+    }
+
+    /// The `Reward` op: scores the group in `slot` (joins the scoring its end of decode
+    /// started, or scores it now).
+    pub fn reward(&mut self, slot: u32) -> Result<(), ExecError> {
         let g = self.group_of_slot(slot)?;
-        let responses = self.responses(g);
-        let rewards = reward(&self.prompts[g], &responses)?;
+        let key = self.group_key(g);
+        let responses = views(&self.tokens[self.members(g)]);
+        let rewards = self.reward.score(key, &self.prompts[g], &responses)?;
         if rewards.len() != self.group_size || rewards.iter().any(|r| !r.is_finite()) {
             return Err(ExecError::Reward(format!(
                 "expected {} finite rewards for group {g}, got {rewards:?}",
@@ -538,6 +560,12 @@ impl<'a> Book<'a> {
             metrics: self.metrics,
         }
     }
+}
+
+/// Slices of `tokens`, one per response (borrows only the tokens, so the book's reward can be
+/// called with them).
+fn views(tokens: &[Vec<u32>]) -> Vec<&[u32]> {
+    tokens.iter().map(Vec::as_slice).collect()
 }
 
 pub fn range(s: Span) -> std::ops::Range<usize> {

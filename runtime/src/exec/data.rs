@@ -433,41 +433,6 @@ pub fn data_source(
     }
 }
 
-/// The job's reward as the loop calls it: decode each response, score the group.
-pub fn reward_fn(spec: &JobSpec) -> Result<Box<super::cpu::SendRewardFn<'static>>, ExecError> {
-    let mut reward =
-        Reward::from_spec(&spec.reward).map_err(|e| ExecError::Reward(e.to_string()))?;
-    let synthetic = matches!(spec.rollout.dataset, DatasetSpec::Synthetic);
-    let builder = if synthetic {
-        None
-    } else {
-        Some(PromptBuilder::for_spec(spec)?)
-    };
-    Ok(Box::new(
-        move |prompt: &PromptData, responses: &[&[u32]]| {
-            let Some(builder) = &builder else {
-                // synthetic prompts have no answers: benchmarks time the loop, not the reward
-                return Ok(vec![0.0; responses.len()]);
-            };
-            let reqs = responses
-                .iter()
-                .enumerate()
-                .map(|(k, r)| {
-                    Ok(RewardRequest {
-                        id: format!("{}/{k}", prompt.id),
-                        prompt: prompt.text.clone(),
-                        response: builder.decode(r)?,
-                        answer: prompt.answer.clone(),
-                    })
-                })
-                .collect::<Result<Vec<_>, ExecError>>()?;
-            reward
-                .score_f32(&reqs)
-                .map_err(|e| ExecError::Reward(e.to_string()))
-        },
-    ))
-}
-
 /// Held-out accuracy: the mean reward of greedy answers to the first `n` test-split prompts of
 /// the moving-shapes task. `None` when the job's data has no test split.
 pub fn evaluate(

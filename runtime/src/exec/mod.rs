@@ -26,6 +26,7 @@ pub mod gpu;
 pub mod placement;
 pub mod profile;
 pub mod prompts;
+pub mod rewards;
 pub mod walker;
 
 use std::time::{Duration, Instant};
@@ -36,7 +37,8 @@ use rollplex_plan::spec::{JobSpec, LengthDist, Mode};
 use rollplex_plan::Plan;
 
 pub use cpu::{build_cpu_models, run_cpu_iterations, run_cpu_loop};
-pub use data::{data_source, evaluate, reward_fn};
+pub use data::{data_source, evaluate};
+pub use rewards::{reward_fn, GroupKey, GroupReward, JobReward, RewardSpan};
 
 use crate::model::{Grid, MediaKind, ModelError};
 use crate::train::loss::LossMetrics;
@@ -452,6 +454,10 @@ pub trait LoopObserver {
     /// (cuda: a device event before each step and one after the last, told after the
     /// iteration's `task_done`s on the same clock; the cpu backend does not mark steps).
     fn decode_steps(&mut self, _iteration: u32, _task: &Task, _marks: &[Instant]) {}
+    /// A group's reward was computed on a host thread from `span.start` to `span.end` (told
+    /// after the iteration, before [`LoopObserver::iteration_done`]; rewards computed at their
+    /// reward task are that task's time).
+    fn reward_span(&mut self, _span: &rewards::RewardSpan) {}
     /// Whether the run is to stop after the running iteration (a signal): its state is then
     /// handed to [`LoopObserver::iteration_done`] to save, as at a `--save-every` boundary.
     fn stop_requested(&self) -> bool {

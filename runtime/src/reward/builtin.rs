@@ -2,7 +2,9 @@
 //!
 //! All three first cut the response down to its final answer ([`final_answer`]): reasoning in
 //! `<think>...</think>` is dropped, then the content of the last `<answer>...</answer>` or
-//! `\boxed{...}` is used when there is one, else the whole response.
+//! `\boxed{...}` (braces balanced) is used when there is one, else the whole response. The
+//! `math` and `format` rewards, which read answers their own way, are [`super::math`] and
+//! [`super::format`].
 //!
 //! Invariant: a reference answer the reward cannot read (a `choice_letter` answer without a
 //! letter, a `numeric` answer without a number) is an error naming the sample, never a zero.
@@ -10,6 +12,8 @@
 use std::sync::OnceLock;
 
 use regex::Regex;
+
+use super::math;
 
 /// The letters `choice_letter` accepts.
 pub const CHOICES: std::ops::RangeInclusive<char> = 'A'..='D';
@@ -25,22 +29,13 @@ pub fn final_answer(response: &str) -> &str {
 
 /// [`final_answer`], and whether it came from an `<answer>` tag or `\boxed{}`.
 fn final_answer_tagged(response: &str) -> (&str, bool) {
-    static THINK_END: OnceLock<Regex> = OnceLock::new();
-    static ANSWER: OnceLock<Regex> = OnceLock::new();
-    static BOXED: OnceLock<Regex> = OnceLock::new();
-    // Everything up to the last </think> is reasoning.
-    let mut s = response;
-    if let Some(m) = re(&THINK_END, r"(?i)</think>").find_iter(s).last() {
-        s = &s[m.end()..];
+    // everything up to the last </think> is reasoning
+    let s = math::after_think(response);
+    if let Some(a) = math::last_tag(s, "answer") {
+        return (a.trim(), true);
     }
-    if let Some(c) = re(&ANSWER, r"(?is)<answer>(.*?)</answer>")
-        .captures_iter(s)
-        .last()
-    {
-        return (c.get(1).map_or("", |m| m.as_str()).trim(), true);
-    }
-    if let Some(c) = re(&BOXED, r"\\boxed\{([^{}]*)\}").captures_iter(s).last() {
-        return (c.get(1).map_or("", |m| m.as_str()).trim(), true);
+    if let Some(b) = math::last_braced(s, &["\\boxed"]) {
+        return (b.trim(), true);
     }
     (s.trim(), false)
 }

@@ -43,16 +43,15 @@ use crate::model::{
 };
 use crate::train::backward::GroupBatch;
 
-/// Scores the responses of one group (one reward per response, in order): the reward function
-/// the loop was given.
-pub type RewardFn<'a> = dyn FnMut(&PromptData, &[&[u32]]) -> Result<Vec<f32>, ExecError> + 'a;
+/// Scores the responses of one group (one reward per response, in order): the reward the loop
+/// was given ([`GroupReward`](super::super::rewards::GroupReward); a closure is one).
+pub type RewardFn<'a> = dyn super::super::rewards::GroupReward + 'a;
 
 /// One iteration's state on one rank of the CPU backend, over engine `E` (a rank's models and
 /// its communicator: [`super::RankEngine`]).
 pub struct CpuIteration<'a, 'r, E: CpuEngine> {
     models: &'a mut E,
-    reward: &'a mut RewardFn<'r>,
-    book: Book<'a>,
+    book: Book<'a, 'r>,
     encoded: Vec<Option<Vec<EncodedMedia>>>,
     ref_encoded: Vec<Option<Vec<EncodedMedia>>>,
     prefixes: Vec<Option<PrefixState>>,
@@ -72,7 +71,7 @@ impl<'a, 'r, E: CpuEngine> CpuIteration<'a, 'r, E> {
         iteration: u32,
         prompts: &'a [PromptData],
     ) -> Result<Self, ExecError> {
-        let book = Book::new(plan, iteration, prompts)?;
+        let book = Book::new(plan, iteration, prompts, reward)?;
         let groups = book.groups();
         let samples = book.samples();
         let max_new = plan.spec.rollout.max_new_tokens;
@@ -83,7 +82,6 @@ impl<'a, 'r, E: CpuEngine> CpuIteration<'a, 'r, E> {
         let arena = models.kv_arena(cap);
         Ok(CpuIteration {
             models,
-            reward,
             book,
             encoded: vec![None; groups],
             ref_encoded: vec![None; groups],
@@ -391,7 +389,7 @@ impl<E: CpuEngine> TaskRunner for CpuIteration<'_, '_, E> {
                     .score(Role::Actor, prefix, &self.book.responses(g), temp)?;
                 self.book.set_old_logp(g, lps);
             }
-            Op::Reward { slot } => self.book.reward(*slot, self.reward)?,
+            Op::Reward { slot } => self.book.reward(*slot)?,
             Op::Advantages { slot } => self.book.advantages(*slot)?,
             Op::TrainMicroBatch {
                 step,

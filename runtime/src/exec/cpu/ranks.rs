@@ -33,12 +33,12 @@ use super::super::{
 };
 use super::engine::{gather_train_state, CpuModels, RankEngine};
 use super::iteration::{CpuIteration, RewardFn};
+use crate::exec::rewards::{GroupKey, GroupReward};
 use crate::model::MediaKind;
 use crate::tp::{run_ranks, Communicator, SoloComm, ThreadComm};
 
 /// A reward the loop can hand to rank 0's thread.
-pub type SendRewardFn<'a> =
-    dyn FnMut(&PromptData, &[&[u32]]) -> Result<Vec<f32>, ExecError> + Send + 'a;
+pub type SendRewardFn<'a> = dyn GroupReward + Send + 'a;
 
 /// What only rank 0 holds: where prompts come from, the reward, and who is told about tasks
 /// and iterations.
@@ -99,6 +99,9 @@ pub fn run_rank<C: Communicator>(
             )?;
             // the process's high-water mark: every rank's thread counts
             result.metrics.peak_mem_bytes = super::super::rss_peak();
+            for span in reward.take_spans() {
+                observer.reward_span(&span);
+            }
             let wall = t0.elapsed();
             // a stop (a signal on rank 0) is every rank's: they gather the state to save
             // together, then end
@@ -138,21 +141,29 @@ fn share_stop<C: Communicator>(comm: &C, mine: bool) -> Result<bool, ExecError> 
     Ok(flag[0] != 0.0)
 }
 
-/// One iteration on one rank: the plan's walk over a [`RankEngine`], rewards from rank 0, and
-/// the ranks' agreement check.
-fn rank_iteration<C: Communicator>(
-    plan: &Plan,
-    comm: &C,
-    models: &mut CpuModels,
-    mut reward: Option<&mut RewardFn<'_>>,
-    observer: Option<&mut dyn LoopObserver>,
-    it: u32,
-    prompts: &[PromptData],
-) -> Result<IterationResult, ExecError> {
-    let mut shared = |p: &PromptData, responses: &[&[u32]]| -> Result<Vec<f32>, ExecError> {
-        let mut r = match reward.as_mut() {
+/// The reward as every rank sees it: rank 0 (`root`) scores, and starts groups as they finish
+/// decoding; the group's rewards are then broadcast to every rank.
+struct SharedReward<'a, 'r, C> {
+    root: Option<&'a mut RewardFn<'r>>,
+    comm: &'a C,
+}
+
+impl<C: Communicator> GroupReward for SharedReward<'_, '_, C> {
+    fn start(&mut self, key: GroupKey, prompt: &PromptData, responses: &[&[u32]]) {
+        if let Some(root) = self.root.as_mut() {
+            root.start(key, prompt, responses);
+        }
+    }
+
+    fn score(
+        &mut self,
+        key: GroupKey,
+        p: &PromptData,
+        responses: &[&[u32]],
+    ) -> Result<Vec<f32>, ExecError> {
+        let mut r = match self.root.as_mut() {
             Some(f) => {
-                let r = f(p, responses)?;
+                let r = f.score(key, p, responses)?;
                 if r.len() != responses.len() {
                     return Err(ExecError::Reward(format!(
                         "expected {} rewards for the group of prompt {:?}, got {}",
@@ -165,9 +176,23 @@ fn rank_iteration<C: Communicator>(
             }
             None => vec![0f32; responses.len()],
         };
-        comm.broadcast(&mut r, 0)?;
+        self.comm.broadcast(&mut r, 0)?;
         Ok(r)
-    };
+    }
+}
+
+/// One iteration on one rank: the plan's walk over a [`RankEngine`], rewards from rank 0, and
+/// the ranks' agreement check.
+fn rank_iteration<C: Communicator>(
+    plan: &Plan,
+    comm: &C,
+    models: &mut CpuModels,
+    reward: Option<&mut RewardFn<'_>>,
+    observer: Option<&mut dyn LoopObserver>,
+    it: u32,
+    prompts: &[PromptData],
+) -> Result<IterationResult, ExecError> {
+    let mut shared = SharedReward { root: reward, comm };
     let gpu = plan.gpus[0].id;
     let all = plan.mode == Mode::Disaggregated;
     let mut engine = RankEngine { models, comm };

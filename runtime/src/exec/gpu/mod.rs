@@ -150,8 +150,7 @@ pub struct GpuIteration<'a, 'r> {
     plan: &'a Plan,
     models: &'a mut GpuModels,
     streams: &'a PlanStreams,
-    reward: &'a mut RewardFn<'r>,
-    book: Book<'a>,
+    book: Book<'a, 'r>,
     encoded: Vec<Option<Media>>,
     /// Per group: an event after its `EncodeMedia` task's launches and that task's stream. The
     /// plan orders the readers it knows of after the encode (a frozen tower's prefixes); an
@@ -212,7 +211,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
         prompts: &'a [PromptData],
         options: &GpuExecOptions,
     ) -> Result<Self, ExecError> {
-        let book = Book::new(plan, iteration, prompts)?;
+        let book = Book::new(plan, iteration, prompts, reward)?;
         let groups = book.groups();
         let prefix_rows: u64 = prompts.iter().map(|p| p.ids.len() as u64).sum();
         let rows = prefix_rows + book.samples() as u64 * plan.spec.rollout.max_new_tokens as u64;
@@ -222,7 +221,6 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             plan,
             models,
             streams,
-            reward,
             book,
             encoded: vec![None; groups],
             encoded_ready: (0..groups).map(|_| None).collect(),

@@ -266,7 +266,7 @@ impl GpuIteration<'_, '_> {
                 )?;
                 self.pending.push((g, false, scores));
             }
-            Op::Reward { slot } => self.book.reward(*slot, self.reward)?,
+            Op::Reward { slot } => self.book.reward(*slot)?,
             Op::Advantages { slot } => self.book.advantages(*slot)?,
             Op::TrainMicroBatch {
                 step,

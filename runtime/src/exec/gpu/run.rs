@@ -234,6 +234,9 @@ pub fn run_gpu_loop_with(
                 let marks: Vec<Instant> = marks.into_iter().map(at).collect();
                 observer.decode_steps(it, &plan.tasks[i], &marks);
             }
+            for span in reward.take_spans() {
+                observer.reward_span(&span);
+            }
             observer.iteration_done(it, &result, LoopModels::Gpu(models), t0, wall)
         },
     );
