@@ -11,6 +11,7 @@ pub mod preprocess;
 pub mod reward;
 pub mod sim;
 pub mod tasks;
+pub mod tfevents;
 pub mod tokenizer;
 pub mod tp;
 pub mod trace;
