@@ -7,6 +7,7 @@ pub mod exec;
 pub mod gpu;
 pub mod metrics;
 pub mod model;
+pub mod plot;
 pub mod preprocess;
 pub mod reward;
 pub mod sim;
