@@ -7,7 +7,7 @@
 //! record's data one `tensorflow.Event` protobuf: `wall_time` (double, field 1), `step` (int64,
 //! field 2), and one of `file_version` (string, field 3: `brain.Event:2`, the first record),
 //! `summary` (field 5: repeated `Summary.Value { tag = 1, simple_value = 2 (float) }`) or
-//! `session_log` (field 6: `SessionLog { status = 1 }`, `START` where a resumed run restarts).
+//! `session_log` (field 7: `SessionLog { status = 1 }`, `START` where a resumed run restarts).
 //!
 //! Invariants:
 //! - A file is named `events.out.tfevents.<secs>.<host>.rollplex` and is never reopened: every
@@ -173,7 +173,7 @@ fn event(wall_time: f64, step: u64, body: Body<'_>) -> Vec<u8> {
         Body::SessionStart => {
             let mut log = Vec::new();
             pb::uint(&mut log, 1, SESSION_START);
-            pb::bytes(&mut e, 6, &log);
+            pb::bytes(&mut e, 7, &log);
         }
         Body::Scalars(values) => {
             let mut summary = Vec::new();
@@ -352,6 +352,16 @@ mod tests {
         let data = [&[0x09][..], &[0; 8], &[0x1a, 0x0d], b"brain.Event:2"].concat();
         assert_eq!(&r[12..12 + data.len()], &data[..]);
         assert_eq!(&r[12 + data.len()..], &masked_crc(&data).to_le_bytes());
+    }
+
+    #[test]
+    fn session_start_is_field_7() {
+        // Event { step = 4, session_log = SessionLog { status = START } } (field 6 is the
+        // deprecated log_message, which TensorBoard does not take for a restart).
+        assert_eq!(
+            event(0.0, 4, Body::SessionStart),
+            [&[0x09][..], &[0; 8], &[0x10, 0x04, 0x3a, 0x02, 0x08, 0x01]].concat()
+        );
     }
 
     #[test]

@@ -62,7 +62,7 @@ fn masked(data: &[u8]) -> u32 {
     ((c >> 15) | (c << 17)).wrapping_add(0xa282_ead8)
 }
 
-/// One `Event` as read back.
+/// One `Event` as read back (field numbers: TensorFlow's `event.proto` and `summary.proto`).
 #[derive(Debug, Default)]
 struct Event {
     wall_time: f64,
@@ -147,7 +147,7 @@ fn event(data: &[u8]) -> Event {
                         .push((tag.expect("tag"), v.expect("simple_value")));
                 }
             }
-            (6, Wire::Bytes(log)) => {
+            (7, Wire::Bytes(log)) => {
                 for (f, w) in fields(log) {
                     match (f, w) {
                         (1, Wire::Varint(1)) => e.session_start = true,
