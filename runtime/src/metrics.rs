@@ -1,4 +1,5 @@
-//! Per-iteration metrics: `metrics.jsonl` (one JSON object per line) and a compact fixed-width
+//! Per-iteration metrics: `metrics.jsonl` (one JSON object per line), the same numbers as
+//! TensorBoard scalars (an events file beside it, [`crate::tfevents`]) and a compact fixed-width
 //! console table; plus a progress bar for long phases.
 //!
 //! Invariants:
@@ -12,12 +13,17 @@
 //!   goes with the process, so a killed run leaves nothing to clean.
 //! - Each line is appended with one `write` of the whole line to a file opened for appending, so
 //!   a line is never split or interleaved with another writer's.
+//! - Every record written to `metrics.jsonl` is written, as it is, to the run's events file too:
+//!   each numeric field a scalar at step = iteration. A new run removes an earlier run's events
+//!   files as it truncates its metrics; a resumed run starts a new events file.
 //! - The console table's columns are fixed by the first record; its header is repeated every
 //!   [`HEADER_EVERY`] rows. Progress bars draw only when stdout is a terminal, on stderr;
 //!   console lines printed while they show go through [`LoopProgress::println`].
 
-use std::io::{BufRead, BufReader, IsTerminal, Write};
+use std::io::{BufReader, IsTerminal, Write};
 use std::path::{Path, PathBuf};
+
+use crate::tfevents::EventWriter;
 
 /// The lock file a [`MetricsLog`] holds in its directory.
 pub const LOCK_FILE: &str = ".rollplex-run.lock";
@@ -162,6 +168,8 @@ pub struct MetricsLog {
     file: std::fs::File,
     table: Table,
     console: Option<Box<dyn Write + Send>>,
+    /// The TensorBoard events file of this run.
+    events: EventWriter,
     /// The directory's lock ([`lock_dir`]), held while the log lives.
     _lock: std::fs::File,
 }
@@ -237,18 +245,23 @@ impl MetricsLog {
             path: path.clone(),
             msg: e.to_string(),
         };
-        let lock = lock_dir(dir_of(&path))?;
+        let dir = dir_of(&path);
+        let lock = lock_dir(dir)?;
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&path)
             .map_err(err)?;
         file.set_len(0).map_err(err)?;
+        let events = crate::tfevents::remove_old(dir)
+            .and_then(|()| EventWriter::create(dir, None))
+            .map_err(|e| events_err(dir, e))?;
         Ok(Self {
             path,
             file,
             table: Table::default(),
             console: Some(Box::new(std::io::stdout())),
+            events,
             _lock: lock,
         })
     }
@@ -260,35 +273,9 @@ impl MetricsLog {
         let lock = lock_dir(dir_of(&path))?;
         let mut kept = String::new();
         if path.exists() {
-            let f = std::fs::File::open(&path).map_err(|e| MetricsError::Io {
-                path: path.clone(),
-                msg: e.to_string(),
-            })?;
-            for (i, line) in BufReader::new(f).lines().enumerate() {
-                let n = i as u64 + 1;
-                let line = line.map_err(|e| MetricsError::Line {
-                    path: path.clone(),
-                    line: n,
-                    msg: e.to_string(),
-                })?;
-                if line.trim().is_empty() {
-                    continue;
-                }
-                let v: serde_json::Value =
-                    serde_json::from_str(&line).map_err(|e| MetricsError::Line {
-                        path: path.clone(),
-                        line: n,
-                        msg: format!("not JSON: {e}"),
-                    })?;
-                let it = v.get("iteration").and_then(|i| i.as_u64()).ok_or_else(|| {
-                    MetricsError::Line {
-                        path: path.clone(),
-                        line: n,
-                        msg: "field `iteration` is missing or not an integer".into(),
-                    }
-                })?;
-                if it < completed {
-                    kept.push_str(&line);
+            for line in read_log(&path)? {
+                if line.iteration < completed {
+                    kept.push_str(&line.text);
                     kept.push('\n');
                 }
             }
@@ -305,11 +292,14 @@ impl MetricsLog {
             .append(true)
             .open(&path)
             .map_err(|e| err(&path, e))?;
+        let dir = dir_of(&path);
+        let events = EventWriter::create(dir, Some(completed)).map_err(|e| events_err(dir, e))?;
         Ok(Self {
             path,
             file,
             table: Table::default(),
             console: Some(Box::new(std::io::stdout())),
+            events,
             _lock: lock,
         })
     }
@@ -324,21 +314,46 @@ impl MetricsLog {
         &self.path
     }
 
-    /// Appends one JSON object (without newline) to the file, flushed; no console output.
+    /// Appends one iteration's JSON object (without newline, with an integer `iteration`) to the
+    /// file, flushed, and its numeric fields to the events file; no console output.
     pub fn log_line(&mut self, json_line: &str) -> Result<()> {
+        let fields = match serde_json::from_str::<serde_json::Value>(json_line) {
+            Ok(serde_json::Value::Object(fields)) => fields,
+            _ => {
+                return Err(MetricsError::Io {
+                    path: self.path.clone(),
+                    msg: format!("a metrics record is not a JSON object: {json_line}"),
+                })
+            }
+        };
+        let Some(step) = fields.get("iteration").and_then(|v| v.as_u64()) else {
+            return Err(MetricsError::Io {
+                path: self.path.clone(),
+                msg: format!("a metrics record has no integer `iteration`: {json_line}"),
+            });
+        };
         append_line(&mut self.file, &format!("{json_line}\n")).map_err(|e| MetricsError::Io {
             path: self.path.clone(),
             msg: e.to_string(),
-        })
+        })?;
+        let scalars = fields
+            .iter()
+            .filter(|(k, _)| *k != "iteration")
+            .filter_map(|(k, v)| Some((k.as_str(), v.as_f64()?)));
+        self.write_events(step, scalars)
     }
 
-    /// Appends `rec` to the file (flushed) and prints its table row.
+    /// Appends `rec` to the file (flushed) and the events file, and prints its table row.
     pub fn log(&mut self, rec: &Record) -> Result<()> {
         let line = rec.to_json_line() + "\n";
         append_line(&mut self.file, &line).map_err(|e| MetricsError::Io {
             path: self.path.clone(),
             msg: e.to_string(),
         })?;
+        self.write_events(
+            rec.iteration,
+            rec.values.iter().map(|(k, v)| (k.as_str(), *v)),
+        )?;
         if let Some(c) = &mut self.console {
             for l in self.table.render(rec) {
                 // The console is best effort: a closed stdout must not stop training.
@@ -348,6 +363,93 @@ impl MetricsLog {
         }
         Ok(())
     }
+}
+
+impl MetricsLog {
+    /// The run's TensorBoard events file.
+    pub fn events_path(&self) -> &Path {
+        self.events.path()
+    }
+
+    fn write_events<'a>(
+        &mut self,
+        step: u64,
+        scalars: impl IntoIterator<Item = (&'a str, f64)>,
+    ) -> Result<()> {
+        self.events
+            .write_scalars(step, scalars)
+            .map_err(|e| MetricsError::Io {
+                path: self.events.path().to_path_buf(),
+                msg: e.to_string(),
+            })
+    }
+}
+
+fn events_err(dir: &Path, e: std::io::Error) -> MetricsError {
+    MetricsError::Io {
+        path: dir.to_path_buf(),
+        msg: format!("the TensorBoard events file: {e}"),
+    }
+}
+
+/// One line of a `metrics.jsonl`: its iteration, its text and its fields.
+#[derive(Clone, Debug)]
+pub struct LogLine {
+    pub iteration: u64,
+    pub text: String,
+    pub fields: serde_json::Map<String, serde_json::Value>,
+}
+
+impl LogLine {
+    /// A numeric field (`None` when missing, `null` or not a number).
+    pub fn get(&self, key: &str) -> Option<f64> {
+        self.fields.get(key).and_then(|v| v.as_f64())
+    }
+}
+
+/// The records of a `metrics.jsonl`, blank lines skipped. Errors name `file:line`: a line that
+/// is not a JSON object, or has no integer `iteration`; the file must be a regular file, each
+/// line at most [`rollplex_plan::files::LINE_CAP`] bytes.
+pub fn read_log(path: &Path) -> Result<Vec<LogLine>> {
+    use rollplex_plan::files;
+    let (f, _) = files::open_regular(path, files::NO_CAP).map_err(|e| MetricsError::Io {
+        path: path.to_path_buf(),
+        msg: e.to_string(),
+    })?;
+    let mut r = BufReader::new(f);
+    let mut lines = Vec::new();
+    let mut n = 0u64;
+    loop {
+        n += 1;
+        let bad = |msg: String| MetricsError::Line {
+            path: path.to_path_buf(),
+            line: n,
+            msg,
+        };
+        let Some(text) =
+            files::read_line_capped(&mut r, files::LINE_CAP).map_err(|e| bad(e.to_string()))?
+        else {
+            break;
+        };
+        if text.trim().is_empty() {
+            continue;
+        }
+        let fields = match serde_json::from_str(&text) {
+            Ok(serde_json::Value::Object(fields)) => fields,
+            Ok(_) => return Err(bad("not a JSON object".into())),
+            Err(e) => return Err(bad(format!("not JSON: {e}"))),
+        };
+        let iteration = fields
+            .get("iteration")
+            .and_then(|i| i.as_u64())
+            .ok_or_else(|| bad("field `iteration` is missing or not an integer".into()))?;
+        lines.push(LogLine {
+            iteration,
+            text,
+            fields,
+        });
+    }
+    Ok(lines)
 }
 
 /// A progress bar for a phase of `len` steps on stderr, or a hidden one when stdout is not a

@@ -34,6 +34,22 @@ fn usage_errors_exit_1_and_help_exits_0() {
     assert_eq!(run(&["--version"]).0, 0);
 }
 
+/// `rollplex-run plot` says what is wrong with the directory it is given (exit 1), and takes
+/// none of a run's flags.
+#[test]
+fn plot_errors_are_user_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let (code, err) = run(&["plot", dir.path().to_str().unwrap()]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("metrics.jsonl") && err.contains("--out directory"),
+        "{err}"
+    );
+    let (code, err) = run(&["plot", "run", "--iterations", "3"]);
+    assert_eq!(code, 1, "{err}");
+    assert_eq!(run(&["plot", "--help"]).0, 0);
+}
+
 #[test]
 fn a_plan_that_is_not_a_regular_file_is_refused() {
     let (code, err) = run(&["/dev/zero", "--backend", "sim"]);

@@ -19,11 +19,17 @@ pub enum BackendChoice {
 }
 
 /// Execute a Rollplex plan: the RL loop on GPUs, on the CPU, or in the simulator.
+///
+/// A run writes metrics.jsonl and TensorBoard events to its --out directory
+/// (`tensorboard --logdir rollplex-out`); `rollplex-run plot rollplex-out` draws its curves.
 #[derive(Debug, Parser)]
-#[command(name = "rollplex-run", version)]
+#[command(name = "rollplex-run", version, args_conflicts_with_subcommands = true)]
 pub struct Command {
+    #[command(subcommand)]
+    pub tool: Option<Tool>,
+    /// A run's options; absent only with a subcommand.
     #[command(flatten)]
-    pub run: RunArgs,
+    pub run: Option<RunArgs>,
     /// Check the tensor-parallel group instead of training: one process per GPU of the plan
     /// (started here, or joined as RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT), the actor's TP
     /// forward repeated ROUNDS times, ranks compared bitwise and against TP=1 (docs/tp.md).
@@ -34,6 +40,25 @@ pub struct Command {
     /// without this flag). Default: one thread per rank of this process; same results bitwise.
     #[arg(long)]
     pub tp_processes: bool,
+}
+
+/// What `rollplex-run` does instead of running a plan.
+#[derive(Debug, clap::Subcommand)]
+pub enum Tool {
+    /// Draw a run's learning curves (reward, response length, loss, KL) and per-phase times
+    /// from its metrics.jsonl as an SVG.
+    Plot(PlotArgs),
+}
+
+/// `rollplex-run plot`'s options.
+#[derive(Debug, clap::Args)]
+pub struct PlotArgs {
+    /// The run's --out directory (or its metrics.jsonl).
+    #[arg(value_name = "RUN_DIR")]
+    pub run: PathBuf,
+    /// Where to write the SVG (default: metrics.svg in RUN_DIR).
+    #[arg(short, long, value_name = "FILE.svg")]
+    pub out: Option<PathBuf>,
 }
 
 /// The options of a run (see `rollplex-run --help`).

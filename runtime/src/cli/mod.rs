@@ -22,21 +22,30 @@ use std::process::ExitCode;
 
 use rollplex_plan::Plan;
 
-pub use args::{BackendChoice, Command, RunArgs};
+pub use args::{BackendChoice, Command, PlotArgs, RunArgs, Tool};
 
 use crate::exec::ExecError;
 
-/// The whole of `rollplex-run` once its flags are parsed: the group check, the launcher of a
-/// tensor-parallel plan's rank processes, or a run; an error is printed once and mapped to the
-/// process's exit status.
+/// The whole of `rollplex-run` once its flags are parsed: a subcommand, the group check, the
+/// launcher of a tensor-parallel plan's rank processes, or a run; an error is printed once and
+/// mapped to the process's exit status.
 pub fn main(cmd: Command) -> ExitCode {
-    if let Some(rounds) = cmd.tp_check {
-        return tp_check::main(&cmd.run.plan, rounds);
-    }
-    if cmd.tp_processes && std::env::var_os("RANK").is_none() {
-        return tp::launch_tp_ranks(&cmd.run.plan);
-    }
-    match run(&cmd.run) {
+    let result = match (cmd.tool, cmd.run) {
+        (Some(Tool::Plot(p)), _) => plot(&p),
+        (None, Some(run_args)) => {
+            if let Some(rounds) = cmd.tp_check {
+                return tp_check::main(&run_args.plan, rounds);
+            }
+            if cmd.tp_processes && std::env::var_os("RANK").is_none() {
+                return tp::launch_tp_ranks(&run_args.plan);
+            }
+            run(&run_args)
+        }
+        (None, None) => Err(ExecError::Machine(
+            "no plan given: `rollplex-run PLAN.bin [options]` runs one (see --help)".into(),
+        )),
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
@@ -50,6 +59,14 @@ pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ExecError + 
         path: path.display().to_string(),
         source,
     }
+}
+
+/// `rollplex-run plot`: renders a run's metrics as an SVG.
+fn plot(p: &PlotArgs) -> Result<(), ExecError> {
+    let (path, iterations) = crate::plot::plot_run(&p.run, p.out.as_deref())
+        .map_err(|e| ExecError::Data(e.to_string()))?;
+    println!("plot: {} ({iterations} iterations)", path.display());
+    Ok(())
 }
 
 /// Reads, decodes and verifies a plan file.

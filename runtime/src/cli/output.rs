@@ -274,7 +274,7 @@ pub(super) fn open_run(
     .with_console(None);
     if !args.quiet {
         println!(
-            "rollplex-run: {} ({:?}, {} groups x {}, {backend} backend), iterations {first}..{}; metrics -> {}",
+            "rollplex-run: {} ({:?}, {} groups x {}, {backend} backend), iterations {first}..{}; metrics -> {} (TensorBoard events beside it)",
             spec.name,
             plan.mode,
             plan.parallel.prompts_per_rollout_replica,

@@ -20,7 +20,7 @@
 
 pub mod engine;
 mod summary;
-mod svg;
+pub(crate) mod svg;
 mod trace;
 
 #[cfg(test)]
