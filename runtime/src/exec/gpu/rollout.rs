@@ -20,6 +20,9 @@ use crate::gpu::generate::sample_params;
 use crate::gpu::{GpuEncodedMedia, GpuKvArena, GpuModel, GpuPrefixState, GpuPrompt};
 use crate::model::{DecodeSlot, MediaInput};
 
+/// Decode steps the host launches ahead of the device.
+const STEPS_AHEAD: usize = 2;
+
 impl GpuIteration<'_, '_> {
     pub(super) fn media_inputs(p: &PromptData) -> Vec<MediaInput<'_>> {
         p.media
@@ -310,6 +313,15 @@ impl GpuIteration<'_, '_> {
             self.step_marks.push(mark);
             step += 1;
             host.launch_decode += t_step.elapsed();
+            // at most STEPS_AHEAD steps queued: the host paces the side pieces by decode's
+            // progress (as when it waited for every step's tokens), while the device always
+            // has the next step queued
+            let n = self.step_marks.len();
+            if n > STEPS_AHEAD {
+                let t_wait = Instant::now();
+                self.step_marks[n - STEPS_AHEAD].synchronize()?;
+                host.wait += t_wait.elapsed();
+            }
             // a piece of the window's side work, launched while the device runs the steps
             let t_side = Instant::now();
             host.pieces += self.launch_paced()?;
