@@ -1123,7 +1123,7 @@ fn fused_decode_ops_equal_their_parts() {
 fn decode_advance_matches_its_twin() {
     let g = gpu_or_skip!();
     for keep_prefix in [false, true] {
-        decode_advance_case(&g, keep_prefix);
+        decode_advance_case(g, keep_prefix);
     }
 }
 

@@ -23,7 +23,7 @@ fn buckets_grow_by_halves() {
 
 /// Runs a whole decode of 3 groups of 4 (forced lengths that empty group 0, then group 1,
 /// early) and returns (tokens, log-prob bits, stop steps) of the live entries.
-#[allow(clippy::type_complexity)]
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 fn run(
     dd: &mut DeviceDecode,
     arena: &mut GpuKvArena,
@@ -92,12 +92,9 @@ fn run(
     let m = max_new as usize;
     let mut toks = Vec::new();
     let mut lps = Vec::new();
-    for i in 0..samples {
+    for (i, &f) in forced.iter().enumerate() {
         let n = out.done_step[i] as usize + 1;
-        assert_eq!(
-            n, forced[i] as usize,
-            "sample {i} stopped at its forced length"
-        );
+        assert_eq!(n, f as usize, "sample {i} stopped at its forced length");
         toks.push(out.tokens[i * m..i * m + n].to_vec());
         lps.push(
             out.logprobs[i * m..i * m + n]
