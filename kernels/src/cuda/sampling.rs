@@ -150,16 +150,8 @@ pub fn sample_bf16(
     row_stride: usize,
     params: &SampleParams,
 ) -> Result<()> {
-    let rows_key = SampleRows {
-        tokens: ptr_mut(tokens, stream),
-        logits: ptr(logits, stream),
-        sample_ids: ptr(sample_ids, stream),
-        steps: ptr(steps, stream),
-    };
-    let lens = [tokens.len(), logits.len(), sample_ids.len(), steps.len()];
-    launch_sample(
-        gpu, stream, rows_key, lens, rows, vocab, row_stride, params, None,
-    )
+    let p = SampleRows::of(stream, tokens, logits, sample_ids, steps);
+    launch_sample(gpu, stream, p, rows, vocab, row_stride, params, None)
 }
 
 /// [`sample_bf16`] with the key's seed and iteration read from the device (`key = [seed_lo,
@@ -180,43 +172,46 @@ pub fn sample_bf16_keyed(
     params: &SampleParams,
 ) -> Result<()> {
     need("sample_bf16_keyed", "key", key, 3)?;
-    let rows_key = SampleRows {
-        tokens: ptr_mut(tokens, stream),
-        logits: ptr(logits, stream),
-        sample_ids: ptr(sample_ids, stream),
-        steps: ptr(steps, stream),
-    };
-    let lens = [tokens.len(), logits.len(), sample_ids.len(), steps.len()];
+    let p = SampleRows::of(stream, tokens, logits, sample_ids, steps);
     let k = ptr(key, stream);
-    launch_sample(
-        gpu,
-        stream,
-        rows_key,
-        lens,
-        rows,
-        vocab,
-        row_stride,
-        params,
-        Some(k),
-    )
+    launch_sample(gpu, stream, p, rows, vocab, row_stride, params, Some(k))
 }
 
-/// The per-row device addresses of a draw.
+/// The per-row device addresses of a draw, and the element counts behind them (tokens, logits,
+/// sample_ids, steps).
 struct SampleRows {
     tokens: u64,
     logits: u64,
     sample_ids: u64,
     steps: u64,
+    lens: [usize; 4],
+}
+
+impl SampleRows {
+    fn of(
+        stream: &CudaStream,
+        tokens: &mut impl DevicePtrMut<u32>,
+        logits: &impl DevicePtr<bf16>,
+        sample_ids: &impl DevicePtr<u32>,
+        steps: &impl DevicePtr<u32>,
+    ) -> Self {
+        SampleRows {
+            lens: [tokens.len(), logits.len(), sample_ids.len(), steps.len()],
+            tokens: ptr_mut(tokens, stream),
+            logits: ptr(logits, stream),
+            sample_ids: ptr(sample_ids, stream),
+            steps: ptr(steps, stream),
+        }
+    }
 }
 
 /// Checks and launches either entry point (`key`: the device key's address, or `None` for the
-/// key in `params`). `lens`: elements of tokens, logits, sample_ids, steps.
+/// key in `params`).
 #[allow(clippy::too_many_arguments)]
 fn launch_sample(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     p: SampleRows,
-    lens: [usize; 4],
     rows: usize,
     vocab: usize,
     row_stride: usize,
@@ -245,7 +240,7 @@ fn launch_sample(
     let want = [rows, (rows - 1) * row_stride + vocab, rows, rows];
     for ((name, have), want) in ["tokens", "logits", "sample_ids", "steps"]
         .iter()
-        .zip(lens)
+        .zip(p.lens)
         .zip(want)
     {
         if have < want {

@@ -141,8 +141,9 @@ pub struct DeviceDecode {
     eager: bool,
     /// Per sample: its group's prefix length (for [`DeviceDecode::step_bytes`]).
     prefix_len: Vec<u32>,
-    /// Per step launched this iteration: (step, rows, prefix keys read).
-    launched: Vec<(u32, usize, u64)>,
+    /// Per step launched this iteration, by step (they run from 0 in order): (rows, prefix
+    /// keys read).
+    launched: Vec<(usize, u64)>,
     /// Bytes of the text decoder's weights and lm head, and of one key's K and V over layers.
     weight_bytes: u64,
     kv_bytes_per_key: u64,
@@ -252,7 +253,7 @@ impl DeviceDecode {
                 stream,
                 n,
                 max_kv,
-                (if grouped { group } else { 1 }, max_prefix),
+                grouped.then_some((group, max_prefix)),
             )?,
             sampling: SampleParams {
                 temperature: 0.0,
@@ -440,7 +441,7 @@ impl DeviceDecode {
     /// prefix KV once (per row without group-shared attention), each live sample's suffix KV
     /// and appended row, and the logits written and read twice (draw, log-prob).
     pub fn step_bytes(&self, step: u32, live: usize) -> f64 {
-        let Some(&(_, rows, prefix_keys)) = self.launched.iter().find(|l| l.0 == step) else {
+        let Some(&(rows, prefix_keys)) = self.launched.get(step as usize) else {
             return 0.0;
         };
         let kv = self.kv_bytes_per_key as f64;
@@ -513,7 +514,12 @@ impl DeviceDecode {
                 .map(|&grp| g as u64 * self.prefix_len[grp * g] as u64)
                 .sum()
         };
-        self.launched.push((step, rows, prefix_keys));
+        debug_assert_eq!(
+            self.launched.len(),
+            step as usize,
+            "steps run in order from 0"
+        );
+        self.launched.push((rows, prefix_keys));
         Ok(true)
     }
 
@@ -588,8 +594,7 @@ impl DeviceDecode {
             write_rows: &self.write_rows,
             batch: b,
             max_kv: self.max_kv,
-            group: if self.grouped { self.group } else { 1 },
-            max_prefix: self.max_prefix,
+            grouped: self.grouped.then_some((self.group, self.max_prefix)),
         };
         model.decode_forward(gpu, stream, arena, &io, &mut self.bufs, &mut self.logits)
     }

@@ -91,7 +91,6 @@ use crate::gpu::streams::StreamOptions;
 use crate::gpu::text::DeviceScores;
 use crate::gpu::train::{GpuTrainError, TrainPrefixes};
 use crate::gpu::{GpuEncodedMedia, GpuError, GpuKvArena, GpuPrefixState};
-use crate::model::DecodeSlot;
 use held::Held;
 use pacing::{Piece, StreamRef};
 
@@ -164,7 +163,6 @@ pub struct GpuIteration<'a, 'r> {
     old_prefixes: Vec<Option<GpuPrefixState>>,
     arena: Option<GpuKvArena>,
     arena_rows: u32,
-    slots: Vec<DecodeSlot>,
     /// The samples still decoding as the book knows them (ascending).
     active: Vec<usize>,
     /// Launch decode steps one kernel at a time instead of replaying graphs
@@ -230,7 +228,6 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             old_prefixes: vec![None; groups],
             arena: None,
             arena_rows,
-            slots: Vec::new(),
             active: Vec::new(),
             eager_decode: options.eager_decode,
             events: (0..plan.tasks.len()).map(|_| None).collect(),

@@ -196,7 +196,7 @@ impl GpuIteration<'_, '_> {
         for (g, st) in groups.into_iter().zip(states) {
             self.prefixes[g] = Some(st);
         }
-        if self.prefixes.iter().all(Option::is_some) && self.slots.is_empty() {
+        if self.prefixes.iter().all(Option::is_some) && self.arena.is_none() {
             self.lay_out(s)?;
         }
         Ok(())
@@ -268,7 +268,6 @@ impl GpuIteration<'_, '_> {
             self.book.spec.seed,
             self.book.iteration,
         )?;
-        self.slots = slots;
         self.arena = Some(arena);
         self.active = (0..samples).collect();
         // the prefill states are in the arena now (without prefix dedup each holds every
@@ -291,7 +290,7 @@ impl GpuIteration<'_, '_> {
         steps: u32,
         until_done: bool,
     ) -> Result<(), ExecError> {
-        if self.slots.is_empty() {
+        if self.arena.is_none() {
             return Err(ExecError::Plan(
                 "decode before every group's prefill".into(),
             ));

@@ -153,6 +153,24 @@ impl AttnStep for PackedAttn<'_> {
     }
 }
 
+/// The split-K scratch (f32 elements) the tensor-core decode attention needs for `batch` rows
+/// of at most `max_kv` keys, per sample or by GRPO group (`grouped`: group size and longest
+/// prefix; the split hints [`DecodeAttn`] passes).
+pub(super) fn decode_workspace_len(
+    batch: usize,
+    dims: AttnDims,
+    max_kv: usize,
+    grouped: Option<(usize, usize)>,
+) -> usize {
+    match grouped {
+        Some((group, max_prefix)) => {
+            let suffix = max_kv.saturating_sub(max_prefix);
+            grouped_decode_plan(batch, group, dims, max_prefix, suffix).workspace_len()
+        }
+        None => decode_plan(batch, dims, max_kv).workspace_len(),
+    }
+}
+
 /// Decode attention: rotate q and k, append k/v at each sample's next suffix row, attend
 /// `[prefix | suffix]` of each sample in the arena.
 pub(super) struct DecodeAttn<'a> {
@@ -215,57 +233,32 @@ impl AttnStep for DecodeAttn<'_> {
             out: qw,
         };
         match self.kernel {
-            DecodeKernel::TensorCores if self.grouped.is_some() => {
-                let (group, max_prefix) = self.grouped.expect("matched");
-                let suffix = self.max_kv.saturating_sub(max_prefix);
-                let plan = grouped_decode_plan(self.batch, group, d, max_prefix, suffix);
-                let want = plan.workspace_len();
-                if self.workspace.as_ref().is_none_or(|w| w.len() < want) {
-                    *self.workspace = Some(alloc::<f32>(gpu, stream, want)?);
-                }
-                let ws = self.workspace.as_mut().expect("allocated above");
-                attention_decode_grouped_bf16(
-                    gpu,
-                    stream,
-                    out,
-                    None,
-                    ws,
-                    DecodeInputs {
-                        q: qkv,
-                        k_cache: &kc,
-                        v_cache: &vc,
-                        seqs: self.seqs,
-                        dims: d,
-                        scale,
-                        strides,
-                    },
-                    plan,
-                )?;
-            }
             DecodeKernel::TensorCores => {
-                let plan = decode_plan(self.batch, d, self.max_kv);
-                let want = plan.workspace_len();
+                let x = DecodeInputs {
+                    q: qkv,
+                    k_cache: &kc,
+                    v_cache: &vc,
+                    seqs: self.seqs,
+                    dims: d,
+                    scale,
+                    strides,
+                };
+                let want = decode_workspace_len(self.batch, d, self.max_kv, self.grouped);
                 if self.workspace.as_ref().is_none_or(|w| w.len() < want) {
                     *self.workspace = Some(alloc::<f32>(gpu, stream, want)?);
                 }
                 let ws = self.workspace.as_mut().expect("allocated above");
-                attention_decode_bf16(
-                    gpu,
-                    stream,
-                    out,
-                    None,
-                    ws,
-                    DecodeInputs {
-                        q: qkv,
-                        k_cache: &kc,
-                        v_cache: &vc,
-                        seqs: self.seqs,
-                        dims: d,
-                        scale,
-                        strides,
-                    },
-                    plan,
-                )?;
+                match self.grouped {
+                    Some((group, max_prefix)) => {
+                        let suffix = self.max_kv.saturating_sub(max_prefix);
+                        let plan = grouped_decode_plan(self.batch, group, d, max_prefix, suffix);
+                        attention_decode_grouped_bf16(gpu, stream, out, None, ws, x, plan)?;
+                    }
+                    None => {
+                        let plan = decode_plan(self.batch, d, self.max_kv);
+                        attention_decode_bf16(gpu, stream, out, None, ws, x, plan)?;
+                    }
+                }
             }
             DecodeKernel::Varlen => {
                 attention_fwd_bf16(

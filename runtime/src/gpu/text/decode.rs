@@ -6,16 +6,14 @@
 use std::sync::Arc;
 
 use half::bf16;
-use rollplex_kernels::cuda::{
-    decode_plan, embedding_fwd_bf16, grouped_decode_plan, AttnSeqGpu, CudaSlice, CudaStream, Gpu,
-};
+use rollplex_kernels::cuda::{embedding_fwd_bf16, AttnSeqGpu, CudaSlice, CudaStream, Gpu};
 
 use crate::model::DecodeSlot;
 
 use super::super::block::{run_blocks_keeping, BlockBufs};
 use super::super::plan::{check_decode_slots, check_ids, decode_kernel_for, flat_rope_tables};
 use super::super::{alloc, upload, GpuError, GpuModel, Result};
-use super::attn::DecodeAttn;
+use super::attn::{decode_workspace_len, DecodeAttn};
 use super::GpuKvArena;
 
 /// The device buffers a decode forward works in, for batches of up to `rows` rows whose
@@ -33,26 +31,18 @@ pub struct DecodeBufs {
 
 impl DecodeBufs {
     /// Buffers for `model`'s decode of up to `rows` rows of at most `max_kv` keys, attended
-    /// per `attn` (the [`DecodeIo`] fields `group` and `max_prefix` of the forwards to come).
+    /// per sample or by `grouped` ([`DecodeIo::grouped`] of the forwards to come).
     pub fn new(
         model: &GpuModel,
         gpu: &Gpu,
         stream: &Arc<CudaStream>,
         rows: usize,
         max_kv: usize,
-        attn: (usize, usize),
+        grouped: Option<(usize, usize)>,
     ) -> Result<Self> {
         let (h, dims) = (model.hidden(), model.text_dims());
-        let (group, max_prefix) = attn;
         let ws = (1..=rows)
-            .map(|b| {
-                if group > 1 {
-                    let suffix = max_kv.saturating_sub(max_prefix);
-                    grouped_decode_plan(b, group, dims, max_prefix, suffix).workspace_len()
-                } else {
-                    decode_plan(b, dims, max_kv).workspace_len()
-                }
-            })
+            .map(|b| decode_workspace_len(b, dims, max_kv, grouped))
             .max()
             .unwrap_or(0);
         Ok(DecodeBufs {
@@ -79,9 +69,10 @@ impl DecodeBufs {
 /// RoPE cos / sin rows (`[batch, head_dim]`), its attention sequence over the arena and the
 /// arena row its K/V go to (rows past the arena are not written). `max_kv` bounds every
 /// sequence's keys and fixes the attention's split (so the same `max_kv` gives the same bits).
-/// With `group > 1`, rows come in GRPO groups of `group` (group-major) that share a prefix of
-/// at most `max_prefix` keys, and the tensor-core attention reads each group's prefix once
-/// (split by `max_prefix` and `max_kv - max_prefix`, which then fix the bits).
+/// With `grouped = Some((group, max_prefix))`, rows come in GRPO groups of `group` (group-major)
+/// that share a prefix of at most `max_prefix` keys, and the tensor-core attention reads each
+/// group's prefix once (split by `max_prefix` and `max_kv - max_prefix`, which then fix the
+/// bits).
 pub struct DecodeIo<'a> {
     pub tokens: &'a CudaSlice<u32>,
     pub cos: &'a CudaSlice<f32>,
@@ -90,8 +81,8 @@ pub struct DecodeIo<'a> {
     pub write_rows: &'a CudaSlice<u32>,
     pub batch: usize,
     pub max_kv: usize,
-    pub group: usize,
-    pub max_prefix: usize,
+    /// `Some((group, max_prefix))`: rows in GRPO groups sharing a prefix (see above).
+    pub grouped: Option<(usize, usize)>,
 }
 
 impl GpuModel {
@@ -149,7 +140,7 @@ impl GpuModel {
                 batch: b,
                 max_kv: io.max_kv,
                 kernel,
-                grouped: (io.group > 1).then_some((io.group, io.max_prefix)),
+                grouped: io.grouped,
                 workspace: &mut bufs.attn_ws,
                 arena,
             };
@@ -214,7 +205,7 @@ impl GpuModel {
         let sin = upload(stream, &sin)?;
         let seqs = upload(stream, &seqs)?;
         let write_rows = upload(stream, &write)?;
-        let mut bufs = DecodeBufs::new(self, gpu, stream, b, max_kv, (1, 0))?;
+        let mut bufs = DecodeBufs::new(self, gpu, stream, b, max_kv, None)?;
         let mut logits = alloc::<bf16>(gpu, stream, b * self.vocab())?;
         let io = DecodeIo {
             tokens: &tokens,
@@ -224,8 +215,7 @@ impl GpuModel {
             write_rows: &write_rows,
             batch: b,
             max_kv,
-            group: 1,
-            max_prefix: 0,
+            grouped: None,
         };
         self.decode_forward(gpu, stream, arena, &io, &mut bufs, &mut logits)?;
         for s in slots.iter_mut() {
