@@ -20,23 +20,10 @@ fn tiny_plan(dir: &Path) -> PathBuf {
 
 fn args(plan: &Path, out: &Path, iterations: u32) -> RunArgs {
     RunArgs {
-        plan: plan.to_path_buf(),
-        backend: BackendChoice::Cpu,
-        iterations,
-        out: out.to_path_buf(),
-        trace: None,
-        svg: None,
-        cost_profile: None,
-        profile: None,
-        save_every: 1,
         keep_checkpoints: 1,
-        resume: None,
         eval: 16,
         eval_every: 2,
-        quiet: true,
-        task_log: false,
-        no_green_contexts: false,
-        eager_decode: false,
+        ..common::run_args(plan, BackendChoice::Cpu, out, iterations)
     }
 }
 

@@ -214,25 +214,7 @@ fn two_plus_resume(plan: Plan) {
 }
 
 fn args(plan: &Path, out: &Path, iterations: u32) -> RunArgs {
-    RunArgs {
-        plan: plan.to_path_buf(),
-        backend: BackendChoice::Cuda,
-        iterations,
-        out: out.to_path_buf(),
-        trace: None,
-        svg: None,
-        cost_profile: None,
-        profile: None,
-        save_every: 1,
-        keep_checkpoints: 2,
-        resume: None,
-        eval: 0,
-        eval_every: 0,
-        quiet: true,
-        task_log: false,
-        no_green_contexts: false,
-        eager_decode: false,
-    }
+    common::run_args(plan, BackendChoice::Cuda, out, iterations)
 }
 
 fn read(p: PathBuf) -> Vec<u8> {

@@ -18,23 +18,9 @@ use rollplex_runtime::{metrics, plot, tfevents};
 
 fn args(plan: &Path, out: &Path, iterations: u32) -> RunArgs {
     RunArgs {
-        plan: plan.to_path_buf(),
-        backend: BackendChoice::Cpu,
-        iterations,
-        out: out.to_path_buf(),
-        trace: None,
-        svg: None,
-        cost_profile: None,
-        profile: None,
         save_every: 2,
         keep_checkpoints: 1,
-        resume: None,
-        eval: 0,
-        eval_every: 0,
-        quiet: true,
-        task_log: false,
-        no_green_contexts: false,
-        eager_decode: false,
+        ..common::run_args(plan, BackendChoice::Cpu, out, iterations)
     }
 }
 

@@ -109,6 +109,37 @@ pub fn gpu_device() -> Option<()> {
 
 /// A run's metrics.jsonl without its measurements (`metrics::is_measurement`): what two runs
 /// of the same plan and seed must agree on.
+/// A `rollplex-run` of `plan` on `backend` for `iterations`, writing to `out`: quiet, a
+/// checkpoint every iteration (the newest 2 kept), nothing else asked for. Tests change what
+/// they need with `RunArgs { .., ..run_args(..) }`.
+#[allow(dead_code)] // not every test binary runs the CLI
+pub fn run_args(
+    plan: &Path,
+    backend: rollplex_runtime::cli::BackendChoice,
+    out: &Path,
+    iterations: u32,
+) -> rollplex_runtime::cli::RunArgs {
+    rollplex_runtime::cli::RunArgs {
+        plan: plan.to_path_buf(),
+        backend,
+        iterations,
+        out: out.to_path_buf(),
+        trace: None,
+        svg: None,
+        cost_profile: None,
+        profile: None,
+        save_every: 1,
+        keep_checkpoints: 2,
+        resume: None,
+        eval: 0,
+        eval_every: 0,
+        quiet: true,
+        task_log: false,
+        no_green_contexts: false,
+        eager_decode: false,
+    }
+}
+
 pub fn metrics_without_times(out: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(out.join("metrics.jsonl"))
         .unwrap_or_else(|e| panic!("{}: {e}", out.join("metrics.jsonl").display()))
