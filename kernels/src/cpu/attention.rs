@@ -36,7 +36,9 @@ impl AttnDims {
         self.num_kv_heads * self.head_dim
     }
     fn check(&self, op: &'static str) -> Result<()> {
-        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0
+        if self.num_heads == 0
+            || self.num_kv_heads == 0
+            || !self.num_heads.is_multiple_of(self.num_kv_heads)
         {
             return Err(shape_err(
                 op,

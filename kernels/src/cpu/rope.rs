@@ -21,7 +21,7 @@ pub fn rope_fwd(
     head_dim: usize,
 ) -> Result<()> {
     const OP: &str = "rope_fwd";
-    if head_dim % 2 != 0 {
+    if !head_dim.is_multiple_of(2) {
         return Err(shape_err(OP, format!("head_dim {head_dim} is odd")));
     }
     check_len(OP, "x", x.len(), tokens * heads * head_dim)?;

@@ -113,7 +113,7 @@ pub(crate) fn need<T>(
 
 /// The address must be 16-byte aligned (kernels that read whole rows with 16-byte loads).
 pub(crate) fn aligned16(op: &'static str, name: &str, p: u64) -> Result<()> {
-    if p % 16 != 0 {
+    if !p.is_multiple_of(16) {
         return Err(shape(
             op,
             format!("{name} must start on a 16-byte boundary (address {p:#x})"),

@@ -39,7 +39,7 @@ pub fn rope_fwd_bf16(
     hf_text_rounding: bool,
 ) -> Result<()> {
     const OP: &str = "rope_fwd_bf16";
-    if head_dim % 2 != 0 || heads * head_dim > row_stride {
+    if !head_dim.is_multiple_of(2) || heads * head_dim > row_stride {
         return Err(shape(
             OP,
             format!(
@@ -352,7 +352,7 @@ pub fn rope_kv_append_bf16(
     hf_text_rounding: bool,
 ) -> Result<()> {
     const OP: &str = "rope_kv_append_bf16";
-    if head_dim % 2 != 0 {
+    if !head_dim.is_multiple_of(2) {
         return Err(shape(OP, format!("head_dim {head_dim} must be even")));
     }
     if tokens == 0 {
