@@ -18,6 +18,16 @@
 // pairs feed a0/a2 (b0/b1) of two consecutive MMA steps. Shared rows are 128 bytes, unit u of row
 // r stored at u ^ 4*(r & 1): the 8 lanes of a 16-byte load phase hit 8 distinct bank groups.
 //
+// GEMV_WG 1 (Hopper, sm_90a): the same blocks, loads and epilogue, with the products on warpgroup
+// MMAs instead: the block's 4 warps are one warpgroup, each row tile one wgmma.m64nNk16 per 16 k
+// with the weight tile as A and the x tile as B (N = 8*GEMV_MT = 16, 32, 64 or 128 rows of x),
+// both read by the tensor cores straight from shared memory. Shared rows are then stored in the
+// 128-byte swizzle the wgmma descriptors name (unit u of row r at u ^ (r & 7), 8-row atoms of
+// 1024 bytes, stage buffers 1024-aligned); the accumulator fragment of a warp (rows 16w..16w+15
+// of the tile, 8 columns per 4 registers) is that of the mma.sync path, so the partial-sum tile
+// and everything after it are shared. At m = 16..128 the mma.sync path is bound by each warp
+// reading all of x from shared memory; the wgmma path reads it once per row tile.
+//
 // GEMV_SWIGLU: w holds gate rows [0, n) then up rows [up_off, up_off + n); a block's first R/2
 // rows are gate rows j0.., its last R/2 the matching up rows, and the epilogue writes
 // y[m, j] = bf16(bf16(silu(bf16(gate))) * bf16(up)), bitwise what swiglu_fwd_bf16 makes of the
@@ -35,10 +45,16 @@
 #ifndef GEMV_SWIGLU
 #define GEMV_SWIGLU 0
 #endif
+#ifndef GEMV_WG
+#define GEMV_WG 0
+#endif
+#ifndef GEMV_STAGES
+#define GEMV_STAGES 4
+#endif
 
 #define GV_THREADS 128
 #define GV_KC 64                 // k per pipeline stage
-#define GV_STAGES 4
+#define GV_STAGES GEMV_STAGES
 #define GV_R (64 * GEMV_RT)      // weight rows per block
 #define GV_M (8 * GEMV_MT)       // x rows per block (padded)
 #define GV_WB (GV_R * GV_KC * 2) // weight bytes per stage
@@ -46,7 +62,12 @@
 #define GV_SB (GV_WB + GV_XB)
 #define GV_RS (GV_M + 4)         // floats per row of the partial-sum tile
 
+#if GEMV_WG
+static_assert(GV_M == 16 || GV_M == 32 || GV_M == 64 || GV_M == 128, "wgmma N: 16, 32, 64 or 128");
+#else
 static_assert(GEMV_MT >= 1 && GEMV_MT <= 8, "m must be at most 64");
+#endif
+static_assert(GV_STAGES >= 2 && GV_STAGES <= 8, "2 to 8 pipeline stages");
 static_assert(GEMV_S >= 1 && GEMV_S <= 8, "at most 8 blocks per cluster (portable size)");
 static_assert(GV_R * GV_RS * 4 <= GV_STAGES * GV_SB, "the partial tile reuses the stages");
 
@@ -73,28 +94,114 @@ __device__ __forceinline__ void gv_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3,
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+// Where unit u (16 bytes) of shared row r lives: the 128-byte swizzle of the wgmma path, else
+// the row-parity one of the mma.sync path.
+__device__ __forceinline__ u32 gv_swz(u32 r, u32 u) {
+#if GEMV_WG
+    return r * 128 + ((u ^ (r & 7)) << 4);
+#else
+    return r * 128 + ((u ^ ((r & 1) << 2)) << 4);
+#endif
+}
+#if GEMV_WG
+// Shared-memory matrix descriptor of a K-major tile in the 128-byte swizzle: start address,
+// leading offset 16 (unused by this layout), 1024 bytes between 8-row groups, layout 1 = SW128.
+// Advancing k by 16 within a 64-k row adds 32 bytes to the start address.
+__device__ __forceinline__ u64 gv_desc(u32 addr) {
+    return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+#define GV_D8(i)                                                                                  \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+        "+f"(d[i + 6]), "+f"(d[i + 7])
+#if GV_M == 16
+#define GV_WG_ASM                                                                     \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"                                   \
+    "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"                        \
+    "%0, %1, %2, %3, %4, %5, %6, %7"  \
+    "}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+#define GV_WG_D GV_D8(0)
+#elif GV_M == 32
+#define GV_WG_ASM                                                                     \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                   \
+    "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"                        \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"  \
+    "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+#define GV_WG_D GV_D8(0), GV_D8(8)
+#elif GV_M == 64
+#define GV_WG_ASM                                                                     \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                   \
+    "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"                        \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "  \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"  \
+    "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+#define GV_WG_D GV_D8(0), GV_D8(8), GV_D8(16), GV_D8(24)
+#elif GV_M == 128
+#define GV_WG_ASM                                                                     \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                   \
+    "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"                        \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "  \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"  \
+    "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+#define GV_WG_D GV_D8(0), GV_D8(8), GV_D8(16), GV_D8(24), GV_D8(32), GV_D8(40), GV_D8(48), GV_D8(56)
+#endif
+// d[4*mt + c] += A(64 x 16, weights) . B(16 x N, x^T): the fragment of acc[rt] ([GEMV_MT][4]).
+__device__ __forceinline__ void gv_wgmma(float* d, u64 da, u64 db) {
+    asm volatile(GV_WG_ASM : GV_WG_D : "l"(da), "l"(db), "r"(1));
+}
+__device__ __forceinline__ void gv_wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void gv_wg_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void gv_wg_wait0() {
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+#endif
 #if GEMV_S > 1
 __device__ __forceinline__ void gv_cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::
                      : "memory");
-}
-// A float of block `rank`'s shared memory, at the address `p` has in this block.
-__device__ __forceinline__ float gv_ld_cluster(const float* p, u32 rank) {
-    u32 a = gv_smem_u32(p), ra;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(ra) : "r"(a), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(ra) : "memory");
-    return v;
 }
 #define GV_CLUSTER __cluster_dims__(GEMV_S, 1, 1)
 #else
 #define GV_CLUSTER
 #endif
 
+// The sum over the cluster's k slices of 4 consecutive floats at element `off` of the partial
+// tiles (16-byte aligned), in rank order: 0 + p0 + p1 + ... (every slice loaded first, so the
+// remote loads are in flight together); the block's own tile alone without a cluster.
+__device__ __forceinline__ float4 gv_sum4(const float* red, u32 off) {
+#if GEMV_S > 1
+    const u32 a = gv_smem_u32(red + off);
+    float4 p[GEMV_S];
+#pragma unroll
+    for (u32 r = 0; r < GEMV_S; r++) {
+        u32 ra;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(ra) : "r"(a), "r"(r));
+        asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+                     : "=f"(p[r].x), "=f"(p[r].y), "=f"(p[r].z), "=f"(p[r].w)
+                     : "r"(ra)
+                     : "memory");
+    }
+    float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (u32 r = 0; r < GEMV_S; r++) {
+        s.x += p[r].x;
+        s.y += p[r].y;
+        s.z += p[r].z;
+        s.w += p[r].w;
+    }
+    return s;
+#else
+    return *reinterpret_cast<const float4*>(red + off);
+#endif
+}
+
 // Grid (GEMV_S, row blocks): blockIdx.x is the k slice (= rank in the cluster), blockIdx.y the
 // R-row block. Block x covers k in [x*kslice, min(k, (x+1)*kslice)); kslice is a multiple of 64.
 // Needs k % 8 == 0, 16-byte aligned x / w rows (ldx % 8 == 0); dynamic shared memory
-// GV_STAGES * GV_SB bytes.
+// GV_STAGES * GV_SB bytes (+ 1024 for the alignment of the wgmma path).
 extern "C" __global__ void __launch_bounds__(GV_THREADS) GV_CLUSTER
 gemv_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ w,
           const bf16* __restrict__ bias, u32 m, u32 n, u32 k, u32 ldx, u32 ldy, u32 kslice,
@@ -109,7 +216,11 @@ gemv_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restri
 #endif
     const u32 k0 = split * kslice, k1 = min(k, k0 + kslice);
     const u32 nst = k1 > k0 ? (k1 - k0 + GV_KC - 1) / GV_KC : 0;
+#if GEMV_WG
+    const u32 base = (gv_smem_u32(gsm) + 1023u) & ~1023u;  // swizzle atoms are 1024-aligned
+#else
     const u32 base = gv_smem_u32(gsm);
+#endif
 
     // Copies of stage `st` into buffer st % GV_STAGES (rows past the ends zero-filled).
     auto issue = [&](u32 st) {
@@ -127,13 +238,13 @@ gemv_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restri
             const u32 kc = kk + 8 * u;
             const bool ok = jr < n && kc < k1;
             const bf16* src = ok ? w + (u64)wr * k + kc : w;
-            gv_cp16(wsb + r * 128 + ((u ^ ((r & 1) << 2)) << 4), src, ok);
+            gv_cp16(wsb + gv_swz(r, u), src, ok);
         }
         for (u32 i = threadIdx.x; i < GV_M * 8; i += GV_THREADS) {
             const u32 r = i >> 3, u = i & 7, kc = kk + 8 * u;
             const bool ok = r < m && kc < k1;
             const bf16* src = ok ? x + (u64)r * ldx + kc : x;
-            gv_cp16(xsb + r * 128 + ((u ^ ((r & 1) << 2)) << 4), src, ok);
+            gv_cp16(xsb + gv_swz(r, u), src, ok);
         }
     };
 
@@ -148,6 +259,28 @@ gemv_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restri
         if (s < nst) issue(s);
         asm volatile("cp.async.commit_group;\n" ::);
     }
+#if GEMV_WG
+    for (u32 st = 0; st < nst; st++) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(GV_STAGES - 2));
+        // this thread's copies (generic proxy) made visible to the tensor cores' reads (async
+        // proxy), then everyone's: stage st is complete; every wgmma of stage st - 1 has finished
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        if (st + GV_STAGES - 1 < nst) issue(st + GV_STAGES - 1);
+        asm volatile("cp.async.commit_group;\n" ::);
+        const u32 wsb = base + (st % GV_STAGES) * GV_SB, xsb = wsb + GV_WB;
+        gv_wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < GV_KC / 16; ks++)
+#pragma unroll
+            for (int rt = 0; rt < GEMV_RT; rt++)
+                gv_wgmma(&acc[rt][0][0], gv_desc(wsb + rt * 64 * 128 + ks * 32), gv_desc(xsb + ks * 32));
+        gv_wg_commit();
+        gv_wg_wait0();  // the stage's buffer is overwritten after the next barrier
+    }
+    (void)g;
+    (void)t;
+#else
     const u32 sw = (g & 1) << 2;  // row parity swizzle (rows g, g + 8, 8 mt + g share it)
     for (u32 st = 0; st < nst; st++) {
         asm volatile("cp.async.wait_group %0;\n" ::"n"(GV_STAGES - 2));
@@ -174,6 +307,7 @@ gemv_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restri
             }
         }
     }
+#endif
     asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();  // every warp is done with the stages: reuse them for the partial tile
 
@@ -191,45 +325,52 @@ gemv_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restri
         }
 #if GEMV_S > 1
     gv_cluster_sync();  // every block's partial tile is written and visible cluster-wide
-#define GV_SUM(row, col, out)                                                   \
-    {                                                                            \
-        out = 0.0f;                                                              \
-        for (u32 r_ = 0; r_ < GEMV_S; r_++) out += gv_ld_cluster(&red[(row) * GV_RS + (col)], r_); \
-    }
 #else
     __syncthreads();
-#define GV_SUM(row, col, out) out = red[(row) * GV_RS + (col)];
 #endif
 
-    // Block `split` finishes rows [split*per, (split+1)*per) of the tile, summing the slices in
-    // rank order 0, 1, ... (the same order whatever the timing).
+    // Block `split` finishes rows [split*per, (split+1)*per) of the tile, 4 x rows at a time,
+    // summing the slices in rank order 0, 1, ... (the same order whatever the timing).
+    constexpr u32 C4 = GV_M / 4;
 #if GEMV_SWIGLU
     constexpr u32 HALF = GV_R / 2;
     constexpr u32 per = (HALF + GEMV_S - 1) / GEMV_S;
-    for (u32 idx = threadIdx.x; idx < per * GV_M; idx += GV_THREADS) {
-        const u32 jl = split * per + idx % per, mi = idx / per;
-        if (jl >= HALF || mi >= m || j0 + jl >= n) continue;
+    for (u32 idx = threadIdx.x; idx < per * C4; idx += GV_THREADS) {
+        const u32 jl = split * per + idx % per, m0 = 4 * (idx / per);
+        if (jl >= HALF || m0 >= m || j0 + jl >= n) continue;
         const u32 j = j0 + jl;
-        float gs, us;
-        GV_SUM(jl, mi, gs);
-        GV_SUM(HALF + jl, mi, us);
-        if (bias != nullptr) {
-            gs += bf2f(bias[j]);
-            us += bf2f(bias[up_off + j]);
+        const float4 gs4 = gv_sum4(red, jl * GV_RS + m0), us4 = gv_sum4(red, (HALF + jl) * GV_RS + m0);
+        const float gsv[4] = {gs4.x, gs4.y, gs4.z, gs4.w}, usv[4] = {us4.x, us4.y, us4.z, us4.w};
+        const float gb = bias != nullptr ? bf2f(bias[j]) : 0.0f;
+        const float ub = bias != nullptr ? bf2f(bias[up_off + j]) : 0.0f;
+#pragma unroll
+        for (u32 c = 0; c < 4; c++) {
+            if (m0 + c >= m) break;
+            float gs = gsv[c], us = usv[c];
+            if (bias != nullptr) {
+                gs += gb;
+                us += ub;
+            }
+            const float gr = bf2f(f2bf(gs)), ur = bf2f(f2bf(us));
+            const float si = bf2f(f2bf(gr / (1.0f + expf(-gr))));
+            y[(u64)(m0 + c) * ldy + j] = f2bf(si * ur);
         }
-        const float gr = bf2f(f2bf(gs)), ur = bf2f(f2bf(us));
-        const float si = bf2f(f2bf(gr / (1.0f + expf(-gr))));
-        y[(u64)mi * ldy + j] = f2bf(si * ur);
     }
 #else
     constexpr u32 per = (GV_R + GEMV_S - 1) / GEMV_S;
-    for (u32 idx = threadIdx.x; idx < per * GV_M; idx += GV_THREADS) {
-        const u32 rl = split * per + idx % per, mi = idx / per;
-        if (rl >= GV_R || mi >= m || j0 + rl >= n) continue;
-        float v;
-        GV_SUM(rl, mi, v);
-        if (bias != nullptr) v += bf2f(bias[j0 + rl]);
-        y[(u64)mi * ldy + j0 + rl] = f2bf(v);
+    for (u32 idx = threadIdx.x; idx < per * C4; idx += GV_THREADS) {
+        const u32 rl = split * per + idx % per, m0 = 4 * (idx / per);
+        if (rl >= GV_R || m0 >= m || j0 + rl >= n) continue;
+        const float4 v4 = gv_sum4(red, rl * GV_RS + m0);
+        const float vv[4] = {v4.x, v4.y, v4.z, v4.w};
+        const float b = bias != nullptr ? bf2f(bias[j0 + rl]) : 0.0f;
+#pragma unroll
+        for (u32 c = 0; c < 4; c++) {
+            if (m0 + c >= m) break;
+            float v = vv[c];
+            if (bias != nullptr) v += b;
+            y[(u64)(m0 + c) * ldy + j0 + rl] = f2bf(v);
+        }
     }
 #endif
 #if GEMV_S > 1

@@ -18,6 +18,11 @@
 //! per group when the group pass runs). Also times the GEMMs alone, each GEMM kind alone
 //! (cuBLASLt vs the skinny kernel) and the attention alone.
 //!
+//! `--gemm-sweep`: instead of the cases, each GEMM kind of the 3B and 7B steps alone over all
+//! layers at m = 128, 64, 32 and 16 rows (`--gemm-rows` picks others): cuBLASLt, the skinny kernel's default plan and
+//! the other cuts of its `wgmma` (and, at m <= 64, `mma.sync`) form side by side, with the
+//! weight-streaming rate against the copy ceiling.
+//!
 //! Run: `cargo run --release -p rollplex-kernels --example bench_decode` (needs a GPU).
 //! Each layer has its own weights (random bf16, never zeros) and its own KV cache, so every byte
 //! is real HBM traffic. Per step: embedding gather, 36/28 x (rmsnorm, qkv GEMM + bias, rope, KV
@@ -35,7 +40,7 @@ use rollplex_kernels::cuda::attention::{
 };
 use rollplex_kernels::cuda::gemm::{
     gate_up_swiglu_bf16, linear_fwd_bf16_cublaslt, skinny_gate_up_swiglu_bf16,
-    skinny_linear_fwd_bf16_with, skinny_pays, skinny_plan, SkinnyPlan,
+    skinny_linear_fwd_bf16_with, skinny_pays, skinny_plan, skinny_plan_with, SkinnyPlan,
 };
 use rollplex_kernels::cuda::pointwise::add_fwd_bf16_inplace;
 use rollplex_kernels::cuda::*;
@@ -806,9 +811,22 @@ fn main() -> Res<()> {
         );
         args.drain(i..i + 2);
     }
+    // --gemm-rows 16,32: the rows the GEMM sweep takes (default 128,64,32,16)
+    let mut sweep_rows = vec![128, 64, 32, 16];
+    if let Some(i) = args.iter().position(|a| a == "--gemm-rows") {
+        let list = args
+            .get(i + 1)
+            .ok_or("--gemm-rows needs a list such as 16,32")?;
+        sweep_rows = list
+            .split(',')
+            .map(|x| x.trim().parse::<usize>())
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| format!("--gemm-rows {list}: {e}"))?;
+        args.drain(i..i + 2);
+    }
     for a in &args {
-        if !["--unfused", "--simt", "--no-sweep"].contains(&a.as_str()) {
-            return Err(format!("unknown flag {a}; flags: --unfused (separate add/norm and rope/append kernels), --simt (the SIMT decode attention instead of the warp-split one in the base and gemm variants), --no-sweep (skip the GEMM comparison), --cases I,J (rows of the case table: 0-3 3B/7B at B 64/8 unshared, 4-7 the same with G8 prefixes of 1792, 8-9 3B B 32/128 with G8 prefixes)").into());
+        if !["--unfused", "--simt", "--no-sweep", "--gemm-sweep"].contains(&a.as_str()) {
+            return Err(format!("unknown flag {a}; flags: --unfused (separate add/norm and rope/append kernels), --simt (the SIMT decode attention instead of the warp-split one in the base and gemm variants), --no-sweep (skip the GEMM comparison), --gemm-sweep (only the GEMM kinds at m = 128..16, every skinny cut), --gemm-rows M,N (the sweep's rows), --cases I,J (rows of the case table: 0-3 3B/7B at B 64/8 unshared, 4-7 the same with G8 prefixes of 1792, 8-9 3B B 32/128 with G8 prefixes)").into());
         }
     }
     let unfused = args.iter().any(|a| a == "--unfused");
@@ -828,6 +846,9 @@ fn main() -> Res<()> {
         g.name(),
         g.sm_count()
     );
+    if args.iter().any(|a| a == "--gemm-sweep") {
+        return gemm_sweep(&g, &s, ceiling, &sweep_rows);
+    }
     let mut rows = Vec::new();
     // (dims, batch, (group size, shared prefix length))
     type Case = (Dims, usize, Option<(usize, usize)>);
@@ -875,7 +896,7 @@ fn main() -> Res<()> {
                     ));
                 }
                 let kname = ["qkv", "o", "gate_up(+swiglu)", "down", "lm_head"][kind];
-                let used = if skinny_pays(batch, k) {
+                let used = if skinny_pays(&g, batch, k) {
                     "skinny"
                 } else {
                     "cublasLt"
@@ -976,6 +997,96 @@ fn main() -> Res<()> {
     println!("\nsummary (copy ceiling {ceiling:.2} TB/s):");
     for r in rows {
         println!("  {r}");
+    }
+    Ok(())
+}
+
+/// `--gemm-sweep`: every GEMM kind of the 3B and 7B steps alone (all layers in one graph) at
+/// m = 128..8: cuBLASLt against the skinny kernel's default plan and its other cuts.
+fn gemm_sweep(g: &Gpu, s: &Arc<CudaStream>, ceiling: f64, rows: &[usize]) -> Res<()> {
+    for d in [D3B, D7B] {
+        for &batch in rows {
+            let mut m = build(g, s, d, batch, 16, None)?;
+            s.synchronize()?;
+            println!("== gemm sweep {} m{batch}", d.name);
+            let (mut ours, mut theirs, mut best_total) = (0.0, 0.0, 0.0);
+            for kind in 0..5 {
+                let (k, n, wb) = m.gemm_shape(kind);
+                let def = skinny_plan(batch, k, n);
+                let mut cands: Vec<(String, Option<SkinnyPlan>)> =
+                    vec![("cublasLt".into(), None), ("default".into(), Some(def))];
+                for rt in [1, 2] {
+                    for sp in [1, 2, 4, 8] {
+                        let p = skinny_plan_with(batch, k, n, rt, sp);
+                        let mut forms = vec![p];
+                        if batch > 8 && batch <= 64 {
+                            forms.push(p.with_form(batch, false));
+                        }
+                        if p.wgmma {
+                            forms.extend([2, 3, 4].iter().filter_map(|&st| p.with_stages(st)));
+                        }
+                        for p in forms {
+                            if p != def && !cands.iter().any(|(_, c)| *c == Some(p)) {
+                                let form = if p.wgmma { "wg" } else { "sync" };
+                                cands.push((
+                                    format!(
+                                        "{form} rt{} s{} st{}",
+                                        p.row_tiles, p.splits, p.stages
+                                    ),
+                                    Some(p),
+                                ));
+                            }
+                        }
+                    }
+                }
+                let kname = ["qkv", "o", "gate_up", "down", "lm_head"][kind];
+                let reps = if kind == 4 { 1.0 } else { d.layers as f64 };
+                let mut line = Vec::new();
+                let mut best = (f64::MAX, String::new());
+                let mut timed = Vec::new();
+                for (name, plan) in &cands {
+                    let gr = capture(s, || m.gemm_kind(g, s, kind, *plan))?;
+                    let t = time_graph(g, s, &gr, 10)?;
+                    drop(gr);
+                    let tbs = wb / (t * 1e-3) / 1e12;
+                    line.push(format!(
+                        "{name} {:.1}us {:.0}%",
+                        t * 1e3 / reps,
+                        100.0 * tbs / ceiling
+                    ));
+                    timed.push((t, name.clone()));
+                    if name == "cublasLt" {
+                        theirs += t;
+                    } else if name == "default" {
+                        ours += t;
+                    }
+                    if t < best.0 {
+                        best = (t, name.clone());
+                    }
+                }
+                timed.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap());
+                let top: Vec<String> = timed
+                    .iter()
+                    .take(4)
+                    .map(|(t, n)| format!("{n} {:.1}us", t * 1e3 / reps))
+                    .collect();
+                println!(
+                    "  {kname} k{k} n{n}: {} | {} | top: {} [default rt{} s{} st{}]",
+                    line[0],
+                    line[1],
+                    top.join(", "),
+                    def.row_tiles,
+                    def.splits,
+                    def.stages
+                );
+                best_total += best.0;
+            }
+            println!(
+                "  all kinds: default skinny {ours:.3} ms vs cuBLASLt {theirs:.3} ms ({:.2}x); best of each kind {best_total:.3} ms ({:.2}x)",
+                theirs / ours,
+                theirs / best_total
+            );
+        }
     }
     Ok(())
 }

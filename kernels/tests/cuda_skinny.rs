@@ -22,9 +22,11 @@ use rollplex_kernels::cuda::*;
 mod common;
 use common::*;
 
-/// The skinny GEMM against `cpu::linear_fwd` on decode shapes (bias or not, m from 1 to 64, k
+/// The skinny GEMM against `cpu::linear_fwd` on decode shapes (bias or not, m from 1 to 128, k
 /// not a multiple of 64, n not a multiple of the block), under its default plan and under other
-/// plans (1 and 2 row tiles, 1 to 8 k slices); the default plan twice gives the same bits.
+/// plans (1 and 2 row tiles, 1 to 8 k slices, both the `mma.sync` and the `wgmma` form where m
+/// allows); the default plan twice gives the same bits. The `wgmma` form runs where the device
+/// has it (Hopper) and is reported as skipped elsewhere.
 #[test]
 fn skinny_linear_matches_cpu() {
     let g = gpu_or_skip!();
@@ -36,7 +38,16 @@ fn skinny_linear_matches_cpu() {
         (37, 520, 300, false),
         (64, 11008, 2048, false),
         (17, 3584, 4608, true),
+        (128, 2048, 2560, true),
+        (72, 11008, 2048, false),
+        (100, 520, 300, true),
+        (9, 2048, 22016, false),
+        (33, 3584, 3584, true),
     ] {
+        if m > 8 && !g.has_wgmma() {
+            println!("m{m}: skipped, {} has no warpgroup MMAs", g.name());
+            continue;
+        }
         let (x, xf) = rand_bf(m * k, 1.0);
         let (w, wf) = rand_bf(n * k, 0.05);
         let (b, bfv) = rand_bf(n, 1.0);
@@ -64,8 +75,15 @@ fn skinny_linear_matches_cpu() {
         let mut dy2 = poison_bf(&s, m * n);
         skinny_linear_fwd_bf16(g, &s, &mut dy2, &dx, &dw, bias_d, m, k, n).unwrap();
         assert_eq!(first, down(&s, &dy2), "same plan, same bits");
+        let mut plans = Vec::new();
         for (rt, splits) in [(1, 1), (2, 8), (1, 5), (2, 3)] {
             let plan = skinny_plan_with(m, k, n, rt, splits);
+            plans.push(plan);
+            if m <= 64 && (plan.wgmma || g.has_wgmma()) {
+                plans.push(plan.with_form(m, !plan.wgmma));
+            }
+        }
+        for plan in plans {
             let mut dy = poison_bf(&s, m * n);
             skinny_linear_fwd_bf16_with(g, &s, &mut dy, &dx, &dw, bias_d, m, k, n, k, n, plan)
                 .unwrap();
@@ -98,8 +116,8 @@ fn skinny_linear_matches_cpu() {
     check("skinny_linear_fwd_bf16 strided", &rows, &want, 8e-3);
     assert!(got[n..ldy].iter().all(|v| v.is_nan()), "gap written");
     // bad shapes are errors, not launches
-    let mut dy = poison_bf(&s, 65 * n);
-    assert!(skinny_linear_fwd_bf16(g, &s, &mut dy, &dx, &dw, None, 65, k, n).is_err());
+    let mut dy = poison_bf(&s, 129 * n);
+    assert!(skinny_linear_fwd_bf16(g, &s, &mut dy, &dx, &dw, None, 129, k, n).is_err());
     assert!(skinny_linear_fwd_bf16(g, &s, &mut dy, &dx, &dw, None, 8, 12, n).is_err());
 }
 
@@ -109,7 +127,17 @@ fn skinny_linear_matches_cpu() {
 fn skinny_gate_up_swiglu_matches_cpu_and_the_unfused_pair() {
     let g = gpu_or_skip!();
     let s = g.stream(0).unwrap();
-    for &(m, k, f) in &[(64usize, 2048usize, 1376usize), (8, 512, 1000), (3, 64, 40)] {
+    for &(m, k, f) in &[
+        (64usize, 2048usize, 1376usize),
+        (8, 512, 1000),
+        (3, 64, 40),
+        (128, 2048, 11008),
+        (24, 520, 1000),
+    ] {
+        if m > 8 && !g.has_wgmma() {
+            println!("m{m}: skipped, {} has no warpgroup MMAs", g.name());
+            continue;
+        }
         let (x, xf) = rand_bf(m * k, 1.0);
         let (w, wf) = rand_bf(2 * f * k, 0.05);
         let mut gu = vec![0f32; m * 2 * f];
@@ -394,8 +422,9 @@ fn attention_decode_pipelined_and_warp_split_match_cpu() {
     }
 }
 
-/// The dispatching entry points: `linear_fwd_bf16` (skinny at m <= 8, cuBLASLt above) and
-/// `gate_up_swiglu_bf16` (fused at m <= 8) against the CPU twins and the cuBLASLt path.
+/// The dispatching entry points: `linear_fwd_bf16` (skinny where `skinny_pays`, cuBLASLt
+/// elsewhere) and `gate_up_swiglu_bf16` (fused where skinny) against the CPU twins and the
+/// cuBLASLt path.
 #[test]
 fn dispatching_linear_and_gate_up_match_cpu() {
     let g = gpu_or_skip!();
@@ -405,6 +434,8 @@ fn dispatching_linear_and_gate_up_match_cpu() {
         (8, 1024, 768),
         (9, 512, 640),
         (64, 256, 512),
+        (128, 2048, 2560),
+        (200, 256, 512),
     ] {
         let (x, xf) = rand_bf(m * k, 1.0);
         let (w, wf) = rand_bf(n * k, 0.05);

@@ -13,13 +13,13 @@
 //! heuristic and reused on every stream, so a GEMM's bits do not depend on the stream or its
 //! SM partition. Workspaces: 32 MiB per stream.
 //!
-//! Decode-sized products (m <= 64 rows of x) can also run on our own kernel (`gemv_bf16` in
+//! Decode-sized products (m <= 128 rows of x) can also run on our own kernel (`gemv_bf16` in
 //! `cuda/gemv.cu`: [`skinny_linear_fwd_bf16`], [`skinny_gate_up_swiglu_bf16`]): weight-row
 //! tiles x k slices, the slices of a tile summed in a thread-block cluster through distributed
-//! shared memory in rank order (deterministic, one launch, no workspace); its cut
-//! ([`SkinnyPlan`]) is a function of the shape. [`linear_fwd_bf16`] and [`gate_up_swiglu_bf16`]
-//! take it at m <= [`SKINNY_DISPATCH_MAX_M`], where it measured faster than cuBLASLt, and
-//! cuBLASLt above.
+//! shared memory in rank order (deterministic, one launch, no workspace), the products on
+//! `mma.sync` at m <= 8 and on Hopper's warpgroup MMAs above; its cut ([`SkinnyPlan`]) is a
+//! function of the shape. [`linear_fwd_bf16`] and [`gate_up_swiglu_bf16`] take it where
+//! [`skinny_pays`], and cuBLASLt elsewhere.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -315,22 +315,24 @@ pub fn linear_fwd_bf16(
     k: usize,
     n: usize,
 ) -> Result<()> {
-    if skinny_pays(m, k) && ptr(x, stream) % 16 == 0 && ptr(w, stream) % 16 == 0 && n > 0 {
+    if skinny_pays(gpu, m, k) && ptr(x, stream) % 16 == 0 && ptr(w, stream) % 16 == 0 && n > 0 {
         return skinny_linear_fwd_bf16(gpu, stream, y, x, w, bias, m, k, n);
     }
     linear_fwd_bf16_cublaslt(gpu, stream, y, x, w, bias, m, k, n)
 }
 
 /// The rows of x up to which [`linear_fwd_bf16`] and [`gate_up_swiglu_bf16`] take the skinny
-/// kernel: at m = 8 it beat cuBLASLt on every 3B / 7B decode GEMM in a CUDA graph (by up to 12%
-/// on the small ones); at m = 64 cuBLASLt was 1.2-3.7x faster (our mma.sync kernel is bound by
-/// its shared-memory reads of x there; docs/perf.md, "Decode step").
-pub const SKINNY_DISPATCH_MAX_M: usize = 8;
+/// kernel: its `mma.sync` form at m <= 8 (it beat cuBLASLt on every 3B / 7B decode GEMM in a
+/// CUDA graph, by up to 12% on the small ones) and, on devices with warpgroup MMAs, its `wgmma`
+/// form at 8 < m <= 16 (1.00-1.13x cuBLASLt per 3B decode GEMM at m = 16). Above, cuBLASLt was
+/// faster on most 3B decode GEMMs (by 3-7% at m = 32, 1.1-2x at m = 64..128: this kernel runs
+/// one warpgroup per block and re-reads x per 64 weight rows; docs/perf.md, "Decode GEMMs").
+pub const SKINNY_DISPATCH_MAX_M: usize = 16;
 
 /// Whether [`linear_fwd_bf16`] runs a product of `m` rows and depth `k` on the skinny kernel
-/// (given 16-byte aligned operands).
-pub fn skinny_pays(m: usize, k: usize) -> bool {
-    m <= SKINNY_DISPATCH_MAX_M && skinny_fits(m, k)
+/// on `gpu` (given 16-byte aligned operands).
+pub fn skinny_pays(gpu: &Gpu, m: usize, k: usize) -> bool {
+    skinny_fits(m, k) && m <= SKINNY_DISPATCH_MAX_M && (m <= SKINNY_SYNC_MAX_M || gpu.has_wgmma())
 }
 
 /// [`linear_fwd_bf16`] always through cuBLASLt (bias fused as the epilogue), whatever `m`.
@@ -427,18 +429,25 @@ pub const GEMV: KernelModule = KernelModule {
     source: include_str!("../../cuda/gemv.cu"),
 };
 
-/// The most rows of `x` the skinny kernel takes (8 m-tiles of 8).
-pub const SKINNY_MAX_M: usize = 64;
+/// The most rows of `x` the skinny kernel takes (16 m-tiles of 8, the `wgmma` form).
+pub const SKINNY_MAX_M: usize = 128;
+
+/// The rows of `x` up to which [`skinny_plan`] takes the `mma.sync` form.
+pub const SKINNY_SYNC_MAX_M: usize = 8;
 
 /// How [`skinny_linear_fwd_bf16`] cuts a GEMM: `m_tiles` tiles of 8 rows of x, blocks of
 /// `64 * row_tiles` weight rows (output features; half gate, half up in the SwiGLU form), and k
-/// cut into `splits` slices of `kslice` (a multiple of 64) summed in a cluster of `splits` blocks.
+/// cut into `splits` slices of `kslice` (a multiple of 64) summed in a cluster of `splits`
+/// blocks; `wgmma`: the products on warpgroup MMAs (Hopper; `8 * m_tiles` is then 16, 32, 64 or
+/// 128) rather than `mma.sync`; `stages`: the cp.async pipeline's depth (64 k each).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SkinnyPlan {
     pub m_tiles: usize,
     pub row_tiles: usize,
     pub splits: usize,
     pub kslice: usize,
+    pub wgmma: bool,
+    pub stages: usize,
 }
 
 impl SkinnyPlan {
@@ -446,18 +455,54 @@ impl SkinnyPlan {
     pub fn block_rows(&self) -> usize {
         64 * self.row_tiles
     }
-    /// Dynamic shared memory one block uses (4 stages of weights + x, 64 k each).
+    /// Bytes of one pipeline stage (64 k of the block's weight rows and of x's padded rows).
+    fn stage_bytes(&self) -> usize {
+        (self.block_rows() + 8 * self.m_tiles) * 64 * 2
+    }
+    /// Dynamic shared memory one block uses (the stages; + 1 KiB to align them for `wgmma`).
     pub fn smem_bytes(&self) -> usize {
-        4 * (self.block_rows() + 8 * self.m_tiles) * 64 * 2
+        self.stages * self.stage_bytes() + if self.wgmma { 1024 } else { 0 }
+    }
+    /// This plan with a `stages`-deep pipeline (`None` where the partial-sum tile would not fit
+    /// in the stages or `stages` is outside 2..=8).
+    pub fn with_stages(self, stages: usize) -> Option<SkinnyPlan> {
+        let p = SkinnyPlan { stages, ..self };
+        let red = p.block_rows() * (8 * p.m_tiles + 4) * 4;
+        ((2..=8).contains(&stages) && stages * p.stage_bytes() >= red).then_some(p)
+    }
+    /// This plan in the `wgmma` form (`true`) or the `mma.sync` one, for `m` rows of x: the m
+    /// tiles follow the form; the cut of the weights and of k and the pipeline depth stay.
+    pub fn with_form(self, m: usize, wgmma: bool) -> SkinnyPlan {
+        SkinnyPlan {
+            m_tiles: skinny_m_tiles(m, wgmma),
+            wgmma,
+            ..self
+        }
+    }
+}
+
+/// m tiles of 8 rows the kernel pads `m` to: `wgmma`'s N is 16, 32, 64 or 128.
+fn skinny_m_tiles(m: usize, wgmma: bool) -> usize {
+    let m = m.clamp(1, SKINNY_MAX_M);
+    if wgmma {
+        [16, 32, 64, 128]
+            .into_iter()
+            .find(|&n| n >= m)
+            .unwrap_or(128)
+            / 8
+    } else {
+        m.div_ceil(8)
     }
 }
 
 /// The plan [`skinny_linear_fwd_bf16`] uses for `y[m, n] = x[m, k] w[n, k]^T` (`n` output
-/// features; for the SwiGLU form the `2f` gate|up rows): a function of the shape only. Blocks of
-/// 64 weight rows, k cut into the fewest slices (1, 2, 4 or 8, each at least 256 k) that give
-/// at least 220 blocks. Measured on the H200 (docs/perf.md, "Decode step"): at m = 8 this was the
-/// fastest or within 3% of the fastest of 1/2 row tiles x 1/2/4/8 slices on every 3B / 7B
-/// decode GEMM.
+/// features; for the SwiGLU form the `2f` gate|up rows): a function of the shape only. The
+/// `mma.sync` form at m <= 8, `wgmma` above; blocks of 64 weight rows, a 4-stage pipeline, k cut
+/// into the fewest slices (1, 2, 4 or 8, each at least 256 k) that give at least 220 blocks.
+/// Measured on the H200 (docs/perf.md, "Decode GEMMs"): at m = 8 this was the fastest or within
+/// 3% of the fastest of 1/2 row tiles x 1/2/4/8 slices on every 3B / 7B decode GEMM; at m = 16
+/// the fastest or within 4% of the fastest of 1/2 row tiles x 1/2/4/8 slices x 2..8 stages on
+/// every 3B decode GEMM.
 pub fn skinny_plan(m: usize, k: usize, n: usize) -> SkinnyPlan {
     let blocks = n.max(1).div_ceil(64);
     let mut plan = skinny_plan_with(m, k, n, 1, 1);
@@ -475,7 +520,8 @@ pub fn skinny_plan(m: usize, k: usize, n: usize) -> SkinnyPlan {
 }
 
 /// The plan with `row_tiles` (1 or 2) and k cut into at most `splits` (1..=8) slices of a
-/// multiple of 64 (the plan's `splits` may come out smaller when k is short).
+/// multiple of 64 (the plan's `splits` may come out smaller when k is short), in the form
+/// [`skinny_plan`] takes for `m` (`wgmma` above [`SKINNY_SYNC_MAX_M`]).
 pub fn skinny_plan_with(
     m: usize,
     k: usize,
@@ -485,15 +531,19 @@ pub fn skinny_plan_with(
 ) -> SkinnyPlan {
     let kslice = k.max(1).div_ceil(splits.clamp(1, 8)).div_ceil(64) * 64;
     SkinnyPlan {
-        m_tiles: m.clamp(1, SKINNY_MAX_M).div_ceil(8),
+        m_tiles: 1,
         row_tiles: row_tiles.clamp(1, 2),
         splits: k.max(1).div_ceil(kslice),
         kslice,
+        wgmma: false,
+        stages: 4,
     }
+    .with_form(m, m > SKINNY_SYNC_MAX_M)
 }
 
-/// Whether the skinny kernel can run this GEMM (else use [`linear_fwd_bf16`]): `1 <= m <= 64`,
-/// `k` a multiple of 8 (rows are read in 16-byte units).
+/// Whether the skinny kernel can run this GEMM (else use [`linear_fwd_bf16`]): `1 <= m <= 128`,
+/// `k` a multiple of 8 (rows are read in 16-byte units); above [`SKINNY_SYNC_MAX_M`] rows only
+/// on a device with warpgroup MMAs ([`Gpu::has_wgmma`]).
 pub fn skinny_fits(m: usize, k: usize) -> bool {
     (1..=SKINNY_MAX_M).contains(&m) && k.is_multiple_of(8) && k > 0
 }
@@ -516,16 +566,28 @@ fn skinny_launch(
     swiglu: bool,
     plan: SkinnyPlan,
 ) -> Result<()> {
+    let tiles_ok = if plan.wgmma {
+        [2, 4, 8, 16].contains(&plan.m_tiles)
+    } else {
+        plan.m_tiles <= 8
+    };
     if plan.m_tiles * 8 < m
-        || plan.m_tiles > 8
+        || !tiles_ok
         || !(1..=2).contains(&plan.row_tiles)
         || !(1..=8).contains(&plan.splits)
+        || !(2..=8).contains(&plan.stages)
         || !plan.kslice.is_multiple_of(64)
         || plan.splits * plan.kslice < k
     {
         return Err(shape(
             op,
-            format!("plan {plan:?} does not cover m={m} k={k} (m_tiles*8 >= m, 1..=2 row tiles, 1..=8 splits, kslice a multiple of 64, splits*kslice >= k)"),
+            format!("plan {plan:?} does not cover m={m} k={k} (m_tiles*8 >= m with m_tiles 2, 4, 8 or 16 for wgmma and at most 8 else, 1..=2 row tiles, 1..=8 splits, 2..=8 stages, kslice a multiple of 64, splits*kslice >= k)"),
+        ));
+    }
+    if plan.wgmma && !gpu.has_wgmma() {
+        return Err(shape(
+            op,
+            format!("plan {plan:?} uses warpgroup MMAs, which {} ({}) lacks: take the mma.sync form (SkinnyPlan::with_form) or linear_fwd_bf16", gpu.name(), gpu.arch()),
         ));
     }
     for (name, p) in [("y", y), ("x", x), ("w", w)] {
@@ -538,6 +600,8 @@ fn skinny_launch(
         ("GEMV_RT", plan.row_tiles as u32),
         ("GEMV_S", plan.splits as u32),
         ("GEMV_SWIGLU", swiglu as u32),
+        ("GEMV_WG", plan.wgmma as u32),
+        ("GEMV_STAGES", plan.stages as u32),
     ];
     let smem = plan.smem_bytes() as u32;
     let rows_per_block = if swiglu {
@@ -599,7 +663,7 @@ fn skinny_checks(
     Ok(())
 }
 
-/// `y[m, n] = x[m, k] w[n, k]^T + bias[n]` for decode-sized `m <= 64` with our tensor-core
+/// `y[m, n] = x[m, k] w[n, k]^T + bias[n]` for decode-sized `m <= 128` with our tensor-core
 /// split-k kernel ([`skinny_plan`]); the same contract and CPU twin ([`crate::cpu::linear_fwd`])
 /// as [`linear_fwd_bf16`], contiguous rows.
 #[allow(clippy::too_many_arguments)]
@@ -720,7 +784,11 @@ pub fn gate_up_swiglu_bf16(
     k: usize,
     f: usize,
 ) -> Result<()> {
-    if skinny_pays(m, k) && ptr(x, stream) % 16 == 0 && ptr(w_gate_up, stream) % 16 == 0 && f > 0 {
+    if skinny_pays(gpu, m, k)
+        && ptr(x, stream) % 16 == 0
+        && ptr(w_gate_up, stream) % 16 == 0
+        && f > 0
+    {
         return skinny_gate_up_swiglu_bf16(gpu, stream, act, x, w_gate_up, m, k, f, None);
     }
     linear_fwd_bf16_cublaslt(gpu, stream, gu, x, w_gate_up, None, m, k, 2 * f)?;
@@ -740,6 +808,8 @@ mod skinny_tests {
             (8, 11008, 2048),
             (64, 2048, 151_936),
             (3, 200, 48),
+            (128, 11008, 2048),
+            (17, 520, 300),
         ] {
             let p = skinny_plan(m, k, n);
             assert!(
@@ -747,16 +817,31 @@ mod skinny_tests {
                 "{p:?}"
             );
             assert!(p.m_tiles * 8 >= m && p.kslice.is_multiple_of(64) && p.splits <= 8);
+            assert_eq!(p.wgmma, m > SKINNY_SYNC_MAX_M, "{p:?}");
         }
         // a small-n GEMM is cut along k so that the grid is not a handful of blocks
-        let p = skinny_plan(64, 2048, 2560);
-        assert!(
-            p.splits * 2560usize.div_ceil(p.block_rows()) >= 100,
-            "{p:?}"
-        );
-        assert!(!skinny_fits(65, 64) && !skinny_fits(8, 12) && skinny_fits(1, 8));
-        // the decode shapes of 3B / 7B (qkv, o, gate|up, down, lm_head) at batch 64 and 8
-        for m in [64, 8] {
+        for m in [8, 64] {
+            let p = skinny_plan(m, 2048, 2560);
+            assert!(
+                p.splits * 2560usize.div_ceil(p.block_rows()) >= 100,
+                "{p:?}"
+            );
+        }
+        assert!(!skinny_fits(129, 64) && !skinny_fits(8, 12) && skinny_fits(1, 8));
+        // wgmma's N: the rows of x padded to 16, 32, 64 or 128
+        for (m, tiles) in [
+            (9, 2),
+            (16, 2),
+            (17, 4),
+            (33, 8),
+            (64, 8),
+            (65, 16),
+            (128, 16),
+        ] {
+            assert_eq!(skinny_plan(m, 2048, 2048).m_tiles, tiles, "m {m}");
+        }
+        // the decode shapes of 3B / 7B (qkv, o, gate|up, down, lm_head) at batch 128 to 8
+        for m in [128, 64, 32, 16, 8] {
             for (k, n) in [
                 (2048, 2560),
                 (2048, 2048),
@@ -772,10 +857,21 @@ mod skinny_tests {
                 let p = skinny_plan(m, k, n);
                 let blocks = n.div_ceil(p.block_rows()) * p.splits;
                 println!("m{m} k{k} n{n}: {p:?}, {blocks} blocks");
-                assert!(blocks >= 220 || p.splits == 8 || p.kslice < 512, "{p:?}");
+                assert!(blocks >= 120 || p.splits == 8 || p.kslice < 512, "{p:?}");
                 assert!(p.splits * p.kslice >= k && p.splits <= 8);
+                // the partial tile fits in the stages it reuses
+                assert!(
+                    p.stages * p.stage_bytes() >= p.block_rows() * (8 * p.m_tiles + 4) * 4,
+                    "{p:?}"
+                );
+                assert!(p.with_stages(p.stages) == Some(p), "{p:?}");
             }
         }
+        // the forms convert into each other with the cut kept
+        let p = skinny_plan(64, 2048, 2560);
+        let q = p.with_form(64, false);
+        assert!(!q.wgmma && q.m_tiles == 8 && q.splits == p.splits && q.kslice == p.kslice);
+        assert_eq!(q.with_form(64, true), p);
     }
 
     /// Compiles the kernel's variants for sm_90 where libnvrtc loads (no GPU needed) and prints
@@ -786,20 +882,28 @@ mod skinny_tests {
             return;
         }
         let source = format!("{COMMON}\n#line 1 \"gemv.cu\"\n{}", GEMV.source);
-        for (mt, rt, s, sw) in [
-            (8, 2, 1, 0),
-            (8, 1, 8, 0),
-            (1, 2, 4, 0),
-            (8, 2, 2, 1),
-            (3, 1, 7, 1),
+        for (mt, rt, s, sw, wg, st) in [
+            (8, 2, 1, 0, 0, 4),
+            (8, 1, 8, 0, 0, 4),
+            (1, 2, 4, 0, 0, 4),
+            (8, 2, 2, 1, 0, 4),
+            (3, 1, 7, 1, 0, 4),
+            (16, 2, 8, 0, 1, 3),
+            (16, 2, 4, 1, 1, 3),
+            (8, 2, 1, 0, 1, 4),
+            (4, 1, 2, 1, 1, 5),
+            (2, 2, 8, 0, 1, 6),
         ] {
             let d = [
                 ("GEMV_MT", mt),
                 ("GEMV_RT", rt),
                 ("GEMV_S", s),
                 ("GEMV_SWIGLU", sw),
+                ("GEMV_WG", wg),
+                ("GEMV_STAGES", st),
             ];
-            match compile_uncached("gemv", &source, &options("sm_90", &d)) {
+            let arch = if wg == 1 { "sm_90a" } else { "sm_90" };
+            match compile_uncached("gemv", &source, &options(arch, &d)) {
                 Ok((cubin, log)) => {
                     assert!(!cubin.is_empty());
                     println!("== gemv {d:?}\n{log}");

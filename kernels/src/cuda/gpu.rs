@@ -62,7 +62,12 @@ impl Gpu {
             as u32;
         let lt = LtState::new()?;
         Ok(Gpu {
-            arch: format!("sm_{major}{minor}"),
+            // sm_90 devices compile for sm_90a: the same code plus the warpgroup MMAs
+            arch: if (major, minor) == (9, 0) {
+                "sm_90a".to_string()
+            } else {
+                format!("sm_{major}{minor}")
+            },
             name: ctx.name()?,
             sm_count,
             ctx,
@@ -78,9 +83,13 @@ impl Gpu {
     pub fn ctx(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
-    /// `sm_XY` of the device (what NVRTC compiles for).
+    /// `sm_XY` of the device (what NVRTC compiles for; `sm_90a` on Hopper).
     pub fn arch(&self) -> &str {
         &self.arch
+    }
+    /// Whether the device has Hopper's warpgroup MMAs (`wgmma`), i.e. compiles for `sm_90a`.
+    pub fn has_wgmma(&self) -> bool {
+        self.arch == "sm_90a"
     }
     pub fn name(&self) -> &str {
         &self.name
