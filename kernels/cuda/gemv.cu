@@ -67,7 +67,7 @@ static_assert(GV_M == 16 || GV_M == 32 || GV_M == 64 || GV_M == 128, "wgmma N: 1
 #else
 static_assert(GEMV_MT >= 1 && GEMV_MT <= 8, "m must be at most 64");
 #endif
-static_assert(GV_STAGES >= 2 && GV_STAGES <= 8, "2 to 8 pipeline stages");
+static_assert(GV_STAGES >= 2 + GEMV_WG && GV_STAGES <= 8, "2 (3 for wgmma) to 8 pipeline stages");
 static_assert(GEMV_S >= 1 && GEMV_S <= 8, "at most 8 blocks per cluster (portable size)");
 static_assert(GV_R * GV_RS * 4 <= GV_STAGES * GV_SB, "the partial tile reuses the stages");
 
@@ -156,6 +156,9 @@ __device__ __forceinline__ void gv_wg_commit() {
 }
 __device__ __forceinline__ void gv_wg_wait0() {
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+__device__ __forceinline__ void gv_wg_wait1() {
+    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
 }
 #endif
 #if GEMV_S > 1
@@ -254,19 +257,24 @@ gemv_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restri
 #pragma unroll
         for (int mt = 0; mt < GEMV_MT; mt++) acc[rt][mt][0] = acc[rt][mt][1] = acc[rt][mt][2] = acc[rt][mt][3] = 0.0f;
 
+    // the prologue fills all stages but one (two for wgmma: see its main loop)
+    constexpr u32 AHEAD = GEMV_WG ? GV_STAGES - 2 : GV_STAGES - 1;
 #pragma unroll
-    for (u32 s = 0; s < GV_STAGES - 1; s++) {
+    for (u32 s = 0; s < AHEAD; s++) {
         if (s < nst) issue(s);
         asm volatile("cp.async.commit_group;\n" ::);
     }
 #if GEMV_WG
+    // One stage's MMAs stay in flight while the next stage's are issued: stage st + S - 2 is
+    // loaded into the buffer of stage st - 2, whose MMAs every warp has waited for before the
+    // barrier (so S - 2 stages are in flight ahead of the one computing).
     for (u32 st = 0; st < nst; st++) {
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(GV_STAGES - 2));
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(GV_STAGES - 3));
         // this thread's copies (generic proxy) made visible to the tensor cores' reads (async
-        // proxy), then everyone's: stage st is complete; every wgmma of stage st - 1 has finished
+        // proxy), then everyone's: stage st is complete, stage st - 2's MMAs have finished
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
-        if (st + GV_STAGES - 1 < nst) issue(st + GV_STAGES - 1);
+        if (st + GV_STAGES - 2 < nst) issue(st + GV_STAGES - 2);
         asm volatile("cp.async.commit_group;\n" ::);
         const u32 wsb = base + (st % GV_STAGES) * GV_SB, xsb = wsb + GV_WB;
         gv_wg_fence();
@@ -276,8 +284,9 @@ gemv_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restri
             for (int rt = 0; rt < GEMV_RT; rt++)
                 gv_wgmma(&acc[rt][0][0], gv_desc(wsb + rt * 64 * 128 + ks * 32), gv_desc(xsb + ks * 32));
         gv_wg_commit();
-        gv_wg_wait0();  // the stage's buffer is overwritten after the next barrier
+        gv_wg_wait1();  // stage st - 1's MMAs are done: its buffer is free after the next barrier
     }
+    gv_wg_wait0();
     (void)g;
     (void)t;
 #else

@@ -1023,7 +1023,7 @@ fn gemm_sweep(g: &Gpu, s: &Arc<CudaStream>, ceiling: f64, rows: &[usize]) -> Res
                             forms.push(p.with_form(batch, false));
                         }
                         if p.wgmma {
-                            forms.extend([2, 3, 4].iter().filter_map(|&st| p.with_stages(st)));
+                            forms.extend([3, 6, 8].iter().filter_map(|&st| p.with_stages(st)));
                         }
                         for p in forms {
                             if p != def && !cands.iter().any(|(_, c)| *c == Some(p)) {

@@ -432,6 +432,9 @@ pub const GEMV: KernelModule = KernelModule {
 /// The most rows of `x` the skinny kernel takes (16 m-tiles of 8, the `wgmma` form).
 pub const SKINNY_MAX_M: usize = 128;
 
+/// The most dynamic shared memory a block may have (sm_90: 227 KiB).
+const SKINNY_SMEM_MAX: usize = 227 << 10;
+
 /// The rows of `x` up to which [`skinny_plan`] takes the `mma.sync` form.
 pub const SKINNY_SYNC_MAX_M: usize = 8;
 
@@ -464,18 +467,25 @@ impl SkinnyPlan {
         self.stages * self.stage_bytes() + if self.wgmma { 1024 } else { 0 }
     }
     /// This plan with a `stages`-deep pipeline (`None` where the partial-sum tile would not fit
-    /// in the stages or `stages` is outside 2..=8).
+    /// in the stages, the stages not in a block's shared memory, or `stages` is outside 2..=8,
+    /// 3..=8 for `wgmma`).
     pub fn with_stages(self, stages: usize) -> Option<SkinnyPlan> {
         let p = SkinnyPlan { stages, ..self };
         let red = p.block_rows() * (8 * p.m_tiles + 4) * 4;
-        ((2..=8).contains(&stages) && stages * p.stage_bytes() >= red).then_some(p)
+        let least = if p.wgmma { 3 } else { 2 };
+        ((least..=8).contains(&stages)
+            && stages * p.stage_bytes() >= red
+            && p.smem_bytes() <= SKINNY_SMEM_MAX)
+            .then_some(p)
     }
     /// This plan in the `wgmma` form (`true`) or the `mma.sync` one, for `m` rows of x: the m
-    /// tiles follow the form; the cut of the weights and of k and the pipeline depth stay.
+    /// tiles and the pipeline depth (6 stages for `wgmma`, of which 4 load ahead; 4 for
+    /// `mma.sync`) follow the form; the cut of the weights and of k stays.
     pub fn with_form(self, m: usize, wgmma: bool) -> SkinnyPlan {
         SkinnyPlan {
             m_tiles: skinny_m_tiles(m, wgmma),
             wgmma,
+            stages: if wgmma { 6 } else { 4 },
             ..self
         }
     }
@@ -497,12 +507,12 @@ fn skinny_m_tiles(m: usize, wgmma: bool) -> usize {
 
 /// The plan [`skinny_linear_fwd_bf16`] uses for `y[m, n] = x[m, k] w[n, k]^T` (`n` output
 /// features; for the SwiGLU form the `2f` gate|up rows): a function of the shape only. The
-/// `mma.sync` form at m <= 8, `wgmma` above; blocks of 64 weight rows, a 4-stage pipeline, k cut
-/// into the fewest slices (1, 2, 4 or 8, each at least 256 k) that give at least 220 blocks.
+/// `mma.sync` form at m <= 8 (4 stages), `wgmma` above (6 stages); blocks of 64 weight rows, k
+/// cut into the fewest slices (1, 2, 4 or 8, each at least 256 k) that give at least 220 blocks.
 /// Measured on the H200 (docs/perf.md, "Decode GEMMs"): at m = 8 this was the fastest or within
 /// 3% of the fastest of 1/2 row tiles x 1/2/4/8 slices on every 3B / 7B decode GEMM; at m = 16
-/// the fastest or within 4% of the fastest of 1/2 row tiles x 1/2/4/8 slices x 2..8 stages on
-/// every 3B decode GEMM.
+/// within 5% of the fastest of 1/2 row tiles x 1/2/4/8 slices x 3/4/6/8 stages (and of
+/// cuBLASLt) on every 3B decode GEMM.
 pub fn skinny_plan(m: usize, k: usize, n: usize) -> SkinnyPlan {
     let blocks = n.max(1).div_ceil(64);
     let mut plan = skinny_plan_with(m, k, n, 1, 1);
@@ -575,13 +585,14 @@ fn skinny_launch(
         || !tiles_ok
         || !(1..=2).contains(&plan.row_tiles)
         || !(1..=8).contains(&plan.splits)
-        || !(2..=8).contains(&plan.stages)
+        || !(if plan.wgmma { 3 } else { 2 }..=8).contains(&plan.stages)
+        || plan.smem_bytes() > SKINNY_SMEM_MAX
         || !plan.kslice.is_multiple_of(64)
         || plan.splits * plan.kslice < k
     {
         return Err(shape(
             op,
-            format!("plan {plan:?} does not cover m={m} k={k} (m_tiles*8 >= m with m_tiles 2, 4, 8 or 16 for wgmma and at most 8 else, 1..=2 row tiles, 1..=8 splits, 2..=8 stages, kslice a multiple of 64, splits*kslice >= k)"),
+            format!("plan {plan:?} does not cover m={m} k={k} (m_tiles*8 >= m with m_tiles 2, 4, 8 or 16 for wgmma and at most 8 else, 1..=2 row tiles, 1..=8 splits, 2..=8 stages (3..=8 for wgmma), kslice a multiple of 64, splits*kslice >= k)"),
         ));
     }
     if plan.wgmma && !gpu.has_wgmma() {
