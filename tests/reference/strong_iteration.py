@@ -117,7 +117,7 @@ from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 DEV = torch.device(ENV.get("DEVICE", "cuda" if torch.cuda.is_available() else "cpu"))
 CUDA = DEV.type == "cuda"
 USE_GRAPHS = CUDA and not ARGS.no_graphs
-USE_COMPILE = CUDA and not ARGS.no_compile
+USE_COMPILE = (CUDA or ENV.get("COMPILE") == "1") and not ARGS.no_compile  # COMPILE=1: on the CPU too
 BF = torch.float32 if ARGS.check_hf else torch.bfloat16  # the check compares in fp32
 DIMS = C.Dims(small=TINY)
 PROMPTS, G, MAX_NEW, N = JOB.prompts, JOB.group, JOB.max_new, JOB.samples
