@@ -24,7 +24,12 @@ SwiGLU FFN 11008 as fused gate|up, hidden 2048, lm head tied to the 151,936-row 
 vision tower of 32 blocks (hidden 1280, 16 heads of 80, 2D rotary, window attention over 4x4
 merge units with full attention in blocks 7/15/23/31, as transformers' tower and
 hf_iteration.py run it), patch merger to 2048. Window attention runs as one batched SDPA call
-over equal windows (what flash-attn's varlen call does), not a loop per window.
+over equal windows (what flash-attn's varlen call does), not a loop per window. `--check-hf`
+loads these weights into transformers' Qwen2_5_VLForConditionalGeneration at toy sizes in fp32
+and compares the tower's output and a group's log-probs (agreement to ~1e-6), then checks the
+rollout's log-probs against a scoring pass. (transformers computes M-RoPE positions only when
+given `mm_token_type_ids`, which hf_iteration.py does not pass, so its positions are 1D; the
+FLOPs are the same.)
 
 What is tuned, phase by phase:
 - rollout: each prompt's video encoded once per iteration (the tower is frozen, so the
@@ -50,9 +55,14 @@ What is tuned, phase by phase:
   pass like the reference one with OLD_PASS=1 / --old-pass (veRL's default);
 - training: micro-batches of one group (MB = 8 samples), each group's prompt run once with the
   8 responses attending to it and its gradient summed over them, activations kept (no
-  recomputation), the layer pieces between attention calls (norms, projections, rotary,
-  SwiGLU) and the lm head + log-softmax `torch.compile`d (dynamic shapes, compiled in the
-  warm-up; COMPILE=0 / --no-compile runs eagerly);
+  recomputation);
+- compilation: the pieces between attention calls (RMSNorm + q|k|v + rotary; o projection +
+  residual + RMSNorm + SwiGLU + residual), the lm head + log-softmax, the sampler and the
+  decode attention's suffix and merge are `torch.compile`d (dynamic shapes; every phase uses
+  them; compiled in the warm-up, `compiles_in_timed_iterations` says whether anything compiled
+  later; COMPILE=0 / --no-compile runs eagerly, a compile error falls back to eager and is
+  listed in `compile_failed`); attention calls stay outside, each checked at start-up against
+  math attention (forward and backward) and required to run a fused SDPA kernel on the GPU;
 - precision: bf16 compute weights; fp32 gradient sums (each micro-batch's bf16 gradients added
   into them), the clip on the fp32 sums, `torch.optim.AdamW(fused=True)` on fp32 master weights
   with fp32 moments, then the bf16 weights copied from the masters: what Rollplex keeps (fp32
@@ -77,11 +87,13 @@ ITERATION, MEDIAN, SIGMA), ITERS / --iters (timed iterations, 2), OLD_PASS=1 / -
 COMPILE=0 / --no-compile, GRAPHS=0 / --no-graphs (decode steps launched eagerly), BUCKETS
 (group counts of the decode batch buckets), LEN_BUCKET (64), DEVICE (cuda if present),
 RESULTS_DIR (.). `--tiny`: a toy model (2 text layers, narrow widths, a 2 x 16 x 16 video grid),
-2 prompts, responses of median 12 capped at 24: a dry run on the CPU (no graphs, no compile
-there; on a GPU it still captures and compiles). `--lengths N` and `--write-golden PATH` work as
-in hf_iteration.py.
+2 prompts, responses of median 12 capped at 24: a dry run on the CPU (no graphs; no compile
+unless COMPILE=1) or a quick check of the graph and compile paths on a GPU. `--check-hf` (needs
+transformers): the checks above, then exit. `--lengths N` and `--write-golden PATH` work as in
+hf_iteration.py.
 """
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -431,14 +443,25 @@ def reference_attention(q, k, v, mask):
 
 
 def close(a, b):
-    a, b = a.float(), b.float()
+    a, b = a.detach().float(), b.detach().float()
     return bool(torch.isfinite(a).all()) and float((a - b).abs().max()) <= 2e-2 * max(1.0, float(b.abs().max()))
+
+
+def fused_only():
+    """On the GPU, SDPA without its math fallback: a candidate that would silently run unfused
+    (materialised scores, slow and memory-hungry at these lengths) fails its check instead."""
+    if not CUDA:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
 
 
 def pick(kind, candidates, check):
     for name, fn in candidates.items():
         try:
-            if check(fn):
+            with fused_only():
+                ok = check(fn)
+            if ok:
                 res[f"attention_{kind}"] = name
                 print(f"attention ({kind}): {name}", flush=True)
                 return fn
