@@ -1,6 +1,7 @@
 //! The forced response lengths of `examples/h200-3b-video.rpx` match the Python port in
-//! `tests/reference/hf_iteration.py` (the PyTorch + transformers baseline stops each sample at the
-//! length Rollplex forces on it). `python3 tests/reference/hf_iteration.py --write-golden
+//! `tests/reference/iteration_common.py` (the PyTorch peers, `hf_iteration.py` and
+//! `strong_iteration.py`, stop each sample at the length Rollplex forces on it).
+//! `python3 tests/reference/hf_iteration.py --write-golden
 //! tests/reference/forced_lengths_h200_3b_video.json` rewrites the golden file from the port.
 
 use std::path::PathBuf;

@@ -41,99 +41,32 @@ micro_batches, optimizer_steps, loss, kl, grad_norm, tokens_per_s = response tok
 plus peak memory per phase. A partial JSON is rewritten after every phase, so a run cut short
 still says how far it got.
 
-Knobs (environment): PROMPTS (16), G (8), MAX_NEW (512), MB (8), SEED (42), ITERATION (0),
-MEDIAN (256), SIGMA (0.6),
+Knobs (environment): PROMPTS (16; `--prompts N` wins), G (8), MAX_NEW (512), MB (8), SEED (42),
+ITERATION (0), MEDIAN (256), SIGMA (0.6),
 GEN_BATCH (samples per generate call; default all), SMALL=1 (a tiny model, for a dry run on the
 CPU), DEVICE (cuda if present, else cpu), RESULTS_DIR (.).
 
 `--lengths N` prints the forced lengths of samples 0..N of ITERATION as JSON and exits (no torch
 needed); `--write-golden PATH` writes them for runtime/tests/forced_lengths.rs, which checks that
-the Rust draw gives the same numbers.
+the Rust draw gives the same numbers. The job, the length draw, the data and the result format
+live in iteration_common.py, shared with strong_iteration.py (the tuned PyTorch peer).
 """
 import copy
 import json
-import math
 import os
 import sys
 import time
 
-# ---------------------------------------------------------------------------------------------
-# Rollplex's forced response lengths (runtime/src/model/philox.rs, runtime/src/exec/mod.rs)
-
-M0, M1 = 0xD2511F53, 0xCD9E8D57
-W0, W1 = 0x9E3779B9, 0xBB67AE85
-MASK = 0xFFFFFFFF
-
-
-def philox4x32_10(ctr, key):
-    """One Philox4x32 block with 10 rounds (same as philox.rs)."""
-    c0, c1, c2, c3 = ctr
-    k0, k1 = key
-    for rnd in range(10):
-        if rnd > 0:
-            k0 = (k0 + W0) & MASK
-            k1 = (k1 + W1) & MASK
-        p0 = M0 * c0
-        p1 = M1 * c2
-        hi0, lo0 = p0 >> 32, p0 & MASK
-        hi1, lo1 = p1 >> 32, p1 & MASK
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-    return [c0, c1, c2, c3]
-
-
-def uniform_open01(a, b):
-    bits = ((a << 20) ^ (b >> 12)) & ((1 << 52) - 1)
-    return (bits + 0.5) / float(1 << 52)
-
-
-def forced_length(seed, iteration, sample, max_new, median, sigma):
-    """The log-normal branch of `forced_length`: Box-Muller from two Philox uniforms."""
-    r = philox4x32_10([iteration, sample, 0, 0x4C454E47], [seed & MASK, (seed >> 32) & MASK])
-    u1, u2 = uniform_open01(r[0], r[1]), uniform_open01(r[2], r[3])
-    z = math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
-    x = median * math.exp(sigma * z)
-    rounded = math.floor(x + 0.5)  # Rust's f64::round: half away from zero (x > 0 here)
-    return int(min(max(rounded, 1), max(max_new, 1)))
-
-
-def _philox_known_answers():
-    # the Random123 known-answer vectors philox.rs tests against
-    assert philox4x32_10([0] * 4, [0] * 2) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
-    assert philox4x32_10([MASK] * 4, [MASK] * 2) == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
-    assert philox4x32_10([0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344], [0xA4093822, 0x299F31D0]) == [
-        0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
-
-
-_philox_known_answers()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import iteration_common as C  # noqa: E402
 
 ENV = os.environ
-PROMPTS = int(ENV.get("PROMPTS", "16"))
-G = int(ENV.get("G", "8"))
-MAX_NEW = int(ENV.get("MAX_NEW", "512"))
-MB = int(ENV.get("MB", str(G)))
-SEED = int(ENV.get("SEED", "42"))
-ITERATION = int(ENV.get("ITERATION", "0"))
-MEDIAN, SIGMA = float(ENV.get("MEDIAN", "256")), float(ENV.get("SIGMA", "0.6"))
-N = PROMPTS * G
-
-
-def lengths(n):
-    return [forced_length(SEED, ITERATION, s, MAX_NEW, MEDIAN, SIGMA) for s in range(n)]
-
-
-if len(sys.argv) >= 3 and sys.argv[1] == "--lengths":
-    print(json.dumps(lengths(int(sys.argv[2]))))
-    sys.exit(0)
-if len(sys.argv) >= 3 and sys.argv[1] == "--write-golden":
-    golden = {
-        "what": "forced response lengths of examples/h200-3b-video.rpx, written by tests/reference/hf_iteration.py",
-        "seed": SEED, "iteration": ITERATION, "max_new_tokens": MAX_NEW, "median": MEDIAN, "sigma": SIGMA,
-        "lengths": lengths(N),
-    }
-    with open(sys.argv[2], "w") as f:
-        json.dump(golden, f, indent=1)
-        f.write("\n")
-    sys.exit(0)
+JOB = C.Job(prompts=C.prompts_arg(sys.argv))
+PROMPTS, G, MAX_NEW, MB, SEED, ITERATION = JOB.prompts, JOB.group, JOB.max_new, JOB.micro_batch, JOB.seed, JOB.iteration
+MEDIAN, SIGMA = JOB.median, JOB.sigma
+N = JOB.samples
+lengths = JOB.lengths
+JOB.handle_length_cli(sys.argv, "tests/reference/hf_iteration.py")
 
 # ---------------------------------------------------------------------------------------------
 import torch  # noqa: E402
@@ -144,30 +77,14 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 SMALL = ENV.get("SMALL") == "1"
 DEV = ENV.get("DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
 CUDA = DEV.startswith("cuda")
-RESULTS_DIR = ENV.get("RESULTS_DIR", ".")
 GEN_BATCH = int(ENV.get("GEN_BATCH", str(N)))
-EOS_PAD = 151643
-VSTART, VEND, VIDEO = 151652, 151653, 151656
-SPECIAL = [151652, 151653, 151654, 151655, 151656]  # vision start/end/pad, image, video: never sampled
-CLIP_LO, CLIP_HI, KL_COEF = 0.2, 0.2, 0.001
+EOS_PAD, VSTART, VEND, VIDEO, SPECIAL = C.EOS_PAD, C.VSTART, C.VEND, C.VIDEO, C.SPECIAL
+CLIP_LO, CLIP_HI, KL_COEF = C.CLIP_LO, C.CLIP_HI, C.KL_COEF
 print("transformers", transformers.__version__, "torch", torch.__version__, "device", DEV, flush=True)
 
-vis = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
-           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-           fullatt_block_indexes=[7, 15, 23, 31], in_channels=3, in_chans=3)
-txt = dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-           num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=128000,
-           rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}, tie_word_embeddings=True,
-           rms_norm_eps=1e-6, hidden_act="silu")
-T, GH, GW = 4, 32, 32  # 8 frames 448x448: temporal patch 2, 14-pixel patches
-TEXT = 200
-if SMALL:
-    vis.update(depth=4, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=128,
-               fullatt_block_indexes=[1, 3])
-    txt.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]})
-    T, GH, GW = 2, 16, 16
-    TEXT = int(ENV.get("TEXT", "20"))
+DIMS = C.Dims(small=SMALL)
+vis, txt = DIMS.vis, DIMS.txt
+T, GH, GW, TEXT = DIMS.T, DIMS.GH, DIMS.GW, DIMS.TEXT
 cfg = Qwen2_5_VLConfig(vision_config=vis, text_config=txt, image_token_id=151655, video_token_id=VIDEO,
                        vision_start_token_id=VSTART, vision_end_token_id=VEND, tie_word_embeddings=True)
 for k, v in txt.items():
@@ -176,58 +93,20 @@ for k, v in txt.items():
     except Exception:
         pass
 cfg._attn_implementation = "sdpa"
-NPATCH = T * GH * GW
-NTOK = NPATCH // 4
-PROMPT_LEN = 1 + NTOK + 1 + TEXT
+NPATCH = DIMS.NPATCH
+NTOK = DIMS.NTOK
+PROMPT_LEN = DIMS.PROMPT_LEN
 
 res = {"baseline": "pytorch+transformers", "pipeline": "examples/h200-3b-video.rpx", "device": DEV,
        "torch": torch.__version__, "transformers": transformers.__version__, "small": SMALL,
        "prompts": PROMPTS, "group": G, "samples": N, "prompt_len": PROMPT_LEN, "max_new_tokens": MAX_NEW,
        "micro_batch": MB, "gen_batch": GEN_BATCH, "seed": SEED, "iteration": ITERATION,
-       "response_len": f"lognormal(median={MEDIAN:g}, sigma={SIGMA:g}) capped at {MAX_NEW}, Rollplex's forced_length"}
+       "response_len": JOB.response_len_text()}
 if CUDA:
     res["gpu"] = torch.cuda.get_device_name()
-
-
-def save():
-    with open(os.path.join(RESULTS_DIR, "hf_iteration.json"), "w") as f:
-        json.dump(res, f, indent=1)
-
-
-def sync():
-    if CUDA:
-        torch.cuda.synchronize()
-
-
-def reset_peak():
-    if CUDA:
-        torch.cuda.reset_peak_memory_stats()
-
-
-def peak_gib():
-    return torch.cuda.max_memory_allocated() / 2**30 if CUDA else None
-
-
-class Phase:
-    """Times a phase between two device synchronisations and records its peak memory."""
-
-    def __init__(self, name):
-        self.name = name
-
-    def __enter__(self):
-        sync()
-        reset_peak()
-        self.t = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        sync()
-        if exc[0] is None:
-            res[f"{self.name}_s"] = time.perf_counter() - self.t
-            res[f"{self.name}_peak_gib"] = peak_gib()
-            print(f"{self.name}: {res[f'{self.name}_s']:.3f} s, peak {res[f'{self.name}_peak_gib']} GiB", flush=True)
-            save()
-        return False
+REC = C.Recorder("hf_iteration.json", CUDA, res)
+save, sync = REC.save, REC.sync
+Phase = REC.phase
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,20 +134,13 @@ actor.generation_config.pad_token_id = EOS_PAD
 print(f"models built in {res['build_s']:.1f} s: {res['params_b']:.3f} B parameters each "
       f"({res['trainable_params_b']:.3f} B trainable)", flush=True)
 
-gen = torch.Generator(device="cpu").manual_seed(SEED)
-prompt_rows = []
-videos = []
-for _ in range(PROMPTS):
-    text = torch.randint(1000, 100000, (TEXT,), generator=gen).tolist()
-    prompt_rows.append([VSTART] + [VIDEO] * NTOK + [VEND] + text)
-    videos.append(torch.randn(NPATCH, 1176, generator=gen).to(DEV, torch.bfloat16))
+prompt_rows, videos, rewards, gen = C.make_data(JOB, DIMS, DEV)
 prompt_ids = torch.tensor(prompt_rows, device=DEV).repeat_interleave(G, 0)  # sample s is of group s // G
 pix_of = lambda samples: torch.cat([videos[s // G] for s in samples])  # noqa: E731
 grid_of = lambda samples: torch.tensor([[T, GH, GW]] * len(samples), device=DEV)  # noqa: E731
 forced = lengths(N)
 res["forced_len_mean"] = sum(forced) / N
 res["forced_len_max"] = max(forced)
-rewards = torch.randint(0, 2, (N,), generator=gen).float()
 
 
 class ForcedLengths(StoppingCriteria):
@@ -410,8 +282,7 @@ res["scoring_s"] = res["scoring_ref_s"] + res["scoring_old_s"]
 res["scoring_peak_gib"] = res["scoring_ref_peak_gib"] and max(res["scoring_ref_peak_gib"], res["scoring_old_peak_gib"])
 
 with Phase("reward"):
-    r = rewards.view(PROMPTS, G)
-    advantages = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(-1).to(DEV)
+    advantages = C.grpo_advantages(rewards, PROMPTS, G).to(DEV)
 
 actor.train()
 t_train = time.perf_counter()
@@ -446,10 +317,7 @@ print()
 print(f"PyTorch {torch.__version__} + transformers {transformers.__version__} on {res.get('gpu', DEV)}: "
       f"{PROMPTS} prompts x group {G} = {N} samples, prompt {PROMPT_LEN} tokens, responses {res['response_len']} "
       f"(mean {res['response_len_mean']:.1f}, max {res['forced_len_max']})")
-print(f"| phase | s | share | peak GiB |\n|---|---|---|---|")
-for ph in ["rollout", "scoring_ref", "scoring_old", "scoring", "reward", "training"]:
-    print(f"| {ph} | {res[ph + '_s']:.3f} | {100 * res[ph + '_s'] / res['time_s']:.1f}% | {res[ph + '_peak_gib']} |")
-print(f"| iteration | {res['time_s']:.3f} | 100% | {res.get('peak_gib')} |")
+print(C.phase_table(res))
 print(f"decode steps {res['decode_steps']} (vision + prefill {res.get('rollout_prefill_s', float('nan')):.2f} s, "
       f"median step {res.get('decode_step_ms_median') or float('nan'):.1f} ms), "
       f"rollout {res.get('rollout_tokens_per_s', float('nan')):.0f} response tokens/s, iteration {res['tokens_per_s']:.0f} response tokens/s")
