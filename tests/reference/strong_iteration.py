@@ -131,6 +131,9 @@ CUDA = DEV.type == "cuda"
 USE_GRAPHS = CUDA and not ARGS.no_graphs
 USE_COMPILE = (CUDA or ENV.get("COMPILE") == "1") and not ARGS.no_compile  # COMPILE=1: on the CPU too
 BF = torch.float32 if ARGS.check_hf else torch.bfloat16  # the check compares in fp32
+if ARGS.check_hf:  # full fp32 on the GPU too (cuDNN's convolutions take TF32 by default)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 DIMS = C.Dims(small=TINY)
 PROMPTS, G, MAX_NEW, N = JOB.prompts, JOB.group, JOB.max_new, JOB.samples
 MB = JOB.micro_batch
