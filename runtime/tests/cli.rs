@@ -77,6 +77,40 @@ fn tiny_plan(dir: &std::path::Path) -> std::path::PathBuf {
     path
 }
 
+/// A reader that closes stdout after the first line (`rollplex-run ... | head -1`) ends the run
+/// by SIGPIPE, as it ends other Unix tools: no panic message, no exit code 101.
+#[cfg(unix)]
+#[test]
+fn a_closed_stdout_ends_the_run_quietly() {
+    use std::io::BufRead;
+    use std::os::unix::process::ExitStatusExt;
+    let dir = tempfile::tempdir().unwrap();
+    let plan = tiny_plan(dir.path());
+    let mut child = Command::new(BIN)
+        .arg(&plan)
+        .args(["--backend", "cpu", "--iterations", "100000", "--out"])
+        .arg(dir.path().join("out"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("starts");
+    let mut first = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert!(first.starts_with("rollplex-run:"), "{first}");
+    // the reader is gone: the next line the run prints meets a closed pipe
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(
+        o.status.signal(),
+        Some(libc::SIGPIPE),
+        "{:?} {err}",
+        o.status
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}
+
 /// Kills a started process when the test ends early.
 struct Guard(std::process::Child);
 impl Drop for Guard {
