@@ -20,6 +20,9 @@
 //! | `ref_logprobs`, `old_logprobs` | n g R x 4 | suffixes | micro-batches |
 //! | `scalars` | n g x 8 (rewards, advantages) | reward, advantages | micro-batches |
 //!
+//! `old_prefix_kv` and `old_logprobs` exist only with an old-log-prob pass
+//! (`OldLogProbSource::Pass`); without one the micro-batches' own log-probs are the old ones.
+//!
 //! Every buffer has its [`BufferRole`] (the display names above are for people; the runtime
 //! and the later passes go by role). Every size allows the runtime's alignment of each tensor
 //! it places in the buffer ([`placed_bytes`]: it puts each buffer's tensors at the plan's
@@ -35,7 +38,7 @@
 use crate::ir::{LBufId, LogicalBuffer, Offload, PhaseGraph};
 use crate::shapes::{kept_act_bytes_per_token_layer, transient_bytes_per_token};
 use rollplex_plan::spec::{MediaSpec, Mode, Recompute};
-use rollplex_plan::{placed_bytes, BufferRole, GpuId, Op, Purpose};
+use rollplex_plan::{placed_bytes, BufferRole, GpuId, OldLogProbSource, Op, Purpose};
 
 /// Parameter tensors of the actor at most: twelve per vision block and text layer (two norms,
 /// the attention's and the MLP's weights and biases) and the embeddings, patch embedding,
@@ -290,7 +293,8 @@ pub fn assign(pg: &mut PhaseGraph) {
         )
     });
     let multi = batch.steps > 1;
-    let old_kv = multi.then(|| {
+    let old_pass = batch.old_logprobs == OldLogProbSource::Pass;
+    let old_kv = old_pass.then(|| {
         t.add(
             "old_prefix_kv",
             BufferRole::OldPrefixKv,
@@ -354,7 +358,7 @@ pub fn assign(pg: &mut PhaseGraph) {
             Offload::No,
         )
     });
-    let old_lp = multi.then(|| {
+    let old_lp = old_pass.then(|| {
         t.add(
             "old_logprobs",
             BufferRole::OldLogProbs,

@@ -1,8 +1,9 @@
 //! `rollplexc diff a.plan.yaml b.plan.yaml`: what changed between two plans, in a few lines a
 //! reviewer reads first, then the raw unified diff of their YAML forms.
 //!
-//! The summary compares, in this order: mode and target; predicted iteration time and phase
-//! spans; peak device memory per GPU program; decode windows and their SM partitions;
+//! The summary compares, in this order: mode and target; where the old log-probs come from;
+//! predicted iteration time and phase spans; peak device memory per GPU program; decode
+//! windows and their SM partitions;
 //! placements (tasks matched by name: stream, window, SMs; tasks added or removed); buffer
 //! residency per phase and sizes (buffers matched by name); reshard points; solver size and
 //! status. Lists are capped at [`MAX_ITEMS`] entries with a count of the rest.
@@ -12,7 +13,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use rollplex_plan::{Buffer, Plan, Residency, Task};
+use rollplex_plan::{Buffer, OldLogProbSource, Plan, Residency, Task};
 use similar::TextDiff;
 
 /// Entries listed per category before "... and N more".
@@ -93,6 +94,18 @@ pub fn summarize(a: &Plan, b: &Plan) -> String {
             out,
             "target: {} x {} ({} SMs) -> {} x {} ({} SMs)",
             a.target.count, a.target.gpu, a.target.sms, b.target.count, b.target.gpu, b.target.sms
+        );
+    }
+    if a.old_logprobs != b.old_logprobs {
+        let source = |s: OldLogProbSource| match s {
+            OldLogProbSource::Pass => "their own pass",
+            OldLogProbSource::TrainForward => "the training forward",
+        };
+        let _ = writeln!(
+            out,
+            "old log-probs: {} -> {}",
+            source(a.old_logprobs),
+            source(b.old_logprobs)
         );
     }
     let (ta, tb) = (a.predicted.iteration_s, b.predicted.iteration_s);
@@ -464,6 +477,7 @@ mod tests {
                 trained_groups_per_train_replica: 2,
                 group_size: 2,
             },
+            old_logprobs: OldLogProbSource::TrainForward,
             predicted: Predicted {
                 iteration_s: 1.5,
                 phases: vec![PhaseTime {
@@ -615,6 +629,19 @@ mod tests {
             "{d}"
         );
         assert!(d.contains("frozen extra kept, reshard BesideEncode"), "{d}");
+    }
+
+    #[test]
+    fn summary_names_where_old_logprobs_come_from() {
+        let a = plan();
+        let mut b = plan();
+        b.old_logprobs = OldLogProbSource::Pass;
+        let s = summarize(&a, &b);
+        assert!(
+            s.contains("old log-probs: the training forward -> their own pass"),
+            "{s}"
+        );
+        assert!(!summarize(&a, &a).contains("old log-probs"));
     }
 
     #[test]

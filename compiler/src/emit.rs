@@ -238,6 +238,7 @@ pub fn emit(pg: &PhaseGraph, s: &Sched, cost: &CostModel, solver: SolverStats) -
         },
         mode: pg.topo.mode,
         parallel: pg.topo.parallel.clone(),
+        old_logprobs: pg.topo.batch.old_logprobs,
         predicted: Predicted {
             iteration_s: round_s(s.makespan()),
             phases,

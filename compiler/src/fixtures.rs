@@ -164,6 +164,7 @@ pub fn job(edit: impl FnOnce(&mut JobSpec)) -> JobSpec {
             freeze_merger: false,
             recompute: Recompute::Full,
             groups: None,
+            old_logprobs: OldLogProbPass::Auto,
         },
         schedule: ScheduleSpec {
             mode: Mode::Overlap,

@@ -9,9 +9,11 @@
 //! Per rollout replica (on the rollout program): weight sync (colocated: the actor's current
 //! weights into the rollout layout), media encoding and prompt prefill in chunks of prompts,
 //! then decode as windows of `decode_window` steps. Per training replica (on the training
-//! program): reference prefix chunks (by prompt); actor prefix chunks (old log-probs when the
-//! iteration takes several optimizer steps, else the first step's forward with grad); per
-//! completion slot the reference suffix, old-log-prob suffix, reward and advantages; per
+//! program): reference prefix chunks (by prompt); actor prefix chunks by prompt: old log-probs
+//! when the plan has an old-log-prob pass (`topology::old_logprobs`: several optimizer steps,
+//! truncated importance sampling, or asked for), and the first step's forward with grad when the
+//! iteration takes one step; per completion slot the reference suffix, the old-log-prob suffix
+//! (with the pass), reward and advantages; per
 //! optimizer step its micro-batches (samples in training-slot order, accumulated in index
 //! order) and the step itself; prefixes of later steps are recomputed after the previous step (the
 //! weight-version rule: only version-0 work may overlap decode).
@@ -43,7 +45,7 @@ use crate::workload::Workload;
 use petgraph::graph::DiGraph;
 use rollplex_plan::spec::{AdvantageEstimator, JobSpec, Mode};
 use rollplex_plan::work::{Work, WorkKind, WorkPart};
-use rollplex_plan::{GpuId, Groups, Op, Phase, Purpose, ReshardWhat, Span};
+use rollplex_plan::{GpuId, Groups, OldLogProbSource, Op, Phase, Purpose, ReshardWhat, Span};
 
 /// Prefix work is batched into tasks of about this many prompt tokens (large enough for
 /// efficient GEMMs, small enough to pack into decode windows).
@@ -148,6 +150,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
         colocated && media && spec.train.freeze_vision && spec.train.freeze_merger;
     let ref_on = spec.reference.enabled;
     let multi_step = batch.steps > 1;
+    let old_pass = batch.old_logprobs == OldLogProbSource::Pass;
     let items = shapes.media_items as f64;
     let (rg, tg) = (topo.rollout_gpu, topo.train_gpu);
 
@@ -353,7 +356,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 &deps,
             ));
         }
-        if multi_step {
+        if old_pass {
             let item = old_prefix.len() as u32;
             old_prefix.push(b.add(
                 format!("old_prefix[{s}]"),
@@ -372,7 +375,8 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 0,
                 &deps,
             ));
-        } else {
+        }
+        if !multi_step {
             let item = train_prefix0.len() as u32;
             train_prefix0.push(b.add(
                 format!("train_prefix[{s}]"),
@@ -418,7 +422,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 &deps,
             ));
         }
-        if multi_step {
+        if old_pass {
             let mut deps = old_prefix.clone();
             deps.extend(&tail_gate);
             old_suffix.push(b.add(

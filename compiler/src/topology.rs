@@ -14,8 +14,8 @@
 #![allow(clippy::manual_is_multiple_of)]
 
 use crate::error::{CompileError, Result};
-use rollplex_plan::spec::{JobSpec, Mode};
-use rollplex_plan::{Gpu, GpuId, GpuRole, Parallelism};
+use rollplex_plan::spec::{JobSpec, Mode, OldLogProbPass};
+use rollplex_plan::{Gpu, GpuId, GpuRole, OldLogProbSource, Parallelism};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct Topology {
@@ -42,6 +42,22 @@ pub struct Batch {
     /// Optimizer steps per iteration (epochs x steps per epoch).
     pub steps: u32,
     pub micro_per_step: u32,
+    /// Whether the old log-probs get a pass of their own ([`old_logprobs`]).
+    pub old_logprobs: OldLogProbSource,
+}
+
+/// Where the loss's old log-probs come from. The pass is redundant, and left out under
+/// `old_logprobs = auto`, when the iteration takes one optimizer step over one epoch: every
+/// micro-batch's training forward then runs with the rollout's weights, the very ones the
+/// pass would use, so its own log-probs are the old ones and the ratio is exactly 1. It stays
+/// with several steps (later steps train on moved weights) and with truncated importance
+/// sampling, which weighs each token by `pi_old / pi_sampler` before the loss runs.
+pub fn old_logprobs(spec: &JobSpec, steps: u32) -> OldLogProbSource {
+    let redundant = steps == 1 && spec.train.algorithm.loss().tis_cap.is_none();
+    match spec.train.old_logprobs {
+        OldLogProbPass::Auto if redundant => OldLogProbSource::TrainForward,
+        OldLogProbPass::Auto | OldLogProbPass::Recompute => OldLogProbSource::Pass,
+    }
 }
 
 /// Checks the job's basic counts (what the DSL should have rejected, re-checked so that a
@@ -291,6 +307,7 @@ fn build(
             steps_per_epoch,
             steps,
             micro_per_step: mini / micro,
+            old_logprobs: old_logprobs(spec, steps),
         },
     })
 }

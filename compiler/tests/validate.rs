@@ -283,3 +283,53 @@ fn negative_or_nested_work() {
     }];
     assert_eq!(rules(&p), vec!["work"]);
 }
+
+/// A plan that takes the old log-probs from the training forward has no old-log-prob pass; one
+/// with the pass scores every trained slot before its micro-batch.
+#[test]
+fn old_logprobs_source_and_tasks_disagree() {
+    use rollplex_plan::spec::OldLogProbPass;
+    use rollplex_plan::{OldLogProbSource, Purpose};
+    let forced = plan(
+        &job(|s| s.train.old_logprobs = OldLogProbPass::Recompute),
+        Mode::Overlap,
+    );
+    assert_eq!(forced.old_logprobs, OldLogProbSource::Pass);
+    assert_eq!(rules(&forced), Vec::<&str>::new());
+    let mut p = forced.clone();
+    p.old_logprobs = OldLogProbSource::TrainForward;
+    p.spec.train.old_logprobs = OldLogProbPass::Auto;
+    assert_eq!(
+        rules(&p),
+        vec!["old_logprobs"],
+        "pass tasks in a plan without one"
+    );
+    let mut p = overlap_plan();
+    assert_eq!(p.old_logprobs, OldLogProbSource::TrainForward);
+    p.spec.train.old_logprobs = OldLogProbPass::Recompute;
+    assert_eq!(
+        rules(&p),
+        vec!["old_logprobs"],
+        "the job asked for the pass"
+    );
+    let mut p = overlap_plan();
+    p.old_logprobs = OldLogProbSource::Pass;
+    assert_eq!(rules(&p), vec!["old_logprobs"], "a pass that never runs");
+    // slot 0's old log-probs scored twice and slot 1's never
+    let mut p = forced;
+    let i = p
+        .tasks
+        .iter()
+        .position(|t| {
+            t.op == Op::ActorSuffix {
+                slot: 1,
+                purpose: Purpose::OldLogProb,
+            }
+        })
+        .expect("slot 1's old-log-prob suffix");
+    p.tasks[i].op = Op::ActorSuffix {
+        slot: 0,
+        purpose: Purpose::OldLogProb,
+    };
+    assert_eq!(rules(&p), vec!["old_logprobs"]);
+}

@@ -885,6 +885,10 @@ fn train(
         Some("full") => Recompute::Full,
         _ => Recompute::None,
     };
+    let old_logprobs = match t.choice(cx, "old_logprobs", &["auto", "recompute"]) {
+        Some("recompute") => OldLogProbPass::Recompute,
+        _ => OldLogProbPass::Auto,
+    };
     t.finish(cx);
     TrainSpec {
         tp,
@@ -897,6 +901,7 @@ fn train(
         freeze_merger: freeze.contains(&"merger"),
         recompute,
         groups,
+        old_logprobs,
     }
 }
 
@@ -912,6 +917,7 @@ fn stand_in_train(samples: u32) -> TrainSpec {
         freeze_merger: false,
         recompute: Recompute::None,
         groups: None,
+        old_logprobs: OldLogProbPass::Auto,
     }
 }
 

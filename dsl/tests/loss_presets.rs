@@ -103,3 +103,38 @@ fn trained_groups_size_the_default_mini_batch() {
     assert_eq!(all.train.trained_groups(&all.rollout), 8);
     assert_eq!(all.train.mini_batch, 32);
 }
+
+/// `train { old_logprobs }`: `auto` unless asked, `recompute` forces the pass; any other word
+/// is an error at the value that lists the valid ones.
+#[test]
+fn old_logprobs_is_auto_or_recompute() {
+    use rollplex_plan::spec::OldLogProbPass;
+    assert_eq!(job("grpo()", "").train.old_logprobs, OldLogProbPass::Auto);
+    assert_eq!(
+        job("grpo()", "old_logprobs = auto").train.old_logprobs,
+        OldLogProbPass::Auto
+    );
+    assert_eq!(
+        job("grpo()", "old_logprobs = recompute").train.old_logprobs,
+        OldLogProbPass::Recompute
+    );
+    let src = r#"pipeline p {
+    gpu { preset = cpu }
+    model actor { preset = tiny }
+    rollout { prompts = 8, group = 4, text_tokens = 16, max_new_tokens = 16 }
+    reward = builtin("exact_match")
+    train {
+        micro_batch = 4
+        old_logprobs = always
+    }
+}"#;
+    let Err(d) = compile_source("p.rpx", src, &MemFiles::default()) else {
+        panic!("`old_logprobs = always` checked");
+    };
+    let text = d.render("p.rpx", src, false);
+    assert!(
+        text.contains("`always` is not one of: auto, recompute"),
+        "{text}"
+    );
+    assert!(text.contains("p.rpx:8:24"), "{text}");
+}

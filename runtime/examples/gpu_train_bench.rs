@@ -147,7 +147,7 @@ impl Batch {
         (g * self.group..(g + 1) * self.group)
             .map(|r| ResponseBatch {
                 tokens: &self.tokens[r],
-                old_logp: &self.old[r],
+                old_logp: Some(&self.old[r]),
                 ref_logp: None,
                 advantages: &self.adv[r],
                 mask: &self.mask[r],

@@ -344,7 +344,7 @@ fn run_case(dir: &Path, backend: Backend, bound: Bound, quiet: bool) -> Result<C
         .windows(2)
         .map(|w| ResponseBatch {
             tokens: &tokens[w[0]..w[1]],
-            old_logp: &old[w[0]..w[1]],
+            old_logp: Some(&old[w[0]..w[1]]),
             ref_logp: Some(&refl[w[0]..w[1]]),
             advantages: &adv[w[0]..w[1]],
             mask: &mask[w[0]..w[1]],

@@ -139,7 +139,7 @@ fn main() -> Result<()> {
                 .iter()
                 .map(|a| ResponseBatch {
                     tokens: a,
-                    old_logp: &zeros,
+                    old_logp: Some(&zeros),
                     ref_logp: None,
                     advantages: &zeros,
                     mask: &mask,
@@ -171,7 +171,7 @@ fn main() -> Result<()> {
                 .enumerate()
                 .map(|(k, a)| ResponseBatch {
                     tokens: a,
-                    old_logp: &old[g][k],
+                    old_logp: Some(&old[g][k]),
                     ref_logp: None,
                     advantages: &advs[g][k],
                     mask: &mask,

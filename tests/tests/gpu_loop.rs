@@ -107,6 +107,40 @@ fn cuda_loss_variants_keep_serial_and_overlap_bitwise_identical() {
     }
 }
 
+/// With one optimizer step the plan leaves the old-log-prob pass out and the device loss takes
+/// the micro-batch's own log-probs as the old ones: the ratio is exactly 1 (nothing clipped,
+/// `approx_kl` 0) and every trained sample's old log-probs are recorded. Forced beside the
+/// first step's prompt forwards (`old_logprobs = recompute`), serial and overlap plans stay
+/// bitwise identical.
+#[test]
+fn cuda_old_logprob_pass_left_out_or_forced() {
+    if common::gpu_device().is_none() {
+        return;
+    }
+    let src = common::overlap_small_frozen();
+    let plan = common::compile("overlap_small.rpx", &src, Mode::Overlap);
+    assert_eq!(
+        plan.old_logprobs,
+        rollplex_plan::OldLogProbSource::TrainForward
+    );
+    let (rs, _) = run_gpu(&plan, 2);
+    for (i, r) in rs.iter().enumerate() {
+        let l = &r.metrics.loss;
+        assert_eq!(l.clip_frac, 0.0, "iteration {i}: ratio 1");
+        assert_eq!(l.approx_kl, 0.0, "iteration {i}: ratio 1");
+        let a = r.metrics.rollout_agreement.expect("agreement measured");
+        assert_eq!(a.tokens as usize, r.response_tokens(), "iteration {i}");
+        for (s, t) in r.tokens.iter().enumerate() {
+            let old = r.old_logp[s].as_ref().expect("old log-probs recorded");
+            assert_eq!(old.len(), t.len(), "iteration {i} sample {s}");
+        }
+    }
+    let forced = common::with_old_logprob_pass(&src);
+    let plan = common::compile("overlap_small.rpx", &forced, Mode::Overlap);
+    assert_eq!(plan.old_logprobs, rollplex_plan::OldLogProbSource::Pass);
+    serial_and_overlap_bitwise(&forced);
+}
+
 /// GSPO's sequence-level ratio has no device form yet: the CUDA trainer refuses it, saying so.
 #[test]
 fn cuda_refuses_gspo_naming_the_cpu_backend() {

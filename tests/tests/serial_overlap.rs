@@ -125,6 +125,14 @@ fn serial_and_overlap_plans_give_bitwise_identical_training() {
     let src = tiny_src();
     let serial = compile(&src, Mode::Serial, true);
     let overlap = compile(&src, Mode::Overlap, true);
+    // one optimizer step: the training forward's log-probs are the old ones, no pass of their
+    // own (`old_logprobs.rs` runs the forced pass)
+    for p in [&serial, &overlap] {
+        assert_eq!(
+            p.old_logprobs,
+            rollplex_plan::OldLogProbSource::TrainForward
+        );
+    }
     // the two plans must really schedule differently, or this test proves nothing
     let side_work = |p: &Plan| {
         p.tasks

@@ -43,6 +43,8 @@ pub struct Plan {
     pub target: Target,
     pub mode: Mode,
     pub parallel: Parallelism,
+    /// Where the policy loss's old log-probs come from.
+    pub old_logprobs: OldLogProbSource,
     pub predicted: Predicted,
     pub solver: SolverStats,
     pub gpus: Vec<Gpu>,
@@ -90,6 +92,20 @@ pub struct Parallelism {
     /// Training ops count *training slots* `0..this` (see the module docs).
     pub trained_groups_per_train_replica: u32,
     pub group_size: u32,
+}
+
+/// Where the policy loss's old log-probs (the importance ratio's denominator) come from: the
+/// compiler's answer to the job's `train.old_logprobs`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OldLogProbSource {
+    /// The plan's `ActorPrefix` / `ActorSuffix` tasks of `Purpose::OldLogProb` score them
+    /// with the rollout's weights before training (an `old_logprobs` buffer holds them).
+    Pass,
+    /// No such tasks or buffers: the iteration takes one optimizer step over one epoch, so
+    /// every micro-batch's training forward runs with the rollout's weights, and its own
+    /// log-probs, detached, are the old ones (the ratio is exactly 1).
+    TrainForward,
 }
 
 /// One GPU program: the ranks `first_rank .. first_rank + ranks` run this schedule.

@@ -299,6 +299,9 @@ pub struct TrainSpec {
     /// out and scored than trained, and the runtime picks the trained ones after rewards by
     /// [`pick_trained_groups`]'s rule, so every shape of the plan stays static.
     pub groups: Option<u32>,
+    /// Whether the old log-probs get a forward pass of their own (`train { old_logprobs }`);
+    /// the compiler's decision is the plan's `old_logprobs`.
+    pub old_logprobs: OldLogProbPass,
 }
 
 impl TrainSpec {
@@ -459,6 +462,20 @@ pub enum LrSchedule {
         total_steps: u32,
         min_lr_ratio: f64,
     },
+}
+
+/// What a pipeline asks of the old-log-prob pass (the actor's forward with the rollout's
+/// weights that gives the importance ratio its denominator).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OldLogProbPass {
+    /// Run it only when it can differ from the training forward: several optimizer steps per
+    /// iteration (mini-batches or epochs), or truncated importance sampling, which weighs each
+    /// token by `pi_old / pi_sampler` before the loss. Otherwise every micro-batch's forward
+    /// runs with the rollout's weights and its own log-probs, detached, are the old ones.
+    Auto,
+    /// Always run it.
+    Recompute,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -40,13 +40,22 @@
 //!   `OptimizerStep{S}` runs; host copies, and only they, are in host arenas, and an offload
 //!   writes (a reload reads) a host copy and nothing else; the decode KV arena's `kv_prompt`
 //!   starts at the aligned end of its `kv_response` (the runtime sees them as one range).
+//! - `old_logprobs`: the plan's `old_logprobs` says where the loss's old log-probs come from.
+//!   `train_forward`: no old-log-prob task (`Purpose::OldLogProb`) or buffer, one optimizer
+//!   step per iteration (every micro-batch and step is step 0), no truncated importance
+//!   sampling and no `recompute` asked in the spec. `pass`: every micro-batch happens after
+//!   the old-log-prob suffix of each completion slot it trains (of every slot under dynamic
+//!   sampling), on its GPU program.
 //! - `work`: every task's work amounts (its own and its parts') are finite and >= 0, and
 //!   parts hold no parts of their own.
 //! - `timing`: predicted times are finite, `start_s <= end_s`, a task starts no earlier than
 //!   its dependencies end, and tasks of a stream do not overlap in time.
 
 use crate::ids::{BufferId, GpuId, Groups, TaskId};
-use crate::plan::{align_up, ArenaKind, BufferRole, GpuRole, Lifetime, Op, Plan};
+use crate::plan::{
+    align_up, ArenaKind, BufferRole, GpuRole, Lifetime, OldLogProbSource, Op, Plan, Purpose,
+};
+use crate::spec::OldLogProbPass;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
@@ -110,6 +119,7 @@ pub fn validate(plan: &Plan) -> Result<(), Violations> {
     v.ranges();
     v.memory(&hb);
     v.roles();
+    v.old_logprobs(&hb);
     v.work();
     v.timing();
     if v.out.is_empty() {
@@ -605,6 +615,123 @@ impl Checker<'_> {
                         t.id, t.name, t.op
                     ),
                 );
+            }
+        }
+    }
+
+    fn old_logprobs(&mut self, hb: &HappensBefore) {
+        let p = self.plan;
+        let is_old = |op: &Op| {
+            matches!(
+                op,
+                Op::ActorPrefix {
+                    purpose: Purpose::OldLogProb,
+                    ..
+                } | Op::ActorSuffix {
+                    purpose: Purpose::OldLogProb,
+                    ..
+                }
+            )
+        };
+        match p.old_logprobs {
+            OldLogProbSource::TrainForward => {
+                let reason = "the plan takes the old log-probs from the training forward";
+                for t in p.tasks.iter().filter(|t| is_old(&t.op)) {
+                    self.err(
+                        "old_logprobs",
+                        format!(
+                            "{} `{}` is an old-log-prob pass, but {reason}",
+                            t.id, t.name
+                        ),
+                    );
+                }
+                for b in &p.buffers {
+                    if matches!(b.role, BufferRole::OldLogProbs | BufferRole::OldPrefixKv) {
+                        self.err(
+                            "old_logprobs",
+                            format!(
+                                "{} `{}` holds old-log-prob state, but {reason}",
+                                b.id, b.name
+                            ),
+                        );
+                    }
+                }
+                for t in &p.tasks {
+                    if let Op::TrainMicroBatch { step, .. } | Op::OptimizerStep { step } = t.op {
+                        if step != 0 {
+                            self.err(
+                                "old_logprobs",
+                                format!(
+                                    "{} `{}` trains at optimizer step {step}: after the first step the weights are no longer the rollout's, yet {reason}",
+                                    t.id, t.name
+                                ),
+                            );
+                        }
+                    }
+                }
+                let train = &p.spec.train;
+                if train.algorithm.loss().tis_cap.is_some() {
+                    self.err(
+                        "old_logprobs",
+                        format!("truncated importance sampling (`tis_cap`) weighs tokens by the old log-probs before the loss, yet {reason}"),
+                    );
+                }
+                if train.old_logprobs == OldLogProbPass::Recompute {
+                    self.err(
+                        "old_logprobs",
+                        format!("the job asks for the old-log-prob pass (`old_logprobs = recompute`), yet {reason}"),
+                    );
+                }
+            }
+            OldLogProbSource::Pass => {
+                let par = &p.parallel;
+                let (g, scored) = (par.group_size.max(1), par.prompts_per_train_replica);
+                let dynamic = par.trained_groups_per_train_replica < scored;
+                let mut suffixes: BTreeMap<(GpuId, u32), Vec<TaskId>> = BTreeMap::new();
+                for o in &p.tasks {
+                    if let Op::ActorSuffix {
+                        slot,
+                        purpose: Purpose::OldLogProb,
+                    } = o.op
+                    {
+                        suffixes.entry((o.gpu, slot)).or_default().push(o.id);
+                    }
+                }
+                for t in &p.tasks {
+                    let Op::TrainMicroBatch { samples, .. } = t.op else {
+                        continue;
+                    };
+                    // the completion slots whose old log-probs the micro-batch reads (under
+                    // dynamic sampling its training slots may be any of them)
+                    let (first, end) = if dynamic {
+                        (0, scored)
+                    } else {
+                        (samples.start / g, samples.end.div_ceil(g).min(scored))
+                    };
+                    // a slot is scored when one of its suffixes on this program happens before;
+                    // counted over the suffixes that exist, so a broken plan's huge ranges
+                    // cost nothing
+                    let done: Vec<u32> = suffixes
+                        .range((t.gpu, first)..(t.gpu, end.max(first)))
+                        .filter(|(_, os)| os.iter().any(|&o| hb.strictly_before(o, t.id)))
+                        .map(|(&(_, k), _)| k)
+                        .collect();
+                    let wanted = end.saturating_sub(first);
+                    if done.len() as u64 != u64::from(wanted) {
+                        let missing = (first..end)
+                            .find(|k| done.binary_search(k).is_err())
+                            .unwrap_or(first);
+                        self.err(
+                            "old_logprobs",
+                            format!(
+                                "{} `{}` trains on the old log-probs of slots {first}..{end}, but {} of them (slot {missing} first) have no old-log-prob suffix before it",
+                                t.id,
+                                t.name,
+                                wanted as usize - done.len()
+                            ),
+                        );
+                    }
+                }
             }
         }
     }

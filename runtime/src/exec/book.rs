@@ -14,7 +14,7 @@
 //! spec, never of the order in which the walker ran tasks: slots are bound in (finish step,
 //! group) order within a decode window, and a window's steps run in step order.
 
-use rollplex_plan::plan::Plan;
+use rollplex_plan::plan::{OldLogProbSource, Plan};
 use rollplex_plan::spec::{pick_trained_groups, AdvantageEstimator, JobSpec};
 use rollplex_plan::{Groups, Span};
 
@@ -29,7 +29,9 @@ use crate::train::loss::{grpo_advantages, reinforce_baseline_advantages, tis_wei
 #[derive(Clone, Debug)]
 pub struct TrainInputs {
     pub sample: usize,
-    pub old_logp: Vec<f32>,
+    /// `None`: the plan has no old-log-prob pass, the training forward's own log-probs are the
+    /// old ones ([`ResponseBatch::old_logp`]).
+    pub old_logp: Option<Vec<f32>>,
     pub advantages: Vec<f32>,
     pub ref_logp: Option<Vec<f32>>,
     pub mask: Vec<bool>,
@@ -40,7 +42,7 @@ impl TrainInputs {
     pub fn batch<'a>(&'a self, tokens: &'a [u32]) -> ResponseBatch<'a> {
         ResponseBatch {
             tokens,
-            old_logp: &self.old_logp,
+            old_logp: self.old_logp.as_deref(),
             ref_logp: self.ref_logp.as_deref(),
             advantages: &self.advantages,
             mask: &self.mask,
@@ -80,7 +82,11 @@ pub struct Book<'a, 'r> {
     /// Groups that finished in the running decode window: (finish step, group).
     newly_done: Vec<(u32, u32)>,
     pub ref_logp: Vec<Option<Vec<f32>>>,
+    /// Per sample: the old-log-prob pass's log-probs or, without one, the training forward's
+    /// (recorded once its micro-batch ran).
     pub old_logp: Vec<Option<Vec<f32>>>,
+    /// Where the loss's old log-probs come from (the plan's decision).
+    old_source: OldLogProbSource,
     rewards: Vec<Option<f32>>,
     advantages: Vec<Option<f32>>,
     /// Groups each training replica trains (all of them unless dynamic sampling).
@@ -88,7 +94,7 @@ pub struct Book<'a, 'r> {
     /// Dynamic sampling: training slot -> group, once every reward is in.
     picked: Option<Vec<usize>>,
     /// Per sample: the sampler's log-probs against the old-log-prob pass or, without one, the
-    /// first optimizer step's training forward (summed in sample order at the end).
+    /// training forward (summed in sample order at the end).
     agreement: Vec<Option<Agreement>>,
     pub metrics: IterationMetrics,
 }
@@ -136,6 +142,7 @@ impl<'a, 'r> Book<'a, 'r> {
             newly_done: Vec::new(),
             ref_logp: vec![None; samples],
             old_logp: vec![None; samples],
+            old_source: plan.old_logprobs,
             rewards: vec![None; samples],
             advantages: vec![None; samples],
             trained: plan.parallel.trained_groups_per_train_replica as usize,
@@ -455,22 +462,37 @@ impl<'a, 'r> Book<'a, 'r> {
                 let adv = self.advantages[s].ok_or_else(|| {
                     ExecError::Plan(format!("sample {s} trained before its advantage"))
                 })?;
+                // With an old-log-prob pass its log-probs are the ratio's denominator; without
+                // one the training forward's own are (the loss takes them, detached).
+                let old_logp = match self.old_source {
+                    OldLogProbSource::Pass => Some(self.old_logp[s].clone().ok_or_else(|| {
+                        ExecError::Plan(format!(
+                            "sample {s} trained before its old log-probs were scored"
+                        ))
+                    })?),
+                    OldLogProbSource::TrainForward => None,
+                };
                 // Truncated importance sampling weighs each token's policy-gradient term by
                 // min(pi_old / pi_sampler, cap): a positive constant, applied to the advantage.
-                // Without an old-log-prob pass the old policy is the sampler: weight 1.
-                let advantages = match (tis_cap, &self.old_logp[s]) {
+                // It needs the old log-probs before the loss: the plan has the pass then.
+                let advantages = match (tis_cap, &old_logp) {
                     (Some(cap), Some(old)) => old
                         .iter()
                         .zip(&self.rollout_logp[s])
                         .map(|(&o, &r)| (adv as f64 * tis_weight(o, r, cap)) as f32)
                         .collect(),
-                    _ => vec![adv; n],
+                    (Some(_), None) => {
+                        return Err(ExecError::Plan(
+                            "truncated importance sampling (`tis_cap`) needs the old-log-prob \
+                             pass, which the plan leaves out: recompile the plan"
+                                .into(),
+                        ))
+                    }
+                    (None, _) => vec![adv; n],
                 };
                 rs.push(TrainInputs {
                     sample: s,
-                    old_logp: self.old_logp[s]
-                        .clone()
-                        .unwrap_or_else(|| self.rollout_logp[s].clone()),
+                    old_logp,
                     advantages,
                     ref_logp: self.ref_logp[s].clone(),
                     mask: vec![true; n],
@@ -486,19 +508,18 @@ impl<'a, 'r> Book<'a, 'r> {
     }
 
     /// Records what a `TrainMicroBatch` op of optimizer step `step` produced: its loss metrics
-    /// and, on the first step of an iteration without an old-log-prob pass, the agreement of the
-    /// training forward's log-probs with the sampler's.
+    /// and, in an iteration without an old-log-prob pass (one step), the training forward's
+    /// log-probs as the old ones and their agreement with the sampler's.
     pub fn micro_batch_done(&mut self, step: u32, mb: &MicroBatchInputs, out: &MicroBatchOutput) {
         self.metrics.loss.add(&out.metrics);
         self.metrics.micro_batches += 1;
-        if step != 0 {
+        if step != 0 || self.old_source != OldLogProbSource::TrainForward {
             return;
         }
         let samples = mb.inputs.iter().flatten().map(|r| r.sample);
         for (s, lp) in samples.zip(&out.logp) {
-            if self.old_logp[s].is_none() {
-                self.agreement[s] = Some(Agreement::of(&self.rollout_logp[s], lp));
-            }
+            self.agreement[s] = Some(Agreement::of(&self.rollout_logp[s], lp));
+            self.old_logp[s] = Some(lp.clone());
         }
     }
 

@@ -223,8 +223,8 @@ pub struct IterationMetrics {
     /// mark (weights, optimizer state and every buffer the iteration allocated); on cpu the
     /// process's resident-set high-water mark. `None` where it could not be read.
     pub peak_mem_bytes: Option<u64>,
-    /// The sampler's token log-probs against the trainer's (the old-log-prob pass, or the first
-    /// optimizer step's forward when there is none); `None` when nothing was compared.
+    /// The sampler's token log-probs against the trainer's (the old-log-prob pass, or the
+    /// training forward when the plan has none); `None` when nothing was compared.
     pub rollout_agreement: Option<Agreement>,
     /// Dynamic sampling: the rolled-out groups whose rewards were not all equal.
     pub groups_with_variance: Option<u32>,
@@ -291,6 +291,8 @@ pub struct IterationResult {
     /// Log-probs of the sampled tokens as the rollout computed them.
     pub rollout_logp: Vec<Vec<f32>>,
     pub ref_logp: Vec<Option<Vec<f32>>>,
+    /// Old log-probs: the old-log-prob pass's (every scored sample) or, in a plan without one,
+    /// the training forward's (the trained samples; the loss's ratio is exactly 1 then).
     pub old_logp: Vec<Option<Vec<f32>>>,
     pub rewards: Vec<f32>,
     pub advantages: Vec<f32>,

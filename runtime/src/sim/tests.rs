@@ -109,6 +109,7 @@ fn spec() -> JobSpec {
             freeze_merger: false,
             recompute: Recompute::None,
             groups: None,
+            old_logprobs: OldLogProbPass::Auto,
         },
         schedule: ScheduleSpec {
             mode: Mode::Overlap,
@@ -346,6 +347,7 @@ fn plan(split: Option<(u32, u32)>) -> Plan {
             trained_groups_per_train_replica: 2,
             group_size: 2,
         },
+        old_logprobs: OldLogProbSource::TrainForward,
         predicted: Predicted {
             iteration_s: 0.0,
             phases: vec![],

@@ -644,7 +644,7 @@ mod grads {
         let responses: Vec<ResponseBatch<'_>> = (0..3)
             .map(|i| ResponseBatch {
                 tokens: toks[i],
-                old_logp: &old[i],
+                old_logp: Some(&old[i]),
                 ref_logp: None,
                 advantages: &adv[i],
                 mask: &masks[i],
@@ -843,7 +843,7 @@ mod grads {
         let responses: Vec<ResponseBatch<'_>> = (0..3)
             .map(|i| ResponseBatch {
                 tokens: toks[i],
-                old_logp: &old[i],
+                old_logp: Some(&old[i]),
                 ref_logp: Some(&refl[i]),
                 advantages: &adv[i],
                 mask: &mask[i],

@@ -102,8 +102,10 @@ impl TrainConfig {
 #[derive(Clone, Copy, Debug)]
 pub struct ResponseBatch<'a> {
     pub tokens: &'a [u32],
-    /// Log-probs under the rollout policy (the ratio's denominator).
-    pub old_logp: &'a [f32],
+    /// Log-probs under the rollout policy (the ratio's denominator); `None`: the forward's own
+    /// log-probs, detached, are the old ones (the forward runs with the rollout's weights: one
+    /// optimizer step per iteration), so the ratio is exactly 1.
+    pub old_logp: Option<&'a [f32]>,
     /// Log-probs under the reference model (required when `kl_coef > 0`).
     pub ref_logp: Option<&'a [f32]>,
     /// Per-token advantages (GRPO: the sample's advantage on every token).
@@ -345,7 +347,9 @@ impl RankModel<'_> {
         for (r, resp) in g.responses.iter().enumerate() {
             let n = resp.tokens.len();
             let what = |x: &str| format!("group {gi} response {r} {x}");
-            check_len(&what("old_logp"), n, resp.old_logp.len())?;
+            if let Some(old) = resp.old_logp {
+                check_len(&what("old_logp"), n, old.len())?;
+            }
             check_len(&what("advantages"), n, resp.advantages.len())?;
             check_len(&what("mask"), n, resp.mask.len())?;
             if let Some(rl) = resp.ref_logp {
@@ -389,7 +393,7 @@ impl RankModel<'_> {
         for (resp, sc) in g.responses.iter().zip(&scores) {
             logp.extend_from_slice(&sc.logp);
             ent.extend_from_slice(&sc.entropy);
-            old.extend_from_slice(resp.old_logp);
+            old.extend_from_slice(resp.old_logp.unwrap_or(&sc.logp));
             adv.extend_from_slice(resp.advantages);
             mask.extend_from_slice(resp.mask);
             if let Some(rl) = resp.ref_logp.filter(|_| has_ref) {

@@ -129,7 +129,7 @@ impl Group {
         which
             .map(|r| ResponseBatch {
                 tokens: &self.tokens[r],
-                old_logp: &self.old[r],
+                old_logp: Some(&self.old[r]),
                 ref_logp: Some(&self.refl[r]),
                 advantages: &self.adv[r],
                 mask: &self.mask[r],
@@ -366,6 +366,64 @@ fn recompute_gives_bitwise_the_kept_gradients() {
         .iter()
         .zip(&again)
         .all(|(a, b)| a.to_bits() == b.to_bits()));
+}
+
+/// Without old log-probs (`old_logp: None`, a plan without the old-log-prob pass) the forward's
+/// own, detached, are the old ones: the ratio is exactly 1, nothing is clipped, and the
+/// gradient is bit for bit the one of giving the model's scored log-probs as the old ones (the
+/// training forward scores the tokens as the plain forward does).
+#[test]
+fn own_logprobs_are_the_old_ones_without_a_pass() {
+    let m = tiny_model(false);
+    let c = cfg(Recompute::None, LossAgg::TokenMean);
+    let g = Group::new(&m, &[5, 3, 7], 0.4, 21);
+    let media = g.media();
+    let scored = g.current_logp(&m);
+    let run = |given: bool| {
+        let resp: Vec<ResponseBatch<'_>> = g
+            .responses(0..3)
+            .into_iter()
+            .zip(&scored)
+            .map(|(r, lp)| ResponseBatch {
+                old_logp: given.then_some(&lp[..]),
+                ..r
+            })
+            .collect();
+        let batch = [GroupBatch {
+            prompt_ids: &g.prompt,
+            media: &media,
+            responses: &resp,
+        }];
+        let mut grads = vec![0f32; m.weights.table.total()];
+        let out = forward_backward(&m, &c, &batch, g.norm(), &mut grads).unwrap();
+        (out, grads)
+    };
+    let (own, g_own) = run(false);
+    let (given, g_given) = run(true);
+    let bits = |v: &[Vec<f32>]| -> Vec<Vec<u32>> {
+        v.iter()
+            .map(|r| r.iter().map(|x| x.to_bits()).collect())
+            .collect()
+    };
+    assert_eq!(
+        bits(&own.logp),
+        bits(&scored),
+        "the training forward's log-probs are the scored ones"
+    );
+    for out in [&own, &given] {
+        assert_eq!(out.metrics.clip_frac, 0.0);
+        assert_eq!(out.metrics.approx_kl, 0.0);
+        assert!(out.metrics.kl > 0.0, "the KL to the reference still counts");
+    }
+    assert_eq!(own.metrics, given.metrics);
+    assert!(g_own.iter().any(|&x| x != 0.0), "a gradient at all");
+    assert!(
+        g_own
+            .iter()
+            .zip(&g_given)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "the gradients differ"
+    );
 }
 
 /// Four responses of one group as one micro-batch, or as two micro-batches of two (each

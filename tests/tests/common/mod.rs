@@ -75,6 +75,18 @@ pub fn overlap_small_frozen() -> String {
     )
 }
 
+/// `src` with `old_logprobs = recompute` in its `train` section: the old-log-prob pass
+/// forced where one optimizer step would leave it out.
+pub fn with_old_logprob_pass(src: &str) -> String {
+    let head = "    train {";
+    let at = src.find(head).expect("a `train {` section") + head.len();
+    format!(
+        "{}\n        old_logprobs = recompute{}",
+        &src[..at],
+        &src[at..]
+    )
+}
+
 /// A scratch directory under the system temp dir, removed when dropped.
 pub struct Scratch(PathBuf);
 impl Scratch {

@@ -15,8 +15,9 @@
 //!   `ActorPrefix{Train}`: on this backend the micro-batch's forward recomputes its prefix (the
 //!   forward is deterministic, so the numbers are those of a kept prefix); the task is counted.
 //! - `Reward`, `Advantages`: per slot. `TrainMicroBatch`: forward + loss + backward of whole
-//!   groups in slot order, accumulated in micro-batch order; `OptimizerStep`: AdamW with the
-//!   global grad-norm clip.
+//!   groups in slot order, accumulated in micro-batch order (in a plan without an
+//!   old-log-prob pass the loss takes the forward's own log-probs, detached, as the old ones);
+//!   `OptimizerStep`: AdamW with the global grad-norm clip.
 //! - `WeightSync`: colocated, rollout reads the trainer's weights in place: nothing to copy.
 //!   Disaggregated (rollout on one GPU program, scoring and training on another), the rollout's
 //!   own copy of the actor ([`CpuModels::rollout`](super::CpuModels::rollout)) is replaced by the

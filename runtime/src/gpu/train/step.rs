@@ -208,13 +208,26 @@ impl GpuTrainer {
     }
 
     /// The responses' training inputs: one value per token, reference log-probs where the loss
-    /// needs them.
+    /// needs them, old log-probs for every response of the call or for none (the forward's
+    /// own are the old ones then).
     fn check_groups(&self, groups: &[PrefixedGroup<'_>]) -> Result<()> {
+        let all = groups.iter().flat_map(|g| g.responses);
+        let with_old = all.clone().filter(|r| r.old_logp.is_some()).count();
+        if with_old != 0 && with_old != all.count() {
+            return Err(TrainError::Invalid(format!(
+                "old log-probs given for {with_old} responses of a micro-batch but not for the \
+                 others: give them for every response, or for none (the training forward's own \
+                 log-probs are the old ones then)"
+            ))
+            .into());
+        }
         for (gi, g) in groups.iter().enumerate() {
             for (r, resp) in g.responses.iter().enumerate() {
                 let n = resp.tokens.len();
                 let what = |x: &str| format!("group {gi} response {r} {x}");
-                crate::train::check_len(&what("old_logp"), n, resp.old_logp.len())?;
+                if let Some(old) = resp.old_logp {
+                    crate::train::check_len(&what("old_logp"), n, old.len())?;
+                }
                 crate::train::check_len(&what("advantages"), n, resp.advantages.len())?;
                 crate::train::check_len(&what("mask"), n, resp.mask.len())?;
                 if let Some(rl) = resp.ref_logp {
@@ -412,7 +425,8 @@ impl GpuTrainer {
         let x = PolicyLossInputs {
             tokens: n_head,
             logp: &head.lp,
-            old_logp: &li.old,
+            // without old log-probs the forward's own are the old ones (ratio exactly 1)
+            old_logp: li.old.as_ref().unwrap_or(&head.lp),
             ref_logp: li.all_ref.then_some(&li.refl as &dyn DevicePtr<f32>),
             advantages: &li.adv,
             mask: &li.mask,
@@ -503,7 +517,8 @@ impl Batch<'_, '_> {
 struct LossInputs {
     /// Whether every response carries reference log-probs (else `refl` is empty).
     all_ref: bool,
-    old: CudaSlice<f32>,
+    /// `None`: the call's responses carry no old log-probs (the forward's own are the old ones).
+    old: Option<CudaSlice<f32>>,
     adv: CudaSlice<f32>,
     refl: CudaSlice<f32>,
     seq: CudaSlice<u32>,
@@ -523,7 +538,10 @@ impl LossInputs {
         let all_ref = groups
             .iter()
             .all(|g| g.responses.iter().all(|r| r.ref_logp.is_some()));
-        let mut old_h = vec![0f32; n_head];
+        let all_old = groups
+            .iter()
+            .all(|g| g.responses.iter().all(|r| r.old_logp.is_some()));
+        let mut old_h = vec![0f32; if all_old { n_head } else { 0 }];
         let mut adv_h = vec![0f32; n_head];
         let mut ref_h = vec![0f32; if all_ref { n_head } else { 0 }];
         let mut loss_seqs: Vec<(usize, &[bool])> = Vec::new();
@@ -534,7 +552,9 @@ impl LossInputs {
                     continue;
                 };
                 let rows = a..a + resp.tokens.len();
-                old_h[rows.clone()].copy_from_slice(resp.old_logp);
+                if let (true, Some(old)) = (all_old, resp.old_logp) {
+                    old_h[rows.clone()].copy_from_slice(old);
+                }
                 adv_h[rows.clone()].copy_from_slice(resp.advantages);
                 if let (true, Some(rl)) = (all_ref, resp.ref_logp) {
                     ref_h[rows].copy_from_slice(rl);
@@ -545,7 +565,11 @@ impl LossInputs {
         let tables = LossTables::new(n_head, &loss_seqs)?;
         Ok(LossInputs {
             all_ref,
-            old: upload(s, &old_h)?,
+            old: if all_old {
+                Some(upload(s, &old_h)?)
+            } else {
+                None
+            },
             adv: upload(s, &adv_h)?,
             refl: upload(s, &ref_h)?,
             seq: upload(s, &tables.seq)?,

@@ -143,7 +143,7 @@ impl Group {
         (0..self.tokens.len())
             .map(|r| ResponseBatch {
                 tokens: &self.tokens[r],
-                old_logp: &self.old[r],
+                old_logp: Some(&self.old[r]),
                 ref_logp: Some(&self.refl[r]),
                 advantages: &self.adv[r],
                 mask: &self.mask[r],
@@ -793,4 +793,86 @@ fn kept_activations_give_the_recomputed_gradient_bitwise() {
     assert_eq!(a.metrics.loss.to_bits(), b.metrics.loss.to_bits(), "loss");
     let differ = ga.iter().zip(&gb).filter(|(x, y)| x != y).count();
     assert_eq!(differ, 0, "{differ} of {} gradient values differ", ga.len());
+}
+
+/// Without old log-probs (`old_logp: None`, a plan without the old-log-prob pass) the device
+/// loss takes the forward's own as the old ones: the ratio is exactly 1, nothing is clipped, and
+/// the gradient is bit for bit the one of giving those log-probs; old log-probs for some
+/// responses of a call but not others are refused.
+#[test]
+fn own_logprobs_are_the_old_ones_without_a_pass() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let s = gpu.stream(0).unwrap();
+    let m = model(false);
+    let groups = [
+        Group::new(&m, &[4, 6, 1], 0.1, 1),
+        Group::new(&m, &[5, 3, 7], 0.1, 2),
+    ];
+    let norm = norm_of(&groups);
+    let media: Vec<_> = groups.iter().map(|g| g.media()).collect();
+    let run = |old: &dyn Fn(usize, usize) -> Option<Vec<f32>>| {
+        let owned: Vec<Vec<Option<Vec<f32>>>> = groups
+            .iter()
+            .enumerate()
+            .map(|(gi, g)| (0..g.tokens.len()).map(|r| old(gi, r)).collect())
+            .collect();
+        let resp: Vec<Vec<ResponseBatch<'_>>> = groups
+            .iter()
+            .zip(&owned)
+            .map(|(g, o)| {
+                g.responses()
+                    .into_iter()
+                    .zip(o)
+                    .map(|(r, lp)| ResponseBatch {
+                        old_logp: lp.as_deref(),
+                        ..r
+                    })
+                    .collect()
+            })
+            .collect();
+        let batch: Vec<GpuGroupBatch<'_>> = groups
+            .iter()
+            .enumerate()
+            .map(|(i, g)| GpuGroupBatch {
+                prompt_ids: &g.prompt,
+                media: PromptMedia::Raw(&media[i]),
+                responses: &resp[i],
+            })
+            .collect();
+        let mut t = GpuTrainer::new(&gpu, &s, &m, train_cfg(), adamw(1e-3)).unwrap();
+        let out = t.micro_batch(&gpu, &s, 0, &batch, norm)?;
+        let g: Vec<u32> = t
+            .grads_host(&s)
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect();
+        Ok::<_, GpuTrainError>((out, g))
+    };
+    let (own, g_own) = run(&|_, _| None).unwrap();
+    let lps: Vec<Vec<f32>> = own.logp.clone();
+    let sizes: Vec<usize> = groups.iter().map(|g| g.tokens.len()).collect();
+    let index = |gi: usize, r: usize| sizes[..gi].iter().sum::<usize>() + r;
+    let (given, g_given) = run(&|gi, r| Some(lps[index(gi, r)].clone())).unwrap();
+    for out in [&own, &given] {
+        assert_eq!(out.metrics.clip_frac, 0.0);
+        assert_eq!(out.metrics.approx_kl, 0.0);
+    }
+    assert_eq!(own.metrics.loss.to_bits(), given.metrics.loss.to_bits());
+    assert!(g_own.iter().any(|&x| x != 0), "a gradient at all");
+    let differ = g_own.iter().zip(&g_given).filter(|(x, y)| x != y).count();
+    assert_eq!(
+        differ,
+        0,
+        "{differ} of {} gradient values differ",
+        g_own.len()
+    );
+    let mixed = run(&|gi, r| ((gi, r) == (0, 0)).then(|| lps[0].clone()));
+    let e = mixed
+        .expect_err("old log-probs for one response only")
+        .to_string();
+    assert!(
+        e.contains("old log-probs given for 1 responses of a micro-batch"),
+        "{e}"
+    );
 }

@@ -1,0 +1,211 @@
+//! The old-log-prob pass left out (`old_logprobs = auto` with one optimizer step per iteration)
+//! against the pass forced (`old_logprobs = recompute`), end to end on the CPU backend: the
+//! training forward runs with the rollout's weights, so its own log-probs are the pass's, bit
+//! for bit, and the two runs give the same samples, losses, metrics and trained weights. Serial
+//! and overlap plans of the forced pass stay bitwise identical (the skipped case:
+//! `serial_overlap.rs`).
+
+mod common;
+
+use rollplex_plan::spec::Mode;
+use rollplex_plan::{OldLogProbSource, Op, Plan, Purpose};
+use rollplex_runtime::exec::{self, IterationResult};
+
+fn compile(src: &str, mode: Mode) -> Plan {
+    common::compile(&format!("{mode:?}.rpx"), src, mode)
+}
+
+/// Runs `iterations` RL iterations: every result and the final weights' bits.
+fn run(plan: &Plan, iterations: u32) -> (Vec<IterationResult>, Vec<u32>) {
+    let spec = &plan.spec;
+    let mut models = [exec::build_cpu_models(spec).expect("models")];
+    let mut source = exec::data_source(spec, &spec.rollout.dataset).expect("data");
+    let mut reward = exec::reward_fn(spec).expect("reward");
+    let mut results = Vec::new();
+    exec::run_cpu_iterations(
+        plan,
+        &mut models,
+        source.as_mut(),
+        reward.as_mut(),
+        0,
+        iterations,
+        |_, r, _| {
+            results.push(r.clone());
+            Ok(())
+        },
+    )
+    .expect("run");
+    let bits = models[0]
+        .actor()
+        .weights
+        .data
+        .iter()
+        .map(|x| x.to_bits())
+        .collect();
+    (results, bits)
+}
+
+fn old_tasks(p: &Plan) -> usize {
+    p.tasks
+        .iter()
+        .filter(|t| {
+            matches!(
+                t.op,
+                Op::ActorPrefix {
+                    purpose: Purpose::OldLogProb,
+                    ..
+                } | Op::ActorSuffix {
+                    purpose: Purpose::OldLogProb,
+                    ..
+                }
+            )
+        })
+        .count()
+}
+
+fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    v.iter()
+        .map(|r| r.iter().map(|f| f.to_bits()).collect())
+        .collect()
+}
+
+fn obits(v: &[Option<Vec<f32>>]) -> Vec<Option<Vec<u32>>> {
+    v.iter()
+        .map(|r| r.as_ref().map(|r| r.iter().map(|f| f.to_bits()).collect()))
+        .collect()
+}
+
+/// Everything the two runs produced, bit for bit, the loss metrics included.
+fn assert_same(
+    a: &(Vec<IterationResult>, Vec<u32>),
+    b: &(Vec<IterationResult>, Vec<u32>),
+    what: &str,
+) {
+    assert_eq!(a.0.len(), b.0.len());
+    for (i, (x, y)) in a.0.iter().zip(&b.0).enumerate() {
+        let at = format!("{what}: iteration {i}");
+        assert_eq!(x.tokens, y.tokens, "{at}: sampled tokens");
+        assert_eq!(
+            bits(&x.rollout_logp),
+            bits(&y.rollout_logp),
+            "{at}: rollout log-probs"
+        );
+        assert_eq!(
+            obits(&x.ref_logp),
+            obits(&y.ref_logp),
+            "{at}: reference log-probs"
+        );
+        assert_eq!(
+            obits(&x.old_logp),
+            obits(&y.old_logp),
+            "{at}: old log-probs"
+        );
+        assert_eq!(x.rewards, y.rewards, "{at}: rewards");
+        assert_eq!(x.advantages, y.advantages, "{at}: advantages");
+        let (l, m) = (&x.metrics.loss, &y.metrics.loss);
+        for (name, p, q) in [
+            ("loss", l.loss, m.loss),
+            ("pg_loss", l.pg_loss, m.pg_loss),
+            ("kl", l.kl, m.kl),
+            ("clip_frac", l.clip_frac, m.clip_frac),
+            ("approx_kl", l.approx_kl, m.approx_kl),
+            ("grad norm", x.metrics.grad_norm, y.metrics.grad_norm),
+        ] {
+            assert_eq!(p.to_bits(), q.to_bits(), "{at}: {name} {p} against {q}");
+        }
+        assert_eq!(
+            l.entropy.map(f64::to_bits),
+            m.entropy.map(f64::to_bits),
+            "{at}: entropy"
+        );
+        assert_eq!(
+            x.metrics.rollout_agreement, y.metrics.rollout_agreement,
+            "{at}: rollout/trainer agreement"
+        );
+    }
+    assert!(a.1 == b.1, "{what}: trained weights differ");
+}
+
+/// The ratio is exactly 1 and every trained sample has its old log-probs.
+fn assert_on_policy(rs: &[IterationResult], what: &str) {
+    for (i, r) in rs.iter().enumerate() {
+        let l = &r.metrics.loss;
+        assert_eq!(r.metrics.optimizer_steps, 1, "{what}: iteration {i}");
+        assert_eq!(
+            (l.clip_frac, l.approx_kl),
+            (0.0, 0.0),
+            "{what}: iteration {i}: ratio 1"
+        );
+        let a = r.metrics.rollout_agreement.expect("agreement measured");
+        assert_eq!(
+            a.tokens as usize,
+            r.response_tokens(),
+            "{what}: iteration {i}"
+        );
+        let g = r.group_size as usize;
+        for &grp in &r.trained_groups {
+            for s in grp as usize * g..(grp as usize + 1) * g {
+                let old = r.old_logp[s]
+                    .as_ref()
+                    .expect("old log-probs of a trained sample");
+                assert_eq!(old.len(), r.tokens[s].len(), "{what}: sample {s}");
+            }
+        }
+    }
+}
+
+fn auto_against_forced(src: &str, iterations: u32, what: &str) {
+    let auto = compile(src, Mode::Overlap);
+    let pass = compile(&common::with_old_logprob_pass(src), Mode::Overlap);
+    assert_eq!(auto.old_logprobs, OldLogProbSource::TrainForward, "{what}");
+    assert_eq!(old_tasks(&auto), 0, "{what}: no old-log-prob task");
+    assert_eq!(pass.old_logprobs, OldLogProbSource::Pass, "{what}");
+    assert!(old_tasks(&pass) > 0, "{what}: the forced pass is planned");
+    let a = run(&auto, iterations);
+    let b = run(&pass, iterations);
+    let initial: Vec<u32> = exec::build_cpu_models(&auto.spec)
+        .expect("models")
+        .actor()
+        .weights
+        .data
+        .iter()
+        .map(|x| x.to_bits())
+        .collect();
+    assert!(a.1 != initial, "{what}: the run moved the weights");
+    assert_on_policy(&a.0, what);
+    assert_on_policy(&b.0, what);
+    assert_same(&a, &b, what);
+}
+
+/// `examples/tiny.rpx`: one-token answers.
+#[test]
+fn tiny_trains_bitwise_the_same_with_or_without_the_pass() {
+    auto_against_forced(&common::repo_file("examples/tiny.rpx"), 8, "tiny");
+}
+
+/// Responses of 2 to 16 tokens, the reference on: the pass's suffix forward and the training
+/// forward score every token alike.
+#[test]
+fn longer_responses_train_bitwise_the_same_with_or_without_the_pass() {
+    auto_against_forced(&common::overlap_small(), 2, "overlap_small");
+}
+
+#[test]
+fn serial_and_overlap_agree_with_the_forced_pass() {
+    let src = common::with_old_logprob_pass(&common::overlap_small());
+    let serial = compile(&src, Mode::Serial);
+    let overlap = compile(&src, Mode::Overlap);
+    assert_eq!(overlap.old_logprobs, OldLogProbSource::Pass);
+    assert!(
+        overlap.tasks.iter().any(|t| t.window.is_some()
+            && matches!(
+                t.op,
+                Op::ActorPrefix {
+                    purpose: Purpose::OldLogProb,
+                    ..
+                }
+            )),
+        "the overlap plan runs old-log-prob prefixes inside decode windows"
+    );
+    assert_same(&run(&serial, 2), &run(&overlap, 2), "serial vs overlap");
+}
