@@ -383,6 +383,7 @@ fn cpu_run_profile_moves_the_prediction_toward_the_measurement() {
         resume: None,
         eval: 0,
         eval_every: 0,
+        eval_data: None,
         quiet: true,
         task_log: false,
         no_green_contexts: false,

@@ -55,6 +55,7 @@ fn cpu_trace_measures_every_task_on_the_simulators_tracks() {
         resume: None,
         eval: 0,
         eval_every: 0,
+        eval_data: None,
         quiet: true,
         task_log: false,
         no_green_contexts: false,

@@ -103,7 +103,8 @@ pub struct RunArgs {
     /// checkpoint). Pass the same --out to continue its metrics.jsonl.
     #[arg(long)]
     pub resume: Option<PathBuf>,
-    /// Evaluate on N held-out prompts (greedy) before and after training, when the dataset has a test split.
+    /// Evaluate on N held-out prompts (greedy) before and after training: the first N of
+    /// --eval-data, or of the moving-shapes task's test split.
     #[arg(long, default_value_t = 0)]
     pub eval: u32,
     /// Score the --eval held-out prompts after every K-th iteration too, greedy and sampled
@@ -111,6 +112,11 @@ pub struct RunArgs {
     /// state with the best greedy score in <out>/checkpoints/best (0: never).
     #[arg(long, default_value_t = 0, value_name = "K")]
     pub eval_every: u32,
+    /// The held-out prompts of --eval and --eval-every: a JSONL or Parquet file in the training
+    /// dataset's format (veRL's `data.val_files`), scored with the pipeline's reward against
+    /// each record's answer. All of it when it holds fewer than --eval N.
+    #[arg(long, value_name = "FILE")]
+    pub eval_data: Option<PathBuf>,
     /// Print less: no progress bars, no table.
     #[arg(long, short)]
     pub quiet: bool,

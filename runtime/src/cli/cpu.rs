@@ -5,8 +5,8 @@
 
 use rollplex_plan::Plan;
 
-use super::output::{nothing_to_run, open_run, report_eval, table_header, LoopRun, RunRoofline};
-use super::validate::Validation;
+use super::output::{eval_greedy, nothing_to_run, open_run, table_header, LoopRun, RunRoofline};
+use super::validate::{self, Validation};
 use super::RunArgs;
 use crate::exec::checkpoint::{self, RunIdentity};
 use crate::exec::cpu::{self, CpuModels, TrainState};
@@ -118,7 +118,8 @@ pub(super) fn observer<'a>(
             format!("cpu, rank 0 of TP {degree}"),
         )
     };
-    let validation = Validation::new(&plan.spec, args, start.first)?;
+    let held_out = validate::held_out(&plan.spec, args)?;
+    let validation = Validation::new(&plan.spec, args, start.first, held_out.clone())?;
     let (source, reward, metrics) = open_run(plan, args, start.first, &backend)?;
     let profile = args
         .profile
@@ -144,19 +145,27 @@ pub(super) fn observer<'a>(
         profile,
         host: None,
         validation,
+        held_out,
     };
     Ok((run, (source, reward)))
 }
 
-/// The held-out evaluation of `model` (the initial actor before, the trained one after).
+/// The held-out evaluation of `model` (the initial actor before, the trained one after) on
+/// `held` (the run's [`LoopRun::held_out`]).
 pub(super) fn eval(
     plan: &Plan,
     args: &RunArgs,
+    held: Option<&exec::data::HeldOut>,
     model: &Qwen25VL,
     when: &str,
 ) -> Result<(), ExecError> {
-    let acc = exec::evaluate(&plan.spec, model, args.eval)?;
-    report_eval(args, acc, when)
+    eval_greedy(
+        &plan.spec,
+        args,
+        held,
+        &mut exec::data::cpu_generate(model),
+        when,
+    )
 }
 
 /// Every rank in this process: one on this thread, or one thread per rank. The held-out
@@ -176,7 +185,7 @@ fn run_threads(
     let (mut run, (mut source, mut reward)) = observer(plan, args, degree, "thread", &start)?;
     // A resumed run's "before" is the original run's.
     if start.first == 0 {
-        eval(plan, args, &actor, "before")?;
+        eval(plan, args, run.held_out.as_deref(), &actor, "before")?;
     }
     drop(actor);
     if !args.quiet {
@@ -193,8 +202,14 @@ fn run_threads(
     run.finish()?;
     result?;
     run.write_profile(plan)?;
-    if args.eval > 0 {
-        eval(plan, args, &cpu::unshard_actor(&models)?, "after")?;
+    if let Some(held) = run.held_out.as_deref() {
+        eval(
+            plan,
+            args,
+            Some(held),
+            &cpu::unshard_actor(&models)?,
+            "after",
+        )?;
     }
     Ok(())
 }

@@ -2,7 +2,7 @@
 
 use rollplex_plan::Plan;
 
-use super::output::{nothing_to_run, open_run, report_eval, table_header, LoopRun, RunRoofline};
+use super::output::{eval_greedy, nothing_to_run, open_run, table_header, LoopRun, RunRoofline};
 use super::RunArgs;
 use crate::exec::checkpoint::{self, RunIdentity};
 use crate::exec::{self, ExecError};
@@ -26,6 +26,8 @@ pub(super) fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
     let partitioned = exec::gpu::PlanStreams::with_options(plan, &gpu, options.streams)?.green();
     drop(gpu);
     let spec = &plan.spec;
+    // The held-out prompts, checked before the models are built.
+    let held_out = super::validate::held_out(spec, args)?;
     let setup = std::time::Instant::now();
     // Checkpoints (the CPU path's format and checks, `checkpoint::save_gpu` / `load_gpu`): the
     // initial actor stays on the host, hashed for the run's identity and kept as the copy the
@@ -82,16 +84,16 @@ pub(super) fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
             ProfileRecorder::for_run(plan, "cuda", execution, args.iterations - first)
         })
         .transpose()?;
-    let validation = super::validate::Validation::new(spec, args, first)?;
+    let validation = super::validate::Validation::new(spec, args, first, held_out.clone())?;
     let (mut source, mut reward, metrics) = open_run(plan, args, first, "cuda")?;
     let eval = |models: &exec::gpu::GpuModels, when: &str| -> Result<(), ExecError> {
-        let acc = exec::data::evaluate_split_with(
+        eval_greedy(
             spec,
-            crate::tasks::moving_shapes::Split::Test,
-            args.eval,
+            args,
+            held_out.as_deref(),
             &mut |p, i, cfg| exec::gpu::generate_tokens(models, p, i, cfg),
-        )?;
-        report_eval(args, acc, when)
+            when,
+        )
     };
     // A resumed run's "before" is the original run's.
     if first == 0 {
@@ -111,6 +113,7 @@ pub(super) fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
         profile,
         host,
         validation,
+        held_out: held_out.clone(),
     };
     let result = exec::gpu::run_gpu_loop_with(
         plan,

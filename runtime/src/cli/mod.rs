@@ -4,7 +4,7 @@
 //! `args` (the flags), `sim`, `cpu`, `tp` (a tensor-parallel CPU plan, threads or processes),
 //! `cuda` (one run per backend), `output` (a training run's observer, inputs and reports),
 //! `tp_check` (`--tp-check`: the group check on every launched rank), `validate`
-//! (`--eval-every`: held-out scores during training and the best checkpoint).
+//! (`--eval`, `--eval-data`, `--eval-every`: held-out scores and the best checkpoint).
 
 mod args;
 mod cpu;
@@ -108,10 +108,14 @@ pub fn run(args: &RunArgs) -> Result<(), ExecError> {
         b => b,
     };
     if backend == BackendChoice::Sim
-        && (args.save_every > 0 || args.resume.is_some() || args.eval_every > 0)
+        && (args.save_every > 0
+            || args.resume.is_some()
+            || args.eval_every > 0
+            || args.eval_data.is_some())
     {
         return Err(ExecError::Machine(
-            "--save-every, --resume and --eval-every apply to training backends (cpu, cuda); the simulator keeps no state"
+            "--save-every, --resume, --eval-every and --eval-data apply to training backends (cpu, cuda); \
+             the simulator keeps no state and scores nothing"
                 .into(),
         ));
     }

@@ -6,11 +6,12 @@ use std::time::{Duration, Instant};
 
 use rollplex_plan::plan::Task;
 use rollplex_plan::roofline::{phase_name, roofline};
-use rollplex_plan::spec::DatasetSpec;
+use rollplex_plan::spec::{DatasetSpec, JobSpec};
 use rollplex_plan::{Phase, Plan};
 
 use super::{io_err, RunArgs};
 use crate::exec::checkpoint::{self, RunIdentity};
+use crate::exec::data::{score_held_out, Decoding, Generate, HeldOut};
 use crate::exec::{self, ExecError, IterationResult};
 use crate::metrics::{LoopProgress, MetricsLog};
 use crate::trace::PlanTrace;
@@ -35,6 +36,8 @@ pub(super) struct LoopRun<'a> {
     pub(super) host: Option<crate::model::Qwen25VL>,
     /// `--eval-every`: the held-out scores during training and the best checkpoint.
     pub(super) validation: Option<super::validate::Validation>,
+    /// `--eval`: the held-out prompts (`validate::held_out`), scored before and after training.
+    pub(super) held_out: Option<std::sync::Arc<HeldOut>>,
 }
 
 impl exec::LoopObserver for LoopRun<'_> {
@@ -286,18 +289,27 @@ pub(super) fn open_run(
     Ok((source, reward, metrics))
 }
 
-/// Prints and writes a held-out evaluation (`None`: the data has no test split).
-pub(super) fn report_eval(args: &RunArgs, acc: Option<f64>, when: &str) -> Result<(), ExecError> {
-    if let Some(acc) = acc {
-        println!(
-            "eval ({when}): mean reward of greedy answers to {} held-out prompts = {acc:.3}",
-            args.eval
-        );
-        let line =
-            serde_json::json!({"eval": when, "prompts": args.eval, "reward_mean": acc}).to_string();
-        std::fs::write(args.out.join(format!("eval-{when}.json")), line)
-            .map_err(io_err(&args.out))?;
-    }
+/// `--eval N` before or after training (`when`): the mean reward of greedy answers to the
+/// held-out prompts (`None`: there are none, nothing to do) by `generate`, printed and written
+/// to `<out>/eval-<when>.json`.
+pub(super) fn eval_greedy(
+    spec: &JobSpec,
+    args: &RunArgs,
+    held: Option<&HeldOut>,
+    generate: &mut Generate<'_>,
+    when: &str,
+) -> Result<(), ExecError> {
+    let Some(held) = held else {
+        return Ok(());
+    };
+    let prompts = held.count(args.eval);
+    let acc = score_held_out(spec, held, args.eval, Decoding::Greedy, generate)?;
+    println!(
+        "eval ({when}): mean reward of greedy answers to {prompts} held-out prompts = {acc:.3}"
+    );
+    let line =
+        serde_json::json!({"eval": when, "prompts": prompts, "reward_mean": acc}).to_string();
+    std::fs::write(args.out.join(format!("eval-{when}.json")), line).map_err(io_err(&args.out))?;
     Ok(())
 }
 

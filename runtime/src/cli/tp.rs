@@ -40,11 +40,14 @@ pub(super) fn run_cpu_process(
         let mut models = cpu::build_rank(&plan.spec, &actor, degree, rank)?;
         start.prepare(&mut models)?;
         let iterations = start.first..args.iterations;
+        // rank 0's held-out prompts; the other ranks only take part in gathering the actor
+        let mut held = None;
         if rank == 0 {
             let (mut run, (mut source, mut reward)) =
                 observer(plan, args, degree, "process", &start)?;
+            held = run.held_out.clone();
             if start.first == 0 {
-                eval(plan, args, &actor, "before")?;
+                eval(plan, args, held.as_deref(), &actor, "before")?;
             }
             if !args.quiet {
                 println!("{}", table_header());
@@ -62,7 +65,7 @@ pub(super) fn run_cpu_process(
         }
         if args.eval > 0 {
             if let Some(full) = cpu::gather_actor(&comm, &models)? {
-                eval(plan, args, &full, "after")?;
+                eval(plan, args, held.as_deref(), &full, "after")?;
             }
         }
         Ok(())

@@ -1,6 +1,10 @@
-//! `--eval-every K`: validation during training. After every K-th iteration the held-out split
-//! (`--eval N` prompts) is scored twice, greedy and sampled (the job's sampling under a fixed
-//! key, `exec::data::Decoding`), both logged with that iteration's metrics line
+//! The held-out evaluations of a run. `--eval N` scores N held-out prompts: the first N records
+//! of `--eval-data` (a JSONL or Parquet file in the training dataset's format, all of it when
+//! it holds fewer), or of the moving-shapes task's test split ([`held_out`]).
+//!
+//! `--eval-every K`: validation during training. After every K-th iteration the held-out
+//! prompts are scored twice, greedy and sampled (the job's sampling under a fixed key,
+//! `exec::data::Decoding`), both logged with that iteration's metrics line
 //! (`val_reward_greedy`, `val_reward_sampled`, `val_prompts`) and printed; when the greedy
 //! score beats every earlier one, the state is saved as `<out>/checkpoints/best` (atomically,
 //! beside the `iter-<k>` checkpoints, never pruned), its scores in its run state. A resumed run
@@ -8,15 +12,60 @@
 //! would.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
-use rollplex_plan::spec::JobSpec;
+use rollplex_plan::spec::{DatasetSpec, JobSpec};
 
 use super::RunArgs;
 use crate::ckpt_state;
 use crate::exec::checkpoint::{self, RunIdentity, Slot, BEST_DIR, CHECKPOINTS_DIR, VALIDATION_KEY};
-use crate::exec::data::{score_split_with, Decoding, Generate};
+use crate::exec::data::{score_held_out, Decoding, Generate, HeldOut};
 use crate::exec::{self, ExecError, LoopModels};
 use crate::tasks::moving_shapes::Split;
+
+/// The held-out prompts `--eval N` scores: `--eval-data`'s file (loaded as the training data
+/// is, and its first N records built once here, so a record that does not fit the plan stops
+/// the run before it writes anything), else the moving-shapes task's test split; `None`
+/// without `--eval` or when the job has neither. Refuses `--eval-data` for a job whose rollout
+/// draws synthetic prompts, and without `--eval N`; says so when the file holds fewer than N.
+pub(super) fn held_out(spec: &JobSpec, args: &RunArgs) -> Result<Option<Arc<HeldOut>>, ExecError> {
+    let Some(path) = &args.eval_data else {
+        if args.eval == 0 {
+            return Ok(None);
+        }
+        return Ok(HeldOut::split(spec, Split::Test)?.map(Arc::new));
+    };
+    if matches!(spec.rollout.dataset, DatasetSpec::Synthetic) {
+        return Err(ExecError::Unsupported(format!(
+            "--eval-data {}: the job's rollout draws synthetic prompts (dataset = synthetic: random \
+             tokens and pixels, no answers to score), not a dataset's; train on a dataset \
+             (dataset = file(\"train.jsonl\")) to validate on a held-out file in its format",
+            path.display()
+        )));
+    }
+    if args.eval == 0 {
+        return Err(ExecError::Unsupported(format!(
+            "--eval-data {} needs --eval N: how many of its prompts to score",
+            path.display()
+        )));
+    }
+    // the file's errors say which flag named it
+    let flagged = |e| match e {
+        ExecError::Data(msg) => ExecError::Data(format!("--eval-data: {msg}")),
+        e => e,
+    };
+    let held = HeldOut::file(spec, path).map_err(flagged)?;
+    held.check(args.eval).map_err(flagged)?;
+    let n = held.count(args.eval);
+    if n < args.eval {
+        eprintln!(
+            "warning: --eval {} asks for more prompts than {} holds: all {n} of them are scored",
+            args.eval,
+            path.display()
+        );
+    }
+    Ok(Some(Arc::new(held)))
+}
 
 /// One evaluation's mean rewards.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -29,6 +78,8 @@ pub(super) struct Scores {
 pub(super) struct Validation {
     spec: JobSpec,
     every: u32,
+    held: Arc<HeldOut>,
+    /// How many of `held` are scored ([`HeldOut::count`] of `--eval N`).
     prompts: u32,
     /// `<out>/checkpoints`.
     root: PathBuf,
@@ -37,8 +88,8 @@ pub(super) struct Validation {
 }
 
 impl Validation {
-    /// `None` without `--eval-every`; refuses it without `--eval N` or without a held-out
-    /// split. A resumed run (`first` iterations done) starts from the best checkpoint's score
+    /// `None` without `--eval-every`; refuses it without `--eval N` or without held-out
+    /// prompts (`held`, from [`held_out`]). A resumed run (`first` iterations done) starts from the best checkpoint's score
     /// when that checkpoint is of an iteration it has done (a later one, left by a run that
     /// went further, is replaced at the next evaluation, as the run that stopped at `first`
     /// would have).
@@ -46,6 +97,7 @@ impl Validation {
         spec: &JobSpec,
         args: &RunArgs,
         first: u32,
+        held: Option<Arc<HeldOut>>,
     ) -> Result<Option<Self>, ExecError> {
         if args.eval_every == 0 {
             return Ok(None);
@@ -56,13 +108,20 @@ impl Validation {
                 args.eval_every
             )));
         }
-        if !exec::data::has_held_out(spec) {
-            return Err(ExecError::Unsupported(
-                "--eval-every: the job's data has no held-out split to score (the moving-shapes task has one: \
-                 dataset = generated(\"moving_shapes\", N))"
-                    .into(),
-            ));
-        }
+        let Some(held) = held else {
+            let how = match spec.rollout.dataset {
+                DatasetSpec::Synthetic => {
+                    "its rollout draws synthetic prompts, which have no answers; train on a \
+                     dataset file and give a held-out one with --eval-data FILE, or on the \
+                     moving-shapes task (dataset = generated(\"moving_shapes\", N)), whose test \
+                     split is held out"
+                }
+                _ => "give one with --eval-data FILE (a JSONL or Parquet file in the training dataset's format)",
+            };
+            return Err(ExecError::Unsupported(format!(
+                "--eval-every: the job's data has no held-out split to score: {how}"
+            )));
+        };
         let root = args.out.join(CHECKPOINTS_DIR);
         let best_dir = root.join(BEST_DIR);
         let mut best = None;
@@ -92,7 +151,8 @@ impl Validation {
         Ok(Some(Validation {
             spec: spec.clone(),
             every: args.eval_every,
-            prompts: args.eval,
+            prompts: held.count(args.eval),
+            held,
             root,
             best,
         }))
@@ -128,14 +188,13 @@ impl Validation {
     /// Both scores with one backend's generation.
     fn score_with(&self, generate: &mut Generate<'_>) -> Result<Scores, ExecError> {
         let mut one = |decoding| {
-            score_split_with(
+            score_held_out(
                 &self.spec,
-                Split::Test,
+                &self.held,
                 self.prompts,
                 decoding,
                 &mut *generate,
-            )?
-            .ok_or_else(|| ExecError::Plan("the held-out split gave no score".into()))
+            )
         };
         Ok(Scores {
             greedy: one(Decoding::Greedy)?,
@@ -163,6 +222,7 @@ impl Validation {
                 "greedy": scores.greedy,
                 "sampled": scores.sampled,
                 "prompts": self.prompts,
+                "data": self.held.describe(),
             }),
         };
         let path = match models {

@@ -1,5 +1,6 @@
-//! Prompt sources backed by data (a JSONL/Parquet dataset, or the built-in moving-shapes task),
-//! and the job's reward function, as the CPU loop consumes them.
+//! Prompt sources backed by data (a JSONL/Parquet dataset, or the built-in moving-shapes task)
+//! as the loops consume them, and the held-out evaluations ([`HeldOut`]: the moving-shapes
+//! task's test split, or a held-out file built into prompts as the training data is).
 //!
 //! A prompt goes through what a Hugging Face processor does: the chat template renders the
 //! user turn, the tokenizer encodes it, each media placeholder expands to `t*h*w / merge^2`
@@ -235,13 +236,88 @@ impl PromptSource for ShapesSource {
     }
 }
 
-/// A JSONL/Parquet dataset.
-pub struct DatasetSource {
+/// A JSONL/Parquet dataset's records as prompts of a job: the training data ([`DatasetSource`]
+/// draws from it) and a held-out file ([`HeldOut::file`]) are loaded, checked and built the
+/// same way.
+pub struct DatasetPrompts {
     builder: PromptBuilder,
     data: Dataset,
-    sampler: Sampler,
     /// What each prompt must fit ([`check_prompt`]).
     spec: JobSpec,
+}
+
+impl DatasetPrompts {
+    /// Loads the file `path` for `spec`'s plan: every record parsed and its media checked
+    /// against the plan's ([`check_media_shape`]), an error naming `file:line` or `file:row N`.
+    pub fn load(spec: &JobSpec, path: &std::path::Path) -> Result<Self, ExecError> {
+        let data = Dataset::load(path).map_err(|e| ExecError::Data(e.to_string()))?;
+        for (i, s) in data.samples.iter().enumerate() {
+            check_media_shape(spec, s)
+                .map_err(|msg| ExecError::Data(format!("{}: {msg}", data.at(i))))?;
+        }
+        Ok(DatasetPrompts {
+            builder: PromptBuilder::for_spec(spec)?,
+            data,
+            spec: spec.clone(),
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+
+    /// The dataset file.
+    pub fn path(&self) -> &std::path::Path {
+        &self.data.path
+    }
+
+    /// Record `i` as a prompt: its media decoded, the chat template applied, checked against
+    /// the plan ([`check_prompt`]); an error names the record's line or row.
+    pub fn prompt(&self, i: usize) -> Result<PromptData, ExecError> {
+        let s = &self.data.samples[i];
+        // a media item that does not decode is the record's error, located
+        let load = |what: &str, list: &[crate::data::MediaSource]| {
+            list.iter()
+                .enumerate()
+                .map(|(k, m)| {
+                    m.load().map_err(|e| {
+                        ExecError::Data(format!("{}: {what} {k}: {e}", self.data.at(i)))
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()
+        };
+        let (prompt, sizes) = match &s.media {
+            Media::None => (self.builder.build(s, &[], None)?, Vec::new()),
+            Media::Images(v) => {
+                let imgs = load("image", v)?;
+                (self.builder.build(s, &imgs, None)?, sizes_of(&imgs))
+            }
+            Media::Video(v) => {
+                let frames = load("video frame", v)?;
+                (
+                    self.builder.build(s, &[], Some(&frames))?,
+                    sizes_of(&frames),
+                )
+            }
+        };
+        check_prompt(&self.spec, &prompt, &sizes)
+            .map_err(|msg| ExecError::Data(format!("{}: {msg}", self.data.at(i))))?;
+        Ok(prompt)
+    }
+
+    pub fn builder(&self) -> &PromptBuilder {
+        &self.builder
+    }
+}
+
+/// A JSONL/Parquet dataset drawn in the sampler's order.
+pub struct DatasetSource {
+    prompts: DatasetPrompts,
+    sampler: Sampler,
 }
 
 /// The plan's media in words: `video(frames = 4, size = 56x56)`, `2 images of 448x448`.
@@ -366,39 +442,7 @@ impl PromptSource for DatasetSource {
                 idx.len()
             )));
         }
-        idx.into_iter()
-            .map(|i| {
-                let s = &self.data.samples[i];
-                // a media item that does not decode is the record's error, located
-                let load = |what: &str, list: &[crate::data::MediaSource]| {
-                    list.iter()
-                        .enumerate()
-                        .map(|(k, m)| {
-                            m.load().map_err(|e| {
-                                ExecError::Data(format!("{}: {what} {k}: {e}", self.data.at(i)))
-                            })
-                        })
-                        .collect::<Result<Vec<_>, _>>()
-                };
-                let (prompt, sizes) = match &s.media {
-                    Media::None => (self.builder.build(s, &[], None)?, Vec::new()),
-                    Media::Images(v) => {
-                        let imgs = load("image", v)?;
-                        (self.builder.build(s, &imgs, None)?, sizes_of(&imgs))
-                    }
-                    Media::Video(v) => {
-                        let frames = load("video frame", v)?;
-                        (
-                            self.builder.build(s, &[], Some(&frames))?,
-                            sizes_of(&frames),
-                        )
-                    }
-                };
-                check_prompt(&self.spec, &prompt, &sizes)
-                    .map_err(|msg| ExecError::Data(format!("{}: {msg}", self.data.at(i))))?;
-                Ok(prompt)
-            })
-            .collect()
+        idx.into_iter().map(|i| self.prompts.prompt(i)).collect()
     }
 }
 
@@ -416,19 +460,89 @@ pub fn data_source(
             "unknown generated dataset {name:?} (known: moving_shapes)"
         ))),
         DatasetSpec::File { path } => {
-            let data = Dataset::load(path).map_err(|e| ExecError::Data(e.to_string()))?;
-            for (i, s) in data.samples.iter().enumerate() {
-                check_media_shape(spec, s)
-                    .map_err(|msg| ExecError::Data(format!("{}: {msg}", data.at(i))))?;
+            let prompts = DatasetPrompts::load(spec, std::path::Path::new(path))?;
+            let sampler = Sampler::new(
+                prompts.len(),
+                spec.rollout.prompts_per_iter,
+                spec.seed,
+                true,
+            )
+            .map_err(|e| ExecError::Data(format!("{path}: {e}")))?;
+            Ok(Box::new(DatasetSource { prompts, sampler }))
+        }
+    }
+}
+
+/// The prompts an evaluation scores: a split of the moving-shapes task (drawn in memory, as
+/// many as asked), or a held-out dataset file in the training data's format (JSONL or Parquet),
+/// loaded, checked and turned into prompts as the training data is ([`DatasetPrompts`]).
+pub enum HeldOut {
+    // boxed: each holds a tokenizer, some 2 KiB
+    Shapes {
+        source: Box<ShapesSource>,
+        split: Split,
+    },
+    File(Box<DatasetPrompts>),
+}
+
+impl HeldOut {
+    /// `split` of the job's moving-shapes task; `None` when the job's data is not that task.
+    pub fn split(spec: &JobSpec, split: Split) -> Result<Option<Self>, ExecError> {
+        match &spec.rollout.dataset {
+            DatasetSpec::Generated { name, size } if name == "moving_shapes" => {
+                Ok(Some(HeldOut::Shapes {
+                    source: Box::new(ShapesSource::new(spec, *size)?),
+                    split,
+                }))
             }
-            let sampler = Sampler::new(data.len(), spec.rollout.prompts_per_iter, spec.seed, true)
-                .map_err(|e| ExecError::Data(format!("{path}: {e}")))?;
-            Ok(Box::new(DatasetSource {
-                builder: PromptBuilder::for_spec(spec)?,
-                data,
-                sampler,
-                spec: spec.clone(),
-            }))
+            _ => Ok(None),
+        }
+    }
+
+    /// The dataset file `path` for `spec`'s plan; a record that does not parse or whose media
+    /// are not the plan's is an error naming its line or row.
+    pub fn file(spec: &JobSpec, path: &std::path::Path) -> Result<Self, ExecError> {
+        Ok(HeldOut::File(Box::new(DatasetPrompts::load(spec, path)?)))
+    }
+
+    /// How many prompts an evaluation of `n` scores: `n`, or every record of a file that holds
+    /// fewer.
+    pub fn count(&self, n: u32) -> u32 {
+        match self {
+            HeldOut::Shapes { .. } => n,
+            HeldOut::File(d) => n.min(u32::try_from(d.len()).unwrap_or(u32::MAX)),
+        }
+    }
+
+    /// The prompts in words, for messages: `the moving-shapes task's test split`, or the file.
+    pub fn describe(&self) -> String {
+        match self {
+            HeldOut::Shapes { split, .. } => {
+                format!("the moving-shapes task's {} split", split.name())
+            }
+            HeldOut::File(d) => d.path().display().to_string(),
+        }
+    }
+
+    /// Builds the first `count(n)` prompts and drops them: a record whose media do not decode
+    /// or whose prompt does not fit the plan is an error (naming its line or row) before any
+    /// evaluation, not in the middle of a run.
+    pub fn check(&self, n: u32) -> Result<(), ExecError> {
+        (0..self.count(n)).try_for_each(|i| self.prompt(i).map(drop))
+    }
+
+    /// Prompt `i`.
+    fn prompt(&self, i: u32) -> Result<PromptData, ExecError> {
+        match self {
+            HeldOut::Shapes { source, split } => source.prompt(*split, i as u64),
+            HeldOut::File(d) => d.prompt(i as usize),
+        }
+    }
+
+    fn builder(&self) -> &PromptBuilder {
+        match self {
+            HeldOut::Shapes { source, .. } => source.builder(),
+            HeldOut::File(d) => d.builder(),
         }
     }
 }
@@ -455,7 +569,7 @@ pub fn evaluate_split(
     evaluate_split_with(spec, split, n, &mut cpu_generate(model))
 }
 
-/// A generator for [`score_split_with`]: the prompt's response by `model` on the CPU, decoded
+/// A generator for [`score_held_out`]: the prompt's response by `model` on the CPU, decoded
 /// as the config says.
 pub fn cpu_generate(
     model: &crate::model::Qwen25VL,
@@ -495,7 +609,12 @@ pub fn evaluate_split_with(
     n: u32,
     generate: &mut Generate<'_>,
 ) -> Result<Option<f64>, ExecError> {
-    score_split_with(spec, split, n, Decoding::Greedy, generate)
+    if n == 0 {
+        return Ok(None);
+    }
+    HeldOut::split(spec, split)?
+        .map(|held| score_held_out(spec, &held, n, Decoding::Greedy, generate))
+        .transpose()
 }
 
 /// How an evaluation decodes its answers.
@@ -510,39 +629,45 @@ pub enum Decoding {
     Sampled,
 }
 
-/// The mean reward of the answers to the first `n` prompts of `split` of the moving-shapes
-/// task, decoded as `decoding` says, with any backend's generation: `generate(prompt, index,
-/// cfg)` returns the response tokens of prompt `index` under `cfg`, whose sampling it honours.
-/// `None` when the job's data has no held-out split ([`has_held_out`]) or `n` is 0.
-pub fn score_split_with(
+/// The mean reward (the job's reward, each answer against its prompt's reference answer) of
+/// the answers to the first [`HeldOut::count`]`(n)` prompts of `held`, decoded as `decoding`
+/// says, with any backend's generation: `generate(prompt, index, cfg)` returns the response
+/// tokens of prompt `index` under `cfg`, whose sampling it honours. An error when that is no
+/// prompt.
+pub fn score_held_out(
     spec: &JobSpec,
-    split: Split,
+    held: &HeldOut,
     n: u32,
     decoding: Decoding,
     generate: &mut Generate<'_>,
-) -> Result<Option<f64>, ExecError> {
-    let Some(setup) = eval_setup(spec, n, decoding)? else {
-        return Ok(None);
-    };
+) -> Result<f64, ExecError> {
+    let n = held.count(n);
+    if n == 0 {
+        return Err(ExecError::Data(format!(
+            "an evaluation of no prompts of {}",
+            held.describe()
+        )));
+    }
+    let cfg = eval_config(spec, decoding);
     let mut reward =
         Reward::from_spec(&spec.reward).map_err(|e| ExecError::Reward(e.to_string()))?;
     // answers are generated and scored EVAL_CHUNK at a time, so memory does not grow with n;
     // the sum runs in prompt order as one sum over all the scores would
     let mut sum = 0.0;
     for start in (0..n).step_by(EVAL_CHUNK as usize) {
-        let batch = answers(&setup, split, start..n.min(start + EVAL_CHUNK), generate)?;
+        let batch = answers(held, &cfg, start..n.min(start + EVAL_CHUNK), generate)?;
         let scores = reward
             .score(&batch)
             .map_err(|e| ExecError::Reward(e.to_string()))?;
         sum = scores.iter().fold(sum, |acc, s| acc + s);
     }
-    Ok(Some(sum / n as f64))
+    Ok(sum / n as f64)
 }
 
-/// How many answers an evaluation holds at once (see [`score_split_with`]).
+/// How many answers an evaluation holds at once (see [`score_held_out`]).
 const EVAL_CHUNK: u32 = 64;
 
-/// Generation of one prompt's answer under a config (see [`score_split_with`]).
+/// Generation of one prompt's answer under a config (see [`score_held_out`]).
 pub type Generate<'a> =
     dyn FnMut(&PromptData, u32, &crate::model::GenerateConfig) -> Result<Vec<u32>, ExecError> + 'a;
 
@@ -554,36 +679,20 @@ pub fn greedy_answers(
     split: Split,
     n: u32,
 ) -> Result<Vec<(Split, u32, String)>, ExecError> {
-    let Some(setup) = eval_setup(spec, n, Decoding::Greedy)? else {
+    let Some(held) = HeldOut::split(spec, split)? else {
         return Ok(Vec::new());
     };
-    Ok(answers(&setup, split, 0..n, &mut cpu_generate(model))?
+    let cfg = eval_config(spec, Decoding::Greedy);
+    Ok(answers(&held, &cfg, 0..n, &mut cpu_generate(model))?
         .into_iter()
         .enumerate()
         .map(|(i, req)| (split, i as u32, req.response))
         .collect())
 }
 
-/// Whether the job's data has a held-out (test) split to evaluate on: the moving-shapes task.
-pub fn has_held_out(spec: &JobSpec) -> bool {
-    matches!(&spec.rollout.dataset, DatasetSpec::Generated { name, .. } if name == "moving_shapes")
-}
-
-/// The prompt source and the generation settings of an evaluation of `n > 0` prompts; `None`
-/// when the job's data has no held-out split or `n` is 0.
-fn eval_setup(
-    spec: &JobSpec,
-    n: u32,
-    decoding: Decoding,
-) -> Result<Option<(ShapesSource, crate::model::GenerateConfig)>, ExecError> {
+/// The generation settings of an evaluation.
+fn eval_config(spec: &JobSpec, decoding: Decoding) -> crate::model::GenerateConfig {
     use crate::model::{GenerateConfig, SamplingParams};
-    let DatasetSpec::Generated { size, .. } = &spec.rollout.dataset else {
-        return Ok(None);
-    };
-    if !has_held_out(spec) || n == 0 {
-        return Ok(None);
-    }
-    let source = ShapesSource::new(spec, *size)?;
     let mut stop_ids = spec.actor.tokens.eos_token_ids.clone();
     stop_ids.extend(&spec.rollout.sampling.stop_token_ids);
     let (sampling, iteration) = match decoding {
@@ -593,31 +702,30 @@ fn eval_setup(
             u32::MAX - 1,
         ),
     };
-    let cfg = GenerateConfig {
+    GenerateConfig {
         sampling,
         max_new_tokens: spec.rollout.max_new_tokens,
         stop_ids,
         seed: spec.seed,
         iteration,
-    };
-    Ok(Some((source, cfg)))
+    }
 }
 
-/// The answers to the prompts `range` of `split` as reward requests.
+/// The answers to the prompts `range` of `held` as reward requests.
 fn answers(
-    (source, cfg): &(ShapesSource, crate::model::GenerateConfig),
-    split: Split,
+    held: &HeldOut,
+    cfg: &crate::model::GenerateConfig,
     range: std::ops::Range<u32>,
     generate: &mut Generate<'_>,
 ) -> Result<Vec<RewardRequest>, ExecError> {
     let mut out = Vec::with_capacity(range.len());
     for i in range {
-        let p = source.prompt(split, i as u64)?;
+        let p = held.prompt(i)?;
         let tokens = generate(&p, i, cfg)?;
         out.push(RewardRequest {
             id: p.id.clone(),
             prompt: p.text.clone(),
-            response: source.builder().decode(&tokens)?,
+            response: held.builder().decode(&tokens)?,
             answer: p.answer.clone(),
         });
     }
@@ -632,6 +740,13 @@ mod tests {
     /// step, drawn from the JSONL file `lines` (frames `f.png` of 56x56 and `big.png` of 112x112
     /// beside it).
     fn source(lines: &[&str]) -> (tempfile::TempDir, Result<Box<dyn PromptSource>, ExecError>) {
+        let (tmp, spec, _) = job(lines);
+        let source = data_source(&spec, &spec.rollout.dataset);
+        (tmp, source)
+    }
+
+    /// [`source`]'s job and its JSONL file.
+    fn job(lines: &[&str]) -> (tempfile::TempDir, JobSpec, std::path::PathBuf) {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path();
         image::RgbImage::new(56, 56)
@@ -652,8 +767,7 @@ mod tests {
         let spec = rollplex_dsl::compile_source("t.rpx", &src, &rollplex_dsl::NoFiles)
             .unwrap()
             .spec;
-        let source = data_source(&spec, &spec.rollout.dataset);
-        (tmp, source)
+        (tmp, spec, path)
     }
 
     const GOOD: &str = r#"{"prompt": "<video> Which way?", "video": ["f.png", "f.png", "f.png", "f.png"], "answer": "A"}"#;
@@ -705,8 +819,9 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(*seen.borrow(), (0..n).collect::<Vec<_>>());
-        let setup = eval_setup(&spec, n, Decoding::Greedy).unwrap().unwrap();
-        let all = answers(&setup, Split::Test, 0..n, &mut answer).unwrap();
+        let held = HeldOut::split(&spec, Split::Test).unwrap().unwrap();
+        let cfg = eval_config(&spec, Decoding::Greedy);
+        let all = answers(&held, &cfg, 0..n, &mut answer).unwrap();
         let scores = Reward::from_spec(&spec.reward)
             .unwrap()
             .score(&all)
@@ -719,6 +834,48 @@ mod tests {
             evaluate_split_with(&spec, Split::Test, 0, &mut answer).unwrap(),
             None
         );
+    }
+
+    /// A held-out file is loaded and built as the training data is: an evaluation of more
+    /// prompts than it holds scores each of its records once, in order, each answer against
+    /// its own record's; a record that does not fit the plan is named by its line.
+    #[test]
+    fn a_held_out_file_is_scored_against_each_records_answer() {
+        let record =
+            |answer: &str| GOOD.replace(r#""answer": "A""#, &format!(r#""answer": "{answer}""#));
+        let (c, b) = (record("C"), record("B"));
+        let (_dir, spec, path) = job(&[GOOD, &b, &c]);
+        let held = HeldOut::file(&spec, &path).unwrap();
+        assert_eq!((held.count(2), held.count(10)), (2, 3));
+        held.check(10).unwrap();
+        let seen = std::cell::RefCell::new(Vec::new());
+        // every answer is `B`: right for the second record only
+        let mut answer = |p: &PromptData, i: u32, _: &crate::model::GenerateConfig| {
+            seen.borrow_mut().push((i, p.answer.clone()));
+            Ok(held.builder().tokenizer().encode("B").unwrap())
+        };
+        for decoding in [Decoding::Greedy, Decoding::Sampled] {
+            seen.borrow_mut().clear();
+            let mean = score_held_out(&spec, &held, 10, decoding, &mut answer).unwrap();
+            assert_eq!(mean, 1.0 / 3.0);
+            assert_eq!(
+                *seen.borrow(),
+                [(0, "A".into()), (1, "B".into()), (2, "C".into())]
+            );
+        }
+
+        let big = r#"{"prompt": "<video> x", "video": ["big.png", "big.png", "big.png", "big.png"], "answer": "A"}"#;
+        let (_dir, spec, path) = job(&[GOOD, GOOD, big]);
+        let held = HeldOut::file(&spec, &path).expect("loads: the frames decode when built");
+        held.check(2).expect("the first two records fit");
+        let e = held.check(3).unwrap_err().to_string();
+        assert!(e.contains("d.jsonl:3: field `video`"), "{e}");
+        let (_dir, spec, path) = job(&[GOOD, r#"{"prompt": "<video> x", "answer": "A"}"#]);
+        let e = HeldOut::file(&spec, &path)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(e.contains("d.jsonl:2: field `video` is missing"), "{e}");
     }
 
     #[test]

@@ -145,6 +145,7 @@ pub fn run_args(
         resume: None,
         eval: 0,
         eval_every: 0,
+        eval_data: None,
         quiet: true,
         task_log: false,
         no_green_contexts: false,
