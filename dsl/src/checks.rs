@@ -601,22 +601,6 @@ fn algorithm(cx: &mut Cx<'_>, s: &JobSpec) {
             );
         }
     }
-    if cx.ok(&["train.algorithm", "gpu"])
-        && loss.ratio == RatioLevel::Sequence
-        && s.cluster.gpu.name != "cpu"
-    {
-        warn(
-            cx,
-            "backend",
-            "train.algorithm",
-            format!(
-                "GSPO's sequence-level ratio runs on the cpu backend only; the cuda backend refuses \
-                 this job on a {}",
-                s.cluster.gpu.name
-            ),
-            Some("use `ratio = token` to train on GPUs, or `gpu { preset = cpu }`".into()),
-        );
-    }
     if cx.ok(&["train.algorithm"]) && loss.clip_low >= 1.0 {
         err(
             cx,

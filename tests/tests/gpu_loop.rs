@@ -85,10 +85,11 @@ fn cuda_serial_and_overlap_plans_train_the_tower_bitwise_identically() {
     serial_and_overlap_bitwise(&common::overlap_small());
 }
 
-/// The loss variants the device loss runs keep the invariant on the GPU too: DAPO with dynamic
-/// sampling (8 groups rolled out, 4 trained over two optimizer steps: an old-log-prob pass,
-/// truncated importance sampling, training prefixes over training slots), overlong shaping,
-/// and REINFORCE++'s batch whitening under Dr. GRPO's constant denominator.
+/// The loss variants keep the invariant on the GPU too: DAPO with dynamic sampling (8 groups
+/// rolled out, 4 trained over two optimizer steps: an old-log-prob pass, truncated importance
+/// sampling, training prefixes over training slots), overlong shaping, GSPO's sequence ratio
+/// (the device loss's sequence pass), and REINFORCE++'s batch whitening under Dr. GRPO's
+/// constant denominator.
 #[test]
 fn cuda_loss_variants_keep_serial_and_overlap_bitwise_identical() {
     for (algorithm, batches) in [
@@ -96,6 +97,7 @@ fn cuda_loss_variants_keep_serial_and_overlap_bitwise_identical() {
             "dapo(overlong_buffer = 8, tis_cap = 2.0, kl_coef = 0.01)",
             "mini_batch = 2 * G\n        groups = 4",
         ),
+        ("gspo(kl_coef = 0.01)", "mini_batch = PROMPTS * G"),
         (
             "reinforce_pp(loss_agg = seq_mean_token_sum_norm, kl_coef = 0.01)",
             "mini_batch = PROMPTS * G",
@@ -139,29 +141,6 @@ fn cuda_old_logprob_pass_left_out_or_forced() {
     let plan = common::compile("overlap_small.rpx", &forced, Mode::Overlap);
     assert_eq!(plan.old_logprobs, rollplex_plan::OldLogProbSource::Pass);
     serial_and_overlap_bitwise(&forced);
-}
-
-/// GSPO's sequence-level ratio has no device form yet: the CUDA trainer refuses it, saying so.
-#[test]
-fn cuda_refuses_gspo_naming_the_cpu_backend() {
-    if common::gpu_device().is_none() {
-        return;
-    }
-    let src = common::with_algorithm(
-        &common::overlap_small_frozen(),
-        "gspo(kl_coef = 0.01)",
-        "mini_batch = PROMPTS * G",
-        8,
-    );
-    let plan = common::compile("overlap_small.rpx", &src, Mode::Serial);
-    let e = match gpu::build_gpu_models(&plan.spec) {
-        Ok(_) => panic!("GSPO built on the GPU"),
-        Err(e) => e,
-    };
-    assert!(
-        e.is_user_error() && e.to_string().contains("cpu backend"),
-        "{e}"
-    );
 }
 
 fn serial_and_overlap_bitwise(src: &str) {

@@ -11,6 +11,7 @@
 //! | `*_bwd` | backward of every op above | `backward/` (one file per op family) |
 //! | `sumsq_partial`, `scale`, `gather_sum_rows`, `add_into` | the training step's gradient sums, clip, row sums | `grad.rs` |
 //! | `philox4x32_10`, `uniform_open01` | the counter-based RNG of sampling and initialisation | `philox.rs` |
+//! | `seq_log_ratio` | a sequence's mean log-ratio (the policy loss's sequence ratio, GSPO) | `policy_loss.rs` |
 //!
 //! Invariant: every op is deterministic and batch-composition independent: an output row's
 //! bits depend only on the inputs it reads, never on the other rows of the batch or on the
@@ -23,6 +24,7 @@ pub mod grad;
 pub mod matmul;
 pub mod norm;
 pub mod philox;
+pub mod policy_loss;
 pub mod rope;
 pub mod softmax;
 #[cfg(test)]
@@ -37,5 +39,6 @@ pub use backward::{
 pub use matmul::{linear_fwd, matmul, Gemm};
 pub use norm::rmsnorm_fwd;
 pub use philox::{philox4x32_10, uniform_open01};
+pub use policy_loss::seq_log_ratio;
 pub use rope::rope_fwd;
 pub use softmax::{argmax, logprobs_fwd, softmax};

@@ -14,7 +14,7 @@
 //! | `logprobs_fwd_bf16` | `logprobs_fwd` | `logprobs.rs`, `logprobs.cu` |
 //! | `sample_bf16` (Philox4x32-10, temperature / top-k / top-p) | [`sampling::sample_ref`] | `sampling.rs`, `sampling.cu` |
 //! | `adamw_step_f32` | `runtime::train::adamw` (bitwise) | `adamw.rs`, `adamw.cu` |
-//! | `policy_loss_f32` (GRPO / PPO-clip loss: per-token `dlogp`, metrics as order-fixed f64 sums; `policy_loss_reduce_f64` adds them into a [`PolicyLossAcc`]) | `runtime::train::loss::policy_loss` (dlogp bitwise up to `exp`'s last bit) | `policy_loss.rs`, `policy_loss.cu` |
+//! | `policy_loss_f32` (GRPO / PPO-clip / GSPO loss: per-token `dlogp`, metrics as order-fixed f64 sums; `policy_loss_reduce_f64` adds them into a [`PolicyLossAcc`]; `policy_loss_seq_ratio_f64`, the sequence ratio's per-sequence mean log-ratio) | `runtime::train::loss::policy_loss` (dlogp bitwise up to `exp`'s last bit); `cpu::seq_log_ratio` (bitwise) | `policy_loss.rs`, `policy_loss.cu` |
 //! | `rmsnorm_bwd_bf16`, `rope_bwd_bf16`, `swiglu_bwd_bf16`, `swiglu_bwd_fused_bf16`, `gelu_bwd_bf16`, `embedding_bwd_f32`, `logprobs_bwd_bf16`, `grad_accumulate_f32` (bf16 activation gradients, fp32 parameter gradients added) | `cpu::backward` (`rmsnorm_bwd`, `rope_bwd`, `swiglu_bwd`, `gelu_bwd` / `gelu_tanh_bwd`, `embedding_bwd`, `logprobs_bwd`) | `backward.rs`, `backward.cu` |
 //! | `attention_bwd_bf16` (`attention_bwd_tc_bf16`, FlashAttention-2 on the tensor cores where they take the case, else SIMT; `attention_bwd_bf16_with` takes a [`BwdKernel`]), `attention_bwd_dprefix_bf16` (the shared-prefix keys' part alone on a chosen [`DprefixKernel`]: `attention_bwd_tc_dprefix_f32` or SIMT) | `cpu::attention_bwd` | `attention_bwd.rs`, `attention_bwd.cu`, `attention_bwd_tc.rs`, `attention_bwd_dprefix.rs`, `attention_bwd_tc.cu` |
 //! | `sumsq_partial_f32` (the grad-norm's f64 partial sums, fixed order), `scale_f32` (the clip), `gather_sum_rows_bf16` (fixed-order row sums), `add_f32_into_bf16` | `cpu::grad` (`sumsq_partial`, `scale`, `gather_sum_rows`, `add_into`) | `grad.rs`, `grad.cu` |
@@ -84,8 +84,8 @@ pub use pointwise::{
     rope_fwd_bf16, rope_kv_append_bf16, swiglu_fwd_bf16,
 };
 pub use policy_loss::{
-    policy_loss_f32, KlKind, LossAggKind, PolicyLossAcc, PolicyLossInputs, PolicyLossParams,
-    PolicyLossSums,
+    policy_loss_f32, policy_loss_seq_ratio_f64, KlKind, LossAggKind, PolicyLossAcc,
+    PolicyLossInputs, PolicyLossParams, PolicyLossSums, RatioKind,
 };
 pub use sampling::{philox4x32_10, sample_bf16, sample_bf16_keyed, sample_ref, SampleParams};
 

@@ -1,11 +1,15 @@
-//! `policy_loss_f32` and `policy_loss_reduce_f64` (kernels in `cuda/policy_loss.cu`): the
-//! GRPO / PPO-clip policy loss of `runtime/src/train/loss.rs` on the device, so that a trainer
-//! needs no host round trip per micro-batch. Per token: `dlogp = d loss / d logp` (f32); per
-//! call: the loss metrics, added into a device accumulator ([`PolicyLossAcc`]) that is read once
-//! (a 104-byte download) when the optimizer step wants them.
+//! `policy_loss_f32` and `policy_loss_reduce_f64` (kernels in `cuda/policy_loss.cu`), with
+//! `policy_loss_seq_ratio_f64` first under the sequence ratio: the GRPO / PPO-clip / GSPO policy
+//! loss of `runtime/src/train/loss.rs` on the device, so that a trainer needs no host round trip
+//! per micro-batch. Per token: `dlogp = d loss / d logp` (f32); per call: the loss metrics, added
+//! into a device accumulator ([`PolicyLossAcc`]) that is read once (a 112-byte download) when the
+//! optimizer step wants them.
 //!
-//! Definitions (the CPU module's doc has them in full): ratio `ρ = exp(clamp(logp - old, ±20))`;
-//! surrogate `max(-A ρ, -A clamp(ρ, 1 - clip_low, 1 + clip_high))`, capped at `-A c` for `A < 0`
+//! Definitions (the CPU module's doc has them in full): ratio `ρ = exp(clamp(logp - old, ±20))`,
+//! or under [`RatioKind::Sequence`] (GSPO) every token of sequence `s` takes
+//! `exp(clamp(m_s, ±20))` with `m_s` the mean of `logp - old` over the sequence's counted tokens
+//! (its derivative w.r.t. the token's own `logp` taken as the ratio, GSPO-token); surrogate
+//! `max(-A ρ, -A clamp(ρ, 1 - clip_low, 1 + clip_high))`, capped at `-A c` for `A < 0`
 //! with dual clip `c`; KL k1 / k2 / k3 (k3 clamped to ±10) against the reference; every term
 //! weighted per token by the aggregation over the *mini-batch* normaliser (`norm_tokens` masked
 //! tokens, `norm_seqs` sequences): token_mean `1 / N`, seq_mean_token_mean `1 / (n_s S)`,
@@ -13,7 +17,9 @@
 //!
 //! Numerics: each token runs the CPU's f64 operations in the CPU's order with explicitly rounded
 //! intrinsics (no fused multiply-add), the clamps' closed intervals and the half-gradient at
-//! exact `max`/`min` ties as torch's autograd has them; dlogp is the CPU's f32 bit for bit
+//! exact `max`/`min` ties as torch's autograd has them; the sequence mean `m_s` is summed
+//! serially in row order by one thread per sequence, the CPU's order (`cpu::seq_log_ratio`), so
+//! it is the CPU's bit for bit and no function of the grid; dlogp is the CPU's f32 bit for bit
 //! wherever CUDA's double `exp` rounds as the host's libm does (both are within 1 ulp in f64,
 //! so the f32 results differ at most by an ulp, rarely). The metrics are f64 sums in an order
 //! fixed by the token count (blocks of [`TOKENS_PER_BLOCK`], a fixed tree in each, then one
@@ -23,7 +29,8 @@
 //! Input checks: lengths, the configuration (the CPU's rules) and the normaliser's sequence count
 //! are checked on the host and refused with [`super::CudaError::Shape`]; what only the device sees
 //! (a sequence index out of range, per-sequence counts that do not add up to the masked tokens,
-//! more masked tokens than the normaliser counts) is counted by the kernels and refused when the
+//! more masked tokens than the normaliser counts, under the sequence ratio a row span that does
+//! not hold exactly its sequence's rows) is counted by the kernels and refused when the
 //! accumulator is read ([`PolicyLossAcc::read`]).
 
 use std::sync::Arc;
@@ -41,8 +48,9 @@ pub const POLICY_LOSS: KernelModule = KernelModule {
 };
 
 const OP: &str = "policy_loss_f32";
+const SEQ_OP: &str = "policy_loss_seq_ratio_f64";
 
-/// Threads of both kernels' blocks (`PL_THREADS` in the source).
+/// Threads of the kernels' blocks (`PL_THREADS` in the source).
 const THREADS: u32 = 256;
 /// Consecutive tokens one block of `policy_loss_f32` sums (`PL_TOKENS_PER_BLOCK`): the
 /// metrics' summation order is a function of the token count alone.
@@ -64,8 +72,9 @@ const ACC_CALLS: usize = 9;
 const ACC_NORM_SHORT: usize = 10;
 const ACC_COUNT_MISMATCH: usize = 11;
 const ACC_BAD_SEQ: usize = 12;
+const ACC_BAD_SPAN: usize = 13;
 /// f64 slots of [`PolicyLossAcc`] (`PL_ACC`).
-pub const ACC_SLOTS: usize = 13;
+pub const ACC_SLOTS: usize = 14;
 
 /// The KL estimator (veRL's names: k1 `kl`, k2 `mse`, k3 `low_var_kl`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,6 +82,15 @@ pub enum KlKind {
     K1,
     K2,
     K3,
+}
+
+/// Whose importance ratio a token takes (see the module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RatioKind {
+    /// Its own (PPO, GRPO, DAPO).
+    Token,
+    /// Its sequence's (GSPO); needs [`PolicyLossInputs::seq_spans`].
+    Sequence,
 }
 
 /// How per-token terms aggregate (see the module doc).
@@ -96,6 +114,7 @@ pub struct PolicyLossParams {
     pub kl_coef: f64,
     pub kl: KlKind,
     pub agg: LossAggKind,
+    pub ratio: RatioKind,
     /// Masked response tokens of the whole mini-batch (one optimizer step).
     pub norm_tokens: usize,
     /// Sequences of the whole mini-batch.
@@ -166,6 +185,11 @@ pub struct PolicyLossInputs<'a> {
     /// Per sequence: its masked (counted) tokens `n_s`. The kernels check that they add up to
     /// the call's masked tokens.
     pub seq_tokens: &'a dyn DevicePtr<u32>,
+    /// Per sequence `s`: the rows it owns, `spans[2 s] .. spans[2 s + 1]`, its tokens in order
+    /// (under the sequence ratio they must lie contiguously). Required with
+    /// [`RatioKind::Sequence`], not read otherwise; the sequence pass checks that each span holds
+    /// only rows of its sequence and `n_s` counted ones.
+    pub seq_spans: Option<&'a dyn DevicePtr<u32>>,
 }
 
 /// The metrics summed over the calls since the accumulator was made or reset, as the CPU's
@@ -206,6 +230,17 @@ impl PolicyLossSums {
                     "{} tokens named a sequence index not below their call's sequence count \
                      (their dlogp is NaN)",
                     a[ACC_BAD_SEQ]
+                ),
+            ));
+        }
+        if a[ACC_BAD_SPAN] > 0.0 {
+            return Err(shape(
+                OP,
+                format!(
+                    "{} sequences' row spans (seq_spans) did not match their rows: a span must \
+                     lie within the call's tokens and hold only its sequence's rows, n_s of them \
+                     counted (those sequences' counted tokens have NaN dlogp)",
+                    a[ACC_BAD_SPAN]
                 ),
             ));
         }
@@ -287,9 +322,73 @@ fn inv(d: usize) -> f64 {
     }
 }
 
+/// The sequence pass of [`RatioKind::Sequence`] alone (what [`policy_loss_f32`] runs first
+/// under it): `lr[s]` = the mean of `logp - old_logp` over sequence `s`'s counted rows
+/// (`cpu::seq_log_ratio` of them, bitwise), `bad[s]` = 0; for a span that does not hold exactly
+/// its sequence's rows with `n_s` counted (see [`PolicyLossInputs::seq_spans`]) `lr[s]` is NaN
+/// and `bad[s]` = 1. Reads `logp`, `old_logp`, `mask`, `seq`, `seq_tokens` and `seq_spans` of
+/// `x`. Nothing synchronises.
+pub fn policy_loss_seq_ratio_f64(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    lr: &mut impl DevicePtrMut<f64>,
+    bad: &mut impl DevicePtrMut<u32>,
+    x: &PolicyLossInputs<'_>,
+) -> Result<()> {
+    let Some(spans) = x.seq_spans else {
+        return Err(shape(
+            SEQ_OP,
+            "the sequence ratio needs each sequence's row span (seq_spans), but none was given",
+        ));
+    };
+    let n = x.tokens;
+    need(SEQ_OP, "lr", lr, x.seqs)?;
+    need(SEQ_OP, "bad", bad, x.seqs)?;
+    need(SEQ_OP, "logp", x.logp, n)?;
+    need(SEQ_OP, "old_logp", x.old_logp, n)?;
+    need(SEQ_OP, "mask", x.mask, n)?;
+    need(SEQ_OP, "seq", x.seq, n)?;
+    need(SEQ_OP, "seq_tokens", x.seq_tokens, x.seqs)?;
+    let two_seqs = x.seqs.saturating_mul(2);
+    need(SEQ_OP, "seq_spans", spans, two_seqs)?;
+    let n32 = u32_of(SEQ_OP, "tokens", n)?;
+    let s32 = u32_of(SEQ_OP, "seqs", x.seqs)?;
+    if x.seqs == 0 {
+        return Ok(());
+    }
+    let blocks = u32_of(SEQ_OP, "blocks", x.seqs.div_ceil(THREADS as usize))?;
+    let (lrp, badp) = (ptr_mut(lr, stream), ptr_mut(bad, stream));
+    let (lp, op, mp, sp, stp, spp) = (
+        ptr(x.logp, stream),
+        ptr(x.old_logp, stream),
+        ptr(x.mask, stream),
+        ptr(x.seq, stream),
+        ptr(x.seq_tokens, stream),
+        ptr(spans, stream),
+    );
+    let cfg = Grid::new((blocks, 1, 1), THREADS);
+    // SAFETY: thread s < seqs (the kernel bounds-checks s) reads seq_tokens[s], spans[2s] and
+    // spans[2s + 1] (held: seqs and 2 * seqs elements, checked) and rows r of logp, old_logp,
+    // mask and seq only for r below its span's end, which it first checks is at most n (held:
+    // n elements each, checked); it writes lr[s] and bad[s] alone (seqs elements each, checked);
+    // arguments match the kernel's signature in order.
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &POLICY_LOSS,
+            &[],
+            SEQ_OP,
+            cfg,
+            &[&lrp, &badp, &lp, &op, &mp, &sp, &stp, &spp, &n32, &s32],
+        )
+    }
+}
+
 /// The loss of one call: writes `dlogp[t]` for `t < x.tokens` (0 on masked-out tokens) and adds
 /// the call's metrics into `acc`. Allocates a scratch of `8 * ceil(tokens / 1024)` f64 on
-/// `stream` (stream-ordered, freed after the reduction). Nothing synchronises.
+/// `stream` (stream-ordered, freed after the reduction), and under the sequence ratio `seqs` f64
+/// and `seqs` u32 for the sequence pass ([`policy_loss_seq_ratio_f64`]). Nothing synchronises.
 pub fn policy_loss_f32(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
@@ -337,6 +436,20 @@ pub fn policy_loss_f32(
     let s32 = u32_of(OP, "seqs", x.seqs)?;
     let blocks = n.div_ceil(TOKENS_PER_BLOCK);
     let nb32 = u32_of(OP, "blocks", blocks)?;
+    // the sequence pass: each sequence's mean log-ratio and its span's flag
+    let seq_pass = match p.ratio {
+        RatioKind::Token => None,
+        RatioKind::Sequence => {
+            let mut lr = gpu.alloc::<f64>(stream, x.seqs)?;
+            let mut bad = gpu.alloc::<u32>(stream, x.seqs)?;
+            policy_loss_seq_ratio_f64(gpu, stream, &mut lr, &mut bad, x)?;
+            Some((lr, bad))
+        }
+    };
+    let (lrp, badp) = match &seq_pass {
+        Some((lr, bad)) => (ptr(lr, stream), ptr(bad, stream)),
+        None => (0, 0),
+    };
     let mut partial = gpu.alloc::<f64>(stream, blocks * PARTS)?;
     let pp = ptr_mut(&mut partial, stream);
     let stp = ptr(x.seq_tokens, stream);
@@ -373,11 +486,13 @@ pub fn policy_loss_f32(
         };
         // SAFETY: thread slots cover tokens t < n only (the kernel bounds-checks t); logp,
         // old_logp, advantages, mask, seq, dlogp and, when given (else null, never read),
-        // ref_logp and entropy hold at least n elements (checked above); seq_tokens[s] is read
-        // only for s < seqs (the kernel checks seq[t] against seqs), which it holds (checked);
-        // block b writes only partial[b * 8 .. b * 8 + 8] and the grid has `blocks` blocks,
-        // which is what `partial` holds; dlogp[t] is written by one thread; arguments match
-        // the kernel's signature in order.
+        // ref_logp and entropy hold at least n elements (checked above); seq_tokens[s] and (under
+        // the sequence ratio, else null, never read) the sequence pass's lr[s] are read only for
+        // s < seqs (the kernel checks seq[t] against seqs), which both hold (checked, allocated;
+        // lr written by the pass earlier on this stream); block b writes only
+        // partial[b * 8 .. b * 8 + 8] and the grid has `blocks` blocks, which is what `partial`
+        // holds; dlogp[t] is written by one thread; arguments match the kernel's signature in
+        // order.
         unsafe {
             launch(
                 gpu,
@@ -397,6 +512,7 @@ pub fn policy_loss_f32(
                     &ep,
                     &sp,
                     &stp,
+                    &lrp,
                     &n32,
                     &s32,
                     &lo,
@@ -417,7 +533,8 @@ pub fn policy_loss_f32(
     let cfg = Grid::new((1, 1, 1), THREADS);
     // SAFETY: one block reads partial[b * 8 + k] for b < blocks (written by the launch above
     // on the same stream; never read when blocks == 0, where the 1-element scratch keeps the
-    // pointer valid) and seq_tokens[s] for s < seqs (held, checked); thread 0 alone adds into
+    // pointer valid), seq_tokens[s] and (under the sequence ratio, else null, never read) the
+    // sequence pass's bad[s] for s < seqs (held: checked, allocated); thread 0 alone adds into
     // the accumulator's ACC_SLOTS slots, which `acc` owns; arguments match the signature.
     unsafe {
         launch(
@@ -432,6 +549,7 @@ pub fn policy_loss_f32(
                 &pp,
                 &nb32,
                 &stp,
+                &badp,
                 &s32,
                 &p.kl_coef,
                 &has_entropy,
@@ -439,8 +557,9 @@ pub fn policy_loss_f32(
             ],
         )
     }?;
-    // freed in stream order, after the reduction that reads it
+    // freed in stream order, after the kernels that read them
     drop(partial);
+    drop(seq_pass);
     Ok(())
 }
 
@@ -456,6 +575,7 @@ mod tests {
             kl_coef: 0.05,
             kl: KlKind::K3,
             agg: LossAggKind::TokenMean,
+            ratio: RatioKind::Sequence,
             norm_tokens: 10,
             norm_seqs: 2,
         }
@@ -535,6 +655,7 @@ mod tests {
         assert_eq!(PolicyLossSums::from_slots(&a).unwrap().entropy, Some(0.75));
         for (slot, word) in [
             (ACC_BAD_SEQ, "sequence index"),
+            (ACC_BAD_SPAN, "row spans"),
             (ACC_COUNT_MISMATCH, "add up"),
             (ACC_NORM_SHORT, "normaliser"),
         ] {

@@ -5,15 +5,18 @@
 //!
 //! - [`kernel_params`]: a [`LossConfig`] and the mini-batch [`Normaliser`] as the kernel's
 //!   arguments (Dr. GRPO's `seq_mean_token_sum_norm` as the token sum over `horizon x S`
-//!   sequences; GSPO's sequence ratio has no device form yet: [`check_device_loss`] refuses it); [`loss_metrics`]: the device sums as a [`LossMetrics`].
+//!   sequences; GSPO's sequence ratio as the kernel's sequence pass); [`loss_metrics`]: the
+//!   device sums as a [`LossMetrics`].
 //! - [`LossTables`]: the host tables the kernel reads besides the per-token values (each row's
-//!   sequence index and mask byte, each sequence's masked token count), built from where each
-//!   sequence's tokens lie in the per-token buffers (any order, as the trainer's head rows).
+//!   sequence index and mask byte, each sequence's masked token count and row span), built from
+//!   where each sequence's tokens lie in the per-token buffers (sequences in any order, as the
+//!   trainer's head rows; each sequence's tokens in consecutive rows).
 //! - [`policy_loss_device`]: one call (a micro-batch of any number of GRPO groups).
 //!
 //! What the CPU does per GRPO group (`policy_loss` per group, metrics added) the device does in
 //! one call over all groups: each token's gradient depends only on its own values, its
-//! sequence's masked count and the normaliser, so `dlogp` is the same (bitwise up to the last bit
+//! sequence's masked count (and, under GSPO, its sequence's mean log-ratio, summed in the
+//! CPU's order) and the normaliser, so `dlogp` is the same (bitwise up to the last bit
 //! of `exp`, see the kernel's doc) and the metrics agree to rounding (~1e-15 relative).
 //! One difference: the reference log-probs are given for all tokens of a call or for none; the
 //! CPU, with `kl_coef = 0`, also reports the KL of the groups that happen to carry them.
@@ -22,7 +25,7 @@ use std::sync::Arc;
 
 use rollplex_kernels::cuda::{
     policy_loss_f32, CudaStream, Gpu, KlKind, LossAggKind, PolicyLossAcc, PolicyLossInputs,
-    PolicyLossParams, PolicyLossSums,
+    PolicyLossParams, PolicyLossSums, RatioKind,
 };
 use rollplex_plan::spec::{KlEstimator, LossAgg, RatioLevel};
 
@@ -47,6 +50,10 @@ pub fn kernel_params(cfg: &LossConfig, norm: Normaliser) -> PolicyLossParams {
             LossAgg::SeqMeanTokenMean => LossAggKind::SeqMeanTokenMean,
             LossAgg::SeqMeanTokenSum | LossAgg::SeqMeanTokenSumNorm => LossAggKind::SeqMeanTokenSum,
         },
+        ratio: match cfg.ratio {
+            RatioLevel::Token => RatioKind::Token,
+            RatioLevel::Sequence => RatioKind::Sequence,
+        },
         norm_tokens: norm.tokens,
         // Dr. GRPO's `1 / (H S)` is the token-sum weight `1 / S'` with `S' = H S` sequences.
         norm_seqs: match cfg.agg {
@@ -54,20 +61,6 @@ pub fn kernel_params(cfg: &LossConfig, norm: Normaliser) -> PolicyLossParams {
             _ => norm.seqs,
         },
     }
-}
-
-/// Whether the device loss computes `cfg`: the kernel takes each token's own ratio, so GSPO's
-/// sequence-level ratio is refused (it runs on the cpu backend).
-pub fn check_device_loss(cfg: &LossConfig) -> Result<()> {
-    if cfg.ratio == RatioLevel::Sequence {
-        return Err(GpuError::Unsupported(
-            "GSPO's sequence-level ratio (`ratio = sequence`, `algorithm = gspo`) runs on the cpu \
-             backend only: the device loss takes each token's own ratio; use the cpu backend or \
-             `ratio = token`"
-                .into(),
-        ));
-    }
-    Ok(())
 }
 
 /// The device sums as the CPU's metrics (the sum of its micro-batches' `LossMetrics`).
@@ -92,6 +85,9 @@ pub struct LossTables {
     pub mask: Vec<u8>,
     /// Per sequence: its counted tokens `n_s`.
     pub seq_tokens: Vec<u32>,
+    /// Per sequence `s`: its rows `spans[2 s] .. spans[2 s + 1]` (`0 .. 0` when empty), what
+    /// the sequence ratio (GSPO) reads.
+    pub spans: Vec<u32>,
 }
 
 impl LossTables {
@@ -109,9 +105,11 @@ impl LossTables {
         let mut seq = vec![u32::MAX; rows];
         let mut mask = vec![0u8; rows];
         let mut seq_tokens = Vec::with_capacity(seqs.len());
+        let mut spans = Vec::with_capacity(2 * seqs.len());
         for (s, &(first, m)) in seqs.iter().enumerate() {
             if m.is_empty() {
                 seq_tokens.push(0);
+                spans.extend([0, 0]);
                 continue;
             }
             let end = first.checked_add(m.len()).filter(|&e| e <= rows);
@@ -133,6 +131,8 @@ impl LossTables {
                 mask[r] = keep as u8;
             }
             seq_tokens.push(m.iter().filter(|&&k| k).count() as u32);
+            // both fit: end <= rows, which fits in 32 bits (checked above)
+            spans.extend([first as u32, end as u32]);
         }
         if let Some(r) = seq.iter().position(|&s| s == u32::MAX) {
             return Err(GpuError::Input(format!(
@@ -143,6 +143,7 @@ impl LossTables {
             seq,
             mask,
             seq_tokens,
+            spans,
         })
     }
 

@@ -7,14 +7,14 @@
 //! row order, masked tokens, an empty sequence, an all-masked sequence, a group of equal rewards
 //! (zero advantages), ratios inside and outside the clip range, log-ratios exactly at and beyond
 //! the ±20 clamp, reference log-probs at and beyond k3's clamps; every estimator x every
-//! aggregation x dual clip on/off x kl_coef 0 / > 0. `dlogp` must be within [`MAX_ULPS`] f32
-//! ulps of the CPU's (the count of bitwise-equal tokens is printed), every metric within
-//! [`METRIC_RTOL`] relative.
+//! aggregation x dual clip on/off x kl_coef 0 / > 0, with each token's ratio and with GSPO's
+//! sequence ratio. `dlogp` must be within [`MAX_ULPS`] f32 ulps of the CPU's (the count of
+//! bitwise-equal tokens is printed), every metric within [`METRIC_RTOL`] relative.
 
 use std::sync::{Arc, OnceLock};
 
 use rollplex_kernels::cuda::{test_gpu, CudaSlice, Gpu, PolicyLossAcc, PolicyLossInputs};
-use rollplex_plan::spec::{KlEstimator, LossAgg};
+use rollplex_plan::spec::{KlEstimator, LossAgg, RatioLevel};
 
 use super::*;
 use crate::gpu::{download, upload};
@@ -269,6 +269,7 @@ struct DeviceBatch {
     mask: CudaSlice<u8>,
     seq: CudaSlice<u32>,
     seq_tokens: CudaSlice<u32>,
+    spans: CudaSlice<u32>,
     rows: usize,
     seqs: usize,
     has_ref: bool,
@@ -300,6 +301,7 @@ impl DeviceBatch {
             mask: upload(s, &t.mask).unwrap(),
             seq: upload(s, &t.seq).unwrap(),
             seq_tokens: upload(s, &t.seq_tokens).unwrap(),
+            spans: upload(s, &t.spans).unwrap(),
             rows: b.rows,
             seqs: t.seq_tokens.len(),
             has_ref: b.has_ref,
@@ -323,6 +325,7 @@ impl DeviceBatch {
             seq: &self.seq,
             seqs: self.seqs,
             seq_tokens: &self.seq_tokens,
+            seq_spans: Some(&self.spans),
         }
     }
 }
@@ -450,8 +453,16 @@ fn config(agg: LossAgg, est: KlEstimator, dual: Option<f64>, kl_coef: f64) -> Lo
         kl_coef,
         kl_estimator: est,
         agg,
-        ratio: rollplex_plan::spec::RatioLevel::Token,
+        ratio: RatioLevel::Token,
         horizon: 0,
+    }
+}
+
+/// `cfg` with GSPO's sequence ratio.
+fn gspo(cfg: LossConfig) -> LossConfig {
+    LossConfig {
+        ratio: RatioLevel::Sequence,
+        ..cfg
     }
 }
 
@@ -477,9 +488,10 @@ fn tables_map_rows_to_sequences_in_any_order() {
     assert_eq!(t.seq, vec![2, 2, 2, 0, 0]);
     assert_eq!(t.mask, vec![1, 0, 1, 1, 1]);
     assert_eq!(t.seq_tokens, vec![2, 0, 2]);
+    assert_eq!(t.spans, vec![3, 5, 0, 0, 0, 3]);
     assert_eq!(t.normaliser(), Normaliser { tokens: 4, seqs: 3 });
     let empty = LossTables::new(0, &[(0, &[])]).unwrap();
-    assert_eq!(empty.seq_tokens, vec![0]);
+    assert_eq!((empty.seq_tokens, empty.spans), (vec![0], vec![0, 0]));
 }
 
 #[test]
@@ -504,7 +516,7 @@ fn tables_refuse_overlaps_gaps_and_rows_past_the_end() {
 
 #[test]
 fn kernel_params_carry_the_config_and_the_normaliser() {
-    use rollplex_kernels::cuda::{KlKind, LossAggKind};
+    use rollplex_kernels::cuda::{KlKind, LossAggKind, PolicyLossParams, RatioKind};
     let norm = Normaliser {
         tokens: 17,
         seqs: 3,
@@ -516,7 +528,15 @@ fn kernel_params_carry_the_config_and_the_normaliser() {
             LossAggKind::SeqMeanTokenSum,
         ]) {
             let p = kernel_params(&config(agg, est, Some(3.0), 0.05), norm);
-            assert_eq!((p.kl, p.agg), (kl, ka));
+            assert_eq!((p.kl, p.agg, p.ratio), (kl, ka, RatioKind::Token));
+            let q = kernel_params(&gspo(config(agg, est, Some(3.0), 0.05)), norm);
+            assert_eq!(
+                q,
+                PolicyLossParams {
+                    ratio: RatioKind::Sequence,
+                    ..p
+                }
+            );
             assert_eq!(
                 (p.clip_low, p.clip_high, p.dual_clip, p.kl_coef),
                 (0.2, 0.28, Some(3.0), 0.05)
@@ -533,8 +553,7 @@ fn kernel_params_carry_the_config_and_the_normaliser() {
 }
 
 /// Dr. GRPO's `seq_mean_token_sum_norm` reaches the kernel as the token-sum weight over
-/// `horizon x S` sequences, and the CPU loss gives the same bits either way; GSPO's sequence
-/// ratio is refused (the kernel takes token ratios).
+/// `horizon x S` sequences, and the CPU loss gives the same bits either way, with either ratio.
 #[test]
 fn dr_grpo_is_the_token_sum_over_horizon_times_sequences() {
     use rollplex_kernels::cuda::LossAggKind;
@@ -564,13 +583,15 @@ fn dr_grpo_is_the_token_sum_over_horizon_times_sequences() {
     assert_eq!(d1, d2);
     assert_eq!((m1.loss, m1.pg_loss, m1.kl), (m2.loss, m2.pg_loss, m2.kl));
     assert!(m1.loss != 0.0);
-    let gspo = LossConfig {
-        ratio: rollplex_plan::spec::RatioLevel::Sequence,
-        ..sum
+    let sum_norm = Normaliser {
+        seqs: norm.seqs * 7,
+        ..norm
     };
-    let e = check_device_loss(&gspo).unwrap_err().to_string();
-    assert!(e.contains("cpu backend"), "{e}");
-    assert!(check_device_loss(&dr).is_ok());
+    let (g1, n1) = cpu_loss(&gspo(dr), &b, norm);
+    let (g2, n2) = cpu_loss(&gspo(sum), &b, sum_norm);
+    assert_eq!(g1, g2);
+    assert_eq!((n1.loss, n1.pg_loss, n1.kl), (n2.loss, n2.pg_loss, n2.kl));
+    assert!(g1 != d1, "the sequence ratio changes the gradient");
 }
 
 // ---------------------------------------------------------------- GPU tests
@@ -649,6 +670,72 @@ fn device_loss_without_reference_or_entropy() {
             );
         }
     }
+}
+
+/// GSPO's sequence ratio: every estimator x aggregation (Dr. GRPO's too) x dual clip x
+/// kl_coef, with the usual clip range and GSPO's narrow one (most sequences clipped), on fresh
+/// random micro-batches (sequences of 1 to 48 tokens, an empty and an all-masked one, sequence
+/// means at and beyond the ±20 clamp from single-token sequences); then ties: a group whose
+/// tokens all have logp == old has mean log-ratio 0 and ratio 1, on both bounds of a clip range
+/// of the point 1.
+#[test]
+fn device_gspo_matches_cpu() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let s = gpu.stream(0).unwrap();
+    let mut rng = Rng(0x65_5930);
+    let (mut cases, mut rows, mut bitwise) = (0, 0, 0);
+    let aggs = AGGS.into_iter().chain([LossAgg::SeqMeanTokenSumNorm]);
+    for agg in aggs {
+        for est in ESTS {
+            for dual in [None, Some(3.0)] {
+                for kl_coef in [0.0, 0.05] {
+                    for (clip_low, clip_high) in [(0.2, 0.28), (3e-4, 4e-4)] {
+                        let sh = Shape {
+                            per_token_adv: cases % 2 == 1,
+                            ..SHAPE
+                        };
+                        let b = random_batch(&mut rng, sh);
+                        let cfg = LossConfig {
+                            clip_low,
+                            clip_high,
+                            horizon: SHAPE.max_len,
+                            ..gspo(config(agg, est, dual, kl_coef))
+                        };
+                        let what = format!(
+                            "gspo {agg:?} {est:?} dual {dual:?} kl_coef {kl_coef} clip \
+                             {clip_low}/{clip_high}"
+                        );
+                        bitwise += compare(gpu, &s, &what, &cfg, &b, mini_batch_norm(&b));
+                        rows += b.rows;
+                        cases += 1;
+                    }
+                }
+            }
+        }
+    }
+    println!("{cases} cases, {rows} rows, {bitwise} dlogp bitwise equal to the CPU's");
+    let mut tied = 0;
+    for agg in AGGS {
+        let mut b = random_batch(&mut rng, SHAPE);
+        for q in &mut b.groups[0] {
+            q.logp = q.old.clone();
+            tied += q.mask.iter().filter(|&&m| m).count();
+        }
+        let cfg = LossConfig {
+            clip_low: 0.0,
+            clip_high: 0.0,
+            ..gspo(config(agg, KlEstimator::K3, Some(3.0), 0.05))
+        };
+        compare(
+            gpu,
+            &s,
+            &format!("gspo ties {agg:?}"),
+            &cfg,
+            &b,
+            b.normaliser(),
+        );
+    }
+    assert!(tied > 0);
 }
 
 /// Ties: with clip_low = clip_high = 0 the clip range is the point 1, and a token with
@@ -800,8 +887,12 @@ fn micro_batches_accumulate_to_the_mini_batch() {
     let Some(gpu) = gpu_or_skip() else { return };
     let s = gpu.stream(0).unwrap();
     let mut rng = Rng(99);
-    for agg in AGGS {
-        let cfg = config(agg, KlEstimator::K3, Some(3.0), 0.05);
+    let ratios = [RatioLevel::Token, RatioLevel::Sequence];
+    for (agg, ratio) in AGGS.into_iter().flat_map(|a| ratios.map(|r| (a, r))) {
+        let cfg = LossConfig {
+            ratio,
+            ..config(agg, KlEstimator::K3, Some(3.0), 0.05)
+        };
         let (b1, b2) = (random_batch(&mut rng, SHAPE), random_batch(&mut rng, SHAPE));
         let norm = b1.normaliser().merge(b2.normaliser());
         let empty = Batch {
@@ -818,11 +909,19 @@ fn micro_batches_accumulate_to_the_mini_batch() {
             cpu_m.add(&m);
             let d = DeviceBatch::upload(&s, b);
             let gpu_d = device_loss(gpu, &s, &cfg, &d, norm, &mut acc);
-            check_dlogp(&format!("{agg:?} micro-batch {i}"), &gpu_d, &cpu_d);
+            check_dlogp(
+                &format!("{agg:?} {ratio:?} micro-batch {i}"),
+                &gpu_d,
+                &cpu_d,
+            );
         }
         let sums = acc.read(&s).unwrap();
         assert_eq!((sums.calls, sums.tokens as usize), (3, norm.tokens));
-        check_metrics(&format!("{agg:?} mini-batch"), &loss_metrics(&sums), &cpu_m);
+        check_metrics(
+            &format!("{agg:?} {ratio:?} mini-batch"),
+            &loss_metrics(&sums),
+            &cpu_m,
+        );
         // reset starts the next step at zero
         acc.reset(&s).unwrap();
         let z = acc.read(&s).unwrap();
@@ -831,7 +930,8 @@ fn micro_batches_accumulate_to_the_mini_batch() {
 }
 
 /// A large call (more than 256 blocks of partial sums, so the reduction's threads each sum
-/// several) twice: the same bits in dlogp and in every accumulator slot, and the CPU's numbers.
+/// several; 1280 sequences, five blocks of the sequence pass) twice, with each ratio: the same
+/// bits in dlogp and in every accumulator slot, and the CPU's numbers.
 #[test]
 fn two_runs_give_the_same_bits() {
     let Some(gpu) = gpu_or_skip() else { return };
@@ -847,35 +947,60 @@ fn two_runs_give_the_same_bits() {
         },
     );
     assert!(b.rows > 256 * rollplex_kernels::cuda::policy_loss::TOKENS_PER_BLOCK);
-    let cfg = config(LossAgg::SeqMeanTokenMean, KlEstimator::K3, Some(3.0), 0.05);
     let norm = b.normaliser();
     let d = DeviceBatch::upload(&s, &b);
+    for ratio in [RatioLevel::Token, RatioLevel::Sequence] {
+        let cfg = LossConfig {
+            ratio,
+            ..config(LossAgg::SeqMeanTokenMean, KlEstimator::K3, Some(3.0), 0.05)
+        };
+        same_bits_twice(gpu, &s, &cfg, &b, &d, norm);
+    }
+}
+
+fn same_bits_twice(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    cfg: &LossConfig,
+    b: &Batch,
+    d: &DeviceBatch,
+    norm: Normaliser,
+) {
+    let what = format!("large, {:?} ratio", cfg.ratio);
     let (mut a1, mut a2) = (
-        PolicyLossAcc::new(gpu, &s).unwrap(),
-        PolicyLossAcc::new(gpu, &s).unwrap(),
+        PolicyLossAcc::new(gpu, s).unwrap(),
+        PolicyLossAcc::new(gpu, s).unwrap(),
     );
-    let g1 = device_loss(gpu, &s, &cfg, &d, norm, &mut a1);
-    let g2 = device_loss(gpu, &s, &cfg, &d, norm, &mut a2);
+    let g1 = device_loss(gpu, s, cfg, d, norm, &mut a1);
+    let g2 = device_loss(gpu, s, cfg, d, norm, &mut a2);
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    assert!(bits(&g1) == bits(&g2), "dlogp differs between two runs");
+    assert!(
+        bits(&g1) == bits(&g2),
+        "{what}: dlogp differs between two runs"
+    );
     let (s1, s2) = (
-        download(&s, a1.slots()).unwrap(),
-        download(&s, a2.slots()).unwrap(),
+        download(s, a1.slots()).unwrap(),
+        download(s, a2.slots()).unwrap(),
     );
     let b64 = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    assert_eq!(b64(&s1), b64(&s2), "metric sums differ between two runs");
-    let (cpu_d, cpu_m) = cpu_loss(&cfg, &b, norm);
-    let bitwise = check_dlogp("large", &g1, &cpu_d);
-    check_metrics("large", &loss_metrics(&a1.read(&s).unwrap()), &cpu_m);
+    assert_eq!(
+        b64(&s1),
+        b64(&s2),
+        "{what}: metric sums differ between two runs"
+    );
+    let (cpu_d, cpu_m) = cpu_loss(cfg, b, norm);
+    let bitwise = check_dlogp(&what, &g1, &cpu_d);
+    check_metrics(&what, &loss_metrics(&a1.read(s).unwrap()), &cpu_m);
     println!(
-        "{} rows, {bitwise} dlogp bitwise equal to the CPU's",
+        "{what}: {} rows, {bitwise} dlogp bitwise equal to the CPU's",
         b.rows
     );
 }
 
-/// Refusals: on the host (lengths, config, missing reference, normaliser sequences) before any
-/// launch; on the device (a sequence index out of range, counts that do not add up, more masked
-/// tokens than the normaliser) when the accumulator is read. Errors, never panics.
+/// Refusals: on the host (lengths, config, missing reference, normaliser sequences, the sequence
+/// ratio without row spans) before any launch; on the device (a sequence index out of range,
+/// counts that do not add up, more masked tokens than the normaliser, a row span that is not its
+/// sequence's rows) when the accumulator is read. Errors, never panics.
 #[test]
 fn bad_inputs_are_errors_not_panics() {
     let Some(gpu) = gpu_or_skip() else { return };
@@ -949,6 +1074,32 @@ fn bad_inputs_are_errors_not_panics() {
     )
     .unwrap_err();
     assert!(e.contains("seq_tokens"), "{e}");
+    let seq_cfg = gspo(cfg.clone());
+    let e = run(
+        &seq_cfg,
+        &PolicyLossInputs {
+            seq_spans: None,
+            ..x
+        },
+        norm,
+        &mut dlogp,
+        &mut acc,
+    )
+    .unwrap_err();
+    assert!(e.contains("seq_spans"), "{e}");
+    let short_spans = upload(&s, &vec![0u32; 2 * x.seqs - 1]).unwrap();
+    let e = run(
+        &seq_cfg,
+        &PolicyLossInputs {
+            seq_spans: Some(&short_spans),
+            ..x
+        },
+        norm,
+        &mut dlogp,
+        &mut acc,
+    )
+    .unwrap_err();
+    assert!(e.contains("seq_spans"), "{e}");
     // none of the refused calls reached the accumulator
     assert_eq!(acc.read(&s).unwrap().calls, 0);
 
@@ -995,4 +1146,51 @@ fn bad_inputs_are_errors_not_panics() {
     run(&cfg, &x, small, &mut dlogp, &mut acc).unwrap();
     let e = acc.read(&s).unwrap_err().to_string();
     assert!(e.contains("normaliser"), "{e}");
+
+    // a span reaching into the next sequence's rows, one past the rows, one reversed: refused on
+    // reading, the sequence's counted rows NaN
+    let seqs: Vec<&Seq> = b.seqs().collect();
+    let k = (0..seqs.len())
+        .find(|&k| {
+            let end = b.starts[k] + seqs[k].logp.len();
+            !seqs[k].logp.is_empty() && end < b.rows && seqs[k].mask.contains(&true)
+        })
+        .expect("a counted sequence before the last rows");
+    let spans = LossTables::new(
+        b.rows,
+        &(0..seqs.len())
+            .map(|k| (b.starts[k], &seqs[k].mask[..]))
+            .collect::<Vec<_>>(),
+    )
+    .unwrap()
+    .spans;
+    let (first, end) = (spans[2 * k], spans[2 * k + 1]);
+    for (lo, hi, why) in [
+        (first, end + 1, "into the next sequence"),
+        (first, b.rows as u32 + 1, "past the rows"),
+        (end, first, "reversed"),
+    ] {
+        let mut bad = spans.clone();
+        (bad[2 * k], bad[2 * k + 1]) = (lo, hi);
+        let bad = upload(&s, &bad).unwrap();
+        let mut acc = PolicyLossAcc::new(gpu, &s).unwrap();
+        run(
+            &seq_cfg,
+            &PolicyLossInputs {
+                seq_spans: Some(&bad),
+                ..x
+            },
+            norm,
+            &mut dlogp,
+            &mut acc,
+        )
+        .unwrap();
+        let e = acc.read(&s).unwrap_err().to_string();
+        assert!(e.contains("row spans"), "{why}: {e}");
+        let got = download(&s, &dlogp).unwrap();
+        for (t, &m) in seqs[k].mask.iter().enumerate() {
+            let g = got[b.starts[k] + t];
+            assert!(!m || g.is_nan(), "{why}: counted row {t} has dlogp {g}");
+        }
+    }
 }

@@ -33,6 +33,7 @@
 //! Gradients at the non-differentiable points follow torch's autograd: `clamp` passes the
 //! gradient on its closed interval, `maximum`/`minimum` split it in half at exact ties.
 
+use rollplex_kernels::cpu::seq_log_ratio;
 use rollplex_plan::spec::{KlEstimator, LossAgg, PolicyLoss, RatioLevel};
 
 use super::{check_len, Result, TrainError};
@@ -391,14 +392,11 @@ pub fn policy_loss_f64<T: Copy + Into<f64>>(
             // one rounding, as the device computes it (the token-sum weight of H S sequences)
             LossAgg::SeqMeanTokenSumNorm => inv(norm.seqs * cfg.horizon),
         };
-        // GSPO: the sequence's mean log-ratio over its masked tokens, summed in token order.
-        let seq_log_ratio = (cfg.ratio == RatioLevel::Sequence).then(|| {
-            let mut sum = 0.0f64;
-            for t in range.clone().filter(|&t| b.mask[t]) {
-                let (lp, old): (f64, f64) = (b.logp[t].into(), b.old_logp[t].into());
-                sum += lp - old;
-            }
-            sum * inv(len)
+        // GSPO: the sequence's mean log-ratio over its masked tokens, summed in token order
+        // (the device's sequence pass computes the same bits).
+        let seq_lr = (cfg.ratio == RatioLevel::Sequence).then(|| {
+            let r = range.clone();
+            seq_log_ratio(&b.logp[r.clone()], &b.old_logp[r.clone()], &b.mask[r])
         });
         for t in range {
             if !b.mask[t] {
@@ -407,7 +405,7 @@ pub fn policy_loss_f64<T: Copy + Into<f64>>(
             let logp: f64 = b.logp[t].into();
             let old: f64 = b.old_logp[t].into();
             let a: f64 = b.advantages[t].into();
-            let raw = seq_log_ratio.unwrap_or(logp - old);
+            let raw = seq_lr.unwrap_or(logp - old);
             let tok = token_terms(cfg, raw, a, b.ref_logp.map(|r| (logp, r[t].into())));
             m.pg_loss += w * tok.pg;
             m.kl += w * tok.kl;

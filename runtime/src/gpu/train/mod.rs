@@ -214,7 +214,6 @@ impl GpuTrainer {
             .into());
         }
         cfg.loss.validate()?;
-        super::loss::check_device_loss(&cfg.loss)?;
         validate_spec(&spec)?;
         let gm = GpuModel::upload_in(gpu, stream, model, place.weights.as_deref())?;
         let (masters, moments) = (place.masters.as_deref(), place.moments.as_deref());

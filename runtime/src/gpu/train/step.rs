@@ -434,6 +434,7 @@ impl GpuTrainer {
             seq: &li.seq,
             seqs: li.seqs,
             seq_tokens: &li.seq_tokens,
+            seq_spans: Some(&li.spans),
         };
         policy_loss_device(gpu, s, &self.cfg.loss, norm, &x, &mut dlogp_d, &mut acc)?;
         Ok((dlogp_d, acc))
@@ -524,6 +525,8 @@ struct LossInputs {
     seq: CudaSlice<u32>,
     mask: CudaSlice<u8>,
     seq_tokens: CudaSlice<u32>,
+    /// Per sequence: its first and end row (the sequence ratio reads them).
+    spans: CudaSlice<u32>,
     /// Sequences (responses) of the call.
     seqs: usize,
 }
@@ -575,6 +578,7 @@ impl LossInputs {
             seq: upload(s, &tables.seq)?,
             mask: upload(s, &tables.mask)?,
             seq_tokens: upload(s, &tables.seq_tokens)?,
+            spans: upload(s, &tables.spans)?,
             seqs: tables.seq_tokens.len(),
         })
     }

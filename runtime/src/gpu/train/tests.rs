@@ -367,6 +367,11 @@ const GRAD_TOL_TIED: f64 = 8e-2;
 /// loss, grad norm and every trained tensor's gradient, the tower and merger trained unless
 /// frozen as given; then the step changes the forward, and plan order is enforced.
 fn gradients_match(tie: bool, freeze_vision: bool, freeze_merger: bool) {
+    gradients_match_under(tie, vision_cfg(freeze_vision, freeze_merger));
+}
+
+/// [`gradients_match`] under `cfg` (its loss and freeze settings).
+fn gradients_match_under(tie: bool, cfg: TrainConfig) {
     let Some(gpu) = gpu_or_skip() else { return };
     let s = gpu.stream(0).unwrap();
     let m = model(tie);
@@ -375,8 +380,11 @@ fn gradients_match(tie: bool, freeze_vision: bool, freeze_merger: bool) {
         Group::new(&m, &[5, 3, 7], 0.1, 2),
     ];
     let norm = norm_of(&groups);
-    let cfg = vision_cfg(freeze_vision, freeze_merger);
-    let label = format!("tie={tie} freeze vision {freeze_vision} merger {freeze_merger}");
+    let (freeze_vision, freeze_merger) = (cfg.freeze_vision, cfg.freeze_merger);
+    let label = format!(
+        "tie={tie} freeze vision {freeze_vision} merger {freeze_merger} ratio {:?}",
+        cfg.loss.ratio
+    );
     // CPU backend
     let media: Vec<_> = groups.iter().map(|g| g.media()).collect();
     let resp: Vec<_> = groups.iter().map(|g| g.responses()).collect();
@@ -503,6 +511,16 @@ fn cuda_gradients_match_the_cpu_backend_with_the_tower_and_merger() {
 #[test]
 fn cuda_gradients_match_the_cpu_backend_with_the_merger_only() {
     gradients_match(false, true, false);
+}
+
+/// GSPO's sequence ratio (the device loss's sequence pass) in the whole step, with its
+/// sequence-mean aggregation.
+#[test]
+fn cuda_gradients_match_the_cpu_backend_under_gspo() {
+    let mut cfg = train_cfg();
+    cfg.loss.ratio = rollplex_plan::spec::RatioLevel::Sequence;
+    cfg.loss.agg = LossAgg::SeqMeanTokenMean;
+    gradients_match_under(false, cfg);
 }
 
 #[test]
