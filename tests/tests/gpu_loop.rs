@@ -116,9 +116,9 @@ fn cuda_loss_variants_keep_serial_and_overlap_bitwise_identical() {
 /// bitwise identical.
 #[test]
 fn cuda_old_logprob_pass_left_out_or_forced() {
-    if common::gpu_device().is_none() {
+    let Some(_gpu) = common::gpu_device() else {
         return;
-    }
+    };
     let src = common::overlap_small_frozen();
     let plan = common::compile("overlap_small.rpx", &src, Mode::Overlap);
     assert_eq!(
@@ -140,13 +140,14 @@ fn cuda_old_logprob_pass_left_out_or_forced() {
     let forced = common::with_old_logprob_pass(&src);
     let plan = common::compile("overlap_small.rpx", &forced, Mode::Overlap);
     assert_eq!(plan.old_logprobs, rollplex_plan::OldLogProbSource::Pass);
+    drop(_gpu); // taken again by the check below
     serial_and_overlap_bitwise(&forced);
 }
 
 fn serial_and_overlap_bitwise(src: &str) {
-    if common::gpu_device().is_none() {
+    let Some(_gpu) = common::gpu_device() else {
         return;
-    }
+    };
     let serial = common::compile("overlap_small.rpx", src, Mode::Serial);
     let overlap = common::compile("overlap_small.rpx", src, Mode::Overlap);
     let side_work = |p: &Plan| {
@@ -240,9 +241,9 @@ fn serial_and_overlap_bitwise(src: &str) {
 
 #[test]
 fn cuda_first_iteration_agrees_with_the_cpu_backend() {
-    if common::gpu_device().is_none() {
+    let Some(_gpu) = common::gpu_device() else {
         return;
-    }
+    };
     let src = common::overlap_small_frozen();
     let mut plan = common::compile("overlap_small.rpx", &src, Mode::Overlap);
     // greedy: the device's sampler and the CPU's draw different tokens from equal logits
@@ -330,9 +331,9 @@ fn cuda_first_iteration_agrees_with_the_cpu_backend() {
 fn cuda_tiny_h200_learns_the_moving_shapes_task() {
     use rollplex_runtime::exec::data;
     use rollplex_runtime::tasks::moving_shapes::Split;
-    if common::gpu_device().is_none() {
+    let Some(_gpu) = common::gpu_device() else {
         return;
-    }
+    };
     let src = common::repo_file("examples/tiny-h200.rpx");
     let plan = common::compile("tiny-h200.rpx", &src, Mode::Overlap);
     let spec = &plan.spec;
@@ -464,9 +465,9 @@ fn cuda_pick_order_changes_no_number() {
 /// optimizer step), so a loop ends where it began once its lazily made state exists.
 #[test]
 fn cuda_loops_leave_the_pool_as_they_found_it() {
-    if common::gpu_device().is_none() {
+    let Some(_gpu) = common::gpu_device() else {
         return;
-    }
+    };
     let plan = common::compile(
         "overlap_small.rpx",
         &common::overlap_small_frozen(),

@@ -120,9 +120,9 @@ fn cuda_two_plus_resume_to_four_trains_the_tower_bitwise() {
 }
 
 fn two_plus_resume(plan: Plan) {
-    if common::gpu_device().is_none() {
+    let Some(_gpu) = common::gpu_device() else {
         return;
-    }
+    };
     let spec = &plan.spec;
     let dir = common::Scratch::new("gpu-resume-lib");
     let root = dir.path().join(checkpoint::CHECKPOINTS_DIR);
@@ -223,9 +223,9 @@ fn read(p: PathBuf) -> Vec<u8> {
 
 #[test]
 fn cuda_cli_resume_continues_bitwise() {
-    if common::gpu_device().is_none() {
+    let Some(_gpu) = common::gpu_device() else {
         return;
-    }
+    };
     let dir = common::Scratch::new("gpu-resume-cli");
     let plan_path = dir.path().join("plan.bin");
     std::fs::write(&plan_path, rollplex_plan::encode(&plan(), "tests").unwrap()).unwrap();

@@ -112,11 +112,17 @@ pub fn bless() -> bool {
     std::env::var("BLESS").is_ok_and(|v| v == "1")
 }
 
-/// `None` (after printing why) when no CUDA GPU opens here: GPU tests then pass as skipped (CI
-/// has no GPU), unless `ROLLPLEX_REQUIRE_GPU=1` makes that a failure
-/// ([`rollplex_kernels::cuda::test_gpu`], the rule of every GPU test).
-pub fn gpu_device() -> Option<()> {
-    rollplex_kernels::cuda::test_gpu().map(|_| ())
+/// The GPU, held by one test at a time: `None` (after printing why) when no CUDA GPU opens
+/// here: GPU tests then pass as skipped (CI has no GPU), unless `ROLLPLEX_REQUIRE_GPU=1` makes
+/// that a failure ([`rollplex_kernels::cuda::test_gpu`], the rule of every GPU test). The tests
+/// of a binary run on threads of one process, sharing the device's memory pool and SMs: a test
+/// that measures the pool or partitions the SMs must not see another's work, so each holds the
+/// guard while it uses the GPU (taking it twice on one thread deadlocks).
+#[allow(dead_code)] // not every test binary has GPU tests
+pub fn gpu_device() -> Option<std::sync::MutexGuard<'static, ()>> {
+    static GPU: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    rollplex_kernels::cuda::test_gpu()?;
+    Some(GPU.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
 /// A run's metrics.jsonl without its measurements (`metrics::is_measurement`): what two runs
