@@ -519,6 +519,10 @@ pub fn load_gpu(
                 dir.join(ckpt_state::OPTIMIZER_FILE).display()
             ))
         })?;
+    if let Some(a) = &fresh.arena {
+        // the host images of optimizer state the plan offloads: the restored values
+        a.capture(&fresh.stream)?;
+    }
     let config = fresh.trainer.model().config.clone();
     let host = job_actor(dir, config, loaded)?;
     Ok(ResumedGpu {

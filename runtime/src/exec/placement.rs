@@ -4,12 +4,21 @@
 //! Placed: the loop-carried state (actor and reference weights, fp32 master weights, Adam
 //! moments), each step's gradient sums, and the iteration's kept data (media embeddings, the
 //! decode KV arena over `kv.prompt` and `kv.response`, the reference's and the old policy's
-//! prefix KV, the kept prompt forwards for training with a trained tower's kept inputs). From
-//! the memory pool instead: the working
+//! prefix KV, the kept prompt forwards for training with a trained tower's kept inputs).
+//!
+//! Moved: loop-carried state the plan keeps on the host between its uses (reference weights,
+//! optimizer state) is placed at its device buffer's offsets like the rest, and has a pinned
+//! host image besides ([`HostImage`], filled from the device once the models are built or
+//! restored): the plan's `Reload` copies the image into the buffer's range and `Offload` copies
+//! the range back, on the plan's copy stream and in its order. Between them the plan lays
+//! other buffers over that range.
+//!
+//! From the memory pool instead: the working
 //! sets inside a task (the plan's `scratch.*`), small per-group tables (last-prompt logits,
 //! rope tables), and what the plan keeps elsewhere:
-//! - a buffer the plan moves to host memory in some phase (the CUDA executor keeps it on the
-//!   device, so its range would be reused under it);
+//! - a kept prefix state the plan moves to host memory in chunks (the CUDA executor keeps it
+//!   on the device, so its range would be reused under it; its `Offload` / `Reload` tasks move
+//!   nothing);
 //! - `vision_emb` of a plan with old-log-prob prefixes when the tower or merger trains: such a
 //!   prefix reuses the rollout's embeddings where the plan encodes its own, a read the plan's
 //!   lifetimes do not see;
@@ -22,11 +31,12 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use rollplex_plan::plan::{ArenaKind, BufferRole, Lifetime, Residency};
-use rollplex_plan::{GpuId, Plan};
+use rollplex_kernels::cuda::CudaStream;
+use rollplex_plan::plan::{ArenaKind, BufferRole, Lifetime, Op, Residency};
+use rollplex_plan::{BufferId, GpuId, Plan};
 
 use super::ExecError;
-use crate::gpu::arena::{DeviceArena, Region, RegionUsage};
+use crate::gpu::arena::{DeviceArena, HostImage, Region, RegionUsage};
 use rollplex_kernels::cuda::Gpu;
 
 /// What the runtime keeps in a region.
@@ -100,6 +110,8 @@ impl Role {
 pub struct Layout {
     pub arena_bytes: u64,
     pub regions: BTreeMap<Role, Vec<(u64, u64)>>,
+    /// The placed buffers that `Reload` / `Offload` tasks move: `(buffer, offset, bytes)`.
+    pub moved: Vec<(BufferId, u64, u64)>,
     pub unplaced: Vec<(String, &'static str)>,
 }
 
@@ -134,6 +146,16 @@ pub fn layout(plan: &Plan, program: GpuId) -> Layout {
         .filter(mine)
         .filter(|b| Role::of(b.role) == Some(Role::TrainPrefixes))
         .count();
+    // device buffers a `Reload` fills from their host copies
+    let reloaded: Vec<BufferId> = plan
+        .tasks
+        .iter()
+        .filter(|t| t.gpu == program)
+        .filter_map(|t| match t.op {
+            Op::Reload { to, .. } => Some(to),
+            _ => None,
+        })
+        .collect();
     let mut out = Layout {
         arena_bytes: arena.bytes,
         ..Layout::default()
@@ -142,6 +164,15 @@ pub fn layout(plan: &Plan, program: GpuId) -> Layout {
         let Some(role) = Role::of(b.role) else {
             continue;
         };
+        if role.loop_carried() && reloaded.contains(&b.id) {
+            // on the device from its reload to its last use (or offload): the executor moves it
+            out.moved.push((b.id, b.offset, b.bytes));
+            out.regions
+                .entry(role)
+                .or_default()
+                .push((b.offset, b.bytes));
+            continue;
+        }
         let why = if b.residency.iter().any(|r| r.residency == Residency::Host) {
             Some("offloaded to host memory in a phase")
         } else if role == Role::Media && trains_vision && old_prefixes {
@@ -172,6 +203,8 @@ pub struct PlanArena {
     layout: Layout,
     arena: Arc<DeviceArena>,
     regions: BTreeMap<Role, Arc<Region>>,
+    /// The host image of each moved buffer, with its offset.
+    images: BTreeMap<BufferId, (u64, HostImage)>,
 }
 
 impl PlanArena {
@@ -198,11 +231,58 @@ impl PlanArena {
             let r = Region::new(arena.clone(), name, ranges.clone()).map_err(ExecError::Plan)?;
             regions.insert(*role, Arc::new(r));
         }
+        let mut images = BTreeMap::new();
+        for &(id, offset, bytes) in &layout.moved {
+            let image = HostImage::new(gpu, bytes as usize).map_err(|e| {
+                ExecError::Machine(format!(
+                    "allocating {:.2} GiB of pinned host memory for the plan's host copy of \
+                     buffer {id}: {e}",
+                    bytes as f64 / (1u64 << 30) as f64
+                ))
+            })?;
+            images.insert(id, (offset, image));
+        }
         Ok(Some(PlanArena {
             layout,
             arena,
             regions,
+            images,
         }))
+    }
+
+    /// Fills every moved buffer's host image from its device range (the models just built or
+    /// restored there); returns when the copies are done.
+    pub fn capture(&self, stream: &CudaStream) -> Result<(), ExecError> {
+        for (offset, image) in self.images.values() {
+            self.arena.copy_to_host(stream, *offset, image)?;
+        }
+        stream.synchronize()?;
+        Ok(())
+    }
+
+    /// Queues on `stream` what `op` moves when it is a `Reload` (host image -> device range)
+    /// or an `Offload` (device range -> host image) of a moved buffer; `false` when it moves
+    /// none (a kept prefix chunk, which stays on the device).
+    pub fn transfer(&self, stream: &CudaStream, op: &Op) -> Result<bool, ExecError> {
+        let (buffer, to_device) = match *op {
+            Op::Reload { to, .. } => (to, true),
+            Op::Offload { from, .. } => (from, false),
+            _ => return Ok(false),
+        };
+        let Some((offset, image)) = self.images.get(&buffer) else {
+            return Ok(false);
+        };
+        if to_device {
+            self.arena.copy_from_host(stream, *offset, image)?;
+        } else {
+            self.arena.copy_to_host(stream, *offset, image)?;
+        }
+        Ok(true)
+    }
+
+    /// Bytes of pinned host memory holding moved buffers.
+    pub fn host_bytes(&self) -> u64 {
+        self.images.values().map(|(_, i)| i.bytes() as u64).sum()
     }
 
     /// Whether this arena was laid out for `plan` (the same arena size and regions).
@@ -264,6 +344,14 @@ impl PlanArena {
                 } else {
                     String::new()
                 }
+            );
+        }
+        if !self.images.is_empty() {
+            s += &format!(
+                "  moved by the plan's reloads and offloads: {} buffers, {:.1} MiB of pinned \
+                 host memory\n",
+                self.images.len(),
+                mib(self.host_bytes())
             );
         }
         for (n, why) in &self.layout.unplaced {

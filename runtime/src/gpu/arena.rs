@@ -116,6 +116,101 @@ impl DeviceArena {
     }
 }
 
+impl DeviceArena {
+    /// The device address of `[offset, offset + bytes)`, checked to lie in the arena.
+    fn range(&self, offset: u64, bytes: u64) -> Result<sys::CUdeviceptr> {
+        if offset + bytes > self.bytes {
+            return Err(super::GpuError::Input(format!(
+                "arena range at {offset} ({bytes} bytes) lies past the arena's end ({} bytes)",
+                self.bytes
+            )));
+        }
+        Ok(self.ptr + offset)
+    }
+
+    /// Queues on `stream` the copy of the arena's `[offset, offset + image.bytes())` into
+    /// `image` (its contents are the device's once `stream` reaches this point).
+    pub fn copy_to_host(&self, stream: &CudaStream, offset: u64, image: &HostImage) -> Result<()> {
+        let src = self.range(offset, image.bytes as u64)?;
+        self.ctx.bind_to_thread()?;
+        // SAFETY: the source lies in the arena (checked), the destination is `image`'s pinned
+        // allocation of that size, which outlives the copy (its drop synchronises the context)
+        unsafe {
+            sys::cuMemcpyDtoHAsync_v2(image.ptr.cast(), src, image.bytes, stream.cu_stream())
+        }
+        .result()?;
+        Ok(())
+    }
+
+    /// Queues on `stream` the copy of `image` into the arena's `[offset, offset +
+    /// image.bytes())`.
+    pub fn copy_from_host(
+        &self,
+        stream: &CudaStream,
+        offset: u64,
+        image: &HostImage,
+    ) -> Result<()> {
+        let dst = self.range(offset, image.bytes as u64)?;
+        self.ctx.bind_to_thread()?;
+        // SAFETY: as in `copy_to_host`, the other way
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, image.ptr.cast(), image.bytes, stream.cu_stream())
+        }
+        .result()?;
+        Ok(())
+    }
+}
+
+/// Page-locked host memory that holds a plan buffer while it lives on the host (its
+/// `<name>.host` copy): copies between it and the device arena run asynchronously on a stream
+/// ([`DeviceArena::copy_to_host`], [`DeviceArena::copy_from_host`]).
+pub struct HostImage {
+    ptr: *mut u8,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the pointer is a pinned allocation owned by this value alone; the device reads and
+// writes it only through copies ordered on streams, which its drop waits for.
+unsafe impl Send for HostImage {}
+unsafe impl Sync for HostImage {}
+
+impl HostImage {
+    /// `bytes` of pinned host memory (contents undefined until a copy fills them).
+    pub fn new(gpu: &Gpu, bytes: usize) -> Result<Self> {
+        let ctx = gpu.ctx().clone();
+        ctx.bind_to_thread()?;
+        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; freed in Drop
+        unsafe { sys::cuMemHostAlloc(&mut p, bytes.max(1), 0) }.result()?;
+        Ok(HostImage {
+            ptr: p.cast(),
+            bytes,
+            ctx,
+        })
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The image's bytes; only meaningful once the copies queued into it have finished.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `bytes` bytes allocated in `new`, alive while `self` is
+        unsafe { std::slice::from_raw_parts(self.ptr, self.bytes) }
+    }
+}
+
+impl Drop for HostImage {
+    fn drop(&mut self) {
+        // a copy into or out of it may still be queued
+        let _ = self.ctx.bind_to_thread();
+        let _ = self.ctx.synchronize();
+        // SAFETY: allocated in `new`, freed once
+        let _ = unsafe { sys::cuMemFreeHost(self.ptr.cast()) };
+    }
+}
+
 impl Drop for DeviceArena {
     fn drop(&mut self) {
         // every DevBuf in it is gone (each holds this arena); the device may still run work

@@ -139,6 +139,10 @@ fn build_models(
         },
     )?;
     stream.synchronize()?;
+    if let Some(a) = &arena {
+        // what the plan keeps on the host between uses starts as it was uploaded
+        a.capture(&stream)?;
+    }
     Ok(GpuModels {
         trainer,
         reference,

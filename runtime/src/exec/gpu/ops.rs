@@ -280,7 +280,13 @@ impl GpuIteration<'_, '_> {
                 self.book.metrics.optimizer_steps += 1;
             }
             // One address space, TP 1: the rollout reads the trainer's weights in place.
-            Op::WeightSync { .. } | Op::Reshard { .. } | Op::Offload { .. } | Op::Reload { .. } => {
+            Op::WeightSync { .. } | Op::Reshard { .. } => {}
+            // state the plan keeps on the host between uses: copied on this (the copy)
+            // stream; kept prefix chunks and models built without the plan stay on the device
+            Op::Offload { .. } | Op::Reload { .. } => {
+                if let Some(a) = &self.models.arena {
+                    a.transfer(s, op)?;
+                }
             }
         }
         Ok(())
