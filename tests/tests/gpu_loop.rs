@@ -191,52 +191,115 @@ fn serial_and_overlap_bitwise(src: &str) {
         );
     }
     assert!(wa == pool.1, "placed and pooled final weights differ");
-    let (a, b) = ((ra, wa), (rb, wb));
-    for (i, (x, y)) in a.0.iter().zip(&b.0).enumerate() {
-        assert!(x.metrics.optimizer_steps > 0, "iteration {i} trained");
-        assert_eq!(x.tokens, y.tokens, "iteration {i}: sampled tokens differ");
-        assert_eq!(
-            bits(&x.rollout_logp),
-            bits(&y.rollout_logp),
-            "iteration {i}: rollout log-probs differ"
-        );
-        assert_eq!(
-            obits(&x.ref_logp),
-            obits(&y.ref_logp),
-            "iteration {i}: reference log-probs differ"
-        );
-        assert_eq!(
-            obits(&x.old_logp),
-            obits(&y.old_logp),
-            "iteration {i}: old log-probs differ"
-        );
-        let fb = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        assert_eq!(fb(&x.rewards), fb(&y.rewards), "iteration {i}: rewards");
-        assert_eq!(
-            x.metrics.loss.loss.to_bits(),
-            y.metrics.loss.loss.to_bits(),
-            "iteration {i}: loss differs"
-        );
-        assert_eq!(
-            x.metrics.grad_norm.to_bits(),
-            y.metrics.grad_norm.to_bits(),
-            "iteration {i}: grad norm differs"
-        );
-    }
-    assert!(a.1 == b.1, "final weights differ");
+    assert_same_training(&ra, &rb, "serial", "overlap");
+    assert!(wa == wb, "final weights differ");
     // the weights really moved, or the comparison above proves little
     let initial = gpu::build_gpu_models(&serial.spec)
         .and_then(|m| m.weight_bits())
         .expect("initial weights");
-    assert!(initial != a.1, "training changed the weights");
+    assert!(initial != wa, "training changed the weights");
     // the vision tower's and merger's weights moved exactly when they train
     let t = &serial.spec.train;
     let frozen = t.freeze_vision && t.freeze_merger;
-    let vision_moved = initial.vision != a.1.vision;
+    let vision_moved = initial.vision != wa.vision;
     assert_eq!(
         vision_moved, !frozen,
         "vision weights moved: {vision_moved}"
     );
+}
+
+/// Every iteration of `a` and `b` trained, with the same tokens, log-probs, rewards, loss and
+/// gradient norm, bit for bit.
+fn assert_same_training(a: &[IterationResult], b: &[IterationResult], na: &str, nb: &str) {
+    assert_eq!(a.len(), b.len(), "{na} and {nb}: iterations");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        let ctx = format!("{na} vs {nb}, iteration {i}");
+        assert!(x.metrics.optimizer_steps > 0, "{ctx}: trained");
+        assert_eq!(x.tokens, y.tokens, "{ctx}: sampled tokens differ");
+        assert_eq!(
+            bits(&x.rollout_logp),
+            bits(&y.rollout_logp),
+            "{ctx}: rollout log-probs differ"
+        );
+        assert_eq!(
+            obits(&x.ref_logp),
+            obits(&y.ref_logp),
+            "{ctx}: reference log-probs differ"
+        );
+        assert_eq!(
+            obits(&x.old_logp),
+            obits(&y.old_logp),
+            "{ctx}: old log-probs differ"
+        );
+        let fb = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(fb(&x.rewards), fb(&y.rewards), "{ctx}: rewards");
+        assert_eq!(
+            x.metrics.loss.loss.to_bits(),
+            y.metrics.loss.loss.to_bits(),
+            "{ctx}: loss differs"
+        );
+        assert_eq!(
+            x.metrics.grad_norm.to_bits(),
+            y.metrics.grad_norm.to_bits(),
+            "{ctx}: grad norm differs"
+        );
+    }
+}
+
+/// The plan's reloads run for real: with a device budget that leaves room only for the
+/// reference weights from the first reference task on, the plan keeps them on the host (a
+/// `Reload` before reference scoring; other buffers laid over their range outside it), and the
+/// job trains bitwise as with everything in HBM, serial and overlap.
+#[test]
+fn cuda_reloaded_reference_trains_as_in_hbm() {
+    let Some(_gpu) = common::gpu_device() else {
+        return;
+    };
+    let hbm = common::overlap_small_frozen().replace("text_tokens = 256", "text_tokens = 16");
+    let moved = common::reloaded_reference_small();
+    let reloads = |p: &Plan| -> Vec<String> {
+        p.tasks
+            .iter()
+            .filter(|t| matches!(t.op, rollplex_plan::Op::Reload { .. }))
+            .map(|t| t.name.clone())
+            .collect()
+    };
+    let in_hbm = common::compile("overlap_small.rpx", &hbm, Mode::Overlap);
+    assert!(reloads(&in_hbm).is_empty(), "{:?}", reloads(&in_hbm));
+    let (r0, w0, _) = run_gpu_in(&in_hbm, 3, true);
+    for mode in [Mode::Serial, Mode::Overlap] {
+        let plan = common::compile("overlap_small.rpx", &moved, mode);
+        assert_eq!(reloads(&plan), ["reload.ref_weights"], "{mode:?}");
+        let ref_buf = plan
+            .buffers
+            .iter()
+            .find(|b| b.role == rollplex_plan::BufferRole::RefWeights)
+            .expect("reference weights");
+        // the range is given to other buffers outside the reference's lifetime (the kept
+        // training prefixes), so each iteration's reload really restores it
+        let shared = plan.buffers.iter().any(|b| {
+            b.id != ref_buf.id
+                && b.arena == ref_buf.arena
+                && b.offset < ref_buf.offset + ref_buf.bytes
+                && ref_buf.offset < b.offset + b.bytes
+        });
+        assert!(shared, "{mode:?}: no buffer reuses the reference's range");
+        let (r, w, usage) = run_gpu_in(&plan, 3, true);
+        for u in &usage {
+            println!("{mode:?}: {u:?}");
+        }
+        // the reference lies in its range (what spills elsewhere comes from the pool)
+        let reference = usage
+            .iter()
+            .find(|u| u.name == "RefWeights")
+            .expect("the reference placed");
+        assert!(
+            reference.spills == 0 && reference.peak > 0,
+            "{mode:?}: {reference:?}"
+        );
+        assert_same_training(&r0, &r, "in HBM", &format!("reloaded, {mode:?}"));
+        assert!(w0 == w, "{mode:?}: final weights differ");
+    }
 }
 
 #[test]

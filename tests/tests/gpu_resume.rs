@@ -110,16 +110,37 @@ fn assert_same_iteration(i: u32, x: &IterationResult, y: &IterationResult) {
 
 #[test]
 fn cuda_two_plus_resume_to_four_equals_four_bitwise() {
-    two_plus_resume(plan());
+    two_plus_resume(plan(), false);
 }
 
 /// With the tower and merger trained: their masters and moments go through the checkpoint too.
 #[test]
 fn cuda_two_plus_resume_to_four_trains_the_tower_bitwise() {
-    two_plus_resume(plan_tower());
+    two_plus_resume(plan_tower(), false);
 }
 
-fn two_plus_resume(plan: Plan) {
+/// With the reference weights on the host between uses (the models at the plan's offsets, the
+/// reference reloaded from its pinned copy each iteration): the resumed run reloads the same
+/// bits.
+#[test]
+fn cuda_two_plus_resume_to_four_with_the_reference_reloaded() {
+    let plan = common::compile(
+        "overlap_small.rpx",
+        &common::reloaded_reference_small(),
+        Mode::Overlap,
+    );
+    assert!(
+        plan.tasks
+            .iter()
+            .any(|t| matches!(t.op, rollplex_plan::Op::Reload { .. })),
+        "the plan reloads the reference"
+    );
+    two_plus_resume(plan, true);
+}
+
+/// Four iterations against two, a checkpoint, and two more resumed from it; `placed`: the
+/// models built for the plan (its arena, as `rollplex-run` does), else from the memory pool.
+fn two_plus_resume(plan: Plan, placed: bool) {
     let Some(_gpu) = common::gpu_device() else {
         return;
     };
@@ -127,19 +148,27 @@ fn two_plus_resume(plan: Plan) {
     let dir = common::Scratch::new("gpu-resume-lib");
     let root = dir.path().join(checkpoint::CHECKPOINTS_DIR);
 
+    let actor = exec::host_actor(spec).expect("initial actor");
+    let build = || {
+        if placed {
+            gpu::build_gpu_models_for(&plan, &actor)
+        } else {
+            gpu::build_gpu_models_from(spec, &actor)
+        }
+        .expect("GPU models")
+    };
     // Uninterrupted.
     let (a, a_bits) = {
-        let mut models = gpu::build_gpu_models(spec).expect("GPU models");
+        let mut models = build();
         let r = run(&plan, &mut models, 0, 4);
         (r, models.weight_bits().expect("weights"))
     };
 
     // Two iterations, a checkpoint, and the models dropped.
-    let actor = exec::host_actor(spec).expect("initial actor");
     let identity = RunIdentity::with_reference(&plan, spec.reference.enabled.then_some(&actor))
         .expect("identity");
     let (b_first, saved_bits) = {
-        let mut models = gpu::build_gpu_models_from(spec, &actor).expect("GPU models");
+        let mut models = build();
         let r = run(&plan, &mut models, 0, 2);
         let mut host = actor.clone();
         let path = checkpoint::save_gpu(
@@ -159,7 +188,7 @@ fn two_plus_resume(plan: Plan) {
     }
 
     // Fresh models from the initial actor, resumed from the checkpoint.
-    let fresh = gpu::build_gpu_models_from(spec, &actor).expect("GPU models");
+    let fresh = build();
     let initial_bits = fresh.weight_bits().expect("weights");
     let ckpt = checkpoint::resolve(dir.path()).expect("the checkpoint");
     let mut r = checkpoint::load_gpu(&ckpt, &identity, fresh).expect("resume");

@@ -75,6 +75,20 @@ pub fn overlap_small_frozen() -> String {
     )
 }
 
+/// [`overlap_small_frozen`] with 16 text tokens a prompt and a device budget of 7,000 KiB
+/// (1 GiB of host memory): the plan then keeps the reference weights on the host, reloads them
+/// before reference scoring, and lays the kept training prefixes over their range.
+#[allow(dead_code)] // not every test binary uses it
+pub fn reloaded_reference_small() -> String {
+    let src = overlap_small_frozen().replace("text_tokens = 256", "text_tokens = 16");
+    let moved = src.replace(
+        "decode_window = 4",
+        "decode_window = 4\n        memory = 7000KiB\n        host_memory = 1GiB",
+    );
+    assert_ne!(moved, src, "overlap_small.rpx changed: update tests/tests/common");
+    moved
+}
+
 /// `src` with `old_logprobs = recompute` in its `train` section: the old-log-prob pass
 /// forced where one optimizer step would leave it out.
 pub fn with_old_logprob_pass(src: &str) -> String {
