@@ -411,3 +411,39 @@ fn cpu_run_profile_moves_the_prediction_toward_the_measurement() {
     .unwrap_err();
     assert!(e.to_string().contains("at least 2 iterations"), "{e}");
 }
+
+/// The 7B video job fits one H200 only with its reference weights on host; under the runtime
+/// profile measured on the 3B and 7B jobs the residency solve must still find that (with
+/// HiGHS's presolve it kept them in HBM, 13.3 GiB over budget, and no plan fitted). The plan
+/// reloads them beside decode in overlap mode, and its gradients reuse their range.
+#[test]
+fn the_7b_job_fits_one_h200_with_its_reference_on_host_under_the_runtime_profile() {
+    let text = common::repo_file("cost/profiles/h200-runtime.yaml");
+    let profile = Profile::from_yaml(&text).expect("the runtime profile");
+    for mode in [Mode::Serial, Mode::Overlap] {
+        let plan = example("h200-7b-video.rpx", mode, Some(&profile));
+        let peak = plan.memory.gpus.iter().map(|g| g.peak).max().unwrap();
+        assert!(peak <= plan.memory.gpus[0].budget, "{mode:?}: peak {peak}");
+        let reloads: Vec<&str> = plan
+            .tasks
+            .iter()
+            .filter(|t| matches!(t.op, rollplex_plan::Op::Reload { .. }))
+            .map(|t| t.name.as_str())
+            .collect();
+        assert_eq!(reloads, ["reload.ref_weights"], "{mode:?}");
+        let by_role = |r: rollplex_plan::BufferRole| {
+            plan.buffers
+                .iter()
+                .find(|b| b.role == r)
+                .unwrap_or_else(|| panic!("{mode:?}: no {r:?}"))
+        };
+        let (refw, grads) = (
+            by_role(rollplex_plan::BufferRole::RefWeights),
+            by_role(rollplex_plan::BufferRole::Grads { step: 0 }),
+        );
+        assert!(
+            grads.offset < refw.offset + refw.bytes && refw.offset < grads.offset + grads.bytes,
+            "{mode:?}: the gradients do not reuse the reference's range"
+        );
+    }
+}

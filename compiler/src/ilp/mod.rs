@@ -252,12 +252,15 @@ pub struct Answer {
 /// nodes, as before, the 2 s time limit stopped that search first, wherever the machine got to.
 pub const MAX_NODES: i32 = 1_000;
 
-/// HiGHS presolve rules turned off (its `presolve_rule_off` bit mask): dual fixing (bit 17).
-/// With it and the all-after-decode MIP start, HiGHS (highs-sys 1.16) reported the start as
-/// optimal on a problem where moving a kept prefix state to host is better (objective 14 s
-/// instead of 11 s, `tests::kept_state_in_hbm_on_host_or_after_decode`); turning off dual
-/// fixing or probing gives the right answer, and the example plans come out the same.
-pub const PRESOLVE_RULES_OFF: i32 = 1 << 17;
+/// HiGHS runs without presolve. Two of its reductions gave wrong answers reported as optimal
+/// (highs-sys 1.16): dual fixing, with the all-after-decode MIP start, kept a state in HBM where
+/// host memory is better (objective 14 s instead of 11 s,
+/// `tests::kept_state_in_hbm_on_host_or_after_decode`); and on the 7B video job with the
+/// runtime profile of both H200 jobs it kept the reference weights in HBM with the training
+/// row 13.3 GiB over budget (a 13,000 s penalty) where moving them to host costs 0.3 s, so no
+/// plan fitted. These problems have a few hundred variables: without presolve every example
+/// plan comes out the same and solves as fast.
+pub const PRESOLVE: &str = "off";
 
 /// Relative optimality gap at which HiGHS stops: plans within 0.1% of the best predicted time
 /// are as good as the cost model can tell apart.
@@ -279,7 +282,7 @@ pub fn solve(p: &Problem) -> Result<Answer, String> {
         .map_err(|e| format!("cannot set the MIP gap: {e:?}"))?;
     let mut model = model
         .set_option("mip_max_nodes", MAX_NODES)
-        .set_option("presolve_rule_off", PRESOLVE_RULES_OFF);
+        .set_option("presolve", PRESOLVE);
     let rows = model::rows(p, res, &v);
     let constraints = rows.len() as u32;
     for row in rows {
