@@ -101,12 +101,14 @@ pub(super) fn read(
             objective += ks.host_s;
         }
     }
+    let over_gib = v.slack.iter().map(|&x| sol.value(x).max(0.0)).sum();
     Answer {
         option,
         counts,
         off,
         reshard,
         kept_host,
+        over_gib,
         status,
         objective,
         variables: v.count,
