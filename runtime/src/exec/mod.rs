@@ -24,6 +24,7 @@ pub mod data;
 pub mod defer;
 pub mod gpu;
 pub mod placement;
+pub mod residency;
 pub mod profile;
 pub mod prompts;
 pub mod rewards;

@@ -22,7 +22,9 @@
 //!   Disaggregated (rollout on one GPU program, scoring and training on another), the rollout's
 //!   own copy of the actor ([`CpuModels::rollout`](super::CpuModels::rollout)) is replaced by the
 //!   trainer's weights: what the training GPUs send the rollout GPUs after each step.
-//!   `Reshard`, `Offload`, `Reload`: no data moves in a single address space.
+//!   `Reshard`, `Offload`, `Reload`: no data moves in a single address space; the reloads and
+//!   offloads are followed ([`HostResidency`]) and a task that reads state the plan has on the
+//!   host at that point is refused.
 //!
 //! The iteration is generic over a [`CpuEngine`] (the model calls an op makes); [`Book`]
 //! decides stops, slots, rewards and advantages from replicated data, so every rank decides
@@ -36,6 +38,7 @@ use rollplex_plan::plan::{Op, Plan, Purpose, Task};
 use rollplex_plan::Span;
 
 use super::super::book::{range, Book};
+use super::super::residency::HostResidency;
 use super::super::walker::TaskRunner;
 use super::super::{ExecError, IterationMetrics, IterationResult, PromptData};
 use super::engine::{no_reference, CpuEngine, Role};
@@ -62,6 +65,8 @@ pub struct CpuIteration<'a, 'r, E: CpuEngine> {
     prefix_spans: Vec<Option<KvSpan>>,
     slots: Vec<DecodeSlot>,
     next_logits: Vec<Vec<f32>>,
+    /// Where the state the plan keeps on the host between uses is (`exec::residency`).
+    residency: HostResidency,
 }
 
 impl<'a, 'r, E: CpuEngine> CpuIteration<'a, 'r, E> {
@@ -93,6 +98,7 @@ impl<'a, 'r, E: CpuEngine> CpuIteration<'a, 'r, E> {
             prefix_spans: vec![None; groups],
             slots: Vec::new(),
             next_logits: vec![Vec::new(); samples],
+            residency: HostResidency::of(plan),
         })
     }
 
@@ -314,6 +320,7 @@ impl<E: CpuEngine> TaskRunner for CpuIteration<'_, '_, E> {
     }
 
     fn run(&mut self, task: &Task) -> Result<(), ExecError> {
+        self.residency.step(task)?;
         let temp = self.book.temperature();
         match &task.op {
             Op::EncodeMedia { groups, copies } => {

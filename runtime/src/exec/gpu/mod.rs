@@ -87,6 +87,7 @@ use super::book::Book;
 use super::cpu::RewardFn;
 use super::defer::DeferQueue;
 use super::placement::Role;
+use super::residency::HostResidency;
 use super::{ExecError, IterationMetrics, IterationResult, PromptData};
 use crate::gpu::arena::Region;
 use crate::gpu::streams::StreamOptions;
@@ -199,6 +200,8 @@ pub struct GpuIteration<'a, 'r> {
     made_on: [Vec<Arc<CudaStream>>; Held::ALL.len()],
     /// Log each decode window's host split ([`GpuExecOptions::task_log`]).
     task_log: bool,
+    /// Where the state the plan keeps on the host between uses is (`exec::residency`).
+    residency: HostResidency,
 }
 
 impl<'a, 'r> GpuIteration<'a, 'r> {
@@ -244,6 +247,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             retire: Held::retirements(plan),
             made_on: Default::default(),
             task_log: options.task_log,
+            residency: HostResidency::of(plan),
         })
     }
 

@@ -29,6 +29,7 @@ impl TaskRunner for GpuIteration<'_, '_> {
     }
 
     fn run(&mut self, task: &Task) -> Result<(), ExecError> {
+        self.residency.step(task)?;
         let s = self.streams.for_task(self.plan, task)?;
         // Wait for every task this one depends on, and for the previous task of its plan
         // stream, that ran on another CUDA stream (a plan stream's tasks may run on different

@@ -1,0 +1,84 @@
+//! Plans that keep loop-carried state on the host between its uses, on the CPU backend: the
+//! small job whose device budget makes the plan keep the reference weights on the host trains
+//! bitwise as the same job with everything in HBM, serial and overlap; and a plan that reads
+//! the reference while it is on the host is refused, naming the task and the buffer (the check
+//! both backends make as they follow the plan's reloads and offloads, `exec::residency`). The
+//! CUDA side, where the data really moves: `gpu_loop.rs`, `gpu_resume.rs`.
+
+mod common;
+
+use rollplex_plan::spec::Mode;
+use rollplex_plan::{Op, Plan};
+use rollplex_runtime::exec::IterationResult;
+
+/// The bits a run's results are compared by: tokens, reference log-probs, losses, grad norms.
+fn bits(rs: &[IterationResult]) -> Vec<(Vec<Vec<u32>>, Vec<Option<Vec<u32>>>, u64, u64)> {
+    rs.iter()
+        .map(|r| {
+            (
+                r.tokens.clone(),
+                r.ref_logp
+                    .iter()
+                    .map(|v| v.as_ref().map(|v| v.iter().map(|f| f.to_bits()).collect()))
+                    .collect(),
+                r.metrics.loss.loss.to_bits(),
+                r.metrics.grad_norm.to_bits(),
+            )
+        })
+        .collect()
+}
+
+fn reloads(plan: &Plan) -> Vec<&str> {
+    plan.tasks
+        .iter()
+        .filter(|t| matches!(t.op, Op::Reload { .. }))
+        .map(|t| t.name.as_str())
+        .collect()
+}
+
+#[test]
+fn a_reloaded_reference_trains_as_in_hbm() {
+    let hbm = common::overlap_small_frozen().replace("text_tokens = 256", "text_tokens = 16");
+    let in_hbm = common::compile("overlap_small.rpx", &hbm, Mode::Overlap);
+    assert!(reloads(&in_hbm).is_empty());
+    let (r, w) = common::run_cpu(&in_hbm, 2).expect("in HBM");
+    let want = (bits(&r), w);
+    assert!(want.0.iter().all(|w| w.1.iter().any(Option::is_some)), "reference scored");
+    for mode in [Mode::Serial, Mode::Overlap] {
+        let plan = common::compile("overlap_small.rpx", &common::reloaded_reference_small(), mode);
+        assert_eq!(reloads(&plan), ["reload.ref_weights"], "{mode:?}");
+        let (r, w) = common::run_cpu(&plan, 2).expect("reloaded");
+        assert!(bits(&r) == want.0, "{mode:?}: the run differs from the in-HBM plan's");
+        assert!(w == want.1, "{mode:?}: final weights differ");
+    }
+}
+
+#[test]
+fn reading_the_reference_while_it_is_on_the_host_is_refused() {
+    let mut plan = common::compile(
+        "overlap_small.rpx",
+        &common::reloaded_reference_small(),
+        Mode::Serial,
+    );
+    // the reload now fills its own host copy: the device copy is never brought back
+    let reload = plan
+        .tasks
+        .iter_mut()
+        .find(|t| matches!(t.op, Op::Reload { .. }))
+        .expect("a reload");
+    if let Op::Reload { from, to } = &mut reload.op {
+        *to = *from;
+    }
+    assert!(
+        plan.buffers.iter().any(|b| b.name == "ref_weights"),
+        "the reference's device buffer"
+    );
+    let e = match common::run_cpu(&plan, 1) {
+        Ok(_) => panic!("ran while the reference was on the host"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains("ref_prefix") && e.contains("ref_weights") && e.contains("on the host"),
+        "{e}"
+    );
+}
