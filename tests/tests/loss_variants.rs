@@ -9,7 +9,7 @@
 mod common;
 
 use rollplex_plan::Plan;
-use rollplex_runtime::exec::{self, IterationResult};
+use rollplex_runtime::exec::IterationResult;
 
 /// `examples/tiny.rpx` with `algorithm`, `batches` (the `mini_batch` line and, for dynamic
 /// sampling, `groups`) and `prompts` rolled out per iteration.
@@ -29,25 +29,7 @@ fn dapo() -> Plan {
 }
 
 fn run(plan: &Plan, iterations: u32) -> Vec<IterationResult> {
-    let spec = &plan.spec;
-    let mut models = [exec::build_cpu_models(spec).expect("models")];
-    let mut source = exec::data_source(spec, &spec.rollout.dataset).expect("data");
-    let mut reward = exec::reward_fn(spec).expect("reward");
-    let mut out = Vec::new();
-    exec::run_cpu_iterations(
-        plan,
-        &mut models,
-        source.as_mut(),
-        reward.as_mut(),
-        0,
-        iterations,
-        |_, r, _| {
-            out.push(r.clone());
-            Ok(())
-        },
-    )
-    .expect("run");
-    out
+    common::run_cpu(plan, iterations).expect("run").0
 }
 
 fn mean_reward(rs: &[IterationResult]) -> f64 {

@@ -17,32 +17,7 @@ fn compile(src: &str, mode: Mode) -> Plan {
 
 /// Runs `iterations` RL iterations: every result and the final weights' bits.
 fn run(plan: &Plan, iterations: u32) -> (Vec<IterationResult>, Vec<u32>) {
-    let spec = &plan.spec;
-    let mut models = [exec::build_cpu_models(spec).expect("models")];
-    let mut source = exec::data_source(spec, &spec.rollout.dataset).expect("data");
-    let mut reward = exec::reward_fn(spec).expect("reward");
-    let mut results = Vec::new();
-    exec::run_cpu_iterations(
-        plan,
-        &mut models,
-        source.as_mut(),
-        reward.as_mut(),
-        0,
-        iterations,
-        |_, r, _| {
-            results.push(r.clone());
-            Ok(())
-        },
-    )
-    .expect("run");
-    let bits = models[0]
-        .actor()
-        .weights
-        .data
-        .iter()
-        .map(|x| x.to_bits())
-        .collect();
-    (results, bits)
+    common::run_cpu(plan, iterations).expect("run")
 }
 
 fn old_tasks(p: &Plan) -> usize {

@@ -7,7 +7,7 @@ mod common;
 
 use rollplex_plan::spec::Mode;
 use rollplex_plan::Plan;
-use rollplex_runtime::exec::{self, IterationResult};
+use rollplex_runtime::exec::IterationResult;
 
 fn compile(src: &str, mode: Mode, dedup: bool) -> Plan {
     let mut spec = common::spec("tiny.rpx", src);
@@ -21,32 +21,7 @@ fn compile(src: &str, mode: Mode, dedup: bool) -> Plan {
 
 /// Runs `iterations` RL iterations and returns every result plus the final weights' bits.
 fn run(plan: &Plan, iterations: u32) -> (Vec<IterationResult>, Vec<u32>) {
-    let spec = &plan.spec;
-    let mut models = [exec::build_cpu_models(spec).expect("models")];
-    let mut source = exec::data_source(spec, &spec.rollout.dataset).expect("data");
-    let mut reward = exec::reward_fn(spec).expect("reward");
-    let mut results = Vec::new();
-    exec::run_cpu_iterations(
-        plan,
-        &mut models,
-        source.as_mut(),
-        reward.as_mut(),
-        0,
-        iterations,
-        |_, r, _| {
-            results.push(r.clone());
-            Ok(())
-        },
-    )
-    .expect("run");
-    let bits = models[0]
-        .actor()
-        .weights
-        .data
-        .iter()
-        .map(|x| x.to_bits())
-        .collect();
-    (results, bits)
+    common::run_cpu(plan, iterations).expect("run")
 }
 
 /// The tiny model with prompts large enough that the overlap plan puts side work in decode

@@ -207,3 +207,39 @@ pub fn with_algorithm(src: &str, algorithm: &str, batches: &str, prompts: u32) -
     out.replace_range(c..n, &prompts.to_string());
     out
 }
+
+/// Runs `iterations` RL iterations of `plan` on the CPU backend from its initial models: every
+/// result and the final actor weights' bits.
+#[allow(dead_code)] // not every test binary runs the CPU loop
+pub fn run_cpu(
+    plan: &Plan,
+    iterations: u32,
+) -> Result<(Vec<rollplex_runtime::exec::IterationResult>, Vec<u32>), rollplex_runtime::exec::ExecError>
+{
+    use rollplex_runtime::exec;
+    let spec = &plan.spec;
+    let mut models = [exec::build_cpu_models(spec).expect("models")];
+    let mut source = exec::data_source(spec, &spec.rollout.dataset).expect("data");
+    let mut reward = exec::reward_fn(spec).expect("reward");
+    let mut results = Vec::new();
+    exec::run_cpu_iterations(
+        plan,
+        &mut models,
+        source.as_mut(),
+        reward.as_mut(),
+        0,
+        iterations,
+        |_, r, _| {
+            results.push(r.clone());
+            Ok(())
+        },
+    )?;
+    let bits = models[0]
+        .actor()
+        .weights
+        .data
+        .iter()
+        .map(|x| x.to_bits())
+        .collect();
+    Ok((results, bits))
+}
