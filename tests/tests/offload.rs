@@ -43,12 +43,22 @@ fn a_reloaded_reference_trains_as_in_hbm() {
     assert!(reloads(&in_hbm).is_empty());
     let (r, w) = common::run_cpu(&in_hbm, 2).expect("in HBM");
     let want = (bits(&r), w);
-    assert!(want.0.iter().all(|w| w.1.iter().any(Option::is_some)), "reference scored");
+    assert!(
+        want.0.iter().all(|w| w.1.iter().any(Option::is_some)),
+        "reference scored"
+    );
     for mode in [Mode::Serial, Mode::Overlap] {
-        let plan = common::compile("overlap_small.rpx", &common::reloaded_reference_small(), mode);
+        let plan = common::compile(
+            "overlap_small.rpx",
+            &common::reloaded_reference_small(),
+            mode,
+        );
         assert_eq!(reloads(&plan), ["reload.ref_weights"], "{mode:?}");
         let (r, w) = common::run_cpu(&plan, 2).expect("reloaded");
-        assert!(bits(&r) == want.0, "{mode:?}: the run differs from the in-HBM plan's");
+        assert!(
+            bits(&r) == want.0,
+            "{mode:?}: the run differs from the in-HBM plan's"
+        );
         assert!(w == want.1, "{mode:?}: final weights differ");
     }
 }

@@ -24,9 +24,9 @@ pub mod data;
 pub mod defer;
 pub mod gpu;
 pub mod placement;
-pub mod residency;
 pub mod profile;
 pub mod prompts;
+pub mod residency;
 pub mod rewards;
 pub mod walker;
 

@@ -66,12 +66,9 @@ impl HostResidency {
             Op::OptimizerStep { .. } => &[BufferRole::MasterWeights, BufferRole::AdamMoments],
             _ => return Ok(()),
         };
-        match self
-            .moved
-            .iter()
-            .find(|(id, role, _, gpu)| {
-                *gpu == task.gpu && needs.contains(role) && !self.on_device.contains(id)
-            }) {
+        match self.moved.iter().find(|(id, role, _, gpu)| {
+            *gpu == task.gpu && needs.contains(role) && !self.on_device.contains(id)
+        }) {
             Some((_, _, buffer, _)) => Err(ExecError::Plan(format!(
                 "task {} reads {buffer} while the plan keeps it on the host: no reload of it \
                  runs before this task",
@@ -127,12 +124,20 @@ mod tests {
         ]);
         let suffix = task("ref_suffix.slot0", Op::RefSuffix { slot: 0 }, 0);
         let e = r.step(&suffix).unwrap_err().to_string();
-        assert!(e.contains("ref_weights") && e.contains("ref_suffix.slot0"), "{e}");
-        let reload = |from, to| Op::Reload { from: id(from), to: id(to) };
+        assert!(
+            e.contains("ref_weights") && e.contains("ref_suffix.slot0"),
+            "{e}"
+        );
+        let reload = |from, to| Op::Reload {
+            from: id(from),
+            to: id(to),
+        };
         r.step(&task("reload", reload(0, 1), 0)).unwrap();
         // GPU 1's reference is its own program's business
         r.step(&suffix).unwrap();
-        assert!(r.step(&task("ref_suffix.r1", Op::RefSuffix { slot: 0 }, 1)).is_err());
+        assert!(r
+            .step(&task("ref_suffix.r1", Op::RefSuffix { slot: 0 }, 1))
+            .is_err());
         let optim = task("optim.s0", Op::OptimizerStep { step: 0 }, 0);
         assert!(r.step(&optim).is_err());
         r.step(&task("reload", reload(2, 3), 0)).unwrap();

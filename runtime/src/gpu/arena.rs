@@ -548,7 +548,10 @@ mod tests {
         assert!(s.clone_dtoh(&*over).unwrap().iter().all(|&b| b == 0));
         arena.copy_from_host(&s, off, &image).unwrap();
         assert_eq!(s.clone_dtoh(&*over).unwrap(), data, "reloaded");
-        assert!(arena.copy_from_host(&s, 1 << 21, &image).is_err(), "past the end");
+        assert!(
+            arena.copy_from_host(&s, 1 << 21, &image).is_err(),
+            "past the end"
+        );
     }
 
     #[test]

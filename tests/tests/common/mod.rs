@@ -85,7 +85,10 @@ pub fn reloaded_reference_small() -> String {
         "decode_window = 4",
         "decode_window = 4\n        memory = 7000KiB\n        host_memory = 1GiB",
     );
-    assert_ne!(moved, src, "overlap_small.rpx changed: update tests/tests/common");
+    assert_ne!(
+        moved, src,
+        "overlap_small.rpx changed: update tests/tests/common"
+    );
     moved
 }
 
@@ -214,8 +217,10 @@ pub fn with_algorithm(src: &str, algorithm: &str, batches: &str, prompts: u32) -
 pub fn run_cpu(
     plan: &Plan,
     iterations: u32,
-) -> Result<(Vec<rollplex_runtime::exec::IterationResult>, Vec<u32>), rollplex_runtime::exec::ExecError>
-{
+) -> Result<
+    (Vec<rollplex_runtime::exec::IterationResult>, Vec<u32>),
+    rollplex_runtime::exec::ExecError,
+> {
     use rollplex_runtime::exec;
     let spec = &plan.spec;
     let mut models = [exec::build_cpu_models(spec).expect("models")];
