@@ -38,69 +38,6 @@ fn old_tasks(p: &Plan) -> usize {
         .count()
 }
 
-fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
-    v.iter()
-        .map(|r| r.iter().map(|f| f.to_bits()).collect())
-        .collect()
-}
-
-fn obits(v: &[Option<Vec<f32>>]) -> Vec<Option<Vec<u32>>> {
-    v.iter()
-        .map(|r| r.as_ref().map(|r| r.iter().map(|f| f.to_bits()).collect()))
-        .collect()
-}
-
-/// Everything the two runs produced, bit for bit, the loss metrics included.
-fn assert_same(
-    a: &(Vec<IterationResult>, Vec<u32>),
-    b: &(Vec<IterationResult>, Vec<u32>),
-    what: &str,
-) {
-    assert_eq!(a.0.len(), b.0.len());
-    for (i, (x, y)) in a.0.iter().zip(&b.0).enumerate() {
-        let at = format!("{what}: iteration {i}");
-        assert_eq!(x.tokens, y.tokens, "{at}: sampled tokens");
-        assert_eq!(
-            bits(&x.rollout_logp),
-            bits(&y.rollout_logp),
-            "{at}: rollout log-probs"
-        );
-        assert_eq!(
-            obits(&x.ref_logp),
-            obits(&y.ref_logp),
-            "{at}: reference log-probs"
-        );
-        assert_eq!(
-            obits(&x.old_logp),
-            obits(&y.old_logp),
-            "{at}: old log-probs"
-        );
-        assert_eq!(x.rewards, y.rewards, "{at}: rewards");
-        assert_eq!(x.advantages, y.advantages, "{at}: advantages");
-        let (l, m) = (&x.metrics.loss, &y.metrics.loss);
-        for (name, p, q) in [
-            ("loss", l.loss, m.loss),
-            ("pg_loss", l.pg_loss, m.pg_loss),
-            ("kl", l.kl, m.kl),
-            ("clip_frac", l.clip_frac, m.clip_frac),
-            ("approx_kl", l.approx_kl, m.approx_kl),
-            ("grad norm", x.metrics.grad_norm, y.metrics.grad_norm),
-        ] {
-            assert_eq!(p.to_bits(), q.to_bits(), "{at}: {name} {p} against {q}");
-        }
-        assert_eq!(
-            l.entropy.map(f64::to_bits),
-            m.entropy.map(f64::to_bits),
-            "{at}: entropy"
-        );
-        assert_eq!(
-            x.metrics.rollout_agreement, y.metrics.rollout_agreement,
-            "{at}: rollout/trainer agreement"
-        );
-    }
-    assert!(a.1 == b.1, "{what}: trained weights differ");
-}
-
 /// The ratio is exactly 1 and every trained sample has its old log-probs.
 fn assert_on_policy(rs: &[IterationResult], what: &str) {
     for (i, r) in rs.iter().enumerate() {
@@ -149,7 +86,8 @@ fn auto_against_forced(src: &str, iterations: u32, what: &str) {
     assert!(a.1 != initial, "{what}: the run moved the weights");
     assert_on_policy(&a.0, what);
     assert_on_policy(&b.0, what);
-    assert_same(&a, &b, what);
+    common::assert_same_iterations(&a.0, &b.0, what);
+    assert!(a.1 == b.1, "{what}: trained weights differ");
 }
 
 /// `examples/tiny.rpx`: one-token answers.
@@ -182,5 +120,7 @@ fn serial_and_overlap_agree_with_the_forced_pass() {
             )),
         "the overlap plan runs old-log-prob prefixes inside decode windows"
     );
-    assert_same(&run(&serial, 2), &run(&overlap, 2), "serial vs overlap");
+    let (a, b) = (run(&serial, 2), run(&overlap, 2));
+    common::assert_same_iterations(&a.0, &b.0, "serial vs overlap");
+    assert!(a.1 == b.1, "serial vs overlap: trained weights differ");
 }

@@ -30,68 +30,13 @@ fn tiny_src() -> String {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/in/e2e/overlap_small.rpx");
     std::fs::read_to_string(path).expect("tests/in/e2e/overlap_small.rpx")
 }
-
+/// Both runs' iterations bit for bit, and their final weights.
 fn assert_same(
     a: &(Vec<IterationResult>, Vec<u32>),
     b: &(Vec<IterationResult>, Vec<u32>),
     what: &str,
 ) {
-    assert_eq!(a.0.len(), b.0.len());
-    for (i, (x, y)) in a.0.iter().zip(&b.0).enumerate() {
-        assert_eq!(
-            x.tokens, y.tokens,
-            "{what}: iteration {i}: sampled tokens differ"
-        );
-        let bits = |v: &Vec<Vec<f32>>| {
-            v.iter()
-                .map(|r| r.iter().map(|f| f.to_bits()).collect::<Vec<_>>())
-                .collect::<Vec<_>>()
-        };
-        assert_eq!(
-            bits(&x.rollout_logp),
-            bits(&y.rollout_logp),
-            "{what}: iteration {i}: rollout log-probs differ"
-        );
-        let obits = |v: &Vec<Option<Vec<f32>>>| {
-            v.iter()
-                .map(|r| {
-                    r.as_ref()
-                        .map(|r| r.iter().map(|f| f.to_bits()).collect::<Vec<_>>())
-                })
-                .collect::<Vec<_>>()
-        };
-        assert_eq!(
-            obits(&x.ref_logp),
-            obits(&y.ref_logp),
-            "{what}: iteration {i}: reference log-probs differ"
-        );
-        assert_eq!(
-            obits(&x.old_logp),
-            obits(&y.old_logp),
-            "{what}: iteration {i}: old log-probs differ"
-        );
-        let fb = |v: &Vec<f32>| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        assert_eq!(
-            fb(&x.rewards),
-            fb(&y.rewards),
-            "{what}: iteration {i}: rewards differ"
-        );
-        assert_eq!(
-            fb(&x.advantages),
-            fb(&y.advantages),
-            "{what}: iteration {i}: advantages differ"
-        );
-        assert_eq!(
-            x.metrics.loss.loss.to_bits(),
-            y.metrics.loss.loss.to_bits(),
-            "{what}: iteration {i}: loss differs"
-        );
-        assert_eq!(
-            x.metrics.grad_norm.to_bits(),
-            y.metrics.grad_norm.to_bits(),
-            "{what}: iteration {i}: grad norm differs"
-        );
-    }
+    common::assert_same_iterations(&a.0, &b.0, what);
     assert!(a.1 == b.1, "{what}: final weights differ");
 }
 

@@ -248,3 +248,70 @@ pub fn run_cpu(
         .collect();
     Ok((results, bits))
 }
+
+/// The bits of each sample's log-probs (so NaN and -0.0 compare as bits).
+pub fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    v.iter()
+        .map(|r| r.iter().map(|f| f.to_bits()).collect())
+        .collect()
+}
+
+/// [`bits`] of log-probs a sample may lack.
+pub fn obits(v: &[Option<Vec<f32>>]) -> Vec<Option<Vec<u32>>> {
+    v.iter()
+        .map(|r| r.as_ref().map(|r| r.iter().map(|f| f.to_bits()).collect()))
+        .collect()
+}
+
+/// Everything two runs produced in each iteration, bit for bit: sampled tokens, rollout,
+/// reference and old log-probs, rewards, advantages, the loss and its parts, entropy, grad
+/// norm and the rollout/trainer agreement. `what` names the comparison in a failure.
+pub fn assert_same_iterations(
+    a: &[rollplex_runtime::exec::IterationResult],
+    b: &[rollplex_runtime::exec::IterationResult],
+    what: &str,
+) {
+    assert_eq!(a.len(), b.len(), "{what}: iterations");
+    let fb = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        let at = format!("{what}: iteration {i}");
+        assert_eq!(x.tokens, y.tokens, "{at}: sampled tokens");
+        assert_eq!(
+            bits(&x.rollout_logp),
+            bits(&y.rollout_logp),
+            "{at}: rollout log-probs"
+        );
+        assert_eq!(
+            obits(&x.ref_logp),
+            obits(&y.ref_logp),
+            "{at}: reference log-probs"
+        );
+        assert_eq!(
+            obits(&x.old_logp),
+            obits(&y.old_logp),
+            "{at}: old log-probs"
+        );
+        assert_eq!(fb(&x.rewards), fb(&y.rewards), "{at}: rewards");
+        assert_eq!(fb(&x.advantages), fb(&y.advantages), "{at}: advantages");
+        let (l, m) = (&x.metrics.loss, &y.metrics.loss);
+        for (name, p, q) in [
+            ("loss", l.loss, m.loss),
+            ("pg_loss", l.pg_loss, m.pg_loss),
+            ("kl", l.kl, m.kl),
+            ("clip_frac", l.clip_frac, m.clip_frac),
+            ("approx_kl", l.approx_kl, m.approx_kl),
+            ("grad norm", x.metrics.grad_norm, y.metrics.grad_norm),
+        ] {
+            assert_eq!(p.to_bits(), q.to_bits(), "{at}: {name} {p} against {q}");
+        }
+        assert_eq!(
+            l.entropy.map(f64::to_bits),
+            m.entropy.map(f64::to_bits),
+            "{at}: entropy"
+        );
+        assert_eq!(
+            x.metrics.rollout_agreement, y.metrics.rollout_agreement,
+            "{at}: rollout/trainer agreement"
+        );
+    }
+}
