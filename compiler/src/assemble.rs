@@ -658,7 +658,7 @@ fn set_residency(s: &mut Sched, pg: &PhaseGraph) {
             used[b.index()].push(t.phase);
         }
     }
-    let full_recompute = pg.spec.train.recompute == rollplex_plan::spec::Recompute::Full;
+    let full_recompute = pg.kept_layers == 0;
     for (b, used) in s.buffers.iter_mut().zip(&used) {
         let (first, last) = match (used.iter().min(), used.iter().max()) {
             (Some(a), Some(z)) => (*a, *z),

@@ -28,7 +28,9 @@
 //! it places in the buffer ([`placed_bytes`]: it puts each buffer's tensors at the plan's
 //! offset, each aligned).
 //!
-//! Kept bytes per token follow the recompute policy ([`crate::shapes::kept_act_bytes_per_token_layer`]);
+//! Kept bytes per token follow the kept activation layers ([`crate::shapes::kept_act_bytes_per_token`]:
+//! a micro-batch's suffix keeps every activation of the first [`PhaseGraph::kept_layers`] layers
+//! and the input of the others; a kept prompt forward keeps each layer's input and K/V);
 //! activations kept for backward are split across the TP group (sequence parallelism).
 //! Sizes that depend on response length use the maximum (`max_new_tokens`): the arena is
 //! static, so every size is an upper bound.
@@ -36,8 +38,10 @@
 //! Invariant: every buffer a node names exists and lives on the node's GPU program.
 
 use crate::ir::{LBufId, LogicalBuffer, Offload, PhaseGraph};
-use crate::shapes::{kept_act_bytes_per_token_layer, transient_bytes_per_token};
-use rollplex_plan::spec::{MediaSpec, Mode, Recompute};
+use crate::shapes::{
+    kept_act_bytes_per_token, kept_act_bytes_per_token_layer, transient_bytes_per_token,
+};
+use rollplex_plan::spec::{MediaSpec, Mode};
 use rollplex_plan::{placed_bytes, BufferRole, GpuId, OldLogProbSource, Op, Purpose};
 
 /// Parameter tensors of the actor at most: twelve per vision block and text layer (two norms,
@@ -104,13 +108,12 @@ pub fn assign(pg: &mut PhaseGraph) {
     let kv = sh.kv_bytes_per_token;
     let db = sh.dtype_bytes;
     let dt = format!("{:?}", spec.actor.dtype).to_lowercase();
-    let layers = spec.actor.text.num_layers as u64;
     let colocated = pg.topo.mode != Mode::Disaggregated;
     let params = sh.params.total();
     let trainable = sh.trainable_params;
     let batch = pg.topo.batch;
-    let full = spec.train.recompute == Recompute::Full;
-    let kept_tok = kept_act_bytes_per_token_layer(&spec.actor, 1, full) * layers / ttp + kv / ttp;
+    // kept prompt forwards keep each layer's input and K/V (the prompt rows are recomputed)
+    let kept_tok = kept_act_bytes_per_token(&spec.actor, 1, 0) / ttp + kv / ttp;
     let mut t = Table { bufs: Vec::new() };
 
     let train_w = crate::sharing::train_bytes(spec);
@@ -334,8 +337,7 @@ pub fn assign(pg: &mut PhaseGraph) {
                 tg,
                 step_groups * (c * p * kept_tok + kept_vis),
                 format!(
-                    "(copies {c} x groups {step_groups}, tokens {p}, kept bytes {kept_tok}{}{})",
-                    if full { ", layer inputs" } else { "" },
+                    "(copies {c} x groups {step_groups}, tokens {p}, kept bytes {kept_tok}, layer inputs{})",
                     if keeps_vision {
                         format!("; groups {step_groups} x vision kept bytes {kept_vis}")
                     } else {
@@ -545,12 +547,18 @@ pub fn assign(pg: &mut PhaseGraph) {
                 reads.extend(old_lp);
                 writes.push(grads[*step as usize]);
                 let tok = s.len() as u64 * r;
-                let kept = kept_act_bytes_per_token_layer(&spec.actor, 1, full) * layers / ttp;
+                let kept = kept_act_bytes_per_token(&spec.actor, 1, pg.kept_layers) / ttp;
                 let prefix_tok = prefix_bwd_slots.len() as u64 * c * p;
+                // with every layer kept, the head keeps its logits (bf16) for the backward too
+                let kept_logits = match pg.kept_layers >= spec.actor.text.num_layers {
+                    true => tok * vocab * db / ttp,
+                    false => 0,
+                };
                 // Suffix activations kept over all layers, one layer's full activations during
                 // backward (recompute), the logits chunk, the prefix's one-layer recompute.
                 scratch = tok * (kept + trans_t)
                     + logits_chunk(tok, ttp)
+                    + kept_logits
                     + tok * kept_full
                     + prefix_tok * (kept_full + trans_t);
             }

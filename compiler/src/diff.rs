@@ -108,6 +108,13 @@ pub fn summarize(a: &Plan, b: &Plan) -> String {
             source(b.old_logprobs)
         );
     }
+    if a.kept_act_layers != b.kept_act_layers {
+        let _ = writeln!(
+            out,
+            "kept activation layers: {} -> {} of {}",
+            a.kept_act_layers, b.kept_act_layers, b.spec.actor.text.num_layers
+        );
+    }
     let (ta, tb) = (a.predicted.iteration_s, b.predicted.iteration_s);
     if ta != tb {
         let _ = writeln!(
@@ -478,6 +485,7 @@ mod tests {
                 group_size: 2,
             },
             old_logprobs: OldLogProbSource::TrainForward,
+            kept_act_layers: 0,
             predicted: Predicted {
                 iteration_s: 1.5,
                 phases: vec![PhaseTime {
@@ -642,6 +650,20 @@ mod tests {
             "{s}"
         );
         assert!(!summarize(&a, &a).contains("old log-probs"));
+    }
+
+    #[test]
+    fn summary_names_the_kept_activation_layers() {
+        let a = plan();
+        let mut b = plan();
+        b.kept_act_layers = 3;
+        let s = summarize(&a, &b);
+        let layers = b.spec.actor.text.num_layers;
+        assert!(
+            s.contains(&format!("kept activation layers: 0 -> 3 of {layers}")),
+            "{s}"
+        );
+        assert!(!summarize(&a, &a).contains("kept activation"));
     }
 
     #[test]

@@ -164,7 +164,9 @@ pub fn compile(spec: &JobSpec, opts: &Options) -> Result<Compiled> {
             ),
             _ => format!("{mode:?}").to_lowercase(),
         };
-        let mut pg: PhaseGraph = st.time("lower", || lower(spec, topo))?;
+        let mut pg: PhaseGraph = st.time("lower", || {
+            lower(spec, topo, crate::lower::fixed_kept_layers(spec))
+        })?;
         st.time("buffers", || crate::buffers::assign(&mut pg));
         if check_ir {
             crate::ir::verify_graph(&pg).map_err(CompileError::internal)?;
@@ -205,7 +207,19 @@ pub fn compile(spec: &JobSpec, opts: &Options) -> Result<Compiled> {
                 "{label_topo}, {}",
                 crate::residency::label(&placement.residency, mode != Mode::Disaggregated)
             );
-            let outcome = build(&mut st, &pg, &placement, &cost, solver, check_ir)?;
+            // Under `recompute = auto` the ILP decided the kept activation layers: the same
+            // tasks, with the micro-batches' work and activations for that answer.
+            let relowered;
+            let run_pg = if placement.residency.kept_layers == pg.kept_layers {
+                &pg
+            } else {
+                let k = placement.residency.kept_layers;
+                let mut g = st.time("lower", || lower(spec, pg.topo.clone(), k))?;
+                st.time("buffers", || crate::buffers::assign(&mut g));
+                relowered = g;
+                &relowered
+            };
+            let outcome = build(&mut st, run_pg, &placement, &cost, solver, check_ir)?;
             match outcome {
                 Ok(plan) => {
                     let t = plan.predicted.iteration_s;

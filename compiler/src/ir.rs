@@ -191,6 +191,8 @@ pub struct PhaseGraph {
     /// How the actor's weights are shared between the layouts (colocated modes only).
     pub sharing: Option<rollplex_plan::WeightSharing>,
     pub copies: u32,
+    /// Text layers whose training activations are kept (the rest recomputed in backward).
+    pub kept_layers: u32,
 }
 
 impl PhaseGraph {
@@ -283,6 +285,8 @@ pub struct ResidencyChoice {
     pub train_prefix_host: bool,
     /// Where the colocated weight sync runs.
     pub reshard: ReshardPoint,
+    /// Text layers whose training activations are kept (the rest recomputed in backward).
+    pub kept_layers: u32,
 }
 
 impl ResidencyChoice {

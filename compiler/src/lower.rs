@@ -120,8 +120,18 @@ fn with_part(w: Work, kind: WorkKind, part: Work) -> Work {
     w
 }
 
-/// Builds the phase graph of one iteration of `spec` on `topo`.
-pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
+/// The kept activation layers the job fixes: every text layer (`recompute = none`), none
+/// (`full`), and under `auto` none until the planner decides ([`lower`] again with its answer).
+pub fn fixed_kept_layers(spec: &JobSpec) -> u32 {
+    spec.train
+        .recompute
+        .kept_layers(spec.actor.text.num_layers)
+        .unwrap_or(0)
+}
+
+/// Builds the phase graph of one iteration of `spec` on `topo`, with the first `kept_layers`
+/// text layers keeping their training activations (the others recomputed in backward).
+pub fn lower(spec: &JobSpec, topo: Topology, kept_layers: u32) -> Result<PhaseGraph> {
     let shapes = Shapes::new(spec);
     let lengths = Lengths::new(&spec.rollout.response_len, spec.rollout.max_new_tokens);
     if shapes.prompt_tokens == 0 {
@@ -150,6 +160,10 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
         colocated && media && spec.train.freeze_vision && spec.train.freeze_merger;
     let ref_on = spec.reference.enabled;
     let multi_step = batch.steps > 1;
+    let text_layers = spec.actor.text.num_layers.max(1);
+    let kept_layers = kept_layers.min(text_layers);
+    // the share of the suffix's layers whose forward backward runs again
+    let recomputed = (text_layers - kept_layers) as f64 / text_layers as f64;
     let old_pass = batch.old_logprobs == OldLogProbSource::Pass;
     let items = shapes.media_items as f64;
     let (rg, tg) = (topo.rollout_gpu, topo.train_gpu);
@@ -595,11 +609,12 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
                 deps.extend(&train_prefix0);
             }
             let fwd = b.wl.suffix(batch.micro as f64, ttp);
-            let mut work = add_work(&fwd, &b.wl.backward_of(&fwd));
+            let mut work = add_work(&fwd, &b.wl.backward_of(&fwd, recomputed));
             if !prefix_bwd.is_empty() {
                 let pf =
                     b.wl.prefix(prefix_bwd.len() as f64 * copies as f64, ttp, 0.0);
-                work = add_work(&work, &b.wl.backward_of(&pf));
+                // the prompt rows keep their layer inputs only (the runtimes recompute them)
+                work = add_work(&work, &b.wl.backward_of(&pf, 1.0));
                 if !spec.train.freeze_vision && media {
                     // once per group, whatever the copies: the copies' encodings are the same
                     // bits, so the trainers run the tower's backward once per group (CUDA:
@@ -703,6 +718,7 @@ pub fn lower(spec: &JobSpec, topo: Topology) -> Result<PhaseGraph> {
         reuses_encoding,
         sharing,
         copies,
+        kept_layers,
     })
 }
 

@@ -21,6 +21,11 @@
 //! ILP prices host by the transfers' cost-model time (every reload and the last offload,
 //! counted as exposed: an upper bound, scoring work after decode may hide part of them).
 //!
+//! Kept activation layers (`recompute = auto`): how many text layers keep every training
+//! activation of a micro-batch's suffix ([`ActLayers`]: the bytes one more layer adds to the
+//! training row, and to the decode row while micro-batches run in windows; the forward it
+//! saves); the graph is lowered with none kept and lowered again with the answer.
+//!
 //! A buffer used in one contiguous range of phases is best either in HBM throughout or off HBM
 //! outside that range, so one binary per item is its residency per phase.
 //!
@@ -40,10 +45,11 @@
 //! the row where the peak sits by the overshoot and solves again.
 
 use crate::error::{CompileError, Result};
-use crate::ilp::{self, IlpRun, KeptState, ResItem, ReshardOption, Residency};
+use crate::ilp::{self, ActLayers, IlpRun, KeptState, ResItem, ReshardOption, Residency};
 use crate::ir::{kept_role, Node, PhaseGraph, ResidencyChoice, Role, SideClass, KEPT};
+use crate::shapes::kept_act_bytes_per_token_layer;
 use rollplex_cost::CostModel;
-use rollplex_plan::spec::Mode;
+use rollplex_plan::spec::{Mode, Recompute};
 use rollplex_plan::work::WorkKind;
 use rollplex_plan::{BufferClass, BufferRole, Op, Phase, ReshardPoint, SolverStats};
 
@@ -70,6 +76,41 @@ pub struct Model {
     /// The producer class of each kept state, in `input.kept` order.
     pub kept: Vec<SideClass>,
     pub reshard: Vec<ReshardPoint>,
+    /// The kept activation layers `pg` was lowered with (the answer unless the ILP decides).
+    pub kept_layers: u32,
+}
+
+/// What kept activation layers cost and save (`recompute = auto`; `pg` lowered with none
+/// kept): the largest micro-batch's activations of one layer beyond its input, and one
+/// layer's forward over every micro-batch of the iteration at the training rate.
+fn act_layers(
+    pg: &PhaseGraph,
+    cost: &CostModel,
+    wl: &crate::workload::Workload<'_>,
+    decode_class: Option<usize>,
+) -> ActLayers {
+    let spec = &pg.spec;
+    let ttp = pg.topo.parallel.train_tp.max(1) as u64;
+    let layers = spec.actor.text.num_layers;
+    let per_token = (kept_act_bytes_per_token_layer(&spec.actor, 1, false)
+        - kept_act_bytes_per_token_layer(&spec.actor, 1, true))
+        / ttp;
+    let r = pg.shapes.max_new_tokens as u64;
+    let sms = spec.cluster.gpu.sms;
+    let (mut tokens, mut fwd_s) = (0u64, 0.0);
+    for i in pg.ids() {
+        if let Op::TrainMicroBatch { samples, .. } = pg.node(i).op {
+            tokens = tokens.max(samples.len() as u64 * r);
+            let fwd = wl.suffix(samples.len() as f64, ttp as u32);
+            fwd_s += cost.time(WorkKind::ActorBwd, &fwd, sms);
+        }
+    }
+    ActLayers {
+        layers,
+        bytes_per_layer: (tokens * per_token) as f64,
+        recompute_s: fwd_s / layers.max(1) as f64,
+        decode_class,
+    }
 }
 
 fn bytes(pg: &PhaseGraph, role: BufferRole) -> f64 {
@@ -282,6 +323,8 @@ pub fn model(
         }
     }
     train_base += max_scratch(&|n| n.phase == Phase::Training);
+    let act_layers = (spec.train.recompute == Recompute::Auto)
+        .then(|| act_layers(pg, cost, &wl, class_index(SideClass::MicroBatch)));
     let budget = spec.schedule.memory_budget as f64;
     Model {
         input: Residency {
@@ -297,7 +340,9 @@ pub fn model(
                 spec.schedule.host_memory as f64
             },
             reshard,
+            act_layers,
         },
+        kept_layers: pg.kept_layers,
         items: kinds,
         kept: kept_classes,
         reshard: points,
@@ -315,9 +360,14 @@ pub fn beside_encode_possible(pg: &PhaseGraph) -> bool {
 }
 
 /// The answer's residency as the assembler takes it.
-pub fn choice(m: &Model, off: &[bool], kept_host: &[bool], reshard: usize) -> ResidencyChoice {
-    let is_off = |k: Item| m.items.iter().zip(off).any(|(&it, &o)| it == k && o);
-    let host = |c: SideClass| m.kept.iter().zip(kept_host).any(|(&k, &h)| k == c && h);
+pub fn choice(m: &Model, ans: &ilp::Answer) -> ResidencyChoice {
+    let is_off = |k: Item| m.items.iter().zip(&ans.off).any(|(&it, &o)| it == k && o);
+    let host = |c: SideClass| {
+        m.kept
+            .iter()
+            .zip(&ans.kept_host)
+            .any(|(&k, &h)| k == c && h)
+    };
     ResidencyChoice {
         ref_host: is_off(Item::RefWeights),
         optimizer_host: is_off(Item::OptimizerState),
@@ -325,7 +375,8 @@ pub fn choice(m: &Model, off: &[bool], kept_host: &[bool], reshard: usize) -> Re
         ref_prefix_host: host(SideClass::RefPrefix),
         old_prefix_host: host(SideClass::OldPrefix),
         train_prefix_host: host(SideClass::TrainPrefix),
-        reshard: m.reshard.get(reshard).copied().unwrap_or_default(),
+        reshard: m.reshard.get(ans.reshard).copied().unwrap_or_default(),
+        kept_layers: ans.act_layers.unwrap_or(m.kept_layers),
     }
 }
 
@@ -364,11 +415,7 @@ pub fn solve_alone(
         status: ans.status,
         objective: ans.objective,
     };
-    Ok((
-        choice(&m, &ans.off, &ans.kept_host, ans.reshard),
-        stats,
-        run,
-    ))
+    Ok((choice(&m, &ans), stats, run))
 }
 
 /// A readable summary of a choice (`--stats` candidate labels).
@@ -397,6 +444,7 @@ pub fn label(r: &ResidencyChoice, colocated: bool) -> String {
     } else {
         off.join(", ")
     };
+    s.push_str(&format!("; {} layers' activations kept", r.kept_layers));
     if colocated {
         s.push_str(match r.reshard {
             ReshardPoint::IterationStart => "; reshard at iteration start",
@@ -455,6 +503,44 @@ mod tests {
         assert_eq!(
             plan.weight_sharing.as_ref().unwrap().reshard_point,
             ReshardPoint::IterationStart
+        );
+    }
+
+    /// `recompute = auto` keeps every layer's activations when they fit (the plan of `none`),
+    /// and between the peaks of `full` and `none` keeps only some layers: within the budget,
+    /// predicted between the two.
+    #[test]
+    fn auto_keeps_the_activation_layers_memory_allows() {
+        use rollplex_plan::spec::Recompute;
+        let with = |r: Recompute, budget: Option<u64>| {
+            let mut spec = paper_job(QwenSize::B7);
+            spec.train.recompute = r;
+            if let Some(b) = budget {
+                spec.schedule.memory_budget = b;
+            }
+            compile(&spec, Mode::Serial)
+        };
+        let layers = paper_job(QwenSize::B7).actor.text.num_layers;
+        let (none, full) = (with(Recompute::None, None), with(Recompute::Full, None));
+        assert_eq!((none.kept_act_layers, full.kept_act_layers), (layers, 0));
+        let (peak_none, peak_full) = (none.memory.gpus[0].peak, full.memory.gpus[0].peak);
+        assert!(peak_full < peak_none, "{peak_full} {peak_none}");
+        let roomy = with(Recompute::Auto, None);
+        assert_eq!(roomy.kept_act_layers, layers);
+        assert_eq!(roomy.predicted.iteration_s, none.predicted.iteration_s);
+        assert_eq!(roomy.memory.gpus[0].peak, peak_none);
+        let budget = (peak_full + peak_none) / 2;
+        let part = with(Recompute::Auto, Some(budget));
+        assert!(
+            0 < part.kept_act_layers && part.kept_act_layers < layers,
+            "{} of {layers} kept under {budget}",
+            part.kept_act_layers
+        );
+        assert!(part.memory.gpus[0].peak <= budget);
+        let t = part.predicted.iteration_s;
+        assert!(
+            none.predicted.iteration_s < t && t < full.predicted.iteration_s,
+            "{t}"
         );
     }
 

@@ -256,7 +256,7 @@ fn place_priced(
         time_limit_s,
     };
     let ans = ilp::solve(&problem).map_err(CompileError::internal)?;
-    let res = crate::residency::choice(&rmodel, &ans.off, &ans.kept_host, ans.reshard);
+    let res = crate::residency::choice(&rmodel, &ans);
     // Consumers of a kept state on host run after decode (its reloads follow decode).
     let banned: Vec<SideClass> = KEPT
         .iter()
@@ -529,7 +529,7 @@ mod tests {
         let profile = rollplex_cost::h200::shipped().unwrap();
         let cost = crate::driver::cost_model(&spec, Some(&profile));
         let topo = crate::topology::colocated(&spec, Mode::Overlap).unwrap();
-        let mut pg = crate::lower::lower(&spec, topo).unwrap();
+        let mut pg = crate::lower::lower(&spec, topo, 0).unwrap();
         crate::buffers::assign(&mut pg);
         let cuts = Cuts::default();
         let t = |pricing| place_priced(&pg, &cost, cuts, 5.0, pricing).unwrap().3;

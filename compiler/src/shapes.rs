@@ -120,6 +120,16 @@ pub fn kept_act_bytes_per_token_layer(m: &ModelSpec, tp: u32, full_recompute: bo
     replicated + sharded
 }
 
+/// Bytes per token a training forward keeps over every text layer when the first `kept`
+/// layers keep all their activations and the others only their input (tensor parallel as in
+/// [`kept_act_bytes_per_token_layer`]).
+pub fn kept_act_bytes_per_token(m: &ModelSpec, tp: u32, kept: u32) -> u64 {
+    let layers = m.text.num_layers as u64;
+    let kept = (kept as u64).min(layers);
+    kept_act_bytes_per_token_layer(m, tp, true) * (layers - kept)
+        + kept_act_bytes_per_token_layer(m, tp, false) * kept
+}
+
 /// Working set of one layer's forward (bf16), per token, sharded parts divided by `tp`: what a
 /// pass needs in flight beyond what it keeps.
 pub fn transient_bytes_per_token(m: &ModelSpec, tp: u32) -> u64 {

@@ -7,8 +7,8 @@
 //!   dim: QK^T and AV), and `2 h V` per token whose logits it needs (log-probs, sampling);
 //! - bytes: the weights once per pass, each layer's activations in and out (`(10 h + 4 f)`
 //!   elements per token and layer), KV written or read, fp32 logits written and read;
-//! - backward is twice the forward's FLOPs, plus one more forward when the recompute policy
-//!   keeps only layer inputs;
+//! - backward is twice the forward's FLOPs, plus the forward again of the layers that kept
+//!   only their input (the plan's kept activation layers; prompt rows always);
 //! - tensor parallelism divides FLOPs and sharded bytes by the TP degree and adds two
 //!   all-reduces of the hidden state per layer and pass (`2 (tp-1)/tp` of it crosses the link);
 //! - the vision tower: patch embedding, blocks with window attention over
@@ -20,7 +20,7 @@
 
 use crate::lengths::Lengths;
 use crate::shapes::Shapes;
-use rollplex_plan::spec::{JobSpec, Recompute};
+use rollplex_plan::spec::JobSpec;
 use rollplex_plan::work::Work;
 
 /// `w` with every amount rounded to a whole number (plans print integers; the error is far
@@ -196,10 +196,10 @@ impl Workload<'_> {
         }
     }
 
-    /// Backward of a forward `fwd` (x2 FLOPs, plus the forward again under full recompute).
-    pub fn backward_of(&self, fwd: &Work) -> Work {
-        let recompute = self.spec.train.recompute == Recompute::Full;
-        let k = if recompute { 3.0 } else { 2.0 };
+    /// Backward of a forward `fwd` (x2 FLOPs), plus the `recomputed` share of the forward run
+    /// again (its layers that kept only their input).
+    pub fn backward_of(&self, fwd: &Work, recomputed: f64) -> Work {
+        let k = 2.0 + recomputed.clamp(0.0, 1.0);
         Work {
             flops: fwd.flops * k,
             bytes: fwd.bytes * k,

@@ -881,9 +881,10 @@ fn train(
             Ok(parts)
         })
         .unwrap_or_default();
-    let recompute = match t.choice(cx, "recompute", &["none", "full"]) {
+    let recompute = match t.choice(cx, "recompute", &["auto", "none", "full"]) {
         Some("full") => Recompute::Full,
-        _ => Recompute::None,
+        Some("none") => Recompute::None,
+        _ => Recompute::Auto,
     };
     let old_logprobs = match t.choice(cx, "old_logprobs", &["auto", "recompute"]) {
         Some("recompute") => OldLogProbPass::Recompute,

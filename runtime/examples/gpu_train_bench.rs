@@ -23,10 +23,10 @@
 //! trainer runs each group's prompt once (not once per response, as PyTorch's step does): the
 //! bench also prints the rate over the FLOPs of that decomposition (prompt once per group,
 //! suffixes attending to it).
-//! With `Recompute::Full` the trainer also recomputes each layer's forward in backward and the
+//! With no layer's activations kept (`kept_layers = 0`) the trainer also recomputes each layer's forward in backward and the
 //! lm head's logits ("hardware FLOPs" adds `2 * layer params * tokens + 4 * heads * hd * pairs`
 //! per layer and `2 * vocab * hidden * head_rows`); the bench then times the same step with
-//! `Recompute::None` (the suffix activations and logits kept, as PyTorch's step keeps them; the
+//! every layer's kept (the suffix activations and logits kept, as PyTorch's step keeps them; the
 //! prompt rows are still recomputed from their kept inputs) beside it.
 //!
 //! Optimizer: `optimizer_step` (grad norm with its download, clip, AdamW per tensor writing the
@@ -47,7 +47,7 @@ use rollplex_kernels::cuda::{
     adamw_step_f32, attention_bwd_bf16, attention_fwd_bf16, bf16, matmul_bf16, AdamWScalars,
     AttnSeqGpu, BwdGrads, BwdInputs, CudaStream, FwdInputs, Gpu,
 };
-use rollplex_plan::spec::{AdamWSpec, KlEstimator, LossAgg, LrSchedule, Recompute};
+use rollplex_plan::spec::{AdamWSpec, KlEstimator, LossAgg, LrSchedule};
 use rollplex_runtime::gpu::train::{GpuGroupBatch, GpuTrainer, PromptMedia};
 use rollplex_runtime::model::Qwen25VL;
 use rollplex_runtime::train::{LossConfig, Normaliser, ResponseBatch, TrainConfig};
@@ -302,7 +302,7 @@ fn main() -> Result<()> {
             ratio: rollplex_plan::spec::RatioLevel::Token,
             horizon: 0,
         },
-        recompute: Recompute::Full,
+        kept_layers: 0,
         freeze_vision: true,
         freeze_merger: true,
         temperature: 1.0,
@@ -448,11 +448,11 @@ fn main() -> Result<()> {
         hw_flops / ms / 1e9,
         shared_flops / ms / 1e9
     );
-    // ---- the same with the activations kept (Recompute::None: no recomputed layer forward,
+    // ---- the same with every layer's activations kept (no recomputed layer forward,
     // no recomputed logits; bitwise the same gradient), as PyTorch's step keeps them
     {
         let keep_cfg = TrainConfig {
-            recompute: Recompute::None,
+            kept_layers: usize::MAX,
             ..cfg.clone()
         };
         let mut tk = GpuTrainer::new(&gpu, &s, &model, keep_cfg, adamw.clone())?;

@@ -29,7 +29,7 @@ use std::process::ExitCode;
 
 use anyhow::{anyhow, bail, Context, Result};
 use rollplex_kernels::cuda::Gpu;
-use rollplex_plan::spec::{AdamWSpec, KlEstimator, LossAgg, LrSchedule, Recompute};
+use rollplex_plan::spec::{AdamWSpec, KlEstimator, LossAgg, LrSchedule};
 use rollplex_runtime::gpu::train::{GpuGroupBatch, GpuTrainer, PromptMedia};
 use rollplex_runtime::model::{MediaInput, MediaKind, Qwen25VL};
 use rollplex_runtime::train::{
@@ -199,7 +199,7 @@ fn cuda_grads(
     let s = gpu.stream(0)?;
     let cfg = TrainConfig {
         loss: loss.clone(),
-        recompute: Recompute::Full,
+        kept_layers: 0,
         freeze_vision: false,
         freeze_merger: false,
         temperature,
@@ -356,10 +356,10 @@ fn run_case(dir: &Path, backend: Backend, bound: Bound, quiet: bool) -> Result<C
         responses: &responses,
     }];
     let norm = Normaliser::of(&offsets, &mask)?;
-    let run_cpu = |recompute| -> Result<(Vec<f32>, f64, Vec<f32>)> {
+    let run_cpu = |kept_layers| -> Result<(Vec<f32>, f64, Vec<f32>)> {
         let cfg = TrainConfig {
             loss: loss.clone(),
-            recompute,
+            kept_layers,
             freeze_vision: false,
             freeze_merger: false,
             temperature,
@@ -370,8 +370,8 @@ fn run_case(dir: &Path, backend: Backend, bound: Bound, quiet: bool) -> Result<C
     };
     let (grads, loss_ours, logp, policies_bitwise) = match backend {
         Backend::Cpu => {
-            let (grads, loss_ours, logp) = run_cpu(Recompute::None)?;
-            let (grads_rc, loss_rc, _) = run_cpu(Recompute::Full)?;
+            let (grads, loss_ours, logp) = run_cpu(usize::MAX)?;
+            let (grads_rc, loss_rc, _) = run_cpu(0)?;
             let bitwise = loss_rc.to_bits() == loss_ours.to_bits()
                 && grads
                     .iter()

@@ -207,8 +207,9 @@ fn assert_same_training(a: &[IterationResult], b: &[IterationResult], na: &str, 
 
 /// The plan's reloads run for real: with a device budget that leaves room only for the
 /// reference weights from the first reference task on, the plan keeps them on the host (a
-/// `Reload` before reference scoring; other buffers laid over their range outside it), and the
-/// job trains bitwise as with everything in HBM, serial and overlap.
+/// `Reload` before reference scoring; other buffers laid over their range outside it; the
+/// overlap plan reloads its optimizer state too), and the job trains bitwise as with everything
+/// in HBM, serial and overlap.
 #[test]
 fn cuda_reloaded_reference_trains_as_in_hbm() {
     let Some(_gpu) = common::gpu_device() else {
@@ -228,7 +229,11 @@ fn cuda_reloaded_reference_trains_as_in_hbm() {
     let (r0, w0, _) = run_gpu_in(&in_hbm, 3, true);
     for mode in [Mode::Serial, Mode::Overlap] {
         let plan = common::compile("overlap_small.rpx", &moved, mode);
-        assert_eq!(reloads(&plan), ["reload.ref_weights"], "{mode:?}");
+        let r = reloads(&plan);
+        assert!(
+            r.iter().any(|n| n == "reload.ref_weights"),
+            "{mode:?}: {r:?}"
+        );
         let ref_buf = plan
             .buffers
             .iter()

@@ -53,7 +53,8 @@ fn a_reloaded_reference_trains_as_in_hbm() {
             &common::reloaded_reference_small(),
             mode,
         );
-        assert_eq!(reloads(&plan), ["reload.ref_weights"], "{mode:?}");
+        let r = reloads(&plan);
+        assert!(r.contains(&"reload.ref_weights"), "{mode:?}: {r:?}");
         let (r, w) = common::run_cpu(&plan, 2).expect("reloaded");
         assert!(
             bits(&r) == want.0,

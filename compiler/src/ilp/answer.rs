@@ -5,7 +5,7 @@
 // Counts are indexed by (class, window); index loops read best here.
 #![allow(clippy::needless_range_loop)]
 
-use super::model::Vars;
+use super::model::{memory, Vars, GIB};
 use super::options::{decode_alone, slowdown};
 use super::{Answer, Problem, Residency};
 use good_lp::{Solution, SolutionStatus};
@@ -101,6 +101,10 @@ pub(super) fn read(
             objective += ks.host_s;
         }
     }
+    let act_layers = kept_layers(p, res, v, sol);
+    if let (Some(a), Some(k)) = (&res.act_layers, act_layers) {
+        objective += a.recompute_s * a.layers.saturating_sub(k) as f64;
+    }
     let over_gib = v.slack.iter().map(|&x| sol.value(x).max(0.0)).sum();
     Answer {
         option,
@@ -108,6 +112,7 @@ pub(super) fn read(
         off,
         reshard,
         kept_host,
+        act_layers,
         over_gib,
         status,
         objective,
@@ -116,4 +121,26 @@ pub(super) fn read(
         constraints: stats.constraints,
         solve_s: stats.solve_s,
     }
+}
+
+/// The kept activation layers of the answer, raised to what the memory rows still have room
+/// for with every other choice as answered (the objective only gains from more): HiGHS stops
+/// inside its relative gap, which counts the whole objective, so it may leave a layer whose
+/// recompute is worth less than the gap.
+fn kept_layers(p: &Problem, res: &Residency, v: &Vars, sol: &impl Solution) -> Option<u32> {
+    let (a, av) = (res.act_layers.as_ref()?, v.act?);
+    let kept = sol.value(av).round().clamp(0.0, a.layers as f64);
+    let b = a.bytes_per_layer / GIB;
+    if b <= 0.0 {
+        return Some(a.layers);
+    }
+    let m = memory(p, res, v, &mut Vec::new());
+    let room = |budget: f64, used: f64| ((budget / GIB - used) / b + 1e-9).floor().max(0.0);
+    let mut more = room(res.train_budget, m.train.eval_with(sol));
+    if let (Some(c), Some(_)) = (a.decode_class, v.act_dec) {
+        if sol.value(v.u[c]) > 0.5 {
+            more = more.min(room(res.decode_budget, m.dec.eval_with(sol)));
+        }
+    }
+    Some((kept + more).min(a.layers as f64) as u32)
 }

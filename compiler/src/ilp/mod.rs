@@ -47,6 +47,12 @@
 //!   `h[k] + u[consumer] <= 1` (reloads follow decode, so consumers do too); the decode row
 //!   counts `host_resident` instead of the class's bytes (`- (bytes[c] - host_resident) h[k]`),
 //!   the host row `host_bytes h[k]`, the objective `host_s h[k]`;
+//! - kept training activations ([`ActLayers`], `recompute = auto`): `a` (integer, `0..=L`):
+//!   the first `a` text layers keep every activation for backward, the others only their
+//!   input (recomputed in backward); the training row counts `bytes_per_layer a`, the
+//!   objective `recompute_s (L - a)`; when micro-batches may run in windows (class `m`), the
+//!   decode row counts `e >= bytes_per_layer (a - L (1 - u[m]))`, `e >= 0` (the kept layers'
+//!   bytes while the class is next to decode, nothing otherwise);
 //! - objective adds `sum_i off_s[i] off[i] + sum_k exposed_s[k] x[k] + 1000 (s_d + s_t)`: the
 //!   transfer or rebuild time of every item moved off HBM, the sync time not hidden, and a
 //!   steep price per GiB over budget (soft rows keep the model feasible; the driver reports a
@@ -200,6 +206,23 @@ pub struct KeptState {
     pub host_s: f64,
 }
 
+/// How many text layers keep their training activations (the rest are recomputed from their
+/// kept input in backward): what one more kept layer costs in memory and saves in time.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ActLayers {
+    /// Text layers `L`.
+    pub layers: u32,
+    /// Device bytes one more kept layer adds to the training phase's peak (the largest
+    /// micro-batch's activations beyond its layer input).
+    pub bytes_per_layer: f64,
+    /// Seconds one more recomputed layer adds to the iteration (its forward over every
+    /// micro-batch, counted as exposed).
+    pub recompute_s: f64,
+    /// The micro-batches' side class (index into [`Problem::classes`]), when they may run in
+    /// decode windows: while it does, the decode row counts the kept layers too.
+    pub decode_class: Option<usize>,
+}
+
 /// Residency and reshard-point part of the model: memory rows for the decode and the
 /// training phase (the two peaks of an iteration), a host-memory row, the options.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -216,6 +239,8 @@ pub struct Residency {
     pub host_budget: f64,
     /// At least one option; the first is the fallback.
     pub reshard: Vec<ReshardOption>,
+    /// Kept activation layers, when the planner decides them (`None`: fixed by the job).
+    pub act_layers: Option<ActLayers>,
 }
 
 /// Seconds the objective charges per GiB over a memory row (soft rows keep the model
@@ -240,6 +265,8 @@ pub struct Answer {
     pub reshard: usize,
     /// Per kept prefix state: on host.
     pub kept_host: Vec<bool>,
+    /// Text layers that keep their training activations (`None` without [`ActLayers`]).
+    pub act_layers: Option<u32>,
     /// GiB over budget, summed over the memory rows (the rows are soft).
     pub over_gib: f64,
 }

@@ -30,6 +30,10 @@ pub(super) struct Vars {
     pub h: Vec<Option<Variable>>,
     /// `s_d`, `s_t` (with a residency part only).
     pub slack: Vec<Variable>,
+    /// `a`: text layers keeping their activations (with [`super::ActLayers`] only).
+    pub act: Option<Variable>,
+    /// `e`: the kept layers' bytes in the decode row (GiB; micro-batches in windows only).
+    pub act_dec: Option<Variable>,
     /// `n[c][w][j]`, only where option `j` has side SMs and a whole item fits.
     pub n: Vec<Vec<Vec<Option<Variable>>>>,
     /// `cum[c][w]`: items of class `c` in windows `0..=w` (keeps the rows sparse).
@@ -98,6 +102,16 @@ impl Vars {
         } else {
             vec![]
         };
+        let act = res
+            .act_layers
+            .as_ref()
+            .filter(|_| p.residency.is_some())
+            .map(|a| vars.add(variable().integer().min(0).max(a.layers as f64)));
+        let act_dec = res
+            .act_layers
+            .as_ref()
+            .filter(|a| act.is_some() && a.decode_class.is_some_and(|c| c < nc))
+            .map(|_| vars.add(variable().min(0)));
         // n[c][w][j] (continuous, see the module docs) only where option j has side SMs,
         // bounded by the whole items that fit beside the window's decode (a continuous count
         // would otherwise spread one item too large for any window over several, which the
@@ -143,12 +157,14 @@ impl Vars {
             + u.len() as u32
             + off.len() as u32
             + x.len() as u32
-            + h.iter().flatten().count() as u32;
+            + h.iter().flatten().count() as u32
+            + act.iter().count() as u32;
         let count = integers
             + n.iter().map(some).sum::<u32>()
             + (nc * nw) as u32
             + dv.iter().flatten().count() as u32
-            + slack.len() as u32;
+            + slack.len() as u32
+            + act_dec.iter().count() as u32;
         Vars {
             y,
             z,
@@ -158,6 +174,8 @@ impl Vars {
             x,
             h,
             slack,
+            act,
+            act_dec,
             n,
             cum,
             count,
@@ -222,6 +240,9 @@ pub(super) fn objective(p: &Problem, res: &Residency, v: &Vars) -> Expression {
     }
     for &sv in &v.slack {
         obj += OVER_BUDGET_S_PER_GIB * sv;
+    }
+    if let (Some(a), Some(av)) = (&res.act_layers, v.act) {
+        obj += a.recompute_s * a.layers as f64 - a.recompute_s * av;
     }
     obj
 }
@@ -290,11 +311,41 @@ pub(super) fn rows(p: &Problem, res: &Residency, v: &Vars) -> Vec<Constraint> {
             }
         }
     }
-    let side_mem: Expression = (0..nc).map(|c| p.classes[c].bytes / GIB * u[c]).sum();
     if p.residency.is_none() {
+        let side_mem: Expression = (0..nc).map(|c| p.classes[c].bytes / GIB * u[c]).sum();
         rows.push(constraint!(side_mem <= p.headroom.max(0.0) / GIB));
         return rows;
     }
+    let Memory { dec, train, host } = memory(p, res, v, &mut rows);
+    rows.push(constraint!(dec <= res.decode_budget / GIB + v.slack[0]));
+    rows.push(constraint!(train <= res.train_budget / GIB + v.slack[1]));
+    rows.push(constraint!(host <= res.host_budget.max(0.0) / GIB));
+    if !v.x.is_empty() {
+        let one: Expression = v.x.iter().map(|&x| Expression::from(x)).sum();
+        rows.push(constraint!(one == 1.0));
+        for (k, o) in res.reshard.iter().enumerate() {
+            for &i in &o.excludes {
+                if i < ni {
+                    rows.push(constraint!(v.x[k] + off[i] <= 1.0));
+                }
+            }
+        }
+    }
+    rows
+}
+
+/// The memory rows' left-hand sides (GiB): the decode row, the training row and the host row,
+/// with the linking rows they need pushed to `rows` (a residency part only).
+pub(super) struct Memory {
+    pub dec: Expression,
+    pub train: Expression,
+    pub host: Expression,
+}
+
+pub(super) fn memory(p: &Problem, res: &Residency, v: &Vars, rows: &mut Vec<Constraint>) -> Memory {
+    let nc = p.classes.len();
+    let (u, off) = (&v.u, &v.off);
+    let side_mem: Expression = (0..nc).map(|c| p.classes[c].bytes / GIB * u[c]).sum();
     // Decode row: base + items in HBM during decode + side classes' buffers.
     let mut dec = side_mem + res.decode_base / GIB;
     let mut train = Expression::from(res.train_base / GIB);
@@ -331,21 +382,16 @@ pub(super) fn rows(p: &Problem, res: &Residency, v: &Vars) -> Vec<Constraint> {
         dec += -saved * hv;
         host += ks.host_bytes / GIB * hv;
     }
-    rows.push(constraint!(dec <= res.decode_budget / GIB + v.slack[0]));
-    rows.push(constraint!(train <= res.train_budget / GIB + v.slack[1]));
-    rows.push(constraint!(host <= res.host_budget.max(0.0) / GIB));
-    if !v.x.is_empty() {
-        let one: Expression = v.x.iter().map(|&x| Expression::from(x)).sum();
-        rows.push(constraint!(one == 1.0));
-        for (k, o) in res.reshard.iter().enumerate() {
-            for &i in &o.excludes {
-                if i < ni {
-                    rows.push(constraint!(v.x[k] + off[i] <= 1.0));
-                }
-            }
+    if let (Some(a), Some(av)) = (&res.act_layers, v.act) {
+        let b = a.bytes_per_layer / GIB;
+        train += b * av;
+        if let (Some(c), Some(ev)) = (a.decode_class, v.act_dec) {
+            let l = a.layers as f64;
+            rows.push(constraint!(ev >= b * av - b * l + b * l * u[c]));
+            dec += ev;
         }
     }
-    rows
+    Memory { dec, train, host }
 }
 
 /// The starting solution: the feasible all-after-decode answer (no items, decode on the whole
@@ -394,6 +440,12 @@ pub(super) fn start(p: &Problem, res: &Residency, v: &Vars) -> Vec<(Variable, f6
         }
         for (k, &xv) in v.x.iter().enumerate() {
             init.push((xv, if k == 0 { 1.0 } else { 0.0 }));
+        }
+        if let Some(av) = v.act {
+            init.push((av, 0.0));
+        }
+        if let Some(ev) = v.act_dec {
+            init.push((ev, 0.0));
         }
         init.push((v.slack[0], ((dec - res.decode_budget) / GIB).max(0.0)));
         init.push((v.slack[1], ((train - res.train_budget) / GIB).max(0.0)));

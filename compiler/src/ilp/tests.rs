@@ -49,6 +49,7 @@ fn problem(train_budget_gib: f64, beside: bool) -> Problem {
             train_budget: train_budget_gib * GIB,
             host_budget: 100.0 * GIB,
             reshard,
+            act_layers: None,
         }),
         time_limit_s: 5.0,
     }
@@ -77,6 +78,45 @@ fn reshard_point_trades_against_residency() {
     // With room for both, beside-encode wins alone.
     let a = solve(&problem(90.0, true)).unwrap();
     assert_eq!((a.off.clone(), a.reshard), (vec![false, false], 1));
+}
+
+/// Kept activation layers against the residency items, hand-solved: 28 layers, 1 GiB and
+/// 0.05 s a layer. With A and B in HBM the training row has -4 GiB of room; B off (0.2 s)
+/// frees 4 GiB for nothing, A off (1.0 s) 10 GiB: 0 layers kept recompute 1.4 s, so moving B
+/// costs 0.2 s and keeps none; moving A too (1.2 s) makes room for 10 layers (saving 0.5 s):
+/// 1.2 + 0.9 = 2.1 s against 0.2 + 1.4 = 1.6 s, B alone wins. At 0.2 s a layer A is worth
+/// moving: 1.2 + 18 x 0.2 = 4.8 s against 0.2 + 5.6 = 5.8 s.
+#[test]
+fn kept_activation_layers_trade_against_residency() {
+    let with = |recompute_s: f64, budget: f64| {
+        let mut p = problem(budget, false);
+        if let Some(r) = p.residency.as_mut() {
+            r.act_layers = Some(ActLayers {
+                layers: 28,
+                bytes_per_layer: GIB,
+                recompute_s,
+                decode_class: None,
+            });
+        }
+        solve(&p).unwrap()
+    };
+    let a = with(0.05, 80.0);
+    assert_eq!((a.off.clone(), a.act_layers), (vec![false, true], Some(0)));
+    assert!((a.objective - 0.7 - 1.4).abs() < 1e-6, "{}", a.objective);
+    let a = with(0.2, 80.0);
+    assert_eq!((a.off.clone(), a.act_layers), (vec![true, true], Some(10)));
+    // Room for everything: every layer kept, nothing moves.
+    let a = with(0.2, 200.0);
+    assert_eq!(
+        (a.off.clone(), a.act_layers),
+        (vec![false, false], Some(28))
+    );
+    assert!((a.objective - 0.5).abs() < 1e-6, "{}", a.objective);
+    // Room for part at 0.06 s a layer: 95 GiB keeps 11 layers with both items in HBM (1.02 s
+    // of recompute); B off keeps 15 (0.2 + 0.78 s), A off 21 (1.0 + 0.42 s), both 25 (1.2 +
+    // 0.18 s): B off wins.
+    let a = with(0.06, 95.0);
+    assert_eq!((a.off.clone(), a.act_layers), (vec![false, true], Some(15)));
 }
 
 #[test]
@@ -148,6 +188,7 @@ fn kept(decode_budget_gib: f64, host_s: f64, host_budget_gib: f64) -> Problem {
                 exposed_s: 0.0,
                 excludes: vec![],
             }],
+            act_layers: None,
         }),
         time_limit_s: 5.0,
     }

@@ -45,6 +45,10 @@ pub struct Plan {
     pub parallel: Parallelism,
     /// Where the policy loss's old log-probs come from.
     pub old_logprobs: OldLogProbSource,
+    /// Text layers whose training activations are kept for backward (layers `0..this`); the
+    /// others keep only their input and are recomputed in backward: the compiler's answer to
+    /// the job's `train.recompute` (under `auto`, a residency decision of the ILP).
+    pub kept_act_layers: u32,
     pub predicted: Predicted,
     pub solver: SolverStats,
     pub gpus: Vec<Gpu>,

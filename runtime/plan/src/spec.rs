@@ -485,6 +485,22 @@ pub enum Recompute {
     None,
     /// Keep only each layer's input and recompute the layer in backward.
     Full,
+    /// The planner decides per layer: the first text layers keep every activation, the rest
+    /// keep their input and are recomputed, as many kept as the memory budget allows (the
+    /// plan's [`crate::Plan::kept_act_layers`]).
+    Auto,
+}
+
+impl Recompute {
+    /// Text layers (of `layers`) whose activations are kept, where the policy fixes it;
+    /// `None` for `Auto` (the plan's answer).
+    pub fn kept_layers(self, layers: u32) -> Option<u32> {
+        match self {
+            Recompute::None => Some(layers),
+            Recompute::Full => Some(0),
+            Recompute::Auto => None,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

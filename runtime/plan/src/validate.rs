@@ -46,6 +46,8 @@
 //!   sampling and no `recompute` asked in the spec. `pass`: every micro-batch happens after
 //!   the old-log-prob suffix of each completion slot it trains (of every slot under dynamic
 //!   sampling), on its GPU program.
+//! - `activations`: the plan's `kept_act_layers` is at most the actor's text layers, and is
+//!   every layer under `recompute = none`, none under `full`.
 //! - `work`: every task's work amounts (its own and its parts') are finite and >= 0, and
 //!   parts hold no parts of their own.
 //! - `timing`: predicted times are finite, `start_s <= end_s`, a task starts no earlier than
@@ -120,6 +122,7 @@ pub fn validate(plan: &Plan) -> Result<(), Violations> {
     v.memory(&hb);
     v.roles();
     v.old_logprobs(&hb);
+    v.activations();
     v.work();
     v.timing();
     if v.out.is_empty() {
@@ -614,6 +617,28 @@ impl Checker<'_> {
                         "{} `{}`: {:?} is outside the replica's {groups} groups of {g}",
                         t.id, t.name, t.op
                     ),
+                );
+            }
+        }
+    }
+
+    fn activations(&mut self) {
+        let p = self.plan;
+        let layers = p.spec.actor.text.num_layers;
+        let kept = p.kept_act_layers;
+        if kept > layers {
+            self.err(
+                "activations",
+                format!("kept_act_layers {kept} is more than the actor's {layers} text layers"),
+            );
+        }
+        let recompute = p.spec.train.recompute;
+        if let Some(fixed) = recompute.kept_layers(layers) {
+            if kept != fixed {
+                let name = if fixed == 0 { "full" } else { "none" };
+                self.err(
+                    "activations",
+                    format!("kept_act_layers {kept}, but `recompute = {name}` keeps {fixed} of {layers} layers"),
                 );
             }
         }

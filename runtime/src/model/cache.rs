@@ -1,9 +1,10 @@
 //! What a forward keeps for backward ([`ForwardCache`] for the text decoder, [`VisionCache`]
 //! for the vision tower). The training code passes `Some(&mut cache)` to a forward and reads
-//! the activations back; `CacheMode` decides how much is kept (the plan's `Recompute`).
+//! the activations back; `CacheMode` decides how much is kept (the plan's kept activation
+//! layers).
 //!
-//! Invariant: in `LayerInputs` mode only `LayerCache::x_in` is filled (recompute the layer from
-//! it); in `Full` mode every field is filled; unfilled fields are empty vectors.
+//! Invariant: a layer cached as `LayerInputs` fills only `LayerCache::x_in` (recompute the
+//! layer from it); one cached as `Full` fills every field; unfilled fields are empty vectors.
 
 use rollplex_kernels::cpu::AttnSeq;
 
@@ -14,6 +15,20 @@ pub enum CacheMode {
     LayerInputs,
     /// Every activation backward needs.
     Full,
+    /// Every activation of the first `n` text layers, the input of the others (and the final
+    /// norm's output, as `Full`).
+    FirstLayers(usize),
+}
+
+impl CacheMode {
+    /// What layer `l` keeps: `Full` or `LayerInputs`.
+    pub fn layer(self, l: usize) -> CacheMode {
+        match self {
+            CacheMode::FirstLayers(n) if l < n => CacheMode::Full,
+            CacheMode::FirstLayers(_) => CacheMode::LayerInputs,
+            m => m,
+        }
+    }
 }
 
 /// One transformer block's saved activations, `T` rows. Shapes use the block's widths:

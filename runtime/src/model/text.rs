@@ -417,7 +417,7 @@ impl RankModel<'_> {
                 cos,
                 sin,
                 attend,
-                mode.map(|m| (m, &mut lc)),
+                mode.map(|m| (m.layer(l), &mut lc)),
             )?;
             if let Some(c) = cache.as_deref_mut() {
                 c.layers.push(lc);
@@ -605,7 +605,7 @@ impl RankModel<'_> {
         c.cos = cos;
         c.sin = sin;
         c.final_in = x.to_vec();
-        if c.mode == CacheMode::Full {
+        if c.mode != CacheMode::LayerInputs {
             let all: Vec<usize> = (0..rows).collect();
             let (xn, rstd) = self.final_norm(x, &all)?;
             c.final_out = xn;

@@ -348,6 +348,7 @@ fn plan(split: Option<(u32, u32)>) -> Plan {
             group_size: 2,
         },
         old_logprobs: OldLogProbSource::TrainForward,
+        kept_act_layers: spec().actor.text.num_layers,
         predicted: Predicted {
             iteration_s: 0.0,
             phases: vec![],

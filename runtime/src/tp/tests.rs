@@ -489,7 +489,7 @@ mod grads {
         use crate::model::{MediaInput, MediaKind, VisionCache};
         use crate::train::backward::vision_backward;
         use crate::train::{GroupBatch, LossConfig, TrainConfig};
-        use rollplex_plan::spec::{KlEstimator, LossAgg, Recompute};
+        use rollplex_plan::spec::{KlEstimator, LossAgg};
 
         let m = tiny();
         let pd = m.config.patch_dim();
@@ -526,7 +526,7 @@ mod grads {
                 ratio: rollplex_plan::spec::RatioLevel::Token,
                 horizon: 0,
             },
-            recompute: Recompute::None,
+            kept_layers: usize::MAX,
             freeze_vision: false,
             freeze_merger: false,
             temperature: 1.0,
@@ -602,7 +602,7 @@ mod grads {
         use crate::train::{
             forward_backward, GroupBatch, LossConfig, Normaliser, ResponseBatch, TrainConfig,
         };
-        use rollplex_plan::spec::{KlEstimator, LossAgg, Recompute};
+        use rollplex_plan::spec::{KlEstimator, LossAgg};
 
         let m = tiny();
         let tk = m.config.spec.tokens.clone();
@@ -666,7 +666,7 @@ mod grads {
                 ratio: rollplex_plan::spec::RatioLevel::Token,
                 horizon: 0,
             },
-            recompute: Recompute::None,
+            kept_layers: usize::MAX,
             freeze_vision: false,
             freeze_merger: false,
             temperature: 0.9,
@@ -802,7 +802,7 @@ mod grads {
         use crate::train::{
             forward_backward, GroupBatch, LossConfig, Normaliser, ResponseBatch, TrainConfig,
         };
-        use rollplex_plan::spec::{KlEstimator, LossAgg, Recompute};
+        use rollplex_plan::spec::{KlEstimator, LossAgg};
 
         let m = tiny();
         let tk = m.config.spec.tokens.clone();
@@ -876,7 +876,7 @@ mod grads {
                     ratio: rollplex_plan::spec::RatioLevel::Token,
                     horizon: 0,
                 },
-                recompute: Recompute::None,
+                kept_layers: usize::MAX,
                 freeze_vision,
                 freeze_merger,
                 temperature: 1.0,

@@ -17,10 +17,12 @@
 //!    4. the merger, then the vision tower (window-permuted), then the patch embedding — unless
 //!    frozen.
 //!
-//! Activation policy ([`Recompute`]): `None` keeps every activation (`CacheMode::Full`); `Full`
-//! keeps each layer's input (`CacheMode::LayerInputs`) and recomputes the layer just before its
-//! backward. The forward ops are deterministic and row-independent, so a recomputed layer has
-//! bitwise the kept activations and both policies give bitwise the same gradients.
+//! Activation policy ([`TrainConfig::kept_layers`], the plan's kept activation layers): the
+//! first `kept_layers` text layers keep every activation (`CacheMode::Full`), the others their
+//! input (`CacheMode::LayerInputs`) and are recomputed just before their backward; the vision
+//! tower keeps everything only when every text layer does. The forward ops are deterministic
+//! and row-independent, so a recomputed layer has bitwise the kept activations and every
+//! policy gives bitwise the same gradients.
 //!
 //! The trainer runs on one rank's part of the model ([`RankModel::forward_backward`]) over a
 //! communicator; [`forward_backward`] is rank 0 of a group of one. Under tensor parallelism the
@@ -57,7 +59,12 @@ pub(crate) use super::vision_bwd::vision_backward;
 #[derive(Clone, Debug, PartialEq)]
 pub struct TrainConfig {
     pub loss: LossConfig,
-    pub recompute: Recompute,
+    /// Text layers `0..kept_layers` keep every activation for backward, the others only their
+    /// input (recomputed in backward); `usize::MAX` (or any count at least the model's layers)
+    /// keeps all, and then also the vision tower's activations and the GPU head's logits. Set
+    /// from the job (`recompute = none`: all, `full` and `auto`: none) and by each plan the
+    /// trainer runs ([`TrainConfig::with_plan`]).
+    pub kept_layers: usize,
     pub freeze_vision: bool,
     pub freeze_merger: bool,
     /// The rollout's sampling temperature: log-probs are those of `logits / temperature`.
@@ -79,11 +86,25 @@ impl TrainConfig {
         }
         Ok(TrainConfig {
             loss: LossConfig::from_spec(train.algorithm.loss(), dual_clip, horizon)?,
-            recompute: train.recompute,
+            kept_layers: match train.recompute {
+                Recompute::None => usize::MAX,
+                Recompute::Full | Recompute::Auto => 0,
+            },
             freeze_vision: train.freeze_vision,
             freeze_merger: train.freeze_merger,
             temperature,
         })
+    }
+
+    /// The plan's kept activation layers (the compiler's answer to `recompute`).
+    pub fn with_plan(mut self, plan: &rollplex_plan::Plan) -> Self {
+        self.kept_layers = plan.kept_act_layers as usize;
+        self
+    }
+
+    /// Whether every one of `layers` text layers keeps its activations.
+    pub fn keeps_all(&self, layers: usize) -> bool {
+        self.kept_layers >= layers
     }
 
     /// Whether parameter `name` (a transformers 5 name of the model's table) is trained.
@@ -148,10 +169,18 @@ pub fn forward_backward(
         .forward_backward(&SoloComm, cfg, groups, norm, grads)
 }
 
-pub(crate) fn cache_mode(r: Recompute) -> CacheMode {
-    match r {
-        Recompute::None => CacheMode::Full,
-        Recompute::Full => CacheMode::LayerInputs,
+/// The text forward's cache mode under `cfg` for a model of `layers` text layers, and the
+/// vision tower's.
+pub(crate) fn cache_modes(cfg: &TrainConfig, layers: usize) -> (CacheMode, CacheMode) {
+    if cfg.keeps_all(layers) {
+        (CacheMode::Full, CacheMode::Full)
+    } else if cfg.kept_layers == 0 {
+        (CacheMode::LayerInputs, CacheMode::LayerInputs)
+    } else {
+        (
+            CacheMode::FirstLayers(cfg.kept_layers),
+            CacheMode::LayerInputs,
+        )
     }
 }
 
@@ -308,7 +337,8 @@ impl RankModel<'_> {
         }
     }
 
-    /// A layer's activations: the kept ones (`Full`), or recomputed from its input.
+    /// A layer's activations: the kept ones, or recomputed from its input where its cache
+    /// `mode` (one layer's: `Full` or `LayerInputs`) kept only that.
     pub(crate) fn layer_acts<'c, C: Communicator>(
         &self,
         comm: &C,
@@ -319,10 +349,10 @@ impl RankModel<'_> {
         ctx: &BlockCtx<'_>,
     ) -> Result<LayerActs<'c>> {
         Ok(match mode {
-            CacheMode::Full => LayerActs::Kept(kept),
             CacheMode::LayerInputs => LayerActs::Recomputed(Box::new(
                 recompute_block(comm, self.weights, p, &kept.x_in, rows, ctx)?.0,
             )),
+            CacheMode::Full | CacheMode::FirstLayers(_) => LayerActs::Kept(kept),
         })
     }
 
@@ -337,9 +367,9 @@ impl RankModel<'_> {
         grads: &mut [f32],
         out: &mut MicroBatchOutput,
     ) -> Result<()> {
-        let mode = cache_mode(cfg.recompute);
         let w = self.weights;
         let lay = &w.layout;
+        let (mode, vision_mode) = cache_modes(cfg, lay.text_layers.len());
         let h = self.hidden();
         let vl = self.dims.vocab.len();
         let temp = cfg.temperature;
@@ -366,7 +396,7 @@ impl RankModel<'_> {
         // ---- forward ----
         // a frozen tower and merger need no activations: no gradient flows into them
         let vision_grad = !g.media.is_empty() && (!cfg.freeze_vision || !cfg.freeze_merger);
-        let mut vcache = VisionCache::new(mode);
+        let mut vcache = VisionCache::new(vision_mode);
         let enc = self.encode_media(comm, g.media, vision_grad.then_some(&mut vcache))?;
         let refs: Vec<&EncodedMedia> = enc.iter().collect();
         let mut pcache = ForwardCache::new(mode);
@@ -442,7 +472,8 @@ impl RankModel<'_> {
             for l in (0..layers).rev() {
                 let ctx = self.text_ctx(&scache, Some((prefix.layer_k(l), prefix.layer_v(l))));
                 let lp = &lay.text_layers[l];
-                let acts = self.layer_acts(comm, lp, &scache.layers[l], mode, rows, &ctx)?;
+                let acts =
+                    self.layer_acts(comm, lp, &scache.layers[l], mode.layer(l), rows, &ctx)?;
                 let dprefix = (
                     &mut dpk[l * n_kv..(l + 1) * n_kv],
                     &mut dpv[l * n_kv..(l + 1) * n_kv],
@@ -520,7 +551,7 @@ impl RankModel<'_> {
         for l in (0..layers).rev() {
             let ctx = self.text_ctx(&pcache, None);
             let lp = &lay.text_layers[l];
-            let acts = self.layer_acts(comm, lp, &pcache.layers[l], mode, pr, &ctx)?;
+            let acts = self.layer_acts(comm, lp, &pcache.layers[l], mode.layer(l), pr, &ctx)?;
             let extra = (
                 &dpk[l * n_kv..(l + 1) * n_kv],
                 &dpv[l * n_kv..(l + 1) * n_kv],

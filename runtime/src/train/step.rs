@@ -91,6 +91,11 @@ impl Trainer {
     pub fn config(&self) -> &TrainConfig {
         &self.cfg
     }
+    /// Trains with `plan`'s kept activation layers from now on (what a plan decides: memory
+    /// and time, never the results).
+    pub fn follow_plan(&mut self, plan: &rollplex_plan::Plan) {
+        self.cfg = self.cfg.clone().with_plan(plan);
+    }
     pub fn optimizer(&self) -> &TpAdamW {
         &self.opt
     }

@@ -2,12 +2,13 @@
 //! with M-RoPE), one GRPO group with an image and a video in its prompt:
 //!
 //! - gradients of every parameter tensor against central finite differences of the loss;
-//! - `Recompute::Full` gives bitwise the gradients of `Recompute::None`;
+//! - recomputing every layer, or all but the first, gives bitwise the gradients of keeping
+//!   every activation;
 //! - a group split over two micro-batches accumulates to `g_a + g_b`, deterministically, and
 //!   matches the one-micro-batch gradient up to rounding;
 //! - the loss on a fixed batch falls over 20 optimizer steps; frozen parts do not move.
 
-use rollplex_plan::spec::{AdamWSpec, KlEstimator, LossAgg, LrSchedule, Recompute};
+use rollplex_plan::spec::{AdamWSpec, KlEstimator, LossAgg, LrSchedule};
 
 use super::backward::{forward_backward, GroupBatch, ResponseBatch, TrainConfig};
 use super::loss::{policy_loss, LossBatch, LossConfig, Normaliser};
@@ -167,7 +168,10 @@ impl Group {
     }
 }
 
-fn cfg(recompute: Recompute, agg: LossAgg) -> TrainConfig {
+/// Every text layer's activations kept.
+const ALL: usize = usize::MAX;
+
+fn cfg(kept_layers: usize, agg: LossAgg) -> TrainConfig {
     TrainConfig {
         loss: LossConfig {
             clip_low: 0.2,
@@ -179,7 +183,7 @@ fn cfg(recompute: Recompute, agg: LossAgg) -> TrainConfig {
             ratio: rollplex_plan::spec::RatioLevel::Token,
             horizon: 0,
         },
-        recompute,
+        kept_layers,
         freeze_vision: false,
         freeze_merger: false,
         temperature: 1.0,
@@ -230,7 +234,7 @@ fn fd_step() -> f32 {
 /// differences on 4 entries (the 2 largest analytic gradients and 2 random ones).
 fn finite_difference_check(tie: bool, agg: LossAgg) {
     let m = tiny_model(tie);
-    let c = cfg(Recompute::None, agg);
+    let c = cfg(ALL, agg);
     // spread 0.1 keeps every ratio inside the clip range: the loss is smooth there.
     let g = Group::new(&m, &[6, 1, 4, 9], 0.1, 11);
     let media = g.media();
@@ -332,37 +336,26 @@ fn recompute_gives_bitwise_the_kept_gradients() {
         media: &media,
         responses: &resp,
     }];
-    let (keep, lk) = grads_of(
-        &m,
-        &cfg(Recompute::None, LossAgg::TokenMean),
-        &batch,
-        g.norm(),
-    );
-    let (rec, lr) = grads_of(
-        &m,
-        &cfg(Recompute::Full, LossAgg::TokenMean),
-        &batch,
-        g.norm(),
-    );
-    assert_eq!(lk.to_bits(), lr.to_bits());
-    assert!(
-        keep.iter()
-            .zip(&rec)
-            .all(|(a, b)| a.to_bits() == b.to_bits()),
-        "recompute changed a gradient bit"
-    );
+    let (keep, lk) = grads_of(&m, &cfg(ALL, LossAgg::TokenMean), &batch, g.norm());
+    // every layer recomputed, and the first kept with the others recomputed
+    assert!(m.config.text().num_layers > 1, "a split needs two layers");
+    for kept in [0, 1] {
+        let (rec, lr) = grads_of(&m, &cfg(kept, LossAgg::TokenMean), &batch, g.norm());
+        assert_eq!(lk.to_bits(), lr.to_bits(), "{kept} layers kept");
+        assert!(
+            keep.iter()
+                .zip(&rec)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{kept} layers kept changed a gradient bit"
+        );
+    }
     assert!(
         keep.iter().filter(|x| **x != 0.0).count() > keep.len() / 2,
         "most gradients are non-zero"
     );
     // and a second run is bitwise the same (no hidden state, fixed reduction order)
-    let (again, _) = grads_of(
-        &m,
-        &cfg(Recompute::Full, LossAgg::TokenMean),
-        &batch,
-        g.norm(),
-    );
-    assert!(rec
+    let (again, _) = grads_of(&m, &cfg(ALL, LossAgg::TokenMean), &batch, g.norm());
+    assert!(keep
         .iter()
         .zip(&again)
         .all(|(a, b)| a.to_bits() == b.to_bits()));
@@ -375,7 +368,7 @@ fn recompute_gives_bitwise_the_kept_gradients() {
 #[test]
 fn own_logprobs_are_the_old_ones_without_a_pass() {
     let m = tiny_model(false);
-    let c = cfg(Recompute::None, LossAgg::TokenMean);
+    let c = cfg(ALL, LossAgg::TokenMean);
     let g = Group::new(&m, &[5, 3, 7], 0.4, 21);
     let media = g.media();
     let scored = g.current_logp(&m);
@@ -435,7 +428,7 @@ fn split_group_accumulates_in_plan_order() {
     let g = Group::new(&m, &[4, 6, 2, 5], 0.4, 31);
     let media = g.media();
     let norm = g.norm();
-    let c = cfg(Recompute::Full, LossAgg::SeqMeanTokenMean);
+    let c = cfg(0, LossAgg::SeqMeanTokenMean);
     let (all, a, b) = (g.responses(0..4), g.responses(0..2), g.responses(2..4));
     let whole = [GroupBatch {
         prompt_ids: &g.prompt,
@@ -528,7 +521,7 @@ fn loss_falls_on_a_fixed_batch() {
         grad_clip: 1.0,
         lr_schedule: LrSchedule::Constant,
     };
-    let mut c = cfg(Recompute::Full, LossAgg::TokenMean);
+    let mut c = cfg(0, LossAgg::TokenMean);
     c.freeze_vision = true;
     let mut t = Trainer::new(m.clone(), c, spec).unwrap();
     let mut losses = Vec::new();
@@ -606,7 +599,7 @@ fn one_rank_training_is_bitwise_plain_adamw() {
         grad_clip: 0.05,
         lr_schedule: LrSchedule::Constant,
     };
-    let mut c = cfg(Recompute::None, LossAgg::TokenMean);
+    let mut c = cfg(ALL, LossAgg::TokenMean);
     c.freeze_vision = true;
     let norm = g.norm();
 

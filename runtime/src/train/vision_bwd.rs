@@ -230,8 +230,7 @@ impl RankModel<'_> {
             let ctx = ctx_of(b);
             let bp = &lay.vision_blocks[b];
             let recomputed;
-            let acts: &LayerCache = match (&vc.mode, last_block.take()) {
-                (CacheMode::Full, _) => &vc.blocks[b],
+            let acts: &LayerCache = match (vc.mode.layer(b), last_block.take()) {
                 (CacheMode::LayerInputs, Some(c)) if b == depth - 1 => {
                     recomputed = c;
                     &recomputed
@@ -240,6 +239,7 @@ impl RankModel<'_> {
                     recomputed = recompute_block(comm, w, bp, &vc.blocks[b].x_in, n, &ctx)?.0;
                     &recomputed
                 }
+                (CacheMode::Full | CacheMode::FirstLayers(_), _) => &vc.blocks[b],
             };
             dx = block_bwd(
                 comm,

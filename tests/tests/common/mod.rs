@@ -75,15 +75,21 @@ pub fn overlap_small_frozen() -> String {
     )
 }
 
-/// [`overlap_small_frozen`] with 16 text tokens a prompt and a device budget of 7,000 KiB
-/// (1 GiB of host memory): the plan then keeps the reference weights on the host, reloads them
-/// before reference scoring, and lays the kept training prefixes over their range.
+/// [`overlap_small_frozen`] with 16 text tokens a prompt, every layer's activations kept and a
+/// device budget of 5,300 KiB (1 GiB of host memory): the plan then keeps the reference weights
+/// on the host (the overlap plan its optimizer state too), reloads them before reference
+/// scoring, and lays the kept training prefixes over their range.
 #[allow(dead_code)] // not every test binary uses it
 pub fn reloaded_reference_small() -> String {
-    let src = overlap_small_frozen().replace("text_tokens = 256", "text_tokens = 16");
+    // every layer's activations kept: under `auto` the planner would rather recompute layers
+    // than move the reference
+    let src = in_train(
+        &overlap_small_frozen().replace("text_tokens = 256", "text_tokens = 16"),
+        "recompute = none",
+    );
     let moved = src.replace(
         "decode_window = 4",
-        "decode_window = 4\n        memory = 7000KiB\n        host_memory = 1GiB",
+        "decode_window = 4\n        memory = 5300KiB\n        host_memory = 1GiB",
     );
     assert_ne!(
         moved, src,
@@ -95,13 +101,14 @@ pub fn reloaded_reference_small() -> String {
 /// `src` with `old_logprobs = recompute` in its `train` section: the old-log-prob pass
 /// forced where one optimizer step would leave it out.
 pub fn with_old_logprob_pass(src: &str) -> String {
+    in_train(src, "old_logprobs = recompute")
+}
+
+/// `src` with `line` first in its `train` section.
+pub fn in_train(src: &str, line: &str) -> String {
     let head = "    train {";
     let at = src.find(head).expect("a `train {` section") + head.len();
-    format!(
-        "{}\n        old_logprobs = recompute{}",
-        &src[..at],
-        &src[at..]
-    )
+    format!("{}\n        {line}{}", &src[..at], &src[at..])
 }
 
 /// A scratch directory under the system temp dir, removed when dropped.

@@ -74,6 +74,7 @@ pub fn run_rank<C: Communicator>(
             if root.is_some() { "was given" } else { "lacks" }
         )));
     }
+    models.trainer.follow_plan(plan);
     let groups = plan.parallel.prompts_per_rollout_replica as usize;
     let gpu = plan.gpus[0].id;
     // a disaggregated plan's two programs (rollout, training) run in turn on one rank

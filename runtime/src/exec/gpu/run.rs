@@ -117,6 +117,7 @@ pub fn run_gpu_loop_with(
     options: GpuExecOptions,
 ) -> Result<(), ExecError> {
     check_gpu_plan(plan, &models.gpu)?;
+    models.trainer.follow_plan(plan);
     let streams = PlanStreams::with_options(plan, &models.gpu, options.streams)?;
     let groups = plan.parallel.prompts_per_rollout_replica as usize;
     let program = plan.gpus[0].id;

@@ -39,11 +39,12 @@
 //! the same fp32 sums (group order).
 //!
 //! Activations: each layer's input (bf16 residual stream) is kept, the prompt's in the store, the
-//! suffix's per micro-batch. With `Recompute::Full` backward recomputes each layer from it, and
-//! the lm head's logits from the final rows; with `Recompute::None` the suffix's activations of
-//! every layer and the logits are kept from the forward instead. The forward ops are
-//! deterministic, so the recomputed activations are bitwise the forward's and both policies give
-//! the same bits. The prompt rows are recomputed from their kept inputs under both: they are
+//! suffix's per micro-batch. The first [`TrainConfig::kept_layers`] layers (the plan's kept
+//! activation layers) keep the suffix's activations from the forward; backward recomputes the
+//! others from their input, and the lm head's logits from the final rows unless every layer is
+//! kept (then the logits are kept too). The forward ops are deterministic, so the recomputed
+//! activations are bitwise the forward's and every split gives the same bits. The prompt rows
+//! are recomputed from their kept inputs whatever the split: they are
 //! kept across tasks (the prompt forward may run in a decode window long before), where a whole
 //! iteration's prompt activations would not fit (~68 GB at 3B and 16 video prompts: 97 KB a row a layer).
 //!
@@ -264,6 +265,11 @@ impl GpuTrainer {
     }
     pub fn config(&self) -> &TrainConfig {
         &self.cfg
+    }
+    /// Trains with `plan`'s kept activation layers from now on (what a plan decides: memory
+    /// and time, never the results).
+    pub fn follow_plan(&mut self, plan: &rollplex_plan::Plan) {
+        self.cfg = self.cfg.clone().with_plan(plan);
     }
     /// Optimizer steps taken.
     pub fn steps(&self) -> u64 {

@@ -11,7 +11,6 @@ use rollplex_kernels::cuda::{
     embedding_fwd_bf16, linear_fwd_bf16, logprobs_fwd_bf16, rmsnorm_fwd_bf16, AttnSeqGpu,
     CudaSlice, CudaStream, Gpu, PolicyLossAcc, PolicyLossInputs,
 };
-use rollplex_plan::spec::Recompute;
 
 use crate::train::loss::Normaliser;
 use crate::train::{MicroBatchOutput, TrainError};
@@ -297,29 +296,36 @@ impl GpuTrainer {
         let w = &self.model.weights;
         let layers = w.text.len();
         let mut fin = alloc::<bf16>(gpu, s, b.frows * h)?;
-        // `Recompute::None` keeps every layer's activations of the suffix rows and the lm head's
-        // logits for the backward; `Full` keeps the layer inputs only and recomputes (the same
-        // launches on the same inputs: bitwise the same activations, so the same gradient)
-        let keep = self.cfg.recompute == Recompute::None;
+        // The first `kept_layers` layers keep every activation of the suffix rows for the
+        // backward, the others their input only and are recomputed there (the same launches on
+        // the same inputs: bitwise the same activations, so the same gradient)
+        let kept = self.cfg.kept_layers.min(layers);
         let mut suffix = None;
         if srows > 0 {
             let mut x = alloc::<bf16>(gpu, s, srows * h)?;
             embedding_fwd_bf16(gpu, s, &mut x, &w.embed, ids_d, srows, h, h)?;
             let mut inputs = alloc::<bf16>(gpu, s, layers * srows * h)?;
-            // one buffer reused by every layer (`Full`), or one per layer, kept (`None`)
-            let mut acts = match keep {
-                true => None,
-                false => Some(Acts::new(gpu, s, sctx, &w.text[0])?),
+            // one buffer reused by every recomputed layer, one per kept layer
+            let mut acts = match kept < layers {
+                true => Some(Acts::new(gpu, s, sctx, &w.text[0])?),
+                false => None,
             };
-            let mut kept_acts: Vec<Option<Acts>> = Vec::new();
+            let mut kept_acts: Vec<Option<Acts>> = Vec::with_capacity(layers);
             for (l, blk) in w.text.iter().enumerate() {
                 let r = l * srows * h..(l + 1) * srows * h;
                 s.memcpy_dtod(&x, &mut inputs.slice_mut(r.clone()))?;
-                let a = match acts.as_mut() {
-                    Some(a) => a,
-                    None => {
-                        kept_acts.push(Some(Acts::new(gpu, s, sctx, blk)?));
-                        kept_acts[l].as_mut().expect("pushed above")
+                kept_acts.push(match l < kept {
+                    true => Some(Acts::new(gpu, s, sctx, blk)?),
+                    false => None,
+                });
+                let a = match (kept_acts[l].as_mut(), acts.as_mut()) {
+                    (Some(k), _) => k,
+                    (None, Some(a)) => a,
+                    (None, None) => {
+                        return Err(GpuError::Input(format!(
+                            "layer {l}: neither kept nor recomputed activations"
+                        ))
+                        .into())
                     }
                 };
                 layer_fwd(
@@ -351,7 +357,7 @@ impl GpuTrainer {
     }
 
     /// Head forward: log-probs (and entropies) of every response token, `LM_CHUNK` rows at a
-    /// time; with `Recompute::None` each chunk's rows, norm and logits kept for the backward.
+    /// time; with every layer kept, each chunk's rows, norm and logits kept for the backward.
     fn head_forward(
         &self,
         gpu: &Gpu,
@@ -362,7 +368,8 @@ impl GpuTrainer {
         targets: &CudaSlice<u32>,
     ) -> Result<HeadFwd> {
         let (n_head, h, vocab) = (b.n_head, b.h, b.vocab);
-        let keep = self.cfg.recompute == Recompute::None;
+        // the logits are kept when every layer's activations are
+        let keep = self.cfg.keeps_all(self.model.weights.text.len());
         let mut lp_d = alloc::<f32>(gpu, s, n_head)?;
         let mut ent_d = alloc::<f32>(gpu, s, n_head)?;
         // per chunk (with `keep`): the head's input rows, their norm and rstd, and the logits
@@ -646,16 +653,16 @@ impl RowTables {
     }
 }
 
-/// The suffix forward's kept state: every layer's input (`[layers, srows, H]`), and either one
-/// activation buffer the backward recomputes into (`Recompute::Full`) or every layer's
-/// activations (`None`), each used once.
+/// The suffix forward's kept state: every layer's input (`[layers, srows, H]`), the kept
+/// layers' activations (each used once), and one activation buffer the backward recomputes
+/// the other layers into (when there are any).
 pub(super) struct SuffixActs {
     pub(super) inputs: CudaSlice<bf16>,
     pub(super) acts: Option<Acts>,
     pub(super) kept: Vec<Option<Acts>>,
 }
 
-/// The head forward's results: log-probs, entropies, and with `Recompute::None` per chunk the
+/// The head forward's results: log-probs, entropies, and with every layer kept per chunk the
 /// head's input rows, their norm and rstd, and the logits.
 pub(super) struct HeadFwd {
     lp: CudaSlice<f32>,

@@ -11,7 +11,7 @@
 use half::bf16;
 use rollplex_kernels::cuda::{test_gpu, Gpu};
 use rollplex_plan::models::TestModel;
-use rollplex_plan::spec::{AdamWSpec, KlEstimator, LossAgg, LrSchedule, ModelSpec, Recompute};
+use rollplex_plan::spec::{AdamWSpec, KlEstimator, LossAgg, LrSchedule, ModelSpec};
 
 use super::params::{cpu_parts, fuse_parts, split_fused};
 use super::*;
@@ -195,7 +195,7 @@ pub(crate) fn train_cfg() -> TrainConfig {
             ratio: rollplex_plan::spec::RatioLevel::Token,
             horizon: 0,
         },
-        recompute: Recompute::Full,
+        kept_layers: 0,
         freeze_vision: true,
         freeze_merger: true,
         temperature: 1.0,
@@ -766,8 +766,8 @@ fn kept_prompts(cfg: TrainConfig) {
     assert!(lp < 1e-2, "a copy per response moved a log-prob by {lp}");
 }
 
-/// `Recompute::None` (every layer's suffix activations and the lm head's logits kept) and
-/// `Recompute::Full` (recomputed from the layer inputs in backward) give bitwise the same
+/// Every layer's suffix activations and the lm head's logits kept, none kept (recomputed from
+/// the layer inputs in backward) and the first layer's kept alone give bitwise the same
 /// log-probs, loss and gradient: the recompute runs the forward's launches on the same inputs.
 /// With the tower trained, so the vision backward reads the same media-row gradients.
 #[test]
@@ -791,9 +791,9 @@ fn kept_activations_give_the_recomputed_gradient_bitwise() {
             responses: &resp[i],
         })
         .collect();
-    let run = |recompute: Recompute| {
+    let run = |kept_layers: usize| {
         let mut cfg = vision_cfg(false, false);
-        cfg.recompute = recompute;
+        cfg.kept_layers = kept_layers;
         let mut t = GpuTrainer::new(&gpu, &s, &m, cfg, adamw(1e-3)).unwrap();
         let out = t.micro_batch(&gpu, &s, 0, &batch, norm).unwrap();
         let g: Vec<u32> = t
@@ -804,13 +804,22 @@ fn kept_activations_give_the_recomputed_gradient_bitwise() {
             .collect();
         (out, g)
     };
-    let (a, ga) = run(Recompute::Full);
-    let (b, gb) = run(Recompute::None);
+    assert!(m.config.text().num_layers > 1, "a split needs two layers");
+    let (a, ga) = run(0);
     assert!(ga.iter().any(|&x| x != 0), "a gradient at all");
-    assert_eq!(a.logp, b.logp, "log-probs");
-    assert_eq!(a.metrics.loss.to_bits(), b.metrics.loss.to_bits(), "loss");
-    let differ = ga.iter().zip(&gb).filter(|(x, y)| x != y).count();
-    assert_eq!(differ, 0, "{differ} of {} gradient values differ", ga.len());
+    for kept in [usize::MAX, 1] {
+        let (b, gb) = run(kept);
+        assert_eq!(a.logp, b.logp, "log-probs, {kept} layers kept");
+        let (la, lb) = (a.metrics.loss.to_bits(), b.metrics.loss.to_bits());
+        assert_eq!(la, lb, "loss, {kept} layers kept");
+        let differ = ga.iter().zip(&gb).filter(|(x, y)| x != y).count();
+        assert_eq!(
+            differ,
+            0,
+            "{differ} of {} gradients differ, {kept} kept",
+            ga.len()
+        );
+    }
 }
 
 /// Without old log-probs (`old_logp: None`, a plan without the old-log-prob pass) the device
