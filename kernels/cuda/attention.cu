@@ -131,6 +131,7 @@ attention_decode_simt_bf16(float* __restrict__ part_o, float* __restrict__ part_
                       const AttnSeq* __restrict__ seqs, u32 n_heads, u32 n_kv, u32 chunk,
                       u32 splits, float scale_log2, u32 p_rows, u32 kv_rows, u32 skip_prefix,
                       u32 split_base, u32 total_splits) {
+    pdl_wait();
     constexpr int DS = HEAD_DIM / 16;
     __shared__ __align__(16) bf16 Ks[KT][HEAD_DIM + KPAD];
     __shared__ __align__(16) bf16 Vs[KT][HEAD_DIM + KPAD];
@@ -314,6 +315,7 @@ attention_decode_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
                       const AttnSeq* __restrict__ seqs, u32 n_heads, u32 n_kv, u32 chunk,
                       u32 splits, float scale_log2, u32 p_rows, u32 kv_rows, u32 skip_prefix,
                       u32 split_base, u32 total_splits) {
+    pdl_wait();
     constexpr int KSTEPS = HEAD_DIM / 16;
     constexpr int DT = HEAD_DIM / 8;  // 8-wide dim tiles of O
     extern __shared__ __align__(16) unsigned char dsmem[];
@@ -479,6 +481,8 @@ attention_decode_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
 // K/V tiles of 32 keys go through a block-wide 4-stage cp.async pipeline (3 tiles in flight);
 // every warp with rows runs S = Q K^T, the online softmax and O += P V over every tile. Partials
 // go to slot split_base + split of total_splits; attention_decode_reduce_bf16 merges the slots.
+// One launch can hold both passes (blocks z >= z_second take the per-sample pass; grid.x is the
+// larger split count, and a block past its own pass's splits returns at once).
 #define GKT 32    // keys per tile
 #define GSTG 4    // pipeline stages
 #define GROW (HEAD_DIM + KPAD)
@@ -488,9 +492,21 @@ attention_decode_grouped_bf16(float* __restrict__ part_o, float* __restrict__ pa
                               const bf16* __restrict__ q, u32 q_stride,
                               const bf16* __restrict__ kc, const bf16* __restrict__ vc,
                               u32 kv_stride, const AttnSeq* __restrict__ seqs, u32 batch,
-                              u32 group, u32 per_block, u32 n_heads, u32 n_kv, u32 chunk,
-                              u32 splits, u32 total_splits, float scale_log2, u32 kv_rows,
-                              u32 per_sample, u32 skip_prefix, u32 split_base) {
+                              u32 group_a, u32 per_block_a, u32 n_heads, u32 n_kv, u32 chunk_a,
+                              u32 splits_a, u32 total_splits, float scale_log2, u32 kv_rows,
+                              u32 per_sample_a, u32 skip_prefix_a, u32 split_base_a,
+                              u32 z_second, u32 chunk_b, u32 splits_b) {
+    pdl_wait();
+    // Blocks z >= z_second run the per-sample pass behind a group pass in the same launch
+    // (group = per_block = 1, own keys only, slots splits_a ..); the others the pass the
+    // first parameters describe.
+    const bool second = blockIdx.z >= z_second;
+    const u32 group = second ? 1u : group_a, per_block = second ? 1u : per_block_a;
+    const u32 chunk = second ? chunk_b : chunk_a, splits = second ? splits_b : splits_a;
+    const u32 per_sample = second ? 1u : per_sample_a, skip_prefix = second ? 1u : skip_prefix_a;
+    const u32 split_base = second ? splits_a : split_base_a;
+    const u32 zi = second ? blockIdx.z - z_second : blockIdx.z;
+    if (blockIdx.x >= splits) return;
     constexpr int KSTEPS = HEAD_DIM / 16;
     constexpr int DT = HEAD_DIM / 8;
     constexpr int VPR = HEAD_DIM / 8;
@@ -499,7 +515,7 @@ attention_decode_grouped_bf16(float* __restrict__ part_o, float* __restrict__ pa
     const u32 split = blockIdx.x, kvh = blockIdx.y;
     const u32 r = n_heads / n_kv;
     const u32 parts = (group + per_block - 1) / per_block;
-    const u32 gi = blockIdx.z / parts, pi = blockIdx.z % parts;
+    const u32 gi = zi / parts, pi = zi % parts;
     const u32 g_first = gi * group;
     if (g_first >= batch) return;
     const u32 g_end = min(batch, g_first + group);
@@ -671,6 +687,7 @@ extern "C" __global__ void attention_decode_reduce_bf16(bf16* __restrict__ out, 
                                                         const float* __restrict__ part_o,
                                                         const float* __restrict__ part_ml,
                                                         u32 n_heads, u32 splits) {
+    pdl_wait();
     const u32 h = blockIdx.x, b = blockIdx.y;
     const u64 base = ((u64)b * n_heads + h) * splits;
     float M = NEG_INF_F;

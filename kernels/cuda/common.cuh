@@ -39,6 +39,17 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
     return v;
 }
 
+// Programmatic dependent launch (Hopper and later): a kernel launched with programmatic stream
+// serialization (launch.rs, `PDL_KERNELS`) may be scheduled before the kernel ahead of it on the
+// stream has finished; it waits here, before its first memory access, until that kernel has
+// ended and its writes are visible. A no-op for a kernel launched the ordinary way. Every kernel
+// named in `PDL_KERNELS` calls this first.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -37,6 +37,7 @@ extern "C" __global__ void decode_advance(
     u32 head_dim, u32* __restrict__ feed, float* __restrict__ cos, float* __restrict__ sin,
     AttnSeq* __restrict__ seqs, u32* __restrict__ write_rows, u32* __restrict__ sample_ids,
     u32* __restrict__ steps) {
+    pdl_wait();
     const u32 r = blockIdx.x;
     if (r >= n_rows) return;
     __shared__ u32 s_pos;
@@ -107,6 +108,7 @@ extern "C" __global__ void decode_gather_rows(DecodeRow* __restrict__ dst,
                                               const u32* __restrict__ map, u32 n,
                                               u32* __restrict__ sample_ids,
                                               u32* __restrict__ steps) {
+    pdl_wait();
     const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const DecodeRow row = src[map[i]];

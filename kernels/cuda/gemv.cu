@@ -209,6 +209,7 @@ extern "C" __global__ void __launch_bounds__(GV_THREADS) GV_CLUSTER
 gemv_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ w,
           const bf16* __restrict__ bias, u32 m, u32 n, u32 k, u32 ldx, u32 ldy, u32 kslice,
           u32 up_off) {
+    pdl_wait();
     extern __shared__ __align__(128) unsigned char gsm[];
     const u32 split = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 g = lane >> 2, t = lane & 3;

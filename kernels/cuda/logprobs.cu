@@ -43,6 +43,7 @@ extern "C" __global__ void logprobs_fwd_bf16(float* __restrict__ logp, float* __
                                              const bf16* __restrict__ logits,
                                              const u32* __restrict__ targets, u32 rows,
                                              u32 vocab, u32 row_stride, float temperature) {
+    pdl_wait();
     __shared__ float sm[32], ss[32], st[32];
     const u32 row = blockIdx.x;
     if (row >= rows) return;

@@ -6,6 +6,7 @@
 extern "C" __global__ void rmsnorm_fwd_bf16(const bf16* x, const bf16* __restrict__ w,
                                             bf16* y, float* __restrict__ rstd, u32 rows,
                                             u32 cols, u32 x_stride, u32 y_stride, float eps) {
+    pdl_wait();
     __shared__ float scratch[32];
     const u32 row = blockIdx.x;
     if (row >= rows) return;
@@ -52,6 +53,7 @@ extern "C" __global__ void add_rmsnorm_fwd_bf16(bf16* h, const bf16* __restrict_
                                                 const bf16* __restrict__ w, bf16* __restrict__ y,
                                                 float* __restrict__ rstd, u32 rows, u32 cols,
                                                 float eps) {
+    pdl_wait();
     __shared__ float scratch[32];
     const u32 row = blockIdx.x;
     if (row >= rows) return;

@@ -4,26 +4,40 @@
 
 __device__ __forceinline__ bool aligned16(const void* p) { return (((u64)p) & 15u) == 0; }
 
-// Rotates heads [0, n_heads) of one row in place (the block's threads split the pairs).
+// One rotated pair (x1, x2) of a head, rounded as `rope_fwd_bf16` documents.
+__device__ __forceinline__ void rope_pair(float a, float b, float c1, float s1, float c2, float s2,
+                                          u32 hf_text_rounding, float& o1, float& o2) {
+    if (hf_text_rounding) {
+        c1 = bf2f(f2bf(c1)); s1 = bf2f(f2bf(s1));
+        c2 = bf2f(f2bf(c2)); s2 = bf2f(f2bf(s2));
+        o1 = bf2f(f2bf(a * c1)) + bf2f(f2bf(-b * s1));
+        o2 = bf2f(f2bf(b * c2)) + bf2f(f2bf(a * s2));
+    } else {
+        o1 = a * c1 + (-b) * s1;
+        o2 = b * c2 + a * s2;
+    }
+}
+
+// Rotates heads [0, n_heads) of one row in place (the block's threads split the pairs); with
+// `copy`, head h >= copy_from is also written, rotated, to copy[(h - copy_from) * head_dim].
 __device__ __forceinline__ void rope_row(bf16* xr, const float* c, const float* s, u32 n_heads,
-                                         u32 head_dim, u32 hf_text_rounding) {
+                                         u32 head_dim, u32 hf_text_rounding,
+                                         u32 copy_from = 0xffffffffu, bf16* copy = nullptr) {
     const u32 half = head_dim / 2;
     for (u32 p = threadIdx.x; p < n_heads * half; p += blockDim.x) {
         const u32 h = p / half, i = p - h * half;
         bf16* xh = xr + (u64)h * head_dim;
-        const float a = bf2f(xh[i]), b = bf2f(xh[i + half]);
-        float c1 = c[i], s1 = s[i], c2 = c[i + half], s2 = s[i + half], o1, o2;
-        if (hf_text_rounding) {
-            c1 = bf2f(f2bf(c1)); s1 = bf2f(f2bf(s1));
-            c2 = bf2f(f2bf(c2)); s2 = bf2f(f2bf(s2));
-            o1 = bf2f(f2bf(a * c1)) + bf2f(f2bf(-b * s1));
-            o2 = bf2f(f2bf(b * c2)) + bf2f(f2bf(a * s2));
-        } else {
-            o1 = a * c1 + (-b) * s1;
-            o2 = b * c2 + a * s2;
+        float o1, o2;
+        rope_pair(bf2f(xh[i]), bf2f(xh[i + half]), c[i], s[i], c[i + half], s[i + half],
+                  hf_text_rounding, o1, o2);
+        const bf16 y1 = f2bf(o1), y2 = f2bf(o2);
+        xh[i] = y1;
+        xh[i + half] = y2;
+        if (copy != nullptr && h >= copy_from) {
+            bf16* dh = copy + (u64)(h - copy_from) * head_dim;
+            dh[i] = y1;
+            dh[i + half] = y2;
         }
-        xh[i] = f2bf(o1);
-        xh[i + half] = f2bf(o2);
     }
 }
 
@@ -55,6 +69,7 @@ __device__ __forceinline__ float silu_bf16_rounded(float g) {
 extern "C" __global__ void swiglu_fwd_bf16(const bf16* gate, const bf16* up, bf16* out, u32 rows,
                                            u32 cols, u32 gate_stride, u32 up_stride,
                                            u32 out_stride) {
+    pdl_wait();
     const u32 row = blockIdx.y;
     if (row >= rows) return;
     const bf16* g = gate + (u64)row * gate_stride;
@@ -93,6 +108,7 @@ extern "C" __global__ void gelu_fwd_bf16(const bf16* x, bf16* y, u64 n, u32 tanh
 
 // out = bf16(a + b) over n elements (the residual add). out may alias a or b.
 extern "C" __global__ void add_fwd_bf16(const bf16* a, const bf16* b, bf16* out, u64 n) {
+    pdl_wait();
     const bool vec = (n & 7u) == 0 && aligned16(a) && aligned16(b) && aligned16(out);
     if (vec) {
         for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n / 8; i += (u64)gridDim.x * blockDim.x) {
@@ -140,6 +156,7 @@ __device__ __forceinline__ void copy_row(const bf16* __restrict__ src, bf16* __r
 extern "C" __global__ void embedding_fwd_bf16(const bf16* __restrict__ table,
                                               const u32* __restrict__ ids, bf16* __restrict__ out,
                                               u32 tokens, u32 hidden, u32 vocab, u32 out_stride) {
+    pdl_wait();
     copy_row(table, out, ids, nullptr, tokens, hidden, hidden, out_stride, vocab, 0xffffffffu);
 }
 
@@ -156,7 +173,9 @@ extern "C" __global__ void kv_append_bf16(const bf16* __restrict__ src,
 // Decode-step fusion of rope_fwd_bf16 and two kv_append_bf16: on each fused qkv row
 // [q heads | k heads | v heads], rotate the q and k heads in place, then copy the (rotated) k
 // part to k_cache[slots[t]] and the v part to v_cache[slots[t]]. Bitwise the same as the three
-// kernels. Slots >= n_slots are skipped.
+// kernels. Slots >= n_slots are skipped. One block per token; a thread rotates four pairs of a
+// head at a time (8-byte rows, 16-byte tables) and writes a rotated k head to the cache itself,
+// so nothing waits on the rest of the block.
 extern "C" __global__ void rope_kv_append_bf16(bf16* qkv, const float* __restrict__ cos_t,
                                                const float* __restrict__ sin_t,
                                                bf16* __restrict__ k_cache,
@@ -164,28 +183,51 @@ extern "C" __global__ void rope_kv_append_bf16(bf16* qkv, const float* __restric
                                                const u32* __restrict__ slots, u32 tokens,
                                                u32 n_heads, u32 n_kv, u32 head_dim,
                                                u32 hf_text_rounding, u32 n_slots) {
+    pdl_wait();
     const u32 t = blockIdx.x;
     if (t >= tokens) return;
-    const u32 row_stride = (n_heads + 2 * n_kv) * head_dim, kvw = n_kv * head_dim;
-    bf16* xr = qkv + (u64)t * row_stride;
-    rope_row(xr, cos_t + (u64)t * head_dim, sin_t + (u64)t * head_dim, n_heads + n_kv, head_dim,
-             hf_text_rounding);
-    __syncthreads();
+    const u32 qk = n_heads + n_kv, half = head_dim / 2, kvw = n_kv * head_dim;
+    bf16* xr = qkv + (u64)t * (qk + n_kv) * head_dim;
+    const float* c = cos_t + (u64)t * head_dim;
+    const float* s = sin_t + (u64)t * head_dim;
     const u32 slot = slots[t];
-    if (slot >= n_slots) return;
-    const bf16* ks = xr + n_heads * head_dim;
-    const bf16* vs = ks + kvw;
-    bf16* kd = k_cache + (u64)slot * kvw;
-    bf16* vd = v_cache + (u64)slot * kvw;
-    if ((kvw & 7u) == 0 && aligned16(ks) && aligned16(vs) && aligned16(kd) && aligned16(vd)) {
-        for (u32 i = threadIdx.x; i < kvw / 8; i += blockDim.x) {
-            ((uint4*)kd)[i] = ((const uint4*)ks)[i];
-            ((uint4*)vd)[i] = ((const uint4*)vs)[i];
+    const bool write = slot < n_slots;
+    bf16* kd = k_cache + (u64)(write ? slot : 0) * kvw;
+    bf16* vd = v_cache + (u64)(write ? slot : 0) * kvw;
+    const bool vec = (half & 3u) == 0 && (((u64)xr) & 7u) == 0 && (((u64)kd) & 7u) == 0 &&
+                     aligned16(c) && aligned16(s);
+    if (vec) {
+        const u32 quads = half / 4;
+        for (u32 p = threadIdx.x; p < qk * quads; p += blockDim.x) {
+            const u32 h = p / quads, i = (p - h * quads) * 4;
+            bf16* xh = xr + (u64)h * head_dim;
+            const uint2 xa = *(const uint2*)(xh + i), xb = *(const uint2*)(xh + i + half);
+            const float4 c1 = *(const float4*)(c + i), s1 = *(const float4*)(s + i);
+            const float4 c2 = *(const float4*)(c + i + half), s2 = *(const float4*)(s + i + half);
+            float o1[4], o2[4];
+            rope_pair(bf_lo(xa.x), bf_lo(xb.x), c1.x, s1.x, c2.x, s2.x, hf_text_rounding, o1[0], o2[0]);
+            rope_pair(bf_hi(xa.x), bf_hi(xb.x), c1.y, s1.y, c2.y, s2.y, hf_text_rounding, o1[1], o2[1]);
+            rope_pair(bf_lo(xa.y), bf_lo(xb.y), c1.z, s1.z, c2.z, s2.z, hf_text_rounding, o1[2], o2[2]);
+            rope_pair(bf_hi(xa.y), bf_hi(xb.y), c1.w, s1.w, c2.w, s2.w, hf_text_rounding, o1[3], o2[3]);
+            const uint2 ya = make_uint2(pack_bf2(o1[0], o1[1]), pack_bf2(o1[2], o1[3]));
+            const uint2 yb = make_uint2(pack_bf2(o2[0], o2[1]), pack_bf2(o2[2], o2[3]));
+            *(uint2*)(xh + i) = ya;
+            *(uint2*)(xh + i + half) = yb;
+            if (h >= n_heads && write) {
+                bf16* kh = kd + (u64)(h - n_heads) * head_dim;
+                *(uint2*)(kh + i) = ya;
+                *(uint2*)(kh + i + half) = yb;
+            }
         }
     } else {
-        for (u32 i = threadIdx.x; i < kvw; i += blockDim.x) {
-            kd[i] = ks[i];
-            vd[i] = vs[i];
-        }
+        rope_row(xr, c, s, qk, head_dim, hf_text_rounding, n_heads, write ? kd : nullptr);
+    }
+    if (!write) return;
+    // v is not rotated: its copy needs nothing from the loop above.
+    const bf16* vs = xr + (u64)qk * head_dim;
+    if ((kvw & 7u) == 0 && aligned16(vs) && aligned16(vd)) {
+        for (u32 i = threadIdx.x; i < kvw / 8; i += blockDim.x) ((uint4*)vd)[i] = ((const uint4*)vs)[i];
+    } else {
+        for (u32 i = threadIdx.x; i < kvw; i += blockDim.x) vd[i] = vs[i];
     }
 }

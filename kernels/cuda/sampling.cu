@@ -107,6 +107,65 @@ __device__ __forceinline__ void sample_row(const bf16* __restrict__ logits, u32 
     const bf16* x = logits + (u64)row * row_stride;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
 
+    const bool unit = temperature == 1.0f;  // z = logit exactly: the division is skipped
+    const uint2 key = make_uint2(seed_lo, seed_hi);
+    if (temperature > 0.0f && !(top_k > 0 && top_k < vocab) && !(top_p < 1.0f)) {
+        // No top-k / top-p: the greedy fallback's argmax and the draw in one pass over the row
+        // (the same token as the passes below would give: both maxima are order-free).
+        const u32 sample = sample_ids[row], step = steps[row];
+        const bool vec = (((u64)x) & 7u) == 0;
+        u64 best = 0;
+        float bs = NEG_INF_F;
+        u32 bi = 0xffffffffu;
+        for (u32 g = threadIdx.x; g * 4 < vocab; g += blockDim.x) {
+            const uint4 r = philox4x32_10(make_uint4(g, step, sample, iteration), key);
+            const u32 words[4] = {r.x, r.y, r.z, r.w};
+            bf16 v[4];
+            if (vec && g * 4 + 3 < vocab) {
+                const uint2 w = *(const uint2*)(x + g * 4);
+                v[0] = (bf16)(w.x & 0xffffu); v[1] = (bf16)(w.x >> 16);
+                v[2] = (bf16)(w.y & 0xffffu); v[3] = (bf16)(w.y >> 16);
+            } else {
+#pragma unroll
+                for (int k = 0; k < 4; k++) v[k] = g * 4 + k < vocab ? x[g * 4 + k] : (bf16)0x7fc0;
+            }
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const u32 i = g * 4 + k;
+                if (i >= vocab) break;
+                const u32 kk = bf_key(v[k]);
+                const u64 cand = ((u64)kk << 32) | (u64)(0xffffffffu - i);
+                best = cand > best ? cand : best;
+                if (kk < 1) continue;  // NaN is never drawn
+                const float u = ((float)(words[k] >> 8) + 0.5f) * 5.9604644775390625e-08f;
+                const float z = unit ? bf2f(v[k]) : bf2f(v[k]) / temperature;
+                const float sc = z - logf(-logf(u));
+                if (sc > bs || (sc == bs && i < bi)) { bs = sc; bi = i; }
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const u64 other = __shfl_xor_sync(0xffffffffu, best, o);
+            best = other > best ? other : best;
+            const float s2 = __shfl_xor_sync(0xffffffffu, bs, o);
+            const u32 i2 = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (s2 > bs || (s2 == bs && i2 < bi)) { bs = s2; bi = i2; }
+        }
+        if (lane == 0) { red64[warp] = best; redf[warp] = bs; redi[warp] = bi; }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u64 b = red64[0];
+            float sb = redf[0];
+            u32 ib = redi[0];
+            for (int w = 1; w < nw; w++) {
+                b = red64[w] > b ? red64[w] : b;
+                if (redf[w] > sb || (redf[w] == sb && redi[w] < ib)) { sb = redf[w]; ib = redi[w]; }
+            }
+            tokens[row] = ib == 0xffffffffu ? 0xffffffffu - (u32)(b & 0xffffffffu) : ib;
+        }
+        return;
+    }
+
     // Pass 1: the largest key, lowest index among equals.
     u64 best = 0;
     for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) {
@@ -132,7 +191,7 @@ __device__ __forceinline__ void sample_row(const bf16* __restrict__ logits, u32 
         if (threadIdx.x == 0) tokens[row] = argmax;
         return;
     }
-    const float zmax = bf2f(x[argmax]) / temperature;
+    const float zmax = unit ? bf2f(x[argmax]) : bf2f(x[argmax]) / temperature;
     u32 kmin = 1;  // excludes NaN
     if (top_k > 0 && top_k < vocab)
         kmin = radix_select(x, vocab, kmin, (u64)top_k, false, zmax, temperature, hist, res);
@@ -159,7 +218,6 @@ __device__ __forceinline__ void sample_row(const bf16* __restrict__ logits, u32 
     }
 
     // Gumbel-max draw over the kept set.
-    const uint2 key = make_uint2(seed_lo, seed_hi);
     const u32 sample = sample_ids[row], step = steps[row];
     float bs = NEG_INF_F;
     u32 bi = 0xffffffffu;
@@ -172,7 +230,7 @@ __device__ __forceinline__ void sample_row(const bf16* __restrict__ logits, u32 
             if (i >= vocab) break;
             if (bf_key(x[i]) < kmin) continue;
             const float u = ((float)(words[k] >> 8) + 0.5f) * 5.9604644775390625e-08f;
-            const float sc = bf2f(x[i]) / temperature - logf(-logf(u));
+            const float sc = (unit ? bf2f(x[i]) : bf2f(x[i]) / temperature) - logf(-logf(u));
             if (sc > bs || (sc == bs && i < bi)) { bs = sc; bi = i; }
         }
     }
@@ -198,6 +256,7 @@ sample_bf16(const bf16* __restrict__ logits, u32 row_stride, u32 rows, u32 vocab
             float temperature, u32 top_k, float top_p, u32 seed_lo, u32 seed_hi, u32 iteration,
             const u32* __restrict__ sample_ids, const u32* __restrict__ steps,
             u32* __restrict__ tokens) {
+    pdl_wait();
     sample_row(logits, row_stride, rows, vocab, temperature, top_k, top_p, seed_lo, seed_hi,
                iteration, sample_ids, steps, tokens);
 }
@@ -209,6 +268,7 @@ sample_bf16_keyed(const bf16* __restrict__ logits, u32 row_stride, u32 rows, u32
                   float temperature, u32 top_k, float top_p, const u32* __restrict__ key,
                   const u32* __restrict__ sample_ids, const u32* __restrict__ steps,
                   u32* __restrict__ tokens) {
+    pdl_wait();
     sample_row(logits, row_stride, rows, vocab, temperature, top_k, top_p, key[0], key[1],
                key[2], sample_ids, steps, tokens);
 }

@@ -741,6 +741,8 @@ fn copy_ceiling(g: &Gpu, s: &Arc<CudaStream>) -> Res<f64> {
 
 struct Timed {
     step: f64,
+    /// The same graph captured without programmatic dependent launch.
+    step_no_pdl: f64,
     eager: f64,
     gemms: f64,
     attn: f64,
@@ -773,6 +775,13 @@ fn time_variant(g: &Gpu, s: &Arc<CudaStream>, m: &mut Model) -> Res<Timed> {
     let graph = capture(s, || m.step(g, s))?;
     let step = time_graph(g, s, &graph, 20)?;
     drop(graph);
+    let pdl = g.pdl();
+    g.set_pdl(false);
+    let graph = capture(s, || m.step(g, s));
+    g.set_pdl(pdl);
+    let graph = graph?;
+    let step_no_pdl = time_graph(g, s, &graph, 20)?;
+    drop(graph);
     let tokens = s.clone_dtoh(&m.tokens)?;
     let att_graph = capture(s, || {
         for l in 0..layers {
@@ -787,6 +796,7 @@ fn time_variant(g: &Gpu, s: &Arc<CudaStream>, m: &mut Model) -> Res<Timed> {
     drop(gemm_graph);
     Ok(Timed {
         step,
+        step_no_pdl,
         eager,
         gemms,
         attn,
@@ -811,6 +821,15 @@ fn main() -> Res<()> {
         );
         args.drain(i..i + 2);
     }
+    // --variants shared,new: only those variants of each case
+    let mut only: Option<Vec<String>> = None;
+    if let Some(i) = args.iter().position(|a| a == "--variants") {
+        let list = args
+            .get(i + 1)
+            .ok_or("--variants needs a list such as shared,new")?;
+        only = Some(list.split(',').map(|v| v.trim().to_string()).collect());
+        args.drain(i..i + 2);
+    }
     // --gemm-rows 16,32: the rows the GEMM sweep takes (default 128,64,32,16)
     let mut sweep_rows = vec![128, 64, 32, 16];
     if let Some(i) = args.iter().position(|a| a == "--gemm-rows") {
@@ -826,7 +845,7 @@ fn main() -> Res<()> {
     }
     for a in &args {
         if !["--unfused", "--simt", "--no-sweep", "--gemm-sweep"].contains(&a.as_str()) {
-            return Err(format!("unknown flag {a}; flags: --unfused (separate add/norm and rope/append kernels), --simt (the SIMT decode attention instead of the warp-split one in the base and gemm variants), --no-sweep (skip the GEMM comparison), --gemm-sweep (only the GEMM kinds at m = 128..16, every skinny cut), --gemm-rows M,N (the sweep's rows), --cases I,J (rows of the case table: 0-3 3B/7B at B 64/8 unshared, 4-7 the same with G8 prefixes of 1792, 8-9 3B B 32/128 with G8 prefixes)").into());
+            return Err(format!("unknown flag {a}; flags: --unfused (separate add/norm and rope/append kernels), --simt (the SIMT decode attention instead of the warp-split one in the base and gemm variants), --no-sweep (skip the GEMM comparison), --gemm-sweep (only the GEMM kinds at m = 128..16, every skinny cut), --gemm-rows M,N (the sweep's rows), --variants V,W (base, gemm, new, shared, forced), --cases I,J (rows of the case table: 0-3 3B/7B at B 64/8 unshared, 4-7 the same with G8 prefixes of 1792, 8-9 3B B 32/128 with G8 prefixes)").into());
         }
     }
     let unfused = args.iter().any(|a| a == "--unfused");
@@ -927,6 +946,9 @@ fn main() -> Res<()> {
                 variants.push(("forced", true, new_plan, Some(forced)));
             }
         }
+        if let Some(keep) = &only {
+            variants.retain(|v| keep.iter().any(|k| k == v.0));
+        }
         let mut res = Vec::new();
         for (vname, dispatch, plan, gplan) in variants {
             m.dispatch = dispatch;
@@ -956,8 +978,9 @@ fn main() -> Res<()> {
                 ),
             };
             println!(
-                "  {vname:7} step {:.3} ms (eager {:.3}); GEMMs alone {:.3} ms ({:.2} TB/s on {:.2} GB), attention alone {:.3} ms ({:.2} TB/s on {:.2} GB moved; {attn_plan}), rest {:.3} ms; bytes per-sample reader {:.2} GB -> {:.2} TB/s ({:.0}% of copy), moved {:.2} GB -> {:.2} TB/s ({:.0}%); tokens {:?}",
+                "  {vname:7} step {:.3} ms (without PDL {:.3}, eager {:.3}); GEMMs alone {:.3} ms ({:.2} TB/s on {:.2} GB), attention alone {:.3} ms ({:.2} TB/s on {:.2} GB moved; {attn_plan}), rest {:.3} ms; bytes per-sample reader {:.2} GB -> {:.2} TB/s ({:.0}% of copy), moved {:.2} GB -> {:.2} TB/s ({:.0}%); tokens {:?}",
                 t.step,
+                t.step_no_pdl,
                 t.eager,
                 t.gemms,
                 w / (t.gemms * 1e-3) / 1e12,
@@ -976,7 +999,9 @@ fn main() -> Res<()> {
             );
             res.push((vname, t.step, per_sample, moved));
         }
-        let base = res[0].1;
+        let Some(&(_, base, _, _)) = res.first() else {
+            continue;
+        };
         let line = format!(
             "{} B={batch} ({pre}): {}",
             d.name,

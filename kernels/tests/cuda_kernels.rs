@@ -709,7 +709,9 @@ fn philox_matches_host() {
 fn sampling_matches_cpu_twin() {
     let g = gpu_or_skip!();
     let s = g.stream(0).unwrap();
-    let (rows, vocab) = (64usize, 151_936usize);
+    let rows = 64usize;
+    // (vocab, params): the draw without top-k / top-p (one pass over the row) at temperature 1
+    // and not, with an odd vocabulary (rows not 8-byte aligned) too; then top-k and top-p
     let settings = [
         SampleParams {
             temperature: 0.0,
@@ -724,6 +726,20 @@ fn sampling_matches_cpu_twin() {
             top_p: 1.0,
             seed: fresh_seed(),
             iteration: 3,
+        },
+        SampleParams {
+            temperature: 0.7,
+            top_k: 0,
+            top_p: 1.0,
+            seed: fresh_seed(),
+            iteration: 4,
+        },
+        SampleParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: fresh_seed(),
+            iteration: 5,
         },
         SampleParams {
             temperature: 0.7,
@@ -747,7 +763,8 @@ fn sampling_matches_cpu_twin() {
             iteration: 9,
         },
     ];
-    for p in settings {
+    for (n, p) in settings.into_iter().enumerate() {
+        let vocab = if n == 3 { 1_001 } else { 151_936 };
         let (x, _) = rand_bf(rows * vocab, 6.0);
         let sample_ids: Vec<u32> = (0..rows as u32).map(|r| r * 3 + 1).collect();
         let steps: Vec<u32> = (0..rows as u32).map(|r| 100 + r % 7).collect();

@@ -7,6 +7,7 @@
 //! classic API, kept for timing beside cuBLASLt: feature `bench`) gets one handle per stream.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 #[cfg(feature = "bench")]
@@ -31,6 +32,9 @@ pub struct Gpu {
     functions: Mutex<HashMap<(ModuleKey, &'static str), CudaFunction>>,
     compile_logs: Mutex<Vec<(String, String)>>,
     pub(crate) lt: Mutex<LtState>,
+    /// Launch the kernels that wait for their predecessor themselves with programmatic stream
+    /// serialization ([`Gpu::set_pdl`]).
+    pdl: AtomicBool,
     #[cfg(feature = "bench")]
     blas: Mutex<HashMap<usize, CudaBlas>>,
 }
@@ -75,6 +79,7 @@ impl Gpu {
             functions: Mutex::new(HashMap::new()),
             compile_logs: Mutex::new(Vec::new()),
             lt: Mutex::new(lt),
+            pdl: AtomicBool::new(major >= 9 && std::env::var("ROLLPLEX_PDL").as_deref() != Ok("0")),
             #[cfg(feature = "bench")]
             blas: Mutex::new(HashMap::new()),
         })
@@ -97,6 +102,22 @@ impl Gpu {
     /// Streaming multiprocessors of the whole device.
     pub fn sm_count(&self) -> u32 {
         self.sm_count
+    }
+
+    /// Whether kernels that wait for their predecessor themselves (`pdl_wait()` in common.cuh)
+    /// are launched with programmatic stream serialization: each may be scheduled while the
+    /// kernel ahead of it drains, which hides most of the gap between two short kernels. On by
+    /// default on Hopper and later; `ROLLPLEX_PDL=0` turns it off. Results are the same either
+    /// way (each such kernel waits for its predecessor's writes before its first access).
+    pub fn pdl(&self) -> bool {
+        self.pdl.load(Ordering::Relaxed)
+    }
+
+    /// Turns programmatic dependent launch on or off for later launches (and graph captures;
+    /// graphs captured earlier keep what they were captured with). Ignored below Hopper.
+    pub fn set_pdl(&self, on: bool) {
+        let hopper = self.arch.starts_with("sm_9") || self.arch.starts_with("sm_1");
+        self.pdl.store(on && hopper, Ordering::Relaxed);
     }
 
     /// A new non-blocking stream. `priority`: lower is more urgent; clamped to the device's range.

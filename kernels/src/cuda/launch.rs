@@ -1,9 +1,11 @@
 //! What every launcher uses: [`launch`] (the one way a kernel of this crate is started), its
 //! [`Grid`], raw device pointers, length and alignment checks.
 
+use std::ffi::c_void;
+
 use cudarc::driver::{
-    CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, LaunchArgs, LaunchConfig,
-    PushKernelArg,
+    CudaFunction, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, LaunchArgs,
+    LaunchConfig, PushKernelArg,
 };
 
 use super::nvrtc::KernelModule;
@@ -32,13 +34,41 @@ impl Grid {
 /// `repr(C)` struct that mirrors the kernel's.
 pub(crate) trait KernelArg {
     fn push<'a>(&'a self, b: &mut LaunchArgs<'a>);
+    /// The argument's address, as the driver's kernel-parameter array holds it.
+    fn param(&self) -> *mut c_void;
 }
 
 impl<T: DeviceRepr> KernelArg for T {
     fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
         b.arg(self);
     }
+    fn param(&self) -> *mut c_void {
+        self as *const T as *mut c_void
+    }
 }
+
+/// The kernels that call `pdl_wait()` (common.cuh) before their first memory access: with
+/// [`Gpu::pdl`] on they are launched with programmatic stream serialization, so each may be
+/// scheduled while the kernel ahead of it drains (the decode step's short kernels). A kernel
+/// named here without that call would race its predecessor: add both or neither.
+pub(crate) const PDL_KERNELS: &[&str] = &[
+    "rmsnorm_fwd_bf16",
+    "add_rmsnorm_fwd_bf16",
+    "rope_kv_append_bf16",
+    "swiglu_fwd_bf16",
+    "add_fwd_bf16",
+    "embedding_fwd_bf16",
+    "attention_decode_simt_bf16",
+    "attention_decode_bf16",
+    "attention_decode_grouped_bf16",
+    "attention_decode_reduce_bf16",
+    "gemv_bf16",
+    "sample_bf16",
+    "sample_bf16_keyed",
+    "logprobs_fwd_bf16",
+    "decode_advance",
+    "decode_gather_rows",
+];
 
 /// Launches kernel `func` of `module` (compiled with `defines` on first use) on `stream` over
 /// `g`, with `args` in order. When `g.smem > 0` the kernel's dynamic shared-memory limit is
@@ -69,6 +99,10 @@ pub(crate) unsafe fn launch(
         }
         .result()?;
     }
+    if gpu.pdl() && PDL_KERNELS.contains(&func) {
+        // SAFETY: the caller's (see above).
+        return unsafe { launch_programmatic(stream, &f, g, args) };
+    }
     let mut b = stream.launch_builder(&f);
     for a in args {
         a.push(&mut b);
@@ -80,6 +114,53 @@ pub(crate) unsafe fn launch(
     };
     // SAFETY: the caller's (see above).
     unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// `cuLaunchKernelEx` with programmatic stream serialization allowed (see [`PDL_KERNELS`]).
+///
+/// # Safety
+/// As [`launch`]'s.
+unsafe fn launch_programmatic(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    g: Grid,
+    args: &[&dyn KernelArg],
+) -> Result<()> {
+    use cudarc::driver::sys;
+    stream.context().bind_to_thread()?;
+    let mut params: Vec<*mut c_void> = args.iter().map(|a| a.param()).collect();
+    // SAFETY: a C union of integers and byte arrays: all zeros is a valid value.
+    let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+    value.programmaticStreamSerializationAllowed = 1;
+    let mut attr = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        pad: [0; 4],
+        value,
+    };
+    let cfg = sys::CUlaunchConfig {
+        gridDimX: g.grid.0,
+        gridDimY: g.grid.1,
+        gridDimZ: g.grid.2,
+        blockDimX: g.block.0,
+        blockDimY: g.block.1,
+        blockDimZ: g.block.2,
+        sharedMemBytes: g.smem,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: cfg, attr and params outlive the call (the driver copies the argument values at
+    // launch); the arguments match the kernel (the caller's contract).
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &cfg,
+            f.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()?;
     Ok(())
 }
 

@@ -380,6 +380,10 @@ pub fn rope_kv_append_bf16(
         head_dim as u32,
         hf_text_rounding as u32,
     );
+    // a thread per four pairs of the q and k heads: one pass
+    let threads = ((heads + kv_heads) * head_dim / 8)
+        .next_multiple_of(32)
+        .clamp(32, 512) as u32;
     // SAFETY: qkv holds tokens rows, cos/sin tokens*head_dim, slots tokens (checked); the kernel
     // writes only cache rows < n_slots, inside both caches; arguments match (qkv, cos, sin,
     // k_cache, v_cache, slots, tokens, n_heads, n_kv, head_dim, hf_text_rounding, n_slots).
@@ -390,7 +394,7 @@ pub fn rope_kv_append_bf16(
             &POINTWISE,
             &[],
             "rope_kv_append_bf16",
-            cfg((t, 1), 128),
+            cfg((t, 1), threads),
             &[
                 &xp, &cp, &sp, &kp, &vp, &slp, &t, &h, &kvh, &hd, &mode, &n_slots,
             ],

@@ -268,7 +268,7 @@ pub fn attention_decode_bf16(
             scale_log2,
         };
         let a = (1, 1, b, plan.chunk, plan.splits);
-        group_pass(OP, gpu, stream, &dims, &g, a, (1, 0, 0))?;
+        group_pass(OP, gpu, stream, &dims, &g, a, (1, 0, 0), None)?;
     } else {
         let sp_args = (plan.chunk, plan.splits, 0, 0, plan.splits);
         split_pass(
@@ -434,7 +434,10 @@ pub(super) struct GroupPass<'a> {
 }
 
 /// One launch of `attention_decode_grouped_bf16`. `a`: (group, per_block, grid z, chunk,
-/// splits); `mode`: (per_sample, skip_prefix, split_base).
+/// splits); `mode`: (per_sample, skip_prefix, split_base). `then`: (chunk, splits) of a
+/// per-sample pass over every sample's own keys run by the same launch after the group pass
+/// `a` describes (`batch` more blocks along z, slots from `a`'s splits on).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn group_pass(
     op: &'static str,
     gpu: &Gpu,
@@ -443,13 +446,18 @@ pub(super) fn group_pass(
     g: &GroupPass,
     a: (usize, usize, usize, usize, usize),
     mode: (u32, u32, usize),
+    then: Option<(usize, usize)>,
 ) -> Result<()> {
-    let (group, per_block, z, chunk, splits) = a;
+    let (group, per_block, z_first, chunk, splits) = a;
+    let (z, grid_x, z_second, (chunk_b, splits_b)) = match then {
+        Some((c, sp)) => (z_first + g.pass.batch, splits.max(sp), z_first, (c, sp)),
+        None => (z_first, splits, u32::MAX as usize, (chunk, splits)),
+    };
     let hd = dims.head_dim as u32;
     let smem = (4 * 2 * 32 * (dims.head_dim + 8) * 2) as u32; // 4 stages of K + V, 32 keys
     let cfg = Grid {
         grid: (
-            u32_of(op, "splits", splits)?,
+            u32_of(op, "splits", grid_x)?,
             dims.num_kv_heads as u32,
             u32_of(op, "blocks along z", z)?,
         ),
@@ -470,13 +478,18 @@ pub(super) fn group_pass(
         u32_of(op, "slots", g.total)?,
     );
     let (per_sample, skip, base) = (mode.0, mode.1, u32_of(op, "split base", mode.2)?);
+    let (zs, cb, sb) = (
+        u32_of(op, "second pass start", z_second)?,
+        u32_of(op, "chunk", chunk_b)?,
+        splits_b as u32,
+    );
     // SAFETY: q holds batch rows and the workspace batch*heads*total*(hd+2) floats (checked by
     // the caller); the pass writes slots split_base + split < total of samples < batch only;
     // the kernel checks the descriptors it reads keys through against kv_rows (computed from
     // the caches' lengths) and reads only rows inside; rows are 16-byte aligned (checked);
     // arguments match (part_o, part_ml, q, q_stride, k, v, kv_stride, seqs, batch, group,
     // per_block, n_heads, n_kv, chunk, splits, total_splits, scale_log2, kv_rows, per_sample,
-    // skip_prefix, split_base).
+    // skip_prefix, split_base, z_second, chunk_b, splits_b).
     unsafe {
         launch(
             gpu,
@@ -507,6 +520,9 @@ pub(super) fn group_pass(
                 &per_sample,
                 &skip,
                 &base,
+                &zs,
+                &cb,
+                &sb,
             ],
         )
     }?;

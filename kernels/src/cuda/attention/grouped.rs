@@ -138,8 +138,8 @@ pub fn grouped_decode_plan_for_blocks(
 /// still [`crate::cpu::attention_decode`]): the same buffers and descriptors as
 /// [`attention_decode_bf16`] (the inputs in `x`), plus the grouping in `plan`. Samples of a group must name the
 /// same prefix rows (`p_start`, `p_len`) as the group's first sample; one that does not gets
-/// NaN outputs. Launches on `stream`: the group pass (when `plan.p_splits > 0`), the
-/// per-sample pass, the merge.
+/// NaN outputs. Launches on `stream`: the group pass (when `plan.p_splits > 0`) and the
+/// per-sample pass as one launch, then the merge.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_decode_grouped_bf16(
     gpu: &Gpu,
@@ -231,17 +231,19 @@ pub fn attention_decode_grouped_bf16(
         total,
         scale_log2,
     };
-    // 1. the group pass over the shared prefixes: slots 0..p_splits
+    // 1. the group pass over the shared prefixes (slots 0..p_splits) and, in the same launch,
+    // every sample's own keys (slots p_splits..total); without a group pass, every sample's
+    // keys alone
     if plan.p_splits > 0 {
         let groups = b.div_ceil(plan.group);
         let z = groups * plan.group.div_ceil(plan.per_block);
         let a = (plan.group, plan.per_block, z, plan.p_chunk, plan.p_splits);
-        group_pass(OP, gpu, stream, &dims, &g, a, (0, 0, 0))?;
+        let then = Some((plan.s_chunk, plan.s_splits));
+        group_pass(OP, gpu, stream, &dims, &g, a, (0, 0, 0), then)?;
+    } else {
+        let a = (1, 1, b, plan.s_chunk, plan.s_splits);
+        group_pass(OP, gpu, stream, &dims, &g, a, (1, 0, 0), None)?;
     }
-    // 2. every sample's own keys (all its keys without a group pass): slots p_splits..total
-    let a = (1, 1, b, plan.s_chunk, plan.s_splits);
-    let skip = (plan.p_splits > 0) as u32;
-    group_pass(OP, gpu, stream, &dims, &g, a, (1, skip, plan.p_splits))?;
     // 3. the ordered merge of all slots
     reduce_pass(
         OP,
