@@ -39,8 +39,9 @@ use rollplex_kernels::cuda::attention::{
     DecodeInputs, GroupedDecodePlan, RowStrides,
 };
 use rollplex_kernels::cuda::gemm::{
-    gate_up_swiglu_bf16, linear_fwd_bf16_cublaslt, skinny_gate_up_swiglu_bf16,
-    skinny_linear_fwd_bf16_with, skinny_pays, skinny_plan, skinny_plan_with, SkinnyPlan,
+    gate_up_swiglu_bf16, linear_fwd_bf16_cublaslt, linear_fwd_bf16_cublaslt_ranked,
+    skinny_gate_up_swiglu_bf16, skinny_linear_fwd_bf16_with, skinny_pays, skinny_plan,
+    skinny_plan_with, SkinnyPlan, LT_RANKS,
 };
 use rollplex_kernels::cuda::pointwise::add_fwd_bf16_inplace;
 use rollplex_kernels::cuda::*;
@@ -626,23 +627,10 @@ impl Model {
 
     /// One kind of the step's GEMMs over every layer (as a graph body): 0 qkv, 1 o, 2 gate|up
     /// (+ SwiGLU when `plan` is skinny), 3 down, 4 lm_head. `plan`: None = cuBLASLt.
-    fn gemm_kind(
-        &mut self,
-        g: &Gpu,
-        s: &Arc<CudaStream>,
-        kind: usize,
-        plan: Option<SkinnyPlan>,
-    ) -> Res<()> {
+    fn gemm_kind(&mut self, g: &Gpu, s: &Arc<CudaStream>, kind: usize, how: GemmBy) -> Res<()> {
         let d = self.d;
         let b = self.batch;
-        let qkvw = (d.nh + 2 * d.nkv) * d.hd;
-        let (k, n) = [
-            (d.h, qkvw),
-            (d.nh * d.hd, d.h),
-            (d.h, 2 * d.f),
-            (d.f, d.h),
-            (d.h, d.vocab),
-        ][kind];
+        let (k, n, _) = self.gemm_shape(kind);
         let reps = if kind == 4 { 1 } else { d.layers };
         for l in 0..reps {
             let ly = &self.layers[l];
@@ -655,13 +643,16 @@ impl Model {
                 _ => (head, &self.x, &mut self.logits),
             };
             let bias = (kind == 0).then_some(&ly.bqkv as &dyn cudarc::driver::DevicePtr<bf16>);
-            match plan {
-                None => linear_fwd_bf16_cublaslt(g, s, y, x, w, bias, b, k, n)?,
-                Some(p) if kind == 2 => {
+            match how {
+                GemmBy::Lt(0) => linear_fwd_bf16_cublaslt(g, s, y, x, w, bias, b, k, n)?,
+                GemmBy::Lt(r) => linear_fwd_bf16_cublaslt_ranked(g, s, y, x, w, bias, b, k, n, r)?,
+                GemmBy::Skinny(p) if kind == 2 => {
                     let (x, w) = (&self.x, &ly.wgu);
                     skinny_gate_up_swiglu_bf16(g, s, &mut self.act, x, w, b, k, n / 2, Some(p))?
                 }
-                Some(p) => skinny_linear_fwd_bf16_with(g, s, y, x, w, bias, b, k, n, k, n, p)?,
+                GemmBy::Skinny(p) => {
+                    skinny_linear_fwd_bf16_with(g, s, y, x, w, bias, b, k, n, k, n, p)?
+                }
             }
         }
         Ok(())
@@ -904,8 +895,8 @@ fn main() -> Res<()> {
                 let (k, n, wb) = m.gemm_shape(kind);
                 let mut line = Vec::new();
                 let p = skinny_plan(batch, k, n);
-                for (name, plan) in [("cublasLt", None), ("skinny", Some(p))] {
-                    let gr = capture(&s, || m.gemm_kind(&g, &s, kind, plan))?;
+                for (name, how) in [("cublasLt", GemmBy::Lt(0)), ("skinny", GemmBy::Skinny(p))] {
+                    let gr = capture(&s, || m.gemm_kind(&g, &s, kind, how))?;
                     let t = time_graph(&g, &s, &gr, 20)?;
                     drop(gr);
                     line.push(format!(
@@ -1028,6 +1019,14 @@ fn main() -> Res<()> {
 
 /// `--gemm-sweep`: every GEMM kind of the 3B and 7B steps alone (all layers in one graph) at
 /// m = 128..8: cuBLASLt against the skinny kernel's default plan and its other cuts.
+/// How a GEMM kind runs: cuBLASLt with its heuristic's answer of that rank (0: the first, what
+/// the library runs), or the skinny kernel with that cut.
+#[derive(Clone, Copy, PartialEq)]
+enum GemmBy {
+    Lt(usize),
+    Skinny(SkinnyPlan),
+}
+
 fn gemm_sweep(g: &Gpu, s: &Arc<CudaStream>, ceiling: f64, rows: &[usize]) -> Res<()> {
     for d in [D3B, D7B] {
         for &batch in rows {
@@ -1038,8 +1037,12 @@ fn gemm_sweep(g: &Gpu, s: &Arc<CudaStream>, ceiling: f64, rows: &[usize]) -> Res
             for kind in 0..5 {
                 let (k, n, wb) = m.gemm_shape(kind);
                 let def = skinny_plan(batch, k, n);
-                let mut cands: Vec<(String, Option<SkinnyPlan>)> =
-                    vec![("cublasLt".into(), None), ("default".into(), Some(def))];
+                let mut cands: Vec<(String, GemmBy)> = vec![
+                    ("cublasLt".into(), GemmBy::Lt(0)),
+                    ("default".into(), GemmBy::Skinny(def)),
+                ];
+                // cuBLASLt's other heuristic answers (not every shape has all of them)
+                cands.extend((1..LT_RANKS).map(|r| (format!("lt#{r}"), GemmBy::Lt(r))));
                 for rt in [1, 2] {
                     for sp in [1, 2, 4, 8] {
                         let p = skinny_plan_with(batch, k, n, rt, sp);
@@ -1051,14 +1054,14 @@ fn gemm_sweep(g: &Gpu, s: &Arc<CudaStream>, ceiling: f64, rows: &[usize]) -> Res
                             forms.extend([3, 6, 8].iter().filter_map(|&st| p.with_stages(st)));
                         }
                         for p in forms {
-                            if p != def && !cands.iter().any(|(_, c)| *c == Some(p)) {
+                            if p != def && !cands.iter().any(|(_, c)| *c == GemmBy::Skinny(p)) {
                                 let form = if p.wgmma { "wg" } else { "sync" };
                                 cands.push((
                                     format!(
                                         "{form} rt{} s{} st{}",
                                         p.row_tiles, p.splits, p.stages
                                     ),
-                                    Some(p),
+                                    GemmBy::Skinny(p),
                                 ));
                             }
                         }
@@ -1069,8 +1072,13 @@ fn gemm_sweep(g: &Gpu, s: &Arc<CudaStream>, ceiling: f64, rows: &[usize]) -> Res
                 let mut line = Vec::new();
                 let mut best = (f64::MAX, String::new());
                 let mut timed = Vec::new();
-                for (name, plan) in &cands {
-                    let gr = capture(s, || m.gemm_kind(g, s, kind, *plan))?;
+                for (name, how) in &cands {
+                    let gr = match capture(s, || m.gemm_kind(g, s, kind, *how)) {
+                        Ok(gr) => gr,
+                        // a rank the heuristic does not have for this shape
+                        Err(_) if matches!(how, GemmBy::Lt(r) if *r > 0) => continue,
+                        Err(e) => return Err(e),
+                    };
                     let t = time_graph(g, s, &gr, 10)?;
                     drop(gr);
                     let tbs = wb / (t * 1e-3) / 1e12;

@@ -46,7 +46,13 @@ struct PlanKey {
     trans_a: bool,
     trans_b: bool,
     bias: bool,
+    /// Which of the heuristic's answers (0: its first, what every product runs; others for
+    /// the benchmarks' comparison, feature `bench`).
+    rank: u8,
 }
+
+/// How many of cuBLASLt's heuristic answers a benchmark may ask for.
+pub const LT_RANKS: usize = 8;
 
 struct Plan {
     desc: ltsys::cublasLtMatmulDesc_t,
@@ -137,6 +143,7 @@ impl LtState {
             trans_a,
             trans_b,
             bias,
+            rank,
         } = key;
         let bf = ltsys::cudaDataType_t::CUDA_R_16BF;
         // cuBLASLt operand 1 = our B, operand 2 = our A (see the module doc).
@@ -187,16 +194,63 @@ impl LtState {
                 std::mem::size_of::<usize>(),
             )
         };
-        // SAFETY: valid handles, created above.
-        let h = r.and_then(|_| unsafe {
-            lt::get_matmul_algo_heuristic(self.handle, desc, la, lb, lc, lc, pref)
-        });
+        let h = r
+            .map_err(CudaError::from)
+            .and_then(|_| self.heuristic(desc, la, lb, lc, pref, rank as usize));
         // SAFETY: created above, destroyed once.
         unsafe {
             let _ = lt::destroy_matmul_pref(pref);
         }
         plan.algo = h?.algo;
         Ok(plan)
+    }
+
+    /// The heuristic's answer of rank `rank` (0: its first) for the handles of a plan.
+    fn heuristic(
+        &self,
+        desc: ltsys::cublasLtMatmulDesc_t,
+        la: ltsys::cublasLtMatrixLayout_t,
+        lb: ltsys::cublasLtMatrixLayout_t,
+        lc: ltsys::cublasLtMatrixLayout_t,
+        pref: ltsys::cublasLtMatmulPreference_t,
+        rank: usize,
+    ) -> Result<ltsys::cublasLtMatmulHeuristicResult_t> {
+        if rank == 0 {
+            // SAFETY: valid handles, created by the caller.
+            return Ok(unsafe {
+                lt::get_matmul_algo_heuristic(self.handle, desc, la, lb, lc, lc, pref)
+            }?);
+        }
+        // SAFETY: an all-zero result is a valid value of this plain C struct; cuBLASLt writes
+        // `count` of them.
+        let mut res: [ltsys::cublasLtMatmulHeuristicResult_t; LT_RANKS] =
+            unsafe { std::mem::zeroed() };
+        let mut count = 0i32;
+        let want = (rank + 1).min(LT_RANKS);
+        // SAFETY: valid handles; `res` holds `want` results.
+        unsafe {
+            ltsys::cublasLtMatmulAlgoGetHeuristic(
+                self.handle,
+                desc,
+                la,
+                lb,
+                lc,
+                lc,
+                pref,
+                want as i32,
+                res.as_mut_ptr(),
+                &mut count,
+            )
+        }
+        .result()?;
+        if rank >= count.max(0) as usize {
+            return Err(CudaError::Unavailable(format!(
+                "cuBLASLt's heuristic gave {count} algorithms, not {}",
+                rank + 1
+            )));
+        }
+        res[rank].state.result()?;
+        Ok(res[rank])
     }
 }
 
@@ -234,6 +288,7 @@ fn lt_matmul(
     a: u64,
     b: u64,
     bias: Option<u64>,
+    rank: u8,
 ) -> Result<()> {
     let mut st = gpu.lt()?;
     let ws = st.workspace(stream)?;
@@ -245,6 +300,7 @@ fn lt_matmul(
         trans_a: g.trans_a,
         trans_b: g.trans_b,
         bias: bias.is_some(),
+        rank,
     };
     let plan = st.plan(key)?;
     if let Some(bp) = bias {
@@ -296,7 +352,7 @@ pub fn matmul_bf16(
 ) -> Result<()> {
     check_gemm("matmul_bf16", &g, a.len(), b.len(), c.len())?;
     let (cp, ap, bp) = (ptr_mut(c, stream), ptr(a, stream), ptr(b, stream));
-    lt_matmul(gpu, stream, &g, cp, ap, bp, None)
+    lt_matmul(gpu, stream, &g, cp, ap, bp, None, 0)
 }
 
 /// `nn.Linear`: `y[m, n] = x[m, k] w[n, k]^T + bias[n]` (bias optional, fused in the epilogue).
@@ -348,6 +404,47 @@ pub fn linear_fwd_bf16_cublaslt(
     k: usize,
     n: usize,
 ) -> Result<()> {
+    lt_linear(gpu, stream, y, x, w, bias, m, k, n, 0)
+}
+
+/// [`linear_fwd_bf16_cublaslt`] with the algorithm of rank `rank` (`< LT_RANKS`) among
+/// cuBLASLt's heuristic answers, for comparing them; errors when the heuristic gives fewer.
+#[cfg(feature = "bench")]
+#[allow(clippy::too_many_arguments)]
+pub fn linear_fwd_bf16_cublaslt_ranked(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    y: &mut impl DevicePtrMut<bf16>,
+    x: &impl DevicePtr<bf16>,
+    w: &impl DevicePtr<bf16>,
+    bias: Option<&dyn DevicePtr<bf16>>,
+    m: usize,
+    k: usize,
+    n: usize,
+    rank: usize,
+) -> Result<()> {
+    if rank >= LT_RANKS {
+        return Err(shape(
+            "linear_fwd_bf16",
+            format!("rank {rank} >= {LT_RANKS}"),
+        ));
+    }
+    lt_linear(gpu, stream, y, x, w, bias, m, k, n, rank as u8)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn lt_linear(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    y: &mut impl DevicePtrMut<bf16>,
+    x: &impl DevicePtr<bf16>,
+    w: &impl DevicePtr<bf16>,
+    bias: Option<&dyn DevicePtr<bf16>>,
+    m: usize,
+    k: usize,
+    n: usize,
+    rank: u8,
+) -> Result<()> {
     let g = Gemm::nt(m, k, n);
     check_gemm("linear_fwd_bf16", &g, x.len(), w.len(), y.len())?;
     let bp = match bias {
@@ -363,7 +460,7 @@ pub fn linear_fwd_bf16_cublaslt(
         None => None,
     };
     let (yp, xp, wp) = (ptr_mut(y, stream), ptr(x, stream), ptr(w, stream));
-    lt_matmul(gpu, stream, &g, yp, xp, wp, bp)
+    lt_matmul(gpu, stream, &g, yp, xp, wp, bp, rank)
 }
 
 /// The same product through the classic cuBLAS API (`cublasGemmEx`, fp32 compute), for
