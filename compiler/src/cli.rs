@@ -487,10 +487,19 @@ fn run_merge(a: MergeArgs) -> Result<(), Failure> {
         merged.corun_points.len(),
         merged.beside_points.len(),
     );
+    let host = if merged.host_copies.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "# Host link, measured copies of every input together (bytes over seconds per \
+             direction): {}.\n",
+            merged.host_copies.describe()
+        )
+    };
     let header = format!(
         "# Merged by rollplexc merge-profiles from {} profiles: {points} points alone, {corun} \
-         co-run points, {beside} beside points.\n# Recompile with it: rollplexc PIPELINE.rpx \
-         --profile THIS.yaml\n",
+         co-run points, {beside} beside points.\n{host}# Recompile with it: rollplexc \
+         PIPELINE.rpx --profile THIS.yaml\n",
         inputs.len()
     );
     write_atomic(
@@ -563,6 +572,9 @@ fn merge_summary(p: &rollplex_cost::Profile, all: bool) -> String {
         "slowdown of pairs not measured: {:.4}\n",
         p.default_corun
     ));
+    if !p.host_copies.is_empty() {
+        s.push_str(&format!("host link: {}\n", p.host_copies.describe()));
+    }
     s
 }
 

@@ -226,7 +226,7 @@ pub fn emit(pg: &PhaseGraph, s: &Sched, cost: &CostModel, solver: SolverStats) -
         .tasks
         .iter()
         .filter(|t| t.window.is_some() && !matches!(t.op, Op::DecodeWindow { .. }))
-        .map(|t| cost.time(t.kind, &t.work, total))
+        .map(|t| cost.time_dir(t.kind, &t.work, total, t.op.host_dir()))
         .fold(0.0, |a, b| a + b);
     Plan {
         target: Target {

@@ -19,7 +19,9 @@
 //! reloaded into the whole buffer before its first consumer), or produced after decode
 //! (drop-and-recompute: the class stays out of the windows and out of the decode row). The
 //! ILP prices host by the transfers' cost-model time (every reload and the last offload,
-//! counted as exposed: an upper bound, scoring work after decode may hide part of them).
+//! counted as exposed: an upper bound, scoring work after decode may hide part of them), each
+//! copy at the host link's rate in its direction (reloads host -> device, offloads and
+//! write-backs device -> host).
 //!
 //! Kept activation layers (`recompute = auto`): how many text layers keep every training
 //! activation of a micro-batch's suffix ([`ActLayers`]: the bytes one more layer adds to the
@@ -50,7 +52,7 @@ use crate::ir::{kept_role, Node, PhaseGraph, ResidencyChoice, Role, SideClass, K
 use crate::shapes::kept_act_bytes_per_token_layer;
 use rollplex_cost::CostModel;
 use rollplex_plan::spec::{Mode, Recompute};
-use rollplex_plan::work::WorkKind;
+use rollplex_plan::work::{HostDir, WorkKind};
 use rollplex_plan::{BufferClass, BufferRole, Op, Phase, ReshardPoint, SolverStats};
 
 /// Bytes by which earlier attempts overshot, per memory row.
@@ -136,7 +138,10 @@ pub fn model(
         shapes: &pg.shapes,
         lengths: &pg.lengths,
     };
-    let host_s = |b: f64| cost.time(WorkKind::Transfer, &wl.transfer(0.0, b), total);
+    // a copy of `b` bytes over the host link, each direction at its own rate
+    let copy_s = |b: f64, dir| cost.time_dir(WorkKind::Transfer, &wl.transfer(0.0, b), total, dir);
+    let reload_s = |b: f64| copy_s(b, HostDir::ToDevice);
+    let offload_s = |b: f64| copy_s(b, HostDir::ToHost);
     let mut items = Vec::new();
     let mut kinds = Vec::new();
     let item_roles = [
@@ -151,7 +156,7 @@ pub fn model(
             name: "ref_weights".into(),
             bytes: b,
             host_bytes: b,
-            off_s: host_s(b),
+            off_s: reload_s(b),
             decode_kept: tg == rg,
             decode_off: false,
             decode_if_class: [SideClass::RefPrefix, SideClass::RefSuffix]
@@ -169,7 +174,7 @@ pub fn model(
             name: "optimizer state".into(),
             bytes: opt,
             host_bytes: opt,
-            off_s: 2.0 * host_s(opt),
+            off_s: reload_s(opt) + offload_s(opt),
             decode_kept: tg == rg,
             decode_off: false,
             decode_if_class: vec![],
@@ -235,7 +240,7 @@ pub fn model(
             consumers: class_index(consumer).into_iter().collect(),
             host_resident: (2.0 * chunk).min(b as f64),
             host_bytes: b as f64,
-            host_s: (n + 1) as f64 * host_s(chunk),
+            host_s: n as f64 * reload_s(chunk) + offload_s(chunk),
         });
         kept_classes.push(class);
     }

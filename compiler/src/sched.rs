@@ -13,7 +13,9 @@
 //!   tasks one after another from the decode's start, in issue order), and runs alone on its
 //!   partition after them ([`rollplex_cost::beside_time`]: what the runtime measures, a
 //!   window's steps beside side work slower than its steps after it). Elsewhere a task has the
-//!   whole GPU (transfers on the copy stream are assumed not to slow compute);
+//!   whole GPU (transfers on the copy stream are assumed not to slow compute; an offload's
+//!   host bytes go at the cost model's device -> host rate, every other task's at its
+//!   host -> device rate: `Op::host_dir`);
 //! - a step inside a window is reached in proportion to the window's duration.
 //!
 //! Invariant: `tasks` is in issue order: every dependency index is smaller than the task's.
@@ -37,7 +39,8 @@ pub fn predict(s: &mut Sched, cost: &CostModel) {
         if let Some(w) = t.window {
             let win = &s.windows[w as usize];
             if t.stream == win.side_stream && t.kind != WorkKind::Decode && win.side_sms > 0 {
-                let alone = cost.time(t.kind, &t.work, t.sms.clamp(1, total_sms));
+                let alone =
+                    cost.time_dir(t.kind, &t.work, t.sms.clamp(1, total_sms), t.op.host_dir());
                 side_load[w as usize].push((
                     alone * cost.corun_slowdown(t.kind, WorkKind::Decode),
                     cost.corun_slowdown(WorkKind::Decode, t.kind),
@@ -70,7 +73,7 @@ pub fn predict(s: &mut Sched, cost: &CostModel) {
             start = start.max(step_time(s, &dec, ready));
         }
         let t = &s.tasks[i];
-        let mut dur = cost.time(kind, &t.work, t.sms.clamp(1, total_sms));
+        let mut dur = cost.time_dir(kind, &t.work, t.sms.clamp(1, total_sms), t.op.host_dir());
         if let Some(w) = window {
             let win = &s.windows[w as usize];
             if win.side_sms > 0 {

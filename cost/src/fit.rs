@@ -52,7 +52,7 @@ use rollplex_plan::work::WorkKind;
 use crate::curve::{Bounds, KindCurve};
 use crate::defaults::{default_curve, is_host, kind_index, kind_name, ALL_KINDS, DEFAULT_CORUN};
 use crate::profile::{
-    BesidePoint, CorunEntry, CorunPoint, LatencyFit, Point, Profile, ProfileError,
+    BesidePoint, CorunEntry, CorunPoint, HostCopies, LatencyFit, Point, Profile, ProfileError,
 };
 use crate::{corun_pair_time, CostModel};
 
@@ -380,7 +380,8 @@ impl Profile {
     }
 
     /// [`Profile::fit`] with beside points too (ordered slowdowns) and the per-step latency
-    /// fitted by `latency` (see the module doc).
+    /// fitted by `latency` (see the module doc). Host bytes are priced at the GPU spec's rate
+    /// ([`Profile::refit`] a profile with measured host rates).
     pub fn fit_all(
         gpu: &GpuSpec,
         points: Vec<Point>,
@@ -388,13 +389,25 @@ impl Profile {
         beside_points: Vec<BesidePoint>,
         latency: LatencyFit,
     ) -> Result<Profile, ProfileError> {
-        if points.is_empty() && corun_points.is_empty() && beside_points.is_empty() {
-            return Err(ProfileError::Fit("no measurements were given".into()));
-        }
-        let mut profile = Profile {
+        Profile::unfitted(gpu, points, corun_points, beside_points, latency).refit()
+    }
+
+    /// A profile of these measurements on `gpu`, not fitted yet (no curves, no slowdowns, the
+    /// GPU spec's host rate): set what else it knows (its measured host copies,
+    /// [`Profile::set_host_copies`]), then [`Profile::refit`].
+    pub fn unfitted(
+        gpu: &GpuSpec,
+        points: Vec<Point>,
+        corun_points: Vec<CorunPoint>,
+        beside_points: Vec<BesidePoint>,
+        latency: LatencyFit,
+    ) -> Profile {
+        Profile {
             gpu: gpu.clone(),
             source: String::new(),
             host_bw: None,
+            host_bw_to_host: None,
+            host_copies: HostCopies::default(),
             net_bw: None,
             default_corun: DEFAULT_CORUN,
             kinds: BTreeMap::new(),
@@ -403,8 +416,32 @@ impl Profile {
             corun_points,
             beside_points,
             latency,
+        }
+    }
+
+    /// Fits the curves and slowdowns again from the profile's own measurements (points,
+    /// co-run and beside points, by its latency rule), keeping its GPU, source, host and link
+    /// rates: the points' host bytes are priced at the profile's host -> device rate (the
+    /// rate the cost model gives them: a point carries no direction, and the runtime writes no
+    /// point of a host copy, whose time gives the measured rates instead).
+    pub fn refit(self) -> Result<Profile, ProfileError> {
+        if self.points.is_empty() && self.corun_points.is_empty() && self.beside_points.is_empty() {
+            return Err(ProfileError::Fit("no measurements were given".into()));
+        }
+        let mut profile = Profile {
+            default_corun: DEFAULT_CORUN,
+            kinds: BTreeMap::new(),
+            corun: Vec::new(),
+            ..self
         };
         profile.validate()?;
+        // what the fit prices the points with: the spec, its host link at the profile's rate
+        // (the default curves do not depend on it)
+        let gpu = &GpuSpec {
+            host_bw: profile.host_bw.unwrap_or(profile.gpu.host_bw),
+            ..profile.gpu.clone()
+        };
+        let latency = profile.latency;
 
         let mut by_kind: BTreeMap<WorkKind, Vec<&Point>> = BTreeMap::new();
         for p in profile
@@ -537,9 +574,11 @@ impl Profile {
     /// One profile fitted to the measurements of several (`rollplexc merge-profiles`): e.g.
     /// runs of a serial and an overlap plan, with and without prefix dedup, each of which
     /// covers only its own task sizes and partitions. Every input must have been measured on
-    /// the same GPU (name and peaks); the names label the inputs in errors and in `source`. The
-    /// measured host and link bandwidths are the first input's that has them; the latency is
-    /// fitted per kind when every input was, else shared.
+    /// the same GPU (name and peaks); the names label the inputs in errors and in `source`.
+    /// Measured host rates combine by bytes: per direction, every input's copies' bytes over
+    /// their seconds ([`HostCopies`]); a direction no input measured keeps the first input's
+    /// figure set by hand, as does the link bandwidth. The latency is fitted per kind when
+    /// every input was, else shared.
     pub fn merge(inputs: &[(String, Profile)]) -> Result<Profile, ProfileError> {
         let Some((_, first)) = inputs.first() else {
             return Err(ProfileError::Fit("no profiles to merge".into()));
@@ -577,12 +616,25 @@ impl Profile {
         } else {
             LatencyFit::Shared
         };
-        let mut merged = Profile::fit_all(&gpu, points, corun, beside, latency)?;
-        merged.host_bw = inputs.iter().find_map(|(_, p)| p.host_bw);
-        merged.net_bw = inputs.iter().find_map(|(_, p)| p.net_bw);
+        // Measured host rates: each direction's copies of every input together (a rate
+        // weighted by the bytes each run moved); a direction no input measured keeps the
+        // first figure set by hand.
+        let copies = inputs
+            .iter()
+            .fold(HostCopies::default(), |a, (_, p)| a.plus(&p.host_copies));
+        let mut merged = Profile::unfitted(&gpu, points, corun, beside, latency);
         merged.source = format!("{MERGED}{}", sources.join("; "));
-        merged.validate()?;
-        Ok(merged)
+        merged.host_bw = inputs
+            .iter()
+            .filter(|(_, p)| p.host_copies.to_device.is_empty())
+            .find_map(|(_, p)| p.host_bw);
+        merged.host_bw_to_host = inputs
+            .iter()
+            .filter(|(_, p)| p.host_copies.to_host.is_empty())
+            .find_map(|(_, p)| p.host_bw_to_host);
+        merged.net_bw = inputs.iter().find_map(|(_, p)| p.net_bw);
+        merged.set_host_copies(copies);
+        merged.refit()
     }
 
     /// Each stored measurement next to what this profile's model predicts for it (co-runs with

@@ -5,8 +5,14 @@
 //!
 //! ```text
 //! time = max(flops / compute_rate(kind, sms), bytes / memory_rate(kind, sms))
-//!      + steps * step_overhead(kind) + host_bytes / host_bw + net_bytes / net_bw
+//!      + steps * step_overhead(kind) + host_bytes / host_bw(dir) + net_bytes / net_bw
 //! ```
+//!
+//! `host_bw(dir)` is the host link's rate in the direction of the task's host bytes
+//! ([`HostDir`]: device -> host for an offload, host -> device otherwise), the profile's
+//! measured rates where it has them ([`Profile::host_bw`], [`Profile::host_bw_to_host`]), else
+//! the GPU spec's `host_bw` both ways. [`CostModel::time`] prices host bytes host -> device;
+//! [`CostModel::time_dir`] takes the direction (the plan's [`rollplex_plan::Op::host_dir`]).
 //!
 //! Without a profile the rates come from the [`GpuSpec`]'s datasheet peaks and the documented
 //! defaults of [`defaults`]; with a [`Profile`] (e.g. `cost/profiles/h200.yaml`) from curves
@@ -34,7 +40,11 @@ use rollplex_plan::spec::{ClusterSpec, GpuSpec};
 use rollplex_plan::work::{Work, WorkKind};
 
 pub use curve::KindCurve;
-pub use profile::{BesidePoint, CorunEntry, CorunPoint, LatencyFit, Point, Profile, ProfileError};
+pub use profile::{
+    BesidePoint, CopySum, CorunEntry, CorunPoint, HostCopies, LatencyFit, Point, Profile,
+    ProfileError,
+};
+pub use rollplex_plan::work::HostDir;
 
 use defaults::{default_curve, is_host, kind_index, ALL_KINDS, DEFAULT_CORUN};
 
@@ -49,7 +59,7 @@ pub struct TimeParts {
     pub memory_s: f64,
     /// steps x per-step latency.
     pub overhead_s: f64,
-    /// host_bytes / host bandwidth.
+    /// host_bytes / host bandwidth (in the task's direction).
     pub host_s: f64,
     /// net_bytes / link bandwidth.
     pub net_s: f64,
@@ -79,7 +89,10 @@ pub struct CostModel {
     gpu: GpuSpec,
     curves: Vec<KindCurve>,
     corun: [[f64; NK]; NK],
+    /// Host -> device bytes/s.
     host_bw: f64,
+    /// Device -> host bytes/s.
+    host_bw_to_host: f64,
     net_bw: Option<f64>,
     source: String,
 }
@@ -87,11 +100,14 @@ pub struct CostModel {
 impl CostModel {
     /// A model of `gpu`, calibrated by `profile` when given (kinds the profile does not list
     /// keep the datasheet defaults). If the profile was measured on a GPU of the same name, its
-    /// measured absolute rates are kept even where `gpu` declares other peaks.
+    /// measured absolute rates are kept even where `gpu` declares other peaks (and another host
+    /// link); on another GPU its efficiencies apply to `gpu`'s peaks and its host rates, as
+    /// fractions of its own GPU's `host_bw`, to `gpu`'s.
     pub fn new(gpu: &GpuSpec, profile: Option<&Profile>) -> Self {
         let mut curves: Vec<KindCurve> = ALL_KINDS.iter().map(|&k| default_curve(gpu, k)).collect();
         let mut corun = [[DEFAULT_CORUN; NK]; NK];
         let mut host_bw = gpu.host_bw;
+        let mut host_bw_to_host = None;
         let mut net_bw = None;
         let mut source = format!("datasheet defaults for {}", gpu.name);
         if let Some(p) = profile {
@@ -111,9 +127,17 @@ impl CostModel {
             for e in &p.corun {
                 corun[kind_index(e.kind)][kind_index(e.other)] = e.slowdown;
             }
+            // host rates as the curves: absolute on a GPU of the same name, else the same
+            // fraction of the job's host link as of the profile GPU's
+            let hscale = if same_gpu || !(p.gpu.host_bw > 0.0 && gpu.host_bw > 0.0) {
+                1.0
+            } else {
+                gpu.host_bw / p.gpu.host_bw
+            };
             if let Some(bw) = p.host_bw {
-                host_bw = bw;
+                host_bw = bw * hscale;
             }
+            host_bw_to_host = p.host_bw_to_host.map(|bw| bw * hscale);
             net_bw = p.net_bw;
             source = format!(
                 "profile measured on {}{}{}",
@@ -134,6 +158,7 @@ impl CostModel {
             curves,
             corun,
             host_bw,
+            host_bw_to_host: host_bw_to_host.unwrap_or(host_bw),
             net_bw,
             source,
         }
@@ -160,20 +185,31 @@ impl CostModel {
         self
     }
 
-    /// Seconds for `work` of `kind` running alone on `sms` SMs of one GPU.
+    /// Seconds for `work` of `kind` running alone on `sms` SMs of one GPU, its host bytes
+    /// going host -> device ([`CostModel::time_dir`] for an offload's).
     pub fn time(&self, kind: WorkKind, work: &Work, sms: u32) -> f64 {
-        self.time_parts(kind, work, sms).total()
+        self.time_dir(kind, work, sms, HostDir::ToDevice)
+    }
+
+    /// [`CostModel::time`] with the host bytes going `dir` (a plan task's `op.host_dir()`).
+    pub fn time_dir(&self, kind: WorkKind, work: &Work, sms: u32, dir: HostDir) -> f64 {
+        self.time_parts_dir(kind, work, sms, dir).total()
     }
 
     /// [`CostModel::time`] split into its terms.
     pub fn time_parts(&self, kind: WorkKind, work: &Work, sms: u32) -> TimeParts {
+        self.time_parts_dir(kind, work, sms, HostDir::ToDevice)
+    }
+
+    /// [`CostModel::time_dir`] split into its terms.
+    pub fn time_parts_dir(&self, kind: WorkKind, work: &Work, sms: u32, dir: HostDir) -> TimeParts {
         let c = &self.curves[kind_index(kind)];
         let curve_of = |k: WorkKind| &self.curves[kind_index(k)];
         time_parts(
             &self.gpu,
             c,
             &curve_of,
-            self.host_bw,
+            self.host_bw_of(dir),
             self.net_bw(),
             kind,
             work,
@@ -235,12 +271,25 @@ impl CostModel {
         &self.curves[kind_index(kind)]
     }
 
-    /// Host <-> device bandwidth in use, bytes/s.
+    /// Host -> device bandwidth in use, bytes/s.
     pub fn host_bw(&self) -> f64 {
         self.host_bw
     }
 
-    /// GPU <-> GPU bandwidth in use, bytes/s (falls back to the host link).
+    /// Device -> host bandwidth in use, bytes/s.
+    pub fn host_bw_to_host(&self) -> f64 {
+        self.host_bw_to_host
+    }
+
+    /// Host link bandwidth in use in direction `dir`, bytes/s.
+    pub fn host_bw_of(&self, dir: HostDir) -> f64 {
+        match dir {
+            HostDir::ToDevice => self.host_bw,
+            HostDir::ToHost => self.host_bw_to_host,
+        }
+    }
+
+    /// GPU <-> GPU bandwidth in use, bytes/s (falls back to the host link, host -> device).
     pub fn net_bw(&self) -> f64 {
         self.net_bw.unwrap_or(self.host_bw)
     }

@@ -16,9 +16,17 @@
 //! of an overlap plan measures, `rollplex-run --profile`). [`Profile::merge`] fits one profile
 //! to the measurements of several.
 //!
+//! Host <-> device bandwidth, per direction: `host_bw` (host -> device: reloads, and the host
+//! bytes of every task that is not an offload) and `host_bw_to_host` (device -> host:
+//! offloads; absent, `host_bw`'s figure), each absent for the GPU spec's `host_bw`. A runtime's
+//! profile measures them: `host_copies` holds, per direction, the copy tasks of the run, their
+//! bytes and their times, and the rate is bytes over seconds (`rollplex-run --profile`, the
+//! plan's `Offload` and `Reload` tasks). Older profiles without these fields read as before.
+//!
 //! Invariants checked by [`Profile::validate`] (run by `from_yaml` and `fit`): every curve is
 //! inside [`crate::curve::Bounds`], slowdowns are finite and >= 1, points have positive times
-//! and SM counts within the GPU, a beside point leaves SMs for the work beside it.
+//! and SM counts within the GPU, a beside point leaves SMs for the work beside it, bandwidths
+//! are positive, and a direction with measured copies states their rate.
 
 use std::collections::BTreeMap;
 
@@ -49,9 +57,18 @@ pub struct Profile {
     /// Where the numbers come from (tool, date, versions).
     #[serde(default)]
     pub source: String,
-    /// Measured host <-> device bandwidth, bytes/s per direction (else the GPU spec's).
+    /// Host -> device bandwidth, bytes/s: a reload's copy, and the host bytes of every task
+    /// that is not an offload (else the GPU spec's `host_bw`). Measured where `host_copies`
+    /// has copies to the device (then it is their rate), else set by hand.
     #[serde(default)]
     pub host_bw: Option<f64>,
+    /// Device -> host bandwidth, bytes/s: an offload's copy (else `host_bw`'s figure).
+    /// Measured where `host_copies` has copies to the host (then it is their rate).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_bw_to_host: Option<f64>,
+    /// The host <-> device copies the measured rates come from, per direction.
+    #[serde(default, skip_serializing_if = "HostCopies::is_empty")]
+    pub host_copies: HostCopies,
     /// Measured GPU <-> GPU bandwidth, bytes/s per direction (else the cluster's, else none).
     #[serde(default)]
     pub net_bw: Option<f64>,
@@ -74,6 +91,96 @@ pub struct Profile {
     /// How the fit treated the per-step latency (a refit or merge keeps the rule).
     #[serde(default, skip_serializing_if = "LatencyFit::is_shared")]
     pub latency: LatencyFit,
+}
+
+/// Host <-> device copies of a run, per direction: what a profile's measured host rates come
+/// from (`rollplex-run --profile`: the plan's `Offload` and `Reload` tasks). A direction's rate
+/// is its bytes over its seconds; [`Profile::merge`] adds the sums, so several runs combine
+/// weighted by the bytes each moved.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostCopies {
+    /// Host -> device (reloads).
+    #[serde(default, skip_serializing_if = "CopySum::is_empty")]
+    pub to_device: CopySum,
+    /// Device -> host (offloads).
+    #[serde(default, skip_serializing_if = "CopySum::is_empty")]
+    pub to_host: CopySum,
+}
+
+/// Copies of one direction: how many copy tasks were measured, the host bytes they move (one
+/// run of each) and the sum of their times (each task's median run), seconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CopySum {
+    pub transfers: u32,
+    pub bytes: f64,
+    pub seconds: f64,
+}
+
+impl CopySum {
+    pub fn is_empty(&self) -> bool {
+        self.transfers == 0
+    }
+
+    /// The measured rate, bytes/s (`None` without copies).
+    pub fn rate(&self) -> Option<f64> {
+        (self.transfers > 0 && self.bytes > 0.0 && self.seconds > 0.0)
+            .then(|| self.bytes / self.seconds)
+    }
+
+    /// One more copy task of `bytes` whose median run took `seconds`.
+    pub fn add(&mut self, bytes: f64, seconds: f64) {
+        self.transfers += 1;
+        self.bytes += bytes;
+        self.seconds += seconds;
+    }
+
+    /// Both sums together.
+    pub fn plus(&self, o: &CopySum) -> CopySum {
+        CopySum {
+            transfers: self.transfers + o.transfers,
+            bytes: self.bytes + o.bytes,
+            seconds: self.seconds + o.seconds,
+        }
+    }
+
+    /// `GB/s from N copies (G GB in S ms)`, or `none measured`.
+    fn describe(&self, what: &str) -> String {
+        match self.rate() {
+            Some(r) => format!(
+                "{:.2} GB/s from {} {what} ({:.3} GB in {:.3} ms)",
+                r / 1e9,
+                self.transfers,
+                self.bytes / 1e9,
+                self.seconds * 1e3
+            ),
+            None => "none measured".to_string(),
+        }
+    }
+}
+
+impl HostCopies {
+    pub fn is_empty(&self) -> bool {
+        self.to_device.is_empty() && self.to_host.is_empty()
+    }
+
+    /// Both runs' copies together.
+    pub fn plus(&self, o: &HostCopies) -> HostCopies {
+        HostCopies {
+            to_device: self.to_device.plus(&o.to_device),
+            to_host: self.to_host.plus(&o.to_host),
+        }
+    }
+
+    /// One line for a file's header: each direction's rate and what it came from.
+    pub fn describe(&self) -> String {
+        format!(
+            "host -> device {}; device -> host {}",
+            self.to_device.describe("reloads"),
+            self.to_host.describe("offloads")
+        )
+    }
 }
 
 /// How [`Profile::fit_all`] fits each kind's per-step latency (`step_overhead_s`).
@@ -190,6 +297,19 @@ impl Profile {
             .map(|e| e.slowdown)
     }
 
+    /// Sets the measured host copies and the rates they give: `host_bw` from the copies to
+    /// the device, `host_bw_to_host` from those to the host; a direction without copies keeps
+    /// the profile's figure (set by hand, or none).
+    pub fn set_host_copies(&mut self, copies: HostCopies) {
+        if let Some(r) = copies.to_device.rate() {
+            self.host_bw = Some(r);
+        }
+        if let Some(r) = copies.to_host.rate() {
+            self.host_bw_to_host = Some(r);
+        }
+        self.host_copies = copies;
+    }
+
     /// Checks the invariants listed in the module doc.
     pub fn validate(&self) -> Result<(), ProfileError> {
         let bad = |m: String| Err(ProfileError::Invalid(m));
@@ -221,9 +341,53 @@ impl Profile {
                 ));
             }
         }
-        for bw in [self.host_bw, self.net_bw].into_iter().flatten() {
+        for bw in [self.host_bw, self.host_bw_to_host, self.net_bw]
+            .into_iter()
+            .flatten()
+        {
             if !(positive(bw) && bw.is_finite()) {
-                return bad(format!("host_bw/net_bw = {bw} must be positive"));
+                return bad(format!(
+                    "host_bw/host_bw_to_host/net_bw = {bw} must be positive"
+                ));
+            }
+        }
+        for (what, sum, field, rate) in [
+            (
+                "to_device",
+                &self.host_copies.to_device,
+                "host_bw",
+                self.host_bw,
+            ),
+            (
+                "to_host",
+                &self.host_copies.to_host,
+                "host_bw_to_host",
+                self.host_bw_to_host,
+            ),
+        ] {
+            if sum.is_empty() {
+                if sum.bytes != 0.0 || sum.seconds != 0.0 {
+                    return bad(format!(
+                        "host_copies.{what}: bytes and seconds of no transfers must be 0"
+                    ));
+                }
+                continue;
+            }
+            let Some(measured) = sum.rate().filter(|r| r.is_finite()) else {
+                return bad(format!(
+                    "host_copies.{what}: {} transfers need positive, finite bytes and seconds (got {}, {})",
+                    sum.transfers, sum.bytes, sum.seconds
+                ));
+            };
+            // the rate the file states is the one its copies give (edit one, drop the other)
+            if !rate.is_some_and(|r| (r / measured - 1.0).abs() <= 1e-9) {
+                let stated = rate.map_or("null".to_string(), |r| r.to_string());
+                return bad(format!(
+                    "{field} = {stated}, but host_copies.{what} measured {measured} bytes/s \
+                     ({} bytes in {} s): a measured rate is its copies' (to set one by hand, \
+                     remove host_copies.{what})",
+                    sum.bytes, sum.seconds
+                ));
             }
         }
         let check_point = |p: &Point, what: &str| -> Result<(), ProfileError> {

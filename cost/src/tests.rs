@@ -351,3 +351,231 @@ fn the_free_bound_hides_movable_work_up_to_the_decode_time() {
     let e = bound::free_bound(&p).unwrap_err().to_string();
     assert!(e.contains("serial plan"), "{e}");
 }
+
+/// Copies of one direction: `n` copies of `gb` GB each at `gbps` GB/s.
+fn copies(n: u32, gb: f64, gbps: f64) -> CopySum {
+    let mut s = CopySum::default();
+    for _ in 0..n {
+        s.add(gb * 1e9, gb / gbps);
+    }
+    s
+}
+
+/// A profile of one decode point on the H200 with `host` copies measured.
+fn with_copies(host: HostCopies) -> Profile {
+    let decode = Point {
+        kind: WorkKind::Decode,
+        sms: 132,
+        work: work(1e12, 1e9, 10),
+        seconds: 1e-3,
+        note: String::new(),
+    };
+    let mut p = Profile::unfitted(&h200(), vec![decode], vec![], vec![], LatencyFit::PerKind);
+    p.set_host_copies(host);
+    p.refit().unwrap()
+}
+
+/// Offloads are priced at the device -> host rate, every other task's host bytes at the
+/// host -> device one; without a figure for a direction the GPU spec's (or host_bw's) holds.
+#[test]
+fn each_direction_has_its_own_host_rate() {
+    let p = with_copies(HostCopies {
+        to_device: copies(3, 2.0, 40.0),
+        to_host: copies(2, 1.0, 20.0),
+    });
+    assert!((p.host_bw.unwrap() / 40e9 - 1.0).abs() < 1e-12);
+    assert!((p.host_bw_to_host.unwrap() / 20e9 - 1.0).abs() < 1e-12);
+    let m = CostModel::new(&h200(), Some(&p));
+    let w = Work {
+        host_bytes: 8e9,
+        ..Work::default()
+    };
+    let host_s = |dir| m.time_parts_dir(WorkKind::Transfer, &w, 132, dir).host_s;
+    assert!((host_s(HostDir::ToDevice) - 0.2).abs() < 1e-12);
+    assert!((host_s(HostDir::ToHost) - 0.4).abs() < 1e-12);
+    let to_device = m.time_dir(WorkKind::Transfer, &w, 132, HostDir::ToDevice);
+    assert_eq!(m.time(WorkKind::Transfer, &w, 132), to_device);
+    // the plan's rule: only an offload goes to the host
+    let b = rollplex_plan::BufferId::from_index;
+    let offload = rollplex_plan::Op::Offload {
+        from: b(0),
+        to: b(1),
+    };
+    let reload = rollplex_plan::Op::Reload {
+        from: b(1),
+        to: b(0),
+    };
+    assert_eq!(
+        (offload.host_dir(), reload.host_dir()),
+        (HostDir::ToHost, HostDir::ToDevice)
+    );
+
+    // only host -> device measured: offloads at that rate too
+    let p = with_copies(HostCopies {
+        to_device: copies(1, 2.0, 40.0),
+        ..HostCopies::default()
+    });
+    let m = CostModel::new(&h200(), Some(&p));
+    assert_eq!((m.host_bw(), m.host_bw_to_host()), (40e9, 40e9));
+    // on another GPU the same fraction of its host link (H200 spec 64 GB/s, measured 40)
+    let mut h800 = crate::defaults::datasheet("H800").unwrap();
+    h800.host_bw = 32e9;
+    let m = CostModel::new(&h800, Some(&p));
+    assert_eq!((m.host_bw(), m.host_bw_to_host()), (20e9, 20e9));
+    // none measured: the GPU spec's, both ways
+    let p = with_copies(HostCopies::default());
+    assert_eq!((p.host_bw, p.host_bw_to_host), (None, None));
+    let m = CostModel::new(&h200(), Some(&p));
+    assert_eq!((m.host_bw(), m.host_bw_to_host()), (64e9, 64e9));
+    assert_eq!(m.host_bw_of(HostDir::ToHost), h200().host_bw);
+}
+
+/// A profile written before the fields existed reads as before: no device -> host figure, no
+/// copies, and `host_bw: null` leaves the GPU spec's rate.
+#[test]
+fn a_profile_without_host_copies_still_reads() {
+    let old = "gpu:
+  name: H200
+  sms: 132
+  sm_granularity: 8
+  hbm_bytes: 141000000000
+  hbm_bw: 4800000000000.0
+  bf16_flops: 989000000000000.0
+  host_bw: 55000000000.0
+source: an older runtime profile
+host_bw: null
+net_bw: null
+default_corun: 1.15
+kinds: {}
+points: []
+corun_points: []
+";
+    let p = Profile::from_yaml(old).unwrap();
+    assert_eq!((p.host_bw, p.host_bw_to_host), (None, None));
+    assert!(p.host_copies.is_empty());
+    // the job's GPU spec's (here the profile's own)
+    let m = CostModel::new(&p.gpu, Some(&p));
+    assert_eq!((m.host_bw(), m.host_bw_to_host()), (55e9, 55e9));
+    // written back, it says nothing of host copies
+    let text = p.to_yaml();
+    assert!(!text.contains("host_copies") && !text.contains("host_bw_to_host"));
+    // the shipped profiles
+    for f in ["h200.yaml", "h200-runtime.yaml", "h200-3b-runtime.yaml"] {
+        let path = format!("{}/profiles/{f}", env!("CARGO_MANIFEST_DIR"));
+        let p = Profile::from_yaml(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert!(
+            p.host_copies.is_empty() && p.host_bw_to_host.is_none(),
+            "{f}"
+        );
+    }
+}
+
+/// The measured rates and their sums round-trip; a rate that disagrees with its copies, or
+/// copies that cannot give a rate, are refused.
+#[test]
+fn measured_host_rates_round_trip_and_must_match_their_copies() {
+    let p = with_copies(HostCopies {
+        to_device: copies(3, 2.0, 40.0),
+        to_host: copies(2, 1.0, 20.0),
+    });
+    let text = p.to_yaml();
+    assert!(
+        text.contains("host_bw_to_host:") && text.contains("transfers: 3"),
+        "{text}"
+    );
+    assert_eq!(Profile::from_yaml(&text).unwrap(), p);
+    assert_eq!(
+        p.host_copies.describe(),
+        "host -> device 40.00 GB/s from 3 reloads (6.000 GB in 150.000 ms); \
+         device -> host 20.00 GB/s from 2 offloads (2.000 GB in 100.000 ms)"
+    );
+    let mut edited = p.clone();
+    edited.host_bw = Some(50e9);
+    let e = edited.validate().unwrap_err().to_string();
+    assert!(
+        e.contains("host_bw") && e.contains("host_copies.to_device"),
+        "{e}"
+    );
+    let mut bad = p.clone();
+    bad.host_copies.to_host.seconds = 0.0;
+    let e = bad.validate().unwrap_err().to_string();
+    assert!(e.contains("host_copies.to_host"), "{e}");
+    // set by hand without copies: fine
+    let mut hand = p;
+    hand.host_copies = HostCopies::default();
+    hand.host_bw = Some(50e9);
+    hand.validate().unwrap();
+}
+
+/// Merged profiles combine their copies by bytes: per direction, all bytes over all seconds;
+/// a direction no input measured keeps a figure set by hand, and one an input measured
+/// overrides any.
+#[test]
+fn merge_weighs_measured_host_rates_by_bytes() {
+    // 10 GB at 50 GB/s and 30 GB at 30 GB/s: 40 GB in 1.2 s
+    let a = with_copies(HostCopies {
+        to_device: copies(1, 10.0, 50.0),
+        to_host: copies(2, 1.0, 20.0),
+    });
+    let b = with_copies(HostCopies {
+        to_device: copies(3, 10.0, 30.0),
+        ..HostCopies::default()
+    });
+    let mut hand = with_copies(HostCopies::default());
+    hand.host_bw = Some(99e9);
+    hand.host_bw_to_host = Some(77e9);
+    let m = Profile::merge(&[
+        ("hand.yaml".into(), hand.clone()),
+        ("a.yaml".into(), a.clone()),
+        ("b.yaml".into(), b.clone()),
+    ])
+    .unwrap();
+    let c = &m.host_copies;
+    assert_eq!((c.to_device.transfers, c.to_host.transfers), (4, 2));
+    assert!((m.host_bw.unwrap() / (40e9 / 1.2) - 1.0).abs() < 1e-12);
+    assert!((m.host_bw_to_host.unwrap() / 20e9 - 1.0).abs() < 1e-12);
+    // a merge of merges adds the same copies
+    let mm = Profile::merge(&[("m.yaml".into(), m.clone())]).unwrap();
+    assert_eq!(mm.host_copies, m.host_copies);
+    assert_eq!(mm.host_bw, m.host_bw);
+    // only b measured, and only to the device: the hand-set device -> host figure stays
+    let m = Profile::merge(&[("hand.yaml".into(), hand.clone()), ("b.yaml".into(), b)]).unwrap();
+    assert!((m.host_bw.unwrap() / 30e9 - 1.0).abs() < 1e-12);
+    assert_eq!(m.host_bw_to_host, Some(77e9));
+    // nothing measured: the first figure set by hand, as before
+    let none = with_copies(HostCopies::default());
+    let m = Profile::merge(&[("none.yaml".into(), none), ("hand.yaml".into(), hand)]).unwrap();
+    assert_eq!((m.host_bw, m.host_bw_to_host), (Some(99e9), Some(77e9)));
+    assert!(m.host_copies.is_empty());
+}
+
+/// The fit prices points at the profile's host rate: a copy measured at 40 GB/s (an older
+/// runtime profile's point of a reload) is the host link's time under the measured rate, and
+/// only under the GPU spec's 64 GB/s does the transfer curve have to make up for it.
+#[test]
+fn the_fit_prices_host_bytes_at_the_profile_rate() {
+    let copy = Point {
+        kind: WorkKind::Transfer,
+        sms: 132,
+        work: Work {
+            bytes: 16e9,
+            steps: 1,
+            host_bytes: 16e9,
+            ..Work::default()
+        },
+        seconds: 0.4,
+        note: "reload.ref_weights".into(),
+    };
+    let spec = Profile::fit(&h200(), vec![copy.clone()], vec![]).unwrap();
+    let mut measured = Profile::unfitted(&h200(), vec![copy], vec![], vec![], LatencyFit::Shared);
+    measured.host_bw = Some(40e9);
+    let measured = measured.refit().unwrap();
+    let eff = |p: &Profile| p.kinds[&WorkKind::Transfer].eff_memory;
+    assert!(eff(&spec) < 0.2, "{}", eff(&spec));
+    assert!(eff(&measured) > 0.5, "{}", eff(&measured));
+    for p in [&spec, &measured] {
+        for r in p.residuals() {
+            assert!(r.rel_err().abs() < 0.02, "{r:?}");
+        }
+    }
+}

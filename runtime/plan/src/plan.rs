@@ -34,7 +34,7 @@
 
 use crate::ids::{ArenaId, BufferId, GpuId, Groups, Span, StreamId, TaskId, WindowId};
 use crate::spec::{JobSpec, Mode};
-use crate::work::{Work, WorkKind};
+use crate::work::{HostDir, Work, WorkKind};
 use serde::{Deserialize, Serialize};
 
 /// A compiled plan. See the module docs for the layout.
@@ -304,6 +304,16 @@ impl Op {
             } => Phase::Sync,
             Op::Offload { .. } | Op::Reload { .. } => return None,
         })
+    }
+
+    /// Which way the task's host bytes go: device to host for an offload, host to device for
+    /// everything else (a reload; the media and token uploads and the tokens read back of
+    /// other tasks are kilobytes to megabytes, priced at the host-to-device rate too).
+    pub fn host_dir(&self) -> HostDir {
+        match self {
+            Op::Offload { .. } => HostDir::ToHost,
+            _ => HostDir::ToDevice,
+        }
     }
 
     /// The optimizer step whose weights an actor op uses (`None`: not an actor-weight op).

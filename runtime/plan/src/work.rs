@@ -37,6 +37,20 @@ pub enum WorkKind {
     Transfer,
 }
 
+/// Which way a task's host bytes ([`Work::host_bytes`]) cross the host link: the cost model
+/// prices each direction at its own rate ([`crate::plan::Op::host_dir`] is the rule).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum HostDir {
+    /// Host to device: a reload, and the host bytes of every task that is not an offload.
+    #[default]
+    ToDevice,
+    /// Device to host: an offload.
+    ToHost,
+}
+
 /// Machine-independent amount of work of one task.
 ///
 /// `parts` is work of another kind inside the task, priced at that kind's rate: a reference or

@@ -16,7 +16,7 @@
 //! finished or with an error that names the tasks that could not start.
 
 use rollplex_cost::CostModel;
-use rollplex_plan::work::{Work, WorkKind};
+use rollplex_plan::work::{HostDir, Work, WorkKind};
 
 /// One GPU (program) of the simulation.
 #[derive(Clone, Debug)]
@@ -32,6 +32,8 @@ pub struct TaskIn {
     pub deps: Vec<usize>,
     pub kind: WorkKind,
     pub work: Work,
+    /// Which way its host bytes go (the plan op's `host_dir`).
+    pub host_dir: HostDir,
     /// Requested SMs (its partition).
     pub sms: u32,
     /// Whether the task occupies SMs (false for host work and copy-engine transfers).
@@ -144,7 +146,7 @@ pub fn run(input: &Input, cost: &CostModel) -> Result<Output, EngineError> {
             let i = queues[s][head[s]];
             if input.tasks[i].deps.iter().all(|&d| done[d]) {
                 let t = &input.tasks[i];
-                let alone = cost.time(t.kind, &t.work, t.sms);
+                let alone = cost.time_dir(t.kind, &t.work, t.sms, t.host_dir);
                 if !alone.is_finite() {
                     return Err(EngineError::Infinite(i));
                 }
@@ -258,9 +260,10 @@ fn update_rates(input: &Input, cost: &CostModel, running: &mut [Running]) {
             // it and scaled, keeping the time monotone in the share.
             let whole = sms.floor().max(1.0) as u32;
             let time = if t.uses_sms {
-                cost.time(t.kind, &t.work, whole) * whole as f64 / sms.max(whole as f64)
+                cost.time_dir(t.kind, &t.work, whole, t.host_dir) * whole as f64
+                    / sms.max(whole as f64)
             } else {
-                cost.time(t.kind, &t.work, t.sms)
+                cost.time_dir(t.kind, &t.work, t.sms, t.host_dir)
             };
             let r = &mut running[k];
             r.sms = sms;

@@ -237,6 +237,7 @@ pub fn simulate(plan: &Plan, cost: &CostModel) -> Result<SimReport, SimError> {
             deps,
             kind: t.kind,
             work: t.work.clone(),
+            host_dir: t.op.host_dir(),
             sms: sms.min(all_sms),
             uses_sms: uses_sms(t.kind),
         });

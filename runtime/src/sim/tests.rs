@@ -658,6 +658,7 @@ mod engine_props {
                             },
                             kind: KINDS[k],
                             work: work(flops, bytes, steps),
+                            host_dir: Default::default(),
                             sms,
                             uses_sms: !matches!(KINDS[k], WorkKind::Reward | WorkKind::Transfer),
                         },
