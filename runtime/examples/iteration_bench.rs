@@ -23,7 +23,8 @@
 //! at the plan's offsets, as `rollplex-run` does), again from the host actor for a plan of
 //! another arena layout (so the actor does not carry its training from plan to plan then).
 //! Without it the models and every buffer come from the memory pool, reserved to the plan's
-//! arena size.
+//! arena size, and a plan's reloads and offloads move nothing (so `--profile-dir` measures the
+//! host link's rates only with `--placed`).
 //!
 //! With `--eager-decode` decode steps are launched one kernel at a time instead of replayed as
 //! CUDA graphs (`rollplex-run --eager-decode`: the same bits).
@@ -287,9 +288,12 @@ fn main() -> Result<()> {
                     } else {
                         Execution::Shared
                     };
-                    Some(ProfileRecorder::for_run(
-                        plan, "cuda", execution, iterations,
-                    )?)
+                    // the host link's rates from the copies a placed plan moves (`--placed`)
+                    let copies = models.arena.as_ref().map(|a| a.copying_tasks(plan));
+                    Some(
+                        ProfileRecorder::for_run(plan, "cuda", execution, iterations)?
+                            .measure_host_copies(copies.into_iter().flatten()),
+                    )
                 }
                 None => None,
             };

@@ -2,8 +2,10 @@
 //! `rollplexc --profile` reads, and recompiling with it moves the plan's predicted iteration
 //! time toward the measured one.
 //!
-//! The first tests feed the recorder synthetic times (deterministic); the last one runs
-//! examples/tiny.rpx on the CPU backend and compares with the clock. The co-run tests lay out
+//! The first tests feed the recorder synthetic times (deterministic), host copies among them
+//! (the measured host rates); the CPU runs run examples/tiny.rpx and compare with the clock,
+//! and a plan that keeps its reference on the host (whose copies the CPU backend does not
+//! make: no rate). The co-run tests lay out
 //! an overlap plan's decode windows as the runtime measures them: decode steps slower while the
 //! window's side tasks run, at the partition's speed after them.
 
@@ -13,9 +15,9 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use rollplex_cost::{CostModel, LatencyFit, Profile};
-use rollplex_plan::plan::Op;
+use rollplex_plan::plan::{Op, Task};
 use rollplex_plan::spec::Mode;
-use rollplex_plan::work::WorkKind;
+use rollplex_plan::work::{HostDir, WorkKind};
 use rollplex_plan::Plan;
 use rollplex_runtime::cli::{self, BackendChoice, RunArgs};
 use rollplex_runtime::exec::profile::{median, Execution, ProfileRecorder};
@@ -348,6 +350,156 @@ fn corun_measurements_move_the_overlap_prediction_the_right_way() {
     assert!((s(&slow) / s(&none) - 1.0).abs() < 1e-9);
 }
 
+/// The small job whose device budget keeps its reference weights on the host (the overlap plan
+/// its optimizer state too: reloads and offloads), compiled in `mode` with `profile` if given.
+fn reloaded(mode: Mode, profile: Option<&Profile>) -> Plan {
+    let opts = rollplex_compiler::Options {
+        mode: Some(mode),
+        profile: profile.cloned(),
+        ..Default::default()
+    };
+    common::compile_spec(
+        &common::spec("overlap_small.rpx", &common::reloaded_reference_small()),
+        &opts,
+    )
+}
+
+fn is_copy(t: &Task) -> bool {
+    matches!(t.op, Op::Offload { .. } | Op::Reload { .. })
+}
+
+/// Host copies of a run give the profile's host rates, per direction: a run of the overlap
+/// plan whose reloads move 64 GB/s and offloads 32 GB/s (every other task at its predicted
+/// time; each copy from its planned start, so some run beside compute and count all the same)
+/// measures those rates, from every copy; the copies are no points; the file says so and reads
+/// back; recompiled with it, the plan prices reloads and offloads each at its own rate, and so
+/// does the simulator. Without copies that move data (`measure_host_copies` not called), no
+/// rate.
+#[test]
+fn host_copies_give_the_measured_rates_per_direction() {
+    const TO_DEVICE: f64 = 64e9;
+    const TO_HOST: f64 = 32e9;
+    let plan = reloaded(Mode::Overlap, None);
+    let copies: Vec<&Task> = plan.tasks.iter().filter(|t| is_copy(t)).collect();
+    let (to_host, to_device): (Vec<&Task>, Vec<&Task>) = copies
+        .iter()
+        .partition(|t| matches!(t.op, Op::Offload { .. }));
+    assert!(
+        !to_host.is_empty() && !to_device.is_empty(),
+        "the plan reloads and offloads: {:?}",
+        copies.iter().map(|t| &t.name).collect::<Vec<_>>()
+    );
+    assert!(copies.iter().all(|t| t.work.host_bytes > 0.0));
+    let rate = |t: &Task| match t.op {
+        Op::Offload { .. } => TO_HOST,
+        _ => TO_DEVICE,
+    };
+    let feed = |rec: &mut ProfileRecorder| {
+        for it in 0..3u32 {
+            // the warm-up 10x slower: not measured
+            let k = if it == 0 { 10.0 } else { 1.0 };
+            rec.begin_iteration(Instant::now());
+            for t in &plan.tasks {
+                let d = if is_copy(t) {
+                    t.work.host_bytes / rate(t)
+                } else {
+                    t.end_s - t.start_s
+                };
+                rec.record(t, t.start_s, t.start_s + k * d);
+            }
+            rec.end_iteration(it, Duration::from_secs_f64(plan.predicted.iteration_s));
+        }
+    };
+    let mut rec = ProfileRecorder::new(&plan, "test", Execution::Partitioned, 1)
+        .unwrap()
+        .measure_host_copies(copies.iter().map(|t| t.id));
+    feed(&mut rec);
+    assert!(
+        rec.tasks()
+            .any(|s| is_copy(&plan.tasks[s.task.index()]) && s.co_ran > 0),
+        "some copy ran beside compute"
+    );
+    let c = rec.host_copies();
+    let sum = |ts: &[&Task]| ts.iter().map(|t| t.work.host_bytes).sum::<f64>();
+    assert_eq!(c.to_device.transfers as usize, to_device.len());
+    assert_eq!(c.to_host.transfers as usize, to_host.len());
+    assert_eq!(
+        (c.to_device.bytes, c.to_host.bytes),
+        (sum(&to_device), sum(&to_host))
+    );
+    let close = |a: f64, b: f64| (a / b - 1.0).abs() < 1e-3;
+    assert!(close(c.to_device.rate().unwrap(), TO_DEVICE), "{c:?}");
+    assert!(close(c.to_host.rate().unwrap(), TO_HOST), "{c:?}");
+
+    let measured = rec.profile().unwrap();
+    let p = &measured.profile;
+    assert!(close(p.host_bw.unwrap(), TO_DEVICE) && close(p.host_bw_to_host.unwrap(), TO_HOST));
+    assert_eq!(p.host_copies, c);
+    let copy_names: Vec<&str> = copies.iter().map(|t| t.name.as_str()).collect();
+    assert!(p.points.iter().all(|q| !copy_names
+        .iter()
+        .any(|n| q.note.starts_with(&format!("{n} ")))));
+    let text = measured.to_yaml();
+    assert!(
+        text.contains(&format!(
+            "host -> device {:.2} GB/s from {} reloads",
+            TO_DEVICE / 1e9,
+            to_device.len()
+        )) && text.contains(&format!(
+            "device -> host {:.2} GB/s from {} offloads",
+            TO_HOST / 1e9,
+            to_host.len()
+        )),
+        "{text}"
+    );
+    assert_eq!(&Profile::from_yaml(&text).unwrap(), p);
+
+    // recompiled with it: each copy at its direction's rate
+    let after = reloaded(Mode::Overlap, Some(p));
+    let cost = CostModel::for_cluster(&after.spec.cluster, Some(p));
+    let sim = rollplex_runtime::sim::simulate(&after, &cost).unwrap();
+    let mut seen = (0, 0);
+    for (t, st) in after.tasks.iter().zip(&sim.tasks) {
+        if !is_copy(t) {
+            continue;
+        }
+        let dir = t.op.host_dir();
+        let want_host_s = t.work.host_bytes / rate(t);
+        let parts = cost.time_parts_dir(t.kind, &t.work, t.sms, dir);
+        assert!(close(parts.host_s, want_host_s), "{}: {parts:?}", t.name);
+        let want = cost.time_dir(t.kind, &t.work, t.sms, dir);
+        // plans print times to the microsecond
+        let planned = t.end_s - t.start_s;
+        assert!(
+            (planned - want).abs() <= 1e-6,
+            "{}: planned {planned} s",
+            t.name
+        );
+        assert!(close(st.alone_s, want), "{}: simulated", t.name);
+        match dir {
+            HostDir::ToHost => seen.0 += 1,
+            HostDir::ToDevice => seen.1 += 1,
+        }
+    }
+    assert!(
+        seen.0 > 0 && seen.1 > 0,
+        "the recompiled plan reloads and offloads (offloads, reloads: {seen:?})"
+    );
+
+    // a backend whose copies move nothing measures no rate, and copies are still no points
+    let mut none = ProfileRecorder::new(&plan, "test", Execution::Partitioned, 1).unwrap();
+    feed(&mut none);
+    assert!(none.host_copies().is_empty());
+    let m = none.profile().unwrap();
+    assert_eq!((m.profile.host_bw, m.profile.host_bw_to_host), (None, None));
+    assert_eq!(m.profile.points, p.points);
+    assert!(
+        m.header.contains("0 of which move data on this backend"),
+        "{}",
+        m.header
+    );
+}
+
 /// Median of the `time_s` of metrics.jsonl's iterations after the first (the warm-up).
 fn measured_median(metrics: &Path) -> f64 {
     let text = std::fs::read_to_string(metrics).unwrap();
@@ -410,6 +562,56 @@ fn cpu_run_profile_moves_the_prediction_toward_the_measurement() {
     })
     .unwrap_err();
     assert!(e.to_string().contains("at least 2 iterations"), "{e}");
+}
+
+/// The CPU backend, one address space, moves nothing on a plan's reloads: a profile of a run
+/// of the plan that keeps its reference on the host measures no host rate (the file says so),
+/// and recompiled with it the plan prices its reload at the GPU spec's host bandwidth.
+#[test]
+fn a_cpu_run_of_a_reloading_plan_measures_no_host_rate() {
+    let dir = common::Scratch::new("profile-reload");
+    let before = reloaded(Mode::Serial, None);
+    assert!(before.tasks.iter().any(is_copy));
+    let plan_path = dir.path().join("plan.bin");
+    std::fs::write(&plan_path, rollplex_plan::encode(&before, "tests").unwrap()).unwrap();
+    let prof_path = dir.path().join("prof.yaml");
+    let args = RunArgs {
+        plan: plan_path,
+        backend: BackendChoice::Cpu,
+        iterations: 2,
+        out: dir.path().join("out"),
+        trace: None,
+        svg: None,
+        cost_profile: None,
+        profile: Some(prof_path.clone()),
+        save_every: 0,
+        keep_checkpoints: 2,
+        resume: None,
+        eval: 0,
+        eval_every: 0,
+        eval_data: None,
+        quiet: true,
+        task_log: false,
+        no_green_contexts: false,
+        eager_decode: false,
+    };
+    cli::run(&args).expect("run");
+    let text = std::fs::read_to_string(&prof_path).unwrap();
+    assert!(text.contains("no host rate measured"), "{text}");
+    let profile = Profile::from_yaml(&text).unwrap();
+    assert_eq!((profile.host_bw, profile.host_bw_to_host), (None, None));
+    assert!(profile.host_copies.is_empty());
+    assert!(profile
+        .points
+        .iter()
+        .all(|p| !p.note.starts_with("reload.")));
+
+    let after = reloaded(Mode::Serial, Some(&profile));
+    let cost = CostModel::for_cluster(&after.spec.cluster, Some(&profile));
+    let reload = after.tasks.iter().find(|t| is_copy(t)).expect("a reload");
+    let parts = cost.time_parts_dir(reload.kind, &reload.work, reload.sms, HostDir::ToDevice);
+    let spec_s = reload.work.host_bytes / after.spec.cluster.gpu.host_bw;
+    assert!((parts.host_s / spec_s - 1.0).abs() < 1e-12, "{parts:?}");
 }
 
 /// The 7B video job fits one H200 only with its reference weights on host; under the runtime

@@ -81,7 +81,10 @@ pub(super) fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
             } else {
                 Execution::Shared
             };
+            // the host link's rates from the copies of state the plan keeps on the host
+            let copies = models.arena.as_ref().map(|a| a.copying_tasks(plan));
             ProfileRecorder::for_run(plan, "cuda", execution, args.iterations - first)
+                .map(|r| r.measure_host_copies(copies.into_iter().flatten()))
         })
         .transpose()?;
     let validation = super::validate::Validation::new(spec, args, first, held_out.clone())?;

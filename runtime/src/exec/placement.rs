@@ -260,6 +260,21 @@ impl PlanArena {
         Ok(())
     }
 
+    /// The tasks of `plan` whose `Reload` / `Offload` moves data with this arena (those of a
+    /// moved buffer, [`PlanArena::transfer`]): what a profile measures the host link by.
+    pub fn copying_tasks(&self, plan: &Plan) -> Vec<rollplex_plan::TaskId> {
+        plan.tasks
+            .iter()
+            .filter(|t| match t.op {
+                Op::Reload { to: b, .. } | Op::Offload { from: b, .. } => {
+                    self.images.contains_key(&b)
+                }
+                _ => false,
+            })
+            .map(|t| t.id)
+            .collect()
+    }
+
     /// Queues on `stream` what `op` moves when it is a `Reload` (host image -> device range)
     /// or an `Offload` (device range -> host image) of a moved buffer; `false` when it moves
     /// none (a kept prefix chunk, which stays on the device).

@@ -25,6 +25,18 @@
 //! Tasks that co-ran in some iterations and ran alone in others keep only the alone runs; tasks
 //! that never ran alone are counted in the file's header, not turned into points.
 //!
+//! Host copies (the plan's `Offload` and `Reload` tasks) are no points: their time is the host
+//! link's, not a curve's. On a backend whose copies move data (the cuda executor's copies of
+//! state the plan keeps on the host, [`ProfileRecorder::measure_host_copies`]) they give the
+//! profile's measured host rates, per direction: each copy task's median run over the measured
+//! iterations, and the rate is the direction's bytes over the sum of those medians
+//! ([`rollplex_cost::HostCopies`]; `host_bw` host -> device from the reloads, `host_bw_to_host`
+//! device -> host from the offloads). Copies run on the plan's copy stream, on the copy
+//! engines and not on SMs, so every run counts, whether or not compute ran beside it (what an
+//! overlap plan does: the reference weights reloaded beside decode). Copies that move nothing
+//! (the cpu backend, one address space; kept prefix chunks, which the cuda executor keeps on
+//! the device) measure no rate: the header says so, and the cost model keeps the GPU spec's.
+//!
 //! Co-running (a run of an overlap plan): one run gives no [`rollplex_cost::CorunPoint`] (that
 //! needs each side's time alone on the same partition), but it gives what the planner prices
 //! a decode window with: the cuda backend marks every decode step on the device
@@ -50,7 +62,8 @@
 //! Invariants: at least the first iteration is warm-up and never measured; a point's `seconds`
 //! is a median of measured durations (positive, finite), or for a window's steps a mean over
 //! the measured iterations; tasks whose work the cost model cannot scale (no flops, bytes,
-//! steps, host or network bytes) are listed, never fitted.
+//! steps, host or network bytes) are listed, never fitted; a measured host rate counts only
+//! copies the backend said move data, each with its host bytes and median run.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -58,7 +71,7 @@ use std::time::{Duration, Instant};
 use rollplex_cost::defaults::is_host;
 use rollplex_plan::plan::{Op, Plan, Task};
 use rollplex_plan::spec::GpuSpec;
-use rollplex_plan::work::{Work, WorkKind};
+use rollplex_plan::work::{HostDir, Work, WorkKind};
 use rollplex_plan::TaskId;
 
 use super::ExecError;
@@ -221,6 +234,10 @@ struct TaskMeta {
     decode: bool,
     /// A side task of a decode window with a side partition (the window's side SMs).
     side: bool,
+    /// A host copy (`Offload` / `Reload`): which way it goes.
+    copy: Option<HostDir>,
+    /// A host copy that moves data on this backend ([`ProfileRecorder::measure_host_copies`]).
+    moves: bool,
 }
 
 /// Whether the cost model can scale `work` (some amount it charges time for is positive).
@@ -260,6 +277,9 @@ pub struct ProfileRecorder {
     beside_s: BTreeMap<TaskId, Vec<f64>>,
     /// Measured decode steps left out (boundary steps, several kinds, too few of a side).
     steps_dropped: u32,
+    /// Host copies' runs (every measured run, beside compute or not), seconds, in iteration
+    /// order.
+    copy_s: BTreeMap<TaskId, Vec<f64>>,
 }
 
 impl ProfileRecorder {
@@ -296,6 +316,9 @@ impl ProfileRecorder {
                     decode: matches!(t.op, Op::DecodeWindow { .. }),
                     side: win.is_some_and(|w| w.side_sms > 0 && w.side_stream == t.stream)
                         && !matches!(t.op, Op::DecodeWindow { .. }),
+                    copy: matches!(t.op, Op::Offload { .. } | Op::Reload { .. })
+                        .then(|| t.op.host_dir()),
+                    moves: false,
                 }
             })
             .collect();
@@ -319,7 +342,20 @@ impl ProfileRecorder {
             segments: BTreeMap::new(),
             beside_s: BTreeMap::new(),
             steps_dropped: 0,
+            copy_s: BTreeMap::new(),
         })
+    }
+
+    /// The host copies among `tasks` move data over the host link on this backend (the cuda
+    /// executor's `Offload` / `Reload` of state the plan keeps on the host): their runs give the
+    /// profile's measured host rates (see the module doc). Other tasks are ignored.
+    pub fn measure_host_copies(mut self, tasks: impl IntoIterator<Item = TaskId>) -> Self {
+        for id in tasks {
+            if let Some(m) = self.tasks.get_mut(id.index()).filter(|m| m.copy.is_some()) {
+                m.moves = true;
+            }
+        }
+        self
     }
 
     /// The recorder of a run of `iterations` iterations (`--profile`): one warm-up iteration;
@@ -421,6 +457,9 @@ impl ProfileRecorder {
             let Some(m) = self.tasks.get(id.index()) else {
                 continue;
             };
+            if m.copy.is_some() {
+                self.copy_s.entry(id).or_default().push(end - start);
+            }
             let stat = self.stats.entry(id).or_insert_with(|| TaskStat {
                 task: id,
                 name: m.name.clone(),
@@ -514,6 +553,29 @@ impl ProfileRecorder {
                 self.beside_s.entry(id).or_default().push(b - a);
             }
         }
+    }
+
+    /// The host copies that moved data, per direction: each copy task's host bytes and median
+    /// run (every measured run counts, see the module doc). Empty when none moved data.
+    pub fn host_copies(&self) -> rollplex_cost::HostCopies {
+        let mut c = rollplex_cost::HostCopies::default();
+        for (id, runs) in &self.copy_s {
+            let Some(m) = self.tasks.get(id.index()).filter(|m| m.moves) else {
+                continue;
+            };
+            let Some(med) = median(runs).filter(|&x| x >= 1e-9 && x.is_finite()) else {
+                continue;
+            };
+            if m.work.host_bytes > 0.0 {
+                let sum = match m.copy {
+                    Some(HostDir::ToHost) => &mut c.to_host,
+                    _ => &mut c.to_device,
+                };
+                // nanoseconds: what the clocks resolve
+                sum.add(m.work.host_bytes, (med * 1e9).round() / 1e9);
+            }
+        }
+        c
     }
 
     /// Measured iterations' wall times, seconds (warm-up excluded).

@@ -14,13 +14,19 @@ use crate::exec::ExecError;
 
 impl ProfileRecorder {
     /// One point per task that ran alone in some measured iteration and whose work the cost
-    /// model can scale: the median of its alone runs; then one per decode window that co-ran
-    /// and had steps alone on its partition (see the module doc). In task order.
+    /// model can scale, host copies aside: the median of its alone runs; then one per decode
+    /// window that co-ran and had steps alone on its partition (see the module doc). In task
+    /// order.
     pub fn points(&self) -> Vec<Point> {
         let alone = self
             .stats
             .values()
             .filter(|s| modelled(&s.work))
+            .filter(|s| {
+                self.tasks
+                    .get(s.task.index())
+                    .is_some_and(|m| m.copy.is_none())
+            })
             .filter_map(|s| {
                 let m = s.median_s()?;
                 (m >= 1e-9).then(|| Point {
@@ -117,8 +123,10 @@ impl ProfileRecorder {
         })
     }
 
-    /// Fits the profile: [`Profile::fit`] over [`ProfileRecorder::points`], its `source` saying
-    /// what was run and how. Errors when nothing was measured.
+    /// Fits the profile: [`Profile::refit`] over [`ProfileRecorder::points`] and
+    /// [`ProfileRecorder::beside_points`], with the host rates of
+    /// [`ProfileRecorder::host_copies`], its `source` saying what was run and how. Errors when
+    /// nothing was measured.
     pub fn profile(&self) -> Result<MeasuredProfile, ExecError> {
         if self.iterations_s.is_empty() {
             return Err(ExecError::Machine(format!(
@@ -136,9 +144,12 @@ impl ProfileRecorder {
                     .into(),
             ));
         }
-        let mut profile =
-            Profile::fit_all(&self.gpu, points, Vec::new(), beside, LatencyFit::PerKind)
-                .map_err(|e| ExecError::Data(format!("fitting the measured profile: {e}")))?;
+        let mut unfitted =
+            Profile::unfitted(&self.gpu, points, Vec::new(), beside, LatencyFit::PerKind);
+        unfitted.set_host_copies(self.host_copies());
+        let mut profile = unfitted
+            .refit()
+            .map_err(|e| ExecError::Data(format!("fitting the measured profile: {e}")))?;
         let (first, last) = self.measured_range.unwrap_or((0, 0));
         profile.source = format!(
             "rollplex-run --profile: plan {} ({}), backend {} ({}); iterations {first}..={last} measured \
@@ -234,6 +245,7 @@ impl ProfileRecorder {
                 e.slowdown
             ));
         }
+        line(self.host_line(fitted));
         let unmodelled: Vec<String> = self
             .stats
             .values()
@@ -260,7 +272,10 @@ impl ProfileRecorder {
                 .stats
                 .values()
                 .filter(|s| s.kind == k.kind && s.median_s().is_some())
-                .map(|s| model.time(s.kind, &s.work, s.sms))
+                .map(|s| {
+                    let dir = self.tasks[s.task.index()].copy.unwrap_or_default();
+                    model.time_dir(s.kind, &s.work, s.sms, dir)
+                })
                 .sum();
             line(format!(
                 "  {:<16} {:>3} tasks  measured {:.6}  plan {:.6} ({:.2}x)  fitted {:.6} ({:.2}x)",
@@ -283,6 +298,39 @@ impl ProfileRecorder {
 }
 
 impl ProfileRecorder {
+    /// The header's line on the host link: the measured rates and what they came from, or why
+    /// none was measured and what the cost model uses instead.
+    fn host_line(&self, fitted: &Profile) -> String {
+        let copies = self.tasks.iter().filter(|m| m.copy.is_some()).count();
+        let moving = self.tasks.iter().filter(|m| m.moves).count();
+        let measured = fitted.host_copies.clone();
+        let spec = format!("{:.2} GB/s", self.gpu.host_bw / 1e9);
+        if copies == 0 {
+            return format!(
+                "Host copies: none in this plan (no offload or reload): no host rate measured; \
+                 the cost model keeps the GPU spec's {spec}."
+            );
+        }
+        if measured.is_empty() {
+            return format!(
+                "Host copies: {copies} offload/reload tasks, {moving} of which move data on this \
+                 backend{}: no host rate measured; the cost model keeps the GPU spec's {spec}.",
+                if moving == 0 {
+                    " (one address space, or kept chunks that stay on the device)"
+                } else {
+                    " (none ran in a measured iteration)"
+                }
+            );
+        }
+        format!(
+            "Host copies (`host_copies`; offloads and reloads on the copy stream, each task's \
+             median over the measured iterations, beside compute or not; not points): {} (GPU \
+             spec {spec}; {} of {copies} copy tasks move data on this backend).",
+            measured.describe(),
+            moving
+        )
+    }
+
     /// Fits the profile and writes it to `path` atomically (a temporary file beside it, then a
     /// rename); returns what was written.
     pub fn write(&self, path: &Path) -> Result<MeasuredProfile, ExecError> {
