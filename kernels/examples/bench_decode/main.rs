@@ -23,6 +23,9 @@
 //! the other cuts of its `wgmma` (and, at m <= 64, `mma.sync`) form side by side, with the
 //! weight-streaming rate against the copy ceiling.
 //!
+//! `--attn-sweep`: instead of the step, the group-shared attention alone over all layers of the
+//! chosen cases (`--cases`) under each pair of block targets for its two passes.
+//!
 //! Run: `cargo run --release -p rollplex-kernels --example bench_decode` (needs a GPU).
 //! Each layer has its own weights (random bf16, never zeros) and its own KV cache, so every byte
 //! is real HBM traffic. Per step: embedding gather, 36/28 x (rmsnorm, qkv GEMM + bias, rope, KV
@@ -36,7 +39,7 @@ use half::bf16;
 use rollplex_kernels::cpu::{AttnDims, DecodeSeq};
 use rollplex_kernels::cuda::attention::{
     attention_decode_grouped_bf16, grouped_decode_plan, grouped_decode_plan_for_blocks,
-    DecodeInputs, GroupedDecodePlan, RowStrides,
+    grouped_decode_plan_for_targets, DecodeInputs, GroupedDecodePlan, RowStrides,
 };
 use rollplex_kernels::cuda::gemm::{
     gate_up_swiglu_bf16, linear_fwd_bf16_cublaslt, linear_fwd_bf16_cublaslt_ranked,
@@ -47,6 +50,9 @@ use rollplex_kernels::cuda::pointwise::add_fwd_bf16_inplace;
 use rollplex_kernels::cuda::*;
 
 type Res<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+/// A case of the workbench: (dims, batch, (group size, shared prefix length)).
+type Case = (Dims, usize, Option<(usize, usize)>);
 
 #[derive(Clone, Copy)]
 struct Dims {
@@ -84,9 +90,11 @@ const D7B: Dims = Dims {
     tied: false,
 };
 
+mod attn_sweep;
 mod gemm_sweep;
 mod model;
 
+use attn_sweep::attn_sweep;
 use gemm_sweep::{gemm_sweep, GemmBy};
 use model::*;
 
@@ -251,7 +259,15 @@ fn main() -> Res<()> {
         args.drain(i..i + 2);
     }
     for a in &args {
-        if !["--unfused", "--simt", "--no-sweep", "--gemm-sweep"].contains(&a.as_str()) {
+        if ![
+            "--unfused",
+            "--simt",
+            "--no-sweep",
+            "--gemm-sweep",
+            "--attn-sweep",
+        ]
+        .contains(&a.as_str())
+        {
             return Err(format!("unknown flag {a}; flags: --unfused (separate add/norm and rope/append kernels), --simt (the SIMT decode attention instead of the warp-split one in the base and gemm variants), --no-sweep (skip the GEMM comparison), --gemm-sweep (only the GEMM kinds at m = 128..16, every skinny cut), --gemm-rows M,N (the sweep's rows), --variants V,W (base, gemm, new, shared, forced), --cases I,J (rows of the case table: 0-3 3B/7B at B 64/8 unshared, 4-7 the same with G8 prefixes of 1792, 8-9 3B B 32/128 with G8 prefixes)").into());
         }
     }
@@ -276,8 +292,6 @@ fn main() -> Res<()> {
         return gemm_sweep(&g, &s, ceiling, &sweep_rows);
     }
     let mut rows = Vec::new();
-    // (dims, batch, (group size, shared prefix length))
-    type Case = (Dims, usize, Option<(usize, usize)>);
     let configs: [Case; 10] = [
         (D3B, 64, None),
         (D3B, 8, None),
@@ -290,6 +304,15 @@ fn main() -> Res<()> {
         (D3B, 32, Some((8, 1792))),
         (D3B, 128, Some((8, 1792))),
     ];
+    if args.iter().any(|a| a == "--attn-sweep") {
+        let picked: Vec<Case> = configs
+            .into_iter()
+            .enumerate()
+            .filter(|(ci, _)| cases.as_ref().is_none_or(|c| c.contains(ci)))
+            .map(|(_, c)| c)
+            .collect();
+        return attn_sweep(&g, &s, ceiling, &picked);
+    }
     for (ci, (d, batch, prefix)) in configs.into_iter().enumerate() {
         if cases.as_ref().is_some_and(|c| !c.contains(&ci)) {
             continue;

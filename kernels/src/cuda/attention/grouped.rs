@@ -103,11 +103,31 @@ pub fn grouped_decode_plan_for_blocks(
     max_suffix_len: usize,
     target_blocks: usize,
 ) -> GroupedDecodePlan {
+    grouped_decode_plan_for_targets(
+        batch,
+        group,
+        dims,
+        max_prefix_len,
+        max_suffix_len,
+        (target_blocks, target_blocks),
+    )
+}
+
+/// [`grouped_decode_plan_for_blocks`] with its own block target for each pass: (group pass,
+/// per-sample pass).
+pub fn grouped_decode_plan_for_targets(
+    batch: usize,
+    group: usize,
+    dims: AttnDims,
+    max_prefix_len: usize,
+    max_suffix_len: usize,
+    (p_target, s_target): (usize, usize),
+) -> GroupedDecodePlan {
     let group = group.clamp(1, batch.max(1));
     let r = (dims.num_heads / dims.num_kv_heads.max(1)).max(1);
     let per_block = (64 / r).clamp(1, group);
-    let split = |units: usize, len: usize| {
-        let splits = target_blocks
+    let split = |target: usize, units: usize, len: usize| {
+        let splits = target
             .max(1)
             .div_ceil(units.max(1))
             .clamp(1, len.div_ceil(32).max(1));
@@ -118,9 +138,9 @@ pub fn grouped_decode_plan_for_blocks(
         (0, 32)
     } else {
         let units = batch.div_ceil(group) * group.div_ceil(per_block) * dims.num_kv_heads;
-        split(units, max_prefix_len)
+        split(p_target, units, max_prefix_len)
     };
-    let (s_splits, s_chunk) = split(batch * dims.num_kv_heads, max_suffix_len);
+    let (s_splits, s_chunk) = split(s_target, batch * dims.num_kv_heads, max_suffix_len);
     GroupedDecodePlan {
         batch,
         group,

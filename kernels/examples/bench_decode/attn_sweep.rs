@@ -1,0 +1,81 @@
+//! `--attn-sweep`: the group-shared decode attention alone over all layers, for each block
+//! target of its two passes.
+
+use super::*;
+
+/// Group-pass and per-sample-pass block targets tried (each against each).
+const TARGETS: [usize; 6] = [66, 132, 198, 264, 396, 528];
+
+/// `--attn-sweep`: for each case with a shared prefix, the grouped attention of every layer in
+/// one graph under the plan of each (group pass, per-sample pass) block target, with its
+/// blocks, slots and achieved rate on the bytes it moves; the default plan's row is marked.
+pub(crate) fn attn_sweep(g: &Gpu, s: &Arc<CudaStream>, ceiling: f64, cases: &[Case]) -> Res<()> {
+    for &(d, batch, prefix) in cases {
+        let Some((gsize, plen)) = prefix else {
+            continue;
+        };
+        let kv_len = 2048;
+        let mut m = build(g, s, d, batch, kv_len, prefix)?;
+        let dims = m.dims();
+        let own = kv_len - plen;
+        let plans: Vec<GroupedDecodePlan> = TARGETS
+            .iter()
+            .flat_map(|&p| TARGETS.iter().map(move |&t| (p, t)))
+            .map(|t| grouped_decode_plan_for_targets(batch, gsize, dims, plen, own, t))
+            .collect();
+        let ws = plans.iter().map(|p| p.workspace_len()).max().unwrap_or(1);
+        if ws > m.ws.len() {
+            m.ws = g.alloc(s, ws)?;
+        }
+        m.grouped = true;
+        let default = m.gplan;
+        let (_, _, kv_moved, _) = m.bytes();
+        println!(
+            "== attention sweep {} B={batch} G{gsize} prefix {plen} own {own}: {:.3} GB moved a step",
+            d.name,
+            kv_moved / 1e9
+        );
+        let mut seen = Vec::new();
+        let mut best: Option<(f64, GroupedDecodePlan)> = None;
+        for plan in plans.into_iter().chain(std::iter::once(default)) {
+            if seen.contains(&plan) {
+                continue;
+            }
+            seen.push(plan);
+            m.gplan = plan;
+            let layers = m.d.layers;
+            let gr = capture(s, || {
+                for l in 0..layers {
+                    m.attention(g, s, l)?;
+                }
+                Ok(())
+            })?;
+            let t = time_graph(g, s, &gr, 20)?;
+            drop(gr);
+            let units_p = batch.div_ceil(plan.group) * plan.group.div_ceil(plan.per_block) * d.nkv;
+            let blocks = units_p * plan.p_splits + batch * d.nkv * plan.s_splits;
+            let tbs = kv_moved / (t * 1e-3) / 1e12;
+            println!(
+                "  group pass {:2}x{:4}, per-sample {:2}x{:4}: {blocks:5} blocks, {:2} slots: {t:.3} ms ({:.1} us a layer), {tbs:.2} TB/s ({:.0}% of copy){}",
+                plan.p_splits,
+                plan.p_chunk,
+                plan.s_splits,
+                plan.s_chunk,
+                plan.p_splits + plan.s_splits,
+                t * 1e3 / layers as f64,
+                100.0 * tbs / ceiling,
+                if plan == default { "  <- default" } else { "" }
+            );
+            if best.is_none_or(|(b, _)| t < b) {
+                best = Some((t, plan));
+            }
+        }
+        if let Some((t, p)) = best {
+            println!(
+                "  best: group pass {}x{}, per-sample {}x{}: {t:.3} ms",
+                p.p_splits, p.p_chunk, p.s_splits, p.s_chunk
+            );
+        }
+    }
+    Ok(())
+}
