@@ -151,6 +151,7 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
     // ---- buffers after residency ----
     let mut map: Vec<PBufId> = Vec::new(); // logical -> device copy (what tasks use)
     let mut reloads: Vec<Reload> = Vec::new();
+    let mut stream_hosts: Vec<PBufId> = Vec::new(); // host copies a streamed step updates
     for (li, lb) in pg.buffers.iter().enumerate() {
         let host = match lb.class {
             BufferClass::RefWeights => p.residency.ref_host,
@@ -159,7 +160,35 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
             }
             _ => false,
         } && lb.offload != Offload::No;
-        if host {
+        let streamed = match (p.residency.optimizer_stream, lb.class) {
+            (Some(sh), BufferClass::MasterWeights) if host => Some((sh, 1)),
+            (Some(sh), BufferClass::OptimizerMoments) if host => Some((sh, 2)),
+            _ => None,
+        };
+        if let Some((sh, per_slot)) = streamed {
+            // streamed: the host copy is the state; the device buffer is only the staging
+            // slots each optimizer step copies chunks through
+            let h = s.next_buffer();
+            let mut copy = pbuf(lb, format!("{}.host", lb.name), true, true);
+            copy.role = BufferRole::HostCopy;
+            s.buffers.push(copy);
+            let d = s.next_buffer();
+            let mut dev = pbuf(lb, lb.name.clone(), false, false);
+            dev.bytes = per_slot * sh.slots as u64 * sh.chunk_elems * 4;
+            dev.shape = format!(
+                "{} staging slots of {} x {} f32",
+                sh.slots, per_slot, sh.chunk_elems
+            );
+            s.buffers.push(dev);
+            map.push(d);
+            stream_hosts.push(h);
+            s.optimizer_stream = Some(rollplex_plan::OptimizerStream {
+                gpu: lb.gpu,
+                chunk_elems: sh.chunk_elems,
+                chunks: sh.chunks,
+                slots: sh.slots,
+            });
+        } else if host {
             let h = s.next_buffer();
             let mut copy = pbuf(lb, format!("{}.host", lb.name), true, true);
             copy.role = BufferRole::HostCopy;
@@ -286,6 +315,21 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
             end: 0.0,
         });
         pos[i] = Some(ti);
+    }
+
+    // ---- a streamed optimizer step reads and writes the host copies of its state ----
+    if let Some(st) = &s.optimizer_stream {
+        let gpu = st.gpu;
+        for t in s.tasks.iter_mut() {
+            if t.gpu == gpu && matches!(t.op, Op::OptimizerStep { .. }) {
+                t.reads.extend(stream_hosts.iter().copied());
+                t.writes.extend(stream_hosts.iter().copied());
+                t.reads.sort_unstable();
+                t.reads.dedup();
+                t.writes.sort_unstable();
+                t.writes.dedup();
+            }
+        }
     }
 
     // ---- transfers for offloaded buffers ----

@@ -594,6 +594,7 @@ mod tests {
             buffers: vec![kv],
             reshards: vec![],
             weight_sharing: None,
+            optimizer_stream: None,
             memory: Memory {
                 arenas: vec![Arena {
                     id: ArenaId(0),

@@ -267,6 +267,7 @@ pub fn emit(pg: &PhaseGraph, s: &Sched, cost: &CostModel, solver: SolverStats) -
             w.reshard_point = s.reshard_point.unwrap_or_default();
             w
         }),
+        optimizer_stream: s.optimizer_stream.clone(),
         memory: Memory {
             arenas: Vec::new(),
             gpus: Vec::new(),

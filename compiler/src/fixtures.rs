@@ -163,6 +163,7 @@ pub fn job(edit: impl FnOnce(&mut JobSpec)) -> JobSpec {
             freeze_vision: true,
             freeze_merger: false,
             recompute: Recompute::Full,
+            optimizer_state: rollplex_plan::spec::OptimizerState::Auto,
             groups: None,
             old_logprobs: OldLogProbPass::Auto,
         },

@@ -275,6 +275,9 @@ pub struct ResidencyChoice {
     /// fp32 master weights and Adam moments: on host, reloaded before the first optimizer
     /// step and written back after the last.
     pub optimizer_host: bool,
+    /// With `optimizer_host`: each optimizer step streams the state through the device in
+    /// chunks instead (no whole reload or write-back), chunked so.
+    pub optimizer_stream: Option<StreamShape>,
     /// `rollout_weights.frozen`: dropped after decode and rebuilt by every weight sync
     /// instead of kept in HBM.
     pub frozen_rebuilt: bool,
@@ -287,6 +290,14 @@ pub struct ResidencyChoice {
     pub reshard: ReshardPoint,
     /// Text layers whose training activations are kept (the rest recomputed in backward).
     pub kept_layers: u32,
+}
+
+/// The chunking of a streamed optimizer step ([`rollplex_plan::OptimizerStream`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct StreamShape {
+    pub chunk_elems: u64,
+    pub chunks: u32,
+    pub slots: u32,
 }
 
 impl ResidencyChoice {
@@ -416,6 +427,8 @@ pub struct Sched {
     pub reshard_point: Option<rollplex_plan::ReshardPoint>,
     /// Whether the sync also rebuilds the frozen rollout extra.
     pub frozen_rebuilt: bool,
+    /// The streamed optimizer step, when the residency answer streams the state.
+    pub optimizer_stream: Option<rollplex_plan::OptimizerStream>,
 }
 
 impl Sched {

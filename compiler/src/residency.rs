@@ -5,7 +5,13 @@
 //! - `ref_weights` -> host: reloaded before the first reference task (no write-back, frozen);
 //!   off the decode phase unless reference work runs in a window, off the training phase;
 //! - `master_weights` + `adam_moments` -> host: reloaded before the first optimizer step,
-//!   written back after the last; off the decode phase, always in the training phase;
+//!   written back after the last; off the decode phase, always in the training phase; or a
+//!   third choice, host and streamed ([`ilp::StreamOption`]): each optimizer step copies the
+//!   state through `STREAM_SLOTS` device chunks ([`stream_chunks`]), the copies of the next
+//!   chunk and the write-back of the previous one overlapping the update of the current one,
+//!   so the training phase holds only the staging chunks; priced by [`streamed_step_s`] less
+//!   the update, per step; offered only where a memory row may move the state off HBM;
+//!   `train { optimizer_state }` may force any of the three ([`check_forced`]);
 //! - `rollout_weights.frozen` (the frozen incompatible tensors' gathered part, see
 //!   [`crate::sharing`]) -> dropped after decode and rebuilt by every weight sync; always in
 //!   the decode phase, off the training phase.
@@ -48,10 +54,10 @@
 
 use crate::error::{CompileError, Result};
 use crate::ilp::{self, ActLayers, IlpRun, KeptState, ResItem, ReshardOption, Residency};
-use crate::ir::{kept_role, Node, PhaseGraph, ResidencyChoice, Role, SideClass, KEPT};
+use crate::ir::{kept_role, Node, PhaseGraph, ResidencyChoice, Role, SideClass, StreamShape, KEPT};
 use crate::shapes::kept_act_bytes_per_token_layer;
 use rollplex_cost::CostModel;
-use rollplex_plan::spec::{Mode, Recompute};
+use rollplex_plan::spec::{Mode, OptimizerState, Recompute};
 use rollplex_plan::work::{HostDir, WorkKind};
 use rollplex_plan::{BufferClass, BufferRole, Op, Phase, ReshardPoint, SolverStats};
 
@@ -80,6 +86,55 @@ pub struct Model {
     pub reshard: Vec<ReshardPoint>,
     /// The kept activation layers `pg` was lowered with (the answer unless the ILP decides).
     pub kept_layers: u32,
+    /// How a streamed optimizer step would chunk the state (with an optimizer-state item).
+    pub stream_shape: Option<StreamShape>,
+}
+
+/// Host -> device seconds a streamed optimizer step's chunk copy aims at: long enough that a
+/// copy's fixed cost is small, short enough that the fill and drain are.
+pub const STREAM_CHUNK_S: f64 = 4e-3;
+/// Staging slots of a streamed optimizer step: the chunk being updated, the next one coming
+/// in and the previous one going back.
+pub const STREAM_SLOTS: u32 = 3;
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Seconds a streamed optimizer step takes whose update alone takes `update_s` (spread evenly
+/// over its chunks): the copy of the first chunk in (the fill), one stage per chunk of the
+/// longer of its update and the copies beside it (the next chunk in and the previous one back,
+/// one after the other on the copy stream, each at the host link's rate in its direction), and
+/// the write-back of the last (the drain).
+pub fn streamed_step_s(cost: &CostModel, update_s: f64, shape: StreamShape) -> f64 {
+    let chunk = (shape.chunk_elems * 12) as f64;
+    let w = rollplex_plan::work::Work {
+        bytes: chunk,
+        steps: 1,
+        host_bytes: chunk,
+        ..Default::default()
+    };
+    let sms = cost.gpu().sms;
+    let cin = cost.time_dir(WorkKind::Transfer, &w, sms, HostDir::ToDevice);
+    let cout = cost.time_dir(WorkKind::Transfer, &w, sms, HostDir::ToHost);
+    let n = shape.chunks.max(1) as f64;
+    cin + cout + n * (cin + cout).max(update_s / n)
+}
+
+/// The chunking of a streamed optimizer step over `elems` parameters (12 bytes each: master,
+/// two moments) at `s_per_byte` host -> device: chunks of [`STREAM_CHUNK_S`] of copy, at most
+/// an eighth of the state (so the staging slots are a fraction of it even for small models),
+/// a multiple of 64 parameters.
+pub fn stream_chunks(elems: u64, s_per_byte: f64) -> StreamShape {
+    let by_time = if s_per_byte > 0.0 {
+        (STREAM_CHUNK_S / s_per_byte / 12.0) as u64
+    } else {
+        u64::MAX
+    };
+    let chunk_elems = by_time.min(elems.div_ceil(8)).max(1).next_multiple_of(64);
+    StreamShape {
+        chunk_elems,
+        chunks: elems.div_ceil(chunk_elems).max(1) as u32,
+        slots: STREAM_SLOTS,
+    }
 }
 
 /// What kept activation layers cost and save (`recompute = auto`; `pg` lowered with none
@@ -165,11 +220,35 @@ pub fn model(
                 .collect(),
             train_kept: true,
             train_off: false,
+            stream: None,
+            fixed: None,
         });
         kinds.push(Item::RefWeights);
     }
     let opt = bytes(pg, BufferRole::MasterWeights) + bytes(pg, BufferRole::AdamMoments);
+    let mut stream_shape = None;
+    let mut stream_item = None; // the optimizer state, streaming left to the ILP
     if opt > 0.0 {
+        // Streaming: each optimizer step copies chunk k + 1 in and writes chunk k - 1 back
+        // (one after the other on the copy stream) while chunk k is updated, so a step takes
+        // the fill, `chunks` stages of max(copies, update) and the drain.
+        let elems = bytes(pg, BufferRole::MasterWeights) as u64 / 4;
+        let shape = stream_chunks(elems, reload_s(GIB) / GIB);
+        let stream_s: f64 = pg
+            .ids()
+            .map(|i| pg.node(i))
+            .filter(|n| n.gpu == tg && matches!(n.op, Op::OptimizerStep { .. }))
+            .map(|n| {
+                let update = cost.time(n.kind, &n.work, total);
+                streamed_step_s(cost, update, shape) - update
+            })
+            .sum();
+        let (stream, fixed) = match spec.train.optimizer_state {
+            OptimizerState::Auto => (true, None),
+            OptimizerState::Hbm => (false, Some(ilp::ItemChoice::Hbm)),
+            OptimizerState::Host => (false, Some(ilp::ItemChoice::Off)),
+            OptimizerState::Stream => (true, Some(ilp::ItemChoice::Stream)),
+        };
         items.push(ResItem {
             name: "optimizer state".into(),
             bytes: opt,
@@ -180,8 +259,15 @@ pub fn model(
             decode_if_class: vec![],
             train_kept: true,
             train_off: true,
+            stream: stream.then(|| ilp::StreamOption {
+                train_bytes: (shape.slots as u64 * shape.chunk_elems * 12) as f64,
+                stream_s: stream_s.max(0.0),
+            }),
+            fixed,
         });
         kinds.push(Item::OptimizerState);
+        stream_shape = Some(shape);
+        stream_item = (fixed.is_none()).then_some(items.len() - 1);
     }
     let sync = pg
         .ids()
@@ -211,6 +297,8 @@ pub fn model(
                 decode_if_class: vec![],
                 train_kept: true,
                 train_off: false,
+                stream: None,
+                fixed: None,
             });
             kinds.push(Item::FrozenRollout);
         }
@@ -331,6 +419,31 @@ pub fn model(
     let act_layers = (spec.train.recompute == Recompute::Auto)
         .then(|| act_layers(pg, cost, &wl, class_index(SideClass::MicroBatch)));
     let budget = spec.schedule.memory_budget as f64;
+    // Streaming is offered only where a memory row may move the state off HBM: the training
+    // row does not fit with every item in HBM and every activation layer kept, or the decode
+    // row with every item in HBM. Elsewhere the answer keeps it in HBM and the ILP gets no
+    // variable for it (a model that differs only by an unused variable may break ties
+    // between equal plans differently).
+    if let Some(i) = stream_item {
+        let train_all = train_base
+            + items
+                .iter()
+                .filter(|it| it.train_kept || it.train_off)
+                .map(|it| it.bytes)
+                .sum::<f64>()
+            + act_layers
+                .as_ref()
+                .map_or(0.0, |a| a.bytes_per_layer * a.layers as f64);
+        let decode_all = decode_base
+            + items
+                .iter()
+                .filter(|it| it.decode_kept || it.decode_off)
+                .map(|it| it.bytes)
+                .sum::<f64>();
+        if train_all <= budget - cuts.train as f64 && decode_all <= budget - cuts.decode as f64 {
+            items[i].stream = None;
+        }
+    }
     Model {
         input: Residency {
             items,
@@ -348,10 +461,35 @@ pub fn model(
             act_layers,
         },
         kept_layers: pg.kept_layers,
+        stream_shape,
         items: kinds,
         kept: kept_classes,
         reshard: points,
     }
+}
+
+/// A job that forces the optimizer state off HBM (`optimizer_state = host` or `stream`) needs
+/// the host memory for it (unless the driver's last attempt ignores the host budget).
+pub fn check_forced(pg: &PhaseGraph, cuts: Cuts) -> Result<()> {
+    let spec = &pg.spec;
+    let opt = bytes(pg, BufferRole::MasterWeights) + bytes(pg, BufferRole::AdamMoments);
+    let off = matches!(
+        spec.train.optimizer_state,
+        OptimizerState::Host | OptimizerState::Stream
+    );
+    if off && !cuts.host_unlimited && opt > spec.schedule.host_memory as f64 {
+        return Err(CompileError::user(
+            "train.optimizer_state",
+            format!(
+                "the optimizer state ({:.2} GiB a GPU) is kept on the host, but `host_memory` \
+                 is {:.2} GiB",
+                opt / GIB,
+                spec.schedule.host_memory as f64 / GIB
+            ),
+            "raise `schedule { host_memory }`, or write `optimizer_state = auto`",
+        ));
+    }
+    Ok(())
 }
 
 /// Whether media encoding can run while the weights are resharded: it reads only frozen
@@ -376,6 +514,13 @@ pub fn choice(m: &Model, ans: &ilp::Answer) -> ResidencyChoice {
     ResidencyChoice {
         ref_host: is_off(Item::RefWeights),
         optimizer_host: is_off(Item::OptimizerState),
+        optimizer_stream: m
+            .items
+            .iter()
+            .zip(&ans.streamed)
+            .any(|(&it, &st)| it == Item::OptimizerState && st)
+            .then_some(m.stream_shape)
+            .flatten(),
         frozen_rebuilt: is_off(Item::FrozenRollout),
         ref_prefix_host: host(SideClass::RefPrefix),
         old_prefix_host: host(SideClass::OldPrefix),
@@ -392,6 +537,7 @@ pub fn solve_alone(
     cuts: Cuts,
     time_limit_s: f64,
 ) -> Result<(ResidencyChoice, SolverStats, IlpRun)> {
+    check_forced(pg, cuts)?;
     let m = model(pg, cost, cuts, &|_| None);
     let problem = ilp::Problem {
         options: vec![],
@@ -429,7 +575,9 @@ pub fn label(r: &ResidencyChoice, colocated: bool) -> String {
     if r.ref_host {
         off.push("reference weights on host");
     }
-    if r.optimizer_host {
+    if r.optimizer_stream.is_some() {
+        off.push("optimizer state on host, streamed");
+    } else if r.optimizer_host {
         off.push("optimizer state on host");
     }
     if r.frozen_rebuilt {
@@ -513,12 +661,15 @@ mod tests {
 
     /// `recompute = auto` keeps every layer's activations when they fit (the plan of `none`),
     /// and between the peaks of `full` and `none` keeps only some layers: within the budget,
-    /// predicted between the two.
+    /// predicted between the two (the optimizer state held in HBM). With the optimizer state
+    /// left to the planner, it streams the state instead at that budget and keeps every
+    /// layer, faster than recomputing.
     #[test]
     fn auto_keeps_the_activation_layers_memory_allows() {
-        use rollplex_plan::spec::Recompute;
+        use rollplex_plan::spec::{OptimizerState, Recompute};
         let with = |r: Recompute, budget: Option<u64>| {
             let mut spec = paper_job(QwenSize::B7);
+            spec.train.optimizer_state = OptimizerState::Hbm;
             spec.train.recompute = r;
             if let Some(b) = budget {
                 spec.schedule.memory_budget = b;
@@ -546,6 +697,26 @@ mod tests {
         assert!(
             none.predicted.iteration_s < t && t < full.predicted.iteration_s,
             "{t}"
+        );
+        let mut spec = paper_job(QwenSize::B7);
+        spec.train.recompute = Recompute::Auto;
+        spec.schedule.memory_budget = budget;
+        let streamed = compile(&spec, Mode::Serial);
+        let st = streamed.optimizer_stream.clone().unwrap_or_else(|| {
+            panic!(
+                "not streamed: {} layers, peak {}, {}",
+                streamed.kept_act_layers,
+                streamed.memory.gpus[0].peak,
+                streamed.predicted.iteration_s
+            )
+        });
+        assert!(st.chunks > 1 && st.slots == 3, "{st:?}");
+        assert_eq!(streamed.kept_act_layers, layers);
+        assert!(streamed.memory.gpus[0].peak <= budget);
+        let ts = streamed.predicted.iteration_s;
+        assert!(
+            none.predicted.iteration_s < ts && ts < t,
+            "{ts} against {t}"
         );
     }
 

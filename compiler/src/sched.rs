@@ -15,7 +15,9 @@
 //!   window's steps beside side work slower than its steps after it). Elsewhere a task has the
 //!   whole GPU (transfers on the copy stream are assumed not to slow compute; an offload's
 //!   host bytes go at the cost model's device -> host rate, every other task's at its
-//!   host -> device rate: `Op::host_dir`);
+//!   host -> device rate: `Op::host_dir`); a streamed optimizer step (`optimizer_stream`)
+//!   lasts its fill, one stage per chunk and its drain
+//!   ([`crate::residency::streamed_step_s`]);
 //! - a step inside a window is reached in proportion to the window's duration.
 //!
 //! Invariant: `tasks` is in issue order: every dependency index is smaller than the task's.
@@ -74,6 +76,16 @@ pub fn predict(s: &mut Sched, cost: &CostModel) {
         }
         let t = &s.tasks[i];
         let mut dur = cost.time_dir(kind, &t.work, t.sms.clamp(1, total_sms), t.op.host_dir());
+        if let Some(st) = s.optimizer_stream.as_ref().filter(|st| st.gpu == t.gpu) {
+            if matches!(t.op, Op::OptimizerStep { .. }) {
+                let shape = crate::ir::StreamShape {
+                    chunk_elems: st.chunk_elems,
+                    chunks: st.chunks,
+                    slots: st.slots,
+                };
+                dur = crate::residency::streamed_step_s(cost, dur, shape);
+            }
+        }
         if let Some(w) = window {
             let win = &s.windows[w as usize];
             if win.side_sms > 0 {

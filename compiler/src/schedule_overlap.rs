@@ -245,6 +245,7 @@ fn place_priced(
     } else {
         prec(SideClass::TrainPrefix, SideClass::MicroBatch, PrecKind::All);
     }
+    crate::residency::check_forced(pg, cuts)?;
     let rmodel = crate::residency::model(pg, cost, cuts, &|c| idx(c));
     let problem = Problem {
         options: options.clone(),

@@ -333,3 +333,56 @@ fn old_logprobs_source_and_tasks_disagree() {
     };
     assert_eq!(rules(&p), vec!["old_logprobs"]);
 }
+
+/// The job of [`overlap_plan`] with its optimizer state streamed (`optimizer_state = stream`).
+fn streamed_plan() -> Plan {
+    use rollplex_plan::spec::OptimizerState;
+    plan(
+        &job(|s| {
+            s.train.optimizer_state = OptimizerState::Stream;
+            s.schedule.host_memory = 1 << 40;
+        }),
+        Mode::Overlap,
+    )
+}
+
+#[test]
+fn malformed_optimizer_stream() {
+    let good = streamed_plan();
+    let st = good.optimizer_stream.clone().expect("streamed");
+    assert_eq!(rules(&good), Vec::<&str>::new());
+    // a slot count the executors do not run, chunks of nothing, a chunk count that does not
+    // cover the state, staging of another size, a GPU that is not there
+    let broken: [&dyn Fn(&mut Plan); 5] = [
+        &|p| p.optimizer_stream.as_mut().unwrap().slots = 4,
+        &|p| p.optimizer_stream.as_mut().unwrap().chunk_elems = 0,
+        &|p| p.optimizer_stream.as_mut().unwrap().chunks += 1,
+        &|p| {
+            let i = role_at(p, BufferRole::AdamMoments);
+            p.buffers[i].bytes -= 4;
+        },
+        &|p| p.optimizer_stream.as_mut().unwrap().gpu = rollplex_plan::GpuId(9),
+    ];
+    for (k, f) in broken.iter().enumerate() {
+        let mut p = good.clone();
+        f(&mut p);
+        assert!(
+            rules(&p).contains(&"optimizer_stream"),
+            "case {k} ({st:?}): {:?}",
+            rules(&p)
+        );
+    }
+    // the optimizer step must update the host copies
+    let mut p = good.clone();
+    for t in p.tasks.iter_mut() {
+        if matches!(t.op, Op::OptimizerStep { .. }) {
+            t.reads
+                .retain(|&b| good.buffers[b.index()].role != BufferRole::HostCopy);
+        }
+    }
+    assert!(rules(&p).contains(&"optimizer_stream"), "{:?}", rules(&p));
+    // a plan without the state on the host cannot stream it
+    let mut p = overlap_plan();
+    p.optimizer_stream = Some(st);
+    assert!(rules(&p).contains(&"optimizer_stream"), "{:?}", rules(&p));
+}

@@ -886,6 +886,13 @@ fn train(
         Some("none") => Recompute::None,
         _ => Recompute::Auto,
     };
+    let optimizer_state = match t.choice(cx, "optimizer_state", &["auto", "hbm", "host", "stream"])
+    {
+        Some("hbm") => OptimizerState::Hbm,
+        Some("host") => OptimizerState::Host,
+        Some("stream") => OptimizerState::Stream,
+        _ => OptimizerState::Auto,
+    };
     let old_logprobs = match t.choice(cx, "old_logprobs", &["auto", "recompute"]) {
         Some("recompute") => OldLogProbPass::Recompute,
         _ => OldLogProbPass::Auto,
@@ -901,6 +908,7 @@ fn train(
         freeze_vision: freeze.contains(&"vision"),
         freeze_merger: freeze.contains(&"merger"),
         recompute,
+        optimizer_state,
         groups,
         old_logprobs,
     }
@@ -917,6 +925,7 @@ fn stand_in_train(samples: u32) -> TrainSpec {
         freeze_vision: false,
         freeze_merger: false,
         recompute: Recompute::None,
+        optimizer_state: OptimizerState::Auto,
         groups: None,
         old_logprobs: OldLogProbPass::Auto,
     }

@@ -86,9 +86,16 @@ pub(super) fn read(
             })
             .map(|(k, _)| k)
             .unwrap_or(0);
+    let streamed: Vec<bool> =
+        v.st.iter()
+            .map(|st| st.is_some_and(|st| sol.value(st) > 0.5))
+            .collect();
     for (i, it) in res.items.iter().enumerate() {
         if off[i] {
-            objective += it.off_s;
+            objective += match (&it.stream, streamed[i]) {
+                (Some(so), true) => so.stream_s,
+                _ => it.off_s,
+            };
         }
     }
     objective += res.reshard.get(reshard).map(|o| o.exposed_s).unwrap_or(0.0);
@@ -110,6 +117,7 @@ pub(super) fn read(
         option,
         counts,
         off,
+        streamed,
         reshard,
         kept_host,
         act_layers,

@@ -40,6 +40,11 @@
 //!   in training whatever their residency count in full);
 //! - host row: `sum_i host_bytes[i] off[i] <= host budget`;
 //! - `sum_k x[k] = 1`; `x[k] + off[i] <= 1` where option `k` needs item `i` in HBM;
+//! - streaming ([`StreamOption`], the optimizer state): `st[i]` (binary: off HBM and streamed
+//!   through it in chunks by its users instead of reloaded whole), `st[i] <= off[i]`; the
+//!   training row counts only the staging bytes (`- (bytes[i] - train_bytes[i]) st[i]`), the
+//!   objective `stream_s` instead of `off_s` (`+ (stream_s[i] - off_s[i]) st[i]`); a choice
+//!   the job forces fixes `off[i]` and `st[i]` by rows;
 //! - kept prefix states ([`KeptState`]): `h[k]` (binary: the state its class produces in
 //!   windows goes to host chunk by chunk and comes back after decode); `h[k] <= u[class]`
 //!   (only what is produced next to decode moves; a class left out of the windows is the
@@ -176,6 +181,27 @@ pub struct ResItem {
     /// In the training-phase memory row when kept / when off.
     pub train_kept: bool,
     pub train_off: bool,
+    /// A third choice, off HBM and streamed through it in chunks by its users (the optimizer
+    /// state): `None` where the item has none.
+    pub stream: Option<StreamOption>,
+    /// The choice the job forces (`None`: the ILP's).
+    pub fixed: Option<ItemChoice>,
+}
+
+/// What streaming an item costs: the training row counts only its staging bytes, the
+/// objective its exposed streaming time instead of `off_s`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StreamOption {
+    pub train_bytes: f64,
+    pub stream_s: f64,
+}
+
+/// A residency item's choice, where a job forces one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ItemChoice {
+    Hbm,
+    Off,
+    Stream,
 }
 
 /// Where the weight sync may run: its exposed seconds and the items whose being off HBM
@@ -261,6 +287,8 @@ pub struct Answer {
     pub solve_s: f64,
     /// Per residency item: off HBM.
     pub off: Vec<bool>,
+    /// Per residency item: streamed (then also `off`).
+    pub streamed: Vec<bool>,
     /// The chosen reshard option.
     pub reshard: usize,
     /// Per kept prefix state: on host.

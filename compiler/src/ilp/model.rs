@@ -22,6 +22,8 @@ pub(super) struct Vars {
     pub u: Vec<Variable>,
     /// `off[i]` per residency item.
     pub off: Vec<Variable>,
+    /// `st[i]`: streamed, for items with a [`super::StreamOption`].
+    pub st: Vec<Option<Variable>>,
     /// `v[i]`: in HBM during decode, for items the decode row counts only when kept.
     pub dv: Vec<Option<Variable>>,
     /// `x[k]`, only when there is more than one reshard option.
@@ -75,6 +77,11 @@ impl Vars {
         // Residency: off[i] (binary), v[i] (in HBM during decode), x[k] (reshard option), slacks.
         let off: Vec<Variable> = (0..res.items.len())
             .map(|_| vars.add(variable().binary()))
+            .collect();
+        let st: Vec<Option<Variable>> = res
+            .items
+            .iter()
+            .map(|it| it.stream.as_ref().map(|_| vars.add(variable().binary())))
             .collect();
         let dv: Vec<Option<Variable>> = res
             .items
@@ -156,6 +163,7 @@ impl Vars {
             + some(&z)
             + u.len() as u32
             + off.len() as u32
+            + st.iter().flatten().count() as u32
             + x.len() as u32
             + h.iter().flatten().count() as u32
             + act.iter().count() as u32;
@@ -170,6 +178,7 @@ impl Vars {
             z,
             u,
             off,
+            st,
             dv,
             x,
             h,
@@ -225,6 +234,10 @@ pub(super) fn objective(p: &Problem, res: &Residency, v: &Vars) -> Expression {
     }
     for (i, it) in res.items.iter().enumerate() {
         obj += (it.off_s + 1e-6 * (i as f64 + 1.0)) * v.off[i];
+        if let (Some(so), Some(stv)) = (&it.stream, v.st[i]) {
+            // at equal times, the whole reload over streaming
+            obj += (so.stream_s - it.off_s + 0.5e-6) * stv;
+        }
     }
     for (k, o) in res.reshard.iter().enumerate() {
         if let Some(&xv) = v.x.get(k) {
@@ -317,6 +330,18 @@ pub(super) fn rows(p: &Problem, res: &Residency, v: &Vars) -> Vec<Constraint> {
         return rows;
     }
     let Memory { dec, train, host } = memory(p, res, v, &mut rows);
+    for (i, it) in res.items.iter().enumerate() {
+        let Some(fix) = it.fixed else { continue };
+        let (o, st) = match fix {
+            super::ItemChoice::Hbm => (0.0, 0.0),
+            super::ItemChoice::Off => (1.0, 0.0),
+            super::ItemChoice::Stream => (1.0, 1.0),
+        };
+        rows.push(constraint!(off[i] == o));
+        if let Some(stv) = v.st[i] {
+            rows.push(constraint!(stv == st));
+        }
+    }
     rows.push(constraint!(dec <= res.decode_budget / GIB + v.slack[0]));
     rows.push(constraint!(train <= res.train_budget / GIB + v.slack[1]));
     rows.push(constraint!(host <= res.host_budget.max(0.0) / GIB));
@@ -367,6 +392,10 @@ pub(super) fn memory(p: &Problem, res: &Residency, v: &Vars, rows: &mut Vec<Cons
             train += b;
         } else if it.train_kept {
             train += b - b * off[i];
+        }
+        if let (Some(so), Some(stv)) = (&it.stream, v.st[i]) {
+            rows.push(constraint!(stv <= off[i]));
+            train += -((it.bytes - so.train_bytes).max(0.0) / GIB) * stv;
         }
         host += it.host_bytes / GIB * off[i];
     }
@@ -427,15 +456,27 @@ pub(super) fn start(p: &Problem, res: &Residency, v: &Vars) -> Vec<(Variable, f6
         let mut dec = res.decode_base;
         let mut train = res.train_base;
         for (i, it) in res.items.iter().enumerate() {
-            init.push((v.off[i], 0.0));
-            if let Some(dv) = v.dv[i] {
-                init.push((dv, 1.0));
+            // everything in HBM, but what the job forces off it
+            let (o, st) = match it.fixed {
+                Some(super::ItemChoice::Off) => (1.0, 0.0),
+                Some(super::ItemChoice::Stream) => (1.0, 1.0),
+                _ => (0.0, 0.0),
+            };
+            init.push((v.off[i], o));
+            if let Some(stv) = v.st[i] {
+                init.push((stv, st));
             }
-            if it.decode_kept || it.decode_off {
+            if let Some(dv) = v.dv[i] {
+                init.push((dv, 1.0 - o));
+            }
+            if it.decode_off || (it.decode_kept && o == 0.0) {
                 dec += it.bytes;
             }
-            if it.train_kept || it.train_off {
-                train += it.bytes;
+            if it.train_off || (it.train_kept && o == 0.0) {
+                train += match (&it.stream, st == 1.0) {
+                    (Some(so), true) => so.train_bytes,
+                    _ => it.bytes,
+                };
             }
         }
         for (k, &xv) in v.x.iter().enumerate() {

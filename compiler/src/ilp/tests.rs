@@ -16,6 +16,8 @@ fn item(name: &str, gib: f64, off_s: f64) -> ResItem {
         decode_if_class: vec![],
         train_kept: true,
         train_off: false,
+        stream: None,
+        fixed: None,
     }
 }
 

@@ -61,8 +61,51 @@ pub struct Plan {
     /// same GPUs (colocated modes; `None` when rollout has GPUs of its own).
     #[serde(default)]
     pub weight_sharing: Option<WeightSharing>,
+    /// The training GPU program whose optimizer step streams its state through the device in
+    /// chunks (`None`: the state is in HBM, or reloaded whole before the step and written back
+    /// after it).
+    pub optimizer_stream: Option<OptimizerStream>,
     pub memory: Memory,
     pub spec: JobSpec,
+}
+
+/// A streamed optimizer step: the fp32 master weights and Adam moments live in their host
+/// copies (`master_weights.host`, `adam_moments.host`: the source of truth between steps), and
+/// each optimizer step of `gpu` updates them chunk by chunk. Chunk `k` is the parameters
+/// `k * chunk_elems .. min((k + 1) * chunk_elems, total)` of the flat state (trainable tensors
+/// in table order; `total` = the masters' host copy bytes / 4). Its masters are staged in
+/// slot `k % slots` of the device buffer `master_weights` (slot `j` at `j * chunk_elems` f32),
+/// its moments in slot `k % slots` of `adam_moments` (first moments then second moments, each
+/// `chunk_elems` f32, slot `j` at `2 * j * chunk_elems`). In a fixed order: the copy of chunk
+/// `k + 1` host -> device and the write-back of chunk `k - 1` device -> host overlap the
+/// update of chunk `k`; chunk `k` is copied in only once the write-back of the chunk that
+/// last used its slot (`k - slots`) is done. The gradient norm and clip factor are computed
+/// over every gradient before the first chunk, so the numbers are the in-HBM step's.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OptimizerStream {
+    pub gpu: GpuId,
+    /// Parameters (f32 elements of each state tensor) per chunk.
+    pub chunk_elems: u64,
+    /// Chunks per step: `ceil(total / chunk_elems)`.
+    pub chunks: u32,
+    /// Staging slots on the device (2 or 3).
+    pub slots: u32,
+}
+
+impl OptimizerStream {
+    /// Device bytes of the masters' staging (`master_weights` of a streamed plan).
+    pub fn master_bytes(&self) -> u64 {
+        self.slots as u64 * self.chunk_elems * 4
+    }
+    /// Device bytes of the moments' staging (`adam_moments` of a streamed plan).
+    pub fn moment_bytes(&self) -> u64 {
+        2 * self.master_bytes()
+    }
+    /// The parameter range of chunk `k` of `total`.
+    pub fn chunk(&self, k: u32, total: u64) -> std::ops::Range<u64> {
+        let a = (k as u64 * self.chunk_elems).min(total);
+        a..(a + self.chunk_elems).min(total)
+    }
 }
 
 /// The machine a plan was compiled for; the runtime refuses to run on a different one.

@@ -294,6 +294,9 @@ pub struct TrainSpec {
     pub freeze_vision: bool,
     pub freeze_merger: bool,
     pub recompute: Recompute,
+    /// Where the optimizer state lives between steps and how the step reaches it
+    /// (`train { optimizer_state }`); under `auto` the planner decides.
+    pub optimizer_state: OptimizerState,
     /// GRPO groups trained per iteration (`train { groups }`); `None`: every rolled-out group.
     /// Fewer than `rollout.prompts_per_iter` is dynamic sampling (DAPO): more groups are rolled
     /// out and scored than trained, and the runtime picks the trained ones after rewards by
@@ -489,6 +492,23 @@ pub enum Recompute {
     /// keep their input and are recomputed, as many kept as the memory budget allows (the
     /// plan's [`crate::Plan::kept_act_layers`]).
     Auto,
+}
+
+/// Residency of the optimizer state (fp32 master weights and Adam moments):
+/// `train { optimizer_state }`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OptimizerState {
+    /// The planner decides (an ILP choice among the three below, under the memory rows).
+    Auto,
+    /// In HBM throughout.
+    Hbm,
+    /// On the host between steps: reloaded whole before the first optimizer step and written
+    /// back after the last.
+    Host,
+    /// On the host, streamed through the device in chunks by each optimizer step
+    /// ([`crate::OptimizerStream`]).
+    Stream,
 }
 
 impl Recompute {

@@ -40,6 +40,13 @@
 //!   `OptimizerStep{S}` runs; host copies, and only they, are in host arenas, and an offload
 //!   writes (a reload reads) a host copy and nothing else; the decode KV arena's `kv_prompt`
 //!   starts at the aligned end of its `kv_response` (the runtime sees them as one range).
+//! - `optimizer_stream`: a streamed optimizer step ([`crate::OptimizerStream`]) names a GPU
+//!   program that runs optimizer steps, 2 or 3 staging slots and a chunk of at least one
+//!   parameter, and as many chunks as cover its state; that program has host copies of the
+//!   master weights and of the moments (the moments' twice the masters' bytes), its
+//!   `master_weights` and `adam_moments` device buffers are exactly the staging slots, no
+//!   reload or offload moves them, and every optimizer step of it reads and writes both host
+//!   copies.
 //! - `old_logprobs`: the plan's `old_logprobs` says where the loss's old log-probs come from.
 //!   `train_forward`: no old-log-prob task (`Purpose::OldLogProb`) or buffer, one optimizer
 //!   step per iteration (every micro-batch and step is step 0), no truncated importance
@@ -55,7 +62,8 @@
 
 use crate::ids::{BufferId, GpuId, Groups, TaskId};
 use crate::plan::{
-    align_up, ArenaKind, BufferRole, GpuRole, Lifetime, OldLogProbSource, Op, Plan, Purpose,
+    align_up, ArenaKind, BufferClass, BufferRole, GpuRole, Lifetime, OldLogProbSource, Op, Plan,
+    Purpose,
 };
 use crate::spec::OldLogProbPass;
 use std::collections::{BTreeMap, BTreeSet};
@@ -121,6 +129,7 @@ pub fn validate(plan: &Plan) -> Result<(), Violations> {
     v.ranges();
     v.memory(&hb);
     v.roles();
+    v.optimizer_stream();
     v.old_logprobs(&hb);
     v.activations();
     v.work();
@@ -890,6 +899,113 @@ impl Checker<'_> {
                     ),
                 );
             }
+        }
+    }
+
+    fn optimizer_stream(&mut self) {
+        let p = self.plan;
+        let Some(st) = &p.optimizer_stream else {
+            return;
+        };
+        let bad = |m: String| ("optimizer_stream", m);
+        let mut errs = Vec::new();
+        if st.gpu.index() >= p.gpus.len() {
+            self.err(
+                "optimizer_stream",
+                format!("streams on {}, not a GPU", st.gpu),
+            );
+            return;
+        }
+        if !(2..=3).contains(&st.slots) {
+            errs.push(bad(format!("{} staging slots (2 or 3)", st.slots)));
+        }
+        if st.chunk_elems == 0 {
+            errs.push(bad("chunks of 0 parameters".into()));
+        }
+        let on = |role: BufferRole, class: BufferClass| {
+            p.buffers
+                .iter()
+                .find(|b| b.gpu == st.gpu && b.role == role && b.class == class)
+        };
+        let host = (
+            on(BufferRole::HostCopy, BufferClass::MasterWeights),
+            on(BufferRole::HostCopy, BufferClass::OptimizerMoments),
+        );
+        let dev = (
+            on(BufferRole::MasterWeights, BufferClass::MasterWeights),
+            on(BufferRole::AdamMoments, BufferClass::OptimizerMoments),
+        );
+        let steps: Vec<&crate::plan::Task> = p
+            .tasks
+            .iter()
+            .filter(|t| t.gpu == st.gpu && matches!(t.op, Op::OptimizerStep { .. }))
+            .collect();
+        if steps.is_empty() {
+            errs.push(bad(format!("{} runs no optimizer step", st.gpu)));
+        }
+        match host {
+            (Some(hm), Some(hv)) => {
+                let total = hm.bytes / 4;
+                if hv.bytes != 2 * hm.bytes {
+                    errs.push(bad(format!(
+                        "host copies of {} B of masters and {} B of moments (twice as many)",
+                        hm.bytes, hv.bytes
+                    )));
+                }
+                if st.chunk_elems > 0 && total.div_ceil(st.chunk_elems) != st.chunks as u64 {
+                    errs.push(bad(format!(
+                        "{} chunks of {} parameters for a state of {total}",
+                        st.chunks, st.chunk_elems
+                    )));
+                }
+                for t in &steps {
+                    for b in [hm.id, hv.id] {
+                        if !t.reads.contains(&b) || !t.writes.contains(&b) {
+                            errs.push(bad(format!(
+                                "{} `{}` does not read and write the host copy {b}",
+                                t.id, t.name
+                            )));
+                        }
+                    }
+                }
+            }
+            _ => errs.push(bad(format!(
+                "{} has no host copy of the master weights and the moments",
+                st.gpu
+            ))),
+        }
+        match dev {
+            (Some(m), Some(v)) => {
+                if m.bytes != st.master_bytes() || v.bytes != st.moment_bytes() {
+                    errs.push(bad(format!(
+                        "staging of {} B of masters and {} B of moments, not {} slots of {} \
+                         parameters ({} B and {} B)",
+                        m.bytes,
+                        v.bytes,
+                        st.slots,
+                        st.chunk_elems,
+                        st.master_bytes(),
+                        st.moment_bytes()
+                    )));
+                }
+                for t in p.tasks.iter().filter(|t| t.gpu == st.gpu) {
+                    if let Op::Reload { to: b, .. } | Op::Offload { from: b, .. } = t.op {
+                        if b == m.id || b == v.id {
+                            errs.push(bad(format!(
+                                "{} `{}` moves the streamed staging {b} whole",
+                                t.id, t.name
+                            )));
+                        }
+                    }
+                }
+            }
+            _ => errs.push(bad(format!(
+                "{} has no master weights and moments staging",
+                st.gpu
+            ))),
+        }
+        for (rule, m) in errs {
+            self.err(rule, m);
         }
     }
 

@@ -108,6 +108,7 @@ fn spec() -> JobSpec {
             freeze_vision: true,
             freeze_merger: false,
             recompute: Recompute::None,
+            optimizer_state: rollplex_plan::spec::OptimizerState::Auto,
             groups: None,
             old_logprobs: OldLogProbPass::Auto,
         },
@@ -374,6 +375,7 @@ fn plan(split: Option<(u32, u32)>) -> Plan {
         buffers,
         reshards: vec![],
         weight_sharing: None,
+        optimizer_stream: None,
         memory: Memory {
             arenas: vec![Arena {
                 id: ArenaId(0),
