@@ -266,6 +266,38 @@ fn cuda_reloaded_reference_trains_as_in_hbm() {
     }
 }
 
+/// The streamed optimizer step on the device: with `optimizer_state = stream` the masters and
+/// moments live in pinned host memory and every step copies them through three staging chunks
+/// on a copy stream, ordered by events against the update kernels; the job trains bitwise as
+/// with the state in HBM, serial and overlap.
+#[test]
+fn cuda_streamed_optimizer_state_trains_as_in_hbm() {
+    let Some(_gpu) = common::gpu_device() else {
+        return;
+    };
+    let base = common::overlap_small_frozen()
+        .replace("text_tokens = 256", "text_tokens = 16")
+        .replace(
+            "decode_window = 4",
+            "decode_window = 4\n        host_memory = 1GiB",
+        );
+    let with = |choice: &str, mode: Mode| {
+        let src = common::in_train(&base, &format!("optimizer_state = {choice}"));
+        common::compile("overlap_small.rpx", &src, mode)
+    };
+    let in_hbm = with("hbm", Mode::Overlap);
+    assert!(in_hbm.optimizer_stream.is_none());
+    let (r0, w0, _) = run_gpu_in(&in_hbm, 3, true);
+    for mode in [Mode::Serial, Mode::Overlap] {
+        let plan = with("stream", mode);
+        let st = plan.optimizer_stream.clone().expect("streamed");
+        assert!(st.chunks >= 3, "{mode:?}: {st:?}");
+        let (r, w, _) = run_gpu_in(&plan, 3, true);
+        assert_same_training(&r0, &r, "in HBM", &format!("streamed, {mode:?}"));
+        assert!(w0 == w, "{mode:?}: final weights differ");
+    }
+}
+
 #[test]
 fn cuda_first_iteration_agrees_with_the_cpu_backend() {
     let Some(_gpu) = common::gpu_device() else {

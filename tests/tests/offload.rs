@@ -93,3 +93,71 @@ fn reading_the_reference_while_it_is_on_the_host_is_refused() {
         "{e}"
     );
 }
+
+/// The optimizer-state choices of `train { optimizer_state }` on the small job (every layer's
+/// activations kept, 16 text tokens a prompt, 1 GiB of host memory): in HBM, on the host reloaded whole, and
+/// streamed through the device in chunks. The three train to bitwise the same results and
+/// weights over two iterations, serial and overlap; the streamed plan has no whole reload or
+/// write-back of the state, its `master_weights` / `adam_moments` are only the staging slots,
+/// and its training phase holds less of the state than the in-HBM plan's.
+#[test]
+fn a_streamed_optimizer_state_trains_as_in_hbm() {
+    let base = common::in_train(
+        &common::overlap_small_frozen()
+            .replace("text_tokens = 256", "text_tokens = 16")
+            .replace(
+                "decode_window = 4",
+                "decode_window = 4\n        host_memory = 1GiB",
+            ),
+        "recompute = none",
+    );
+    let with = |choice: &str, mode: Mode| {
+        let src = common::in_train(&base, &format!("optimizer_state = {choice}"));
+        common::compile("overlap_small.rpx", &src, mode)
+    };
+    let moved = |plan: &Plan| -> Vec<String> {
+        plan.tasks
+            .iter()
+            .filter(|t| matches!(t.op, Op::Reload { .. } | Op::Offload { .. }))
+            .filter(|t| t.name.contains("master") || t.name.contains("adam"))
+            .map(|t| t.name.clone())
+            .collect()
+    };
+    let staging = |plan: &Plan, name: &str| {
+        plan.buffers
+            .iter()
+            .find(|b| b.name == name)
+            .map(|b| b.bytes)
+            .unwrap()
+    };
+    let in_hbm = with("hbm", Mode::Serial);
+    assert!(in_hbm.optimizer_stream.is_none() && moved(&in_hbm).is_empty());
+    let (r, w) = common::run_cpu(&in_hbm, 2).expect("in HBM");
+    let want = (bits(&r), w);
+    for mode in [Mode::Serial, Mode::Overlap] {
+        let host = with("host", mode);
+        assert!(host.optimizer_stream.is_none());
+        assert_eq!(moved(&host).len(), 4, "{mode:?}: {:?}", moved(&host));
+        let streamed = with("stream", mode);
+        let st = streamed
+            .optimizer_stream
+            .clone()
+            .unwrap_or_else(|| panic!("{mode:?}: not streamed"));
+        assert!(moved(&streamed).is_empty(), "{mode:?}");
+        assert!(st.chunks >= 3 && st.slots == 3, "{mode:?}: {st:?}");
+        assert_eq!(staging(&streamed, "master_weights"), st.master_bytes());
+        assert_eq!(staging(&streamed, "adam_moments"), st.moment_bytes());
+        assert!(
+            st.moment_bytes() < staging(&in_hbm, "adam_moments"),
+            "{mode:?}: staging is a part of the state"
+        );
+        for (what, plan) in [("whole reload", &host), ("streamed", &streamed)] {
+            let (r, w) = common::run_cpu(plan, 2).expect(what);
+            assert!(
+                bits(&r) == want.0,
+                "{mode:?}, {what}: the run differs from the in-HBM plan's"
+            );
+            assert!(w == want.1, "{mode:?}, {what}: final weights differ");
+        }
+    }
+}

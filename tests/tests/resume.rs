@@ -121,6 +121,42 @@ fn three_plus_resume_to_six_equals_six_bitwise() {
     );
 }
 
+/// A plan that streams its optimizer state through the device in chunks (`optimizer_state =
+/// stream`): 2 iterations resumed to 4 end with bitwise the checkpoint of 4 in one run, and
+/// that checkpoint's weights and optimizer state are bitwise those of the in-HBM plan's.
+#[test]
+fn a_streamed_optimizer_state_resumes_bitwise() {
+    let src = common::overlap_small().replace(
+        "decode_window = 4",
+        "decode_window = 4\n        host_memory = 1GiB",
+    );
+    let plan_of = |choice: &str| {
+        let src = common::in_train(&src, &format!("optimizer_state = {choice}"));
+        common::compile("overlap_small.rpx", &src, Mode::Overlap)
+    };
+    let streamed = plan_of("stream");
+    assert!(streamed.optimizer_stream.is_some(), "streamed");
+    let dir = common::Scratch::new("resume-streamed");
+    let (_, a, b) = run_and_resume(&dir, &streamed, 2, 4);
+    let in_hbm = plan_of("hbm");
+    assert!(in_hbm.optimizer_stream.is_none());
+    let hbm_path = dir.path().join("hbm.bin");
+    write_plan(&in_hbm, &hbm_path);
+    let c = dir.path().join("c");
+    cli::run(&args(&hbm_path, &c, 4)).expect("in-HBM run");
+    for f in ["model.safetensors", "optimizer.safetensors"] {
+        let want = read(ckpt(&a, 4).join(f));
+        assert!(
+            read(ckpt(&b, 4).join(f)) == want,
+            "{f} of iteration 4 differs between the streamed runs"
+        );
+        assert!(
+            read(ckpt(&c, 4).join(f)) == want,
+            "{f} of iteration 4 differs between the streamed and the in-HBM plan"
+        );
+    }
+}
+
 /// Runs `args` and returns its error, which must be a user error (exit 1).
 fn refused(a: &RunArgs) -> String {
     let e = cli::run(a).expect_err("must be refused");

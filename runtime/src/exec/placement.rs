@@ -13,6 +13,10 @@
 //! the range back, on the plan's copy stream and in its order. Between them the plan lays
 //! other buffers over that range.
 //!
+//! Streamed: a plan that streams the optimizer state (`Plan::optimizer_stream`) has its
+//! `master_weights` / `adam_moments` hold only the staging slots; the trainer keeps the state
+//! in pinned host images and allocates its own staging (`gpu::train::stream`).
+//!
 //! From the memory pool instead: the working
 //! sets inside a task (the plan's `scratch.*`), small per-group tables (last-prompt logits,
 //! rope tables), and what the plan keeps elsewhere:
@@ -173,7 +177,14 @@ pub fn layout(plan: &Plan, program: GpuId) -> Layout {
                 .push((b.offset, b.bytes));
             continue;
         }
-        let why = if b.residency.iter().any(|r| r.residency == Residency::Host) {
+        let streamed = plan
+            .optimizer_stream
+            .as_ref()
+            .is_some_and(|st| st.gpu == program);
+        let why = if streamed && matches!(role, Role::Masters | Role::Moments) {
+            // the state lives in the trainer's pinned host images; these are the staging slots
+            Some("staging of the streamed optimizer step (the trainer's own)")
+        } else if b.residency.iter().any(|r| r.residency == Residency::Host) {
             Some("offloaded to host memory in a phase")
         } else if role == Role::Media && trains_vision && old_prefixes {
             Some("read past its plan lifetime by old-log-prob prefixes when the tower trains")

@@ -9,6 +9,9 @@
 //! one address space, moving nothing) and refuse a task that reads such state while the plan
 //! has it on the host: a plan whose dependencies do not order a user after the reload is
 //! caught, on either backend, instead of reading whatever lies in the buffer's range.
+//! A plan that streams the optimizer state (`Plan::optimizer_stream`) has no such move for it:
+//! its `master_weights` / `adam_moments` are only staging slots the optimizer step fills
+//! itself, so they are not followed here.
 //! Pure: no device work.
 
 use std::collections::BTreeSet;

@@ -194,6 +194,18 @@ impl HostImage {
         self.bytes
     }
 
+    /// The image's first byte (for copies a caller queues itself).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// The image's bytes, to fill from the host; only while no copy into or out of it is
+    /// queued.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: `bytes` bytes allocated in `new`, alive while `self` is, borrowed uniquely
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.bytes) }
+    }
+
     /// The image's bytes; only meaningful once the copies queued into it have finished.
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: `bytes` bytes allocated in `new`, alive while `self` is

@@ -10,6 +10,7 @@
 
 use rollplex_plan::spec::AdamWSpec;
 
+use crate::train::adamw::StreamChunks;
 use crate::train::{AdamW, OptTable, StepReport};
 
 use super::comm::Communicator;
@@ -80,6 +81,18 @@ impl TpAdamW {
         model: &mut TpModel,
         grads: &mut [f32],
     ) -> Result<StepReport, TpError> {
+        self.step_with(comm, model, grads, None)
+    }
+
+    /// [`TpAdamW::step`], the state streamed in `chunks` when given
+    /// ([`crate::train::adamw::AdamW::step_with`]: bitwise the same).
+    pub fn step_with<C: Communicator>(
+        &mut self,
+        comm: &C,
+        model: &mut TpModel,
+        grads: &mut [f32],
+        chunks: Option<StreamChunks>,
+    ) -> Result<StepReport, TpError> {
         model.as_rank().check_comm(comm)?;
         let table = self.inner.table();
         if grads.len() != table.buffer_len() || model.weights.data.len() != table.buffer_len() {
@@ -121,7 +134,9 @@ impl TpAdamW {
                     .for_each(|g| *g *= coef);
             }
         }
-        let mut report = self.inner.step_f32(grads, &mut model.weights.data)?;
+        let mut report = self
+            .inner
+            .step_f32_with(grads, &mut model.weights.data, chunks)?;
         report.grad_norm = norm;
         Ok(report)
     }

@@ -411,6 +411,19 @@ impl AdamW {
     pub fn step(
         &mut self,
         grads: &mut [f32],
+        write_compute: impl FnMut(&OptParam, &[f32]),
+    ) -> Result<StepReport> {
+        self.step_with(grads, None, write_compute)
+    }
+
+    /// [`AdamW::step`], the state streamed in `chunks` when given: the masters and moments
+    /// here stay the source of truth, each chunk is copied into a staging slot, updated there
+    /// and written back (the plan's fixed order, [`StreamChunks`]). AdamW is elementwise and
+    /// the clip is computed over every gradient first, so the numbers are bitwise the same.
+    pub fn step_with(
+        &mut self,
+        grads: &mut [f32],
+        chunks: Option<StreamChunks>,
         mut write_compute: impl FnMut(&OptParam, &[f32]),
     ) -> Result<StepReport> {
         let grad_norm = clip_grad_norm(&self.table, grads, self.spec.grad_clip)?;
@@ -418,35 +431,34 @@ impl AdamW {
         self.step += 1;
         let t = self.step as f64;
         let (b1, b2) = (self.spec.beta1, self.spec.beta2);
-        let decay_mul = (1.0 - lr * self.spec.weight_decay) as f32;
-        let w1 = (1.0 - b1) as f32;
-        let b2f = b2 as f32;
-        let one_minus_b2 = (1.0 - b2) as f32;
-        let neg_step_size = (-(lr / (1.0 - b1.powf(t)))) as f32;
-        let bc2_sqrt = ((1.0 - b2.powf(t)).sqrt()) as f32;
-        let eps = self.spec.eps as f32;
-        for prm in self.table.params() {
-            let r = prm.state_offset..prm.state_offset + prm.numel;
-            let decay = prm.decay && self.spec.weight_decay != 0.0;
-            let (p, m, v) = (
-                &mut self.master[r.clone()],
-                &mut self.m[r.clone()],
-                &mut self.v[r],
-            );
-            let g = &grads[prm.offset..prm.offset + prm.numel];
-            for i in 0..p.len() {
-                if decay {
-                    p[i] *= decay_mul;
+        let k = Update {
+            decay_mul: (1.0 - lr * self.spec.weight_decay) as f32,
+            w1: (1.0 - b1) as f32,
+            b2f: b2 as f32,
+            one_minus_b2: (1.0 - b2) as f32,
+            neg_step_size: (-(lr / (1.0 - b1.powf(t)))) as f32,
+            bc2_sqrt: ((1.0 - b2.powf(t)).sqrt()) as f32,
+            eps: self.spec.eps as f32,
+        };
+        let decays = self.spec.weight_decay != 0.0;
+        match chunks {
+            None => {
+                for prm in self.table.params() {
+                    let r = prm.state_offset..prm.state_offset + prm.numel;
+                    k.apply(
+                        &mut self.master[r.clone()],
+                        &mut self.m[r.clone()],
+                        &mut self.v[r],
+                        &grads[prm.offset..prm.offset + prm.numel],
+                        prm.decay && decays,
+                    );
+                    write_compute(
+                        prm,
+                        &self.master[prm.state_offset..prm.state_offset + prm.numel],
+                    );
                 }
-                m[i] = lerp(m[i], g[i], w1);
-                v[i] = v[i] * b2f + one_minus_b2 * g[i] * g[i];
-                let denom = v[i].sqrt() / bc2_sqrt + eps;
-                p[i] += neg_step_size * m[i] / denom;
             }
-            write_compute(
-                prm,
-                &self.master[prm.state_offset..prm.state_offset + prm.numel],
-            );
+            Some(c) => self.streamed(grads, c, &k, decays, &mut write_compute)?,
         }
         Ok(StepReport {
             step: self.step,
@@ -455,12 +467,157 @@ impl AdamW {
         })
     }
 
+    /// The streamed update: chunk `k + 1` is copied into its slot (once the chunk that last
+    /// used it, `k + 1 - slots`, is written back), chunk `k` is updated in its slot, chunk
+    /// `k - 1` is written back; each tensor's compute copy is written once its last chunk is
+    /// back, in table order.
+    fn streamed(
+        &mut self,
+        grads: &[f32],
+        c: StreamChunks,
+        k: &Update,
+        decays: bool,
+        write_compute: &mut impl FnMut(&OptParam, &[f32]),
+    ) -> Result<()> {
+        let n = self.table.state_len();
+        if c.chunk_elems == 0 || c.slots < 2 {
+            return Err(TrainError::Invalid(format!(
+                "a streamed optimizer step of {} parameters a chunk through {} slots",
+                c.chunk_elems, c.slots
+            )));
+        }
+        let ce = c.chunk_elems;
+        let count = n.div_ceil(ce);
+        let range = |i: usize| i * ce..((i + 1) * ce).min(n);
+        // slot j: masters, first moments, second moments, `ce` each
+        let mut staging = vec![0f32; 3 * ce * c.slots];
+        let slot = |i: usize| 3 * ce * (i % c.slots);
+        let copy_in = |st: &mut [f32], s: &Self, i: usize| {
+            let r = range(i);
+            let (o, l) = (slot(i), r.len());
+            st[o..o + l].copy_from_slice(&s.master[r.clone()]);
+            st[o + ce..o + ce + l].copy_from_slice(&s.m[r.clone()]);
+            st[o + 2 * ce..o + 2 * ce + l].copy_from_slice(&s.v[r]);
+        };
+        let mut written = 0usize; // chunks written back
+        let mut computed = 0usize; // tensors whose compute copy is written
+        let mut write_back = |st: &[f32], s: &mut Self, i: usize, computed: &mut usize| {
+            let r = range(i);
+            let (o, l) = (slot(i), r.len());
+            s.master[r.clone()].copy_from_slice(&st[o..o + l]);
+            s.m[r.clone()].copy_from_slice(&st[o + ce..o + ce + l]);
+            s.v[r.clone()].copy_from_slice(&st[o + 2 * ce..o + 2 * ce + l]);
+            let params = s.table.params();
+            while let Some(prm) = params.get(*computed) {
+                if prm.state_offset + prm.numel > r.end {
+                    break;
+                }
+                write_compute(
+                    prm,
+                    &s.master[prm.state_offset..prm.state_offset + prm.numel],
+                );
+                *computed += 1;
+            }
+        };
+        if count > 0 {
+            copy_in(&mut staging, self, 0);
+        }
+        for i in 0..count {
+            if i + 1 < count {
+                while written + c.slots < i + 2 {
+                    write_back(&staging, self, written, &mut computed);
+                    written += 1;
+                }
+                copy_in(&mut staging, self, i + 1);
+            }
+            // update chunk i in its slot, tensor piece by tensor piece
+            let r = range(i);
+            let o = slot(i);
+            let (sp, rest) = staging[o..o + 3 * ce].split_at_mut(ce);
+            let (sm, sv) = rest.split_at_mut(ce);
+            for prm in self.table.params() {
+                let (a, b) = (
+                    prm.state_offset.max(r.start),
+                    (prm.state_offset + prm.numel).min(r.end),
+                );
+                if a >= b {
+                    continue;
+                }
+                let g0 = prm.offset + (a - prm.state_offset);
+                let (x, y) = (a - r.start, b - r.start);
+                k.apply(
+                    &mut sp[x..y],
+                    &mut sm[x..y],
+                    &mut sv[x..y],
+                    &grads[g0..g0 + (b - a)],
+                    prm.decay && decays,
+                );
+            }
+            if i >= 1 && written < i {
+                write_back(&staging, self, i - 1, &mut computed);
+                written = i;
+            }
+        }
+        while written < count {
+            write_back(&staging, self, written, &mut computed);
+            written += 1;
+        }
+        // tensors of no element (none in practice) still get their compute copy
+        for prm in &self.table.params()[computed..] {
+            write_compute(prm, &[]);
+        }
+        Ok(())
+    }
+
     /// [`AdamW::step`] for an f32 compute copy laid out like the gradients (the CPU backend).
     pub fn step_f32(&mut self, grads: &mut [f32], compute: &mut [f32]) -> Result<StepReport> {
+        self.step_f32_with(grads, compute, None)
+    }
+
+    /// [`AdamW::step_with`] for an f32 compute copy laid out like the gradients.
+    pub fn step_f32_with(
+        &mut self,
+        grads: &mut [f32],
+        compute: &mut [f32],
+        chunks: Option<StreamChunks>,
+    ) -> Result<StepReport> {
         check_len("compute weights", self.table.buffer_len(), compute.len())?;
-        self.step(grads, |p, w| {
-            compute[p.offset..p.offset + p.numel].copy_from_slice(w)
+        self.step_with(grads, chunks, |p, w| {
+            compute[p.offset..p.offset + w.len()].copy_from_slice(w)
         })
+    }
+}
+
+/// How a streamed optimizer step walks the state (the plan's `OptimizerStream`): chunks of
+/// `chunk_elems` parameters of the dense state, staged through `slots` slots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamChunks {
+    pub chunk_elems: usize,
+    pub slots: usize,
+}
+
+/// The step's constants, and the update of a run of elements (torch's op order).
+struct Update {
+    decay_mul: f32,
+    w1: f32,
+    b2f: f32,
+    one_minus_b2: f32,
+    neg_step_size: f32,
+    bc2_sqrt: f32,
+    eps: f32,
+}
+
+impl Update {
+    fn apply(&self, p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], decay: bool) {
+        for i in 0..p.len() {
+            if decay {
+                p[i] *= self.decay_mul;
+            }
+            m[i] = lerp(m[i], g[i], self.w1);
+            v[i] = v[i] * self.b2f + self.one_minus_b2 * g[i] * g[i];
+            let denom = v[i].sqrt() / self.bc2_sqrt + self.eps;
+            p[i] += self.neg_step_size * m[i] / denom;
+        }
     }
 }
 
@@ -542,6 +699,43 @@ mod tests {
             !default_decay("some.layernorm.weight", &[4, 8]),
             "a 2-D tensor named norm is still a norm"
         );
+    }
+
+    /// A streamed step (chunks that split tensors, 2 and 3 staging slots, a chunk larger than
+    /// the state) leaves bitwise the masters, moments and compute copy of the whole step, over
+    /// three steps with decay and clipping.
+    #[test]
+    fn streamed_steps_are_bitwise_the_whole_step() {
+        let shapes = [
+            ("a.weight", vec![5, 7]),
+            ("b.bias", vec![3]),
+            ("c.weight", vec![4, 4]),
+            ("norm.weight", vec![9]),
+        ];
+        let table = OptTable::dense(shapes.iter().map(|(n, s)| (*n, s.clone()))).unwrap();
+        let n = table.buffer_len();
+        let mut rng = Rng(7);
+        let init: Vec<f32> = (0..n).map(|_| rng.next()).collect();
+        let grads: Vec<Vec<f32>> = (0..3)
+            .map(|_| (0..n).map(|_| rng.next() * 3.0).collect())
+            .collect();
+        let run = |chunks: Option<StreamChunks>| {
+            let mut opt =
+                AdamW::new(spec(LrSchedule::Constant, 1.0), table.clone(), &init).unwrap();
+            let mut w = init.clone();
+            for g in &grads {
+                let mut g = g.clone();
+                opt.step_f32_with(&mut g, &mut w, chunks).unwrap();
+            }
+            let (p, m, v) = opt.state();
+            let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
+            (bits(p), bits(m), bits(v), bits(&w))
+        };
+        let want = run(None);
+        for (chunk_elems, slots) in [(1, 2), (6, 2), (6, 3), (13, 3), (64, 2), (1000, 3)] {
+            let got = run(Some(StreamChunks { chunk_elems, slots }));
+            assert!(got == want, "chunks of {chunk_elems} through {slots} slots");
+        }
     }
 
     #[test]

@@ -139,6 +139,16 @@ impl Trainer {
         &mut self,
         comm: &C,
     ) -> Result<TrainStepReport, TpError> {
+        self.optimizer_step_with(comm, None)
+    }
+
+    /// [`Trainer::optimizer_step`], the optimizer state streamed in `chunks` when given (a
+    /// plan's streamed optimizer step: bitwise the same result).
+    pub fn optimizer_step_with<C: Communicator>(
+        &mut self,
+        comm: &C,
+        chunks: Option<crate::train::adamw::StreamChunks>,
+    ) -> Result<TrainStepReport, TpError> {
         let micro_batches = self.acc.count();
         if micro_batches == 0 {
             return Err(TrainError::Invalid(
@@ -146,7 +156,9 @@ impl Trainer {
             )
             .into());
         }
-        let step = self.opt.step(comm, &mut self.actor, self.acc.grads_mut())?;
+        let step = self
+            .opt
+            .step_with(comm, &mut self.actor, self.acc.grads_mut(), chunks)?;
         self.acc.reset();
         let metrics = std::mem::take(&mut self.metrics);
         Ok(TrainStepReport {

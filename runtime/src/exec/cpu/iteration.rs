@@ -17,7 +17,10 @@
 //! - `Reward`, `Advantages`: per slot. `TrainMicroBatch`: forward + loss + backward of whole
 //!   groups in slot order, accumulated in micro-batch order (in a plan without an
 //!   old-log-prob pass the loss takes the forward's own log-probs, detached, as the old ones);
-//!   `OptimizerStep`: AdamW with the global grad-norm clip.
+//!   `OptimizerStep`: AdamW with the global grad-norm clip; where the plan streams the
+//!   optimizer state (`Plan::optimizer_stream`), the state stays in the optimizer's own buffers
+//!   (the host copy) and each chunk is copied into a staging slot, updated there and written
+//!   back in the plan's order (bitwise the in-HBM step).
 //! - `WeightSync`: colocated, rollout reads the trainer's weights in place: nothing to copy.
 //!   Disaggregated (rollout on one GPU program, scoring and training on another), the rollout's
 //!   own copy of the actor ([`CpuModels::rollout`](super::CpuModels::rollout)) is replaced by the
@@ -34,7 +37,8 @@
 //! data, TP degree), never of the order the walker ran tasks in; `tests/tests/serial_overlap.rs`
 //! checks serial and overlap plans bitwise.
 
-use rollplex_plan::plan::{Op, Plan, Purpose, Task};
+use crate::train::adamw::StreamChunks;
+use rollplex_plan::plan::{Op, OptimizerStream, Plan, Purpose, Task};
 use rollplex_plan::Span;
 
 use super::super::book::{range, Book};
@@ -67,6 +71,8 @@ pub struct CpuIteration<'a, 'r, E: CpuEngine> {
     next_logits: Vec<Vec<f32>>,
     /// Where the state the plan keeps on the host between uses is (`exec::residency`).
     residency: HostResidency,
+    /// The plan's streamed optimizer step, if it has one.
+    stream: Option<OptimizerStream>,
 }
 
 impl<'a, 'r, E: CpuEngine> CpuIteration<'a, 'r, E> {
@@ -99,6 +105,7 @@ impl<'a, 'r, E: CpuEngine> CpuIteration<'a, 'r, E> {
             slots: Vec::new(),
             next_logits: vec![Vec::new(); samples],
             residency: HostResidency::of(plan),
+            stream: plan.optimizer_stream.clone(),
         })
     }
 
@@ -406,7 +413,17 @@ impl<E: CpuEngine> TaskRunner for CpuIteration<'_, '_, E> {
                 ..
             } => self.run_train_micro_batch(*step, *micro_batch, *samples)?,
             Op::OptimizerStep { .. } => {
-                self.book.metrics.grad_norm = self.models.optimizer_step()?;
+                // streamed: the state here (the host copy) stays the source of truth and each
+                // chunk goes through a staging slot, in the plan's order
+                let chunks = self
+                    .stream
+                    .as_ref()
+                    .filter(|st| st.gpu == task.gpu)
+                    .map(|st| StreamChunks {
+                        chunk_elems: st.chunk_elems as usize,
+                        slots: st.slots as usize,
+                    });
+                self.book.metrics.grad_norm = self.models.optimizer_step(chunks)?;
                 self.book.metrics.optimizer_steps += 1;
             }
             Op::WeightSync { .. } => self.models.weight_sync()?,

@@ -26,7 +26,9 @@
 //!   (`micro_batch_prefixed`). Its model *is* the actor: rollout reads the weights
 //!   `optimizer_step` writes, so `WeightSync` has nothing to copy at TP 1. In a plan without
 //!   an old-log-prob pass the loss takes the micro-batch's own log-probs on the device as the
-//!   old ones (nothing uploaded: the ratio is exactly 1).
+//!   old ones (nothing uploaded: the ratio is exactly 1). A plan that streams the optimizer
+//!   state has the trainer keep it in pinned host memory and go through it in chunks
+//!   (`gpu::train::stream`).
 //!
 //! Where the host waits for the device (the walker has one host thread): every decode step
 //! (tokens come back for the stop checks), a micro-batch (its log-probs come down for the

@@ -139,6 +139,16 @@ fn build_models(
         },
     )?;
     stream.synchronize()?;
+    let mut trainer = trainer;
+    // a streamed optimizer step: the state moves to pinned host memory, the device keeps only
+    // the staging chunks
+    let program = plan.and_then(|p| p.gpus.first()).map(|g| g.id);
+    if let Some(st) = plan
+        .and_then(|p| p.optimizer_stream.as_ref())
+        .filter(|st| Some(st.gpu) == program)
+    {
+        trainer.stream_state(&gpu, &stream, st.chunk_elems as usize, st.slots as usize)?;
+    }
     if let Some(a) = &arena {
         // what the plan keeps on the host between uses starts as it was uploaded
         a.capture(&stream)?;

@@ -81,6 +81,7 @@ mod params;
 mod prefixes;
 mod state;
 mod step;
+mod stream;
 
 use std::sync::Arc;
 
@@ -169,6 +170,8 @@ pub struct GpuTrainer {
     metrics: LossMetrics,
     /// bf16 scratch for one weight gradient (the largest linear or the lm head).
     dw: CudaSlice<bf16>,
+    /// The optimizer state on the host, streamed by each step (a plan's `OptimizerStream`).
+    streamed: Option<stream::StreamedState>,
 }
 
 /// Regions of the plan's arena for the trainer's loop-carried state ([`GpuTrainer::new_in`]);
@@ -250,6 +253,7 @@ impl GpuTrainer {
             micro: 0,
             metrics: LossMetrics::default(),
             dw,
+            streamed: None,
         })
     }
 

@@ -80,24 +80,29 @@ impl GpuTrainer {
             self.spec.weight_decay,
             step,
         );
-        for t in self.grads.t.iter_mut() {
-            let decay = t.decay && self.spec.weight_decay != 0.0;
-            let out = weight_mut(&mut self.model.weights, t.slot).ok_or_else(|| {
-                GpuError::Input(format!("no device weight for trained tensor {}", t.name))
-            })?;
-            let grad = t.grad.as_ref().ok_or_else(|| Grads::no_sum(&t.name))?;
-            adamw_step_f32(
-                gpu,
-                s,
-                &mut t.master,
-                &mut t.m,
-                &mut t.v,
-                Some(out as &mut dyn DevicePtrMut<bf16>),
-                grad,
-                t.numel,
-                decay,
-                sc,
-            )?;
+        if self.streamed.is_some() {
+            // the state on the host: through the staging chunks (`stream.rs`)
+            self.streamed_update(gpu, s, sc)?;
+        } else {
+            for t in self.grads.t.iter_mut() {
+                let decay = t.decay && self.spec.weight_decay != 0.0;
+                let out = weight_mut(&mut self.model.weights, t.slot).ok_or_else(|| {
+                    GpuError::Input(format!("no device weight for trained tensor {}", t.name))
+                })?;
+                let grad = t.grad.as_ref().ok_or_else(|| Grads::no_sum(&t.name))?;
+                adamw_step_f32(
+                    gpu,
+                    s,
+                    &mut t.master,
+                    &mut t.m,
+                    &mut t.v,
+                    Some(out as &mut dyn DevicePtrMut<bf16>),
+                    grad,
+                    t.numel,
+                    decay,
+                    sc,
+                )?;
+            }
         }
         self.grads.release(gpu, s)?;
         self.steps = step;

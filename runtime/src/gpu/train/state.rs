@@ -70,11 +70,16 @@ impl GpuTrainer {
             .into());
         }
         let mut params = Vec::new();
-        for t in &self.grads.t {
+        for (i, t) in self.grads.t.iter().enumerate() {
             let parts = cpu_parts(&self.layout, t.slot);
-            let master = download(stream, &t.master)?;
-            let m = download(stream, &t.m)?;
-            let v = download(stream, &t.v)?;
+            let [master, m, v] = match self.streamed_tensor(i)? {
+                Some(x) => x,
+                None => [
+                    download(stream, &t.master)?,
+                    download(stream, &t.m)?,
+                    download(stream, &t.v)?,
+                ],
+            };
             let (master, m, v) = (&master[..t.numel], &m[..t.numel], &v[..t.numel]);
             let pieces = [
                 split_fused(&self.table, &parts, master)?,
@@ -112,8 +117,9 @@ impl GpuTrainer {
             return Err(GpuError::Input("import_state: a tensor is listed twice".into()).into());
         }
         let mut used = 0usize;
-        for t in self.grads.t.iter_mut() {
-            let parts = cpu_parts(&self.layout, t.slot);
+        for i in 0..self.grads.t.len() {
+            let (slot, numel) = (self.grads.t[i].slot, self.grads.t[i].numel);
+            let parts = cpu_parts(&self.layout, slot);
             let table = &self.table;
             let find = |id: crate::model::ParamId| -> Result<&ParamState> {
                 let e = table.entry(id);
@@ -137,18 +143,25 @@ impl GpuTrainer {
                 }
                 Ok(p)
             };
-            let master = fuse_parts(table, &parts, t.numel, |id| Ok(&find(id)?.master[..]))?;
-            let m = fuse_parts(table, &parts, t.numel, |id| Ok(&find(id)?.m[..]))?;
-            let v = fuse_parts(table, &parts, t.numel, |id| Ok(&find(id)?.v[..]))?;
+            let master = fuse_parts(table, &parts, numel, |id| Ok(&find(id)?.master[..]))?;
+            let m = fuse_parts(table, &parts, numel, |id| Ok(&find(id)?.m[..]))?;
+            let v = fuse_parts(table, &parts, numel, |id| Ok(&find(id)?.v[..]))?;
             used += parts.len();
-            let out = weight_mut(&mut self.model.weights, t.slot).ok_or_else(|| {
-                GpuError::Input(format!("no device weight for trained tensor {}", t.name))
+            let out = weight_mut(&mut self.model.weights, slot).ok_or_else(|| {
+                GpuError::Input(format!(
+                    "no device weight for trained tensor {}",
+                    self.grads.t[i].name
+                ))
             })?;
             let copy: Vec<bf16> = master.iter().map(|&x| bf16::from_f32(x)).collect();
-            stream.memcpy_htod(&copy[..], &mut out.slice_mut(..t.numel))?;
-            stream.memcpy_htod(&master[..], &mut t.master.slice_mut(..t.numel))?;
-            stream.memcpy_htod(&m[..], &mut t.m.slice_mut(..t.numel))?;
-            stream.memcpy_htod(&v[..], &mut t.v.slice_mut(..t.numel))?;
+            stream.memcpy_htod(&copy[..], &mut out.slice_mut(..numel))?;
+            if !self.set_streamed_tensor(i, [&master[..], &m[..], &v[..]])? {
+                let t = &mut self.grads.t[i];
+                stream.memcpy_htod(&master[..], &mut t.master.slice_mut(..numel))?;
+                stream.memcpy_htod(&m[..], &mut t.m.slice_mut(..numel))?;
+                stream.memcpy_htod(&v[..], &mut t.v.slice_mut(..numel))?;
+            }
+            let t = &mut self.grads.t[i];
             // the host buffers must outlive the copies
             stream.synchronize()?;
             // a gradient sum of a mini-batch in progress does not survive the load (the
