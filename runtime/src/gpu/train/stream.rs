@@ -36,8 +36,10 @@ pub(super) struct StreamedState {
     total: usize,
     /// Masters, first moments, second moments: `total` f32 each, pinned.
     host: [HostImage; 3],
-    /// `slots` chunks of masters, first moments, second moments on the device.
-    staging: [CudaSlice<f32>; 3],
+    /// Per slot, one chunk of masters, first moments, second moments on the device (an
+    /// allocation each, so that the runtime's per-allocation ordering of streams never ties
+    /// one slot's copy to another slot's update).
+    staging: Vec<[CudaSlice<f32>; 3]>,
     copy: Arc<CudaStream>,
 }
 
@@ -54,13 +56,13 @@ impl StreamedState {
     /// Queues on the copy stream chunk `k`'s copy between its host range and its slot.
     fn copy(&mut self, k: usize, to_device: bool) -> Result<()> {
         let r = self.range(k);
-        let o = (k % self.slots) * self.chunk;
         let bytes = r.len() * 4;
         if bytes == 0 {
             return Ok(());
         }
-        for (img, dev) in self.host.iter().zip(self.staging.iter_mut()) {
-            let mut view = dev.slice_mut(o..o + r.len());
+        let slot = k % self.slots;
+        for (img, dev) in self.host.iter().zip(self.staging[slot].iter_mut()) {
+            let mut view = dev.slice_mut(0..r.len());
             let (dp, _record) = view.device_ptr_mut(&self.copy);
             // SAFETY: the slot range holds r.len() f32 (sliced above); the host range lies in
             // the image of `total` f32; both outlive the copy (the state is dropped only after
@@ -127,11 +129,15 @@ impl GpuTrainer {
             slots,
             total,
             host: [image()?, image()?, image()?],
-            staging: [
-                alloc::<f32>(gpu, s, chunk * slots)?,
-                alloc::<f32>(gpu, s, chunk * slots)?,
-                alloc::<f32>(gpu, s, chunk * slots)?,
-            ],
+            staging: (0..slots)
+                .map(|_| -> Result<[CudaSlice<f32>; 3]> {
+                    Ok([
+                        alloc::<f32>(gpu, s, chunk)?,
+                        alloc::<f32>(gpu, s, chunk)?,
+                        alloc::<f32>(gpu, s, chunk)?,
+                    ])
+                })
+                .collect::<Result<_>>()?,
             copy: gpu.stream(0).map_err(GpuError::from)?,
         };
         let mut at = 0;
@@ -225,7 +231,7 @@ impl GpuTrainer {
             }
             s.wait(&in_ev[k]).map_err(GpuError::from)?;
             let r = st.range(k);
-            let o = (k % st.slots) * st.chunk;
+            let slot = k % st.slots;
             let mut at = 0usize; // the tensor's first parameter in the flat state
             for t in self.grads.t.iter_mut() {
                 let (a, b) = (at.max(r.start), (at + t.numel).min(r.end));
@@ -235,14 +241,14 @@ impl GpuTrainer {
                     continue;
                 }
                 let (lo, len) = (a - first, b - a);
-                let x = o + (a - r.start);
+                let x = a - r.start;
                 let out = weight_mut(&mut self.model.weights, t.slot).ok_or_else(|| {
                     GpuError::Input(format!("no device weight for trained tensor {}", t.name))
                 })?;
                 let mut out = out.slice_mut(lo..lo + len);
                 let grad = t.grad.as_ref().ok_or_else(|| Grads::no_sum(&t.name))?;
                 let grad = grad.slice(lo..lo + len);
-                let [p, m, v] = &mut st.staging;
+                let [p, m, v] = &mut st.staging[slot];
                 adamw_step_f32(
                     gpu,
                     s,
