@@ -469,8 +469,8 @@ attention_decode_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
 // Group-shared decode (attention_decode_grouped_bf16's passes). The G samples of a GRPO group
 // attend the same prompt prefix, so in the group pass (per_sample = 0) one block takes up to 64
 // query rows = per_block samples x r query heads of one kv head (4 warps x 16 MMA rows, all 16
-// used) and reads each prefix key once for all of them instead of once per sample. Grid
-// (splits, n_kv, groups * parts): block (split, kvh, z) takes group z / parts, samples
+// used) and reads each prefix key once for all of them instead of once per sample. Block
+// (split, kvh, z) (numbered split-fastest, see below) takes group z / parts, samples
 // part * per_block .. of it, prefix keys [split*chunk, ...) (the last split takes the rest).
 // Samples gi*group .. gi*group + group - 1 form group gi; the prefix is the group's first
 // sample's (p_start, p_len); a member whose descriptor names another prefix, or lies outside
@@ -481,8 +481,10 @@ attention_decode_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
 // K/V tiles of 32 keys go through a block-wide 4-stage cp.async pipeline (3 tiles in flight);
 // every warp with rows runs S = Q K^T, the online softmax and O += P V over every tile. Partials
 // go to slot split_base + split of total_splits; attention_decode_reduce_bf16 merges the slots.
-// One launch can hold both passes (blocks z >= z_second take the per-sample pass; grid.x is the
-// larger split count, and a block past its own pass's splits returns at once).
+// One launch can hold both passes. The grid is one-dimensional and holds exactly the blocks
+// the passes need (no block returns at once): blocks [0, first_blocks) are the first pass's,
+// (split, kv head, z) with split fastest, then kv head; the rest the per-sample pass's, in the
+// same order with z = sample.
 #define GKT 32    // keys per tile
 #define GSTG 4    // pipeline stages
 #define GROW (HEAD_DIM + KPAD)
@@ -495,24 +497,24 @@ attention_decode_grouped_bf16(float* __restrict__ part_o, float* __restrict__ pa
                               u32 group_a, u32 per_block_a, u32 n_heads, u32 n_kv, u32 chunk_a,
                               u32 splits_a, u32 total_splits, float scale_log2, u32 kv_rows,
                               u32 per_sample_a, u32 skip_prefix_a, u32 split_base_a,
-                              u32 z_second, u32 chunk_b, u32 splits_b) {
+                              u32 first_blocks, u32 chunk_b, u32 splits_b) {
     pdl_wait();
-    // Blocks z >= z_second run the per-sample pass behind a group pass in the same launch
-    // (group = per_block = 1, own keys only, slots splits_a ..); the others the pass the
-    // first parameters describe.
-    const bool second = blockIdx.z >= z_second;
+    // Blocks from first_blocks on run the per-sample pass behind a group pass in the same
+    // launch (group = per_block = 1, own keys only, slots splits_a ..); the others the pass
+    // the first parameters describe.
+    const bool second = blockIdx.x >= first_blocks;
     const u32 group = second ? 1u : group_a, per_block = second ? 1u : per_block_a;
     const u32 chunk = second ? chunk_b : chunk_a, splits = second ? splits_b : splits_a;
     const u32 per_sample = second ? 1u : per_sample_a, skip_prefix = second ? 1u : skip_prefix_a;
     const u32 split_base = second ? splits_a : split_base_a;
-    const u32 zi = second ? blockIdx.z - z_second : blockIdx.z;
-    if (blockIdx.x >= splits) return;
+    const u32 bid = second ? blockIdx.x - first_blocks : blockIdx.x;
+    const u32 zi = bid / (splits * n_kv);
     constexpr int KSTEPS = HEAD_DIM / 16;
     constexpr int DT = HEAD_DIM / 8;
     constexpr int VPR = HEAD_DIM / 8;
     constexpr u32 STAGE = 2 * GKT * GROW * 2;  // bytes: K then V
     extern __shared__ __align__(16) unsigned char dsmem[];
-    const u32 split = blockIdx.x, kvh = blockIdx.y;
+    const u32 split = bid % splits, kvh = (bid / splits) % n_kv;
     const u32 r = n_heads / n_kv;
     const u32 parts = (group + per_block - 1) / per_block;
     const u32 gi = zi / parts, pi = zi % parts;

@@ -433,10 +433,11 @@ pub(super) struct GroupPass<'a> {
     pub(super) scale_log2: f32,
 }
 
-/// One launch of `attention_decode_grouped_bf16`. `a`: (group, per_block, grid z, chunk,
+/// One launch of `attention_decode_grouped_bf16`. `a`: (group, per_block, units along z, chunk,
 /// splits); `mode`: (per_sample, skip_prefix, split_base). `then`: (chunk, splits) of a
 /// per-sample pass over every sample's own keys run by the same launch after the group pass
-/// `a` describes (`batch` more blocks along z, slots from `a`'s splits on).
+/// `a` describes (`splits * n_kv * batch` more blocks, slots from `a`'s splits on). The grid
+/// holds exactly the blocks both passes need.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn group_pass(
     op: &'static str,
@@ -449,18 +450,15 @@ pub(super) fn group_pass(
     then: Option<(usize, usize)>,
 ) -> Result<()> {
     let (group, per_block, z_first, chunk, splits) = a;
-    let (z, grid_x, z_second, (chunk_b, splits_b)) = match then {
-        Some((c, sp)) => (z_first + g.pass.batch, splits.max(sp), z_first, (c, sp)),
-        None => (z_first, splits, u32::MAX as usize, (chunk, splits)),
+    let first = splits * dims.num_kv_heads * z_first;
+    let (blocks, (chunk_b, splits_b)) = match then {
+        Some((c, sp)) => (first + sp * dims.num_kv_heads * g.pass.batch, (c, sp)),
+        None => (first, (chunk, splits)),
     };
     let hd = dims.head_dim as u32;
     let smem = (4 * 2 * 32 * (dims.head_dim + 8) * 2) as u32; // 4 stages of K + V, 32 keys
     let cfg = Grid {
-        grid: (
-            u32_of(op, "splits", grid_x)?,
-            dims.num_kv_heads as u32,
-            u32_of(op, "blocks along z", z)?,
-        ),
+        grid: (u32_of(op, "blocks", blocks)?, 1, 1),
         block: (128, 1, 1),
         smem,
     };
@@ -478,8 +476,8 @@ pub(super) fn group_pass(
         u32_of(op, "slots", g.total)?,
     );
     let (per_sample, skip, base) = (mode.0, mode.1, u32_of(op, "split base", mode.2)?);
-    let (zs, cb, sb) = (
-        u32_of(op, "second pass start", z_second)?,
+    let (fb, cb, sb) = (
+        u32_of(op, "first pass blocks", first)?,
         u32_of(op, "chunk", chunk_b)?,
         splits_b as u32,
     );
@@ -489,7 +487,7 @@ pub(super) fn group_pass(
     // the caches' lengths) and reads only rows inside; rows are 16-byte aligned (checked);
     // arguments match (part_o, part_ml, q, q_stride, k, v, kv_stride, seqs, batch, group,
     // per_block, n_heads, n_kv, chunk, splits, total_splits, scale_log2, kv_rows, per_sample,
-    // skip_prefix, split_base, z_second, chunk_b, splits_b).
+    // skip_prefix, split_base, first_blocks, chunk_b, splits_b).
     unsafe {
         launch(
             gpu,
@@ -520,7 +518,7 @@ pub(super) fn group_pass(
                 &per_sample,
                 &skip,
                 &base,
-                &zs,
+                &fb,
                 &cb,
                 &sb,
             ],
