@@ -522,24 +522,9 @@ fn cpu_run_profile_moves_the_prediction_toward_the_measurement() {
     std::fs::write(&plan_path, rollplex_plan::encode(&before, "tests").unwrap()).unwrap();
     let prof_path = dir.path().join("prof.yaml");
     let args = RunArgs {
-        plan: plan_path,
-        backend: BackendChoice::Cpu,
-        iterations: 4,
-        out: dir.path().join("out"),
-        trace: None,
-        svg: None,
-        cost_profile: None,
         profile: Some(prof_path.clone()),
         save_every: 0,
-        keep_checkpoints: 2,
-        resume: None,
-        eval: 0,
-        eval_every: 0,
-        eval_data: None,
-        quiet: true,
-        task_log: false,
-        no_green_contexts: false,
-        eager_decode: false,
+        ..common::run_args(&plan_path, BackendChoice::Cpu, &dir.path().join("out"), 4)
     };
     cli::run(&args).expect("run");
     let profile = Profile::from_yaml(&std::fs::read_to_string(&prof_path).unwrap()).unwrap();
@@ -576,24 +561,9 @@ fn a_cpu_run_of_a_reloading_plan_measures_no_host_rate() {
     std::fs::write(&plan_path, rollplex_plan::encode(&before, "tests").unwrap()).unwrap();
     let prof_path = dir.path().join("prof.yaml");
     let args = RunArgs {
-        plan: plan_path,
-        backend: BackendChoice::Cpu,
-        iterations: 2,
-        out: dir.path().join("out"),
-        trace: None,
-        svg: None,
-        cost_profile: None,
         profile: Some(prof_path.clone()),
         save_every: 0,
-        keep_checkpoints: 2,
-        resume: None,
-        eval: 0,
-        eval_every: 0,
-        eval_data: None,
-        quiet: true,
-        task_log: false,
-        no_green_contexts: false,
-        eager_decode: false,
+        ..common::run_args(&plan_path, BackendChoice::Cpu, &dir.path().join("out"), 2)
     };
     cli::run(&args).expect("run");
     let text = std::fs::read_to_string(&prof_path).unwrap();
