@@ -126,6 +126,13 @@ fn build_models(
     } else {
         None
     };
+    // a streamed optimizer step: the state lives in pinned host memory, the device keeps only
+    // the staging chunks
+    let program = plan.and_then(|p| p.gpus.first()).map(|g| g.id);
+    let optimizer_stream = plan
+        .and_then(|p| p.optimizer_stream.as_ref())
+        .filter(|st| Some(st.gpu) == program)
+        .map(|st| (st.chunk_elems as usize, st.slots as usize));
     let trainer = GpuTrainer::new_in(
         &gpu,
         &stream,
@@ -136,19 +143,10 @@ fn build_models(
             weights: region(Role::ActorWeights),
             masters: region(Role::Masters),
             moments: region(Role::Moments),
+            stream: optimizer_stream,
         },
     )?;
     stream.synchronize()?;
-    let mut trainer = trainer;
-    // a streamed optimizer step: the state moves to pinned host memory, the device keeps only
-    // the staging chunks
-    let program = plan.and_then(|p| p.gpus.first()).map(|g| g.id);
-    if let Some(st) = plan
-        .and_then(|p| p.optimizer_stream.as_ref())
-        .filter(|st| Some(st.gpu) == program)
-    {
-        trainer.stream_state(&gpu, &stream, st.chunk_elems as usize, st.slots as usize)?;
-    }
     if let Some(a) = &arena {
         // what the plan keeps on the host between uses starts as it was uploaded
         a.capture(&stream)?;

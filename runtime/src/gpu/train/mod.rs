@@ -98,7 +98,7 @@ use crate::train::{ResponseBatch, TrainConfig, TrainError};
 use super::arena::{upload_in, zeros_in, Region};
 use super::vision::GpuEncodedMedia;
 use super::{alloc, GpuError, GpuModel};
-use params::{host_values, train_slots, Grads, TrainTensor};
+use params::{host_values, train_slots, weight_mut, Grads, TrainTensor};
 
 pub use params::{Lin, Slot};
 pub use prefixes::TrainPrefixes;
@@ -184,6 +184,10 @@ pub struct TrainerPlacement {
     pub masters: Option<Arc<Region>>,
     /// AdamW's moments (`adam_moments`).
     pub moments: Option<Arc<Region>>,
+    /// The masters and moments kept in pinned host memory and streamed through the device by
+    /// each optimizer step (a plan's `OptimizerStream`): `(chunk parameters, staging slots)`.
+    /// They are built on the host, so the device never holds them whole. `None`: on the device.
+    pub stream: Option<(usize, usize)>,
 }
 
 impl GpuTrainer {
@@ -219,25 +223,61 @@ impl GpuTrainer {
         }
         cfg.loss.validate()?;
         validate_spec(&spec)?;
-        let gm = GpuModel::upload_in(gpu, stream, model, place.weights.as_deref())?;
+        let mut gm = GpuModel::upload_in(gpu, stream, model, place.weights.as_deref())?;
         let (masters, moments) = (place.masters.as_deref(), place.moments.as_deref());
         let slots = train_slots(&model.weights.layout, &cfg);
+        let mut streamed = match place.stream {
+            Some((chunk, n)) => {
+                let total = slots
+                    .iter()
+                    .map(|&s| weight_mut(&mut gm.weights, s).map_or(0, |w| w.len()))
+                    .sum();
+                let mut st = stream::StreamedState::new(gpu, stream, total, chunk, n)?;
+                st.zero_moments();
+                Some(st)
+            }
+            None => None,
+        };
         let mut t = Vec::with_capacity(slots.len());
         let mut biggest = 0usize;
+        let mut at = 0usize;
         for s in slots {
             let (vals, name, shape) = host_values(model, s)
                 .ok_or_else(|| GpuError::Input(format!("model has no host tensor for {s:?}")))?;
             let numel = vals.len();
             biggest = biggest.max(numel);
+            let (master, m, v) = match &mut streamed {
+                // on the host: one device element stands in for each
+                Some(st) => {
+                    if at + numel > st.total() {
+                        return Err(GpuError::Input(format!(
+                            "trained tensor {name} ({numel} values) overruns the streamed state"
+                        ))
+                        .into());
+                    }
+                    st.write(0, at, &vals);
+                    (
+                        alloc::<f32>(gpu, stream, 1)?.into(),
+                        alloc::<f32>(gpu, stream, 1)?.into(),
+                        alloc::<f32>(gpu, stream, 1)?.into(),
+                    )
+                }
+                // zeroed on the device (no host copy of three model-sized zero buffers)
+                None => (
+                    upload_in(gpu, stream, &vals, masters)?,
+                    zeros_in::<f32>(gpu, stream, numel, moments)?,
+                    zeros_in::<f32>(gpu, stream, numel, moments)?,
+                ),
+            };
+            at += numel;
             t.push(TrainTensor {
                 slot: s,
                 decay: default_decay(&name, &shape),
                 name,
                 numel,
-                master: upload_in(gpu, stream, &vals, masters)?,
-                // zeroed on the device (no host copy of three model-sized zero buffers)
-                m: zeros_in::<f32>(gpu, stream, numel, moments)?,
-                v: zeros_in::<f32>(gpu, stream, numel, moments)?,
+                master,
+                m,
+                v,
                 grad: None,
             });
         }
@@ -253,7 +293,7 @@ impl GpuTrainer {
             micro: 0,
             metrics: LossMetrics::default(),
             dw,
-            streamed: None,
+            streamed,
         })
     }
 

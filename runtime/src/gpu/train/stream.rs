@@ -25,7 +25,7 @@ use half::bf16;
 use rollplex_kernels::cuda::{adamw_step_f32, AdamWScalars, Gpu};
 
 use super::super::arena::HostImage;
-use super::super::{alloc, download, GpuError};
+use super::super::{alloc, GpuError};
 use super::params::{weight_mut, Grads};
 use super::{GpuTrainer, Result};
 
@@ -44,6 +44,40 @@ pub(super) struct StreamedState {
 }
 
 impl StreamedState {
+    /// Host images for `total` parameters (contents undefined) and `slots` device staging
+    /// chunks of `chunk` parameters.
+    pub(super) fn new(
+        gpu: &Gpu,
+        s: &Arc<CudaStream>,
+        total: usize,
+        chunk: usize,
+        slots: usize,
+    ) -> Result<Self> {
+        if chunk == 0 || !(2..=3).contains(&slots) {
+            return Err(GpuError::Input(format!(
+                "a streamed optimizer state of chunks of {chunk} parameters through {slots} slots"
+            ))
+            .into());
+        }
+        let image = || -> Result<HostImage> { Ok(HostImage::new(gpu, total * 4)?) };
+        Ok(StreamedState {
+            chunk,
+            slots,
+            total,
+            host: [image()?, image()?, image()?],
+            staging: (0..slots)
+                .map(|_| -> Result<[CudaSlice<f32>; 3]> {
+                    Ok([
+                        alloc::<f32>(gpu, s, chunk)?,
+                        alloc::<f32>(gpu, s, chunk)?,
+                        alloc::<f32>(gpu, s, chunk)?,
+                    ])
+                })
+                .collect::<Result<_>>()?,
+            copy: gpu.stream(0).map_err(GpuError::from)?,
+        })
+    }
+
     /// Chunk `k`'s parameter range.
     fn range(&self, k: usize) -> std::ops::Range<usize> {
         (k * self.chunk).min(self.total)..((k + 1) * self.chunk).min(self.total)
@@ -90,7 +124,17 @@ impl StreamedState {
             .collect()
     }
 
-    fn write(&mut self, which: usize, at: usize, values: &[f32]) {
+    pub(super) fn total(&self) -> usize {
+        self.total
+    }
+
+    /// Sets both moment images to zero (a fresh optimizer).
+    pub(super) fn zero_moments(&mut self) {
+        self.host[1].as_mut_slice().fill(0);
+        self.host[2].as_mut_slice().fill(0);
+    }
+
+    pub(super) fn write(&mut self, which: usize, at: usize, values: &[f32]) {
         let dst = &mut self.host[which].as_mut_slice()[at * 4..(at + values.len()) * 4];
         for (d, v) in dst.chunks_exact_mut(4).zip(values) {
             d.copy_from_slice(&v.to_le_bytes());
@@ -103,61 +147,7 @@ fn event(s: &CudaStream) -> Result<CudaEvent> {
 }
 
 impl GpuTrainer {
-    /// Moves the optimizer state to pinned host memory, to be streamed through `slots` device
-    /// chunks of `chunk` parameters by every optimizer step (a plan's `OptimizerStream`); the
-    /// device masters and moments are freed. Synchronises.
-    pub fn stream_state(
-        &mut self,
-        gpu: &Gpu,
-        s: &Arc<CudaStream>,
-        chunk: usize,
-        slots: usize,
-    ) -> Result<()> {
-        if chunk == 0 || !(2..=3).contains(&slots) {
-            return Err(GpuError::Input(format!(
-                "a streamed optimizer state of chunks of {chunk} parameters through {slots} slots"
-            ))
-            .into());
-        }
-        if self.streamed.is_some() {
-            return Ok(());
-        }
-        let total: usize = self.grads.t.iter().map(|t| t.numel).sum();
-        let image = || -> Result<HostImage> { Ok(HostImage::new(gpu, total * 4)?) };
-        let mut st = StreamedState {
-            chunk,
-            slots,
-            total,
-            host: [image()?, image()?, image()?],
-            staging: (0..slots)
-                .map(|_| -> Result<[CudaSlice<f32>; 3]> {
-                    Ok([
-                        alloc::<f32>(gpu, s, chunk)?,
-                        alloc::<f32>(gpu, s, chunk)?,
-                        alloc::<f32>(gpu, s, chunk)?,
-                    ])
-                })
-                .collect::<Result<_>>()?,
-            copy: gpu.stream(0).map_err(GpuError::from)?,
-        };
-        let mut at = 0;
-        for t in self.grads.t.iter_mut() {
-            for (which, buf) in [&t.master, &t.m, &t.v].into_iter().enumerate() {
-                let x = download(s, buf)?;
-                st.write(which, at, &x[..t.numel]);
-            }
-            // the device copies go: one element stands in for each
-            t.master = alloc::<f32>(gpu, s, 1)?.into();
-            t.m = alloc::<f32>(gpu, s, 1)?.into();
-            t.v = alloc::<f32>(gpu, s, 1)?.into();
-            at += t.numel;
-        }
-        s.synchronize().map_err(GpuError::from)?;
-        self.streamed = Some(st);
-        Ok(())
-    }
-
-    /// Whether the optimizer state is streamed ([`GpuTrainer::stream_state`]).
+    /// Whether the optimizer state is streamed ([`super::TrainerPlacement::stream`]).
     pub fn is_streamed(&self) -> bool {
         self.streamed.is_some()
     }
