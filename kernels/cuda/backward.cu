@@ -115,12 +115,6 @@ extern "C" __global__ void gelu_bwd_bf16(bf16* __restrict__ dx, const bf16* __re
     }
 }
 
-// acc[i] += g[i] over n elements (a bf16 gradient, e.g. a GEMM's dW, into fp32 accumulators).
-extern "C" __global__ void grad_accumulate_f32(float* acc, const bf16* __restrict__ g, u64 n) {
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
-        acc[i] += bf2f(g[i]);
-}
-
 // Embedding backward: dtable[ids[t], j] += dout[t, j], tokens in ascending order for every
 // table element (the CPU twin's order, so the result is bitwise the CPU's). No atomics: block
 // (blockIdx.x, blockIdx.y) owns columns blockIdx.x*blockDim.x + threadIdx.x of the table rows

@@ -328,27 +328,6 @@ fn embedding_bwd_is_bitwise_the_cpu_scatter_add() {
     )));
 }
 
-#[test]
-fn grad_accumulate_is_an_exact_f32_add() {
-    let g = gpu_or_skip!();
-    let s = g.stream(0).unwrap();
-    let n = 100_003;
-    let (gr, grf) = rand_bf(n, 1.0);
-    let acc0 = rand_f32(n, 3.0);
-    let want: Vec<f32> = acc0.iter().zip(&grf).map(|(a, b)| a + b).collect();
-    let mut acc = up(&s, &acc0);
-    grad_accumulate_f32(g, &s, &mut acc, &up(&s, &gr), n).unwrap();
-    assert_eq!(bits_f32(&down(&s, &acc)), bits_f32(&want));
-    println!("grad_accumulate_f32: exact");
-    assert!(is_shape_err(grad_accumulate_f32(
-        g,
-        &s,
-        &mut acc,
-        &up(&s, &gr),
-        n + 1
-    )));
-}
-
 /// bf16 values in the order of the reals, as integers (the distance between two is in ulps).
 fn bf16_ordinal(x: bf16) -> i32 {
     let b = x.to_bits() as i32;

@@ -68,6 +68,50 @@ fn gemm_matches_cpu_all_transposes() {
     }
 }
 
+/// The fp32-output GEMM (weight gradients): against the CPU's fp32 product, summed onto an
+/// fp32 `c` (tighter than bf16: the product is never rounded to bf16), the same bits on a
+/// second run, and as the sum of two accumulations over halves of k within fp32 rounding.
+#[test]
+fn gemm_into_f32_matches_cpu_and_accumulates() {
+    let g = gpu_or_skip!();
+    let s = g.stream(0).unwrap();
+    for &(m, k, n) in &[(37, 200, 72), (2048, 300, 512), (151, 1024, 96)] {
+        for acc in [false, true] {
+            let gm = Gemm {
+                accumulate: acc,
+                ..Gemm::tn(m, k, n)
+            };
+            let (a, af) = rand_bf(k * m, 1.0);
+            let (b, bf) = rand_bf(k * n, 1.0);
+            let c0: Vec<f32> = rand_bf(m * n, 4.0).1;
+            let mut want = if acc { c0.clone() } else { vec![0f32; m * n] };
+            cpu::matmul(&mut want, &af, &bf, gm).unwrap();
+            let (da, db) = (up(&s, &a), up(&s, &b));
+            let run = || {
+                let mut dc = if acc {
+                    up(&s, &c0)
+                } else {
+                    poison_f32(&s, m * n)
+                };
+                matmul_bf16_f32(g, &s, &mut dc, &da, &db, gm).unwrap();
+                down(&s, &dc)
+            };
+            let got = run();
+            check(&format!("matmul_bf16_f32 {gm:?}"), &got, &want, 1e-5);
+            let again = run();
+            assert!(
+                got.iter()
+                    .zip(&again)
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "matmul_bf16_f32 {gm:?}: two runs differ"
+            );
+        }
+    }
+    let mut small = poison_f32(&s, 10);
+    let (a, b) = (up(&s, &rand_bf(40, 1.0).0), up(&s, &rand_bf(40, 1.0).0));
+    assert!(matmul_bf16_f32(g, &s, &mut small, &a, &b, Gemm::tn(4, 10, 4)).is_err());
+}
+
 #[test]
 fn linear_fwd_with_bias_matches_cpu() {
     let g = gpu_or_skip!();

@@ -5,8 +5,8 @@
 //! Dtypes: activations and activation gradients are bf16 (what the forward launchers keep and
 //! what the GEMMs read), every kernel computes in fp32 and rounds once on the way out. Parameter
 //! gradients (`dw`, `dtable`) are fp32 and always *added* (`+=`), as on the CPU: one parameter
-//! gathers gradient from several uses and micro-batches. [`grad_accumulate_f32`] adds a bf16
-//! gradient (a GEMM's `dW`) into fp32 accumulators.
+//! gathers gradient from several uses and micro-batches. A GEMM's `dW` is summed into its fp32
+//! gradient by the GEMM itself ([`super::matmul_bf16_f32`]).
 //!
 //! Invariant: deterministic. No float atomics; every sum runs in an order fixed by the shapes
 //! (block and warp reductions of a fixed shape, column sums in row order), so two runs, on any
@@ -366,38 +366,6 @@ pub fn gelu_bwd_bf16(
             "gelu_bwd_bf16",
             cfg((grid_for(n, 256, 4096), 1), (256, 1)),
             &[&dxp, &dyp, &xp, &n64, &t],
-        )
-    }?;
-    Ok(())
-}
-
-/// `acc[i] += g[i]` over `n` elements: a bf16 gradient (a GEMM's `dW`, a residual branch) into
-/// fp32 accumulators, as `cpu` adds f32 gradients.
-pub fn grad_accumulate_f32(
-    gpu: &Gpu,
-    stream: &Arc<CudaStream>,
-    acc: &mut impl DevicePtrMut<f32>,
-    g: &impl DevicePtr<bf16>,
-    n: usize,
-) -> Result<()> {
-    const OP: &str = "grad_accumulate_f32";
-    need(OP, "acc", acc, n)?;
-    need(OP, "g", g, n)?;
-    if n == 0 {
-        return Ok(());
-    }
-    let (ap, gp, n64) = (ptr_mut(acc, stream), ptr(g, stream), n as u64);
-    // SAFETY: acc and g hold n elements (checked); element i is touched by one thread;
-    // arguments match (acc, g, n).
-    unsafe {
-        launch(
-            gpu,
-            stream,
-            &BACKWARD,
-            &[],
-            "grad_accumulate_f32",
-            cfg((grid_for(n, 256, 8192), 1), (256, 1)),
-            &[&ap, &gp, &n64],
         )
     }?;
     Ok(())

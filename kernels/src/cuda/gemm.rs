@@ -46,6 +46,8 @@ struct PlanKey {
     trans_a: bool,
     trans_b: bool,
     bias: bool,
+    /// An fp32 output (`matmul_bf16_f32`) instead of bf16.
+    out_f32: bool,
     /// Which of the heuristic's answers (0: its first, what every product runs; others for
     /// the benchmarks' comparison, feature `bench`).
     rank: u8,
@@ -143,15 +145,21 @@ impl LtState {
             trans_a,
             trans_b,
             bias,
+            out_f32,
             rank,
         } = key;
         let bf = ltsys::cudaDataType_t::CUDA_R_16BF;
+        let out = if out_f32 {
+            ltsys::cudaDataType_t::CUDA_R_32F
+        } else {
+            bf
+        };
         // cuBLASLt operand 1 = our B, operand 2 = our A (see the module doc).
         let (r1, c1, ld1) = if trans_b { (k, n, k) } else { (n, k, n) };
         let (r2, c2, ld2) = if trans_a { (m, k, m) } else { (k, m, k) };
         let la = lt::create_matrix_layout(bf, r1 as u64, c1 as u64, ld1 as i64)?;
         let lb = lt::create_matrix_layout(bf, r2 as u64, c2 as u64, ld2 as i64)?;
-        let lc = lt::create_matrix_layout(bf, n as u64, m as u64, n as i64)?;
+        let lc = lt::create_matrix_layout(out, n as u64, m as u64, n as i64)?;
         let desc = lt::create_matmul_desc(
             ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             ltsys::cudaDataType_t::CUDA_R_32F,
@@ -288,6 +296,7 @@ fn lt_matmul(
     a: u64,
     b: u64,
     bias: Option<u64>,
+    out_f32: bool,
     rank: u8,
 ) -> Result<()> {
     let mut st = gpu.lt()?;
@@ -300,6 +309,7 @@ fn lt_matmul(
         trans_a: g.trans_a,
         trans_b: g.trans_b,
         bias: bias.is_some(),
+        out_f32,
         rank,
     };
     let plan = st.plan(key)?;
@@ -352,7 +362,24 @@ pub fn matmul_bf16(
 ) -> Result<()> {
     check_gemm("matmul_bf16", &g, a.len(), b.len(), c.len())?;
     let (cp, ap, bp) = (ptr_mut(c, stream), ptr(a, stream), ptr(b, stream));
-    lt_matmul(gpu, stream, &g, cp, ap, bp, None, 0)
+    lt_matmul(gpu, stream, &g, cp, ap, bp, None, false, 0)
+}
+
+/// [`matmul_bf16`] with an fp32 `c`: `c[m, n] (= or +=) op(a) op(b)`, the product kept in fp32
+/// (never rounded to bf16) and, with `g.accumulate`, added to `c` in the GEMM's epilogue. What
+/// parameter gradients use: each micro-batch's `dy^T x` summed into the fp32 gradient in one
+/// pass, as [`crate::cpu::matmul`] sums it.
+pub fn matmul_bf16_f32(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    c: &mut impl DevicePtrMut<f32>,
+    a: &impl DevicePtr<bf16>,
+    b: &impl DevicePtr<bf16>,
+    g: Gemm,
+) -> Result<()> {
+    check_gemm("matmul_bf16_f32", &g, a.len(), b.len(), c.len())?;
+    let (cp, ap, bp) = (ptr_mut(c, stream), ptr(a, stream), ptr(b, stream));
+    lt_matmul(gpu, stream, &g, cp, ap, bp, None, true, 0)
 }
 
 /// `nn.Linear`: `y[m, n] = x[m, k] w[n, k]^T + bias[n]` (bias optional, fused in the epilogue).
@@ -460,7 +487,7 @@ fn lt_linear(
         None => None,
     };
     let (yp, xp, wp) = (ptr_mut(y, stream), ptr(x, stream), ptr(w, stream));
-    lt_matmul(gpu, stream, &g, yp, xp, wp, bp, rank)
+    lt_matmul(gpu, stream, &g, yp, xp, wp, bp, false, rank)
 }
 
 /// The same product through the classic cuBLAS API (`cublasGemmEx`, fp32 compute), for

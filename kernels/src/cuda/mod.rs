@@ -7,7 +7,7 @@
 //!
 //! | op (CUDA symbol = Rust launcher) | CPU twin | file |
 //! |---|---|---|
-//! | `matmul_bf16`, `linear_fwd_bf16` (cuBLASLt, fp32 accumulate; at m <= 8 the skinny split-k kernel `gemv_bf16`), `linear_fwd_bf16_cublaslt`, `gate_up_swiglu_bf16` (gate\|up GEMM with SwiGLU fused at small m) | `matmul`, `linear_fwd` (+ `swiglu_fwd`) | `gemm.rs`, `gemv.cu` |
+//! | `matmul_bf16`, `matmul_bf16_f32` (fp32 output: weight gradients summed in place), `linear_fwd_bf16` (cuBLASLt, fp32 accumulate; at m <= 8 the skinny split-k kernel `gemv_bf16`), `linear_fwd_bf16_cublaslt`, `gate_up_swiglu_bf16` (gate\|up GEMM with SwiGLU fused at small m) | `matmul`, `linear_fwd` (+ `swiglu_fwd`) | `gemm.rs`, `gemv.cu` |
 //! | `rmsnorm_fwd_bf16`, `add_rmsnorm_fwd_bf16` (residual add + norm) | `rmsnorm_fwd` (+ `add_fwd`) | `norm.rs`, `norm.cu` |
 //! | `rope_fwd_bf16`, `swiglu_fwd_bf16`, `gelu_fwd_bf16`, `add_fwd_bf16`, `embedding_fwd_bf16`, `kv_append_bf16`, `rope_kv_append_bf16` | `rope_fwd`, `swiglu_fwd`, `gelu_fwd`, `add_fwd`, `embedding_fwd` | `pointwise.rs`, `pointwise.cu` |
 //! | `attention_fwd_bf16`, `attention_decode_bf16` (block-pipelined tensor-core kernel with a split-K LSE merge; older warp-split and SIMT variants kept for timing), `attention_decode_grouped_bf16` (a GRPO group's shared prefix read once per group) | `attention_fwd`, `attention_decode` | `attention/` (`fwd.rs`, `decode.rs`, `grouped.rs`), `attention.cu` |
@@ -15,7 +15,7 @@
 //! | `sample_bf16` (Philox4x32-10, temperature / top-k / top-p) | [`sampling::sample_ref`] | `sampling.rs`, `sampling.cu` |
 //! | `adamw_step_f32` | `runtime::train::adamw` (bitwise) | `adamw.rs`, `adamw.cu` |
 //! | `policy_loss_f32` (GRPO / PPO-clip / GSPO loss: per-token `dlogp`, metrics as order-fixed f64 sums; `policy_loss_reduce_f64` adds them into a [`PolicyLossAcc`]; `policy_loss_seq_ratio_f64`, the sequence ratio's per-sequence mean log-ratio) | `runtime::train::loss::policy_loss` (dlogp bitwise up to `exp`'s last bit); `cpu::seq_log_ratio` (bitwise) | `policy_loss.rs`, `policy_loss.cu` |
-//! | `rmsnorm_bwd_bf16`, `rope_bwd_bf16`, `swiglu_bwd_bf16`, `swiglu_bwd_fused_bf16`, `gelu_bwd_bf16`, `embedding_bwd_f32`, `logprobs_bwd_bf16`, `grad_accumulate_f32` (bf16 activation gradients, fp32 parameter gradients added) | `cpu::backward` (`rmsnorm_bwd`, `rope_bwd`, `swiglu_bwd`, `gelu_bwd` / `gelu_tanh_bwd`, `embedding_bwd`, `logprobs_bwd`) | `backward.rs`, `backward.cu` |
+//! | `rmsnorm_bwd_bf16`, `rope_bwd_bf16`, `swiglu_bwd_bf16`, `swiglu_bwd_fused_bf16`, `gelu_bwd_bf16`, `embedding_bwd_f32`, `logprobs_bwd_bf16` (bf16 activation gradients, fp32 parameter gradients added) | `cpu::backward` (`rmsnorm_bwd`, `rope_bwd`, `swiglu_bwd`, `gelu_bwd` / `gelu_tanh_bwd`, `embedding_bwd`, `logprobs_bwd`) | `backward.rs`, `backward.cu` |
 //! | `attention_bwd_bf16` (`attention_bwd_tc_bf16`, FlashAttention-2 on the tensor cores where they take the case, else SIMT; `attention_bwd_bf16_with` takes a [`BwdKernel`]), `attention_bwd_dprefix_bf16` (the shared-prefix keys' part alone on a chosen [`DprefixKernel`]: `attention_bwd_tc_dprefix_f32` or SIMT) | `cpu::attention_bwd` | `attention_bwd.rs`, `attention_bwd.cu`, `attention_bwd_tc.rs`, `attention_bwd_dprefix.rs`, `attention_bwd_tc.cu` |
 //! | `sumsq_partial_f32` (the grad-norm's f64 partial sums, fixed order), `scale_f32` (the clip), `gather_sum_rows_bf16` (fixed-order row sums), `add_f32_into_bf16` | `cpu::grad` (`sumsq_partial`, `scale`, `gather_sum_rows`, `add_into`) | `grad.rs`, `grad.cu` |
 //!
@@ -63,15 +63,15 @@ pub use attention_bwd::{attention_bwd_bf16, attention_bwd_bf16_with, BwdGrads, B
 pub use attention_bwd_dprefix::{attention_bwd_dprefix_bf16, DprefixInputs, DprefixKernel};
 pub use attention_bwd_tc::{attention_bwd_tc_bf16, BwdKernel};
 pub use backward::{
-    embedding_bwd_f32, gelu_bwd_bf16, grad_accumulate_f32, logprobs_bwd_bf16, rmsnorm_bwd_bf16,
-    rope_bwd_bf16, swiglu_bwd_bf16, swiglu_bwd_fused_bf16, SwigluBwdStrides,
+    embedding_bwd_f32, gelu_bwd_bf16, logprobs_bwd_bf16, rmsnorm_bwd_bf16, rope_bwd_bf16,
+    swiglu_bwd_bf16, swiglu_bwd_fused_bf16, SwigluBwdStrides,
 };
 pub use decode_loop::{
     decode_advance, decode_advance_ref, decode_gather_rows, DecodeAdvance, DecodeRow,
 };
 #[cfg(feature = "bench")]
 pub use gemm::matmul_bf16_cublas;
-pub use gemm::{linear_fwd_bf16, matmul_bf16};
+pub use gemm::{linear_fwd_bf16, matmul_bf16, matmul_bf16_f32};
 pub use gpu::Gpu;
 pub use grad::{
     add_f32_into_bf16, gather_sum_rows_bf16, scale_f32, sumsq_partial_f32, SUMSQ_BLOCKS,

@@ -13,8 +13,8 @@ use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 use rollplex_kernels::cpu::Gemm;
 use rollplex_kernels::cuda::{
-    grad_accumulate_f32, matmul_bf16, rmsnorm_bwd_bf16, swiglu_bwd_fused_bf16, CudaSlice,
-    CudaStream, Gpu,
+    matmul_bf16, matmul_bf16_f32, rmsnorm_bwd_bf16, swiglu_bwd_fused_bf16, CudaSlice, CudaStream,
+    Gpu,
 };
 
 use super::train::Lin;
@@ -40,7 +40,7 @@ pub(crate) trait GradSink<K> {
 pub(crate) trait BlockGrads: GradSink<BlockTensor> {}
 impl<T: GradSink<BlockTensor>> BlockGrads for T {}
 
-/// `grads[w] += dy^T x` (`[out, inp]`, a bf16 GEMM into `scratch` added in fp32) and, when the
+/// `grads[w] += dy^T x` (`[out, inp]`, one GEMM summing its fp32 product into the gradient) and, when the
 /// linear has a bias and `bias` names its tensor, `grads[bias] += Σ_rows dy` (a GEMM against
 /// `ones`, at least `rows` long).
 #[allow(clippy::too_many_arguments)]
@@ -48,7 +48,6 @@ pub(crate) fn linear_grads<K>(
     gpu: &Gpu,
     s: &Arc<CudaStream>,
     grads: &mut impl GradSink<K>,
-    scratch: &mut CudaSlice<bf16>,
     ones: &CudaSlice<bf16>,
     (w, bias): (K, Option<K>),
     l: &GpuLinear,
@@ -56,11 +55,11 @@ pub(crate) fn linear_grads<K>(
     x: &CudaSlice<bf16>,
     rows: usize,
 ) -> Result<()> {
-    matmul_bf16(gpu, s, scratch, dy, x, Gemm::tn(l.out, rows, l.inp))?;
-    grad_accumulate_f32(gpu, s, grads.grad(w)?, scratch, l.out * l.inp)?;
+    let gw = Gemm::tn(l.out, rows, l.inp).accumulate();
+    matmul_bf16_f32(gpu, s, grads.grad(w)?, dy, x, gw)?;
     if let (Some(b), Some(_)) = (bias, l.b.as_ref()) {
-        matmul_bf16(gpu, s, scratch, ones, dy, Gemm::nn(1, rows, l.out))?;
-        grad_accumulate_f32(gpu, s, grads.grad(b)?, scratch, l.out)?;
+        let gb = Gemm::nn(1, rows, l.out).accumulate();
+        matmul_bf16_f32(gpu, s, grads.grad(b)?, ones, dy, gb)?;
     }
     Ok(())
 }
@@ -91,7 +90,6 @@ impl BlockBwd<'_> {
     fn linear_grads(
         &self,
         grads: &mut impl BlockGrads,
-        scratch: &mut CudaSlice<bf16>,
         kind: Lin,
         l: &GpuLinear,
         dy: &CudaSlice<bf16>,
@@ -102,9 +100,7 @@ impl BlockBwd<'_> {
             Some(BlockTensor::Bias(self.layer, kind)),
         );
         let (gpu, s) = (self.gpu, self.s);
-        linear_grads(
-            gpu, s, grads, scratch, self.ones, slots, l, dy, x, self.rows,
-        )
+        linear_grads(gpu, s, grads, self.ones, slots, l, dy, x, self.rows)
     }
 
     /// From `dx`, the gradient of the block's output: the MLP (`delta = down(swiglu(gate_up(
@@ -113,7 +109,6 @@ impl BlockBwd<'_> {
     pub fn mlp_and_o(
         &self,
         grads: &mut impl BlockGrads,
-        scratch: &mut CudaSlice<bf16>,
         a: &MlpSaved<'_>,
         dx: &mut CudaSlice<bf16>,
     ) -> Result<CudaSlice<bf16>> {
@@ -121,14 +116,14 @@ impl BlockBwd<'_> {
         let ffn = b.ffn;
         let mut dact = alloc::<bf16>(gpu, s, rows * ffn)?;
         matmul_bf16(gpu, s, &mut dact, &*dx, &b.down.w, Gemm::nn(rows, h, ffn))?;
-        self.linear_grads(grads, scratch, Lin::Down, &b.down, dx, a.act)?;
+        self.linear_grads(grads, Lin::Down, &b.down, dx, a.act)?;
         let mut dgu = alloc::<bf16>(gpu, s, rows * 2 * ffn)?;
         swiglu_bwd_fused_bf16(gpu, s, &mut dgu, &dact, a.gu, rows, ffn)?;
         drop(dact);
         let mut dxn = alloc::<bf16>(gpu, s, rows * h)?;
         let gemm = Gemm::nn(rows, 2 * ffn, h);
         matmul_bf16(gpu, s, &mut dxn, &dgu, &b.gate_up.w, gemm)?;
-        self.linear_grads(grads, scratch, Lin::GateUp, &b.gate_up, &dgu, a.xn2)?;
+        self.linear_grads(grads, Lin::GateUp, &b.gate_up, &dgu, a.xn2)?;
         drop(dgu);
         rmsnorm_bwd_bf16(
             gpu,
@@ -146,7 +141,7 @@ impl BlockBwd<'_> {
         let qw = b.o.inp;
         let mut datt = alloc::<bf16>(gpu, s, rows * qw)?;
         matmul_bf16(gpu, s, &mut datt, &*dx, &b.o.w, Gemm::nn(rows, h, qw))?;
-        self.linear_grads(grads, scratch, Lin::O, &b.o, dx, a.att)?;
+        self.linear_grads(grads, Lin::O, &b.o, dx, a.att)?;
         Ok(datt)
     }
 
@@ -157,7 +152,6 @@ impl BlockBwd<'_> {
     pub fn qkv_and_norm1(
         &self,
         grads: &mut impl BlockGrads,
-        scratch: &mut CudaSlice<bf16>,
         dqkv: &CudaSlice<bf16>,
         xn1: &CudaSlice<bf16>,
         rstd1: &CudaSlice<f32>,
@@ -174,7 +168,7 @@ impl BlockBwd<'_> {
             &b.qkv.w,
             Gemm::nn(rows, b.qkv.out, h),
         )?;
-        self.linear_grads(grads, scratch, Lin::Qkv, &b.qkv, dqkv, xn1)?;
+        self.linear_grads(grads, Lin::Qkv, &b.qkv, dqkv, xn1)?;
         rmsnorm_bwd_bf16(
             gpu,
             s,

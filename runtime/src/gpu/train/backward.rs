@@ -8,8 +8,8 @@ use cudarc::driver::DevicePtrMut;
 use half::bf16;
 use rollplex_kernels::cpu::Gemm;
 use rollplex_kernels::cuda::{
-    embedding_bwd_f32, gather_sum_rows_bf16, grad_accumulate_f32, kv_append_bf16, linear_fwd_bf16,
-    logprobs_bwd_bf16, matmul_bf16, rmsnorm_bwd_bf16, CudaSlice, CudaStream, Gpu,
+    embedding_bwd_f32, gather_sum_rows_bf16, kv_append_bf16, linear_fwd_bf16, logprobs_bwd_bf16,
+    matmul_bf16, matmul_bf16_f32, rmsnorm_bwd_bf16, CudaSlice, CudaStream, Gpu,
 };
 
 use super::super::vision_train::vision_backward;
@@ -74,8 +74,8 @@ impl GpuTrainer {
             drop(logits);
             let mut dxn = alloc::<bf16>(gpu, s, n * h)?;
             matmul_bf16(gpu, s, &mut dxn, &dlogits, head, Gemm::nn(n, vocab, h))?;
-            matmul_bf16(gpu, s, &mut self.dw, &dlogits, &xn, Gemm::tn(vocab, n, h))?;
-            grad_accumulate_f32(gpu, s, self.grads.get(head_slot)?, &self.dw, vocab * h)?;
+            let gw = Gemm::tn(vocab, n, h).accumulate();
+            matmul_bf16_f32(gpu, s, self.grads.get(head_slot)?, &dlogits, &xn, gw)?;
             let mut dg = alloc::<bf16>(gpu, s, n * h)?;
             rmsnorm_bwd_bf16(
                 gpu,
@@ -152,7 +152,6 @@ impl GpuTrainer {
                     a,
                     d.suffix,
                     &mut self.grads,
-                    &mut self.dw,
                     PrefixGrad::Attend {
                         pre: &pre,
                         dk: d.pk,
@@ -194,7 +193,6 @@ impl GpuTrainer {
                     &acts,
                     &mut d.prompt[gi],
                     &mut self.grads,
-                    &mut self.dw,
                     PrefixGrad::Extra {
                         dk: d.pk.slice(r0 * kvw..(r0 + rows) * kvw),
                         dv: d.pv.slice(r0 * kvw..(r0 + rows) * kvw),

@@ -277,7 +277,6 @@ pub(super) fn layer_bwd(
     a: &Acts,
     dx: &mut CudaSlice<bf16>,
     grads: &mut Grads,
-    scratch: &mut CudaSlice<bf16>,
     prefix: PrefixGrad<'_, '_>,
 ) -> Result<()> {
     let (rows, h, d) = (c.rows, c.hidden, c.dims);
@@ -301,7 +300,7 @@ pub(super) fn layer_bwd(
         att: &a.att,
     };
     // MLP: delta = down(swiglu(gate_up(norm2(x_mid)))); attention: delta = o(attn(...))
-    let datt = bb.mlp_and_o(grads, scratch, &saved, dx)?;
+    let datt = bb.mlp_and_o(grads, &saved, dx)?;
     let mut dq = alloc::<bf16>(gpu, s, rows * qw)?;
     let mut dk = alloc::<bf16>(gpu, s, rows * kvw)?;
     let mut dv = alloc::<bf16>(gpu, s, rows * kvw)?;
@@ -422,6 +421,6 @@ pub(super) fn layer_bwd(
         row,
     )?;
     drop((dq, dk, dv));
-    bb.qkv_and_norm1(grads, scratch, &dqkv, &a.xn1, &a.rstd1, x_in, dx)?;
+    bb.qkv_and_norm1(grads, &dqkv, &a.xn1, &a.rstd1, x_in, dx)?;
     Ok(())
 }

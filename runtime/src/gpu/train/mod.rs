@@ -58,9 +58,10 @@
 //! reference log-probs go to the device for all groups or none, so at `kl_coef = 0` the KL
 //! metric is 0 unless every group carries them.
 //!
-//! Numerics: GEMMs are cuBLASLt bf16 with fp32 accumulation; a weight gradient is produced in
-//! bf16 by its GEMM and added into its fp32 accumulator (`grad_accumulate_f32`); bias gradients
-//! are the same GEMM with a row of ones; norm and embedding gradients are fp32 directly.
+//! Numerics: GEMMs are cuBLASLt bf16 with fp32 accumulation; a weight gradient's GEMM writes
+//! fp32 and adds its product into the fp32 sum in its epilogue (`matmul_bf16_f32`: never rounded
+//! to bf16, as on the CPU); bias gradients are the same GEMM with a row of ones; norm and
+//! embedding gradients are fp32 directly.
 //!
 //! Checkpoints: [`GpuTrainer::export_state`] brings the fp32 masters and AdamW moments down,
 //! each fused tensor split into the CPU model's tensors (`cpu_parts`: q|k|v and gate|up by rows),
@@ -85,8 +86,7 @@ mod stream;
 
 use std::sync::Arc;
 
-use half::bf16;
-use rollplex_kernels::cuda::{CudaError, CudaSlice, CudaStream, Gpu};
+use rollplex_kernels::cuda::{CudaError, CudaStream, Gpu};
 use rollplex_plan::spec::AdamWSpec;
 
 use crate::model::weights::{Layout, ParamTable};
@@ -168,8 +168,6 @@ pub struct GpuTrainer {
     steps: u64,
     micro: u32,
     metrics: LossMetrics,
-    /// bf16 scratch for one weight gradient (the largest linear or the lm head).
-    dw: CudaSlice<bf16>,
     /// The optimizer state on the host, streamed by each step (a plan's `OptimizerStream`).
     streamed: Option<stream::StreamedState>,
 }
@@ -239,13 +237,11 @@ impl GpuTrainer {
             None => None,
         };
         let mut t = Vec::with_capacity(slots.len());
-        let mut biggest = 0usize;
         let mut at = 0usize;
         for s in slots {
             let (vals, name, shape) = host_values(model, s)
                 .ok_or_else(|| GpuError::Input(format!("model has no host tensor for {s:?}")))?;
             let numel = vals.len();
-            biggest = biggest.max(numel);
             let (master, m, v) = match &mut streamed {
                 // on the host: one device element stands in for each
                 Some(st) => {
@@ -281,7 +277,6 @@ impl GpuTrainer {
                 grad: None,
             });
         }
-        let dw = alloc::<bf16>(gpu, stream, biggest.max(1))?;
         Ok(GpuTrainer {
             model: gm,
             cfg,
@@ -292,7 +287,6 @@ impl GpuTrainer {
             steps: 0,
             micro: 0,
             metrics: LossMetrics::default(),
-            dw,
             streamed,
         })
     }

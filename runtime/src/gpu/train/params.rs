@@ -174,15 +174,6 @@ impl VisionSink for VisionView<'_> {
             .iter()
             .any(|t| matches!(t.slot, Slot::Vision(v) if !v.in_tower()))
     }
-    fn max_numel(&self) -> usize {
-        self.0
-            .t
-            .iter()
-            .filter(|t| matches!(t.slot, Slot::Vision(_)))
-            .map(|t| t.numel)
-            .max()
-            .unwrap_or(1)
-    }
 }
 
 /// The host f32 values of a slot from the CPU model (fused as `GpuWeights::upload` fuses).

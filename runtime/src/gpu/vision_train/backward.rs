@@ -10,7 +10,7 @@ use rollplex_kernels::cuda::attention::RowStrides;
 use rollplex_kernels::cuda::attention_bwd_tc::{bwd_kernel_for, BwdKernel, TC_BWD_HEAD_DIMS};
 use rollplex_kernels::cuda::{
     add_rmsnorm_fwd_bf16, attention_bwd_bf16_with, embedding_fwd_bf16, gelu_bwd_bf16,
-    gelu_fwd_bf16, grad_accumulate_f32, kv_append_bf16, matmul_bf16, rmsnorm_bwd_bf16,
+    gelu_fwd_bf16, kv_append_bf16, matmul_bf16, matmul_bf16_f32, rmsnorm_bwd_bf16,
     rmsnorm_fwd_bf16, rope_bwd_bf16, swiglu_fwd_bf16, BwdGrads, BwdInputs, CudaSlice, CudaStream,
     Gpu,
 };
@@ -242,7 +242,6 @@ fn block_backward(
     a: &BlockActs,
     dx: &mut CudaSlice<bf16>,
     grads: &mut impl VisionSink,
-    scratch: &mut CudaSlice<bf16>,
 ) -> Result<()> {
     let (rows, h, d) = (c.rows, c.hidden, c.dims);
     let (qw, kvw) = (d.q_width(), d.kv_width());
@@ -265,7 +264,7 @@ fn block_backward(
         att: &a.att,
     };
     // MLP: delta = down(swiglu(gate_up(norm2(x_mid)))); attention: delta = proj(attn(...))
-    let datt = bb.mlp_and_o(grads, scratch, &saved, dx)?;
+    let datt = bb.mlp_and_o(grads, &saved, dx)?;
     // q, k, v (rotated) into contiguous buffers: the attention backward writes each gradient at
     // its input's row stride, and three views of one fused buffer cannot be borrowed at once
     let (mut q, mut k, mut v) = (
@@ -373,7 +372,7 @@ fn block_backward(
         d.num_heads + d.num_kv_heads,
         d.head_dim,
     )?;
-    bb.qkv_and_norm1(grads, scratch, &dqkv, &a.xn1, &a.rstd1, x_in, dx)?;
+    bb.qkv_and_norm1(grads, &dqkv, &a.xn1, &a.rstd1, x_in, dx)?;
     Ok(())
 }
 
@@ -444,8 +443,6 @@ pub(crate) fn vision_backward(
         GpuError::Input("vision_backward: the state has no window order on the device".into())
     })?;
     let ones = upload(s, &vec![bf16::ONE; n])?;
-    let biggest = grads.max_numel();
-    let mut scratch = alloc::<bf16>(gpu, s, biggest.max(1))?;
     let fc2_slots = (
         VisionSlot::MergerFc2,
         w.merger_fc2.b.as_ref().map(|_| VisionSlot::MergerFc2Bias),
@@ -480,7 +477,6 @@ pub(crate) fn vision_backward(
             gpu,
             s,
             grads,
-            &mut scratch,
             &ones,
             fc2_slots,
             &w.merger_fc2,
@@ -507,7 +503,6 @@ pub(crate) fn vision_backward(
             gpu,
             s,
             grads,
-            &mut scratch,
             &ones,
             fc1_slots,
             &w.merger_fc1,
@@ -559,7 +554,7 @@ pub(crate) fn vision_backward(
         for (l, b) in w.vision.iter().enumerate().rev() {
             let x_in = &k.block_inputs[l];
             block_recompute(gpu, s, l, b, &c, x_in, &mut acts)?;
-            block_backward(gpu, s, l, b, &c, x_in, &acts, &mut dx, grads, &mut scratch)?;
+            block_backward(gpu, s, l, b, &c, x_in, &acts, &mut dx, grads)?;
         }
     }
     // ---- patch embedding: dW [vh, pd] += dx^T pix (rows in the same permuted order) ----
@@ -567,13 +562,13 @@ pub(crate) fn vision_backward(
         .pix
         .as_ref()
         .ok_or_else(|| GpuError::Input("vision_backward: the state kept no pixel rows".into()))?;
-    matmul_bf16(gpu, s, &mut scratch, &dx, pix, Gemm::tn(vh, n, pd))?;
-    grad_accumulate_f32(
+    matmul_bf16_f32(
         gpu,
         s,
         GradSink::<VisionSlot>::grad(grads, VisionSlot::PatchEmbed)?,
-        &scratch,
-        vh * pd,
+        &dx,
+        pix,
+        Gemm::tn(vh, n, pd).accumulate(),
     )?;
     Ok(())
 }

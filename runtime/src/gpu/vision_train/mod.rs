@@ -27,9 +27,9 @@
 //! without bias in Qwen2.5-VL; the CPU model has none).
 //!
 //! Numerics as the text trainer (`train/`): bf16 activations and activation gradients, fp32
-//! math in every kernel; a weight gradient is a bf16 GEMM (`matmul_bf16`, transposed A) added
-//! into its fp32 sum (`grad_accumulate_f32`); a bias gradient is the same GEMM against a row of
-//! ones; norm gradients are fp32 directly.
+//! math in every kernel; a weight gradient is one GEMM (`matmul_bf16_f32`, transposed A) adding
+//! its fp32 product into the fp32 sum; a bias gradient is the same GEMM against a row of ones;
+//! norm gradients are fp32 directly.
 //!
 //! Tensors ([`VisionSlot`], in [`vision_slots`]' fixed order, the CPU table's): the patch
 //! embedding `[vision_hidden, patch_dim]` (the CPU's `[vh, C, T, P, P]`, same values); per block

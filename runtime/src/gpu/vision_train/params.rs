@@ -305,8 +305,6 @@ pub(crate) trait VisionSink: GradSink<VisionSlot> + GradSink<BlockTensor> {
     /// Whether the tower's tensors / the merger's are held.
     fn holds_tower(&self) -> bool;
     fn holds_merger(&self) -> bool;
-    /// Elements of the largest tensor held (sizes the weight-gradient scratch).
-    fn max_numel(&self) -> usize;
 }
 
 impl VisionSink for VisionGrads {
@@ -315,9 +313,6 @@ impl VisionSink for VisionGrads {
     }
     fn holds_merger(&self) -> bool {
         self.t.iter().any(|t| !t.slot.in_tower())
-    }
-    fn max_numel(&self) -> usize {
-        self.t.iter().map(|g| g.numel).max().unwrap_or(1)
     }
 }
 
