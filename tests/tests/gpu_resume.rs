@@ -28,7 +28,7 @@ use rollplex_runtime::exec::{self, gpu, IterationResult};
 /// tests/in/e2e/overlap_small.rpx with the vision tower frozen (the GPU trainer's requirement),
 /// compiled as an overlap plan.
 fn plan() -> Plan {
-    common::compile(
+    common::compile_gpu(
         "overlap_small.rpx",
         &common::overlap_small_frozen(),
         Mode::Overlap,
@@ -37,7 +37,7 @@ fn plan() -> Plan {
 
 /// [`plan`] with the vision tower and merger trained.
 fn plan_tower() -> Plan {
-    common::compile("overlap_small.rpx", &common::overlap_small(), Mode::Overlap)
+    common::compile_gpu("overlap_small.rpx", &common::overlap_small(), Mode::Overlap)
 }
 
 /// Runs iterations `first .. first + count` on `models`.
@@ -124,7 +124,7 @@ fn cuda_two_plus_resume_to_four_trains_the_tower_bitwise() {
 /// bits.
 #[test]
 fn cuda_two_plus_resume_to_four_with_the_reference_reloaded() {
-    let plan = common::compile(
+    let plan = common::compile_gpu(
         "overlap_small.rpx",
         &common::reloaded_reference_small(),
         Mode::Overlap,

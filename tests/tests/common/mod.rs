@@ -41,6 +41,32 @@ pub fn compile(name: &str, src: &str, mode: Mode) -> Plan {
     compile_spec(&spec(name, src), &opts)
 }
 
+/// [`compile`] for the GPU this machine has: the tests' pipelines name an H200 (`gpu { preset =
+/// H200 }`); on another GPU with a preset (an H100) they are compiled for that one, so the GPU
+/// tests run there too. Without a GPU: as written.
+#[allow(dead_code)] // only the GPU test binaries use it
+pub fn compile_gpu(name: &str, src: &str, mode: Mode) -> Plan {
+    static PRESET: std::sync::OnceLock<Option<&'static str>> = std::sync::OnceLock::new();
+    let preset = PRESET.get_or_init(|| {
+        let gpu = rollplex_kernels::cuda::Gpu::new(0).ok()?;
+        rollplex_runtime::exec::gpu::preset_of(gpu.name())
+    });
+    match preset {
+        Some(p) if *p != "H200" => {
+            assert!(
+                src.contains("preset = H200"),
+                "{name}: no H200 gpu preset to retarget"
+            );
+            compile(
+                name,
+                &src.replace("preset = H200", &format!("preset = {p}")),
+                mode,
+            )
+        }
+        _ => compile(name, src, mode),
+    }
+}
+
 /// The text of `rel` (a path from the repository root, e.g. `examples/tiny.rpx`): found from
 /// this crate's manifest dir, else from the working directory (the GPU test binaries run from a
 /// copy of the tree on another machine).

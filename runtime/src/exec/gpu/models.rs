@@ -242,8 +242,8 @@ pub(super) const GIB: f64 = (1u64 << 30) as f64;
 /// pipeline, whose plan arena is a few MiB.
 pub(super) const WORKSPACE_ALLOWANCE: u64 = 1 << 30;
 
-/// The DSL preset of a device name, when there is one.
-fn preset_of(name: &str) -> Option<&'static str> {
+/// The DSL preset of a device name (`gpu { preset = .. }`), when there is one.
+pub fn preset_of(name: &str) -> Option<&'static str> {
     let n = name.to_ascii_uppercase();
     ["H200", "H100", "H800", "A100"]
         .into_iter()
