@@ -459,15 +459,25 @@ corun_points: []
     // written back, it says nothing of host copies
     let text = p.to_yaml();
     assert!(!text.contains("host_copies") && !text.contains("host_bw_to_host"));
-    // the shipped profiles
-    for f in ["h200.yaml", "h200-runtime.yaml", "h200-3b-runtime.yaml"] {
+    // the shipped profiles: two from before host copies were recorded; the runtime profile
+    // with the reloads its 7B runs measured (host -> device only: those plans offload nothing)
+    let shipped = |f: &str| {
         let path = format!("{}/profiles/{f}", env!("CARGO_MANIFEST_DIR"));
-        let p = Profile::from_yaml(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        Profile::from_yaml(&std::fs::read_to_string(&path).unwrap()).unwrap()
+    };
+    for f in ["h200.yaml", "h200-3b-runtime.yaml"] {
+        let p = shipped(f);
         assert!(
             p.host_copies.is_empty() && p.host_bw_to_host.is_none(),
             "{f}"
         );
     }
+    let p = shipped("h200-runtime.yaml");
+    assert!(p.host_copies.to_device.transfers > 0 && p.host_copies.to_host.transfers == 0);
+    let m = CostModel::new(&p.gpu, Some(&p));
+    assert!((m.host_bw() - 55.18e9).abs() < 0.01e9, "{}", m.host_bw());
+    // no device -> host copy measured: that direction is priced at the measured link rate
+    assert_eq!(m.host_bw_to_host(), m.host_bw());
 }
 
 /// The measured rates and their sums round-trip; a rate that disagrees with its copies, or
