@@ -273,8 +273,94 @@ impl Model {
         Ok(())
     }
 
+    /// Layer `l`'s q|k|v projection (bias fused): `qkv = x wqkv^T + b`.
+    fn qkv_gemm(&mut self, g: &Gpu, s: &Arc<CudaStream>, l: usize) -> Res<()> {
+        let d = self.d;
+        let ly = &self.layers[l];
+        let bias = Some(&ly.bqkv as &dyn cudarc::driver::DevicePtr<bf16>);
+        let qkvw = (d.nh + 2 * d.nkv) * d.hd;
+        let (b, sk) = (self.batch, self.dispatch);
+        lin(
+            g,
+            s,
+            sk,
+            &mut self.qkv,
+            &self.x,
+            &ly.wqkv,
+            bias,
+            b,
+            d.h,
+            qkvw,
+        )
+    }
+
+    /// Layer `l`'s output projection: `tmp = attn wo^T`.
+    fn o_gemm(&mut self, g: &Gpu, s: &Arc<CudaStream>, l: usize) -> Res<()> {
+        let d = self.d;
+        let (b, sk) = (self.batch, self.dispatch);
+        let w = &self.layers[l].wo;
+        lin(
+            g,
+            s,
+            sk,
+            &mut self.tmp,
+            &self.attn,
+            w,
+            None,
+            b,
+            d.nh * d.hd,
+            d.h,
+        )
+    }
+
+    /// Layer `l`'s gate|up GEMM: with the skinny dispatch SwiGLU is fused (`act` written);
+    /// else `gu` only, and `act` when `swiglu`.
+    fn gate_up_gemm(&mut self, g: &Gpu, s: &Arc<CudaStream>, l: usize, swiglu: bool) -> Res<()> {
+        let d = self.d;
+        let b = self.batch;
+        let w = &self.layers[l].wgu;
+        if self.dispatch {
+            let (act, gu) = (&mut self.act, &mut self.gu);
+            gate_up_swiglu_bf16(g, s, act, gu, &self.x, w, b, d.h, d.f)?;
+            return Ok(());
+        }
+        linear_fwd_bf16_cublaslt(g, s, &mut self.gu, &self.x, w, None, b, d.h, 2 * d.f)?;
+        if swiglu {
+            let up = self.gu.slice(d.f..);
+            let (gu, f) = (&self.gu, d.f);
+            swiglu_fwd_bf16(g, s, &mut self.act, gu, &up, b, f, f, 2 * f, 2 * f)?;
+        }
+        Ok(())
+    }
+
+    /// Layer `l`'s down projection: `tmp = act wd^T`.
+    fn down_gemm(&mut self, g: &Gpu, s: &Arc<CudaStream>, l: usize) -> Res<()> {
+        let d = self.d;
+        let (b, sk) = (self.batch, self.dispatch);
+        let w = &self.layers[l].wd;
+        lin(g, s, sk, &mut self.tmp, &self.act, w, None, b, d.f, d.h)
+    }
+
+    /// The lm head (tied to the embedding unless the model has its own): `logits = x head^T`.
+    fn head_gemm(&mut self, g: &Gpu, s: &Arc<CudaStream>) -> Res<()> {
+        let d = self.d;
+        let (b, sk) = (self.batch, self.dispatch);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        lin(
+            g,
+            s,
+            sk,
+            &mut self.logits,
+            &self.x,
+            head,
+            None,
+            b,
+            d.h,
+            d.vocab,
+        )
+    }
+
     pub(crate) fn step(&mut self, g: &Gpu, s: &Arc<CudaStream>) -> Res<()> {
-        let sk = self.dispatch;
         let d = self.d;
         let b = self.batch;
         let qkvw = (d.nh + 2 * d.nkv) * d.hd;
@@ -285,20 +371,7 @@ impl Model {
         let n1 = &self.layers[0].n1;
         rmsnorm_fwd_bf16(g, s, &mut self.x, None, &self.h, n1, b, d.h, eps)?;
         for l in 0..d.layers {
-            let ly = &self.layers[l];
-            let bias = Some(&ly.bqkv as &dyn cudarc::driver::DevicePtr<bf16>);
-            lin(
-                g,
-                s,
-                sk,
-                &mut self.qkv,
-                &self.x,
-                &ly.wqkv,
-                bias,
-                b,
-                d.h,
-                qkvw,
-            )?;
+            self.qkv_gemm(g, s, l)?;
             let (cos, sin, slots) = (&self.cos, &self.sin, &self.slots);
             if self.fused {
                 let ly = &mut self.layers[l];
@@ -340,19 +413,8 @@ impl Model {
                 kv_append_bf16(g, s, &mut ly.vc, &vs, slots, b, kvw, qkvw, kvw)?;
             }
             self.attention(g, s, l)?;
+            self.o_gemm(g, s, l)?;
             let ly = &self.layers[l];
-            lin(
-                g,
-                s,
-                sk,
-                &mut self.tmp,
-                &self.attn,
-                &ly.wo,
-                None,
-                b,
-                d.nh * d.hd,
-                d.h,
-            )?;
             if self.fused {
                 add_rmsnorm_fwd_bf16(
                     g,
@@ -370,38 +432,8 @@ impl Model {
                 add_fwd_bf16_inplace(g, s, &mut self.h, &self.tmp, b * d.h)?;
                 rmsnorm_fwd_bf16(g, s, &mut self.x, None, &self.h, &ly.n2, b, d.h, eps)?;
             }
-            if sk {
-                let (act, gu) = (&mut self.act, &mut self.gu);
-                gate_up_swiglu_bf16(g, s, act, gu, &self.x, &ly.wgu, b, d.h, d.f)?;
-            } else {
-                let (x, w) = (&self.x, &ly.wgu);
-                linear_fwd_bf16_cublaslt(g, s, &mut self.gu, x, w, None, b, d.h, 2 * d.f)?;
-                let up = self.gu.slice(d.f..);
-                swiglu_fwd_bf16(
-                    g,
-                    s,
-                    &mut self.act,
-                    &self.gu,
-                    &up,
-                    b,
-                    d.f,
-                    d.f,
-                    2 * d.f,
-                    2 * d.f,
-                )?;
-            }
-            lin(
-                g,
-                s,
-                sk,
-                &mut self.tmp,
-                &self.act,
-                &ly.wd,
-                None,
-                b,
-                d.f,
-                d.h,
-            )?;
+            self.gate_up_gemm(g, s, l, true)?;
+            self.down_gemm(g, s, l)?;
             let next_norm = if l + 1 < d.layers {
                 &self.layers[l + 1].n1
             } else {
@@ -425,19 +457,7 @@ impl Model {
                 rmsnorm_fwd_bf16(g, s, &mut self.x, None, &self.h, next_norm, b, d.h, eps)?;
             }
         }
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        lin(
-            g,
-            s,
-            sk,
-            &mut self.logits,
-            &self.x,
-            head,
-            None,
-            b,
-            d.h,
-            d.vocab,
-        )?;
+        self.head_gemm(g, s)?;
         let p = SampleParams {
             temperature: 1.0,
             top_k: 0,
@@ -463,70 +483,13 @@ impl Model {
 
     /// Only the step's GEMMs (same shapes, same buffers), to split the step time.
     pub(crate) fn gemms(&mut self, g: &Gpu, s: &Arc<CudaStream>) -> Res<()> {
-        let sk = self.dispatch;
-        let d = self.d;
-        let b = self.batch;
-        let qkvw = (d.nh + 2 * d.nkv) * d.hd;
-        for ly in &self.layers {
-            let bias = Some(&ly.bqkv as &dyn cudarc::driver::DevicePtr<bf16>);
-            lin(
-                g,
-                s,
-                sk,
-                &mut self.qkv,
-                &self.x,
-                &ly.wqkv,
-                bias,
-                b,
-                d.h,
-                qkvw,
-            )?;
-            lin(
-                g,
-                s,
-                sk,
-                &mut self.tmp,
-                &self.attn,
-                &ly.wo,
-                None,
-                b,
-                d.nh * d.hd,
-                d.h,
-            )?;
-            if sk {
-                let (act, gu) = (&mut self.act, &mut self.gu);
-                gate_up_swiglu_bf16(g, s, act, gu, &self.x, &ly.wgu, b, d.h, d.f)?;
-            } else {
-                let (x, w) = (&self.x, &ly.wgu);
-                linear_fwd_bf16_cublaslt(g, s, &mut self.gu, x, w, None, b, d.h, 2 * d.f)?;
-            }
-            lin(
-                g,
-                s,
-                sk,
-                &mut self.tmp,
-                &self.act,
-                &ly.wd,
-                None,
-                b,
-                d.f,
-                d.h,
-            )?;
+        for l in 0..self.d.layers {
+            self.qkv_gemm(g, s, l)?;
+            self.o_gemm(g, s, l)?;
+            self.gate_up_gemm(g, s, l, false)?;
+            self.down_gemm(g, s, l)?;
         }
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        lin(
-            g,
-            s,
-            sk,
-            &mut self.logits,
-            &self.x,
-            head,
-            None,
-            b,
-            d.h,
-            d.vocab,
-        )?;
-        Ok(())
+        self.head_gemm(g, s)
     }
 
     /// (weight bytes, KV bytes a per-sample reader moves, KV bytes this variant moves, logits
