@@ -16,6 +16,7 @@
 #                                                                   (tests simt-env sanitize bench)
 #   vision-bwd              runtime/examples/vision_bwd_check.sh    kernel vision forward sanitize (all four)
 #   arena                   runtime/examples/arena_bench.sh         tests bench (both)
+#   train                   runtime/examples/train_bench.sh         bench kernels (bench)
 #   tower                   runtime/examples/tower_bench.sh         -
 #   memory                  runtime/examples/memory_check.sh        -
 #   corun                   runtime/examples/corun_calibrate.sh     -  (then, back on the build machine:
@@ -47,6 +48,7 @@ case "$bench" in
   dprefix) script=kernels/examples/dprefix_check.sh ;;
   vision-bwd) script=runtime/examples/vision_bwd_check.sh ;;
   arena) script=runtime/examples/arena_bench.sh ;;
+  train) script=runtime/examples/train_bench.sh ;;
   tower) script=runtime/examples/tower_bench.sh ;;
   memory) script=runtime/examples/memory_check.sh ;;
   corun) script=runtime/examples/corun_calibrate.sh ;;
@@ -61,9 +63,11 @@ fi
 case "$bench" in
   # step lists: the script runs the steps it is given, or its defaults
   kernels | dprefix | vision-bwd) exec bash "$script" "$@" ;;
-  arena)
+  arena | train)
     modes=("$@")
-    [ ${#modes[@]} -gt 0 ] || modes=(tests bench)
+    if [ ${#modes[@]} -eq 0 ]; then
+      if [ "$bench" = arena ]; then modes=(tests bench); else modes=(bench); fi
+    fi
     for m in "${modes[@]}"; do
       bash "$script" "$m"
     done ;;

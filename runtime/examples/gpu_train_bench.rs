@@ -34,8 +34,12 @@
 //! parameter count; bytes counted for AdamW: fp32 master, m, v read + written, fp32 grad read,
 //! bf16 copy written = 30 B a parameter.
 //!
+//! With `--step-only` it runs nothing but the micro-batch with every layer's activations kept
+//! (as the 3B plans keep them): once for the old log-probs, once as warm-up, once timed, so
+//! that a per-kernel profile of the whole process (Nsight Compute) is three equal micro-batches.
+//!
 //! Usage: gpu_train_bench [--layers 4] [--seqs 8] [--seq-len 1024] [--prompt-len 512]
-//!                        [--group 4] [--iters 10]
+//!                        [--group 4] [--iters 10] [--step-only]
 
 use std::sync::Arc;
 
@@ -280,6 +284,7 @@ fn main() -> Result<()> {
     let plen = arg(&args, "--prompt-len", 512)?;
     let group = arg(&args, "--group", 4)?;
     let iters = arg(&args, "--iters", 10)?.max(1);
+    let step_only = args.iter().any(|a| a == "--step-only");
     if group == 0 || !seqs.is_multiple_of(group) {
         bail!("--seqs {seqs} must be a multiple of --group {group}");
     }
@@ -302,7 +307,7 @@ fn main() -> Result<()> {
             ratio: rollplex_plan::spec::RatioLevel::Token,
             horizon: 0,
         },
-        kept_layers: 0,
+        kept_layers: if step_only { usize::MAX } else { 0 },
         freeze_vision: true,
         freeze_merger: true,
         temperature: 1.0,
@@ -433,6 +438,19 @@ fn main() -> Result<()> {
         hw_flops / 1e12,
         shared_flops / 1e12
     );
+    if step_only {
+        let mut idx = 0u32;
+        let (ms, _) = time_calls(&gpu, &s, 1, 1, || {
+            tr.micro_batch(&gpu, &s, idx, &gb, norm)?;
+            idx += 1;
+            Ok(())
+        })?;
+        println!(
+            "step only, activations kept: {ms:.3} ms, {:.1} TFLOP/s of the FLOPs it computes",
+            shared_flops / ms / 1e9
+        );
+        return Ok(());
+    }
     // ---- forward + loss + backward
     let mut idx = 0u32;
     let mut last_loss = 0.0;
