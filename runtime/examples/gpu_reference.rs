@@ -188,9 +188,8 @@ fn run_case(gpu: &Gpu, dir: &Path, tol: f64) -> Result<(bool, serde_json::Value)
     let mut margin = None;
     let mut ties = Vec::new();
     let mut diverged = None;
-    for step in 0..n as usize {
+    for (step, &theirs) in generated.iter().enumerate().take(n as usize) {
         let mut t = argmax(&logits) as u32;
-        let theirs = generated[step];
         if t != theirs {
             let m = logits[t as usize] - logits[theirs as usize];
             if margin.is_none() {

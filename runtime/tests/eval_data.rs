@@ -205,7 +205,9 @@ fn a_bad_held_out_file_stops_the_run_before_it_writes_anything() {
     too_big[2] = record("img/big.png", "A");
     let mut missing_image = records(3, 0);
     missing_image[0] = record("img/9.png", "A");
-    let cases: [(&str, Option<Vec<String>>, &[&str]); 5] = [
+    // (file name, its lines or None for a missing file, what the error must name)
+    type Case<'a> = (&'a str, Option<Vec<String>>, &'a [&'a str]);
+    let cases: [Case<'_>; 5] = [
         ("absent.jsonl", None, &["absent.jsonl"]),
         (
             "not-json.jsonl",

@@ -11,8 +11,11 @@ use rollplex_plan::spec::Mode;
 use rollplex_plan::{Op, Plan};
 use rollplex_runtime::exec::IterationResult;
 
+/// Tokens, reference log-probs, loss and grad norm of one iteration, as bits.
+type IterationBits = (Vec<Vec<u32>>, Vec<Option<Vec<u32>>>, u64, u64);
+
 /// The bits a run's results are compared by: tokens, reference log-probs, losses, grad norms.
-fn bits(rs: &[IterationResult]) -> Vec<(Vec<Vec<u32>>, Vec<Option<Vec<u32>>>, u64, u64)> {
+fn bits(rs: &[IterationResult]) -> Vec<IterationBits> {
     rs.iter()
         .map(|r| {
             (

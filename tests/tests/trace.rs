@@ -102,7 +102,8 @@ fn cpu_trace_measures_every_task_on_the_simulators_tracks() {
     assert_eq!(seen.len(), events.len());
 
     // Events of one stream do not overlap (times are rounded to nanoseconds).
-    let mut by_track: BTreeMap<(u32, u32), Vec<(f64, f64, &str)>> = BTreeMap::new();
+    type Spans<'a> = Vec<(f64, f64, &'a str)>; // (start, end, name)
+    let mut by_track: BTreeMap<(u32, u32), Spans<'_>> = BTreeMap::new();
     for e in &events {
         by_track
             .entry((e.pid, e.tid))

@@ -417,13 +417,16 @@ fn job_actor(
     })
 }
 
+/// AdamW's dense buffers: fp32 masters, first moments, second moments.
+type AdamWBuffers = (Vec<f32>, Vec<f32>, Vec<f32>);
+
 /// A checkpoint's optimizer map as AdamW's dense (master, first moment, second moment) buffers
 /// in `table`'s carving; refuses a map of other tensors or shapes.
 fn optimizer_buffers(
     dir: &Path,
     state: &RunState,
     table: &OptTable,
-) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>), ExecError> {
+) -> Result<AdamWBuffers, ExecError> {
     let n = table.state_len();
     let (mut master, mut m, mut v) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
     let opath = dir.join(ckpt_state::OPTIMIZER_FILE);

@@ -205,7 +205,10 @@ mod tests {
         }
     }
 
-    fn source(fail_at: Option<u32>) -> (Recording, Arc<Mutex<Vec<(u32, usize)>>>) {
+    /// The (iteration, count) of every call a [`Recording`] answered.
+    type Calls = Arc<Mutex<Vec<(u32, usize)>>>;
+
+    fn source(fail_at: Option<u32>) -> (Recording, Calls) {
         let calls = Arc::new(Mutex::new(Vec::new()));
         let r = Recording {
             calls: calls.clone(),

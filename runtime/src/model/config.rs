@@ -87,26 +87,28 @@ impl ModelConfig {
         if !errs.is_empty() {
             return Err(ModelError::Config(errs.join("; ")));
         }
-        if v.hidden_size % v.num_heads != 0 || (v.hidden_size / v.num_heads) % 4 != 0 {
+        if !v.hidden_size.is_multiple_of(v.num_heads)
+            || !(v.hidden_size / v.num_heads).is_multiple_of(4)
+        {
             errs.push(format!(
                 "vision hidden_size {} / num_heads {} must give a head dim divisible by 4 (2D RoPE)",
                 v.hidden_size, v.num_heads
             ));
         }
-        if t.hidden_size % t.num_heads != 0 || t.head_dim() % 2 != 0 {
+        if !t.hidden_size.is_multiple_of(t.num_heads) || !t.head_dim().is_multiple_of(2) {
             errs.push(format!(
                 "text hidden_size {} / num_heads {} must give an even head dim",
                 t.hidden_size, t.num_heads
             ));
         }
-        if t.num_heads % t.num_kv_heads != 0 {
+        if !t.num_heads.is_multiple_of(t.num_kv_heads) {
             errs.push(format!(
                 "text num_heads {} is not a multiple of num_kv_heads {}",
                 t.num_heads, t.num_kv_heads
             ));
         }
         let sec: u32 = t.mrope_section.iter().sum();
-        if t.hidden_size % t.num_heads == 0 && sec != t.head_dim() / 2 {
+        if t.hidden_size.is_multiple_of(t.num_heads) && sec != t.head_dim() / 2 {
             errs.push(format!(
                 "mrope_section {:?} sums to {sec}, expected head_dim/2 = {}",
                 t.mrope_section,
