@@ -18,6 +18,8 @@
 #   arena                   runtime/examples/arena_bench.sh         tests bench (both)
 #   train                   runtime/examples/train_bench.sh         bench kernels (bench)
 #   tower                   runtime/examples/tower_bench.sh         -
+#   offload                 runtime/examples/offload_bench.sh       serial overlap stream host big
+#                                                                   (serial overlap)
 #   memory                  runtime/examples/memory_check.sh        -
 #   corun                   runtime/examples/corun_calibrate.sh     -  (then, back on the build machine:
 #                                                                   runtime/examples/corun_calibrate.sh offline RESULTS)
@@ -50,6 +52,7 @@ case "$bench" in
   arena) script=runtime/examples/arena_bench.sh ;;
   train) script=runtime/examples/train_bench.sh ;;
   tower) script=runtime/examples/tower_bench.sh ;;
+  offload) script=runtime/examples/offload_bench.sh ;;
   memory) script=runtime/examples/memory_check.sh ;;
   corun) script=runtime/examples/corun_calibrate.sh ;;
   *) echo "gpu-bench: unknown benchmark '$bench'" >&2; usage ;;
@@ -63,6 +66,7 @@ fi
 case "$bench" in
   # step lists: the script runs the steps it is given, or its defaults
   kernels | dprefix | vision-bwd) exec bash "$script" "$@" ;;
+  offload) exec bash "$script" device "$@" ;;
   arena | train)
     modes=("$@")
     if [ ${#modes[@]} -eq 0 ]; then

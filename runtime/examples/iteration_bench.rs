@@ -39,7 +39,8 @@ use anyhow::{bail, Context, Result};
 use rollplex_plan::plan::{Plan, Task};
 use rollplex_plan::spec::DatasetSpec;
 use rollplex_runtime::exec::gpu::{
-    build_gpu_models, build_gpu_models_for, run_gpu_loop_with, GpuExecOptions, PlanStreams,
+    build_gpu_models, build_gpu_models_for, check_gpu_plan, open_gpu, run_gpu_loop_with,
+    GpuExecOptions, PlanStreams,
 };
 use rollplex_runtime::exec::profile::{Execution, ProfileRecorder};
 use rollplex_runtime::exec::{self, ExecError, IterationResult, LoopModels, LoopObserver};
@@ -236,6 +237,13 @@ fn main() -> Result<()> {
         .collect::<Result<_, ExecError>>()?;
     for (name, p) in &plans[1..] {
         check_same_job(&plans[0].1, p, name)?;
+    }
+    // a machine without a GPU is told so before the host model (tens of GB at 7B) is built
+    {
+        let gpu = open_gpu()?;
+        for (name, p) in &plans {
+            check_gpu_plan(p, &gpu).with_context(|| name.clone())?;
+        }
     }
     let t0 = Instant::now();
     let actor = if placed {
