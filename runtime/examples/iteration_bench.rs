@@ -251,6 +251,7 @@ fn main() -> Result<()> {
     } else {
         None
     };
+    let host_s = t0.elapsed().as_secs_f64();
     let models = match &actor {
         Some(a) => build_gpu_models_for(&plans[0].1, a),
         None => build_gpu_models(&plans[0].1.spec),
@@ -263,9 +264,9 @@ fn main() -> Result<()> {
         models_gpu_name,
         t0.elapsed().as_secs_f64(),
         if placed {
-            "at the first plan's arena offsets"
+            format!("the host model {host_s:.1} s, then the device's at the first plan's arena offsets")
         } else {
-            "from the memory pool"
+            "from the memory pool".to_string()
         },
         plans.len()
     );
@@ -278,7 +279,12 @@ fn main() -> Result<()> {
                     print!("{}", arena.report());
                     // one arena at a time: the old models go first
                     drop(slot.take());
+                    let t = Instant::now();
                     slot = Some(build_gpu_models_for(plan, a).context("building the models")?);
+                    println!(
+                        "{name}: another arena layout; device models rebuilt in {:.1} s",
+                        t.elapsed().as_secs_f64()
+                    );
                 }
             }
             let models = slot.as_mut().expect("built above");
