@@ -11,7 +11,8 @@
 //! the launcher was given none: the kernel picks a free one, and rank 0 reports it on stderr in
 //! a line starting with [`LISTEN_PREFIX`], which the launcher reads before starting the others, so
 //! no port is guessed). It forwards every child's output line by line prefixed `[rank K]`, and
-//! polls their exit. When a child fails (a non-zero status or a signal) it kills the others and
+//! polls their exit. When a child fails (a non-zero status or a signal) it gives the others up
+//! to [`PEER_REPORT_GRACE`] to notice and say so themselves, kills those still running, and
 //! returns [`LaunchError::RankFailed`] naming the rank; among several failures it names one that
 //! did not exit with [`EXIT_PEER_FAILED`] (the status of a rank that only stopped because
 //! another failed), waiting up to [`ROOT_CAUSE_GRACE`] for it. A child's stdin is a pipe from
@@ -41,6 +42,9 @@ pub const EXIT_PEER_FAILED: u8 = 3;
 /// How long the launcher waits for the root cause when the first failures it sees are ranks
 /// that exited with [`EXIT_PEER_FAILED`].
 pub const ROOT_CAUSE_GRACE: Duration = Duration::from_secs(2);
+/// How long the other ranks may run after a rank failed, to see the failure (a closed
+/// connection) and report it before they are killed.
+pub const PEER_REPORT_GRACE: Duration = Duration::from_millis(500);
 
 #[derive(Debug, thiserror::Error)]
 pub enum LaunchError {
@@ -380,6 +384,18 @@ fn spawn(
     })
 }
 
+/// Waits up to `grace` for every rank still running to exit by itself.
+fn wait_for_exits(ranks: &mut [Rank], grace: Duration) {
+    let t0 = Instant::now();
+    while t0.elapsed() < grace
+        && ranks
+            .iter_mut()
+            .any(|r| matches!(r.child.try_wait(), Ok(None)))
+    {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// Kills every rank still running, waits for all, and drains their output.
 fn stop_all(ranks: &mut [Rank]) {
     for r in ranks.iter_mut() {
@@ -495,6 +511,7 @@ fn supervise(mut ranks: Vec<Rank>) -> Result<(), LaunchError> {
             }
         }
         if let Some((rank, st)) = root {
+            wait_for_exits(&mut ranks, PEER_REPORT_GRACE);
             stop_all(&mut ranks);
             return Err(failed(rank, &st));
         }
