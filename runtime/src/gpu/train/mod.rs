@@ -277,6 +277,15 @@ impl GpuTrainer {
                 grad: None,
             });
         }
+        if let Some(st) = &streamed {
+            if at != st.total() {
+                return Err(GpuError::Input(format!(
+                    "the trained tensors hold {at} values but their device copies {}",
+                    st.total()
+                ))
+                .into());
+            }
+        }
         Ok(GpuTrainer {
             model: gm,
             cfg,
