@@ -3,7 +3,7 @@
 //! prefix KV in full) and `attention_decode` (one query per sequence over a KV arena whose
 //! prefix part is shared by the samples of a group).
 //!
-//! Both ops run the same per-query core, [`attend_row`]: for one query row and each head, the
+//! Both ops run the same per-query core, `attend_row`: for one query row and each head, the
 //! scores of the visible keys in a fixed order (prefix keys first, then the sequence's own keys,
 //! both ascending), `softmax` in f32 (max, `exp(s - max)`, sequential sum, `e / sum`), and the
 //! probability-weighted sum of values in the same key order. Nothing in a query's arithmetic

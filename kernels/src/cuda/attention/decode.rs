@@ -31,7 +31,7 @@ pub struct DecodePlan {
     /// per-sample form, the default of [`decode_plan`]: one block per (sample, kv head, chunk),
     /// a block-wide 4-stage pipeline, 3 blocks per SM) or the warp-split one
     /// (`attention_decode_bf16`: each of 4 warps streams its own tiles; 1 block per SM; what
-    /// [`decode_plan_for_blocks`] plans, kept for timing).
+    /// `decode_plan_for_blocks` plans, kept for timing).
     pub pipelined: bool,
 }
 
@@ -55,7 +55,7 @@ impl DecodePlan {
     }
 }
 
-/// Blocks [`decode_plan_for_blocks`]'s default and the group pass of [`grouped_decode_plan`]
+/// Blocks `decode_plan_for_blocks`'s default and the group pass of [`super::grouped_decode_plan`]
 /// aim at: 2 per SM of a 132-SM H200 (the warp-split kernel holds one 139 KiB block per SM; 264
 /// blocks measured fastest of 264/528/1056/2112 for it, and for the group pass at batch 64;
 /// docs/perf.md). A constant, so that the split (and the rounding) never depends on which

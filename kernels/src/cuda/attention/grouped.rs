@@ -156,7 +156,7 @@ pub fn grouped_decode_plan_for_targets(
 
 /// Decode attention with each GRPO group's shared prefix read once per group (the CPU twin is
 /// still [`crate::cpu::attention_decode`]): the same buffers and descriptors as
-/// [`attention_decode_bf16`] (the inputs in `x`), plus the grouping in `plan`. Samples of a group must name the
+/// [`super::attention_decode_bf16`] (the inputs in `x`), plus the grouping in `plan`. Samples of a group must name the
 /// same prefix rows (`p_start`, `p_len`) as the group's first sample; one that does not gets
 /// NaN outputs. Launches on `stream`: the group pass (when `plan.p_splits > 0`) and the
 /// per-sample pass as one launch, then the merge.
