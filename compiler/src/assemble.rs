@@ -165,45 +165,43 @@ pub fn assemble(pg: &PhaseGraph, p: &Placement, cost: &rollplex_cost::CostModel)
             (Some(sh), BufferClass::OptimizerMoments) if host => Some((sh, 2)),
             _ => None,
         };
-        if let Some((sh, per_slot)) = streamed {
-            // streamed: the host copy is the state; the device buffer is only the staging
-            // slots each optimizer step copies chunks through
+        if host {
             let h = s.next_buffer();
             let mut copy = pbuf(lb, format!("{}.host", lb.name), true, true);
             copy.role = BufferRole::HostCopy;
             s.buffers.push(copy);
             let d = s.next_buffer();
             let mut dev = pbuf(lb, lb.name.clone(), false, false);
-            dev.bytes = per_slot * sh.slots as u64 * sh.chunk_elems * 4;
-            dev.shape = format!(
-                "{} staging slots of {} x {} f32",
-                sh.slots, per_slot, sh.chunk_elems
-            );
+            match streamed {
+                // streamed: the host copy is the state; the device buffer is only the staging
+                // slots each optimizer step copies chunks through
+                Some((sh, per_slot)) => {
+                    let st = rollplex_plan::OptimizerStream {
+                        gpu: lb.gpu,
+                        chunk_elems: sh.chunk_elems,
+                        chunks: sh.chunks,
+                        slots: sh.slots,
+                    };
+                    dev.bytes = per_slot * st.master_bytes();
+                    dev.shape = format!(
+                        "{} staging slots of {} x {} f32",
+                        sh.slots, per_slot, sh.chunk_elems
+                    );
+                    stream_hosts.push(h);
+                    s.optimizer_stream = Some(st);
+                }
+                None => {
+                    dev.host_twin = true;
+                    reloads.push(Reload {
+                        logical: LBufId::from_index(li),
+                        host: h,
+                        device: d,
+                        write_back: lb.offload == Offload::Mutable,
+                    });
+                }
+            }
             s.buffers.push(dev);
             map.push(d);
-            stream_hosts.push(h);
-            s.optimizer_stream = Some(rollplex_plan::OptimizerStream {
-                gpu: lb.gpu,
-                chunk_elems: sh.chunk_elems,
-                chunks: sh.chunks,
-                slots: sh.slots,
-            });
-        } else if host {
-            let h = s.next_buffer();
-            let mut copy = pbuf(lb, format!("{}.host", lb.name), true, true);
-            copy.role = BufferRole::HostCopy;
-            s.buffers.push(copy);
-            let d = s.next_buffer();
-            let mut dev = pbuf(lb, lb.name.clone(), false, false);
-            dev.host_twin = true;
-            s.buffers.push(dev);
-            map.push(d);
-            reloads.push(Reload {
-                logical: LBufId::from_index(li),
-                host: h,
-                device: d,
-                write_back: lb.offload == Offload::Mutable,
-            });
         } else {
             map.push(s.next_buffer());
             let persistent = lb.persistent

@@ -100,12 +100,12 @@ pub const STREAM_SLOTS: u32 = 3;
 const GIB: f64 = (1u64 << 30) as f64;
 
 /// Seconds a streamed optimizer step takes whose update alone takes `update_s` (spread evenly
-/// over its chunks): the copy of the first chunk in (the fill), one stage per chunk of the
-/// longer of its update and the copies beside it (the next chunk in and the previous one back,
-/// one after the other on the copy stream, each at the host link's rate in its direction), and
-/// the write-back of the last (the drain).
-pub fn streamed_step_s(cost: &CostModel, update_s: f64, shape: StreamShape) -> f64 {
-    let chunk = (shape.chunk_elems * 12) as f64;
+/// over its `chunks` chunks of `chunk_elems` parameters): the copy of the first chunk in (the
+/// fill), one stage per chunk of the longer of its update and the copies beside it (the next
+/// chunk in and the previous one back, one after the other on the copy stream, each at the host
+/// link's rate in its direction), and the write-back of the last (the drain).
+pub fn streamed_step_s(cost: &CostModel, update_s: f64, chunk_elems: u64, chunks: u32) -> f64 {
+    let chunk = (chunk_elems * 12) as f64;
     let w = rollplex_plan::work::Work {
         bytes: chunk,
         steps: 1,
@@ -115,7 +115,7 @@ pub fn streamed_step_s(cost: &CostModel, update_s: f64, shape: StreamShape) -> f
     let sms = cost.gpu().sms;
     let cin = cost.time_dir(WorkKind::Transfer, &w, sms, HostDir::ToDevice);
     let cout = cost.time_dir(WorkKind::Transfer, &w, sms, HostDir::ToHost);
-    let n = shape.chunks.max(1) as f64;
+    let n = chunks.max(1) as f64;
     cin + cout + n * (cin + cout).max(update_s / n)
 }
 
@@ -240,7 +240,7 @@ pub fn model(
             .filter(|n| n.gpu == tg && matches!(n.op, Op::OptimizerStep { .. }))
             .map(|n| {
                 let update = cost.time(n.kind, &n.work, total);
-                streamed_step_s(cost, update, shape) - update
+                streamed_step_s(cost, update, shape.chunk_elems, shape.chunks) - update
             })
             .sum();
         let (stream, fixed) = match spec.train.optimizer_state {

@@ -78,12 +78,7 @@ pub fn predict(s: &mut Sched, cost: &CostModel) {
         let mut dur = cost.time_dir(kind, &t.work, t.sms.clamp(1, total_sms), t.op.host_dir());
         if let Some(st) = s.optimizer_stream.as_ref().filter(|st| st.gpu == t.gpu) {
             if matches!(t.op, Op::OptimizerStep { .. }) {
-                let shape = crate::ir::StreamShape {
-                    chunk_elems: st.chunk_elems,
-                    chunks: st.chunks,
-                    slots: st.slots,
-                };
-                dur = crate::residency::streamed_step_s(cost, dur, shape);
+                dur = crate::residency::streamed_step_s(cost, dur, st.chunk_elems, st.chunks);
             }
         }
         if let Some(w) = window {
