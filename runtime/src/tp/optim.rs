@@ -9,8 +9,8 @@
 //! so after a step they are still bitwise equal and `TpPlan::unshard` accepts the weights.
 
 use rollplex_plan::spec::AdamWSpec;
+use rollplex_plan::OptimizerStream;
 
-use crate::train::adamw::StreamChunks;
 use crate::train::{AdamW, OptTable, StepReport};
 
 use super::comm::Communicator;
@@ -84,14 +84,14 @@ impl TpAdamW {
         self.step_with(comm, model, grads, None)
     }
 
-    /// [`TpAdamW::step`], the state streamed in `chunks` when given
+    /// [`TpAdamW::step`], the state streamed as `stream` says when given
     /// ([`crate::train::adamw::AdamW::step_with`]: bitwise the same).
     pub fn step_with<C: Communicator>(
         &mut self,
         comm: &C,
         model: &mut TpModel,
         grads: &mut [f32],
-        chunks: Option<StreamChunks>,
+        stream: Option<&OptimizerStream>,
     ) -> Result<StepReport, TpError> {
         model.as_rank().check_comm(comm)?;
         let table = self.inner.table();
@@ -136,7 +136,7 @@ impl TpAdamW {
         }
         let mut report = self
             .inner
-            .step_f32_with(grads, &mut model.weights.data, chunks)?;
+            .step_f32_with(grads, &mut model.weights.data, stream)?;
         report.grad_norm = norm;
         Ok(report)
     }

@@ -29,6 +29,7 @@
 //! A non-finite norm is an error and leaves weights and moments untouched.
 
 use rollplex_plan::spec::{AdamWSpec, LrSchedule};
+use rollplex_plan::OptimizerStream;
 
 use super::{check_len, Result, TrainError};
 use crate::model::ParamTable;
@@ -416,14 +417,16 @@ impl AdamW {
         self.step_with(grads, None, write_compute)
     }
 
-    /// [`AdamW::step`], the state streamed in `chunks` when given: the masters and moments
-    /// here stay the source of truth, each chunk is copied into a staging slot, updated there
-    /// and written back (the plan's fixed order, [`StreamChunks`]). AdamW is elementwise and
+    /// [`AdamW::step`], the state streamed as the plan's `stream` says when given: the masters
+    /// and moments here stay the source of truth, each chunk is copied into a staging slot,
+    /// updated there and written back (the plan's fixed order, [`OptimizerStream`]; its
+    /// `gpu` and `chunks` are the plan's business, the chunks here follow from the table's
+    /// state length). AdamW is elementwise and
     /// the clip is computed over every gradient first, so the numbers are bitwise the same.
     pub fn step_with(
         &mut self,
         grads: &mut [f32],
-        chunks: Option<StreamChunks>,
+        stream: Option<&OptimizerStream>,
         mut write_compute: impl FnMut(&OptParam, &[f32]),
     ) -> Result<StepReport> {
         let grad_norm = clip_grad_norm(&self.table, grads, self.spec.grad_clip)?;
@@ -441,7 +444,7 @@ impl AdamW {
             eps: self.spec.eps as f32,
         };
         let decays = self.spec.weight_decay != 0.0;
-        match chunks {
+        match stream {
             None => {
                 for prm in self.table.params() {
                     let r = prm.state_offset..prm.state_offset + prm.numel;
@@ -474,7 +477,7 @@ impl AdamW {
     fn streamed(
         &mut self,
         grads: &[f32],
-        c: StreamChunks,
+        c: &OptimizerStream,
         k: &Update,
         decays: bool,
         write_compute: &mut impl FnMut(&OptParam, &[f32]),
@@ -486,12 +489,15 @@ impl AdamW {
                 c.chunk_elems, c.slots
             )));
         }
-        let ce = c.chunk_elems;
+        let (ce, slots) = (c.chunk_elems as usize, c.slots as usize);
         let count = n.div_ceil(ce);
-        let range = |i: usize| i * ce..((i + 1) * ce).min(n);
+        let range = |i: usize| {
+            let r = c.chunk(i as u32, n as u64);
+            r.start as usize..r.end as usize
+        };
         // slot j: masters, first moments, second moments, `ce` each
-        let mut staging = vec![0f32; 3 * ce * c.slots];
-        let slot = |i: usize| 3 * ce * (i % c.slots);
+        let mut staging = vec![0f32; 3 * ce * slots];
+        let slot = |i: usize| 3 * ce * (i % slots);
         let copy_in = |st: &mut [f32], s: &Self, i: usize| {
             let r = range(i);
             let (o, l) = (slot(i), r.len());
@@ -524,7 +530,7 @@ impl AdamW {
         }
         for i in 0..count {
             if i + 1 < count {
-                while written + c.slots < i + 2 {
+                while written + slots < i + 2 {
                     write_back(&staging, self, written, &mut computed);
                     written += 1;
                 }
@@ -579,21 +585,13 @@ impl AdamW {
         &mut self,
         grads: &mut [f32],
         compute: &mut [f32],
-        chunks: Option<StreamChunks>,
+        stream: Option<&OptimizerStream>,
     ) -> Result<StepReport> {
         check_len("compute weights", self.table.buffer_len(), compute.len())?;
-        self.step_with(grads, chunks, |p, w| {
+        self.step_with(grads, stream, |p, w| {
             compute[p.offset..p.offset + w.len()].copy_from_slice(w)
         })
     }
-}
-
-/// How a streamed optimizer step walks the state (the plan's `OptimizerStream`): chunks of
-/// `chunk_elems` parameters of the dense state, staged through `slots` slots.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StreamChunks {
-    pub chunk_elems: usize,
-    pub slots: usize,
 }
 
 /// The step's constants, and the update of a run of elements (torch's op order).
@@ -719,13 +717,13 @@ mod tests {
         let grads: Vec<Vec<f32>> = (0..3)
             .map(|_| (0..n).map(|_| rng.next() * 3.0).collect())
             .collect();
-        let run = |chunks: Option<StreamChunks>| {
+        let run = |stream: Option<&OptimizerStream>| {
             let mut opt =
                 AdamW::new(spec(LrSchedule::Constant, 1.0), table.clone(), &init).unwrap();
             let mut w = init.clone();
             for g in &grads {
                 let mut g = g.clone();
-                opt.step_f32_with(&mut g, &mut w, chunks).unwrap();
+                opt.step_f32_with(&mut g, &mut w, stream).unwrap();
             }
             let (p, m, v) = opt.state();
             let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
@@ -733,7 +731,13 @@ mod tests {
         };
         let want = run(None);
         for (chunk_elems, slots) in [(1, 2), (6, 2), (6, 3), (13, 3), (64, 2), (1000, 3)] {
-            let got = run(Some(StreamChunks { chunk_elems, slots }));
+            let st = OptimizerStream {
+                gpu: rollplex_plan::GpuId(0),
+                chunk_elems,
+                chunks: (n as u64).div_ceil(chunk_elems) as u32,
+                slots,
+            };
+            let got = run(Some(&st));
             assert!(got == want, "chunks of {chunk_elems} through {slots} slots");
         }
     }

@@ -142,12 +142,12 @@ impl Trainer {
         self.optimizer_step_with(comm, None)
     }
 
-    /// [`Trainer::optimizer_step`], the optimizer state streamed in `chunks` when given (a
+    /// [`Trainer::optimizer_step`], the optimizer state streamed as `stream` says when given (a
     /// plan's streamed optimizer step: bitwise the same result).
     pub fn optimizer_step_with<C: Communicator>(
         &mut self,
         comm: &C,
-        chunks: Option<crate::train::adamw::StreamChunks>,
+        stream: Option<&rollplex_plan::OptimizerStream>,
     ) -> Result<TrainStepReport, TpError> {
         let micro_batches = self.acc.count();
         if micro_batches == 0 {
@@ -158,7 +158,7 @@ impl Trainer {
         }
         let step = self
             .opt
-            .step_with(comm, &mut self.actor, self.acc.grads_mut(), chunks)?;
+            .step_with(comm, &mut self.actor, self.acc.grads_mut(), stream)?;
         self.acc.reset();
         let metrics = std::mem::take(&mut self.metrics);
         Ok(TrainStepReport {

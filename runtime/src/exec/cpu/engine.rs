@@ -13,6 +13,7 @@
 use std::sync::Arc;
 
 use rollplex_plan::spec::JobSpec;
+use rollplex_plan::OptimizerStream;
 
 use super::super::ExecError;
 use crate::model::{
@@ -20,7 +21,6 @@ use crate::model::{
     SampleKey, SamplingParams, Weights,
 };
 use crate::tp::{all_gather_uneven, Communicator, TpModel, TpPlan};
-use crate::train::adamw::StreamChunks;
 use crate::train::backward::{GroupBatch, MicroBatchOutput, TrainConfig};
 use crate::train::loss::Normaliser;
 use crate::train::{OptTable, Trainer};
@@ -89,9 +89,9 @@ pub trait CpuEngine {
         groups: &[GroupBatch<'_>],
         norm: Normaliser,
     ) -> Result<MicroBatchOutput, ExecError>;
-    /// Clip, AdamW, new weights; returns the global grad norm before clipping. With `chunks`
+    /// Clip, AdamW, new weights; returns the global grad norm before clipping. With `stream`
     /// (a plan's streamed optimizer step) the state goes through staging chunk by chunk.
-    fn optimizer_step(&mut self, chunks: Option<StreamChunks>) -> Result<f64, ExecError>;
+    fn optimizer_step(&mut self, stream: Option<&OptimizerStream>) -> Result<f64, ExecError>;
     /// The plan's `WeightSync`: the rollout gets the trainer's weights (nothing to do where
     /// it reads them in place).
     fn weight_sync(&mut self) -> Result<(), ExecError>;
@@ -500,11 +500,11 @@ impl<C: Communicator> CpuEngine for RankEngine<'_, C> {
             .micro_batch(self.comm, index, groups, norm)?)
     }
 
-    fn optimizer_step(&mut self, chunks: Option<StreamChunks>) -> Result<f64, ExecError> {
+    fn optimizer_step(&mut self, stream: Option<&OptimizerStream>) -> Result<f64, ExecError> {
         Ok(self
             .models
             .trainer
-            .optimizer_step_with(self.comm, chunks)?
+            .optimizer_step_with(self.comm, stream)?
             .step
             .grad_norm)
     }

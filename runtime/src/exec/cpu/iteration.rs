@@ -37,7 +37,6 @@
 //! data, TP degree), never of the order the walker ran tasks in; `tests/tests/serial_overlap.rs`
 //! checks serial and overlap plans bitwise.
 
-use crate::train::adamw::StreamChunks;
 use rollplex_plan::plan::{Op, OptimizerStream, Plan, Purpose, Task};
 use rollplex_plan::Span;
 
@@ -415,15 +414,8 @@ impl<E: CpuEngine> TaskRunner for CpuIteration<'_, '_, E> {
             Op::OptimizerStep { .. } => {
                 // streamed: the state here (the host copy) stays the source of truth and each
                 // chunk goes through a staging slot, in the plan's order
-                let chunks = self
-                    .stream
-                    .as_ref()
-                    .filter(|st| st.gpu == task.gpu)
-                    .map(|st| StreamChunks {
-                        chunk_elems: st.chunk_elems as usize,
-                        slots: st.slots as usize,
-                    });
-                self.book.metrics.grad_norm = self.models.optimizer_step(chunks)?;
+                let stream = self.stream.as_ref().filter(|st| st.gpu == task.gpu);
+                self.book.metrics.grad_norm = self.models.optimizer_step(stream)?;
                 self.book.metrics.optimizer_steps += 1;
             }
             Op::WeightSync { .. } => self.models.weight_sync()?,

@@ -132,7 +132,7 @@ fn build_models(
     let optimizer_stream = plan
         .and_then(|p| p.optimizer_stream.as_ref())
         .filter(|st| Some(st.gpu) == program)
-        .map(|st| (st.chunk_elems as usize, st.slots as usize));
+        .cloned();
     let trainer = GpuTrainer::new_in(
         &gpu,
         &stream,

@@ -183,9 +183,9 @@ pub struct TrainerPlacement {
     /// AdamW's moments (`adam_moments`).
     pub moments: Option<Arc<Region>>,
     /// The masters and moments kept in pinned host memory and streamed through the device by
-    /// each optimizer step (a plan's `OptimizerStream`): `(chunk parameters, staging slots)`.
-    /// They are built on the host, so the device never holds them whole. `None`: on the device.
-    pub stream: Option<(usize, usize)>,
+    /// each optimizer step, chunked as the plan's `OptimizerStream` says. They are built on the
+    /// host, so the device never holds them whole. `None`: on the device.
+    pub stream: Option<rollplex_plan::OptimizerStream>,
 }
 
 impl GpuTrainer {
@@ -224,13 +224,13 @@ impl GpuTrainer {
         let mut gm = GpuModel::upload_in(gpu, stream, model, place.weights.as_deref())?;
         let (masters, moments) = (place.masters.as_deref(), place.moments.as_deref());
         let slots = train_slots(&model.weights.layout, &cfg);
-        let mut streamed = match place.stream {
-            Some((chunk, n)) => {
+        let mut streamed = match &place.stream {
+            Some(plan) => {
                 let total = slots
                     .iter()
                     .map(|&s| weight_mut(&mut gm.weights, s).map_or(0, |w| w.len()))
                     .sum();
-                let mut st = stream::StreamedState::new(gpu, stream, total, chunk, n)?;
+                let mut st = stream::StreamedState::new(gpu, stream, total, plan)?;
                 st.zero_moments();
                 Some(st)
             }

@@ -23,6 +23,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream, DevicePtrMut};
 use half::bf16;
 use rollplex_kernels::cuda::{adamw_step_f32, AdamWScalars, Gpu};
+use rollplex_plan::OptimizerStream;
 
 use super::super::arena::HostImage;
 use super::super::{alloc, GpuError};
@@ -31,8 +32,8 @@ use super::{GpuTrainer, Result};
 
 /// The trainer's optimizer state on the host, and the device staging it goes through.
 pub(super) struct StreamedState {
-    chunk: usize,
-    slots: usize,
+    /// The plan's chunking (its `chunk_elems` and `slots`; the chunks follow from `total`).
+    plan: OptimizerStream,
     total: usize,
     /// Masters, first moments, second moments: `total` f32 each, pinned.
     host: [HostImage; 3],
@@ -44,15 +45,15 @@ pub(super) struct StreamedState {
 }
 
 impl StreamedState {
-    /// Host images for `total` parameters (contents undefined) and `slots` device staging
-    /// chunks of `chunk` parameters.
+    /// Host images for `total` parameters (contents undefined) and the plan's device staging
+    /// slots.
     pub(super) fn new(
         gpu: &Gpu,
         s: &Arc<CudaStream>,
         total: usize,
-        chunk: usize,
-        slots: usize,
+        plan: &OptimizerStream,
     ) -> Result<Self> {
+        let (chunk, slots) = (plan.chunk_elems as usize, plan.slots as usize);
         if chunk == 0 || !(2..=3).contains(&slots) {
             return Err(GpuError::Input(format!(
                 "a streamed optimizer state of chunks of {chunk} parameters through {slots} slots"
@@ -61,8 +62,7 @@ impl StreamedState {
         }
         let image = || -> Result<HostImage> { Ok(HostImage::new(gpu, total * 4)?) };
         Ok(StreamedState {
-            chunk,
-            slots,
+            plan: plan.clone(),
             total,
             host: [image()?, image()?, image()?],
             staging: (0..slots)
@@ -80,11 +80,12 @@ impl StreamedState {
 
     /// Chunk `k`'s parameter range.
     fn range(&self, k: usize) -> std::ops::Range<usize> {
-        (k * self.chunk).min(self.total)..((k + 1) * self.chunk).min(self.total)
+        let r = self.plan.chunk(k as u32, self.total as u64);
+        r.start as usize..r.end as usize
     }
 
     fn chunks(&self) -> usize {
-        self.total.div_ceil(self.chunk)
+        self.total.div_ceil(self.plan.chunk_elems as usize)
     }
 
     /// Queues on the copy stream chunk `k`'s copy between its host range and its slot.
@@ -94,7 +95,7 @@ impl StreamedState {
         if bytes == 0 {
             return Ok(());
         }
-        let slot = k % self.slots;
+        let slot = k % self.plan.slots as usize;
         for (img, dev) in self.host.iter().zip(self.staging[slot].iter_mut()) {
             let mut view = dev.slice_mut(0..r.len());
             let (dp, _record) = view.device_ptr_mut(&self.copy);
@@ -221,7 +222,7 @@ impl GpuTrainer {
             }
             s.wait(&in_ev[k]).map_err(GpuError::from)?;
             let r = st.range(k);
-            let slot = k % st.slots;
+            let slot = k % st.plan.slots as usize;
             let mut at = 0usize; // the tensor's first parameter in the flat state
             for t in self.grads.t.iter_mut() {
                 let (a, b) = (at.max(r.start), (at + t.numel).min(r.end));
