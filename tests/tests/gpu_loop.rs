@@ -275,12 +275,7 @@ fn cuda_streamed_optimizer_state_trains_as_in_hbm() {
     let Some(_gpu) = common::gpu_device() else {
         return;
     };
-    let base = common::overlap_small_frozen()
-        .replace("text_tokens = 256", "text_tokens = 16")
-        .replace(
-            "decode_window = 4",
-            "decode_window = 4\n        host_memory = 1GiB",
-        );
+    let base = common::optimizer_state_small();
     let with = |choice: &str, mode: Mode| {
         let src = common::in_train(&base, &format!("optimizer_state = {choice}"));
         common::compile_gpu("overlap_small.rpx", &src, mode)

@@ -105,15 +105,7 @@ fn reading_the_reference_while_it_is_on_the_host_is_refused() {
 /// and its training phase holds less of the state than the in-HBM plan's.
 #[test]
 fn a_streamed_optimizer_state_trains_as_in_hbm() {
-    let base = common::in_train(
-        &common::overlap_small_frozen()
-            .replace("text_tokens = 256", "text_tokens = 16")
-            .replace(
-                "decode_window = 4",
-                "decode_window = 4\n        host_memory = 1GiB",
-            ),
-        "recompute = none",
-    );
+    let base = common::in_train(&common::optimizer_state_small(), "recompute = none");
     let with = |choice: &str, mode: Mode| {
         let src = common::in_train(&base, &format!("optimizer_state = {choice}"));
         common::compile("overlap_small.rpx", &src, mode)

@@ -126,10 +126,7 @@ fn three_plus_resume_to_six_equals_six_bitwise() {
 /// that checkpoint's weights and optimizer state are bitwise those of the in-HBM plan's.
 #[test]
 fn a_streamed_optimizer_state_resumes_bitwise() {
-    let src = common::overlap_small().replace(
-        "decode_window = 4",
-        "decode_window = 4\n        host_memory = 1GiB",
-    );
+    let src = common::with_host_memory(&common::overlap_small());
     let plan_of = |choice: &str| {
         let src = common::in_train(&src, &format!("optimizer_state = {choice}"));
         common::compile("overlap_small.rpx", &src, Mode::Overlap)

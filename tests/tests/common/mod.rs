@@ -124,6 +124,28 @@ pub fn reloaded_reference_small() -> String {
     moved
 }
 
+/// `src` (overlap_small.rpx or a variant) with 1 GiB of host memory: room for the optimizer
+/// state on the host (`optimizer_state = host | stream`).
+#[allow(dead_code)] // not every test binary uses it
+pub fn with_host_memory(src: &str) -> String {
+    let s = src.replace(
+        "decode_window = 4",
+        "decode_window = 4\n        host_memory = 1GiB",
+    );
+    assert_ne!(
+        s, src,
+        "overlap_small.rpx changed: update tests/tests/common"
+    );
+    s
+}
+
+/// [`overlap_small_frozen`] with 16 text tokens a prompt and 1 GiB of host memory: the small
+/// job the optimizer-state choices (`train { optimizer_state }`) are compared on.
+#[allow(dead_code)] // not every test binary uses it
+pub fn optimizer_state_small() -> String {
+    with_host_memory(&overlap_small_frozen().replace("text_tokens = 256", "text_tokens = 16"))
+}
+
 /// `src` with `old_logprobs = recompute` in its `train` section: the old-log-prob pass
 /// forced where one optimizer step would leave it out.
 pub fn with_old_logprob_pass(src: &str) -> String {
