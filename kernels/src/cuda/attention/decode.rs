@@ -433,7 +433,7 @@ pub(super) struct GroupPass<'a> {
     pub(super) scale_log2: f32,
 }
 
-/// One launch of `attention_decode_grouped_bf16`. `a`: (group, per_block, units along z, chunk,
+/// One launch of `attention_decode_grouped_bf16`. `a`: (group, per_block, units (groups x parts, or samples), chunk,
 /// splits); `mode`: (per_sample, skip_prefix, split_base). `then`: (chunk, splits) of a
 /// per-sample pass over every sample's own keys run by the same launch after the group pass
 /// `a` describes (`splits * n_kv * batch` more blocks, slots from `a`'s splits on). The grid
@@ -449,8 +449,8 @@ pub(super) fn group_pass(
     mode: (u32, u32, usize),
     then: Option<(usize, usize)>,
 ) -> Result<()> {
-    let (group, per_block, z_first, chunk, splits) = a;
-    let first = splits * dims.num_kv_heads * z_first;
+    let (group, per_block, units, chunk, splits) = a;
+    let first = splits * dims.num_kv_heads * units;
     let (blocks, (chunk_b, splits_b)) = match then {
         Some((c, sp)) => (first + sp * dims.num_kv_heads * g.pass.batch, (c, sp)),
         None => (first, (chunk, splits)),
