@@ -80,12 +80,11 @@ device() {
   local bin=/tmp/offload-bin out=$RESULTS_DIR/offload plans=() big=0 p
   unpack_bins "$DIR/bin.tar.xz" "$bin"
   mkdir -p "$out/prof"
-  for p in "${@:-serial overlap}"; do
-    for p in $p; do
-      [ "$p" = big ] && { big=1; continue; }
-      [ -f "$DIR/$p.plan.bin" ] || die "no plan $DIR/$p.plan.bin (build first)"
-      plans+=("$DIR/$p.plan.bin")
-    done
+  [ $# -gt 0 ] || set -- serial overlap
+  for p in "$@"; do
+    [ "$p" = big ] && { big=1; continue; }
+    [ -f "$DIR/$p.plan.bin" ] || die "no plan $DIR/$p.plan.bin (build first)"
+    plans+=("$DIR/$p.plan.bin")
   done
   cat "$DIR/plans.txt"
   if [ ${#plans[@]} -gt 0 ]; then
