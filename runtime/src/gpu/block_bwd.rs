@@ -40,9 +40,9 @@ pub(crate) trait GradSink<K> {
 pub(crate) trait BlockGrads: GradSink<BlockTensor> {}
 impl<T: GradSink<BlockTensor>> BlockGrads for T {}
 
-/// `grads[w] += dy^T x` (`[out, inp]`, one GEMM summing its fp32 product into the gradient) and, when the
-/// linear has a bias and `bias` names its tensor, `grads[bias] += Σ_rows dy` (a GEMM against
-/// `ones`, at least `rows` long).
+/// `grads[w] += dy^T x` (`[out, inp]`, one GEMM summing its fp32 product into the gradient)
+/// and, when the linear has a bias and `bias` names its tensor, `grads[bias] += Σ_rows dy` (a
+/// GEMM against `ones`, at least `rows` long).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn linear_grads<K>(
     gpu: &Gpu,
