@@ -6,13 +6,13 @@
 # dims (side by side). Entry point: scripts/gpu-bench.sh build|run kernels.
 #
 # build (on a machine with the Rust toolchain) packs the binaries: the release test binaries
-# cuda_kernels and cuda_skinny and the examples bench_gemm and bench_decode, stripped, into
+# cuda_kernels, cuda_decode and cuda_skinny and the examples bench_gemm and bench_decode, stripped, into
 # $DEVBIN (default .gpu-pack, the packed binaries, ignored by git):
 #   bash kernels/examples/gpu_check.sh build
 # run (on the GPU host, repository root, $DEVBIN beside it) runs them; logs under $OUT:
 #   bash kernels/examples/gpu_check.sh [tests|tests-decode|sanitize|gemm|decode|torch]...
 #   (default: tests sanitize gemm decode torch; tests-decode runs only the tests that touch the
-#   decode path: cuda_skinny and the decode attention / linear tests of cuda_kernels)
+#   decode path: cuda_decode, cuda_skinny and the linear tests of cuda_kernels)
 set -o pipefail
 B=${DEVBIN:-.gpu-pack}
 OUT=${OUT:-/tmp/rollplex-out}
@@ -23,7 +23,7 @@ steps=${*:-tests sanitize gemm decode torch}
 if [ "$steps" = build ]; then
   set -e
   mkdir -p "$B"
-  for t in cuda_kernels cuda_skinny; do
+  for t in cuda_kernels cuda_decode cuda_skinny; do
     exe=$(cargo test --release -p rollplex-kernels --test $t --no-run 2>&1 \
       | sed -n "s/.*Executable tests\/$t.rs (\(.*\))/\1/p" | tail -1)
     [ -n "$exe" ] || { echo "no test binary for $t" >&2; exit 1; }
@@ -31,7 +31,7 @@ if [ "$steps" = build ]; then
   done
   cargo build --release -p rollplex-kernels --features bench --example bench_gemm --example bench_decode
   cp "${CARGO_TARGET_DIR:-target}"/release/examples/bench_{gemm,decode} "$B/"
-  for f in cuda_kernels cuda_skinny bench_gemm bench_decode; do strip "$B/$f"; done
+  for f in cuda_kernels cuda_decode cuda_skinny bench_gemm bench_decode; do strip "$B/$f"; done
   ls -la "$B"
   exit 0
 fi
@@ -46,13 +46,14 @@ run_tests() {  # binary, grep filter of test names
 }
 for st in $steps; do
   case $st in
-    tests) run_tests cuda_kernels . ; run_tests cuda_skinny . ;;
+    tests) run_tests cuda_kernels . ; run_tests cuda_decode . ; run_tests cuda_skinny . ;;
     tests-decode)
+      run_tests cuda_decode .
       run_tests cuda_skinny .
-      run_tests cuda_kernels 'attention_decode|linear_fwd' ;;
+      run_tests cuda_kernels 'linear_fwd' ;;
     sanitize)
       for t in attention_decode_tensor_cores_matches_cpu_with_shared_prefix; do
-        timeout 150 compute-sanitizer --tool memcheck --print-limit 20 "$B/cuda_kernels" --exact $t --nocapture > "$OUT/sanitize_$t.log" 2>&1
+        timeout 150 compute-sanitizer --tool memcheck --print-limit 20 "$B/cuda_decode" --exact $t --nocapture > "$OUT/sanitize_$t.log" 2>&1
         echo "== sanitize $t exit $?"; grep -E "ERROR SUMMARY|rel err" "$OUT/sanitize_$t.log" | tail -3
       done
       for t in attention_decode_grouped_matches_cpu skinny_linear_matches_cpu skinny_gate_up_swiglu_matches_cpu_and_the_unfused_pair; do
