@@ -18,7 +18,7 @@
 #   arena                   runtime/examples/arena_bench.sh         tests bench (both)
 #   train                   runtime/examples/train_bench.sh         bench kernels (bench)
 #   tower                   runtime/examples/tower_bench.sh         -
-#   offload                 runtime/examples/offload_bench.sh       serial overlap stream host big
+#   offload                 runtime/examples/offload_bench.sh       serial overlap stream host big host-3b
 #                                                                   (serial overlap)
 #   memory                  runtime/examples/memory_check.sh        -
 #   corun                   runtime/examples/corun_calibrate.sh     -  (then, back on the build machine:

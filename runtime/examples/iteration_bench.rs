@@ -39,8 +39,8 @@ use anyhow::{bail, Context, Result};
 use rollplex_plan::plan::{Plan, Task};
 use rollplex_plan::spec::DatasetSpec;
 use rollplex_runtime::exec::gpu::{
-    build_gpu_models, build_gpu_models_for, check_gpu_plan, open_gpu, run_gpu_loop_with,
-    GpuExecOptions, PlanStreams,
+    build_gpu_models, build_gpu_models_for, check_gpu_plan, check_host_memory, open_gpu,
+    run_gpu_loop_with, GpuExecOptions, PlanStreams,
 };
 use rollplex_runtime::exec::profile::{Execution, ProfileRecorder};
 use rollplex_runtime::exec::{self, ExecError, IterationResult, LoopModels, LoopObserver};
@@ -243,6 +243,7 @@ fn main() -> Result<()> {
         let gpu = open_gpu()?;
         for (name, p) in &plans {
             check_gpu_plan(p, &gpu).with_context(|| name.clone())?;
+            check_host_memory(p).with_context(|| name.clone())?;
         }
     }
     let t0 = Instant::now();
@@ -340,9 +341,13 @@ fn main() -> Result<()> {
                 write_measured(dir, &stem, round, plan, &rec)?;
             }
             let r = &runs[i];
+            let warm = iterations as usize - 1;
+            let plan_peak = plan.memory.gpus.iter().map(|m| m.peak).max().unwrap_or(0);
             println!(
-                "round {round} {name}: warm iterations {:?} s",
-                &r.wall[r.wall.len() - (iterations as usize - 1)..]
+                "round {round} {name}: warm iterations {:?} s; device peak {:?} GiB (plan {:.2})",
+                &r.wall[r.wall.len() - warm..],
+                &r.peak[r.peak.len() - warm..],
+                plan_peak as f64 / (1u64 << 30) as f64
             );
         }
     }

@@ -14,6 +14,7 @@ pub(super) fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
     // Checked before the models are built (a large random model takes a while on the host).
     let gpu = exec::gpu::open_gpu()?;
     exec::gpu::check_gpu_plan(plan, &gpu)?;
+    exec::gpu::check_host_memory(plan)?;
     // Decode windows run on SM partitions when green contexts work (exec::gpu::PlanStreams),
     // else on plain streams sharing the SMs (exec::profile::Execution).
     let options = exec::gpu::GpuExecOptions {

@@ -100,8 +100,8 @@ use held::Held;
 use pacing::{Piece, StreamRef};
 
 pub use models::{
-    build_gpu_models, build_gpu_models_for, build_gpu_models_from, check_gpu_plan, open_gpu,
-    preset_of, GpuModels, WeightBits,
+    build_gpu_models, build_gpu_models_for, build_gpu_models_from, check_gpu_plan,
+    check_host_memory, check_host_memory_against, open_gpu, preset_of, GpuModels, WeightBits,
 };
 pub use run::{generate_tokens, run_gpu_iterations, run_gpu_loop, run_gpu_loop_with};
 pub use streams::{blocks_host, PlanStreams};

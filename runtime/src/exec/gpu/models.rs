@@ -234,6 +234,61 @@ pub fn check_gpu_plan(plan: &Plan, gpu: &Gpu) -> Result<(), ExecError> {
     Ok(())
 }
 
+/// Checks, before any model is built, that this machine's host memory holds what the run pins
+/// there (the plan's host copies: offloaded buffers, a streamed optimizer state) beside the
+/// initial actor's fp32 host copy that the device models are built from. Without it a plan
+/// compiled for a larger `host_memory` than the machine has is killed by the kernel mid-build.
+/// Where the available memory cannot be read (not Linux), nothing is checked.
+pub fn check_host_memory(plan: &Plan) -> Result<(), ExecError> {
+    match available_host_memory() {
+        Some(available) => check_host_memory_against(plan, available),
+        None => Ok(()),
+    }
+}
+
+/// [`check_host_memory`] against `available` bytes.
+pub fn check_host_memory_against(plan: &Plan, available: u64) -> Result<(), ExecError> {
+    let pinned: u64 = plan.memory.gpus.iter().map(|m| m.host).sum();
+    let model = plan.spec.actor.param_count().total() * std::mem::size_of::<f32>() as u64;
+    let need = pinned + model;
+    if need <= available {
+        return Ok(());
+    }
+    Err(ExecError::Machine(format!(
+        "the plan pins {:.1} GiB of host memory (its offloaded buffers and host-resident \
+         optimizer state) and the models are built from a {:.1} GiB host copy of the actor: \
+         {:.1} GiB, but this machine has {:.1} GiB available: recompile with a `host_memory` \
+         of at most {:.0}GiB in the pipeline's `schedule` block, or keep more in HBM",
+        pinned as f64 / GIB,
+        model as f64 / GIB,
+        need as f64 / GIB,
+        available as f64 / GIB,
+        (available.saturating_sub(model) as f64 / GIB).floor()
+    )))
+}
+
+/// Host memory a new allocation can take: `MemAvailable` from `/proc/meminfo`, capped by the
+/// cgroup's limit where one is set (cgroup v2: `memory.max - memory.current`).
+fn available_host_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let mut available = meminfo_available(&meminfo)?;
+    let read = |f: &str| std::fs::read_to_string(format!("/sys/fs/cgroup/{f}")).ok();
+    if let (Some(max), Some(cur)) = (read("memory.max"), read("memory.current")) {
+        if let (Ok(max), Ok(cur)) = (max.trim().parse::<u64>(), cur.trim().parse::<u64>()) {
+            available = available.min(max.saturating_sub(cur));
+        }
+    }
+    Some(available)
+}
+
+/// `MemAvailable` of a `/proc/meminfo` text, in bytes.
+pub(super) fn meminfo_available(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let mut words = line.split_whitespace().skip(1);
+    let kib: u64 = words.next()?.parse().ok()?;
+    (words.next() == Some("kB")).then_some(kib * 1024)
+}
+
 pub(super) const GIB: f64 = (1u64 << 30) as f64;
 
 /// Device memory the plan does not count and an iteration may hold beyond its arena before the

@@ -72,3 +72,37 @@ fn held_state_retires_after_its_buffers_last_task() {
     assert_eq!(Held::of(BufferRole::KeptChunk), None);
     assert_eq!(Held::of(BufferRole::TrainMediaEmbeddings), None);
 }
+
+/// A plan whose pinned host copies and host model exceed the machine's available memory is
+/// refused with both numbers and the `host_memory` that would fit; one under it passes.
+#[test]
+fn host_memory_beyond_the_machine_is_refused_before_the_build() {
+    let p = plan("examples/h200-7b-video.plan.yaml");
+    let pinned: u64 = p.memory.gpus.iter().map(|m| m.host).sum();
+    assert!(
+        pinned > 10 << 30,
+        "the 7B plan keeps its reference on the host"
+    );
+    let gib = 1u64 << 30;
+    super::models::check_host_memory_against(&p, 400 * gib).expect("fits in 400 GiB");
+    let e = super::models::check_host_memory_against(&p, 40 * gib)
+        .expect_err("pinned reference + fp32 host actor exceed 40 GiB")
+        .to_string();
+    assert!(e.contains("this machine has 40.0 GiB available"), "{e}");
+    assert!(e.contains("host_memory"), "{e}");
+    assert!(
+        e.contains(&format!("pins {:.1} GiB", pinned as f64 / gib as f64)),
+        "{e}"
+    );
+}
+
+#[test]
+fn meminfo_available_is_read_in_bytes() {
+    let text =
+        "MemTotal:       131072000 kB\nMemFree:         1000 kB\nMemAvailable:   120000000 kB\n";
+    assert_eq!(
+        super::models::meminfo_available(text),
+        Some(120_000_000 * 1024)
+    );
+    assert_eq!(super::models::meminfo_available("MemTotal: 5 kB\n"), None);
+}
