@@ -135,43 +135,42 @@ extern "C" __global__ void embedding_bwd_f32(float* dtable, const bf16* __restri
 // Log-prob backward through the (temperature-scaled) log-softmax. One block per row; with
 // z = logits / T, p = softmax(z), e = sum_k p_k z_k:
 //   dlogits_j = (dlogp (1[j = target] - p_j) - dentropy p_j (z_j - e)) / T
-// dentropy may be null (no entropy term). The row's max, sum and e run in block_* order.
-// A target >= vocab writes NaN over the row.
+// dentropy may be null (no entropy term). Two passes over the row: the log-sum-exp and e as
+// logprobs_fwd_bf16 computes them (row_lse3, merged in a fixed order), then dlogits, 8 values
+// per 16-byte load and store where both rows allow. A target >= vocab writes NaN over the row.
 extern "C" __global__ void logprobs_bwd_bf16(bf16* dlogits, const float* __restrict__ dlogp,
                                              const float* __restrict__ dentropy,
                                              const bf16* __restrict__ logits,
                                              const u32* __restrict__ targets, u32 rows, u32 vocab,
                                              u32 row_stride, u32 out_stride, float temperature) {
-    __shared__ float scratch[32];
+    __shared__ Lse3 part[32];
     const u32 row = blockIdx.x;
     if (row >= rows) return;
     const bf16* x = logits + (u64)row * row_stride;
     bf16* o = dlogits + (u64)row * out_stride;
+    const bool unit = temperature == 1.0f;
     const float inv_t = 1.0f / temperature;
-    float m = NEG_INF_F;
-    for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) m = fmaxf(m, bf2f(x[i]) * inv_t);
-    m = block_max(m, scratch);
-    float s = 0.0f;
-    for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) s += expf(bf2f(x[i]) * inv_t - m);
-    s = block_sum(s, scratch);
-    const float lse = m + logf(s);
+    const Lse3 r = lse3_block(row_lse3(x, vocab, temperature), part);
+    const float lse = r.m + logf(r.s), ez = r.t / r.s;
     const float gl = dlogp[row];
     const float ge = dentropy != nullptr ? dentropy[row] : 0.0f;
-    float ez = 0.0f;
-    if (ge != 0.0f) {
-        for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) {
-            const float z = bf2f(x[i]) * inv_t;
-            ez += expf(z - lse) * z;
-        }
-        ez = block_sum(ez, scratch);
-    }
     const u32 tgt = targets[row];
     const bool bad = tgt >= vocab;
-    for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float z = bf2f(x[i]) * inv_t;
+    auto grad = [&](float xv, u32 i) -> float {
+        const float z = unit ? xv : xv / temperature;
         const float p = expf(z - lse);
         const float onehot = i == tgt ? 1.0f : 0.0f;
-        const float dz = gl * (onehot - p) - ge * p * (z - ez);
-        o[i] = bad ? (bf16)0x7fc0u : f2bf(dz * inv_t);
+        return bad ? __int_as_float(0x7fc00000) : (gl * (onehot - p) - ge * p * (z - ez)) * inv_t;
+    };
+    if ((vocab & 7u) == 0 && ((((u64)x) | ((u64)o)) & 15u) == 0) {
+        for (u32 i = threadIdx.x; i < vocab / 8; i += blockDim.x) {
+            float z[8];
+            unpack8(((const uint4*)x)[i], z);
+#pragma unroll
+            for (int k = 0; k < 8; k++) z[k] = grad(z[k], 8 * i + k);
+            ((uint4*)o)[i] = pack8(z);
+        }
+    } else {
+        for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) o[i] = f2bf(grad(bf2f(x[i]), i));
     }
 }

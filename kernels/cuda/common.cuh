@@ -83,6 +83,91 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return warp_max(t);
 }
 
+// Online log-sum-exp of a row of logits z (the log-prob kernels, forward and backward): the
+// running max, sum exp(z - max) and sum exp(z - max) * z, pushed 8 values at a time and merged
+// in a fixed order.
+struct Lse3 {
+    float m, s, t;  // running max, sum exp(z - m), sum exp(z - m) * z
+};
+
+__device__ __forceinline__ void lse_merge(Lse3& a, const Lse3& b) {
+    const float M = fmaxf(a.m, b.m);
+    if (M == NEG_INF_F) return;
+    const float ea = a.m == NEG_INF_F ? 0.0f : expf(a.m - M);
+    const float eb = b.m == NEG_INF_F ? 0.0f : expf(b.m - M);
+    a.s = a.s * ea + b.s * eb;
+    a.t = a.t * ea + b.t * eb;
+    a.m = M;
+}
+
+__device__ __forceinline__ void lse_push8(Lse3& a, const float* z) {
+    float mx = NEG_INF_F;
+#pragma unroll
+    for (int k = 0; k < 8; k++) mx = fmaxf(mx, z[k]);
+    if (mx == NEG_INF_F) return;
+    if (mx > a.m) {
+        const float e = a.m == NEG_INF_F ? 0.0f : expf(a.m - mx);
+        a.s *= e;
+        a.t *= e;
+        a.m = mx;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const float e = expf(z[k] - a.m);
+        a.s += e;
+        if (e != 0.0f) a.t += e * z[k];  // a -inf logit (or padding) adds nothing, not 0 * -inf
+    }
+}
+
+// This thread's triple over row x of `vocab` logits, z = x / temperature (IEEE division, none
+// at temperature 1): 16-byte loads where the row allows, 8 values at a time either way (-inf
+// pads the tail).
+__device__ __forceinline__ Lse3 row_lse3(const bf16* x, u32 vocab, float temperature) {
+    const bool unit = temperature == 1.0f;
+    Lse3 a = {NEG_INF_F, 0.0f, 0.0f};
+    if ((vocab & 7u) == 0 && (((u64)x) & 15u) == 0) {
+        for (u32 i = threadIdx.x; i < vocab / 8; i += blockDim.x) {
+            float z[8];
+            unpack8(((const uint4*)x)[i], z);
+            if (!unit)
+#pragma unroll
+                for (int k = 0; k < 8; k++) z[k] = z[k] / temperature;
+            lse_push8(a, z);
+        }
+    } else {
+        for (u32 i0 = threadIdx.x * 8; i0 < vocab; i0 += blockDim.x * 8) {
+            float z[8];
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                z[k] = i0 + k < vocab ? bf2f(x[i0 + k]) : NEG_INF_F;
+                if (!unit) z[k] = z[k] / temperature;
+            }
+            lse_push8(a, z);
+        }
+    }
+    return a;
+}
+
+// Every thread's triple merged over the block in a fixed order (warp butterflies, then the warps
+// in order): deterministic; every thread gets the result. `part` holds at least 32 triples.
+__device__ __forceinline__ Lse3 lse3_block(Lse3 a, Lse3* part) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        Lse3 b;
+        b.m = __shfl_xor_sync(0xffffffffu, a.m, o);
+        b.s = __shfl_xor_sync(0xffffffffu, a.s, o);
+        b.t = __shfl_xor_sync(0xffffffffu, a.t, o);
+        lse_merge(a, b);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    __syncthreads();  // `part` may still be read by an earlier call
+    if (lane == 0) part[warp] = a;
+    __syncthreads();
+    Lse3 r = part[0];
+    for (int w = 1; w < nw; w++) lse_merge(r, part[w]);
+    return r;
+}
+
 // One KV-cache segment pair per sequence: a (possibly shared) prefix then the sequence's own
 // keys. Logical key index kk < p_len reads slot p_start + kk, else slot k_start + kk - p_len.
 // Queries are rows q_start .. q_start + q_len of Q; they are the LAST q_len of the own keys

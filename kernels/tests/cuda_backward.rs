@@ -420,8 +420,13 @@ fn gelu_bwd_matches_cpu_in_both_forms() {
 fn logprobs_bwd_matches_cpu() {
     let g = gpu_or_skip!();
     let s = g.stream(0).unwrap();
-    let (rows, vocab) = (9, 5003);
-    for &(temp, with_entropy) in &[(1.0f32, false), (0.7, true)] {
+    // 5003: the scalar path; 4104 (a multiple of 8): 16-byte loads and stores
+    for &(rows, vocab, temp, with_entropy) in &[
+        (9, 5003, 1.0f32, false),
+        (9, 5003, 0.7, true),
+        (5, 4104, 1.0, true),
+        (5, 4104, 0.7, false),
+    ] {
         let (logits, lf) = rand_bf(rows * vocab, 6.0);
         let r = rand_vec(rows, fresh_seed());
         let targets: Vec<u32> = r
@@ -460,7 +465,7 @@ fn logprobs_bwd_matches_cpu() {
             runs.push(down(&s, &out));
         }
         check(
-            &format!("logprobs_bwd_bf16 T={temp} entropy={with_entropy}"),
+            &format!("logprobs_bwd_bf16 vocab={vocab} T={temp} entropy={with_entropy}"),
             &to_f32(&runs[0]),
             &want,
             8e-3,
