@@ -67,49 +67,19 @@ fn decode_case(tensor_cores: bool) {
             0,
         ),
     ] {
-        let b = groups * gsize;
-        let kvw = dims.kv_width();
-        // arena: group prefixes, then per-sample suffixes of random length
-        let suffix_lens: Vec<usize> = rand_vec(b, fresh_seed())
-            .iter()
-            .map(|v| 1 + ((v + 1.0) * 150.0) as usize)
-            .collect();
-        let mut rows = groups * prefix_len;
-        let mut seqs = Vec::new();
-        for (i, &suffix_len) in suffix_lens.iter().enumerate() {
-            seqs.push(DecodeSeq {
-                prefix_offset: ((i / gsize) * prefix_len) as u32,
-                prefix_len: prefix_len as u32,
-                suffix_offset: rows as u32,
-                suffix_len: suffix_len as u32,
-            });
-            rows += suffix_len + 3; // gaps between suffixes
-        }
-        let (kc, kcf) = rand_bf(rows * kvw, 1.0);
-        let (vc, vcf) = rand_bf(rows * kvw, 1.0);
-        let (q, qf) = rand_bf(b * dims.q_width(), 1.0);
-        let scale = 1.0 / (dims.head_dim as f32).sqrt();
-        let mut want = vec![0f32; b * dims.q_width()];
-        let mut want_lse = vec![0f32; b * dims.num_heads];
-        cpu::attention_decode(
-            &mut want,
-            Some(&mut want_lse),
-            &qf,
-            &kcf,
-            &vcf,
-            &seqs,
-            dims,
+        let GroupedDecodeCase {
+            b,
+            suffix_lens,
             scale,
-        )
-        .unwrap();
-        let gseqs: Vec<AttnSeqGpu> = seqs
-            .iter()
-            .enumerate()
-            .map(|(i, sq)| AttnSeqGpu::from_decode(i as u32, sq))
-            .collect();
-        let (dq, dk, dv, ds) = (up(&s, &q), up(&s, &kc), up(&s, &vc), up(&s, &gseqs));
+            want,
+            want_lse,
+            q: dq,
+            k: dk,
+            v: dv,
+            seqs: ds,
+            ..
+        } = grouped_decode_case(&s, dims, groups, gsize, prefix_len);
         let max_len = prefix_len + suffix_lens.iter().max().unwrap();
-        let mut results = Vec::new();
         // the planned split, and a plan made for a shorter length (the last split takes the rest)
         for (hint, tc) in [(max_len, tensor_cores), (max_len / 3 + 1, tensor_cores)] {
             let plan = decode_plan(b, dims, hint);
@@ -153,7 +123,6 @@ fn decode_case(tensor_cores: bool) {
                 &want_lse,
                 1e-4,
             );
-            results.push(got);
         }
     }
 }

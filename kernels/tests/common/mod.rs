@@ -111,3 +111,83 @@ pub fn check(name: &str, out: &[f32], reference: &[f32], tol: f64) {
     println!("{name}: rel err {e:.2e} (tol {tol:.0e})");
     assert!(e <= tol, "{name}: rel err {e:.3e} > {tol:.0e}");
 }
+
+/// A random group-shared decode on the device with the CPU twin's answer: `groups` GRPO groups
+/// of `gsize` samples, the groups' `prefix_len`-row prefixes first in one KV arena, then every
+/// sample's own rows (1..=300 of them, 3-row gaps between samples).
+pub struct GroupedDecodeCase {
+    /// Samples (`groups * gsize`).
+    pub b: usize,
+    pub suffix_lens: Vec<usize>,
+    pub scale: f32,
+    /// [`rollplex_kernels::cpu::attention_decode`]'s outputs and log-sum-exps.
+    pub want: Vec<f32>,
+    pub want_lse: Vec<f32>,
+    /// The device descriptors (also on the host, for tests that alter one).
+    pub gseqs: Vec<AttnSeqGpu>,
+    pub q: CudaSlice<bf16>,
+    pub k: CudaSlice<bf16>,
+    pub v: CudaSlice<bf16>,
+    pub seqs: CudaSlice<AttnSeqGpu>,
+}
+
+pub fn grouped_decode_case(
+    s: &Arc<CudaStream>,
+    dims: rollplex_kernels::cpu::AttnDims,
+    groups: usize,
+    gsize: usize,
+    prefix_len: usize,
+) -> GroupedDecodeCase {
+    use rollplex_kernels::cpu::{self, DecodeSeq};
+    let b = groups * gsize;
+    let kvw = dims.kv_width();
+    let suffix_lens: Vec<usize> = rand_vec(b, fresh_seed())
+        .iter()
+        .map(|v| 1 + ((v + 1.0) * 150.0) as usize)
+        .collect();
+    let mut rows = groups * prefix_len;
+    let mut seqs = Vec::new();
+    for (i, &suffix_len) in suffix_lens.iter().enumerate() {
+        seqs.push(DecodeSeq {
+            prefix_offset: ((i / gsize) * prefix_len) as u32,
+            prefix_len: prefix_len as u32,
+            suffix_offset: rows as u32,
+            suffix_len: suffix_len as u32,
+        });
+        rows += suffix_len + 3; // gaps between suffixes
+    }
+    let (kc, kcf) = rand_bf(rows * kvw, 1.0);
+    let (vc, vcf) = rand_bf(rows * kvw, 1.0);
+    let (q, qf) = rand_bf(b * dims.q_width(), 1.0);
+    let scale = 1.0 / (dims.head_dim as f32).sqrt();
+    let mut want = vec![0f32; b * dims.q_width()];
+    let mut want_lse = vec![0f32; b * dims.num_heads];
+    cpu::attention_decode(
+        &mut want,
+        Some(&mut want_lse),
+        &qf,
+        &kcf,
+        &vcf,
+        &seqs,
+        dims,
+        scale,
+    )
+    .unwrap();
+    let gseqs: Vec<AttnSeqGpu> = seqs
+        .iter()
+        .enumerate()
+        .map(|(i, sq)| AttnSeqGpu::from_decode(i as u32, sq))
+        .collect();
+    GroupedDecodeCase {
+        b,
+        suffix_lens,
+        scale,
+        want,
+        want_lse,
+        q: up(s, &q),
+        k: up(s, &kc),
+        v: up(s, &vc),
+        seqs: up(s, &gseqs),
+        gseqs,
+    }
+}
