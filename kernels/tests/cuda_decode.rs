@@ -67,19 +67,10 @@ fn decode_case(tensor_cores: bool) {
             0,
         ),
     ] {
-        let GroupedDecodeCase {
-            b,
-            suffix_lens,
-            scale,
-            want,
-            want_lse,
-            q: dq,
-            k: dk,
-            v: dv,
-            seqs: ds,
-            ..
-        } = grouped_decode_case(&s, dims, groups, gsize, prefix_len);
-        let max_len = prefix_len + suffix_lens.iter().max().unwrap();
+        let case = grouped_decode_case(&s, dims, groups, gsize, prefix_len);
+        let b = case.b;
+
+        let max_len = prefix_len + case.suffix_lens.iter().max().unwrap();
         // the planned split, and a plan made for a shorter length (the last split takes the rest)
         for (hint, tc) in [(max_len, tensor_cores), (max_len / 3 + 1, tensor_cores)] {
             let plan = decode_plan(b, dims, hint);
@@ -99,15 +90,7 @@ fn decode_case(tensor_cores: bool) {
                 &mut dout,
                 Some(&mut lv),
                 &mut ws,
-                DecodeInputs {
-                    q: &dq,
-                    k_cache: &dk,
-                    v_cache: &dv,
-                    seqs: &ds,
-                    dims,
-                    scale,
-                    strides: RowStrides::contiguous(dims),
-                },
+                case.inputs(dims, &case.seqs),
                 plan,
             )
             .unwrap();
@@ -116,11 +99,16 @@ fn decode_case(tensor_cores: bool) {
                 plan.splits, plan.chunk
             );
             let got = to_f32(&down(&s, &dout));
-            check(&format!("attention_decode_bf16 {label}"), &got, &want, 1e-2);
+            check(
+                &format!("attention_decode_bf16 {label}"),
+                &got,
+                &case.want,
+                1e-2,
+            );
             check(
                 &format!("attention_decode_bf16 lse {label}"),
                 &down(&s, &dlse),
-                &want_lse,
+                &case.want_lse,
                 1e-4,
             );
         }

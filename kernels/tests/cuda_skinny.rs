@@ -192,19 +192,10 @@ fn attention_decode_grouped_matches_cpu() {
         (d(12, 1, 64), 2, 5, 200),
         (d(16, 2, 128), 2, 4, 0),
     ] {
-        let GroupedDecodeCase {
-            b,
-            suffix_lens,
-            scale,
-            want,
-            want_lse,
-            gseqs,
-            q: dq,
-            k: dk,
-            v: dv,
-            seqs: ds,
-        } = grouped_decode_case(&s, dims, groups, gsize, prefix_len);
-        let max_suffix = *suffix_lens.iter().max().unwrap();
+        let case = grouped_decode_case(&s, dims, groups, gsize, prefix_len);
+        let b = case.b;
+
+        let max_suffix = *case.suffix_lens.iter().max().unwrap();
         // the default plan (a group pass only with enough groups); forced group passes with the
         // planned and with short hints (the last chunks take the rest); no group pass at all
         let plans = [
@@ -231,15 +222,7 @@ fn attention_decode_grouped_matches_cpu() {
                 &mut dout,
                 Some(&mut lv),
                 &mut ws,
-                DecodeInputs {
-                    q: &dq,
-                    k_cache: &dk,
-                    v_cache: &dv,
-                    seqs: &ds,
-                    dims,
-                    scale,
-                    strides: RowStrides::contiguous(dims),
-                },
+                case.inputs(dims, &case.seqs),
                 plan,
             )
             .unwrap();
@@ -247,19 +230,19 @@ fn attention_decode_grouped_matches_cpu() {
             check(
                 &format!("attention_decode_grouped_bf16 {label}"),
                 &to_f32(&down(&s, &dout)),
-                &want,
+                &case.want,
                 1e-2,
             );
             check(
                 &format!("attention_decode_grouped_bf16 lse {label}"),
                 &down(&s, &dlse),
-                &want_lse,
+                &case.want_lse,
                 1e-4,
             );
         }
         if prefix_len > 0 && gsize > 1 {
             // sample 1 names another prefix start than its group's first sample: NaN rows
-            let mut bad = gseqs.clone();
+            let mut bad = case.gseqs.clone();
             bad[1].p_start += 1;
             let dbad = up(&s, &bad);
             let plan = grouped_decode_plan_for_blocks(b, gsize, dims, prefix_len, max_suffix, 264);
@@ -272,15 +255,7 @@ fn attention_decode_grouped_matches_cpu() {
                 &mut dout,
                 None,
                 &mut ws,
-                DecodeInputs {
-                    q: &dq,
-                    k_cache: &dk,
-                    v_cache: &dv,
-                    seqs: &dbad,
-                    dims,
-                    scale,
-                    strides: RowStrides::contiguous(dims),
-                },
+                case.inputs(dims, &dbad),
                 plan,
             )
             .unwrap();
@@ -293,7 +268,7 @@ fn attention_decode_grouped_matches_cpu() {
             check(
                 "attention_decode_grouped_bf16 sample 0 beside a mismatched one",
                 &got[..qw],
-                &want[..qw],
+                &case.want[..qw],
                 1e-2,
             );
         }

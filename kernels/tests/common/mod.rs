@@ -131,6 +131,25 @@ pub struct GroupedDecodeCase {
     pub seqs: CudaSlice<AttnSeqGpu>,
 }
 
+impl GroupedDecodeCase {
+    /// The case's inputs for a decode kernel (contiguous rows), reading keys through `seqs`.
+    pub fn inputs<'a>(
+        &'a self,
+        dims: rollplex_kernels::cpu::AttnDims,
+        seqs: &'a CudaSlice<AttnSeqGpu>,
+    ) -> DecodeInputs<'a> {
+        DecodeInputs {
+            q: &self.q,
+            k_cache: &self.k,
+            v_cache: &self.v,
+            seqs,
+            dims,
+            scale: self.scale,
+            strides: attention::RowStrides::contiguous(dims),
+        }
+    }
+}
+
 pub fn grouped_decode_case(
     s: &Arc<CudaStream>,
     dims: rollplex_kernels::cpu::AttnDims,
