@@ -342,7 +342,7 @@ fn main() -> Result<()> {
             }
             let r = &runs[i];
             let warm = iterations as usize - 1;
-            let plan_peak = plan.memory.gpus.iter().map(|m| m.peak).max().unwrap_or(0);
+            let plan_peak = plan.memory.max_peak();
             println!(
                 "round {round} {name}: warm iterations {:?} s; device peak {:?} GiB (plan {:.2})",
                 &r.wall[r.wall.len() - warm..],

@@ -689,6 +689,13 @@ pub struct Memory {
     pub gpus: Vec<GpuMemory>,
 }
 
+impl Memory {
+    /// The largest device arena of any GPU (what one GPU must hold).
+    pub fn max_peak(&self) -> u64 {
+        self.gpus.iter().map(|m| m.peak).max().unwrap_or(0)
+    }
+}
+
 /// Alignment, in bytes, of every buffer's offset in an arena and of every tensor the runtime
 /// places inside a buffer (cuBLASLt's default minimum for its operands); a buffer's size allows
 /// it once per such tensor ([`placed_bytes`]).

@@ -220,7 +220,7 @@ pub fn check_gpu_plan(plan: &Plan, gpu: &Gpu) -> Result<(), ExecError> {
     }
     gpu.ctx().bind_to_thread()?;
     let (free, total) = cudarc::driver::result::mem_get_info()?;
-    let need: u64 = plan.memory.gpus.iter().map(|m| m.peak).max().unwrap_or(0);
+    let need = plan.memory.max_peak();
     if need > total as u64 {
         return Err(ExecError::Machine(format!(
             "the plan's device arena peak is {:.1} GiB but {} has {:.1} GiB ({:.1} GiB free): recompile with a \
