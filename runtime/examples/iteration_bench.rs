@@ -43,7 +43,9 @@ use rollplex_runtime::exec::gpu::{
     run_gpu_loop_with, GpuExecOptions, PlanStreams,
 };
 use rollplex_runtime::exec::profile::{Execution, ProfileRecorder};
-use rollplex_runtime::exec::{self, ExecError, IterationResult, LoopModels, LoopObserver};
+use rollplex_runtime::exec::{
+    self, DecodeWindow, ExecError, IterationResult, LoopModels, LoopObserver,
+};
 use rollplex_runtime::trace::PlanTrace;
 
 /// One plan run's measurements (warm iterations only).
@@ -55,6 +57,8 @@ struct Run {
     tokens: Vec<usize>,
     /// Per warm iteration: decode steps, their device seconds and least bytes.
     decode: Vec<(u32, f64, f64)>,
+    /// The warm iterations' decode windows.
+    windows: Vec<DecodeWindow>,
 }
 
 struct Observer<'a> {
@@ -113,6 +117,7 @@ impl LoopObserver for Observer<'_> {
             self.run
                 .decode
                 .push((m.decode_steps, m.decode_device_s, m.decode_bytes));
+            self.run.windows.extend_from_slice(&m.decode_windows);
         }
         Ok(())
     }
@@ -397,16 +402,27 @@ fn main() -> Result<()> {
         .ceilings
         .bytes;
     println!(
-        "\n{:<36} {:>6} {:>9} {:>9} {:>9} {:>10}",
-        "decode (warm iterations)", "steps", "device_s", "ms/step", "GB/step", "copy_frac"
+        "\n{:<36} {:>6} {:>9} {:>9} {:>9} {:>10} {:>17} {:>11}",
+        "decode (warm iterations)",
+        "steps",
+        "device_s",
+        "ms/step",
+        "GB/step",
+        "copy_frac",
+        "windows min..max",
+        "max gap us"
     );
     for ((name, _), r) in plans.iter().zip(&runs) {
         let steps: u32 = r.decode.iter().map(|d| d.0).sum();
         let s: f64 = r.decode.iter().map(|d| d.1).sum();
         let b: f64 = r.decode.iter().map(|d| d.2).sum();
         let n = r.decode.len().max(1) as f64;
+        let fracs = r.windows.iter().map(|w| 100.0 * w.copy_frac(copy));
+        let lo = fracs.clone().fold(f64::INFINITY, f64::min);
+        let hi = fracs.fold(0.0, f64::max);
+        let gap = r.windows.iter().map(|w| w.max_gap_s).fold(0.0, f64::max);
         println!(
-            "{:<36} {:>6.0} {:>9.3} {:>9.3} {:>9.3} {:>9.1}%",
+            "{:<36} {:>6.0} {:>9.3} {:>9.3} {:>9.3} {:>9.1}% {:>7.1}..{:>7.1}% {:>11.1}",
             std::path::Path::new(name)
                 .file_name()
                 .map(|s| s.to_string_lossy().into_owned())
@@ -415,7 +431,10 @@ fn main() -> Result<()> {
             s / n,
             1e3 * s / steps.max(1) as f64,
             b / 1e9 / steps.max(1) as f64,
-            100.0 * b / s.max(1e-12) / copy
+            100.0 * b / s.max(1e-12) / copy,
+            lo,
+            hi,
+            gap * 1e6
         );
     }
     Ok(())

@@ -31,14 +31,17 @@ pub const LOCK_FILE: &str = ".rollplex-run.lock";
 /// Console rows between repeated headers.
 pub const HEADER_EVERY: usize = 20;
 
-/// Whether a `metrics.jsonl` field is a measurement of this run (times: `*_s`; the achieved
-/// share of the roofline, `*roofline_frac`, or of the copy rate, `*copy_frac`; peak memory)
-/// rather than a result that two runs of the same plan and seed agree on bit for bit.
+/// Whether a `metrics.jsonl` field is a measurement of this run (times: `*_s`, `*_us`; the
+/// achieved share of the roofline, `*roofline_frac`, or of the copy rate, `*copy_frac`; peak
+/// memory; the decode windows' timings) rather than a result that two runs of the same plan and
+/// seed agree on bit for bit.
 pub fn is_measurement(key: &str) -> bool {
     key.ends_with("_s")
+        || key.ends_with("_us")
         || key.ends_with("roofline_frac")
         || key.ends_with("copy_frac")
         || key == "peak_mem_gib"
+        || key == "decode_windows"
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -583,6 +586,32 @@ impl LoopProgress {
 mod tests {
     use super::*;
     use std::sync::{Arc, Mutex};
+
+    /// Timings, shares of a ceiling and the decode windows are this run's measurements; the
+    /// results two runs of one plan and seed agree on are not.
+    #[test]
+    fn measurements_are_told_from_results() {
+        for k in [
+            "time_s",
+            "tokens_per_s",
+            "rollout_roofline_frac",
+            "decode_copy_frac",
+            "decode_max_gap_us",
+            "decode_windows",
+            "peak_mem_gib",
+        ] {
+            assert!(is_measurement(k), "{k}");
+        }
+        for k in [
+            "loss",
+            "reward_mean",
+            "decode_steps",
+            "decode_gb",
+            "grad_norm",
+        ] {
+            assert!(!is_measurement(k), "{k}");
+        }
+    }
 
     #[derive(Clone, Default)]
     struct Buf(Arc<Mutex<Vec<u8>>>);

@@ -3,7 +3,8 @@
 //!   rewards, losses and final weights on the GPU (the invariant `serial_overlap.rs` checks on
 //!   the CPU backend);
 //! - the first iteration on the GPU agrees with the CPU backend on the same plan (greedy
-//!   sampling, since the device's sampler draws differently from the CPU's; bf16 vs f32).
+//!   sampling, since the device's sampler draws differently from the CPU's; bf16 vs f32);
+//! - each decode window's reported steps, device time and bytes add up to the iteration's.
 //!
 //! Each test prints `skipped: ...` and passes where no CUDA GPU is present (CI); with
 //! `ROLLPLEX_REQUIRE_GPU=1` that is a failure.
@@ -130,6 +131,55 @@ fn cuda_old_logprob_pass_left_out_or_forced() {
     assert_eq!(plan.old_logprobs, rollplex_plan::OldLogProbSource::Pass);
     drop(_gpu); // taken again by the check below
     serial_and_overlap_bitwise(&forced);
+}
+
+/// Each decode window reports its steps, device time and bytes: in step order they cover
+/// every step the iteration took (and at most a few launched before the host learnt that every
+/// sample had stopped) and add up to its decode totals; the device's longest wait for the host
+/// between two steps lies inside the window.
+#[test]
+fn cuda_decode_windows_account_for_the_iterations_decode() {
+    let Some(_gpu) = common::gpu_device() else {
+        return;
+    };
+    let src = common::overlap_small_frozen();
+    let plan = common::compile_gpu("overlap_small.rpx", &src, Mode::Overlap);
+    let (rs, _) = run_gpu(&plan, 2);
+    for (i, r) in rs.iter().enumerate() {
+        let m = &r.metrics;
+        assert!(
+            m.decode_windows.len() > 1,
+            "iteration {i}: the overlap plan's windows"
+        );
+        let mut next = 0;
+        for w in &m.decode_windows {
+            assert_eq!(w.first_step, next, "iteration {i}: windows in step order");
+            next += w.steps;
+            assert!(
+                w.steps > 0 && w.device_s > 0.0 && w.bytes > 0.0,
+                "iteration {i}: {w:?}"
+            );
+            assert!(
+                w.max_gap_s >= 0.0 && w.max_gap_s < w.device_s,
+                "iteration {i}: {w:?}"
+            );
+        }
+        // every step the book took was launched in a window; a window may launch a few more,
+        // until the host learns (LAG steps late, asynchronously) that every sample stopped
+        let lag = rollplex_runtime::gpu::decode::LAG;
+        assert!(
+            m.decode_steps <= next && next <= m.decode_steps + 3 * lag,
+            "iteration {i}: {next} steps launched in windows, {} taken",
+            m.decode_steps
+        );
+        let s: f64 = m.decode_windows.iter().map(|w| w.device_s).sum();
+        let b: f64 = m.decode_windows.iter().map(|w| w.bytes).sum();
+        assert_eq!(s.to_bits(), m.decode_device_s.to_bits(), "iteration {i}");
+        assert!(
+            (b - m.decode_bytes).abs() <= 1e-9 * m.decode_bytes,
+            "iteration {i}"
+        );
+    }
 }
 
 fn serial_and_overlap_bitwise(src: &str) {

@@ -403,6 +403,30 @@ fn metrics_json(
         v["decode_copy_frac"] =
             serde_json::json!(m.decode_bytes / m.decode_device_s / roof.copy_rate);
     }
+    // each decode window: its steps, device time, bytes, share of the copy rate and the
+    // longest the device waited for the host between two of its steps (cuda)
+    if !m.decode_windows.is_empty() {
+        let max_gap = m
+            .decode_windows
+            .iter()
+            .map(|w| w.max_gap_s)
+            .fold(0.0, f64::max);
+        v["decode_max_gap_us"] = serde_json::json!(max_gap * 1e6);
+        v["decode_windows"] = m
+            .decode_windows
+            .iter()
+            .map(|w| {
+                serde_json::json!({
+                    "first_step": w.first_step,
+                    "steps": w.steps,
+                    "device_ms": w.device_s * 1e3,
+                    "gb": w.bytes / 1e9,
+                    "copy_frac": w.copy_frac(roof.copy_rate),
+                    "max_gap_us": w.max_gap_s * 1e6,
+                })
+            })
+            .collect();
+    }
     for ((p, s), floor) in Phase::ALL.iter().zip(phase_s).zip(&roof.phase_s) {
         if *s > 0.0 && *floor > 0.0 {
             v[format!("{}_roofline_frac", phase_name(*p))] = serde_json::json!(floor / s);

@@ -215,6 +215,8 @@ pub struct IterationMetrics {
     /// rate is decode's share of the bandwidth limit.
     pub decode_device_s: f64,
     pub decode_bytes: f64,
+    /// The decode windows one by one (cuda), in order.
+    pub decode_windows: Vec<DecodeWindow>,
     pub micro_batches: u32,
     pub optimizer_steps: u32,
     pub tasks: u32,
@@ -231,6 +233,27 @@ pub struct IterationMetrics {
     pub groups_with_variance: Option<u32>,
     /// Groups trained this iteration.
     pub groups_trained: u32,
+}
+
+/// One decode window's steps on the device (cuda): how long they took, the least bytes they
+/// moved ([`crate::gpu::decode::DeviceDecode::step_bytes`]) and the longest the device sat idle
+/// between two of them waiting for the host to launch the next.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct DecodeWindow {
+    pub first_step: u32,
+    pub steps: u32,
+    /// From the first step's start to the last one's end, seconds.
+    pub device_s: f64,
+    pub bytes: f64,
+    /// The longest device-side gap from one step's end to the next one's start, seconds.
+    pub max_gap_s: f64,
+}
+
+impl DecodeWindow {
+    /// The window's bytes per second as a share of `copy_rate` (bytes/s).
+    pub fn copy_frac(&self, copy_rate: f64) -> f64 {
+        self.bytes / self.device_s.max(1e-12) / copy_rate
+    }
 }
 
 /// How far the sampler's log-probs of its tokens are from another forward's of the same tokens

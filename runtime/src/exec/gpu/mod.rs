@@ -193,6 +193,9 @@ pub struct GpuIteration<'a, 'r> {
     /// The running decode window's step marks: an event before each step, one after the last
     /// (`--profile` cuts a window that co-ran by step: `exec::profile`).
     step_marks: Vec<CudaEvent>,
+    /// The running decode window's events after each step (the device's idle gaps between
+    /// steps: from one step's end mark to the next one's start mark).
+    step_ends: Vec<CudaEvent>,
     /// Per task: a decode window's step marks, by task index.
     decode_marks: Vec<Option<Vec<CudaEvent>>>,
     /// State to free before the iteration ends, and the task after whose launches the plan's
@@ -245,6 +248,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             deferred_start: (0..plan.tasks.len()).map(|_| None).collect(),
             inflight: VecDeque::new(),
             step_marks: Vec::new(),
+            step_ends: Vec::new(),
             decode_marks: (0..plan.tasks.len()).map(|_| None).collect(),
             retire: Held::retirements(plan),
             made_on: Default::default(),

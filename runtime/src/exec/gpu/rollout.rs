@@ -9,7 +9,7 @@ use rollplex_plan::Span;
 
 use super::super::book::range;
 use super::super::placement::Role;
-use super::super::{ExecError, PromptData};
+use super::super::{DecodeWindow, ExecError, PromptData};
 use super::held::Held;
 use super::ops::no_reference;
 use super::pacing::HostSplit;
@@ -297,6 +297,7 @@ impl GpuIteration<'_, '_> {
         }
         let mut step = first_step;
         self.step_marks.clear();
+        self.step_ends.clear();
         let mut host = HostSplit::default();
         let window_start = Instant::now();
         while (until_done || step < first_step + steps) && !self.active.is_empty() {
@@ -309,7 +310,10 @@ impl GpuIteration<'_, '_> {
             if !dd.step(models.trainer.model(), &models.gpu, s, arena, step)? {
                 break;
             }
+            let end = models.gpu.timing_event()?;
+            end.record(s)?;
             self.step_marks.push(mark);
+            self.step_ends.push(end);
             step += 1;
             host.launch_decode += t_step.elapsed();
             // at most STEPS_AHEAD steps queued: the host paces the side pieces by decode's
@@ -338,11 +342,41 @@ impl GpuIteration<'_, '_> {
             .expect("started by lay_out")
             .collect(s)?;
         host.wait += t_wait.elapsed();
+        let bytes_before = self.book.metrics.decode_bytes;
         self.take_tokens(&out, first_step, step)?;
-        // the window's device time (its stream is synchronised) and least bytes
-        if let (Some(a), Some(b)) = (self.step_marks.first(), self.step_marks.last()) {
-            let ms = a.elapsed_ms(b)? as f64;
-            self.book.metrics.decode_device_s += ms / 1e3;
+        // the window's device time (its stream is synchronised), least bytes and the device's
+        // longest wait for the host between two steps (the last step's end against the window's
+        // closing mark is not between steps)
+        let launched = self.step_ends.len();
+        if let (Some(a), Some(b), true) = (
+            self.step_marks.first(),
+            self.step_marks.last(),
+            launched > 0,
+        ) {
+            let device_s = a.elapsed_ms(b)? as f64 / 1e3;
+            let mut max_gap_s = 0f64;
+            let nexts = self.step_marks.get(1..launched).unwrap_or(&[]);
+            for (end, next) in self.step_ends.iter().zip(nexts) {
+                max_gap_s = max_gap_s.max(end.elapsed_ms(next)? as f64 / 1e3);
+            }
+            let w = DecodeWindow {
+                first_step,
+                steps: launched as u32,
+                device_s,
+                bytes: self.book.metrics.decode_bytes - bytes_before,
+                max_gap_s,
+            };
+            self.book.metrics.decode_device_s += device_s;
+            self.book.metrics.decode_windows.push(w);
+            if self.task_log {
+                eprintln!(
+                    "[decode steps {first_step}..{step}] device {:.1} ms, {:.2} GB ({:.0} GB/s), longest gap between steps {:.1} us",
+                    device_s * 1e3,
+                    w.bytes / 1e9,
+                    w.bytes / device_s.max(1e-12) / 1e9,
+                    max_gap_s * 1e6
+                );
+            }
         }
         if self.task_log {
             eprintln!(
