@@ -74,7 +74,7 @@ build() {
     f="$DIR/$p.rpx"
     variant "$p" > "$f"
     if [ "$p" != serial ] && [ "$p" != overlap ] && { cmp -s "$f" "$SRC" || cmp -s "$f" "$SRC3"; }; then
-      die "the $p variant did not change $SRC"
+      die "the $p variant did not change its pipeline"
     fi
     "$T/rollplexc" "$f" --mode "$(mode_of "$p")" --profile "$PROFILE" -o "$DIR/$p.plan.bin" 2>&1 |
       tail -1 | sed "s|^|$p: |" | tee -a "$DIR/plans.txt"

@@ -694,6 +694,11 @@ impl Memory {
     pub fn max_peak(&self) -> u64 {
         self.gpus.iter().map(|m| m.peak).max().unwrap_or(0)
     }
+
+    /// The pinned host memory of every GPU's host copies together (what one host must hold).
+    pub fn host_total(&self) -> u64 {
+        self.gpus.iter().map(|m| m.host).sum()
+    }
 }
 
 /// Alignment, in bytes, of every buffer's offset in an arena and of every tensor the runtime

@@ -248,7 +248,7 @@ pub fn check_host_memory(plan: &Plan) -> Result<(), ExecError> {
 
 /// [`check_host_memory`] against `available` bytes.
 pub fn check_host_memory_against(plan: &Plan, available: u64) -> Result<(), ExecError> {
-    let pinned: u64 = plan.memory.gpus.iter().map(|m| m.host).sum();
+    let pinned = plan.memory.host_total();
     let model = plan.spec.actor.param_count().total() * std::mem::size_of::<f32>() as u64;
     let need = pinned + model;
     if need <= available {

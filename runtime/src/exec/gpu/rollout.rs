@@ -344,19 +344,16 @@ impl GpuIteration<'_, '_> {
         host.wait += t_wait.elapsed();
         let bytes_before = self.book.metrics.decode_bytes;
         self.take_tokens(&out, first_step, step)?;
-        // the window's device time (its stream is synchronised), least bytes and the device's
-        // longest wait for the host between two steps (the last step's end against the window's
-        // closing mark is not between steps)
+        // the window's device time (its stream is synchronised; `step_marks` holds a mark before
+        // each launched step and one after the last), least bytes and the device's longest wait
+        // for the host between two steps (the last step's end against the closing mark is not
+        // between steps)
         let launched = self.step_ends.len();
-        if let (Some(a), Some(b), true) = (
-            self.step_marks.first(),
-            self.step_marks.last(),
-            launched > 0,
-        ) {
-            let device_s = a.elapsed_ms(b)? as f64 / 1e3;
+        let mut device = String::new();
+        if launched > 0 {
+            let device_s = self.step_marks[0].elapsed_ms(&self.step_marks[launched])? as f64 / 1e3;
             let mut max_gap_s = 0f64;
-            let nexts = self.step_marks.get(1..launched).unwrap_or(&[]);
-            for (end, next) in self.step_ends.iter().zip(nexts) {
+            for (end, next) in self.step_ends.iter().zip(&self.step_marks[1..launched]) {
                 max_gap_s = max_gap_s.max(end.elapsed_ms(next)? as f64 / 1e3);
             }
             let w = DecodeWindow {
@@ -369,8 +366,8 @@ impl GpuIteration<'_, '_> {
             self.book.metrics.decode_device_s += device_s;
             self.book.metrics.decode_windows.push(w);
             if self.task_log {
-                eprintln!(
-                    "[decode steps {first_step}..{step}] device {:.1} ms, {:.2} GB ({:.0} GB/s), longest gap between steps {:.1} us",
+                device = format!(
+                    "device {:.1} ms, {:.2} GB ({:.0} GB/s), longest gap between steps {:.1} us; ",
                     device_s * 1e3,
                     w.bytes / 1e9,
                     w.bytes / device_s.max(1e-12) / 1e9,
@@ -380,7 +377,7 @@ impl GpuIteration<'_, '_> {
         }
         if self.task_log {
             eprintln!(
-                "[decode steps {first_step}..{step}] host {:.1} ms: {}",
+                "[decode steps {first_step}..{step}] {device}host {:.1} ms: {}",
                 window_start.elapsed().as_secs_f64() * 1e3,
                 host
             );

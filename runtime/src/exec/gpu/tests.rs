@@ -78,7 +78,7 @@ fn held_state_retires_after_its_buffers_last_task() {
 #[test]
 fn host_memory_beyond_the_machine_is_refused_before_the_build() {
     let p = plan("examples/h200-7b-video.plan.yaml");
-    let pinned: u64 = p.memory.gpus.iter().map(|m| m.host).sum();
+    let pinned = p.memory.host_total();
     assert!(
         pinned > 10 << 30,
         "the 7B plan keeps its reference on the host"
