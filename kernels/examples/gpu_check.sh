@@ -13,6 +13,9 @@
 #   bash kernels/examples/gpu_check.sh [tests|tests-decode|sanitize|gemm|decode|torch]...
 #   (default: tests sanitize gemm decode torch; tests-decode runs only the tests that touch the
 #   decode path: cuda_decode, cuda_skinny and the linear tests of cuda_kernels)
+# With BEFORE=REV at build, REV's bench_decode is built too (from a temporary git worktree, in
+# target/before) into $DEVBIN/before/, and the decode step runs it before this tree's with the
+# same DECODE_FLAGS: a kernel change and its predecessor side by side in one run.
 set -o pipefail
 B=${DEVBIN:-.gpu-pack}
 OUT=${OUT:-/tmp/rollplex-out}
@@ -32,6 +35,16 @@ if [ "$steps" = build ]; then
   cargo build --release -p rollplex-kernels --features bench --example bench_gemm --example bench_decode
   cp "${CARGO_TARGET_DIR:-target}"/release/examples/bench_{gemm,decode} "$B/"
   for f in cuda_kernels cuda_decode cuda_skinny bench_gemm bench_decode; do strip "$B/$f"; done
+  rm -rf "$B/before"
+  if [ -n "${BEFORE:-}" ]; then
+    wt=$(mktemp -d)/before bt=$(realpath "${CARGO_TARGET_DIR:-target}")/before
+    git worktree add --detach "$wt" "$BEFORE" > /dev/null
+    (cd "$wt" && CARGO_TARGET_DIR="$bt" cargo build --release -p rollplex-kernels --features bench --example bench_decode)
+    mkdir -p "$B/before"
+    cp "$bt/release/examples/bench_decode" "$B/before/" && strip "$B/before/bench_decode"
+    git rev-parse --short "$BEFORE" > "$B/before/rev"
+    git worktree remove --force "$wt"
+  fi
   ls -la "$B"
   exit 0
 fi
@@ -56,12 +69,18 @@ for st in $steps; do
         timeout 150 compute-sanitizer --tool memcheck --print-limit 20 "$B/cuda_decode" --exact $t --nocapture > "$OUT/sanitize_$t.log" 2>&1
         echo "== sanitize $t exit $?"; grep -E "ERROR SUMMARY|rel err" "$OUT/sanitize_$t.log" | tail -3
       done
-      for t in attention_decode_grouped_matches_cpu skinny_linear_matches_cpu skinny_gate_up_swiglu_matches_cpu_and_the_unfused_pair; do
+      for t in attention_decode_grouped_matches_cpu attention_decode_grouped_over_a_group_table_matches_cpu skinny_linear_matches_cpu skinny_gate_up_swiglu_matches_cpu_and_the_unfused_pair; do
         timeout 150 compute-sanitizer --tool memcheck --print-limit 20 "$B/cuda_skinny" --exact $t --nocapture > "$OUT/sanitize_$t.log" 2>&1
         echo "== sanitize $t exit $?"; grep -E "ERROR SUMMARY" "$OUT/sanitize_$t.log" | tail -2
       done ;;
     gemm) timeout 150 "$B/bench_gemm" 2>&1 | tee "$OUT/gemm.log" ;;
-    decode) timeout 300 "$B/bench_decode" ${DECODE_FLAGS:-} 2>&1 | tee -a "$OUT/decode.log" ;;
+    decode)
+      if [ -x "$B/before/bench_decode" ]; then
+        echo "== bench_decode before ($(cat "$B/before/rev"))" | tee -a "$OUT/decode.log"
+        timeout 300 "$B/before/bench_decode" ${DECODE_FLAGS:-} 2>&1 | tee -a "$OUT/decode.log"
+        echo "== bench_decode now" | tee -a "$OUT/decode.log"
+      fi
+      timeout 300 "$B/bench_decode" ${DECODE_FLAGS:-} 2>&1 | tee -a "$OUT/decode.log" ;;
     torch) timeout 200 python3 kernels/examples/torch_decode.py 40 2>&1 | tee "$OUT/torch.log" ;;
   esac
   echo "== $st exit $?"

@@ -17,10 +17,18 @@
 #   2. run (on the H200, repository root, $DIR beside it) unpacks and runs them:
 #        bash runtime/examples/arena_bench.sh tests
 #        bash runtime/examples/arena_bench.sh bench
+# Knobs of build: PROMPTS (the pipeline's `const PROMPTS`, default as shipped) and PRESET (its
+# GPU preset, default H200: H100 to run on an H100, with fewer prompts to fit 80 GB);
+# BEFORE=REV also builds REV's iteration_bench and plans (from a temporary git worktree), and
+# bench then runs REV's binaries and this tree's one after the other, twice, alternating, on
+# the same pipeline: the change measured side by side in one run.
 set -euo pipefail
 MODE=${1:-}
 DIR=${DIR:-.gpu-pack/arena}
 PROFILE=${PROFILE:-cost/profiles/h200-3b-runtime.yaml}
+PROMPTS=${PROMPTS:-}
+PRESET=${PRESET:-H200}
+BEFORE=${BEFORE:-}
 T=${CARGO_TARGET_DIR:-$PWD/target}/release
 
 die() { echo "arena_bench: $*" >&2; exit 1; }
@@ -32,20 +40,56 @@ test_bin() {
     sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1
 }
 
+# pipeline SRC DEST: the 3B video pipeline with the PROMPTS and PRESET knobs applied.
+pipeline() {
+  sed -e "s/preset = H200/preset = $PRESET/" \
+    -e "${PROMPTS:+s/^const PROMPTS = [0-9]*/const PROMPTS = $PROMPTS/}" "$1" > "$2"
+}
+
+# plans ROLLPLEXC PROFILE PIPELINE OUTDIR LIST: the serial and overlap plans of PIPELINE into
+# OUTDIR, their paths (as the GPU host sees them) appended to LIST.
+plans() {
+  local m
+  for m in serial overlap; do
+    "$1" "$3" --mode $m --profile "$2" -o "$4/$m.plan.bin" 2>&1 | sed "s|^|$m: |"
+    echo "$4/$m.plan.bin" >> "$5"
+  done
+}
+
+# The BEFORE revision's iteration_bench and plans into $DIR/before, built in a target directory
+# of their own (target/before) so that neither build's binaries stand in for the other's.
+build_before() {
+  local wt prof bt=${T%/release}/before
+  wt=$(mktemp -d)/before
+  git worktree add --detach "$wt" "$BEFORE" >/dev/null
+  (cd "$wt" && export CARGO_TARGET_DIR="$bt" &&
+    cargo build --release -p rollplex-compiler --bin rollplexc &&
+    cargo build --release -p rollplex-runtime --example iteration_bench)
+  mkdir -p "$DIR/before"
+  : > "$DIR/before/plans.txt"
+  prof=$PROFILE
+  [ ! -f "$wt/$PROFILE" ] || prof=$wt/$PROFILE
+  pipeline "$wt/examples/h200-3b-video.rpx" "$DIR/before/pipeline.rpx"
+  plans "$bt/release/rollplexc" "$prof" "$DIR/before/pipeline.rpx" "$DIR/before" "$DIR/before/plans.txt"
+  pack_bins "$DIR/before/bin.tar.xz" "$bt/release/examples/iteration_bench"
+  git rev-parse --short "$BEFORE" > "$DIR/before/rev"
+  git worktree remove --force "$wt"
+}
+
 build() {
+  mkdir -p "$DIR"
+  rm -rf "$DIR/before"
+  [ -z "$BEFORE" ] || build_before
   cargo build --release -p rollplex-compiler --bin rollplexc
   cargo build --release -p rollplex-runtime --example iteration_bench --bin rollplex-run
-  mkdir -p "$DIR"
   : > "$DIR/plans.txt"
-  for m in serial overlap; do
-    "$T/rollplexc" examples/h200-3b-video.rpx --mode $m --profile "$PROFILE" -o "$DIR/$m.plan.bin" 2>&1 |
-      sed "s|^|$m: |"
-    echo "$DIR/$m.plan.bin" >> "$DIR/plans.txt"
-  done
+  git rev-parse --short HEAD > "$DIR/rev"
+  pipeline examples/h200-3b-video.rpx "$DIR/pipeline.rpx"
+  plans "$T/rollplexc" "$PROFILE" "$DIR/pipeline.rpx" "$DIR" "$DIR/plans.txt"
   "$T/rollplexc" examples/tiny-h200.rpx -o "$DIR/tiny-h200.plan.bin"
   local loop resume
-  loop=$(test_bin gpu_loop)
-  resume=$(test_bin gpu_resume)
+  loop=$(test_bin gpu_loop) || die "building the gpu_loop test failed"
+  resume=$(test_bin gpu_resume) || die "building the gpu_resume test failed"
   [ -x "$loop" ] && [ -x "$resume" ] || die "test binaries not found"
   cp "$loop" "$T/gpu_loop-test"
   cp "$resume" "$T/gpu_resume-test"
@@ -78,6 +122,11 @@ bench() {
   local bin=/tmp/arena-bin out=$RESULTS_DIR/arena
   unpack_bins "$DIR/bin.tar.xz" "$bin"
   mkdir -p "$out"
+  if [ -f "$DIR/before/bin.tar.xz" ]; then
+    before_after "$bin" "$out"
+    pack_results arena
+    return
+  fi
   for how in pool placed; do
     local flag=""
     [ $how = pool ] || flag=--placed
@@ -88,6 +137,25 @@ bench() {
     grep -v "^round" "$out/bench-$how.log" | tail -16
   done
   pack_results arena
+}
+
+# BEFORE's iteration_bench and this tree's over their own plans of the same pipeline, placed,
+# alternating (before, after, before, after), each one process of 3 iterations.
+before_after() {
+  local bin=$1 out=$2 old=/tmp/arena-before rev
+  unpack_bins "$DIR/before/bin.tar.xz" "$old"
+  rev=$(cat "$DIR/before/rev")
+  for round in 1 2; do
+    for who in before after; do
+      local b=$bin list=$DIR/plans.txt
+      [ $who = after ] || { b=$old; list=$DIR/before/plans.txt; }
+      # shellcheck disable=SC2046
+      timeout "${LIMIT:-270}" "$b/iteration_bench" $(cat "$list") --iterations 3 --rounds 1 --placed \
+        > "$out/$who-$round.log" 2>&1 || echo "iteration_bench ($who, round $round) exit $?"
+      echo "== round $round: $who ($([ $who = before ] && echo "$rev" || cat "$DIR/rev"))"
+      grep -v "^round" "$out/$who-$round.log" | tail -16
+    done
+  done
 }
 
 case "$MODE" in
