@@ -2,7 +2,8 @@
 # The plan's device arena on the H200 (each arena allocated once, buffers at the plan's
 # offsets): the GPU loop tests (serial vs overlap bitwise with every kept buffer at its plan
 # offset, and bitwise equal to the same run from the memory pool; `rollplex-run` of the tiny H200
-# pipeline saving and resuming a checkpoint), then the shipped 3B video
+# pipeline saving and resuming a checkpoint; the runtime library's own GPU tests, `gpu::`:
+# the device decode loop, the model against its CPU twin, training), then the shipped 3B video
 # pipeline (examples/h200-3b-video.rpx, PLANS below) run by `iteration_bench` twice, back to
 # back: models and buffers from the memory pool, then `--placed` (models built for the plan,
 # its arena allocated once, weights, optimizer state and the iteration's kept buffers at the
@@ -11,8 +12,9 @@
 #
 # Entry point: scripts/gpu-bench.sh build arena, then scripts/gpu-bench.sh run arena [tests|bench].
 #   1. build (on a machine with the Rust toolchain, no GPU needed) packs the binaries: the plans,
-#      the stripped iteration_bench, rollplex-run, the gpu_loop and gpu_resume test binaries
-#      and the tiny H200 plan into $DIR (default .gpu-pack/arena, the packed binaries, ignored by git):
+#      the stripped iteration_bench, rollplex-run, the gpu_loop and gpu_resume test binaries, the
+#      runtime library's test binary and the tiny H200 plan into $DIR (default .gpu-pack/arena,
+#      the packed binaries, ignored by git):
 #        bash runtime/examples/arena_bench.sh build
 #   2. run (on the H200, repository root, $DIR beside it) unpacks and runs them:
 #        bash runtime/examples/arena_bench.sh tests
@@ -34,9 +36,9 @@ T=${CARGO_TARGET_DIR:-$PWD/target}/release
 die() { echo "arena_bench: $*" >&2; exit 1; }
 . "$(dirname "$0")/common/gpu_pack.sh"
 
-# the newest test binary of a test target
+# the newest test binary of a cargo test target (`cargo test --release ARGS --no-run`)
 test_bin() {
-  cargo test --release -p rollplex-tests --test "$1" --no-run --message-format=json 2>/dev/null |
+  cargo test --release "$@" --no-run --message-format=json 2>/dev/null |
     sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1
 }
 
@@ -87,14 +89,16 @@ build() {
   pipeline examples/h200-3b-video.rpx "$DIR/pipeline.rpx"
   plans "$T/rollplexc" "$PROFILE" "$DIR/pipeline.rpx" "$DIR" "$DIR/plans.txt"
   "$T/rollplexc" examples/tiny-h200.rpx -o "$DIR/tiny-h200.plan.bin"
-  local loop resume
-  loop=$(test_bin gpu_loop) || die "building the gpu_loop test failed"
-  resume=$(test_bin gpu_resume) || die "building the gpu_resume test failed"
-  [ -x "$loop" ] && [ -x "$resume" ] || die "test binaries not found"
+  local loop resume lib
+  loop=$(test_bin -p rollplex-tests --test gpu_loop) || die "building the gpu_loop test failed"
+  resume=$(test_bin -p rollplex-tests --test gpu_resume) || die "building the gpu_resume test failed"
+  lib=$(test_bin -p rollplex-runtime --lib) || die "building the runtime library's tests failed"
+  [ -x "$loop" ] && [ -x "$resume" ] && [ -x "$lib" ] || die "test binaries not found"
   cp "$loop" "$T/gpu_loop-test"
   cp "$resume" "$T/gpu_resume-test"
+  cp "$lib" "$T/runtime_lib-test"
   pack_bins "$DIR/bin.tar.xz" "$T/examples/iteration_bench" "$T/rollplex-run" "$T/gpu_loop-test" \
-    "$T/gpu_resume-test"
+    "$T/gpu_resume-test" "$T/runtime_lib-test"
   du -ch "$DIR"/* | tail -1
   echo "on the GPU host, with $DIR copied: scripts/gpu-bench.sh run arena [tests|bench]"
 }
@@ -102,11 +106,15 @@ build() {
 tests() {
   local bin=/tmp/arena-bin
   unpack_bins "$DIR/bin.tar.xz" "$bin"
+  export ROLLPLEX_REQUIRE_GPU=1  # a device that does not open fails the tests, not skips them
   mkdir -p "$RESULTS_DIR/arena"
   "$bin/gpu_loop-test" --nocapture --test-threads 1 2>&1 | tee "$RESULTS_DIR/arena/gpu_loop.log" |
     grep -E "^test |test result|Usage|panicked|spills" || true
   "$bin/gpu_resume-test" --nocapture --test-threads 1 2>&1 | tee "$RESULTS_DIR/arena/gpu_resume.log" |
     grep -E "^test |test result|panicked" || true
+  "$bin/runtime_lib-test" gpu:: --nocapture --test-threads 1 2>&1 |
+    tee "$RESULTS_DIR/arena/runtime_gpu.log" | grep -E "^test .*(FAILED|ok)$|test result|panicked" |
+    grep -v " ok$" || true
   # rollplex-run itself (models built for the plan), saving a checkpoint and resuming from it
   local o=$RESULTS_DIR/arena/run
   rm -rf "$o" "$o-resumed"
