@@ -472,7 +472,10 @@ attention_decode_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
 // used) and reads each prefix key once for all of them instead of once per sample. Block
 // (split, kvh, z) (numbered split-fastest, see below) takes group z / parts, samples
 // part * per_block .. of it, prefix keys [split*chunk, ...) (the last split takes the rest).
-// Samples gi*group .. gi*group + group - 1 form group gi; the prefix is the group's first
+// Samples gi*group .. gi*group + group - 1 form group gi, or, with a group table
+// (group_starts non-null, the group pass only), samples group_starts[gi] ..
+// group_starts[gi + 1] - 1 (at most group of them; an empty group's blocks do nothing), so that
+// a batch compacted sample by sample keeps its groups' prefixes shared. The prefix is the group's first
 // sample's (p_start, p_len); a member whose descriptor names another prefix, or lies outside
 // the arena, gets NaN partials (loud).
 // The per-sample pass (per_sample = 1, group = per_block = 1, z = sample) runs the same
@@ -497,7 +500,8 @@ attention_decode_grouped_bf16(float* __restrict__ part_o, float* __restrict__ pa
                               u32 group_a, u32 per_block_a, u32 n_heads, u32 n_kv, u32 chunk_a,
                               u32 splits_a, u32 total_splits, float scale_log2, u32 kv_rows,
                               u32 per_sample_a, u32 skip_prefix_a, u32 split_base_a,
-                              u32 first_blocks, u32 chunk_b, u32 splits_b) {
+                              u32 first_blocks, u32 chunk_b, u32 splits_b,
+                              const u32* __restrict__ group_starts) {
     pdl_wait();
     // Blocks from first_blocks on run the per-sample pass behind a group pass in the same
     // launch (group = per_block = 1, own keys only, slots splits_a ..); the others the pass
@@ -518,9 +522,10 @@ attention_decode_grouped_bf16(float* __restrict__ part_o, float* __restrict__ pa
     const u32 r = n_heads / n_kv;
     const u32 parts = (group + per_block - 1) / per_block;
     const u32 gi = zi / parts, pi = zi % parts;
-    const u32 g_first = gi * group;
-    if (g_first >= batch) return;
-    const u32 g_end = min(batch, g_first + group);
+    const u32* gs = per_sample ? nullptr : group_starts;
+    const u32 g_first = gs ? gs[gi] : gi * group;
+    const u32 g_end = min(batch, gs ? min(gs[gi + 1], g_first + group) : g_first + group);
+    if (g_first >= g_end) return;
     const u32 b0 = g_first + pi * per_block;
     const u32 nsamp = b0 < g_end ? min(per_block, g_end - b0) : 0;
     const u32 nrows = nsamp * r;

@@ -5,12 +5,14 @@
 //! device" and passes where no GPU is present.
 #![cfg(feature = "cuda")]
 
+use std::sync::Arc;
+
 use half::bf16;
 use rollplex_kernels::cpu;
 use rollplex_kernels::cpu::{AttnDims, DecodeSeq};
 use rollplex_kernels::cuda::attention::{
     attention_decode_grouped_bf16, grouped_decode_plan, grouped_decode_plan_for_blocks,
-    DecodeInputs, RowStrides,
+    grouped_decode_plan_tabled, DecodeInputs, RowStrides,
 };
 use rollplex_kernels::cuda::gemm::{
     gate_up_swiglu_bf16, linear_fwd_bf16_cublaslt, skinny_gate_up_swiglu_bf16,
@@ -172,6 +174,47 @@ fn skinny_gate_up_swiglu_matches_cpu_and_the_unfused_pair() {
     }
 }
 
+/// Runs the group-shared decode attention over `case` with `plan` (and group table `starts`)
+/// into poisoned buffers and checks its outputs and log-sum-exps against the CPU twin's.
+fn grouped_against_cpu(
+    g: &Gpu,
+    s: &Arc<CudaStream>,
+    case: &GroupedDecodeCase,
+    dims: AttnDims,
+    plan: GroupedDecodePlan,
+    starts: Option<&CudaSlice<u32>>,
+    label: &str,
+) {
+    let b = case.b;
+    let mut ws = poison_f32(s, plan.workspace_len());
+    let mut dout = poison_bf(s, b * dims.q_width());
+    let mut dlse = poison_f32(s, b * dims.num_heads);
+    let mut lv = dlse.as_view_mut();
+    attention_decode_grouped_bf16(
+        g,
+        s,
+        &mut dout,
+        Some(&mut lv),
+        &mut ws,
+        case.inputs(dims, &case.seqs),
+        plan,
+        starts,
+    )
+    .unwrap();
+    check(
+        &format!("attention_decode_grouped_bf16 {label}"),
+        &to_f32(&down(s, &dout)),
+        &case.want,
+        1e-2,
+    );
+    check(
+        &format!("attention_decode_grouped_bf16 lse {label}"),
+        &down(s, &dlse),
+        &case.want_lse,
+        1e-4,
+    );
+}
+
 /// Group-shared decode attention against `cpu::attention_decode`: GRPO groups whose samples
 /// share a prefix (read once per group), random suffix lengths, GQA 8:1 (3B), 7:1 (7B) and
 /// 12:1 (head_dim 64, two head groups), a group larger than one block's rows, and a sample whose
@@ -212,33 +255,8 @@ fn attention_decode_grouped_matches_cpu() {
             grouped_decode_plan(b, gsize, dims, 0, prefix_len + max_suffix),
         ];
         for plan in plans {
-            let mut ws = poison_f32(&s, plan.workspace_len());
-            let mut dout = poison_bf(&s, b * dims.q_width());
-            let mut dlse = poison_f32(&s, b * dims.num_heads);
-            let mut lv = dlse.as_view_mut();
-            attention_decode_grouped_bf16(
-                g,
-                &s,
-                &mut dout,
-                Some(&mut lv),
-                &mut ws,
-                case.inputs(dims, &case.seqs),
-                plan,
-            )
-            .unwrap();
             let label = format!("{dims:?} B{b} G{gsize} prefix {prefix_len} {plan:?}");
-            check(
-                &format!("attention_decode_grouped_bf16 {label}"),
-                &to_f32(&down(&s, &dout)),
-                &case.want,
-                1e-2,
-            );
-            check(
-                &format!("attention_decode_grouped_bf16 lse {label}"),
-                &down(&s, &dlse),
-                &case.want_lse,
-                1e-4,
-            );
+            grouped_against_cpu(g, &s, &case, dims, plan, None, &label);
         }
         if prefix_len > 0 && gsize > 1 {
             // sample 1 names another prefix start than its group's first sample: NaN rows
@@ -257,6 +275,7 @@ fn attention_decode_grouped_matches_cpu() {
                 &mut ws,
                 case.inputs(dims, &dbad),
                 plan,
+                None,
             )
             .unwrap();
             let got = to_f32(&down(&s, &dout));
@@ -272,6 +291,51 @@ fn attention_decode_grouped_matches_cpu() {
                 1e-2,
             );
         }
+    }
+}
+
+/// Group-shared decode over a group table (a batch compacted sample by sample): groups of 0-8
+/// samples, empty groups inside and at the end (the table padded to the plan's group count),
+/// against `cpu::attention_decode`; a group wider than one block's samples (head_dim 64, 12:1);
+/// a table too short for the plan is refused.
+#[test]
+fn attention_decode_grouped_over_a_group_table_matches_cpu() {
+    let g = gpu_or_skip!();
+    let s = g.stream(0).unwrap();
+    let d = |h, kv, hd| AttnDims {
+        num_heads: h,
+        num_kv_heads: kv,
+        head_dim: hd,
+    };
+    let sizes = [3usize, 8, 1, 0, 5, 8, 2, 7, 0, 4, 0, 0];
+    for (dims, prefix_len) in [
+        (d(16, 2, 128), 700usize),
+        (d(28, 4, 128), 1500),
+        (d(12, 1, 64), 200),
+    ] {
+        let case = grouped_decode_case_sized(&s, dims, &sizes, prefix_len);
+        let b = case.b;
+        let max_suffix = *case.suffix_lens.iter().max().unwrap();
+        let table = up(&s, &case.starts);
+        let plan = grouped_decode_plan_tabled(b, 8, sizes.len(), dims, prefix_len, max_suffix);
+        assert!(plan.p_splits > 0, "{plan:?}: the group pass runs");
+        assert_eq!(plan.groups, sizes.len());
+        let label = format!("tabled {dims:?} B{b} groups {sizes:?} prefix {prefix_len} {plan:?}");
+        grouped_against_cpu(g, &s, &case, dims, plan, Some(&table), &label);
+        let mut dout = poison_bf(&s, b * dims.q_width());
+        let short = up(&s, &case.starts[..sizes.len()]);
+        let mut ws = poison_f32(&s, plan.workspace_len());
+        assert!(attention_decode_grouped_bf16(
+            g,
+            &s,
+            &mut dout,
+            None,
+            &mut ws,
+            case.inputs(dims, &case.seqs),
+            plan,
+            Some(&short),
+        )
+        .is_err());
     }
 }
 

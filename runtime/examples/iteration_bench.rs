@@ -55,8 +55,9 @@ struct Run {
     phases: Vec<[f64; 4]>,
     peak: Vec<f64>,
     tokens: Vec<usize>,
-    /// Per warm iteration: decode steps, their device seconds and least bytes.
-    decode: Vec<(u32, f64, f64)>,
+    /// Per warm iteration: decode steps, their device seconds and least bytes, the rows they
+    /// ran and the live samples among them.
+    decode: Vec<(u32, f64, f64, u64, u64)>,
     /// The warm iterations' decode windows.
     windows: Vec<DecodeWindow>,
 }
@@ -114,9 +115,13 @@ impl LoopObserver for Observer<'_> {
                 .push(r.metrics.peak_mem_bytes.unwrap_or(0) as f64 / (1u64 << 30) as f64);
             self.run.tokens.push(r.response_tokens());
             let m = &r.metrics;
-            self.run
-                .decode
-                .push((m.decode_steps, m.decode_device_s, m.decode_bytes));
+            self.run.decode.push((
+                m.decode_steps,
+                m.decode_device_s,
+                m.decode_bytes,
+                m.decode_rows,
+                m.decode_live_rows,
+            ));
             self.run.windows.extend_from_slice(&m.decode_windows);
         }
         Ok(())
@@ -402,7 +407,7 @@ fn main() -> Result<()> {
         .ceilings
         .bytes;
     println!(
-        "\n{:<36} {:>6} {:>9} {:>9} {:>9} {:>10} {:>17} {:>11}",
+        "\n{:<36} {:>6} {:>9} {:>9} {:>9} {:>10} {:>17} {:>11} {:>9} {:>6}",
         "decode (warm iterations)",
         "steps",
         "device_s",
@@ -410,19 +415,23 @@ fn main() -> Result<()> {
         "GB/step",
         "copy_frac",
         "windows min..max",
-        "max gap us"
+        "max gap us",
+        "rows/step",
+        "live"
     );
     for ((name, _), r) in plans.iter().zip(&runs) {
         let steps: u32 = r.decode.iter().map(|d| d.0).sum();
         let s: f64 = r.decode.iter().map(|d| d.1).sum();
         let b: f64 = r.decode.iter().map(|d| d.2).sum();
+        let rows: u64 = r.decode.iter().map(|d| d.3).sum();
+        let live: u64 = r.decode.iter().map(|d| d.4).sum();
         let n = r.decode.len().max(1) as f64;
         let fracs = r.windows.iter().map(|w| 100.0 * w.copy_frac(copy));
         let lo = fracs.clone().fold(f64::INFINITY, f64::min);
         let hi = fracs.fold(0.0, f64::max);
         let gap = r.windows.iter().map(|w| w.max_gap_s).fold(0.0, f64::max);
         println!(
-            "{:<36} {:>6.0} {:>9.3} {:>9.3} {:>9.3} {:>9.1}% {:>7.1}..{:>7.1}% {:>11.1}",
+            "{:<36} {:>6.0} {:>9.3} {:>9.3} {:>9.3} {:>9.1}% {:>7.1}..{:>7.1}% {:>11.1} {:>9.1} {:>5.1}%",
             std::path::Path::new(name)
                 .file_name()
                 .map(|s| s.to_string_lossy().into_owned())
@@ -434,7 +443,9 @@ fn main() -> Result<()> {
             100.0 * b / s.max(1e-12) / copy,
             lo,
             hi,
-            gap * 1e6
+            gap * 1e6,
+            rows as f64 / steps.max(1) as f64,
+            100.0 * live as f64 / rows.max(1) as f64
         );
     }
     Ok(())

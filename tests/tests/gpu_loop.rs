@@ -179,6 +179,15 @@ fn cuda_decode_windows_account_for_the_iterations_decode() {
             (b - m.decode_bytes).abs() <= 1e-9 * m.decode_bytes,
             "iteration {i}"
         );
+        // the rows run hold every live sample, and a live sample draws one response token
+        let tokens = r.response_tokens() as u64;
+        assert!(
+            m.decode_live_rows > 0 && m.decode_live_rows <= m.decode_rows,
+            "iteration {i}: {} live rows of {}",
+            m.decode_live_rows,
+            m.decode_rows
+        );
+        assert!(m.decode_live_rows <= tokens, "iteration {i}");
     }
 }
 

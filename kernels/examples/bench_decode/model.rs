@@ -250,6 +250,7 @@ impl Model {
                     strides,
                 },
                 self.gplan,
+                None,
             )?;
             return Ok(());
         }

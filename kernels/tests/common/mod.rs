@@ -116,8 +116,10 @@ pub fn check(name: &str, out: &[f32], reference: &[f32], tol: f64) {
 /// of `gsize` samples, the groups' `prefix_len`-row prefixes first in one KV arena, then every
 /// sample's own rows (1..=300 of them, 3-row gaps between samples).
 pub struct GroupedDecodeCase {
-    /// Samples (`groups * gsize`).
+    /// Samples (`groups * gsize`, or the sizes' sum).
     pub b: usize,
+    /// The group table: group `i` is samples `starts[i] .. starts[i + 1]`.
+    pub starts: Vec<u32>,
     pub suffix_lens: Vec<usize>,
     pub scale: f32,
     /// [`rollplex_kernels::cpu::attention_decode`]'s outputs and log-sum-exps.
@@ -157,8 +159,24 @@ pub fn grouped_decode_case(
     gsize: usize,
     prefix_len: usize,
 ) -> GroupedDecodeCase {
+    grouped_decode_case_sized(s, dims, &vec![gsize; groups], prefix_len)
+}
+
+/// Groups of the given sizes (group-major samples, a group of size 0 holding none), each
+/// sharing its own prefix of `prefix_len` keys, and random suffixes.
+pub fn grouped_decode_case_sized(
+    s: &Arc<CudaStream>,
+    dims: rollplex_kernels::cpu::AttnDims,
+    sizes: &[usize],
+    prefix_len: usize,
+) -> GroupedDecodeCase {
     use rollplex_kernels::cpu::{self, DecodeSeq};
-    let b = groups * gsize;
+    let group_of: Vec<usize> = sizes
+        .iter()
+        .enumerate()
+        .flat_map(|(gi, &n)| std::iter::repeat_n(gi, n))
+        .collect();
+    let (b, groups) = (group_of.len(), sizes.len());
     let kvw = dims.kv_width();
     let suffix_lens: Vec<usize> = rand_vec(b, fresh_seed())
         .iter()
@@ -168,7 +186,7 @@ pub fn grouped_decode_case(
     let mut seqs = Vec::new();
     for (i, &suffix_len) in suffix_lens.iter().enumerate() {
         seqs.push(DecodeSeq {
-            prefix_offset: ((i / gsize) * prefix_len) as u32,
+            prefix_offset: (group_of[i] * prefix_len) as u32,
             prefix_len: prefix_len as u32,
             suffix_offset: rows as u32,
             suffix_len: suffix_len as u32,
@@ -197,8 +215,15 @@ pub fn grouped_decode_case(
         .enumerate()
         .map(|(i, sq)| AttnSeqGpu::from_decode(i as u32, sq))
         .collect();
+    let starts = std::iter::once(0)
+        .chain(sizes.iter().scan(0u32, |acc, &n| {
+            *acc += n as u32;
+            Some(*acc)
+        }))
+        .collect();
     GroupedDecodeCase {
         b,
+        starts,
         suffix_lens,
         scale,
         want,

@@ -377,6 +377,8 @@ fn metrics_json(
         "decode_steps": m.decode_steps,
         "decode_device_s": m.decode_device_s,
         "decode_gb": m.decode_bytes / 1e9,
+        "decode_rows": m.decode_rows,
+        "decode_live_rows": m.decode_live_rows,
         "micro_batches": m.micro_batches,
         "optimizer_steps": m.optimizer_steps,
         "time_s": dt.as_secs_f64(),

@@ -215,6 +215,10 @@ pub struct IterationMetrics {
     /// rate is decode's share of the bandwidth limit.
     pub decode_device_s: f64,
     pub decode_bytes: f64,
+    /// Rows the decode steps ran, summed over steps (cuda), and the samples live in them: rows
+    /// of stopped samples run until a compaction drops them.
+    pub decode_rows: u64,
+    pub decode_live_rows: u64,
     /// The decode windows one by one (cuda), in order.
     pub decode_windows: Vec<DecodeWindow>,
     pub micro_batches: u32,

@@ -3,16 +3,19 @@
 //! (`decode_advance`), then runs the forward ([`GpuModel::decode_forward`]); the whole step is
 //! one CUDA graph, captured once per (batch bucket, stream) and replayed.
 //!
-//! Rows are whole GRPO groups, group-major (the layout group-shared attention reads). The batch
-//! shrinks by buckets of groups (1, 2, 3, 4, 6, 8, 12, 16, ... and the number of groups): every
-//! [`LAG`] steps, the rows are compacted to the smallest bucket holding the groups that were
-//! still decoding [`LAG`] steps earlier. That information comes back asynchronously (a copy of
-//! `done_step` into pinned memory after every [`LAG`]th step, read [`LAG`] steps later), so the
-//! host never waits on the step it just launched, and the compaction points are a function of
-//! the samples' stop steps only: serial and overlapped plans, eager launches and graph replays
-//! run the same batches and give the same bits. Rows of samples that stopped keep running until
-//! a compaction drops their group; what they compute is discarded (`decode_advance` records
-//! nothing for them and gives them no KV row).
+//! Rows are samples in sample order, so group-major (the layout group-shared attention reads:
+//! a table of where each group's rows start, [`group_starts`]). The batch shrinks by buckets of
+//! `group` rows (1, 2, 3, 4, 6, 8, 12, 16, ... groups' worth, up to all of them): every [`LAG`]
+//! steps, the rows are compacted to the smallest bucket holding the samples that were still
+//! decoding [`LAG`] steps earlier, topped up with stopped ones ([`compaction`]). A group's
+//! samples leave one by one, so a group whose longest response runs to the cap does not keep
+//! its finished samples in the batch. The stop information comes back asynchronously (a copy
+//! of `done_step` into pinned memory after every [`LAG`]th step, read [`LAG`] steps later), so
+//! the host never waits on the step it just launched, and the compaction points are a function
+//! of the samples' stop steps only: serial and overlapped plans, eager launches and graph
+//! replays run the same batches and give the same bits. Rows of samples that stopped keep
+//! running until a compaction drops them; what they compute is discarded (`decode_advance`
+//! records nothing for them and gives them no KV row).
 //!
 //! Buffers live as long as the run: a graph replays fixed addresses. Whatever a graph bakes in
 //! that can change between iterations (the KV arena's address, the RoPE table's size, the key
@@ -32,7 +35,7 @@ use rollplex_kernels::cuda::{
 use crate::model::DecodeSlot;
 
 use super::plan::{decode_kernel_for, flat_rope_tables, DecodeKernel};
-use super::text::{DecodeBufs, DecodeIo, GpuKvArena};
+use super::text::{DecodeBufs, DecodeIo, GpuKvArena, Grouping};
 use super::{alloc, GpuError, GpuModel, Result};
 
 /// Steps between a compaction decision and the stop information it uses (and between the
@@ -97,6 +100,8 @@ pub struct DeviceDecode {
     rows: CudaSlice<DecodeRow>,
     rows_tmp: CudaSlice<DecodeRow>,
     map: CudaSlice<u32>,
+    /// Where each group's rows start ([`group_starts`]; `samples / group + 1` entries).
+    starts: CudaSlice<u32>,
     /// The next draw's key per row, and `[seed_lo, seed_hi, iteration]`.
     sample_ids: CudaSlice<u32>,
     steps: CudaSlice<u32>,
@@ -124,9 +129,10 @@ pub struct DeviceDecode {
     bufs: DecodeBufs,
     sampling: SampleParams,
     logprob_temperature: f32,
-    /// Host mirror: the groups in the rows, in row order (the first `bucket` are the batch).
-    order: Vec<usize>,
-    bucket: usize,
+    /// Host mirror: the sample of each row of the batch, in row order (ascending).
+    batch: Vec<usize>,
+    /// Prefix keys the batch reads a step (each group's once when grouped, else each row's).
+    batch_prefix_keys: u64,
     /// Pinned landing buffers of `done_step` copies, and the copies in flight (oldest first).
     pinned: Vec<PinnedHostSlice<u32>>,
     copies: VecDeque<DoneCopy>,
@@ -149,8 +155,8 @@ pub struct DeviceDecode {
     kv_bytes_per_key: u64,
 }
 
-/// The batch sizes, in groups, a loop over `groups` groups runs: 1, 2, 3, 4, 6, 8, 12, ...
-/// below `groups`, then `groups`.
+/// The batch sizes, in groups' worth of rows, a loop over `groups` groups runs: 1, 2, 3, 4, 6,
+/// 8, 12, ... below `groups`, then `groups`.
 pub fn buckets(groups: usize) -> Vec<usize> {
     let mut out = Vec::new();
     let mut p = 1usize;
@@ -187,6 +193,77 @@ fn bucket_for(alive: usize, groups: usize) -> usize {
         .into_iter()
         .find(|&b| b >= alive)
         .unwrap_or(groups)
+}
+
+/// The rows of the smallest bucket holding `alive` rows, with `samples` samples in groups of
+/// `group` (a multiple of `group`, at most `samples`).
+fn row_bucket_for(alive: usize, samples: usize, group: usize) -> usize {
+    bucket_for(alive.div_ceil(group).max(1), samples / group) * group
+}
+
+/// The groups a batch of `rows` rows is cut into for the group-shared attention: as many as
+/// there can be (every row its own group, at most every group once), so that the cut is a
+/// function of the bucket alone and a captured step serves any mix of groups.
+fn table_groups(rows: usize, samples: usize, group: usize) -> usize {
+    rows.min(samples / group).max(1)
+}
+
+/// The group table of a batch whose rows are the (ascending) `batch` samples in groups of
+/// `group`: the row each group present starts at, then `batch.len()` up to `groups + 1`
+/// entries (empty groups).
+pub(crate) fn group_starts(batch: &[usize], group: usize, groups: usize) -> Vec<u32> {
+    let mut out: Vec<u32> = (0..batch.len())
+        .filter(|&i| i == 0 || batch[i] / group != batch[i - 1] / group)
+        .map(|i| i as u32)
+        .collect();
+    debug_assert!(
+        out.len() <= groups,
+        "{} groups present, {groups} cut",
+        out.len()
+    );
+    out.resize(groups + 1, batch.len() as u32);
+    out
+}
+
+/// A compaction of the batch ([`compaction`]): the new batch's samples (ascending) and, per
+/// new row, the old row it comes from.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Compaction {
+    pub batch: Vec<usize>,
+    pub map: Vec<u32>,
+}
+
+/// Compacts `batch` (ascending samples in groups of `group`, `samples` in all) to the smallest
+/// bucket holding its samples that are `alive`, or `None` when that bucket is not smaller.
+/// The bucket is topped up with stopped samples, first those of groups that still have a live
+/// sample (so that no other group's prefix is read), each kind in row order. A function of
+/// the batch and of which samples are alive only.
+pub(crate) fn compaction(
+    batch: &[usize],
+    alive: impl Fn(usize) -> bool,
+    group: usize,
+    samples: usize,
+) -> Option<Compaction> {
+    let live: Vec<usize> = (0..batch.len()).filter(|&i| alive(batch[i])).collect();
+    let rows = row_bucket_for(live.len(), samples, group);
+    if rows >= batch.len() {
+        return None;
+    }
+    let live_groups: std::collections::HashSet<usize> =
+        live.iter().map(|&i| batch[i] / group).collect();
+    let (near, far): (Vec<usize>, Vec<usize>) = (0..batch.len())
+        .filter(|&i| !alive(batch[i]))
+        .partition(|&i| live_groups.contains(&(batch[i] / group)));
+    let fill = rows - live.len();
+    let mut keep: Vec<usize> = live
+        .into_iter()
+        .chain(near.into_iter().chain(far).take(fill))
+        .collect();
+    keep.sort_unstable();
+    Some(Compaction {
+        batch: keep.iter().map(|&i| batch[i]).collect(),
+        map: keep.into_iter().map(|i| i as u32).collect(),
+    })
 }
 
 impl DeviceDecode {
@@ -228,6 +305,7 @@ impl DeviceDecode {
             rows: alloc(gpu, stream, n)?,
             rows_tmp: alloc(gpu, stream, n)?,
             map: alloc(gpu, stream, n)?,
+            starts: alloc(gpu, stream, n / group + 1)?,
             sample_ids: alloc(gpu, stream, n)?,
             steps: alloc(gpu, stream, n)?,
             key: alloc(gpu, stream, 3)?,
@@ -263,8 +341,8 @@ impl DeviceDecode {
                 iteration: 0,
             },
             logprob_temperature: 1.0,
-            order: Vec::new(),
-            bucket: 0,
+            batch: Vec::new(),
+            batch_prefix_keys: 0,
             pinned: Vec::new(),
             copies: VecDeque::new(),
             known: None,
@@ -420,12 +498,30 @@ impl DeviceDecode {
             self.graphs.clear();
             self.baked = baked;
         }
-        self.order = (0..n / self.group).collect();
-        self.bucket = self.order.len();
         self.copies.clear();
         self.known = None;
         self.prefix_len = s.slots.iter().map(|sl| sl.prefix.len).collect();
         self.launched.clear();
+        self.set_batch(stream, (0..n).collect())
+    }
+
+    /// Makes `batch` (ascending samples, already in the rows) the batch: uploads its group
+    /// table and counts the prefix keys a step reads.
+    fn set_batch(&mut self, stream: &Arc<CudaStream>, batch: Vec<usize>) -> Result<()> {
+        let g = self.group;
+        if self.grouped {
+            let groups = table_groups(batch.len(), self.samples, g);
+            let starts = group_starts(&batch, g, groups);
+            stream.memcpy_htod(&starts, &mut self.starts.slice_mut(..starts.len()))?;
+            self.batch_prefix_keys = starts[..groups]
+                .iter()
+                .filter(|&&r| (r as usize) < batch.len())
+                .map(|&r| self.prefix_len[batch[r as usize]] as u64)
+                .sum();
+        } else {
+            self.batch_prefix_keys = batch.iter().map(|&i| self.prefix_len[i] as u64).sum();
+        }
+        self.batch = batch;
         Ok(())
     }
 
@@ -451,9 +547,16 @@ impl DeviceDecode {
             + rows as f64 * self.vocab as f64 * 2.0 * 3.0
     }
 
+    /// Rows step `step` ran (0 for a step not launched).
+    pub fn step_rows(&self, step: u32) -> usize {
+        self.launched
+            .get(step as usize)
+            .map_or(0, |&(rows, _)| rows)
+    }
+
     /// Rows in the running batch.
     pub fn batch_rows(&self) -> usize {
-        self.bucket * self.group
+        self.batch.len()
     }
 
     /// Runs decode step `step` on `stream`: first the deterministic compaction (see the module
@@ -479,7 +582,7 @@ impl DeviceDecode {
             self.compact_as_of(gpu, stream, step - LAG)?;
         }
         let sk = stream.cu_stream() as usize;
-        let key = (self.bucket, sk);
+        let key = (self.batch.len(), sk);
         if let Some(g) = self.graphs.get(&key).filter(|_| !self.eager) {
             g.launch()?;
         } else {
@@ -501,19 +604,7 @@ impl DeviceDecode {
         if step.is_multiple_of(LAG) {
             self.copy_done(gpu, stream, step)?;
         }
-        let rows = self.batch_rows();
-        let g = self.group;
-        let prefix_keys: u64 = if self.grouped {
-            self.order[..self.bucket]
-                .iter()
-                .map(|&grp| self.prefix_len[grp * g] as u64)
-                .sum()
-        } else {
-            self.order[..self.bucket]
-                .iter()
-                .map(|&grp| g as u64 * self.prefix_len[grp * g] as u64)
-                .sum()
-        };
+        let (rows, prefix_keys) = (self.batch_rows(), self.batch_prefix_keys);
         debug_assert_eq!(
             self.launched.len(),
             step as usize,
@@ -594,7 +685,11 @@ impl DeviceDecode {
             write_rows: &self.write_rows,
             batch: b,
             max_kv: self.max_kv,
-            grouped: self.grouped.then_some((self.group, self.max_prefix)),
+            grouped: self.grouped.then_some(Grouping {
+                group: self.group,
+                max_prefix: self.max_prefix,
+                table: Some((&self.starts, table_groups(b, self.samples, self.group))),
+            }),
         };
         model.decode_forward(gpu, stream, arena, &io, &mut self.bufs, &mut self.logits)
     }
@@ -653,8 +748,9 @@ impl DeviceDecode {
         Ok(())
     }
 
-    /// Compacts the rows to the bucket of the groups still decoding after step `asof` (waiting
-    /// for that copy if it has not landed: it was launched [`LAG`] steps ago).
+    /// Compacts the rows to the bucket of the samples still decoding after step `asof`
+    /// ([`compaction`]; waiting for that copy if it has not landed: it was launched [`LAG`]
+    /// steps ago).
     fn compact_as_of(&mut self, gpu: &Gpu, stream: &Arc<CudaStream>, asof: u32) -> Result<()> {
         while self.known.as_ref().is_none_or(|(s, _)| *s < asof) {
             if self.copies.is_empty() {
@@ -665,39 +761,12 @@ impl DeviceDecode {
             self.take_oldest()?;
         }
         let (_, done) = self.known.as_ref().expect("taken above");
-        let g = self.group;
-        let alive =
-            |grp: usize| (grp * g..(grp + 1) * g).any(|m| done[m] == NOT_DONE || done[m] > asof);
-        let groups = self.order.len();
-        let n_alive = self.order[..self.bucket]
-            .iter()
-            .filter(|&&grp| alive(grp))
-            .count();
-        let bucket = bucket_for(n_alive.max(1), groups);
-        if bucket >= self.bucket {
+        let alive = |m: usize| done[m] == NOT_DONE || done[m] > asof;
+        let Some(Compaction { batch, map }) =
+            compaction(&self.batch, alive, self.group, self.samples)
+        else {
             return Ok(());
-        }
-        // the live groups first (in their row order), then stopped ones to fill the bucket
-        let mut order: Vec<usize> = self
-            .order
-            .iter()
-            .copied()
-            .filter(|&grp| alive(grp))
-            .collect();
-        order.extend(self.order.iter().copied().filter(|&grp| !alive(grp)));
-        let pos: HashMap<usize, usize> = self
-            .order
-            .iter()
-            .enumerate()
-            .map(|(i, &grp)| (grp, i))
-            .collect();
-        let map: Vec<u32> = order[..bucket]
-            .iter()
-            .flat_map(|grp| {
-                let p = pos[grp];
-                (0..g).map(move |m| (p * g + m) as u32)
-            })
-            .collect();
+        };
         let n = map.len();
         stream.memcpy_htod(&map, &mut self.map.slice_mut(..n))?;
         decode_gather_rows(
@@ -726,9 +795,7 @@ impl DeviceDecode {
             &self.logits_tmp.slice(..n * v),
             &mut self.logits.slice_mut(..n * v),
         )?;
-        self.order = order;
-        self.bucket = bucket;
-        Ok(())
+        self.set_batch(stream, batch)
     }
 
     /// Brings the outputs to the host (synchronises `stream`).

@@ -266,6 +266,7 @@ pub fn attention_decode_bf16(
             kv_stride: strides.kv,
             total: plan.splits,
             scale_log2,
+            starts: 0,
         };
         let a = (1, 1, b, plan.chunk, plan.splits);
         group_pass(OP, gpu, stream, &dims, &g, a, (1, 0, 0), None)?;
@@ -431,6 +432,8 @@ pub(super) struct GroupPass<'a> {
     pub(super) kv_stride: usize,
     pub(super) total: usize,
     pub(super) scale_log2: f32,
+    /// The group table's device address (`attention_decode_grouped_bf16`'s `starts`), or 0.
+    pub(super) starts: u64,
 }
 
 /// One launch of `attention_decode_grouped_bf16`. `a`: (group, per_block, units (groups x
@@ -488,7 +491,9 @@ pub(super) fn group_pass(
     // the caches' lengths) and reads only rows inside; rows are 16-byte aligned (checked);
     // arguments match (part_o, part_ml, q, q_stride, k, v, kv_stride, seqs, batch, group,
     // per_block, n_heads, n_kv, chunk, splits, total_splits, scale_log2, kv_rows, per_sample,
-    // skip_prefix, split_base, first_blocks, chunk_b, splits_b).
+    // skip_prefix, split_base, first_blocks, chunk_b, splits_b, group_starts); group_starts is
+    // 0 or a table of more than units / parts entries (checked by the caller), read by the
+    // group pass only.
     unsafe {
         launch(
             gpu,
@@ -522,6 +527,7 @@ pub(super) fn group_pass(
                 &fb,
                 &cb,
                 &sb,
+                &g.starts,
             ],
         )
     }?;

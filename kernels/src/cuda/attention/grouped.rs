@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
 use half::bf16;
 
 use super::decode::{
@@ -16,16 +16,21 @@ use crate::cuda::launch::{aligned16, ptr, ptr_mut};
 use crate::cuda::{shape, Gpu, Result};
 
 /// How a group-shared decode ([`attention_decode_grouped_bf16`]) is cut: samples
-/// `i * group .. (i + 1) * group` form GRPO group `i` and share its first sample's prefix. The
+/// `i * group .. (i + 1) * group` form GRPO group `i` and share its first sample's prefix, or,
+/// with a group table, each of `groups` runs of at most `group` consecutive samples does. The
 /// group pass (skipped when `p_splits == 0`) gives a block `per_block` samples of one group (all
 /// query heads of one kv head: at most 64 MMA rows) over `p_chunk` prefix keys; the per-sample
 /// pass gives a block one sample's query heads of one kv head over `s_chunk` of its own keys
 /// (all its keys when there is no group pass); an ordered merge of the `p_splits + s_splits`
-/// slots ends it. A function of (batch, group, dims, length hints) only.
+/// slots ends it. A function of (batch, group, groups, dims, length hints) only.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GroupedDecodePlan {
     pub batch: usize,
+    /// The most samples a group holds.
     pub group: usize,
+    /// The groups the group pass runs blocks for: `batch.div_ceil(group)` for fixed groups, the
+    /// entries of the group table less one otherwise.
+    pub groups: usize,
     pub per_block: usize,
     pub num_heads: usize,
     pub head_dim: usize,
@@ -65,17 +70,33 @@ pub fn grouped_decode_plan(
     max_suffix_len: usize,
 ) -> GroupedDecodePlan {
     let group = group.clamp(1, batch.max(1));
+    let groups = batch.div_ceil(group);
+    grouped_decode_plan_tabled(batch, group, groups, dims, max_prefix_len, max_suffix_len)
+}
+
+/// [`grouped_decode_plan`] for a batch whose groups a table gives (a batch compacted sample
+/// by sample): `groups` runs of at most `group` consecutive samples, some possibly empty.
+pub fn grouped_decode_plan_tabled(
+    batch: usize,
+    group: usize,
+    groups: usize,
+    dims: AttnDims,
+    max_prefix_len: usize,
+    max_suffix_len: usize,
+) -> GroupedDecodePlan {
+    let group = group.clamp(1, batch.max(1));
+    let groups = groups.clamp(1, batch.max(1));
     let r = (dims.num_heads / dims.num_kv_heads.max(1)).max(1);
     let per_block = (64 / r).clamp(1, group);
-    let units = batch.div_ceil(group) * group.div_ceil(per_block) * dims.num_kv_heads;
+    let units = groups * group.div_ceil(per_block) * dims.num_kv_heads;
     if max_prefix_len > 0 && units >= GROUP_PASS_MIN_UNITS {
-        return grouped_decode_plan_for_blocks(
+        return plan_for_targets(
             batch,
-            group,
+            (group, groups),
             dims,
             max_prefix_len,
             max_suffix_len,
-            DECODE_TARGET_BLOCKS,
+            (DECODE_TARGET_BLOCKS, DECODE_TARGET_BLOCKS),
         );
     }
     let own = max_prefix_len + max_suffix_len;
@@ -83,6 +104,7 @@ pub fn grouped_decode_plan(
     GroupedDecodePlan {
         batch,
         group,
+        groups,
         per_block,
         num_heads: dims.num_heads,
         head_dim: dims.head_dim,
@@ -121,9 +143,30 @@ pub fn grouped_decode_plan_for_targets(
     dims: AttnDims,
     max_prefix_len: usize,
     max_suffix_len: usize,
-    (p_target, s_target): (usize, usize),
+    targets: (usize, usize),
 ) -> GroupedDecodePlan {
     let group = group.clamp(1, batch.max(1));
+    let groups = batch.div_ceil(group);
+    plan_for_targets(
+        batch,
+        (group, groups),
+        dims,
+        max_prefix_len,
+        max_suffix_len,
+        targets,
+    )
+}
+
+/// The cut aiming at (group pass, per-sample pass) block targets, for `groups` groups of at
+/// most `group` samples.
+fn plan_for_targets(
+    batch: usize,
+    (group, groups): (usize, usize),
+    dims: AttnDims,
+    max_prefix_len: usize,
+    max_suffix_len: usize,
+    (p_target, s_target): (usize, usize),
+) -> GroupedDecodePlan {
     let r = (dims.num_heads / dims.num_kv_heads.max(1)).max(1);
     let per_block = (64 / r).clamp(1, group);
     let split = |target: usize, units: usize, len: usize| {
@@ -137,13 +180,14 @@ pub fn grouped_decode_plan_for_targets(
     let (p_splits, p_chunk) = if max_prefix_len == 0 {
         (0, 32)
     } else {
-        let units = batch.div_ceil(group) * group.div_ceil(per_block) * dims.num_kv_heads;
+        let units = groups * group.div_ceil(per_block) * dims.num_kv_heads;
         split(p_target, units, max_prefix_len)
     };
     let (s_splits, s_chunk) = split(s_target, batch * dims.num_kv_heads, max_suffix_len);
     GroupedDecodePlan {
         batch,
         group,
+        groups,
         per_block,
         num_heads: dims.num_heads,
         head_dim: dims.head_dim,
@@ -156,10 +200,13 @@ pub fn grouped_decode_plan_for_targets(
 
 /// Decode attention with each GRPO group's shared prefix read once per group (the CPU twin is
 /// still [`crate::cpu::attention_decode`]): the same buffers and descriptors as
-/// [`super::attention_decode_bf16`] (the inputs in `x`), plus the grouping in `plan`. Samples of a group must name the
-/// same prefix rows (`p_start`, `p_len`) as the group's first sample; one that does not gets
-/// NaN outputs. Launches on `stream`: the group pass (when `plan.p_splits > 0`) and the
-/// per-sample pass as one launch, then the merge.
+/// [`super::attention_decode_bf16`] (the inputs in `x`), plus the grouping in `plan` and, for a
+/// batch whose groups vary in size, `starts`: `plan.groups + 1` non-decreasing sample indices,
+/// group `i` being samples `starts[i] .. starts[i + 1]` (at most `plan.group` of them; an
+/// empty group costs a few idle blocks). Samples of a group must name the same prefix rows
+/// (`p_start`, `p_len`) as the group's first sample; one that does not gets NaN outputs.
+/// Launches on `stream`: the group pass (when `plan.p_splits > 0`) and the per-sample pass as
+/// one launch, then the merge.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_decode_grouped_bf16(
     gpu: &Gpu,
@@ -169,6 +216,7 @@ pub fn attention_decode_grouped_bf16(
     workspace: &mut impl DevicePtrMut<f32>,
     x: DecodeInputs,
     plan: GroupedDecodePlan,
+    starts: Option<&CudaSlice<u32>>,
 ) -> Result<()> {
     const OP: &str = "attention_decode_grouped_bf16";
     let DecodeInputs {
@@ -186,6 +234,9 @@ pub fn attention_decode_grouped_bf16(
     if plan.num_heads != dims.num_heads
         || plan.head_dim != dims.head_dim
         || plan.group == 0
+        || plan.groups == 0
+        || plan.groups > b.max(1)
+        || (starts.is_none() && plan.groups != b.div_ceil(plan.group))
         || plan.per_block == 0
         || plan.per_block * r > 64
         || plan.p_chunk == 0
@@ -194,7 +245,10 @@ pub fn attention_decode_grouped_bf16(
     {
         return Err(shape(
             OP,
-            format!("plan {plan:?} does not fit dims {dims:?} (per_block * heads per kv head <= 64, nothing zero)"),
+            format!(
+                "plan {plan:?} does not fit dims {dims:?} (per_block * heads per kv head <= 64, \
+                 nothing zero, groups <= batch, fixed groups without a table)"
+            ),
         ));
     }
     if b == 0 {
@@ -215,6 +269,20 @@ pub fn attention_decode_grouped_bf16(
         v_cache,
         seqs,
     )?;
+    let starts_p = match starts {
+        Some(t) if t.len() <= plan.groups => {
+            return Err(shape(
+                OP,
+                format!(
+                    "a group table of {} entries for {} groups",
+                    t.len(),
+                    plan.groups
+                ),
+            ))
+        }
+        Some(t) => ptr(t, stream),
+        None => 0,
+    };
     let (kp, vp) = (ptr(k_cache, stream), ptr(v_cache, stream));
     let src = KvSrc {
         pk: kp,
@@ -250,13 +318,13 @@ pub fn attention_decode_grouped_bf16(
         kv_stride: strides.kv,
         total,
         scale_log2,
+        starts: starts_p,
     };
     // 1. the group pass over the shared prefixes (slots 0..p_splits) and, in the same launch,
     // every sample's own keys (slots p_splits..total); without a group pass, every sample's
     // keys alone
     if plan.p_splits > 0 {
-        let groups = b.div_ceil(plan.group);
-        let z = groups * plan.group.div_ceil(plan.per_block);
+        let z = plan.groups * plan.group.div_ceil(plan.per_block);
         let a = (plan.group, plan.per_block, z, plan.p_chunk, plan.p_splits);
         let then = Some((plan.s_chunk, plan.s_splits));
         group_pass(OP, gpu, stream, &dims, &g, a, (0, 0, 0), then)?;

@@ -43,7 +43,8 @@ pub use fwd::{
 };
 pub use grouped::{
     attention_decode_grouped_bf16, grouped_decode_plan, grouped_decode_plan_for_blocks,
-    grouped_decode_plan_for_targets, GroupedDecodePlan, GROUP_PASS_MIN_UNITS,
+    grouped_decode_plan_for_targets, grouped_decode_plan_tabled, GroupedDecodePlan,
+    GROUP_PASS_MIN_UNITS,
 };
 
 use cudarc::driver::{DevicePtr, DeviceRepr};

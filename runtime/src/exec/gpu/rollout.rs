@@ -401,6 +401,8 @@ impl GpuIteration<'_, '_> {
             let live = self.active.len();
             let dd = self.models.decode.as_ref().expect("started by lay_out");
             self.book.metrics.decode_bytes += dd.step_bytes(step, live);
+            self.book.metrics.decode_rows += dd.step_rows(step) as u64;
+            self.book.metrics.decode_live_rows += live as u64;
             let mut next = Vec::with_capacity(self.active.len());
             for &smp in &self.active {
                 self.book.check_step(smp, step)?;

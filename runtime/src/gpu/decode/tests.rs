@@ -1,6 +1,6 @@
 //! The device decode loop on a tiny model: a graph replay gives bitwise what the same steps
 //! launched eagerly give, through compactions and across iterations (graphs reused, the key
-//! read from the device); the bucket sizes.
+//! read from the device); the bucket sizes, the compactions and the group tables.
 
 use rollplex_kernels::cuda::test_gpu;
 use rollplex_plan::models::TestModel;
@@ -19,10 +19,55 @@ fn buckets_grow_by_halves() {
     assert_eq!(bucket_for(5, 16), 6);
     assert_eq!(bucket_for(16, 16), 16);
     assert_eq!(bucket_for(1, 1), 1);
+    // rows: whole groups' worth
+    assert_eq!(row_bucket_for(5, 128, 8), 8);
+    assert_eq!(row_bucket_for(70, 128, 8), 96);
+    assert_eq!(row_bucket_for(0, 128, 8), 8);
+    assert_eq!(row_bucket_for(7, 12, 1), 8);
+    assert_eq!(table_groups(128, 128, 8), 16);
+    assert_eq!(table_groups(8, 128, 8), 8);
 }
 
-/// Runs a whole decode of 3 groups of 4 (forced lengths that empty group 0, then group 1,
-/// early) and returns (tokens, log-prob bits, stop steps) of the live entries.
+/// The group table: where each present group's rows start, then empty groups to the cut.
+#[test]
+fn group_starts_mark_each_groups_first_row() {
+    assert_eq!(group_starts(&[0, 1, 2, 3, 4, 5, 6, 7], 4, 2), vec![0, 4, 8]);
+    assert_eq!(
+        group_starts(&[3, 5, 6, 7, 8, 10, 11], 4, 7),
+        vec![0, 1, 4, 7, 7, 7, 7, 7]
+    );
+    assert_eq!(group_starts(&[9], 4, 1), vec![0, 1]);
+}
+
+/// Compaction keeps every live sample, tops the bucket up with stopped samples of live groups
+/// first, keeps rows ascending and maps each new row to its old one; it does nothing when the
+/// bucket would not shrink.
+#[test]
+fn compaction_drops_stopped_samples_not_whole_groups() {
+    // 3 groups of 4, all rows in; live: 3 (group 0), 5 6 7 (group 1), 8..11 (group 2)
+    let all: Vec<usize> = (0..12).collect();
+    let live = |m: usize| m == 3 || (5..12).contains(&m);
+    let c = compaction(&all, live, 4, 12).unwrap();
+    assert_eq!(c.batch, vec![3, 5, 6, 7, 8, 9, 10, 11]);
+    assert_eq!(c.map, vec![3, 5, 6, 7, 8, 9, 10, 11]);
+    // from that batch, live 3, 10, 11: bucket 4, topped up with 8 (group 2 is live; row order)
+    let c2 = compaction(&c.batch, |m| [3, 10, 11].contains(&m), 4, 12).unwrap();
+    assert_eq!(c2.batch, vec![3, 8, 10, 11]);
+    assert_eq!(c2.map, vec![0, 4, 6, 7]);
+    // a dead sample of a group with no live one is taken only when the live groups run out
+    let c3 = compaction(&[0, 1, 4, 5, 9, 10, 11, 12], |m| m == 9, 4, 16).unwrap();
+    assert_eq!(c3.batch, vec![0, 9, 10, 11]);
+    assert_eq!(c3.map, vec![0, 4, 5, 6]);
+    // 9 live of 12: the bucket would not shrink
+    assert!(compaction(&all, |m| m % 4 != 3, 4, 12).is_none());
+    // every sample stopped: the smallest bucket
+    let c4 = compaction(&all, |_| false, 4, 12).unwrap();
+    assert_eq!(c4.batch.len(), 4);
+}
+
+/// Runs a whole decode of 3 groups of 4 (forced lengths: group 0's samples stop after 1, 2, 3
+/// and 33 tokens, group 1's after 9-12, group 2's after 20-35) and returns (tokens, log-prob
+/// bits, stop steps) of the live entries and the batch size of each step.
 #[allow(clippy::type_complexity, clippy::too_many_arguments)]
 fn run(
     dd: &mut DeviceDecode,
@@ -53,6 +98,7 @@ fn run(
         .collect();
     let forced: Vec<u32> = (0..samples as u32)
         .map(|i| match i / 4 {
+            0 if i == 3 => 33,
             0 => 1 + i % 4,
             1 => 9 + i % 4,
             _ => 20 + 5 * (i % 4),
@@ -140,13 +186,14 @@ fn graph_replay_is_bitwise_the_eager_steps() {
     assert_eq!(graph.1, eager.1, "log-probs");
     assert_eq!(graph.2, eager.2, "stop steps");
     assert_eq!(graph.3, eager.3, "batches");
-    // compactions: group 0 stops by step 3 (seen at step 8 for step 16), group 1 by step 12
-    assert_eq!(graph.3[0], 12);
-    assert!(
-        graph.3.contains(&8) && graph.3.contains(&4),
-        "{:?}",
-        graph.3
-    );
+    // compactions, sample by sample: at step 16 (as of step 8) samples 0-2 and 4 have stopped
+    // (8 live: 8 rows); at step 32 (as of 24) 3, 10 and 11 are live (4 rows, topped up with 8).
+    // Whole groups would have kept 12 rows to step 24 and 8 to the end (sample 3 runs to 33).
+    let want: Vec<usize> = [(12, 16), (8, 16), (4, 8)]
+        .iter()
+        .flat_map(|&(rows, steps)| std::iter::repeat_n(rows, steps))
+        .collect();
+    assert_eq!(graph.3, want);
     // the next iteration replays the same graphs with its own key
     let graphs = dd.graphs.len();
     let before: Vec<_> = dd

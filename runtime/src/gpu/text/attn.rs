@@ -8,13 +8,14 @@ use rollplex_kernels::cpu::{AttnDims, AttnMask};
 use rollplex_kernels::cuda::attention::RowStrides;
 use rollplex_kernels::cuda::{
     attention_decode_bf16, attention_decode_grouped_bf16, attention_fwd_bf16, decode_plan,
-    grouped_decode_plan, kv_append_bf16, rope_fwd_bf16, rope_kv_append_bf16, AttnSeqGpu, CudaSlice,
-    CudaStream, DecodeInputs, FwdInputs, Gpu,
+    grouped_decode_plan_tabled, kv_append_bf16, rope_fwd_bf16, rope_kv_append_bf16, AttnSeqGpu,
+    CudaSlice, CudaStream, DecodeInputs, FwdInputs, Gpu, GroupedDecodePlan,
 };
 
 use super::super::block::AttnStep;
 use super::super::plan::DecodeKernel;
 use super::super::{alloc, Result};
+use super::decode::Grouping;
 use super::{GpuKvArena, PrefillKv};
 
 /// Text attention over a packed batch: rotate q and k (HF's bf16 text rounding), attend each
@@ -154,21 +155,33 @@ impl AttnStep for PackedAttn<'_> {
 }
 
 /// The split-K scratch (f32 elements) the tensor-core decode attention needs for `batch` rows
-/// of at most `max_kv` keys, per sample or by GRPO group (`grouped`: group size and longest
-/// prefix; the split hints [`DecodeAttn`] passes).
+/// of at most `max_kv` keys, per sample or by GRPO group (`grouped`: the most rows a group
+/// holds, the groups, the longest prefix; the split hints [`DecodeAttn`] passes).
 pub(super) fn decode_workspace_len(
     batch: usize,
     dims: AttnDims,
     max_kv: usize,
-    grouped: Option<(usize, usize)>,
+    grouped: Option<(usize, usize, usize)>,
 ) -> usize {
     match grouped {
-        Some((group, max_prefix)) => {
-            let suffix = max_kv.saturating_sub(max_prefix);
-            grouped_decode_plan(batch, group, dims, max_prefix, suffix).workspace_len()
+        Some((group, groups, max_prefix)) => {
+            grouped_plan(batch, group, groups, dims, max_kv, max_prefix).workspace_len()
         }
         None => decode_plan(batch, dims, max_kv).workspace_len(),
     }
+}
+
+/// The group-shared attention's cut for `batch` rows in `groups` groups of at most `group`.
+fn grouped_plan(
+    batch: usize,
+    group: usize,
+    groups: usize,
+    dims: AttnDims,
+    max_kv: usize,
+    max_prefix: usize,
+) -> GroupedDecodePlan {
+    let suffix = max_kv.saturating_sub(max_prefix);
+    grouped_decode_plan_tabled(batch, group, groups, dims, max_prefix, suffix)
 }
 
 /// Decode attention: rotate q and k, append k/v at each sample's next suffix row, attend
@@ -182,9 +195,9 @@ pub(super) struct DecodeAttn<'a> {
     pub(super) batch: usize,
     pub(super) max_kv: usize,
     pub(super) kernel: DecodeKernel,
-    /// Rows in GRPO groups of this many sharing a prefix of at most the second number of keys
-    /// (group-major): the tensor-core kernel reads each group's prefix once.
-    pub(super) grouped: Option<(usize, usize)>,
+    /// Rows in GRPO groups sharing a prefix: the tensor-core kernel reads each group's prefix
+    /// once.
+    pub(super) grouped: Option<Grouping<'a>>,
     /// The split-K scratch; (re)allocated here when missing or short.
     pub(super) workspace: &'a mut Option<CudaSlice<f32>>,
     pub(super) arena: &'a mut GpuKvArena,
@@ -243,16 +256,27 @@ impl AttnStep for DecodeAttn<'_> {
                     scale,
                     strides,
                 };
-                let want = decode_workspace_len(self.batch, d, self.max_kv, self.grouped);
+                let shape = self
+                    .grouped
+                    .map(|g| (g.group, g.groups(self.batch), g.max_prefix));
+                let want = decode_workspace_len(self.batch, d, self.max_kv, shape);
                 if self.workspace.as_ref().is_none_or(|w| w.len() < want) {
                     *self.workspace = Some(alloc::<f32>(gpu, stream, want)?);
                 }
                 let ws = self.workspace.as_mut().expect("allocated above");
                 match self.grouped {
-                    Some((group, max_prefix)) => {
-                        let suffix = self.max_kv.saturating_sub(max_prefix);
-                        let plan = grouped_decode_plan(self.batch, group, d, max_prefix, suffix);
-                        attention_decode_grouped_bf16(gpu, stream, out, None, ws, x, plan)?;
+                    Some(gr) => {
+                        let groups = gr.groups(self.batch);
+                        let plan = grouped_plan(
+                            self.batch,
+                            gr.group,
+                            groups,
+                            d,
+                            self.max_kv,
+                            gr.max_prefix,
+                        );
+                        let starts = gr.table.map(|(t, _)| t);
+                        attention_decode_grouped_bf16(gpu, stream, out, None, ws, x, plan, starts)?;
                     }
                     None => {
                         let plan = decode_plan(self.batch, d, self.max_kv);

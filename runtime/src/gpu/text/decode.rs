@@ -17,8 +17,8 @@ use super::attn::{decode_workspace_len, DecodeAttn};
 use super::GpuKvArena;
 
 /// The device buffers a decode forward works in, for batches of up to `rows` rows whose
-/// sequences reach at most `max_kv` keys, in groups as [`DecodeIo::group`] says. A loop of many
-/// steps allocates them once, so that a step allocates nothing.
+/// sequences reach at most `max_kv` keys, in groups as [`DecodeIo::grouped`] says. A loop of
+/// many steps allocates them once, so that a step allocates nothing.
 pub struct DecodeBufs {
     rows: usize,
     max_kv: usize,
@@ -31,7 +31,8 @@ pub struct DecodeBufs {
 
 impl DecodeBufs {
     /// Buffers for `model`'s decode of up to `rows` rows of at most `max_kv` keys, attended
-    /// per sample or by `grouped` ([`DecodeIo::grouped`] of the forwards to come).
+    /// per sample or, with `grouped = Some((group, max_prefix))`, by groups of at most `group`
+    /// rows however many groups a batch has ([`DecodeIo::grouped`] of the forwards to come).
     pub fn new(
         model: &GpuModel,
         gpu: &Gpu,
@@ -42,7 +43,15 @@ impl DecodeBufs {
     ) -> Result<Self> {
         let (h, dims) = (model.hidden(), model.text_dims());
         let ws = (1..=rows)
-            .map(|b| decode_workspace_len(b, dims, max_kv, grouped))
+            .flat_map(|b| match grouped {
+                Some((group, max_prefix)) => (b.div_ceil(group.max(1))..=b)
+                    .map(|groups| {
+                        let g = Some((group, groups, max_prefix));
+                        decode_workspace_len(b, dims, max_kv, g)
+                    })
+                    .max(),
+                None => Some(decode_workspace_len(b, dims, max_kv, None)),
+            })
             .max()
             .unwrap_or(0);
         Ok(DecodeBufs {
@@ -69,10 +78,9 @@ impl DecodeBufs {
 /// RoPE cos / sin rows (`[batch, head_dim]`), its attention sequence over the arena and the
 /// arena row its K/V go to (rows past the arena are not written). `max_kv` bounds every
 /// sequence's keys and fixes the attention's split (so the same `max_kv` gives the same bits).
-/// With `grouped = Some((group, max_prefix))`, rows come in GRPO groups of `group` (group-major)
-/// that share a prefix of at most `max_prefix` keys, and the tensor-core attention reads each
-/// group's prefix once (split by `max_prefix` and `max_kv - max_prefix`, which then fix the
-/// bits).
+/// With `grouped`, rows come in GRPO groups (group-major) that share a prefix of at most
+/// `max_prefix` keys, and the tensor-core attention reads each group's prefix once (split by
+/// `max_prefix` and `max_kv - max_prefix`, which then fix the bits).
 pub struct DecodeIo<'a> {
     pub tokens: &'a CudaSlice<u32>,
     pub cos: &'a CudaSlice<f32>,
@@ -81,8 +89,30 @@ pub struct DecodeIo<'a> {
     pub write_rows: &'a CudaSlice<u32>,
     pub batch: usize,
     pub max_kv: usize,
-    /// `Some((group, max_prefix))`: rows in GRPO groups sharing a prefix (see above).
-    pub grouped: Option<(usize, usize)>,
+    /// Rows in GRPO groups sharing a prefix (see above).
+    pub grouped: Option<Grouping<'a>>,
+}
+
+/// How a decode batch's rows form GRPO groups ([`DecodeIo::grouped`]).
+#[derive(Clone, Copy)]
+pub struct Grouping<'a> {
+    /// The most rows a group holds.
+    pub group: usize,
+    /// The longest shared prefix, in keys.
+    pub max_prefix: usize,
+    /// `None`: rows `i * group .. (i + 1) * group` form group `i`. `Some((starts, groups))`:
+    /// group `i` is rows `starts[i] .. starts[i + 1]` for `i < groups` (a batch compacted row
+    /// by row; groups may be empty, `groups` is fixed for the batch size and bakes the
+    /// attention's cut).
+    pub table: Option<(&'a CudaSlice<u32>, usize)>,
+}
+
+impl Grouping<'_> {
+    /// The groups a batch of `batch` rows is cut into.
+    pub fn groups(&self, batch: usize) -> usize {
+        self.table
+            .map_or(batch.div_ceil(self.group.max(1)), |(_, g)| g)
+    }
 }
 
 impl GpuModel {

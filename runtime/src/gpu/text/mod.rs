@@ -37,7 +37,7 @@ use super::vision::GpuEncodedMedia;
 use super::{alloc, GpuError, GpuModel, Result};
 use attn::PackedAttn;
 
-pub use decode::{DecodeBufs, DecodeIo};
+pub use decode::{DecodeBufs, DecodeIo, Grouping};
 pub use score::DeviceScores;
 
 /// A prompt: token ids (media placeholders included) and the device-encoded media filling its
