@@ -307,7 +307,7 @@ fn attention_decode_grouped_over_a_group_table_matches_cpu() {
         num_kv_heads: kv,
         head_dim: hd,
     };
-    let sizes = [3usize, 8, 1, 0, 5, 8, 2, 7, 0, 4, 0, 0];
+    let sizes = [3usize, 8, 1, 0, 5, 8, 2, 7, 0, 4, 8, 8, 6, 1, 8, 0, 0];
     for (dims, prefix_len) in [
         (d(16, 2, 128), 700usize),
         (d(28, 4, 128), 1500),

@@ -76,6 +76,9 @@ pub fn grouped_decode_plan(
 
 /// [`grouped_decode_plan`] for a batch whose groups a table gives (a batch compacted sample
 /// by sample): `groups` runs of at most `group` consecutive samples, some possibly empty.
+/// Whether the group pass runs is decided as for the same rows in whole groups (the sharing
+/// full groups would give: a small batch of rows from many groups shares little); the group
+/// pass's cut counts the table's groups.
 pub fn grouped_decode_plan_tabled(
     batch: usize,
     group: usize,
@@ -88,7 +91,7 @@ pub fn grouped_decode_plan_tabled(
     let groups = groups.clamp(1, batch.max(1));
     let r = (dims.num_heads / dims.num_kv_heads.max(1)).max(1);
     let per_block = (64 / r).clamp(1, group);
-    let units = groups * group.div_ceil(per_block) * dims.num_kv_heads;
+    let units = batch.div_ceil(group) * group.div_ceil(per_block) * dims.num_kv_heads;
     if max_prefix_len > 0 && units >= GROUP_PASS_MIN_UNITS {
         return plan_for_targets(
             batch,
@@ -380,5 +383,24 @@ mod plan_tests {
             (p.p_splits, p.p_chunk, p.s_splits, p.s_chunk),
             (8, 224, 2, 128)
         );
+    }
+
+    /// A table of as many groups as the fixed layout has gives the fixed plan; more (smaller)
+    /// groups cut the prefix into fewer splits for the same block target; whether the group
+    /// pass runs follows the rows (8 rows: none, however many groups they come from).
+    #[test]
+    fn tabled_plans_count_the_tables_groups() {
+        let d = dims(16, 2);
+        let fixed = grouped_decode_plan(64, 8, d, 1792, 256);
+        assert_eq!(fixed.groups, 8);
+        assert_eq!(grouped_decode_plan_tabled(64, 8, 8, d, 1792, 256), fixed);
+        let many = grouped_decode_plan_tabled(64, 8, 16, d, 1792, 256);
+        assert_eq!(many.groups, 16);
+        assert!(many.p_splits < fixed.p_splits, "{many:?} against {fixed:?}");
+        assert_eq!(grouped_decode_plan(8, 8, d, 1792, 256).p_splits, 0);
+        let tabled = grouped_decode_plan_tabled(8, 8, 8, d, 1792, 256);
+        assert_eq!((tabled.p_splits, tabled.groups), (0, 8), "{tabled:?}");
+        // groups never exceed the rows
+        assert_eq!(grouped_decode_plan_tabled(4, 8, 16, d, 1792, 256).groups, 4);
     }
 }
