@@ -174,6 +174,15 @@ fn skinny_gate_up_swiglu_matches_cpu_and_the_unfused_pair() {
     }
 }
 
+/// Attention dims: `h` query heads, `kv` kv heads of `hd`.
+fn d(h: usize, kv: usize, hd: usize) -> AttnDims {
+    AttnDims {
+        num_heads: h,
+        num_kv_heads: kv,
+        head_dim: hd,
+    }
+}
+
 /// Runs the group-shared decode attention over `case` with `plan` (and group table `starts`)
 /// into poisoned buffers and checks its outputs and log-sum-exps against the CPU twin's.
 fn grouped_against_cpu(
@@ -223,11 +232,6 @@ fn grouped_against_cpu(
 fn attention_decode_grouped_matches_cpu() {
     let g = gpu_or_skip!();
     let s = g.stream(0).unwrap();
-    let d = |h, kv, hd| AttnDims {
-        num_heads: h,
-        num_kv_heads: kv,
-        head_dim: hd,
-    };
     for (dims, groups, gsize, prefix_len) in [
         (d(16, 2, 128), 3usize, 8usize, 700usize),
         (d(28, 4, 128), 2, 8, 1500),
@@ -302,11 +306,6 @@ fn attention_decode_grouped_matches_cpu() {
 fn attention_decode_grouped_over_a_group_table_matches_cpu() {
     let g = gpu_or_skip!();
     let s = g.stream(0).unwrap();
-    let d = |h, kv, hd| AttnDims {
-        num_heads: h,
-        num_kv_heads: kv,
-        head_dim: hd,
-    };
     let sizes = [3usize, 8, 1, 0, 5, 8, 2, 7, 0, 4, 8, 8, 6, 1, 8, 0, 0];
     for (dims, prefix_len) in [
         (d(16, 2, 128), 700usize),
