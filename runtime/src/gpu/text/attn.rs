@@ -256,31 +256,25 @@ impl AttnStep for DecodeAttn<'_> {
                     scale,
                     strides,
                 };
-                let shape = self
-                    .grouped
-                    .map(|g| (g.group, g.groups(self.batch), g.max_prefix));
-                let want = decode_workspace_len(self.batch, d, self.max_kv, shape);
+                // the cut, computed once: it sizes the scratch and drives the launch
+                let grouped = self.grouped.map(|gr| {
+                    let groups = gr.groups(self.batch);
+                    let plan =
+                        grouped_plan(self.batch, gr.group, groups, d, self.max_kv, gr.max_prefix);
+                    (plan, gr.table.map(|(t, _)| t))
+                });
+                let plain = decode_plan(self.batch, d, self.max_kv);
+                let want = grouped.map_or(plain.workspace_len(), |(p, _)| p.workspace_len());
                 if self.workspace.as_ref().is_none_or(|w| w.len() < want) {
                     *self.workspace = Some(alloc::<f32>(gpu, stream, want)?);
                 }
                 let ws = self.workspace.as_mut().expect("allocated above");
-                match self.grouped {
-                    Some(gr) => {
-                        let groups = gr.groups(self.batch);
-                        let plan = grouped_plan(
-                            self.batch,
-                            gr.group,
-                            groups,
-                            d,
-                            self.max_kv,
-                            gr.max_prefix,
-                        );
-                        let starts = gr.table.map(|(t, _)| t);
+                match grouped {
+                    Some((plan, starts)) => {
                         attention_decode_grouped_bf16(gpu, stream, out, None, ws, x, plan, starts)?;
                     }
                     None => {
-                        let plan = decode_plan(self.batch, d, self.max_kv);
-                        attention_decode_bf16(gpu, stream, out, None, ws, x, plan)?;
+                        attention_decode_bf16(gpu, stream, out, None, ws, x, plain)?;
                     }
                 }
             }
