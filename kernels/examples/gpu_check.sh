@@ -37,13 +37,11 @@ if [ "$steps" = build ]; then
   for f in cuda_kernels cuda_decode cuda_skinny bench_gemm bench_decode; do strip "$B/$f"; done
   rm -rf "$B/before"
   if [ -n "${BEFORE:-}" ]; then
-    wt=$(mktemp -d)/before bt=$(realpath "${CARGO_TARGET_DIR:-target}")/before
-    git worktree add --detach "$wt" "$BEFORE" > /dev/null
-    (cd "$wt" && CARGO_TARGET_DIR="$bt" cargo build --release -p rollplex-kernels --features bench --example bench_decode)
+    . runtime/examples/common/gpu_pack.sh
+    rt=$(build_rev "$BEFORE" -p rollplex-kernels --features bench --example bench_decode)
     mkdir -p "$B/before"
-    cp "$bt/release/examples/bench_decode" "$B/before/" && strip "$B/before/bench_decode"
+    cp "$rt/examples/bench_decode" "$B/before/" && strip "$B/before/bench_decode"
     git rev-parse --short "$BEFORE" > "$B/before/rev"
-    git worktree remove --force "$wt"
   fi
   ls -la "$B"
   exit 0

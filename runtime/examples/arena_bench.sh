@@ -58,24 +58,24 @@ plans() {
   done
 }
 
-# The BEFORE revision's iteration_bench and plans into $DIR/before, built in a target directory
-# of their own (target/before) so that neither build's binaries stand in for the other's.
+# The BEFORE revision's iteration_bench and plans into $DIR/before (build_rev: a target
+# directory of their own); the pipeline, and the profile where BEFORE has one, as BEFORE has them.
 build_before() {
-  local wt prof bt=${T%/release}/before
-  wt=$(mktemp -d)/before
-  git worktree add --detach "$wt" "$BEFORE" >/dev/null
-  (cd "$wt" && export CARGO_TARGET_DIR="$bt" &&
-    cargo build --release -p rollplex-compiler --bin rollplexc &&
-    cargo build --release -p rollplex-runtime --example iteration_bench)
+  local rc rt prof=$PROFILE
+  rc=$(build_rev "$BEFORE" -p rollplex-compiler --bin rollplexc) || die "building $BEFORE's rollplexc failed"
+  rt=$(build_rev "$BEFORE" -p rollplex-runtime --example iteration_bench) ||
+    die "building $BEFORE's iteration_bench failed"
   mkdir -p "$DIR/before"
   : > "$DIR/before/plans.txt"
-  prof=$PROFILE
-  [ ! -f "$wt/$PROFILE" ] || prof=$wt/$PROFILE
-  pipeline "$wt/examples/h200-3b-video.rpx" "$DIR/before/pipeline.rpx"
-  plans "$bt/release/rollplexc" "$prof" "$DIR/before/pipeline.rpx" "$DIR/before" "$DIR/before/plans.txt"
-  pack_bins "$DIR/before/bin.tar.xz" "$bt/release/examples/iteration_bench"
+  if git cat-file -e "$BEFORE:$PROFILE" 2> /dev/null; then
+    prof=$DIR/before/profile.yaml
+    git show "$BEFORE:$PROFILE" > "$prof"
+  fi
+  git show "$BEFORE:examples/h200-3b-video.rpx" > "$DIR/before/shipped.rpx"
+  pipeline "$DIR/before/shipped.rpx" "$DIR/before/pipeline.rpx"
+  plans "$rc/rollplexc" "$prof" "$DIR/before/pipeline.rpx" "$DIR/before" "$DIR/before/plans.txt"
+  pack_bins "$DIR/before/bin.tar.xz" "$rt/examples/iteration_bench"
   git rev-parse --short "$BEFORE" > "$DIR/before/rev"
-  git worktree remove --force "$wt"
 }
 
 build() {

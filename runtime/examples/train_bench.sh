@@ -12,12 +12,16 @@
 #        bash runtime/examples/train_bench.sh kernels   # Nsight Compute: one micro-batch's kernels,
 #                                                       # microseconds each (--step-only: 3 equal calls)
 #      Logs under $RESULTS_DIR/train (packed as $OUT/train.tgz when OUT is set).
-# Knobs: LAYERS (8), ITERS (5).
+# Knobs: LAYERS (8), ITERS (5). BEFORE=REV (build) also packs REV's gpu_train_bench (built from
+# a temporary git worktree) into $DIR/before; `bench` then runs REV's step and this tree's one
+# after the other, twice, alternating, and `kernels` profiles both: a change and its
+# predecessor side by side in one run.
 set -euo pipefail
 MODE=${1:-}
 DIR=${DIR:-.gpu-pack/train}
 LAYERS=${LAYERS:-8}
 ITERS=${ITERS:-5}
+BEFORE=${BEFORE:-}
 T=${CARGO_TARGET_DIR:-$PWD/target}/release
 
 die() { echo "train_bench: $*" >&2; exit 1; }
@@ -29,27 +33,62 @@ build() {
   cargo build --release -p rollplex-runtime --example gpu_train_bench
   mkdir -p "$DIR"
   pack_bins "$DIR/bin.tar.xz" "$T/examples/gpu_train_bench"
-  du -h "$DIR/bin.tar.xz"
+  git rev-parse --short HEAD > "$DIR/rev"
+  rm -rf "$DIR/before"
+  if [ -n "$BEFORE" ]; then
+    local rt
+    rt=$(build_rev "$BEFORE" -p rollplex-runtime --example gpu_train_bench) ||
+      die "building $BEFORE's gpu_train_bench failed"
+    mkdir -p "$DIR/before"
+    pack_bins "$DIR/before/bin.tar.xz" "$rt/examples/gpu_train_bench"
+    git rev-parse --short "$BEFORE" > "$DIR/before/rev"
+  fi
+  du -h "$DIR"/bin.tar.xz "$DIR"/before/bin.tar.xz 2> /dev/null || true
   echo "on the GPU host, with $DIR copied: scripts/gpu-bench.sh run train [bench|kernels]"
 }
 
+# whos: "after" (this tree's binaries), and "before" first when $DIR/before holds REV's.
+whos() {
+  if [ -f "$DIR/before/bin.tar.xz" ]; then echo before after; else echo after; fi
+}
+
+# unpack WHO: the binaries of WHO ("before": $DIR/before's, "after": this tree's) into
+# /tmp/train-WHO, that folder in BIN and their revision in REV.
+unpack() {
+  local from=$DIR
+  [ "$1" = after ] || from=$DIR/before
+  BIN=/tmp/train-$1
+  unpack_bins "$from/bin.tar.xz" "$BIN"
+  REV=$(cat "$from/rev" 2> /dev/null || echo "?")
+}
+
 bench() {
-  local bin=/tmp/train-bin out=$RESULTS_DIR/train
-  unpack_bins "$DIR/bin.tar.xz" "$bin"
+  local out=$RESULTS_DIR/train who round rounds=1
   mkdir -p "$out"
-  "$bin/gpu_train_bench" "${SHAPE[@]}" --iters "$ITERS" | tee "$out/gpu_train_bench.log"
+  [ "$(whos)" = after ] || rounds=2
+  for round in $(seq "$rounds"); do
+    for who in $(whos); do
+      unpack "$who"
+      echo "== round $round: $who ($REV)"
+      "$BIN/gpu_train_bench" "${SHAPE[@]}" --iters "$ITERS" | tee "$out/gpu_train_bench-$who-$round.log"
+    done
+  done
   python3 tests/reference/bench_train.py --layers "$LAYERS" --seqs 8 --seq-len 1496 --prompt-len 1226 \
     | tee "$out/bench_train.log"
   pack_results train
 }
 
 kernels() {
-  local bin=/tmp/train-bin out=$RESULTS_DIR/train
-  unpack_bins "$DIR/bin.tar.xz" "$bin"
+  local out=$RESULTS_DIR/train who
   mkdir -p "$out"
-  ncu --clock-control none --csv --metrics gpu__time_duration.sum \
-    "$bin/gpu_train_bench" "${SHAPE[@]}" --step-only > "$out/step_ncu.csv"
-  python3 scripts/ncu-kernel-table.py "$out/step_ncu.csv" --calls 3 --top 60 | tee "$out/step_kernels.txt"
+  for who in $(whos); do
+    unpack "$who"
+    echo "== $who ($REV)"
+    ncu --clock-control none --csv --metrics gpu__time_duration.sum \
+      "$BIN/gpu_train_bench" "${SHAPE[@]}" --step-only > "$out/step_ncu-$who.csv"
+    python3 scripts/ncu-kernel-table.py "$out/step_ncu-$who.csv" --calls 3 --top 60 |
+      tee "$out/step_kernels-$who.txt"
+  done
   pack_results train
 }
 

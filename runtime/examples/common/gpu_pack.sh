@@ -1,5 +1,6 @@
-# Sourced by the GPU benchmark scripts of runtime/examples (arena_bench.sh, memory_check.sh,
-# tower_bench.sh, corun_calibrate.sh; entry point scripts/gpu-bench.sh): `build`, on a machine
+# Sourced by the GPU benchmark scripts (runtime/examples: arena_bench.sh, train_bench.sh,
+# memory_check.sh, tower_bench.sh, corun_calibrate.sh; kernels/examples/gpu_check.sh; entry
+# point scripts/gpu-bench.sh): `build`, on a machine
 # with the Rust toolchain, packs the binaries stripped into one tarball in the benchmark's
 # .gpu-pack/ folder (the packed binaries); `run`, on the GPU host, unpacks and runs them.
 
@@ -14,6 +15,22 @@ pack_bins() {
   done
   tar cJf "$tarball" -C "$tmp" "${names[@]}"
   rm -rf "$tmp"
+}
+
+# build_rev REV ARGS...: `cargo build --release ARGS` of revision REV, in a temporary git
+# worktree, into a target directory of its own (target/before, so that neither build's
+# binaries stand in for the other's); prints that directory's release folder. One cargo
+# invocation a call (the worktree is cheap, the target directory keeps the build incremental).
+build_rev() {
+  local rev=$1 wt bt rc=0
+  shift
+  bt=$(realpath -m "${CARGO_TARGET_DIR:-target}")/before
+  wt=$(mktemp -d)/rev
+  git worktree add --detach "$wt" "$rev" > /dev/null || return 1
+  (cd "$wt" && CARGO_TARGET_DIR="$bt" cargo build --release "$@") >&2 || rc=$?
+  git worktree remove --force "$wt"
+  [ $rc -ne 0 ] || echo "$bt/release"
+  return $rc
 }
 
 # unpack_bins TARBALL DEST: the binaries of TARBALL into DEST; the kernel cache where the
