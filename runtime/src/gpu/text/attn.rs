@@ -171,6 +171,19 @@ pub(super) fn decode_workspace_len(
     }
 }
 
+/// The decode attention's split-K scratch, `ws`, grown to at least `len` elements.
+fn scratch<'w>(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    ws: &'w mut Option<CudaSlice<f32>>,
+    len: usize,
+) -> Result<&'w mut CudaSlice<f32>> {
+    if ws.as_ref().is_none_or(|w| w.len() < len) {
+        *ws = Some(alloc::<f32>(gpu, stream, len)?);
+    }
+    Ok(ws.as_mut().expect("allocated above"))
+}
+
 /// The group-shared attention's cut for `batch` rows in `groups` groups of at most `group`.
 fn grouped_plan(
     batch: usize,
@@ -256,25 +269,26 @@ impl AttnStep for DecodeAttn<'_> {
                     scale,
                     strides,
                 };
-                // the cut, computed once: it sizes the scratch and drives the launch
-                let grouped = self.grouped.map(|gr| {
-                    let groups = gr.groups(self.batch);
-                    let plan =
-                        grouped_plan(self.batch, gr.group, groups, d, self.max_kv, gr.max_prefix);
-                    (plan, gr.table.map(|(t, _)| t))
-                });
-                let plain = decode_plan(self.batch, d, self.max_kv);
-                let want = grouped.map_or(plain.workspace_len(), |(p, _)| p.workspace_len());
-                if self.workspace.as_ref().is_none_or(|w| w.len() < want) {
-                    *self.workspace = Some(alloc::<f32>(gpu, stream, want)?);
-                }
-                let ws = self.workspace.as_mut().expect("allocated above");
-                match grouped {
-                    Some((plan, starts)) => {
+                // each kind's cut, computed once a step, sizes the scratch and drives the launch
+                match self.grouped {
+                    Some(gr) => {
+                        let groups = gr.groups(self.batch);
+                        let plan = grouped_plan(
+                            self.batch,
+                            gr.group,
+                            groups,
+                            d,
+                            self.max_kv,
+                            gr.max_prefix,
+                        );
+                        let ws = scratch(gpu, stream, self.workspace, plan.workspace_len())?;
+                        let starts = gr.table.map(|(t, _)| t);
                         attention_decode_grouped_bf16(gpu, stream, out, None, ws, x, plan, starts)?;
                     }
                     None => {
-                        attention_decode_bf16(gpu, stream, out, None, ws, x, plain)?;
+                        let plan = decode_plan(self.batch, d, self.max_kv);
+                        let ws = scratch(gpu, stream, self.workspace, plan.workspace_len())?;
+                        attention_decode_bf16(gpu, stream, out, None, ws, x, plan)?;
                     }
                 }
             }
