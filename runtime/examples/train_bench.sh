@@ -52,25 +52,27 @@ whos() {
   if [ -f "$DIR/before/bin.tar.xz" ]; then echo before after; else echo after; fi
 }
 
-# unpack WHO: the binaries of WHO ("before": $DIR/before's, "after": this tree's) into
-# /tmp/train-WHO, that folder in BIN and their revision in REV.
+# unpack: the binaries of each of whos into /tmp/train-WHO ("before": $DIR/before's, "after":
+# this tree's), once per run.
 unpack() {
-  local from=$DIR
-  [ "$1" = after ] || from=$DIR/before
-  BIN=/tmp/train-$1
-  unpack_bins "$from/bin.tar.xz" "$BIN"
-  REV=$(cat "$from/rev" 2> /dev/null || echo "?")
+  local who
+  for who in $(whos); do unpack_bins "$(from "$who")/bin.tar.xz" "/tmp/train-$who"; done
 }
+
+# from WHO: the folder WHO's binaries and revision come from; rev WHO: that revision.
+from() { if [ "$1" = after ]; then echo "$DIR"; else echo "$DIR/before"; fi; }
+rev() { cat "$(from "$1")/rev" 2> /dev/null || echo "?"; }
 
 bench() {
   local out=$RESULTS_DIR/train who round rounds=1
   mkdir -p "$out"
+  unpack
   [ "$(whos)" = after ] || rounds=2
   for round in $(seq "$rounds"); do
     for who in $(whos); do
-      unpack "$who"
-      echo "== round $round: $who ($REV)"
-      "$BIN/gpu_train_bench" "${SHAPE[@]}" --iters "$ITERS" | tee "$out/gpu_train_bench-$who-$round.log"
+      echo "== round $round: $who ($(rev "$who"))"
+      "/tmp/train-$who/gpu_train_bench" "${SHAPE[@]}" --iters "$ITERS" |
+        tee "$out/gpu_train_bench-$who-$round.log"
     done
   done
   python3 tests/reference/bench_train.py --layers "$LAYERS" --seqs 8 --seq-len 1496 --prompt-len 1226 \
@@ -81,11 +83,11 @@ bench() {
 kernels() {
   local out=$RESULTS_DIR/train who
   mkdir -p "$out"
+  unpack
   for who in $(whos); do
-    unpack "$who"
-    echo "== $who ($REV)"
+    echo "== $who ($(rev "$who"))"
     ncu --clock-control none --csv --metrics gpu__time_duration.sum \
-      "$BIN/gpu_train_bench" "${SHAPE[@]}" --step-only > "$out/step_ncu-$who.csv"
+      "/tmp/train-$who/gpu_train_bench" "${SHAPE[@]}" --step-only > "$out/step_ncu-$who.csv"
     python3 scripts/ncu-kernel-table.py "$out/step_ncu-$who.csv" --calls 3 --top 60 |
       tee "$out/step_kernels-$who.txt"
   done

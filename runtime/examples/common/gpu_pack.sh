@@ -1,8 +1,8 @@
 # Sourced by the GPU benchmark scripts (runtime/examples: arena_bench.sh, train_bench.sh,
 # memory_check.sh, tower_bench.sh, corun_calibrate.sh; kernels/examples/gpu_check.sh; entry
-# point scripts/gpu-bench.sh): `build`, on a machine
-# with the Rust toolchain, packs the binaries stripped into one tarball in the benchmark's
-# .gpu-pack/ folder (the packed binaries); `run`, on the GPU host, unpacks and runs them.
+# point scripts/gpu-bench.sh): `build`, on a machine with the Rust toolchain, packs the
+# binaries stripped into one tarball in the benchmark's .gpu-pack/ folder (the packed
+# binaries); `run`, on the GPU host, unpacks and runs them.
 
 # pack_bins TARBALL FILE...: FILEs (built binaries) stripped into the xz tarball TARBALL.
 pack_bins() {
