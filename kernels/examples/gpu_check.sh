@@ -6,13 +6,15 @@
 # dims (side by side). Entry point: scripts/gpu-bench.sh build|run kernels.
 #
 # build (on a machine with the Rust toolchain) packs the binaries: the release test binaries
-# cuda_kernels, cuda_decode and cuda_skinny and the examples bench_gemm and bench_decode, stripped, into
-# $DEVBIN (default .gpu-pack, the packed binaries, ignored by git):
+# cuda_kernels, cuda_decode, cuda_skinny, cuda_prefill_attn and cuda_attn_bwd_tc and the examples
+# bench_gemm and bench_decode, stripped, into $DEVBIN (default .gpu-pack, the packed binaries,
+# ignored by git):
 #   bash kernels/examples/gpu_check.sh build
 # run (on the GPU host, repository root, $DEVBIN beside it) runs them; logs under $OUT:
-#   bash kernels/examples/gpu_check.sh [tests|tests-decode|sanitize|gemm|decode|torch]...
+#   bash kernels/examples/gpu_check.sh [tests|tests-decode|tests-attention|sanitize|gemm|decode|torch]...
 #   (default: tests sanitize gemm decode torch; tests-decode runs only the tests that touch the
-#   decode path: cuda_decode, cuda_skinny and the linear tests of cuda_kernels)
+#   decode path: cuda_decode, cuda_skinny and the linear tests of cuda_kernels; tests-attention
+#   the attention kernels': cuda_prefill_attn, cuda_attn_bwd_tc and the decode attention tests)
 # With BEFORE=REV at build, REV's bench_decode is built too (from a temporary git worktree, in
 # target/before) into $DEVBIN/before/, and the decode step runs it before this tree's with the
 # same DECODE_FLAGS: a kernel change and its predecessor side by side in one run.
@@ -22,11 +24,12 @@ OUT=${OUT:-/tmp/rollplex-out}
 export ROLLPLEX_KERNEL_CACHE=${ROLLPLEX_KERNEL_CACHE:-/tmp/rollplex-kernels}
 export ROLLPLEX_REQUIRE_GPU=1
 steps=${*:-tests sanitize gemm decode torch}
+TEST_BINS="cuda_kernels cuda_decode cuda_skinny cuda_prefill_attn cuda_attn_bwd_tc"
 
 if [ "$steps" = build ]; then
   set -e
   mkdir -p "$B"
-  for t in cuda_kernels cuda_decode cuda_skinny; do
+  for t in $TEST_BINS; do
     exe=$(cargo test --release -p rollplex-kernels --test $t --no-run 2>&1 \
       | sed -n "s/.*Executable tests\/$t.rs (\(.*\))/\1/p" | tail -1)
     [ -n "$exe" ] || { echo "no test binary for $t" >&2; exit 1; }
@@ -34,7 +37,7 @@ if [ "$steps" = build ]; then
   done
   cargo build --release -p rollplex-kernels --features bench --example bench_gemm --example bench_decode
   cp "${CARGO_TARGET_DIR:-target}"/release/examples/bench_{gemm,decode} "$B/"
-  for f in cuda_kernels cuda_decode cuda_skinny bench_gemm bench_decode; do strip "$B/$f"; done
+  for f in $TEST_BINS bench_gemm bench_decode; do strip "$B/$f"; done
   rm -rf "$B/before"
   if [ -n "${BEFORE:-}" ]; then
     . runtime/examples/common/gpu_pack.sh
@@ -57,11 +60,16 @@ run_tests() {  # binary, grep filter of test names
 }
 for st in $steps; do
   case $st in
-    tests) run_tests cuda_kernels . ; run_tests cuda_decode . ; run_tests cuda_skinny . ;;
+    tests) for t in $TEST_BINS; do run_tests $t . ; done ;;
     tests-decode)
       run_tests cuda_decode .
       run_tests cuda_skinny .
       run_tests cuda_kernels 'linear_fwd' ;;
+    tests-attention)
+      run_tests cuda_prefill_attn .
+      run_tests cuda_attn_bwd_tc .
+      run_tests cuda_decode 'attention'
+      run_tests cuda_skinny 'attention' ;;
     sanitize)
       for t in attention_decode_tensor_cores_matches_cpu_with_shared_prefix; do
         timeout 150 compute-sanitizer --tool memcheck --print-limit 20 "$B/cuda_decode" --exact $t --nocapture > "$OUT/sanitize_$t.log" 2>&1

@@ -495,9 +495,18 @@ fn main() -> Result<()> {
         s.synchronize()?;
         let (a, e) = (gpu.timing_event()?, gpu.timing_event()?);
         a.record(&s)?;
-        tr.optimizer_step(&gpu, &s)?;
+        let report = tr.optimizer_step(&gpu, &s)?;
         e.record(&s)?;
         e.synchronize()?;
+        if it == 0 {
+            // every gradient of the step in one number: two builds whose kernels claim the
+            // same bits must print the same bits here
+            let g = report.step.grad_norm;
+            println!(
+                "grad norm of micro-batch 0 (the untrained weights): {g:.17e} (bits {:016x})",
+                g.to_bits()
+            );
+        }
         if it >= 2 {
             opt.push(a.elapsed_ms(&e)? as f64);
         }

@@ -37,6 +37,9 @@ pub(crate) fn attn_sweep(g: &Gpu, s: &Arc<CudaStream>, ceiling: f64, cases: &[Ca
         );
         let mut seen = Vec::new();
         let mut best: Option<(f64, GroupedDecodePlan)> = None;
+        // the last layer's output under the first cut: every cut must give its bits
+        let mut bits: Option<Vec<u16>> = None;
+        let mut differ = 0usize;
         for plan in plans.into_iter().chain(std::iter::once(default)) {
             if seen.contains(&plan) {
                 continue;
@@ -52,6 +55,12 @@ pub(crate) fn attn_sweep(g: &Gpu, s: &Arc<CudaStream>, ceiling: f64, cases: &[Ca
             })?;
             let t = time_graph(g, s, &gr, 20)?;
             drop(gr);
+            let out: Vec<u16> = s.clone_dtoh(&m.attn)?.iter().map(|x| x.to_bits()).collect();
+            match &bits {
+                None => bits = Some(out),
+                Some(b) if *b != out => differ += 1,
+                Some(_) => {}
+            }
             let units_p = batch.div_ceil(plan.group) * plan.group.div_ceil(plan.per_block) * d.nkv;
             let blocks = units_p * plan.p_splits + batch * d.nkv * plan.s_splits;
             let tbs = kv_moved / (t * 1e-3) / 1e12;
@@ -75,6 +84,21 @@ pub(crate) fn attn_sweep(g: &Gpu, s: &Arc<CudaStream>, ceiling: f64, cases: &[Ca
                 "  best: group pass {}x{}, per-sample {}x{}: {t:.3} ms",
                 p.p_splits, p.p_chunk, p.s_splits, p.s_chunk
             );
+        }
+        if let Some(b) = &bits {
+            // FNV-1a of the output's bits: builds whose kernels claim the same results print
+            // the same value
+            let h = b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
+                (h ^ x as u64).wrapping_mul(0x0000_0100_0000_01b3)
+            });
+            println!(
+                "  output bits: {} of {} cuts differ from the first; fnv {h:016x}",
+                differ,
+                seen.len()
+            );
+            if differ > 0 {
+                return Err(format!("{differ} cuts changed the attention's bits").into());
+            }
         }
     }
     Ok(())
