@@ -12,15 +12,16 @@
 #        bash runtime/examples/train_bench.sh kernels   # Nsight Compute: one micro-batch's kernels,
 #                                                       # microseconds each (--step-only: 3 equal calls)
 #      Logs under $RESULTS_DIR/train (packed as $OUT/train.tgz when OUT is set).
-# Knobs: LAYERS (8), ITERS (5). BEFORE=REV (build) also packs REV's gpu_train_bench (built from
-# a temporary git worktree) into $DIR/before; `bench` then runs REV's step and this tree's one
-# after the other, twice, alternating, and `kernels` profiles both: a change and its
-# predecessor side by side in one run.
+# Knobs: LAYERS (8), ITERS (5), PEER (1; 0: `bench` skips PyTorch's step). BEFORE=REV (build)
+# also packs REV's gpu_train_bench (built from a temporary git worktree) into $DIR/before;
+# `bench` then runs REV's step and this tree's one after the other, twice, alternating, and
+# `kernels` profiles both: a change and its predecessor side by side in one run.
 set -euo pipefail
 MODE=${1:-}
 DIR=${DIR:-.gpu-pack/train}
 LAYERS=${LAYERS:-8}
 ITERS=${ITERS:-5}
+PEER=${PEER:-1}
 BEFORE=${BEFORE:-}
 T=${CARGO_TARGET_DIR:-$PWD/target}/release
 
@@ -75,8 +76,9 @@ bench() {
         tee "$out/gpu_train_bench-$who-$round.log"
     done
   done
-  python3 tests/reference/bench_train.py --layers "$LAYERS" --seqs 8 --seq-len 1496 --prompt-len 1226 \
-    | tee "$out/bench_train.log"
+  [ "$PEER" = 0 ] ||
+    python3 tests/reference/bench_train.py --layers "$LAYERS" --seqs 8 --seq-len 1496 --prompt-len 1226 \
+      | tee "$out/bench_train.log"
   pack_results train
 }
 
