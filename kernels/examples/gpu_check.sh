@@ -5,10 +5,10 @@
 # compute-sanitizer, the GEMM and decode workbenches (built with `--features bench`), and PyTorch's CUDA-graph decode of the same
 # dims (side by side). Entry point: scripts/gpu-bench.sh build|run kernels.
 #
-# build (on a machine with the Rust toolchain) packs the binaries: the release test binaries
-# cuda_kernels, cuda_decode, cuda_skinny, cuda_prefill_attn and cuda_attn_bwd_tc and the examples
-# bench_gemm and bench_decode, stripped, into $DEVBIN (default .gpu-pack, the packed binaries,
-# ignored by git):
+# build (on a machine with the Rust toolchain) packs the binaries: the release test binary of
+# every kernel test file (kernels/tests/cuda_*.rs, TEST_BINS below) and the examples bench_gemm
+# and bench_decode, stripped, into $DEVBIN (default .gpu-pack, the packed binaries, ignored by
+# git):
 #   bash kernels/examples/gpu_check.sh build
 # run (on the GPU host, repository root, $DEVBIN beside it) runs them; logs under $OUT:
 #   bash kernels/examples/gpu_check.sh [tests|tests-decode|tests-attention|sanitize|gemm|decode|torch]...
@@ -24,7 +24,8 @@ OUT=${OUT:-/tmp/rollplex-out}
 export ROLLPLEX_KERNEL_CACHE=${ROLLPLEX_KERNEL_CACHE:-/tmp/rollplex-kernels}
 export ROLLPLEX_REQUIRE_GPU=1
 steps=${*:-tests sanitize gemm decode torch}
-TEST_BINS="cuda_kernels cuda_decode cuda_skinny cuda_prefill_attn cuda_attn_bwd_tc"
+# every kernel test file's binary (the repository's copy on the GPU host lists the same files)
+TEST_BINS=$(cd kernels/tests && ls cuda_*.rs | sed 's/\.rs$//')
 
 if [ "$steps" = build ]; then
   set -e
@@ -53,6 +54,7 @@ fi
 mkdir -p "$OUT"
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv; } 2>&1 | tee "$OUT/device.txt"
 run_tests() {  # binary, grep filter of test names
+  [ -x "$B/$1" ] || { echo "TEST $1 missing from $B: build again" | tee -a "$OUT/tests.log"; return; }
   for t in $("$B/$1" --list 2>/dev/null | sed -n 's/: test$//p' | grep -E "$2"); do
     timeout 120 "$B/$1" --exact "$t" --nocapture 2>&1 | grep -v "^running\|^$\|^test result\|^note:\|^stack backtrace" >> "$OUT/tests.log"
     echo "TEST $1::$t exit $?" | tee -a "$OUT/tests.log"
