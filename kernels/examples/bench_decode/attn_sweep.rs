@@ -37,9 +37,10 @@ pub(crate) fn attn_sweep(g: &Gpu, s: &Arc<CudaStream>, ceiling: f64, cases: &[Ca
         );
         let mut seen = Vec::new();
         let mut best: Option<(f64, GroupedDecodePlan)> = None;
-        // the last layer's output under each cut, and under the default cut (the runtime's)
-        let mut outs: Vec<Vec<u16>> = Vec::new();
-        let mut default_bits: Option<Vec<u16>> = None;
+        // FNV-1a of the last layer's output bits under each cut, and under the default cut
+        // (the runtime's)
+        let mut hashes: Vec<u64> = Vec::new();
+        let mut default_hash: Option<u64> = None;
         for plan in plans.into_iter().chain(std::iter::once(default)) {
             if seen.contains(&plan) {
                 continue;
@@ -55,11 +56,16 @@ pub(crate) fn attn_sweep(g: &Gpu, s: &Arc<CudaStream>, ceiling: f64, cases: &[Ca
             })?;
             let t = time_graph(g, s, &gr, 20)?;
             drop(gr);
-            let out: Vec<u16> = s.clone_dtoh(&m.attn)?.iter().map(|x| x.to_bits()).collect();
+            let out: Vec<u8> = s
+                .clone_dtoh(&m.attn)?
+                .iter()
+                .flat_map(|x| x.to_bits().to_le_bytes())
+                .collect();
+            let h = nvrtc::fnv1a64(&[&out]);
             if plan == default {
-                default_bits = Some(out.clone());
+                default_hash = Some(h);
             }
-            outs.push(out);
+            hashes.push(h);
             let units_p = batch.div_ceil(plan.group) * plan.group.div_ceil(plan.per_block) * d.nkv;
             let blocks = units_p * plan.p_splits + batch * d.nkv * plan.s_splits;
             let tbs = kv_moved / (t * 1e-3) / 1e12;
@@ -84,17 +90,14 @@ pub(crate) fn attn_sweep(g: &Gpu, s: &Arc<CudaStream>, ceiling: f64, cases: &[Ca
                 p.p_splits, p.p_chunk, p.s_splits, p.s_chunk
             );
         }
-        if let Some(b) = &default_bits {
-            // FNV-1a of the default cut's output bits: builds whose kernels claim the same
-            // results print the same value. Other cuts split the keys elsewhere, so their
-            // partial softmax sums, and possibly the rounded outputs, differ.
-            let h = b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
-                (h ^ x as u64).wrapping_mul(0x0000_0100_0000_01b3)
-            });
-            let other = outs.iter().filter(|o| *o != b).count();
+        if let Some(h) = default_hash {
+            // builds whose kernels claim the same results print the same default hash; other
+            // cuts split the keys elsewhere, so their partial softmax sums, and possibly the
+            // rounded outputs, differ
+            let other = hashes.iter().filter(|&&x| x != h).count();
             println!(
                 "  default cut's output: fnv {h:016x}; {other} of {} cuts round to other bits",
-                outs.len()
+                hashes.len()
             );
         }
     }
