@@ -29,6 +29,14 @@
 //! every layer's kept (the suffix activations and logits kept, as PyTorch's step keeps them; the
 //! prompt rows are still recomputed from their kept inputs) beside it.
 //!
+//! Parts: one layer's GEMMs and attention and the lm head's GEMMs, timed alone at the shape the
+//! step runs them (the trainer's own `train_pack` layout): each group's prompt once, its
+//! `--prompt-len` rows one causal sequence (a call per group: one prompt's call timed, counted
+//! once per group), then the responses' suffix rows packed in one call, each attending to its
+//! group's prompt rows as a prefix (the backward adding the prefix keys' gradients into fp32
+//! buffers of the prompt rows); their FLOPs are the decomposition's. "parts, the step" adds
+//! them up as the step runs them, "the rest" is what they leave of the measured step.
+//!
 //! Optimizer: `optimizer_step` (grad norm with its download, clip, AdamW per tensor writing the
 //! bf16 copy, gradient zeroing), and `adamw_step_f32` alone over one flat buffer of the same
 //! parameter count; bytes counted for AdamW: fp32 master, m, v read + written, fp32 grad read,
@@ -53,6 +61,7 @@ use rollplex_kernels::cuda::{
 };
 use rollplex_plan::spec::{AdamWSpec, KlEstimator, LossAgg, LrSchedule};
 use rollplex_runtime::gpu::train::{GpuGroupBatch, GpuTrainer, PromptMedia};
+use rollplex_runtime::gpu::train_pack::{layout_prefixes, PackGroup, SuffixPack};
 use rollplex_runtime::model::Qwen25VL;
 use rollplex_runtime::train::{LossConfig, Normaliser, ResponseBatch, TrainConfig};
 
@@ -192,11 +201,16 @@ fn linear_gemms_ms(
     .0)
 }
 
-/// Milliseconds of one layer's attention forward (with LSE) and backward over `seqs`.
+/// Milliseconds of one layer's attention forward (with LSE) and backward over `seqs`, called as
+/// the trainer calls them: with `prefix_rows > 0` the sequences' prefix spans index a K/V buffer
+/// of that many rows of its own (the kept prompt rows) and the backward adds the prefix keys'
+/// gradients into fp32 buffers of as many rows; with 0 no sequence has a prefix (the rows' own
+/// K/V stand in for it, one-row fp32 buffers for its gradients).
 fn attention_ms(
     gpu: &Gpu,
     s: &Arc<CudaStream>,
     seqs: &[AttnSeq],
+    prefix_rows: usize,
     d: AttnDims,
     iters: usize,
 ) -> Result<(f64, f64)> {
@@ -205,14 +219,26 @@ fn attention_ms(
     let q = random_bf16(s, rows * qw, 4, 1.0)?;
     let k = random_bf16(s, rows * kvw, 5, 1.0)?;
     let v = random_bf16(s, rows * kvw, 6, 1.0)?;
+    let pre = if prefix_rows > 0 {
+        Some((
+            random_bf16(s, prefix_rows * kvw, 8, 1.0)?,
+            random_bf16(s, prefix_rows * kvw, 9, 1.0)?,
+        ))
+    } else {
+        None
+    };
+    let (pk, pv) = match &pre {
+        Some((pk, pv)) => (pk, pv),
+        None => (&k, &v),
+    };
     let dout = random_bf16(s, rows * qw, 7, 1e-2)?;
     let mut out = s.alloc_zeros::<bf16>(rows * qw)?;
     let mut lse = s.alloc_zeros::<f32>(rows * d.num_heads)?;
     let mut dq = s.alloc_zeros::<bf16>(rows * qw)?;
     let mut dk = s.alloc_zeros::<bf16>(rows * kvw)?;
     let mut dv = s.alloc_zeros::<bf16>(rows * kvw)?;
-    let mut dpk = s.alloc_zeros::<f32>(kvw)?;
-    let mut dpv = s.alloc_zeros::<f32>(kvw)?;
+    let mut dpk = s.alloc_zeros::<f32>(prefix_rows.max(1) * kvw)?;
+    let mut dpv = s.alloc_zeros::<f32>(prefix_rows.max(1) * kvw)?;
     let g: Vec<AttnSeqGpu> = seqs.iter().map(AttnSeqGpu::from_fwd).collect();
     let sd = s.clone_htod(&g)?;
     let maxq = seqs.iter().map(|q| q.len as usize).max().unwrap_or(0);
@@ -228,8 +254,8 @@ fn attention_ms(
                 q: &q,
                 k: &k,
                 v: &v,
-                prefix_k: &k,
-                prefix_v: &v,
+                prefix_k: pk,
+                prefix_v: pv,
                 seqs: &sd,
                 n_seqs: g.len(),
                 max_q_len: maxq,
@@ -258,8 +284,8 @@ fn attention_ms(
                 q: &q,
                 k: &k,
                 v: &v,
-                prefix_k: &k,
-                prefix_v: &v,
+                prefix_k: pk,
+                prefix_v: pv,
                 out: &out,
                 lse: &lse,
                 seqs: &sd,
@@ -425,13 +451,41 @@ fn main() -> Result<()> {
         + 2.0 * (vocab * h) as f64 * head_rows;
     // the work the trainer actually does: each group's prompt once, every response's suffix
     // (its rlen - 1 fed tokens) attending to the prompt and causally to itself
+    let (prows, srows) = (groups * plen, seqs * (rlen - 1));
     let (pf, sf) = (plen as f64, (rlen - 1) as f64);
-    let shared_tokens = groups as f64 * pf + seqs as f64 * sf;
+    let shared_tokens = (prows + srows) as f64;
     let shared_pairs =
         groups as f64 * pf * (pf + 1.0) / 2.0 + seqs as f64 * (sf * pf + sf * (sf + 1.0) / 2.0);
+    let shared_unit = nq as f64 * hd as f64 * shared_pairs;
     let shared_flops = 6.0 * layer_w * shared_tokens * lay_f
         + 6.0 * (vocab * h) as f64 * head_rows
-        + 12.0 * nq as f64 * hd as f64 * shared_pairs * lay_f;
+        + 12.0 * shared_unit * lay_f;
+    // the trainer's own layout of the micro-batch (`micro_batch`: one prompt copy per group):
+    // the parts run its suffix rows and their attention descriptors
+    let lens: Vec<(usize, u32)> = b.prompts.iter().map(|p| (p.len(), 1)).collect();
+    let (lays, store_rows, _) = layout_prefixes(&lens)?;
+    let packs: Vec<PackGroup<'_>> = lays
+        .iter()
+        .enumerate()
+        .map(|(g, &layout)| PackGroup {
+            layout,
+            rope_delta: 0,
+            responses: b.tokens[g * group..(g + 1) * group]
+                .iter()
+                .map(Vec::as_slice)
+                .collect(),
+        })
+        .collect();
+    let pack = SuffixPack::new(&model.config, &packs)?;
+    drop(packs);
+    if store_rows != prows || pack.rows() != srows || pack.head_rows.len() != seqs * rlen {
+        bail!(
+            "the trainer lays the micro-batch out as {store_rows} prompt rows, {} suffix rows and {} lm-head rows; the FLOPs count {prows}, {srows} and {}",
+            pack.rows(),
+            pack.head_rows.len(),
+            seqs * rlen
+        );
+    }
     println!(
         "micro-batch: {seqs} sequences x {seq_len} rows ({groups} groups of {group}, prompt {plen}, response {rlen} tokens), {head_rows} lm-head rows; {:.3} TFLOP model FLOPs of the full sequences (what PyTorch computes), {:.3} TFLOP with the recomputation; {:.3} TFLOP model FLOPs with one prompt per group (what we compute)",
         model_flops / 1e12,
@@ -556,8 +610,9 @@ fn main() -> Result<()> {
             adam_bytes / 1e9
         );
     }
-    // ---- parts: the GEMMs of one layer and of the lm head, attention of one layer
-    let rows = seqs * seq_len;
+    // ---- parts: the GEMMs of one layer and of the lm head, attention of one layer, at the
+    // step's shape: each group's prompt once (a call per group, one causal sequence), then the
+    // packed suffix rows in one call, attending to their group's prompt rows as a prefix
     let lin = [
         ("qkv", h, (nq + 2 * nkv) * hd),
         ("o", nq * hd, h),
@@ -565,35 +620,41 @@ fn main() -> Result<()> {
         ("down", ffn, h),
     ];
     let mut layer_gemm = 0.0;
+    let gf = groups as f64;
     for (_, inp, out) in lin {
-        layer_gemm += linear_gemms_ms(&gpu, &s, rows, inp, out, iters)?;
+        layer_gemm += gf * linear_gemms_ms(&gpu, &s, plen, inp, out, iters)?
+            + linear_gemms_ms(&gpu, &s, srows, inp, out, iters)?;
     }
-    let head_gemm = linear_gemms_ms(&gpu, &s, seqs * rlen, h, vocab, iters)?;
-    let aseqs: Vec<AttnSeq> = (0..seqs)
-        .map(|i| AttnSeq {
-            start: (i * seq_len) as u32,
-            len: seq_len as u32,
-            prefix_start: 0,
-            prefix_len: 0,
-        })
-        .collect();
+    let head_gemm = linear_gemms_ms(&gpu, &s, pack.head_rows.len(), h, vocab, iters)?;
+    let prompt = [AttnSeq {
+        start: 0,
+        len: plen as u32,
+        prefix_start: 0,
+        prefix_len: 0,
+    }];
     let dims = AttnDims {
         num_heads: nq,
         num_kv_heads: nkv,
         head_dim: hd,
     };
-    let (afwd, abwd) = attention_ms(&gpu, &s, &aseqs, dims, iters)?;
-    let gemm_flops_layer = 6.0 * layer_w * tokens;
+    let (pfwd, pbwd) = attention_ms(&gpu, &s, &prompt, 0, dims, iters)?;
+    let (sfwd, sbwd) = attention_ms(&gpu, &s, &pack.seqs, pack.hi - pack.lo, dims, iters)?;
+    let (afwd, abwd) = (gf * pfwd + sfwd, gf * pbwd + sbwd);
+    let gemm_flops_layer = 6.0 * layer_w * shared_tokens;
     let head_flops = 6.0 * (vocab * h) as f64 * head_rows;
     println!(
-        "parts, one layer: GEMMs fwd+bwd {layer_gemm:.3} ms ({:.1} TFLOP/s); attention fwd {afwd:.3} ms ({:.1} TFLOP/s), bwd {abwd:.3} ms ({:.1} TFLOP/s); lm head GEMMs fwd+bwd {head_gemm:.3} ms ({:.1} TFLOP/s)",
+        "parts, one layer at the step's shape ({} rows: {groups} prompts of {plen} rows once each, a call each, and {srows} response rows in one call attending to their group's prompt as a prefix): GEMMs fwd+bwd {layer_gemm:.3} ms ({:.1} TFLOP/s); attention fwd {afwd:.3} ms ({:.1} TFLOP/s; prompts {:.3} ms), bwd {abwd:.3} ms ({:.1} TFLOP/s; prompts {:.3} ms); lm head GEMMs fwd+bwd {head_gemm:.3} ms ({:.1} TFLOP/s)",
+        prows + srows,
         gemm_flops_layer / layer_gemm / 1e9,
-        4.0 * attn_unit / afwd / 1e9,
-        8.0 * attn_unit / abwd / 1e9,
+        4.0 * shared_unit / afwd / 1e9,
+        gf * pfwd,
+        8.0 * shared_unit / abwd / 1e9,
+        gf * pbwd,
         head_flops / head_gemm / 1e9
     );
-    // what the step runs: per layer the GEMMs, one more forward (recompute: a third of the
-    // GEMM time), attention forward twice and backward once; the lm head once more forward
+    // what the step runs: per layer the GEMMs, one more forward (the suffix rows' and the
+    // prompt rows' recompute: a third of the GEMM time), attention forward twice and backward
+    // once; the lm head once more forward
     let fwd_gemm = layer_gemm / 3.0;
     let accounted = lay_f * (layer_gemm + fwd_gemm + 2.0 * afwd + abwd) + head_gemm * 4.0 / 3.0;
     println!(
