@@ -90,6 +90,7 @@ fn decode_case(tensor_cores: bool) {
                 &mut dout,
                 Some(&mut lv),
                 &mut ws,
+                None,
                 case.inputs(dims, &case.seqs),
                 plan,
             )
@@ -317,6 +318,7 @@ fn green_partitions_give_identical_bits_and_events_order_them() {
                 &mut o,
                 None,
                 &mut ws,
+                None,
                 DecodeInputs {
                     q: &dq,
                     k_cache: &dk,

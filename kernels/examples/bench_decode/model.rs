@@ -37,6 +37,9 @@ pub(crate) struct Model {
     pub(crate) slots: CudaSlice<u32>,
     pub(crate) seqs: CudaSlice<AttnSeqGpu>,
     pub(crate) ws: CudaSlice<f32>,
+    /// The attention's split-K slot counts: with them its launch merges its slots itself (as
+    /// the runtime runs it), without them a second launch merges.
+    pub(crate) counts: Option<MergeCounts>,
     pub(crate) sample_ids: CudaSlice<u32>,
     pub(crate) steps: CudaSlice<u32>,
     pub(crate) plan: DecodePlan,
@@ -178,6 +181,7 @@ pub(crate) fn build(
         slots: s.clone_htod(&slots)?,
         seqs: s.clone_htod(&seqs)?,
         ws: g.alloc(s, ws_len)?,
+        counts: Some(MergeCounts::new(s, batch, d.nkv)?),
         sample_ids: s.clone_htod(&(0..batch as u32).collect::<Vec<_>>())?,
         steps: s.clone_htod(&vec![5u32; batch])?,
         plan,
@@ -240,6 +244,7 @@ impl Model {
                 &mut self.attn,
                 None,
                 &mut self.ws,
+                self.counts.as_mut(),
                 DecodeInputs {
                     q: &self.qkv,
                     k_cache: &ly.kc,
@@ -260,6 +265,7 @@ impl Model {
             &mut self.attn,
             None,
             &mut self.ws,
+            self.counts.as_mut(),
             DecodeInputs {
                 q: &self.qkv,
                 k_cache: &ly.kc,

@@ -6,7 +6,9 @@
 use std::sync::Arc;
 
 use half::bf16;
-use rollplex_kernels::cuda::{embedding_fwd_bf16, AttnSeqGpu, CudaSlice, CudaStream, Gpu};
+use rollplex_kernels::cuda::{
+    embedding_fwd_bf16, AttnSeqGpu, CudaSlice, CudaStream, Gpu, MergeCounts,
+};
 
 use crate::model::DecodeSlot;
 
@@ -27,6 +29,8 @@ pub struct DecodeBufs {
     blocks: BlockBufs,
     /// The decode attention's split-K scratch, sized for every batch up to `rows`.
     attn_ws: Option<CudaSlice<f32>>,
+    /// Its slot counts (the attention merges its slots in the same launch).
+    attn_counts: MergeCounts,
 }
 
 impl DecodeBufs {
@@ -65,6 +69,7 @@ impl DecodeBufs {
             } else {
                 None
             },
+            attn_counts: MergeCounts::new(stream, rows, dims.num_kv_heads)?,
         })
     }
 
@@ -172,6 +177,7 @@ impl GpuModel {
                 kernel,
                 grouped: io.grouped,
                 workspace: &mut bufs.attn_ws,
+                counts: &mut bufs.attn_counts,
                 arena,
             };
             run_blocks_keeping(
