@@ -272,3 +272,97 @@ sample_bf16_keyed(const bf16* __restrict__ logits, u32 row_stride, u32 rows, u32
     sample_row(logits, row_stride, rows, vocab, temperature, top_k, top_p, key[0], key[1],
                key[2], sample_ids, steps, tokens);
 }
+
+// Order-preserving 32-bit key of a float that is not NaN (-0 keyed as +0, as `==` treats them).
+__device__ __forceinline__ u32 f_key(float f) {
+    const u32 x = __float_as_uint(f + 0.0f);
+    return (x & 0x80000000u) ? ~x : (x | 0x80000000u);
+}
+
+// The draw of sample_row's plain path (temperature > 0, no top-k / top-p) and greedy rows
+// (temperature <= 0), each row's vocabulary split over gridDim.x blocks of SPLIT_THREADS, so
+// that a few rows still fill the GPU. Both maxima are order-free: the argmax as the largest
+// (bf16 key, lowest index) pair, the draw as the largest (f_key(z + g), lowest index) pair
+// (sample_row's `sc > bs || (sc == bs && i < bi)` order, NaN never drawn), so the tokens are
+// bitwise sample_row's whatever the split. Block (split, row) takes Philox groups
+// [split * per, (split + 1) * per) of its row and folds its two maxima into the row's scratch
+// words with 64-bit atomicMax; the row's last block to count itself in (a third word) writes
+// the token and sets the three words back to zero (zero before the launch, zero after it, so a
+// CUDA graph replays it). (seed_lo, seed_hi, iteration) come from `key` when it is not null.
+#define SPLIT_THREADS 256
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
+sample_split_bf16(const bf16* __restrict__ logits, u32 row_stride, u32 rows, u32 vocab,
+                  float temperature, u32 seed_lo, u32 seed_hi, u32 iteration,
+                  const u32* __restrict__ key, const u32* __restrict__ sample_ids,
+                  const u32* __restrict__ steps, u32* __restrict__ tokens,
+                  unsigned long long* __restrict__ scratch) {
+    pdl_wait();
+    const u32 row = blockIdx.y;
+    if (row >= rows) return;
+    if (key != nullptr) {
+        seed_lo = key[0];
+        seed_hi = key[1];
+        iteration = key[2];
+    }
+    const bf16* x = logits + (u64)row * row_stride;
+    const bool draw = temperature > 0.0f, unit = temperature == 1.0f;
+    const uint2 k2 = make_uint2(seed_lo, seed_hi);
+    const u32 sample = sample_ids[row], step = steps[row];
+    const u32 ngroups = (vocab + 3) / 4, per = (ngroups + gridDim.x - 1) / gridDim.x;
+    const u32 g0 = blockIdx.x * per, g1 = min(ngroups, g0 + per);
+    const bool vec = (((u64)x) & 7u) == 0;
+    u64 best = 0, drawn = 0;  // 0: nothing yet (every real candidate's key is above 0)
+    for (u32 g = g0 + threadIdx.x; g < g1; g += SPLIT_THREADS) {
+        bf16 v[4];
+        if (vec && g * 4 + 3 < vocab) {
+            const uint2 w = *(const uint2*)(x + g * 4);
+            v[0] = (bf16)(w.x & 0xffffu); v[1] = (bf16)(w.x >> 16);
+            v[2] = (bf16)(w.y & 0xffffu); v[3] = (bf16)(w.y >> 16);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 4; k++) v[k] = g * 4 + k < vocab ? x[g * 4 + k] : (bf16)0x7fc0;
+        }
+        uint4 r = make_uint4(0, 0, 0, 0);
+        if (draw) r = philox4x32_10(make_uint4(g, step, sample, iteration), k2);
+        const u32 words[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const u32 i = g * 4 + k;
+            if (i >= vocab) break;
+            const u32 kk = bf_key(v[k]);
+            const u64 cand = ((u64)kk << 32) | (u64)(0xffffffffu - i);
+            best = cand > best ? cand : best;
+            if (!draw || kk < 1) continue;  // NaN is never drawn
+            const float u = ((float)(words[k] >> 8) + 0.5f) * 5.9604644775390625e-08f;
+            const float z = unit ? bf2f(v[k]) : bf2f(v[k]) / temperature;
+            const u64 d = ((u64)f_key(z - logf(-logf(u))) << 32) | (u64)(0xffffffffu - i);
+            drawn = d > drawn ? d : drawn;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 b2 = __shfl_xor_sync(0xffffffffu, best, o);
+        const u64 d2 = __shfl_xor_sync(0xffffffffu, drawn, o);
+        best = b2 > best ? b2 : best;
+        drawn = d2 > drawn ? d2 : drawn;
+    }
+    __shared__ u64 rb[SPLIT_THREADS / 32], rd[SPLIT_THREADS / 32];
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) { rb[warp] = best; rd[warp] = drawn; }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    for (int w = 1; w < SPLIT_THREADS / 32; w++) {
+        best = rb[w] > best ? rb[w] : best;
+        drawn = rd[w] > drawn ? rd[w] : drawn;
+    }
+    unsigned long long* s = scratch + 3 * (u64)row;
+    atomicMax(s, (unsigned long long)best);
+    if (draw) atomicMax(s + 1, (unsigned long long)drawn);
+    __threadfence();  // the maxima land before the count
+    if (atomicAdd(s + 2, 1ull) != gridDim.x - 1) return;
+    __threadfence();
+    const u64 b = atomicExch(s, 0ull), d = atomicExch(s + 1, 0ull);
+    atomicExch(s + 2, 0ull);
+    const u32 argmax = 0xffffffffu - (u32)(b & 0xffffffffu);
+    tokens[row] = (!draw || d == 0) ? argmax : 0xffffffffu - (u32)(d & 0xffffffffu);
+}

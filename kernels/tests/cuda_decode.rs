@@ -200,7 +200,10 @@ fn sampling_matches_cpu_twin() {
         let steps: Vec<u32> = (0..rows as u32).map(|r| 100 + r % 7).collect();
         let (dx, dsid, dst) = (up(&s, &x), up(&s, &sample_ids), up(&s, &steps));
         let mut dtok = up(&s, &vec![u32::MAX; rows]);
-        sample_bf16(g, &s, &mut dtok, &dx, &dsid, &dst, rows, vocab, vocab, &p).unwrap();
+        sample_bf16(
+            g, &s, &mut dtok, &dx, &dsid, &dst, rows, vocab, vocab, &p, None,
+        )
+        .unwrap();
         let got = down(&s, &dtok);
         let mut same = 0;
         for r in 0..rows {
@@ -218,6 +221,76 @@ fn sampling_matches_cpu_twin() {
             "at most one rounding-level disagreement allowed, got {}",
             rows - same
         );
+    }
+}
+
+/// The split draw (each row's vocabulary over several blocks, [`SampleScratch`]) picks the same
+/// tokens as one block a row: greedy, plain draws at T = 1 and 0.7, and top-k (which keeps one
+/// block a row), over rows with ties, NaN, +-inf and -0 logits, at batch sizes that give each
+/// row from 1 to many blocks; the scratch is zero after each launch and reused.
+#[test]
+fn split_draw_picks_the_one_block_tokens() {
+    let g = gpu_or_skip!();
+    let s = g.stream(0).unwrap();
+    let vocab = 151_936;
+    let special = |r: usize, x: &mut [bf16]| match r % 6 {
+        0 => x.iter_mut().for_each(|v| *v = bf16::from_f32(0.5)), // all tied
+        1 => x.iter_mut().for_each(|v| *v = bf16::NAN),           // nothing drawable
+        2 => {
+            x[77] = bf16::INFINITY;
+            x[150_001] = bf16::INFINITY;
+        }
+        3 => x
+            .iter_mut()
+            .step_by(3)
+            .for_each(|v| *v = bf16::NEG_INFINITY),
+        4 => x
+            .iter_mut()
+            .step_by(2)
+            .for_each(|v| *v = bf16::from_f32(-0.0)),
+        _ => {}
+    };
+    let mut scratch = SampleScratch::new(&s, 128).unwrap();
+    for rows in [1usize, 5, 128] {
+        let (mut x, _) = rand_bf(rows * vocab, 6.0);
+        for r in 0..rows {
+            special(r, &mut x[r * vocab..(r + 1) * vocab]);
+        }
+        let sample_ids: Vec<u32> = (0..rows as u32).map(|r| r * 5 + 2).collect();
+        let steps: Vec<u32> = (0..rows as u32).map(|r| 7 + r % 3).collect();
+        let (dx, dsid, dst) = (up(&s, &x), up(&s, &sample_ids), up(&s, &steps));
+        for (temperature, top_k) in [(0.0f32, 0u32), (1.0, 0), (0.7, 0), (1.0, 40)] {
+            let p = SampleParams {
+                temperature,
+                top_k,
+                top_p: 1.0,
+                seed: fresh_seed(),
+                iteration: 3,
+            };
+            let mut dtok = up(&s, &vec![u32::MAX; rows]);
+            sample_bf16(
+                g, &s, &mut dtok, &dx, &dsid, &dst, rows, vocab, vocab, &p, None,
+            )
+            .unwrap();
+            let want = down(&s, &dtok);
+            for rep in 0..2 {
+                let mut dtok = up(&s, &vec![u32::MAX; rows]);
+                let sc = Some(&mut scratch);
+                sample_bf16(
+                    g, &s, &mut dtok, &dx, &dsid, &dst, rows, vocab, vocab, &p, sc,
+                )
+                .unwrap();
+                assert_eq!(
+                    down(&s, &dtok),
+                    want,
+                    "rows {rows} T {temperature} top-k {top_k} run {rep}: split draw differs"
+                );
+                assert!(
+                    scratch.to_host(&s).unwrap().iter().all(|&w| w == 0),
+                    "scratch left nonzero"
+                );
+            }
+        }
     }
 }
 

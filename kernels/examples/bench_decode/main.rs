@@ -163,6 +163,9 @@ struct Timed {
     attn: f64,
     bytes: (f64, f64, f64, f64),
     tokens: Vec<u32>,
+    /// The draw alone: rows split over blocks / one block a row, and whether they drew the
+    /// same tokens.
+    sampler: (f64, f64, bool),
 }
 
 /// Builds the step graph of the model's current variant and times it (also the GEMMs alone and
@@ -209,6 +212,16 @@ fn time_variant(g: &Gpu, s: &Arc<CudaStream>, m: &mut Model) -> Res<Timed> {
     let gemm_graph = capture(s, || m.gemms(g, s))?;
     let gemms = time_graph(g, s, &gemm_graph, 20)?;
     drop(gemm_graph);
+    let draw = |m: &mut Model| -> Res<(f64, Vec<u32>)> {
+        let gr = capture(s, || m.sample(g, s))?;
+        let t = time_graph(g, s, &gr, 20)?;
+        Ok((t, s.clone_dtoh(&m.tokens)?))
+    };
+    let (split_t, split_tok) = draw(m)?;
+    let scratch = m.sample_scratch.take();
+    let one = draw(m);
+    m.sample_scratch = scratch;
+    let (row_t, row_tok) = one?;
     Ok(Timed {
         step,
         step_no_pdl,
@@ -217,6 +230,7 @@ fn time_variant(g: &Gpu, s: &Arc<CudaStream>, m: &mut Model) -> Res<Timed> {
         attn,
         bytes: m.bytes(),
         tokens: tokens[..4.min(tokens.len())].to_vec(),
+        sampler: (split_t, row_t, split_tok == row_tok),
     })
 }
 
@@ -408,7 +422,7 @@ fn main() -> Res<()> {
                 ),
             };
             println!(
-                "  {vname:7} step {:.3} ms (without PDL {:.3}, eager {:.3}); GEMMs alone {:.3} ms ({:.2} TB/s on {:.2} GB), attention alone {:.3} ms ({:.2} TB/s on {:.2} GB moved; {attn_plan}), rest {:.3} ms; bytes per-sample reader {:.2} GB -> {:.2} TB/s ({:.0}% of copy), moved {:.2} GB -> {:.2} TB/s ({:.0}%); tokens {:?}",
+                "  {vname:7} step {:.3} ms (without PDL {:.3}, eager {:.3}); GEMMs alone {:.3} ms ({:.2} TB/s on {:.2} GB), attention alone {:.3} ms ({:.2} TB/s on {:.2} GB moved; {attn_plan}), rest {:.3} ms (the draw alone {:.3} ms, one block a row {:.3} ms, tokens {}); bytes per-sample reader {:.2} GB -> {:.2} TB/s ({:.0}% of copy), moved {:.2} GB -> {:.2} TB/s ({:.0}%); tokens {:?}",
                 t.step,
                 t.step_no_pdl,
                 t.eager,
@@ -419,6 +433,9 @@ fn main() -> Res<()> {
                 kv_mv / (t.attn * 1e-3) / 1e12,
                 kv_mv / 1e9,
                 t.step - t.gemms - t.attn,
+                t.sampler.0,
+                t.sampler.1,
+                if t.sampler.2 { "equal" } else { "DIFFER" },
                 per_sample / 1e9,
                 per_sample / (t.step * 1e-3) / 1e12,
                 100.0 * per_sample / (t.step * 1e-3) / 1e12 / ceiling,

@@ -40,6 +40,8 @@ pub(crate) struct Model {
     /// The attention's split-K slot counts: with them its launch merges its slots itself (as
     /// the runtime runs it), without them a second launch merges.
     pub(crate) counts: Option<MergeCounts>,
+    /// The split draw's scratch (see [`Model::sample`]).
+    pub(crate) sample_scratch: Option<SampleScratch>,
     pub(crate) sample_ids: CudaSlice<u32>,
     pub(crate) steps: CudaSlice<u32>,
     pub(crate) plan: DecodePlan,
@@ -182,6 +184,7 @@ pub(crate) fn build(
         seqs: s.clone_htod(&seqs)?,
         ws: g.alloc(s, ws_len)?,
         counts: Some(MergeCounts::new(s, batch, d.nkv)?),
+        sample_scratch: Some(SampleScratch::new(s, batch)?),
         sample_ids: s.clone_htod(&(0..batch as u32).collect::<Vec<_>>())?,
         steps: s.clone_htod(&vec![5u32; batch])?,
         plan,
@@ -465,6 +468,12 @@ impl Model {
             }
         }
         self.head_gemm(g, s)?;
+        self.sample(g, s)
+    }
+
+    /// The step's draw (T = 1) from the logits: each row split over several blocks with the
+    /// scratch (as the runtime draws), one block a row without it.
+    pub(crate) fn sample(&mut self, g: &Gpu, s: &Arc<CudaStream>) -> Res<()> {
         let p = SampleParams {
             temperature: 1.0,
             top_k: 0,
@@ -480,10 +489,11 @@ impl Model {
             &self.logits,
             ids,
             steps,
-            b,
-            d.vocab,
-            d.vocab,
+            self.batch,
+            self.d.vocab,
+            self.d.vocab,
             &p,
+            self.sample_scratch.as_mut(),
         )?;
         Ok(())
     }

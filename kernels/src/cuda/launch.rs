@@ -65,6 +65,7 @@ pub(crate) const PDL_KERNELS: &[&str] = &[
     "gemv_bf16",
     "sample_bf16",
     "sample_bf16_keyed",
+    "sample_split_bf16",
     "logprobs_fwd_bf16",
     "decode_advance",
     "decode_gather_rows",

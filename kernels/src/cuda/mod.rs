@@ -88,7 +88,9 @@ pub use policy_loss::{
     policy_loss_f32, policy_loss_seq_ratio_f64, KlKind, LossAggKind, PolicyLossAcc,
     PolicyLossInputs, PolicyLossParams, PolicyLossSums, RatioKind,
 };
-pub use sampling::{philox4x32_10, sample_bf16, sample_bf16_keyed, sample_ref, SampleParams};
+pub use sampling::{
+    philox4x32_10, sample_bf16, sample_bf16_keyed, sample_ref, SampleParams, SampleScratch,
+};
 
 pub use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut};
 pub use half::bf16;

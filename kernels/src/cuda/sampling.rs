@@ -20,7 +20,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::launch::{launch, need, ptr, ptr_mut, u32_of, Grid};
@@ -135,8 +135,42 @@ pub fn sample_ref(logits: &[bf16], p: &SampleParams, sample: u32, step: u32) -> 
     }
 }
 
+/// The scratch of the split draw: three u64 words per row, zero when made and zero again after
+/// every launch that uses them (the row's last block resets them). With it, rows drawn without
+/// top-k / top-p (and greedy rows) have their vocabulary split over several blocks, so that a
+/// small batch still fills the GPU; the tokens are the same bits as one block per row. Launches
+/// that use the same scratch must not run at the same time (one stream).
+pub struct SampleScratch(CudaSlice<u64>);
+
+impl SampleScratch {
+    /// Scratch for draws of up to `rows` rows.
+    pub fn new(stream: &Arc<CudaStream>, rows: usize) -> Result<Self> {
+        Ok(SampleScratch(stream.alloc_zeros::<u64>(3 * rows.max(1))?))
+    }
+
+    /// The words as they are on the device (synchronises `stream`): all zero between launches.
+    pub fn to_host(&self, stream: &Arc<CudaStream>) -> Result<Vec<u64>> {
+        Ok(stream.clone_dtoh(&self.0)?)
+    }
+}
+
+/// Blocks the split draw aims at over all rows (4 per SM of a 132-SM GPU), each of
+/// [`SPLIT_THREADS`] threads; a row gets at least one block and at most one per
+/// `SPLIT_THREADS` Philox groups of 4 logits.
+const SPLIT_TARGET_BLOCKS: usize = 528;
+const SPLIT_THREADS: usize = 256;
+
+/// Blocks per row of the split draw for `rows` rows of `vocab` logits.
+pub fn split_blocks(rows: usize, vocab: usize) -> usize {
+    SPLIT_TARGET_BLOCKS
+        .div_ceil(rows.max(1))
+        .clamp(1, vocab.div_ceil(4).div_ceil(SPLIT_THREADS).max(1))
+}
+
 /// Draws one token per row of `logits` (`rows` rows of `vocab`, `row_stride` apart) into
 /// `tokens`; row `r` is sample `sample_ids[r]` at decode step `steps[r]` (both on the device).
+/// With `scratch` ([`SampleScratch`], at least `rows` rows), plain and greedy draws split each
+/// row over several blocks (the same tokens).
 #[allow(clippy::too_many_arguments)]
 pub fn sample_bf16(
     gpu: &Gpu,
@@ -149,9 +183,12 @@ pub fn sample_bf16(
     vocab: usize,
     row_stride: usize,
     params: &SampleParams,
+    scratch: Option<&mut SampleScratch>,
 ) -> Result<()> {
     let p = SampleRows::of(stream, tokens, logits, sample_ids, steps);
-    launch_sample(gpu, stream, p, rows, vocab, row_stride, params, None)
+    launch_sample(
+        gpu, stream, p, rows, vocab, row_stride, params, None, scratch,
+    )
 }
 
 /// [`sample_bf16`] with the key's seed and iteration read from the device (`key = [seed_lo,
@@ -170,11 +207,22 @@ pub fn sample_bf16_keyed(
     vocab: usize,
     row_stride: usize,
     params: &SampleParams,
+    scratch: Option<&mut SampleScratch>,
 ) -> Result<()> {
     need("sample_bf16_keyed", "key", key, 3)?;
     let p = SampleRows::of(stream, tokens, logits, sample_ids, steps);
     let k = ptr(key, stream);
-    launch_sample(gpu, stream, p, rows, vocab, row_stride, params, Some(k))
+    launch_sample(
+        gpu,
+        stream,
+        p,
+        rows,
+        vocab,
+        row_stride,
+        params,
+        Some(k),
+        scratch,
+    )
 }
 
 /// The per-row device addresses of a draw, and the element counts behind them (tokens, logits,
@@ -217,6 +265,7 @@ fn launch_sample(
     row_stride: usize,
     params: &SampleParams,
     key: Option<u64>,
+    scratch: Option<&mut SampleScratch>,
 ) -> Result<()> {
     const OP: &str = "sample_bf16";
     if vocab == 0 || row_stride < vocab || vocab >= (1usize << 31) {
@@ -256,6 +305,46 @@ fn launch_sample(
         vocab as u32,
     );
     let (s0, s1) = (params.seed as u32, (params.seed >> 32) as u32);
+    let plain = !(params.top_k > 0 && (params.top_k as usize) < vocab) && params.top_p >= 1.0;
+    if let (true, Some(sc)) = (plain, scratch) {
+        need(OP, "sample scratch", &sc.0, 3 * rows)?;
+        let cfg = Grid {
+            grid: (split_blocks(rows, vocab) as u32, r, 1),
+            block: (SPLIT_THREADS as u32, 1, 1),
+            smem: 0,
+        };
+        let (kp, scp) = (key.unwrap_or(0), ptr_mut(&mut sc.0, stream));
+        // SAFETY: logits cover rows*row_stride, the per-row arrays hold `rows`, the scratch
+        // 3*rows words (checked), the key 3 words when given (checked by the caller); arguments
+        // match (logits, row_stride, rows, vocab, temperature, seed_lo, seed_hi, iteration,
+        // key, sample_ids, steps, tokens, scratch).
+        unsafe {
+            launch(
+                gpu,
+                stream,
+                &SAMPLING,
+                &[],
+                "sample_split_bf16",
+                cfg,
+                &[
+                    &p.logits,
+                    &rs,
+                    &r,
+                    &v,
+                    &params.temperature,
+                    &s0,
+                    &s1,
+                    &params.iteration,
+                    &kp,
+                    &p.sample_ids,
+                    &p.steps,
+                    &p.tokens,
+                    &scp,
+                ],
+            )
+        }?;
+        return Ok(());
+    }
     let cfg = Grid {
         grid: (r, 1, 1),
         block: (1024, 1, 1),

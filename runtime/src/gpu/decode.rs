@@ -30,6 +30,7 @@ use half::bf16;
 use rollplex_kernels::cuda::{
     decode_advance, decode_gather_rows, embedding_fwd_bf16, logprobs_fwd_bf16, sample_bf16_keyed,
     AttnSeqGpu, CudaEvent, CudaSlice, CudaStream, DecodeAdvance, DecodeRow, Gpu, SampleParams,
+    SampleScratch,
 };
 
 use crate::model::DecodeSlot;
@@ -106,8 +107,10 @@ pub struct DeviceDecode {
     sample_ids: CudaSlice<u32>,
     steps: CudaSlice<u32>,
     key: CudaSlice<u32>,
-    /// This step's draws and the next forward's inputs.
+    /// This step's draws (each row split over blocks: [`SampleScratch`]) and the next
+    /// forward's inputs.
     tokens: CudaSlice<u32>,
+    sample_scratch: SampleScratch,
     logprobs: CudaSlice<f32>,
     feed: CudaSlice<u32>,
     cos: CudaSlice<f32>,
@@ -310,6 +313,7 @@ impl DeviceDecode {
             steps: alloc(gpu, stream, n)?,
             key: alloc(gpu, stream, 3)?,
             tokens: alloc(gpu, stream, n)?,
+            sample_scratch: SampleScratch::new(stream, n)?,
             logprobs: alloc(gpu, stream, n)?,
             feed: alloc(gpu, stream, n)?,
             cos: alloc(gpu, stream, n * hd)?,
@@ -635,6 +639,7 @@ impl DeviceDecode {
             v,
             v,
             &self.sampling,
+            Some(&mut self.sample_scratch),
         )?;
         logprobs_fwd_bf16(
             gpu,

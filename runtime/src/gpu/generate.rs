@@ -67,7 +67,9 @@ impl GpuModel {
         let ids = upload(stream, sample_ids)?;
         let st = upload(stream, steps)?;
         let p = sample_params(sampling, seed, iteration);
-        sample_bf16(gpu, stream, &mut out, logits, &ids, &st, rows, v, v, &p)?;
+        sample_bf16(
+            gpu, stream, &mut out, logits, &ids, &st, rows, v, v, &p, None,
+        )?;
         Ok(out)
     }
 
