@@ -270,42 +270,6 @@ __device__ __forceinline__ void mma16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, 
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// The ordered merge of one (sample b, head h): out[b, h, :] = sum_s 2^(m_s - M) o_s /
-// sum_s 2^(m_s - M) l_s over the `splits` slots in order (fixed order: deterministic); thread
-// `tid` of `nt` writes dims tid, tid + nt, ... An empty sequence gives 0 (and lse -inf); a slot
-// flagged invalid (NaN max) gives NaN. lse (may be null): [batch, n_heads], natural-log
-// logsumexp of the scaled scores. The partials are read from L2 (__ldcg): in the fused merge
-// other blocks of the same launch wrote them.
-__device__ __forceinline__ void decode_merge_head(bf16* __restrict__ out, u32 out_stride,
-                                                  float* __restrict__ lse,
-                                                  const float* __restrict__ part_o,
-                                                  const float* __restrict__ part_ml, u32 n_heads,
-                                                  u32 splits, u32 b, u32 h, u32 tid, u32 nt) {
-    const u64 base = ((u64)b * n_heads + h) * splits;
-    float M = NEG_INF_F;
-    bool bad = false;  // a split flagged an invalid descriptor (NaN max)
-    for (u32 s = 0; s < splits; s++) {
-        const float ms = __ldcg(part_ml + (base + s) * 2);
-        bad |= isnan(ms);
-        M = fmaxf(M, ms);
-    }
-    float Lsum = 0.0f;
-    if (M != NEG_INF_F)
-        for (u32 s = 0; s < splits; s++)
-            Lsum += exp2f(__ldcg(part_ml + (base + s) * 2) - M) * __ldcg(part_ml + (base + s) * 2 + 1);
-    if (lse != nullptr && tid == 0)
-        lse[(u64)b * n_heads + h] = bad ? __int_as_float(0x7fc00000)
-                                        : (M == NEG_INF_F ? NEG_INF_F : (M + log2f(Lsum)) * LN2_F);
-    bf16* orow = out + (u64)b * out_stride + h * HEAD_DIM;
-    for (u32 d = tid; d < HEAD_DIM; d += nt) {
-        float acc = 0.0f;
-        if (M != NEG_INF_F)
-            for (u32 s = 0; s < splits; s++)
-                acc += exp2f(__ldcg(part_ml + (base + s) * 2) - M) * __ldcg(part_o + (base + s) * HEAD_DIM + d);
-        orow[d] = bad ? (bf16)0x7fc0 : f2bf(Lsum > 0.0f ? acc / Lsum : 0.0f);
-    }
-}
-
 #if HEAD_DIM % 32 == 0  // the tensor-core decode needs HEAD_DIM % 32 == 0 (text heads: 128)
 #define DW 32          // keys per warp tile
 #define DSTAGES 2
@@ -519,13 +483,7 @@ attention_decode_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
 // (the group pass took the prefix) else 0, with the sample's r query heads as rows.
 // K/V tiles of 32 keys go through a block-wide 4-stage cp.async pipeline (3 tiles in flight);
 // every warp with rows runs S = Q K^T, the online softmax and O += P V over every tile. Partials
-// go to slot split_base + split of total_splits; attention_decode_reduce_bf16 merges the slots,
-// or, with `counts` (one u32 per (sample, kv head), zero before the launch), the launch merges
-// them itself: a block counts each of its samples' slots as written, and the block that writes
-// the last slot of a (sample, kv head) merges its r heads (decode_merge_head, the same bits as
-// the reduction pass) and sets the count back to zero for the next launch. Every slot of every
-// sample of the batch must be written by exactly one block (fixed groups always are; a group
-// table must cover samples 0..batch with at most `group` samples a group).
+// go to slot split_base + split of total_splits; attention_decode_reduce_bf16 merges the slots.
 // One launch can hold both passes. The grid is one-dimensional and holds exactly the blocks
 // the passes need (no block returns at once): blocks [0, first_blocks) are the first pass's,
 // (split, kv head, z) with split fastest, then kv head; the rest the per-sample pass's, in the
@@ -543,8 +501,7 @@ attention_decode_grouped_bf16(float* __restrict__ part_o, float* __restrict__ pa
                               u32 splits_a, u32 total_splits, float scale_log2, u32 kv_rows,
                               u32 per_sample_a, u32 skip_prefix_a, u32 split_base_a,
                               u32 first_blocks, u32 chunk_b, u32 splits_b,
-                              const u32* __restrict__ group_starts, bf16* __restrict__ out,
-                              u32 out_stride, float* __restrict__ lse, u32* __restrict__ counts) {
+                              const u32* __restrict__ group_starts) {
     pdl_wait();
     // Blocks from first_blocks on run the per-sample pass behind a group pass in the same
     // launch (group = per_block = 1, own keys only, slots splits_a ..); the others the pass
@@ -726,42 +683,42 @@ attention_decode_grouped_bf16(float* __restrict__ part_o, float* __restrict__ pa
             part_ml[pidx * 2 + 1] = half ? l_b : l_a;
         }
     }
-    if (counts == nullptr) return;
-    // Fused merge: count this block's slot of each of its samples; the block that brings a
-    // (sample, kv head) to total_splits slots merges it.
-    __shared__ u32 fin[2];  // bit i: sample b0 + i is this block's to merge (nsamp <= 64)
-    if (threadIdx.x < 2) fin[threadIdx.x] = 0;
-    __threadfence();  // this thread's partials are visible to every block before its count
-    __syncthreads();
-    if (threadIdx.x < nsamp) {
-        u32* c = counts + (u64)(b0 + threadIdx.x) * n_kv + kvh;
-        if (atomicAdd(c, 1u) == total_splits - 1) {
-            atomicExch(c, 0u);  // no other block counts this one again in this launch
-            __threadfence();    // the other blocks' partials are read after their counts
-            atomicOr(&fin[threadIdx.x >> 5], 1u << (threadIdx.x & 31));
-        }
-    }
-    __syncthreads();
-    const u32 f0 = fin[0], f1 = fin[1];
-    for (u32 i = 0; i < nsamp; i++) {
-        if (!(((i < 32 ? f0 : f1) >> (i & 31)) & 1u)) continue;
-        for (u32 hh = 0; hh < r; hh++)
-            decode_merge_head(out, out_stride, lse, part_o, part_ml, n_heads, total_splits, b0 + i,
-                              kvh * r + hh, threadIdx.x, NT);
-    }
 }
 #endif  // HEAD_DIM % 32 == 0
 
-// Decode, reduction pass: decode_merge_head for every (sample, head) in its own launch. Grid
-// (n_heads, batch).
+// Decode, reduction pass: out[b, h, :] = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s over the
+// splits in order (fixed order: deterministic). Grid (n_heads, batch); an empty sequence gives 0
+// (and lse -inf). lse (may be null): [batch, n_heads], natural-log logsumexp of scaled scores.
 extern "C" __global__ void attention_decode_reduce_bf16(bf16* __restrict__ out, u32 out_stride,
                                                         float* __restrict__ lse,
                                                         const float* __restrict__ part_o,
                                                         const float* __restrict__ part_ml,
                                                         u32 n_heads, u32 splits) {
     pdl_wait();
-    decode_merge_head(out, out_stride, lse, part_o, part_ml, n_heads, splits, blockIdx.y,
-                      blockIdx.x, threadIdx.x, blockDim.x);
+    const u32 h = blockIdx.x, b = blockIdx.y;
+    const u64 base = ((u64)b * n_heads + h) * splits;
+    float M = NEG_INF_F;
+    bool bad = false;  // a split flagged an invalid descriptor (NaN max)
+    for (u32 s = 0; s < splits; s++) {
+        const float ms = part_ml[(base + s) * 2];
+        bad |= isnan(ms);
+        M = fmaxf(M, ms);
+    }
+    float Lsum = 0.0f;
+    if (M != NEG_INF_F)
+        for (u32 s = 0; s < splits; s++)
+            Lsum += exp2f(part_ml[(base + s) * 2] - M) * part_ml[(base + s) * 2 + 1];
+    if (lse != nullptr && threadIdx.x == 0)
+        lse[(u64)b * n_heads + h] = bad ? __int_as_float(0x7fc00000)
+                                        : (M == NEG_INF_F ? NEG_INF_F : (M + log2f(Lsum)) * LN2_F);
+    bf16* orow = out + (u64)b * out_stride + h * HEAD_DIM;
+    for (u32 d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
+        float acc = 0.0f;
+        if (M != NEG_INF_F)
+            for (u32 s = 0; s < splits; s++)
+                acc += exp2f(part_ml[(base + s) * 2] - M) * part_o[(base + s) * HEAD_DIM + d];
+        orow[d] = bad ? (bf16)0x7fc0 : f2bf(Lsum > 0.0f ? acc / Lsum : 0.0f);
+    }
 }
 
 // Prefill / scoring attention (the CUDA twin of cpu::attention_fwd) (varlen, GQA, optional causal mask, shared prefix). Grid

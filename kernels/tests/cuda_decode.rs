@@ -90,7 +90,6 @@ fn decode_case(tensor_cores: bool) {
                 &mut dout,
                 Some(&mut lv),
                 &mut ws,
-                None,
                 case.inputs(dims, &case.seqs),
                 plan,
             )
@@ -391,7 +390,6 @@ fn green_partitions_give_identical_bits_and_events_order_them() {
                 &mut o,
                 None,
                 &mut ws,
-                None,
                 DecodeInputs {
                     q: &dq,
                     k_cache: &dk,

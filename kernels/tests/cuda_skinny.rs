@@ -184,9 +184,7 @@ fn d(h: usize, kv: usize, hd: usize) -> AttnDims {
 }
 
 /// Runs the group-shared decode attention over `case` with `plan` (and group table `starts`)
-/// into poisoned buffers and checks its outputs and log-sum-exps against the CPU twin's; then
-/// twice more with the slots merged by the attention's own launch (`counts`, reused), which
-/// must give the same bits and leave the counts at zero.
+/// into poisoned buffers and checks its outputs and log-sum-exps against the CPU twin's.
 fn grouped_against_cpu(
     g: &Gpu,
     s: &Arc<CudaStream>,
@@ -197,55 +195,33 @@ fn grouped_against_cpu(
     label: &str,
 ) {
     let b = case.b;
-    let mut counts = MergeCounts::new(s, b, dims.num_kv_heads).unwrap();
-    let mut runs = Vec::new();
-    for fused in [false, true, true] {
-        let mut ws = poison_f32(s, plan.workspace_len());
-        let mut dout = poison_bf(s, b * dims.q_width());
-        let mut dlse = poison_f32(s, b * dims.num_heads);
-        let mut lv = dlse.as_view_mut();
-        attention_decode_grouped_bf16(
-            g,
-            s,
-            &mut dout,
-            Some(&mut lv),
-            &mut ws,
-            fused.then_some(&mut counts),
-            case.inputs(dims, &case.seqs),
-            plan,
-            starts,
-        )
-        .unwrap();
-        runs.push((down(s, &dout), down(s, &dlse)));
-        assert!(
-            counts.to_host(s).unwrap().iter().all(|&c| c == 0),
-            "{label}: merge counts left nonzero"
-        );
-    }
-    let (out, lse) = &runs[0];
+    let mut ws = poison_f32(s, plan.workspace_len());
+    let mut dout = poison_bf(s, b * dims.q_width());
+    let mut dlse = poison_f32(s, b * dims.num_heads);
+    let mut lv = dlse.as_view_mut();
+    attention_decode_grouped_bf16(
+        g,
+        s,
+        &mut dout,
+        Some(&mut lv),
+        &mut ws,
+        case.inputs(dims, &case.seqs),
+        plan,
+        starts,
+    )
+    .unwrap();
     check(
         &format!("attention_decode_grouped_bf16 {label}"),
-        &to_f32(out),
+        &to_f32(&down(s, &dout)),
         &case.want,
         1e-2,
     );
     check(
         &format!("attention_decode_grouped_bf16 lse {label}"),
-        lse,
+        &down(s, &dlse),
         &case.want_lse,
         1e-4,
     );
-    let bits = |r: &(Vec<bf16>, Vec<f32>)| {
-        let o: Vec<u16> = r.0.iter().map(|x| x.to_bits()).collect();
-        let l: Vec<u32> = r.1.iter().map(|x| x.to_bits()).collect();
-        (o, l)
-    };
-    for r in &runs[1..] {
-        assert!(
-            bits(r) == bits(&runs[0]),
-            "{label}: the fused merge differs from the merge launch"
-        );
-    }
 }
 
 /// Group-shared decode attention against `cpu::attention_decode`: GRPO groups whose samples
@@ -293,35 +269,31 @@ fn attention_decode_grouped_matches_cpu() {
             let dbad = up(&s, &bad);
             let plan = grouped_decode_plan_for_blocks(b, gsize, dims, prefix_len, max_suffix, 264);
             assert!(plan.p_splits > 0);
-            let mut counts = MergeCounts::new(&s, b, dims.num_kv_heads).unwrap();
-            for fused in [false, true] {
-                let mut ws = poison_f32(&s, plan.workspace_len());
-                let mut dout = poison_bf(&s, b * dims.q_width());
-                attention_decode_grouped_bf16(
-                    g,
-                    &s,
-                    &mut dout,
-                    None,
-                    &mut ws,
-                    fused.then_some(&mut counts),
-                    case.inputs(dims, &dbad),
-                    plan,
-                    None,
-                )
-                .unwrap();
-                let got = to_f32(&down(&s, &dout));
-                let qw = dims.q_width();
-                assert!(
-                    got[qw..2 * qw].iter().all(|v| v.is_nan()),
-                    "mismatched prefix not flagged (fused merge: {fused})"
-                );
-                check(
-                    &format!("attention_decode_grouped_bf16 sample 0 beside a mismatched one (fused merge: {fused})"),
-                    &got[..qw],
-                    &case.want[..qw],
-                    1e-2,
-                );
-            }
+            let mut ws = poison_f32(&s, plan.workspace_len());
+            let mut dout = poison_bf(&s, b * dims.q_width());
+            attention_decode_grouped_bf16(
+                g,
+                &s,
+                &mut dout,
+                None,
+                &mut ws,
+                case.inputs(dims, &dbad),
+                plan,
+                None,
+            )
+            .unwrap();
+            let got = to_f32(&down(&s, &dout));
+            let qw = dims.q_width();
+            assert!(
+                got[qw..2 * qw].iter().all(|v| v.is_nan()),
+                "mismatched prefix not flagged"
+            );
+            check(
+                "attention_decode_grouped_bf16 sample 0 beside a mismatched one",
+                &got[..qw],
+                &case.want[..qw],
+                1e-2,
+            );
         }
     }
 }
@@ -358,7 +330,6 @@ fn attention_decode_grouped_over_a_group_table_matches_cpu() {
             &mut dout,
             None,
             &mut ws,
-            None,
             case.inputs(dims, &case.seqs),
             plan,
             Some(&short),
@@ -420,16 +391,7 @@ fn attention_decode_pipelined_and_warp_split_match_cpu() {
             .collect();
         let (dq, dk, dv, ds) = (up(&s, &q), up(&s, &kc), up(&s, &vc), up(&s, &gseqs));
         let mut first = None;
-        let mut counts = MergeCounts::new(&s, b, dims.num_kv_heads).unwrap();
-        // (pipelined, repeat, slots merged by the attention's own launch)
-        for (pipelined, rep, fused) in [
-            (true, 0, false),
-            (true, 1, false),
-            (true, 2, true),
-            (true, 3, true),
-            (false, 0, false),
-            (false, 1, true),
-        ] {
+        for (pipelined, rep) in [(true, 0), (true, 1), (false, 0)] {
             let plan = DecodePlan {
                 pipelined,
                 ..decode_plan(b, dims, len)
@@ -442,7 +404,6 @@ fn attention_decode_pipelined_and_warp_split_match_cpu() {
                 &mut dout,
                 None,
                 &mut ws,
-                fused.then_some(&mut counts),
                 DecodeInputs {
                     q: &dq,
                     k_cache: &dk,
@@ -462,18 +423,10 @@ fn attention_decode_pipelined_and_warp_split_match_cpu() {
                 &want,
                 1e-2,
             );
-            assert!(
-                counts.to_host(&s).unwrap().iter().all(|&c| c == 0),
-                "merge counts left nonzero"
-            );
             if pipelined && rep == 0 {
                 first = Some(got);
             } else if pipelined {
-                assert_eq!(
-                    first.as_ref(),
-                    Some(&got),
-                    "same plan, same bits (fused merge: {fused})"
-                );
+                assert_eq!(first.as_ref(), Some(&got), "same plan, same bits");
             }
         }
     }

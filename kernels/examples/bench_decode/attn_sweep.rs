@@ -46,8 +46,22 @@ pub(crate) fn attn_sweep(g: &Gpu, s: &Arc<CudaStream>, ceiling: f64, cases: &[Ca
                 continue;
             }
             seen.push(plan);
-            let (t, h) = timed(g, s, &mut m, plan)?;
+            m.gplan = plan;
             let layers = m.d.layers;
+            let gr = capture(s, || {
+                for l in 0..layers {
+                    m.attention(g, s, l)?;
+                }
+                Ok(())
+            })?;
+            let t = time_graph(g, s, &gr, 20)?;
+            drop(gr);
+            let out: Vec<u8> = s
+                .clone_dtoh(&m.attn)?
+                .iter()
+                .flat_map(|x| x.to_bits().to_le_bytes())
+                .collect();
+            let h = nvrtc::fnv1a64(&[&out]);
             if plan == default {
                 default_hash = Some(h);
             }
@@ -76,17 +90,6 @@ pub(crate) fn attn_sweep(g: &Gpu, s: &Arc<CudaStream>, ceiling: f64, cases: &[Ca
                 p.p_splits, p.p_chunk, p.s_splits, p.s_chunk
             );
         }
-        // the default cut with its slots merged by a second launch instead of by the
-        // attention's own launch (what the runtime runs): the same bits, the time it saves
-        let fused_t = timed(g, s, &mut m, default)?.0;
-        let counts = m.counts.take();
-        let (t2, h2) = timed(g, s, &mut m, default)?;
-        m.counts = counts;
-        println!(
-            "  default cut, slots merged in the attention's launch / by a second launch: {fused_t:.3} / {t2:.3} ms ({:.3}x); outputs {}",
-            t2 / fused_t,
-            if Some(h2) == default_hash { "bitwise equal" } else { "DIFFER" }
-        );
         if let Some(h) = default_hash {
             // builds whose kernels claim the same results print the same default hash; other
             // cuts split the keys elsewhere, so their partial softmax sums, and possibly the
@@ -99,25 +102,4 @@ pub(crate) fn attn_sweep(g: &Gpu, s: &Arc<CudaStream>, ceiling: f64, cases: &[Ca
         }
     }
     Ok(())
-}
-
-/// The attention of every layer under `plan` in one graph: its median time (ms) and the FNV-1a
-/// of the last layer's output bits.
-fn timed(g: &Gpu, s: &Arc<CudaStream>, m: &mut Model, plan: GroupedDecodePlan) -> Res<(f64, u64)> {
-    m.gplan = plan;
-    let layers = m.d.layers;
-    let gr = capture(s, || {
-        for l in 0..layers {
-            m.attention(g, s, l)?;
-        }
-        Ok(())
-    })?;
-    let t = time_graph(g, s, &gr, 20)?;
-    drop(gr);
-    let out: Vec<u8> = s
-        .clone_dtoh(&m.attn)?
-        .iter()
-        .flat_map(|x| x.to_bits().to_le_bytes())
-        .collect();
-    Ok((t, nvrtc::fnv1a64(&[&out])))
 }

@@ -39,7 +39,7 @@ use half::bf16;
 use rollplex_kernels::cpu::{AttnDims, DecodeSeq};
 use rollplex_kernels::cuda::attention::{
     attention_decode_grouped_bf16, grouped_decode_plan, grouped_decode_plan_for_blocks,
-    grouped_decode_plan_for_targets, DecodeInputs, GroupedDecodePlan, MergeCounts, RowStrides,
+    grouped_decode_plan_for_targets, DecodeInputs, GroupedDecodePlan, RowStrides,
 };
 use rollplex_kernels::cuda::gemm::{
     gate_up_swiglu_bf16, linear_fwd_bf16_cublaslt, linear_fwd_bf16_cublaslt_ranked,

@@ -37,9 +37,6 @@ pub(crate) struct Model {
     pub(crate) slots: CudaSlice<u32>,
     pub(crate) seqs: CudaSlice<AttnSeqGpu>,
     pub(crate) ws: CudaSlice<f32>,
-    /// The attention's split-K slot counts: with them its launch merges its slots itself (as
-    /// the runtime runs it), without them a second launch merges.
-    pub(crate) counts: Option<MergeCounts>,
     /// The split draw's scratch (see [`Model::sample`]).
     pub(crate) sample_scratch: Option<SampleScratch>,
     pub(crate) sample_ids: CudaSlice<u32>,
@@ -183,7 +180,6 @@ pub(crate) fn build(
         slots: s.clone_htod(&slots)?,
         seqs: s.clone_htod(&seqs)?,
         ws: g.alloc(s, ws_len)?,
-        counts: Some(MergeCounts::new(s, batch, d.nkv)?),
         sample_scratch: Some(SampleScratch::new(s, batch)?),
         sample_ids: s.clone_htod(&(0..batch as u32).collect::<Vec<_>>())?,
         steps: s.clone_htod(&vec![5u32; batch])?,
@@ -247,7 +243,6 @@ impl Model {
                 &mut self.attn,
                 None,
                 &mut self.ws,
-                self.counts.as_mut(),
                 DecodeInputs {
                     q: &self.qkv,
                     k_cache: &ly.kc,
@@ -268,7 +263,6 @@ impl Model {
             &mut self.attn,
             None,
             &mut self.ws,
-            self.counts.as_mut(),
             DecodeInputs {
                 q: &self.qkv,
                 k_cache: &ly.kc,

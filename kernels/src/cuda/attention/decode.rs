@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut, DeviceSlice};
+use cudarc::driver::{CudaStream, DevicePtrMut, DeviceSlice};
 use half::bf16;
 
 use super::{check_dims, check_stride, rows_of, AttnSeqGpu, DecodeInputs, KvSrc, RowStrides};
@@ -179,17 +179,13 @@ pub(super) fn check_decode_io(
 /// Decode attention, as [`crate::cpu::attention_decode`]: writes `out` `[B, heads*hd]` (rows
 /// `x.strides.out` apart) and, if given, `lse` `[B, heads]` from the inputs `x`
 /// ([`DecodeInputs`]: `seqs` `[B]` made by [`AttnSeqGpu::from_decode`]), split as `plan` says;
-/// `workspace` holds `plan.workspace_len()` floats. With `counts` (see [`MergeCounts`]) the
-/// block-pipelined kernel merges its split-K slots in the same launch; without, or with the
-/// other kernels, a second launch merges them. The same bits either way.
-#[allow(clippy::too_many_arguments)]
+/// `workspace` holds `plan.workspace_len()` floats.
 pub fn attention_decode_bf16(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     out: &mut impl DevicePtrMut<bf16>,
     lse: Option<&mut dyn DevicePtrMut<f32>>,
     workspace: &mut impl DevicePtrMut<f32>,
-    counts: Option<&mut MergeCounts>,
     x: DecodeInputs,
     plan: DecodePlan,
 ) -> Result<()> {
@@ -273,11 +269,7 @@ pub fn attention_decode_bf16(
             starts: 0,
         };
         let a = (1, 1, b, plan.chunk, plan.splits);
-        let merge = fused_merge(OP, stream, &dims, b, counts, op_, strides.out, lse_p)?;
-        group_pass(OP, gpu, stream, &dims, &g, a, (1, 0, 0), None, merge)?;
-        if merge.is_some() {
-            return Ok(());
-        }
+        group_pass(OP, gpu, stream, &dims, &g, a, (1, 0, 0), None)?;
     } else {
         let sp_args = (plan.chunk, plan.splits, 0, 0, plan.splits);
         split_pass(
@@ -302,56 +294,6 @@ pub fn attention_decode_bf16(
         lse_p,
         plan.splits,
     )
-}
-
-/// The slot counts of the fused split-K merge ([`attention_decode_bf16`],
-/// [`super::attention_decode_grouped_bf16`]): one u32 per (sample, kv head), zero when made and
-/// zero again after every launch that uses them (the block that completes a (sample, kv head)
-/// resets it). Launches that use the same counts must not run at the same time (one stream).
-pub struct MergeCounts(CudaSlice<u32>);
-
-impl MergeCounts {
-    /// Counts for batches of up to `rows` samples of `num_kv_heads` kv heads.
-    pub fn new(stream: &Arc<CudaStream>, rows: usize, num_kv_heads: usize) -> Result<Self> {
-        Ok(MergeCounts(
-            stream.alloc_zeros::<u32>((rows * num_kv_heads).max(1))?,
-        ))
-    }
-
-    /// The most samples of `num_kv_heads` kv heads these counts serve.
-    pub fn rows(&self, num_kv_heads: usize) -> usize {
-        self.0.len() / num_kv_heads.max(1)
-    }
-
-    /// The counts as they are on the device (synchronises `stream`): all zero between launches.
-    pub fn to_host(&self, stream: &Arc<CudaStream>) -> Result<Vec<u32>> {
-        Ok(stream.clone_dtoh(&self.0)?)
-    }
-}
-
-/// The fused merge's target for a launch over `b` samples, when `counts` are given: checks that
-/// they cover the batch.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn fused_merge(
-    op: &'static str,
-    stream: &Arc<CudaStream>,
-    dims: &AttnDims,
-    b: usize,
-    counts: Option<&mut MergeCounts>,
-    out: u64,
-    out_stride: usize,
-    lse: u64,
-) -> Result<Option<FusedMerge>> {
-    let Some(c) = counts else {
-        return Ok(None);
-    };
-    need(op, "merge counts", &c.0, b * dims.num_kv_heads)?;
-    Ok(Some(FusedMerge {
-        out,
-        out_stride: u32_of(op, "out stride", out_stride)?,
-        lse,
-        counts: ptr_mut(&mut c.0, stream),
-    }))
 }
 
 /// Addresses and sizes the split pass and the merge share.
@@ -494,23 +436,12 @@ pub(super) struct GroupPass<'a> {
     pub(super) starts: u64,
 }
 
-/// Where a launch of `attention_decode_grouped_bf16` merges its slots itself (the fused merge):
-/// `out`, its row stride, `lse` (0: none) and the per-(sample, kv head) slot counts.
-#[derive(Clone, Copy)]
-pub(super) struct FusedMerge {
-    pub(super) out: u64,
-    pub(super) out_stride: u32,
-    pub(super) lse: u64,
-    pub(super) counts: u64,
-}
-
 /// One launch of `attention_decode_grouped_bf16`. `a`: (group, per_block, units (groups x
 /// parts, or samples), chunk, splits); `mode`: (per_sample, skip_prefix, split_base). `then`:
 /// (chunk, splits) of a
 /// per-sample pass over every sample's own keys run by the same launch after the group pass
 /// `a` describes (`splits * n_kv * batch` more blocks, slots from `a`'s splits on). The grid
-/// holds exactly the blocks both passes need. With `merge`, the launch also merges all
-/// `g.total` slots of every sample (the launch must write them all).
+/// holds exactly the blocks both passes need.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn group_pass(
     op: &'static str,
@@ -521,7 +452,6 @@ pub(super) fn group_pass(
     a: (usize, usize, usize, usize, usize),
     mode: (u32, u32, usize),
     then: Option<(usize, usize)>,
-    merge: Option<FusedMerge>,
 ) -> Result<()> {
     let (group, per_block, units, chunk, splits) = a;
     let first = splits * dims.num_kv_heads * units;
@@ -563,15 +493,7 @@ pub(super) fn group_pass(
     // per_block, n_heads, n_kv, chunk, splits, total_splits, scale_log2, kv_rows, per_sample,
     // skip_prefix, split_base, first_blocks, chunk_b, splits_b, group_starts); group_starts is
     // 0 or a table of more than units / parts entries (checked by the caller), read by the
-    // group pass only; with a fused merge (out, out_stride, lse, counts) out holds batch rows
-    // of heads*hd `out_stride` apart, lse 0 or batch*heads floats, counts batch*n_kv u32
-    // (checked by the caller).
-    let m = merge.unwrap_or(FusedMerge {
-        out: 0,
-        out_stride: 0,
-        lse: 0,
-        counts: 0,
-    });
+    // group pass only.
     unsafe {
         launch(
             gpu,
@@ -606,10 +528,6 @@ pub(super) fn group_pass(
                 &cb,
                 &sb,
                 &g.starts,
-                &m.out,
-                &m.out_stride,
-                &m.lse,
-                &m.counts,
             ],
         )
     }?;

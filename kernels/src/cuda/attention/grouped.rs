@@ -7,8 +7,8 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
 use half::bf16;
 
 use super::decode::{
-    check_decode_io, fused_merge, group_pass, pipelined_split, reduce_pass, GroupPass, MergeCounts,
-    SplitPass, DECODE_TARGET_BLOCKS,
+    check_decode_io, group_pass, pipelined_split, reduce_pass, GroupPass, SplitPass,
+    DECODE_TARGET_BLOCKS,
 };
 use super::{check_dims, DecodeInputs, KvSrc};
 use crate::cpu::AttnDims;
@@ -209,9 +209,7 @@ fn plan_for_targets(
 /// empty group costs a few idle blocks). Samples of a group must name the same prefix rows
 /// (`p_start`, `p_len`) as the group's first sample; one that does not gets NaN outputs.
 /// Launches on `stream`: the group pass (when `plan.p_splits > 0`) and the per-sample pass as
-/// one launch, then the merge, or, with `counts` ([`MergeCounts`]), merged by that launch (the
-/// same bits; a group table must then hold every sample of the batch, at most `plan.group` a
-/// group, or the counts go wrong for later launches).
+/// one launch, then the merge.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_decode_grouped_bf16(
     gpu: &Gpu,
@@ -219,7 +217,6 @@ pub fn attention_decode_grouped_bf16(
     out: &mut impl DevicePtrMut<bf16>,
     lse: Option<&mut dyn DevicePtrMut<f32>>,
     workspace: &mut impl DevicePtrMut<f32>,
-    counts: Option<&mut MergeCounts>,
     x: DecodeInputs,
     plan: GroupedDecodePlan,
     starts: Option<&CudaSlice<u32>>,
@@ -328,21 +325,17 @@ pub fn attention_decode_grouped_bf16(
     };
     // 1. the group pass over the shared prefixes (slots 0..p_splits) and, in the same launch,
     // every sample's own keys (slots p_splits..total); without a group pass, every sample's
-    // keys alone; with counts, that launch also merges the slots
-    let merge = fused_merge(OP, stream, &dims, b, counts, op_, strides.out, lse_p)?;
+    // keys alone
     if plan.p_splits > 0 {
         let z = plan.groups * plan.group.div_ceil(plan.per_block);
         let a = (plan.group, plan.per_block, z, plan.p_chunk, plan.p_splits);
         let then = Some((plan.s_chunk, plan.s_splits));
-        group_pass(OP, gpu, stream, &dims, &g, a, (0, 0, 0), then, merge)?;
+        group_pass(OP, gpu, stream, &dims, &g, a, (0, 0, 0), then)?;
     } else {
         let a = (1, 1, b, plan.s_chunk, plan.s_splits);
-        group_pass(OP, gpu, stream, &dims, &g, a, (1, 0, 0), None, merge)?;
+        group_pass(OP, gpu, stream, &dims, &g, a, (1, 0, 0), None)?;
     }
-    if merge.is_some() {
-        return Ok(());
-    }
-    // 2. the ordered merge of all slots
+    // 3. the ordered merge of all slots
     reduce_pass(
         OP,
         gpu,

@@ -18,10 +18,8 @@
 //! Decode runs split-K: [`decode_plan`] cuts each sequence into `splits` chunks of `chunk` keys
 //! (a multiple of 64) by [`pipelined_split`]; [`grouped_decode_plan`] cuts the group pass and the
 //! per-sample pass. Splits depend on (batch, group, heads, length hints) only, never on the
-//! stream's SM partition, so a result is the same on any stream. The chunks are merged in order,
-//! by a last kernel or, given [`MergeCounts`], by the block-pipelined launch itself (the block
-//! that writes a (sample, kv head)'s last slot merges it; the same bits). The partials need a
-//! workspace of `workspace_len()` floats of the plan.
+//! stream's SM partition, so a result is the same on any stream. A last kernel merges the chunks
+//! in order. The partials need a workspace of `workspace_len()` floats of the plan.
 //!
 //! Decode kernels: the block-pipelined one (`attention_decode_grouped_bf16`: per-sample pass =
 //! the default of `attention_decode_bf16`, group pass for shared prefixes), the warp-split one
@@ -36,8 +34,8 @@ mod grouped;
 #[cfg(feature = "bench")]
 pub use decode::decode_plan_for_blocks;
 pub use decode::{
-    attention_decode_bf16, decode_plan, pipelined_split, DecodePlan, MergeCounts,
-    DECODE_TARGET_BLOCKS, PIPELINED_SLOTS,
+    attention_decode_bf16, decode_plan, pipelined_split, DecodePlan, DECODE_TARGET_BLOCKS,
+    PIPELINED_SLOTS,
 };
 pub use fwd::{
     attention_fwd_bf16, attention_fwd_bf16_with, fwd_kernel_for, FwdInputs, FwdKernel,

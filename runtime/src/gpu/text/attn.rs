@@ -9,7 +9,7 @@ use rollplex_kernels::cuda::attention::RowStrides;
 use rollplex_kernels::cuda::{
     attention_decode_bf16, attention_decode_grouped_bf16, attention_fwd_bf16, decode_plan,
     grouped_decode_plan_tabled, kv_append_bf16, rope_fwd_bf16, rope_kv_append_bf16, AttnSeqGpu,
-    CudaSlice, CudaStream, DecodeInputs, FwdInputs, Gpu, GroupedDecodePlan, MergeCounts,
+    CudaSlice, CudaStream, DecodeInputs, FwdInputs, Gpu, GroupedDecodePlan,
 };
 
 use super::super::block::AttnStep;
@@ -213,9 +213,6 @@ pub(super) struct DecodeAttn<'a> {
     pub(super) grouped: Option<Grouping<'a>>,
     /// The split-K scratch; (re)allocated here when missing or short.
     pub(super) workspace: &'a mut Option<CudaSlice<f32>>,
-    /// The split-K slot counts that let the attention launch merge its slots itself (sized
-    /// for the batch).
-    pub(super) counts: &'a mut MergeCounts,
     pub(super) arena: &'a mut GpuKvArena,
 }
 
@@ -286,24 +283,12 @@ impl AttnStep for DecodeAttn<'_> {
                         );
                         let ws = scratch(gpu, stream, self.workspace, plan.workspace_len())?;
                         let starts = gr.table.map(|(t, _)| t);
-                        let c = Some(&mut *self.counts);
-                        attention_decode_grouped_bf16(
-                            gpu, stream, out, None, ws, c, x, plan, starts,
-                        )?;
+                        attention_decode_grouped_bf16(gpu, stream, out, None, ws, x, plan, starts)?;
                     }
                     None => {
                         let plan = decode_plan(self.batch, d, self.max_kv);
                         let ws = scratch(gpu, stream, self.workspace, plan.workspace_len())?;
-                        attention_decode_bf16(
-                            gpu,
-                            stream,
-                            out,
-                            None,
-                            ws,
-                            Some(&mut *self.counts),
-                            x,
-                            plan,
-                        )?;
+                        attention_decode_bf16(gpu, stream, out, None, ws, x, plan)?;
                     }
                 }
             }

@@ -6,9 +6,7 @@
 use std::sync::Arc;
 
 use half::bf16;
-use rollplex_kernels::cuda::{
-    embedding_fwd_bf16, AttnSeqGpu, CudaSlice, CudaStream, Gpu, MergeCounts,
-};
+use rollplex_kernels::cuda::{embedding_fwd_bf16, AttnSeqGpu, CudaSlice, CudaStream, Gpu};
 
 use crate::model::DecodeSlot;
 
@@ -29,8 +27,6 @@ pub struct DecodeBufs {
     blocks: BlockBufs,
     /// The decode attention's split-K scratch, sized for every batch up to `rows`.
     attn_ws: Option<CudaSlice<f32>>,
-    /// Its slot counts (the attention merges its slots in the same launch).
-    attn_counts: MergeCounts,
 }
 
 impl DecodeBufs {
@@ -69,7 +65,6 @@ impl DecodeBufs {
             } else {
                 None
             },
-            attn_counts: MergeCounts::new(stream, rows, dims.num_kv_heads)?,
         })
     }
 
@@ -177,7 +172,6 @@ impl GpuModel {
                 kernel,
                 grouped: io.grouped,
                 workspace: &mut bufs.attn_ws,
-                counts: &mut bufs.attn_counts,
                 arena,
             };
             run_blocks_keeping(
