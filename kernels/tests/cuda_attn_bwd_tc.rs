@@ -697,7 +697,9 @@ fn attention_bwd_tc_refuses_unsupported_head_dims() {
 /// key-centric kernel slices a GQA group's query heads.
 #[test]
 fn attention_bwd_tc_case_checks_and_head_split() {
-    use rollplex_kernels::cuda::attention_bwd_tc::{tc_bwd_head_split, tc_bwd_refusal};
+    use rollplex_kernels::cuda::attention_bwd_tc::{
+        tc_bwd_head_split, tc_bwd_head_split_for, tc_bwd_refusal,
+    };
     let d = dims(16, 2, 128);
     assert_eq!(tc_bwd_refusal(&d, RowStrides::contiguous(d), 8), None);
     let fused = RowStrides {
@@ -723,4 +725,10 @@ fn attention_bwd_tc_case_checks_and_head_split() {
     for (nh, nkv, want) in [(16, 2, 4), (4, 1, 4), (6, 3, 2), (4, 4, 1), (12, 4, 1)] {
         assert_eq!(tc_bwd_head_split(&dims(nh, nkv, 64)), want, "{nh}/{nkv}");
     }
+    // one 1,226-row prompt at 3B dims on 132 SMs: 20 key tiles x 2 kv heads x 4 slices = 160
+    // blocks, so 8 slices; 2,160 response rows give 272 blocks with 4; no 8-way split of 7 heads
+    let d3 = dims(16, 2, 128);
+    assert_eq!(tc_bwd_head_split_for(&d3, 1226, 132), 8);
+    assert_eq!(tc_bwd_head_split_for(&d3, 2160, 132), 4);
+    assert_eq!(tc_bwd_head_split_for(&dims(28, 4, 128), 100, 132), 1);
 }

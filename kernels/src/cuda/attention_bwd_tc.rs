@@ -8,7 +8,7 @@
 //! `attention_bwd_tc_zero_kv` (zeros for dk/dv rows no sequence owns), `attention_bwd_tc_dq_bf16`
 //! (query-centric: a block owns 64 queries of one (sequence, head), loops over the key tiles,
 //! prefix keys included), `attention_bwd_tc_dkv_bf16` (key-centric: a block owns 64 own keys of
-//! one (sequence, kv head) and a slice of the group's query heads ([`tc_bwd_head_split`]), loops
+//! one (sequence, kv head) and a slice of the group's query heads ([`tc_bwd_head_split_for`]), loops
 //! over those heads then the query tiles, ascending), `attention_bwd_tc_dkv_reduce` (sums the
 //! slices in order, when there are several), and, when prefix rows exist, the shared prefix
 //! keys' gradients: `attention_bwd_tc_dprefix_f32` (+ `attention_bwd_tc_dprefix_reduce`), see
@@ -64,6 +64,23 @@ pub fn tc_bwd_head_split(dims: &AttnDims) -> usize {
         .into_iter()
         .find(|d| rep.is_multiple_of(*d))
         .unwrap_or(1)
+}
+
+/// The head split of a key-centric launch over `kv_rows` key rows on `sm_count` SMs:
+/// [`tc_bwd_head_split`], or 8 slices (one or more query heads each) where that leaves fewer
+/// than two blocks an SM (a single causal sequence, such as one GRPO group's prompt: there the
+/// first key tile's block, which every query tile sees, sets the kernel's time, and 8 slices
+/// halve it against 4). The split fixes the dk/dv summation order, so it depends on the shapes
+/// and the device's SM count only.
+pub fn tc_bwd_head_split_for(dims: &AttnDims, kv_rows: usize, sm_count: usize) -> usize {
+    let base = tc_bwd_head_split(dims);
+    let rep = dims.num_heads / dims.num_kv_heads.max(1);
+    let blocks = kv_rows.div_ceil(TILE_ROWS) * dims.num_kv_heads * base;
+    if blocks < 2 * sm_count && rep.is_multiple_of(8) {
+        8
+    } else {
+        base
+    }
 }
 
 /// Rows (queries or keys) per tile; 4 warps of 16.
@@ -316,7 +333,7 @@ pub fn attention_bwd_tc_bf16(
             )
         }?;
     }
-    let hsplit = tc_bwd_head_split(&dims);
+    let hsplit = tc_bwd_head_split_for(&dims, kv_rows, gpu.sm_count() as usize);
     let hs32 = hsplit as u32;
     // fp32 partial dk (hsplit slices) then dv (hsplit slices), each [kv_rows][kv heads][head_dim]
     let mut part = if hsplit > 1 && kv_rows > 0 && n_seqs > 0 {
