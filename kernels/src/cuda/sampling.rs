@@ -464,6 +464,24 @@ mod tests {
         vals.iter().map(|&v| bf16::from_f32(v)).collect()
     }
 
+    /// The split draw's cut: at least one block a row, at most one per 256 Philox groups of a
+    /// row, about 528 blocks in all where rows allow; split only below 3 rows for every 4 SMs.
+    #[test]
+    fn split_draw_cut_fills_the_gpu_within_the_row() {
+        let v = 151_936;
+        assert_eq!(split_blocks(1, v), v.div_ceil(4).div_ceil(256));
+        assert_eq!(split_blocks(8, v), 66);
+        assert_eq!(split_blocks(64, v), 9);
+        assert_eq!(split_blocks(1000, v), 1);
+        assert_eq!(split_blocks(3, 10), 1);
+        for rows in 1..200 {
+            let b = split_blocks(rows, v);
+            assert!(b >= 1 && b <= v.div_ceil(1024), "{rows}: {b}");
+        }
+        assert!(split_pays(8, 132) && split_pays(99, 132));
+        assert!(!split_pays(100, 132) && !split_pays(128, 132));
+    }
+
     #[test]
     fn greedy_takes_first_maximum_and_skips_nan() {
         let p = SampleParams {
