@@ -90,6 +90,28 @@ __device__ u32 radix_select(const bf16* x, u32 vocab, u32 kmin, u64 need, bool w
     return kmin;
 }
 
+// Logits 4g .. 4g + 3 of a row into v (NaN past vocab): one 8-byte load when the row is 8-byte
+// aligned (`vec`) and the group lies inside it.
+__device__ __forceinline__ void load_group4(const bf16* __restrict__ x, u32 g, u32 vocab, bool vec,
+                                            bf16 v[4]) {
+    if (vec && g * 4 + 3 < vocab) {
+        const uint2 w = *(const uint2*)(x + g * 4);
+        v[0] = (bf16)(w.x & 0xffffu); v[1] = (bf16)(w.x >> 16);
+        v[2] = (bf16)(w.y & 0xffffu); v[3] = (bf16)(w.y >> 16);
+    } else {
+#pragma unroll
+        for (int k = 0; k < 4; k++) v[k] = g * 4 + k < vocab ? x[g * 4 + k] : (bf16)0x7fc0;
+    }
+}
+
+// The draw's score of logit v with Philox word `word`: z + g, z = v / T (v itself when `unit`),
+// g = -ln(-ln(u)), u = ((word >> 8) + 0.5) * 2^-24.
+__device__ __forceinline__ float gumbel_score(bf16 v, u32 word, float temperature, bool unit) {
+    const float u = ((float)(word >> 8) + 0.5f) * 5.9604644775390625e-08f;
+    const float z = unit ? bf2f(v) : bf2f(v) / temperature;
+    return z - logf(-logf(u));
+}
+
 // One row's draw (block `row` of either entry point below).
 __device__ __forceinline__ void sample_row(const bf16* __restrict__ logits, u32 row_stride,
                                            u32 rows, u32 vocab, float temperature, u32 top_k,
@@ -121,14 +143,7 @@ __device__ __forceinline__ void sample_row(const bf16* __restrict__ logits, u32 
             const uint4 r = philox4x32_10(make_uint4(g, step, sample, iteration), key);
             const u32 words[4] = {r.x, r.y, r.z, r.w};
             bf16 v[4];
-            if (vec && g * 4 + 3 < vocab) {
-                const uint2 w = *(const uint2*)(x + g * 4);
-                v[0] = (bf16)(w.x & 0xffffu); v[1] = (bf16)(w.x >> 16);
-                v[2] = (bf16)(w.y & 0xffffu); v[3] = (bf16)(w.y >> 16);
-            } else {
-#pragma unroll
-                for (int k = 0; k < 4; k++) v[k] = g * 4 + k < vocab ? x[g * 4 + k] : (bf16)0x7fc0;
-            }
+            load_group4(x, g, vocab, vec, v);
 #pragma unroll
             for (int k = 0; k < 4; k++) {
                 const u32 i = g * 4 + k;
@@ -137,9 +152,7 @@ __device__ __forceinline__ void sample_row(const bf16* __restrict__ logits, u32 
                 const u64 cand = ((u64)kk << 32) | (u64)(0xffffffffu - i);
                 best = cand > best ? cand : best;
                 if (kk < 1) continue;  // NaN is never drawn
-                const float u = ((float)(words[k] >> 8) + 0.5f) * 5.9604644775390625e-08f;
-                const float z = unit ? bf2f(v[k]) : bf2f(v[k]) / temperature;
-                const float sc = z - logf(-logf(u));
+                const float sc = gumbel_score(v[k], words[k], temperature, unit);
                 if (sc > bs || (sc == bs && i < bi)) { bs = sc; bi = i; }
             }
         }
@@ -229,8 +242,7 @@ __device__ __forceinline__ void sample_row(const bf16* __restrict__ logits, u32 
             const u32 i = g * 4 + k;
             if (i >= vocab) break;
             if (bf_key(x[i]) < kmin) continue;
-            const float u = ((float)(words[k] >> 8) + 0.5f) * 5.9604644775390625e-08f;
-            const float sc = (unit ? bf2f(x[i]) : bf2f(x[i]) / temperature) - logf(-logf(u));
+            const float sc = gumbel_score(x[i], words[k], temperature, unit);
             if (sc > bs || (sc == bs && i < bi)) { bs = sc; bi = i; }
         }
     }
@@ -314,14 +326,7 @@ sample_split_bf16(const bf16* __restrict__ logits, u32 row_stride, u32 rows, u32
     u64 best = 0, drawn = 0;  // 0: nothing yet (every real candidate's key is above 0)
     for (u32 g = g0 + threadIdx.x; g < g1; g += SPLIT_THREADS) {
         bf16 v[4];
-        if (vec && g * 4 + 3 < vocab) {
-            const uint2 w = *(const uint2*)(x + g * 4);
-            v[0] = (bf16)(w.x & 0xffffu); v[1] = (bf16)(w.x >> 16);
-            v[2] = (bf16)(w.y & 0xffffu); v[3] = (bf16)(w.y >> 16);
-        } else {
-#pragma unroll
-            for (int k = 0; k < 4; k++) v[k] = g * 4 + k < vocab ? x[g * 4 + k] : (bf16)0x7fc0;
-        }
+        load_group4(x, g, vocab, vec, v);
         uint4 r = make_uint4(0, 0, 0, 0);
         if (draw) r = philox4x32_10(make_uint4(g, step, sample, iteration), k2);
         const u32 words[4] = {r.x, r.y, r.z, r.w};
@@ -333,9 +338,8 @@ sample_split_bf16(const bf16* __restrict__ logits, u32 row_stride, u32 rows, u32
             const u64 cand = ((u64)kk << 32) | (u64)(0xffffffffu - i);
             best = cand > best ? cand : best;
             if (!draw || kk < 1) continue;  // NaN is never drawn
-            const float u = ((float)(words[k] >> 8) + 0.5f) * 5.9604644775390625e-08f;
-            const float z = unit ? bf2f(v[k]) : bf2f(v[k]) / temperature;
-            const u64 d = ((u64)f_key(z - logf(-logf(u))) << 32) | (u64)(0xffffffffu - i);
+            const u64 d = ((u64)f_key(gumbel_score(v[k], words[k], temperature, unit)) << 32) |
+                          (u64)(0xffffffffu - i);
             drawn = d > drawn ? d : drawn;
         }
     }
