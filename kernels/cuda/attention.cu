@@ -234,42 +234,6 @@ attention_decode_simt_bf16(float* __restrict__ part_o, float* __restrict__ part_
 // as the MMA rows (8 used of 16); P stays in registers (the accumulator layout of S is the A
 // operand layout of P V). The 4 warps' (max, sum, O) are merged in shared memory at the end.
 
-// Shared-memory addresses, cp.async, ldmatrix and mma.sync helpers (every tensor-core kernel).
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
-}
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
-    const int n = valid ? 16 : 0;  // 0: fill with zeros, read nothing
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
-__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x2(u32 addr, u32& r0, u32& r1) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
-                 : "=r"(r0), "=r"(r1)
-                 : "r"(addr));
-}
-// c += A B, all 16 rows of A.
-__device__ __forceinline__ void mma16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 #if HEAD_DIM % 32 == 0  // the tensor-core decode needs HEAD_DIM % 32 == 0 (text heads: 128)
 #define DW 32          // keys per warp tile
 #define DSTAGES 2
@@ -391,13 +355,13 @@ attention_decode_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
         mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
         mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
         const float m_new = fmaxf(m, mt);  // finite: key t0 < end is valid
-        const float corr = exp2f(m - m_new);
+        const float corr = ex2(m - m_new);
         m = m_new;
         float ls = 0.0f;
         u32 pa[DW / 8];  // P as bf16 pairs: pa[j] = keys 8j + 2t, +1 of row g
 #pragma unroll
         for (int j = 0; j < DW / 8; j++) {
-            const float p0 = exp2f(sc[j][0] - m_new), p1 = exp2f(sc[j][1] - m_new);
+            const float p0 = ex2(sc[j][0] - m_new), p1 = ex2(sc[j][1] - m_new);
             ls += p0 + p1;
             pa[j] = pack_bf2(p0, p1);
         }
@@ -451,7 +415,7 @@ attention_decode_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
 #pragma unroll
         for (int w = 0; w < 4; w++) {
             const float mw = sm[w * 8 + row];
-            const float wt = mw == NEG_INF_F ? 0.0f : exp2f(mw - M);
+            const float wt = mw == NEG_INF_F ? 0.0f : ex2(mw - M);
             acc += wt * so[(w * 8 + row) * HEAD_DIM + d];
             Ls += wt * sl[w * 8 + row];
         }
@@ -620,15 +584,15 @@ attention_decode_grouped_bf16(float* __restrict__ part_o, float* __restrict__ pa
         mtb = fmaxf(mtb, __shfl_xor_sync(0xffffffffu, mtb, 1));
         mtb = fmaxf(mtb, __shfl_xor_sync(0xffffffffu, mtb, 2));
         const float mna = fmaxf(m_a, mta), mnb = fmaxf(m_b, mtb);  // finite: key t0 < end
-        const float ca = exp2f(m_a - mna), cb = exp2f(m_b - mnb);
+        const float ca = ex2(m_a - mna), cb = ex2(m_b - mnb);
         m_a = mna;
         m_b = mnb;
         float lsa = 0.0f, lsb = 0.0f;
         u32 pa[GKT / 8], pb[GKT / 8];  // P of rows A / B as bf16 pairs (keys 8j + 2t, +1)
 #pragma unroll
         for (int j = 0; j < GKT / 8; j++) {
-            const float p0 = exp2f(sc[j][0] - mna), p1 = exp2f(sc[j][1] - mna);
-            const float p2 = exp2f(sc[j][2] - mnb), p3 = exp2f(sc[j][3] - mnb);
+            const float p0 = ex2(sc[j][0] - mna), p1 = ex2(sc[j][1] - mna);
+            const float p2 = ex2(sc[j][2] - mnb), p3 = ex2(sc[j][3] - mnb);
             lsa += p0 + p1;
             lsb += p2 + p3;
             pa[j] = pack_bf2(p0, p1);
@@ -907,26 +871,26 @@ attention_fwd_tc_bf16(bf16* __restrict__ out, u32 o_stride, float* __restrict__ 
             qf[kk][3] = vb ? *(const u32*)(qb + 16 * kk + 8 + 2 * t) : 0u;
         }
 
+        // A thread's chunk column is the same in every row it copies when VPR divides the block
+        // (head_dim 128); else it is added per copy.
+        constexpr bool COL_FIXED = NT % VPR == 0;
+        const KeyRows rows(src.pk, src.pv, src.p_stride, src.k, src.v, src.kv_stride, s,
+                           kvh * HEAD_DIM + (COL_FIXED ? threadIdx.x % VPR * 8 : 0));
         auto issue = [&](u32 it) {
             const u32 ks = base + (it & 1) * 2 * TILE, vs = ks + TILE;
             const u32 t0 = it * FK;
 #pragma unroll
             for (int i = 0; i < FK * VPR / NT; i++) {
                 const u32 c = threadIdx.x + NT * i, row = c / VPR, col = c % VPR, kk = t0 + row;
-                const bool valid = kk < kend;
-                const bf16* kp = src.k;
-                const bf16* vp = src.v;
-                if (valid) {
-                    const bool pre = kk < s.p_len;
-                    const u64 o = (pre ? (u64)(s.p_start + kk) * src.p_stride
-                                       : (u64)(s.k_start + kk - s.p_len) * src.kv_stride) +
-                                  kvh * HEAD_DIM + col * 8;
-                    kp = (pre ? src.pk : src.k) + o;
-                    vp = (pre ? src.pv : src.v) + o;
+                const bf16 *kp, *vp;
+                rows.at(kk, kp, vp);
+                if (!COL_FIXED) {
+                    kp += col * 8;
+                    vp += col * 8;
                 }
                 const u32 so = (row * FROW + col * 8) * 2;
-                cp_async16(ks + so, kp, valid);
-                cp_async16(vs + so, vp, valid);
+                cp_async16(ks + so, kp, kk < kend);
+                cp_async16(vs + so, vp, kk < kend);
             }
         };
 
@@ -978,15 +942,15 @@ attention_fwd_tc_bf16(bf16* __restrict__ out, u32 o_stride, float* __restrict__ 
                 // a row that sees no key yet keeps max -inf; subtract 0 then (p = 0, o stays 0)
                 const float ua = mna == NEG_INF_F ? 0.0f : mna;
                 const float ub = mnb == NEG_INF_F ? 0.0f : mnb;
-                const float ca = exp2f(m_a - ua), cb = exp2f(m_b - ub);
+                const float ca = ex2(m_a - ua), cb = ex2(m_b - ub);
                 m_a = mna;
                 m_b = mnb;
                 float lsa = 0.0f, lsb = 0.0f;
                 u32 pa[FK / 8], pb[FK / 8];  // P of rows A / B as bf16 pairs (keys 8j + 2t, +1)
 #pragma unroll
                 for (int j = 0; j < FK / 8; j++) {
-                    const float p0 = exp2f(sc[j][0] - ua), p1 = exp2f(sc[j][1] - ua);
-                    const float p2 = exp2f(sc[j][2] - ub), p3 = exp2f(sc[j][3] - ub);
+                    const float p0 = ex2(sc[j][0] - ua), p1 = ex2(sc[j][1] - ua);
+                    const float p2 = ex2(sc[j][2] - ub), p3 = ex2(sc[j][3] - ub);
                     lsa += p0 + p1;
                     lsb += p2 + p3;
                     pa[j] = pack_bf2(p0, p1);

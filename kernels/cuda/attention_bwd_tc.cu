@@ -37,37 +37,6 @@
 static_assert(HEAD_DIM % 32 == 0, "HEAD_DIM must be a multiple of 32");
 static_assert((BT * (HEAD_DIM / 8)) % BNT == 0, "a tile must split evenly over the block");
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
-}
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
-    const int n = valid ? 16 : 0;  // 0: fill with zeros, read nothing
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
-__device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
-__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-// c += A B, all 16 rows of A.
-__device__ __forceinline__ void mma16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // The descriptor fits the buffers (the SIMT kernels' bwd_seq_ok).
 __device__ __forceinline__ bool tc_seq_ok(const AttnSeq& s, u32 q_rows, u32 kv_rows, u32 p_rows) {
     return (u64)s.q_start + s.q_len <= q_rows && (u64)s.k_start + s.k_len <= kv_rows &&
@@ -199,26 +168,25 @@ attention_bwd_tc_dq_bf16(bf16* __restrict__ dq, const bf16* __restrict__ dout,
         const float Da = va ? dsum[ra * n_heads + h] : 0.0f;
         const float Db = vb ? dsum[rb * n_heads + h] : 0.0f;
 
+        // A thread's chunk column is the same in every row it copies when VPR divides the block
+        // (head_dim 128); else it is added per copy.
+        constexpr bool COL_FIXED = BNT % VPR == 0;
+        const KeyRows rows(pk, pv, p_stride, k, v, kv_stride, s, kvh * HEAD_DIM + (COL_FIXED ? threadIdx.x % VPR * 8 : 0));
         auto issue = [&](u32 it) {
             const u32 ks = base + (it & 1) * 2 * TILE, vs = ks + TILE;
             const u32 t0 = it * BT;
 #pragma unroll
             for (int i = 0; i < BT * VPR / BNT; i++) {
                 const u32 c = threadIdx.x + BNT * i, row = c / VPR, col = c % VPR, kk = t0 + row;
-                const bool valid = kk < kend;
-                const bf16* kp = k;
-                const bf16* vp = v;
-                if (valid) {
-                    const bool pre = kk < s.p_len;
-                    const u64 o = (pre ? (u64)(s.p_start + kk) * p_stride
-                                       : (u64)(s.k_start + kk - s.p_len) * kv_stride) +
-                                  kvh * HEAD_DIM + col * 8;
-                    kp = (pre ? pk : k) + o;
-                    vp = (pre ? pv : v) + o;
+                const bf16 *kp, *vp;
+                rows.at(kk, kp, vp);
+                if (!COL_FIXED) {
+                    kp += col * 8;
+                    vp += col * 8;
                 }
                 const u32 so = (row * BROW + col * 8) * 2;
-                cp_async16(ks + so, kp, valid);
-                cp_async16(vs + so, vp, valid);
+                cp_async16(ks + so, kp, kk < kend);
+                cp_async16(vs + so, vp, kk < kend);
             }
         };
 
@@ -262,7 +230,7 @@ attention_bwd_tc_dq_bf16(bf16* __restrict__ dq, const bf16* __restrict__ dout,
                     for (int e = 0; e < 4; e++) {
                         const u32 kk = t0 + 8 * j + 2 * t + (e & 1);
                         const bool ok = e < 2 ? (va && kk < lim_a) : (vb && kk < lim_b);
-                        const float p = ok ? exp2f(sc[j][e] * scale_log2 - (e < 2 ? la : lb)) : 0.0f;
+                        const float p = ok ? ex2(sc[j][e] * scale_log2 - (e < 2 ? la : lb)) : 0.0f;
                         sc[j][e] = p * (dp[j][e] - (e < 2 ? Da : Db));
                     }
                 }
@@ -404,7 +372,7 @@ __device__ __forceinline__ void tc_keys_step(u32 ks, u32 vs, u32 qs, const float
         for (int e = 0; e < 4; e++) {
             const u32 kj = e < 2 ? ka : kb;
             const u32 c = 8 * j + 2 * t + (e & 1), qi = q0 + c;
-            const float p = ok(kj, qi) ? exp2f(sc[j][e] * scale_log2 - fl[c]) : 0.0f;
+            const float p = ok(kj, qi) ? ex2(sc[j][e] * scale_log2 - fl[c]) : 0.0f;
             sc[j][e] = p;
             dp[j][e] = p * (dp[j][e] - fl[BT + c]);
         }

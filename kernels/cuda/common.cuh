@@ -1,7 +1,8 @@
 // Shared device helpers, prepended to every kernel source before NVRTC compiles it.
 // No #include: NVRTC needs no CUDA headers for this file, so the sources compile the same on any
-// toolkit. bf16 is stored as its raw 16 bits; conversions below round to nearest even, exactly as
-// half::bf16::from_f32 does on the host.
+// toolkit. bf16 is stored as its raw 16 bits; conversions below round to nearest even, as
+// half::bf16::from_f32 does on the host (bit for bit, NaN aside: a NaN may come out as another
+// quiet NaN).
 
 typedef unsigned short bf16;
 typedef unsigned int u32;
@@ -13,18 +14,41 @@ typedef unsigned long long u64;
 
 __device__ __forceinline__ float bf2f(bf16 x) { return __uint_as_float(((u32)x) << 16); }
 
+// One cvt.rn instruction where the target has it (round to nearest even, any NaN to the
+// canonical one); the integer form below rounds the same way.
 __device__ __forceinline__ bf16 f2bf(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned short r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return (bf16)r;
+#else
     u32 u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u);  // quiet NaN
     u += 0x7fffu + ((u >> 16) & 1u);
     return (bf16)(u >> 16);
+#endif
 }
 
 // Two bf16 packed in one u32 (element 0 in the low half, as in memory).
 __device__ __forceinline__ float bf_lo(u32 w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
 __device__ __forceinline__ u32 pack_bf2(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    u32 r;  // cvt's first source goes to the high half
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+    return r;
+#else
     return (u32)f2bf(a) | ((u32)f2bf(b) << 16);
+#endif
+}
+
+// 2^x on the special-function unit with results below 2^-126 flushed to zero: for x >= -126 the
+// same bits as exp2f, which spends three more instructions on the range below. For the online
+// softmax, where such a term is lost beside the running sum anyway.
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 
 // Unpacks 8 bf16 held in a uint4 into floats.
@@ -175,3 +199,62 @@ __device__ __forceinline__ Lse3 lse3_block(Lse3 a, Lse3* part) {
 struct AttnSeq {
     u32 q_start, q_len, p_start, p_len, k_start, k_len;
 };
+
+// Where one thread's K and V chunk of a logical key comes from (AttnSeq's rule): each side's
+// row 0 at the thread's columns `col` (kv head and 16-byte chunk), so that a tile's copies cost
+// a compare, a multiply-add and the adds, with nothing re-derived per key.
+struct KeyRows {
+    const bf16 *pk, *pv, *k, *v;
+    u32 p_stride, kv_stride, p_len;
+    __device__ __forceinline__ KeyRows(const bf16* ppk, const bf16* ppv, u32 pstride,
+                                       const bf16* kk, const bf16* vv, u32 kvstride,
+                                       const AttnSeq& s, u32 col)
+        : pk(ppk + (u64)s.p_start * pstride + col), pv(ppv + (u64)s.p_start * pstride + col),
+          k(kk + (u64)s.k_start * kvstride + col), v(vv + (u64)s.k_start * kvstride + col),
+          p_stride(pstride), kv_stride(kvstride), p_len(s.p_len) {}
+    // K and V addresses of logical key j (any j: a key past the sequence gets an address that
+    // must not be read).
+    __device__ __forceinline__ void at(u32 j, const bf16*& kp, const bf16*& vp) const {
+        const bool pre = j < p_len;
+        const u64 o = pre ? (u64)j * p_stride : (u64)(j - p_len) * kv_stride;
+        kp = (pre ? pk : k) + o;
+        vp = (pre ? pv : v) + o;
+    }
+};
+
+// Shared-memory addresses, cp.async, ldmatrix and mma.sync (the tensor-core kernels).
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+    const int n = valid ? 16 : 0;  // 0: fill with zeros, read nothing
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+__device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x2(u32 addr, u32& r0, u32& r1) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r0), "=r"(r1)
+                 : "r"(addr));
+}
+// c += A B, all 16 rows of A.
+__device__ __forceinline__ void mma16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
