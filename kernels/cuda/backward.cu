@@ -3,46 +3,94 @@
 // once, math in fp32); parameter gradients are fp32 and always added (+=). Every reduction runs
 // in an order fixed by the shapes alone (no float atomics), so two runs give the same bits.
 
-// RMSNorm backward, dx part. One block per row; with xh = x * r, g = dy * w:
+// RMSNorm backward, dx part. One warp per row (DX_ROWS rows a block); with xh = x * r,
+// g = dy * w:
 //   dx = r * (g - xh * mean(g * xh))    (written, or added to dx when accumulate != 0)
-// The row's sum runs in the fixed block_sum order.
-extern "C" __global__ void rmsnorm_bwd_dx_bf16(bf16* dx, const bf16* __restrict__ dy,
-                                               const bf16* __restrict__ x,
-                                               const bf16* __restrict__ w,
-                                               const float* __restrict__ rstd, u32 rows,
-                                               u32 cols, u32 accumulate) {
-    __shared__ float scratch[32];
-    const u32 row = blockIdx.x;
+// Lane l takes the 8-element chunks l, l + 32, ... (16-byte loads where the row allows, else
+// elements l, l + 32, ...), in that order, and the row's sum runs in the fixed warp_sum order.
+// The second pass reads the row again (from L1: the warp has just read it).
+#define DX_ROWS 8
+extern "C" __global__ void __launch_bounds__(32 * DX_ROWS)
+rmsnorm_bwd_dx_bf16(bf16* dx, const bf16* __restrict__ dy, const bf16* __restrict__ x,
+                    const bf16* __restrict__ w, const float* __restrict__ rstd, u32 rows,
+                    u32 cols, u32 accumulate) {
+    const u32 row = blockIdx.x * DX_ROWS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= rows) return;
     const u64 o = (u64)row * cols;
     const float r = rstd[row];
+    const bf16 *xr = x + o, *dyr = dy + o;
+    bf16* dxr = dx + o;
+    const bool vec = (cols & 7u) == 0 &&
+                     ((((u64)xr) | ((u64)dyr) | ((u64)dxr) | ((u64)w)) & 15u) == 0;
     float c = 0.0f;
-    for (u32 i = threadIdx.x; i < cols; i += blockDim.x)
-        c += (bf2f(dy[o + i]) * bf2f(w[i])) * (bf2f(x[o + i]) * r);
-    c = block_sum(c, scratch) / (float)cols;
-    for (u32 i = threadIdx.x; i < cols; i += blockDim.x) {
-        const float xh = bf2f(x[o + i]) * r;
-        float v = r * (bf2f(dy[o + i]) * bf2f(w[i]) - xh * c);
-        if (accumulate) v += bf2f(dx[o + i]);
-        dx[o + i] = f2bf(v);
+    if (vec) {
+        for (u32 i = lane; i < cols / 8; i += 32) {
+            float a[8], b[8], g[8];
+            unpack8(((const uint4*)dyr)[i], a);
+            unpack8(((const uint4*)w)[i], g);
+            unpack8(((const uint4*)xr)[i], b);
+#pragma unroll
+            for (int k = 0; k < 8; k++) c += (a[k] * g[k]) * (b[k] * r);
+        }
+    } else {
+        for (u32 i = lane; i < cols; i += 32) c += (bf2f(dyr[i]) * bf2f(w[i])) * (bf2f(xr[i]) * r);
+    }
+    c = warp_sum(c) / (float)cols;
+    if (vec) {
+        for (u32 i = lane; i < cols / 8; i += 32) {
+            float a[8], b[8], g[8], d[8];
+            unpack8(((const uint4*)dyr)[i], a);
+            unpack8(((const uint4*)w)[i], g);
+            unpack8(((const uint4*)xr)[i], b);
+            if (accumulate) unpack8(((const uint4*)dxr)[i], d);
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const float v = r * (a[k] * g[k] - (b[k] * r) * c);
+                d[k] = accumulate ? v + d[k] : v;
+            }
+            ((uint4*)dxr)[i] = pack8(d);
+        }
+    } else {
+        for (u32 i = lane; i < cols; i += 32) {
+            const float xh = bf2f(xr[i]) * r;
+            float v = r * (bf2f(dyr[i]) * bf2f(w[i]) - xh * c);
+            if (accumulate) v += bf2f(dxr[i]);
+            dxr[i] = f2bf(v);
+        }
     }
 }
 
 // RMSNorm backward, weight part: dw[j] += sum over rows of dy[r, j] * x[r, j] * rstd[r].
-// Block (32, 16): threadIdx.x picks the column, threadIdx.y the rows r = ty, ty + 16, ...
-// (ascending); the 16 partial sums are then added in ty order. The order depends on the shape
-// only.
+// Block (DW_COLS, 16): threadIdx.x picks the column, threadIdx.y the rows r = ty, ty + 16, ...
+// (ascending, DW_UNROLL rows' loads issued before their sums); the 16 partial sums are then
+// added in ty order. The order depends on the shape only.
+#define DW_COLS 16
+#define DW_UNROLL 8
 extern "C" __global__ void rmsnorm_bwd_dw_f32(float* dw, const bf16* __restrict__ dy,
                                               const bf16* __restrict__ x,
                                               const float* __restrict__ rstd, u32 rows, u32 cols) {
-    __shared__ float part[16][33];
-    const u32 j = blockIdx.x * 32 + threadIdx.x;
+    __shared__ float part[16][DW_COLS + 1];
+    const u32 j = blockIdx.x * DW_COLS + threadIdx.x;
     float acc = 0.0f;
-    if (j < cols)
-        for (u32 r = threadIdx.y; r < rows; r += 16) {
+    if (j < cols) {
+        u32 r = threadIdx.y;
+        for (; r + 16 * (DW_UNROLL - 1) < rows; r += 16 * DW_UNROLL) {
+            float a[DW_UNROLL], b[DW_UNROLL], q[DW_UNROLL];
+#pragma unroll
+            for (int k = 0; k < DW_UNROLL; k++) {
+                const u64 o = (u64)(r + 16 * k) * cols + j;
+                a[k] = bf2f(dy[o]);
+                b[k] = bf2f(x[o]);
+                q[k] = rstd[r + 16 * k];
+            }
+#pragma unroll
+            for (int k = 0; k < DW_UNROLL; k++) acc += a[k] * (b[k] * q[k]);
+        }
+        for (; r < rows; r += 16) {
             const u64 o = (u64)r * cols + j;
             acc += bf2f(dy[o]) * (bf2f(x[o]) * rstd[r]);
         }
+    }
     part[threadIdx.y][threadIdx.x] = acc;
     __syncthreads();
     if (threadIdx.y == 0 && j < cols) {
@@ -54,6 +102,8 @@ extern "C" __global__ void rmsnorm_bwd_dw_f32(float* dw, const bf16* __restrict_
 
 // RoPE backward in place (the transposed rotation): on each of `n_heads` heads of row t,
 //   dx1 = dy1 c1 + dy2 s2,  dx2 = dy2 c2 - dy1 s1     (c, s = cos/sin[t, :], fp32; one rounding)
+// 8 consecutive pairs a thread with 16-byte accesses where half a head is a multiple of 8 and
+// the row and tables are 16-byte aligned (the same arithmetic).
 extern "C" __global__ void rope_bwd_bf16(bf16* dx, const float* __restrict__ cos_t,
                                          const float* __restrict__ sin_t, u32 tokens,
                                          u32 row_stride, u32 n_heads, u32 head_dim) {
@@ -63,6 +113,33 @@ extern "C" __global__ void rope_bwd_bf16(bf16* dx, const float* __restrict__ cos
     const float* c = cos_t + (u64)t * head_dim;
     const float* s = sin_t + (u64)t * head_dim;
     const u32 half = head_dim / 2;
+    const bool vec = (half & 7u) == 0 && ((((u64)xr) | ((u64)c) | ((u64)s)) & 15u) == 0;
+    if (vec) {
+        const u32 q = half / 8;
+        for (u32 e = threadIdx.x; e < n_heads * q; e += blockDim.x) {
+            const u32 h = e / q, i = (e - h * q) * 8;
+            bf16* xh = xr + h * head_dim;
+            float d1[8], d2[8], c1[8], s1[8], c2[8], s2[8];
+            unpack8(*(const uint4*)(xh + i), d1);
+            unpack8(*(const uint4*)(xh + i + half), d2);
+#pragma unroll
+            for (int k = 0; k < 8; k += 4) {
+                *(float4*)(c1 + k) = *(const float4*)(c + i + k);
+                *(float4*)(s1 + k) = *(const float4*)(s + i + k);
+                *(float4*)(c2 + k) = *(const float4*)(c + i + half + k);
+                *(float4*)(s2 + k) = *(const float4*)(s + i + half + k);
+            }
+            float o1[8], o2[8];
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                o1[k] = d1[k] * c1[k] + d2[k] * s2[k];
+                o2[k] = d2[k] * c2[k] - d1[k] * s1[k];
+            }
+            *(uint4*)(xh + i) = pack8(o1);
+            *(uint4*)(xh + i + half) = pack8(o2);
+        }
+        return;
+    }
     for (u32 e = threadIdx.x; e < n_heads * half; e += blockDim.x) {
         const u32 h = e / half, i = e % half;
         bf16* xh = xr + h * head_dim;
@@ -74,7 +151,13 @@ extern "C" __global__ void rope_bwd_bf16(bf16* dx, const float* __restrict__ cos
 
 // SwiGLU backward (out = silu(gate) * up), fp32 math:
 //   dgate = dout * up * sig * (1 + g (1 - sig)),  dup = dout * g * sig
-// Each buffer has its own row stride (a fused [rows, 2F] dgate|dup output works).
+// Each buffer has its own row stride (a fused [rows, 2F] dgate|dup output works). 8 elements a
+// thread with 16-byte accesses where the columns and every row start allow (the same math).
+__device__ __forceinline__ void swiglu_bwd_one(float g, float u, float d, float& dg, float& du) {
+    const float sig = 1.0f / (1.0f + expf(-g));
+    dg = d * u * (sig * (1.0f + g * (1.0f - sig)));
+    du = d * (g * sig);
+}
 extern "C" __global__ void swiglu_bwd_bf16(bf16* dgate, bf16* dup, const bf16* __restrict__ dout,
                                            const bf16* __restrict__ gate,
                                            const bf16* __restrict__ up, u32 rows, u32 cols,
@@ -82,13 +165,31 @@ extern "C" __global__ void swiglu_bwd_bf16(bf16* dgate, bf16* dup, const bf16* _
                                            u32 gate_stride, u32 up_stride) {
     const u32 row = blockIdx.y;
     if (row >= rows) return;
+    bf16* dgr = dgate + (u64)row * dgate_stride;
+    bf16* dur = dup + (u64)row * dup_stride;
+    const bf16* dr = dout + (u64)row * dout_stride;
+    const bf16* gr = gate + (u64)row * gate_stride;
+    const bf16* ur = up + (u64)row * up_stride;
+    const bool vec = (cols & 7u) == 0 &&
+                     ((((u64)dgr) | ((u64)dur) | ((u64)dr) | ((u64)gr) | ((u64)ur)) & 15u) == 0;
+    if (vec) {
+        for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < cols / 8; i += gridDim.x * blockDim.x) {
+            float g[8], u[8], d[8], a[8], b[8];
+            unpack8(((const uint4*)gr)[i], g);
+            unpack8(((const uint4*)ur)[i], u);
+            unpack8(((const uint4*)dr)[i], d);
+#pragma unroll
+            for (int k = 0; k < 8; k++) swiglu_bwd_one(g[k], u[k], d[k], a[k], b[k]);
+            ((uint4*)dgr)[i] = pack8(a);
+            ((uint4*)dur)[i] = pack8(b);
+        }
+        return;
+    }
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < cols; i += gridDim.x * blockDim.x) {
-        const float g = bf2f(gate[(u64)row * gate_stride + i]);
-        const float u = bf2f(up[(u64)row * up_stride + i]);
-        const float d = bf2f(dout[(u64)row * dout_stride + i]);
-        const float sig = 1.0f / (1.0f + expf(-g));
-        dgate[(u64)row * dgate_stride + i] = f2bf(d * u * (sig * (1.0f + g * (1.0f - sig))));
-        dup[(u64)row * dup_stride + i] = f2bf(d * (g * sig));
+        float a, b;
+        swiglu_bwd_one(bf2f(gr[i]), bf2f(ur[i]), bf2f(dr[i]), a, b);
+        dgr[i] = f2bf(a);
+        dur[i] = f2bf(b);
     }
 }
 

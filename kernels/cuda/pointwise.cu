@@ -20,10 +20,47 @@ __device__ __forceinline__ void rope_pair(float a, float b, float c1, float s1, 
 
 // Rotates heads [0, n_heads) of one row in place (the block's threads split the pairs); with
 // `copy`, head h >= copy_from is also written, rotated, to copy[(h - copy_from) * head_dim].
+// Where half a head is a multiple of 8 and the row, tables and copy are 16-byte aligned, a
+// thread takes 8 consecutive pairs with 16-byte loads and stores (the same arithmetic).
 __device__ __forceinline__ void rope_row(bf16* xr, const float* c, const float* s, u32 n_heads,
                                          u32 head_dim, u32 hf_text_rounding,
                                          u32 copy_from = 0xffffffffu, bf16* copy = nullptr) {
     const u32 half = head_dim / 2;
+    const bool vec = (half & 7u) == 0 && aligned16(xr) && aligned16(c) && aligned16(s) &&
+                     (copy == nullptr || aligned16(copy));
+    if (vec) {
+        const u32 q = half / 8;  // 8-pair chunks per head
+        for (u32 p = threadIdx.x; p < n_heads * q; p += blockDim.x) {
+            const u32 h = p / q, i = (p - h * q) * 8;
+            bf16* xh = xr + (u64)h * head_dim;
+            float a[8], b[8], c1[8], s1[8], c2[8], s2[8];
+            unpack8(*(const uint4*)(xh + i), a);
+            unpack8(*(const uint4*)(xh + i + half), b);
+#pragma unroll
+            for (int k = 0; k < 8; k += 4) {
+                *(float4*)(c1 + k) = *(const float4*)(c + i + k);
+                *(float4*)(s1 + k) = *(const float4*)(s + i + k);
+                *(float4*)(c2 + k) = *(const float4*)(c + i + half + k);
+                *(float4*)(s2 + k) = *(const float4*)(s + i + half + k);
+            }
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                float o1, o2;
+                rope_pair(a[k], b[k], c1[k], s1[k], c2[k], s2[k], hf_text_rounding, o1, o2);
+                a[k] = o1;
+                b[k] = o2;
+            }
+            const uint4 y1 = pack8(a), y2 = pack8(b);
+            *(uint4*)(xh + i) = y1;
+            *(uint4*)(xh + i + half) = y2;
+            if (copy != nullptr && h >= copy_from) {
+                bf16* dh = copy + (u64)(h - copy_from) * head_dim;
+                *(uint4*)(dh + i) = y1;
+                *(uint4*)(dh + i + half) = y2;
+            }
+        }
+        return;
+    }
     for (u32 p = threadIdx.x; p < n_heads * half; p += blockDim.x) {
         const u32 h = p / half, i = p - h * half;
         bf16* xh = xr + (u64)h * head_dim;
@@ -173,9 +210,9 @@ extern "C" __global__ void kv_append_bf16(const bf16* __restrict__ src,
 // Decode-step fusion of rope_fwd_bf16 and two kv_append_bf16: on each fused qkv row
 // [q heads | k heads | v heads], rotate the q and k heads in place, then copy the (rotated) k
 // part to k_cache[slots[t]] and the v part to v_cache[slots[t]]. Bitwise the same as the three
-// kernels. Slots >= n_slots are skipped. One block per token; a thread rotates four pairs of a
-// head at a time (8-byte rows, 16-byte tables) and writes a rotated k head to the cache itself,
-// so nothing waits on the rest of the block.
+// kernels. Slots >= n_slots are skipped. One block per token; rope_row's threads write the
+// rotated k pairs they computed to the cache themselves, so nothing waits on the rest of the
+// block.
 extern "C" __global__ void rope_kv_append_bf16(bf16* qkv, const float* __restrict__ cos_t,
                                                const float* __restrict__ sin_t,
                                                bf16* __restrict__ k_cache,
@@ -186,7 +223,7 @@ extern "C" __global__ void rope_kv_append_bf16(bf16* qkv, const float* __restric
     pdl_wait();
     const u32 t = blockIdx.x;
     if (t >= tokens) return;
-    const u32 qk = n_heads + n_kv, half = head_dim / 2, kvw = n_kv * head_dim;
+    const u32 qk = n_heads + n_kv, kvw = n_kv * head_dim;
     bf16* xr = qkv + (u64)t * (qk + n_kv) * head_dim;
     const float* c = cos_t + (u64)t * head_dim;
     const float* s = sin_t + (u64)t * head_dim;
@@ -194,34 +231,7 @@ extern "C" __global__ void rope_kv_append_bf16(bf16* qkv, const float* __restric
     const bool write = slot < n_slots;
     bf16* kd = k_cache + (u64)(write ? slot : 0) * kvw;
     bf16* vd = v_cache + (u64)(write ? slot : 0) * kvw;
-    const bool vec = (half & 3u) == 0 && (((u64)xr) & 7u) == 0 && (((u64)kd) & 7u) == 0 &&
-                     aligned16(c) && aligned16(s);
-    if (vec) {
-        const u32 quads = half / 4;
-        for (u32 p = threadIdx.x; p < qk * quads; p += blockDim.x) {
-            const u32 h = p / quads, i = (p - h * quads) * 4;
-            bf16* xh = xr + (u64)h * head_dim;
-            const uint2 xa = *(const uint2*)(xh + i), xb = *(const uint2*)(xh + i + half);
-            const float4 c1 = *(const float4*)(c + i), s1 = *(const float4*)(s + i);
-            const float4 c2 = *(const float4*)(c + i + half), s2 = *(const float4*)(s + i + half);
-            float o1[4], o2[4];
-            rope_pair(bf_lo(xa.x), bf_lo(xb.x), c1.x, s1.x, c2.x, s2.x, hf_text_rounding, o1[0], o2[0]);
-            rope_pair(bf_hi(xa.x), bf_hi(xb.x), c1.y, s1.y, c2.y, s2.y, hf_text_rounding, o1[1], o2[1]);
-            rope_pair(bf_lo(xa.y), bf_lo(xb.y), c1.z, s1.z, c2.z, s2.z, hf_text_rounding, o1[2], o2[2]);
-            rope_pair(bf_hi(xa.y), bf_hi(xb.y), c1.w, s1.w, c2.w, s2.w, hf_text_rounding, o1[3], o2[3]);
-            const uint2 ya = make_uint2(pack_bf2(o1[0], o1[1]), pack_bf2(o1[2], o1[3]));
-            const uint2 yb = make_uint2(pack_bf2(o2[0], o2[1]), pack_bf2(o2[2], o2[3]));
-            *(uint2*)(xh + i) = ya;
-            *(uint2*)(xh + i + half) = yb;
-            if (h >= n_heads && write) {
-                bf16* kh = kd + (u64)(h - n_heads) * head_dim;
-                *(uint2*)(kh + i) = ya;
-                *(uint2*)(kh + i + half) = yb;
-            }
-        }
-    } else {
-        rope_row(xr, c, s, qk, head_dim, hf_text_rounding, n_heads, write ? kd : nullptr);
-    }
+    rope_row(xr, c, s, qk, head_dim, hf_text_rounding, n_heads, write ? kd : nullptr);
     if (!write) return;
     // v is not rotated: its copy needs nothing from the loop above.
     const bf16* vs = xr + (u64)qk * head_dim;

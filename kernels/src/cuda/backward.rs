@@ -98,9 +98,9 @@ pub fn rmsnorm_bwd_bf16(
         ptr(rstd, stream),
     );
     let acc = accumulate_dx as u32;
-    let threads = if d >= 4096 { 512 } else { 256 };
-    // SAFETY: dx, dy, x hold rows*d elements, w d, rstd rows (checked); arguments match (dx, dy,
-    // x, w, rstd, rows, cols, accumulate); each dx element is touched by one thread.
+    const DX_ROWS: u32 = 8; // rows a block, one warp each (backward.cu)
+                            // SAFETY: dx, dy, x hold rows*d elements, w d, rstd rows (checked); arguments match (dx, dy,
+                            // x, w, rstd, rows, cols, accumulate); each dx element is touched by one thread.
     unsafe {
         launch(
             gpu,
@@ -108,7 +108,7 @@ pub fn rmsnorm_bwd_bf16(
             &BACKWARD,
             &[],
             "rmsnorm_bwd_dx_bf16",
-            cfg((rows32, 1), (threads, 1)),
+            cfg((rows32.div_ceil(DX_ROWS), 1), (32 * DX_ROWS, 1)),
             &[&dxp, &dyp, &xp, &wp, &rp, &rows32, &d32, &acc],
         )
     }?;
@@ -122,7 +122,7 @@ pub fn rmsnorm_bwd_bf16(
                 &BACKWARD,
                 &[],
                 "rmsnorm_bwd_dw_f32",
-                cfg((d32.div_ceil(32), 1), (32, 16)),
+                cfg((d32.div_ceil(16), 1), (16, 16)),
                 &[&dwp, &dyp, &xp, &rp, &rows32, &d32],
             )
         }?;
@@ -274,7 +274,7 @@ pub fn swiglu_bwd_bf16(
             &BACKWARD,
             &[],
             "swiglu_bwd_bf16",
-            cfg((grid_for(cols, 256, 64), r), (256, 1)),
+            cfg((grid_for(cols / 8 + 1, 256, 64), r), (256, 1)),
             &[
                 &dgp, &dup_, &dop, &gp, &upp, &r, &c, &s[0], &s[1], &s[2], &s[3], &s[4],
             ],
@@ -326,7 +326,7 @@ pub fn swiglu_bwd_fused_bf16(
             &BACKWARD,
             &[],
             "swiglu_bwd_bf16",
-            cfg((grid_for(cols, 256, 64), r), (256, 1)),
+            cfg((grid_for(cols / 8 + 1, 256, 64), r), (256, 1)),
             &[&dgp, &dup_, &dop, &gp, &upp, &r, &c, &c2, &c2, &c, &c2, &c2],
         )
     }?;
