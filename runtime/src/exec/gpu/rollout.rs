@@ -20,14 +20,8 @@ use crate::gpu::generate::sample_params;
 use crate::gpu::{GpuEncodedMedia, GpuKvArena, GpuModel, GpuPrefixState, GpuPrompt};
 use crate::model::{DecodeSlot, MediaInput};
 
-/// Decode steps the host keeps queued ahead of the device. The host launches a side piece
-/// (a group's prefix forward: some 450 launches, several milliseconds of host time) after a
-/// step; with two steps queued the device ran dry during the longer ones (4.5-5.2 ms of idle
-/// decode on the H100's 4-prompt overlap plan). Four steps cover a piece's launches. Pieces
-/// stay paced by decode's progress: the loop still waits for a step each iteration and
-/// launches at most one piece. The compaction reads stop steps `decode::LAG` (8)
-/// steps late, more than this, so it never waits on them.
-const STEPS_AHEAD: usize = 4;
+/// Decode steps the host launches ahead of the device.
+const STEPS_AHEAD: usize = 2;
 
 impl GpuIteration<'_, '_> {
     pub(super) fn media_inputs(p: &PromptData) -> Vec<MediaInput<'_>> {
