@@ -71,28 +71,12 @@ static_assert(GV_STAGES >= 2 + GEMV_WG && GV_STAGES <= 8, "2 (3 for wgmma) to 8 
 static_assert(GEMV_S >= 1 && GEMV_S <= 8, "at most 8 blocks per cluster (portable size)");
 static_assert(GV_R * GV_RS * 4 <= GV_STAGES * GV_SB, "the partial tile reuses the stages");
 
-__device__ __forceinline__ u32 gv_smem_u32(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
-}
-__device__ __forceinline__ void gv_cp16(u32 dst, const void* src, bool valid) {
-    const int n = valid ? 16 : 0;  // 0: zero-fill, read nothing
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
 __device__ __forceinline__ uint4 gv_lds(u32 addr) {
     uint4 v;
     asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "r"(addr));
     return v;
-}
-__device__ __forceinline__ void gv_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 // Where unit u (16 bytes) of shared row r lives: the 128-byte swizzle of the wgmma path, else
 // the row-parity one of the mma.sync path.
@@ -176,7 +160,7 @@ __device__ __forceinline__ void gv_cluster_sync() {
 // remote loads are in flight together); the block's own tile alone without a cluster.
 __device__ __forceinline__ float4 gv_sum4(const float* red, u32 off) {
 #if GEMV_S > 1
-    const u32 a = gv_smem_u32(red + off);
+    const u32 a = smem_u32(red + off);
     float4 p[GEMV_S];
 #pragma unroll
     for (u32 r = 0; r < GEMV_S; r++) {
@@ -221,9 +205,9 @@ gemv_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restri
     const u32 k0 = split * kslice, k1 = min(k, k0 + kslice);
     const u32 nst = k1 > k0 ? (k1 - k0 + GV_KC - 1) / GV_KC : 0;
 #if GEMV_WG
-    const u32 base = (gv_smem_u32(gsm) + 1023u) & ~1023u;  // swizzle atoms are 1024-aligned
+    const u32 base = (smem_u32(gsm) + 1023u) & ~1023u;  // swizzle atoms are 1024-aligned
 #else
-    const u32 base = gv_smem_u32(gsm);
+    const u32 base = smem_u32(gsm);
 #endif
 
     // Copies of stage `st` into buffer st % GV_STAGES (rows past the ends zero-filled).
@@ -242,13 +226,13 @@ gemv_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restri
             const u32 kc = kk + 8 * u;
             const bool ok = jr < n && kc < k1;
             const bf16* src = ok ? w + (u64)wr * k + kc : w;
-            gv_cp16(wsb + gv_swz(r, u), src, ok);
+            cp_async16(wsb + gv_swz(r, u), src, ok);
         }
         for (u32 i = threadIdx.x; i < GV_M * 8; i += GV_THREADS) {
             const u32 r = i >> 3, u = i & 7, kc = kk + 8 * u;
             const bool ok = r < m && kc < k1;
             const bf16* src = ok ? x + (u64)r * ldx + kc : x;
-            gv_cp16(xsb + gv_swz(r, u), src, ok);
+            cp_async16(xsb + gv_swz(r, u), src, ok);
         }
     };
 
@@ -311,8 +295,8 @@ gemv_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restri
                 const uint4 pb = gv_lds(wsb + (ra + 8) * 128 + uo);
 #pragma unroll
                 for (int mt = 0; mt < GEMV_MT; mt++) {
-                    gv_mma(acc[rt][mt], pa.x, pb.x, pa.y, pb.y, xf[mt].x, xf[mt].y);
-                    gv_mma(acc[rt][mt], pa.z, pb.z, pa.w, pb.w, xf[mt].z, xf[mt].w);
+                    mma16(acc[rt][mt], pa.x, pb.x, pa.y, pb.y, xf[mt].x, xf[mt].y);
+                    mma16(acc[rt][mt], pa.z, pb.z, pa.w, pb.w, xf[mt].z, xf[mt].w);
                 }
             }
         }
