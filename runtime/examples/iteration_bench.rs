@@ -27,10 +27,13 @@
 //! host link's rates only with `--placed`).
 //!
 //! With `--eager-decode` decode steps are launched one kernel at a time instead of replayed as
-//! CUDA graphs (`rollplex-run --eager-decode`: the same bits).
+//! CUDA graphs (`rollplex-run --eager-decode`: the same bits). With `--task-log` each task and
+//! each decode window's host split (launching steps and side pieces, waiting; the window's
+//! device time and longest gap between steps) go to stderr as `rollplex-run --task-log` prints
+//! them.
 //!
 //! Usage: iteration_bench PLAN.bin... [--iterations 2] [--rounds 2] [--trace-dir DIR]
-//! [--profile-dir DIR] [--placed] [--eager-decode]
+//! [--profile-dir DIR] [--placed] [--eager-decode] [--task-log]
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -229,10 +232,11 @@ fn main() -> Result<()> {
     let placed = flag("--placed");
     let options = GpuExecOptions {
         eager_decode: flag("--eager-decode"),
+        task_log: flag("--task-log"),
         ..GpuExecOptions::default()
     };
     if args.is_empty() || iterations < 2 {
-        bail!("usage: iteration_bench PLAN.bin... [--iterations N >= 2] [--rounds R] [--trace-dir DIR] [--profile-dir DIR] [--placed] [--eager-decode]");
+        bail!("usage: iteration_bench PLAN.bin... [--iterations N >= 2] [--rounds R] [--trace-dir DIR] [--profile-dir DIR] [--placed] [--eager-decode] [--task-log]");
     }
     if let Some(dir) = &profile_dir {
         std::fs::create_dir_all(dir)
