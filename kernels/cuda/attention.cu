@@ -871,27 +871,11 @@ attention_fwd_tc_bf16(bf16* __restrict__ out, u32 o_stride, float* __restrict__ 
             qf[kk][3] = vb ? *(const u32*)(qb + 16 * kk + 8 + 2 * t) : 0u;
         }
 
-        // A thread's chunk column is the same in every row it copies when VPR divides the block
-        // (head_dim 128); else it is added per copy.
-        constexpr bool COL_FIXED = NT % VPR == 0;
-        const KeyRows rows(src.pk, src.pv, src.p_stride, src.k, src.v, src.kv_stride, s,
-                           kvh * HEAD_DIM + (COL_FIXED ? threadIdx.x % VPR * 8 : 0));
+        const KeyRows<HEAD_DIM, NT> rows(src.pk, src.pv, src.p_stride, src.k, src.v, src.kv_stride, s,
+                           kvh);
         auto issue = [&](u32 it) {
-            const u32 ks = base + (it & 1) * 2 * TILE, vs = ks + TILE;
-            const u32 t0 = it * FK;
-#pragma unroll
-            for (int i = 0; i < FK * VPR / NT; i++) {
-                const u32 c = threadIdx.x + NT * i, row = c / VPR, col = c % VPR, kk = t0 + row;
-                const bf16 *kp, *vp;
-                rows.at(kk, kp, vp);
-                if (!COL_FIXED) {
-                    kp += col * 8;
-                    vp += col * 8;
-                }
-                const u32 so = (row * FROW + col * 8) * 2;
-                cp_async16(ks + so, kp, kk < kend);
-                cp_async16(vs + so, vp, kk < kend);
-            }
+            const u32 ks = base + (it & 1) * 2 * TILE;
+            rows.copy_tile<FK, FROW>(ks, ks + TILE, it * FK, kend);
         };
 
         float o[DT][4];

@@ -168,26 +168,10 @@ attention_bwd_tc_dq_bf16(bf16* __restrict__ dq, const bf16* __restrict__ dout,
         const float Da = va ? dsum[ra * n_heads + h] : 0.0f;
         const float Db = vb ? dsum[rb * n_heads + h] : 0.0f;
 
-        // A thread's chunk column is the same in every row it copies when VPR divides the block
-        // (head_dim 128); else it is added per copy.
-        constexpr bool COL_FIXED = BNT % VPR == 0;
-        const KeyRows rows(pk, pv, p_stride, k, v, kv_stride, s, kvh * HEAD_DIM + (COL_FIXED ? threadIdx.x % VPR * 8 : 0));
+        const KeyRows<HEAD_DIM, BNT> rows(pk, pv, p_stride, k, v, kv_stride, s, kvh);
         auto issue = [&](u32 it) {
-            const u32 ks = base + (it & 1) * 2 * TILE, vs = ks + TILE;
-            const u32 t0 = it * BT;
-#pragma unroll
-            for (int i = 0; i < BT * VPR / BNT; i++) {
-                const u32 c = threadIdx.x + BNT * i, row = c / VPR, col = c % VPR, kk = t0 + row;
-                const bf16 *kp, *vp;
-                rows.at(kk, kp, vp);
-                if (!COL_FIXED) {
-                    kp += col * 8;
-                    vp += col * 8;
-                }
-                const u32 so = (row * BROW + col * 8) * 2;
-                cp_async16(ks + so, kp, kk < kend);
-                cp_async16(vs + so, vp, kk < kend);
-            }
+            const u32 ks = base + (it & 1) * 2 * TILE;
+            rows.copy_tile<BT, BROW>(ks, ks + TILE, it * BT, kend);
         };
 
         float acc[DT][4];

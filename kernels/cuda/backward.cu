@@ -122,13 +122,7 @@ extern "C" __global__ void rope_bwd_bf16(bf16* dx, const float* __restrict__ cos
             float d1[8], d2[8], c1[8], s1[8], c2[8], s2[8];
             unpack8(*(const uint4*)(xh + i), d1);
             unpack8(*(const uint4*)(xh + i + half), d2);
-#pragma unroll
-            for (int k = 0; k < 8; k += 4) {
-                *(float4*)(c1 + k) = *(const float4*)(c + i + k);
-                *(float4*)(s1 + k) = *(const float4*)(s + i + k);
-                *(float4*)(c2 + k) = *(const float4*)(c + i + half + k);
-                *(float4*)(s2 + k) = *(const float4*)(s + i + half + k);
-            }
+            rope_tables8(c, s, i, half, c1, s1, c2, s2);
             float o1[8], o2[8];
 #pragma unroll
             for (int k = 0; k < 8; k++) {

@@ -51,6 +51,19 @@ __device__ __forceinline__ float ex2(float x) {
     return y;
 }
 
+// The RoPE tables' entries for 8 consecutive pairs i .. i + 7 of a head (16-byte aligned rows
+// of cos / sin): c1, s1 rotate the first half (entries i ..), c2, s2 the second (i + half ..).
+__device__ __forceinline__ void rope_tables8(const float* c, const float* s, u32 i, u32 half,
+                                             float* c1, float* s1, float* c2, float* s2) {
+#pragma unroll
+    for (int k = 0; k < 8; k += 4) {
+        *(float4*)(c1 + k) = *(const float4*)(c + i + k);
+        *(float4*)(s1 + k) = *(const float4*)(s + i + k);
+        *(float4*)(c2 + k) = *(const float4*)(c + i + half + k);
+        *(float4*)(s2 + k) = *(const float4*)(s + i + half + k);
+    }
+}
+
 // Unpacks 8 bf16 held in a uint4 into floats.
 __device__ __forceinline__ void unpack8(uint4 v, float* f) {
     f[0] = bf_lo(v.x); f[1] = bf_hi(v.x); f[2] = bf_lo(v.y); f[3] = bf_hi(v.y);
@@ -200,27 +213,6 @@ struct AttnSeq {
     u32 q_start, q_len, p_start, p_len, k_start, k_len;
 };
 
-// Where one thread's K and V chunk of a logical key comes from (AttnSeq's rule): each side's
-// row 0 at the thread's columns `col` (kv head and 16-byte chunk), so that a tile's copies cost
-// a compare, a multiply-add and the adds, with nothing re-derived per key.
-struct KeyRows {
-    const bf16 *pk, *pv, *k, *v;
-    u32 p_stride, kv_stride, p_len;
-    __device__ __forceinline__ KeyRows(const bf16* ppk, const bf16* ppv, u32 pstride,
-                                       const bf16* kk, const bf16* vv, u32 kvstride,
-                                       const AttnSeq& s, u32 col)
-        : pk(ppk + (u64)s.p_start * pstride + col), pv(ppv + (u64)s.p_start * pstride + col),
-          k(kk + (u64)s.k_start * kvstride + col), v(vv + (u64)s.k_start * kvstride + col),
-          p_stride(pstride), kv_stride(kvstride), p_len(s.p_len) {}
-    // K and V addresses of logical key j (any j: a key past the sequence gets an address that
-    // must not be read).
-    __device__ __forceinline__ void at(u32 j, const bf16*& kp, const bf16*& vp) const {
-        const bool pre = j < p_len;
-        const u64 o = pre ? (u64)j * p_stride : (u64)(j - p_len) * kv_stride;
-        kp = (pre ? pk : k) + o;
-        vp = (pre ? pv : v) + o;
-    }
-};
 
 // Shared-memory addresses, cp.async, ldmatrix and mma.sync (the tensor-core kernels).
 __device__ __forceinline__ u32 smem_u32(const void* p) {
@@ -258,3 +250,54 @@ __device__ __forceinline__ void mma16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, 
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+
+// Where one thread's K and V chunks of a logical key come from (AttnSeq's rule), for a block
+// of NTH threads copying HD-wide K/V rows in 16-byte chunks: each side's row 0 at the thread's
+// columns (its kv head and, when the chunks of a row divide the block, its chunk), so that a
+// copy costs a compare, a multiply-add and the adds, with nothing re-derived per key.
+template <int HD, int NTH>
+struct KeyRows {
+    static constexpr int VPR = HD / 8;  // 16-byte chunks per row
+    // a thread copies the same chunk column of every row it copies (HD 128); else the column
+    // is added per copy
+    static constexpr bool COL_FIXED = NTH % VPR == 0;
+    const bf16 *pk, *pv, *k, *v;
+    u32 p_stride, kv_stride, p_len;
+    __device__ __forceinline__ KeyRows(const bf16* ppk, const bf16* ppv, u32 pstride,
+                                       const bf16* kk, const bf16* vv, u32 kvstride,
+                                       const AttnSeq& s, u32 kvh)
+        : p_stride(pstride), kv_stride(kvstride), p_len(s.p_len) {
+        const u32 col = kvh * HD + (COL_FIXED ? threadIdx.x % VPR * 8 : 0);
+        pk = ppk + (u64)s.p_start * pstride + col;
+        pv = ppv + (u64)s.p_start * pstride + col;
+        k = kk + (u64)s.k_start * kvstride + col;
+        v = vv + (u64)s.k_start * kvstride + col;
+    }
+    // K and V addresses of logical key j (any j: a key past the sequence gets an address that
+    // must not be read).
+    __device__ __forceinline__ void at(u32 j, const bf16*& kp, const bf16*& vp) const {
+        const bool pre = j < p_len;
+        const u64 o = pre ? (u64)j * p_stride : (u64)(j - p_len) * kv_stride;
+        kp = (pre ? pk : k) + o;
+        vp = (pre ? pv : v) + o;
+    }
+    // Issues (cp.async, not committed) the copies of logical keys t0 .. t0 + T - 1 into the
+    // shared K and V tiles at ks and vs (rows SROW bf16 apart); keys at or past `end` are zeros.
+    template <int T, int SROW>
+    __device__ __forceinline__ void copy_tile(u32 ks, u32 vs, u32 t0, u32 end) const {
+        static_assert((T * VPR) % NTH == 0, "a K/V tile must split evenly over the block");
+#pragma unroll
+        for (int i = 0; i < T * VPR / NTH; i++) {
+            const u32 c = threadIdx.x + NTH * i, row = c / VPR, col = c % VPR, j = t0 + row;
+            const bf16 *kp, *vp;
+            at(j, kp, vp);
+            if (!COL_FIXED) {
+                kp += col * 8;
+                vp += col * 8;
+            }
+            const u32 so = (row * SROW + col * 8) * 2;
+            cp_async16(ks + so, kp, j < end);
+            cp_async16(vs + so, vp, j < end);
+        }
+    }
+};

@@ -36,13 +36,7 @@ __device__ __forceinline__ void rope_row(bf16* xr, const float* c, const float* 
             float a[8], b[8], c1[8], s1[8], c2[8], s2[8];
             unpack8(*(const uint4*)(xh + i), a);
             unpack8(*(const uint4*)(xh + i + half), b);
-#pragma unroll
-            for (int k = 0; k < 8; k += 4) {
-                *(float4*)(c1 + k) = *(const float4*)(c + i + k);
-                *(float4*)(s1 + k) = *(const float4*)(s + i + k);
-                *(float4*)(c2 + k) = *(const float4*)(c + i + half + k);
-                *(float4*)(s2 + k) = *(const float4*)(s + i + half + k);
-            }
+            rope_tables8(c, s, i, half, c1, s1, c2, s2);
 #pragma unroll
             for (int k = 0; k < 8; k++) {
                 float o1, o2;

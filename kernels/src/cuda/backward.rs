@@ -98,9 +98,10 @@ pub fn rmsnorm_bwd_bf16(
         ptr(rstd, stream),
     );
     let acc = accumulate_dx as u32;
-    const DX_ROWS: u32 = 8; // rows a block, one warp each (backward.cu)
-                            // SAFETY: dx, dy, x hold rows*d elements, w d, rstd rows (checked); arguments match (dx, dy,
-                            // x, w, rstd, rows, cols, accumulate); each dx element is touched by one thread.
+    // rows a block, one warp each (DX_ROWS in backward.cu)
+    const DX_ROWS: u32 = 8;
+    // SAFETY: dx, dy, x hold rows*d elements, w d, rstd rows (checked); arguments match (dx, dy,
+    // x, w, rstd, rows, cols, accumulate); each dx element is touched by one thread.
     unsafe {
         launch(
             gpu,
@@ -114,7 +115,8 @@ pub fn rmsnorm_bwd_bf16(
     }?;
     if let Some(dwp) = dw_p {
         // SAFETY: dw holds d elements, dy and x rows*d, rstd rows (checked); column j of dw is
-        // written by one thread only; arguments match (dw, dy, x, rstd, rows, cols).
+        // written by one thread only; arguments match (dw, dy, x, rstd, rows, cols). Blocks of
+        // 16 columns x 16 row lanes (DW_COLS in backward.cu).
         unsafe {
             launch(
                 gpu,

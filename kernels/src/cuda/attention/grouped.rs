@@ -335,7 +335,7 @@ pub fn attention_decode_grouped_bf16(
         let a = (1, 1, b, plan.s_chunk, plan.s_splits);
         group_pass(OP, gpu, stream, &dims, &g, a, (1, 0, 0), None)?;
     }
-    // 3. the ordered merge of all slots
+    // 2. the ordered merge of all slots
     reduce_pass(
         OP,
         gpu,
