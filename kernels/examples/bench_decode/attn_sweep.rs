@@ -48,14 +48,7 @@ pub(crate) fn attn_sweep(g: &Gpu, s: &Arc<CudaStream>, ceiling: f64, cases: &[Ca
             seen.push(plan);
             m.gplan = plan;
             let layers = m.d.layers;
-            let gr = capture(s, || {
-                for l in 0..layers {
-                    m.attention(g, s, l)?;
-                }
-                Ok(())
-            })?;
-            let t = time_graph(g, s, &gr, 20)?;
-            drop(gr);
+            let t = m.attention_ms(g, s)?;
             let out: Vec<u8> = s
                 .clone_dtoh(&m.attn)?
                 .iter()

@@ -171,7 +171,6 @@ struct Timed {
 /// Builds the step graph of the model's current variant and times it (also the GEMMs alone and
 /// the attention alone, each as its own graph).
 fn time_variant(g: &Gpu, s: &Arc<CudaStream>, m: &mut Model) -> Res<Timed> {
-    let layers = m.d.layers;
     // eager once (also checks every launch), then the graph
     m.step(g, s)?;
     s.synchronize()?;
@@ -201,14 +200,7 @@ fn time_variant(g: &Gpu, s: &Arc<CudaStream>, m: &mut Model) -> Res<Timed> {
     let step_no_pdl = time_graph(g, s, &graph, 20)?;
     drop(graph);
     let tokens = s.clone_dtoh(&m.tokens)?;
-    let att_graph = capture(s, || {
-        for l in 0..layers {
-            m.attention(g, s, l)?;
-        }
-        Ok(())
-    })?;
-    let attn = time_graph(g, s, &att_graph, 20)?;
-    drop(att_graph);
+    let attn = m.attention_ms(g, s)?;
     let gemm_graph = capture(s, || m.gemms(g, s))?;
     let gemms = time_graph(g, s, &gemm_graph, 20)?;
     drop(gemm_graph);

@@ -225,6 +225,18 @@ impl Model {
         }
     }
 
+    /// Every layer's attention in one graph: its median replay time (ms).
+    pub(crate) fn attention_ms(&mut self, g: &Gpu, s: &Arc<CudaStream>) -> Res<f64> {
+        let layers = self.d.layers;
+        let gr = capture(s, || {
+            for l in 0..layers {
+                self.attention(g, s, l)?;
+            }
+            Ok(())
+        })?;
+        time_graph(g, s, &gr, 20)
+    }
+
     pub(crate) fn attention(&mut self, g: &Gpu, s: &Arc<CudaStream>, l: usize) -> Res<()> {
         let d = self.d;
         let qkvw = (d.nh + 2 * d.nkv) * d.hd;
