@@ -22,7 +22,7 @@
 //! split's length bound) is checked before each iteration, and the graphs are captured again
 //! when it changed; the sampling key (seed, iteration) is read from the device.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaGraph, PinnedHostSlice};
@@ -146,6 +146,11 @@ pub struct DeviceDecode {
     baked: (u64, u64),
     /// Streams on which a capture failed: their steps are launched eagerly.
     no_graph: Vec<usize>,
+    /// (bucket, stream) pairs that ran a step eagerly: the next step of the pair is captured.
+    warm: HashSet<(usize, usize)>,
+    /// Whether the last step was a bucket's first eager launch or its capture on its stream
+    /// (a host burst of milliseconds, where a replay takes microseconds).
+    burst: bool,
     /// Launch every step eagerly (no graphs): the reference the graph replay is checked against.
     eager: bool,
     /// Per sample: its group's prefix length (for [`DeviceDecode::step_bytes`]).
@@ -353,6 +358,8 @@ impl DeviceDecode {
             graphs: HashMap::new(),
             baked: (0, 0),
             no_graph: Vec::new(),
+            warm: HashSet::new(),
+            burst: false,
             eager: false,
             prefix_len: Vec::new(),
             launched: Vec::new(),
@@ -534,6 +541,7 @@ impl DeviceDecode {
     pub fn forget_graphs(&mut self) {
         self.graphs.clear();
         self.no_graph.clear();
+        self.warm.clear();
     }
 
     /// The least bytes step `step` moved, given how many samples were live in it (the caller's
@@ -558,15 +566,28 @@ impl DeviceDecode {
             .map_or(0, |&(rows, _)| rows)
     }
 
+    /// Step graphs captured so far (each a first use of a batch bucket on a stream).
+    pub fn graphs_captured(&self) -> usize {
+        self.graphs.len()
+    }
+
+    /// Whether the last step launched was a bucket's first eager launch or its capture on its
+    /// stream (milliseconds of host work; a replay, or a step of a loop launched eagerly
+    /// throughout, is not).
+    pub fn last_step_burst(&self) -> bool {
+        self.burst
+    }
+
     /// Rows in the running batch.
     pub fn batch_rows(&self) -> usize {
         self.batch.len()
     }
 
     /// Runs decode step `step` on `stream`: first the deterministic compaction (see the module
-    /// docs), then the step as a graph replay (captured on first use of the bucket on this
-    /// stream, after one eager launch that also compiles and plans what the capture needs), and
-    /// every [`LAG`]th step a copy of the stop steps for the host. Returns whether the step ran:
+    /// docs), then the step as a graph replay (a bucket's first step on a stream is launched
+    /// eagerly, which also compiles and plans what a capture needs; its second is captured and
+    /// replayed: a capture burst after an eager one would outlast the steps the device has
+    /// queued), and every [`LAG`]th step a copy of the stop steps for the host. Returns whether the step ran:
     /// `false` once the host knows every sample has stopped.
     pub fn step(
         &mut self,
@@ -587,21 +608,34 @@ impl DeviceDecode {
         }
         let sk = stream.cu_stream() as usize;
         let key = (self.batch.len(), sk);
-        if let Some(g) = self.graphs.get(&key).filter(|_| !self.eager) {
+        let steady = self.eager || self.no_graph.contains(&sk);
+        self.burst = false;
+        if let Some(g) = self.graphs.get(&key).filter(|_| !steady) {
             g.launch()?;
-        } else {
+        } else if steady {
             self.launch_step(model, gpu, stream, arena)?;
-            if !self.eager && !self.no_graph.contains(&sk) {
-                match self.capture(model, gpu, stream, arena) {
-                    Ok(g) => {
-                        self.graphs.insert(key, g);
-                    }
-                    Err(e) => {
-                        eprintln!(
-                            "warning: decode steps on this stream are launched one kernel at a                              time: capturing a CUDA graph failed ({e})"
-                        );
-                        self.no_graph.push(sk);
-                    }
+        } else if self.warm.insert(key) {
+            // the bucket's first step on this stream: launched one kernel at a time, which also
+            // compiles and plans what a capture needs (kernels, GEMM plans, the stream's GEMM
+            // workspace)
+            self.burst = true;
+            self.launch_step(model, gpu, stream, arena)?;
+        } else {
+            // its second step: captured, then replayed (the host's burst split over two steps,
+            // each shorter than the two steps the device has queued)
+            self.burst = true;
+            match self.capture(model, gpu, stream, arena) {
+                Ok(g) => {
+                    g.launch()?;
+                    self.graphs.insert(key, g);
+                }
+                Err(e) => {
+                    eprintln!(
+                        "warning: decode steps on this stream are launched one kernel at a \
+                         time: capturing a CUDA graph failed ({e})"
+                    );
+                    self.no_graph.push(sk);
+                    self.launch_step(model, gpu, stream, arena)?;
                 }
             }
         }

@@ -14,8 +14,10 @@ use super::GpuIteration;
 
 /// Where the host's time goes in a decode window (`--task-log` prints it per window):
 /// launching the sampling and log-prob kernels, waiting for the step's tokens (the device
-/// runs the step meanwhile), the bookkeeping and the next step's launches, and launching side
-/// pieces. When the wait is near zero the decode loop is bound by the host, not the device.
+/// runs the step meanwhile), the bookkeeping and the next step's launches (with the graph
+/// captures of batch buckets first used on the window's stream: one eager step and a capture
+/// each), and launching side pieces. When the wait is near zero the decode loop is bound by
+/// the host, not the device.
 #[derive(Default)]
 pub(super) struct HostSplit {
     pub(super) steps: u32,
@@ -23,7 +25,10 @@ pub(super) struct HostSplit {
     pub(super) launch_sample: Duration,
     pub(super) wait: Duration,
     pub(super) launch_decode: Duration,
+    pub(super) captures: usize,
     pub(super) launch_side: Duration,
+    /// The longest of those side launches (the host holds the decode loop that long).
+    pub(super) longest_side: Duration,
 }
 
 impl std::fmt::Display for HostSplit {
@@ -31,14 +36,16 @@ impl std::fmt::Display for HostSplit {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         write!(
             f,
-            "{} steps, sample launch {:.1} ms, wait for tokens {:.1} ms, decode launch {:.1} ms, \
-             {} side pieces launched in {:.1} ms",
+            "{} steps, sample launch {:.1} ms, wait for tokens {:.1} ms, decode launch {:.1} ms \
+             ({} graphs captured), {} side pieces launched in {:.1} ms (longest {:.1} ms)",
             self.steps,
             ms(self.launch_sample),
             ms(self.wait),
             ms(self.launch_decode),
+            self.captures,
             self.pieces,
-            ms(self.launch_side)
+            ms(self.launch_side),
+            ms(self.longest_side)
         )
     }
 }

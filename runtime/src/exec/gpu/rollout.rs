@@ -307,9 +307,12 @@ impl GpuIteration<'_, '_> {
             let models = &mut *self.models;
             let dd = models.decode.as_mut().expect("started by lay_out");
             let arena = self.arena.as_mut().expect("laid out with the slots");
+            let captured = dd.graphs_captured();
             if !dd.step(models.trainer.model(), &models.gpu, s, arena, step)? {
                 break;
             }
+            host.captures += dd.graphs_captured().saturating_sub(captured);
+            let burst = dd.last_step_burst();
             let end = models.gpu.timing_event()?;
             end.record(s)?;
             self.step_marks.push(mark);
@@ -325,10 +328,16 @@ impl GpuIteration<'_, '_> {
                 self.step_marks[n - STEPS_AHEAD].synchronize()?;
                 host.wait += t_wait.elapsed();
             }
-            // a piece of the window's side work, launched while the device runs the steps
+            // a piece of the window's side work, launched while the device runs the steps;
+            // not after a step the host launched eagerly or captured (its own burst of
+            // milliseconds, which a piece's launches on top would stretch past the steps queued)
             let t_side = Instant::now();
-            host.pieces += self.launch_paced()?;
-            host.launch_side += t_side.elapsed();
+            if !burst {
+                host.pieces += self.launch_paced()?;
+            }
+            let side = t_side.elapsed();
+            host.launch_side += side;
+            host.longest_side = host.longest_side.max(side);
             host.steps += 1;
         }
         let mark = self.models.gpu.timing_event()?;
