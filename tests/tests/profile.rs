@@ -619,3 +619,31 @@ fn the_7b_job_fits_one_h200_with_its_reference_on_host_under_the_runtime_profile
         );
     }
 }
+
+/// The H100 runtime profile, fit on the 3B job at 8 prompts, predicts the same job at 4 prompts
+/// (plans it was not fit on) within 5% of the iterations measured on an H100 (2.929 s serial,
+/// 2.862 s overlap: docs/perf.md, "Planner prediction error").
+#[test]
+fn the_h100_profile_predicts_the_4_prompt_job_it_was_not_fit_on() {
+    let text = common::repo_file("cost/profiles/h100-3b-runtime.yaml");
+    let profile = Profile::from_yaml(&text).expect("the H100 runtime profile");
+    assert_eq!(profile.gpu.name, "H100");
+    let src = common::repo_file("examples/h200-3b-video.rpx")
+        .replace("preset = H200", "preset = H100")
+        .replace("const PROMPTS = 16", "const PROMPTS = 4");
+    let spec = common::spec("h100-3b-video.rpx", &src);
+    for (mode, measured) in [(Mode::Serial, 2.929), (Mode::Overlap, 2.862)] {
+        let opts = rollplex_compiler::Options {
+            mode: Some(mode),
+            profile: Some(profile.clone()),
+            ..Default::default()
+        };
+        let predicted = common::compile_spec(&spec, &opts).predicted.iteration_s;
+        let err = predicted / measured - 1.0;
+        assert!(
+            err.abs() < 0.05,
+            "{mode:?}: predicted {predicted:.3} s against {measured} s measured ({:+.1}%)",
+            err * 100.0
+        );
+    }
+}
