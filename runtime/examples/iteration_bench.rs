@@ -13,7 +13,8 @@
 //!
 //! With `--profile-dir DIR`, every plan run also records what `rollplex-run --profile` records
 //! (`exec::profile`: times alone, and for an overlap plan its decode windows cut by step beside
-//! the side work) and writes `DIR/STEM.r{round}.profile.yaml` as soon as the run is done, and a
+//! the side work) and writes `DIR/STEM.r{round}.profile.yaml` as soon as the run is done (STEM the
+//! plan file's stem, `STEM.pI` where plans share one: `exec::profile::plan_file_stems`), and a
 //! line `STEM round mode median_s predicted_s iteration_s...` to `DIR/measured.tsv` (the warm
 //! iterations), so a run cut short by a time limit keeps what it finished; merge the profiles
 //! with `rollplexc merge-profiles` (`runtime/examples/corun_calibrate.sh` does it all).
@@ -45,7 +46,7 @@ use rollplex_runtime::exec::gpu::{
     build_gpu_models, build_gpu_models_for, check_gpu_plan, check_host_memory, open_gpu,
     run_gpu_loop_with, GpuExecOptions, PlanStreams,
 };
-use rollplex_runtime::exec::profile::{Execution, ProfileRecorder};
+use rollplex_runtime::exec::profile::{plan_file_stems, Execution, ProfileRecorder};
 use rollplex_runtime::exec::{
     self, DecodeWindow, ExecError, IterationResult, LoopModels, LoopObserver,
 };
@@ -286,6 +287,8 @@ fn main() -> Result<()> {
         plans.len()
     );
     let mut runs: Vec<Run> = (0..plans.len()).map(|_| Run::default()).collect();
+    let names: Vec<&str> = plans.iter().map(|(n, _)| n.as_str()).collect();
+    let stems = plan_file_stems(&names);
     for round in 0..rounds {
         for (i, (name, plan)) in plans.iter().enumerate() {
             if let (Some(a), Some(arena)) = (&actor, &slot.as_ref().and_then(|m| m.arena.as_ref()))
@@ -342,17 +345,14 @@ fn main() -> Result<()> {
                 options,
             )
             .with_context(|| format!("running {name}"))?;
-            let stem = std::path::Path::new(name)
-                .file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_else(|| format!("plan{i}"));
+            let stem = &stems[i];
             if let (Some(dir), Some(t)) = (&trace_dir, obs.trace.take()) {
                 std::fs::create_dir_all(dir)?;
                 let path = dir.join(format!("{stem}.r{round}.json"));
                 std::fs::write(&path, serde_json::to_string(&t.to_json())?)?;
             }
             if let (Some(dir), Some(rec)) = (&profile_dir, obs.profile.take()) {
-                write_measured(dir, &stem, round, plan, &rec)?;
+                write_measured(dir, stem, round, plan, &rec)?;
             }
             let r = &runs[i];
             let warm = iterations as usize - 1;

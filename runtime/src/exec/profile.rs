@@ -144,6 +144,34 @@ pub struct KindSum {
     pub predicted_s: f64,
 }
 
+/// The names a run over several plans gives each plan's output files (`iteration_bench
+/// --profile-dir` / `--trace-dir`): the plan file's stem, and where two plans share a stem (the
+/// same file name in two folders) `STEM.pI` with I the plan's position on the command line, so
+/// that no plan's files overwrite another's.
+pub fn plan_file_stems(paths: &[&str]) -> Vec<String> {
+    let stems: Vec<String> = paths
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            std::path::Path::new(p)
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| format!("plan{i}"))
+        })
+        .collect();
+    stems
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            if stems.iter().filter(|t| *t == s).count() > 1 {
+                format!("{s}.p{i}")
+            } else {
+                s.clone()
+            }
+        })
+        .collect()
+}
+
 /// Median of `xs` (mean of the middle two for an even count); `None` when empty.
 pub fn median(xs: &[f64]) -> Option<f64> {
     if xs.is_empty() {

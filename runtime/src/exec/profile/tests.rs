@@ -70,3 +70,17 @@ fn overlapping_intervals_are_not_alone() {
         .iter()
         .all(|&a| a));
 }
+
+#[test]
+fn plans_of_one_file_name_get_distinct_file_stems() {
+    let stems = plan_file_stems(&[
+        "a/serial.plan.bin",
+        "b/serial.plan.bin",
+        "b/overlap.plan.bin",
+        "x",
+    ]);
+    assert_eq!(
+        stems,
+        ["serial.plan.p0", "serial.plan.p1", "overlap.plan", "x"]
+    );
+}
