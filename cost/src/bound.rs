@@ -43,6 +43,15 @@ impl FreeBound {
     pub fn speedup(&self) -> f64 {
         self.total / (self.total - self.movable.min(self.decode))
     }
+
+    /// The share of the bound's headroom that overlap captured, given its measured speedup over
+    /// serial (serial time / overlap time): `(1 - 1/measured) / (1 - 1/bound)`, the time overlap
+    /// saved over the time the bound saves. 1: all of it; at or below 0: none (overlap no faster
+    /// than serial). `None` when the bound leaves no headroom (nothing movable or no decode).
+    pub fn captured(&self, measured: f64) -> Option<f64> {
+        let headroom = 1.0 - 1.0 / self.speedup();
+        (headroom > 0.0 && measured > 0.0).then(|| (1.0 - 1.0 / measured) / headroom)
+    }
 }
 
 /// [`FreeBound`] of a serial run's profile (see the module doc).

@@ -332,12 +332,20 @@ fn the_free_bound_hides_movable_work_up_to_the_decode_time() {
     assert_eq!((b.total, b.movable, b.decode), (6.0, 1.0, 2.0));
     assert!((b.speedup() - 6.0 / 5.0).abs() < 1e-12);
     assert_eq!(b.by_kind["actor_bwd"], 2.0);
+    // overlap at 6 s -> 5.5 s saved half of the bound's second; at serial's time, none
+    assert!((b.captured(6.0 / 5.5).unwrap() - 0.5).abs() < 1e-12);
+    assert!((b.captured(6.0 / 5.0).unwrap() - 1.0).abs() < 1e-12);
+    assert_eq!(b.captured(1.0), Some(0.0));
+    assert!(b.captured(6.0 / 6.6).unwrap() < 0.0, "slower than serial");
     // more movable work than decode: only the decode's worth hides
     let p = serial(vec![
         pt(WorkKind::Decode, 1.0),
         pt(WorkKind::ActorPrefixFwd, 3.0),
     ]);
     assert!((bound::free_bound(&p).unwrap().speedup() - 4.0 / 3.0).abs() < 1e-12);
+    // nothing movable: no headroom to capture
+    let none = bound::free_bound(&serial(vec![pt(WorkKind::Decode, 1.0)])).unwrap();
+    assert_eq!(none.captured(1.1), None);
     // an overlap run's profile (co-run measurements) is refused
     let mut p = serial(vec![pt(WorkKind::Decode, 1.0)]);
     p.beside_points.push(BesidePoint {

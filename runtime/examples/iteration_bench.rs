@@ -17,7 +17,10 @@
 //! plan file's stem, `STEM.pI` where plans share one: `exec::profile::plan_file_stems`), and a
 //! line `STEM round mode median_s predicted_s iteration_s...` to `DIR/measured.tsv` (the warm
 //! iterations), so a run cut short by a time limit keeps what it finished; merge the profiles
-//! with `rollplexc merge-profiles` (`runtime/examples/corun_calibrate.sh` does it all).
+//! with `rollplexc merge-profiles` (`runtime/examples/corun_calibrate.sh` does it all). Each
+//! overlap plan with a serial plan of the same job in the run is then printed against overlap's
+//! free bound from that serial run's profile (`rollplex_cost::bound`): the measured speedup, the
+//! bound and the share of the bound's headroom captured.
 //!
 //! With `--placed` the models are built for the plan they run (`build_gpu_models_for`: its
 //! device arena allocated once, the weights, optimizer state and every iteration's kept buffers
@@ -41,7 +44,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use rollplex_plan::plan::{Plan, Task};
-use rollplex_plan::spec::DatasetSpec;
+use rollplex_plan::spec::{DatasetSpec, Mode};
 use rollplex_runtime::exec::gpu::{
     build_gpu_models, build_gpu_models_for, check_gpu_plan, check_host_memory, open_gpu,
     run_gpu_loop_with, GpuExecOptions, PlanStreams,
@@ -64,6 +67,9 @@ struct Run {
     decode: Vec<(u32, f64, f64, u64, u64)>,
     /// The warm iterations' decode windows.
     windows: Vec<DecodeWindow>,
+    /// A serial plan's free bound of overlap, from its run's profile (`--profile-dir`; the last
+    /// round's).
+    bound: Option<rollplex_cost::bound::FreeBound>,
 }
 
 struct Observer<'a> {
@@ -167,27 +173,33 @@ fn check_same_job(a: &Plan, b: &Plan, name: &str) -> Result<()> {
 /// `--profile-dir`: the run's profile, and its line of `measured.tsv` (appended, so a run cut
 /// short keeps the plans it finished). A profile that cannot be fitted is reported and the
 /// bench goes on (the measured times are still written): one plan's bad measurement must not
-/// cost the run the plans after it.
+/// cost the run the plans after it. Returns the profile written, if one was.
 fn write_measured(
     dir: &std::path::Path,
     stem: &str,
     round: u32,
     plan: &Plan,
     rec: &ProfileRecorder,
-) -> Result<()> {
+) -> Result<Option<rollplex_cost::Profile>> {
     use std::io::Write;
     let path = dir.join(format!("{stem}.r{round}.profile.yaml"));
-    match rec.write(&path) {
-        Ok(m) => println!(
-            "profile {}: {} points, {} beside points; measured median {:.3} s, predicted {:.3} s",
-            path.display(),
-            m.profile.points.len(),
-            m.profile.beside_points.len(),
-            m.iteration_median_s,
-            plan.predicted.iteration_s
-        ),
-        Err(e) => eprintln!("warning: no profile for {stem} (round {round}): {e}"),
-    }
+    let written = match rec.write(&path) {
+        Ok(m) => {
+            println!(
+                "profile {}: {} points, {} beside points; measured median {:.3} s, predicted {:.3} s",
+                path.display(),
+                m.profile.points.len(),
+                m.profile.beside_points.len(),
+                m.iteration_median_s,
+                plan.predicted.iteration_s
+            );
+            Some(m.profile)
+        }
+        Err(e) => {
+            eprintln!("warning: no profile for {stem} (round {round}): {e}");
+            None
+        }
+    };
     let tsv = dir.join("measured.tsv");
     let mut f = std::fs::OpenOptions::new()
         .create(true)
@@ -208,7 +220,7 @@ fn write_measured(
         iters.join("\t")
     )
     .with_context(|| format!("writing {}", tsv.display()))?;
-    Ok(())
+    Ok(written)
 }
 
 fn main() -> Result<()> {
@@ -352,7 +364,10 @@ fn main() -> Result<()> {
                 std::fs::write(&path, serde_json::to_string(&t.to_json())?)?;
             }
             if let (Some(dir), Some(rec)) = (&profile_dir, obs.profile.take()) {
-                write_measured(dir, stem, round, plan, &rec)?;
+                let profile = write_measured(dir, stem, round, plan, &rec)?;
+                if plan.mode == Mode::Serial {
+                    runs[i].bound = profile.and_then(|p| rollplex_cost::bound::free_bound(&p).ok());
+                }
             }
             let r = &runs[i];
             let warm = iterations as usize - 1;
@@ -452,5 +467,58 @@ fn main() -> Result<()> {
             100.0 * live as f64 / rows.max(1) as f64
         );
     }
+    print_overlap_bounds(&plans, &runs);
     Ok(())
+}
+
+/// With `--profile-dir`: each overlap plan against the serial plan of the same job in this
+/// process (the same spec but for the mode), side by side with the free bound from that serial
+/// run's profile and the share of the bound's headroom captured (`FreeBound::captured`).
+fn print_overlap_bounds(plans: &[(String, Plan)], runs: &[Run]) {
+    let file = |n: &str| {
+        std::path::Path::new(n)
+            .file_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    };
+    let mut header = false;
+    for ((oname, o), orun) in plans.iter().zip(runs) {
+        if o.mode != Mode::Overlap {
+            continue;
+        }
+        let serial = plans.iter().zip(runs).find(|((_, s), _)| {
+            let mut as_overlap = s.spec.clone();
+            as_overlap.schedule.mode = Mode::Overlap;
+            s.mode == Mode::Serial && as_overlap == o.spec
+        });
+        let Some(((sname, _), srun)) = serial else {
+            continue;
+        };
+        let Some(b) = &srun.bound else { continue };
+        if !header {
+            println!(
+                "\n{:<36} {:<24} {:>9} {:>9} {:>10} {:>9}",
+                "overlap against its free bound",
+                "serial",
+                "serial_s",
+                "overlap_s",
+                "measured",
+                "bound"
+            );
+            header = true;
+        }
+        let (ts, to) = (median(&srun.wall), median(&orun.wall));
+        let measured = ts / to;
+        println!(
+            "{:<36} {:<24} {:>9.3} {:>9.3} {:>9.3}x {:>8.3}x  captured {}",
+            file(oname),
+            file(sname),
+            ts,
+            to,
+            measured,
+            b.speedup(),
+            b.captured(measured)
+                .map_or("- (no headroom)".into(), |c| format!("{:.0}%", 100.0 * c))
+        );
+    }
 }
