@@ -405,10 +405,7 @@ fn main() -> Result<()> {
             .collect();
         println!(
             "{:<36} {:>9.3} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>8.2} {:>9} {:>8.3} {:>8.3}x",
-            std::path::Path::new(name)
-                .file_name()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_default(),
+            file_name(name),
             m,
             ph[0],
             ph[1],
@@ -451,10 +448,7 @@ fn main() -> Result<()> {
         let gap = r.windows.iter().map(|w| w.max_gap_s).fold(0.0, f64::max);
         println!(
             "{:<36} {:>6.0} {:>9.3} {:>9.3} {:>9.3} {:>9.1}% {:>7.1}..{:>7.1}% {:>11.1} {:>9.1} {:>5.1}%",
-            std::path::Path::new(name)
-                .file_name()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_default(),
+            file_name(name),
             steps as f64 / n,
             s / n,
             1e3 * s / steps.max(1) as f64,
@@ -471,16 +465,18 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// A plan path's file name, as the tables print it.
+fn file_name(path: &str) -> String {
+    std::path::Path::new(path)
+        .file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
 /// With `--profile-dir`: each overlap plan against the serial plan of the same job in this
 /// process (the same spec but for the mode), side by side with the free bound from that serial
 /// run's profile and the share of the bound's headroom captured (`FreeBound::captured`).
 fn print_overlap_bounds(plans: &[(String, Plan)], runs: &[Run]) {
-    let file = |n: &str| {
-        std::path::Path::new(n)
-            .file_name()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_default()
-    };
     let mut header = false;
     for ((oname, o), orun) in plans.iter().zip(runs) {
         if o.mode != Mode::Overlap {
@@ -511,8 +507,8 @@ fn print_overlap_bounds(plans: &[(String, Plan)], runs: &[Run]) {
         let measured = ts / to;
         println!(
             "{:<36} {:<24} {:>9.3} {:>9.3} {:>9.3}x {:>8.3}x  captured {}",
-            file(oname),
-            file(sname),
+            file_name(oname),
+            file_name(sname),
             ts,
             to,
             measured,

@@ -148,9 +148,6 @@ pub struct DeviceDecode {
     no_graph: Vec<usize>,
     /// (bucket, stream) pairs that ran a step eagerly: the next step of the pair is captured.
     warm: HashSet<(usize, usize)>,
-    /// Whether the last step was a bucket's first eager launch or its capture on its stream
-    /// (a host burst of milliseconds, where a replay takes microseconds).
-    burst: bool,
     /// Launch every step eagerly (no graphs): the reference the graph replay is checked against.
     eager: bool,
     /// Per sample: its group's prefix length (for [`DeviceDecode::step_bytes`]).
@@ -161,6 +158,19 @@ pub struct DeviceDecode {
     /// Bytes of the text decoder's weights and lm head, and of one key's K and V over layers.
     weight_bytes: u64,
     kv_bytes_per_key: u64,
+}
+
+/// How [`DeviceDecode::step`] launched a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepLaunch {
+    /// A replay of the step graph of the batch's bucket on this stream (microseconds of host).
+    Replay,
+    /// One kernel at a time, as every step of this loop (eager mode, or a stream whose capture
+    /// failed).
+    Eager,
+    /// Milliseconds of host: a bucket's first step on a stream (one kernel at a time), or its
+    /// second, captured (`captured`) and replayed.
+    Burst { captured: bool },
 }
 
 /// The batch sizes, in groups' worth of rows, a loop over `groups` groups runs: 1, 2, 3, 4, 6,
@@ -359,7 +369,6 @@ impl DeviceDecode {
             baked: (0, 0),
             no_graph: Vec::new(),
             warm: HashSet::new(),
-            burst: false,
             eager: false,
             prefix_len: Vec::new(),
             launched: Vec::new(),
@@ -566,18 +575,6 @@ impl DeviceDecode {
             .map_or(0, |&(rows, _)| rows)
     }
 
-    /// Step graphs captured so far (each a first use of a batch bucket on a stream).
-    pub fn graphs_captured(&self) -> usize {
-        self.graphs.len()
-    }
-
-    /// Whether the last step launched was a bucket's first eager launch or its capture on its
-    /// stream (milliseconds of host work; a replay, or a step of a loop launched eagerly
-    /// throughout, is not).
-    pub fn last_step_burst(&self) -> bool {
-        self.burst
-    }
-
     /// Rows in the running batch.
     pub fn batch_rows(&self) -> usize {
         self.batch.len()
@@ -587,8 +584,9 @@ impl DeviceDecode {
     /// docs), then the step as a graph replay (a bucket's first step on a stream is launched
     /// eagerly, which also compiles and plans what a capture needs; its second is captured and
     /// replayed: a capture burst after an eager one would outlast the steps the device has
-    /// queued), and every [`LAG`]th step a copy of the stop steps for the host. Returns whether the step ran:
-    /// `false` once the host knows every sample has stopped.
+    /// queued), and every [`LAG`]th step a copy of the stop steps for the host. Returns how the
+    /// step was launched, or `None` (nothing launched) once the host knows every sample has
+    /// stopped.
     pub fn step(
         &mut self,
         model: &GpuModel,
@@ -596,11 +594,11 @@ impl DeviceDecode {
         stream: &Arc<CudaStream>,
         arena: &mut GpuKvArena,
         step: u32,
-    ) -> Result<bool> {
+    ) -> Result<Option<StepLaunch>> {
         self.poll()?;
         if let Some((_, done)) = &self.known {
             if done.iter().all(|&d| d != NOT_DONE) {
-                return Ok(false);
+                return Ok(None);
             }
         }
         if step >= LAG && step.is_multiple_of(LAG) {
@@ -609,25 +607,26 @@ impl DeviceDecode {
         let sk = stream.cu_stream() as usize;
         let key = (self.batch.len(), sk);
         let steady = self.eager || self.no_graph.contains(&sk);
-        self.burst = false;
-        if let Some(g) = self.graphs.get(&key).filter(|_| !steady) {
+        let how = if let Some(g) = self.graphs.get(&key).filter(|_| !steady) {
             g.launch()?;
+            StepLaunch::Replay
         } else if steady {
             self.launch_step(model, gpu, stream, arena)?;
+            StepLaunch::Eager
         } else if self.warm.insert(key) {
             // the bucket's first step on this stream: launched one kernel at a time, which also
             // compiles and plans what a capture needs (kernels, GEMM plans, the stream's GEMM
             // workspace)
-            self.burst = true;
             self.launch_step(model, gpu, stream, arena)?;
+            StepLaunch::Burst { captured: false }
         } else {
             // its second step: captured, then replayed (the host's burst split over two steps,
             // each shorter than the two steps the device has queued)
-            self.burst = true;
             match self.capture(model, gpu, stream, arena) {
                 Ok(g) => {
                     g.launch()?;
                     self.graphs.insert(key, g);
+                    StepLaunch::Burst { captured: true }
                 }
                 Err(e) => {
                     eprintln!(
@@ -636,9 +635,10 @@ impl DeviceDecode {
                     );
                     self.no_graph.push(sk);
                     self.launch_step(model, gpu, stream, arena)?;
+                    StepLaunch::Burst { captured: false }
                 }
             }
-        }
+        };
         if step.is_multiple_of(LAG) {
             self.copy_done(gpu, stream, step)?;
         }
@@ -649,7 +649,7 @@ impl DeviceDecode {
             "steps run in order from 0"
         );
         self.launched.push((rows, prefix_keys));
-        Ok(true)
+        Ok(Some(how))
     }
 
     /// The step's launches: draw, log-prob, advance, forward.

@@ -127,7 +127,7 @@ impl GpuModel {
         };
         dd.start(self, gpu, stream, &arena, &start, cfg.seed, cfg.iteration)?;
         for step in 0..maxn {
-            if !dd.step(self, gpu, stream, &mut arena, step)? {
+            if dd.step(self, gpu, stream, &mut arena, step)?.is_none() {
                 break;
             }
         }

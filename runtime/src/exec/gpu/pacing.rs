@@ -15,9 +15,9 @@ use super::GpuIteration;
 /// Where the host's time goes in a decode window (`--task-log` prints it per window):
 /// launching the sampling and log-prob kernels, waiting for the step's tokens (the device
 /// runs the step meanwhile), the bookkeeping and the next step's launches (with the graph
-/// captures of batch buckets first used on the window's stream: one eager step and a capture
-/// each), and launching side pieces. When the wait is near zero the decode loop is bound by
-/// the host, not the device.
+/// captures of batch buckets new to the window's stream, each after one eager step), and
+/// launching side pieces. When the wait is near zero the decode loop is bound by the host, not
+/// the device.
 #[derive(Default)]
 pub(super) struct HostSplit {
     pub(super) steps: u32,

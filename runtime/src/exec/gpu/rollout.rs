@@ -15,7 +15,7 @@ use super::ops::no_reference;
 use super::pacing::HostSplit;
 use super::{GpuIteration, Media};
 use crate::gpu::arena::Region;
-use crate::gpu::decode::{DecodeOutput, DecodeStart, DeviceDecode, NOT_DONE};
+use crate::gpu::decode::{DecodeOutput, DecodeStart, DeviceDecode, StepLaunch, NOT_DONE};
 use crate::gpu::generate::sample_params;
 use crate::gpu::{GpuEncodedMedia, GpuKvArena, GpuModel, GpuPrefixState, GpuPrompt};
 use crate::model::{DecodeSlot, MediaInput};
@@ -307,12 +307,13 @@ impl GpuIteration<'_, '_> {
             let models = &mut *self.models;
             let dd = models.decode.as_mut().expect("started by lay_out");
             let arena = self.arena.as_mut().expect("laid out with the slots");
-            let captured = dd.graphs_captured();
-            if !dd.step(models.trainer.model(), &models.gpu, s, arena, step)? {
+            let Some(how) = dd.step(models.trainer.model(), &models.gpu, s, arena, step)? else {
                 break;
+            };
+            let burst = matches!(how, StepLaunch::Burst { .. });
+            if how == (StepLaunch::Burst { captured: true }) {
+                host.captures += 1;
             }
-            host.captures += dd.graphs_captured().saturating_sub(captured);
-            let burst = dd.last_step_burst();
             let end = models.gpu.timing_event()?;
             end.record(s)?;
             self.step_marks.push(mark);

@@ -129,7 +129,7 @@ fn run(
     dd.start(gm, gpu, s, arena, &start, 5, iteration).unwrap();
     let mut batches = Vec::new();
     for step in 0..max_new {
-        if !dd.step(gm, gpu, s, arena, step).unwrap() {
+        if dd.step(gm, gpu, s, arena, step).unwrap().is_none() {
             break;
         }
         batches.push(dd.batch_rows());
