@@ -4,8 +4,10 @@
 //! the attention between them (causal over a kept prefix, or windows / frames with 2D RoPE)
 //! differs, and stays with each caller.
 //!
-//! Invariant: every launch and its order are what each caller ran before these were shared;
-//! gradients are added into the caller's fp32 sums ([`BlockGrads`]) in that fixed order.
+//! Invariant: over one row set (the vision tower's blocks) every launch and its order are what
+//! each caller ran before these were shared; gradients are added into the caller's fp32 sums
+//! ([`BlockGrads`]) in a fixed order. The text trainer runs the MLP half over several row sets
+//! stacked (`BlockBwd::mlp_stacked`), one GEMM per weight over all of them.
 
 use std::sync::Arc;
 
@@ -76,7 +78,16 @@ pub(crate) struct BlockBwd<'a> {
     pub ones: &'a CudaSlice<bf16>,
 }
 
+/// One row set of [`BlockBwd::mlp_stacked`]: its saved activations, the gradient of its block
+/// output (`dx`, at least `rows` rows; it ends holding the gradient of `x_mid`) and its rows.
+pub(crate) struct MlpSet<'a, 'b> {
+    pub saved: MlpSaved<'a>,
+    pub dx: &'b mut CudaSlice<bf16>,
+    pub rows: usize,
+}
+
 /// The activations of the MLP half and of the attention output that the backward reads.
+#[derive(Clone, Copy)]
 pub(crate) struct MlpSaved<'a> {
     pub x_mid: &'a CudaSlice<bf16>,
     pub xn2: &'a CudaSlice<bf16>,
@@ -112,25 +123,135 @@ impl BlockBwd<'_> {
         a: &MlpSaved<'_>,
         dx: &mut CudaSlice<bf16>,
     ) -> Result<CudaSlice<bf16>> {
+        let set = MlpSet {
+            saved: *a,
+            dx: &mut *dx,
+            rows: self.rows,
+        };
+        self.mlp_stacked(grads, &mut [set])?;
+        self.o(grads, a, dx)
+    }
+
+    /// The MLP and norm2 backward of [`BlockBwd::mlp_and_o`] over row sets stacked in order
+    /// (`self.rows` is the sum of their rows; each set's saved activations and `dx` its own):
+    /// the four GEMMs run once over all rows, each weight gradient one GEMM, where a call per
+    /// set ran each GEMM on fewer rows and summed each weight gradient into its fp32 sum once
+    /// per set. SwiGLU's and norm2's backward run per set. The output projection is left to
+    /// [`BlockBwd::o`], per set.
+    pub fn mlp_stacked(
+        &self,
+        grads: &mut impl BlockGrads,
+        sets: &mut [MlpSet<'_, '_>],
+    ) -> Result<()> {
         let (gpu, s, rows, h, b) = (self.gpu, self.s, self.rows, self.hidden, self.b);
         let ffn = b.ffn;
+        if rows == 0 {
+            return Ok(());
+        }
+        if sets.iter().map(|x| x.rows).sum::<usize>() != rows {
+            return Err(super::GpuError::Input(format!(
+                "stacked MLP backward: row sets of {:?} rows, {rows} in all",
+                sets.iter().map(|x| x.rows).collect::<Vec<_>>()
+            )));
+        }
+        // each set's rows of a [rows, width] buffer
+        let spans = |width: usize| {
+            let mut off = 0;
+            sets.iter()
+                .map(|x| {
+                    let r = off * width..(off + x.rows) * width;
+                    off += x.rows;
+                    r
+                })
+                .collect::<Vec<_>>()
+        };
+        let (sh, sf, sg) = (spans(h), spans(ffn), spans(2 * ffn));
+        // one buffer of the sets' rows in order (none for one set: its own buffer serves)
+        let stack = |parts: &[(&CudaSlice<bf16>, usize)],
+                     width: usize|
+         -> Result<Option<CudaSlice<bf16>>> {
+            if parts.len() == 1 {
+                return Ok(None);
+            }
+            let mut out = alloc::<bf16>(gpu, s, rows * width)?;
+            let mut off = 0;
+            for &(x, n) in parts {
+                s.memcpy_dtod(
+                    &x.slice(..n * width),
+                    &mut out.slice_mut(off..off + n * width),
+                )?;
+                off += n * width;
+            }
+            Ok(Some(out))
+        };
+        let dx_stack = stack(
+            &sets.iter().map(|x| (&*x.dx, x.rows)).collect::<Vec<_>>(),
+            h,
+        )?;
+        let dx_all = dx_stack.as_ref().unwrap_or(&*sets[0].dx);
         let mut dact = alloc::<bf16>(gpu, s, rows * ffn)?;
-        matmul_bf16(gpu, s, &mut dact, &*dx, &b.down.w, Gemm::nn(rows, h, ffn))?;
-        self.linear_grads(grads, Lin::Down, &b.down, dx, a.act)?;
+        matmul_bf16(gpu, s, &mut dact, dx_all, &b.down.w, Gemm::nn(rows, h, ffn))?;
+        let act = stack(
+            &sets
+                .iter()
+                .map(|x| (x.saved.act, x.rows))
+                .collect::<Vec<_>>(),
+            ffn,
+        )?;
+        let act_all = act.as_ref().unwrap_or(sets[0].saved.act);
+        self.linear_grads(grads, Lin::Down, &b.down, dx_all, act_all)?;
+        drop((act, dx_stack));
         let mut dgu = alloc::<bf16>(gpu, s, rows * 2 * ffn)?;
-        swiglu_bwd_fused_bf16(gpu, s, &mut dgu, &dact, a.gu, rows, ffn)?;
+        for (i, x) in sets.iter().enumerate() {
+            let mut d = dgu.slice_mut(sg[i].clone());
+            swiglu_bwd_fused_bf16(
+                gpu,
+                s,
+                &mut d,
+                &dact.slice(sf[i].clone()),
+                x.saved.gu,
+                x.rows,
+                ffn,
+            )?;
+        }
         drop(dact);
         let mut dxn = alloc::<bf16>(gpu, s, rows * h)?;
         let gemm = Gemm::nn(rows, 2 * ffn, h);
         matmul_bf16(gpu, s, &mut dxn, &dgu, &b.gate_up.w, gemm)?;
-        self.linear_grads(grads, Lin::GateUp, &b.gate_up, &dgu, a.xn2)?;
-        drop(dgu);
+        let xn2 = stack(
+            &sets
+                .iter()
+                .map(|x| (x.saved.xn2, x.rows))
+                .collect::<Vec<_>>(),
+            h,
+        )?;
+        let xn2_all = xn2.as_ref().unwrap_or(sets[0].saved.xn2);
+        self.linear_grads(grads, Lin::GateUp, &b.gate_up, &dgu, xn2_all)?;
+        drop((dgu, xn2));
+        for (i, x) in sets.iter_mut().enumerate() {
+            let dy = dxn.slice(sh[i].clone());
+            self.norm2_bwd(grads, &x.saved, &dy, x.dx, x.rows)?;
+        }
+        Ok(())
+    }
+
+    /// norm2's backward over `rows` rows: adds the gradient of `x_mid` into `dx` from `dxn`, the
+    /// gradient of the normed rows.
+    fn norm2_bwd(
+        &self,
+        grads: &mut impl BlockGrads,
+        a: &MlpSaved<'_>,
+        dxn: &impl DevicePtr<bf16>,
+        dx: &mut CudaSlice<bf16>,
+        rows: usize,
+    ) -> Result<()> {
+        let (gpu, s, h, b) = (self.gpu, self.s, self.hidden, self.b);
         rmsnorm_bwd_bf16(
             gpu,
             s,
             dx,
             Some(grads.grad(BlockTensor::Norm2(self.layer))? as &mut dyn DevicePtrMut<f32>),
-            &dxn,
+            dxn,
             a.x_mid,
             &b.norm2,
             a.rstd2,
@@ -138,9 +259,21 @@ impl BlockBwd<'_> {
             h,
             true,
         )?;
+        Ok(())
+    }
+
+    /// The output projection's backward from `dx`, the gradient of its output (`[rows, hidden]`):
+    /// its weight gradient, and the gradient of the attention output `[rows, q_width]`.
+    pub fn o(
+        &self,
+        grads: &mut impl BlockGrads,
+        a: &MlpSaved<'_>,
+        dx: &CudaSlice<bf16>,
+    ) -> Result<CudaSlice<bf16>> {
+        let (gpu, s, rows, h, b) = (self.gpu, self.s, self.rows, self.hidden, self.b);
         let qw = b.o.inp;
         let mut datt = alloc::<bf16>(gpu, s, rows * qw)?;
-        matmul_bf16(gpu, s, &mut datt, &*dx, &b.o.w, Gemm::nn(rows, h, qw))?;
+        matmul_bf16(gpu, s, &mut datt, dx, &b.o.w, Gemm::nn(rows, h, qw))?;
         self.linear_grads(grads, Lin::O, &b.o, dx, a.att)?;
         Ok(datt)
     }

@@ -1,5 +1,6 @@
 //! The backward stages of a micro-batch's step: the lm head and final norm, token 0's rows,
-//! the layers top-down (suffix rows, then each group's prompt rows), the token embeddings and
+//! the layers top-down (each layer's MLP half over the suffix and prompt rows stacked, then its
+//! attention half for the suffix rows, then each group's prompt rows), the token embeddings and
 //! each group's media rows into the merger and the tower.
 
 use std::sync::Arc;
@@ -12,9 +13,10 @@ use rollplex_kernels::cuda::{
     matmul_bf16, matmul_bf16_f32, rmsnorm_bwd_bf16, CudaSlice, CudaStream, Gpu,
 };
 
+use super::super::block_bwd::{BlockBwd, MlpSet};
 use super::super::vision_train::vision_backward;
 use super::super::{alloc, GpuError};
-use super::layer::{layer_bwd, layer_fwd, Acts, LayerCtx, PrefixGrad};
+use super::layer::{layer_bwd_attn, layer_fwd, mlp_saved, Acts, LayerCtx, PrefixGrad};
 use super::params::{Slot, VisionView};
 use super::step::{Batch, HeadChunk, LayerGrads, RowTables, SuffixActs, LM_CHUNK};
 use super::{GpuTrainer, Result};
@@ -96,10 +98,12 @@ impl GpuTrainer {
         Ok(dfin)
     }
 
-    /// Backward through the layers top-down: per layer, the suffix rows (recomputed unless
-    /// kept; their attention adds the prefix keys' gradients into `d.pk`, `d.pv`), then each
-    /// training group's prompt rows, recomputed from their kept inputs, with those gradients
-    /// added to their own.
+    /// Backward through the layers top-down. Per layer: each training group's prompt rows
+    /// recomputed from their kept inputs (the suffix rows' activations kept, or recomputed);
+    /// the MLP halves of the suffix and prompt rows at once, stacked (one GEMM over all rows
+    /// per weight, [`BlockBwd::mlp_stacked`]); then the attention halves, the suffix rows first
+    /// (their attention adds the prefix keys' gradients into `d.pk`, `d.pv`), then each group's
+    /// prompt rows with those gradients added to their own.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn layers_backward(
         &mut self,
@@ -119,46 +123,28 @@ impl GpuTrainer {
             let blk = &w.text[l];
             s.memset_zeros(d.pk)?;
             s.memset_zeros(d.pv)?;
-            if let Some(SuffixActs {
-                inputs,
-                acts,
-                kept: kept_acts,
-            }) = suffix.as_deref_mut()
-            {
-                let xin = inputs.slice(l * srows * h..(l + 1) * srows * h);
-                let pre = b.pre_kv(l);
-                // a kept layer's activations are used once, then freed
-                let kept_l = kept_acts.get_mut(l).and_then(Option::take);
-                let a = match (&kept_l, acts.as_mut()) {
-                    (Some(k), _) => k,
-                    (None, Some(a)) => {
+            // the suffix rows' activations: kept (used once, then freed) or recomputed
+            let mut kept_l = None;
+            let sfx = match suffix.as_deref_mut() {
+                Some(SuffixActs { inputs, acts, kept }) => {
+                    let xin = inputs.slice(l * srows * h..(l + 1) * srows * h);
+                    let pre = b.pre_kv(l);
+                    kept_l = kept.get_mut(l).and_then(Option::take);
+                    if kept_l.is_none() {
+                        let a = acts.as_mut().ok_or_else(|| {
+                            GpuError::Input(format!(
+                                "layer {l}: neither kept nor recomputable activations"
+                            ))
+                        })?;
                         layer_fwd(gpu, s, blk, sctx, &xin, a, None, Some(&pre))?;
-                        &*a
                     }
-                    (None, None) => {
-                        return Err(GpuError::Input(format!(
-                            "layer {l}: neither kept nor recomputable activations"
-                        ))
-                        .into())
-                    }
-                };
-                layer_bwd(
-                    gpu,
-                    s,
-                    l,
-                    blk,
-                    sctx,
-                    &xin,
-                    a,
-                    d.suffix,
-                    &mut self.grads,
-                    PrefixGrad::Attend {
-                        pre: &pre,
-                        dk: d.pk,
-                        dv: d.pv,
-                    },
-                )?;
-            }
+                    Some((xin, pre, acts.as_ref()))
+                }
+                None => None,
+            };
+            let sfx = sfx.map(|(xin, pre, acts)| (xin, pre, kept_l.as_ref().or(acts)));
+            // each training group's prompt rows, recomputed from their kept inputs
+            let mut prompts = Vec::new();
             for (gi, p) in b.packs.iter().enumerate() {
                 if !b.trains[gi] {
                     continue;
@@ -182,16 +168,75 @@ impl GpuTrainer {
                 let xin = b.store.inputs.slice(first * h..(first + rows) * h);
                 let mut acts = Acts::new(gpu, s, &pctx, blk)?;
                 layer_fwd(gpu, s, blk, &pctx, &xin, &mut acts, None, None)?;
-                let r0 = lay.row0 - lo;
-                layer_bwd(
+                prompts.push((gi, pctx, xin, acts));
+            }
+            // the MLP halves of every row set at once
+            {
+                let mut sets = Vec::with_capacity(prompts.len() + 1);
+                if let Some((_, _, Some(a))) = &sfx {
+                    sets.push(MlpSet {
+                        saved: mlp_saved(a),
+                        dx: &mut *d.suffix,
+                        rows: srows,
+                    });
+                }
+                let mut dprompt: Vec<Option<&mut CudaSlice<bf16>>> =
+                    d.prompt.iter_mut().map(Some).collect();
+                for (gi, pctx, _, acts) in &prompts {
+                    let dx = dprompt[*gi].take().ok_or_else(|| {
+                        GpuError::Input(format!("group {gi} named twice in a micro-batch"))
+                    })?;
+                    sets.push(MlpSet {
+                        saved: mlp_saved(acts),
+                        dx,
+                        rows: pctx.rows,
+                    });
+                }
+                let bb = BlockBwd {
+                    gpu,
+                    s,
+                    layer: l,
+                    b: blk,
+                    rows: sets.iter().map(|x| x.rows).sum(),
+                    hidden: h,
+                    ones: &rt.ones,
+                };
+                bb.mlp_stacked(&mut self.grads, &mut sets)?;
+            }
+            if let Some((xin, pre, a)) = &sfx {
+                let a =
+                    a.ok_or_else(|| GpuError::Input(format!("layer {l}: no suffix activations")))?;
+                layer_bwd_attn(
                     gpu,
                     s,
                     l,
                     blk,
-                    &pctx,
-                    &xin,
-                    &acts,
-                    &mut d.prompt[gi],
+                    sctx,
+                    xin,
+                    a,
+                    d.suffix,
+                    &mut self.grads,
+                    PrefixGrad::Attend {
+                        pre,
+                        dk: d.pk,
+                        dv: d.pv,
+                    },
+                )?;
+            }
+            drop(kept_l);
+            for (gi, pctx, xin, acts) in &prompts {
+                let p = &b.packs[*gi];
+                let rows = pctx.rows;
+                let r0 = p.layout.row0 - lo;
+                layer_bwd_attn(
+                    gpu,
+                    s,
+                    l,
+                    blk,
+                    pctx,
+                    xin,
+                    acts,
+                    &mut d.prompt[*gi],
                     &mut self.grads,
                     PrefixGrad::Extra {
                         dk: d.pk.slice(r0 * kvw..(r0 + rows) * kvw),

@@ -264,10 +264,23 @@ pub(super) enum PrefixGrad<'a, 'b> {
     },
 }
 
-/// Backward of one layer: `dx` holds the gradient of the layer's output and ends holding the
-/// gradient of its input; parameter gradients are added into `grads` (see [`PrefixGrad`]).
+/// The activations of a layer's MLP half and attention output that its backward reads.
+pub(super) fn mlp_saved(a: &Acts) -> MlpSaved<'_> {
+    MlpSaved {
+        x_mid: &a.x_mid,
+        xn2: &a.xn2,
+        rstd2: &a.rstd2,
+        gu: &a.gu,
+        act: &a.act,
+        att: &a.att,
+    }
+}
+
+/// Backward of one layer's attention half, after its MLP half ([`BlockBwd::mlp_stacked`]):
+/// `dx` holds the gradient of `x_mid` and ends holding the gradient of the layer's input;
+/// parameter gradients are added into `grads` (see [`PrefixGrad`]).
 #[allow(clippy::too_many_arguments)]
-pub(super) fn layer_bwd(
+pub(super) fn layer_bwd_attn(
     gpu: &Gpu,
     s: &Arc<CudaStream>,
     layer: usize,
@@ -291,16 +304,8 @@ pub(super) fn layer_bwd(
         hidden: h,
         ones: c.ones,
     };
-    let saved = MlpSaved {
-        x_mid: &a.x_mid,
-        xn2: &a.xn2,
-        rstd2: &a.rstd2,
-        gu: &a.gu,
-        act: &a.act,
-        att: &a.att,
-    };
-    // MLP: delta = down(swiglu(gate_up(norm2(x_mid)))); attention: delta = o(attn(...))
-    let datt = bb.mlp_and_o(grads, &saved, dx)?;
+    // attention: delta = o(attn(...))
+    let datt = bb.o(grads, &mlp_saved(a), dx)?;
     let mut dq = alloc::<bf16>(gpu, s, rows * qw)?;
     let mut dk = alloc::<bf16>(gpu, s, rows * kvw)?;
     let mut dv = alloc::<bf16>(gpu, s, rows * kvw)?;

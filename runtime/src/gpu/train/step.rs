@@ -592,7 +592,8 @@ impl LossInputs {
 }
 
 /// The suffix rows' tables on the device, and the row index and ones columns every layer of
-/// the micro-batch shares (sized for the suffix or the longest group's prompt rows).
+/// the micro-batch shares (the index sized for the suffix or the longest group's prompt rows,
+/// the ones for all of them stacked).
 pub(super) struct RowTables {
     pub(super) iota: CudaSlice<u32>,
     pub(super) ones: CudaSlice<bf16>,
@@ -617,7 +618,9 @@ impl RowTables {
             .max(1);
         let iota_v: Vec<u32> = (0..max_rows as u32).collect();
         let iota = upload(s, &iota_v)?;
-        let ones = upload(s, &vec![bf16::ONE; max_rows])?;
+        // bias gradients of the MLP backward run over the suffix and prompt rows stacked
+        let stacked = b.srows + b.packs.iter().map(|p| p.layout.rows()).sum::<usize>();
+        let ones = upload(s, &vec![bf16::ONE; max_rows.max(stacked)])?;
         let ids = upload(s, &pk.ids)?;
         let cos = upload(s, &pk.cos)?;
         let sin = upload(s, &pk.sin)?;
