@@ -86,6 +86,22 @@ pub(crate) struct MlpSet<'a, 'b> {
     pub rows: usize,
 }
 
+/// An [`MlpSaved`] of an activations struct with fields of those names (the text layer's and
+/// the vision block's).
+macro_rules! mlp_saved {
+    ($a:expr) => {
+        $crate::gpu::block_bwd::MlpSaved {
+            x_mid: &$a.x_mid,
+            xn2: &$a.xn2,
+            rstd2: &$a.rstd2,
+            gu: &$a.gu,
+            act: &$a.act,
+            att: &$a.att,
+        }
+    };
+}
+pub(crate) use mlp_saved;
+
 /// The activations of the MLP half and of the attention output that the backward reads.
 #[derive(Clone, Copy)]
 pub(crate) struct MlpSaved<'a> {

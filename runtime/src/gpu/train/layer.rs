@@ -15,7 +15,7 @@ use rollplex_kernels::cuda::{
 };
 
 use super::super::alloc;
-use super::super::block_bwd::{BlockBwd, MlpSaved};
+use super::super::block_bwd::{mlp_saved, BlockBwd, MlpSaved};
 use super::super::weights::{GpuBlock, GpuLinear};
 use super::params::Grads;
 use super::Result;
@@ -266,14 +266,7 @@ pub(super) enum PrefixGrad<'a, 'b> {
 
 /// The activations of a layer's MLP half and attention output that its backward reads.
 pub(super) fn mlp_saved(a: &Acts) -> MlpSaved<'_> {
-    MlpSaved {
-        x_mid: &a.x_mid,
-        xn2: &a.xn2,
-        rstd2: &a.rstd2,
-        gu: &a.gu,
-        act: &a.act,
-        att: &a.att,
-    }
+    mlp_saved!(a)
 }
 
 /// Backward of one layer's attention half, after its MLP half ([`BlockBwd::mlp_stacked`]):

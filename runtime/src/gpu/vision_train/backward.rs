@@ -18,7 +18,7 @@ use rollplex_kernels::cuda::{
 use crate::model::config::VISION_RMS_EPS;
 
 use super::super::block::linear;
-use super::super::block_bwd::{linear_grads, BlockBwd, GradSink, MlpSaved};
+use super::super::block_bwd::{linear_grads, mlp_saved, BlockBwd, GradSink};
 use super::super::vision::VisionAttn;
 use super::super::weights::GpuBlock;
 use super::super::{alloc, upload, GpuError, GpuModel, Result};
@@ -255,14 +255,7 @@ fn block_backward(
         hidden: h,
         ones: c.ones,
     };
-    let saved = MlpSaved {
-        x_mid: &a.x_mid,
-        xn2: &a.xn2,
-        rstd2: &a.rstd2,
-        gu: &a.gu,
-        act: &a.act,
-        att: &a.att,
-    };
+    let saved = mlp_saved!(a);
     // MLP: delta = down(swiglu(gate_up(norm2(x_mid)))); attention: delta = proj(attn(...))
     let datt = bb.mlp_and_o(grads, &saved, dx)?;
     // q, k, v (rotated) into contiguous buffers: the attention backward writes each gradient at
