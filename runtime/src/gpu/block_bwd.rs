@@ -170,61 +170,46 @@ impl BlockBwd<'_> {
                 sets.iter().map(|x| x.rows).collect::<Vec<_>>()
             )));
         }
-        // each set's rows of a [rows, width] buffer
-        let spans = |width: usize| {
-            let mut off = 0;
-            sets.iter()
-                .map(|x| {
-                    let r = off * width..(off + x.rows) * width;
-                    off += x.rows;
-                    r
-                })
-                .collect::<Vec<_>>()
-        };
-        let (sh, sf, sg) = (spans(h), spans(ffn), spans(2 * ffn));
-        // one buffer of the sets' rows in order (none for one set: its own buffer serves)
-        let stack = |parts: &[(&CudaSlice<bf16>, usize)],
-                     width: usize|
-         -> Result<Option<CudaSlice<bf16>>> {
-            if parts.len() == 1 {
-                return Ok(None);
-            }
-            let mut out = alloc::<bf16>(gpu, s, rows * width)?;
-            let mut off = 0;
-            for &(x, n) in parts {
-                s.memcpy_dtod(
-                    &x.slice(..n * width),
-                    &mut out.slice_mut(off..off + n * width),
-                )?;
-                off += n * width;
-            }
-            Ok(Some(out))
-        };
-        let dx_stack = stack(
-            &sets.iter().map(|x| (&*x.dx, x.rows)).collect::<Vec<_>>(),
-            h,
-        )?;
+        // each set's rows of the stacked rows, and of a [rows, width] buffer
+        let mut at = 0;
+        let spans: Vec<std::ops::Range<usize>> = sets
+            .iter()
+            .map(|x| {
+                at += x.rows;
+                at - x.rows..at
+            })
+            .collect();
+        let span = |i: usize, width: usize| spans[i].start * width..spans[i].end * width;
+        // one [rows, width] buffer of the sets' `parts` in order (none for one set: its own
+        // buffer serves)
+        let stack =
+            |parts: Vec<&CudaSlice<bf16>>, width: usize| -> Result<Option<CudaSlice<bf16>>> {
+                if parts.len() == 1 {
+                    return Ok(None);
+                }
+                let mut out = alloc::<bf16>(gpu, s, rows * width)?;
+                for (i, x) in parts.into_iter().enumerate() {
+                    let n = span(i, width).len();
+                    s.memcpy_dtod(&x.slice(..n), &mut out.slice_mut(span(i, width)))?;
+                }
+                Ok(Some(out))
+            };
+        let dx_stack = stack(sets.iter().map(|x| &*x.dx).collect(), h)?;
         let dx_all = dx_stack.as_ref().unwrap_or(&*sets[0].dx);
         let mut dact = alloc::<bf16>(gpu, s, rows * ffn)?;
         matmul_bf16(gpu, s, &mut dact, dx_all, &b.down.w, Gemm::nn(rows, h, ffn))?;
-        let act = stack(
-            &sets
-                .iter()
-                .map(|x| (x.saved.act, x.rows))
-                .collect::<Vec<_>>(),
-            ffn,
-        )?;
+        let act = stack(sets.iter().map(|x| x.saved.act).collect(), ffn)?;
         let act_all = act.as_ref().unwrap_or(sets[0].saved.act);
         self.linear_grads(grads, Lin::Down, &b.down, dx_all, act_all)?;
         drop((act, dx_stack));
         let mut dgu = alloc::<bf16>(gpu, s, rows * 2 * ffn)?;
         for (i, x) in sets.iter().enumerate() {
-            let mut d = dgu.slice_mut(sg[i].clone());
+            let mut d = dgu.slice_mut(span(i, 2 * ffn));
             swiglu_bwd_fused_bf16(
                 gpu,
                 s,
                 &mut d,
-                &dact.slice(sf[i].clone()),
+                &dact.slice(span(i, ffn)),
                 x.saved.gu,
                 x.rows,
                 ffn,
@@ -234,18 +219,12 @@ impl BlockBwd<'_> {
         let mut dxn = alloc::<bf16>(gpu, s, rows * h)?;
         let gemm = Gemm::nn(rows, 2 * ffn, h);
         matmul_bf16(gpu, s, &mut dxn, &dgu, &b.gate_up.w, gemm)?;
-        let xn2 = stack(
-            &sets
-                .iter()
-                .map(|x| (x.saved.xn2, x.rows))
-                .collect::<Vec<_>>(),
-            h,
-        )?;
+        let xn2 = stack(sets.iter().map(|x| x.saved.xn2).collect(), h)?;
         let xn2_all = xn2.as_ref().unwrap_or(sets[0].saved.xn2);
         self.linear_grads(grads, Lin::GateUp, &b.gate_up, &dgu, xn2_all)?;
         drop((dgu, xn2));
         for (i, x) in sets.iter_mut().enumerate() {
-            let dy = dxn.slice(sh[i].clone());
+            let dy = dxn.slice(span(i, h));
             self.norm2_bwd(grads, &x.saved, &dy, x.dx, x.rows)?;
         }
         Ok(())

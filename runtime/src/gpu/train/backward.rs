@@ -13,10 +13,10 @@ use rollplex_kernels::cuda::{
     matmul_bf16, matmul_bf16_f32, rmsnorm_bwd_bf16, CudaSlice, CudaStream, Gpu,
 };
 
-use super::super::block_bwd::{BlockBwd, MlpSet};
+use super::super::block_bwd::{mlp_saved, BlockBwd, MlpSet};
 use super::super::vision_train::vision_backward;
 use super::super::{alloc, GpuError};
-use super::layer::{layer_bwd_attn, layer_fwd, mlp_saved, Acts, LayerCtx, PrefixGrad};
+use super::layer::{layer_bwd_attn, layer_fwd, Acts, LayerCtx, PrefixGrad};
 use super::params::{Slot, VisionView};
 use super::step::{Batch, HeadChunk, LayerGrads, RowTables, SuffixActs, LM_CHUNK};
 use super::{GpuTrainer, Result};
@@ -142,7 +142,15 @@ impl GpuTrainer {
                 }
                 None => None,
             };
-            let sfx = sfx.map(|(xin, pre, acts)| (xin, pre, kept_l.as_ref().or(acts)));
+            let sfx = match sfx {
+                Some((xin, pre, acts)) => {
+                    let a = kept_l.as_ref().or(acts).ok_or_else(|| {
+                        GpuError::Input(format!("layer {l}: no suffix activations"))
+                    })?;
+                    Some((xin, pre, a))
+                }
+                None => None,
+            };
             // each training group's prompt rows, recomputed from their kept inputs
             let mut prompts = Vec::new();
             for (gi, p) in b.packs.iter().enumerate() {
@@ -173,21 +181,20 @@ impl GpuTrainer {
             // the MLP halves of every row set at once
             {
                 let mut sets = Vec::with_capacity(prompts.len() + 1);
-                if let Some((_, _, Some(a))) = &sfx {
+                if let Some((_, _, a)) = &sfx {
                     sets.push(MlpSet {
-                        saved: mlp_saved(a),
+                        saved: mlp_saved!(a),
                         dx: &mut *d.suffix,
                         rows: srows,
                     });
                 }
-                let mut dprompt: Vec<Option<&mut CudaSlice<bf16>>> =
-                    d.prompt.iter_mut().map(Some).collect();
-                for (gi, pctx, _, acts) in &prompts {
-                    let dx = dprompt[*gi].take().ok_or_else(|| {
-                        GpuError::Input(format!("group {gi} named twice in a micro-batch"))
-                    })?;
+                // the training groups' gradients, in the order `prompts` holds them
+                let dprompt = (d.prompt.iter_mut().enumerate())
+                    .filter(|(gi, _)| b.trains[*gi])
+                    .map(|(_, dx)| dx);
+                for ((_, pctx, _, acts), dx) in prompts.iter().zip(dprompt) {
                     sets.push(MlpSet {
-                        saved: mlp_saved(acts),
+                        saved: mlp_saved!(acts),
                         dx,
                         rows: pctx.rows,
                     });
@@ -204,8 +211,6 @@ impl GpuTrainer {
                 bb.mlp_stacked(&mut self.grads, &mut sets)?;
             }
             if let Some((xin, pre, a)) = &sfx {
-                let a =
-                    a.ok_or_else(|| GpuError::Input(format!("layer {l}: no suffix activations")))?;
                 layer_bwd_attn(
                     gpu,
                     s,

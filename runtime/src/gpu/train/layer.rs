@@ -15,7 +15,7 @@ use rollplex_kernels::cuda::{
 };
 
 use super::super::alloc;
-use super::super::block_bwd::{mlp_saved, BlockBwd, MlpSaved};
+use super::super::block_bwd::{mlp_saved, BlockBwd};
 use super::super::weights::{GpuBlock, GpuLinear};
 use super::params::Grads;
 use super::Result;
@@ -264,11 +264,6 @@ pub(super) enum PrefixGrad<'a, 'b> {
     },
 }
 
-/// The activations of a layer's MLP half and attention output that its backward reads.
-pub(super) fn mlp_saved(a: &Acts) -> MlpSaved<'_> {
-    mlp_saved!(a)
-}
-
 /// Backward of one layer's attention half, after its MLP half ([`BlockBwd::mlp_stacked`]):
 /// `dx` holds the gradient of `x_mid` and ends holding the gradient of the layer's input;
 /// parameter gradients are added into `grads` (see [`PrefixGrad`]).
@@ -298,7 +293,7 @@ pub(super) fn layer_bwd_attn(
         ones: c.ones,
     };
     // attention: delta = o(attn(...))
-    let datt = bb.o(grads, &mlp_saved(a), dx)?;
+    let datt = bb.o(grads, &mlp_saved!(a), dx)?;
     let mut dq = alloc::<bf16>(gpu, s, rows * qw)?;
     let mut dk = alloc::<bf16>(gpu, s, rows * kvw)?;
     let mut dv = alloc::<bf16>(gpu, s, rows * kvw)?;
