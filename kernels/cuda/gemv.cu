@@ -1,4 +1,4 @@
-// Skinny GEMM for decode: y[m, n] = x[m, k] . w[n, k]^T (+ bias[n]) with m <= 64 (bf16 in and
+// Skinny GEMM for decode: y[m, n] = x[m, k] . w[n, k]^T (+ bias[n]) with m <= 128 (bf16 in and
 // out, fp32 accumulate on the tensor cores), the nn.Linear layout. Decode GEMMs are weight
 // streaming: every weight byte is read once, x (m rows) is small and sits in L2. cuBLASLt's
 // heuristic picks tiles that leave most SMs idle at these sizes; this kernel instead cuts the
@@ -7,26 +7,31 @@
 // blocks (fixed order: deterministic, no workspace, one launch).
 //
 // Compile-time sizes (-D...): GEMV_MT m-tiles of 8 rows (m <= 8*GEMV_MT), GEMV_RT row tiles of
-// 64 weight rows per block (R = 64*GEMV_RT), GEMV_S the cluster size = number of k slices,
-// GEMV_SWIGLU 1 for the gate|up form (see below).
+// 64 weight rows per warpgroup, GEMV_S the cluster size = number of k slices, GEMV_SWIGLU 1 for
+// the gate|up form (see below), GEMV_WG the form (below), GEMV_STAGES the pipeline's depth.
 //
-// Block: 4 warps; warp w owns rows rt*64 + w*16 .. +16 of every row tile rt. Weights and x go
-// through a 4-stage cp.async pipeline of 64-k stages. MMA m16n8k16 with the weight rows as A
-// (16 rows) and x as B (8 columns = 8 of the m rows). The k order inside a 16-k MMA step is
-// permuted identically for A and B (a dot product does not care), so every thread reads whole
-// 16-byte units: thread t of a quad takes unit 4c+t of the 64-k stage (c = 0, 1), whose 4 bf16
-// pairs feed a0/a2 (b0/b1) of two consecutive MMA steps. Shared rows are 128 bytes, unit u of row
-// r stored at u ^ 4*(r & 1): the 8 lanes of a 16-byte load phase hit 8 distinct bank groups.
+// GEMV_WG 0, `gemv_bf16` (mma.sync, any sm_80+): one warpgroup of 4 warps, R = 64*GEMV_RT;
+// warp w owns rows rt*64 + w*16 .. +16 of every row tile rt. Weights and x go through a
+// cp.async pipeline of 64-k stages. MMA m16n8k16 with the weight rows as A (16 rows) and x as B
+// (8 columns = 8 of the m rows). The k order inside a 16-k MMA step is permuted identically for
+// A and B (a dot product does not care), so every thread reads whole 16-byte units: thread t of
+// a quad takes unit 4c+t of the 64-k stage (c = 0, 1), whose 4 bf16 pairs feed a0/a2 (b0/b1) of
+// two consecutive MMA steps. Shared rows are 128 bytes, unit u of row r stored at u ^ 4*(r & 1):
+// the 8 lanes of a 16-byte load phase hit 8 distinct bank groups.
 //
-// GEMV_WG 1 (Hopper, sm_90a): the same blocks, loads and epilogue, with the products on warpgroup
-// MMAs instead: the block's 4 warps are one warpgroup, each row tile one wgmma.m64nNk16 per 16 k
-// with the weight tile as A and the x tile as B (N = 8*GEMV_MT = 16, 32, 64 or 128 rows of x),
-// both read by the tensor cores straight from shared memory. Shared rows are then stored in the
-// 128-byte swizzle the wgmma descriptors name (unit u of row r at u ^ (r & 7), 8-row atoms of
-// 1024 bytes, stage buffers 1024-aligned); the accumulator fragment of a warp (rows 16w..16w+15
-// of the tile, 8 columns per 4 registers) is that of the mma.sync path, so the partial-sum tile
-// and everything after it are shared. At m = 16..128 the mma.sync path is bound by each warp
-// reading all of x from shared memory; the wgmma path reads it once per row tile.
+// GEMV_WG 1, `gemv_tma_bf16` (Hopper, sm_90a): GEMV_WGS consumer warpgroups (R = 64*GEMV_RT*
+// GEMV_WGS rows a block, warpgroup c owning row tiles c*GEMV_RT ..) and one producer warp. The
+// producer's lane 0 loads each 64-k stage of the block's weight rows and of x with the tensor
+// memory accelerator (one 2D box each, two weight boxes in the SwiGLU form; rows and k past the
+// ends arrive as zeros), in the 128-byte swizzle the wgmma descriptors name (unit u of row r at
+// u ^ (r & 7), 8-row atoms of 1024 bytes, stage buffers 1024-aligned), announcing the bytes on
+// the stage's `full` barrier. Each consumer warpgroup runs one
+// wgmma.m64nNk16 per row tile and 16 k with the weight tile as A and the x tile as B (N =
+// 8*GEMV_MT = 16, 32, 64 or 128 rows of x), both read by the tensor cores from shared memory,
+// keeps one stage of MMAs in flight and releases a stage's buffer on its `empty` barrier once
+// its MMAs are done. The accumulator fragment of a warp (rows 16w..16w+15 of its tile, 8 columns
+// per 4 registers) is that of the mma.sync form, so the partial-sum tile and everything after
+// it are shared. x is read from L2 once per block: R/64 times less often than per 64-row tile.
 //
 // GEMV_SWIGLU: w holds gate rows [0, n) then up rows [up_off, up_off + n); a block's first R/2
 // rows are gate rows j0.., its last R/2 the matching up rows, and the epilogue writes
@@ -52,10 +57,19 @@
 #define GEMV_STAGES 4
 #endif
 
+#ifndef GEMV_WGS
+#define GEMV_WGS 1
+#endif
+
+#if GEMV_WG
+#define GV_THREADS (128 * GEMV_WGS + 32)  // consumer warpgroups + the producer warp
+#define GV_R (64 * GEMV_RT * GEMV_WGS)    // weight rows per block
+#else
 #define GV_THREADS 128
+#define GV_R (64 * GEMV_RT)
+#endif
 #define GV_KC 64                 // k per pipeline stage
 #define GV_STAGES GEMV_STAGES
-#define GV_R (64 * GEMV_RT)      // weight rows per block
 #define GV_M (8 * GEMV_MT)       // x rows per block (padded)
 #define GV_WB (GV_R * GV_KC * 2) // weight bytes per stage
 #define GV_XB (GV_M * GV_KC * 2) // x bytes per stage
@@ -67,8 +81,10 @@ static_assert(GV_M == 16 || GV_M == 32 || GV_M == 64 || GV_M == 128, "wgmma N: 1
 #else
 static_assert(GEMV_MT >= 1 && GEMV_MT <= 8, "m must be at most 64");
 #endif
-static_assert(GV_STAGES >= 2 + GEMV_WG && GV_STAGES <= 8, "2 (3 for wgmma) to 8 pipeline stages");
+static_assert(GV_STAGES >= 2 && GV_STAGES <= 8, "2 to 8 pipeline stages");
 static_assert(GEMV_S >= 1 && GEMV_S <= 8, "at most 8 blocks per cluster (portable size)");
+static_assert(GEMV_WGS == 1 || (GEMV_WG && GEMV_WGS == 2), "two consumer warpgroups: wgmma form only");
+static_assert(GV_R <= 256, "a TMA box has at most 256 rows");
 static_assert(GV_R * GV_RS * 4 <= GV_STAGES * GV_SB, "the partial tile reuses the stages");
 
 __device__ __forceinline__ uint4 gv_lds(u32 addr) {
@@ -78,15 +94,8 @@ __device__ __forceinline__ uint4 gv_lds(u32 addr) {
                  : "r"(addr));
     return v;
 }
-// Where unit u (16 bytes) of shared row r lives: the 128-byte swizzle of the wgmma path, else
-// the row-parity one of the mma.sync path.
-__device__ __forceinline__ u32 gv_swz(u32 r, u32 u) {
-#if GEMV_WG
-    return r * 128 + ((u ^ (r & 7)) << 4);
-#else
-    return r * 128 + ((u ^ ((r & 1) << 2)) << 4);
-#endif
-}
+// Where unit u (16 bytes) of shared row r lives in the mma.sync form (the row-parity swizzle).
+__device__ __forceinline__ u32 gv_swz(u32 r, u32 u) { return r * 128 + ((u ^ ((r & 1) << 2)) << 4); }
 #if GEMV_WG
 // Shared-memory matrix descriptor of a K-major tile in the 128-byte swizzle: start address,
 // leading offset 16 (unused by this layout), 1024 bytes between 8-row groups, layout 1 = SW128.
@@ -185,10 +194,89 @@ __device__ __forceinline__ float4 gv_sum4(const float* red, u32 off) {
 #endif
 }
 
+
+// This block's partial sums acc (rows of the block's row tiles `tile0`.. owned by warp `wq` of
+// its warpgroup) into the shared tile red[row][col] (row = weight row in the block, col = x row).
+__device__ __forceinline__ void gv_store_partials(float* red, float (*acc)[GEMV_MT][4], u32 tile0,
+                                                  u32 wq, u32 g, u32 t) {
+#pragma unroll
+    for (int rt = 0; rt < GEMV_RT; rt++)
+#pragma unroll
+        for (int mt = 0; mt < GEMV_MT; mt++) {
+            const u32 ra = (tile0 + rt) * 64 + wq * 16 + g, col = 8 * mt + 2 * t;
+            red[ra * GV_RS + col] = acc[rt][mt][0];
+            red[ra * GV_RS + col + 1] = acc[rt][mt][1];
+            red[(ra + 8) * GV_RS + col] = acc[rt][mt][2];
+            red[(ra + 8) * GV_RS + col + 1] = acc[rt][mt][3];
+        }
+}
+
+// Block `split` of the cluster finishes rows [split*per, (split+1)*per) of the partial tiles,
+// 4 x rows at a time, summing the slices in rank order 0, 1, ... (the same order whatever the
+// timing), adds the bias and writes y (or, in the SwiGLU form, silu(gate) * up). Called by every
+// thread of the block once every block of the cluster has written its tile.
+__device__ __forceinline__ void gv_finish(bf16* __restrict__ y, const bf16* __restrict__ bias,
+                                          const float* red, u32 split, u32 j0, u32 m, u32 n,
+                                          u32 ldy, u32 up_off) {
+    constexpr u32 C4 = GV_M / 4;
+#if GEMV_SWIGLU
+    constexpr u32 HALF = GV_R / 2;
+    constexpr u32 per = (HALF + GEMV_S - 1) / GEMV_S;
+    for (u32 idx = threadIdx.x; idx < per * C4; idx += GV_THREADS) {
+        const u32 jl = split * per + idx % per, m0 = 4 * (idx / per);
+        if (jl >= HALF || m0 >= m || j0 + jl >= n) continue;
+        const u32 j = j0 + jl;
+        const float4 gs4 = gv_sum4(red, jl * GV_RS + m0), us4 = gv_sum4(red, (HALF + jl) * GV_RS + m0);
+        const float gsv[4] = {gs4.x, gs4.y, gs4.z, gs4.w}, usv[4] = {us4.x, us4.y, us4.z, us4.w};
+        const float gb = bias != nullptr ? bf2f(bias[j]) : 0.0f;
+        const float ub = bias != nullptr ? bf2f(bias[up_off + j]) : 0.0f;
+#pragma unroll
+        for (u32 c = 0; c < 4; c++) {
+            if (m0 + c >= m) break;
+            float gs = gsv[c], us = usv[c];
+            if (bias != nullptr) {
+                gs += gb;
+                us += ub;
+            }
+            const float gr = bf2f(f2bf(gs)), ur = bf2f(f2bf(us));
+            const float si = bf2f(f2bf(gr / (1.0f + expf(-gr))));
+            y[(u64)(m0 + c) * ldy + j] = f2bf(si * ur);
+        }
+    }
+#else
+    (void)up_off;
+    constexpr u32 per = (GV_R + GEMV_S - 1) / GEMV_S;
+    for (u32 idx = threadIdx.x; idx < per * C4; idx += GV_THREADS) {
+        const u32 rl = split * per + idx % per, m0 = 4 * (idx / per);
+        if (rl >= GV_R || m0 >= m || j0 + rl >= n) continue;
+        const float4 v4 = gv_sum4(red, rl * GV_RS + m0);
+        const float vv[4] = {v4.x, v4.y, v4.z, v4.w};
+        const float b = bias != nullptr ? bf2f(bias[j0 + rl]) : 0.0f;
+#pragma unroll
+        for (u32 c = 0; c < 4; c++) {
+            if (m0 + c >= m) break;
+            float v = vv[c];
+            if (bias != nullptr) v += b;
+            y[(u64)(m0 + c) * ldy + j0 + rl] = f2bf(v);
+        }
+    }
+#endif
+}
+
+// The first output column (gate / up row index in the SwiGLU form) of row block `by`.
+__device__ __forceinline__ u32 gv_first_col(u32 by) {
+#if GEMV_SWIGLU
+    return by * (GV_R / 2);
+#else
+    return by * GV_R;
+#endif
+}
+
+#if !GEMV_WG
 // Grid (GEMV_S, row blocks): blockIdx.x is the k slice (= rank in the cluster), blockIdx.y the
 // R-row block. Block x covers k in [x*kslice, min(k, (x+1)*kslice)); kslice is a multiple of 64.
 // Needs k % 8 == 0, 16-byte aligned x / w rows (ldx % 8 == 0); dynamic shared memory
-// GV_STAGES * GV_SB bytes (+ 1024 for the alignment of the wgmma path).
+// GV_STAGES * GV_SB bytes.
 extern "C" __global__ void __launch_bounds__(GV_THREADS) GV_CLUSTER
 gemv_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ w,
           const bf16* __restrict__ bias, u32 m, u32 n, u32 k, u32 ldx, u32 ldy, u32 kslice,
@@ -197,18 +285,10 @@ gemv_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restri
     extern __shared__ __align__(128) unsigned char gsm[];
     const u32 split = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 g = lane >> 2, t = lane & 3;
-#if GEMV_SWIGLU
-    const u32 j0 = blockIdx.y * (GV_R / 2);  // first output column (gate / up row index)
-#else
-    const u32 j0 = blockIdx.y * GV_R;
-#endif
+    const u32 j0 = gv_first_col(blockIdx.y);
     const u32 k0 = split * kslice, k1 = min(k, k0 + kslice);
     const u32 nst = k1 > k0 ? (k1 - k0 + GV_KC - 1) / GV_KC : 0;
-#if GEMV_WG
-    const u32 base = (smem_u32(gsm) + 1023u) & ~1023u;  // swizzle atoms are 1024-aligned
-#else
     const u32 base = smem_u32(gsm);
-#endif
 
     // Copies of stage `st` into buffer st % GV_STAGES (rows past the ends zero-filled).
     auto issue = [&](u32 st) {
@@ -242,39 +322,11 @@ gemv_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restri
 #pragma unroll
         for (int mt = 0; mt < GEMV_MT; mt++) acc[rt][mt][0] = acc[rt][mt][1] = acc[rt][mt][2] = acc[rt][mt][3] = 0.0f;
 
-    // the prologue fills all stages but one (two for wgmma: see its main loop)
-    constexpr u32 AHEAD = GEMV_WG ? GV_STAGES - 2 : GV_STAGES - 1;
 #pragma unroll
-    for (u32 s = 0; s < AHEAD; s++) {
+    for (u32 s = 0; s < GV_STAGES - 1; s++) {
         if (s < nst) issue(s);
         asm volatile("cp.async.commit_group;\n" ::);
     }
-#if GEMV_WG
-    // One stage's MMAs stay in flight while the next stage's are issued: stage st + S - 2 is
-    // loaded into the buffer of stage st - 2, whose MMAs every warp has waited for before the
-    // barrier (so S - 2 stages are in flight ahead of the one computing).
-    for (u32 st = 0; st < nst; st++) {
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(GV_STAGES - 3));
-        // this thread's copies (generic proxy) made visible to the tensor cores' reads (async
-        // proxy), then everyone's: stage st is complete, stage st - 2's MMAs have finished
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();
-        if (st + GV_STAGES - 2 < nst) issue(st + GV_STAGES - 2);
-        asm volatile("cp.async.commit_group;\n" ::);
-        const u32 wsb = base + (st % GV_STAGES) * GV_SB, xsb = wsb + GV_WB;
-        gv_wg_fence();
-#pragma unroll
-        for (int ks = 0; ks < GV_KC / 16; ks++)
-#pragma unroll
-            for (int rt = 0; rt < GEMV_RT; rt++)
-                gv_wgmma(&acc[rt][0][0], gv_desc(wsb + rt * 64 * 128 + ks * 32), gv_desc(xsb + ks * 32));
-        gv_wg_commit();
-        gv_wg_wait1();  // stage st - 1's MMAs are done: its buffer is free after the next barrier
-    }
-    gv_wg_wait0();
-    (void)g;
-    (void)t;
-#else
     const u32 sw = (g & 1) << 2;  // row parity swizzle (rows g, g + 8, 8 mt + g share it)
     for (u32 st = 0; st < nst; st++) {
         asm volatile("cp.async.wait_group %0;\n" ::"n"(GV_STAGES - 2));
@@ -301,73 +353,151 @@ gemv_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restri
             }
         }
     }
-#endif
     asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();  // every warp is done with the stages: reuse them for the partial tile
 
-    // This block's partial sums: red[row][col], row = weight row in the block, col = x row.
     float* red = (float*)gsm;
-#pragma unroll
-    for (int rt = 0; rt < GEMV_RT; rt++)
-#pragma unroll
-        for (int mt = 0; mt < GEMV_MT; mt++) {
-            const u32 ra = rt * 64 + warp * 16 + g, col = 8 * mt + 2 * t;
-            red[ra * GV_RS + col] = acc[rt][mt][0];
-            red[ra * GV_RS + col + 1] = acc[rt][mt][1];
-            red[(ra + 8) * GV_RS + col] = acc[rt][mt][2];
-            red[(ra + 8) * GV_RS + col + 1] = acc[rt][mt][3];
-        }
+    gv_store_partials(red, acc, 0, warp, g, t);
 #if GEMV_S > 1
     gv_cluster_sync();  // every block's partial tile is written and visible cluster-wide
 #else
     __syncthreads();
 #endif
-
-    // Block `split` finishes rows [split*per, (split+1)*per) of the tile, 4 x rows at a time,
-    // summing the slices in rank order 0, 1, ... (the same order whatever the timing).
-    constexpr u32 C4 = GV_M / 4;
-#if GEMV_SWIGLU
-    constexpr u32 HALF = GV_R / 2;
-    constexpr u32 per = (HALF + GEMV_S - 1) / GEMV_S;
-    for (u32 idx = threadIdx.x; idx < per * C4; idx += GV_THREADS) {
-        const u32 jl = split * per + idx % per, m0 = 4 * (idx / per);
-        if (jl >= HALF || m0 >= m || j0 + jl >= n) continue;
-        const u32 j = j0 + jl;
-        const float4 gs4 = gv_sum4(red, jl * GV_RS + m0), us4 = gv_sum4(red, (HALF + jl) * GV_RS + m0);
-        const float gsv[4] = {gs4.x, gs4.y, gs4.z, gs4.w}, usv[4] = {us4.x, us4.y, us4.z, us4.w};
-        const float gb = bias != nullptr ? bf2f(bias[j]) : 0.0f;
-        const float ub = bias != nullptr ? bf2f(bias[up_off + j]) : 0.0f;
-#pragma unroll
-        for (u32 c = 0; c < 4; c++) {
-            if (m0 + c >= m) break;
-            float gs = gsv[c], us = usv[c];
-            if (bias != nullptr) {
-                gs += gb;
-                us += ub;
-            }
-            const float gr = bf2f(f2bf(gs)), ur = bf2f(f2bf(us));
-            const float si = bf2f(f2bf(gr / (1.0f + expf(-gr))));
-            y[(u64)(m0 + c) * ldy + j] = f2bf(si * ur);
-        }
-    }
-#else
-    constexpr u32 per = (GV_R + GEMV_S - 1) / GEMV_S;
-    for (u32 idx = threadIdx.x; idx < per * C4; idx += GV_THREADS) {
-        const u32 rl = split * per + idx % per, m0 = 4 * (idx / per);
-        if (rl >= GV_R || m0 >= m || j0 + rl >= n) continue;
-        const float4 v4 = gv_sum4(red, rl * GV_RS + m0);
-        const float vv[4] = {v4.x, v4.y, v4.z, v4.w};
-        const float b = bias != nullptr ? bf2f(bias[j0 + rl]) : 0.0f;
-#pragma unroll
-        for (u32 c = 0; c < 4; c++) {
-            if (m0 + c >= m) break;
-            float v = vv[c];
-            if (bias != nullptr) v += b;
-            y[(u64)(m0 + c) * ldy + j0 + rl] = f2bf(v);
-        }
-    }
-#endif
+    gv_finish(y, bias, red, split, j0, m, n, ldy, up_off);
 #if GEMV_S > 1
     gv_cluster_sync();  // no block leaves while another may still read its shared memory
 #endif
 }
+#else   // GEMV_WG
+
+// A CUtensorMap (the driver's 128-byte tiled-tensor descriptor), passed by value as a
+// __grid_constant__ kernel parameter.
+struct __align__(64) TmaMap {
+    unsigned long long v[16];
+};
+__device__ __forceinline__ void prefetch_tmap(const TmaMap* map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)map) : "memory");
+}
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// One arrival that also announces `bytes` of asynchronous copies the phase waits for.
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the barrier's phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nGV_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra GV_WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// The 2D box at (c0 = k, c1 = row) of the tensor `map` into shared memory at dst; its bytes
+// complete a transaction on barrier `bar`.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TmaMap* map, u32 bar, u32 c0, u32 c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+        "l"((u64)map), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}
+
+// Grid (GEMV_S, row blocks) as gemv_bf16's, block GV_THREADS. wmap: the weights as a 2D tensor
+// (k, weight rows: n, or up_off + n in the SwiGLU form) with boxes of 64 x GV_R rows (GV_R / 2
+// in the SwiGLU form); xmap: x as (k, m) with boxes of 64 x GV_M; both in the 128-byte swizzle
+// with zero fill. Dynamic shared memory GV_STAGES * GV_SB + 1024 (alignment) + 16 * GV_STAGES
+// (the barriers).
+extern "C" __global__ void __launch_bounds__(GV_THREADS, 1) GV_CLUSTER
+gemv_tma_bf16(bf16* __restrict__ y, const bf16* __restrict__ bias, const __grid_constant__ TmaMap wmap,
+              const __grid_constant__ TmaMap xmap, u32 m, u32 n, u32 k, u32 ldy, u32 kslice,
+              u32 up_off) {
+    extern __shared__ __align__(128) unsigned char gsm[];
+    const u32 split = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const u32 g = lane >> 2, t = lane & 3;
+    const u32 wg = warp >> 2;  // consumer warpgroup; GEMV_WGS for the producer warp
+    const u32 j0 = gv_first_col(blockIdx.y);
+    const u32 k0 = split * kslice, k1 = min(k, k0 + kslice);
+    const u32 nst = k1 > k0 ? (k1 - k0 + GV_KC - 1) / GV_KC : 0;
+    const u32 base = (smem_u32(gsm) + 1023u) & ~1023u;  // swizzle atoms are 1024-aligned
+    const u32 full = base + GV_STAGES * GV_SB, empty = full + 8 * GV_STAGES;
+    const bool producer = wg == GEMV_WGS && lane == 0;
+    if (threadIdx.x == 0) {
+        prefetch_tmap(&wmap);
+        prefetch_tmap(&xmap);
+#pragma unroll
+        for (u32 s = 0; s < GV_STAGES; s++) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, GEMV_WGS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    pdl_wait();
+
+    float acc[GEMV_RT][GEMV_MT][4];
+#pragma unroll
+    for (int rt = 0; rt < GEMV_RT; rt++)
+#pragma unroll
+        for (int mt = 0; mt < GEMV_MT; mt++) acc[rt][mt][0] = acc[rt][mt][1] = acc[rt][mt][2] = acc[rt][mt][3] = 0.0f;
+
+    if (producer) {
+        auto load_w = [&](u32 st) {
+            const u32 s = st % GV_STAGES, wsb = base + s * GV_SB, kk = k0 + st * GV_KC;
+#if GEMV_SWIGLU
+            tma_load_2d(wsb, &wmap, full + 8 * s, kk, j0);
+            tma_load_2d(wsb + GV_WB / 2, &wmap, full + 8 * s, kk, up_off + j0);
+#else
+            tma_load_2d(wsb, &wmap, full + 8 * s, kk, j0);
+#endif
+        };
+        auto load_x = [&](u32 st) {
+            const u32 s = st % GV_STAGES;
+            tma_load_2d(base + s * GV_SB + GV_WB, &xmap, full + 8 * s, k0 + st * GV_KC, 0);
+        };
+        for (u32 st = 0; st < nst; st++) {
+            const u32 s = st % GV_STAGES;
+            // the buffer's last use released (the first GV_STAGES stages find it free)
+            if (st >= GV_STAGES) mbar_wait(empty + 8 * s, ((st / GV_STAGES) + 1) & 1);
+            mbar_expect_tx(full + 8 * s, GV_SB);
+            load_w(st);
+            load_x(st);
+        }
+    } else if (wg < GEMV_WGS) {
+        for (u32 st = 0; st < nst; st++) {
+            const u32 s = st % GV_STAGES;
+            mbar_wait(full + 8 * s, (st / GV_STAGES) & 1);
+            const u32 wsb = base + s * GV_SB, xsb = wsb + GV_WB;
+            gv_wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < GV_KC / 16; ks++)
+#pragma unroll
+                for (int rt = 0; rt < GEMV_RT; rt++)
+                    gv_wgmma(&acc[rt][0][0], gv_desc(wsb + (wg * GEMV_RT + rt) * 64 * 128 + ks * 32),
+                             gv_desc(xsb + ks * 32));
+            gv_wg_commit();
+            gv_wg_wait1();  // stage st - 1's MMAs are done: release its buffer
+            if (st > 0 && (threadIdx.x & 127) == 0) mbar_arrive(empty + 8 * ((st - 1) % GV_STAGES));
+        }
+        gv_wg_wait0();
+    }
+    __syncthreads();  // every stage consumed: reuse them for the partial tile
+
+    float* red = (float*)(gsm + (base - smem_u32(gsm)));
+    if (wg < GEMV_WGS) gv_store_partials(red, acc, wg * GEMV_RT, warp & 3, g, t);
+#if GEMV_S > 1
+    gv_cluster_sync();  // every block's partial tile is written and visible cluster-wide
+#else
+    __syncthreads();
+#endif
+    gv_finish(y, bias, red, split, j0, m, n, ldy, up_off);
+#if GEMV_S > 1
+    gv_cluster_sync();  // no block leaves while another may still read its shared memory
+#endif
+}
+#endif  // GEMV_WG

@@ -27,7 +27,8 @@ use common::*;
 /// The skinny GEMM against `cpu::linear_fwd` on decode shapes (bias or not, m from 1 to 128, k
 /// not a multiple of 64, n not a multiple of the block), under its default plan and under other
 /// plans (1 and 2 row tiles, 1 to 8 k slices, both the `mma.sync` and the `wgmma` form where m
-/// allows); the default plan twice gives the same bits. The `wgmma` form runs where the device
+/// allows, one and two consumer warpgroups in the `wgmma` form); the default plan twice gives
+/// the same bits. The `wgmma` form runs where the device
 /// has it (Hopper) and is reported as skipped elsewhere.
 #[test]
 fn skinny_linear_matches_cpu() {
@@ -83,6 +84,10 @@ fn skinny_linear_matches_cpu() {
             plans.push(plan);
             if m <= 64 && (plan.wgmma || g.has_wgmma()) {
                 plans.push(plan.with_form(m, !plan.wgmma));
+            }
+            // two consumer warpgroups sharing each x tile
+            if plan.wgmma {
+                plans.extend(plan.with_warpgroups(2));
             }
         }
         for plan in plans {
@@ -170,6 +175,33 @@ fn skinny_gate_up_swiglu_matches_cpu_and_the_unfused_pair() {
             fused,
             down(&s, &act2),
             "fused = GEMM then swiglu_fwd_bf16, bitwise"
+        );
+        // the same with two consumer warpgroups (the gate rows on one, the up rows on the other)
+        let Some(two) = skinny_plan(m, k, 2 * f)
+            .with_warpgroups(2)
+            .filter(|p| p.wgmma)
+        else {
+            continue;
+        };
+        let mut act = poison_bf(&s, m * f);
+        skinny_gate_up_swiglu_bf16(g, &s, &mut act, &dx, &dw, m, k, f, Some(two)).unwrap();
+        let fused = down(&s, &act);
+        check(
+            &format!("skinny_gate_up_swiglu_bf16 m{m} k{k} f{f} {two:?}"),
+            &to_f32(&fused),
+            &want,
+            1e-2,
+        );
+        let mut dgu = poison_bf(&s, m * 2 * f);
+        skinny_linear_fwd_bf16_with(g, &s, &mut dgu, &dx, &dw, None, m, k, 2 * f, k, 2 * f, two)
+            .unwrap();
+        let mut act2 = poison_bf(&s, m * f);
+        let upview = dgu.slice(f..);
+        swiglu_fwd_bf16(g, &s, &mut act2, &dgu, &upview, m, f, f, 2 * f, 2 * f).unwrap();
+        assert_eq!(
+            fused,
+            down(&s, &act2),
+            "two warpgroups: fused = unfused, bitwise"
         );
     }
 }
@@ -444,6 +476,8 @@ fn dispatching_linear_and_gate_up_match_cpu() {
         (8, 1024, 768),
         (9, 512, 640),
         (64, 256, 512),
+        (48, 256, 2048),
+        (64, 2048, 256),
         (128, 2048, 2560),
         (200, 256, 512),
     ] {

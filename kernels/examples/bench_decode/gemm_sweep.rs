@@ -30,22 +30,27 @@ pub(crate) fn gemm_sweep(g: &Gpu, s: &Arc<CudaStream>, ceiling: f64, rows: &[usi
                 // cuBLASLt's other heuristic answers (not every shape has all of them)
                 cands.extend((1..LT_RANKS).map(|r| (format!("lt#{r}"), GemmBy::Lt(r))));
                 for rt in [1, 2] {
-                    for sp in [1, 2, 4, 8] {
+                    for sp in [1, 2, 3, 4, 8] {
                         let p = skinny_plan_with(batch, k, n, rt, sp);
                         let mut forms = vec![p];
-                        if batch > 8 && batch <= 64 {
+                        if batch > 8 && batch <= 32 {
                             forms.push(p.with_form(batch, false));
                         }
                         if p.wgmma {
-                            forms.extend([3, 6, 8].iter().filter_map(|&st| p.with_stages(st)));
+                            // two consumer warpgroups sharing each x tile, and shallower pipelines
+                            let two = p.with_warpgroups(2);
+                            forms.extend(two);
+                            for q in std::iter::once(p).chain(two) {
+                                forms.extend([2, 3, 4].iter().filter_map(|&st| q.with_stages(st)));
+                            }
                         }
                         for p in forms {
                             if p != def && !cands.iter().any(|(_, c)| *c == GemmBy::Skinny(p)) {
                                 let form = if p.wgmma { "wg" } else { "sync" };
                                 cands.push((
                                     format!(
-                                        "{form} rt{} s{} st{}",
-                                        p.row_tiles, p.splits, p.stages
+                                        "{form}{} rt{} s{} st{}",
+                                        p.warpgroups, p.row_tiles, p.splits, p.stages
                                     ),
                                     GemmBy::Skinny(p),
                                 ));
@@ -86,14 +91,15 @@ pub(crate) fn gemm_sweep(g: &Gpu, s: &Arc<CudaStream>, ceiling: f64, rows: &[usi
                 timed.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap());
                 let top: Vec<String> = timed
                     .iter()
-                    .take(4)
+                    .take(8)
                     .map(|(t, n)| format!("{n} {:.1}us", t * 1e3 / reps))
                     .collect();
                 println!(
-                    "  {kname} k{k} n{n}: {} | {} | top: {} [default rt{} s{} st{}]",
+                    "  {kname} k{k} n{n}: {} | {} | top: {} [default wg{} rt{} s{} st{}]",
                     line[0],
                     line[1],
                     top.join(", "),
+                    def.warpgroups,
                     def.row_tiles,
                     def.splits,
                     def.stages

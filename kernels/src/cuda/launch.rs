@@ -63,6 +63,7 @@ pub(crate) const PDL_KERNELS: &[&str] = &[
     "attention_decode_grouped_bf16",
     "attention_decode_reduce_bf16",
     "gemv_bf16",
+    "gemv_tma_bf16",
     "sample_bf16",
     "sample_bf16_keyed",
     "sample_split_bf16",
@@ -212,4 +213,68 @@ pub(crate) fn u32_of(op: &'static str, name: &str, v: usize) -> Result<u32> {
 /// Blocks for a grid-stride loop over `n` items of `per_block` each, capped.
 pub(crate) fn grid_for(n: usize, per_block: usize, cap: usize) -> u32 {
     n.div_ceil(per_block.max(1)).clamp(1, cap) as u32
+}
+
+/// A tensor-memory-accelerator descriptor (the driver's `CUtensorMap`, 128 bytes) as a kernel
+/// argument: passed by value, read by the kernel as a `__grid_constant__` parameter.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub(crate) struct TmaMap([u64; 16]);
+
+// SAFETY: plain bytes that mirror the kernel's `TmaMap` parameter (128 bytes, 64-aligned).
+unsafe impl DeviceRepr for TmaMap {}
+
+/// The TMA descriptor of a row-major bf16 matrix of `rows` rows of `cols` elements, `ld`
+/// elements apart, at device address `addr`, read in boxes of `box_cols` x `box_rows` into
+/// shared memory in the 128-byte swizzle (`box_cols * 2` must be at most 128), elements outside
+/// the matrix read as zeros. Needs a 16-byte aligned `addr` and `ld % 8 == 0`.
+pub(crate) fn tma_map_bf16(
+    op: &'static str,
+    addr: u64,
+    rows: usize,
+    cols: usize,
+    ld: usize,
+    box_cols: u32,
+    box_rows: u32,
+) -> Result<TmaMap> {
+    use cudarc::driver::sys;
+    aligned16(op, "tensor", addr)?;
+    if !ld.is_multiple_of(8) || ld < cols || rows == 0 || cols == 0 {
+        return Err(shape(
+            op,
+            format!("a {rows} x {cols} tensor with row stride {ld} (a positive multiple of 8, at least the columns) has no TMA descriptor"),
+        ));
+    }
+    if box_cols * 2 > 128 || !(1..=256).contains(&box_rows) {
+        return Err(shape(
+            op,
+            format!("TMA box {box_cols} x {box_rows}: at most 64 bf16 columns and 256 rows"),
+        ));
+    }
+    let dims = [cols as u64, rows as u64];
+    let strides = [(ld * 2) as u64];
+    let boxes = [box_cols, box_rows];
+    let elem = [1u32, 1];
+    // SAFETY: all-zero bytes are a valid CUtensorMap (an opaque array the driver fills).
+    let mut map: sys::CUtensorMap = unsafe { std::mem::zeroed() };
+    // SAFETY: every pointer is to a live array of the rank the call names (2 dims, 1 stride);
+    // the driver only writes `map`.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2,
+            addr as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    }
+    .result()?;
+    Ok(TmaMap(map.opaque))
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::super::launch::{aligned16, launch, ptr, ptr_mut, u32_of, Grid};
+use super::super::launch::{aligned16, launch, ptr, ptr_mut, tma_map_bf16, u32_of, Grid};
 use super::super::nvrtc::KernelModule;
 use super::super::{shape, Gpu, Result};
 
@@ -26,14 +26,17 @@ const SKINNY_SMEM_MAX: usize = 227 << 10;
 pub const SKINNY_SYNC_MAX_M: usize = 8;
 
 /// How [`skinny_linear_fwd_bf16`] cuts a GEMM: `m_tiles` tiles of 8 rows of x, blocks of
-/// `64 * row_tiles` weight rows (output features; half gate, half up in the SwiGLU form), and k
-/// cut into `splits` slices of `kslice` (a multiple of 64) summed in a cluster of `splits`
-/// blocks; `wgmma`: the products on warpgroup MMAs (Hopper; `8 * m_tiles` is then 16, 32, 64 or
-/// 128) rather than `mma.sync`; `stages`: the cp.async pipeline's depth (64 k each).
+/// `64 * row_tiles * warpgroups` weight rows (output features; half gate, half up in the SwiGLU
+/// form), and k cut into `splits` slices of `kslice` (a multiple of 64) summed in a cluster of
+/// `splits` blocks; `wgmma`: the products on warpgroup MMAs fed by the tensor memory accelerator
+/// (Hopper; `8 * m_tiles` is then 16, 32, 64 or 128, and `warpgroups` 1 or 2 consumer
+/// warpgroups share each x tile) rather than `mma.sync` (one warpgroup); `stages`: the
+/// pipeline's depth (64 k each).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SkinnyPlan {
     pub m_tiles: usize,
     pub row_tiles: usize,
+    pub warpgroups: usize,
     pub splits: usize,
     pub kslice: usize,
     pub wgmma: bool,
@@ -43,35 +46,50 @@ pub struct SkinnyPlan {
 impl SkinnyPlan {
     /// Weight rows one block covers.
     pub fn block_rows(&self) -> usize {
-        64 * self.row_tiles
+        64 * self.row_tiles * self.warpgroups
+    }
+    /// Threads of a block: the warpgroups, and the producer warp of the `wgmma` form.
+    fn threads(&self) -> usize {
+        128 * self.warpgroups + if self.wgmma { 32 } else { 0 }
     }
     /// Bytes of one pipeline stage (64 k of the block's weight rows and of x's padded rows).
     fn stage_bytes(&self) -> usize {
         (self.block_rows() + 8 * self.m_tiles) * 64 * 2
     }
-    /// Dynamic shared memory one block uses (the stages; + 1 KiB to align them for `wgmma`).
+    /// Dynamic shared memory one block uses (the stages; for `wgmma` + 1 KiB to align them and
+    /// 16 bytes a stage for its two barriers).
     pub fn smem_bytes(&self) -> usize {
-        self.stages * self.stage_bytes() + if self.wgmma { 1024 } else { 0 }
+        self.stages * self.stage_bytes()
+            + if self.wgmma {
+                1024 + 16 * self.stages
+            } else {
+                0
+            }
     }
     /// This plan with a `stages`-deep pipeline (`None` where the partial-sum tile would not fit
-    /// in the stages, the stages not in a block's shared memory, or `stages` is outside 2..=8,
-    /// 3..=8 for `wgmma`).
+    /// in the stages, the stages not in a block's shared memory, or `stages` is outside 2..=8).
     pub fn with_stages(self, stages: usize) -> Option<SkinnyPlan> {
         let p = SkinnyPlan { stages, ..self };
         let red = p.block_rows() * (8 * p.m_tiles + 4) * 4;
-        let least = if p.wgmma { 3 } else { 2 };
-        ((least..=8).contains(&stages)
+        ((2..=8).contains(&stages)
             && stages * p.stage_bytes() >= red
             && p.smem_bytes() <= SKINNY_SMEM_MAX)
             .then_some(p)
     }
+    /// This plan with `warpgroups` consumer warpgroups (`wgmma` form: 1 or 2), each keeping its
+    /// row tiles, at the deepest pipeline up to the plan's own that fits (`None` where none does).
+    pub fn with_warpgroups(self, warpgroups: usize) -> Option<SkinnyPlan> {
+        let p = SkinnyPlan { warpgroups, ..self };
+        (2..=self.stages).rev().find_map(|st| p.with_stages(st))
+    }
     /// This plan in the `wgmma` form (`true`) or the `mma.sync` one, for `m` rows of x: the m
-    /// tiles and the pipeline depth (6 stages for `wgmma`, of which 4 load ahead; 4 for
-    /// `mma.sync`) follow the form; the cut of the weights and of k stays.
+    /// tiles and the pipeline depth (6 stages for `wgmma`, 4 for `mma.sync`, one warpgroup)
+    /// follow the form; the cut of the weights and of k stays.
     pub fn with_form(self, m: usize, wgmma: bool) -> SkinnyPlan {
         SkinnyPlan {
             m_tiles: skinny_m_tiles(m, wgmma),
             wgmma,
+            warpgroups: 1,
             stages: if wgmma { 6 } else { 4 },
             ..self
         }
@@ -94,17 +112,21 @@ fn skinny_m_tiles(m: usize, wgmma: bool) -> usize {
 
 /// The plan [`skinny_linear_fwd_bf16`] uses for `y[m, n] = x[m, k] w[n, k]^T` (`n` output
 /// features; for the SwiGLU form the `2f` gate|up rows): a function of the shape only. The
-/// `mma.sync` form at m <= 8 (4 stages), `wgmma` above (6 stages); blocks of 64 weight rows, k
-/// cut into the fewest slices (1, 2, 4 or 8, each at least 256 k) that give at least 220 blocks.
-/// Measured on the H200 (docs/perf.md, "Decode GEMMs"): at m = 8 this was the fastest or within
-/// 3% of the fastest of 1/2 row tiles x 1/2/4/8 slices on every 3B / 7B decode GEMM; at m = 16
-/// within 5% of the fastest of 1/2 row tiles x 1/2/4/8 slices x 3/4/6/8 stages (and of
-/// cuBLASLt) on every 3B decode GEMM.
+/// `mma.sync` form at m <= 8 (4 stages), `wgmma` above; blocks of 64 weight rows, k cut into
+/// the fewest slices (1, 2, 4 or 8, each at least 256 k) that give at least 220 blocks (120
+/// above m = 16, where each slice's partial tile costs more to sum); 6 stages up to m = 16,
+/// above 3 where the grid has at least 264 blocks and 6 (or the deepest that fits) where it
+/// has fewer. Measured (docs/perf.md, "Decode GEMMs"): on the H200 at m = 8 the fastest or
+/// within 3% of the fastest of 1/2 row tiles x 1/2/4/8 slices on every 3B / 7B decode GEMM,
+/// at m = 16 within 5% of the fastest of 1/2 row tiles x 1/2/4/8 slices x 3/4/6/8 stages (and
+/// of cuBLASLt) on every 3B decode GEMM; on the H100 at m = 32 and 64 the stage counts of the
+/// fastest cuts of the lopsided 3B / 7B GEMMs (gate|up, down, lm head).
 pub fn skinny_plan(m: usize, k: usize, n: usize) -> SkinnyPlan {
     let blocks = n.max(1).div_ceil(64);
+    let least = if m <= 16 { 220 } else { 120 };
     let mut plan = skinny_plan_with(m, k, n, 1, 1);
     for splits in [2, 4, 8] {
-        if blocks * plan.splits >= 220 {
+        if blocks * plan.splits >= least {
             break;
         }
         let p = skinny_plan_with(m, k, n, 1, splits);
@@ -112,6 +134,15 @@ pub fn skinny_plan(m: usize, k: usize, n: usize) -> SkinnyPlan {
             break;
         }
         plan = p;
+    }
+    if m > 16 {
+        // a grid of two blocks an SM or more hides the loads' latency with blocks (shallow
+        // stages, small blocks); a smaller one with a deeper pipeline
+        let stages = if blocks * plan.splits >= 264 { 3 } else { 6 };
+        plan = (2..=stages)
+            .rev()
+            .find_map(|st| plan.with_stages(st))
+            .unwrap_or(plan);
     }
     plan
 }
@@ -130,6 +161,7 @@ pub fn skinny_plan_with(
     SkinnyPlan {
         m_tiles: 1,
         row_tiles: row_tiles.clamp(1, 2),
+        warpgroups: 1,
         splits: k.max(1).div_ceil(kslice),
         kslice,
         wgmma: false,
@@ -171,15 +203,15 @@ fn skinny_launch(
     if plan.m_tiles * 8 < m
         || !tiles_ok
         || !(1..=2).contains(&plan.row_tiles)
+        || !(1..=if plan.wgmma { 2 } else { 1 }).contains(&plan.warpgroups)
         || !(1..=8).contains(&plan.splits)
-        || !(if plan.wgmma { 3 } else { 2 }..=8).contains(&plan.stages)
-        || plan.smem_bytes() > SKINNY_SMEM_MAX
+        || plan.with_stages(plan.stages) != Some(plan)
         || !plan.kslice.is_multiple_of(64)
         || plan.splits * plan.kslice < k
     {
         return Err(shape(
             op,
-            format!("plan {plan:?} does not cover m={m} k={k} (m_tiles*8 >= m with m_tiles 2, 4, 8 or 16 for wgmma and at most 8 else, 1..=2 row tiles, 1..=8 splits, 2..=8 stages (3..=8 for wgmma), kslice a multiple of 64, splits*kslice >= k)"),
+            format!("plan {plan:?} does not cover m={m} k={k} (m_tiles*8 >= m with m_tiles 2, 4, 8 or 16 for wgmma and at most 8 else, 1..=2 row tiles, 1..=2 warpgroups for wgmma and 1 else, 1..=8 splits, 2..=8 stages whose bytes hold the partial tile and fit a block, kslice a multiple of 64, splits*kslice >= k)"),
         ));
     }
     if plan.wgmma && !gpu.has_wgmma() {
@@ -188,14 +220,12 @@ fn skinny_launch(
             format!("plan {plan:?} uses warpgroup MMAs, which {} ({}) lacks: take the mma.sync form (SkinnyPlan::with_form) or linear_fwd_bf16", gpu.name(), gpu.arch()),
         ));
     }
-    for (name, p) in [("y", y), ("x", x), ("w", w)] {
-        if name != "y" {
-            aligned16(op, name, p)?;
-        }
-    }
+    aligned16(op, "x", x)?;
+    aligned16(op, "w", w)?;
     let defines: Vec<(&'static str, u32)> = vec![
         ("GEMV_MT", plan.m_tiles as u32),
         ("GEMV_RT", plan.row_tiles as u32),
+        ("GEMV_WGS", plan.warpgroups as u32),
         ("GEMV_S", plan.splits as u32),
         ("GEMV_SWIGLU", swiglu as u32),
         ("GEMV_WG", plan.wgmma as u32),
@@ -210,12 +240,33 @@ fn skinny_launch(
     let gy = u32_of(op, "row blocks", n.div_ceil(rows_per_block))?;
     let cfg = Grid {
         grid: (plan.splits as u32, gy, 1),
-        block: (128, 1, 1),
+        block: (plan.threads() as u32, 1, 1),
         smem,
     };
     let (mm, nn, kk) = (m as u32, u32_of(op, "n", n)?, u32_of(op, "k", k)?);
     let (lx, ly) = (u32_of(op, "ldx", ldx)?, u32_of(op, "ldy", ldy)?);
     let (ks, uo) = (plan.kslice as u32, u32_of(op, "up_off", up_off)?);
+    if plan.wgmma {
+        // the weight rows the boxes may name: n, or the up rows' end in the SwiGLU form
+        let w_rows = if swiglu { up_off + n } else { n };
+        let box_rows = u32_of(op, "box rows", rows_per_block)?;
+        let wmap = tma_map_bf16(op, w, w_rows, k, k, 64, box_rows)?;
+        let xmap = tma_map_bf16(op, x, m, k, ldx, 64, (8 * plan.m_tiles) as u32)?;
+        // SAFETY: as below; the descriptors cover exactly the w rows and the m rows of x the
+        // caller checked, and the kernel reads nothing else of them (boxes past the ends read
+        // zeros).
+        return unsafe {
+            launch(
+                gpu,
+                stream,
+                &GEMV,
+                &defines,
+                "gemv_tma_bf16",
+                cfg,
+                &[&y, &bias, &wmap, &xmap, &mm, &nn, &kk, &ly, &ks, &uo],
+            )
+        };
+    }
     // SAFETY: the callers checked that y holds (m-1)*ldy + n elements, x (m-1)*ldx + k, w every
     // weight row the kernel reads (n rows of k, or up_off + n rows in the SwiGLU form) and bias
     // n (up_off + n) elements; the kernel reads x rows < m and weight rows < n (+ up_off) only,
@@ -452,21 +503,25 @@ mod skinny_tests {
             return;
         }
         let source = format!("{COMMON}\n#line 1 \"gemv.cu\"\n{}", GEMV.source);
-        for (mt, rt, s, sw, wg, st) in [
-            (8, 2, 1, 0, 0, 4),
-            (8, 1, 8, 0, 0, 4),
-            (1, 2, 4, 0, 0, 4),
-            (8, 2, 2, 1, 0, 4),
-            (3, 1, 7, 1, 0, 4),
-            (16, 2, 8, 0, 1, 3),
-            (16, 2, 4, 1, 1, 3),
-            (8, 2, 1, 0, 1, 4),
-            (4, 1, 2, 1, 1, 5),
-            (2, 2, 8, 0, 1, 6),
+        for (mt, rt, wgs, s, sw, wg, st) in [
+            (8, 2, 1, 1, 0, 0, 4),
+            (8, 1, 1, 8, 0, 0, 4),
+            (1, 2, 1, 4, 0, 0, 4),
+            (8, 2, 1, 2, 1, 0, 4),
+            (3, 1, 1, 7, 1, 0, 4),
+            (16, 2, 1, 8, 0, 1, 3),
+            (16, 2, 1, 4, 1, 1, 3),
+            (16, 2, 2, 2, 0, 1, 3),
+            (16, 1, 2, 4, 1, 1, 4),
+            (8, 2, 1, 1, 0, 1, 4),
+            (4, 1, 1, 2, 1, 1, 5),
+            (2, 2, 1, 8, 0, 1, 6),
+            (2, 2, 2, 8, 1, 1, 4),
         ] {
             let d = [
                 ("GEMV_MT", mt),
                 ("GEMV_RT", rt),
+                ("GEMV_WGS", wgs),
                 ("GEMV_S", s),
                 ("GEMV_SWIGLU", sw),
                 ("GEMV_WG", wg),
