@@ -5,8 +5,8 @@
 //! - `base`: cuBLASLt GEMMs + `swiglu_fwd_bf16`, the warp-split decode attention aiming at 264
 //!   blocks (the step as of 3ab030b);
 //! - `gemm`: the dispatching GEMM entry points (`linear_fwd_bf16`, `gate_up_swiglu_bf16`: our
-//!   split-k tensor-core kernel `gemv_bf16` at m <= 8, gate|up fused with SwiGLU; cuBLASLt
-//!   above), the same attention;
+//!   split-k tensor-core kernel where `skinny_pays` (every GEMM at m <= 16, gate|up, down and
+//!   the lm head at m <= 64; gate|up fused with SwiGLU), cuBLASLt elsewhere), the same attention;
 //! - `new`: those GEMMs and `attention_decode_bf16` with `decode_plan` (the block-pipelined
 //!   kernel), every sample reading its own KV;
 //! - `shared` (GRPO cases): `attention_decode_grouped_bf16` with `grouped_decode_plan`, which
@@ -19,9 +19,11 @@
 //! (cuBLASLt vs the skinny kernel) and the attention alone.
 //!
 //! `--gemm-sweep`: instead of the cases, each GEMM kind of the 3B and 7B steps alone over all
-//! layers at m = 128, 64, 32 and 16 rows (`--gemm-rows` picks others): cuBLASLt, the skinny kernel's default plan and
-//! the other cuts of its `wgmma` (and, at m <= 64, `mma.sync`) form side by side, with the
-//! weight-streaming rate against the copy ceiling.
+//! layers at m = 128, 64, 32 and 16 rows (`--gemm-rows` picks others): cuBLASLt (each answer of
+//! its heuristic), the skinny kernel's default plan and the other cuts of its `wgmma` form (row
+//! tiles, one or two consumer warpgroups, k slices, stages; and, at m <= 32, its `mma.sync`
+//! form) side by side, with the weight-streaming rate against the copy ceiling and the 8
+//! fastest of each kind.
 //!
 //! `--attn-sweep`: instead of the step, the group-shared attention alone over all layers of the
 //! chosen cases (`--cases`) under each pair of block targets for its two passes.
@@ -351,7 +353,7 @@ fn main() -> Res<()> {
                     ));
                 }
                 let kname = ["qkv", "o", "gate_up(+swiglu)", "down", "lm_head"][kind];
-                let used = if skinny_pays(&g, batch, k) {
+                let used = if skinny_pays(&g, batch, k, n) {
                     "skinny"
                 } else {
                     "cublasLt"

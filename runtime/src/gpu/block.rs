@@ -11,8 +11,8 @@ use std::sync::Arc;
 use half::bf16;
 use rollplex_kernels::cpu::AttnDims;
 use rollplex_kernels::cuda::{
-    add_fwd_bf16_inplace, add_rmsnorm_fwd_bf16, linear_fwd_bf16, rmsnorm_fwd_bf16, swiglu_fwd_bf16,
-    CudaSlice, CudaStream, Gpu,
+    add_fwd_bf16_inplace, add_rmsnorm_fwd_bf16, gate_up_swiglu_bf16, linear_fwd_bf16,
+    rmsnorm_fwd_bf16, swiglu_fwd_bf16, CudaSlice, CudaStream, Gpu,
 };
 
 use super::arena::DevBuf;
@@ -177,20 +177,27 @@ pub(crate) fn run_blocks_keeping(
         add_rmsnorm_fwd_bf16(
             gpu, stream, xn, None, x, delta, &blk.norm2, rows, hidden, eps,
         )?;
-        linear(gpu, stream, gu, xn, &blk.gate_up, rows)?;
-        let up = gu.slice(ffn..);
-        swiglu_fwd_bf16(
-            gpu,
-            stream,
-            act,
-            &*gu,
-            &up,
-            rows,
-            ffn,
-            ffn,
-            2 * ffn,
-            2 * ffn,
-        )?;
+        if blk.gate_up.b.is_none() {
+            // one launch where the skinny kernel takes it (SwiGLU in its epilogue), else the
+            // GEMM into `gu` and SwiGLU: the same roundings either way
+            let (w, k) = (&blk.gate_up.w, blk.gate_up.inp);
+            gate_up_swiglu_bf16(gpu, stream, act, gu, xn, w, rows, k, ffn)?;
+        } else {
+            linear(gpu, stream, gu, xn, &blk.gate_up, rows)?;
+            let up = gu.slice(ffn..);
+            swiglu_fwd_bf16(
+                gpu,
+                stream,
+                act,
+                &*gu,
+                &up,
+                rows,
+                ffn,
+                ffn,
+                2 * ffn,
+                2 * ffn,
+            )?;
+        }
         linear(gpu, stream, delta, act, &blk.down, rows)?;
     }
     add_fwd_bf16_inplace(gpu, stream, x, delta, rows * hidden)?;

@@ -56,24 +56,32 @@ pub fn linear_fwd_bf16(
     k: usize,
     n: usize,
 ) -> Result<()> {
-    if skinny_pays(gpu, m, k) && ptr(x, stream) % 16 == 0 && ptr(w, stream) % 16 == 0 && n > 0 {
+    if skinny_pays(gpu, m, k, n) && ptr(x, stream) % 16 == 0 && ptr(w, stream) % 16 == 0 && n > 0 {
         return skinny_linear_fwd_bf16(gpu, stream, y, x, w, bias, m, k, n);
     }
     linear_fwd_bf16_cublaslt(gpu, stream, y, x, w, bias, m, k, n)
 }
 
 /// The rows of x up to which [`linear_fwd_bf16`] and [`gate_up_swiglu_bf16`] take the skinny
-/// kernel: its `mma.sync` form at m <= 8 (it beat cuBLASLt on every 3B / 7B decode GEMM in a
-/// CUDA graph, by up to 12% on the small ones) and, on devices with warpgroup MMAs, its `wgmma`
-/// form at 8 < m <= 16 (1.00-1.13x cuBLASLt per 3B decode GEMM at m = 16). Above, cuBLASLt was
-/// faster on most 3B decode GEMMs (by 3-7% at m = 32, 1.1-2x at m = 64..128: this kernel runs
-/// one warpgroup per block and re-reads x per 64 weight rows; docs/perf.md, "Decode GEMMs").
+/// kernel for every shape: its `mma.sync` form at m <= 8 (it beat cuBLASLt on every 3B / 7B
+/// decode GEMM in a CUDA graph, by up to 12% on the small ones) and, on devices with warpgroup
+/// MMAs, its `wgmma` form at 8 < m <= 16 (1.00-1.13x cuBLASLt per 3B decode GEMM at m = 16).
 pub const SKINNY_DISPATCH_MAX_M: usize = 16;
 
-/// Whether [`linear_fwd_bf16`] runs a product of `m` rows and depth `k` on the skinny kernel
-/// on `gpu` (given 16-byte aligned operands).
-pub fn skinny_pays(gpu: &Gpu, m: usize, k: usize) -> bool {
-    skinny_fits(m, k) && m <= SKINNY_DISPATCH_MAX_M && (m <= SKINNY_SYNC_MAX_M || gpu.has_wgmma())
+/// The rows of x up to which the skinny kernel also takes the lopsided GEMMs (many more
+/// output features than depth, or the reverse: the MLP's gate|up and down, the lm head), where
+/// it streams the weights at least as fast as cuBLASLt and fuses SwiGLU into gate|up; cuBLASLt
+/// keeps the square ones (q|k|v, o) above [`SKINNY_DISPATCH_MAX_M`] (docs/perf.md, "Decode
+/// GEMMs").
+pub const SKINNY_LOPSIDED_MAX_M: usize = 64;
+
+/// Whether [`linear_fwd_bf16`] runs a product of `m` rows, depth `k` and `n` output features
+/// on the skinny kernel on `gpu` (given 16-byte aligned operands).
+pub fn skinny_pays(gpu: &Gpu, m: usize, k: usize, n: usize) -> bool {
+    let lopsided = n >= 4 * k || k >= 4 * n;
+    skinny_fits(m, k)
+        && (m <= SKINNY_DISPATCH_MAX_M || (lopsided && m <= SKINNY_LOPSIDED_MAX_M))
+        && (m <= SKINNY_SYNC_MAX_M || gpu.has_wgmma())
 }
 
 /// The MLP's first half, `act[m, f] = silu(x Wg^T) * (x Wu^T)` with `w_gate_up` `[2f, k]` (gate
@@ -92,7 +100,7 @@ pub fn gate_up_swiglu_bf16(
     k: usize,
     f: usize,
 ) -> Result<()> {
-    if skinny_pays(gpu, m, k)
+    if skinny_pays(gpu, m, k, 2 * f)
         && ptr(x, stream) % 16 == 0
         && ptr(w_gate_up, stream) % 16 == 0
         && f > 0
