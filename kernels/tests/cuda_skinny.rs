@@ -157,52 +157,30 @@ fn skinny_gate_up_swiglu_matches_cpu_and_the_unfused_pair() {
         let mut want = vec![0f32; m * f];
         cpu::swiglu_fwd(&mut want, &gate, &upv).unwrap();
         let (dx, dw) = (up(&s, &x), up(&s, &w));
-        let mut act = poison_bf(&s, m * f);
-        skinny_gate_up_swiglu_bf16(g, &s, &mut act, &dx, &dw, m, k, f, None).unwrap();
-        let fused = down(&s, &act);
-        check(
-            &format!("skinny_gate_up_swiglu_bf16 m{m} k{k} f{f}"),
-            &to_f32(&fused),
-            &want,
-            1e-2,
-        );
-        let mut dgu = poison_bf(&s, m * 2 * f);
-        skinny_linear_fwd_bf16(g, &s, &mut dgu, &dx, &dw, None, m, k, 2 * f).unwrap();
-        let mut act2 = poison_bf(&s, m * f);
-        let upview = dgu.slice(f..);
-        swiglu_fwd_bf16(g, &s, &mut act2, &dgu, &upview, m, f, f, 2 * f, 2 * f).unwrap();
-        assert_eq!(
-            fused,
-            down(&s, &act2),
-            "fused = GEMM then swiglu_fwd_bf16, bitwise"
-        );
-        // the same with two consumer warpgroups (the gate rows on one, the up rows on the other)
-        let Some(two) = skinny_plan(m, k, 2 * f)
-            .with_warpgroups(2)
-            .filter(|p| p.wgmma)
-        else {
-            continue;
-        };
-        let mut act = poison_bf(&s, m * f);
-        skinny_gate_up_swiglu_bf16(g, &s, &mut act, &dx, &dw, m, k, f, Some(two)).unwrap();
-        let fused = down(&s, &act);
-        check(
-            &format!("skinny_gate_up_swiglu_bf16 m{m} k{k} f{f} {two:?}"),
-            &to_f32(&fused),
-            &want,
-            1e-2,
-        );
-        let mut dgu = poison_bf(&s, m * 2 * f);
-        skinny_linear_fwd_bf16_with(g, &s, &mut dgu, &dx, &dw, None, m, k, 2 * f, k, 2 * f, two)
-            .unwrap();
-        let mut act2 = poison_bf(&s, m * f);
-        let upview = dgu.slice(f..);
-        swiglu_fwd_bf16(g, &s, &mut act2, &dgu, &upview, m, f, f, 2 * f, 2 * f).unwrap();
-        assert_eq!(
-            fused,
-            down(&s, &act2),
-            "two warpgroups: fused = unfused, bitwise"
-        );
+        // the default plan (what `None` takes), and with two consumer warpgroups (the gate rows
+        // on one, the up rows on the other) where the wgmma form runs
+        let def = skinny_plan(m, k, 2 * f);
+        let plans = [Some(def), def.with_warpgroups(2).filter(|p| p.wgmma)];
+        for (i, plan) in plans.into_iter().flatten().enumerate() {
+            let mut act = poison_bf(&s, m * f);
+            let arg = if i == 0 { None } else { Some(plan) };
+            skinny_gate_up_swiglu_bf16(g, &s, &mut act, &dx, &dw, m, k, f, arg).unwrap();
+            let fused = down(&s, &act);
+            let what = format!("skinny_gate_up_swiglu_bf16 m{m} k{k} f{f} {plan:?}");
+            check(&what, &to_f32(&fused), &want, 1e-2);
+            let mut dgu = poison_bf(&s, m * 2 * f);
+            let (kk, n) = (k, 2 * f);
+            skinny_linear_fwd_bf16_with(g, &s, &mut dgu, &dx, &dw, None, m, k, n, kk, n, plan)
+                .unwrap();
+            let mut act2 = poison_bf(&s, m * f);
+            let upview = dgu.slice(f..);
+            swiglu_fwd_bf16(g, &s, &mut act2, &dgu, &upview, m, f, f, 2 * f, 2 * f).unwrap();
+            assert_eq!(
+                fused,
+                down(&s, &act2),
+                "{what}: fused = GEMM then swiglu_fwd_bf16, bitwise"
+            );
+        }
     }
 }
 

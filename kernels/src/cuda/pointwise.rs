@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::launch::{grid_for, launch, need, ptr, ptr_mut, u32_of, Grid};
@@ -122,6 +122,20 @@ pub fn swiglu_fwd_bf16(
         )
     }?;
     Ok(())
+}
+
+/// [`swiglu_fwd_bf16`] over a fused gate|up buffer `gu [rows, 2f]` (gate columns, then up):
+/// `act [rows, f]`.
+pub fn swiglu_gate_up_fwd_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    act: &mut impl DevicePtrMut<bf16>,
+    gu: &CudaSlice<bf16>,
+    rows: usize,
+    f: usize,
+) -> Result<()> {
+    let up = gu.slice(f.min(gu.len())..);
+    swiglu_fwd_bf16(gpu, stream, act, gu, &up, rows, f, f, 2 * f, 2 * f)
 }
 
 /// `y = gelu(x)` over `n` elements: exact erf form, or the tanh approximation.

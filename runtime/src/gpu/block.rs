@@ -12,7 +12,7 @@ use half::bf16;
 use rollplex_kernels::cpu::AttnDims;
 use rollplex_kernels::cuda::{
     add_fwd_bf16_inplace, add_rmsnorm_fwd_bf16, gate_up_swiglu_bf16, linear_fwd_bf16,
-    rmsnorm_fwd_bf16, swiglu_fwd_bf16, CudaSlice, CudaStream, Gpu,
+    rmsnorm_fwd_bf16, swiglu_gate_up_fwd_bf16, CudaSlice, CudaStream, Gpu,
 };
 
 use super::arena::DevBuf;
@@ -184,19 +184,7 @@ pub(crate) fn run_blocks_keeping(
             gate_up_swiglu_bf16(gpu, stream, act, gu, xn, w, rows, k, ffn)?;
         } else {
             linear(gpu, stream, gu, xn, &blk.gate_up, rows)?;
-            let up = gu.slice(ffn..);
-            swiglu_fwd_bf16(
-                gpu,
-                stream,
-                act,
-                &*gu,
-                &up,
-                rows,
-                ffn,
-                ffn,
-                2 * ffn,
-                2 * ffn,
-            )?;
+            swiglu_gate_up_fwd_bf16(gpu, stream, act, gu, rows, ffn)?;
         }
         linear(gpu, stream, delta, act, &blk.down, rows)?;
     }

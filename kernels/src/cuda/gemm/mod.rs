@@ -108,6 +108,5 @@ pub fn gate_up_swiglu_bf16(
         return skinny_gate_up_swiglu_bf16(gpu, stream, act, x, w_gate_up, m, k, f, None);
     }
     linear_fwd_bf16_cublaslt(gpu, stream, gu, x, w_gate_up, None, m, k, 2 * f)?;
-    let up = gu.slice(f..);
-    super::swiglu_fwd_bf16(gpu, stream, act, gu, &up, m, f, f, 2 * f, 2 * f)
+    super::swiglu_gate_up_fwd_bf16(gpu, stream, act, gu, m, f)
 }

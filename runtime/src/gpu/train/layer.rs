@@ -10,7 +10,7 @@ use rollplex_kernels::cuda::attention::RowStrides;
 use rollplex_kernels::cuda::{
     add_f32_into_bf16, add_fwd_bf16_inplace, add_rmsnorm_fwd_bf16, attention_bwd_bf16,
     attention_fwd_bf16, kv_append_bf16, linear_fwd_bf16, rmsnorm_fwd_bf16, rope_bwd_bf16,
-    rope_fwd_bf16, swiglu_fwd_bf16, AttnSeqGpu, BwdGrads, BwdInputs, CudaSlice, CudaStream,
+    rope_fwd_bf16, swiglu_gate_up_fwd_bf16, AttnSeqGpu, BwdGrads, BwdInputs, CudaSlice, CudaStream,
     FwdInputs, Gpu,
 };
 
@@ -226,19 +226,7 @@ pub(super) fn layer_fwd(
         c.eps,
     )?;
     linear(gpu, s, &mut a.gu, &a.xn2, &b.gate_up, rows)?;
-    let up = a.gu.slice(ffn..);
-    swiglu_fwd_bf16(
-        gpu,
-        s,
-        &mut a.act,
-        &a.gu,
-        &up,
-        rows,
-        ffn,
-        ffn,
-        2 * ffn,
-        2 * ffn,
-    )?;
+    swiglu_gate_up_fwd_bf16(gpu, s, &mut a.act, &a.gu, rows, ffn)?;
     if let Some(x) = x_out {
         linear(gpu, s, &mut a.delta, &a.act, &b.down, rows)?;
         s.memcpy_dtod(&a.x_mid, x)?;

@@ -11,8 +11,8 @@ use rollplex_kernels::cuda::attention_bwd_tc::{bwd_kernel_for, BwdKernel, TC_BWD
 use rollplex_kernels::cuda::{
     add_rmsnorm_fwd_bf16, attention_bwd_bf16_with, embedding_fwd_bf16, gelu_bwd_bf16,
     gelu_fwd_bf16, kv_append_bf16, matmul_bf16, matmul_bf16_f32, rmsnorm_bwd_bf16,
-    rmsnorm_fwd_bf16, rope_bwd_bf16, swiglu_fwd_bf16, BwdGrads, BwdInputs, CudaSlice, CudaStream,
-    Gpu,
+    rmsnorm_fwd_bf16, rope_bwd_bf16, swiglu_gate_up_fwd_bf16, BwdGrads, BwdInputs, CudaSlice,
+    CudaStream, Gpu,
 };
 
 use crate::model::config::VISION_RMS_EPS;
@@ -213,19 +213,7 @@ fn block_recompute(
         VISION_RMS_EPS,
     )?;
     linear(gpu, s, &mut a.gu, &a.xn2, &b.gate_up, rows)?;
-    let up = a.gu.slice(ffn..);
-    swiglu_fwd_bf16(
-        gpu,
-        s,
-        &mut a.act,
-        &a.gu,
-        &up,
-        rows,
-        ffn,
-        ffn,
-        2 * ffn,
-        2 * ffn,
-    )?;
+    swiglu_gate_up_fwd_bf16(gpu, s, &mut a.act, &a.gu, rows, ffn)?;
     Ok(())
 }
 
