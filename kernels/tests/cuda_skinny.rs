@@ -102,27 +102,44 @@ fn skinny_linear_matches_cpu() {
             );
         }
     }
-    // strided rows: x rows 2k apart, y rows n + 40 apart (the gaps stay poisoned)
-    let (m, k, n) = (8, 256, 200);
-    let (x, xf) = rand_bf(m * 2 * k, 1.0);
-    let (w, wf) = rand_bf(n * k, 0.05);
-    let xc: Vec<f32> = (0..m)
-        .flat_map(|r| xf[r * 2 * k..r * 2 * k + k].to_vec())
-        .collect();
-    let mut want = vec![0f32; m * n];
-    cpu::linear_fwd(&mut want, &xc, &wf, None, m, k, n).unwrap();
-    let (dx, dw) = (up(&s, &x), up(&s, &w));
-    let ldy = n + 40;
-    let mut dy = poison_bf(&s, m * ldy);
-    let plan = skinny_plan(m, k, n);
-    skinny_linear_fwd_bf16_with(g, &s, &mut dy, &dx, &dw, None, m, k, n, 2 * k, ldy, plan).unwrap();
-    let got = to_f32(&down(&s, &dy));
-    let rows: Vec<f32> = (0..m)
-        .flat_map(|r| got[r * ldy..r * ldy + n].to_vec())
-        .collect();
-    check("skinny_linear_fwd_bf16 strided", &rows, &want, 8e-3);
-    assert!(got[n..ldy].iter().all(|v| v.is_nan()), "gap written");
+    // strided rows: x rows 2k apart, y rows n + 40 apart (the gaps stay poisoned), in the
+    // mma.sync form (m = 8) and the TMA-fed form (m = 24, its x descriptor with that stride)
+    let (k, n) = (256, 200);
+    for m in [8, 24] {
+        if m > 8 && !g.has_wgmma() {
+            println!("strided m{m}: skipped, {} has no warpgroup MMAs", g.name());
+            continue;
+        }
+        let (x, xf) = rand_bf(m * 2 * k, 1.0);
+        let (w, wf) = rand_bf(n * k, 0.05);
+        let xc: Vec<f32> = (0..m)
+            .flat_map(|r| xf[r * 2 * k..r * 2 * k + k].to_vec())
+            .collect();
+        let mut want = vec![0f32; m * n];
+        cpu::linear_fwd(&mut want, &xc, &wf, None, m, k, n).unwrap();
+        let (dx, dw) = (up(&s, &x), up(&s, &w));
+        let ldy = n + 40;
+        let mut dy = poison_bf(&s, m * ldy);
+        let plan = skinny_plan(m, k, n);
+        skinny_linear_fwd_bf16_with(g, &s, &mut dy, &dx, &dw, None, m, k, n, 2 * k, ldy, plan)
+            .unwrap();
+        let got = to_f32(&down(&s, &dy));
+        let rows: Vec<f32> = (0..m)
+            .flat_map(|r| got[r * ldy..r * ldy + n].to_vec())
+            .collect();
+        check(
+            &format!("skinny_linear_fwd_bf16 strided m{m} {plan:?}"),
+            &rows,
+            &want,
+            8e-3,
+        );
+        assert!(got[n..ldy].iter().all(|v| v.is_nan()), "gap written");
+    }
     // bad shapes are errors, not launches
+    let (dx, dw) = (
+        up(&s, &rand_bf(129 * k, 1.0).0),
+        up(&s, &rand_bf(n * k, 0.05).0),
+    );
     let mut dy = poison_bf(&s, 129 * n);
     assert!(skinny_linear_fwd_bf16(g, &s, &mut dy, &dx, &dw, None, 129, k, n).is_err());
     assert!(skinny_linear_fwd_bf16(g, &s, &mut dy, &dx, &dw, None, 8, 12, n).is_err());
