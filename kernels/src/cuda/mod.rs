@@ -7,7 +7,7 @@
 //!
 //! | op (CUDA symbol = Rust launcher) | CPU twin | file |
 //! |---|---|---|
-//! | `matmul_bf16`, `matmul_bf16_f32` (fp32 output: weight gradients summed in place), `linear_fwd_bf16` (cuBLASLt, fp32 accumulate; at m <= 8 the skinny split-k kernel `gemv_bf16`), `linear_fwd_bf16_cublaslt`, `gate_up_swiglu_bf16` (gate\|up GEMM with SwiGLU fused at small m) | `matmul`, `linear_fwd` (+ `swiglu_fwd`) | `gemm/` (`lt.rs`: cuBLASLt, `skinny.rs`), `gemv.cu` |
+//! | `matmul_bf16`, `matmul_bf16_f32` (fp32 output: weight gradients summed in place), `linear_fwd_bf16` (cuBLASLt, fp32 accumulate; where `skinny_pays` (small m, lopsided shapes up to m = 64) the skinny split-k kernel `gemv_bf16` / `gemv_tma_bf16`), `linear_fwd_bf16_cublaslt`, `gate_up_swiglu_bf16` (gate\|up GEMM with SwiGLU fused at small m) | `matmul`, `linear_fwd` (+ `swiglu_fwd`) | `gemm/` (`lt.rs`: cuBLASLt, `skinny.rs`), `gemv.cu` |
 //! | `rmsnorm_fwd_bf16`, `add_rmsnorm_fwd_bf16` (residual add + norm) | `rmsnorm_fwd` (+ `add_fwd`) | `norm.rs`, `norm.cu` |
 //! | `rope_fwd_bf16`, `swiglu_fwd_bf16`, `gelu_fwd_bf16`, `add_fwd_bf16`, `embedding_fwd_bf16`, `kv_append_bf16`, `rope_kv_append_bf16` | `rope_fwd`, `swiglu_fwd`, `gelu_fwd`, `add_fwd`, `embedding_fwd` | `pointwise.rs`, `pointwise.cu` |
 //! | `attention_fwd_bf16`, `attention_decode_bf16` (block-pipelined tensor-core kernel with a split-K LSE merge; older warp-split and SIMT variants kept for timing), `attention_decode_grouped_bf16` (a GRPO group's shared prefix read once per group) | `attention_fwd`, `attention_decode` | `attention/` (`fwd.rs`, `decode.rs`, `grouped.rs`), `attention.cu` |

@@ -19,7 +19,8 @@
 //! `cuda/gemv.cu`: [`skinny_linear_fwd_bf16`], [`skinny_gate_up_swiglu_bf16`]): weight-row
 //! tiles x k slices, the slices of a tile summed in a thread-block cluster through distributed
 //! shared memory in rank order (deterministic, one launch, no workspace), the products on
-//! `mma.sync` at m <= 8 and on Hopper's warpgroup MMAs above; its cut ([`SkinnyPlan`]) is a
+//! `mma.sync` at m <= 8 and above on Hopper's warpgroup MMAs fed by the tensor memory
+//! accelerator; its cut ([`SkinnyPlan`]) is a
 //! function of the shape. [`linear_fwd_bf16`] and [`gate_up_swiglu_bf16`] take it where
 //! [`skinny_pays`], and cuBLASLt elsewhere.
 
