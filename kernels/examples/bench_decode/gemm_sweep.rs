@@ -94,11 +94,19 @@ pub(crate) fn gemm_sweep(g: &Gpu, s: &Arc<CudaStream>, ceiling: f64, rows: &[usi
                     .take(8)
                     .map(|(t, n)| format!("{n} {:.1}us", t * 1e3 / reps))
                     .collect();
+                // our 3 fastest cuts, whether or not cuBLASLt's answers fill the top
+                let ours_top: Vec<String> = timed
+                    .iter()
+                    .filter(|(_, n)| !n.starts_with("lt#") && n != "cublasLt")
+                    .take(3)
+                    .map(|(t, n)| format!("{n} {:.1}us", t * 1e3 / reps))
+                    .collect();
                 println!(
-                    "  {kname} k{k} n{n}: {} | {} | top: {} [default wg{} rt{} s{} st{}]",
+                    "  {kname} k{k} n{n}: {} | {} | top: {} | ours: {} [default wg{} rt{} s{} st{}]",
                     line[0],
                     line[1],
                     top.join(", "),
+                    ours_top.join(", "),
                     def.warpgroups,
                     def.row_tiles,
                     def.splits,
