@@ -488,6 +488,17 @@ mod skinny_tests {
                 assert!(p.with_stages(p.stages) == Some(p), "{p:?}");
             }
         }
+        // stages: 6 up to m = 16; above, 3 for grids of two blocks an SM (gate|up, lm head)
+        // and 6 for smaller ones (down, cut along k)
+        for m in [9, 16] {
+            assert_eq!(skinny_plan(m, 2048, 22016).stages, 6, "m {m}");
+        }
+        for m in [17, 64] {
+            assert_eq!(skinny_plan(m, 2048, 22016).stages, 3, "m {m}");
+            assert_eq!(skinny_plan(m, 2048, 151_936).stages, 3, "m {m}");
+            let down = skinny_plan(m, 11008, 2048);
+            assert_eq!((down.stages, down.splits), (6, 4), "m {m}");
+        }
         // the forms convert into each other with the cut kept
         let p = skinny_plan(64, 2048, 2560);
         let q = p.with_form(64, false);
