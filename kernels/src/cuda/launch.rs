@@ -278,3 +278,32 @@ pub(crate) fn tma_map_bf16(
     .result()?;
     Ok(TmaMap(map.opaque))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Shapes a TMA descriptor cannot describe are refused before the driver is asked (no GPU
+    /// needed): an unaligned address, a row stride that is not a multiple of 8 or is shorter
+    /// than a row, an empty tensor, a box wider than the 128-byte swizzle or taller than 256.
+    #[test]
+    fn tma_maps_refuse_what_they_cannot_describe() {
+        let op = "test";
+        for (addr, rows, cols, ld, bc, br) in [
+            (0x1008u64, 8, 64, 64, 64, 8),
+            (0x1000, 8, 64, 60, 64, 8),
+            (0x1000, 8, 64, 32, 64, 8),
+            (0x1000, 0, 64, 64, 64, 8),
+            (0x1000, 8, 0, 64, 64, 8),
+            (0x1000, 8, 128, 128, 128, 8),
+            (0x1000, 8, 64, 64, 64, 257),
+            (0x1000, 8, 64, 64, 64, 0),
+        ] {
+            let r = tma_map_bf16(op, addr, rows, cols, ld, bc, br);
+            assert!(
+                matches!(r, Err(super::super::CudaError::Shape { .. })),
+                "{addr:#x} {rows}x{cols} ld {ld} box {bc}x{br}"
+            );
+        }
+    }
+}
