@@ -1,28 +1,48 @@
 //! `--attn-sweep`: the group-shared decode attention alone over all layers, for each block
-//! target of its two passes.
+//! target of its two passes and each chunk length.
 
 use super::*;
 
 /// Group-pass and per-sample-pass block targets tried (each against each).
 const TARGETS: [usize; 6] = [66, 132, 198, 264, 396, 528];
 
-/// `--attn-sweep`: for each case with a shared prefix, the grouped attention of every layer in
-/// one graph under the plan of each (group pass, per-sample pass) block target, with its
-/// blocks, slots and achieved rate on the bytes it moves; the default plan's row is marked.
-pub(crate) fn attn_sweep(g: &Gpu, s: &Arc<CudaStream>, ceiling: f64, cases: &[Case]) -> Res<()> {
+/// Chunk lengths (keys a block takes) tried for each pass, each against each.
+const CHUNKS: [usize; 4] = [128, 224, 256, 512];
+
+/// `--attn-sweep`: for each case with a shared prefix (its group size; `lens`: the prefix and
+/// each sample's own keys), the grouped attention of every layer in one graph under the plan
+/// of each (group pass, per-sample pass) block target and of each pair of chunk lengths, with
+/// its blocks, slots and achieved rate on the bytes it moves; the default plan's row is marked.
+pub(crate) fn attn_sweep(
+    g: &Gpu,
+    s: &Arc<CudaStream>,
+    ceiling: f64,
+    cases: &[Case],
+    (plen, own): (usize, usize),
+) -> Res<()> {
     for &(d, batch, prefix) in cases {
-        let Some((gsize, plen)) = prefix else {
+        let Some((gsize, _)) = prefix else {
             continue;
         };
-        let kv_len = 2048;
-        let mut m = build(g, s, d, batch, kv_len, prefix)?;
+        let kv_len = plen + own;
+        let mut m = build(g, s, d, batch, kv_len, Some((gsize, plen)))?;
         let dims = m.dims();
-        let own = kv_len - plen;
-        let plans: Vec<GroupedDecodePlan> = TARGETS
+        let by_targets = TARGETS
             .iter()
             .flat_map(|&p| TARGETS.iter().map(move |&t| (p, t)))
-            .map(|t| grouped_decode_plan_for_targets(batch, gsize, dims, plen, own, t))
-            .collect();
+            .map(|t| grouped_decode_plan_for_targets(batch, gsize, dims, plen, own, t));
+        // a chunk of c keys: the blocks that many units need to cover the pass in chunks of c
+        let units_p =
+            batch.div_ceil(gsize) * gsize.div_ceil((64 / (d.nh / d.nkv)).clamp(1, gsize)) * d.nkv;
+        let units_s = batch * d.nkv;
+        let by_chunks = CHUNKS
+            .iter()
+            .flat_map(|&cp| CHUNKS.iter().map(move |&cs| (cp, cs)))
+            .map(|(cp, cs)| {
+                let t = (units_p * plen.div_ceil(cp), units_s * own.div_ceil(cs));
+                grouped_decode_plan_for_targets(batch, gsize, dims, plen, own, t)
+            });
+        let plans: Vec<GroupedDecodePlan> = by_targets.chain(by_chunks).collect();
         let ws = plans.iter().map(|p| p.workspace_len()).max().unwrap_or(1);
         if ws > m.ws.len() {
             m.ws = g.alloc(s, ws)?;

@@ -26,7 +26,8 @@
 //! fastest of each kind.
 //!
 //! `--attn-sweep`: instead of the step, the group-shared attention alone over all layers of the
-//! chosen cases (`--cases`) under each pair of block targets for its two passes.
+//! chosen cases (`--cases`) under each pair of block targets for its two passes and, per pass,
+//! each chunk of 128-512 keys (`--attn-lens P,O`: a prefix of P keys and O own keys a sample).
 //!
 //! Run: `cargo run --release -p rollplex-kernels --example bench_decode` (needs a GPU).
 //! Each layer has its own weights (random bf16, never zeros) and its own KV cache, so every byte
@@ -266,6 +267,26 @@ fn main() -> Res<()> {
             .map_err(|e| format!("--gemm-rows {list}: {e}"))?;
         args.drain(i..i + 2);
     }
+    // --attn-lens 1226,384: the attention sweep's shared prefix and own keys per sample
+    // (default 1792,256: the case table's KV of 2048)
+    let mut attn_lens: Option<(usize, usize)> = None;
+    if let Some(i) = args.iter().position(|a| a == "--attn-lens") {
+        let list = args
+            .get(i + 1)
+            .ok_or("--attn-lens needs PREFIX,OWN such as 1226,384")?;
+        let v: Vec<usize> = list
+            .split(',')
+            .map(|x| x.trim().parse::<usize>())
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| format!("--attn-lens {list}: {e}"))?;
+        match v[..] {
+            [p, o] if p > 0 && o > 0 => attn_lens = Some((p, o)),
+            _ => {
+                return Err(format!("--attn-lens {list}: two positive lengths, PREFIX,OWN").into())
+            }
+        }
+        args.drain(i..i + 2);
+    }
     for a in &args {
         if ![
             "--unfused",
@@ -276,7 +297,7 @@ fn main() -> Res<()> {
         ]
         .contains(&a.as_str())
         {
-            return Err(format!("unknown flag {a}; flags: --unfused (separate add/norm and rope/append kernels), --simt (the SIMT decode attention instead of the warp-split one in the base and gemm variants), --no-sweep (skip the GEMM comparison), --gemm-sweep (only the GEMM kinds at m = 128..16, every skinny cut), --gemm-rows M,N (the sweep's rows), --variants V,W (base, gemm, new, shared, forced), --cases I,J (rows of the case table: 0-3 3B/7B at B 64/8 unshared, 4-7 the same with G8 prefixes of 1792, 8-9 3B B 32/128 with G8 prefixes)").into());
+            return Err(format!("unknown flag {a}; flags: --unfused (separate add/norm and rope/append kernels), --simt (the SIMT decode attention instead of the warp-split one in the base and gemm variants), --no-sweep (skip the GEMM comparison), --gemm-sweep (only the GEMM kinds at m = 128..16, every skinny cut), --gemm-rows M,N (the sweep's rows), --attn-lens P,O (the attention sweep's prefix and own keys), --variants V,W (base, gemm, new, shared, forced), --cases I,J (rows of the case table: 0-3 3B/7B at B 64/8 unshared, 4-7 the same with G8 prefixes of 1792, 8-9 3B B 32/128 with G8 prefixes)").into());
         }
     }
     let unfused = args.iter().any(|a| a == "--unfused");
@@ -319,7 +340,7 @@ fn main() -> Res<()> {
             .filter(|(ci, _)| cases.as_ref().is_none_or(|c| c.contains(ci)))
             .map(|(_, c)| c)
             .collect();
-        return attn_sweep(&g, &s, ceiling, &picked);
+        return attn_sweep(&g, &s, ceiling, &picked, attn_lens.unwrap_or((1792, 256)));
     }
     for (ci, (d, batch, prefix)) in configs.into_iter().enumerate() {
         if cases.as_ref().is_some_and(|c| !c.contains(&ci)) {
