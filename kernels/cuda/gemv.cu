@@ -272,6 +272,25 @@ __device__ __forceinline__ u32 gv_first_col(u32 by) {
 #endif
 }
 
+// The block's partial sums (acc, where `holds`: the rows of row tiles `tile0`.. owned by warp
+// `wq` of its warpgroup) into the shared tile `red`, summed over the cluster's k slices and
+// written to y (gv_finish). Called by every thread of the block once the stages are free.
+__device__ __forceinline__ void gv_epilogue(bf16* __restrict__ y, const bf16* __restrict__ bias,
+                                            float* red, float (*acc)[GEMV_MT][4], bool holds,
+                                            u32 tile0, u32 wq, u32 g, u32 t, u32 split, u32 j0,
+                                            u32 m, u32 n, u32 ldy, u32 up_off) {
+    if (holds) gv_store_partials(red, acc, tile0, wq, g, t);
+#if GEMV_S > 1
+    gv_cluster_sync();  // every block's partial tile is written and visible cluster-wide
+#else
+    __syncthreads();
+#endif
+    gv_finish(y, bias, red, split, j0, m, n, ldy, up_off);
+#if GEMV_S > 1
+    gv_cluster_sync();  // no block leaves while another may still read its shared memory
+#endif
+}
+
 #if !GEMV_WG
 // Grid (GEMV_S, row blocks): blockIdx.x is the k slice (= rank in the cluster), blockIdx.y the
 // R-row block. Block x covers k in [x*kslice, min(k, (x+1)*kslice)); kslice is a multiple of 64.
@@ -356,17 +375,7 @@ gemv_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restri
     asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();  // every warp is done with the stages: reuse them for the partial tile
 
-    float* red = (float*)gsm;
-    gv_store_partials(red, acc, 0, warp, g, t);
-#if GEMV_S > 1
-    gv_cluster_sync();  // every block's partial tile is written and visible cluster-wide
-#else
-    __syncthreads();
-#endif
-    gv_finish(y, bias, red, split, j0, m, n, ldy, up_off);
-#if GEMV_S > 1
-    gv_cluster_sync();  // no block leaves while another may still read its shared memory
-#endif
+    gv_epilogue(y, bias, (float*)gsm, acc, true, 0, warp, g, t, split, j0, m, n, ldy, up_off);
 }
 #else   // GEMV_WG
 
@@ -447,26 +456,17 @@ gemv_tma_bf16(bf16* __restrict__ y, const bf16* __restrict__ bias, const __grid_
         for (int mt = 0; mt < GEMV_MT; mt++) acc[rt][mt][0] = acc[rt][mt][1] = acc[rt][mt][2] = acc[rt][mt][3] = 0.0f;
 
     if (producer) {
-        auto load_w = [&](u32 st) {
-            const u32 s = st % GV_STAGES, wsb = base + s * GV_SB, kk = k0 + st * GV_KC;
-#if GEMV_SWIGLU
-            tma_load_2d(wsb, &wmap, full + 8 * s, kk, j0);
-            tma_load_2d(wsb + GV_WB / 2, &wmap, full + 8 * s, kk, up_off + j0);
-#else
-            tma_load_2d(wsb, &wmap, full + 8 * s, kk, j0);
-#endif
-        };
-        auto load_x = [&](u32 st) {
-            const u32 s = st % GV_STAGES;
-            tma_load_2d(base + s * GV_SB + GV_WB, &xmap, full + 8 * s, k0 + st * GV_KC, 0);
-        };
         for (u32 st = 0; st < nst; st++) {
-            const u32 s = st % GV_STAGES;
+            const u32 s = st % GV_STAGES, wsb = base + s * GV_SB, kk = k0 + st * GV_KC;
+            const u32 bar = full + 8 * s;
             // the buffer's last use released (the first GV_STAGES stages find it free)
             if (st >= GV_STAGES) mbar_wait(empty + 8 * s, ((st / GV_STAGES) + 1) & 1);
-            mbar_expect_tx(full + 8 * s, GV_SB);
-            load_w(st);
-            load_x(st);
+            mbar_expect_tx(bar, GV_SB);
+            tma_load_2d(wsb, &wmap, bar, kk, j0);
+#if GEMV_SWIGLU
+            tma_load_2d(wsb + GV_WB / 2, &wmap, bar, kk, up_off + j0);  // the matching up rows
+#endif
+            tma_load_2d(wsb + GV_WB, &xmap, bar, kk, 0);
         }
     } else if (wg < GEMV_WGS) {
         for (u32 st = 0; st < nst; st++) {
@@ -489,15 +489,7 @@ gemv_tma_bf16(bf16* __restrict__ y, const bf16* __restrict__ bias, const __grid_
     __syncthreads();  // every stage consumed: reuse them for the partial tile
 
     float* red = (float*)(gsm + (base - smem_u32(gsm)));
-    if (wg < GEMV_WGS) gv_store_partials(red, acc, wg * GEMV_RT, warp & 3, g, t);
-#if GEMV_S > 1
-    gv_cluster_sync();  // every block's partial tile is written and visible cluster-wide
-#else
-    __syncthreads();
-#endif
-    gv_finish(y, bias, red, split, j0, m, n, ldy, up_off);
-#if GEMV_S > 1
-    gv_cluster_sync();  // no block leaves while another may still read its shared memory
-#endif
+    gv_epilogue(y, bias, red, acc, wg < GEMV_WGS, wg * GEMV_RT, warp & 3, g, t, split, j0, m, n,
+                ldy, up_off);
 }
 #endif  // GEMV_WG

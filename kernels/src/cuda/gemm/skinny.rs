@@ -76,11 +76,14 @@ impl SkinnyPlan {
             && p.smem_bytes() <= SKINNY_SMEM_MAX)
             .then_some(p)
     }
+    /// This plan at the deepest pipeline of at most `stages` that fits (`None` where none does).
+    pub fn with_stages_at_most(self, stages: usize) -> Option<SkinnyPlan> {
+        (2..=stages).rev().find_map(|st| self.with_stages(st))
+    }
     /// This plan with `warpgroups` consumer warpgroups (`wgmma` form: 1 or 2), each keeping its
     /// row tiles, at the deepest pipeline up to the plan's own that fits (`None` where none does).
     pub fn with_warpgroups(self, warpgroups: usize) -> Option<SkinnyPlan> {
-        let p = SkinnyPlan { warpgroups, ..self };
-        (2..=self.stages).rev().find_map(|st| p.with_stages(st))
+        SkinnyPlan { warpgroups, ..self }.with_stages_at_most(self.stages)
     }
     /// This plan in the `wgmma` form (`true`) or the `mma.sync` one, for `m` rows of x: the m
     /// tiles and the pipeline depth (6 stages for `wgmma`, 4 for `mma.sync`, one warpgroup)
@@ -139,10 +142,7 @@ pub fn skinny_plan(m: usize, k: usize, n: usize) -> SkinnyPlan {
         // a grid of two blocks an SM or more hides the loads' latency with blocks (shallow
         // stages, small blocks); a smaller one with a deeper pipeline
         let stages = if blocks * plan.splits >= 264 { 3 } else { 6 };
-        plan = (2..=stages)
-            .rev()
-            .find_map(|st| plan.with_stages(st))
-            .unwrap_or(plan);
+        plan = plan.with_stages_at_most(stages).unwrap_or(plan);
     }
     plan
 }
