@@ -130,23 +130,19 @@ impl GpuTrainer {
                     let xin = inputs.slice(l * srows * h..(l + 1) * srows * h);
                     let pre = b.pre_kv(l);
                     kept_l = kept.get_mut(l).and_then(Option::take);
-                    if kept_l.is_none() {
-                        let a = acts.as_mut().ok_or_else(|| {
-                            GpuError::Input(format!(
+                    let a = match (&kept_l, acts.as_mut()) {
+                        (Some(k), _) => k,
+                        (None, Some(a)) => {
+                            layer_fwd(gpu, s, blk, sctx, &xin, a, None, Some(&pre))?;
+                            &*a
+                        }
+                        (None, None) => {
+                            return Err(GpuError::Input(format!(
                                 "layer {l}: neither kept nor recomputable activations"
                             ))
-                        })?;
-                        layer_fwd(gpu, s, blk, sctx, &xin, a, None, Some(&pre))?;
-                    }
-                    Some((xin, pre, acts.as_ref()))
-                }
-                None => None,
-            };
-            let sfx = match sfx {
-                Some((xin, pre, acts)) => {
-                    let a = kept_l.as_ref().or(acts).ok_or_else(|| {
-                        GpuError::Input(format!("layer {l}: no suffix activations"))
-                    })?;
+                            .into())
+                        }
+                    };
                     Some((xin, pre, a))
                 }
                 None => None,
