@@ -47,21 +47,30 @@ impl GroupedDecodePlan {
     }
 }
 
-/// The fewest (group part, kv head) units for which the group pass pays: with one group of 8
-/// at 3B / 7B dims (2 or 4 units) the prefix must be cut into 32-key chunks to fill the GPU and
-/// the partials (64 rows a block) cost more than the shared reads save: 0.68-0.71 ms against
-/// 0.40-0.45 ms for the per-sample pass over 28-36 layers (docs/perf.md, "Decode step"). At 16
-/// and 32 units (8 groups of 8) the group pass won, 1.04-1.13 ms against 1.16-1.66 ms.
-pub const GROUP_PASS_MIN_UNITS: usize = 16;
+/// The fewest (group part, kv head) units for which the group pass pays. With one group of 8
+/// at 3B / 7B dims (2 or 4 units) the per-sample pass won (0.40-0.45 ms against 0.68-0.71 ms
+/// over 28-36 layers, group pass cut for the block target). With 8 units (3B, batch 32 in groups
+/// of 8 over a 1,226-key prefix, 512 own keys) the group pass in chunks of
+/// [`GROUPED_MIN_CHUNK`] won, 0.567 ms against 0.682 ms (docs/perf.md, "Decode step").
+pub const GROUP_PASS_MIN_UNITS: usize = 8;
+
+/// The fewest keys a block of either pass of the grouped decode takes (unless the pass has
+/// fewer): a group-pass block writes 64 rows of fp32 partial outputs (the bytes of 64 keys' K
+/// and V) that the merge reads back, and a per-sample block has its query fragments and its
+/// pipeline's fill to pay for, so the block target ([`DECODE_TARGET_BLOCKS`]) may not cut the
+/// keys finer. At 3B dims over a 1,226-key prefix and 512 own keys this gives group pass 3 x 416,
+/// per-sample 1 x 512: the fastest cut or within 2-4% of it at batch 32, 64 and 128, and
+/// 1.04-1.20x faster than chunks of 256 (docs/perf.md, "Decode step").
+pub const GROUPED_MIN_CHUNK: usize = 512;
 
 /// The grouped plan for `batch` samples in groups of `group` sharing a prefix of at most
 /// `max_prefix_len` keys, each with at most `max_suffix_len` own keys. Hints only: the last
 /// chunk of each pass takes every key left, so a short hint costs speed, never results. With a
 /// prefix and at least [`GROUP_PASS_MIN_UNITS`] (group part, kv head) units, both passes aim at
-/// [`DECODE_TARGET_BLOCKS`] blocks ([`grouped_decode_plan_for_blocks`]; measured faster than
-/// [`pipelined_split`]'s cut at 3B and 7B dims, batch 64, groups of 8); otherwise there is no
-/// group pass and every sample reads all its keys in the per-sample pass, cut by
-/// [`pipelined_split`] (the fastest measured there).
+/// [`DECODE_TARGET_BLOCKS`] blocks, in chunks of at least [`GROUPED_MIN_CHUNK`] keys
+/// ([`grouped_decode_plan_for_targets`]; measured faster than [`pipelined_split`]'s cut at 3B
+/// and 7B dims, batch 64, groups of 8); otherwise there is no group pass and every sample reads
+/// all its keys in the per-sample pass, cut by [`pipelined_split`] (the fastest measured there).
 pub fn grouped_decode_plan(
     batch: usize,
     group: usize,
@@ -93,13 +102,22 @@ pub fn grouped_decode_plan_tabled(
     let per_block = (64 / r).clamp(1, group);
     let units = batch.div_ceil(group) * group.div_ceil(per_block) * dims.num_kv_heads;
     if max_prefix_len > 0 && units >= GROUP_PASS_MIN_UNITS {
+        // the block target, or fewer blocks where it would cut chunks under the floor
+        let target = |units: usize, len: usize| {
+            DECODE_TARGET_BLOCKS.min(units * len.div_ceil(GROUPED_MIN_CHUNK).max(1))
+        };
+        let p_units = groups * group.div_ceil(per_block) * dims.num_kv_heads;
+        let targets = (
+            target(p_units, max_prefix_len),
+            target(batch * dims.num_kv_heads, max_suffix_len),
+        );
         return plan_for_targets(
             batch,
             (group, groups),
             dims,
             max_prefix_len,
             max_suffix_len,
-            (DECODE_TARGET_BLOCKS, DECODE_TARGET_BLOCKS),
+            targets,
         );
     }
     let own = max_prefix_len + max_suffix_len;
@@ -361,46 +379,60 @@ mod plan_tests {
         }
     }
 
-    /// Groups of 8 sharing 1792 of 2048 keys: a group pass at batch 64 (the 264-block plan),
-    /// none at batch 8 (one group: every sample reads its own keys).
+    /// Groups of 8 sharing 1226 of 1738 keys: a group pass from 8 (group part, kv head) units
+    /// on (batch 32 at 3B dims), none with one group (every sample reads its own keys); chunks
+    /// of at least GROUPED_MIN_CHUNK keys, as many as the block target asks for above that.
     #[test]
     fn group_pass_only_with_enough_groups() {
         for d in [dims(16, 2), dims(28, 4)] {
-            let p = grouped_decode_plan(64, 8, d, 1792, 256);
-            assert_eq!(p, grouped_decode_plan_for_blocks(64, 8, d, 1792, 256, 264));
-            assert!(p.p_splits > 0 && p.per_block == 8);
-            let p = grouped_decode_plan(8, 8, d, 1792, 256);
+            let p = grouped_decode_plan(64, 8, d, 1226, 512);
+            assert_eq!((p.p_splits, p.p_chunk, p.per_block), (3, 416, 8), "{p:?}");
+            let p = grouped_decode_plan(8, 8, d, 1226, 512);
             assert_eq!(p.p_splits, 0);
-            assert!(p.s_splits * p.s_chunk >= 2048);
+            assert!(p.s_splits * p.s_chunk >= 1738);
         }
-        let p = grouped_decode_plan(64, 8, dims(16, 2), 1792, 256);
+        for b in [32, 64, 128] {
+            let p = grouped_decode_plan(b, 8, dims(16, 2), 1226, 512);
+            assert_eq!(
+                (p.p_splits, p.p_chunk, p.s_splits, p.s_chunk),
+                (3, 416, 1, 512),
+                "batch {b}"
+            );
+        }
         assert_eq!(
-            (p.p_splits, p.p_chunk, p.s_splits, p.s_chunk),
-            (14, 128, 3, 96)
+            grouped_decode_plan(16, 8, dims(16, 2), 1226, 512).p_splits,
+            0
         );
-        let p = grouped_decode_plan(64, 8, dims(28, 4), 1792, 256);
-        assert_eq!(
-            (p.p_splits, p.p_chunk, p.s_splits, p.s_chunk),
-            (8, 224, 2, 128)
-        );
+        // the block target still cuts finer where the chunks stay over the floor: a long
+        // prefix over few units
+        let p = grouped_decode_plan(32, 8, dims(16, 2), 16384, 512);
+        assert_eq!((p.p_splits, p.p_chunk), (32, 512));
+        let p = grouped_decode_plan(32, 8, dims(16, 2), 65536, 512);
+        assert_eq!((p.p_splits, p.p_chunk), (33, 2016));
     }
 
     /// A table of as many groups as the fixed layout has gives the fixed plan; more (smaller)
-    /// groups cut the prefix into fewer splits for the same block target; whether the group
+    /// groups cut a long prefix into fewer splits for the same block target; whether the group
     /// pass runs follows the rows (8 rows: none, however many groups they come from).
     #[test]
     fn tabled_plans_count_the_tables_groups() {
         let d = dims(16, 2);
-        let fixed = grouped_decode_plan(64, 8, d, 1792, 256);
+        let fixed = grouped_decode_plan(64, 8, d, 16384, 256);
         assert_eq!(fixed.groups, 8);
-        assert_eq!(grouped_decode_plan_tabled(64, 8, 8, d, 1792, 256), fixed);
-        let many = grouped_decode_plan_tabled(64, 8, 16, d, 1792, 256);
+        assert_eq!(grouped_decode_plan_tabled(64, 8, 8, d, 16384, 256), fixed);
+        let many = grouped_decode_plan_tabled(64, 8, 16, d, 16384, 256);
         assert_eq!(many.groups, 16);
         assert!(many.p_splits < fixed.p_splits, "{many:?} against {fixed:?}");
-        assert_eq!(grouped_decode_plan(8, 8, d, 1792, 256).p_splits, 0);
-        let tabled = grouped_decode_plan_tabled(8, 8, 8, d, 1792, 256);
+        // at the loop's lengths the chunk floor decides, not the groups
+        let short = grouped_decode_plan_tabled(64, 8, 16, d, 1226, 512);
+        assert_eq!(
+            short.p_splits,
+            grouped_decode_plan(64, 8, d, 1226, 512).p_splits
+        );
+        assert_eq!(grouped_decode_plan(8, 8, d, 1226, 512).p_splits, 0);
+        let tabled = grouped_decode_plan_tabled(8, 8, 8, d, 1226, 512);
         assert_eq!((tabled.p_splits, tabled.groups), (0, 8), "{tabled:?}");
         // groups never exceed the rows
-        assert_eq!(grouped_decode_plan_tabled(4, 8, 16, d, 1792, 256).groups, 4);
+        assert_eq!(grouped_decode_plan_tabled(4, 8, 16, d, 1226, 512).groups, 4);
     }
 }
