@@ -32,8 +32,7 @@ pub(crate) fn attn_sweep(
             .flat_map(|&p| TARGETS.iter().map(move |&t| (p, t)))
             .map(|t| grouped_decode_plan_for_targets(batch, gsize, dims, plen, own, t));
         // a chunk of c keys: the blocks that many units need to cover the pass in chunks of c
-        let units_p =
-            batch.div_ceil(gsize) * gsize.div_ceil((64 / (d.nh / d.nkv)).clamp(1, gsize)) * d.nkv;
+        let units_p = group_pass_units(batch.div_ceil(gsize), gsize, &dims);
         let units_s = batch * d.nkv;
         let by_chunks = CHUNKS
             .iter()
@@ -79,8 +78,7 @@ pub(crate) fn attn_sweep(
                 default_hash = Some(h);
             }
             hashes.push(h);
-            let units_p = batch.div_ceil(plan.group) * plan.group.div_ceil(plan.per_block) * d.nkv;
-            let blocks = units_p * plan.p_splits + batch * d.nkv * plan.s_splits;
+            let blocks = units_p * plan.p_splits + units_s * plan.s_splits;
             let tbs = kv_moved / (t * 1e-3) / 1e12;
             println!(
                 "  group pass {:2}x{:4}, per-sample {:2}x{:4}: {blocks:5} blocks, {:2} slots: {t:.3} ms ({:.1} us a layer), {tbs:.2} TB/s ({:.0}% of copy){}",

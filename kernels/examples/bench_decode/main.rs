@@ -41,8 +41,9 @@ use cudarc::driver::sys;
 use half::bf16;
 use rollplex_kernels::cpu::{AttnDims, DecodeSeq};
 use rollplex_kernels::cuda::attention::{
-    attention_decode_grouped_bf16, grouped_decode_plan, grouped_decode_plan_for_blocks,
-    grouped_decode_plan_for_targets, DecodeInputs, GroupedDecodePlan, RowStrides,
+    attention_decode_grouped_bf16, group_pass_units, grouped_decode_plan,
+    grouped_decode_plan_for_blocks, grouped_decode_plan_for_targets, DecodeInputs,
+    GroupedDecodePlan, RowStrides,
 };
 use rollplex_kernels::cuda::gemm::{
     gate_up_swiglu_bf16, linear_fwd_bf16_cublaslt, linear_fwd_bf16_cublaslt_ranked,

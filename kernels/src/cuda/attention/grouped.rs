@@ -63,6 +63,19 @@ pub const GROUP_PASS_MIN_UNITS: usize = 8;
 /// 1.04-1.20x faster than chunks of 256 (docs/perf.md, "Decode step").
 pub const GROUPED_MIN_CHUNK: usize = 512;
 
+/// Samples of one group a group-pass block takes: all query heads of one kv head for each, at
+/// most 64 MMA rows in all.
+fn group_block_samples(group: usize, dims: &AttnDims) -> usize {
+    let r = (dims.num_heads / dims.num_kv_heads.max(1)).max(1);
+    (64 / r).clamp(1, group.max(1))
+}
+
+/// The group pass's (group part, kv head) units (its blocks per split) for `groups` groups of
+/// at most `group` samples.
+pub fn group_pass_units(groups: usize, group: usize, dims: &AttnDims) -> usize {
+    groups * group.div_ceil(group_block_samples(group, dims)) * dims.num_kv_heads
+}
+
 /// The grouped plan for `batch` samples in groups of `group` sharing a prefix of at most
 /// `max_prefix_len` keys, each with at most `max_suffix_len` own keys. Hints only: the last
 /// chunk of each pass takes every key left, so a short hint costs speed, never results. With a
@@ -98,17 +111,15 @@ pub fn grouped_decode_plan_tabled(
 ) -> GroupedDecodePlan {
     let group = group.clamp(1, batch.max(1));
     let groups = groups.clamp(1, batch.max(1));
-    let r = (dims.num_heads / dims.num_kv_heads.max(1)).max(1);
-    let per_block = (64 / r).clamp(1, group);
-    let units = batch.div_ceil(group) * group.div_ceil(per_block) * dims.num_kv_heads;
-    if max_prefix_len > 0 && units >= GROUP_PASS_MIN_UNITS {
+    // whether the group pass runs: decided as for the same rows in whole groups
+    let whole = group_pass_units(batch.div_ceil(group), group, &dims);
+    if max_prefix_len > 0 && whole >= GROUP_PASS_MIN_UNITS {
         // the block target, or fewer blocks where it would cut chunks under the floor
         let target = |units: usize, len: usize| {
             DECODE_TARGET_BLOCKS.min(units * len.div_ceil(GROUPED_MIN_CHUNK).max(1))
         };
-        let p_units = groups * group.div_ceil(per_block) * dims.num_kv_heads;
         let targets = (
-            target(p_units, max_prefix_len),
+            target(group_pass_units(groups, group, &dims), max_prefix_len),
             target(batch * dims.num_kv_heads, max_suffix_len),
         );
         return plan_for_targets(
@@ -121,12 +132,13 @@ pub fn grouped_decode_plan_tabled(
         );
     }
     let own = max_prefix_len + max_suffix_len;
+    let r = (dims.num_heads / dims.num_kv_heads.max(1)).max(1);
     let (s_splits, s_chunk) = pipelined_split(batch * dims.num_kv_heads, own, 32, r);
     GroupedDecodePlan {
         batch,
         group,
         groups,
-        per_block,
+        per_block: group_block_samples(group, &dims),
         num_heads: dims.num_heads,
         head_dim: dims.head_dim,
         p_splits: 0,
@@ -188,8 +200,6 @@ fn plan_for_targets(
     max_suffix_len: usize,
     (p_target, s_target): (usize, usize),
 ) -> GroupedDecodePlan {
-    let r = (dims.num_heads / dims.num_kv_heads.max(1)).max(1);
-    let per_block = (64 / r).clamp(1, group);
     let split = |target: usize, units: usize, len: usize| {
         let splits = target
             .max(1)
@@ -201,15 +211,18 @@ fn plan_for_targets(
     let (p_splits, p_chunk) = if max_prefix_len == 0 {
         (0, 32)
     } else {
-        let units = groups * group.div_ceil(per_block) * dims.num_kv_heads;
-        split(p_target, units, max_prefix_len)
+        split(
+            p_target,
+            group_pass_units(groups, group, &dims),
+            max_prefix_len,
+        )
     };
     let (s_splits, s_chunk) = split(s_target, batch * dims.num_kv_heads, max_suffix_len);
     GroupedDecodePlan {
         batch,
         group,
         groups,
-        per_block,
+        per_block: group_block_samples(group, &dims),
         num_heads: dims.num_heads,
         head_dim: dims.head_dim,
         p_splits,

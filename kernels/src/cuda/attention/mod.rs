@@ -42,9 +42,9 @@ pub use fwd::{
     TC_FWD_MAX_HEAD_DIM, TC_FWD_MIN_Q,
 };
 pub use grouped::{
-    attention_decode_grouped_bf16, grouped_decode_plan, grouped_decode_plan_for_blocks,
-    grouped_decode_plan_for_targets, grouped_decode_plan_tabled, GroupedDecodePlan,
-    GROUP_PASS_MIN_UNITS,
+    attention_decode_grouped_bf16, group_pass_units, grouped_decode_plan,
+    grouped_decode_plan_for_blocks, grouped_decode_plan_for_targets, grouped_decode_plan_tabled,
+    GroupedDecodePlan, GROUPED_MIN_CHUNK, GROUP_PASS_MIN_UNITS,
 };
 
 use cudarc::driver::{DevicePtr, DeviceRepr};
