@@ -226,47 +226,6 @@ attention_decode_simt_bf16(float* __restrict__ part_o, float* __restrict__ part_
     }
 }
 
-// The ordered merge of one (row, head)'s split-K slots (po: splits x HEAD_DIM partial outputs,
-// pml: splits (max, sum) pairs, log2 domain) into orow[0 .. HEAD_DIM) and, when lse is not
-// null, *lse (natural log); threads tid, tid + nt, ... of the caller take the dims. Reads
-// through L2: the slots may come from other blocks of the same launch.
-__device__ __forceinline__ void decode_merge(bf16* __restrict__ orow, float* __restrict__ lse,
-                                             const float* __restrict__ po,
-                                             const float* __restrict__ pml, u32 splits, u32 tid,
-                                             u32 nt) {
-    float M = NEG_INF_F;
-    bool bad = false;  // a split flagged an invalid descriptor (NaN max)
-    for (u32 s = 0; s < splits; s++) {
-        const float ms = __ldcg(pml + 2 * s);
-        bad |= isnan(ms);
-        M = fmaxf(M, ms);
-    }
-    float Lsum = 0.0f;
-    if (M != NEG_INF_F)
-        for (u32 s = 0; s < splits; s++) Lsum += exp2f(__ldcg(pml + 2 * s) - M) * __ldcg(pml + 2 * s + 1);
-    if (lse != nullptr && tid == 0)
-        *lse = bad ? __int_as_float(0x7fc00000) : (M == NEG_INF_F ? NEG_INF_F : (M + log2f(Lsum)) * LN2_F);
-    for (u32 d = tid; d < HEAD_DIM; d += nt) {
-        float acc = 0.0f;
-        if (M != NEG_INF_F)
-            for (u32 s = 0; s < splits; s++)
-                acc += exp2f(__ldcg(pml + 2 * s) - M) * __ldcg(po + (u64)s * HEAD_DIM + d);
-        orow[d] = bad ? (bf16)0x7fc0 : f2bf(Lsum > 0.0f ? acc / Lsum : 0.0f);
-    }
-}
-
-// Waits until the counter at c reaches `need` (acquire: the writes signalled before are seen).
-// Traps after about a second of waiting, so that a count that never comes is an error.
-__device__ __forceinline__ void wait_count(const u32* c, u32 need) {
-    for (u32 spins = 0;; spins++) {
-        u32 v;
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(c) : "memory");
-        if (v >= need) return;
-        if (spins == (1u << 24)) __trap();
-        __nanosleep(64);
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Tensor-core decode (mma.sync m16n8k16 bf16, fp32 accumulate). Same grid, arguments and
 // partial-output layout as the SIMT variant. The block's 4 warps each stream their own 32-key
@@ -493,15 +452,6 @@ attention_decode_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
 // the passes need (no block returns at once): blocks [0, first_blocks) are the first pass's,
 // (split, kv head, z) with split fastest, then kv head; the rest the per-sample pass's, in the
 // same order with z = sample.
-// With `sync` (not null) the launch also merges: each block takes its work item (the block
-// number above) from a ticket drawn as it starts, so every item below a running block's is
-// held by a block already running; a block that wrote slots signals each of its samples'
-// (sample, kv head) counter, and the per-sample pass's last split of a (sample, kv head),
-// whose item comes after all the others of that pair, waits for them and merges the pair's
-// r heads as attention_decode_reduce_bf16 does (decode_merge: the same bits). sync[0] is the
-// ticket, sync[1 + b * n_kv + kvh] the counters; all are zero on entry and again on exit. A
-// sample no group-pass block covers (a group table with a run longer than `group`) would be
-// waited for forever: the wait traps after about a second instead.
 #define GKT 32    // keys per tile
 #define GSTG 4    // pipeline stages
 #define GROW (HEAD_DIM + KPAD)
@@ -515,29 +465,17 @@ attention_decode_grouped_bf16(float* __restrict__ part_o, float* __restrict__ pa
                               u32 splits_a, u32 total_splits, float scale_log2, u32 kv_rows,
                               u32 per_sample_a, u32 skip_prefix_a, u32 split_base_a,
                               u32 first_blocks, u32 chunk_b, u32 splits_b,
-                              const u32* __restrict__ group_starts, u32* __restrict__ sync,
-                              bf16* __restrict__ out, u32 out_stride, float* __restrict__ lse) {
+                              const u32* __restrict__ group_starts) {
     pdl_wait();
-    u32 item = blockIdx.x;
-    if (sync != nullptr) {
-        __shared__ u32 ticket;
-        if (threadIdx.x == 0) {
-            const u32 tk = atomicAdd(sync, 1u);
-            if (tk + 1 == gridDim.x) atomicExch(sync, 0u);  // every ticket is drawn: reset
-            ticket = tk;
-        }
-        __syncthreads();
-        item = ticket;
-    }
-    // Items from first_blocks on run the per-sample pass behind a group pass in the same
+    // Blocks from first_blocks on run the per-sample pass behind a group pass in the same
     // launch (group = per_block = 1, own keys only, slots splits_a ..); the others the pass
     // the first parameters describe.
-    const bool second = item >= first_blocks;
+    const bool second = blockIdx.x >= first_blocks;
     const u32 group = second ? 1u : group_a, per_block = second ? 1u : per_block_a;
     const u32 chunk = second ? chunk_b : chunk_a, splits = second ? splits_b : splits_a;
     const u32 per_sample = second ? 1u : per_sample_a, skip_prefix = second ? 1u : skip_prefix_a;
     const u32 split_base = second ? splits_a : split_base_a;
-    const u32 bid = second ? item - first_blocks : item;
+    const u32 bid = second ? blockIdx.x - first_blocks : blockIdx.x;
     const u32 zi = bid / (splits * n_kv);
     constexpr int KSTEPS = HEAD_DIM / 16;
     constexpr int DT = HEAD_DIM / 8;
@@ -709,37 +647,12 @@ attention_decode_grouped_bf16(float* __restrict__ part_o, float* __restrict__ pa
             part_ml[pidx * 2 + 1] = half ? l_b : l_a;
         }
     }
-    if (sync == nullptr) return;
-    __threadfence();  // the slots above, before any signal that they are there
-    __syncthreads();
-    u32* count = sync + 1 + (u64)b0 * n_kv + kvh;
-    if (!per_sample || split + 1 < splits) {
-        if (threadIdx.x < nsamp) atomicAdd(count + (u64)threadIdx.x * n_kv, 1u);
-        return;
-    }
-    // The merger of (sample b0, kvh): the group pass's slots (when this launch ran one) and
-    // the per-sample pass's other splits.
-    if (threadIdx.x == 0) {
-        wait_count(count, splits - 1 + (second ? splits_a : 0u));
-        *(volatile u32*)count = 0u;
-    }
-    __syncthreads();
-    const u32 per_head = NT / r, j = threadIdx.x / per_head;
-    if (j < r) {
-        const u32 h = kvh * r + j;
-        const u64 pbase = ((u64)b0 * n_heads + h) * total_splits;
-        decode_merge(out + (u64)b0 * out_stride + h * HEAD_DIM,
-                     lse != nullptr ? lse + (u64)b0 * n_heads + h : nullptr,
-                     part_o + pbase * HEAD_DIM, part_ml + pbase * 2, total_splits,
-                     threadIdx.x % per_head, per_head);
-    }
 }
 #endif  // HEAD_DIM % 32 == 0
 
 // Decode, reduction pass: out[b, h, :] = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s over the
 // splits in order (fixed order: deterministic). Grid (n_heads, batch); an empty sequence gives 0
 // (and lse -inf). lse (may be null): [batch, n_heads], natural-log logsumexp of scaled scores.
-// The grouped kernel's in-launch merge runs the same decode_merge.
 extern "C" __global__ void attention_decode_reduce_bf16(bf16* __restrict__ out, u32 out_stride,
                                                         float* __restrict__ lse,
                                                         const float* __restrict__ part_o,
@@ -748,9 +661,28 @@ extern "C" __global__ void attention_decode_reduce_bf16(bf16* __restrict__ out, 
     pdl_wait();
     const u32 h = blockIdx.x, b = blockIdx.y;
     const u64 base = ((u64)b * n_heads + h) * splits;
-    decode_merge(out + (u64)b * out_stride + h * HEAD_DIM,
-                 lse != nullptr ? lse + (u64)b * n_heads + h : nullptr, part_o + base * HEAD_DIM,
-                 part_ml + base * 2, splits, threadIdx.x, blockDim.x);
+    float M = NEG_INF_F;
+    bool bad = false;  // a split flagged an invalid descriptor (NaN max)
+    for (u32 s = 0; s < splits; s++) {
+        const float ms = part_ml[(base + s) * 2];
+        bad |= isnan(ms);
+        M = fmaxf(M, ms);
+    }
+    float Lsum = 0.0f;
+    if (M != NEG_INF_F)
+        for (u32 s = 0; s < splits; s++)
+            Lsum += exp2f(part_ml[(base + s) * 2] - M) * part_ml[(base + s) * 2 + 1];
+    if (lse != nullptr && threadIdx.x == 0)
+        lse[(u64)b * n_heads + h] = bad ? __int_as_float(0x7fc00000)
+                                        : (M == NEG_INF_F ? NEG_INF_F : (M + log2f(Lsum)) * LN2_F);
+    bf16* orow = out + (u64)b * out_stride + h * HEAD_DIM;
+    for (u32 d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
+        float acc = 0.0f;
+        if (M != NEG_INF_F)
+            for (u32 s = 0; s < splits; s++)
+                acc += exp2f(part_ml[(base + s) * 2] - M) * part_o[(base + s) * HEAD_DIM + d];
+        orow[d] = bad ? (bf16)0x7fc0 : f2bf(Lsum > 0.0f ? acc / Lsum : 0.0f);
+    }
 }
 
 // Prefill / scoring attention (the CUDA twin of cpu::attention_fwd) (varlen, GQA, optional causal mask, shared prefix). Grid

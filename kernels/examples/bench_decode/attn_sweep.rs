@@ -101,18 +101,6 @@ pub(crate) fn attn_sweep(
                 p.p_splits, p.p_chunk, p.s_splits, p.s_chunk
             );
         }
-        // the default cut merged by the launch (every row above) and by the merge kernel
-        m.gplan = default;
-        let mut by = Vec::new();
-        for in_launch in [true, false, true, false] {
-            m.merge_in_launch = in_launch;
-            by.push(m.attention_ms(g, s)?);
-        }
-        m.merge_in_launch = true;
-        println!(
-            "  default cut, merged in the launch / by the merge kernel: {:.3} / {:.3} ms, again {:.3} / {:.3} ms",
-            by[0], by[1], by[2], by[3]
-        );
         if let Some(h) = default_hash {
             // builds whose kernels claim the same results print the same default hash; other
             // cuts split the keys elsewhere, so their partial softmax sums, and possibly the

@@ -11,9 +11,7 @@
 //!   kernel), every sample reading its own KV;
 //! - `shared` (GRPO cases): `attention_decode_grouped_bf16` with `grouped_decode_plan`, which
 //!   reads a group's shared prefix once per group when there are enough groups; `forced`: the
-//!   group pass forced on (where the default plan leaves it off); `kmerge`: `shared` with the
-//!   merge kernel after the attention instead of the launch's own merge (`new` and `shared`
-//!   merge in the launch, as the runtime does).
+//!   group pass forced on (where the default plan leaves it off).
 //!
 //! Bytes are counted two ways: what a per-sample reader moves (every sample reads its whole KV,
 //! as PyTorch's SDPA decode does) and what the variant moves (a GRPO group's shared prefix once
@@ -300,7 +298,7 @@ fn main() -> Res<()> {
         ]
         .contains(&a.as_str())
         {
-            return Err(format!("unknown flag {a}; flags: --unfused (separate add/norm and rope/append kernels), --simt (the SIMT decode attention instead of the warp-split one in the base and gemm variants), --no-sweep (skip the GEMM comparison), --gemm-sweep (only the GEMM kinds at m = 128..16, every skinny cut), --gemm-rows M,N (the sweep's rows), --attn-lens P,O (the attention sweep's prefix and own keys), --variants V,W (base, gemm, new, shared, kmerge, forced), --cases I,J (rows of the case table: 0-3 3B/7B at B 64/8 unshared, 4-7 the same with G8 prefixes of 1792, 8-9 3B B 32/128 with G8 prefixes)").into());
+            return Err(format!("unknown flag {a}; flags: --unfused (separate add/norm and rope/append kernels), --simt (the SIMT decode attention instead of the warp-split one in the base and gemm variants), --no-sweep (skip the GEMM comparison), --gemm-sweep (only the GEMM kinds at m = 128..16, every skinny cut), --gemm-rows M,N (the sweep's rows), --attn-lens P,O (the attention sweep's prefix and own keys), --variants V,W (base, gemm, new, shared, forced), --cases I,J (rows of the case table: 0-3 3B/7B at B 64/8 unshared, 4-7 the same with G8 prefixes of 1792, 8-9 3B B 32/128 with G8 prefixes)").into());
         }
     }
     let unfused = args.iter().any(|a| a == "--unfused");
@@ -396,27 +394,24 @@ fn main() -> Res<()> {
         let forced =
             grouped_decode_plan_for_blocks(batch, gsize, m.dims(), plen, kv_len - plen, 264);
         let default_gplan = m.gplan;
-        // (name, dispatching GEMMs, per-sample plan, grouped plan, merged in the launch)
-        type Variant<'a> = (&'a str, bool, DecodePlan, Option<GroupedDecodePlan>, bool);
-        let mut variants: Vec<Variant> = vec![
-            ("base", false, old_plan, None, false),
-            ("gemm", true, old_plan, None, false),
-            ("new", true, new_plan, None, true),
+        // (name, dispatching GEMMs, per-sample plan, grouped plan)
+        let mut variants: Vec<(&str, bool, DecodePlan, Option<GroupedDecodePlan>)> = vec![
+            ("base", false, old_plan, None),
+            ("gemm", true, old_plan, None),
+            ("new", true, new_plan, None),
         ];
         if prefix.is_some() {
-            variants.push(("shared", true, new_plan, Some(default_gplan), true));
-            variants.push(("kmerge", true, new_plan, Some(default_gplan), false));
+            variants.push(("shared", true, new_plan, Some(default_gplan)));
             if forced != default_gplan {
-                variants.push(("forced", true, new_plan, Some(forced), true));
+                variants.push(("forced", true, new_plan, Some(forced)));
             }
         }
         if let Some(keep) = &only {
             variants.retain(|v| keep.iter().any(|k| k == v.0));
         }
         let mut res = Vec::new();
-        for (vname, dispatch, plan, gplan, in_launch) in variants {
+        for (vname, dispatch, plan, gplan) in variants {
             m.dispatch = dispatch;
-            m.merge_in_launch = in_launch;
             m.plan = plan;
             m.grouped = gplan.is_some();
             m.gplan = gplan.unwrap_or(default_gplan);

@@ -37,11 +37,6 @@ pub(crate) struct Model {
     pub(crate) slots: CudaSlice<u32>,
     pub(crate) seqs: CudaSlice<AttnSeqGpu>,
     pub(crate) ws: CudaSlice<f32>,
-    /// The in-launch merge's scratch (zero between launches; `decode_sync_len(batch)` words).
-    pub(crate) sync: CudaSlice<u32>,
-    /// The block-pipelined attention merges its own slots (as the runtime runs it) instead of
-    /// the merge kernel after it.
-    pub(crate) merge_in_launch: bool,
     /// The split draw's scratch (see [`Model::sample`]).
     pub(crate) sample_scratch: Option<SampleScratch>,
     pub(crate) sample_ids: CudaSlice<u32>,
@@ -185,8 +180,6 @@ pub(crate) fn build(
         slots: s.clone_htod(&slots)?,
         seqs: s.clone_htod(&seqs)?,
         ws: g.alloc(s, ws_len)?,
-        sync: s.clone_htod(&vec![0u32; decode_sync_len(batch, &dims)])?,
-        merge_in_launch: true,
         sample_scratch: Some(SampleScratch::new(s, batch)?),
         sample_ids: s.clone_htod(&(0..batch as u32).collect::<Vec<_>>())?,
         steps: s.clone_htod(&vec![5u32; batch])?,
@@ -255,12 +248,6 @@ impl Model {
         };
         let dims = self.dims();
         let ly = &self.layers[l];
-        let mut sv = self.sync.as_view_mut();
-        let sync: Option<&mut dyn cudarc::driver::DevicePtrMut<u32>> = if self.merge_in_launch {
-            Some(&mut sv)
-        } else {
-            None
-        };
         if self.grouped {
             attention_decode_grouped_bf16(
                 g,
@@ -268,7 +255,6 @@ impl Model {
                 &mut self.attn,
                 None,
                 &mut self.ws,
-                sync,
                 DecodeInputs {
                     q: &self.qkv,
                     k_cache: &ly.kc,
@@ -289,7 +275,6 @@ impl Model {
             &mut self.attn,
             None,
             &mut self.ws,
-            sync,
             DecodeInputs {
                 q: &self.qkv,
                 k_cache: &ly.kc,

@@ -179,18 +179,13 @@ pub(super) fn check_decode_io(
 /// Decode attention, as [`crate::cpu::attention_decode`]: writes `out` `[B, heads*hd]` (rows
 /// `x.strides.out` apart) and, if given, `lse` `[B, heads]` from the inputs `x`
 /// ([`DecodeInputs`]: `seqs` `[B]` made by [`AttnSeqGpu::from_decode`]), split as `plan` says;
-/// `workspace` holds `plan.workspace_len()` floats. With `sync` (at least
-/// [`super::decode_sync_len`] words, zero, and zero again after the launch) the
-/// block-pipelined kernel merges the chunks itself, in the same order and to the same bits as
-/// the merge kernel that runs otherwise (and always after the warp-split and SIMT kernels).
-#[allow(clippy::too_many_arguments)]
+/// `workspace` holds `plan.workspace_len()` floats.
 pub fn attention_decode_bf16(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     out: &mut impl DevicePtrMut<bf16>,
     lse: Option<&mut dyn DevicePtrMut<f32>>,
     workspace: &mut impl DevicePtrMut<f32>,
-    sync: Option<&mut dyn DevicePtrMut<u32>>,
     x: DecodeInputs,
     plan: DecodePlan,
 ) -> Result<()> {
@@ -274,11 +269,7 @@ pub fn attention_decode_bf16(
             starts: 0,
         };
         let a = (1, 1, b, plan.chunk, plan.splits);
-        let merge = InLaunchMerge::new(OP, stream, sync, &dims, b, op_, strides.out, lse_p)?;
-        group_pass(OP, gpu, stream, &dims, &g, a, (1, 0, 0), None, merge)?;
-        if merge.sync != 0 {
-            return Ok(());
-        }
+        group_pass(OP, gpu, stream, &dims, &g, a, (1, 0, 0), None)?;
     } else {
         let sp_args = (plan.chunk, plan.splits, 0, 0, plan.splits);
         split_pass(
@@ -461,7 +452,6 @@ pub(super) fn group_pass(
     a: (usize, usize, usize, usize, usize),
     mode: (u32, u32, usize),
     then: Option<(usize, usize)>,
-    merge: InLaunchMerge,
 ) -> Result<()> {
     let (group, per_block, units, chunk, splits) = a;
     let first = splits * dims.num_kv_heads * units;
@@ -501,11 +491,9 @@ pub(super) fn group_pass(
     // the caches' lengths) and reads only rows inside; rows are 16-byte aligned (checked);
     // arguments match (part_o, part_ml, q, q_stride, k, v, kv_stride, seqs, batch, group,
     // per_block, n_heads, n_kv, chunk, splits, total_splits, scale_log2, kv_rows, per_sample,
-    // skip_prefix, split_base, first_blocks, chunk_b, splits_b, group_starts, sync, out,
-    // out_stride, lse); group_starts is 0 or a table of more than units / parts entries
-    // (checked by the caller), read by the group pass only; sync is 0 or holds
-    // decode_sync_len(batch) zeroed words, and then out and lse (0 or batch * heads floats)
-    // are those the caller checked for the merge.
+    // skip_prefix, split_base, first_blocks, chunk_b, splits_b, group_starts); group_starts is
+    // 0 or a table of more than units / parts entries (checked by the caller), read by the
+    // group pass only.
     unsafe {
         launch(
             gpu,
@@ -540,51 +528,10 @@ pub(super) fn group_pass(
                 &cb,
                 &sb,
                 &g.starts,
-                &merge.sync,
-                &merge.out,
-                &merge.out_stride,
-                &merge.lse,
             ],
         )
     }?;
     Ok(())
-}
-
-/// Where a block-pipelined launch merges its slots itself (`sync` not 0: the kernel's
-/// in-launch merge, no merge kernel after it), or `sync == 0` (a merge kernel follows).
-#[derive(Clone, Copy, Default)]
-pub(super) struct InLaunchMerge {
-    pub(super) sync: u64,
-    pub(super) out: u64,
-    pub(super) out_stride: u32,
-    pub(super) lse: u64,
-}
-
-impl InLaunchMerge {
-    /// The merge into `out` (rows `out_stride` apart) and `lse` (0: none) when the caller gave
-    /// `sync` (checked to hold [`super::decode_sync_len`] words for `batch`), else none.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn new(
-        op: &'static str,
-        stream: &CudaStream,
-        sync: Option<&mut dyn DevicePtrMut<u32>>,
-        dims: &AttnDims,
-        batch: usize,
-        out: u64,
-        out_stride: usize,
-        lse: u64,
-    ) -> Result<Self> {
-        let Some(s) = sync else {
-            return Ok(InLaunchMerge::default());
-        };
-        need(op, "sync", s, super::decode_sync_len(batch, dims))?;
-        Ok(InLaunchMerge {
-            sync: ptr_mut(s, stream),
-            out,
-            out_stride: u32_of(op, "out stride", out_stride)?,
-            lse,
-        })
-    }
 }
 
 #[cfg(test)]

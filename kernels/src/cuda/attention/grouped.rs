@@ -7,7 +7,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
 use half::bf16;
 
 use super::decode::{
-    check_decode_io, group_pass, pipelined_split, reduce_pass, GroupPass, InLaunchMerge, SplitPass,
+    check_decode_io, group_pass, pipelined_split, reduce_pass, GroupPass, SplitPass,
     DECODE_TARGET_BLOCKS,
 };
 use super::{check_dims, DecodeInputs, KvSrc};
@@ -240,8 +240,7 @@ fn plan_for_targets(
 /// empty group costs a few idle blocks). Samples of a group must name the same prefix rows
 /// (`p_start`, `p_len`) as the group's first sample; one that does not gets NaN outputs.
 /// Launches on `stream`: the group pass (when `plan.p_splits > 0`) and the per-sample pass as
-/// one launch, then the merge; with `sync` (at least [`super::decode_sync_len`] words, zero,
-/// and zero again after the launch) that launch merges the slots itself, to the same bits.
+/// one launch, then the merge.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_decode_grouped_bf16(
     gpu: &Gpu,
@@ -249,7 +248,6 @@ pub fn attention_decode_grouped_bf16(
     out: &mut impl DevicePtrMut<bf16>,
     lse: Option<&mut dyn DevicePtrMut<f32>>,
     workspace: &mut impl DevicePtrMut<f32>,
-    sync: Option<&mut dyn DevicePtrMut<u32>>,
     x: DecodeInputs,
     plan: GroupedDecodePlan,
     starts: Option<&CudaSlice<u32>>,
@@ -359,18 +357,14 @@ pub fn attention_decode_grouped_bf16(
     // 1. the group pass over the shared prefixes (slots 0..p_splits) and, in the same launch,
     // every sample's own keys (slots p_splits..total); without a group pass, every sample's
     // keys alone
-    let merge = InLaunchMerge::new(OP, stream, sync, &dims, b, op_, strides.out, lse_p)?;
     if plan.p_splits > 0 {
         let z = plan.groups * plan.group.div_ceil(plan.per_block);
         let a = (plan.group, plan.per_block, z, plan.p_chunk, plan.p_splits);
         let then = Some((plan.s_chunk, plan.s_splits));
-        group_pass(OP, gpu, stream, &dims, &g, a, (0, 0, 0), then, merge)?;
+        group_pass(OP, gpu, stream, &dims, &g, a, (0, 0, 0), then)?;
     } else {
         let a = (1, 1, b, plan.s_chunk, plan.s_splits);
-        group_pass(OP, gpu, stream, &dims, &g, a, (1, 0, 0), None, merge)?;
-    }
-    if merge.sync != 0 {
-        return Ok(());
+        group_pass(OP, gpu, stream, &dims, &g, a, (1, 0, 0), None)?;
     }
     // 2. the ordered merge of all slots
     reduce_pass(

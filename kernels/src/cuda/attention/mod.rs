@@ -18,10 +18,8 @@
 //! Decode runs split-K: [`decode_plan`] cuts each sequence into `splits` chunks of `chunk` keys
 //! (a multiple of 64) by [`pipelined_split`]; [`grouped_decode_plan`] cuts the group pass and the
 //! per-sample pass. Splits depend on (batch, group, heads, length hints) only, never on the
-//! stream's SM partition, so a result is the same on any stream. The chunks are merged in order,
-//! by a last kernel or, given a `sync` scratch ([`decode_sync_len`]), by the block-pipelined
-//! launch itself (the last chunk's block of each (sample, kv head) waits for the others'
-//! slots; the same bits). The partials need a workspace of `workspace_len()` floats of the plan.
+//! stream's SM partition, so a result is the same on any stream. A last kernel merges the chunks
+//! in order. The partials need a workspace of `workspace_len()` floats of the plan.
 //!
 //! Decode kernels: the block-pipelined one (`attention_decode_grouped_bf16`: per-sample pass =
 //! the default of `attention_decode_bf16`, group pass for shared prefixes), the warp-split one
@@ -171,14 +169,6 @@ fn check_dims(op: &'static str, d: &AttnDims, decode: bool) -> Result<()> {
         ));
     }
     Ok(())
-}
-
-/// Words of the `sync` scratch a block-pipelined decode launch needs to merge its own slots
-/// ([`attention_decode_bf16`], [`attention_decode_grouped_bf16`]): a ticket and one counter per
-/// (sample, kv head). It must be zero before the first launch (an allocation zeroed once); each
-/// launch leaves it zero again, so one buffer serves every batch up to the one it was sized for.
-pub fn decode_sync_len(batch: usize, dims: &AttnDims) -> usize {
-    1 + batch * dims.num_kv_heads
 }
 
 /// Rows of a buffer of `len` elements whose rows are `stride` apart and `width` wide.

@@ -213,9 +213,6 @@ pub(super) struct DecodeAttn<'a> {
     pub(super) grouped: Option<Grouping<'a>>,
     /// The split-K scratch; (re)allocated here when missing or short.
     pub(super) workspace: &'a mut Option<CudaSlice<f32>>,
-    /// The in-launch merge's scratch (`decode_sync_len(batch)` words, zero between launches):
-    /// the block-pipelined attention then merges its own slots, with no merge kernel after it.
-    pub(super) sync: &'a mut CudaSlice<u32>,
     pub(super) arena: &'a mut GpuKvArena,
 }
 
@@ -286,16 +283,12 @@ impl AttnStep for DecodeAttn<'_> {
                         );
                         let ws = scratch(gpu, stream, self.workspace, plan.workspace_len())?;
                         let starts = gr.table.map(|(t, _)| t);
-                        let sync = Some(self.sync as _);
-                        attention_decode_grouped_bf16(
-                            gpu, stream, out, None, ws, sync, x, plan, starts,
-                        )?;
+                        attention_decode_grouped_bf16(gpu, stream, out, None, ws, x, plan, starts)?;
                     }
                     None => {
                         let plan = decode_plan(self.batch, d, self.max_kv);
                         let ws = scratch(gpu, stream, self.workspace, plan.workspace_len())?;
-                        let sync = Some(self.sync as _);
-                        attention_decode_bf16(gpu, stream, out, None, ws, sync, x, plan)?;
+                        attention_decode_bf16(gpu, stream, out, None, ws, x, plan)?;
                     }
                 }
             }

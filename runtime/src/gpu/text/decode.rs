@@ -6,9 +6,7 @@
 use std::sync::Arc;
 
 use half::bf16;
-use rollplex_kernels::cuda::{
-    decode_sync_len, embedding_fwd_bf16, AttnSeqGpu, CudaSlice, CudaStream, Gpu,
-};
+use rollplex_kernels::cuda::{embedding_fwd_bf16, AttnSeqGpu, CudaSlice, CudaStream, Gpu};
 
 use crate::model::DecodeSlot;
 
@@ -29,9 +27,6 @@ pub struct DecodeBufs {
     blocks: BlockBufs,
     /// The decode attention's split-K scratch, sized for every batch up to `rows`.
     attn_ws: Option<CudaSlice<f32>>,
-    /// The decode attention's in-launch merge scratch for up to `rows` rows: zeroed here, left
-    /// zero by every launch.
-    attn_sync: CudaSlice<u32>,
 }
 
 impl DecodeBufs {
@@ -69,12 +64,6 @@ impl DecodeBufs {
                 Some(alloc::<f32>(gpu, stream, ws)?)
             } else {
                 None
-            },
-            attn_sync: {
-                let z = stream.alloc_zeros::<u32>(decode_sync_len(rows, &dims))?;
-                // zero before any stream that runs the decode reads it
-                stream.synchronize()?;
-                z
             },
         })
     }
@@ -183,7 +172,6 @@ impl GpuModel {
                 kernel,
                 grouped: io.grouped,
                 workspace: &mut bufs.attn_ws,
-                sync: &mut bufs.attn_sync,
                 arena,
             };
             run_blocks_keeping(
