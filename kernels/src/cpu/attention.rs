@@ -35,6 +35,10 @@ impl AttnDims {
     pub fn kv_width(&self) -> usize {
         self.num_kv_heads * self.head_dim
     }
+    /// Query heads per kv head, at least 1 (for sizing work before the dims are checked).
+    pub fn heads_per_kv(&self) -> usize {
+        (self.num_heads / self.num_kv_heads.max(1)).max(1)
+    }
     fn check(&self, op: &'static str) -> Result<()> {
         if self.num_heads == 0
             || self.num_kv_heads == 0

@@ -118,7 +118,7 @@ pub fn decode_plan_for_blocks(
     max_kv_len: usize,
     target_blocks: usize,
 ) -> DecodePlan {
-    let rep = (dims.num_heads / dims.num_kv_heads.max(1)).max(1);
+    let rep = dims.heads_per_kv();
     let units = (batch * dims.num_kv_heads * rep.div_ceil(8)).max(1);
     let max_splits = max_kv_len.div_ceil(64).max(1);
     let splits = target_blocks.max(1).div_ceil(units).clamp(1, max_splits);

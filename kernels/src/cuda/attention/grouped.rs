@@ -66,8 +66,7 @@ pub const GROUPED_MIN_CHUNK: usize = 512;
 /// Samples of one group a group-pass block takes: all query heads of one kv head for each, at
 /// most 64 MMA rows in all.
 fn group_block_samples(group: usize, dims: &AttnDims) -> usize {
-    let r = (dims.num_heads / dims.num_kv_heads.max(1)).max(1);
-    (64 / r).clamp(1, group.max(1))
+    (64 / dims.heads_per_kv()).clamp(1, group.max(1))
 }
 
 /// The group pass's (group part, kv head) units (its blocks per split) for `groups` groups of
@@ -132,8 +131,8 @@ pub fn grouped_decode_plan_tabled(
         );
     }
     let own = max_prefix_len + max_suffix_len;
-    let r = (dims.num_heads / dims.num_kv_heads.max(1)).max(1);
-    let (s_splits, s_chunk) = pipelined_split(batch * dims.num_kv_heads, own, 32, r);
+    let (s_splits, s_chunk) =
+        pipelined_split(batch * dims.num_kv_heads, own, 32, dims.heads_per_kv());
     GroupedDecodePlan {
         batch,
         group,
