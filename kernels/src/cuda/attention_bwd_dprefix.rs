@@ -65,7 +65,7 @@ pub fn tc_dprefix_split(dims: &AttnDims, q_rows: usize, p_rows: usize) -> usize 
     if blocks == 0 || p_rows == 1 {
         return 1;
     }
-    let rep = dims.num_heads / dims.num_kv_heads.max(1);
+    let rep = dims.heads_per_kv();
     let items = rep * q_rows.div_ceil(TILE_ROWS);
     (DPREFIX_TARGET_BLOCKS / blocks)
         .clamp(1, DPREFIX_MAX_SPLIT)

@@ -59,7 +59,7 @@ pub const TC_BWD_HEAD_DIMS: [usize; 2] = [64, 128];
 /// unequal key tiles over the SMs; the slices' fp32 partial dk/dv (a scratch of
 /// 2 * split * kv_rows * kv_width floats) are summed in slice order by a last kernel.
 pub fn tc_bwd_head_split(dims: &AttnDims) -> usize {
-    let rep = dims.num_heads / dims.num_kv_heads.max(1);
+    let rep = dims.heads_per_kv();
     [4, 2, 1]
         .into_iter()
         .find(|d| rep.is_multiple_of(*d))
@@ -74,7 +74,7 @@ pub fn tc_bwd_head_split(dims: &AttnDims) -> usize {
 /// and the device's SM count only.
 pub fn tc_bwd_head_split_for(dims: &AttnDims, kv_rows: usize, sm_count: usize) -> usize {
     let base = tc_bwd_head_split(dims);
-    let rep = dims.num_heads / dims.num_kv_heads.max(1);
+    let rep = dims.heads_per_kv();
     let blocks = kv_rows.div_ceil(TILE_ROWS) * dims.num_kv_heads * base;
     if blocks < 2 * sm_count && rep.is_multiple_of(8) {
         8

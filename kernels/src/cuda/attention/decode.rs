@@ -66,7 +66,7 @@ pub const DECODE_TARGET_BLOCKS: usize = 264;
 /// block-pipelined kernel: chunks of a multiple of 64 keys chosen by [`pipelined_split`].
 pub fn decode_plan(batch: usize, dims: AttnDims, max_kv_len: usize) -> DecodePlan {
     let units = batch * dims.num_kv_heads;
-    let r = dims.num_heads / dims.num_kv_heads.max(1);
+    let r = dims.heads_per_kv();
     let (splits, chunk) = pipelined_split(units, max_kv_len, 64, r);
     DecodePlan {
         batch,
@@ -258,7 +258,7 @@ pub fn attention_decode_bf16(
     };
     let scale_log2 = scale * std::f32::consts::LOG2_E;
     let tensor_cores = plan.uses_tensor_cores();
-    if tensor_cores && plan.pipelined && dims.num_heads / dims.num_kv_heads <= 64 {
+    if tensor_cores && plan.pipelined && dims.heads_per_kv() <= 64 {
         let g = GroupPass {
             pass: &pass,
             k: kp,
@@ -341,7 +341,7 @@ fn split_pass(
         u32_of(op, "total splits", total_splits)?,
     );
     let qs = p.q_stride as u32;
-    let hg = ((dims.num_heads / dims.num_kv_heads).div_ceil(8) * dims.num_kv_heads) as u32;
+    let hg = (dims.heads_per_kv().div_ceil(8) * dims.num_kv_heads) as u32;
     let bz = u32_of(op, "batch", p.batch)?;
     let cfg1 = Grid {
         grid: (splits, hg, bz),

@@ -263,7 +263,7 @@ pub fn attention_decode_grouped_bf16(
     } = x;
     check_dims(OP, &dims, true)?;
     let b = plan.batch;
-    let r = dims.num_heads / dims.num_kv_heads;
+    let r = dims.heads_per_kv();
     if plan.num_heads != dims.num_heads
         || plan.head_dim != dims.head_dim
         || plan.group == 0
