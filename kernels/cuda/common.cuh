@@ -64,6 +64,21 @@ __device__ __forceinline__ void rope_tables8(const float* c, const float* s, u32
     }
 }
 
+// One rotated pair (x1, x2) of a head, rounded as `rope_fwd_bf16` documents (pointwise.cu; also
+// the skinny GEMM's q|k|v epilogue, gemv.cu).
+__device__ __forceinline__ void rope_pair(float a, float b, float c1, float s1, float c2, float s2,
+                                          u32 hf_text_rounding, float& o1, float& o2) {
+    if (hf_text_rounding) {
+        c1 = bf2f(f2bf(c1)); s1 = bf2f(f2bf(s1));
+        c2 = bf2f(f2bf(c2)); s2 = bf2f(f2bf(s2));
+        o1 = bf2f(f2bf(a * c1)) + bf2f(f2bf(-b * s1));
+        o2 = bf2f(f2bf(b * c2)) + bf2f(f2bf(a * s2));
+    } else {
+        o1 = a * c1 + (-b) * s1;
+        o2 = b * c2 + a * s2;
+    }
+}
+
 // Unpacks 8 bf16 held in a uint4 into floats.
 __device__ __forceinline__ void unpack8(uint4 v, float* f) {
     f[0] = bf_lo(v.x); f[1] = bf_hi(v.x); f[2] = bf_lo(v.y); f[3] = bf_hi(v.y);

@@ -8,7 +8,8 @@
 //
 // Compile-time sizes (-D...): GEMV_MT m-tiles of 8 rows (m <= 8*GEMV_MT), GEMV_RT row tiles of
 // 64 weight rows per warpgroup, GEMV_S the cluster size = number of k slices, GEMV_SWIGLU 1 for
-// the gate|up form (see below), GEMV_WG the form (below), GEMV_STAGES the pipeline's depth.
+// the gate|up form and GEMV_ROPE 1 for the q|k|v rotary form (see below), GEMV_WG the form
+// (below), GEMV_STAGES the pipeline's depth.
 //
 // GEMV_WG 0, `gemv_bf16` (mma.sync, any sm_80+): one warpgroup of 4 warps, R = 64*GEMV_RT;
 // warp w owns rows rt*64 + w*16 .. +16 of every row tile rt. Weights and x go through a
@@ -37,6 +38,17 @@
 // rows are gate rows j0.., its last R/2 the matching up rows, and the epilogue writes
 // y[m, j] = bf16(bf16(silu(bf16(gate))) * bf16(up)), bitwise what swiglu_fwd_bf16 makes of the
 // rounded GEMM outputs.
+//
+// GEMV_ROPE: decode's q|k|v projection with the rotary embedding and the KV append in its
+// epilogue. w is [heads + 2 kv_heads] x head_dim rows (q, k, v heads); up_off = head_dim / 2
+// and n = the rows' pairs (half the rows): pair p is row a = (p / up_off) * head_dim +
+// p % up_off and its rotation partner a + up_off. A block's first R/2 rows are the rows a of
+// pairs j0.., its last R/2 the partners (R/2 divides up_off, so each half is one box of
+// consecutive rows). The epilogue rounds each output with its bias to bf16 as the plain form
+// does, rotates the q and k heads' pairs with rope_pair in HF's text rounding (cos / sin
+// tables of head_dim floats per row of x), writes every head to y, and the k and v heads of
+// row i also to row slots[i] of the caches (rows of kv_heads * head_dim; slots[i] >= n_slots
+// writes none): bitwise the plain form followed by rope_kv_append_bf16.
 
 #ifndef GEMV_MT
 #define GEMV_MT 8
@@ -50,9 +62,14 @@
 #ifndef GEMV_SWIGLU
 #define GEMV_SWIGLU 0
 #endif
+#ifndef GEMV_ROPE
+#define GEMV_ROPE 0
+#endif
 #ifndef GEMV_WG
 #define GEMV_WG 0
 #endif
+// Rows taken in pairs (a row and the row up_off after it): the SwiGLU and the rotary forms.
+#define GV_PAIRED (GEMV_SWIGLU || GEMV_ROPE)
 #ifndef GEMV_STAGES
 #define GEMV_STAGES 4
 #endif
@@ -81,6 +98,7 @@ static_assert(GV_M == 16 || GV_M == 32 || GV_M == 64 || GV_M == 128, "wgmma N: 1
 #else
 static_assert(GEMV_MT >= 1 && GEMV_MT <= 8, "m must be at most 64");
 #endif
+static_assert(!(GEMV_SWIGLU && GEMV_ROPE), "one epilogue form");
 static_assert(GV_STAGES >= 2 && GV_STAGES <= 8, "2 to 8 pipeline stages");
 static_assert(GEMV_S >= 1 && GEMV_S <= 8, "at most 8 blocks per cluster (portable size)");
 static_assert(GEMV_WGS == 1 || (GEMV_WG && GEMV_WGS == 2), "two consumer warpgroups: wgmma form only");
@@ -164,6 +182,31 @@ __device__ __forceinline__ void gv_cluster_sync() {
 #define GV_CLUSTER
 #endif
 
+// The rotary form's tables and caches (unused by the other forms, passed zeroed). Mirrors
+// `GvRope` in skinny.rs.
+struct GvRope {
+    const float* cos;  // [m, head_dim]
+    const float* sin;
+    bf16* k_cache;     // rows of n_kv * head_dim
+    bf16* v_cache;
+    const u32* slots;  // [m]: the cache row of each row of x
+    u32 n_heads;
+    u32 n_kv;
+    u32 n_slots;       // cache rows
+    u32 pad;
+};
+
+// The first weight row of pair p: p itself in the SwiGLU form (gate row p, up row up_off + p),
+// in the rotary form row (p / up_off) * 2 up_off + p % up_off of its head (partner + up_off).
+__device__ __forceinline__ u32 gv_pair_row(u32 p, u32 up_off) {
+#if GEMV_ROPE
+    return (p / up_off) * 2 * up_off + p % up_off;
+#else
+    (void)up_off;
+    return p;
+#endif
+}
+
 // The sum over the cluster's k slices of 4 consecutive floats at element `off` of the partial
 // tiles (16-byte aligned), in rank order: 0 + p0 + p1 + ... (every slice loaded first, so the
 // remote loads are in flight together); the block's own tile alone without a cluster.
@@ -217,9 +260,56 @@ __device__ __forceinline__ void gv_store_partials(float* red, float (*acc)[GEMV_
 // thread of the block once every block of the cluster has written its tile.
 __device__ __forceinline__ void gv_finish(bf16* __restrict__ y, const bf16* __restrict__ bias,
                                           const float* red, u32 split, u32 j0, u32 m, u32 n,
-                                          u32 ldy, u32 up_off) {
+                                          u32 ldy, u32 up_off, const GvRope& rp) {
     constexpr u32 C4 = GV_M / 4;
-#if GEMV_SWIGLU
+#if GEMV_ROPE
+    constexpr u32 HALF = GV_R / 2;
+    constexpr u32 per = (HALF + GEMV_S - 1) / GEMV_S;
+    const u32 hd = 2 * up_off, kvw = rp.n_kv * hd;
+    for (u32 idx = threadIdx.x; idx < per * C4; idx += GV_THREADS) {
+        const u32 jl = split * per + idx % per, m0 = 4 * (idx / per);
+        if (jl >= HALF || m0 >= m || j0 + jl >= n) continue;
+        const u32 a = gv_pair_row(j0 + jl, up_off), b = a + up_off;
+        const u32 head = a / hd, i = a - head * hd;  // i < up_off: a is the pair's first row
+        const float4 as4 = gv_sum4(red, jl * GV_RS + m0), bs4 = gv_sum4(red, (HALF + jl) * GV_RS + m0);
+        const float asv[4] = {as4.x, as4.y, as4.z, as4.w}, bsv[4] = {bs4.x, bs4.y, bs4.z, bs4.w};
+        const float ab = bias != nullptr ? bf2f(bias[a]) : 0.0f;
+        const float bb = bias != nullptr ? bf2f(bias[b]) : 0.0f;
+        const bool rotate = head < rp.n_heads + rp.n_kv;
+        // the k heads, then the v heads, go to the caches too
+        const bool cached = head >= rp.n_heads;
+        const bool is_k = head < rp.n_heads + rp.n_kv;
+        bf16* cache = is_k ? rp.k_cache : rp.v_cache;
+        const u32 col = (is_k ? head - rp.n_heads : head - rp.n_heads - rp.n_kv) * hd + i;
+#pragma unroll
+        for (u32 c = 0; c < 4; c++) {
+            const u32 r = m0 + c;
+            if (r >= m) break;
+            float av = asv[c], bv = bsv[c];
+            if (bias != nullptr) {
+                av += ab;
+                bv += bb;
+            }
+            const float xa = bf2f(f2bf(av)), xb = bf2f(f2bf(bv));
+            float o1 = xa, o2 = xb;
+            if (rotate) {
+                const float* cs = rp.cos + (u64)r * hd;
+                const float* sn = rp.sin + (u64)r * hd;
+                rope_pair(xa, xb, cs[i], sn[i], cs[i + up_off], sn[i + up_off], 1u, o1, o2);
+            }
+            const bf16 y1 = f2bf(o1), y2 = f2bf(o2);
+            y[(u64)r * ldy + a] = y1;
+            y[(u64)r * ldy + b] = y2;
+            if (cached) {
+                const u32 slot = rp.slots[r];
+                if (slot < rp.n_slots) {
+                    cache[(u64)slot * kvw + col] = y1;
+                    cache[(u64)slot * kvw + col + up_off] = y2;
+                }
+            }
+        }
+    }
+#elif GEMV_SWIGLU
     constexpr u32 HALF = GV_R / 2;
     constexpr u32 per = (HALF + GEMV_S - 1) / GEMV_S;
     for (u32 idx = threadIdx.x; idx < per * C4; idx += GV_THREADS) {
@@ -245,6 +335,7 @@ __device__ __forceinline__ void gv_finish(bf16* __restrict__ y, const bf16* __re
     }
 #else
     (void)up_off;
+    (void)rp;
     constexpr u32 per = (GV_R + GEMV_S - 1) / GEMV_S;
     for (u32 idx = threadIdx.x; idx < per * C4; idx += GV_THREADS) {
         const u32 rl = split * per + idx % per, m0 = 4 * (idx / per);
@@ -263,9 +354,9 @@ __device__ __forceinline__ void gv_finish(bf16* __restrict__ y, const bf16* __re
 #endif
 }
 
-// The first output column (gate / up row index in the SwiGLU form) of row block `by`.
+// The first output column (the first pair in the SwiGLU and rotary forms) of row block `by`.
 __device__ __forceinline__ u32 gv_first_col(u32 by) {
-#if GEMV_SWIGLU
+#if GV_PAIRED
     return by * (GV_R / 2);
 #else
     return by * GV_R;
@@ -278,14 +369,14 @@ __device__ __forceinline__ u32 gv_first_col(u32 by) {
 __device__ __forceinline__ void gv_epilogue(bf16* __restrict__ y, const bf16* __restrict__ bias,
                                             float* red, float (*acc)[GEMV_MT][4], bool holds,
                                             u32 tile0, u32 wq, u32 g, u32 t, u32 split, u32 j0,
-                                            u32 m, u32 n, u32 ldy, u32 up_off) {
+                                            u32 m, u32 n, u32 ldy, u32 up_off, const GvRope& rp) {
     if (holds) gv_store_partials(red, acc, tile0, wq, g, t);
 #if GEMV_S > 1
     gv_cluster_sync();  // every block's partial tile is written and visible cluster-wide
 #else
     __syncthreads();
 #endif
-    gv_finish(y, bias, red, split, j0, m, n, ldy, up_off);
+    gv_finish(y, bias, red, split, j0, m, n, ldy, up_off, rp);
 #if GEMV_S > 1
     gv_cluster_sync();  // no block leaves while another may still read its shared memory
 #endif
@@ -299,7 +390,7 @@ __device__ __forceinline__ void gv_epilogue(bf16* __restrict__ y, const bf16* __
 extern "C" __global__ void __launch_bounds__(GV_THREADS) GV_CLUSTER
 gemv_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ w,
           const bf16* __restrict__ bias, u32 m, u32 n, u32 k, u32 ldx, u32 ldy, u32 kslice,
-          u32 up_off) {
+          u32 up_off, const GvRope rp) {
     pdl_wait();
     extern __shared__ __align__(128) unsigned char gsm[];
     const u32 split = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -316,9 +407,10 @@ gemv_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restri
 #pragma unroll
         for (int j = 0; j < GV_R * 8 / GV_THREADS; j++) {
             const u32 i = threadIdx.x + j * GV_THREADS, r = i >> 3, u = i & 7;
-#if GEMV_SWIGLU
+#if GV_PAIRED
             const u32 jr = j0 + (r < GV_R / 2 ? r : r - GV_R / 2);
-            const u32 wr = r < GV_R / 2 ? jr : up_off + jr;
+            const u32 pr = gv_pair_row(jr, up_off);
+            const u32 wr = r < GV_R / 2 ? pr : up_off + pr;
 #else
             const u32 jr = j0 + r, wr = jr;
 #endif
@@ -375,7 +467,7 @@ gemv_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restri
     asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();  // every warp is done with the stages: reuse them for the partial tile
 
-    gv_epilogue(y, bias, (float*)gsm, acc, true, 0, warp, g, t, split, j0, m, n, ldy, up_off);
+    gv_epilogue(y, bias, (float*)gsm, acc, true, 0, warp, g, t, split, j0, m, n, ldy, up_off, rp);
 }
 #else   // GEMV_WG
 
@@ -425,7 +517,7 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TmaMap* map, u32 bar,
 extern "C" __global__ void __launch_bounds__(GV_THREADS, 1) GV_CLUSTER
 gemv_tma_bf16(bf16* __restrict__ y, const bf16* __restrict__ bias, const __grid_constant__ TmaMap wmap,
               const __grid_constant__ TmaMap xmap, u32 m, u32 n, u32 k, u32 ldy, u32 kslice,
-              u32 up_off) {
+              u32 up_off, const GvRope rp) {
     extern __shared__ __align__(128) unsigned char gsm[];
     const u32 split = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 g = lane >> 2, t = lane & 3;
@@ -462,9 +554,13 @@ gemv_tma_bf16(bf16* __restrict__ y, const bf16* __restrict__ bias, const __grid_
             // the buffer's last use released (the first GV_STAGES stages find it free)
             if (st >= GV_STAGES) mbar_wait(empty + 8 * s, ((st / GV_STAGES) + 1) & 1);
             mbar_expect_tx(bar, GV_SB);
+#if GV_PAIRED
+            // the pairs' first rows, then their partners (the matching up rows, or the rotation
+            // partners up_off further in the same head)
+            tma_load_2d(wsb, &wmap, bar, kk, gv_pair_row(j0, up_off));
+            tma_load_2d(wsb + GV_WB / 2, &wmap, bar, kk, up_off + gv_pair_row(j0, up_off));
+#else
             tma_load_2d(wsb, &wmap, bar, kk, j0);
-#if GEMV_SWIGLU
-            tma_load_2d(wsb + GV_WB / 2, &wmap, bar, kk, up_off + j0);  // the matching up rows
 #endif
             tma_load_2d(wsb + GV_WB, &xmap, bar, kk, 0);
         }
@@ -490,6 +586,6 @@ gemv_tma_bf16(bf16* __restrict__ y, const bf16* __restrict__ bias, const __grid_
 
     float* red = (float*)(gsm + (base - smem_u32(gsm)));
     gv_epilogue(y, bias, red, acc, wg < GEMV_WGS, wg * GEMV_RT, warp & 3, g, t, split, j0, m, n,
-                ldy, up_off);
+                ldy, up_off, rp);
 }
 #endif  // GEMV_WG

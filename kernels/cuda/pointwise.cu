@@ -4,20 +4,6 @@
 
 __device__ __forceinline__ bool aligned16(const void* p) { return (((u64)p) & 15u) == 0; }
 
-// One rotated pair (x1, x2) of a head, rounded as `rope_fwd_bf16` documents.
-__device__ __forceinline__ void rope_pair(float a, float b, float c1, float s1, float c2, float s2,
-                                          u32 hf_text_rounding, float& o1, float& o2) {
-    if (hf_text_rounding) {
-        c1 = bf2f(f2bf(c1)); s1 = bf2f(f2bf(s1));
-        c2 = bf2f(f2bf(c2)); s2 = bf2f(f2bf(s2));
-        o1 = bf2f(f2bf(a * c1)) + bf2f(f2bf(-b * s1));
-        o2 = bf2f(f2bf(b * c2)) + bf2f(f2bf(a * s2));
-    } else {
-        o1 = a * c1 + (-b) * s1;
-        o2 = b * c2 + a * s2;
-    }
-}
-
 // Rotates heads [0, n_heads) of one row in place (the block's threads split the pairs); with
 // `copy`, head h >= copy_from is also written, rotated, to copy[(h - copy_from) * head_dim].
 // Where half a head is a multiple of 8 and the row, tables and copy are 16-byte aligned, a

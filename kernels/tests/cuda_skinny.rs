@@ -1,5 +1,6 @@
 //! GPU tests of the decode-speed kernels against their CPU twins: the skinny split-k GEMM
-//! (`gemv_bf16`: `skinny_linear_fwd_bf16`, `skinny_gate_up_swiglu_bf16`) and the group-shared
+//! (`gemv_bf16`: `skinny_linear_fwd_bf16`, `skinny_gate_up_swiglu_bf16`, `skinny_qkv_rope_bf16`)
+//! and the group-shared
 //! decode attention (`attention_decode_grouped_bf16`). Fresh random inputs each run, outputs
 //! poisoned with NaN first (an unwritten element fails). Each test prints "skipped: no CUDA
 //! device" and passes where no GPU is present.
@@ -15,8 +16,9 @@ use rollplex_kernels::cuda::attention::{
     grouped_decode_plan_tabled, DecodeInputs, RowStrides,
 };
 use rollplex_kernels::cuda::gemm::{
-    gate_up_swiglu_bf16, linear_fwd_bf16_cublaslt, skinny_gate_up_swiglu_bf16,
+    gate_up_swiglu_bf16, linear_fwd_bf16_cublaslt, qkv_rope_fuses, skinny_gate_up_swiglu_bf16,
     skinny_linear_fwd_bf16, skinny_linear_fwd_bf16_with, skinny_plan, skinny_plan_with,
+    skinny_qkv_rope_bf16, skinny_qkv_rope_plan,
 };
 use rollplex_kernels::cuda::*;
 
@@ -199,6 +201,158 @@ fn skinny_gate_up_swiglu_matches_cpu_and_the_unfused_pair() {
             );
         }
     }
+}
+
+fn bits(v: &[bf16]) -> Vec<u16> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// The q|k|v projection with the rotary embedding and the KV append in its epilogue, bitwise
+/// the skinny GEMM under the same plan followed by `rope_kv_append_bf16` (the rotated rows and
+/// both caches), with a bias, m from 1 to 128 (the `mma.sync` and `wgmma` forms, 1 to 8 k
+/// slices), 3B / 7B dims and a small head_dim of 64; every fifth row's slot lies past the
+/// caches (nothing of it may land there). The dispatching `qkv_rope_append_bf16` gives the same
+/// bits where it fuses (m <= 32) and those of `linear_fwd_bf16` + `rope_kv_append_bf16` where
+/// it does not; shapes the fused form cannot take are refused.
+#[test]
+fn skinny_qkv_rope_is_the_gemm_then_rope_kv_append() {
+    let g = gpu_or_skip!();
+    let s = g.stream(0).unwrap();
+    for &(m, k, nh, nkv, hd) in &[
+        (1usize, 2048usize, 16usize, 2usize, 128usize),
+        (8, 2048, 16, 2, 128),
+        (5, 520, 4, 2, 64),
+        (13, 520, 4, 2, 64),
+        (40, 2048, 16, 2, 128),
+        (64, 2048, 16, 2, 128),
+        (100, 2048, 16, 2, 128),
+        (128, 2048, 16, 2, 128),
+        (24, 3584, 28, 4, 128),
+    ] {
+        if m > 8 && !g.has_wgmma() {
+            println!("m{m}: skipped, {} has no warpgroup MMAs", g.name());
+            continue;
+        }
+        let n = (nh + 2 * nkv) * hd;
+        let (kvw, rows) = (nkv * hd, 2 * m + 3);
+        let (x, _) = rand_bf(m * k, 1.0);
+        let (w, _) = rand_bf(n * k, 0.05);
+        let (b, _) = rand_bf(n, 0.5);
+        let (cache0, _) = rand_bf(rows * kvw, 1.0);
+        let seed = fresh_seed();
+        let cos: Vec<f32> = rand_vec(m * hd, seed);
+        let sin: Vec<f32> = rand_vec(m * hd, seed ^ 1);
+        let slots: Vec<u32> = (0..m)
+            .map(|i| {
+                if i % 5 == 4 {
+                    (rows + i) as u32
+                } else {
+                    (2 * i + 1) as u32
+                }
+            })
+            .collect();
+        let (dx, dw, db) = (up(&s, &x), up(&s, &w), up(&s, &b));
+        let (dcos, dsin, dslots) = (up(&s, &cos), up(&s, &sin), up(&s, &slots));
+        let bias = Some(&db as &dyn cudarc::driver::DevicePtr<bf16>);
+        let plan = skinny_qkv_rope_plan(m, k, n, hd).expect("a plan for these dims");
+        let what = format!("skinny_qkv_rope_bf16 m{m} k{k} heads {nh}/{nkv}x{hd} {plan:?}");
+        // the reference: the plain skinny GEMM, then the rotary + append kernel
+        let mut want = poison_bf(&s, m * n);
+        skinny_linear_fwd_bf16_with(g, &s, &mut want, &dx, &dw, bias, m, k, n, k, n, plan).unwrap();
+        let (mut kw, mut vw) = (up(&s, &cache0), up(&s, &cache0));
+        rope_kv_append_bf16(
+            g, &s, &mut want, &mut kw, &mut vw, &dcos, &dsin, &dslots, m, nh, nkv, hd, true,
+        )
+        .unwrap();
+        let (want, kw, vw) = (
+            bits(&down(&s, &want)),
+            bits(&down(&s, &kw)),
+            bits(&down(&s, &vw)),
+        );
+        assert_ne!(kw, bits(&cache0), "{what}: the reference appended rows");
+        // where the dispatch does not fuse: the dispatching GEMM, then the same kernel
+        let fuses = qkv_rope_fuses(g, m, k, n, hd);
+        assert_eq!(fuses, m <= 32, "{what}: the dispatch fuses up to 32 rows");
+        let unfused = {
+            let mut y = poison_bf(&s, m * n);
+            linear_fwd_bf16(g, &s, &mut y, &dx, &dw, bias, m, k, n).unwrap();
+            let (mut kc, mut vc) = (up(&s, &cache0), up(&s, &cache0));
+            rope_kv_append_bf16(
+                g, &s, &mut y, &mut kc, &mut vc, &dcos, &dsin, &dslots, m, nh, nkv, hd, true,
+            )
+            .unwrap();
+            (
+                bits(&down(&s, &y)),
+                bits(&down(&s, &kc)),
+                bits(&down(&s, &vc)),
+            )
+        };
+        // the fused launch, then the dispatching entry point
+        for dispatch in [false, true] {
+            let mut y = poison_bf(&s, m * n);
+            let (mut kc, mut vc) = (up(&s, &cache0), up(&s, &cache0));
+            let rope = QkvRope {
+                k_cache: &mut kc,
+                v_cache: &mut vc,
+                cos: &dcos,
+                sin: &dsin,
+                slots: &dslots,
+                heads: nh,
+                kv_heads: nkv,
+                head_dim: hd,
+            };
+            if dispatch {
+                qkv_rope_append_bf16(g, &s, &mut y, &dx, &dw, bias, m, k, rope).unwrap();
+            } else {
+                skinny_qkv_rope_bf16(g, &s, &mut y, &dx, &dw, bias, m, k, rope, None).unwrap();
+            }
+            let (tag, (want, kw, vw)) = match (dispatch, fuses) {
+                (false, _) => ("fused", (&want, &kw, &vw)),
+                (true, true) => ("qkv_rope_append_bf16, fused", (&want, &kw, &vw)),
+                (true, false) => (
+                    "qkv_rope_append_bf16, not fused",
+                    (&unfused.0, &unfused.1, &unfused.2),
+                ),
+            };
+            assert_eq!(
+                &bits(&down(&s, &y)),
+                want,
+                "{what}: {tag} q|k|v rows, bitwise"
+            );
+            assert_eq!(&bits(&down(&s, &kc)), kw, "{what}: {tag} k cache, bitwise");
+            assert_eq!(&bits(&down(&s, &vc)), vw, "{what}: {tag} v cache, bitwise");
+        }
+    }
+    // refused: query heads not a multiple of the kv heads, and a head whose half (20 rows) the
+    // block's 32 pairs do not divide
+    let (m, k) = (8, 64);
+    for (nh, nkv, hd) in [(3usize, 2usize, 64usize), (2, 1, 40)] {
+        let n = (nh + 2 * nkv) * hd;
+        let (dx, dw) = (
+            up(&s, &rand_bf(m * k, 1.0).0),
+            up(&s, &rand_bf(n * k, 0.1).0),
+        );
+        let (mut kc, mut vc) = (poison_bf(&s, 4 * nkv * hd), poison_bf(&s, 4 * nkv * hd));
+        let (dcos, dsin) = (poison_f32(&s, m * hd), poison_f32(&s, m * hd));
+        let dslots = up(&s, &vec![0u32; m]);
+        let mut y = poison_bf(&s, m * n);
+        let rope = QkvRope {
+            k_cache: &mut kc,
+            v_cache: &mut vc,
+            cos: &dcos,
+            sin: &dsin,
+            slots: &dslots,
+            heads: nh,
+            kv_heads: nkv,
+            head_dim: hd,
+        };
+        let r = skinny_qkv_rope_bf16(g, &s, &mut y, &dx, &dw, None, m, k, rope, None);
+        assert!(r.is_err(), "heads {nh}/{nkv}x{hd} refused");
+    }
+    assert!(
+        !qkv_rope_fuses(g, 8, 64, 160, 40),
+        "head_dim 40 is not fused"
+    );
 }
 
 /// Attention dims: `h` query heads, `kv` kv heads of `hd`.

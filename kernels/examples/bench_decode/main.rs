@@ -11,7 +11,13 @@
 //!   kernel), every sample reading its own KV;
 //! - `shared` (GRPO cases): `attention_decode_grouped_bf16` with `grouped_decode_plan`, which
 //!   reads a group's shared prefix once per group when there are enough groups; `forced`: the
-//!   group pass forced on (where the default plan leaves it off).
+//!   group pass forced on (where the default plan leaves it off); `sepqkv`: `shared` with the
+//!   q|k|v GEMM and `rope_kv_append_bf16` as two launches.
+//!
+//! The dispatching variants make q|k|v, rope and the KV append with `qkv_rope_append_bf16` (one
+//! skinny launch where it fuses them, as the runtime does); each case also times that work
+//! alone over all layers in its three forms (cuBLASLt's or the skinny GEMM followed by
+//! `rope_kv_append_bf16`, and the fused launch).
 //!
 //! Bytes are counted two ways: what a per-sample reader moves (every sample reads its whole KV,
 //! as PyTorch's SDPA decode does) and what the variant moves (a GRPO group's shared prefix once
@@ -46,9 +52,10 @@ use rollplex_kernels::cuda::attention::{
     GroupedDecodePlan, RowStrides,
 };
 use rollplex_kernels::cuda::gemm::{
-    gate_up_swiglu_bf16, linear_fwd_bf16_cublaslt, linear_fwd_bf16_cublaslt_ranked,
+    gate_up_swiglu_bf16, linear_fwd_bf16_cublaslt, linear_fwd_bf16_cublaslt_ranked, qkv_rope_fuses,
     skinny_gate_up_swiglu_bf16, skinny_linear_fwd_bf16_with, skinny_pays, skinny_plan,
-    skinny_plan_with, SkinnyPlan, LT_RANKS,
+    skinny_plan_with, skinny_qkv_rope_bf16, skinny_qkv_rope_plan, SkinnyPlan, LT_RANKS,
+    SKINNY_SYNC_MAX_M,
 };
 use rollplex_kernels::cuda::pointwise::add_fwd_bf16_inplace;
 use rollplex_kernels::cuda::*;
@@ -388,30 +395,63 @@ fn main() -> Res<()> {
                 );
             }
         }
+        // q|k|v + rope + KV append alone over all layers, each form (this case's batch)
+        {
+            let mut line = Vec::new();
+            let n = (d.nh + 2 * d.nkv) * d.hd;
+            let fuses = qkv_rope_fuses(&g, batch, d.h, n, d.hd);
+            // the fused launch wherever it can run, also above the rows the dispatch fuses
+            let can_fuse = skinny_qkv_rope_plan(batch, d.h, n, d.hd).is_some()
+                && (batch <= SKINNY_SYNC_MAX_M || g.has_wgmma());
+            for how in [QkvBy::Lt, QkvBy::Skinny, QkvBy::Fused] {
+                if matches!(how, QkvBy::Fused) && !can_fuse {
+                    continue;
+                }
+                let gr = capture(&s, || {
+                    (0..d.layers).try_for_each(|l| m.qkv_rope_by(&g, &s, l, how))
+                })?;
+                let t = time_graph(&g, &s, &gr, 20)?;
+                drop(gr);
+                line.push(format!("{how:?} {:.2} us", t * 1e3 / d.layers as f64));
+            }
+            println!(
+                "  q|k|v + rope + KV append a layer (m{batch} k{} n{n}): {} [dispatch {}]",
+                d.h,
+                line.join(", "),
+                if fuses {
+                    "fuses"
+                } else {
+                    "GEMM then rope_kv_append_bf16"
+                }
+            );
+        }
         let (gsize, plen) = m.prefix;
         let old_plan = m.plan;
         let new_plan = decode_plan(batch, m.dims(), kv_len);
         let forced =
             grouped_decode_plan_for_blocks(batch, gsize, m.dims(), plen, kv_len - plen, 264);
         let default_gplan = m.gplan;
-        // (name, dispatching GEMMs, per-sample plan, grouped plan)
-        let mut variants: Vec<(&str, bool, DecodePlan, Option<GroupedDecodePlan>)> = vec![
-            ("base", false, old_plan, None),
-            ("gemm", true, old_plan, None),
-            ("new", true, new_plan, None),
+        // (name, dispatching GEMMs, per-sample plan, grouped plan, q|k|v with rope fused)
+        type Variant<'a> = (&'a str, bool, DecodePlan, Option<GroupedDecodePlan>, bool);
+        let mut variants: Vec<Variant> = vec![
+            ("base", false, old_plan, None, false),
+            ("gemm", true, old_plan, None, true),
+            ("new", true, new_plan, None, true),
         ];
         if prefix.is_some() {
-            variants.push(("shared", true, new_plan, Some(default_gplan)));
+            variants.push(("shared", true, new_plan, Some(default_gplan), true));
+            variants.push(("sepqkv", true, new_plan, Some(default_gplan), false));
             if forced != default_gplan {
-                variants.push(("forced", true, new_plan, Some(forced)));
+                variants.push(("forced", true, new_plan, Some(forced), true));
             }
         }
         if let Some(keep) = &only {
             variants.retain(|v| keep.iter().any(|k| k == v.0));
         }
         let mut res = Vec::new();
-        for (vname, dispatch, plan, gplan) in variants {
+        for (vname, dispatch, plan, gplan, qkv_rope) in variants {
             m.dispatch = dispatch;
+            m.qkv_rope = qkv_rope;
             m.plan = plan;
             m.grouped = gplan.is_some();
             m.gplan = gplan.unwrap_or(default_gplan);

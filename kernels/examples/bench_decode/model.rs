@@ -52,7 +52,22 @@ pub(crate) struct Model {
     pub(crate) dispatch: bool,
     /// `attention_decode_grouped_bf16` with `gplan` instead of `attention_decode_bf16` with `plan`.
     pub(crate) grouped: bool,
+    /// With the dispatching GEMMs and the fused kernels: q|k|v, rope and the KV append through
+    /// `qkv_rope_append_bf16` (one launch where the skinny kernel fuses them, as the runtime
+    /// runs them) instead of the q|k|v GEMM and `rope_kv_append_bf16`.
+    pub(crate) qkv_rope: bool,
     pub(crate) gplan: GroupedDecodePlan,
+}
+
+/// How [`Model::qkv_rope_by`] makes a layer's rotated q|k|v and appends k / v: cuBLASLt's or
+/// the skinny kernel's GEMM then `rope_kv_append_bf16`, the fused skinny launch, or what
+/// `qkv_rope_append_bf16` picks.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum QkvBy {
+    Lt,
+    Skinny,
+    Fused,
+    Dispatch,
 }
 
 pub(crate) fn rand_bf(n: usize, seed: u64, scale: f32) -> Vec<bf16> {
@@ -189,6 +204,7 @@ pub(crate) fn build(
         prefix: (gsize, plen),
         dispatch: false,
         grouped: false,
+        qkv_rope: true,
         gplan,
         layers,
     })
@@ -387,9 +403,15 @@ impl Model {
         let n1 = &self.layers[0].n1;
         rmsnorm_fwd_bf16(g, s, &mut self.x, None, &self.h, n1, b, d.h, eps)?;
         for l in 0..d.layers {
-            self.qkv_gemm(g, s, l)?;
+            if self.dispatch && self.fused && self.qkv_rope {
+                self.qkv_rope_by(g, s, l, QkvBy::Dispatch)?;
+            } else {
+                self.qkv_gemm(g, s, l)?;
+            }
             let (cos, sin, slots) = (&self.cos, &self.sin, &self.slots);
-            if self.fused {
+            if self.dispatch && self.fused && self.qkv_rope {
+                // rotated and appended above
+            } else if self.fused {
                 let ly = &mut self.layers[l];
                 let (kc, vc) = (&mut ly.kc, &mut ly.vc);
                 rope_kv_append_bf16(
@@ -569,6 +591,77 @@ impl Model {
                 GemmBy::Skinny(p) => {
                     skinny_linear_fwd_bf16_with(g, s, y, x, w, bias, b, k, n, k, n, p)?
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// Layer `l`'s q|k|v projection, rotary embedding and KV append, made as `how` says.
+    pub(crate) fn qkv_rope_by(
+        &mut self,
+        g: &Gpu,
+        s: &Arc<CudaStream>,
+        l: usize,
+        how: QkvBy,
+    ) -> Res<()> {
+        let d = self.d;
+        let b = self.batch;
+        let ly = &mut self.layers[l];
+        let bias = Some(&ly.bqkv as &dyn cudarc::driver::DevicePtr<bf16>);
+        let n = (d.nh + 2 * d.nkv) * d.hd;
+        let (x, w) = (&self.x, &ly.wqkv);
+        let rope = QkvRope {
+            k_cache: &mut ly.kc,
+            v_cache: &mut ly.vc,
+            cos: &self.cos,
+            sin: &self.sin,
+            slots: &self.slots,
+            heads: d.nh,
+            kv_heads: d.nkv,
+            head_dim: d.hd,
+        };
+        match how {
+            QkvBy::Dispatch => qkv_rope_append_bf16(g, s, &mut self.qkv, x, w, bias, b, d.h, rope)?,
+            QkvBy::Fused => {
+                skinny_qkv_rope_bf16(g, s, &mut self.qkv, x, w, bias, b, d.h, rope, None)?
+            }
+            QkvBy::Lt | QkvBy::Skinny => {
+                if matches!(how, QkvBy::Lt) {
+                    linear_fwd_bf16_cublaslt(g, s, &mut self.qkv, x, w, bias, b, d.h, n)?;
+                } else {
+                    let p = skinny_plan(b, d.h, n);
+                    skinny_linear_fwd_bf16_with(
+                        g,
+                        s,
+                        &mut self.qkv,
+                        x,
+                        w,
+                        bias,
+                        b,
+                        d.h,
+                        n,
+                        d.h,
+                        n,
+                        p,
+                    )?;
+                }
+                let (kc, vc) = (rope.k_cache, rope.v_cache);
+                let (cos, sin, slots) = (rope.cos, rope.sin, rope.slots);
+                rope_kv_append_bf16(
+                    g,
+                    s,
+                    &mut self.qkv,
+                    kc,
+                    vc,
+                    cos,
+                    sin,
+                    slots,
+                    b,
+                    d.nh,
+                    d.nkv,
+                    d.hd,
+                    true,
+                )?;
             }
         }
         Ok(())

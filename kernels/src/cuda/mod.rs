@@ -72,7 +72,10 @@ pub use decode_loop::{
 };
 #[cfg(feature = "bench")]
 pub use gemm::matmul_bf16_cublas;
-pub use gemm::{gate_up_swiglu_bf16, linear_fwd_bf16, matmul_bf16, matmul_bf16_f32};
+pub use gemm::{
+    gate_up_swiglu_bf16, linear_fwd_bf16, matmul_bf16, matmul_bf16_f32, qkv_rope_append_bf16,
+    QkvRope,
+};
 pub use gpu::Gpu;
 pub use grad::{
     add_f32_into_bf16, gather_sum_rows_bf16, scale_f32, sumsq_partial_f32, SUMSQ_BLOCKS,

@@ -20,8 +20,25 @@ use super::weights::{GpuBlock, GpuLinear};
 use super::{alloc, Result};
 
 /// A block's attention: reads the fused `qkv [rows, (h + 2 kvh) hd]` (rotating q and k in
-/// place as it needs), writes `out [rows, h hd]`.
+/// place as it needs), writes `out [rows, h hd]`. It also makes that `qkv` from the block's
+/// normed input (`project`: the plain GEMM unless the step fuses more into it).
 pub(crate) trait AttnStep {
+    /// Block `layer`'s q|k|v projection `qkv = xn l.w^T + l.b` of `rows` rows.
+    #[allow(clippy::too_many_arguments)]
+    fn project(
+        &mut self,
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        layer: usize,
+        qkv: &mut CudaSlice<bf16>,
+        xn: &CudaSlice<bf16>,
+        l: &GpuLinear,
+        rows: usize,
+    ) -> Result<()> {
+        let _ = layer;
+        linear(gpu, stream, qkv, xn, l, rows)
+    }
+
     fn attend(
         &mut self,
         gpu: &Gpu,
@@ -171,7 +188,7 @@ pub(crate) fn run_blocks_keeping(
             // x now holds this block's input
             stream.memcpy_dtod(&x.slice(..rows * hidden), &mut k[l])?;
         }
-        linear(gpu, stream, qkv, xn, &blk.qkv, rows)?;
+        attn.project(gpu, stream, l, qkv, xn, &blk.qkv, rows)?;
         attn.attend(gpu, stream, l, qkv, att)?;
         linear(gpu, stream, delta, att, &blk.o, rows)?;
         add_rmsnorm_fwd_bf16(

@@ -85,6 +85,68 @@ pub fn skinny_pays(gpu: &Gpu, m: usize, k: usize, n: usize) -> bool {
         && (m <= SKINNY_SYNC_MAX_M || gpu.has_wgmma())
 }
 
+/// Decode's q|k|v projection with the rotary embedding and the KV append (see [`QkvRope`]):
+/// one skinny launch with both in its epilogue ([`skinny_qkv_rope_bf16`]) where
+/// [`qkv_rope_fuses`], else [`linear_fwd_bf16`] into `qkv` followed by
+/// [`super::rope_kv_append_bf16`]. The fused form is bitwise the skinny GEMM followed by that
+/// kernel; either way `qkv` ends rotated and the caches hold the new rows.
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_rope_append_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    qkv: &mut impl DevicePtrMut<bf16>,
+    x: &impl DevicePtr<bf16>,
+    w: &impl DevicePtr<bf16>,
+    bias: Option<&dyn DevicePtr<bf16>>,
+    m: usize,
+    k: usize,
+    rope: QkvRope<'_>,
+) -> Result<()> {
+    let n = (rope.heads + 2 * rope.kv_heads) * rope.head_dim;
+    if qkv_rope_fuses(gpu, m, k, n, rope.head_dim)
+        && ptr(x, stream) % 16 == 0
+        && ptr(w, stream) % 16 == 0
+    {
+        return skinny_qkv_rope_bf16(gpu, stream, qkv, x, w, bias, m, k, rope, None);
+    }
+    linear_fwd_bf16(gpu, stream, qkv, x, w, bias, m, k, n)?;
+    super::rope_kv_append_bf16(
+        gpu,
+        stream,
+        qkv,
+        rope.k_cache,
+        rope.v_cache,
+        rope.cos,
+        rope.sin,
+        rope.slots,
+        m,
+        rope.heads,
+        rope.kv_heads,
+        rope.head_dim,
+        true,
+    )
+}
+
+/// The rows of x up to which [`qkv_rope_append_bf16`] fuses: measured on the H100 at 3B dims
+/// (docs/perf.md, "Decode GEMMs"), q|k|v + rope + append took 8.4 / 8.6 / 10.1 / 17.9 us a
+/// layer fused at m = 8 / 32 / 64 / 128 against 9.4 / 9.6 / 9.8 / 10.2 us for cuBLASLt's GEMM
+/// and `rope_kv_append_bf16`: above 32 rows (`wgmma`'s N of 64 and 128) the skinny GEMM loses
+/// more than the launch saves.
+pub const QKV_ROPE_FUSED_MAX_M: usize = 32;
+
+/// Whether [`qkv_rope_append_bf16`] takes the fused skinny launch for `m` rows, depth `k` and
+/// `n` q|k|v rows of heads of `head_dim` (given 16-byte aligned operands): up to
+/// [`QKV_ROPE_FUSED_MAX_M`] rows where the skinny kernel fits (above [`SKINNY_SYNC_MAX_M`] on
+/// devices with warpgroup MMAs) and its block's pairs divide half a head. Up to m = 16 the
+/// plain GEMM is already ours; from 17 to 32 rows the fused launch beats cuBLASLt's GEMM
+/// followed by the separate rotary and append kernel.
+pub fn qkv_rope_fuses(gpu: &Gpu, m: usize, k: usize, n: usize, head_dim: usize) -> bool {
+    skinny_fits(m, k)
+        && m <= QKV_ROPE_FUSED_MAX_M
+        && (m <= SKINNY_SYNC_MAX_M || gpu.has_wgmma())
+        && skinny_qkv_rope_plan(m, k, n, head_dim).is_some()
+}
+
 /// The MLP's first half, `act[m, f] = silu(x Wg^T) * (x Wu^T)` with `w_gate_up` `[2f, k]` (gate
 /// rows then up rows): fused in one skinny launch when [`skinny_pays`] (and the operands are
 /// 16-byte aligned), else [`linear_fwd_bf16`] into `gu` (`[m, 2f]` scratch) and

@@ -1,12 +1,13 @@
 //! The skinny GEMM for decode-sized products (our own tensor-core kernel, `kernels/cuda/gemv.cu`):
-//! its cut ([`SkinnyPlan`], a function of the shape), its launch, and the fused gate|up + SwiGLU.
+//! its cut ([`SkinnyPlan`], a function of the shape), its launch, the fused gate|up + SwiGLU and
+//! the decode step's q|k|v projection with the rotary embedding and the KV append fused.
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 use half::bf16;
 
-use super::super::launch::{aligned16, launch, ptr, ptr_mut, tma_map_bf16, u32_of, Grid};
+use super::super::launch::{aligned16, launch, need, ptr, ptr_mut, tma_map_bf16, u32_of, Grid};
 use super::super::nvrtc::KernelModule;
 use super::super::{shape, Gpu, Result};
 
@@ -177,6 +178,34 @@ pub fn skinny_fits(m: usize, k: usize) -> bool {
     (1..=SKINNY_MAX_M).contains(&m) && k.is_multiple_of(8) && k > 0
 }
 
+/// The rotary form's tables and caches as the kernel takes them (`GvRope` in gemv.cu; zeros for
+/// the other forms).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct GvRope {
+    cos: u64,
+    sin: u64,
+    k_cache: u64,
+    v_cache: u64,
+    slots: u64,
+    n_heads: u32,
+    n_kv: u32,
+    n_slots: u32,
+    pad: u32,
+}
+
+// SAFETY: plain integers laid out as the kernel's `GvRope` (repr(C), 56 bytes).
+unsafe impl DeviceRepr for GvRope {}
+
+/// What the kernel's epilogue writes: the product (+ bias), SwiGLU of its gate and up halves, or
+/// the rotated q|k|v rows with k and v appended to the caches.
+#[derive(Clone, Copy)]
+enum Epilogue {
+    Plain,
+    SwiGlu,
+    Rope(GvRope),
+}
+
 #[allow(clippy::too_many_arguments)]
 fn skinny_launch(
     op: &'static str,
@@ -192,9 +221,15 @@ fn skinny_launch(
     ldx: usize,
     ldy: usize,
     up_off: usize,
-    swiglu: bool,
+    epi: Epilogue,
     plan: SkinnyPlan,
 ) -> Result<()> {
+    let (swiglu, rope) = match epi {
+        Epilogue::Plain => (false, None),
+        Epilogue::SwiGlu => (true, None),
+        Epilogue::Rope(r) => (false, Some(r)),
+    };
+    let paired = swiglu || rope.is_some();
     let tiles_ok = if plan.wgmma {
         [2, 4, 8, 16].contains(&plan.m_tiles)
     } else {
@@ -228,15 +263,23 @@ fn skinny_launch(
         ("GEMV_WGS", plan.warpgroups as u32),
         ("GEMV_S", plan.splits as u32),
         ("GEMV_SWIGLU", swiglu as u32),
+        ("GEMV_ROPE", rope.is_some() as u32),
         ("GEMV_WG", plan.wgmma as u32),
         ("GEMV_STAGES", plan.stages as u32),
     ];
     let smem = plan.smem_bytes() as u32;
-    let rows_per_block = if swiglu {
+    let rows_per_block = if paired {
         plan.block_rows() / 2
     } else {
         plan.block_rows()
     };
+    if rope.is_some() && (up_off == 0 || !up_off.is_multiple_of(rows_per_block)) {
+        return Err(shape(
+            op,
+            format!("plan {plan:?}: a block's {rows_per_block} pairs must divide half a head ({up_off} rows)"),
+        ));
+    }
+    let rp = rope.unwrap_or_default();
     let gy = u32_of(op, "row blocks", n.div_ceil(rows_per_block))?;
     let cfg = Grid {
         grid: (plan.splits as u32, gy, 1),
@@ -247,8 +290,13 @@ fn skinny_launch(
     let (lx, ly) = (u32_of(op, "ldx", ldx)?, u32_of(op, "ldy", ldy)?);
     let (ks, uo) = (plan.kslice as u32, u32_of(op, "up_off", up_off)?);
     if plan.wgmma {
-        // the weight rows the boxes may name: n, or the up rows' end in the SwiGLU form
-        let w_rows = if swiglu { up_off + n } else { n };
+        // the weight rows the boxes may name: n, the up rows' end in the SwiGLU form, both rows
+        // of every pair in the rotary form
+        let w_rows = match (swiglu, rope.is_some()) {
+            (true, _) => up_off + n,
+            (false, true) => 2 * n,
+            _ => n,
+        };
         let box_rows = u32_of(op, "box rows", rows_per_block)?;
         let wmap = tma_map_bf16(op, w, w_rows, k, k, 64, box_rows)?;
         let xmap = tma_map_bf16(op, x, m, k, ldx, 64, (8 * plan.m_tiles) as u32)?;
@@ -263,16 +311,17 @@ fn skinny_launch(
                 &defines,
                 "gemv_tma_bf16",
                 cfg,
-                &[&y, &bias, &wmap, &xmap, &mm, &nn, &kk, &ly, &ks, &uo],
+                &[&y, &bias, &wmap, &xmap, &mm, &nn, &kk, &ly, &ks, &uo, &rp],
             )
         };
     }
     // SAFETY: the callers checked that y holds (m-1)*ldy + n elements, x (m-1)*ldx + k, w every
     // weight row the kernel reads (n rows of k, or up_off + n rows in the SwiGLU form) and bias
     // n (up_off + n) elements; the kernel reads x rows < m and weight rows < n (+ up_off) only,
-    // k < min(k, slice end), and writes y rows < m, columns < n; x and w are 16-byte aligned,
+    // k < min(k, slice end), and writes y rows < m, columns < n (both rows of n pairs in the
+    // rotary form, whose caller checked its tables and caches); x and w are 16-byte aligned,
     // k % 8 == 0 and ldx % 8 == 0 (checked); grid.x == splits == the compiled cluster size;
-    // arguments match (y, x, w, bias, m, n, k, ldx, ldy, kslice, up_off).
+    // arguments match (y, x, w, bias, m, n, k, ldx, ldy, kslice, up_off, rp).
     unsafe {
         launch(
             gpu,
@@ -281,7 +330,7 @@ fn skinny_launch(
             &defines,
             "gemv_bf16",
             cfg,
-            &[&y, &x, &w, &bias, &mm, &nn, &kk, &lx, &ly, &ks, &uo],
+            &[&y, &x, &w, &bias, &mm, &nn, &kk, &lx, &ly, &ks, &uo, &rp],
         )
     }?;
     Ok(())
@@ -376,7 +425,21 @@ pub fn skinny_linear_fwd_bf16_with(
     };
     let (yp, xp, wp) = (ptr_mut(y, stream), ptr(x, stream), ptr(w, stream));
     skinny_launch(
-        OP, gpu, stream, yp, xp, wp, bp, m, k, n, ldx, ldy, 0, false, plan,
+        OP,
+        gpu,
+        stream,
+        yp,
+        xp,
+        wp,
+        bp,
+        m,
+        k,
+        n,
+        ldx,
+        ldy,
+        0,
+        Epilogue::Plain,
+        plan,
     )
 }
 
@@ -414,7 +477,133 @@ pub fn skinny_gate_up_swiglu_bf16(
     }
     let plan = plan.unwrap_or_else(|| skinny_plan(m, k, 2 * f));
     let (yp, xp, wp) = (ptr_mut(act, stream), ptr(x, stream), ptr(w_gate_up, stream));
-    skinny_launch(OP, gpu, stream, yp, xp, wp, 0, m, k, f, k, f, f, true, plan)
+    skinny_launch(
+        OP,
+        gpu,
+        stream,
+        yp,
+        xp,
+        wp,
+        0,
+        m,
+        k,
+        f,
+        k,
+        f,
+        f,
+        Epilogue::SwiGlu,
+        plan,
+    )
+}
+
+/// Where the decode step's q|k|v projection puts its rotated keys and values: `k_cache` and
+/// `v_cache` (`[rows, kv_heads * head_dim]`, one layer's), row `slots[i]` for row `i` of x (a
+/// slot at or past the caches' rows writes nothing there), rotated with `cos` / `sin`
+/// (`[m, head_dim]` each) in HF's text rounding.
+pub struct QkvRope<'a> {
+    pub k_cache: &'a mut dyn DevicePtrMut<bf16>,
+    pub v_cache: &'a mut dyn DevicePtrMut<bf16>,
+    pub cos: &'a dyn DevicePtr<f32>,
+    pub sin: &'a dyn DevicePtr<f32>,
+    pub slots: &'a dyn DevicePtr<u32>,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// The plan [`skinny_qkv_rope_bf16`] takes for `m` rows, depth `k`, `n` q|k|v rows of heads of
+/// `head_dim`: [`skinny_plan`]`(m, k, n)`, whose k slices (and so bits) are the plain GEMM's,
+/// where its block's pairs divide half a head (`None` elsewhere: the fused form does not run).
+pub fn skinny_qkv_rope_plan(m: usize, k: usize, n: usize, head_dim: usize) -> Option<SkinnyPlan> {
+    let p = skinny_plan(m, k, n);
+    let pairs = p.block_rows() / 2;
+    (head_dim.is_multiple_of(2) && head_dim > 0 && (head_dim / 2).is_multiple_of(pairs))
+        .then_some(p)
+}
+
+/// Decode's q|k|v projection `qkv[m, n] = x[m, k] w[n, k]^T + bias` (`n = (heads + 2 kv_heads)
+/// * head_dim`) with the rotary embedding of the q and k heads and the append of k and v to the
+/// caches in its epilogue: one launch, bitwise [`skinny_linear_fwd_bf16_with`] under the same
+/// plan followed by [`crate::cuda::rope_kv_append_bf16`] (HF text rounding). `plan`: `None`
+/// takes [`skinny_qkv_rope_plan`].
+#[allow(clippy::too_many_arguments)]
+pub fn skinny_qkv_rope_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    qkv: &mut impl DevicePtrMut<bf16>,
+    x: &impl DevicePtr<bf16>,
+    w: &impl DevicePtr<bf16>,
+    bias: Option<&dyn DevicePtr<bf16>>,
+    m: usize,
+    k: usize,
+    rope: QkvRope<'_>,
+    plan: Option<SkinnyPlan>,
+) -> Result<()> {
+    const OP: &str = "skinny_qkv_rope_bf16";
+    let hd = rope.head_dim;
+    let n = (rope.heads + 2 * rope.kv_heads) * hd;
+    if rope.heads == 0 || rope.kv_heads == 0 || !rope.heads.is_multiple_of(rope.kv_heads) {
+        return Err(shape(
+            OP,
+            format!(
+                "{} heads over {} kv heads: both positive, the first a multiple of the second",
+                rope.heads, rope.kv_heads
+            ),
+        ));
+    }
+    let plan = match plan.or_else(|| skinny_qkv_rope_plan(m, k, n, hd)) {
+        Some(p) => p,
+        None => {
+            return Err(shape(
+                OP,
+                format!("head_dim {hd}: no plan whose block's pairs divide half a head (take linear_fwd_bf16 and rope_kv_append_bf16)"),
+            ))
+        }
+    };
+    skinny_checks(OP, m, k, k, n, n)?;
+    let kvw = rope.kv_heads * hd;
+    need(OP, "qkv", qkv, m * n)?;
+    need(OP, "x", x, m * k)?;
+    need(OP, "w", w, n * k)?;
+    need(OP, "cos", rope.cos, m * hd)?;
+    need(OP, "sin", rope.sin, m * hd)?;
+    need(OP, "slots", rope.slots, m)?;
+    if let Some(b) = bias {
+        need(OP, "bias", b, n)?;
+    }
+    if rope.v_cache.len() < rope.k_cache.len() {
+        return Err(shape(OP, "v_cache must hold as many elements as k_cache"));
+    }
+    let rp = GvRope {
+        cos: ptr(rope.cos, stream),
+        sin: ptr(rope.sin, stream),
+        k_cache: ptr_mut(rope.k_cache, stream),
+        v_cache: ptr_mut(rope.v_cache, stream),
+        slots: ptr(rope.slots, stream),
+        n_heads: u32_of(OP, "heads", rope.heads)?,
+        n_kv: u32_of(OP, "kv heads", rope.kv_heads)?,
+        n_slots: u32_of(OP, "cache rows", rope.k_cache.len() / kvw)?,
+        pad: 0,
+    };
+    let bp = bias.map_or(0, |b| ptr(b, stream));
+    let (yp, xp, wp) = (ptr_mut(qkv, stream), ptr(x, stream), ptr(w, stream));
+    skinny_launch(
+        OP,
+        gpu,
+        stream,
+        yp,
+        xp,
+        wp,
+        bp,
+        m,
+        k,
+        n / 2,
+        k,
+        n,
+        hd / 2,
+        Epilogue::Rope(rp),
+        plan,
+    )
 }
 
 #[cfg(test)]
@@ -528,13 +717,19 @@ mod skinny_tests {
             (4, 1, 1, 2, 1, 1, 5),
             (2, 2, 1, 8, 0, 1, 6),
             (2, 2, 2, 8, 1, 1, 4),
+            (1, 1, 1, 8, 2, 0, 4),
+            (2, 1, 1, 8, 2, 1, 6),
+            (8, 1, 1, 4, 2, 1, 3),
+            (16, 1, 1, 2, 2, 1, 3),
         ] {
+            // sw: the epilogue, 0 plain, 1 SwiGLU, 2 rotary
             let d = [
                 ("GEMV_MT", mt),
                 ("GEMV_RT", rt),
                 ("GEMV_WGS", wgs),
                 ("GEMV_S", s),
-                ("GEMV_SWIGLU", sw),
+                ("GEMV_SWIGLU", (sw == 1) as u32),
+                ("GEMV_ROPE", (sw == 2) as u32),
                 ("GEMV_WG", wg),
                 ("GEMV_STAGES", st),
             ];

@@ -8,12 +8,13 @@ use rollplex_kernels::cpu::{AttnDims, AttnMask};
 use rollplex_kernels::cuda::attention::RowStrides;
 use rollplex_kernels::cuda::{
     attention_decode_bf16, attention_decode_grouped_bf16, attention_fwd_bf16, decode_plan,
-    grouped_decode_plan_tabled, kv_append_bf16, rope_fwd_bf16, rope_kv_append_bf16, AttnSeqGpu,
-    CudaSlice, CudaStream, DecodeInputs, FwdInputs, Gpu, GroupedDecodePlan,
+    grouped_decode_plan_tabled, kv_append_bf16, qkv_rope_append_bf16, rope_fwd_bf16, AttnSeqGpu,
+    CudaSlice, CudaStream, DecodeInputs, FwdInputs, Gpu, GroupedDecodePlan, QkvRope,
 };
 
 use super::super::block::AttnStep;
 use super::super::plan::DecodeKernel;
+use super::super::weights::GpuLinear;
 use super::super::{alloc, Result};
 use super::decode::Grouping;
 use super::{GpuKvArena, PrefillKv};
@@ -197,8 +198,9 @@ fn grouped_plan(
     grouped_decode_plan_tabled(batch, group, groups, dims, max_prefix, suffix)
 }
 
-/// Decode attention: rotate q and k, append k/v at each sample's next suffix row, attend
-/// `[prefix | suffix]` of each sample in the arena.
+/// Decode attention: project q|k|v, rotate q and k and append k/v at each sample's next suffix
+/// row (one launch where the skinny kernel fuses them), attend `[prefix | suffix]` of each
+/// sample in the arena.
 pub(super) struct DecodeAttn<'a> {
     pub(super) cos: &'a CudaSlice<f32>,
     pub(super) sin: &'a CudaSlice<f32>,
@@ -217,6 +219,41 @@ pub(super) struct DecodeAttn<'a> {
 }
 
 impl AttnStep for DecodeAttn<'_> {
+    /// The projection, the rotary embedding of q and k and the append of k and v at each
+    /// sample's slot: one launch where the skinny kernel takes them (`qkv_rope_append_bf16`).
+    fn project(
+        &mut self,
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        layer: usize,
+        qkv: &mut CudaSlice<bf16>,
+        xn: &CudaSlice<bf16>,
+        l: &GpuLinear,
+        rows: usize,
+    ) -> Result<()> {
+        let d = self.dims;
+        let ll = self.arena.layer_len();
+        let (a, b) = (layer * ll, (layer + 1) * ll);
+        let mut kc = self.arena.k.slice_mut(a..b);
+        let mut vc = self.arena.v.slice_mut(a..b);
+        let rope = QkvRope {
+            k_cache: &mut kc,
+            v_cache: &mut vc,
+            cos: self.cos,
+            sin: self.sin,
+            slots: self.slots,
+            heads: d.num_heads,
+            kv_heads: d.num_kv_heads,
+            head_dim: d.head_dim,
+        };
+        let bias =
+            l.b.as_ref()
+                .map(|b| b as &dyn cudarc::driver::DevicePtr<bf16>);
+        qkv_rope_append_bf16(gpu, stream, qkv, xn, &l.w, bias, rows, l.inp, rope)?;
+        Ok(())
+    }
+
+    /// Attends the rows `project` rotated and appended.
     fn attend(
         &mut self,
         gpu: &Gpu,
@@ -230,25 +267,6 @@ impl AttnStep for DecodeAttn<'_> {
         let row = qw + 2 * kvw;
         let ll = self.arena.layer_len();
         let (a, b) = (layer * ll, (layer + 1) * ll);
-        {
-            let mut kc = self.arena.k.slice_mut(a..b);
-            let mut vc = self.arena.v.slice_mut(a..b);
-            rope_kv_append_bf16(
-                gpu,
-                stream,
-                qkv,
-                &mut kc,
-                &mut vc,
-                self.cos,
-                self.sin,
-                self.slots,
-                self.batch,
-                d.num_heads,
-                d.num_kv_heads,
-                d.head_dim,
-                true,
-            )?;
-        }
         let kc = self.arena.k.slice(a..b);
         let vc = self.arena.v.slice(a..b);
         let scale = 1.0 / (d.head_dim as f32).sqrt();
