@@ -127,19 +127,19 @@ pub fn qkv_rope_append_bf16(
     )
 }
 
-/// The rows of x up to which [`qkv_rope_append_bf16`] fuses: measured on the H100 at 3B dims
-/// (docs/perf.md, "Decode GEMMs"), q|k|v + rope + append took 8.4 / 8.6 / 10.1 / 17.9 us a
-/// layer fused at m = 8 / 32 / 64 / 128 against 9.4 / 9.6 / 9.8 / 10.2 us for cuBLASLt's GEMM
-/// and `rope_kv_append_bf16`: above 32 rows (`wgmma`'s N of 64 and 128) the skinny GEMM loses
-/// more than the launch saves.
-pub const QKV_ROPE_FUSED_MAX_M: usize = 32;
+/// The rows of x up to which [`qkv_rope_append_bf16`] fuses (docs/perf.md, "Decode GEMMs",
+/// H100, 3B dims): q|k|v + rope + append alone took 8.4 / 8.6 / 10.1 / 17.9 us a layer fused
+/// at m = 8 / 32 / 64 / 128 against 9.4 / 9.6 / 9.8 / 10.2 us for cuBLASLt's GEMM and
+/// `rope_kv_append_bf16`; in the whole step the fused launch was 1.2% faster at 64 rows and 7%
+/// slower at 128 (`wgmma`'s N of 128, where the skinny GEMM re-reads x most).
+pub const QKV_ROPE_FUSED_MAX_M: usize = 64;
 
 /// Whether [`qkv_rope_append_bf16`] takes the fused skinny launch for `m` rows, depth `k` and
 /// `n` q|k|v rows of heads of `head_dim` (given 16-byte aligned operands): up to
 /// [`QKV_ROPE_FUSED_MAX_M`] rows where the skinny kernel fits (above [`SKINNY_SYNC_MAX_M`] on
 /// devices with warpgroup MMAs) and its block's pairs divide half a head. Up to m = 16 the
-/// plain GEMM is already ours; from 17 to 32 rows the fused launch beats cuBLASLt's GEMM
-/// followed by the separate rotary and append kernel.
+/// plain GEMM is already ours; above, the fused launch stands against cuBLASLt's GEMM followed
+/// by the separate rotary and append kernel.
 pub fn qkv_rope_fuses(gpu: &Gpu, m: usize, k: usize, n: usize, head_dim: usize) -> bool {
     skinny_fits(m, k)
         && m <= QKV_ROPE_FUSED_MAX_M
