@@ -59,13 +59,14 @@ pub(crate) struct Model {
     pub(crate) gplan: GroupedDecodePlan,
 }
 
-/// How [`Model::qkv_rope_by`] makes a layer's rotated q|k|v and appends k / v: cuBLASLt's or
-/// the skinny kernel's GEMM then `rope_kv_append_bf16`, the fused skinny launch, or what
-/// `qkv_rope_append_bf16` picks.
+/// How [`Model::qkv_rope_by`] makes a layer's rotated q|k|v and appends k / v: cuBLASLt's, the
+/// skinny kernel's or the dispatching GEMM (`linear_fwd_bf16`) then `rope_kv_append_bf16`, the
+/// fused skinny launch, or what `qkv_rope_append_bf16` picks.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum QkvBy {
     Lt,
     Skinny,
+    Linear,
     Fused,
     Dispatch,
 }
@@ -403,33 +404,18 @@ impl Model {
         let n1 = &self.layers[0].n1;
         rmsnorm_fwd_bf16(g, s, &mut self.x, None, &self.h, n1, b, d.h, eps)?;
         for l in 0..d.layers {
-            if self.dispatch && self.fused && self.qkv_rope {
-                self.qkv_rope_by(g, s, l, QkvBy::Dispatch)?;
+            if self.fused {
+                // the q|k|v GEMM (as the variant dispatches it) and rope + append, fused into
+                // one launch where `qkv_rope_append_bf16` takes them
+                let how = match (self.dispatch, self.qkv_rope) {
+                    (true, true) => QkvBy::Dispatch,
+                    (true, false) => QkvBy::Linear,
+                    (false, _) => QkvBy::Lt,
+                };
+                self.qkv_rope_by(g, s, l, how)?;
             } else {
                 self.qkv_gemm(g, s, l)?;
-            }
-            let (cos, sin, slots) = (&self.cos, &self.sin, &self.slots);
-            if self.dispatch && self.fused && self.qkv_rope {
-                // rotated and appended above
-            } else if self.fused {
-                let ly = &mut self.layers[l];
-                let (kc, vc) = (&mut ly.kc, &mut ly.vc);
-                rope_kv_append_bf16(
-                    g,
-                    s,
-                    &mut self.qkv,
-                    kc,
-                    vc,
-                    cos,
-                    sin,
-                    slots,
-                    b,
-                    d.nh,
-                    d.nkv,
-                    d.hd,
-                    true,
-                )?;
-            } else {
+                let (cos, sin, slots) = (&self.cos, &self.sin, &self.slots);
                 rope_fwd_bf16(
                     g,
                     s,
@@ -625,25 +611,15 @@ impl Model {
             QkvBy::Fused => {
                 skinny_qkv_rope_bf16(g, s, &mut self.qkv, x, w, bias, b, d.h, rope, None)?
             }
-            QkvBy::Lt | QkvBy::Skinny => {
-                if matches!(how, QkvBy::Lt) {
-                    linear_fwd_bf16_cublaslt(g, s, &mut self.qkv, x, w, bias, b, d.h, n)?;
-                } else {
-                    let p = skinny_plan(b, d.h, n);
-                    skinny_linear_fwd_bf16_with(
-                        g,
-                        s,
-                        &mut self.qkv,
-                        x,
-                        w,
-                        bias,
-                        b,
-                        d.h,
-                        n,
-                        d.h,
-                        n,
-                        p,
-                    )?;
+            QkvBy::Lt | QkvBy::Skinny | QkvBy::Linear => {
+                let q = &mut self.qkv;
+                match how {
+                    QkvBy::Lt => linear_fwd_bf16_cublaslt(g, s, q, x, w, bias, b, d.h, n)?,
+                    QkvBy::Linear => linear_fwd_bf16(g, s, q, x, w, bias, b, d.h, n)?,
+                    _ => {
+                        let p = skinny_plan(b, d.h, n);
+                        skinny_linear_fwd_bf16_with(g, s, q, x, w, bias, b, d.h, n, d.h, n, p)?
+                    }
                 }
                 let (kc, vc) = (rope.k_cache, rope.v_cache);
                 let (cos, sin, slots) = (rope.cos, rope.sin, rope.slots);
