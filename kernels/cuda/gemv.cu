@@ -275,12 +275,11 @@ __device__ __forceinline__ void gv_finish(bf16* __restrict__ y, const bf16* __re
         const float asv[4] = {as4.x, as4.y, as4.z, as4.w}, bsv[4] = {bs4.x, bs4.y, bs4.z, bs4.w};
         const float ab = bias != nullptr ? bf2f(bias[a]) : 0.0f;
         const float bb = bias != nullptr ? bf2f(bias[b]) : 0.0f;
+        // q and k heads are rotated; the k heads, then the v heads, go to the caches too
         const bool rotate = head < rp.n_heads + rp.n_kv;
-        // the k heads, then the v heads, go to the caches too
         const bool cached = head >= rp.n_heads;
-        const bool is_k = head < rp.n_heads + rp.n_kv;
-        bf16* cache = is_k ? rp.k_cache : rp.v_cache;
-        const u32 col = (is_k ? head - rp.n_heads : head - rp.n_heads - rp.n_kv) * hd + i;
+        bf16* cache = rotate ? rp.k_cache : rp.v_cache;
+        const u32 col = (head - rp.n_heads - (rotate ? 0 : rp.n_kv)) * hd + i;
 #pragma unroll
         for (u32 c = 0; c < 4; c++) {
             const u32 r = m0 + c;

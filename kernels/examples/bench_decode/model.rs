@@ -594,7 +594,6 @@ impl Model {
         let b = self.batch;
         let ly = &mut self.layers[l];
         let bias = Some(&ly.bqkv as &dyn cudarc::driver::DevicePtr<bf16>);
-        let n = (d.nh + 2 * d.nkv) * d.hd;
         let (x, w) = (&self.x, &ly.wqkv);
         let rope = QkvRope {
             k_cache: &mut ly.kc,
@@ -606,6 +605,7 @@ impl Model {
             kv_heads: d.nkv,
             head_dim: d.hd,
         };
+        let n = rope.width();
         match how {
             QkvBy::Dispatch => qkv_rope_append_bf16(g, s, &mut self.qkv, x, w, bias, b, d.h, rope)?,
             QkvBy::Fused => {

@@ -61,10 +61,7 @@ pub(crate) fn linear(
     if rows == 0 {
         return Ok(());
     }
-    let b =
-        l.b.as_ref()
-            .map(|b| b as &dyn cudarc::driver::DevicePtr<bf16>);
-    linear_fwd_bf16(gpu, stream, y, x, &l.w, b, rows, l.inp, l.out)?;
+    linear_fwd_bf16(gpu, stream, y, x, &l.w, l.bias(), rows, l.inp, l.out)?;
     Ok(())
 }
 

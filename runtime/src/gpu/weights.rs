@@ -28,6 +28,15 @@ pub struct GpuLinear {
     pub inp: usize,
 }
 
+impl GpuLinear {
+    /// The bias as the GEMM entry points take it.
+    pub fn bias(&self) -> Option<&dyn cudarc::driver::DevicePtr<bf16>> {
+        self.b
+            .as_ref()
+            .map(|b| b as &dyn cudarc::driver::DevicePtr<bf16>)
+    }
+}
+
 /// One block (vision block or text layer) on the device.
 pub struct GpuBlock {
     pub norm1: DevBuf<bf16>,

@@ -102,7 +102,7 @@ pub fn qkv_rope_append_bf16(
     k: usize,
     rope: QkvRope<'_>,
 ) -> Result<()> {
-    let n = (rope.heads + 2 * rope.kv_heads) * rope.head_dim;
+    let n = rope.width();
     if qkv_rope_fuses(gpu, m, k, n, rope.head_dim)
         && ptr(x, stream) % 16 == 0
         && ptr(w, stream) % 16 == 0

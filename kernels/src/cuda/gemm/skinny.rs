@@ -206,6 +206,22 @@ enum Epilogue {
     Rope(GvRope),
 }
 
+impl Epilogue {
+    /// Whether a block takes its weight rows in pairs (a row and the one `up_off` after it).
+    fn paired(&self) -> bool {
+        !matches!(self, Epilogue::Plain)
+    }
+    /// The weight rows the kernel may read for `n` outputs (pairs in the paired forms): `n`,
+    /// the up rows' end in the SwiGLU form, both rows of every pair in the rotary form.
+    fn weight_rows(&self, n: usize, up_off: usize) -> usize {
+        match self {
+            Epilogue::Plain => n,
+            Epilogue::SwiGlu => up_off + n,
+            Epilogue::Rope(_) => 2 * n,
+        }
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn skinny_launch(
     op: &'static str,
@@ -224,12 +240,6 @@ fn skinny_launch(
     epi: Epilogue,
     plan: SkinnyPlan,
 ) -> Result<()> {
-    let (swiglu, rope) = match epi {
-        Epilogue::Plain => (false, None),
-        Epilogue::SwiGlu => (true, None),
-        Epilogue::Rope(r) => (false, Some(r)),
-    };
-    let paired = swiglu || rope.is_some();
     let tiles_ok = if plan.wgmma {
         [2, 4, 8, 16].contains(&plan.m_tiles)
     } else {
@@ -262,24 +272,27 @@ fn skinny_launch(
         ("GEMV_RT", plan.row_tiles as u32),
         ("GEMV_WGS", plan.warpgroups as u32),
         ("GEMV_S", plan.splits as u32),
-        ("GEMV_SWIGLU", swiglu as u32),
-        ("GEMV_ROPE", rope.is_some() as u32),
+        ("GEMV_SWIGLU", matches!(epi, Epilogue::SwiGlu) as u32),
+        ("GEMV_ROPE", matches!(epi, Epilogue::Rope(_)) as u32),
         ("GEMV_WG", plan.wgmma as u32),
         ("GEMV_STAGES", plan.stages as u32),
     ];
     let smem = plan.smem_bytes() as u32;
-    let rows_per_block = if paired {
+    let rows_per_block = if epi.paired() {
         plan.block_rows() / 2
     } else {
         plan.block_rows()
     };
-    if rope.is_some() && (up_off == 0 || !up_off.is_multiple_of(rows_per_block)) {
+    let rp = match epi {
+        Epilogue::Rope(r) => r,
+        _ => GvRope::default(),
+    };
+    if matches!(epi, Epilogue::Rope(_)) && (up_off == 0 || !up_off.is_multiple_of(rows_per_block)) {
         return Err(shape(
             op,
             format!("plan {plan:?}: a block's {rows_per_block} pairs must divide half a head ({up_off} rows)"),
         ));
     }
-    let rp = rope.unwrap_or_default();
     let gy = u32_of(op, "row blocks", n.div_ceil(rows_per_block))?;
     let cfg = Grid {
         grid: (plan.splits as u32, gy, 1),
@@ -290,13 +303,8 @@ fn skinny_launch(
     let (lx, ly) = (u32_of(op, "ldx", ldx)?, u32_of(op, "ldy", ldy)?);
     let (ks, uo) = (plan.kslice as u32, u32_of(op, "up_off", up_off)?);
     if plan.wgmma {
-        // the weight rows the boxes may name: n, the up rows' end in the SwiGLU form, both rows
-        // of every pair in the rotary form
-        let w_rows = match (swiglu, rope.is_some()) {
-            (true, _) => up_off + n,
-            (false, true) => 2 * n,
-            _ => n,
-        };
+        // the weight rows the boxes may name
+        let w_rows = epi.weight_rows(n, up_off);
         let box_rows = u32_of(op, "box rows", rows_per_block)?;
         let wmap = tma_map_bf16(op, w, w_rows, k, k, 64, box_rows)?;
         let xmap = tma_map_bf16(op, x, m, k, ldx, 64, (8 * plan.m_tiles) as u32)?;
@@ -511,6 +519,13 @@ pub struct QkvRope<'a> {
     pub head_dim: usize,
 }
 
+impl QkvRope<'_> {
+    /// The q|k|v row's width, `(heads + 2 kv_heads) * head_dim` (the projection's outputs).
+    pub fn width(&self) -> usize {
+        (self.heads + 2 * self.kv_heads) * self.head_dim
+    }
+}
+
 /// The plan [`skinny_qkv_rope_bf16`] takes for `m` rows, depth `k`, `n` q|k|v rows of heads of
 /// `head_dim`: [`skinny_plan`]`(m, k, n)`, whose k slices (and so bits) are the plain GEMM's,
 /// where its block's pairs divide half a head (`None` elsewhere: the fused form does not run).
@@ -540,8 +555,7 @@ pub fn skinny_qkv_rope_bf16(
     plan: Option<SkinnyPlan>,
 ) -> Result<()> {
     const OP: &str = "skinny_qkv_rope_bf16";
-    let hd = rope.head_dim;
-    let n = (rope.heads + 2 * rope.kv_heads) * hd;
+    let (hd, n) = (rope.head_dim, rope.width());
     if rope.heads == 0 || rope.kv_heads == 0 || !rope.heads.is_multiple_of(rope.kv_heads) {
         return Err(shape(
             OP,

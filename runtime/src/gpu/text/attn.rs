@@ -232,10 +232,9 @@ impl AttnStep for DecodeAttn<'_> {
         rows: usize,
     ) -> Result<()> {
         let d = self.dims;
-        let ll = self.arena.layer_len();
-        let (a, b) = (layer * ll, (layer + 1) * ll);
-        let mut kc = self.arena.k.slice_mut(a..b);
-        let mut vc = self.arena.v.slice_mut(a..b);
+        let cache = self.arena.layer_range(layer);
+        let mut kc = self.arena.k.slice_mut(cache.clone());
+        let mut vc = self.arena.v.slice_mut(cache);
         let rope = QkvRope {
             k_cache: &mut kc,
             v_cache: &mut vc,
@@ -246,10 +245,7 @@ impl AttnStep for DecodeAttn<'_> {
             kv_heads: d.num_kv_heads,
             head_dim: d.head_dim,
         };
-        let bias =
-            l.b.as_ref()
-                .map(|b| b as &dyn cudarc::driver::DevicePtr<bf16>);
-        qkv_rope_append_bf16(gpu, stream, qkv, xn, &l.w, bias, rows, l.inp, rope)?;
+        qkv_rope_append_bf16(gpu, stream, qkv, xn, &l.w, l.bias(), rows, l.inp, rope)?;
         Ok(())
     }
 
@@ -265,10 +261,9 @@ impl AttnStep for DecodeAttn<'_> {
         let d = self.dims;
         let (qw, kvw) = (d.q_width(), d.kv_width());
         let row = qw + 2 * kvw;
-        let ll = self.arena.layer_len();
-        let (a, b) = (layer * ll, (layer + 1) * ll);
-        let kc = self.arena.k.slice(a..b);
-        let vc = self.arena.v.slice(a..b);
+        let cache = self.arena.layer_range(layer);
+        let kc = self.arena.k.slice(cache.clone());
+        let vc = self.arena.v.slice(cache);
         let scale = 1.0 / (d.head_dim as f32).sqrt();
         let strides = RowStrides {
             q: row,

@@ -123,6 +123,11 @@ impl GpuKvArena {
     fn layer_len(&self) -> usize {
         self.capacity as usize * self.kv_width
     }
+    /// Layer `layer`'s elements of `k` (and of `v`).
+    pub(super) fn layer_range(&self, layer: usize) -> std::ops::Range<usize> {
+        let ll = self.layer_len();
+        layer * ll..(layer + 1) * ll
+    }
     /// Copies a prefix's KV into rows `offset..offset + prefix.len` (on `stream`).
     pub fn store_prefix(
         &mut self,

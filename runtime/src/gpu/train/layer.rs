@@ -89,8 +89,7 @@ pub(super) fn linear(
     l: &GpuLinear,
     rows: usize,
 ) -> Result<()> {
-    let b = l.b.as_ref().map(|b| b as &dyn DevicePtr<bf16>);
-    linear_fwd_bf16(gpu, s, y, x, &l.w, b, rows, l.inp, l.out)?;
+    linear_fwd_bf16(gpu, s, y, x, &l.w, l.bias(), rows, l.inp, l.out)?;
     Ok(())
 }
 
