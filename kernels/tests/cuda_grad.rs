@@ -118,4 +118,26 @@ fn gather_sum_rows_matches_cpu() {
     assert!(bad.is_err());
     let bad = gather_sum_rows_bf16(g, &s, &mut dd, &[0], &ds, &[vec![src_rows as u32]], width);
     assert!(bad.is_err());
+    // the tables uploaded by the caller: the same bits; tables checked against more rows than
+    // the buffers hold are refused
+    let t = RowGather::new(&dst_rows, &lists, dst_n, src_rows).unwrap();
+    let (td, to, ti) = (up(&s, &t.dst), up(&s, &t.off), up(&s, &t.idx));
+    let mut dd2 = up(&s, &dst0);
+    gather_sum_rows_dev(
+        g,
+        &s,
+        &mut dd2,
+        &ds,
+        &t.on_device(&td, &to, &ti).unwrap(),
+        width,
+    )
+    .unwrap();
+    assert_eq!(down(&s, &dd2), down(&s, &dd));
+    let big = RowGather::new(&dst_rows, &lists, dst_n + 1, src_rows).unwrap();
+    let dev = big.on_device(&td, &to, &ti).unwrap();
+    assert!(gather_sum_rows_dev(g, &s, &mut dd2, &ds, &dev, width).is_err());
+    assert!(
+        t.on_device(&td, &td, &ti).is_err(),
+        "a short table accepted"
+    );
 }

@@ -44,7 +44,10 @@
 //!
 //! With `--step-only` it runs nothing but the micro-batch with every layer's activations kept
 //! (as the 3B plans keep them): once for the old log-probs, once as warm-up, once timed, so
-//! that a per-kernel profile of the whole process (Nsight Compute) is three equal micro-batches.
+//! that a per-kernel profile of the process starts with three equal micro-batches. Then, as the
+//! RL loop trains: the groups' prompt forwards kept once, and `--iters` micro-batches over them
+//! run to completion one at a time (`micro_batch_prefixed`) against queued back to back
+//! (`queue_micro_batch_prefixed`, results taken at the end), twice each, wall time a micro-batch.
 //!
 //! Usage: gpu_train_bench [--layers 4] [--seqs 8] [--seq-len 1024] [--prompt-len 512]
 //!                        [--group 4] [--iters 10] [--step-only]
@@ -60,7 +63,9 @@ use rollplex_kernels::cuda::{
     AttnSeqGpu, BwdGrads, BwdInputs, CudaStream, FwdInputs, Gpu,
 };
 use rollplex_plan::spec::{AdamWSpec, KlEstimator, LossAgg, LrSchedule};
-use rollplex_runtime::gpu::train::{GpuGroupBatch, GpuTrainer, PromptMedia};
+use rollplex_runtime::gpu::train::{
+    GpuGroupBatch, GpuTrainer, PrefixedGroup, PromptMedia, TrainPrefixes,
+};
 use rollplex_runtime::gpu::train_pack::{layout_prefixes, PackGroup, SuffixPack};
 use rollplex_runtime::model::Qwen25VL;
 use rollplex_runtime::train::{LossConfig, Normaliser, ResponseBatch, TrainConfig};
@@ -502,6 +507,42 @@ fn main() -> Result<()> {
         println!(
             "step only, activations kept: {ms:.3} ms, {:.1} TFLOP/s of the FLOPs it computes",
             shared_flops / ms / 1e9
+        );
+        // the RL loop's path: each group's prompt forward kept once, then micro-batches over
+        // them, run to completion one at a time against queued back to back (the host preparing
+        // the next while the device runs this one); wall time a micro-batch
+        let mut store = TrainPrefixes::new(&gpu, &s, tr.model(), &lens)?;
+        for (g, p) in b.prompts.iter().enumerate() {
+            tr.prefix_forward(&gpu, &s, &mut store, g, p, PromptMedia::Encoded(&[]))?;
+        }
+        let kept: Vec<PrefixedGroup<'_>> = (0..groups)
+            .map(|g| PrefixedGroup {
+                group: g,
+                responses: &resp[g],
+            })
+            .collect();
+        let n = iters.max(2);
+        let mut per = |queued: bool| -> Result<f64> {
+            tr.discard(&gpu, &s)?;
+            s.synchronize()?;
+            let t0 = std::time::Instant::now();
+            for i in 0..n as u32 {
+                if queued {
+                    tr.queue_micro_batch_prefixed(&gpu, &s, i, &kept, norm, &store)?;
+                } else {
+                    tr.micro_batch_prefixed(&gpu, &s, i, &kept, norm, &store)?;
+                }
+            }
+            tr.finish_queued()?;
+            s.synchronize()?;
+            Ok(t0.elapsed().as_secs_f64() * 1e3 / n as f64)
+        };
+        per(false)?;
+        per(true)?;
+        let (w1, q1, w2, q2) = (per(false)?, per(true)?, per(false)?, per(true)?);
+        println!(
+            "micro-batches over kept prompts, {n} a run, wall time each: one at a time {w1:.3} / {w2:.3} ms, queued back to back {q1:.3} / {q2:.3} ms ({:.3}x)",
+            (w1 + w2) / (q1 + q2)
         );
         return Ok(());
     }

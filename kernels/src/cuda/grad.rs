@@ -124,10 +124,91 @@ pub fn add_f32_into_bf16(
     Ok(())
 }
 
+/// The row tables of a gather ([`gather_sum_rows_bf16`]) on the host: destination rows and
+/// the source lists flattened (`idx[off[d]..off[d + 1]]` are destination `d`'s), every row
+/// checked against the row counts of the buffers it will run on. A caller that must not wait
+/// for its stream uploads the three tables through page-locked memory and launches
+/// [`gather_sum_rows_dev`]; [`gather_sum_rows_bf16`] uploads them itself.
+#[derive(Clone, Debug)]
+pub struct RowGather {
+    pub dst: Vec<u32>,
+    pub off: Vec<u32>,
+    pub idx: Vec<u32>,
+    dst_n: usize,
+    src_n: usize,
+}
+
+impl RowGather {
+    /// Destination row `dst_rows[d]` of a `dst_n`-row buffer gets the sum of source rows
+    /// `lists[d]` of a `src_n`-row buffer.
+    pub fn new(dst_rows: &[u32], lists: &[Vec<u32>], dst_n: usize, src_n: usize) -> Result<Self> {
+        const OP: &str = "gather_sum_rows_bf16";
+        if dst_rows.len() != lists.len() {
+            return Err(shape(OP, "one list per destination row"));
+        }
+        if dst_rows.iter().any(|&r| r as usize >= dst_n)
+            || lists.iter().flatten().any(|&r| r as usize >= src_n)
+        {
+            return Err(shape(
+                OP,
+                format!("a row outside {dst_n} destination or {src_n} source rows"),
+            ));
+        }
+        let mut off = vec![0u32];
+        let mut idx = Vec::new();
+        for l in lists {
+            idx.extend_from_slice(l);
+            off.push(idx.len() as u32);
+        }
+        Ok(RowGather {
+            dst: dst_rows.to_vec(),
+            off,
+            idx,
+            dst_n,
+            src_n,
+        })
+    }
+
+    /// The tables on the device (`dst`, `off`, `idx` holding [`RowGather::dst`],
+    /// [`RowGather::off`] and [`RowGather::idx`]; an empty table may be any buffer).
+    pub fn on_device<'a>(
+        &self,
+        dst: &'a dyn DevicePtr<u32>,
+        off: &'a dyn DevicePtr<u32>,
+        idx: &'a dyn DevicePtr<u32>,
+    ) -> Result<RowGatherDev<'a>> {
+        if dst.len() < self.dst.len() || off.len() < self.off.len() || idx.len() < self.idx.len() {
+            return Err(shape(
+                "gather_sum_rows_bf16",
+                "a device table shorter than its host table",
+            ));
+        }
+        Ok(RowGatherDev {
+            rows: self.dst.len(),
+            dst_n: self.dst_n,
+            src_n: self.src_n,
+            dst,
+            off,
+            idx,
+        })
+    }
+}
+
+/// A [`RowGather`]'s tables on the device.
+pub struct RowGatherDev<'a> {
+    rows: usize,
+    dst_n: usize,
+    src_n: usize,
+    dst: &'a dyn DevicePtr<u32>,
+    off: &'a dyn DevicePtr<u32>,
+    idx: &'a dyn DevicePtr<u32>,
+}
+
 /// Row `dst_rows[d]` of `dst` (`[_, width]`) = the fp32 sum, in list order, of the rows
 /// `lists[d]` of `src` (`[_, width]`), rounded once to bf16. Rows of `dst` not named are left as
 /// they are; every named row must lie inside its buffer (checked on the host). The row tables go
-/// to the device on `stream` (freed, stream-ordered, after the kernel).
+/// to the device on `stream` from pageable memory (the host waits for the stream's earlier work;
+/// see [`RowGather`] for the form that does not), freed stream-ordered after the kernel.
 pub fn gather_sum_rows_bf16(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
@@ -137,43 +218,65 @@ pub fn gather_sum_rows_bf16(
     lists: &[Vec<u32>],
     width: usize,
 ) -> Result<()> {
-    const OP: &str = "gather_sum_rows_bf16";
-    if dst_rows.len() != lists.len() {
-        return Err(shape(OP, "one list per destination row"));
-    }
-    let (dst_n, src_n) = (dst.len() / width.max(1), src.len() / width.max(1));
-    if dst_rows.iter().any(|&r| r as usize >= dst_n)
-        || lists.iter().flatten().any(|&r| r as usize >= src_n)
-    {
-        return Err(shape(
-            OP,
-            format!("a row outside {dst_n} destination or {src_n} source rows"),
-        ));
-    }
-    if dst_rows.is_empty() {
+    let w = width.max(1);
+    let g = RowGather::new(dst_rows, lists, dst.len() / w, src.len() / w)?;
+    if g.dst.is_empty() {
         return Ok(());
     }
-    let mut off = vec![0u32];
-    let mut idx = Vec::new();
-    for l in lists {
-        idx.extend_from_slice(l);
-        off.push(idx.len() as u32);
-    }
     let (dr, offd, idxd) = (
-        table(stream, dst_rows)?,
-        table(stream, &off)?,
-        table(stream, &idx)?,
+        table(stream, &g.dst)?,
+        table(stream, &g.off)?,
+        table(stream, &g.idx)?,
     );
+    gather_sum_rows_dev(
+        gpu,
+        stream,
+        dst,
+        src,
+        &g.on_device(&dr, &offd, &idxd)?,
+        width,
+    )
+    // the index buffers are freed at the end of this scope, stream-ordered after the kernel
+}
+
+/// [`gather_sum_rows_bf16`] with its tables already on the device: nothing waits.
+pub fn gather_sum_rows_dev(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    dst: &mut impl DevicePtrMut<bf16>,
+    src: &impl DevicePtr<bf16>,
+    g: &RowGatherDev<'_>,
+    width: usize,
+) -> Result<()> {
+    const OP: &str = "gather_sum_rows_bf16";
+    let w = width.max(1);
+    if dst.len() / w < g.dst_n || src.len() / w < g.src_n {
+        return Err(shape(
+            OP,
+            format!(
+                "the gather's tables were checked against {} destination and {} source rows; \
+                 the buffers hold {} and {}",
+                g.dst_n,
+                g.src_n,
+                dst.len() / w,
+                src.len() / w
+            ),
+        ));
+    }
+    if g.rows == 0 {
+        return Ok(());
+    }
     let dp = ptr_mut(dst, stream);
     let (rp, sp, op, ip) = (
-        ptr(&dr, stream),
+        ptr(g.dst, stream),
         ptr(src, stream),
-        ptr(&offd, stream),
-        ptr(&idxd, stream),
+        ptr(g.off, stream),
+        ptr(g.idx, stream),
     );
     let w = width as u32;
-    // SAFETY: every named row lies inside dst and src (checked); off has one entry more than
-    // the grid's blocks; arguments match (dst, dst_rows, src, off, idx, width).
+    // SAFETY: every named row lies inside dst and src (checked by RowGather::new against row
+    // counts the buffers hold, checked above); off has one entry more than the grid's blocks;
+    // arguments match (dst, dst_rows, src, off, idx, width).
     unsafe {
         launch(
             gpu,
@@ -181,11 +284,10 @@ pub fn gather_sum_rows_bf16(
             &GRAD,
             &[],
             "gather_sum_rows_bf16",
-            Grid::new((dst_rows.len() as u32, 1, 1), THREADS),
+            Grid::new((g.rows as u32, 1, 1), THREADS),
             &[&dp, &rp, &sp, &op, &ip, &w],
         )
     }?;
-    // the index buffers are freed at the end of this scope, stream-ordered after the kernel
     Ok(())
 }
 

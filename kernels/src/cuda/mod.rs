@@ -78,7 +78,8 @@ pub use gemm::{
 };
 pub use gpu::Gpu;
 pub use grad::{
-    add_f32_into_bf16, gather_sum_rows_bf16, scale_f32, sumsq_partial_f32, SUMSQ_BLOCKS,
+    add_f32_into_bf16, gather_sum_rows_bf16, gather_sum_rows_dev, scale_f32, sumsq_partial_f32,
+    RowGather, RowGatherDev, SUMSQ_BLOCKS,
 };
 pub use green::{StreamOptions, StreamSet};
 pub use logprobs::logprobs_fwd_bf16;

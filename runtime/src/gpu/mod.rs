@@ -43,6 +43,7 @@ pub mod decode;
 pub mod generate;
 pub mod loss;
 pub mod plan;
+mod readback;
 mod staging;
 pub mod streams;
 pub mod text;

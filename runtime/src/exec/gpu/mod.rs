@@ -85,7 +85,7 @@ use rollplex_kernels::cuda::CudaStream;
 use rollplex_plan::plan::Plan;
 use rollplex_plan::TaskId;
 
-use super::book::Book;
+use super::book::{Book, MicroBatchInputs};
 use super::cpu::RewardFn;
 use super::defer::DeferQueue;
 use super::placement::Role;
@@ -180,6 +180,9 @@ pub struct GpuIteration<'a, 'r> {
     last_on_stream: Vec<Option<TaskId>>,
     /// Reference (`true`) or old log-probs of a group still on the device.
     pending: Vec<(usize, bool, DeviceScores)>,
+    /// Queued micro-batches (optimizer step, inputs) whose results the trainer has not given
+    /// back yet, in plan order.
+    trained: Vec<(u32, MicroBatchInputs)>,
     /// The actor's kept prompt forwards for training (`ActorPrefix{Train}`), with the copies
     /// per group they were laid out for; made by the iteration's first such task.
     train_prefixes: Option<(TrainPrefixes, u32)>,
@@ -243,6 +246,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
             events: (0..plan.tasks.len()).map(|_| None).collect(),
             last_on_stream: vec![None; plan.streams.len()],
             pending: Vec::new(),
+            trained: Vec::new(),
             train_prefixes: None,
             deferred: DeferQueue::default(),
             deferred_start: (0..plan.tasks.len()).map(|_| None).collect(),
@@ -302,6 +306,7 @@ impl<'a, 'r> GpuIteration<'a, 'r> {
     pub fn finish(mut self) -> Result<IterationResult, ExecError> {
         self.flush_deferred()?;
         self.collect_scores()?;
+        self.collect_trained()?;
         Ok(self.book.finish())
     }
 

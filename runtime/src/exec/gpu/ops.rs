@@ -111,7 +111,9 @@ impl GpuIteration<'_, '_> {
                 responses: &responses[i],
             })
             .collect();
-        let out = self.models.trainer.micro_batch_prefixed(
+        // queued: the host goes on to the next task while the device runs it; its results are
+        // taken before the optimizer step (`collect_trained`)
+        self.models.trainer.queue_micro_batch_prefixed(
             &self.models.gpu,
             s,
             micro_batch,
@@ -121,7 +123,28 @@ impl GpuIteration<'_, '_> {
         )?;
         drop(batch);
         drop(responses);
-        self.book.micro_batch_done(step, &mb, &out);
+        self.trained.push((step, mb));
+        Ok(())
+    }
+
+    /// Brings the queued micro-batches' results (log-probs, loss metrics) to the book, in plan
+    /// order (waits for them).
+    pub(super) fn collect_trained(&mut self) -> Result<(), ExecError> {
+        if self.trained.is_empty() {
+            return Ok(());
+        }
+        let outs = self.models.trainer.finish_queued()?;
+        let done = std::mem::take(&mut self.trained);
+        if outs.len() != done.len() {
+            return Err(ExecError::Plan(format!(
+                "{} micro-batches queued but {} results came back",
+                done.len(),
+                outs.len()
+            )));
+        }
+        for ((step, mb), out) in done.iter().zip(&outs) {
+            self.book.micro_batch_done(*step, mb, out);
+        }
         Ok(())
     }
 
@@ -275,6 +298,7 @@ impl GpuIteration<'_, '_> {
                 ..
             } => self.run_train_micro_batch(s, *step, *micro_batch, *samples)?,
             Op::OptimizerStep { .. } => {
+                self.collect_trained()?;
                 let report = self.models.trainer.optimizer_step(&self.models.gpu, s)?;
                 self.book.metrics.grad_norm = report.step.grad_norm;
                 self.book.metrics.optimizer_steps += 1;

@@ -9,11 +9,13 @@ use cudarc::driver::DevicePtrMut;
 use half::bf16;
 use rollplex_kernels::cpu::Gemm;
 use rollplex_kernels::cuda::{
-    embedding_bwd_f32, gather_sum_rows_bf16, kv_append_bf16, linear_fwd_bf16, logprobs_bwd_bf16,
-    matmul_bf16, matmul_bf16_f32, rmsnorm_bwd_bf16, CudaSlice, CudaStream, Gpu,
+    embedding_bwd_f32, gather_sum_rows_dev, kv_append_bf16, linear_fwd_bf16, logprobs_bwd_bf16,
+    matmul_bf16, matmul_bf16_f32, rmsnorm_bwd_bf16, CudaSlice, CudaStream, Gpu, RowGather,
+    RowGatherDev,
 };
 
 use super::super::block_bwd::{mlp_saved, BlockBwd, MlpSet};
+use super::super::staging::{staged_bytes, StagedBatch};
 use super::super::vision_train::vision_backward;
 use super::super::{alloc, GpuError};
 use super::layer::{layer_bwd_attn, layer_fwd, Acts, LayerCtx, PrefixGrad};
@@ -285,24 +287,24 @@ impl GpuTrainer {
     }
 
     /// Backward of each training group's media rows (summed over its copies) into the merger
-    /// and the tower, group by group.
+    /// and the tower, group by group (`gathers`: each group's media-row gather, staged).
     pub(super) fn media_backward(
         &mut self,
         gpu: &Gpu,
         s: &Arc<CudaStream>,
         b: &Batch<'_, '_>,
         dprompt: &[CudaSlice<bf16>],
+        gathers: &[Option<StagedGather>],
     ) -> Result<()> {
         let h = b.h;
         let train_tower = !self.cfg.freeze_vision;
         for (gi, k) in b.kept.iter().enumerate() {
-            let Some(kv) = k.vision.as_ref().filter(|_| b.trains[gi]) else {
+            let (Some(kv), Some(g)) = (k.vision.as_ref(), gathers[gi].as_ref()) else {
                 continue;
             };
             let mt = kv.rows.len();
             let mut d = alloc::<bf16>(gpu, s, mt.max(1) * h)?;
-            let dst: Vec<u32> = (0..mt as u32).collect();
-            gather_sum_rows_bf16(gpu, s, &mut d, &dst, &dprompt[gi], &kv.rows, h)?;
+            gather_sum_rows_dev(gpu, s, &mut d, &dprompt[gi], &g.dev()?, h)?;
             let mut sink = VisionView(&mut self.grads);
             vision_backward(gpu, s, &self.model, &kv.state, &d, train_tower, &mut sink)?;
         }
@@ -310,14 +312,78 @@ impl GpuTrainer {
     }
 }
 
+/// A gather's host tables ([`RowGather`], checked against its buffers' rows) and their copies
+/// on the device, staged with the micro-batch's other tables before its first launch.
+pub(super) struct StagedGather {
+    host: RowGather,
+    dst: CudaSlice<u32>,
+    off: CudaSlice<u32>,
+    idx: CudaSlice<u32>,
+}
+
+impl StagedGather {
+    /// Staging bytes of `g`'s tables.
+    pub(super) fn bytes(g: &RowGather) -> usize {
+        staged_bytes(&g.dst) + staged_bytes(&g.off) + staged_bytes(&g.idx)
+    }
+
+    pub(super) fn put(host: RowGather, up: &mut StagedBatch<'_>, gpu: &Gpu) -> Result<Self> {
+        Ok(StagedGather {
+            dst: up.put(gpu, &host.dst)?,
+            off: up.put(gpu, &host.off)?,
+            idx: up.put(gpu, &host.idx)?,
+            host,
+        })
+    }
+
+    fn dev(&self) -> Result<RowGatherDev<'_>> {
+        Ok(self.host.on_device(&self.dst, &self.off, &self.idx)?)
+    }
+}
+
+/// A table per group, `None` where the group has none.
+type PerGroup = Vec<Option<RowGather>>;
+
+/// The gathers of a micro-batch's backward on the host, per group (`None` where the group
+/// trains nothing or has no such rows): each copy's token-0 rows into its last prompt row,
+/// and each group's media rows summed over its copies.
+pub(super) fn gathers(b: &Batch<'_, '_>) -> Result<(PerGroup, PerGroup)> {
+    let mut token0 = Vec::with_capacity(b.packs.len());
+    let mut media = Vec::with_capacity(b.packs.len());
+    for (gi, p) in b.packs.iter().enumerate() {
+        let l = p.layout;
+        token0.push(match b.trains[gi] {
+            true => {
+                let lists = b.pk.first_rows_of(gi, l.copies);
+                let dst: Vec<u32> = (0..l.copies)
+                    .map(|c| (c * l.len + l.len - 1) as u32)
+                    .collect();
+                Some(RowGather::new(&dst, &lists, l.rows(), b.frows)?)
+            }
+            false => None,
+        });
+        media.push(match (b.trains[gi], b.kept[gi].vision.as_ref()) {
+            (true, Some(kv)) => {
+                let mt = kv.rows.len();
+                let dst: Vec<u32> = (0..mt as u32).collect();
+                Some(RowGather::new(&dst, &kv.rows, mt.max(1), l.rows())?)
+            }
+            _ => None,
+        });
+    }
+    Ok((token0, media))
+}
+
 /// Token 0's gradients: each copy's last prompt row gets the sum of its responses' token-0
-/// rows of `dfin` (fixed order); returns each group's prompt-row gradients (`[rows, H]`, zero
-/// elsewhere) and the suffix rows' (`[max(srows, 1), H]`).
+/// rows of `dfin` (fixed order; `gathers`: each group's token-0 gather, staged); returns each
+/// group's prompt-row gradients (`[rows, H]`, zero elsewhere) and the suffix rows'
+/// (`[max(srows, 1), H]`).
 pub(super) fn token0_grads(
     gpu: &Gpu,
     s: &Arc<CudaStream>,
     b: &Batch<'_, '_>,
     dfin: &CudaSlice<bf16>,
+    gathers: &[Option<StagedGather>],
 ) -> Result<(Vec<CudaSlice<bf16>>, CudaSlice<bf16>)> {
     let (srows, h) = (b.srows, b.h);
     let mut dprompt = Vec::with_capacity(b.packs.len());
@@ -325,12 +391,8 @@ pub(super) fn token0_grads(
         let l = p.layout;
         let mut d = alloc::<bf16>(gpu, s, l.rows() * h)?;
         s.memset_zeros(&mut d)?;
-        if b.trains[gi] {
-            let lists = b.pk.first_rows_of(gi, l.copies);
-            let dst: Vec<u32> = (0..l.copies)
-                .map(|c| (c * l.len + l.len - 1) as u32)
-                .collect();
-            gather_sum_rows_bf16(gpu, s, &mut d, &dst, dfin, &lists, h)?;
+        if let Some(g) = gathers[gi].as_ref() {
+            gather_sum_rows_dev(gpu, s, &mut d, dfin, &g.dev()?, h)?;
         }
         dprompt.push(d);
     }

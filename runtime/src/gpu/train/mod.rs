@@ -16,8 +16,11 @@
 //! let mut store = TrainPrefixes::new(&gpu, &stream, t.model(), &[(prompt_len, copies), ..])?;
 //! t.prefix_forward(&gpu, &stream, &mut store, group, prompt_ids, m)?;
 //! t.micro_batch_prefixed(&gpu, &stream, 0, &[PrefixedGroup { group, responses }], norm, &store)?;
+//! // or queued, the host going on while the device runs it (results before the optimizer step)
+//! t.queue_micro_batch_prefixed(&gpu, &stream, 1, &groups, norm, &store)?;
+//! let outs = t.finish_queued()?;                                // plan order
 //! // or, self-contained: each group's prompt runs inside the call
-//! t.micro_batch(&gpu, &stream, 1, &groups, norm)?;              // plan order 0, 1, ...
+//! t.micro_batch(&gpu, &stream, 2, &groups, norm)?;              // plan order 0, 1, ...
 //! let report = t.optimizer_step(&gpu, &stream)?;                // clip, AdamW, bf16 copy
 //! ```
 //!
@@ -51,12 +54,17 @@
 //! Where things run: everything on the device on the caller's stream, the policy loss and its
 //! gradient w.r.t. the log-probs too (`gpu::loss`: one call over the micro-batch's groups, each
 //! token's `dlogp` with the CPU loss's f64 math in its order, so bitwise the CPU's up to the last
-//! bit of `exp`; the metrics as order-fixed f64 sums). A micro-batch synchronises once, after its
-//! whole backward is queued (its log-probs, entropies and metrics come down); the optimizer step
-//! downloads the grad-norm partials (1024 doubles per tensor). The loss's per-token inputs are
-//! uploaded before the first launch. One difference from the CPU's group-by-group loss: the
-//! reference log-probs go to the device for all groups or none, so at `kl_coef = 0` the KL
-//! metric is 0 unless every group carries them.
+//! bit of `exp`; the metrics as order-fixed f64 sums). A micro-batch's host tables (the loss's
+//! per-token inputs, row tables, RoPE tables) go up through page-locked staging before its first
+//! launch, and its log-probs, entropies and metrics come down into page-locked memory behind its
+//! backward: the executor queues micro-batch after micro-batch (`queue_micro_batch_prefixed`)
+//! while the device runs them and takes their results (`finish_queued`) before the optimizer
+//! step, which downloads the grad-norm partials (1024 doubles per tensor) and so synchronises
+//! once a mini-batch. The token-0 and media-row gathers' tables are staged with the others
+//! (`gather_sum_rows_dev`), so with the tower and merger frozen the host waits for nothing inside
+//! a micro-batch (a trained tower's backward still uploads a column of ones from pageable
+//! memory). One difference from the CPU's group-by-group loss: the reference log-probs go to the device for
+//! all groups or none, so at `kl_coef = 0` the KL metric is 0 unless every group carries them.
 //!
 //! Numerics: GEMMs are cuBLASLt bf16 with fp32 accumulation; a weight gradient's GEMM writes
 //! fp32 and adds its product into the fp32 sum in its epilogue (`matmul_bf16_f32`: never rounded
@@ -96,6 +104,7 @@ use crate::train::loss::LossMetrics;
 use crate::train::{ResponseBatch, TrainConfig, TrainError};
 
 use super::arena::{upload_in, zeros_in, Region};
+use super::readback::Readbacks;
 use super::vision::GpuEncodedMedia;
 use super::{alloc, GpuError, GpuModel};
 use params::{host_values, train_slots, weight_mut, Grads, TrainTensor};
@@ -170,6 +179,10 @@ pub struct GpuTrainer {
     metrics: LossMetrics,
     /// The optimizer state on the host, streamed by each step (a plan's `OptimizerStream`).
     streamed: Option<stream::StreamedState>,
+    /// Micro-batches queued whose results the host has not taken yet, in plan order.
+    queued: std::collections::VecDeque<step::Queued>,
+    /// Page-locked buffers the queued results land in.
+    readbacks: Readbacks,
 }
 
 /// Regions of the plan's arena for the trainer's loop-carried state ([`GpuTrainer::new_in`]);
@@ -297,6 +310,8 @@ impl GpuTrainer {
             micro: 0,
             metrics: LossMetrics::default(),
             streamed,
+            queued: Default::default(),
+            readbacks: Readbacks::default(),
         })
     }
 

@@ -54,6 +54,14 @@ impl GpuTrainer {
     /// starts the next mini-batch. On error the weights are unchanged and the gradient is kept.
     pub fn optimizer_step(&mut self, gpu: &Gpu, s: &Arc<CudaStream>) -> Result<TrainStepReport> {
         let micro_batches = self.micro;
+        if !self.queued.is_empty() {
+            return Err(TrainError::Invalid(format!(
+                "optimizer_step with {} queued micro-batches whose results were not taken \
+                 (finish_queued first): the step's metrics would miss them",
+                self.queued.len()
+            ))
+            .into());
+        }
         if micro_batches == 0 {
             return Err(TrainError::Invalid(
                 "optimizer_step before any micro-batch: nothing to apply".into(),
@@ -121,6 +129,7 @@ impl GpuTrainer {
 
     /// Drops the accumulated gradient and metrics without stepping.
     pub fn discard(&mut self, gpu: &Gpu, s: &Arc<CudaStream>) -> Result<()> {
+        self.queued.clear();
         self.grads.release(gpu, s)?;
         self.micro = 0;
         self.metrics = LossMetrics::default();

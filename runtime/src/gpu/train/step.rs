@@ -9,22 +9,35 @@ use half::bf16;
 use rollplex_kernels::cpu::AttnDims;
 use rollplex_kernels::cuda::{
     embedding_fwd_bf16, linear_fwd_bf16, logprobs_fwd_bf16, rmsnorm_fwd_bf16, AttnSeqGpu,
-    CudaSlice, CudaStream, Gpu, PolicyLossAcc, PolicyLossInputs,
+    CudaSlice, CudaStream, Gpu, PolicyLossAcc, PolicyLossInputs, PolicyLossSums, RowGather,
 };
 
 use crate::train::loss::Normaliser;
 use crate::train::{MicroBatchOutput, TrainError};
 
 use super::super::loss::{loss_metrics, policy_loss_device, LossTables};
+use super::super::readback::Readback;
+use super::super::staging::{staged_bytes, StagedBatch};
 use super::super::train_pack::{PackGroup, SuffixPack};
-use super::super::{alloc, download, upload, GpuError};
-use super::backward::token0_grads;
+use super::super::{alloc, GpuError};
+use super::backward::{gathers, token0_grads, StagedGather};
 use super::layer::{layer_fwd, Acts, LayerCtx, PreKv};
 use super::prefixes::{KeptPrefix, TrainPrefixes};
 use super::{GpuGroupBatch, GpuTrainer, PrefixedGroup, Result};
 
 /// Rows of the lm head per chunk (bounds the logits buffer to `CHUNK x vocab`).
 pub(super) const LM_CHUNK: usize = 1024;
+
+/// A queued micro-batch ([`GpuTrainer::queue_micro_batch_prefixed`]) whose results are on
+/// their way to the host.
+pub(super) struct Queued {
+    /// Per response, groups then responses in order: its rows of the head's outputs (`None`:
+    /// an empty response).
+    rows: Vec<Option<std::ops::Range<usize>>>,
+    /// The copies of the log-probs, the entropies and the loss sums; `None` when the call
+    /// trained nothing.
+    back: Option<(Readback<f32>, Readback<f32>, Readback<f64>)>,
+}
 
 impl GpuTrainer {
     /// Forward, loss and backward of micro-batch `index` (0-based, plan order) of the current
@@ -93,7 +106,9 @@ impl GpuTrainer {
     /// their kept inputs, the suffixes' K/V gradients added to their own), and ends in the token
     /// embeddings. Token 0 of a response is scored from its copy's kept last row; its gradient
     /// reaches that row (summed over the copy's responses in order). Every group is whole in
-    /// its micro-batch, so each prompt's backward runs once, here. Synchronises once.
+    /// its micro-batch, so each prompt's backward runs once, here. Waits for the results:
+    /// [`GpuTrainer::queue_micro_batch_prefixed`] then [`GpuTrainer::finish_queued`]; refused
+    /// while other micro-batches are queued.
     pub fn micro_batch_prefixed(
         &mut self,
         gpu: &Gpu,
@@ -103,16 +118,79 @@ impl GpuTrainer {
         norm: Normaliser,
         store: &TrainPrefixes,
     ) -> Result<MicroBatchOutput> {
-        self.check_next(index)?;
-        self.grads.ensure(gpu, stream)?;
-        let out = self.forward_backward(gpu, stream, groups, norm, store)?;
-        self.micro += 1;
-        self.metrics.add(&out.metrics);
-        Ok(out)
+        if !self.queued.is_empty() {
+            return Err(TrainError::Invalid(format!(
+                "micro-batch {index} run to completion while {} queued micro-batches are not \
+                 finished (finish_queued first)",
+                self.queued.len()
+            ))
+            .into());
+        }
+        self.queue_micro_batch_prefixed(gpu, stream, index, groups, norm, store)?;
+        let mut out = self.finish_queued()?;
+        out.pop().ok_or_else(|| {
+            GpuError::Input(format!(
+                "micro-batch {index}: no result after it was queued"
+            ))
+            .into()
+        })
     }
 
-    /// The step's stages in order: every launch of the micro-batch goes to `s`, and the host
-    /// waits once, for the results at the end.
+    /// [`GpuTrainer::micro_batch_prefixed`] without waiting: every launch goes to `stream`,
+    /// and the copies of its log-probs, entropies and loss sums into page-locked memory are
+    /// queued behind them, so the host may prepare and queue the next micro-batch while the
+    /// device runs this one. Its results come from [`GpuTrainer::finish_queued`], which the
+    /// optimizer step requires first.
+    pub fn queue_micro_batch_prefixed(
+        &mut self,
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        index: u32,
+        groups: &[PrefixedGroup<'_>],
+        norm: Normaliser,
+        store: &TrainPrefixes,
+    ) -> Result<()> {
+        self.check_next(index)?;
+        self.grads.ensure(gpu, stream)?;
+        let q = self.forward_backward(gpu, stream, groups, norm, store)?;
+        self.micro += 1;
+        self.queued.push_back(q);
+        Ok(())
+    }
+
+    /// Waits for the queued micro-batches' results and returns them in plan order (their loss
+    /// metrics are added to the mini-batch's). Refuses a micro-batch whose loss inputs the
+    /// kernels found inconsistent (the gradient sums then hold its share: discard them).
+    pub fn finish_queued(&mut self) -> Result<Vec<MicroBatchOutput>> {
+        let mut outs = Vec::with_capacity(self.queued.len());
+        while let Some(q) = self.queued.pop_front() {
+            let mut out = MicroBatchOutput::default();
+            match q.back {
+                None => {
+                    out.logp = vec![Vec::new(); q.rows.len()];
+                    out.entropy = vec![Vec::new(); q.rows.len()];
+                }
+                Some((lp, ent, acc)) => {
+                    let lp = self.readbacks.take(lp)?;
+                    let ent = self.readbacks.take(ent)?;
+                    let acc = self.readbacks.take(acc)?;
+                    for rows in &q.rows {
+                        let pick =
+                            |v: &[f32]| rows.clone().map_or_else(Vec::new, |x| v[x].to_vec());
+                        out.logp.push(pick(&lp));
+                        out.entropy.push(pick(&ent));
+                    }
+                    out.metrics = loss_metrics(&PolicyLossSums::from_slots(&acc)?);
+                }
+            }
+            self.metrics.add(&out.metrics);
+            outs.push(out);
+        }
+        Ok(outs)
+    }
+
+    /// The step's stages in order: every launch of the micro-batch goes to `s`, then the copies
+    /// of its results; the host waits for nothing.
     fn forward_backward(
         &mut self,
         gpu: &Gpu,
@@ -120,7 +198,7 @@ impl GpuTrainer {
         groups: &[PrefixedGroup<'_>],
         norm: Normaliser,
         store: &TrainPrefixes,
-    ) -> Result<MicroBatchOutput> {
+    ) -> Result<Queued> {
         let cfg = self.model.config.clone();
         let t = cfg.text();
         let (h, vocab) = (t.hidden_size as usize, t.vocab_size as usize);
@@ -128,19 +206,16 @@ impl GpuTrainer {
         let dims = self.text_dims()?;
         let temp = self.cfg.temperature;
         self.check_groups(groups)?;
-        let mut out = MicroBatchOutput::default();
         let trains: Vec<bool> = groups
             .iter()
             .map(|g| g.responses.iter().any(|r| !r.tokens.is_empty()))
             .collect();
+        let responses = groups.iter().map(|g| g.responses.len()).sum();
         if !trains.iter().any(|&x| x) {
-            for g in groups {
-                for _ in g.responses {
-                    out.logp.push(Vec::new());
-                    out.entropy.push(Vec::new());
-                }
-            }
-            return Ok(out);
+            return Ok(Queued {
+                rows: vec![None; responses],
+                back: None,
+            });
         }
         let (packs, kept) = self.kept_groups(groups, store)?;
         let pk = SuffixPack::new(&cfg, &packs)?;
@@ -159,12 +234,39 @@ impl GpuTrainer {
             eps,
             temp,
         };
-        // ---- the loss's per-token inputs in head-row order, uploaded before the first launch
-        // (a pageable upload waits for the stream's earlier work) ----
-        let li = LossInputs::upload(s, groups, &b)?;
-        let head_rows = upload(s, &b.pk.head_rows)?;
-        let targets = upload(s, &b.pk.targets)?;
-        let rt = RowTables::upload(s, &b)?;
+        // ---- every host table goes up through page-locked staging before the first launch: a
+        // pageable upload would wait for the stream's earlier work (the micro-batch before) ----
+        let lh = LossHost::new(groups, &b)?;
+        let rh = RowHost::new(&b);
+        let (t0_h, media_h) = gathers(&b)?;
+        let gather_bytes: usize = t0_h
+            .iter()
+            .chain(&media_h)
+            .flatten()
+            .map(StagedGather::bytes)
+            .sum();
+        let bytes = lh.bytes()
+            + rh.bytes(&b)
+            + staged_bytes(&b.pk.head_rows)
+            + staged_bytes(&b.pk.targets)
+            + gather_bytes;
+        let (li, rt, head_rows, targets, t0_g, media_g) = {
+            let mut up = self.model.stage(s, bytes)?;
+            let mut put_all = |hs: Vec<Option<RowGather>>| -> Result<Vec<Option<StagedGather>>> {
+                hs.into_iter()
+                    .map(|g| g.map(|g| StagedGather::put(g, &mut up, gpu)).transpose())
+                    .collect()
+            };
+            let (t0_g, media_g) = (put_all(t0_h)?, put_all(media_h)?);
+            (
+                lh.put(&mut up, gpu)?,
+                rh.put(&mut up, gpu, &b)?,
+                up.put(gpu, &b.pk.head_rows)?,
+                up.put(gpu, &b.pk.targets)?,
+                t0_g,
+                media_g,
+            )
+        };
         let sctx = rt.suffix_ctx(&b);
         let (fin, mut suffix) = self.suffix_forward(gpu, s, &b, &sctx, &rt.ids)?;
         let head = self.head_forward(gpu, s, &b, &fin, &head_rows, &targets)?;
@@ -176,7 +278,7 @@ impl GpuTrainer {
         } = head;
         let dfin =
             self.head_backward(gpu, s, &b, &fin, &head_rows, &targets, &dlogp_d, kept_head)?;
-        let (mut dprompt, mut dsuffix) = token0_grads(gpu, s, &b, &dfin)?;
+        let (mut dprompt, mut dsuffix) = token0_grads(gpu, s, &b, &dfin, &t0_g)?;
         drop((dfin, fin));
         let span = (b.pk.hi - b.pk.lo).max(1) * dims.kv_width();
         let mut dpk = alloc::<f32>(gpu, s, span)?;
@@ -189,21 +291,28 @@ impl GpuTrainer {
         };
         self.layers_backward(gpu, s, &b, &rt, &sctx, suffix.as_mut(), &mut d)?;
         self.embed_backward(gpu, s, &b, &rt.ids, &dsuffix, &dprompt)?;
-        self.media_backward(gpu, s, &b, &dprompt)?;
-        // ---- what the call returns: one synchronisation, after the whole backward is queued
-        let lp = download(s, &lp_d)?;
-        let ent = download(s, &ent_d)?;
-        for (gi, g) in groups.iter().enumerate() {
-            for (r, resp) in g.responses.iter().enumerate() {
-                let rows = b.pk.starts[gi][r].map(|a| a..a + resp.tokens.len());
-                out.logp
-                    .push(rows.clone().map_or_else(Vec::new, |x| lp[x].to_vec()));
-                out.entropy
-                    .push(rows.map_or_else(Vec::new, |x| ent[x].to_vec()));
-            }
-        }
-        out.metrics = loss_metrics(&acc.read(s)?);
-        Ok(out)
+        self.media_backward(gpu, s, &b, &dprompt, &media_g)?;
+        // ---- what the call returns: copies queued behind the whole backward
+        let back = (
+            self.readbacks.queue(gpu, s, &lp_d)?,
+            self.readbacks.queue(gpu, s, &ent_d)?,
+            self.readbacks.queue(gpu, s, acc.slots())?,
+        );
+        let rows = groups
+            .iter()
+            .enumerate()
+            .flat_map(|(gi, g)| {
+                let starts = &b.pk.starts[gi];
+                g.responses
+                    .iter()
+                    .enumerate()
+                    .map(move |(r, resp)| starts[r].map(|a| a..a + resp.tokens.len()))
+            })
+            .collect();
+        Ok(Queued {
+            rows,
+            back: Some(back),
+        })
     }
 
     /// The responses' training inputs: one value per token, reference log-probs where the loss
@@ -538,12 +647,19 @@ struct LossInputs {
     seqs: usize,
 }
 
-impl LossInputs {
-    fn upload(
-        s: &Arc<CudaStream>,
-        groups: &[PrefixedGroup<'_>],
-        b: &Batch<'_, '_>,
-    ) -> Result<Self> {
+/// [`LossInputs`] on the host, before [`LossHost::put`] stages them.
+struct LossHost {
+    all_ref: bool,
+    /// Empty unless every response carries old log-probs.
+    old: Vec<f32>,
+    all_old: bool,
+    adv: Vec<f32>,
+    refl: Vec<f32>,
+    tables: LossTables,
+}
+
+impl LossHost {
+    fn new(groups: &[PrefixedGroup<'_>], b: &Batch<'_, '_>) -> Result<Self> {
         let (pk, n_head) = (&b.pk, b.n_head);
         let all_ref = groups
             .iter()
@@ -551,9 +667,9 @@ impl LossInputs {
         let all_old = groups
             .iter()
             .all(|g| g.responses.iter().all(|r| r.old_logp.is_some()));
-        let mut old_h = vec![0f32; if all_old { n_head } else { 0 }];
-        let mut adv_h = vec![0f32; n_head];
-        let mut ref_h = vec![0f32; if all_ref { n_head } else { 0 }];
+        let mut old = vec![0f32; if all_old { n_head } else { 0 }];
+        let mut adv = vec![0f32; n_head];
+        let mut refl = vec![0f32; if all_ref { n_head } else { 0 }];
         let mut loss_seqs: Vec<(usize, &[bool])> = Vec::new();
         for (gi, g) in groups.iter().enumerate() {
             for (r, resp) in g.responses.iter().enumerate() {
@@ -562,31 +678,54 @@ impl LossInputs {
                     continue;
                 };
                 let rows = a..a + resp.tokens.len();
-                if let (true, Some(old)) = (all_old, resp.old_logp) {
-                    old_h[rows.clone()].copy_from_slice(old);
+                if let (true, Some(o)) = (all_old, resp.old_logp) {
+                    old[rows.clone()].copy_from_slice(o);
                 }
-                adv_h[rows.clone()].copy_from_slice(resp.advantages);
+                adv[rows.clone()].copy_from_slice(resp.advantages);
                 if let (true, Some(rl)) = (all_ref, resp.ref_logp) {
-                    ref_h[rows].copy_from_slice(rl);
+                    refl[rows].copy_from_slice(rl);
                 }
                 loss_seqs.push((a, resp.mask));
             }
         }
         let tables = LossTables::new(n_head, &loss_seqs)?;
-        Ok(LossInputs {
+        Ok(LossHost {
             all_ref,
-            old: if all_old {
-                Some(upload(s, &old_h)?)
-            } else {
-                None
+            old,
+            all_old,
+            adv,
+            refl,
+            tables,
+        })
+    }
+
+    /// Staging bytes [`LossHost::put`] takes.
+    fn bytes(&self) -> usize {
+        let t = &self.tables;
+        staged_bytes(&self.old)
+            + staged_bytes(&self.adv)
+            + staged_bytes(&self.refl)
+            + staged_bytes(&t.seq)
+            + staged_bytes(&t.mask)
+            + staged_bytes(&t.seq_tokens)
+            + staged_bytes(&t.spans)
+    }
+
+    fn put(&self, up: &mut StagedBatch<'_>, gpu: &Gpu) -> Result<LossInputs> {
+        let t = &self.tables;
+        Ok(LossInputs {
+            all_ref: self.all_ref,
+            old: match self.all_old {
+                true => Some(up.put(gpu, &self.old)?),
+                false => None,
             },
-            adv: upload(s, &adv_h)?,
-            refl: upload(s, &ref_h)?,
-            seq: upload(s, &tables.seq)?,
-            mask: upload(s, &tables.mask)?,
-            seq_tokens: upload(s, &tables.seq_tokens)?,
-            spans: upload(s, &tables.spans)?,
-            seqs: tables.seq_tokens.len(),
+            adv: up.put(gpu, &self.adv)?,
+            refl: up.put(gpu, &self.refl)?,
+            seq: up.put(gpu, &t.seq)?,
+            mask: up.put(gpu, &t.mask)?,
+            seq_tokens: up.put(gpu, &t.seq_tokens)?,
+            spans: up.put(gpu, &t.spans)?,
+            seqs: t.seq_tokens.len(),
         })
     }
 }
@@ -605,9 +744,15 @@ pub(super) struct RowTables {
     max_q: usize,
 }
 
-impl RowTables {
-    fn upload(s: &Arc<CudaStream>, b: &Batch<'_, '_>) -> Result<Self> {
-        let pk = &b.pk;
+/// The host side of [`RowTables`] not already in the suffix pack (`ids`, `cos`, `sin`).
+struct RowHost {
+    iota: Vec<u32>,
+    ones: Vec<bf16>,
+    seqs: Vec<AttnSeqGpu>,
+}
+
+impl RowHost {
+    fn new(b: &Batch<'_, '_>) -> Self {
         let max_rows = b
             .packs
             .iter()
@@ -616,28 +761,41 @@ impl RowTables {
             .max()
             .unwrap_or(1)
             .max(1);
-        let iota_v: Vec<u32> = (0..max_rows as u32).collect();
-        let iota = upload(s, &iota_v)?;
         // bias gradients of the MLP backward run over the suffix and prompt rows stacked
         let stacked = b.srows + b.packs.iter().map(|p| p.layout.rows()).sum::<usize>();
-        let ones = upload(s, &vec![bf16::ONE; max_rows.max(stacked)])?;
-        let ids = upload(s, &pk.ids)?;
-        let cos = upload(s, &pk.cos)?;
-        let sin = upload(s, &pk.sin)?;
-        let gseqs: Vec<AttnSeqGpu> = pk.seqs.iter().map(AttnSeqGpu::from_fwd).collect();
-        let seqs = upload(s, &gseqs)?;
+        RowHost {
+            iota: (0..max_rows as u32).collect(),
+            ones: vec![bf16::ONE; max_rows.max(stacked)],
+            seqs: b.pk.seqs.iter().map(AttnSeqGpu::from_fwd).collect(),
+        }
+    }
+
+    /// Staging bytes [`RowHost::put`] takes.
+    fn bytes(&self, b: &Batch<'_, '_>) -> usize {
+        staged_bytes(&self.iota)
+            + staged_bytes(&self.ones)
+            + staged_bytes(&b.pk.ids)
+            + staged_bytes(&b.pk.cos)
+            + staged_bytes(&b.pk.sin)
+            + staged_bytes(&self.seqs)
+    }
+
+    fn put(&self, up: &mut StagedBatch<'_>, gpu: &Gpu, b: &Batch<'_, '_>) -> Result<RowTables> {
+        let pk = &b.pk;
         Ok(RowTables {
-            iota,
-            ones,
-            ids,
-            cos,
-            sin,
-            seqs,
-            n_seqs: gseqs.len(),
+            iota: up.put(gpu, &self.iota)?,
+            ones: up.put(gpu, &self.ones)?,
+            ids: up.put(gpu, &pk.ids)?,
+            cos: up.put(gpu, &pk.cos)?,
+            sin: up.put(gpu, &pk.sin)?,
+            seqs: up.put(gpu, &self.seqs)?,
+            n_seqs: self.seqs.len(),
             max_q: pk.seqs.iter().map(|q| q.len as usize).max().unwrap_or(0),
         })
     }
+}
 
+impl RowTables {
     /// The suffix rows' layer context.
     fn suffix_ctx(&self, b: &Batch<'_, '_>) -> LayerCtx<'_> {
         LayerCtx {

@@ -766,6 +766,102 @@ fn kept_prompts(cfg: TrainConfig) {
     assert!(lp < 1e-2, "a copy per response moved a log-prob by {lp}");
 }
 
+/// Micro-batches queued one after another (`queue_micro_batch_prefixed`, the executor's path:
+/// the host does not wait between them) give bitwise the log-probs, entropies, loss metrics,
+/// gradient and grad norm of the same micro-batches run to completion one at a time; the
+/// optimizer step and a waited micro-batch are refused while results are still queued.
+#[test]
+fn queued_micro_batches_give_the_waited_results_bitwise() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let s = gpu.stream(0).unwrap();
+    let m = model(false);
+    let groups = [
+        Group::new(&m, &[4, 6, 1], 0.1, 1),
+        Group::new(&m, &[5, 0, 7], 0.1, 2),
+        Group::new(&m, &[0, 0], 0.1, 3),
+    ];
+    let norm = norm_of(&groups);
+    let resp: Vec<_> = groups.iter().map(|g| g.responses()).collect();
+    let lens: Vec<(usize, u32)> = groups.iter().map(|g| (g.prompt.len(), 1)).collect();
+    let bits = |v: &[Vec<f32>]| {
+        v.iter()
+            .map(|r| r.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+            .collect::<Vec<_>>()
+    };
+    let run = |queued: bool| {
+        let mut t = GpuTrainer::new(&gpu, &s, &m, train_cfg(), adamw(1e-3)).unwrap();
+        let mut store = TrainPrefixes::new(&gpu, &s, t.model(), &lens).unwrap();
+        for (i, g) in groups.iter().enumerate() {
+            let enc = t.model().encode_media(&gpu, &s, &g.media()).unwrap();
+            let refs: Vec<&GpuEncodedMedia> = enc.iter().collect();
+            t.prefix_forward(
+                &gpu,
+                &s,
+                &mut store,
+                i,
+                &g.prompt,
+                PromptMedia::Encoded(&refs),
+            )
+            .unwrap();
+        }
+        // the last micro-batch trains nothing (empty responses only)
+        let mbs: Vec<[PrefixedGroup<'_>; 1]> = (0..groups.len())
+            .map(|i| {
+                [PrefixedGroup {
+                    group: i,
+                    responses: &resp[i],
+                }]
+            })
+            .collect();
+        let outs = if queued {
+            for (i, mb) in mbs.iter().enumerate() {
+                t.queue_micro_batch_prefixed(&gpu, &s, i as u32, mb, norm, &store)
+                    .unwrap();
+            }
+            assert!(
+                t.optimizer_step(&gpu, &s).is_err(),
+                "optimizer step taken with results queued"
+            );
+            assert!(t
+                .micro_batch_prefixed(&gpu, &s, 3, &mbs[0], norm, &store)
+                .is_err());
+            t.finish_queued().unwrap()
+        } else {
+            mbs.iter()
+                .enumerate()
+                .map(|(i, mb)| {
+                    t.micro_batch_prefixed(&gpu, &s, i as u32, mb, norm, &store)
+                        .unwrap()
+                })
+                .collect()
+        };
+        assert!(t.finish_queued().unwrap().is_empty());
+        let grad: Vec<u32> = t
+            .grads_host(&s)
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect();
+        let report = t.optimizer_step(&gpu, &s).unwrap();
+        (outs, grad, report)
+    };
+    let (wa, ga, ra) = run(false);
+    let (qa, gq, rq) = run(true);
+    assert_eq!(wa.len(), 3);
+    assert_eq!(qa.len(), 3);
+    for (w, q) in wa.iter().zip(&qa) {
+        assert_eq!(bits(&w.logp), bits(&q.logp));
+        assert_eq!(bits(&w.entropy), bits(&q.entropy));
+        assert_eq!(w.metrics.loss.to_bits(), q.metrics.loss.to_bits());
+    }
+    assert_eq!(qa[2].logp, vec![Vec::<f32>::new(); 2]);
+    assert!(ga == gq, "queued micro-batches changed the gradient's bits");
+    assert_eq!(ra.step.grad_norm.to_bits(), rq.step.grad_norm.to_bits());
+    assert_eq!(ra.metrics.loss.to_bits(), rq.metrics.loss.to_bits());
+    assert_eq!(ra.micro_batches, 3);
+    assert_eq!(rq.micro_batches, 3);
+}
+
 /// Every layer's suffix activations and the lm head's logits kept, none kept (recomputed from
 /// the layer inputs in backward) and the first layer's kept alone give bitwise the same
 /// log-probs, loss and gradient: the recompute runs the forward's launches on the same inputs.
