@@ -116,65 +116,6 @@ __device__ __forceinline__ float group_sum(float x) {
     return x;
 }
 
-// Decode, merge of the split slots: out[b, h, :] = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s
-// over the slots in order (fixed order: deterministic); an empty sequence gives 0 (and lse
-// -inf), a slot flagged invalid (NaN max) NaN. lse (may be null): [batch, n_heads],
-// natural-log logsumexp of scaled scores. The slots are read through L2 (__ldcg): the fused
-// merge reads slots other blocks of its launch wrote.
-struct MergeStats {
-    float M, L;
-    bool bad;
-};
-
-__device__ __forceinline__ MergeStats merge_stats(const float* part_ml, u64 base, u32 splits) {
-    MergeStats st{NEG_INF_F, 0.0f, false};
-    for (u32 s = 0; s < splits; s++) {
-        const float ms = __ldcg(part_ml + (base + s) * 2);
-        st.bad |= isnan(ms);
-        st.M = fmaxf(st.M, ms);
-    }
-    if (st.M != NEG_INF_F)
-        for (u32 s = 0; s < splits; s++)
-            st.L += exp2f(__ldcg(part_ml + (base + s) * 2) - st.M) * __ldcg(part_ml + (base + s) * 2 + 1);
-    return st;
-}
-
-__device__ __forceinline__ float merge_lse(MergeStats st) {
-    return st.bad ? __int_as_float(0x7fc00000)
-                  : (st.M == NEG_INF_F ? NEG_INF_F : (st.M + log2f(st.L)) * LN2_F);
-}
-
-// Output dim d of the slots at `base` (of `splits`) with their stats.
-__device__ __forceinline__ bf16 merge_dim(const float* part_o, const float* part_ml, u64 base,
-                                          u32 splits, MergeStats st, u32 d) {
-    float acc = 0.0f;
-    if (st.M != NEG_INF_F)
-        for (u32 s = 0; s < splits; s++)
-            acc += exp2f(__ldcg(part_ml + (base + s) * 2) - st.M) *
-                   __ldcg(part_o + (base + s) * HEAD_DIM + d);
-    return st.bad ? (bf16)0x7fc0 : f2bf(st.L > 0.0f ? acc / st.L : 0.0f);
-}
-
-// merge_dim of dims d0 .. d0 + 7 (d0 % 8 == 0) as 8 packed bf16: the same arithmetic for each
-// dim, the slots read as 16-byte loads.
-__device__ __forceinline__ uint4 merge_dims8(const float* part_o, const float* part_ml, u64 base,
-                                             u32 splits, MergeStats st, u32 d0) {
-    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    if (st.M != NEG_INF_F)
-        for (u32 s = 0; s < splits; s++) {
-            const float w = exp2f(__ldcg(part_ml + (base + s) * 2) - st.M);
-            const float4* po = (const float4*)(part_o + (base + s) * HEAD_DIM + d0);
-            const float4 a = __ldcg(po), c = __ldcg(po + 1);
-            acc[0] += w * a.x; acc[1] += w * a.y; acc[2] += w * a.z; acc[3] += w * a.w;
-            acc[4] += w * c.x; acc[5] += w * c.y; acc[6] += w * c.z; acc[7] += w * c.w;
-        }
-    float f[8];
-#pragma unroll
-    for (int k = 0; k < 8; k++) f[k] = st.L > 0.0f ? acc[k] / st.L : 0.0f;
-    if (st.bad) return make_uint4(0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u);
-    return pack8(f);
-}
-
 // Decode, split-K pass, SIMT variant (fp32 FMAs; kept for the workbench's side-by-side timing;
 // `attention_decode_bf16` below is the tensor-core one). Grid (splits, n_kv * ceil(r/8), batch)
 // with r = n_heads / n_kv; block NT = 128 threads = 8 heads of one kv group x 16 lanes, each lane
@@ -524,9 +465,7 @@ attention_decode_grouped_bf16(float* __restrict__ part_o, float* __restrict__ pa
                               u32 splits_a, u32 total_splits, float scale_log2, u32 kv_rows,
                               u32 per_sample_a, u32 skip_prefix_a, u32 split_base_a,
                               u32 first_blocks, u32 chunk_b, u32 splits_b,
-                              const u32* __restrict__ group_starts, bf16* __restrict__ merge_out,
-                              u32 merge_out_stride, float* __restrict__ merge_lse_out,
-                              u32* __restrict__ merge_count) {
+                              const u32* __restrict__ group_starts) {
     pdl_wait();
     // Blocks from first_blocks on run the per-sample pass behind a group pass in the same
     // launch (group = per_block = 1, own keys only, slots splits_a ..); the others the pass
@@ -708,46 +647,12 @@ attention_decode_grouped_bf16(float* __restrict__ part_o, float* __restrict__ pa
             part_ml[pidx * 2 + 1] = half ? l_b : l_a;
         }
     }
-    if (merge_count == nullptr) return;
-    // The merge in this launch: each (sample, kv head) counts the blocks that wrote its slots
-    // (total_splits of them: one per split of either pass); the block that completes the count
-    // merges that sample's r heads and sets the count back to zero (zero before the launch and
-    // after it, so a CUDA graph replays it). The merge reads the slots in order, as
-    // attention_decode_reduce_bf16 does: the same bits whichever block merges.
-    __shared__ MergeStats mst[64];
-    __shared__ u32 mlast[64];
-    __threadfence();  // this thread's slots land before the count
-    __syncthreads();
-    if (threadIdx.x < nsamp) {
-        u32* c = merge_count + (u64)(b0 + threadIdx.x) * n_kv + kvh;
-        const bool last = atomicAdd(c, 1u) == total_splits - 1;
-        if (last) atomicExch(c, 0u);
-        mlast[threadIdx.x] = last;
-    }
-    __syncthreads();
-    __threadfence();  // the other blocks' slots are read after their counts
-    // stats of each merged (sample, head) into shared memory, then every output dim
-    for (u32 i = threadIdx.x; i < nsamp * r; i += NT) {
-        if (!mlast[i / r]) continue;
-        const u32 b = b0 + i / r, h = kvh * r + i % r;
-        const u64 base = ((u64)b * n_heads + h) * total_splits;
-        mst[i] = merge_stats(part_ml, base, total_splits);
-        if (merge_lse_out != nullptr) merge_lse_out[(u64)b * n_heads + h] = merge_lse(mst[i]);
-    }
-    __syncthreads();
-    constexpr u32 D8 = HEAD_DIM / 8;  // 8 dims an item: two 16-byte loads a slot
-    for (u32 it = threadIdx.x; it < nsamp * r * D8; it += NT) {
-        const u32 i = it / D8, d0 = (it % D8) * 8;
-        if (!mlast[i / r]) continue;
-        const u32 b = b0 + i / r, h = kvh * r + i % r;
-        const u64 base = ((u64)b * n_heads + h) * total_splits;
-        *(uint4*)(merge_out + (u64)b * merge_out_stride + h * HEAD_DIM + d0) =
-            merge_dims8(part_o, part_ml, base, total_splits, mst[i], d0);
-    }
 }
 #endif  // HEAD_DIM % 32 == 0
 
-// The merge as its own launch: grid (n_heads, batch).
+// Decode, reduction pass: out[b, h, :] = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s over the
+// splits in order (fixed order: deterministic). Grid (n_heads, batch); an empty sequence gives 0
+// (and lse -inf). lse (may be null): [batch, n_heads], natural-log logsumexp of scaled scores.
 extern "C" __global__ void attention_decode_reduce_bf16(bf16* __restrict__ out, u32 out_stride,
                                                         float* __restrict__ lse,
                                                         const float* __restrict__ part_o,
@@ -756,11 +661,28 @@ extern "C" __global__ void attention_decode_reduce_bf16(bf16* __restrict__ out, 
     pdl_wait();
     const u32 h = blockIdx.x, b = blockIdx.y;
     const u64 base = ((u64)b * n_heads + h) * splits;
-    const MergeStats st = merge_stats(part_ml, base, splits);
-    if (lse != nullptr && threadIdx.x == 0) lse[(u64)b * n_heads + h] = merge_lse(st);
+    float M = NEG_INF_F;
+    bool bad = false;  // a split flagged an invalid descriptor (NaN max)
+    for (u32 s = 0; s < splits; s++) {
+        const float ms = part_ml[(base + s) * 2];
+        bad |= isnan(ms);
+        M = fmaxf(M, ms);
+    }
+    float Lsum = 0.0f;
+    if (M != NEG_INF_F)
+        for (u32 s = 0; s < splits; s++)
+            Lsum += exp2f(part_ml[(base + s) * 2] - M) * part_ml[(base + s) * 2 + 1];
+    if (lse != nullptr && threadIdx.x == 0)
+        lse[(u64)b * n_heads + h] = bad ? __int_as_float(0x7fc00000)
+                                        : (M == NEG_INF_F ? NEG_INF_F : (M + log2f(Lsum)) * LN2_F);
     bf16* orow = out + (u64)b * out_stride + h * HEAD_DIM;
-    for (u32 d = threadIdx.x; d < HEAD_DIM; d += blockDim.x)
-        orow[d] = merge_dim(part_o, part_ml, base, splits, st, d);
+    for (u32 d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
+        float acc = 0.0f;
+        if (M != NEG_INF_F)
+            for (u32 s = 0; s < splits; s++)
+                acc += exp2f(part_ml[(base + s) * 2] - M) * part_o[(base + s) * HEAD_DIM + d];
+        orow[d] = bad ? (bf16)0x7fc0 : f2bf(Lsum > 0.0f ? acc / Lsum : 0.0f);
+    }
 }
 
 // Prefill / scoring attention (the CUDA twin of cpu::attention_fwd) (varlen, GQA, optional causal mask, shared prefix). Grid

@@ -389,7 +389,6 @@ fn grouped_against_cpu(
         case.inputs(dims, &case.seqs),
         plan,
         starts,
-        None,
     )
     .unwrap();
     check(
@@ -404,41 +403,6 @@ fn grouped_against_cpu(
         &case.want_lse,
         1e-4,
     );
-    // the merge in the attention's own launch: the same bits, twice with the same counts (as a
-    // graph replays it), the counts back at zero after each
-    let mut counts = MergeCounts::new(s, b, &dims).unwrap();
-    for round in 0..2 {
-        let mut fout = poison_bf(s, b * dims.q_width());
-        let mut flse = poison_f32(s, b * dims.num_heads);
-        let mut fl = flse.as_view_mut();
-        attention_decode_grouped_bf16(
-            g,
-            s,
-            &mut fout,
-            Some(&mut fl),
-            &mut ws,
-            case.inputs(dims, &case.seqs),
-            plan,
-            starts,
-            Some(&mut counts),
-        )
-        .unwrap();
-        let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(
-            down(s, &fout),
-            down(s, &dout),
-            "merge in the launch, round {round}: other output bits ({label})"
-        );
-        assert_eq!(
-            bits(down(s, &flse)),
-            bits(down(s, &dlse)),
-            "merge in the launch, round {round}: other lse bits ({label})"
-        );
-        assert!(
-            counts.to_host(s).unwrap().iter().all(|&c| c == 0),
-            "merge counts not back at zero ({label})"
-        );
-    }
 }
 
 /// Group-shared decode attention against `cpu::attention_decode`: GRPO groups whose samples
@@ -497,25 +461,8 @@ fn attention_decode_grouped_matches_cpu() {
                 case.inputs(dims, &dbad),
                 plan,
                 None,
-                None,
             )
             .unwrap();
-            // the merge in the launch flags it the same way (the same bits)
-            let mut counts = MergeCounts::new(&s, b, &dims).unwrap();
-            let mut fout = poison_bf(&s, b * dims.q_width());
-            attention_decode_grouped_bf16(
-                g,
-                &s,
-                &mut fout,
-                None,
-                &mut ws,
-                case.inputs(dims, &dbad),
-                plan,
-                None,
-                Some(&mut counts),
-            )
-            .unwrap();
-            assert_eq!(down(&s, &fout), down(&s, &dout));
             let got = to_f32(&down(&s, &dout));
             let qw = dims.q_width();
             assert!(
@@ -567,7 +514,6 @@ fn attention_decode_grouped_over_a_group_table_matches_cpu() {
             case.inputs(dims, &case.seqs),
             plan,
             Some(&short),
-            None,
         )
         .is_err());
     }

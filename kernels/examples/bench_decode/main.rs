@@ -12,9 +12,7 @@
 //! - `shared` (GRPO cases): `attention_decode_grouped_bf16` with `grouped_decode_plan`, which
 //!   reads a group's shared prefix once per group when there are enough groups; `forced`: the
 //!   group pass forced on (where the default plan leaves it off); `sepqkv`: `shared` with the
-//!   q|k|v GEMM and `rope_kv_append_bf16` as two launches; `sepmerge`: `shared` with the
-//!   attention's merge as a launch of its own (`shared` and `forced` merge in the attention's
-//!   launch, as the runtime does).
+//!   q|k|v GEMM and `rope_kv_append_bf16` as two launches.
 //!
 //! The dispatching variants make q|k|v, rope and the KV append with `qkv_rope_append_bf16` (one
 //! skinny launch where it fuses them, as the runtime does); each case also times that work
@@ -433,41 +431,27 @@ fn main() -> Res<()> {
         let forced =
             grouped_decode_plan_for_blocks(batch, gsize, m.dims(), plen, kv_len - plen, 264);
         let default_gplan = m.gplan;
-        // (name, dispatching GEMMs, per-sample plan, grouped plan, q|k|v with rope fused, the
-        // grouped attention's merge in its own launch)
-        type Variant<'a> = (
-            &'a str,
-            bool,
-            DecodePlan,
-            Option<GroupedDecodePlan>,
-            bool,
-            bool,
-        );
+        // (name, dispatching GEMMs, per-sample plan, grouped plan, q|k|v with rope fused)
+        type Variant<'a> = (&'a str, bool, DecodePlan, Option<GroupedDecodePlan>, bool);
         let mut variants: Vec<Variant> = vec![
-            ("base", false, old_plan, None, false, false),
-            ("gemm", true, old_plan, None, true, false),
-            ("new", true, new_plan, None, true, false),
+            ("base", false, old_plan, None, false),
+            ("gemm", true, old_plan, None, true),
+            ("new", true, new_plan, None, true),
         ];
         if prefix.is_some() {
-            let gp = Some(default_gplan);
-            variants.push(("shared", true, new_plan, gp, true, true));
-            variants.push(("sepqkv", true, new_plan, gp, false, true));
-            variants.push(("sepmerge", true, new_plan, gp, true, false));
+            variants.push(("shared", true, new_plan, Some(default_gplan), true));
+            variants.push(("sepqkv", true, new_plan, Some(default_gplan), false));
             if forced != default_gplan {
-                variants.push(("forced", true, new_plan, Some(forced), true, true));
+                variants.push(("forced", true, new_plan, Some(forced), true));
             }
         }
         if let Some(keep) = &only {
             variants.retain(|v| keep.iter().any(|k| k == v.0));
         }
         let mut res = Vec::new();
-        for (vname, dispatch, plan, gplan, qkv_rope, merge_in_launch) in variants {
+        for (vname, dispatch, plan, gplan, qkv_rope) in variants {
             m.dispatch = dispatch;
             m.qkv_rope = qkv_rope;
-            m.merge_counts = match merge_in_launch {
-                true => Some(MergeCounts::new(&s, batch, &m.dims())?),
-                false => None,
-            };
             m.plan = plan;
             m.grouped = gplan.is_some();
             m.gplan = gplan.unwrap_or(default_gplan);

@@ -57,9 +57,6 @@ pub(crate) struct Model {
     /// runs them) instead of the q|k|v GEMM and `rope_kv_append_bf16`.
     pub(crate) qkv_rope: bool,
     pub(crate) gplan: GroupedDecodePlan,
-    /// The grouped attention merges its slots in its own launch with these counts (as the
-    /// runtime runs it); `None`: the merge is a launch of its own.
-    pub(crate) merge_counts: Option<MergeCounts>,
 }
 
 /// How [`Model::qkv_rope_by`] makes a layer's rotated q|k|v and appends k / v: cuBLASLt's, the
@@ -209,7 +206,6 @@ pub(crate) fn build(
         dispatch: false,
         grouped: false,
         qkv_rope: true,
-        merge_counts: None,
         gplan,
         layers,
     })
@@ -287,7 +283,6 @@ impl Model {
                 },
                 self.gplan,
                 None,
-                self.merge_counts.as_mut(),
             )?;
             return Ok(());
         }

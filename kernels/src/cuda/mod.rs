@@ -58,7 +58,7 @@ pub use attention::decode_plan_for_blocks;
 pub use attention::{
     attention_decode_bf16, attention_decode_grouped_bf16, attention_fwd_bf16, decode_plan,
     grouped_decode_plan, grouped_decode_plan_tabled, AttnSeqGpu, DecodeInputs, DecodePlan,
-    FwdInputs, GroupedDecodePlan, MergeCounts,
+    FwdInputs, GroupedDecodePlan,
 };
 pub use attention_bwd::{attention_bwd_bf16, attention_bwd_bf16_with, BwdGrads, BwdInputs};
 pub use attention_bwd_dprefix::{attention_bwd_dprefix_bf16, DprefixInputs, DprefixKernel};

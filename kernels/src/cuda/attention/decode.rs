@@ -267,7 +267,6 @@ pub fn attention_decode_bf16(
             total: plan.splits,
             scale_log2,
             starts: 0,
-            merge: None,
         };
         let a = (1, 1, b, plan.chunk, plan.splits);
         group_pass(OP, gpu, stream, &dims, &g, a, (1, 0, 0), None)?;
@@ -435,9 +434,6 @@ pub(super) struct GroupPass<'a> {
     pub(super) scale_log2: f32,
     /// The group table's device address (`attention_decode_grouped_bf16`'s `starts`), or 0.
     pub(super) starts: u64,
-    /// The merge in the same launch (its out, out stride, lse and counts addresses), or
-    /// `None`: `reduce_pass` merges after it.
-    pub(super) merge: Option<(u64, u32, u64, u64)>,
 }
 
 /// One launch of `attention_decode_grouped_bf16`. `a`: (group, per_block, units (groups x
@@ -489,18 +485,15 @@ pub(super) fn group_pass(
         u32_of(op, "chunk", chunk_b)?,
         splits_b as u32,
     );
-    let (m_out, m_stride, m_lse, m_count) = g.merge.unwrap_or((0, 0, 0, 0));
     // SAFETY: q holds batch rows and the workspace batch*heads*total*(hd+2) floats (checked by
     // the caller); the pass writes slots split_base + split < total of samples < batch only;
     // the kernel checks the descriptors it reads keys through against kv_rows (computed from
     // the caches' lengths) and reads only rows inside; rows are 16-byte aligned (checked);
     // arguments match (part_o, part_ml, q, q_stride, k, v, kv_stride, seqs, batch, group,
     // per_block, n_heads, n_kv, chunk, splits, total_splits, scale_log2, kv_rows, per_sample,
-    // skip_prefix, split_base, first_blocks, chunk_b, splits_b, group_starts, merge_out,
-    // merge_out_stride, merge_lse_out, merge_count); group_starts is 0 or a table of more than
-    // units / parts entries (checked by the caller), read by the group pass only; merge_count is
-    // 0 or batch * n_kv zeroed words, with merge_out / merge_lse_out the caller's checked outputs
-    // (16-byte aligned rows).
+    // skip_prefix, split_base, first_blocks, chunk_b, splits_b, group_starts); group_starts is
+    // 0 or a table of more than units / parts entries (checked by the caller), read by the
+    // group pass only.
     unsafe {
         launch(
             gpu,
@@ -535,10 +528,6 @@ pub(super) fn group_pass(
                 &cb,
                 &sb,
                 &g.starts,
-                &m_out,
-                &m_stride,
-                &m_lse,
-                &m_count,
             ],
         )
     }?;

@@ -231,36 +231,6 @@ fn plan_for_targets(
     }
 }
 
-/// The counts of the merge in the grouped decode's own launch ([`attention_decode_grouped_bf16`]
-/// with `counts`): one u32 per (sample, kv head), zero when made and zero again after every
-/// launch that uses them (the block that completes a count merges that sample's heads and
-/// resets it), so a CUDA graph replays the launch. Launches that use the same counts must not
-/// run at the same time (one stream). A count completes only when every slot of its sample was
-/// written, which holds when every sample of the batch lies in one group of at most
-/// `plan.group` samples (the fixed layout always; a group table as the decode loop builds it,
-/// runs of a GRPO group's rows); a sample outside every group would leave its count short and
-/// merge early the next time.
-pub struct MergeCounts(CudaSlice<u32>);
-
-impl MergeCounts {
-    /// Counts for up to `batch` samples of `dims.num_kv_heads` kv heads.
-    pub fn new(stream: &Arc<CudaStream>, batch: usize, dims: &AttnDims) -> Result<Self> {
-        Ok(MergeCounts(
-            stream.alloc_zeros::<u32>((batch * dims.num_kv_heads).max(1))?,
-        ))
-    }
-
-    /// Samples of `dims` these counts serve.
-    pub fn batch(&self, dims: &AttnDims) -> usize {
-        self.0.len() / dims.num_kv_heads.max(1)
-    }
-
-    /// The counts as they are on the device (synchronises `stream`): all zero between launches.
-    pub fn to_host(&self, stream: &Arc<CudaStream>) -> Result<Vec<u32>> {
-        Ok(stream.clone_dtoh(&self.0)?)
-    }
-}
-
 /// Decode attention with each GRPO group's shared prefix read once per group (the CPU twin is
 /// still [`crate::cpu::attention_decode`]): the same buffers and descriptors as
 /// [`super::attention_decode_bf16`] (the inputs in `x`), plus the grouping in `plan` and, for a
@@ -269,9 +239,7 @@ impl MergeCounts {
 /// empty group costs a few idle blocks). Samples of a group must name the same prefix rows
 /// (`p_start`, `p_len`) as the group's first sample; one that does not gets NaN outputs.
 /// Launches on `stream`: the group pass (when `plan.p_splits > 0`) and the per-sample pass as
-/// one launch, then the merge; with `counts` ([`MergeCounts`]) the merge runs in the same
-/// launch (the same bits: the slots are read in the same order), which needs 16-byte aligned
-/// output rows.
+/// one launch, then the merge.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_decode_grouped_bf16(
     gpu: &Gpu,
@@ -282,7 +250,6 @@ pub fn attention_decode_grouped_bf16(
     x: DecodeInputs,
     plan: GroupedDecodePlan,
     starts: Option<&CudaSlice<u32>>,
-    counts: Option<&mut MergeCounts>,
 ) -> Result<()> {
     const OP: &str = "attention_decode_grouped_bf16";
     let DecodeInputs {
@@ -376,33 +343,6 @@ pub fn attention_decode_grouped_bf16(
         kv_rows,
     };
 
-    let merge = match counts {
-        Some(c) => {
-            if c.batch(&dims) < b {
-                return Err(shape(
-                    OP,
-                    format!(
-                        "merge counts for {} samples, the batch has {b}",
-                        c.batch(&dims)
-                    ),
-                ));
-            }
-            aligned16(OP, "out", op_)?;
-            if !strides.out.is_multiple_of(8) {
-                return Err(shape(
-                    OP,
-                    format!(
-                        "out row stride {}: the merge in the launch writes 16-byte rows",
-                        strides.out
-                    ),
-                ));
-            }
-            let os = u32::try_from(strides.out)
-                .map_err(|_| shape(OP, format!("out row stride {}", strides.out)))?;
-            Some((op_, os, lse_p, ptr_mut(&mut c.0, stream)))
-        }
-        None => None,
-    };
     let scale_log2 = scale * std::f32::consts::LOG2_E;
     let g = GroupPass {
         pass: &pass,
@@ -412,7 +352,6 @@ pub fn attention_decode_grouped_bf16(
         total,
         scale_log2,
         starts: starts_p,
-        merge,
     };
     // 1. the group pass over the shared prefixes (slots 0..p_splits) and, in the same launch,
     // every sample's own keys (slots p_splits..total); without a group pass, every sample's
@@ -426,10 +365,7 @@ pub fn attention_decode_grouped_bf16(
         let a = (1, 1, b, plan.s_chunk, plan.s_splits);
         group_pass(OP, gpu, stream, &dims, &g, a, (1, 0, 0), None)?;
     }
-    // 2. the ordered merge of all slots, unless the launch above ran it
-    if g.merge.is_some() {
-        return Ok(());
-    }
+    // 2. the ordered merge of all slots
     reduce_pass(
         OP,
         gpu,

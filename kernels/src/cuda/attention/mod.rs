@@ -44,7 +44,7 @@ pub use fwd::{
 pub use grouped::{
     attention_decode_grouped_bf16, group_pass_units, grouped_decode_plan,
     grouped_decode_plan_for_blocks, grouped_decode_plan_for_targets, grouped_decode_plan_tabled,
-    GroupedDecodePlan, MergeCounts, GROUPED_MIN_CHUNK, GROUP_PASS_MIN_UNITS,
+    GroupedDecodePlan, GROUPED_MIN_CHUNK, GROUP_PASS_MIN_UNITS,
 };
 
 use cudarc::driver::{DevicePtr, DeviceRepr};

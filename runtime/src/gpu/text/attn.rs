@@ -9,7 +9,7 @@ use rollplex_kernels::cuda::attention::RowStrides;
 use rollplex_kernels::cuda::{
     attention_decode_bf16, attention_decode_grouped_bf16, attention_fwd_bf16, decode_plan,
     grouped_decode_plan_tabled, kv_append_bf16, qkv_rope_append_bf16, rope_fwd_bf16, AttnSeqGpu,
-    CudaSlice, CudaStream, DecodeInputs, FwdInputs, Gpu, GroupedDecodePlan, MergeCounts, QkvRope,
+    CudaSlice, CudaStream, DecodeInputs, FwdInputs, Gpu, GroupedDecodePlan, QkvRope,
 };
 
 use super::super::block::AttnStep;
@@ -215,8 +215,6 @@ pub(super) struct DecodeAttn<'a> {
     pub(super) grouped: Option<Grouping<'a>>,
     /// The split-K scratch; (re)allocated here when missing or short.
     pub(super) workspace: &'a mut Option<CudaSlice<f32>>,
-    /// With grouped rows: the counts of the merge in the attention's own launch.
-    pub(super) merge_counts: Option<&'a mut MergeCounts>,
     pub(super) arena: &'a mut GpuKvArena,
 }
 
@@ -298,10 +296,7 @@ impl AttnStep for DecodeAttn<'_> {
                         );
                         let ws = scratch(gpu, stream, self.workspace, plan.workspace_len())?;
                         let starts = gr.table.map(|(t, _)| t);
-                        let counts = self.merge_counts.as_deref_mut();
-                        attention_decode_grouped_bf16(
-                            gpu, stream, out, None, ws, x, plan, starts, counts,
-                        )?;
+                        attention_decode_grouped_bf16(gpu, stream, out, None, ws, x, plan, starts)?;
                     }
                     None => {
                         let plan = decode_plan(self.batch, d, self.max_kv);

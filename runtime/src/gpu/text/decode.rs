@@ -6,9 +6,7 @@
 use std::sync::Arc;
 
 use half::bf16;
-use rollplex_kernels::cuda::{
-    embedding_fwd_bf16, AttnSeqGpu, CudaSlice, CudaStream, Gpu, MergeCounts,
-};
+use rollplex_kernels::cuda::{embedding_fwd_bf16, AttnSeqGpu, CudaSlice, CudaStream, Gpu};
 
 use crate::model::DecodeSlot;
 
@@ -29,8 +27,6 @@ pub struct DecodeBufs {
     blocks: BlockBufs,
     /// The decode attention's split-K scratch, sized for every batch up to `rows`.
     attn_ws: Option<CudaSlice<f32>>,
-    /// The counts with which the group-shared attention merges its slots in its own launch.
-    merge_counts: Option<MergeCounts>,
 }
 
 impl DecodeBufs {
@@ -68,10 +64,6 @@ impl DecodeBufs {
                 Some(alloc::<f32>(gpu, stream, ws)?)
             } else {
                 None
-            },
-            merge_counts: match grouped {
-                Some(_) => Some(MergeCounts::new(stream, rows, &dims)?),
-                None => None,
             },
         })
     }
@@ -180,7 +172,6 @@ impl GpuModel {
                 kernel,
                 grouped: io.grouped,
                 workspace: &mut bufs.attn_ws,
-                merge_counts: bufs.merge_counts.as_mut(),
                 arena,
             };
             run_blocks_keeping(
