@@ -9,7 +9,8 @@
 //     order-free); Z = sum of q over kept; keep logits >= tau, tau the largest logit with
 //     sum_{kept, logit >= tau} q >= ceil(p * Z).
 //   - draw: argmax over kept of z_i + g_i, g_i = -ln(-ln(u_i)) (Gumbel-max), ties to the lowest
-//     index; u_i = ((x >> 8) + 0.5) * 2^-24 with x word (i mod 4) of
+//     index, a NaN score (a -inf logit whose u_i rounds to 1) never drawn; u_i = ((x >> 8) + 0.5)
+//     * 2^-24 with x word (i mod 4) of
 //     Philox4x32-10(counter = (i / 4, step, sample, iteration), key = (seed_lo, seed_hi)).
 // One block of 1024 threads per row; all reductions are integer or fixed-order: deterministic.
 
@@ -338,8 +339,11 @@ sample_split_bf16(const bf16* __restrict__ logits, u32 row_stride, u32 rows, u32
             const u64 cand = ((u64)kk << 32) | (u64)(0xffffffffu - i);
             best = cand > best ? cand : best;
             if (!draw || kk < 1) continue;  // NaN is never drawn
-            const u64 d = ((u64)f_key(gumbel_score(v[k], words[k], temperature, unit)) << 32) |
-                          (u64)(0xffffffffu - i);
+            const float sc = gumbel_score(v[k], words[k], temperature, unit);
+            // a -inf logit whose u rounds to 1 scores -inf - (-inf) = NaN: never drawn, as in
+            // sample_row's compares (f_key would put NaN above +inf)
+            if (isnan(sc)) continue;
+            const u64 d = ((u64)f_key(sc) << 32) | (u64)(0xffffffffu - i);
             drawn = d > drawn ? d : drawn;
         }
     }

@@ -294,6 +294,54 @@ fn split_draw_picks_the_one_block_tokens() {
     }
 }
 
+/// A -inf logit whose Philox word rounds u to 1 scores -inf - (-inf) = NaN; the split draw, like
+/// the one-block draw and `sample_ref`, never draws it (it once did: its order key put NaN above
+/// +inf). The seed is searched on the host so that such a word falls on a -inf logit of the row.
+#[test]
+fn split_draw_never_draws_a_nan_score() {
+    let g = gpu_or_skip!();
+    let s = g.stream(0).unwrap();
+    let vocab = 151_936usize;
+    let (sample, step, iteration) = (167u32, 7u32, 3u32);
+    // the first seed with a word of all-ones high 24 bits (u = 1 after rounding)
+    let (seed, hit) = (1u64..)
+        .find_map(|seed| {
+            let key = [seed as u32, (seed >> 32) as u32];
+            (0..vocab.div_ceil(4)).find_map(|grp| {
+                let r = philox4x32_10([grp as u32, step, sample, iteration], key);
+                (0..4)
+                    .find(|&w| r[w] >> 8 == 0x00ff_ffff && grp * 4 + w < vocab)
+                    .map(|w| (seed, grp * 4 + w))
+            })
+        })
+        .expect("a seed with u = 1 somewhere in the row");
+    let mut x: Vec<bf16> = (0..vocab)
+        .map(|i| bf16::from_f32(((i * 7919) % 1000) as f32 / 1000.0 - 0.5))
+        .collect();
+    x[hit] = bf16::NEG_INFINITY;
+    let p = SampleParams {
+        temperature: 0.7,
+        top_k: 0,
+        top_p: 1.0,
+        seed,
+        iteration,
+    };
+    let want = sample_ref(&x, &p, sample, step);
+    assert_ne!(want as usize, hit, "the reference drew a -inf logit");
+    let (dx, dsid, dst) = (up(&s, &x), up(&s, &[sample]), up(&s, &[step]));
+    let mut scratch = SampleScratch::new(&s, 1).unwrap();
+    for split in [false, true] {
+        let mut dtok = up(&s, &[u32::MAX]);
+        let sc = split.then_some(&mut scratch);
+        sample_bf16(g, &s, &mut dtok, &dx, &dsid, &dst, 1, vocab, vocab, &p, sc).unwrap();
+        assert_eq!(
+            down(&s, &dtok),
+            vec![want],
+            "split {split}: seed {seed:#x}, u = 1 at {hit}"
+        );
+    }
+}
+
 #[test]
 fn green_partitions_give_identical_bits_and_events_order_them() {
     let g = gpu_or_skip!();
