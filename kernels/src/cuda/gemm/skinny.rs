@@ -222,11 +222,10 @@ impl Epilogue {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn skinny_launch(
-    op: &'static str,
-    gpu: &Gpu,
-    stream: &Arc<CudaStream>,
+/// One launch's operands (device addresses, `bias` 0 for none) and shape: `n` outputs (pairs in
+/// the paired epilogues, a pair's second weight row `up_off` rows after its first) of depth `k`
+/// for `m` rows of x (row stride `ldx`) into y (row stride `ldy`).
+struct SkinnyCall {
     y: u64,
     x: u64,
     w: u64,
@@ -238,8 +237,28 @@ fn skinny_launch(
     ldy: usize,
     up_off: usize,
     epi: Epilogue,
+}
+
+fn skinny_launch(
+    op: &'static str,
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    call: SkinnyCall,
     plan: SkinnyPlan,
 ) -> Result<()> {
+    let SkinnyCall {
+        y,
+        x,
+        w,
+        bias,
+        m,
+        k,
+        n,
+        ldx,
+        ldy,
+        up_off,
+        epi,
+    } = call;
     let tiles_ok = if plan.wgmma {
         [2, 4, 8, 16].contains(&plan.m_tiles)
     } else {
@@ -432,23 +451,20 @@ pub fn skinny_linear_fwd_bf16_with(
         None => 0,
     };
     let (yp, xp, wp) = (ptr_mut(y, stream), ptr(x, stream), ptr(w, stream));
-    skinny_launch(
-        OP,
-        gpu,
-        stream,
-        yp,
-        xp,
-        wp,
-        bp,
+    let call = SkinnyCall {
+        y: yp,
+        x: xp,
+        w: wp,
+        bias: bp,
         m,
         k,
         n,
         ldx,
         ldy,
-        0,
-        Epilogue::Plain,
-        plan,
-    )
+        up_off: 0,
+        epi: Epilogue::Plain,
+    };
+    skinny_launch(OP, gpu, stream, call, plan)
 }
 
 /// The MLP's first half in one launch: `act[m, f] = silu(x Wg^T) * (x Wu^T)` where
@@ -485,23 +501,21 @@ pub fn skinny_gate_up_swiglu_bf16(
     }
     let plan = plan.unwrap_or_else(|| skinny_plan(m, k, 2 * f));
     let (yp, xp, wp) = (ptr_mut(act, stream), ptr(x, stream), ptr(w_gate_up, stream));
-    skinny_launch(
-        OP,
-        gpu,
-        stream,
-        yp,
-        xp,
-        wp,
-        0,
+    // f outputs, each a gate row and the up row f rows after it
+    let call = SkinnyCall {
+        y: yp,
+        x: xp,
+        w: wp,
+        bias: 0,
         m,
         k,
-        f,
-        k,
-        f,
-        f,
-        Epilogue::SwiGlu,
-        plan,
-    )
+        n: f,
+        ldx: k,
+        ldy: f,
+        up_off: f,
+        epi: Epilogue::SwiGlu,
+    };
+    skinny_launch(OP, gpu, stream, call, plan)
 }
 
 /// Where the decode step's q|k|v projection puts its rotated keys and values: `k_cache` and
@@ -601,23 +615,21 @@ pub fn skinny_qkv_rope_bf16(
     };
     let bp = bias.map_or(0, |b| ptr(b, stream));
     let (yp, xp, wp) = (ptr_mut(qkv, stream), ptr(x, stream), ptr(w, stream));
-    skinny_launch(
-        OP,
-        gpu,
-        stream,
-        yp,
-        xp,
-        wp,
-        bp,
+    // n / 2 rotation pairs (i, i + head_dim / 2), each writing both of its outputs
+    let call = SkinnyCall {
+        y: yp,
+        x: xp,
+        w: wp,
+        bias: bp,
         m,
         k,
-        n / 2,
-        k,
-        n,
-        hd / 2,
-        Epilogue::Rope(rp),
-        plan,
-    )
+        n: n / 2,
+        ldx: k,
+        ldy: n,
+        up_off: hd / 2,
+        epi: Epilogue::Rope(rp),
+    };
+    skinny_launch(OP, gpu, stream, call, plan)
 }
 
 #[cfg(test)]
