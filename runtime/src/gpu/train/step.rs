@@ -650,9 +650,8 @@ struct LossInputs {
 /// [`LossInputs`] on the host, before [`LossHost::put`] stages them.
 struct LossHost {
     all_ref: bool,
-    /// Empty unless every response carries old log-probs.
-    old: Vec<f32>,
-    all_old: bool,
+    /// `None` unless every response carries old log-probs.
+    old: Option<Vec<f32>>,
     adv: Vec<f32>,
     refl: Vec<f32>,
     tables: LossTables,
@@ -667,7 +666,7 @@ impl LossHost {
         let all_old = groups
             .iter()
             .all(|g| g.responses.iter().all(|r| r.old_logp.is_some()));
-        let mut old = vec![0f32; if all_old { n_head } else { 0 }];
+        let mut old = all_old.then(|| vec![0f32; n_head]);
         let mut adv = vec![0f32; n_head];
         let mut refl = vec![0f32; if all_ref { n_head } else { 0 }];
         let mut loss_seqs: Vec<(usize, &[bool])> = Vec::new();
@@ -678,7 +677,7 @@ impl LossHost {
                     continue;
                 };
                 let rows = a..a + resp.tokens.len();
-                if let (true, Some(o)) = (all_old, resp.old_logp) {
+                if let (Some(old), Some(o)) = (old.as_mut(), resp.old_logp) {
                     old[rows.clone()].copy_from_slice(o);
                 }
                 adv[rows.clone()].copy_from_slice(resp.advantages);
@@ -692,7 +691,6 @@ impl LossHost {
         Ok(LossHost {
             all_ref,
             old,
-            all_old,
             adv,
             refl,
             tables,
@@ -702,7 +700,7 @@ impl LossHost {
     /// Staging bytes [`LossHost::put`] takes.
     fn bytes(&self) -> usize {
         let t = &self.tables;
-        staged_bytes(&self.old)
+        self.old.as_deref().map_or(0, staged_bytes)
             + staged_bytes(&self.adv)
             + staged_bytes(&self.refl)
             + staged_bytes(&t.seq)
@@ -715,10 +713,7 @@ impl LossHost {
         let t = &self.tables;
         Ok(LossInputs {
             all_ref: self.all_ref,
-            old: match self.all_old {
-                true => Some(up.put(gpu, &self.old)?),
-                false => None,
-            },
+            old: self.old.as_deref().map(|o| up.put(gpu, o)).transpose()?,
             adv: up.put(gpu, &self.adv)?,
             refl: up.put(gpu, &self.refl)?,
             seq: up.put(gpu, &t.seq)?,
