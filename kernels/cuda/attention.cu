@@ -445,28 +445,33 @@ attention_decode_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
 // The per-sample pass (per_sample = 1, group = per_block = 1, z = sample) runs the same
 // pipeline over one sample's logical keys [lo, p_len + k_len), lo = p_len when skip_prefix
 // (the group pass took the prefix) else 0, with the sample's r query heads as rows.
-// K/V tiles of 32 keys go through a block-wide 4-stage cp.async pipeline (3 tiles in flight);
-// every warp with rows runs S = Q K^T, the online softmax and O += P V over every tile. Partials
+// K/V tiles of GKT keys go through a block-wide GSTG-stage cp.async pipeline (GSTG - 1 tiles in
+// flight): 32 keys through 4 stages (attention_decode_grouped_bf16), or 64 keys through 2
+// (attention_decode_grouped_wide_bf16: half the tiles, so half the per-tile softmax and
+// barrier costs, for launches with enough blocks to cover the shallower pipeline; the same
+// shared memory). Every warp with rows runs S = Q K^T, the online softmax and O += P V over
+// every tile. Partials
 // go to slot split_base + split of total_splits; attention_decode_reduce_bf16 merges the slots.
 // One launch can hold both passes. The grid is one-dimensional and holds exactly the blocks
 // the passes need (no block returns at once): blocks [0, first_blocks) are the first pass's,
 // (split, kv head, z) with split fastest, then kv head; the rest the per-sample pass's, in the
 // same order with z = sample.
-#define GKT 32    // keys per tile
-#define GSTG 4    // pipeline stages
 #define GROW (HEAD_DIM + KPAD)
+#define GROUPED_ARGS                                                                          \
+    float *__restrict__ part_o, float *__restrict__ part_ml, const bf16 *__restrict__ q,      \
+        u32 q_stride, const bf16 *__restrict__ kc, const bf16 *__restrict__ vc, u32 kv_stride, \
+        const AttnSeq *__restrict__ seqs, u32 batch, u32 group_a, u32 per_block_a,             \
+        u32 n_heads, u32 n_kv, u32 chunk_a, u32 splits_a, u32 total_splits, float scale_log2,  \
+        u32 kv_rows, u32 per_sample_a, u32 skip_prefix_a, u32 split_base_a, u32 first_blocks,  \
+        u32 chunk_b, u32 splits_b, const u32 *__restrict__ group_starts
+#define GROUPED_PASS                                                                        \
+    part_o, part_ml, q, q_stride, kc, vc, kv_stride, seqs, batch, group_a, per_block_a,     \
+        n_heads, n_kv, chunk_a, splits_a, total_splits, scale_log2, kv_rows, per_sample_a,  \
+        skip_prefix_a, split_base_a, first_blocks, chunk_b, splits_b, group_starts
 
-extern "C" __global__ void __launch_bounds__(NT)
-attention_decode_grouped_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
-                              const bf16* __restrict__ q, u32 q_stride,
-                              const bf16* __restrict__ kc, const bf16* __restrict__ vc,
-                              u32 kv_stride, const AttnSeq* __restrict__ seqs, u32 batch,
-                              u32 group_a, u32 per_block_a, u32 n_heads, u32 n_kv, u32 chunk_a,
-                              u32 splits_a, u32 total_splits, float scale_log2, u32 kv_rows,
-                              u32 per_sample_a, u32 skip_prefix_a, u32 split_base_a,
-                              u32 first_blocks, u32 chunk_b, u32 splits_b,
-                              const u32* __restrict__ group_starts) {
-    pdl_wait();
+template <int GKT, int GSTG>
+__device__ __forceinline__ void grouped_decode(GROUPED_ARGS) {
+    static_assert(GSTG >= 2 && GKT % 16 == 0, "tiles of 16-key steps, at least two stages");
     // Blocks from first_blocks on run the per-sample pass behind a group pass in the same
     // launch (group = per_block = 1, own keys only, slots splits_a ..); the others the pass
     // the first parameters describe.
@@ -647,6 +652,16 @@ attention_decode_grouped_bf16(float* __restrict__ part_o, float* __restrict__ pa
             part_ml[pidx * 2 + 1] = half ? l_b : l_a;
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(NT) attention_decode_grouped_bf16(GROUPED_ARGS) {
+    pdl_wait();
+    grouped_decode<32, 4>(GROUPED_PASS);
+}
+extern "C" __global__ void __launch_bounds__(NT)
+attention_decode_grouped_wide_bf16(GROUPED_ARGS) {
+    pdl_wait();
+    grouped_decode<64, 2>(GROUPED_PASS);
 }
 #endif  // HEAD_DIM % 32 == 0
 

@@ -439,7 +439,11 @@ fn attention_decode_grouped_matches_cpu() {
             ),
             grouped_decode_plan(b, gsize, dims, 0, prefix_len + max_suffix),
         ];
-        for plan in plans {
+        // each cut in both tile forms (32-key tiles through 4 stages, 64 through 2)
+        for plan in plans
+            .into_iter()
+            .flat_map(|p| [p, GroupedDecodePlan { wide: !p.wide, ..p }])
+        {
             let label = format!("{dims:?} B{b} G{gsize} prefix {prefix_len} {plan:?}");
             grouped_against_cpu(g, &s, &case, dims, plan, None, &label);
         }
@@ -500,8 +504,17 @@ fn attention_decode_grouped_over_a_group_table_matches_cpu() {
         let plan = grouped_decode_plan_tabled(b, 8, sizes.len(), dims, prefix_len, max_suffix);
         assert!(plan.p_splits > 0, "{plan:?}: the group pass runs");
         assert_eq!(plan.groups, sizes.len());
-        let label = format!("tabled {dims:?} B{b} groups {sizes:?} prefix {prefix_len} {plan:?}");
-        grouped_against_cpu(g, &s, &case, dims, plan, Some(&table), &label);
+        for plan in [
+            plan,
+            GroupedDecodePlan {
+                wide: !plan.wide,
+                ..plan
+            },
+        ] {
+            let label =
+                format!("tabled {dims:?} B{b} groups {sizes:?} prefix {prefix_len} {plan:?}");
+            grouped_against_cpu(g, &s, &case, dims, plan, Some(&table), &label);
+        }
         let mut dout = poison_bf(&s, b * dims.q_width());
         let short = up(&s, &case.starts[..sizes.len()]);
         let mut ws = poison_f32(&s, plan.workspace_len());

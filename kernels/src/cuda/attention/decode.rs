@@ -267,6 +267,7 @@ pub fn attention_decode_bf16(
             total: plan.splits,
             scale_log2,
             starts: 0,
+            wide: false,
         };
         let a = (1, 1, b, plan.chunk, plan.splits);
         group_pass(OP, gpu, stream, &dims, &g, a, (1, 0, 0), None)?;
@@ -434,9 +435,12 @@ pub(super) struct GroupPass<'a> {
     pub(super) scale_log2: f32,
     /// The group table's device address (`attention_decode_grouped_bf16`'s `starts`), or 0.
     pub(super) starts: u64,
+    /// 64-key tiles through 2 stages (`attention_decode_grouped_wide_bf16`) instead of 32-key
+    /// tiles through 4 (`attention_decode_grouped_bf16`); the same shared memory.
+    pub(super) wide: bool,
 }
 
-/// One launch of `attention_decode_grouped_bf16`. `a`: (group, per_block, units (groups x
+/// One launch of `attention_decode_grouped_bf16` (or its wide form, `g.wide`). `a`: (group, per_block, units (groups x
 /// parts, or samples), chunk, splits); `mode`: (per_sample, skip_prefix, split_base). `then`:
 /// (chunk, splits) of a
 /// per-sample pass over every sample's own keys run by the same launch after the group pass
@@ -460,7 +464,13 @@ pub(super) fn group_pass(
         None => (first, (chunk, splits)),
     };
     let hd = dims.head_dim as u32;
-    let smem = (4 * 2 * 32 * (dims.head_dim + 8) * 2) as u32; // 4 stages of K + V, 32 keys
+    // stages x (K + V) tiles of padded rows: 4 x 32 keys or 2 x 64
+    let (name, stages, keys) = if g.wide {
+        ("attention_decode_grouped_wide_bf16", 2, 64)
+    } else {
+        ("attention_decode_grouped_bf16", 4, 32)
+    };
+    let smem = (stages * 2 * keys * (dims.head_dim + 8) * 2) as u32;
     let cfg = Grid {
         grid: (u32_of(op, "blocks", blocks)?, 1, 1),
         block: (128, 1, 1),
@@ -500,7 +510,7 @@ pub(super) fn group_pass(
             stream,
             &ATTENTION,
             &[("HEAD_DIM", hd)],
-            "attention_decode_grouped_bf16",
+            name,
             cfg,
             &[
                 &p.part_o,

@@ -22,7 +22,9 @@ use crate::cuda::{shape, Gpu, Result};
 /// query heads of one kv head: at most 64 MMA rows) over `p_chunk` prefix keys; the per-sample
 /// pass gives a block one sample's query heads of one kv head over `s_chunk` of its own keys
 /// (all its keys when there is no group pass); an ordered merge of the `p_splits + s_splits`
-/// slots ends it. A function of (batch, group, groups, dims, length hints) only.
+/// slots ends it. `wide`: both passes stream 64-key tiles through 2 stages instead of 32-key
+/// tiles through 4 ([`GROUPED_WIDE_MIN_BLOCKS`]). A function of (batch, group, groups, dims,
+/// length hints) only.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GroupedDecodePlan {
     pub batch: usize,
@@ -38,6 +40,7 @@ pub struct GroupedDecodePlan {
     pub p_chunk: usize,
     pub s_splits: usize,
     pub s_chunk: usize,
+    pub wide: bool,
 }
 
 impl GroupedDecodePlan {
@@ -46,6 +49,24 @@ impl GroupedDecodePlan {
         self.batch * self.num_heads * (self.p_splits + self.s_splits) * (self.head_dim + 2)
     }
 }
+
+/// The plan with `wide` set: a group pass runs and the launch has at least
+/// [`GROUPED_WIDE_MIN_BLOCKS`] blocks (the cuts measured; a per-sample pass alone, cut finely
+/// for a small batch, keeps the deeper pipeline).
+fn widened(mut plan: GroupedDecodePlan, dims: &AttnDims) -> GroupedDecodePlan {
+    let units = group_pass_units(plan.groups, plan.group, dims);
+    let blocks = plan.p_splits * units + plan.s_splits * plan.batch * dims.num_kv_heads;
+    plan.wide = plan.p_splits > 0 && blocks >= GROUPED_WIDE_MIN_BLOCKS;
+    plan
+}
+
+/// The fewest blocks a grouped launch with a group pass has for its passes to take 64-key tiles
+/// through 2 stages (the wide form) rather than 32-key tiles through 4: with fewer, the deeper
+/// pipeline keeps more bytes in flight for the few blocks an SM holds. At 3B dims, groups of 8 over a
+/// 1,226-key prefix and 256 own keys, the wide form took 1.083 against 1.25 ms over 36 layers
+/// at batch 128 (352 blocks), the same at batch 64 (176 blocks) and 5% longer at batch 32 (88
+/// blocks) (docs/perf.md, "Decode step").
+pub const GROUPED_WIDE_MIN_BLOCKS: usize = 264;
 
 /// The fewest (group part, kv head) units for which the group pass pays. With one group of 8
 /// at 3B / 7B dims (2 or 4 units) the per-sample pass won (0.40-0.45 ms against 0.68-0.71 ms
@@ -133,18 +154,22 @@ pub fn grouped_decode_plan_tabled(
     let own = max_prefix_len + max_suffix_len;
     let (s_splits, s_chunk) =
         pipelined_split(batch * dims.num_kv_heads, own, 32, dims.heads_per_kv());
-    GroupedDecodePlan {
-        batch,
-        group,
-        groups,
-        per_block: group_block_samples(group, &dims),
-        num_heads: dims.num_heads,
-        head_dim: dims.head_dim,
-        p_splits: 0,
-        p_chunk: 32,
-        s_splits,
-        s_chunk,
-    }
+    widened(
+        GroupedDecodePlan {
+            batch,
+            group,
+            groups,
+            per_block: group_block_samples(group, &dims),
+            num_heads: dims.num_heads,
+            head_dim: dims.head_dim,
+            p_splits: 0,
+            p_chunk: 32,
+            s_splits,
+            s_chunk,
+            wide: false,
+        },
+        &dims,
+    )
 }
 
 /// A grouped plan aiming at `target_blocks` blocks per pass, always with a group pass when
@@ -217,18 +242,22 @@ fn plan_for_targets(
         )
     };
     let (s_splits, s_chunk) = split(s_target, batch * dims.num_kv_heads, max_suffix_len);
-    GroupedDecodePlan {
-        batch,
-        group,
-        groups,
-        per_block: group_block_samples(group, &dims),
-        num_heads: dims.num_heads,
-        head_dim: dims.head_dim,
-        p_splits,
-        p_chunk,
-        s_splits,
-        s_chunk,
-    }
+    widened(
+        GroupedDecodePlan {
+            batch,
+            group,
+            groups,
+            per_block: group_block_samples(group, &dims),
+            num_heads: dims.num_heads,
+            head_dim: dims.head_dim,
+            p_splits,
+            p_chunk,
+            s_splits,
+            s_chunk,
+            wide: false,
+        },
+        &dims,
+    )
 }
 
 /// Decode attention with each GRPO group's shared prefix read once per group (the CPU twin is
@@ -352,6 +381,7 @@ pub fn attention_decode_grouped_bf16(
         total,
         scale_log2,
         starts: starts_p,
+        wide: plan.wide,
     };
     // 1. the group pass over the shared prefixes (slots 0..p_splits) and, in the same launch,
     // every sample's own keys (slots p_splits..total); without a group pass, every sample's
@@ -446,5 +476,27 @@ mod plan_tests {
         assert_eq!((tabled.p_splits, tabled.groups), (0, 8), "{tabled:?}");
         // groups never exceed the rows
         assert_eq!(grouped_decode_plan_tabled(4, 8, 16, d, 1226, 512).groups, 4);
+    }
+
+    /// The wide tiles from GROUPED_WIDE_MIN_BLOCKS blocks: at 3B dims, groups of 8 over a
+    /// 1,226-key prefix and 256 own keys, batch 128 launches 3 x 32 group-pass and 256
+    /// per-sample blocks; batch 64 half as many.
+    #[test]
+    fn wide_tiles_from_enough_blocks() {
+        let d = dims(16, 2);
+        let p = grouped_decode_plan(128, 8, d, 1226, 256);
+        assert_eq!((p.p_splits, p.s_splits), (3, 1), "{p:?}");
+        assert!(p.wide, "{p:?}");
+        for b in [64, 32, 8] {
+            let p = grouped_decode_plan(b, 8, d, 1226, 256);
+            assert!(!p.wide, "{p:?}");
+        }
+        // without a group pass, however many blocks: the deeper pipeline
+        for (b, prefix) in [(128, 0), (8, 1226)] {
+            let p = grouped_decode_plan(b, 8, d, prefix, 1500);
+            assert_eq!(p.p_splits, 0);
+            assert!(p.s_splits * b * 2 >= GROUPED_WIDE_MIN_BLOCKS, "{p:?}");
+            assert!(!p.wide, "{p:?}");
+        }
     }
 }
