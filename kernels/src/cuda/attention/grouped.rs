@@ -50,14 +50,32 @@ impl GroupedDecodePlan {
     }
 }
 
-/// The plan with `wide` set: a group pass runs and the launch has at least
-/// [`GROUPED_WIDE_MIN_BLOCKS`] blocks (the cuts measured; a per-sample pass alone, cut finely
-/// for a small batch, keeps the deeper pipeline).
-fn widened(mut plan: GroupedDecodePlan, dims: &AttnDims) -> GroupedDecodePlan {
-    let units = group_pass_units(plan.groups, plan.group, dims);
-    let blocks = plan.p_splits * units + plan.s_splits * plan.batch * dims.num_kv_heads;
-    plan.wide = plan.p_splits > 0 && blocks >= GROUPED_WIDE_MIN_BLOCKS;
-    plan
+/// The plan of a cut: the group pass's (splits, chunk) and the per-sample pass's, with `wide`
+/// set when a group pass runs and the launch has at least [`GROUPED_WIDE_MIN_BLOCKS`] blocks
+/// (the cuts measured; a per-sample pass alone, cut finely for a small batch, keeps the deeper
+/// pipeline).
+fn cut(
+    batch: usize,
+    (group, groups): (usize, usize),
+    dims: &AttnDims,
+    (p_splits, p_chunk): (usize, usize),
+    (s_splits, s_chunk): (usize, usize),
+) -> GroupedDecodePlan {
+    let blocks =
+        p_splits * group_pass_units(groups, group, dims) + s_splits * batch * dims.num_kv_heads;
+    GroupedDecodePlan {
+        batch,
+        group,
+        groups,
+        per_block: group_block_samples(group, dims),
+        num_heads: dims.num_heads,
+        head_dim: dims.head_dim,
+        p_splits,
+        p_chunk,
+        s_splits,
+        s_chunk,
+        wide: p_splits > 0 && blocks >= GROUPED_WIDE_MIN_BLOCKS,
+    }
 }
 
 /// The fewest blocks a grouped launch with a group pass has for its passes to take 64-key tiles
@@ -154,22 +172,7 @@ pub fn grouped_decode_plan_tabled(
     let own = max_prefix_len + max_suffix_len;
     let (s_splits, s_chunk) =
         pipelined_split(batch * dims.num_kv_heads, own, 32, dims.heads_per_kv());
-    widened(
-        GroupedDecodePlan {
-            batch,
-            group,
-            groups,
-            per_block: group_block_samples(group, &dims),
-            num_heads: dims.num_heads,
-            head_dim: dims.head_dim,
-            p_splits: 0,
-            p_chunk: 32,
-            s_splits,
-            s_chunk,
-            wide: false,
-        },
-        &dims,
-    )
+    cut(batch, (group, groups), &dims, (0, 32), (s_splits, s_chunk))
 }
 
 /// A grouped plan aiming at `target_blocks` blocks per pass, always with a group pass when
@@ -242,21 +245,12 @@ fn plan_for_targets(
         )
     };
     let (s_splits, s_chunk) = split(s_target, batch * dims.num_kv_heads, max_suffix_len);
-    widened(
-        GroupedDecodePlan {
-            batch,
-            group,
-            groups,
-            per_block: group_block_samples(group, &dims),
-            num_heads: dims.num_heads,
-            head_dim: dims.head_dim,
-            p_splits,
-            p_chunk,
-            s_splits,
-            s_chunk,
-            wide: false,
-        },
+    cut(
+        batch,
+        (group, groups),
         &dims,
+        (p_splits, p_chunk),
+        (s_splits, s_chunk),
     )
 }
 
