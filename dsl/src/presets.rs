@@ -1,7 +1,10 @@
 //! Built-in GPU and model presets.
 //!
-//! GPU numbers are datasheet values (dense bf16 tensor-core rate, HBM capacity and bandwidth,
-//! NVLink per direction); host bandwidth is what PCIe delivers in practice (Gen5 x16: ~55 GB/s,
+//! GPU numbers are datasheet values (dense bf16 tensor-core rate, HBM bandwidth, NVLink per
+//! direction), except the H200's and H100's HBM capacity: what the driver reports as the
+//! device's total (`cuMemGetInfo`; 143,771 MiB on an H200, 79.2 GiB on an H100 80GB HBM3,
+//! where the datasheet's 80 GiB let the planner place plans of 79.6-79.8 GiB that the runtime
+//! then refused). Host bandwidth is what PCIe delivers in practice (Gen5 x16: ~55 GB/s,
 //! Gen4 x16: ~25 GB/s); InfiniBand is one 400 Gb/s NIC per GPU (HDR 200 Gb/s on A100 systems).
 //! The `cpu` preset is not a measurement: it is a nominal device that lets the planner run for
 //! the CPU backend, whose timings nobody plans by; override any field in the `gpu` section.
@@ -74,7 +77,7 @@ pub fn gpu(name: &str) -> Option<GpuPreset> {
             "H100",
             132,
             8,
-            80 * GIB,
+            81_100 * MIB,
             3.35e12,
             989e12,
             55e9,
