@@ -450,8 +450,8 @@ attention_decode_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
 // (attention_decode_grouped_wide_bf16: half the tiles, so half the per-tile softmax and
 // barrier costs, for launches with enough blocks to cover the shallower pipeline; the same
 // shared memory). Every warp with rows runs S = Q K^T, the online softmax and O += P V over
-// every tile. Partials
-// go to slot split_base + split of total_splits; attention_decode_reduce_bf16 merges the slots.
+// every tile. Partials go to slot split_base + split of total_splits;
+// attention_decode_reduce_bf16 merges the slots.
 // One launch can hold both passes. The grid is one-dimensional and holds exactly the blocks
 // the passes need (no block returns at once): blocks [0, first_blocks) are the first pass's,
 // (split, kv head, z) with split fastest, then kv head; the rest the per-sample pass's, in the

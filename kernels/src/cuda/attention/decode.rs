@@ -440,11 +440,10 @@ pub(super) struct GroupPass<'a> {
     pub(super) wide: bool,
 }
 
-/// One launch of `attention_decode_grouped_bf16` (or its wide form, `g.wide`). `a`: (group, per_block, units (groups x
-/// parts, or samples), chunk, splits); `mode`: (per_sample, skip_prefix, split_base). `then`:
-/// (chunk, splits) of a
-/// per-sample pass over every sample's own keys run by the same launch after the group pass
-/// `a` describes (`splits * n_kv * batch` more blocks, slots from `a`'s splits on). The grid
+/// One launch of `attention_decode_grouped_bf16` (or its wide form, `g.wide`). `a`: (group,
+/// per_block, units (groups x parts, or samples), chunk, splits); `mode`: (per_sample,
+/// skip_prefix, split_base). `then`: (chunk, splits) of a per-sample pass over every sample's
+/// own keys run by the same launch after the group pass `a` describes (`splits * n_kv * batch` more blocks, slots from `a`'s splits on). The grid
 /// holds exactly the blocks both passes need.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn group_pass(

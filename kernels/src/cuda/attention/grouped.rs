@@ -80,10 +80,10 @@ fn cut(
 
 /// The fewest blocks a grouped launch with a group pass has for its passes to take 64-key tiles
 /// through 2 stages (the wide form) rather than 32-key tiles through 4: with fewer, the deeper
-/// pipeline keeps more bytes in flight for the few blocks an SM holds. At 3B dims, groups of 8 over a
-/// 1,226-key prefix and 256 own keys, the wide form took 1.083 against 1.25 ms over 36 layers
-/// at batch 128 (352 blocks), the same at batch 64 (176 blocks) and 5% longer at batch 32 (88
-/// blocks) (docs/perf.md, "Decode step").
+/// pipeline keeps more bytes in flight for the few blocks an SM holds. At 3B dims, groups of 8
+/// over a 1,226-key prefix and 256 own keys, the wide form took 1.108 against 1.262 ms over 36
+/// layers at batch 128 (352 blocks); a build taking it at every batch measured the same at
+/// batch 64 (176 blocks) and 5% longer at batch 32 (88 blocks) (docs/perf.md, "Decode step").
 pub const GROUPED_WIDE_MIN_BLOCKS: usize = 264;
 
 /// The fewest (group part, kv head) units for which the group pass pays. With one group of 8
