@@ -457,13 +457,15 @@ attention_decode_bf16(float* __restrict__ part_o, float* __restrict__ part_ml,
 // (split, kv head, z) with split fastest, then kv head; the rest the per-sample pass's, in the
 // same order with z = sample.
 #define GROW (HEAD_DIM + KPAD)
-#define GROUPED_ARGS                                                                          \
-    float *__restrict__ part_o, float *__restrict__ part_ml, const bf16 *__restrict__ q,      \
-        u32 q_stride, const bf16 *__restrict__ kc, const bf16 *__restrict__ vc, u32 kv_stride, \
-        const AttnSeq *__restrict__ seqs, u32 batch, u32 group_a, u32 per_block_a,             \
-        u32 n_heads, u32 n_kv, u32 chunk_a, u32 splits_a, u32 total_splits, float scale_log2,  \
-        u32 kv_rows, u32 per_sample_a, u32 skip_prefix_a, u32 split_base_a, u32 first_blocks,  \
-        u32 chunk_b, u32 splits_b, const u32 *__restrict__ group_starts
+// The grouped kernels' parameters (GROUPED_ARGS) and the same names passed on (GROUPED_PASS).
+#define GROUPED_ARGS                                                                        \
+    float* __restrict__ part_o, float* __restrict__ part_ml, const bf16* __restrict__ q,    \
+        u32 q_stride, const bf16* __restrict__ kc, const bf16* __restrict__ vc,             \
+        u32 kv_stride, const AttnSeq* __restrict__ seqs, u32 batch, u32 group_a,            \
+        u32 per_block_a, u32 n_heads, u32 n_kv, u32 chunk_a, u32 splits_a, u32 total_splits, \
+        float scale_log2, u32 kv_rows, u32 per_sample_a, u32 skip_prefix_a,                 \
+        u32 split_base_a, u32 first_blocks, u32 chunk_b, u32 splits_b,                      \
+        const u32* __restrict__ group_starts
 #define GROUPED_PASS                                                                        \
     part_o, part_ml, q, q_stride, kc, vc, kv_stride, seqs, batch, group_a, per_block_a,     \
         n_heads, n_kv, chunk_a, splits_a, total_splits, scale_log2, kv_rows, per_sample_a,  \
@@ -654,6 +656,7 @@ __device__ __forceinline__ void grouped_decode(GROUPED_ARGS) {
     }
 }
 
+// The two tile forms; the launcher (group_pass) sizes their shared memory from the same shapes.
 extern "C" __global__ void __launch_bounds__(NT) attention_decode_grouped_bf16(GROUPED_ARGS) {
     pdl_wait();
     grouped_decode<32, 4>(GROUPED_PASS);

@@ -443,8 +443,9 @@ pub(super) struct GroupPass<'a> {
 /// One launch of `attention_decode_grouped_bf16` (or its wide form, `g.wide`). `a`: (group,
 /// per_block, units (groups x parts, or samples), chunk, splits); `mode`: (per_sample,
 /// skip_prefix, split_base). `then`: (chunk, splits) of a per-sample pass over every sample's
-/// own keys run by the same launch after the group pass `a` describes (`splits * n_kv * batch` more blocks, slots from `a`'s splits on). The grid
-/// holds exactly the blocks both passes need.
+/// own keys run by the same launch after the group pass `a` describes (`splits * n_kv * batch`
+/// more blocks, slots from `a`'s splits on). The grid holds exactly the blocks both passes
+/// need.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn group_pass(
     op: &'static str,
@@ -463,7 +464,7 @@ pub(super) fn group_pass(
         None => (first, (chunk, splits)),
     };
     let hd = dims.head_dim as u32;
-    // stages x (K + V) tiles of padded rows: 4 x 32 keys or 2 x 64
+    // stages x (K + V) tiles of padded rows: the kernels' instantiations, 4 x 32 keys or 2 x 64
     let (name, stages, keys) = if g.wide {
         ("attention_decode_grouped_wide_bf16", 2, 64)
     } else {
