@@ -61,6 +61,7 @@ pub(crate) const PDL_KERNELS: &[&str] = &[
     "attention_decode_simt_bf16",
     "attention_decode_bf16",
     "attention_decode_grouped_bf16",
+    "attention_decode_grouped_wide_bf16",
     "attention_decode_reduce_bf16",
     "gemv_bf16",
     "gemv_tma_bf16",
@@ -305,5 +306,79 @@ mod tests {
                 "{addr:#x} {rows}x{cols} ld {ld} box {bc}x{br}"
             );
         }
+    }
+
+    /// The kernels whose body calls `pdl_wait()`, read from every CUDA source of the crate:
+    /// exactly those of [`PDL_KERNELS`] (one named there without the call would race the kernel
+    /// ahead of it; one calling it but not named would lose its early scheduling).
+    #[test]
+    fn pdl_kernels_are_those_that_wait() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("cuda");
+        let mut waiting = Vec::new();
+        let mut kernels = 0;
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let path = e.unwrap().path();
+            if path.extension().is_none_or(|x| x != "cu") {
+                continue;
+            }
+            let src = std::fs::read_to_string(&path).unwrap();
+            for (name, body) in kernel_bodies(&src) {
+                kernels += 1;
+                if body.contains("pdl_wait()") {
+                    waiting.push(name.to_string());
+                }
+            }
+        }
+        assert!(
+            kernels > 40,
+            "found only {kernels} kernels: the parser lost its way"
+        );
+        waiting.sort_unstable();
+        let mut named: Vec<String> = PDL_KERNELS.iter().map(|k| k.to_string()).collect();
+        named.sort_unstable();
+        assert_eq!(waiting, named);
+    }
+
+    /// (name, body) of every `extern "C" __global__` function in a CUDA source: the name is the
+    /// identifier before the parameter list (past `__launch_bounds__(..)`), the body the text
+    /// between its braces.
+    fn kernel_bodies(src: &str) -> Vec<(&str, &str)> {
+        let b = src.as_bytes();
+        // the index just past the bracket matching the opening one at `open`
+        let matching = |open: usize, (l, r): (u8, u8)| {
+            let mut depth = 0;
+            for (i, &c) in b.iter().enumerate().skip(open) {
+                if c == l {
+                    depth += 1;
+                } else if c == r {
+                    depth -= 1;
+                    if depth == 0 {
+                        return i + 1;
+                    }
+                }
+            }
+            panic!("unbalanced {} at byte {open}", l as char);
+        };
+        let mut out = Vec::new();
+        let mut at = 0;
+        while let Some(k) = src[at..].find("extern \"C\" __global__") {
+            let mut i = at + k;
+            let name = loop {
+                let open = i + src[i..].find('(').expect("a parameter list");
+                let ident = src[..open].trim_end();
+                let start = ident
+                    .rfind(|c: char| !(c.is_alphanumeric() || c == '_'))
+                    .map_or(0, |p| p + 1);
+                i = matching(open, (b'(', b')'));
+                if &ident[start..] != "__launch_bounds__" {
+                    break &ident[start..];
+                }
+            };
+            let open = i + src[i..].find('{').expect("a body");
+            let close = matching(open, (b'{', b'}'));
+            out.push((name, &src[open + 1..close - 1]));
+            at = close;
+        }
+        out
     }
 }
