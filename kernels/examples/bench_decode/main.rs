@@ -57,6 +57,7 @@ use rollplex_kernels::cuda::gemm::{
     skinny_plan_with, skinny_qkv_rope_bf16, skinny_qkv_rope_plan, SkinnyPlan, LT_RANKS,
     SKINNY_SYNC_MAX_M,
 };
+use rollplex_kernels::cuda::green::Priority;
 use rollplex_kernels::cuda::pointwise::add_fwd_bf16_inplace;
 use rollplex_kernels::cuda::*;
 
@@ -295,6 +296,15 @@ fn main() -> Res<()> {
         }
         args.drain(i..i + 2);
     }
+    // --sms 64: every step and part on a high-priority green partition of (about) that many
+    // SMs, as a decode window of an overlap plan gives decode (the copy ceiling stays the whole
+    // GPU's)
+    let mut sms: Option<u32> = None;
+    if let Some(i) = args.iter().position(|a| a == "--sms") {
+        let n = args.get(i + 1).ok_or("--sms needs a count such as 64")?;
+        sms = Some(n.parse().map_err(|e| format!("--sms {n}: {e}"))?);
+        args.drain(i..i + 2);
+    }
     for a in &args {
         if ![
             "--unfused",
@@ -305,7 +315,7 @@ fn main() -> Res<()> {
         ]
         .contains(&a.as_str())
         {
-            return Err(format!("unknown flag {a}; flags: --unfused (separate add/norm and rope/append kernels), --simt (the SIMT decode attention instead of the warp-split one in the base and gemm variants), --no-sweep (skip the GEMM comparison), --gemm-sweep (only the GEMM kinds at m = 128..16, every skinny cut), --gemm-rows M,N (the sweep's rows), --attn-lens P,O (the attention sweep's prefix and own keys), --variants V,W (base, gemm, new, shared, forced), --cases I,J (rows of the case table: 0-3 3B/7B at B 64/8 unshared, 4-7 the same with G8 prefixes of 1792, 8-9 3B B 32/128 with G8 prefixes)").into());
+            return Err(format!("unknown flag {a}; flags: --unfused (separate add/norm and rope/append kernels), --simt (the SIMT decode attention instead of the warp-split one in the base and gemm variants), --no-sweep (skip the GEMM comparison), --gemm-sweep (only the GEMM kinds at m = 128..16, every skinny cut), --gemm-rows M,N (the sweep's rows), --attn-lens P,O (the attention sweep's prefix and own keys), --variants V,W (base, gemm, new, shared, forced), --sms N (on a partition of N SMs), --cases I,J (rows of the case table: 0-3 3B/7B at B 64/8 unshared, 4-7 the same with G8 prefixes of 1792, 8-9 3B B 32/128 with G8 prefixes)").into());
         }
     }
     let unfused = args.iter().any(|a| a == "--unfused");
@@ -325,6 +335,22 @@ fn main() -> Res<()> {
         g.name(),
         g.sm_count()
     );
+    // kept alive while its partition's stream is in use
+    let set = sms.map(|_| StreamSet::new(&g)).transpose()?;
+    let s = match (&set, sms) {
+        (Some(set), Some(n)) => {
+            let p = set.partition(n, Priority::High)?;
+            g.prepare_stream(&p)?;
+            println!(
+                "on a partition of {} SMs ({} asked; green contexts: {})",
+                set.granted(n, Priority::High)?,
+                n,
+                set.green()
+            );
+            p
+        }
+        _ => s,
+    };
     if args.iter().any(|a| a == "--gemm-sweep") {
         return gemm_sweep(&g, &s, ceiling, &sweep_rows);
     }
