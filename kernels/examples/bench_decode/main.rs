@@ -35,6 +35,9 @@
 //! chosen cases (`--cases`) under each pair of block targets for its two passes and, per pass,
 //! each chunk of 128-512 keys (`--attn-lens P,O`: a prefix of P keys and O own keys a sample).
 //!
+//! `--sms N`: every graph on a high-priority green partition of about N SMs (what an overlap
+//! plan's decode window gets beside its side work; the copy ceiling stays the whole GPU's).
+//!
 //! Run: `cargo run --release -p rollplex-kernels --example bench_decode` (needs a GPU).
 //! Each layer has its own weights (random bf16, never zeros) and its own KV cache, so every byte
 //! is real HBM traffic. Per step: embedding gather, 36/28 x (rmsnorm, qkv GEMM + bias, rope, KV
