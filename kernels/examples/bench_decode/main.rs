@@ -338,21 +338,21 @@ fn main() -> Res<()> {
         g.name(),
         g.sm_count()
     );
-    // kept alive while its partition's stream is in use
-    let set = sms.map(|_| StreamSet::new(&g)).transpose()?;
-    let s = match (&set, sms) {
-        (Some(set), Some(n)) => {
+    // the set stays alive while its partition's stream is in use
+    let mut set = None;
+    let s = match sms {
+        Some(n) => {
+            let set = set.insert(StreamSet::new(&g)?);
             let p = set.partition(n, Priority::High)?;
             g.prepare_stream(&p)?;
             println!(
-                "on a partition of {} SMs ({} asked; green contexts: {})",
+                "on a partition of {} SMs ({n} asked; green contexts: {})",
                 set.granted(n, Priority::High)?,
-                n,
                 set.green()
             );
             p
         }
-        _ => s,
+        None => s,
     };
     if args.iter().any(|a| a == "--gemm-sweep") {
         return gemm_sweep(&g, &s, ceiling, &sweep_rows);
