@@ -16,7 +16,7 @@
 //! | `kv.response` | n g R x KV/token / rollout TP | prefill, decode | decode |
 //! | `samples` | n g R x 4 (token ids, lengths, slot table) | prefill, decode | tail tasks |
 //! | `ref_prefix_kv`, `old_prefix_kv` | c n P x KV/token / train TP | prefixes | suffixes |
-//! | `train_prefix.sS` | c n P x kept bytes/token (+ n x the vision inputs kept when the tower or merger trains) | actor prefix of step S | its micro-batches |
+//! | `train_prefix.sS` | c n P x kept bytes/token (+ n x the vision inputs kept when the tower or merger trains) | actor prefix of step S (step 0: the prefill, where it keeps the training forward) | its micro-batches |
 //! | `ref_logprobs`, `old_logprobs` | n g R x 4 | suffixes | micro-batches |
 //! | `scalars` | n g x 8 (rewards, advantages) | reward, advantages | micro-batches |
 //!
@@ -42,7 +42,9 @@ use crate::shapes::{
     kept_act_bytes_per_token, kept_act_bytes_per_token_layer, transient_bytes_per_token,
 };
 use rollplex_plan::spec::{MediaSpec, Mode};
-use rollplex_plan::{placed_bytes, BufferRole, GpuId, OldLogProbSource, Op, Purpose};
+use rollplex_plan::{
+    placed_bytes, BufferRole, GpuId, OldLogProbSource, Op, Purpose, TrainPrefixSource,
+};
 
 /// Parameter tensors of the actor at most: twelve per vision block and text layer (two norms,
 /// the attention's and the MLP's weights and biases) and the embeddings, patch embedding,
@@ -112,6 +114,7 @@ pub fn assign(pg: &mut PhaseGraph) {
     let params = sh.params.total();
     let trainable = sh.trainable_params;
     let batch = pg.topo.batch;
+    let prefill_trains = batch.train_prefix == TrainPrefixSource::Rollout;
     // kept prompt forwards keep each layer's input and K/V (the prompt rows are recomputed)
     let kept_tok = kept_act_bytes_per_token(&spec.actor, 1, 0) / ttp + kv / ttp;
     let mut t = Table { bufs: Vec::new() };
@@ -476,6 +479,13 @@ pub fn assign(pg: &mut PhaseGraph) {
                 writes.extend([kv_prompt, kv_resp, samples]);
                 let tok = groups.len() as u64 * *copies as u64 * p;
                 scratch = tok * trans_r + groups.len() as u64 * g * vocab * 4 / rtp;
+                if prefill_trains {
+                    // the training forward of the prompt, kept for step 0 (one layer's full
+                    // activations at a time)
+                    reads.push(actor_w);
+                    writes.push(train_prefix[0]);
+                    scratch = scratch.max(tok * (trans_t + kept_full));
+                }
             }
             Op::DecodeWindow { .. } => {
                 reads.extend(&rollout_w);

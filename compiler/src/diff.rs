@@ -13,7 +13,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use rollplex_plan::{Buffer, OldLogProbSource, Plan, Residency, Task};
+use rollplex_plan::{Buffer, OldLogProbSource, Plan, Residency, Task, TrainPrefixSource};
 use similar::TextDiff;
 
 /// Entries listed per category before "... and N more".
@@ -106,6 +106,18 @@ pub fn summarize(a: &Plan, b: &Plan) -> String {
             "old log-probs: {} -> {}",
             source(a.old_logprobs),
             source(b.old_logprobs)
+        );
+    }
+    if a.train_prefix != b.train_prefix {
+        let source = |s: TrainPrefixSource| match s {
+            TrainPrefixSource::Pass => "their own pass",
+            TrainPrefixSource::Rollout => "the rollout's prefill",
+        };
+        let _ = writeln!(
+            out,
+            "training prompt forwards: {} -> {}",
+            source(a.train_prefix),
+            source(b.train_prefix)
         );
     }
     if a.kept_act_layers != b.kept_act_layers {
@@ -485,6 +497,7 @@ mod tests {
                 group_size: 2,
             },
             old_logprobs: OldLogProbSource::TrainForward,
+            train_prefix: TrainPrefixSource::Rollout,
             kept_act_layers: 0,
             predicted: Predicted {
                 iteration_s: 1.5,

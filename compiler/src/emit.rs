@@ -239,6 +239,7 @@ pub fn emit(pg: &PhaseGraph, s: &Sched, cost: &CostModel, solver: SolverStats) -
         mode: pg.topo.mode,
         parallel: pg.topo.parallel.clone(),
         old_logprobs: pg.topo.batch.old_logprobs,
+        train_prefix: pg.topo.batch.train_prefix,
         kept_act_layers: pg.kept_layers,
         predicted: Predicted {
             iteration_s: round_s(s.makespan()),

@@ -12,7 +12,9 @@
 //! program): reference prefix chunks (by prompt); actor prefix chunks by prompt: old log-probs
 //! when the plan has an old-log-prob pass (`topology::old_logprobs`: several optimizer steps,
 //! truncated importance sampling, or asked for), and the first step's forward with grad when the
-//! iteration takes one step; per completion slot the reference suffix, the old-log-prob suffix
+//! iteration takes one step and the rollout's prefill does not keep it (`topology::train_prefix`:
+//! where it is the same forward, the prefill tasks keep it and the micro-batches depend on
+//! them); per completion slot the reference suffix, the old-log-prob suffix
 //! (with the pass), reward and advantages; per
 //! optimizer step its micro-batches (samples in training-slot order, accumulated in index
 //! order) and the step itself; prefixes of later steps are recomputed after the previous step (the
@@ -45,7 +47,9 @@ use crate::workload::Workload;
 use petgraph::graph::DiGraph;
 use rollplex_plan::spec::{AdvantageEstimator, JobSpec, Mode};
 use rollplex_plan::work::{Work, WorkKind, WorkPart};
-use rollplex_plan::{GpuId, Groups, OldLogProbSource, Op, Phase, Purpose, ReshardWhat, Span};
+use rollplex_plan::{
+    GpuId, Groups, OldLogProbSource, Op, Phase, Purpose, ReshardWhat, Span, TrainPrefixSource,
+};
 
 /// Prefix work is batched into tasks of about this many prompt tokens (large enough for
 /// efficient GEMMs, small enough to pack into decode windows).
@@ -165,6 +169,8 @@ pub fn lower(spec: &JobSpec, topo: Topology, kept_layers: u32) -> Result<PhaseGr
     // the share of the suffix's layers whose forward backward runs again
     let recomputed = (text_layers - kept_layers) as f64 / text_layers as f64;
     let old_pass = batch.old_logprobs == OldLogProbSource::Pass;
+    // the rollout's prefill keeps the training prompt forwards (`topology::train_prefix`)
+    let prefill_trains = batch.train_prefix == TrainPrefixSource::Rollout;
     let items = shapes.media_items as f64;
     let (rg, tg) = (topo.rollout_gpu, topo.train_gpu);
 
@@ -390,7 +396,7 @@ pub fn lower(spec: &JobSpec, topo: Topology, kept_layers: u32) -> Result<PhaseGr
                 &deps,
             ));
         }
-        if !multi_step {
+        if !multi_step && !prefill_trains {
             let item = train_prefix0.len() as u32;
             train_prefix0.push(b.add(
                 format!("train_prefix[{s}]"),
@@ -605,6 +611,8 @@ pub fn lower(spec: &JobSpec, topo: Topology, kept_layers: u32) -> Result<PhaseGr
                         .filter(|(sp, _)| sp.start < covered.end && covered.start < sp.end)
                         .map(|(_, id)| *id),
                 );
+            } else if prefill_trains {
+                deps.extend(&prefills);
             } else {
                 deps.extend(&train_prefix0);
             }

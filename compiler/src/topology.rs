@@ -15,7 +15,7 @@
 
 use crate::error::{CompileError, Result};
 use rollplex_plan::spec::{JobSpec, Mode, OldLogProbPass};
-use rollplex_plan::{Gpu, GpuId, GpuRole, OldLogProbSource, Parallelism};
+use rollplex_plan::{Gpu, GpuId, GpuRole, OldLogProbSource, Parallelism, TrainPrefixSource};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct Topology {
@@ -44,6 +44,8 @@ pub struct Batch {
     pub micro_per_step: u32,
     /// Whether the old log-probs get a pass of their own ([`old_logprobs`]).
     pub old_logprobs: OldLogProbSource,
+    /// Where the kept prompt forwards of training come from ([`train_prefix`]).
+    pub train_prefix: TrainPrefixSource,
 }
 
 /// Where the loss's old log-probs come from. The pass is redundant, and left out under
@@ -57,6 +59,27 @@ pub fn old_logprobs(spec: &JobSpec, steps: u32) -> OldLogProbSource {
     match spec.train.old_logprobs {
         OldLogProbPass::Auto if redundant => OldLogProbSource::TrainForward,
         OldLogProbPass::Auto | OldLogProbPass::Recompute => OldLogProbSource::Pass,
+    }
+}
+
+/// Where the micro-batches' kept prompt forwards come from. The training layout's pass is
+/// redundant, and left out, when it would redo the rollout's prefill: colocated, the same TP
+/// degree and replicas for both (so a rollout replica prefills the groups its training replica
+/// trains, in the same layout), one optimizer step per iteration (the rollout's weights are
+/// the trained ones), every scored group trained, and nothing of the media's encoding to keep
+/// for backward (a frozen tower and merger, or no media). The prefill then runs the training
+/// forward of each group's prompt and keeps it; decode reads its keys, values and logits.
+pub fn train_prefix(
+    spec: &JobSpec,
+    mode: Mode,
+    par: &Parallelism,
+    steps: u32,
+) -> TrainPrefixSource {
+    let colocated = mode != Mode::Disaggregated;
+    if TrainPrefixSource::why_not_rollout(spec, colocated, par, steps).is_empty() {
+        TrainPrefixSource::Rollout
+    } else {
+        TrainPrefixSource::Pass
     }
 }
 
@@ -285,18 +308,18 @@ fn build(
         ));
     }
     let steps = steps_per_epoch * spec.train.epochs;
+    let parallel = Parallelism {
+        rollout_tp: spec.rollout.tp,
+        train_tp: spec.train.tp,
+        rollout_replicas,
+        train_replicas,
+        prompts_per_rollout_replica: prompts / rollout_replicas,
+        prompts_per_train_replica: prompts / train_replicas,
+        trained_groups_per_train_replica: trained / train_replicas,
+        group_size: g,
+    };
     Ok(Topology {
         mode,
-        parallel: Parallelism {
-            rollout_tp: spec.rollout.tp,
-            train_tp: spec.train.tp,
-            rollout_replicas,
-            train_replicas,
-            prompts_per_rollout_replica: prompts / rollout_replicas,
-            prompts_per_train_replica: prompts / train_replicas,
-            trained_groups_per_train_replica: trained / train_replicas,
-            group_size: g,
-        },
         gpus,
         rollout_gpu,
         train_gpu,
@@ -308,14 +331,70 @@ fn build(
             steps,
             micro_per_step: mini / micro,
             old_logprobs: old_logprobs(spec, steps),
+            train_prefix: train_prefix(spec, mode, &parallel, steps),
         },
+        parallel,
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fixtures::{paper_job, QwenSize};
+    use crate::fixtures::{job, paper_job, QwenSize};
+
+    /// The rollout's prefill keeps the training prompt forwards only where it is that forward:
+    /// colocated, one layout, one optimizer step, every group trained, nothing of the media's
+    /// encoding to keep for backward.
+    #[test]
+    fn prefill_keeps_the_training_prompt_forwards_only_where_it_is_that_forward() {
+        let source = |spec: &JobSpec, mode: Mode| {
+            let t = match mode {
+                Mode::Disaggregated => disaggregated(spec, 1).unwrap(),
+                m => colocated(spec, m).unwrap(),
+            };
+            t.batch.train_prefix
+        };
+        let frozen = job(|s| s.train.freeze_merger = true);
+        for mode in [Mode::Serial, Mode::Overlap] {
+            assert_eq!(
+                source(&frozen, mode),
+                TrainPrefixSource::Rollout,
+                "{mode:?}"
+            );
+        }
+        let two = job(|s| {
+            s.train.freeze_merger = true;
+            s.cluster.count = 2;
+        });
+        assert_eq!(source(&two, Mode::Disaggregated), TrainPrefixSource::Pass);
+        // the merger trains (the fixture's default): the encoding's backward state
+        assert_eq!(source(&job(|_| ()), Mode::Serial), TrainPrefixSource::Pass);
+        let text = job(|s| s.rollout.media = rollplex_plan::spec::MediaSpec::None);
+        assert_eq!(source(&text, Mode::Serial), TrainPrefixSource::Rollout);
+        let steps = job(|s| {
+            s.train.freeze_merger = true;
+            s.train.mini_batch = 64;
+        });
+        assert_eq!(source(&steps, Mode::Serial), TrainPrefixSource::Pass);
+        let epochs = job(|s| {
+            s.train.freeze_merger = true;
+            s.train.epochs = 2;
+        });
+        assert_eq!(source(&epochs, Mode::Serial), TrainPrefixSource::Pass);
+        let tp = job(|s| {
+            s.train.freeze_merger = true;
+            s.cluster.count = 2;
+            s.train.tp = 2;
+        });
+        assert_eq!(source(&tp, Mode::Serial), TrainPrefixSource::Pass);
+        let same_tp = job(|s| {
+            s.train.freeze_merger = true;
+            s.cluster.count = 2;
+            s.train.tp = 2;
+            s.rollout.tp = 2;
+        });
+        assert_eq!(source(&same_tp, Mode::Serial), TrainPrefixSource::Rollout);
+    }
 
     #[test]
     fn paper_32b_layout() {

@@ -334,6 +334,45 @@ fn old_logprobs_source_and_tasks_disagree() {
     assert_eq!(rules(&p), vec!["old_logprobs"]);
 }
 
+/// A plan whose prefill keeps the training prompt forwards runs no training-prompt task, trains
+/// after every prefill, and only where the job allows it.
+#[test]
+fn train_prefix_source_and_tasks_disagree() {
+    use rollplex_plan::{Groups, Purpose, Span, TrainPrefixSource};
+    let kept = plan(&job(|s| s.train.freeze_merger = true), Mode::Overlap);
+    assert_eq!(kept.train_prefix, TrainPrefixSource::Rollout);
+    assert_eq!(rules(&kept), Vec::<&str>::new());
+    assert!(!kept.tasks.iter().any(|t| matches!(
+        t.op,
+        Op::ActorPrefix {
+            purpose: Purpose::Train { .. },
+            ..
+        }
+    )));
+    // the merger trains: the job does not allow it
+    let mut p = kept.clone();
+    p.spec.train.freeze_merger = false;
+    assert_eq!(rules(&p), vec!["train_prefix"], "a trained merger");
+    // a training-prompt task beside the prefill's
+    let mut p = kept.clone();
+    let i = p
+        .tasks
+        .iter()
+        .position(|t| matches!(t.op, Op::RefPrefix { .. }))
+        .expect("a reference prefix");
+    p.tasks[i].op = Op::ActorPrefix {
+        groups: Groups::Prompts(Span::new(0, 1)),
+        copies: 1,
+        purpose: Purpose::Train { step: 0 },
+    };
+    assert!(rules(&p).contains(&"train_prefix"), "{:?}", rules(&p));
+    // the job's default (a trained merger) runs the pass: claiming the prefill's is refused
+    let mut p = overlap_plan();
+    assert_eq!(p.train_prefix, TrainPrefixSource::Pass);
+    p.train_prefix = TrainPrefixSource::Rollout;
+    assert!(rules(&p).contains(&"train_prefix"), "{:?}", rules(&p));
+}
+
 /// The job of [`overlap_plan`] with its optimizer state streamed (`optimizer_state = stream`).
 fn streamed_plan() -> Plan {
     use rollplex_plan::spec::OptimizerState;

@@ -45,6 +45,8 @@ pub struct Plan {
     pub parallel: Parallelism,
     /// Where the policy loss's old log-probs come from.
     pub old_logprobs: OldLogProbSource,
+    /// Where the micro-batches' kept prompt forwards come from.
+    pub train_prefix: TrainPrefixSource,
     /// Text layers whose training activations are kept for backward (layers `0..this`); the
     /// others keep only their input and are recomputed in backward: the compiler's answer to
     /// the job's `train.recompute` (under `auto`, a residency decision of the ILP).
@@ -153,6 +155,61 @@ pub enum OldLogProbSource {
     /// every micro-batch's training forward runs with the rollout's weights, and its own
     /// log-probs, detached, are the old ones (the ratio is exactly 1).
     TrainForward,
+}
+
+/// Where the training micro-batches' kept prompt forwards (each group's prompt forward with
+/// grad, its layer inputs and keys and values kept for backward) come from: the compiler's
+/// answer from the job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TrainPrefixSource {
+    /// The plan's `ActorPrefix` tasks of `Purpose::Train` run them in the training layout.
+    Pass,
+    /// No such tasks: the rollout's `Prefill` tasks run each group's prompt forward as the
+    /// trainer does and keep it (the `train_prefix.s0` buffer) for step 0's micro-batches; the
+    /// decode takes its prompt keys, values and first logits from it. Only where that forward is
+    /// the training one: colocated, the same tensor-parallel layout and replicas for rollout
+    /// and training, one optimizer step per iteration (the rollout's weights are the trained
+    /// ones), every scored group trained, and a frozen tower and merger (nothing of the media's
+    /// encoding to keep for backward).
+    Rollout,
+}
+
+impl TrainPrefixSource {
+    /// Why the rollout's prefill is not the training prompt forward for a job laid out as
+    /// `par` (`colocated`: rollout and training on the same GPUs) taking `steps` optimizer
+    /// steps an iteration; empty where it is (the compiler then plans `Rollout`).
+    pub fn why_not_rollout(
+        spec: &JobSpec,
+        colocated: bool,
+        par: &Parallelism,
+        steps: u32,
+    ) -> Vec<String> {
+        let mut why = Vec::new();
+        if !colocated {
+            why.push("rollout and training run on different GPUs".to_string());
+        }
+        if par.rollout_tp != par.train_tp || par.rollout_replicas != par.train_replicas {
+            why.push(format!(
+                "rollout runs {} replicas of TP {} and training {} of TP {}",
+                par.rollout_replicas, par.rollout_tp, par.train_replicas, par.train_tp
+            ));
+        }
+        if par.trained_groups_per_train_replica != par.prompts_per_train_replica {
+            why.push("dynamic sampling trains a subset of the groups".to_string());
+        }
+        if steps != 1 {
+            why.push(format!(
+                "the iteration takes {steps} optimizer steps (later ones train on moved weights)"
+            ));
+        }
+        let t = &spec.train;
+        let media = !matches!(spec.rollout.media, crate::spec::MediaSpec::None);
+        if media && !(t.freeze_vision && t.freeze_merger) {
+            why.push("the vision tower or merger trains".to_string());
+        }
+        why
+    }
 }
 
 /// One GPU program: the ranks `first_rank .. first_rank + ranks` run this schedule.

@@ -349,6 +349,7 @@ fn plan(split: Option<(u32, u32)>) -> Plan {
             group_size: 2,
         },
         old_logprobs: OldLogProbSource::TrainForward,
+        train_prefix: TrainPrefixSource::Pass,
         kept_act_layers: spec().actor.text.num_layers,
         predicted: Predicted {
             iteration_s: 0.0,

@@ -1,10 +1,11 @@
 //! The rules on what an iteration's ops cover: `ranges` (groups, slots and samples inside the
-//! replica's counts), `old_logprobs` (the old log-probs come from where the plan says) and
-//! `activations` (the kept activation layers agree with `recompute`).
+//! replica's counts), `old_logprobs` (the old log-probs come from where the plan says),
+//! `train_prefix` (so do the kept prompt forwards) and `activations` (the kept activation
+//! layers agree with `recompute`).
 
 use super::{Checker, HappensBefore};
 use crate::ids::{GpuId, Groups, TaskId};
-use crate::plan::{BufferRole, GpuRole, OldLogProbSource, Op, Purpose};
+use crate::plan::{BufferRole, GpuRole, OldLogProbSource, Op, Purpose, TrainPrefixSource};
 use crate::spec::OldLogProbPass;
 use std::collections::BTreeMap;
 
@@ -95,6 +96,57 @@ impl Checker<'_> {
                     "activations",
                     format!("kept_act_layers {kept}, but `recompute = {name}` keeps {fixed} of {layers} layers"),
                 );
+            }
+        }
+    }
+
+    pub(super) fn train_prefix(&mut self, hb: &HappensBefore) {
+        let p = self.plan;
+        if p.train_prefix != TrainPrefixSource::Rollout {
+            return;
+        }
+        let reason = "the plan keeps the rollout's prompt forwards for training";
+        let colocated = p.gpus.iter().all(|g| g.role == GpuRole::Colocated);
+        // one step: a task of a later step is reported below, by name
+        let why_not = TrainPrefixSource::why_not_rollout(&p.spec, colocated, &p.parallel, 1);
+        for w in why_not {
+            self.err("train_prefix", format!("{w}, yet {reason}"));
+        }
+        for t in &p.tasks {
+            match t.op {
+                Op::ActorPrefix {
+                    purpose: Purpose::Train { .. },
+                    ..
+                } => self.err(
+                    "train_prefix",
+                    format!("{} `{}` is a training prompt forward, yet {reason}", t.id, t.name),
+                ),
+                Op::TrainMicroBatch { step, .. } | Op::OptimizerStep { step } if step != 0 => {
+                    self.err(
+                        "train_prefix",
+                        format!(
+                            "{} `{}` trains at optimizer step {step}, after the rollout's weights moved, yet {reason}",
+                            t.id, t.name
+                        ),
+                    )
+                }
+                Op::TrainMicroBatch { .. } => {
+                    let early = p.tasks.iter().find(|f| {
+                        f.gpu == t.gpu
+                            && matches!(f.op, Op::Prefill { .. })
+                            && !hb.strictly_before(f.id, t.id)
+                    });
+                    if let Some(f) = early {
+                        self.err(
+                            "train_prefix",
+                            format!(
+                                "{} `{}` does not happen after the prefill {} `{}` that keeps its prompt forwards",
+                                t.id, t.name, f.id, f.name
+                            ),
+                        );
+                    }
+                }
+                _ => {}
             }
         }
     }

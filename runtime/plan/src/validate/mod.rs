@@ -53,6 +53,12 @@
 //!   sampling and no `recompute` asked in the spec. `pass`: every micro-batch happens after
 //!   the old-log-prob suffix of each completion slot it trains (of every slot under dynamic
 //!   sampling), on its GPU program.
+//! - `train_prefix`: under `rollout` (the rollout's prefill keeps the training prompt
+//!   forwards) no `ActorPrefix` task of `Purpose::Train` exists, every micro-batch and
+//!   optimizer step is step 0, every micro-batch happens after every prefill of its GPU
+//!   program, and the job allows it: colocated, the same TP degree and replicas for rollout
+//!   and training, every scored group trained, and a frozen tower and merger where there is
+//!   media.
 //! - `activations`: the plan's `kept_act_layers` is at most the actor's text layers, and is
 //!   every layer under `recompute = none`, none under `full`.
 //! - `work`: every task's work amounts (its own and its parts') are finite and >= 0, and
@@ -63,7 +69,7 @@
 //! The rules are grouped by concern, one submodule each: `structure` (`ids`, `streams`,
 //! `sms`), `order` (`deps`, `weights`, `deadlock`, and the happens-before closure),
 //! `residency` (`memory`, `roles`), `optimizer_stream`, `iteration` (`ranges`,
-//! `old_logprobs`, `activations`) and `predictions` (`work`, `timing`).
+//! `old_logprobs`, `train_prefix`, `activations`) and `predictions` (`work`, `timing`).
 
 mod iteration;
 mod optimizer_stream;
@@ -139,6 +145,7 @@ pub fn validate(plan: &Plan) -> Result<(), Violations> {
     v.roles();
     v.optimizer_stream();
     v.old_logprobs(&hb);
+    v.train_prefix(&hb);
     v.activations();
     v.work();
     v.timing();

@@ -20,7 +20,9 @@
 //!   [`TrainPrefixes`] (`GpuTrainer::prefix_forward`). These tasks are where the plan puts the
 //!   actor's prefix work into decode windows. With the tower or merger trained, each task
 //!   encodes its groups' media itself (keeping what the vision backward needs) instead of
-//!   reading the shared encoding.
+//!   reading the shared encoding. A plan whose `train_prefix` is `Rollout` has no such tasks:
+//!   its `Prefill` runs the same forward into the store, and decode takes each group's prompt
+//!   keys, values and first logits from it (`GpuTrainer::prefix_state`, bitwise the prefill's).
 //! - `TrainMicroBatch` / `OptimizerStep`: [`GpuTrainer`]: the suffixes' forward over the kept
 //!   prompts, backward through both and, unless frozen, the merger and tower
 //!   (`micro_batch_prefixed`). Its model *is* the actor: rollout reads the weights

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use rollplex_kernels::cuda::{CudaStream, Gpu};
-use rollplex_plan::Span;
+use rollplex_plan::{Span, TrainPrefixSource};
 
 use super::super::book::range;
 use super::super::placement::Role;
@@ -182,6 +182,27 @@ impl GpuIteration<'_, '_> {
         copies: u32,
     ) -> Result<(), ExecError> {
         let groups: Vec<usize> = range(groups).collect();
+        if self.plan.train_prefix == TrainPrefixSource::Rollout {
+            // the training forward of each group's prompt, kept for the micro-batches; decode
+            // takes the prompt's keys, values and first logits from it
+            self.note_made(Held::TrainPrefixes, s);
+            self.run_train_prefix(s, &groups, copies)?;
+            let (store, _) = self
+                .train_prefixes
+                .as_ref()
+                .expect("made by run_train_prefix");
+            for &g in &groups {
+                let st = self
+                    .models
+                    .trainer
+                    .prefix_state(&self.models.gpu, s, store, g)?;
+                self.prefixes[g] = Some(st);
+            }
+            if self.prefixes.iter().all(Option::is_some) && self.arena.is_none() {
+                self.lay_out(s)?;
+            }
+            return Ok(());
+        }
         let media = self.actor_media(s, &groups)?;
         let states = Self::prefill(
             &self.models.gpu,

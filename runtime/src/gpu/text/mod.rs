@@ -248,7 +248,7 @@ impl GpuModel {
 
     /// Final norm of the first `n` rows of `x` (into `xn`), then the lm head into `logits`
     /// `[n, V]`.
-    fn head_into(
+    pub(crate) fn head_into(
         &self,
         gpu: &Gpu,
         stream: &Arc<CudaStream>,

@@ -12,6 +12,7 @@ use crate::train::TrainError;
 use super::super::arena::{alloc_in, DevBuf, Region};
 use super::super::plan::{check_ids, media_slot, PackedPrompts, PromptSpec};
 use super::super::staging::staged_bytes;
+use super::super::text::{GpuPrefixState, PrefillKv};
 use super::super::train_pack::{layout_prefixes, PrefixLayout};
 use super::super::vision::GpuEncodedMedia;
 use super::super::vision_train::VisionTrainState;
@@ -322,5 +323,77 @@ impl GpuTrainer {
             vision,
         });
         Ok(())
+    }
+
+    /// The rollout's prefix state of `group` from its kept prompt forward (a plan whose
+    /// prefill keeps the training prompt forwards): copy 0's keys and values, and the logits of
+    /// copy 0's last token from the final norm and lm head over every copy's last row (as
+    /// `GpuModel::prefill` computes them for a group's packed copies). The forward must have run
+    /// with the current weights. Nothing synchronises.
+    pub fn prefix_state(
+        &self,
+        gpu: &Gpu,
+        s: &Arc<CudaStream>,
+        store: &TrainPrefixes,
+        group: usize,
+    ) -> Result<GpuPrefixState> {
+        let lay = store.layout(group)?;
+        let kept = match &store.kept[group] {
+            Some(k) if k.version == self.steps => k,
+            Some(k) => {
+                return Err(GpuError::Input(format!(
+                    "group {group}'s kept prompt forward is of weight version {}, the trainer \
+                     is at {}",
+                    k.version, self.steps
+                ))
+                .into())
+            }
+            None => {
+                return Err(
+                    GpuError::Input(format!("group {group}'s prompt forward was not kept")).into(),
+                )
+            }
+        };
+        let kvw = self.text_dims()?.kv_width();
+        let (layers, h) = (self.model.weights.text.len(), self.model.hidden());
+        let n = lay.len * kvw;
+        let mut k = alloc::<bf16>(gpu, s, layers * n)?;
+        let mut v = alloc::<bf16>(gpu, s, layers * n)?;
+        for l in 0..layers {
+            let src = (l * store.rows + lay.row0) * kvw;
+            s.memcpy_dtod(
+                &store.k.slice(src..src + n),
+                &mut k.slice_mut(l * n..(l + 1) * n),
+            )?;
+            s.memcpy_dtod(
+                &store.v.slice(src..src + n),
+                &mut v.slice_mut(l * n..(l + 1) * n),
+            )?;
+        }
+        let c = lay.copies;
+        let mut last = alloc::<bf16>(gpu, s, c * h)?;
+        s.memcpy_dtod(
+            &store.last.slice(lay.unit0 * h..(lay.unit0 + c) * h),
+            &mut last,
+        )?;
+        let vocab = self.model.vocab();
+        let mut xn = alloc::<bf16>(gpu, s, c * h)?;
+        let mut logits = alloc::<bf16>(gpu, s, c * vocab)?;
+        self.model
+            .head_into(gpu, s, &last, c, &mut xn, &mut logits)?;
+        let mut first = alloc::<bf16>(gpu, s, vocab)?;
+        s.memcpy_dtod(&logits.slice(..vocab), &mut first)?;
+        Ok(GpuPrefixState {
+            len: lay.len as u32,
+            rope_delta: kept.rope_delta,
+            kv: Arc::new(PrefillKv {
+                k: DevBuf::from(k),
+                v: DevBuf::from(v),
+                rows: lay.len,
+                kv_width: kvw,
+            }),
+            row0: 0,
+            last_logits: Arc::new(first),
+        })
     }
 }

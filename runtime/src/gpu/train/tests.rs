@@ -999,3 +999,110 @@ fn own_logprobs_are_the_old_ones_without_a_pass() {
         "{e}"
     );
 }
+
+/// A plan whose prefill keeps the training prompt forwards (`TrainPrefixSource::Rollout`) gives
+/// decode the state `prefix_state` derives from the kept forward: bitwise the prefill's (every
+/// layer's keys and values of the prompt, the last token's logits), with and without prefix
+/// dedup, so decoding from it draws the tokens the prefill's state would; a kept forward of an
+/// older weight version is refused.
+#[test]
+fn kept_prompt_forward_gives_the_prefills_state_bitwise() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let s = gpu.stream(0).unwrap();
+    let m = model(false);
+    let groups = [
+        Group::new(&m, &[4, 6, 1], 0.1, 1),
+        Group::new(&m, &[5, 3, 7], 0.1, 2),
+    ];
+    let bits = |v: Vec<bf16>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let mut t = GpuTrainer::new(&gpu, &s, &m, train_cfg(), adamw(1e-3)).unwrap();
+    let enc: Vec<Vec<GpuEncodedMedia>> = groups
+        .iter()
+        .map(|g| t.model().encode_media(&gpu, &s, &g.media()).unwrap())
+        .collect();
+    let refs: Vec<Vec<&GpuEncodedMedia>> = enc.iter().map(|e| e.iter().collect()).collect();
+    for copies in [1u32, 3] {
+        let lens: Vec<(usize, u32)> = groups.iter().map(|g| (g.prompt.len(), copies)).collect();
+        let mut store = TrainPrefixes::new(&gpu, &s, t.model(), &lens).unwrap();
+        for (i, g) in groups.iter().enumerate() {
+            t.prefix_forward(
+                &gpu,
+                &s,
+                &mut store,
+                i,
+                &g.prompt,
+                PromptMedia::Encoded(&refs[i]),
+            )
+            .unwrap();
+            let kept = t.prefix_state(&gpu, &s, &store, i).unwrap();
+            let prompt = crate::gpu::GpuPrompt {
+                ids: &g.prompt,
+                media: &refs[i],
+            };
+            let batch = vec![prompt; copies as usize];
+            let pre = t.model().prefill(&gpu, &s, &batch).unwrap().remove(0);
+            assert_eq!((kept.len, kept.rope_delta), (pre.len, pre.rope_delta));
+            let (kw, n) = (kept.kv.kv_width, kept.len as usize);
+            assert_eq!(kw, pre.kv.kv_width);
+            let layers = kept.kv.k.len() / (n * kw);
+            assert_eq!(layers, m.config.text().num_layers as usize);
+            let (kk, kv) = (
+                bits(s.clone_dtoh(&kept.kv.k).unwrap()),
+                bits(s.clone_dtoh(&kept.kv.v).unwrap()),
+            );
+            let (pk, pv) = (
+                bits(s.clone_dtoh(&pre.kv.k).unwrap()),
+                bits(s.clone_dtoh(&pre.kv.v).unwrap()),
+            );
+            for l in 0..layers {
+                let a = l * n * kw..(l + 1) * n * kw;
+                let b = (l * pre.kv.rows + pre.row0 as usize) * kw;
+                let b = b..b + n * kw;
+                assert_eq!(
+                    kk[a.clone()],
+                    pk[b.clone()],
+                    "copies {copies} group {i} layer {l}: keys"
+                );
+                assert_eq!(kv[a], pv[b], "copies {copies} group {i} layer {l}: values");
+            }
+            assert_eq!(
+                bits(s.clone_dtoh(kept.last_logits.as_ref()).unwrap()),
+                bits(s.clone_dtoh(pre.last_logits.as_ref()).unwrap()),
+                "copies {copies} group {i}: last logits"
+            );
+        }
+    }
+    // an optimizer step moves the weights: the kept forward is stale
+    let lens: Vec<(usize, u32)> = groups.iter().map(|g| (g.prompt.len(), 1)).collect();
+    let mut store = TrainPrefixes::new(&gpu, &s, t.model(), &lens).unwrap();
+    t.prefix_forward(
+        &gpu,
+        &s,
+        &mut store,
+        0,
+        &groups[0].prompt,
+        PromptMedia::Encoded(&refs[0]),
+    )
+    .unwrap();
+    let resp = groups[0].responses();
+    let trained = [PrefixedGroup {
+        group: 0,
+        responses: &resp,
+    }];
+    let norm = norm_of(&groups[..1]);
+    t.micro_batch_prefixed(&gpu, &s, 0, &trained, norm, &store)
+        .unwrap();
+    t.optimizer_step(&gpu, &s).unwrap();
+    let e = t
+        .prefix_state(&gpu, &s, &store, 0)
+        .err()
+        .expect("stale")
+        .to_string();
+    assert!(e.contains("weight version"), "{e}");
+    let e = t
+        .prefix_state(&gpu, &s, &store, 1)
+        .err()
+        .expect("never run")
+        .to_string();
+    assert!(e.contains("was not kept"), "{e}");
+}
