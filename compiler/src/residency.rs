@@ -46,7 +46,8 @@
 //! training, so it is dominated by `iteration_start`.
 //!
 //! Memory rows: the decode phase (rollout program: weights, KV, embeddings, samples, the
-//! largest decode and side scratch, plus the items and side classes the answer keeps) and the
+//! kept prompt forwards when the prefill writes them (`train_prefix: rollout`), the largest
+//! decode and side scratch, plus the items and side classes the answer keeps) and the
 //! training phase (training program: persistent buffers, the largest gradient and kept-prefix
 //! buffers, log-probs, scalars, samples, the largest training scratch). These are estimates;
 //! the driver lays out memory exactly and, when a plan is over budget, lowers the budget of
@@ -59,7 +60,9 @@ use crate::shapes::kept_act_bytes_per_token_layer;
 use rollplex_cost::CostModel;
 use rollplex_plan::spec::{Mode, OptimizerState, Recompute};
 use rollplex_plan::work::{HostDir, WorkKind};
-use rollplex_plan::{BufferClass, BufferRole, Op, Phase, ReshardPoint, SolverStats};
+use rollplex_plan::{
+    BufferClass, BufferRole, Op, Phase, ReshardPoint, SolverStats, TrainPrefixSource,
+};
 
 /// Bytes by which earlier attempts overshot, per memory row.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -388,6 +391,13 @@ pub fn model(
             decode_base += bytes(pg, role);
         }
     }
+    // kept prompt forwards the rollout's prefill writes for training live through decode
+    if pg.topo.batch.train_prefix == TrainPrefixSource::Rollout {
+        let role = BufferRole::TrainPrefix { step: 0 };
+        if pg.buffer_with(role).is_some_and(|i| pg.buffer(i).gpu == rg) {
+            decode_base += bytes(pg, role);
+        }
+    }
     decode_base += max_scratch(&|n| matches!(n.role, Role::Decode { .. }));
     if overlap {
         decode_base += max_scratch(&|n| matches!(n.role, Role::Side { .. }));
@@ -656,6 +666,37 @@ mod tests {
         assert_eq!(
             plan.weight_sharing.as_ref().unwrap().reshard_point,
             ReshardPoint::IterationStart
+        );
+    }
+
+    /// The decode row counts the kept prompt forwards where the rollout's prefill writes them
+    /// (they live from the prefill to the last micro-batch), and not where the training layout's
+    /// own pass runs after decode.
+    #[test]
+    fn the_decode_row_holds_the_prompt_forwards_the_prefill_keeps() {
+        use crate::fixtures::job;
+        use rollplex_plan::{BufferRole, TrainPrefixSource};
+        let base = |spec: &rollplex_plan::spec::JobSpec| {
+            let cost = crate::driver::cost_model(spec, None);
+            let topo = crate::topology::colocated(spec, Mode::Serial).unwrap();
+            let mut pg = crate::lower::lower(spec, topo, 0).unwrap();
+            crate::buffers::assign(&mut pg);
+            let kept = pg
+                .buffer_with(BufferRole::TrainPrefix { step: 0 })
+                .map(|i| pg.buffer(i).bytes as f64)
+                .unwrap();
+            let m = super::model(&pg, &cost, super::Cuts::default(), &|_| None);
+            (pg.topo.batch.train_prefix, m.input.decode_base, kept)
+        };
+        let (src, kept_base, kept) = base(&job(|s| s.train.freeze_merger = true));
+        assert_eq!(src, TrainPrefixSource::Rollout);
+        // the merger trains: its own pass after decode, the same buffers otherwise
+        let (src, pass_base, _) = base(&job(|_| {}));
+        assert_eq!(src, TrainPrefixSource::Pass);
+        assert!(kept > 1e9, "{kept}");
+        assert!(
+            (kept_base - pass_base - kept).abs() < 1.0,
+            "decode row {kept_base} with the prefill's forwards, {pass_base} without, kept {kept}"
         );
     }
 
