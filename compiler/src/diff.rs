@@ -667,6 +667,19 @@ mod tests {
     }
 
     #[test]
+    fn summary_names_where_the_training_prompt_forwards_come_from() {
+        let a = plan();
+        let mut b = plan();
+        b.train_prefix = TrainPrefixSource::Pass;
+        let s = summarize(&a, &b);
+        assert!(
+            s.contains("training prompt forwards: the rollout's prefill -> their own pass"),
+            "{s}"
+        );
+        assert!(!summarize(&a, &a).contains("training prompt forwards"));
+    }
+
+    #[test]
     fn summary_names_the_kept_activation_layers() {
         let a = plan();
         let mut b = plan();

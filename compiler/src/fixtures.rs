@@ -166,6 +166,7 @@ pub fn job(edit: impl FnOnce(&mut JobSpec)) -> JobSpec {
             optimizer_state: rollplex_plan::spec::OptimizerState::Auto,
             groups: None,
             old_logprobs: OldLogProbPass::Auto,
+            prompt_forward: PromptForwardPass::Auto,
         },
         schedule: ScheduleSpec {
             mode: Mode::Overlap,

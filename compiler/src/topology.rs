@@ -394,6 +394,11 @@ mod tests {
             s.rollout.tp = 2;
         });
         assert_eq!(source(&same_tp, Mode::Serial), TrainPrefixSource::Rollout);
+        let asked = job(|s| {
+            s.train.freeze_merger = true;
+            s.train.prompt_forward = rollplex_plan::spec::PromptForwardPass::Recompute;
+        });
+        assert_eq!(source(&asked, Mode::Overlap), TrainPrefixSource::Pass);
     }
 
     #[test]

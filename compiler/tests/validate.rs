@@ -366,6 +366,10 @@ fn train_prefix_source_and_tasks_disagree() {
         purpose: Purpose::Train { step: 0 },
     };
     assert!(rules(&p).contains(&"train_prefix"), "{:?}", rules(&p));
+    // the job asks for the pass of their own
+    let mut p = kept.clone();
+    p.spec.train.prompt_forward = rollplex_plan::spec::PromptForwardPass::Recompute;
+    assert_eq!(rules(&p), vec!["train_prefix"], "asked for their own pass");
     // the job's default (a trained merger) runs the pass: claiming the prefill's is refused
     let mut p = overlap_plan();
     assert_eq!(p.train_prefix, TrainPrefixSource::Pass);

@@ -104,6 +104,42 @@ fn trained_groups_size_the_default_mini_batch() {
     assert_eq!(all.train.mini_batch, 32);
 }
 
+/// `train { prompt_forward }`: `auto` unless asked, `recompute` asks for the training prompt
+/// forwards' own pass; any other word is an error at the value that lists the valid ones.
+#[test]
+fn prompt_forward_is_auto_or_recompute() {
+    use rollplex_plan::spec::PromptForwardPass;
+    assert_eq!(
+        job("grpo()", "").train.prompt_forward,
+        PromptForwardPass::Auto
+    );
+    assert_eq!(
+        job("grpo()", "prompt_forward = recompute")
+            .train
+            .prompt_forward,
+        PromptForwardPass::Recompute
+    );
+    let src = r#"pipeline p {
+    gpu { preset = cpu }
+    model actor { preset = tiny }
+    rollout { prompts = 8, group = 4, text_tokens = 16, max_new_tokens = 16 }
+    reward = builtin("exact_match")
+    train {
+        micro_batch = 4
+        prompt_forward = twice
+    }
+}"#;
+    let Err(d) = compile_source("p.rpx", src, &MemFiles::default()) else {
+        panic!("`prompt_forward = twice` checked");
+    };
+    let text = d.render("p.rpx", src, false);
+    assert!(
+        text.contains("`twice` is not one of: auto, recompute"),
+        "{text}"
+    );
+    assert!(text.contains("p.rpx:8:26"), "{text}");
+}
+
 /// `train { old_logprobs }`: `auto` unless asked, `recompute` forces the pass; any other word
 /// is an error at the value that lists the valid ones.
 #[test]

@@ -133,6 +133,29 @@ fn cuda_old_logprob_pass_left_out_or_forced() {
     serial_and_overlap_bitwise(&forced);
 }
 
+/// The rollout's prefill kept as the training prompt forwards (`train_prefix: rollout`, what a
+/// frozen tower and one optimizer step give) and a training-prompt pass of their own
+/// (`prompt_forward = recompute`) train bitwise alike: the same tokens, losses, gradients and
+/// final weights, serial and overlap.
+#[test]
+fn cuda_prefill_kept_for_training_trains_as_its_own_pass() {
+    let Some(_gpu) = common::gpu_device() else {
+        return;
+    };
+    let src = common::overlap_small_frozen();
+    let own = common::in_train(&src, "prompt_forward = recompute");
+    for mode in [Mode::Serial, Mode::Overlap] {
+        let kept = common::compile_gpu("overlap_small.rpx", &src, mode);
+        let pass = common::compile_gpu("overlap_small.rpx", &own, mode);
+        assert_eq!(kept.train_prefix, rollplex_plan::TrainPrefixSource::Rollout);
+        assert_eq!(pass.train_prefix, rollplex_plan::TrainPrefixSource::Pass);
+        let (ra, wa) = run_gpu(&kept, 2);
+        let (rb, wb) = run_gpu(&pass, 2);
+        assert_same_training(&ra, &rb, "prefill kept", "own pass");
+        assert!(wa == wb, "{mode:?}: final weights differ");
+    }
+}
+
 /// Each decode window reports its steps, device time and bytes: in step order they cover
 /// every step the iteration took (and at most a few launched before the host learnt that every
 /// sample had stopped) and add up to its decode totals; the device's longest wait for the host

@@ -91,6 +91,10 @@ pub(super) fn train(
         Some("recompute") => OldLogProbPass::Recompute,
         _ => OldLogProbPass::Auto,
     };
+    let prompt_forward = match t.choice(cx, "prompt_forward", &["auto", "recompute"]) {
+        Some("recompute") => PromptForwardPass::Recompute,
+        _ => PromptForwardPass::Auto,
+    };
     t.finish(cx);
     TrainSpec {
         tp,
@@ -105,6 +109,7 @@ pub(super) fn train(
         optimizer_state,
         groups,
         old_logprobs,
+        prompt_forward,
     }
 }
 
@@ -122,6 +127,7 @@ pub(super) fn stand_in_train(samples: u32) -> TrainSpec {
         optimizer_state: OptimizerState::Auto,
         groups: None,
         old_logprobs: OldLogProbPass::Auto,
+        prompt_forward: PromptForwardPass::Auto,
     }
 }
 

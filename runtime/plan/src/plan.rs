@@ -208,6 +208,9 @@ impl TrainPrefixSource {
         if media && !(t.freeze_vision && t.freeze_merger) {
             why.push("the vision tower or merger trains".to_string());
         }
+        if t.prompt_forward == crate::spec::PromptForwardPass::Recompute {
+            why.push("the job asks for their own pass (`prompt_forward = recompute`)".to_string());
+        }
         why
     }
 }

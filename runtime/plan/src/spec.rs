@@ -305,6 +305,9 @@ pub struct TrainSpec {
     /// Whether the old log-probs get a forward pass of their own (`train { old_logprobs }`);
     /// the compiler's decision is the plan's `old_logprobs`.
     pub old_logprobs: OldLogProbPass,
+    /// Whether the training prompt forwards get a pass of their own in the training layout
+    /// (`train { prompt_forward }`); the compiler's decision is the plan's `train_prefix`.
+    pub prompt_forward: PromptForwardPass,
 }
 
 impl TrainSpec {
@@ -465,6 +468,18 @@ pub enum LrSchedule {
         total_steps: u32,
         min_lr_ratio: f64,
     },
+}
+
+/// What a pipeline asks of the training prompt forwards (each group's prompt forward with grad
+/// that the micro-batches train through).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PromptForwardPass {
+    /// Keep the rollout's prefill as that forward where it is the same one (see
+    /// `TrainPrefixSource::why_not_rollout`); a pass of their own elsewhere.
+    Auto,
+    /// Always a pass of their own in the training layout (what the reuse saves, measured).
+    Recompute,
 }
 
 /// What a pipeline asks of the old-log-prob pass (the actor's forward with the rollout's

@@ -111,6 +111,7 @@ fn spec() -> JobSpec {
             optimizer_state: rollplex_plan::spec::OptimizerState::Auto,
             groups: None,
             old_logprobs: OldLogProbPass::Auto,
+            prompt_forward: PromptForwardPass::Auto,
         },
         schedule: ScheduleSpec {
             mode: Mode::Overlap,
