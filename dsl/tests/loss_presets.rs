@@ -6,8 +6,9 @@ use rollplex_plan::spec::{
     AdvantageEstimator, Algorithm, JobSpec, LossAgg, Overlong, PolicyLoss, RatioLevel,
 };
 
-fn job(algorithm: &str, train_extra: &str) -> JobSpec {
-    let src = format!(
+/// A CPU pipeline whose `train` section sets `algorithm` and, on its line 9, `train_extra`.
+fn source(algorithm: &str, train_extra: &str) -> String {
+    format!(
         r#"pipeline p {{
     gpu {{ preset = cpu }}
     model actor {{ preset = tiny }}
@@ -19,7 +20,11 @@ fn job(algorithm: &str, train_extra: &str) -> JobSpec {
         {train_extra}
     }}
 }}"#
-    );
+    )
+}
+
+fn job(algorithm: &str, train_extra: &str) -> JobSpec {
+    let src = source(algorithm, train_extra);
     compile_source("p.rpx", &src, &MemFiles::default())
         .unwrap_or_else(|d| panic!("{}", d.render("p.rpx", &src, false)))
         .spec
@@ -104,6 +109,21 @@ fn trained_groups_size_the_default_mini_batch() {
     assert_eq!(all.train.mini_batch, 32);
 }
 
+/// `train { KEY = WORD }` with a word that is not `auto` or `recompute`: an error at the value
+/// (`p.rpx:9:COL`) that lists the valid words.
+fn refuses_a_third_word(key: &str, word: &str, col: usize) {
+    let src = source("grpo()", &format!("{key} = {word}"));
+    let Err(d) = compile_source("p.rpx", &src, &MemFiles::default()) else {
+        panic!("`{key} = {word}` checked");
+    };
+    let text = d.render("p.rpx", &src, false);
+    assert!(
+        text.contains(&format!("`{word}` is not one of: auto, recompute")),
+        "{text}"
+    );
+    assert!(text.contains(&format!("p.rpx:9:{col}")), "{text}");
+}
+
 /// `train { prompt_forward }`: `auto` unless asked, `recompute` asks for the training prompt
 /// forwards' own pass; any other word is an error at the value that lists the valid ones.
 #[test]
@@ -119,25 +139,7 @@ fn prompt_forward_is_auto_or_recompute() {
             .prompt_forward,
         PromptForwardPass::Recompute
     );
-    let src = r#"pipeline p {
-    gpu { preset = cpu }
-    model actor { preset = tiny }
-    rollout { prompts = 8, group = 4, text_tokens = 16, max_new_tokens = 16 }
-    reward = builtin("exact_match")
-    train {
-        micro_batch = 4
-        prompt_forward = twice
-    }
-}"#;
-    let Err(d) = compile_source("p.rpx", src, &MemFiles::default()) else {
-        panic!("`prompt_forward = twice` checked");
-    };
-    let text = d.render("p.rpx", src, false);
-    assert!(
-        text.contains("`twice` is not one of: auto, recompute"),
-        "{text}"
-    );
-    assert!(text.contains("p.rpx:8:26"), "{text}");
+    refuses_a_third_word("prompt_forward", "twice", 26);
 }
 
 /// `train { old_logprobs }`: `auto` unless asked, `recompute` forces the pass; any other word
@@ -154,23 +156,5 @@ fn old_logprobs_is_auto_or_recompute() {
         job("grpo()", "old_logprobs = recompute").train.old_logprobs,
         OldLogProbPass::Recompute
     );
-    let src = r#"pipeline p {
-    gpu { preset = cpu }
-    model actor { preset = tiny }
-    rollout { prompts = 8, group = 4, text_tokens = 16, max_new_tokens = 16 }
-    reward = builtin("exact_match")
-    train {
-        micro_batch = 4
-        old_logprobs = always
-    }
-}"#;
-    let Err(d) = compile_source("p.rpx", src, &MemFiles::default()) else {
-        panic!("`old_logprobs = always` checked");
-    };
-    let text = d.render("p.rpx", src, false);
-    assert!(
-        text.contains("`always` is not one of: auto, recompute"),
-        "{text}"
-    );
-    assert!(text.contains("p.rpx:8:24"), "{text}");
+    refuses_a_third_word("old_logprobs", "always", 24);
 }
