@@ -63,11 +63,8 @@ pub fn old_logprobs(spec: &JobSpec, steps: u32) -> OldLogProbSource {
 }
 
 /// Where the micro-batches' kept prompt forwards come from. The training layout's pass is
-/// redundant, and left out, when it would redo the rollout's prefill: colocated, the same TP
-/// degree and replicas for both (so a rollout replica prefills the groups its training replica
-/// trains, in the same layout), one optimizer step per iteration (the rollout's weights are
-/// the trained ones), every scored group trained, and nothing of the media's encoding to keep
-/// for backward (a frozen tower and merger, or no media). The prefill then runs the training
+/// redundant, and left out, when it would redo the rollout's prefill (the rule, shared with the
+/// plan's validator: [`TrainPrefixSource::why_not_rollout`]). The prefill then runs the training
 /// forward of each group's prompt and keeps it; decode reads its keys, values and logits.
 pub fn train_prefix(
     spec: &JobSpec,

@@ -168,10 +168,7 @@ pub enum TrainPrefixSource {
     /// No such tasks: the rollout's `Prefill` tasks run each group's prompt forward as the
     /// trainer does and keep it (the `train_prefix.s0` buffer) for step 0's micro-batches; the
     /// decode takes its prompt keys, values and first logits from it. Only where that forward is
-    /// the training one: colocated, the same tensor-parallel layout and replicas for rollout
-    /// and training, one optimizer step per iteration (the rollout's weights are the trained
-    /// ones), every scored group trained, and a frozen tower and merger (nothing of the media's
-    /// encoding to keep for backward).
+    /// the training one ([`TrainPrefixSource::why_not_rollout`] says where it is not).
     Rollout,
 }
 

@@ -112,6 +112,11 @@ impl Checker<'_> {
         for w in why_not {
             self.err("train_prefix", format!("{w}, yet {reason}"));
         }
+        let prefills: Vec<_> = p
+            .tasks
+            .iter()
+            .filter(|f| matches!(f.op, Op::Prefill { .. }))
+            .collect();
         for t in &p.tasks {
             match t.op {
                 Op::ActorPrefix {
@@ -131,11 +136,9 @@ impl Checker<'_> {
                     )
                 }
                 Op::TrainMicroBatch { .. } => {
-                    let early = p.tasks.iter().find(|f| {
-                        f.gpu == t.gpu
-                            && matches!(f.op, Op::Prefill { .. })
-                            && !hb.strictly_before(f.id, t.id)
-                    });
+                    let early = prefills
+                        .iter()
+                        .find(|f| f.gpu == t.gpu && !hb.strictly_before(f.id, t.id));
                     if let Some(f) = early {
                         self.err(
                             "train_prefix",

@@ -182,7 +182,7 @@ impl GpuIteration<'_, '_> {
         copies: u32,
     ) -> Result<(), ExecError> {
         let groups: Vec<usize> = range(groups).collect();
-        if self.plan.train_prefix == TrainPrefixSource::Rollout {
+        let states = if self.plan.train_prefix == TrainPrefixSource::Rollout {
             // the training forward of each group's prompt, kept for the micro-batches; decode
             // takes the prompt's keys, values and first logits from it
             self.note_made(Held::TrainPrefixes, s);
@@ -191,29 +191,24 @@ impl GpuIteration<'_, '_> {
                 .train_prefixes
                 .as_ref()
                 .expect("made by run_train_prefix");
-            for &g in &groups {
-                let st = self
-                    .models
-                    .trainer
-                    .prefix_state(&self.models.gpu, s, store, g)?;
-                self.prefixes[g] = Some(st);
-            }
-            if self.prefixes.iter().all(Option::is_some) && self.arena.is_none() {
-                self.lay_out(s)?;
-            }
-            return Ok(());
-        }
-        let media = self.actor_media(s, &groups)?;
-        let states = Self::prefill(
-            &self.models.gpu,
-            s,
-            self.models.trainer.model(),
-            self.book.prompts,
-            &groups,
-            &media,
-            copies,
-            None,
-        )?;
+            let t = &self.models.trainer;
+            groups
+                .iter()
+                .map(|&g| t.prefix_state(&self.models.gpu, s, store, g))
+                .collect::<Result<Vec<_>, _>>()?
+        } else {
+            let media = self.actor_media(s, &groups)?;
+            Self::prefill(
+                &self.models.gpu,
+                s,
+                self.models.trainer.model(),
+                self.book.prompts,
+                &groups,
+                &media,
+                copies,
+                None,
+            )?
+        };
         for (g, st) in groups.into_iter().zip(states) {
             self.prefixes[g] = Some(st);
         }
