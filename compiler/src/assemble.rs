@@ -700,7 +700,7 @@ fn set_residency(s: &mut Sched, pg: &PhaseGraph) {
             used[b.index()].push(t.phase);
         }
     }
-    let full_recompute = pg.kept_layers == 0;
+    let full_recompute = pg.kept.suffix == 0;
     for (b, used) in s.buffers.iter_mut().zip(&used) {
         let (first, last) = match (used.iter().min(), used.iter().max()) {
             (Some(a), Some(z)) => (*a, *z),

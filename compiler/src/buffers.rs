@@ -16,7 +16,7 @@
 //! | `kv.response` | n g R x KV/token / rollout TP | prefill, decode | decode |
 //! | `samples` | n g R x 4 (token ids, lengths, slot table) | prefill, decode | tail tasks |
 //! | `ref_prefix_kv`, `old_prefix_kv` | c n P x KV/token / train TP | prefixes | suffixes |
-//! | `train_prefix.sS` | c n P x kept bytes/token (+ n x the vision inputs kept when the tower or merger trains) | actor prefix of step S (step 0: the prefill, where it keeps the training forward) | its micro-batches |
+//! | `train_prefix.sS` | c n P x (kept bytes/token + KV/token) (+ n x the vision inputs kept when the tower or merger trains) | actor prefix of step S (step 0: the prefill, where it keeps the training forward) | its micro-batches |
 //! | `ref_logprobs`, `old_logprobs` | n g R x 4 | suffixes | micro-batches |
 //! | `scalars` | n g x 8 (rewards, advantages) | reward, advantages | micro-batches |
 //!
@@ -29,8 +29,9 @@
 //! offset, each aligned).
 //!
 //! Kept bytes per token follow the kept activation layers ([`crate::shapes::kept_act_bytes_per_token`]:
-//! a micro-batch's suffix keeps every activation of the first [`PhaseGraph::kept_layers`] layers
-//! and the input of the others; a kept prompt forward keeps each layer's input and K/V);
+//! a micro-batch's suffix keeps every activation of the first [`PhaseGraph::kept`]`.suffix`
+//! layers and the input of the others; a kept prompt forward keeps every activation of the
+//! first `kept.prompt` layers and the input of the others, and every layer's K/V);
 //! activations kept for backward are split across the TP group (sequence parallelism).
 //! Sizes that depend on response length use the maximum (`max_new_tokens`): the arena is
 //! static, so every size is an upper bound.
@@ -53,6 +54,11 @@ fn param_tensors(spec: &rollplex_plan::spec::JobSpec) -> u64 {
     let blocks = spec.actor.vision.depth as u64 + spec.actor.text.num_layers as u64;
     12 * blocks + 16
 }
+
+/// Tensors a layer's kept training activations take (the runtimes keep each one apart: the
+/// norms' outputs and statistics, q|k|v and q, k, v, the attention output and statistics, the
+/// residual, gate|up, the activation and the layer's output projection).
+const KEPT_ACT_TENSORS: u64 = 14;
 
 struct Table {
     bufs: Vec<LogicalBuffer>,
@@ -115,8 +121,9 @@ pub fn assign(pg: &mut PhaseGraph) {
     let trainable = sh.trainable_params;
     let batch = pg.topo.batch;
     let prefill_trains = batch.train_prefix == TrainPrefixSource::Rollout;
-    // kept prompt forwards keep each layer's input and K/V (the prompt rows are recomputed)
-    let kept_tok = kept_act_bytes_per_token(&spec.actor, 1, 0) / ttp + kv / ttp;
+    // kept prompt forwards keep each layer's K/V, and every activation of the first
+    // `kept.prompt` layers and the input of the others (those recomputed in backward)
+    let kept_tok = kept_act_bytes_per_token(&spec.actor, 1, pg.kept.prompt) / ttp + kv / ttp;
     let mut t = Table { bufs: Vec::new() };
 
     let train_w = crate::sharing::train_bytes(spec);
@@ -407,10 +414,14 @@ pub fn assign(pg: &mut PhaseGraph) {
             BufferRole::KvPrompt => 2,
             // keys and values per group
             BufferRole::RefPrefixKv | BufferRole::OldPrefixKv => 2 * n_t,
-            // kept layer inputs, keys, values; per group its media's kept vision state (pixel
-            // rows, every block's input, the merger's input; the merger's input alone when only
-            // the merger trains)
-            BufferRole::TrainPrefix { .. } => 3 + step_groups * items_per_prompt * kept_vis_tensors,
+            // kept layer inputs, keys, values; per group each kept layer's activations and its
+            // media's kept vision state (pixel rows, every block's input, the merger's input;
+            // the merger's input alone when only the merger trains)
+            BufferRole::TrainPrefix { .. } => {
+                3 + step_groups
+                    * (pg.kept.prompt as u64 * KEPT_ACT_TENSORS
+                        + items_per_prompt * kept_vis_tensors)
+            }
             _ => 1,
         };
         b.bytes = placed_bytes(b.bytes, pieces);
@@ -557,20 +568,25 @@ pub fn assign(pg: &mut PhaseGraph) {
                 reads.extend(old_lp);
                 writes.push(grads[*step as usize]);
                 let tok = s.len() as u64 * r;
-                let kept = kept_act_bytes_per_token(&spec.actor, 1, pg.kept_layers) / ttp;
+                let kept = kept_act_bytes_per_token(&spec.actor, 1, pg.kept.suffix) / ttp;
                 let prefix_tok = prefix_bwd_slots.len() as u64 * c * p;
                 // with every layer kept, the head keeps its logits (bf16) for the backward too
-                let kept_logits = match pg.kept_layers >= spec.actor.text.num_layers {
+                let kept_logits = match pg.kept.suffix >= spec.actor.text.num_layers {
                     true => tok * vocab * db / ttp,
                     false => 0,
                 };
                 // Suffix activations kept over all layers, one layer's full activations during
-                // backward (recompute), the logits chunk, the prefix's one-layer recompute.
+                // backward (recompute), the logits chunk, the prefix's one-layer recompute
+                // (none with every prompt layer kept).
+                let prefix_recompute = match pg.kept.prompt >= spec.actor.text.num_layers {
+                    true => prefix_tok * trans_t,
+                    false => prefix_tok * (kept_full + trans_t),
+                };
                 scratch = tok * (kept + trans_t)
                     + logits_chunk(tok, ttp)
                     + kept_logits
                     + tok * kept_full
-                    + prefix_tok * (kept_full + trans_t);
+                    + prefix_recompute;
             }
             Op::OptimizerStep { step } => {
                 reads.push(grads[*step as usize]);

@@ -120,12 +120,18 @@ pub fn summarize(a: &Plan, b: &Plan) -> String {
             source(b.train_prefix)
         );
     }
-    if a.kept_act_layers != b.kept_act_layers {
-        let _ = writeln!(
-            out,
-            "kept activation layers: {} -> {} of {}",
-            a.kept_act_layers, b.kept_act_layers, b.spec.actor.text.num_layers
-        );
+    let layers = b.spec.actor.text.num_layers;
+    for (what, x, y) in [
+        ("", a.kept_act_layers, b.kept_act_layers),
+        (
+            " of the prompt rows",
+            a.kept_prompt_layers,
+            b.kept_prompt_layers,
+        ),
+    ] {
+        if x != y {
+            let _ = writeln!(out, "kept activation layers{what}: {x} -> {y} of {layers}");
+        }
     }
     let (ta, tb) = (a.predicted.iteration_s, b.predicted.iteration_s);
     if ta != tb {
@@ -499,6 +505,7 @@ mod tests {
             old_logprobs: OldLogProbSource::TrainForward,
             train_prefix: TrainPrefixSource::Rollout,
             kept_act_layers: 0,
+            kept_prompt_layers: 0,
             predicted: Predicted {
                 iteration_s: 1.5,
                 phases: vec![PhaseTime {
@@ -684,10 +691,17 @@ mod tests {
         let a = plan();
         let mut b = plan();
         b.kept_act_layers = 3;
+        b.kept_prompt_layers = 2;
         let s = summarize(&a, &b);
         let layers = b.spec.actor.text.num_layers;
         assert!(
             s.contains(&format!("kept activation layers: 0 -> 3 of {layers}")),
+            "{s}"
+        );
+        assert!(
+            s.contains(&format!(
+                "kept activation layers of the prompt rows: 0 -> 2 of {layers}"
+            )),
             "{s}"
         );
         assert!(!summarize(&a, &a).contains("kept activation"));

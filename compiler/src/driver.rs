@@ -16,9 +16,10 @@
 //! The passes hand each other the types of [`crate::ir`]; in debug builds (and with
 //! [`Options::check_ir`]) the IR is verified after step 3 and step 5.
 //!
-//! A plan whose exact memory layout is over budget is planned again with the overshoot taken
-//! off the budget of the ILP's memory row (decode or training phase) where its peak sits, up
-//! to [`MAX_ATTEMPTS`] solves per topology. Among the candidates that fit (one per
+//! A plan whose exact memory layout is over budget is planned again with what the ILP's
+//! estimate missed (the overshoot, doubled at each further attempt, and the room the estimate
+//! left) taken off the budget of its memory row (decode or training phase) where the peak
+//! sits, up to [`MAX_ATTEMPTS`] solves per topology. Among the candidates that fit (one per
 //! disaggregated split) the fastest predicted iteration wins (ties: the earlier). When none
 //! fits, the error gives the numbers of the candidate that came closest.
 //!
@@ -173,7 +174,7 @@ pub fn compile(spec: &JobSpec, opts: &Options) -> Result<Compiled> {
         }
         // One ILP decides residency and the reshard point (and, in overlap mode, the
         // windows); when the exact layout is over budget, the memory row where the peak sits
-        // gets the overshoot less and the ILP runs again.
+        // gets what the estimate missed less and the ILP runs again.
         let mut cuts = Cuts::default();
         for attempt in 0..=MAX_ATTEMPTS {
             // The last attempt ignores the host budget: if that plan fits the device, the
@@ -210,10 +211,10 @@ pub fn compile(spec: &JobSpec, opts: &Options) -> Result<Compiled> {
             // Under `recompute = auto` the ILP decided the kept activation layers: the same
             // tasks, with the micro-batches' work and activations for that answer.
             let relowered;
-            let run_pg = if placement.residency.kept_layers == pg.kept_layers {
+            let run_pg = if placement.residency.kept == pg.kept {
                 &pg
             } else {
-                let k = placement.residency.kept_layers;
+                let k = placement.residency.kept;
                 let mut g = st.time("lower", || lower(spec, pg.topo.clone(), k))?;
                 st.time("buffers", || crate::buffers::assign(&mut g));
                 relowered = g;
@@ -241,14 +242,18 @@ pub fn compile(spec: &JobSpec, opts: &Options) -> Result<Compiled> {
                         peak: ob.peak,
                         fits: false,
                     });
-                    let over = ob.peak.saturating_sub(ob.budget).max(1);
+                    // the rows estimate the layout: the next estimate must leave room for what
+                    // this one missed, the overshoot and the room it left (the overshoot
+                    // doubled at each further attempt, where the miss changes with the answer)
+                    let over = ob.peak.saturating_sub(ob.budget).max(1) << attempt;
+                    let room = placement.residency.room;
                     if closest.as_ref().is_none_or(|c| ob.peak < c.peak) {
                         closest = Some(ob);
                     }
                     if in_decode {
-                        cuts.decode += over;
+                        cuts.decode += over + room.decode;
                     } else {
-                        cuts.train += over;
+                        cuts.train += over + room.train;
                     }
                 }
                 Err((Unfit::Host(need, budget), t)) => {

@@ -240,7 +240,8 @@ pub fn emit(pg: &PhaseGraph, s: &Sched, cost: &CostModel, solver: SolverStats) -
         parallel: pg.topo.parallel.clone(),
         old_logprobs: pg.topo.batch.old_logprobs,
         train_prefix: pg.topo.batch.train_prefix,
-        kept_act_layers: pg.kept_layers,
+        kept_act_layers: pg.kept.suffix,
+        kept_prompt_layers: pg.kept.prompt,
         predicted: Predicted {
             iteration_s: round_s(s.makespan()),
             phases,

@@ -192,7 +192,17 @@ pub struct PhaseGraph {
     pub sharing: Option<rollplex_plan::WeightSharing>,
     pub copies: u32,
     /// Text layers whose training activations are kept (the rest recomputed in backward).
-    pub kept_layers: u32,
+    pub kept: KeptLayers,
+}
+
+/// Text layers (`0..n`) that keep every training activation for backward; the others keep
+/// their layer input and are recomputed there. Two decisions: the micro-batches' response
+/// rows, and the prompt rows of the kept prompt forwards (which live from their forward to
+/// the last micro-batch that reads them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct KeptLayers {
+    pub suffix: u32,
+    pub prompt: u32,
 }
 
 impl PhaseGraph {
@@ -289,7 +299,18 @@ pub struct ResidencyChoice {
     /// Where the colocated weight sync runs.
     pub reshard: ReshardPoint,
     /// Text layers whose training activations are kept (the rest recomputed in backward).
-    pub kept_layers: u32,
+    pub kept: KeptLayers,
+    /// Bytes the ILP's decode and training memory rows left below their budgets: by its
+    /// estimate. Where the exact layout overshoots, it needs this much more than the estimate
+    /// besides the overshoot.
+    pub room: RowRoom,
+}
+
+/// Bytes per memory row of the residency ILP (decode phase, training phase).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RowRoom {
+    pub decode: u64,
+    pub train: u64,
 }
 
 /// The chunking of a streamed optimizer step ([`rollplex_plan::OptimizerStream`]).

@@ -39,7 +39,7 @@
 //! after which the groups a node waits for have finished.
 
 use crate::error::{CompileError, Result};
-use crate::ir::{Node, NodeId, PhaseGraph, Role, SideClass, WindowPlan};
+use crate::ir::{KeptLayers, Node, NodeId, PhaseGraph, Role, SideClass, WindowPlan};
 use crate::lengths::Lengths;
 use crate::shapes::Shapes;
 use crate::topology::Topology;
@@ -126,16 +126,21 @@ fn with_part(w: Work, kind: WorkKind, part: Work) -> Work {
 
 /// The kept activation layers the job fixes: every text layer (`recompute = none`), none
 /// (`full`), and under `auto` none until the planner decides ([`lower`] again with its answer).
-pub fn fixed_kept_layers(spec: &JobSpec) -> u32 {
-    spec.train
+pub fn fixed_kept_layers(spec: &JobSpec) -> KeptLayers {
+    let n = spec
+        .train
         .recompute
         .kept_layers(spec.actor.text.num_layers)
-        .unwrap_or(0)
+        .unwrap_or(0);
+    KeptLayers {
+        suffix: n,
+        prompt: n,
+    }
 }
 
-/// Builds the phase graph of one iteration of `spec` on `topo`, with the first `kept_layers`
-/// text layers keeping their training activations (the others recomputed in backward).
-pub fn lower(spec: &JobSpec, topo: Topology, kept_layers: u32) -> Result<PhaseGraph> {
+/// Builds the phase graph of one iteration of `spec` on `topo`, with the first `kept` text
+/// layers keeping their training activations (the others recomputed in backward).
+pub fn lower(spec: &JobSpec, topo: Topology, kept: KeptLayers) -> Result<PhaseGraph> {
     let shapes = Shapes::new(spec);
     let lengths = Lengths::new(&spec.rollout.response_len, spec.rollout.max_new_tokens);
     if shapes.prompt_tokens == 0 {
@@ -165,9 +170,12 @@ pub fn lower(spec: &JobSpec, topo: Topology, kept_layers: u32) -> Result<PhaseGr
     let ref_on = spec.reference.enabled;
     let multi_step = batch.steps > 1;
     let text_layers = spec.actor.text.num_layers.max(1);
-    let kept_layers = kept_layers.min(text_layers);
-    // the share of the suffix's layers whose forward backward runs again
-    let recomputed = (text_layers - kept_layers) as f64 / text_layers as f64;
+    let kept = KeptLayers {
+        suffix: kept.suffix.min(text_layers),
+        prompt: kept.prompt.min(text_layers),
+    };
+    // the share of the suffix's and the prompt rows' layers whose forward backward runs again
+    let recomputed = |k: u32| (text_layers - k) as f64 / text_layers as f64;
     let old_pass = batch.old_logprobs == OldLogProbSource::Pass;
     // the rollout's prefill keeps the training prompt forwards (`topology::train_prefix`)
     let prefill_trains = batch.train_prefix == TrainPrefixSource::Rollout;
@@ -617,12 +625,13 @@ pub fn lower(spec: &JobSpec, topo: Topology, kept_layers: u32) -> Result<PhaseGr
                 deps.extend(&train_prefix0);
             }
             let fwd = b.wl.suffix(batch.micro as f64, ttp);
-            let mut work = add_work(&fwd, &b.wl.backward_of(&fwd, recomputed));
+            let mut work = add_work(&fwd, &b.wl.backward_of(&fwd, recomputed(kept.suffix)));
             if !prefix_bwd.is_empty() {
                 let pf =
                     b.wl.prefix(prefix_bwd.len() as f64 * copies as f64, ttp, 0.0);
-                // the prompt rows keep their layer inputs only (the runtimes recompute them)
-                work = add_work(&work, &b.wl.backward_of(&pf, 1.0));
+                // the prompt rows' layers past the kept ones keep their inputs only (the
+                // runtimes recompute them)
+                work = add_work(&work, &b.wl.backward_of(&pf, recomputed(kept.prompt)));
                 if !spec.train.freeze_vision && media {
                     // once per group, whatever the copies: the copies' encodings are the same
                     // bits, so the trainers run the tower's backward once per group (CUDA:
@@ -726,7 +735,7 @@ pub fn lower(spec: &JobSpec, topo: Topology, kept_layers: u32) -> Result<PhaseGr
         reuses_encoding,
         sharing,
         copies,
-        kept_layers,
+        kept,
     })
 }
 

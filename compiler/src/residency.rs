@@ -29,10 +29,16 @@
 //! copy at the host link's rate in its direction (reloads host -> device, offloads and
 //! write-backs device -> host).
 //!
-//! Kept activation layers (`recompute = auto`): how many text layers keep every training
-//! activation of a micro-batch's suffix ([`ActLayers`]: the bytes one more layer adds to the
-//! training row, and to the decode row while micro-batches run in windows; the forward it
-//! saves); the graph is lowered with none kept and lowered again with the answer.
+//! Kept activation layers (`recompute = auto`), two decisions ([`ActLayers`]: the bytes one
+//! more layer adds to the training row and, where they are next to decode, to the decode row;
+//! the forward it saves):
+//! - how many text layers keep every training activation of a micro-batch's suffix (in the
+//!   decode row while micro-batches run in windows);
+//! - how many keep every activation of the prompt rows in the kept prompt forwards, for every
+//!   training group of a step (in the decode row throughout when the rollout's prefill writes
+//!   them, or while the prompt forwards run in windows; kept layers keep their store in HBM).
+//!
+//! The graph is lowered with none kept and lowered again with the answer.
 //!
 //! A buffer used in one contiguous range of phases is best either in HBM throughout or off HBM
 //! outside that range, so one binary per item is its residency per phase.
@@ -54,8 +60,13 @@
 //! the row where the peak sits by the overshoot and solves again.
 
 use crate::error::{CompileError, Result};
-use crate::ilp::{self, ActLayers, IlpRun, KeptState, ResItem, ReshardOption, Residency};
-use crate::ir::{kept_role, Node, PhaseGraph, ResidencyChoice, Role, SideClass, StreamShape, KEPT};
+use crate::ilp::{
+    self, ActDecode, ActLayers, IlpRun, KeptState, ResItem, ReshardOption, Residency,
+};
+use crate::ir::{
+    kept_role, KeptLayers, Node, PhaseGraph, ResidencyChoice, Role, RowRoom, SideClass,
+    StreamShape, KEPT,
+};
 use crate::shapes::kept_act_bytes_per_token_layer;
 use rollplex_cost::CostModel;
 use rollplex_plan::spec::{Mode, OptimizerState, Recompute};
@@ -88,7 +99,7 @@ pub struct Model {
     pub kept: Vec<SideClass>,
     pub reshard: Vec<ReshardPoint>,
     /// The kept activation layers `pg` was lowered with (the answer unless the ILP decides).
-    pub kept_layers: u32,
+    pub kept_layers: KeptLayers,
     /// How a streamed optimizer step would chunk the state (with an optimizer-state item).
     pub stream_shape: Option<StreamShape>,
 }
@@ -169,7 +180,54 @@ fn act_layers(
         layers,
         bytes_per_layer: (tokens * per_token) as f64,
         recompute_s: fwd_s / layers.max(1) as f64,
-        decode_class,
+        decode: decode_class.map_or(ActDecode::Never, ActDecode::Class),
+        in_state: None,
+    }
+}
+
+/// What kept prompt-row layers cost and save (`recompute = auto`; `pg` lowered with none
+/// kept): every training group's prompt rows of one step's kept prompt forwards (the store a
+/// step's micro-batches read), one layer's activations beyond its input, and one layer's
+/// forward over the prompt rows of every micro-batch at the training rate (what their
+/// backward recomputes).
+fn prompt_layers(
+    pg: &PhaseGraph,
+    cost: &CostModel,
+    wl: &crate::workload::Workload<'_>,
+    decode: ActDecode,
+    in_state: Option<usize>,
+) -> ActLayers {
+    let spec = &pg.spec;
+    let ttp = pg.topo.parallel.train_tp.max(1);
+    let layers = spec.actor.text.num_layers;
+    let per_token = (kept_act_bytes_per_token_layer(&spec.actor, 1, false)
+        - kept_act_bytes_per_token_layer(&spec.actor, 1, true))
+        / ttp as u64;
+    let copies = pg.copies as f64;
+    let sms = spec.cluster.gpu.sms;
+    let (mut rows, mut fwd_s) = (vec![0u64; pg.topo.batch.steps as usize], 0.0);
+    for i in pg.ids() {
+        if let Op::TrainMicroBatch {
+            step,
+            prefix_bwd_slots,
+            ..
+        } = pg.node(i).op
+        {
+            let groups = prefix_bwd_slots.len() as f64;
+            if let Some(r) = rows.get_mut(step as usize) {
+                *r += (groups * copies) as u64 * pg.shapes.prompt_tokens;
+            }
+            let fwd = wl.prefix(groups * copies, ttp, 0.0);
+            fwd_s += cost.time(WorkKind::ActorBwd, &fwd, sms);
+        }
+    }
+    let tokens = rows.into_iter().max().unwrap_or(0);
+    ActLayers {
+        layers,
+        bytes_per_layer: (tokens * per_token) as f64,
+        recompute_s: fwd_s / layers.max(1) as f64,
+        decode,
+        in_state,
     }
 }
 
@@ -426,8 +484,25 @@ pub fn model(
         }
     }
     train_base += max_scratch(&|n| n.phase == Phase::Training);
-    let act_layers = (spec.train.recompute == Recompute::Auto)
-        .then(|| act_layers(pg, cost, &wl, class_index(SideClass::MicroBatch)));
+    let auto = spec.train.recompute == Recompute::Auto;
+    let act_layers = auto.then(|| act_layers(pg, cost, &wl, class_index(SideClass::MicroBatch)));
+    // the prompt rows live in the kept prompt forwards: next to decode where the prefill
+    // writes them or while their class runs in windows (then their store stays in HBM)
+    let prompt_layers = auto.then(|| {
+        let (decode, in_state) = match pg.topo.batch.train_prefix {
+            TrainPrefixSource::Rollout => (ActDecode::Always, None),
+            TrainPrefixSource::Pass => match class_index(SideClass::TrainPrefix) {
+                Some(c) => (
+                    ActDecode::Class(c),
+                    kept_classes
+                        .iter()
+                        .position(|&k| k == SideClass::TrainPrefix),
+                ),
+                None => (ActDecode::Never, None),
+            },
+        };
+        prompt_layers(pg, cost, &wl, decode, in_state)
+    });
     let budget = spec.schedule.memory_budget as f64;
     // Streaming is offered only where a memory row may move the state off HBM: the training
     // row does not fit with every item in HBM and every activation layer kept, or the decode
@@ -441,9 +516,11 @@ pub fn model(
                 .filter(|it| it.train_kept || it.train_off)
                 .map(|it| it.bytes)
                 .sum::<f64>()
-            + act_layers
-                .as_ref()
-                .map_or(0.0, |a| a.bytes_per_layer * a.layers as f64);
+            + [&act_layers, &prompt_layers]
+                .into_iter()
+                .flatten()
+                .map(|a| a.bytes_per_layer * a.layers as f64)
+                .sum::<f64>();
         let decode_all = decode_base
             + items
                 .iter()
@@ -469,8 +546,9 @@ pub fn model(
             },
             reshard,
             act_layers,
+            prompt_layers,
         },
-        kept_layers: pg.kept_layers,
+        kept_layers: pg.kept,
         stream_shape,
         items: kinds,
         kept: kept_classes,
@@ -536,7 +614,14 @@ pub fn choice(m: &Model, ans: &ilp::Answer) -> ResidencyChoice {
         old_prefix_host: host(SideClass::OldPrefix),
         train_prefix_host: host(SideClass::TrainPrefix),
         reshard: m.reshard.get(ans.reshard).copied().unwrap_or_default(),
-        kept_layers: ans.act_layers.unwrap_or(m.kept_layers),
+        kept: KeptLayers {
+            suffix: ans.act_layers.unwrap_or(m.kept_layers.suffix),
+            prompt: ans.prompt_layers.unwrap_or(m.kept_layers.prompt),
+        },
+        room: RowRoom {
+            decode: ans.room[0] as u64,
+            train: ans.room[1] as u64,
+        },
     }
 }
 
@@ -607,7 +692,10 @@ pub fn label(r: &ResidencyChoice, colocated: bool) -> String {
     } else {
         off.join(", ")
     };
-    s.push_str(&format!("; {} layers' activations kept", r.kept_layers));
+    s.push_str(&format!(
+        "; {} layers' activations kept ({} of the prompt rows)",
+        r.kept.suffix, r.kept.prompt
+    ));
     if colocated {
         s.push_str(match r.reshard {
             ReshardPoint::IterationStart => "; reshard at iteration start",
@@ -679,7 +767,7 @@ mod tests {
         let base = |spec: &rollplex_plan::spec::JobSpec| {
             let cost = crate::driver::cost_model(spec, None);
             let topo = crate::topology::colocated(spec, Mode::Serial).unwrap();
-            let mut pg = crate::lower::lower(spec, topo, 0).unwrap();
+            let mut pg = crate::lower::lower(spec, topo, Default::default()).unwrap();
             crate::buffers::assign(&mut pg);
             let kept = pg
                 .buffer_with(BufferRole::TrainPrefix { step: 0 })
@@ -700,11 +788,13 @@ mod tests {
         );
     }
 
-    /// `recompute = auto` keeps every layer's activations when they fit (the plan of `none`),
-    /// and between the peaks of `full` and `none` keeps only some layers: within the budget,
-    /// predicted between the two (the optimizer state held in HBM). With the optimizer state
-    /// left to the planner, it streams the state instead at that budget and keeps every
-    /// layer, faster than recomputing.
+    /// `recompute = auto` keeps every layer's activations of the response rows when they fit,
+    /// at least as fast as `none` (which keeps the prompt rows' too: here the planner gives up
+    /// a prompt-row layer to keep the reference weights in HBM), and between the peaks of
+    /// `full` and `none` keeps only some layers, the response rows' first: within the budget,
+    /// predicted between the two (the optimizer state held in HBM). With the optimizer state left to the planner, it
+    /// streams the state instead at that budget and keeps every layer, faster than
+    /// recomputing.
     #[test]
     fn auto_keeps_the_activation_layers_memory_allows() {
         use rollplex_plan::spec::{OptimizerState, Recompute};
@@ -720,18 +810,28 @@ mod tests {
         let layers = paper_job(QwenSize::B7).actor.text.num_layers;
         let (none, full) = (with(Recompute::None, None), with(Recompute::Full, None));
         assert_eq!((none.kept_act_layers, full.kept_act_layers), (layers, 0));
+        assert_eq!(
+            (none.kept_prompt_layers, full.kept_prompt_layers),
+            (layers, 0)
+        );
         let (peak_none, peak_full) = (none.memory.gpus[0].peak, full.memory.gpus[0].peak);
         assert!(peak_full < peak_none, "{peak_full} {peak_none}");
         let roomy = with(Recompute::Auto, None);
         assert_eq!(roomy.kept_act_layers, layers);
-        assert_eq!(roomy.predicted.iteration_s, none.predicted.iteration_s);
-        assert_eq!(roomy.memory.gpus[0].peak, peak_none);
+        assert!(
+            roomy.predicted.iteration_s <= none.predicted.iteration_s,
+            "auto {} s, none {} s",
+            roomy.predicted.iteration_s,
+            none.predicted.iteration_s
+        );
+        assert!(roomy.memory.gpus[0].peak <= roomy.spec.schedule.memory_budget);
         let budget = (peak_full + peak_none) / 2;
         let part = with(Recompute::Auto, Some(budget));
+        // the response rows' layers save more time a byte: they are kept first
+        let kept = (part.kept_act_layers, part.kept_prompt_layers);
         assert!(
-            0 < part.kept_act_layers && part.kept_act_layers < layers,
-            "{} of {layers} kept under {budget}",
-            part.kept_act_layers
+            0 < kept.0 + kept.1 && kept.0 + kept.1 < 2 * layers && kept.0 >= kept.1,
+            "(response, prompt) {kept:?} of {layers} kept under {budget}"
         );
         assert!(part.memory.gpus[0].peak <= budget);
         let t = part.predicted.iteration_s;

@@ -530,7 +530,7 @@ mod tests {
         let profile = rollplex_cost::h200::shipped().unwrap();
         let cost = crate::driver::cost_model(&spec, Some(&profile));
         let topo = crate::topology::colocated(&spec, Mode::Overlap).unwrap();
-        let mut pg = crate::lower::lower(&spec, topo, 0).unwrap();
+        let mut pg = crate::lower::lower(&spec, topo, Default::default()).unwrap();
         crate::buffers::assign(&mut pg);
         let cuts = Cuts::default();
         let t = |pricing| place_priced(&pg, &cost, cuts, 5.0, pricing).unwrap().3;

@@ -339,6 +339,7 @@ fn main() -> Result<()> {
             horizon: 0,
         },
         kept_layers: if step_only { usize::MAX } else { 0 },
+        kept_prompt_layers: if step_only { usize::MAX } else { 0 },
         freeze_vision: true,
         freeze_merger: true,
         temperature: 1.0,
@@ -566,6 +567,7 @@ fn main() -> Result<()> {
     {
         let keep_cfg = TrainConfig {
             kept_layers: usize::MAX,
+            kept_prompt_layers: usize::MAX,
             ..cfg.clone()
         };
         let mut tk = GpuTrainer::new(&gpu, &s, &model, keep_cfg, adamw.clone())?;

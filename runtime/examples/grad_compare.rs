@@ -200,6 +200,7 @@ fn cuda_grads(
     let cfg = TrainConfig {
         loss: loss.clone(),
         kept_layers: 0,
+        kept_prompt_layers: 0,
         freeze_vision: false,
         freeze_merger: false,
         temperature,
@@ -360,6 +361,7 @@ fn run_case(dir: &Path, backend: Backend, bound: Bound, quiet: bool) -> Result<C
         let cfg = TrainConfig {
             loss: loss.clone(),
             kept_layers,
+            kept_prompt_layers: kept_layers,
             freeze_vision: false,
             freeze_merger: false,
             temperature,

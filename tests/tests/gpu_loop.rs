@@ -289,9 +289,8 @@ fn assert_same_training(a: &[IterationResult], b: &[IterationResult], na: &str, 
 
 /// The plan's reloads run for real: with a device budget that leaves room only for the
 /// reference weights from the first reference task on, the plan keeps them on the host (a
-/// `Reload` before reference scoring; other buffers laid over their range outside it; the
-/// overlap plan reloads its optimizer state too), and the job trains bitwise as with everything
-/// in HBM, serial and overlap.
+/// `Reload` before reference scoring; other buffers laid over their range outside it), and the
+/// job trains bitwise as with everything in HBM, serial and overlap.
 #[test]
 fn cuda_reloaded_reference_trains_as_in_hbm() {
     let Some(_gpu) = common::gpu_device() else {

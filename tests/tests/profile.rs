@@ -4,7 +4,7 @@
 //!
 //! The first tests feed the recorder synthetic times (deterministic), host copies among them
 //! (the measured host rates); the CPU runs run examples/tiny.rpx and compare with the clock,
-//! and a plan that keeps its reference on the host (whose copies the CPU backend does not
+//! and a plan that keeps its optimizer state on the host (whose copies the CPU backend does not
 //! make: no rate). The co-run tests lay out
 //! an overlap plan's decode windows as the runtime measures them: decode steps slower while the
 //! window's side tasks run, at the partition's speed after them.
@@ -350,18 +350,19 @@ fn corun_measurements_move_the_overlap_prediction_the_right_way() {
     assert!((s(&slow) / s(&none) - 1.0).abs() < 1e-9);
 }
 
-/// The small job whose device budget keeps its reference weights on the host (the overlap plan
-/// its optimizer state too: reloads and offloads), compiled in `mode` with `profile` if given.
+/// The small job with its optimizer state kept on the host (reloaded before the optimizer step
+/// and written back after it: reloads and offloads), compiled in `mode` with `profile` if given.
 fn reloaded(mode: Mode, profile: Option<&Profile>) -> Plan {
     let opts = rollplex_compiler::Options {
         mode: Some(mode),
         profile: profile.cloned(),
         ..Default::default()
     };
-    common::compile_spec(
-        &common::spec("overlap_small.rpx", &common::reloaded_reference_small()),
-        &opts,
-    )
+    let src = common::in_train(
+        &common::with_host_memory(&common::overlap_small_frozen()),
+        "optimizer_state = host",
+    );
+    common::compile_spec(&common::spec("overlap_small.rpx", &src), &opts)
 }
 
 fn is_copy(t: &Task) -> bool {
@@ -550,7 +551,7 @@ fn cpu_run_profile_moves_the_prediction_toward_the_measurement() {
 }
 
 /// The CPU backend, one address space, moves nothing on a plan's reloads: a profile of a run
-/// of the plan that keeps its reference on the host measures no host rate (the file says so),
+/// of the plan that keeps its optimizer state on the host measures no host rate (the file says so),
 /// and recompiled with it the plan prices its reload at the GPU spec's host bandwidth.
 #[test]
 fn a_cpu_run_of_a_reloading_plan_measures_no_host_rate() {

@@ -7,7 +7,7 @@
 
 use super::model::{memory, Vars, GIB};
 use super::options::{decode_alone, slowdown};
-use super::{Answer, Problem, Residency};
+use super::{ActDecode, Answer, Problem, Residency};
 use good_lp::{Solution, SolutionStatus};
 use rollplex_plan::SolveStatus;
 
@@ -108,9 +108,22 @@ pub(super) fn read(
             objective += ks.host_s;
         }
     }
-    let act_layers = kept_layers(p, res, v, sol);
-    if let (Some(a), Some(k)) = (&res.act_layers, act_layers) {
-        objective += a.recompute_s * a.layers.saturating_sub(k) as f64;
+    let ([act_layers, prompt_layers], [dec, train]) = kept_layers(p, res, v, sol);
+    let room = match p.residency.is_some() {
+        true => [
+            (res.decode_budget - dec * GIB).max(0.0),
+            (res.train_budget - train * GIB).max(0.0),
+        ],
+        false => [0.0; 2],
+    };
+    for (a, k) in res
+        .layer_decisions()
+        .iter()
+        .zip([act_layers, prompt_layers])
+    {
+        if let (Some(a), Some(k)) = (a, k) {
+            objective += a.recompute_s * a.layers.saturating_sub(k) as f64;
+        }
     }
     let over_gib = v.slack.iter().map(|&x| sol.value(x).max(0.0)).sum();
     Answer {
@@ -121,6 +134,8 @@ pub(super) fn read(
         reshard,
         kept_host,
         act_layers,
+        prompt_layers,
+        room,
         over_gib,
         status,
         objective,
@@ -131,24 +146,58 @@ pub(super) fn read(
     }
 }
 
-/// The kept activation layers of the answer, raised to what the memory rows still have room
-/// for with every other choice as answered (the objective only gains from more): HiGHS stops
-/// inside its relative gap, which counts the whole objective, so it may leave a layer whose
-/// recompute is worth less than the gap.
-fn kept_layers(p: &Problem, res: &Residency, v: &Vars, sol: &impl Solution) -> Option<u32> {
-    let (a, av) = (res.act_layers.as_ref()?, v.act?);
-    let kept = sol.value(av).round().clamp(0.0, a.layers as f64);
-    let b = a.bytes_per_layer / GIB;
-    if b <= 0.0 {
-        return Some(a.layers);
-    }
-    let m = memory(p, res, v, &mut Vec::new());
-    let room = |budget: f64, used: f64| ((budget / GIB - used) / b + 1e-9).floor().max(0.0);
-    let mut more = room(res.train_budget, m.train.eval_with(sol));
-    if let (Some(c), Some(_)) = (a.decode_class, v.act_dec) {
-        if sol.value(v.u[c]) > 0.5 {
-            more = more.min(room(res.decode_budget, m.dec.eval_with(sol)));
+/// The kept activation layers of each decision, raised to what the memory rows still have
+/// room for with every other choice as answered (the objective only gains from more), the
+/// decision that saves the most time per byte first: HiGHS stops inside its relative gap,
+/// which counts the whole objective, so it may leave a layer whose recompute is worth less
+/// than the gap. Also the decode and training rows (GiB) with the raised layers.
+fn kept_layers(
+    p: &Problem,
+    res: &Residency,
+    v: &Vars,
+    sol: &impl Solution,
+) -> ([Option<u32>; 2], [f64; 2]) {
+    let decisions = res.layer_decisions();
+    let mut kept = [None; 2];
+    for k in 0..2 {
+        if let (Some(a), Some(av)) = (decisions[k], v.act[k]) {
+            kept[k] = Some(sol.value(av).round().clamp(0.0, a.layers as f64));
         }
     }
-    Some((kept + more).min(a.layers as f64) as u32)
+    let m = memory(p, res, v, &mut Vec::new());
+    let (mut train, mut dec) = (m.train.eval_with(sol), m.dec.eval_with(sol));
+    let per_byte = |k: usize| {
+        decisions[k].map_or(0.0, |a| {
+            a.recompute_s / a.bytes_per_layer.max(f64::MIN_POSITIVE)
+        })
+    };
+    let mut order = [0, 1];
+    order.sort_by(|&x, &y| per_byte(y).total_cmp(&per_byte(x)));
+    for k in order {
+        let (Some(a), Some(n)) = (decisions[k], kept[k]) else {
+            continue;
+        };
+        let b = a.bytes_per_layer / GIB;
+        if b <= 0.0 {
+            kept[k] = Some(a.layers as f64);
+            continue;
+        }
+        let room = |budget: f64, used: f64| ((budget / GIB - used) / b + 1e-9).floor().max(0.0);
+        let in_decode = match a.decode {
+            ActDecode::Never => false,
+            ActDecode::Always => true,
+            ActDecode::Class(c) => v.act_dec[k].is_some() && sol.value(v.u[c]) > 0.5,
+        };
+        let mut more = room(res.train_budget, train);
+        if in_decode {
+            more = more.min(room(res.decode_budget, dec));
+        }
+        let more = more.min(a.layers as f64 - n);
+        train += b * more;
+        if in_decode {
+            dec += b * more;
+        }
+        kept[k] = Some(n + more);
+    }
+    (kept.map(|k| k.map(|k| k as u32)), [dec, train])
 }

@@ -52,12 +52,16 @@
 //!   `h[k] + u[consumer] <= 1` (reloads follow decode, so consumers do too); the decode row
 //!   counts `host_resident` instead of the class's bytes (`- (bytes[c] - host_resident) h[k]`),
 //!   the host row `host_bytes h[k]`, the objective `host_s h[k]`;
-//! - kept training activations ([`ActLayers`], `recompute = auto`): `a` (integer, `0..=L`):
-//!   the first `a` text layers keep every activation for backward, the others only their
-//!   input (recomputed in backward); the training row counts `bytes_per_layer a`, the
-//!   objective `recompute_s (L - a)`; when micro-batches may run in windows (class `m`), the
-//!   decode row counts `e >= bytes_per_layer (a - L (1 - u[m]))`, `e >= 0` (the kept layers'
-//!   bytes while the class is next to decode, nothing otherwise);
+//! - kept training activations ([`ActLayers`], `recompute = auto`), two decisions of one form,
+//!   the micro-batches' response rows and the kept prompt forwards' prompt rows: `a`
+//!   (integer, `0..=L`): the first `a` text layers keep every activation for backward, the
+//!   others only their input (recomputed in backward); the training row counts
+//!   `bytes_per_layer a`, the objective `recompute_s (L - a)`; the decode row counts them as
+//!   [`ActDecode`] says: not at all, in full (the prompt rows of a prefill that keeps the
+//!   training forward live through decode), or while their class `m` may run in windows:
+//!   `e >= bytes_per_layer (a - L (1 - u[m]))`, `e >= 0` (the kept layers' bytes while the
+//!   class is next to decode, nothing otherwise); layers kept in a kept prefix state's buffer
+//!   keep that state in HBM: `a <= L (1 - h[k])`;
 //! - objective adds `sum_i off_s[i] off[i] + sum_k exposed_s[k] x[k] + 1000 (s_d + s_t)`: the
 //!   transfer or rebuild time of every item moved off HBM, the sync time not hidden, and a
 //!   steep price per GiB over budget (soft rows keep the model feasible; the driver reports a
@@ -238,15 +242,28 @@ pub struct KeptState {
 pub struct ActLayers {
     /// Text layers `L`.
     pub layers: u32,
-    /// Device bytes one more kept layer adds to the training phase's peak (the largest
-    /// micro-batch's activations beyond its layer input).
+    /// Device bytes one more kept layer adds to the training phase's peak (the activations
+    /// beyond the layer input: of the largest micro-batch, or of every kept prompt forward).
     pub bytes_per_layer: f64,
-    /// Seconds one more recomputed layer adds to the iteration (its forward over every
-    /// micro-batch, counted as exposed).
+    /// Seconds one more recomputed layer adds to the iteration (its forward over every row it
+    /// keeps, counted as exposed).
     pub recompute_s: f64,
-    /// The micro-batches' side class (index into [`Problem::classes`]), when they may run in
-    /// decode windows: while it does, the decode row counts the kept layers too.
-    pub decode_class: Option<usize>,
+    /// Whether the decode row counts the kept layers too.
+    pub decode: ActDecode,
+    /// The kept prefix state (index into [`Residency::kept`]) whose buffer holds the layers:
+    /// while any layer is kept, it stays in HBM (`a <= L (1 - h[k])`).
+    pub in_state: Option<usize>,
+}
+
+/// Where kept activation layers are in the decode row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActDecode {
+    /// Never next to decode (made and used after it).
+    Never,
+    /// Always (made before or during decode, used after it).
+    Always,
+    /// While their side class (index into [`Problem::classes`]) runs in decode windows.
+    Class(usize),
 }
 
 /// Residency and reshard-point part of the model: memory rows for the decode and the
@@ -265,8 +282,17 @@ pub struct Residency {
     pub host_budget: f64,
     /// At least one option; the first is the fallback.
     pub reshard: Vec<ReshardOption>,
-    /// Kept activation layers, when the planner decides them (`None`: fixed by the job).
+    /// Kept activation layers of the micro-batches' response rows and of the kept prompt
+    /// forwards' prompt rows, each when the planner decides it (`None`: fixed by the job).
     pub act_layers: Option<ActLayers>,
+    pub prompt_layers: Option<ActLayers>,
+}
+
+impl Residency {
+    /// The two kept-layers decisions, response rows first.
+    pub fn layer_decisions(&self) -> [Option<&ActLayers>; 2] {
+        [self.act_layers.as_ref(), self.prompt_layers.as_ref()]
+    }
 }
 
 /// Seconds the objective charges per GiB over a memory row (soft rows keep the model
@@ -293,8 +319,13 @@ pub struct Answer {
     pub reshard: usize,
     /// Per kept prefix state: on host.
     pub kept_host: Vec<bool>,
-    /// Text layers that keep their training activations (`None` without [`ActLayers`]).
+    /// Text layers that keep their training activations, of the response rows and of the
+    /// prompt rows (`None` without that [`ActLayers`]).
     pub act_layers: Option<u32>,
+    pub prompt_layers: Option<u32>,
+    /// Bytes the decode and the training row leave below their budgets (the rows' estimate:
+    /// the exact layout may need more; zero without a residency part).
+    pub room: [f64; 2],
     /// GiB over budget, summed over the memory rows (the rows are soft).
     pub over_gib: f64,
 }

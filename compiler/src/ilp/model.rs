@@ -6,7 +6,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::options::{decode_alone, slowdown, useful_options, whole_items};
-use super::{PrecKind, Problem, Residency, OVER_BUDGET_S_PER_GIB};
+use super::{ActDecode, PrecKind, Problem, Residency, OVER_BUDGET_S_PER_GIB};
 use good_lp::{constraint, variable, Constraint, Expression, ProblemVariables, Variable};
 
 /// Bytes per GiB: memory rows are written in GiB to keep the coefficients near 1.
@@ -32,10 +32,11 @@ pub(super) struct Vars {
     pub h: Vec<Option<Variable>>,
     /// `s_d`, `s_t` (with a residency part only).
     pub slack: Vec<Variable>,
-    /// `a`: text layers keeping their activations (with [`super::ActLayers`] only).
-    pub act: Option<Variable>,
-    /// `e`: the kept layers' bytes in the decode row (GiB; micro-batches in windows only).
-    pub act_dec: Option<Variable>,
+    /// `a`: text layers keeping their activations, per decision of
+    /// [`Residency::layer_decisions`] (with that [`super::ActLayers`] only).
+    pub act: [Option<Variable>; 2],
+    /// `e`: the kept layers' bytes in the decode row (GiB; [`ActDecode::Class`] only).
+    pub act_dec: [Option<Variable>; 2],
     /// `n[c][w][j]`, only where option `j` has side SMs and a whole item fits.
     pub n: Vec<Vec<Vec<Option<Variable>>>>,
     /// `cum[c][w]`: items of class `c` in windows `0..=w` (keeps the rows sparse).
@@ -109,16 +110,19 @@ impl Vars {
         } else {
             vec![]
         };
-        let act = res
-            .act_layers
-            .as_ref()
-            .filter(|_| p.residency.is_some())
-            .map(|a| vars.add(variable().integer().min(0).max(a.layers as f64)));
-        let act_dec = res
-            .act_layers
-            .as_ref()
-            .filter(|a| act.is_some() && a.decode_class.is_some_and(|c| c < nc))
-            .map(|_| vars.add(variable().min(0)));
+        let decisions = res.layer_decisions();
+        let act = decisions.map(|a| {
+            a.filter(|_| p.residency.is_some())
+                .map(|a| vars.add(variable().integer().min(0).max(a.layers as f64)))
+        });
+        let mut act_dec = [None; 2];
+        for (k, a) in decisions.iter().enumerate() {
+            if let (Some(a), Some(_)) = (a, act[k]) {
+                if matches!(a.decode, ActDecode::Class(c) if c < nc) {
+                    act_dec[k] = Some(vars.add(variable().min(0)));
+                }
+            }
+        }
         // n[c][w][j] (continuous, see the module docs) only where option j has side SMs,
         // bounded by the whole items that fit beside the window's decode (a continuous count
         // would otherwise spread one item too large for any window over several, which the
@@ -166,13 +170,13 @@ impl Vars {
             + st.iter().flatten().count() as u32
             + x.len() as u32
             + h.iter().flatten().count() as u32
-            + act.iter().count() as u32;
+            + act.iter().flatten().count() as u32;
         let count = integers
             + n.iter().map(some).sum::<u32>()
             + (nc * nw) as u32
             + dv.iter().flatten().count() as u32
             + slack.len() as u32
-            + act_dec.iter().count() as u32;
+            + act_dec.iter().flatten().count() as u32;
         Vars {
             y,
             z,
@@ -254,8 +258,10 @@ pub(super) fn objective(p: &Problem, res: &Residency, v: &Vars) -> Expression {
     for &sv in &v.slack {
         obj += OVER_BUDGET_S_PER_GIB * sv;
     }
-    if let (Some(a), Some(av)) = (&res.act_layers, v.act) {
-        obj += a.recompute_s * a.layers as f64 - a.recompute_s * av;
+    for (a, av) in res.layer_decisions().iter().zip(v.act) {
+        if let (Some(a), Some(av)) = (a, av) {
+            obj += a.recompute_s * a.layers as f64 - a.recompute_s * av;
+        }
     }
     obj
 }
@@ -411,13 +417,24 @@ pub(super) fn memory(p: &Problem, res: &Residency, v: &Vars, rows: &mut Vec<Cons
         dec += -saved * hv;
         host += ks.host_bytes / GIB * hv;
     }
-    if let (Some(a), Some(av)) = (&res.act_layers, v.act) {
+    for (k, a) in res.layer_decisions().iter().enumerate() {
+        let (Some(a), Some(av)) = (a, v.act[k]) else {
+            continue;
+        };
         let b = a.bytes_per_layer / GIB;
         train += b * av;
-        if let (Some(c), Some(ev)) = (a.decode_class, v.act_dec) {
+        if let Some(hv) = a.in_state.and_then(|s| v.h.get(s).copied().flatten()) {
             let l = a.layers as f64;
-            rows.push(constraint!(ev >= b * av - b * l + b * l * u[c]));
-            dec += ev;
+            rows.push(constraint!(av <= l - l * hv));
+        }
+        match (a.decode, v.act_dec[k]) {
+            (ActDecode::Always, _) => dec += b * av,
+            (ActDecode::Class(c), Some(ev)) => {
+                let l = a.layers as f64;
+                rows.push(constraint!(ev >= b * av - b * l + b * l * u[c]));
+                dec += ev;
+            }
+            _ => {}
         }
     }
     Memory { dec, train, host }
@@ -482,11 +499,8 @@ pub(super) fn start(p: &Problem, res: &Residency, v: &Vars) -> Vec<(Variable, f6
         for (k, &xv) in v.x.iter().enumerate() {
             init.push((xv, if k == 0 { 1.0 } else { 0.0 }));
         }
-        if let Some(av) = v.act {
-            init.push((av, 0.0));
-        }
-        if let Some(ev) = v.act_dec {
-            init.push((ev, 0.0));
+        for x in v.act.iter().chain(&v.act_dec).flatten() {
+            init.push((*x, 0.0));
         }
         init.push((v.slack[0], ((dec - res.decode_budget) / GIB).max(0.0)));
         init.push((v.slack[1], ((train - res.train_budget) / GIB).max(0.0)));

@@ -52,6 +52,7 @@ fn problem(train_budget_gib: f64, beside: bool) -> Problem {
             host_budget: 100.0 * GIB,
             reshard,
             act_layers: None,
+            prompt_layers: None,
         }),
         time_limit_s: 5.0,
     }
@@ -97,7 +98,8 @@ fn kept_activation_layers_trade_against_residency() {
                 layers: 28,
                 bytes_per_layer: GIB,
                 recompute_s,
-                decode_class: None,
+                decode: ActDecode::Never,
+                in_state: None,
             });
         }
         solve(&p).unwrap()
@@ -119,6 +121,52 @@ fn kept_activation_layers_trade_against_residency() {
     // 0.18 s): B off wins.
     let a = with(0.06, 95.0);
     assert_eq!((a.off.clone(), a.act_layers), (vec![false, true], Some(15)));
+}
+
+/// The two kept-layers decisions share the memory rows: the response rows (1 GiB and 0.2 s a
+/// layer, training row only) and the prompt rows (2 GiB and 0.1 s a layer, in the decode row
+/// too: the prefill keeps them). Training has 200 - 84 = 116 GiB of room, decode 30: the
+/// decode row caps the prompt rows at 15 layers, the response rows take all 28. With 40 GiB
+/// of training room, 28 + 2 x 6 = 40: the response rows (0.2 s a GiB) come first, then 6
+/// prompt layers (0.05 s a GiB).
+#[test]
+fn prompt_rows_take_the_room_the_response_rows_leave() {
+    let with = |train_budget: f64| {
+        let mut p = problem(train_budget, false);
+        if let Some(r) = p.residency.as_mut() {
+            r.decode_budget = 30.0 * GIB;
+            r.act_layers = Some(ActLayers {
+                layers: 28,
+                bytes_per_layer: GIB,
+                recompute_s: 0.2,
+                decode: ActDecode::Never,
+                in_state: None,
+            });
+            r.prompt_layers = Some(ActLayers {
+                layers: 28,
+                bytes_per_layer: 2.0 * GIB,
+                recompute_s: 0.1,
+                decode: ActDecode::Always,
+                in_state: None,
+            });
+        }
+        solve(&p).unwrap()
+    };
+    let a = with(200.0);
+    assert_eq!(
+        (a.off.clone(), a.act_layers, a.prompt_layers),
+        (vec![false, false], Some(28), Some(15))
+    );
+    assert!(
+        (a.objective - 0.5 - 13.0 * 0.1).abs() < 1e-6,
+        "{}",
+        a.objective
+    );
+    let a = with(124.0);
+    assert_eq!(
+        (a.off.clone(), a.act_layers, a.prompt_layers),
+        (vec![false, false], Some(28), Some(6))
+    );
 }
 
 #[test]
@@ -191,6 +239,7 @@ fn kept(decode_budget_gib: f64, host_s: f64, host_budget_gib: f64) -> Problem {
                 excludes: vec![],
             }],
             act_layers: None,
+            prompt_layers: None,
         }),
         time_limit_s: 5.0,
     }

@@ -26,7 +26,7 @@ use thiserror::Error;
 
 pub const MAGIC: [u8; 4] = *b"RPLX";
 /// Version of the binary layout and payload schema. Bump on any change to the plan types.
-pub const FORMAT_VERSION: u32 = 8;
+pub const FORMAT_VERSION: u32 = 9;
 const FIXED: usize = 14;
 
 /// The header fields of a decoded plan file.

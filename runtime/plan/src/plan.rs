@@ -51,6 +51,12 @@ pub struct Plan {
     /// others keep only their input and are recomputed in backward: the compiler's answer to
     /// the job's `train.recompute` (under `auto`, a residency decision of the ILP).
     pub kept_act_layers: u32,
+    /// Text layers whose prompt rows keep their training activations in the kept prompt
+    /// forwards (layers `0..this`, every training group); the others keep the rows' layer
+    /// input and are recomputed in backward. Fixed with `kept_act_layers` by
+    /// `recompute = none | full`; under `auto` a residency decision of the ILP of its own (the
+    /// prompt rows live from their forward to the last micro-batch that reads them).
+    pub kept_prompt_layers: u32,
     pub predicted: Predicted,
     pub solver: SolverStats,
     pub gpus: Vec<Gpu>,

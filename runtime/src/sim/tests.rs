@@ -352,6 +352,7 @@ fn plan(split: Option<(u32, u32)>) -> Plan {
         old_logprobs: OldLogProbSource::TrainForward,
         train_prefix: TrainPrefixSource::Pass,
         kept_act_layers: spec().actor.text.num_layers,
+        kept_prompt_layers: spec().actor.text.num_layers,
         predicted: Predicted {
             iteration_s: 0.0,
             phases: vec![],

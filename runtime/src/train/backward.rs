@@ -65,6 +65,11 @@ pub struct TrainConfig {
     /// from the job (`recompute = none`: all, `full` and `auto`: none) and by each plan the
     /// trainer runs ([`TrainConfig::with_plan`]).
     pub kept_layers: usize,
+    /// Text layers `0..kept_prompt_layers` keep every activation of the prompt rows in the
+    /// kept prompt forwards (the GPU trainer's), the others only the rows' input (recomputed
+    /// in backward). Set like `kept_layers` ([`TrainConfig::with_plan`]: the plan's
+    /// `kept_prompt_layers`).
+    pub kept_prompt_layers: usize,
     pub freeze_vision: bool,
     pub freeze_merger: bool,
     /// The rollout's sampling temperature: log-probs are those of `logits / temperature`.
@@ -84,12 +89,14 @@ impl TrainConfig {
                 "temperature {temperature} must be positive and finite"
             )));
         }
+        let kept = match train.recompute {
+            Recompute::None => usize::MAX,
+            Recompute::Full | Recompute::Auto => 0,
+        };
         Ok(TrainConfig {
             loss: LossConfig::from_spec(train.algorithm.loss(), dual_clip, horizon)?,
-            kept_layers: match train.recompute {
-                Recompute::None => usize::MAX,
-                Recompute::Full | Recompute::Auto => 0,
-            },
+            kept_layers: kept,
+            kept_prompt_layers: kept,
             freeze_vision: train.freeze_vision,
             freeze_merger: train.freeze_merger,
             temperature,
@@ -99,6 +106,7 @@ impl TrainConfig {
     /// The plan's kept activation layers (the compiler's answer to `recompute`).
     pub fn with_plan(mut self, plan: &rollplex_plan::Plan) -> Self {
         self.kept_layers = plan.kept_act_layers as usize;
+        self.kept_prompt_layers = plan.kept_prompt_layers as usize;
         self
     }
 

@@ -184,6 +184,7 @@ fn cfg(kept_layers: usize, agg: LossAgg) -> TrainConfig {
             horizon: 0,
         },
         kept_layers,
+        kept_prompt_layers: kept_layers,
         freeze_vision: false,
         freeze_merger: false,
         temperature: 1.0,

@@ -81,21 +81,25 @@ impl Checker<'_> {
     pub(super) fn activations(&mut self) {
         let p = self.plan;
         let layers = p.spec.actor.text.num_layers;
-        let kept = p.kept_act_layers;
-        if kept > layers {
-            self.err(
-                "activations",
-                format!("kept_act_layers {kept} is more than the actor's {layers} text layers"),
-            );
-        }
         let recompute = p.spec.train.recompute;
-        if let Some(fixed) = recompute.kept_layers(layers) {
-            if kept != fixed {
-                let name = if fixed == 0 { "full" } else { "none" };
+        for (field, kept) in [
+            ("kept_act_layers", p.kept_act_layers),
+            ("kept_prompt_layers", p.kept_prompt_layers),
+        ] {
+            if kept > layers {
                 self.err(
                     "activations",
-                    format!("kept_act_layers {kept}, but `recompute = {name}` keeps {fixed} of {layers} layers"),
+                    format!("{field} {kept} is more than the actor's {layers} text layers"),
                 );
+            }
+            if let Some(fixed) = recompute.kept_layers(layers) {
+                if kept != fixed {
+                    let name = if fixed == 0 { "full" } else { "none" };
+                    self.err(
+                        "activations",
+                        format!("{field} {kept}, but `recompute = {name}` keeps {fixed} of {layers} layers"),
+                    );
+                }
             }
         }
     }

@@ -59,8 +59,8 @@
 //!   program, and the job allows it: colocated, the same TP degree and replicas for rollout
 //!   and training, every scored group trained, and a frozen tower and merger where there is
 //!   media.
-//! - `activations`: the plan's `kept_act_layers` is at most the actor's text layers, and is
-//!   every layer under `recompute = none`, none under `full`.
+//! - `activations`: the plan's `kept_act_layers` and `kept_prompt_layers` are each at most the
+//!   actor's text layers, and every layer under `recompute = none`, none under `full`.
 //! - `work`: every task's work amounts (its own and its parts') are finite and >= 0, and
 //!   parts hold no parts of their own.
 //! - `timing`: predicted times are finite, `start_s <= end_s`, a task starts no earlier than

@@ -149,7 +149,8 @@ impl GpuTrainer {
                 }
                 None => None,
             };
-            // each training group's prompt rows, recomputed from their kept inputs
+            // each training group's prompt rows: kept by its prompt forward, or recomputed from
+            // their kept inputs
             let mut prompts = Vec::new();
             for (gi, p) in b.packs.iter().enumerate() {
                 if !b.trains[gi] {
@@ -172,8 +173,14 @@ impl GpuTrainer {
                 };
                 let first = l * all + lay.row0;
                 let xin = b.store.inputs.slice(first * h..(first + rows) * h);
-                let mut acts = Acts::new(gpu, s, &pctx, blk)?;
-                layer_fwd(gpu, s, blk, &pctx, &xin, &mut acts, None, None)?;
+                let acts = match k.acts.get(l) {
+                    Some(a) => PromptActs::Kept(a),
+                    None => {
+                        let mut a = Acts::new(gpu, s, &pctx, blk)?;
+                        layer_fwd(gpu, s, blk, &pctx, &xin, &mut a, None, None)?;
+                        PromptActs::Recomputed(Box::new(a))
+                    }
+                };
                 prompts.push((gi, pctx, xin, acts));
             }
             // the MLP halves of every row set at once
@@ -343,6 +350,23 @@ impl StagedGather {
 
 /// A table per group, `None` where the group has none.
 type PerGroup = Vec<Option<RowGather>>;
+
+/// One group's prompt-row activations of a layer in backward: kept by its prompt forward, or
+/// recomputed here from the layer's kept input.
+enum PromptActs<'a> {
+    Kept(&'a Acts),
+    Recomputed(Box<Acts>),
+}
+
+impl std::ops::Deref for PromptActs<'_> {
+    type Target = Acts;
+    fn deref(&self) -> &Acts {
+        match self {
+            PromptActs::Kept(a) => a,
+            PromptActs::Recomputed(a) => a,
+        }
+    }
+}
 
 /// The gathers of a micro-batch's backward on the host, per group (`None` where the group
 /// trains nothing or has no such rows): each copy's token-0 rows into its last prompt row,

@@ -15,27 +15,29 @@ use rollplex_kernels::cuda::{
 };
 
 use super::super::alloc;
+use super::super::arena::{alloc_in, DevBuf, Region};
 use super::super::block_bwd::{mlp_saved, BlockBwd};
 use super::super::weights::{GpuBlock, GpuLinear};
 use super::params::Grads;
 use super::Result;
 
-/// One layer's activations (recomputed from its input in backward).
+/// One layer's activations: kept from the forward for backward (in a region of the plan's
+/// arena where the plan placed them), or recomputed there from the layer's input.
 pub(super) struct Acts {
-    pub(super) xn1: CudaSlice<bf16>,
-    pub(super) rstd1: CudaSlice<f32>,
-    pub(super) qkv: CudaSlice<bf16>,
-    pub(super) q: CudaSlice<bf16>,
-    pub(super) k: CudaSlice<bf16>,
-    pub(super) v: CudaSlice<bf16>,
-    pub(super) att: CudaSlice<bf16>,
-    pub(super) lse: CudaSlice<f32>,
-    pub(super) x_mid: CudaSlice<bf16>,
-    pub(super) xn2: CudaSlice<bf16>,
-    pub(super) rstd2: CudaSlice<f32>,
-    pub(super) gu: CudaSlice<bf16>,
-    pub(super) act: CudaSlice<bf16>,
-    pub(super) delta: CudaSlice<bf16>,
+    pub(super) xn1: DevBuf<bf16>,
+    pub(super) rstd1: DevBuf<f32>,
+    pub(super) qkv: DevBuf<bf16>,
+    pub(super) q: DevBuf<bf16>,
+    pub(super) k: DevBuf<bf16>,
+    pub(super) v: DevBuf<bf16>,
+    pub(super) att: DevBuf<bf16>,
+    pub(super) lse: DevBuf<f32>,
+    pub(super) x_mid: DevBuf<bf16>,
+    pub(super) xn2: DevBuf<bf16>,
+    pub(super) rstd2: DevBuf<f32>,
+    pub(super) gu: DevBuf<bf16>,
+    pub(super) act: DevBuf<bf16>,
+    pub(super) delta: DevBuf<bf16>,
 }
 
 /// What a layer forward needs besides weights and activations.
@@ -60,23 +62,36 @@ impl Acts {
         c: &LayerCtx<'_>,
         b: &GpuBlock,
     ) -> Result<Self> {
+        Self::new_in(gpu, s, c, b, None)
+    }
+
+    /// [`Acts::new`] in `region` (what does not fit comes from the memory pool).
+    pub(super) fn new_in(
+        gpu: &Gpu,
+        s: &Arc<CudaStream>,
+        c: &LayerCtx<'_>,
+        b: &GpuBlock,
+        region: Option<&Region>,
+    ) -> Result<Self> {
         let (r, h) = (c.rows, c.hidden);
         let (qw, kvw) = (c.dims.q_width(), c.dims.kv_width());
+        let bf = |n: usize| alloc_in::<bf16>(gpu, s, n, region);
+        let f = |n: usize| alloc_in::<f32>(gpu, s, n, region);
         Ok(Acts {
-            xn1: alloc(gpu, s, r * h)?,
-            rstd1: alloc(gpu, s, r)?,
-            qkv: alloc(gpu, s, r * b.qkv.out)?,
-            q: alloc(gpu, s, r * qw)?,
-            k: alloc(gpu, s, r * kvw)?,
-            v: alloc(gpu, s, r * kvw)?,
-            att: alloc(gpu, s, r * qw)?,
-            lse: alloc(gpu, s, r * c.dims.num_heads)?,
-            x_mid: alloc(gpu, s, r * h)?,
-            xn2: alloc(gpu, s, r * h)?,
-            rstd2: alloc(gpu, s, r)?,
-            gu: alloc(gpu, s, r * 2 * b.ffn)?,
-            act: alloc(gpu, s, r * b.ffn)?,
-            delta: alloc(gpu, s, r * h)?,
+            xn1: bf(r * h)?,
+            rstd1: f(r)?,
+            qkv: bf(r * b.qkv.out)?,
+            q: bf(r * qw)?,
+            k: bf(r * kvw)?,
+            v: bf(r * kvw)?,
+            att: bf(r * qw)?,
+            lse: f(r * c.dims.num_heads)?,
+            x_mid: bf(r * h)?,
+            xn2: bf(r * h)?,
+            rstd2: f(r)?,
+            gu: bf(r * 2 * b.ffn)?,
+            act: bf(r * b.ffn)?,
+            delta: bf(r * h)?,
         })
     }
 }

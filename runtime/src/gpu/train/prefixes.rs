@@ -25,7 +25,10 @@ use super::{GpuTrainer, PromptMedia, Result};
 /// stream, for the recompute in backward) and K/V after RoPE (what the suffixes attend to) in
 /// one store per iteration, rows laid out by [`layout_prefixes`]: `inputs [layers, rows, H]`,
 /// `k`, `v` `[layers, rows, kv_width]`; `last [units, H]` holds each copy's last prompt row
-/// after the final layer (token 0 of every response is scored from it).
+/// after the final layer (token 0 of every response is scored from it). The trainer's first
+/// [`TrainConfig::kept_prompt_layers`](crate::train::TrainConfig::kept_prompt_layers) layers
+/// also keep every activation of each group's rows ([`KeptPrefix::acts`]), which backward
+/// then reads instead of recomputing them.
 ///
 /// Filled by [`GpuTrainer::prefix_forward`] (the plan's `ActorPrefix{Train}` tasks, which may
 /// run inside decode windows), read by [`GpuTrainer::micro_batch_prefixed`]. A kept prefix is
@@ -56,6 +59,9 @@ pub(super) struct KeptPrefix {
     /// Prompt ids with media rows set to `vocab` (the embedding backward skips them: their
     /// gradient goes to the vision backward, or nowhere when the tower and merger are frozen).
     pub(super) bwd_ids: CudaSlice<u32>,
+    /// Every activation of the group's rows in layers `0..acts.len()` (the kept prompt
+    /// layers), in the store's region.
+    pub(super) acts: Vec<Acts>,
     /// The media's training forward when the tower or merger trains.
     pub(super) vision: Option<KeptVision>,
 }
@@ -274,25 +280,45 @@ impl GpuTrainer {
         if layers == 0 {
             return Err(GpuError::Input("the model has no text layers to train".into()).into());
         }
-        let mut acts = Acts::new(gpu, s, &ctx, &w.text[0])?;
+        // the first `kept_prompt_layers` layers' activations are kept (the same launches on
+        // the same inputs as backward's recompute: bitwise the same activations); the others
+        // share one buffer
+        let kept_n = self.cfg.kept_prompt_layers.min(layers);
+        let mut scratch = match kept_n < layers {
+            true => Some(Acts::new(gpu, s, &ctx, &w.text[0])?),
+            false => None,
+        };
+        let mut kept_acts = Vec::with_capacity(kept_n);
         let (all, kvw) = (store.rows, dims.kv_width());
         for (l, b) in w.text.iter().enumerate() {
             let first = l * all + lay.row0;
             let r = first * h..(first + rows) * h;
             s.memcpy_dtod(&x, &mut store.inputs.slice_mut(r.clone()))?;
+            if l < kept_n {
+                kept_acts.push(Acts::new_in(gpu, s, &ctx, b, store.region.as_deref())?);
+            }
+            let acts = match (kept_acts.get_mut(l), scratch.as_mut()) {
+                (Some(a), _) | (None, Some(a)) => a,
+                (None, None) => {
+                    return Err(GpuError::Input(format!(
+                        "layer {l}: neither kept nor recomputed activations"
+                    ))
+                    .into())
+                }
+            };
             layer_fwd(
                 gpu,
                 s,
                 b,
                 &ctx,
                 &store.inputs.slice(r),
-                &mut acts,
+                acts,
                 Some(&mut x),
                 None,
             )?;
             let kr = first * kvw..(first + rows) * kvw;
-            s.memcpy_dtod(&acts.k, &mut store.k.slice_mut(kr.clone()))?;
-            s.memcpy_dtod(&acts.v, &mut store.v.slice_mut(kr))?;
+            s.memcpy_dtod(&*acts.k, &mut store.k.slice_mut(kr.clone()))?;
+            s.memcpy_dtod(&*acts.v, &mut store.v.slice_mut(kr))?;
         }
         for c in 0..lay.copies {
             let (row, u) = (c * lay.len + lay.len - 1, lay.unit0 + c);
@@ -320,6 +346,7 @@ impl GpuTrainer {
             sin,
             seqs,
             bwd_ids,
+            acts: kept_acts,
             vision,
         });
         Ok(())

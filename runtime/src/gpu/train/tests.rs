@@ -206,6 +206,7 @@ pub(crate) fn train_cfg() -> TrainConfig {
             horizon: 0,
         },
         kept_layers: 0,
+        kept_prompt_layers: 0,
         freeze_vision: true,
         freeze_merger: true,
         temperature: 1.0,
@@ -734,9 +735,10 @@ fn queued_micro_batches_give_the_waited_results_bitwise() {
 }
 
 /// Every layer's suffix activations and the lm head's logits kept, none kept (recomputed from
-/// the layer inputs in backward) and the first layer's kept alone give bitwise the same
-/// log-probs, loss and gradient: the recompute runs the forward's launches on the same inputs.
-/// With the tower trained, so the vision backward reads the same media-row gradients.
+/// the layer inputs in backward) and the first layer's kept alone, and the same for the prompt
+/// rows' activations in the kept prompt forwards, give bitwise the same log-probs, loss and
+/// gradient: the recompute runs the forward's launches on the same inputs. With the tower
+/// trained, so the vision backward reads the same media-row gradients.
 #[test]
 fn kept_activations_give_the_recomputed_gradient_bitwise() {
     let Some(gpu) = gpu_or_skip() else { return };
@@ -755,9 +757,10 @@ fn kept_activations_give_the_recomputed_gradient_bitwise() {
             responses: &resp[i],
         })
         .collect();
-    let run = |kept_layers: usize| {
+    let run = |(kept_layers, kept_prompt_layers): (usize, usize)| {
         let mut cfg = vision_cfg(false, false);
         cfg.kept_layers = kept_layers;
+        cfg.kept_prompt_layers = kept_prompt_layers;
         let mut t = GpuTrainer::new(&gpu, &s, &m, cfg, adamw(1e-3)).unwrap();
         let out = t.micro_batch(&gpu, &s, 0, &batch, norm).unwrap();
         let g: Vec<u32> = t
@@ -769,18 +772,22 @@ fn kept_activations_give_the_recomputed_gradient_bitwise() {
         (out, g)
     };
     assert!(m.config.text().num_layers > 1, "a split needs two layers");
-    let (a, ga) = run(0);
+    let (a, ga) = run((0, 0));
     assert!(ga.iter().any(|&x| x != 0), "a gradient at all");
-    for kept in [usize::MAX, 1] {
+    let all = usize::MAX;
+    for kept in [(all, all), (1, 0), (0, 1), (0, all), (all, 1)] {
         let (b, gb) = run(kept);
-        assert_eq!(a.logp, b.logp, "log-probs, {kept} layers kept");
+        assert_eq!(
+            a.logp, b.logp,
+            "log-probs, (suffix, prompt) layers kept {kept:?}"
+        );
         let (la, lb) = (a.metrics.loss.to_bits(), b.metrics.loss.to_bits());
-        assert_eq!(la, lb, "loss, {kept} layers kept");
+        assert_eq!(la, lb, "loss, layers kept {kept:?}");
         let differ = ga.iter().zip(&gb).filter(|(x, y)| x != y).count();
         assert_eq!(
             differ,
             0,
-            "{differ} of {} gradients differ, {kept} kept",
+            "{differ} of {} gradients differ, layers kept {kept:?}",
             ga.len()
         );
     }
