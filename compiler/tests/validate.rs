@@ -334,6 +334,35 @@ fn old_logprobs_source_and_tasks_disagree() {
     assert_eq!(rules(&p), vec!["old_logprobs"]);
 }
 
+/// Kept activation layers, of the response rows and of the prompt rows, are at most the text
+/// layers, and what `recompute = none | full` fixes.
+#[test]
+fn kept_layers_past_the_model_or_against_the_job() {
+    use rollplex_plan::spec::Recompute;
+    let p = overlap_plan();
+    let layers = p.spec.actor.text.num_layers;
+    for prompt in [false, true] {
+        let set = |p: &mut Plan, n: u32| match prompt {
+            true => p.kept_prompt_layers = n,
+            false => p.kept_act_layers = n,
+        };
+        let mut q = p.clone();
+        set(&mut q, layers + 1);
+        assert_eq!(rules(&q), vec!["activations"], "prompt rows: {prompt}");
+        let mut q = p.clone();
+        q.spec.train.recompute = Recompute::Full;
+        q.kept_act_layers = 0;
+        q.kept_prompt_layers = 0;
+        assert_eq!(rules(&q), Vec::<&str>::new());
+        set(&mut q, 1);
+        assert_eq!(
+            rules(&q),
+            vec!["activations"],
+            "prompt rows: {prompt}, full"
+        );
+    }
+}
+
 /// A plan whose prefill keeps the training prompt forwards runs no training-prompt task, trains
 /// after every prefill, and only where the job allows it.
 #[test]
