@@ -41,6 +41,7 @@
 use crate::ir::{LBufId, LogicalBuffer, Offload, PhaseGraph};
 use crate::shapes::{
     kept_act_bytes_per_token, kept_act_bytes_per_token_layer, transient_bytes_per_token,
+    KEPT_ACT_TENSORS,
 };
 use rollplex_plan::spec::{MediaSpec, Mode};
 use rollplex_plan::{
@@ -54,11 +55,6 @@ fn param_tensors(spec: &rollplex_plan::spec::JobSpec) -> u64 {
     let blocks = spec.actor.vision.depth as u64 + spec.actor.text.num_layers as u64;
     12 * blocks + 16
 }
-
-/// Tensors a layer's kept training activations take (the runtimes keep each one apart: the
-/// norms' outputs and statistics, q|k|v and q, k, v, the attention output and statistics, the
-/// residual, gate|up, the activation and the layer's output projection).
-const KEPT_ACT_TENSORS: u64 = 14;
 
 struct Table {
     bufs: Vec<LogicalBuffer>,

@@ -101,10 +101,17 @@ impl Shapes {
     }
 }
 
-/// Bytes, per token and layer, that a forward keeps for backward (bf16), unsharded parts
-/// divided by `tp`. With full recompute only the layer input is kept; otherwise the inputs of
-/// every matmul and nonlinearity: norm outputs and residual (3h), q/k/v (h + 2 kv), attention
-/// output (h), gate/up/activation/down inputs (4 f), and the attention softmax statistics.
+/// Tensors a layer's kept training activations take: what the GPU trainer keeps for a layer's
+/// backward (its `Acts`), each placed apart.
+pub const KEPT_ACT_TENSORS: u64 = 14;
+
+/// Bytes, per token and layer, that a forward keeps for backward, sharded parts divided by
+/// `tp`. With full recompute only the layer input (bf16). Otherwise the input and the
+/// [`KEPT_ACT_TENSORS`] the GPU trainer keeps beside it: the first norm's output, the residual
+/// after attention, the second norm's output and the output projections' result (with the
+/// input 5 h, replicated), the norms' statistics (two fp32); q|k|v and q, k, v apart after RoPE
+/// (2 (q + 2 kv)), the attention output (q), gate|up (2 f) and the activation (f), and the
+/// attention's log-sum-exp per head (fp32).
 pub fn kept_act_bytes_per_token_layer(m: &ModelSpec, tp: u32, full_recompute: bool) -> u64 {
     let t = &m.text;
     let b = m.dtype.bytes();
@@ -113,10 +120,11 @@ pub fn kept_act_bytes_per_token_layer(m: &ModelSpec, tp: u32, full_recompute: bo
         return h * b;
     }
     let tp = tp.max(1) as u64;
+    let q = t.num_heads as u64 * t.head_dim() as u64;
     let kv = t.num_kv_heads as u64 * t.head_dim() as u64;
     let f = t.intermediate_size as u64;
-    let replicated = 3 * h * b;
-    let sharded = ((h + 2 * kv + h + 4 * f) * b + t.num_heads as u64 * 4) / tp;
+    let replicated = 5 * h * b + 2 * 4;
+    let sharded = ((2 * (q + 2 * kv) + q + 3 * f) * b + t.num_heads as u64 * 4) / tp;
     replicated + sharded
 }
 

@@ -102,7 +102,7 @@ pub fn overlap_small_frozen() -> String {
 }
 
 /// [`overlap_small_frozen`] with 16 text tokens a prompt, every layer's activations kept and a
-/// device budget of 6,000 KiB (1 GiB of host memory): the plan then keeps the reference weights
+/// device budget of 6,600 KiB (1 GiB of host memory): the plan then keeps the reference weights
 /// on the host, reloads them before reference scoring, and lays the kept training prefixes over
 /// their range.
 #[allow(dead_code)] // not every test binary uses it
@@ -115,7 +115,7 @@ pub fn reloaded_reference_small() -> String {
     );
     let moved = src.replace(
         "decode_window = 4",
-        "decode_window = 4\n        memory = 6000KiB\n        host_memory = 1GiB",
+        "decode_window = 4\n        memory = 6600KiB\n        host_memory = 1GiB",
     );
     assert_ne!(
         moved, src,
