@@ -57,7 +57,7 @@
 //! training phase (training program: persistent buffers, the largest gradient and kept-prefix
 //! buffers, log-probs, scalars, samples, the largest training scratch). These are estimates;
 //! the driver lays out memory exactly and, when a plan is over budget, lowers the budget of
-//! the row where the peak sits by the overshoot and solves again.
+//! the row where the peak sits by what the estimate missed ([`Cuts`]) and solves again.
 
 use crate::error::{CompileError, Result};
 use crate::ilp::{
@@ -160,28 +160,42 @@ fn act_layers(
     wl: &crate::workload::Workload<'_>,
     decode_class: Option<usize>,
 ) -> ActLayers {
-    let spec = &pg.spec;
-    let ttp = pg.topo.parallel.train_tp.max(1) as u64;
-    let layers = spec.actor.text.num_layers;
-    let per_token = (kept_act_bytes_per_token_layer(&spec.actor, 1, false)
-        - kept_act_bytes_per_token_layer(&spec.actor, 1, true))
-        / ttp;
+    let ttp = pg.topo.parallel.train_tp.max(1);
     let r = pg.shapes.max_new_tokens as u64;
-    let sms = spec.cluster.gpu.sms;
+    let sms = pg.spec.cluster.gpu.sms;
     let (mut tokens, mut fwd_s) = (0u64, 0.0);
     for i in pg.ids() {
         if let Op::TrainMicroBatch { samples, .. } = pg.node(i).op {
             tokens = tokens.max(samples.len() as u64 * r);
-            let fwd = wl.suffix(samples.len() as f64, ttp as u32);
+            let fwd = wl.suffix(samples.len() as f64, ttp);
             fwd_s += cost.time(WorkKind::ActorBwd, &fwd, sms);
         }
     }
+    let decode = decode_class.map_or(ActDecode::Never, ActDecode::Class);
+    layer_decision(pg, tokens, fwd_s, decode, None)
+}
+
+/// A kept-layers decision over `tokens` rows (one layer's activations beyond its input each,
+/// on a training rank) whose layers' forward takes `fwd_s` in all.
+fn layer_decision(
+    pg: &PhaseGraph,
+    tokens: u64,
+    fwd_s: f64,
+    decode: ActDecode,
+    in_state: Option<usize>,
+) -> ActLayers {
+    let m = &pg.spec.actor;
+    let ttp = pg.topo.parallel.train_tp.max(1) as u64;
+    let per_token = (kept_act_bytes_per_token_layer(m, 1, false)
+        - kept_act_bytes_per_token_layer(m, 1, true))
+        / ttp;
+    let layers = m.text.num_layers;
     ActLayers {
         layers,
         bytes_per_layer: (tokens * per_token) as f64,
         recompute_s: fwd_s / layers.max(1) as f64,
-        decode: decode_class.map_or(ActDecode::Never, ActDecode::Class),
-        in_state: None,
+        decode,
+        in_state,
     }
 }
 
@@ -197,14 +211,9 @@ fn prompt_layers(
     decode: ActDecode,
     in_state: Option<usize>,
 ) -> ActLayers {
-    let spec = &pg.spec;
     let ttp = pg.topo.parallel.train_tp.max(1);
-    let layers = spec.actor.text.num_layers;
-    let per_token = (kept_act_bytes_per_token_layer(&spec.actor, 1, false)
-        - kept_act_bytes_per_token_layer(&spec.actor, 1, true))
-        / ttp as u64;
     let copies = pg.copies as f64;
-    let sms = spec.cluster.gpu.sms;
+    let sms = pg.spec.cluster.gpu.sms;
     let (mut rows, mut fwd_s) = (vec![0u64; pg.topo.batch.steps as usize], 0.0);
     for i in pg.ids() {
         if let Op::TrainMicroBatch {
@@ -222,13 +231,7 @@ fn prompt_layers(
         }
     }
     let tokens = rows.into_iter().max().unwrap_or(0);
-    ActLayers {
-        layers,
-        bytes_per_layer: (tokens * per_token) as f64,
-        recompute_s: fwd_s / layers.max(1) as f64,
-        decode,
-        in_state,
-    }
+    layer_decision(pg, tokens, fwd_s, decode, in_state)
 }
 
 fn bytes(pg: &PhaseGraph, role: BufferRole) -> f64 {

@@ -227,16 +227,8 @@ fn kept_prompt_forward_gives_the_prefills_state_bitwise() {
     t.micro_batch_prefixed(&gpu, &s, 0, &trained, norm, &store)
         .unwrap();
     t.optimizer_step(&gpu, &s).unwrap();
-    let e = t
-        .prefix_state(&gpu, &s, &store, 0)
-        .err()
-        .expect("stale")
-        .to_string();
-    assert!(e.contains("weight version"), "{e}");
-    let e = t
-        .prefix_state(&gpu, &s, &store, 1)
-        .err()
-        .expect("never run")
-        .to_string();
-    assert!(e.contains("was not kept"), "{e}");
+    for (group, why) in [(0, "weight version"), (1, "was not kept")] {
+        let e = t.prefix_state(&gpu, &s, &store, group).err().expect(why);
+        assert!(e.to_string().contains(why), "{e}");
+    }
 }
