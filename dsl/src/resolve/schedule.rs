@@ -6,12 +6,18 @@ use crate::table::{Cx, Table};
 use crate::units::Dim;
 use rollplex_plan::spec::*;
 
+/// Device memory a run holds outside the plan: the CUDA context, the compiled kernels and the
+/// GEMM library's workspaces (about 0.6 GiB on an H100 or H200). The default budget leaves it
+/// (an eighth of the GPU at most, for small made-up GPUs).
+pub const RUNTIME_RESERVE: u64 = 1 << 30;
+
 pub(super) fn default_schedule(cluster: &ClusterSpec) -> ScheduleSpec {
+    let hbm = cluster.gpu.hbm_bytes;
     ScheduleSpec {
         mode: Mode::Overlap,
         prefix_dedup: true,
         decode_window: 64,
-        memory_budget: cluster.gpu.hbm_bytes,
+        memory_budget: hbm - RUNTIME_RESERVE.min(hbm / 8),
         host_memory: 0,
     }
 }
@@ -49,5 +55,34 @@ pub(super) fn schedule(
         decode_window,
         memory_budget: memory,
         host_memory: host,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{compile_source, MemFiles};
+
+    fn budget(gpu: &str, schedule: &str) -> u64 {
+        let src = format!(
+            "pipeline p {{ gpu {{ {gpu} }} model actor {{ preset = tiny }} \
+             rollout {{ prompts = 2, group = 2, max_new_tokens = 4 }} reward = builtin(\"math\"), \
+             train {{ micro_batch = 2 }} {schedule} }}"
+        );
+        let c = compile_source("p.rpx", &src, &MemFiles::default())
+            .unwrap_or_else(|d| panic!("{}", d.render("p.rpx", &src, false)));
+        c.spec.schedule.memory_budget
+    }
+
+    #[test]
+    fn the_default_budget_leaves_the_runtime_its_reserve() {
+        // an H200: its 143,771 MiB less 1 GiB
+        assert_eq!(budget("preset = H200", ""), (143_771 << 20) - (1 << 30));
+        // a small made-up GPU keeps seven eighths
+        assert_eq!(budget("preset = cpu, hbm = 4GiB", ""), 7 << 29);
+        // a budget written is taken as written
+        assert_eq!(
+            budget("preset = H200", "schedule { memory = 140GiB }"),
+            140 << 30
+        );
     }
 }
