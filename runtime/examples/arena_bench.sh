@@ -23,7 +23,12 @@
 # GPU preset, default H200: H100 to run on an H100, with fewer prompts to fit 80 GB);
 # BEFORE=REV also builds REV's iteration_bench and plans (from a temporary git worktree), and
 # bench then runs REV's binaries and this tree's one after the other, twice, alternating, on
-# the same pipeline: the change measured side by side in one run.
+# the same pipeline: the change measured side by side in one run. BUDGET=SIZE (e.g. 83GiB)
+# instead compiles the same pipeline a second time with `memory = SIZE`, and bench runs this
+# tree's binaries over those plans and the shipped ones, alternating: a planner decision that
+# memory buys (kept activations, residency) measured against the plan without the memory for
+# it. L2_AHEAD=SPEC (at run time) has bench also run the serial plan with ROLLPLEX_L2_AHEAD=SPEC
+# and without, alternating (the decode layers' L2 prefetches, docs/perf.md).
 set -euo pipefail
 MODE=${1:-}
 DIR=${DIR:-.gpu-pack/arena}
@@ -31,6 +36,7 @@ PROFILE=${PROFILE:-cost/profiles/h200-3b-runtime.yaml}
 PROMPTS=${PROMPTS:-}
 PRESET=${PRESET:-H200}
 BEFORE=${BEFORE:-}
+BUDGET=${BUDGET:-}
 T=${CARGO_TARGET_DIR:-$PWD/target}/release
 
 die() { echo "arena_bench: $*" >&2; exit 1; }
@@ -42,10 +48,13 @@ test_bin() {
     sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1
 }
 
-# pipeline SRC DEST: the 3B video pipeline with the PROMPTS and PRESET knobs applied.
+# pipeline SRC DEST [MEMORY]: the 3B video pipeline with the PROMPTS and PRESET knobs applied
+# (and its schedule's device memory budget set to MEMORY when given).
 pipeline() {
   sed -e "s/preset = H200/preset = $PRESET/" \
-    -e "${PROMPTS:+s/^const PROMPTS = [0-9]*/const PROMPTS = $PROMPTS/}" "$1" > "$2"
+    -e "${PROMPTS:+s/^const PROMPTS = [0-9]*/const PROMPTS = $PROMPTS/}" \
+    -e "${3:+s/^\( *\)host_memory = \(.*\)/\1host_memory = \2\n\1memory = $3/}" "$1" > "$2"
+  [ -z "${3:-}" ] || grep -q "memory = $3" "$2" || die "no host_memory line in $1 to set memory = $3 beside"
 }
 
 # plans ROLLPLEXC PROFILE PIPELINE OUTDIR LIST: the serial and overlap plans of PIPELINE into
@@ -81,6 +90,7 @@ build_before() {
 build() {
   mkdir -p "$DIR"
   rm -rf "$DIR/before"
+  [ -z "$BEFORE" ] || [ -z "$BUDGET" ] || die "BEFORE and BUDGET are two different comparisons: one at a time"
   [ -z "$BEFORE" ] || build_before
   cargo build --release -p rollplex-compiler --bin rollplexc
   cargo build --release -p rollplex-runtime --example iteration_bench --bin rollplex-run
@@ -88,6 +98,14 @@ build() {
   git rev-parse --short HEAD > "$DIR/rev"
   pipeline examples/h200-3b-video.rpx "$DIR/pipeline.rpx"
   plans "$T/rollplexc" "$PROFILE" "$DIR/pipeline.rpx" "$DIR" "$DIR/plans.txt"
+  if [ -n "$BUDGET" ]; then
+    # the "before" side of bench: this tree's binaries over the same pipeline at BUDGET
+    mkdir -p "$DIR/before"
+    : > "$DIR/before/plans.txt"
+    pipeline examples/h200-3b-video.rpx "$DIR/before/pipeline.rpx" "$BUDGET"
+    plans "$T/rollplexc" "$PROFILE" "$DIR/before/pipeline.rpx" "$DIR/before" "$DIR/before/plans.txt"
+    echo "memory = $BUDGET" > "$DIR/before/rev"
+  fi
   "$T/rollplexc" examples/tiny-h200.rpx -o "$DIR/tiny-h200.plan.bin"
   local loop resume lib
   loop=$(test_bin -p rollplex-tests --test gpu_loop) || die "building the gpu_loop test failed"
@@ -130,8 +148,14 @@ bench() {
   local bin=/tmp/arena-bin out=$RESULTS_DIR/arena
   unpack_bins "$DIR/bin.tar.xz" "$bin"
   mkdir -p "$out"
-  if [ -f "$DIR/before/bin.tar.xz" ]; then
+  if [ -f "$DIR/before/plans.txt" ]; then
     before_after "$bin" "$out"
+    [ -z "${L2_AHEAD:-}" ] || l2_ahead "$bin" "$out"
+    pack_results arena
+    return
+  fi
+  if [ -n "${L2_AHEAD:-}" ]; then
+    l2_ahead "$bin" "$out"
     pack_results arena
     return
   fi
@@ -148,10 +172,15 @@ bench() {
 }
 
 # BEFORE's iteration_bench and this tree's over their own plans of the same pipeline, placed,
-# alternating (before, after, before, after), each one process of 3 iterations.
+# alternating (before, after, before, after), each one process of 3 iterations. With BUDGET
+# the "before" side is this tree's binaries over the plans compiled at that budget.
 before_after() {
   local bin=$1 out=$2 old=/tmp/arena-before rev
-  unpack_bins "$DIR/before/bin.tar.xz" "$old"
+  if [ -f "$DIR/before/bin.tar.xz" ]; then
+    unpack_bins "$DIR/before/bin.tar.xz" "$old"
+  else
+    old=$bin
+  fi
   rev=$(cat "$DIR/before/rev")
   for round in 1 2; do
     for who in before after; do
@@ -162,6 +191,20 @@ before_after() {
         > "$out/$who-$round.log" 2>&1 || echo "iteration_bench ($who, round $round) exit $?"
       echo "== round $round: $who ($([ $who = before ] && echo "$rev" || cat "$DIR/rev"))"
       grep -v "^round" "$out/$who-$round.log" | tail -16
+    done
+  done
+}
+
+# The serial plan with and without ROLLPLEX_L2_AHEAD=$L2_AHEAD, alternating, two rounds.
+l2_ahead() {
+  local bin=$1 out=$2 serial
+  serial=$(head -1 "$DIR/plans.txt")
+  for round in 1 2; do
+    for spec in off "$L2_AHEAD"; do
+      ROLLPLEX_L2_AHEAD=$spec timeout "${LIMIT:-270}" "$bin/iteration_bench" "$serial" --iterations 3 \
+        --rounds 1 --placed > "$out/l2-$spec-$round.log" 2>&1 || echo "iteration_bench (L2 $spec, round $round) exit $?"
+      echo "== round $round: ROLLPLEX_L2_AHEAD=$spec"
+      grep -v "^round" "$out/l2-$spec-$round.log" | tail -16
     done
   done
 }

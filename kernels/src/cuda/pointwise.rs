@@ -416,3 +416,229 @@ pub fn rope_kv_append_bf16(
     }?;
     Ok(())
 }
+
+/// Where [`l2_prefetch_rows`] reads: `rows` rows of `row_bytes` bytes, row `r` at byte
+/// `r * stride` of the buffer (all three multiples of 16).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrefetchRows {
+    pub rows: usize,
+    pub row_bytes: usize,
+    pub stride: usize,
+}
+
+impl PrefetchRows {
+    /// A buffer's first `bytes` in 16 KiB rows (a shorter tail is left out: a hint need not
+    /// cover every byte).
+    pub fn leading(bytes: usize) -> Self {
+        const ROW: usize = 16 << 10;
+        PrefetchRows {
+            rows: bytes / ROW,
+            row_bytes: ROW,
+            stride: ROW,
+        }
+    }
+
+    /// The first `fraction` of every row of a row-major `[rows, cols]` bf16 matrix, in whole
+    /// 128-byte L2 lines (the part of each weight row a k-sliced GEMM streams first).
+    pub fn row_heads(rows: usize, cols: usize, fraction: f64) -> Self {
+        let stride = cols * 2;
+        let row_bytes = (stride as f64 * fraction.clamp(0.0, 1.0)) as usize / 128 * 128;
+        PrefetchRows {
+            rows: if row_bytes == 0 { 0 } else { rows },
+            row_bytes,
+            stride,
+        }
+    }
+
+    /// Bytes the rows cover.
+    pub fn bytes(&self) -> usize {
+        self.rows * self.row_bytes
+    }
+}
+
+/// Asks the GPU's L2 cache to fetch `at` of `buf` ahead of the kernel that will read it: a
+/// hint, nothing is written and no later kernel's results change. Hopper's bulk prefetch, one
+/// thread a row; nothing before sm_90. `evict_last`: the lines stay in L2 over data streaming
+/// through it with the default policy.
+pub fn l2_prefetch_rows<T>(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    buf: &(impl DevicePtr<T> + ?Sized),
+    at: PrefetchRows,
+    evict_last: bool,
+) -> Result<()> {
+    const OP: &str = "l2_prefetch_rows";
+    if at.rows == 0 || at.row_bytes == 0 {
+        return Ok(());
+    }
+    if !(at.row_bytes.is_multiple_of(16) && at.stride.is_multiple_of(16)) {
+        return Err(shape(
+            OP,
+            format!(
+                "row bytes {} and stride {} must be multiples of 16",
+                at.row_bytes, at.stride
+            ),
+        ));
+    }
+    let have = buf.len() * std::mem::size_of::<T>();
+    let end = (at.rows - 1) * at.stride + at.row_bytes;
+    if end > have {
+        return Err(shape(
+            OP,
+            format!("the rows end at byte {end} of a {have}-byte buffer"),
+        ));
+    }
+    let base = ptr(buf, stream);
+    if !base.is_multiple_of(16) {
+        return Err(shape(OP, "the buffer must be 16-byte aligned"));
+    }
+    if !gpu.has_wgmma() {
+        return Ok(());
+    }
+    let (rows, rb, stride, hint) = (
+        u32_of(OP, "rows", at.rows)?,
+        u32_of(OP, "row bytes", at.row_bytes)?,
+        at.stride as u64,
+        evict_last as u32,
+    );
+    // SAFETY: every row lies inside `buf` (checked); the kernel only reads (a prefetch);
+    // arguments match (base, rows, row_bytes, stride, evict_last).
+    unsafe {
+        launch(
+            gpu,
+            stream,
+            &POINTWISE,
+            &[],
+            "l2_prefetch_rows",
+            cfg((rows.div_ceil(128), 1), 128),
+            &[&base, &rows, &rb, &stride, &hint],
+        )
+    }?;
+    Ok(())
+}
+
+/// What a decode layer asks L2 to fetch while its attention runs, which reads the KV cache far
+/// below the copy rate and so leaves HBM bandwidth idle: the output projection's weights (`o`),
+/// the first `gate_up` / `down` fraction of every gate|up / down weight row (the k-stages each
+/// block of those GEMMs streams first) and the next layer's q|k|v weights (`next_qkv`), with
+/// the evict-last hint or without. A hint: results are bitwise the same with or without it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct L2Ahead {
+    pub o: bool,
+    pub gate_up: f64,
+    pub down: f64,
+    pub next_qkv: bool,
+    pub evict_last: bool,
+}
+
+/// One decode layer's weights as [`L2Ahead::fetch`] reads them, each `[rows, cols]` row-major:
+/// `gate_up` has `hidden` columns, `down` `ffn`.
+pub struct LayerWeights<'a, P: DevicePtr<bf16> + ?Sized> {
+    pub o: &'a P,
+    pub gate_up: &'a P,
+    pub down: &'a P,
+    pub hidden: usize,
+    pub ffn: usize,
+    /// The next layer's q|k|v weights (none after the last layer).
+    pub next_qkv: Option<&'a P>,
+}
+
+impl L2Ahead {
+    /// `off`, or `+`-joined parts: `o`, `guN` / `dnN` (N percent of each gate|up / down row),
+    /// `q`, `last`; e.g. `o+gu25+last`.
+    pub fn parse(spec: &str) -> std::result::Result<Option<Self>, String> {
+        if spec == "off" {
+            return Ok(None);
+        }
+        let mut a = L2Ahead {
+            o: false,
+            gate_up: 0.0,
+            down: 0.0,
+            next_qkv: false,
+            evict_last: false,
+        };
+        let percent = |t: &str, p: &str| match t.strip_prefix(p).map(str::parse::<u32>) {
+            Some(Ok(n)) if n <= 100 => Some(n as f64 / 100.0),
+            _ => None,
+        };
+        for t in spec.split('+') {
+            match t {
+                "o" => a.o = true,
+                "q" => a.next_qkv = true,
+                "last" => a.evict_last = true,
+                _ => match (percent(t, "gu"), percent(t, "dn")) {
+                    (Some(f), _) => a.gate_up = f,
+                    (_, Some(f)) => a.down = f,
+                    _ => {
+                        return Err(format!(
+                            "L2 prefetch '{spec}': '{t}' is not one of o, guN, dnN (N a \
+                             percent), q, last (or the whole spec off)"
+                        ))
+                    }
+                },
+            }
+        }
+        Ok(Some(a))
+    }
+
+    /// One layer's prefetches on `stream`.
+    pub fn fetch<P: DevicePtr<bf16> + ?Sized>(
+        &self,
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        w: &LayerWeights<'_, P>,
+    ) -> Result<()> {
+        let last = self.evict_last;
+        if self.o {
+            l2_prefetch_rows(gpu, stream, w.o, PrefetchRows::leading(w.o.len() * 2), last)?;
+        }
+        for (m, cols, f) in [
+            (w.gate_up, w.hidden, self.gate_up),
+            (w.down, w.ffn, self.down),
+        ] {
+            let at = PrefetchRows::row_heads(m.len() / cols.max(1), cols, f);
+            l2_prefetch_rows(gpu, stream, m, at, last)?;
+        }
+        if let Some(q) = w.next_qkv.filter(|_| self.next_qkv) {
+            l2_prefetch_rows(gpu, stream, q, PrefetchRows::leading(q.len() * 2), last)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PrefetchRows;
+
+    #[test]
+    fn l2_ahead_specs_parse_or_say_what_is_valid() {
+        use super::L2Ahead;
+        let a = L2Ahead::parse("o+gu25+last").unwrap().unwrap();
+        assert!(a.o && a.evict_last && !a.next_qkv);
+        assert_eq!(a.gate_up, 0.25);
+        assert_eq!(L2Ahead::parse("off").unwrap(), None);
+        let e = L2Ahead::parse("o+gu250").unwrap_err();
+        assert!(e.contains("gu250") && e.contains("guN"), "{e}");
+        let d = L2Ahead::parse("dn10+q").unwrap().unwrap();
+        assert!(d.next_qkv && !d.o && d.gate_up == 0.0 && d.down == 0.1);
+        assert!(L2Ahead::parse("o+x").is_err());
+    }
+
+    #[test]
+    fn prefetch_rows_cover_whole_lines_inside_the_buffer() {
+        // 8.4 MB of o weights: 16 KiB rows, the 0-byte tail dropped
+        let o = PrefetchRows::leading(2048 * 2048 * 2);
+        assert_eq!((o.rows, o.row_bytes, o.stride), (512, 16384, 16384));
+        assert_eq!(o.bytes(), 2048 * 2048 * 2);
+        // a tail shorter than a row is left out
+        assert_eq!(PrefetchRows::leading(16384 + 100).rows, 1);
+        assert_eq!(PrefetchRows::leading(100).rows, 0);
+        // a quarter of each 4 KiB gate|up row: 1 KiB, whole 128-byte lines
+        let gu = PrefetchRows::row_heads(22016, 2048, 0.25);
+        assert_eq!((gu.rows, gu.row_bytes, gu.stride), (22016, 1024, 4096));
+        assert_eq!(PrefetchRows::row_heads(8, 2048, 0.3).row_bytes, 1152);
+        // nothing asked, nothing fetched; more than the row is the whole row
+        assert_eq!(PrefetchRows::row_heads(8, 2048, 0.0).rows, 0);
+        assert_eq!(PrefetchRows::row_heads(8, 2048, 2.0).row_bytes, 4096);
+    }
+}
