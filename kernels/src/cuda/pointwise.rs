@@ -2,6 +2,7 @@
 //! [`crate::cpu::rope_fwd`], [`crate::cpu::swiglu_fwd`], [`crate::cpu::gelu_fwd`],
 //! [`crate::cpu::add_fwd`], [`crate::cpu::embedding_fwd`], and the KV-cache append.
 //! Each rounds to bf16 where Hugging Face's bf16 code rounds (see the kernel comments).
+//! Also the decode layers' L2 prefetch ([`L2Ahead`]): a hint, with no result and no CPU twin.
 
 use std::sync::Arc;
 
