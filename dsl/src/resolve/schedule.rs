@@ -9,7 +9,7 @@ use rollplex_plan::spec::*;
 /// Device memory a run holds outside the plan: the CUDA context, the compiled kernels and the
 /// GEMM library's workspaces (about 0.6 GiB on an H100 or H200). The default budget leaves it
 /// (an eighth of the GPU at most, for small made-up GPUs).
-pub const RUNTIME_RESERVE: u64 = 1 << 30;
+const RUNTIME_RESERVE: u64 = 1 << 30;
 
 pub(super) fn default_schedule(cluster: &ClusterSpec) -> ScheduleSpec {
     let hbm = cluster.gpu.hbm_bytes;

@@ -589,9 +589,15 @@ impl L2Ahead {
         stream: &Arc<CudaStream>,
         w: &LayerWeights<'_, P>,
     ) -> Result<()> {
-        let last = self.evict_last;
+        let (last, elem) = (self.evict_last, std::mem::size_of::<bf16>());
         if self.o {
-            l2_prefetch_rows(gpu, stream, w.o, PrefetchRows::leading(w.o.len() * 2), last)?;
+            l2_prefetch_rows(
+                gpu,
+                stream,
+                w.o,
+                PrefetchRows::leading(w.o.len() * elem),
+                last,
+            )?;
         }
         for (m, cols, f) in [
             (w.gate_up, w.hidden, self.gate_up),
@@ -601,7 +607,7 @@ impl L2Ahead {
             l2_prefetch_rows(gpu, stream, m, at, last)?;
         }
         if let Some(q) = w.next_qkv.filter(|_| self.next_qkv) {
-            l2_prefetch_rows(gpu, stream, q, PrefetchRows::leading(q.len() * 2), last)?;
+            l2_prefetch_rows(gpu, stream, q, PrefetchRows::leading(q.len() * elem), last)?;
         }
         Ok(())
     }

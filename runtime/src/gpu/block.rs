@@ -178,6 +178,8 @@ pub(crate) fn run_blocks_keeping(
         act,
         ..
     } = b;
+    // the decode layers' L2 prefetches, looked up once for the pass
+    let ahead = gpu.l2_ahead().filter(|_| attn.streams_weights());
     for (l, blk) in blocks.iter().enumerate() {
         if l == 0 {
             rmsnorm_fwd_bf16(gpu, stream, xn, None, x, &blk.norm1, rows, hidden, eps)?;
@@ -192,7 +194,7 @@ pub(crate) fn run_blocks_keeping(
             stream.memcpy_dtod(&x.slice(..rows * hidden), &mut k[l])?;
         }
         attn.project(gpu, stream, l, qkv, xn, &blk.qkv, rows)?;
-        if let Some(a) = gpu.l2_ahead().filter(|_| attn.streams_weights()) {
+        if let Some(a) = ahead {
             let w = LayerWeights {
                 o: &blk.o.w,
                 gate_up: &blk.gate_up.w,
