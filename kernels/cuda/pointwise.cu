@@ -221,30 +221,3 @@ extern "C" __global__ void rope_kv_append_bf16(bf16* qkv, const float* __restric
         for (u32 i = threadIdx.x; i < kvw; i += blockDim.x) vd[i] = vs[i];
     }
 }
-
-// Asks L2 to fetch `rows` rows of `row_bytes` bytes, row r at base + r * stride (base, stride and
-// row_bytes multiples of 16), one thread a row: a hint that writes nothing, issued while the
-// bytes' reader is still ahead of its turn (decode's weight streams, fetched during the
-// attention that leaves HBM bandwidth idle). evict_last marks the lines to be evicted after
-// streamed data. Hopper's bulk prefetch; on older GPUs nothing.
-extern "C" __global__ void l2_prefetch_rows(const char* base, u32 rows, u32 row_bytes, u64 stride,
-                                            u32 evict_last) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // launched programmatically like its neighbours: waiting keeps the chain of waits whole,
-    // so the kernel after it still sees every earlier kernel's writes
-    pdl_wait();
-    const u32 r = blockIdx.x * blockDim.x + threadIdx.x;
-    if (r >= rows) return;
-    const char* p = base + (u64)r * stride;
-    if (evict_last) {
-        asm volatile(
-            "{\n.reg .b64 pol;\ncreatepolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
-            "cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, pol;\n}\n" ::"l"(p),
-            "r"(row_bytes)
-            : "memory");
-    } else {
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(row_bytes)
-                     : "memory");
-    }
-#endif
-}

@@ -345,36 +345,6 @@ struct AttnCase {
     mask: AttnMask,
 }
 
-#[test]
-fn l2_prefetch_only_reads_and_checks_its_rows() {
-    let g = gpu_or_skip!();
-    let s = g.stream(0).unwrap();
-    let (w, _) = rand_bf(2048 * 1024, 1.0);
-    let dw = up(&s, &w);
-    for last in [false, true] {
-        l2_prefetch_rows(g, &s, &dw, PrefetchRows::leading(w.len() * 2), last).unwrap();
-        l2_prefetch_rows(g, &s, &dw, PrefetchRows::row_heads(2048, 1024, 0.25), last).unwrap();
-    }
-    s.synchronize().unwrap();
-    assert!(
-        s.clone_dtoh(&dw).unwrap() == w,
-        "a prefetch changed the buffer"
-    );
-    // rows past the buffer's end are refused before any launch
-    let past = PrefetchRows {
-        rows: 2049,
-        row_bytes: 1024,
-        stride: 2048,
-    };
-    assert!(l2_prefetch_rows(g, &s, &dw, past, false).is_err());
-    let odd = PrefetchRows {
-        rows: 1,
-        row_bytes: 100,
-        stride: 128,
-    };
-    assert!(l2_prefetch_rows(g, &s, &dw, odd, false).is_err());
-}
-
 fn run_attention_fwd(g: &Gpu, s: &Arc<CudaStream>, c: &AttnCase, label: &str) {
     let d = c.dims;
     let t: usize = c.lens.iter().map(|&l| l as usize).sum();

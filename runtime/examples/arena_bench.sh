@@ -27,8 +27,7 @@
 # instead compiles the same pipeline a second time with `memory = SIZE`, and bench runs this
 # tree's binaries over those plans and the shipped ones, alternating: a planner decision that
 # memory buys (kept activations, residency) measured against the plan without the memory for
-# it. L2_AHEAD=SPEC (at run time) has bench also run the serial plan with ROLLPLEX_L2_AHEAD=SPEC
-# and without, alternating (the decode layers' L2 prefetches, docs/perf.md).
+# it.
 set -euo pipefail
 MODE=${1:-}
 DIR=${DIR:-.gpu-pack/arena}
@@ -150,12 +149,6 @@ bench() {
   mkdir -p "$out"
   if [ -f "$DIR/before/plans.txt" ]; then
     before_after "$bin" "$out"
-    [ -z "${L2_AHEAD:-}" ] || l2_ahead "$bin" "$out"
-    pack_results arena
-    return
-  fi
-  if [ -n "${L2_AHEAD:-}" ]; then
-    l2_ahead "$bin" "$out"
     pack_results arena
     return
   fi
@@ -191,20 +184,6 @@ before_after() {
         > "$out/$who-$round.log" 2>&1 || echo "iteration_bench ($who, round $round) exit $?"
       echo "== round $round: $who ($([ $who = before ] && echo "$rev" || cat "$DIR/rev"))"
       grep -v "^round" "$out/$who-$round.log" | tail -16
-    done
-  done
-}
-
-# The serial plan with and without ROLLPLEX_L2_AHEAD=$L2_AHEAD, alternating, two rounds.
-l2_ahead() {
-  local bin=$1 out=$2 serial
-  serial=$(head -1 "$DIR/plans.txt")
-  for round in 1 2; do
-    for spec in off "$L2_AHEAD"; do
-      ROLLPLEX_L2_AHEAD=$spec timeout "${LIMIT:-270}" "$bin/iteration_bench" "$serial" --iterations 3 \
-        --rounds 1 --placed > "$out/l2-$spec-$round.log" 2>&1 || echo "iteration_bench (L2 $spec, round $round) exit $?"
-      echo "== round $round: ROLLPLEX_L2_AHEAD=$spec"
-      grep -v "^round" "$out/l2-$spec-$round.log" | tail -16
     done
   done
 }

@@ -12,12 +12,7 @@
 //! - `shared` (GRPO cases): `attention_decode_grouped_bf16` with `grouped_decode_plan`, which
 //!   reads a group's shared prefix once per group when there are enough groups; `forced`: the
 //!   group pass forced on (where the default plan leaves it off); `sepqkv`: `shared` with the
-//!   q|k|v GEMM and `rope_kv_append_bf16` as two launches;
-//! - `pf:SPEC` (`--prefetch SPEC,...`): `shared` (`new` without groups) with each layer asking
-//!   L2 for weights its next GEMMs stream while its attention leaves HBM idle (`L2Ahead`: the
-//!   output projection `o`, the first N% of every gate|up / down row `guN` / `dnN`, the next
-//!   layer's q|k|v `q`;
-//!   `last` with the evict-last hint; `in` on the step's stream instead of a side stream).
+//!   q|k|v GEMM and `rope_kv_append_bf16` as two launches.
 //!
 //! The dispatching variants make q|k|v, rope and the KV append with `qkv_rope_append_bf16` (one
 //! skinny launch where it fuses them, as the runtime does); each case also times that work
@@ -271,18 +266,6 @@ fn main() -> Res<()> {
         only = Some(list.split(',').map(|v| v.trim().to_string()).collect());
         args.drain(i..i + 2);
     }
-    // --prefetch o+gu25,o+gu25+last: `shared` (or `new` without groups) with each of these
-    // L2 prefetches (`Ahead`) as variants of their own, named pf:SPEC
-    let mut ahead: Vec<(String, Ahead)> = Vec::new();
-    if let Some(i) = args.iter().position(|a| a == "--prefetch") {
-        let list = args
-            .get(i + 1)
-            .ok_or("--prefetch needs a list such as o+gu25,o+gu25+last")?;
-        for spec in list.split(',') {
-            ahead.push((format!("pf:{spec}"), Ahead::parse(spec)?));
-        }
-        args.drain(i..i + 2);
-    }
     // --gemm-rows 16,32: the rows the GEMM sweep takes (default 128,64,32,16)
     let mut sweep_rows = vec![128, 64, 32, 16];
     if let Some(i) = args.iter().position(|a| a == "--gemm-rows") {
@@ -335,7 +318,7 @@ fn main() -> Res<()> {
         ]
         .contains(&a.as_str())
         {
-            return Err(format!("unknown flag {a}; flags: --unfused (separate add/norm and rope/append kernels), --simt (the SIMT decode attention instead of the warp-split one in the base and gemm variants), --no-sweep (skip the GEMM comparison), --gemm-sweep (only the GEMM kinds at m = 128..16, every skinny cut), --gemm-rows M,N (the sweep's rows), --attn-lens P,O (the attention sweep's prefix and own keys), --variants V,W (base, gemm, new, shared, forced), --prefetch SPEC,SPEC (variants that prefetch each layer's weights into L2 during its attention: o, guN, dnN, q, last, in joined by +), --sms N (on a partition of N SMs), --cases I,J (rows of the case table: 0-3 3B/7B at B 64/8 unshared, 4-7 the same with G8 prefixes of 1792, 8-9 3B B 32/128 with G8 prefixes)").into());
+            return Err(format!("unknown flag {a}; flags: --unfused (separate add/norm and rope/append kernels), --simt (the SIMT decode attention instead of the warp-split one in the base and gemm variants), --no-sweep (skip the GEMM comparison), --gemm-sweep (only the GEMM kinds at m = 128..16, every skinny cut), --gemm-rows M,N (the sweep's rows), --attn-lens P,O (the attention sweep's prefix and own keys), --variants V,W (base, gemm, new, shared, forced), --sms N (on a partition of N SMs), --cases I,J (rows of the case table: 0-3 3B/7B at B 64/8 unshared, 4-7 the same with G8 prefixes of 1792, 8-9 3B B 32/128 with G8 prefixes)").into());
         }
     }
     let unfused = args.iter().any(|a| a == "--unfused");
@@ -494,15 +477,8 @@ fn main() -> Res<()> {
         if let Some(keep) = &only {
             variants.retain(|v| keep.iter().any(|k| k == v.0));
         }
-        let mut variants: Vec<(Variant, Option<Ahead>)> =
-            variants.into_iter().map(|v| (v, None)).collect();
-        for (spec, a) in &ahead {
-            let gp = prefix.is_some().then_some(default_gplan);
-            variants.push(((spec.as_str(), true, new_plan, gp, true), Some(*a)));
-        }
         let mut res = Vec::new();
-        for ((vname, dispatch, plan, gplan, qkv_rope), a) in variants {
-            m.ahead = a;
+        for (vname, dispatch, plan, gplan, qkv_rope) in variants {
             m.dispatch = dispatch;
             m.qkv_rope = qkv_rope;
             m.plan = plan;

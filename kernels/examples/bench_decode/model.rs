@@ -15,25 +15,6 @@ pub(crate) struct Layer {
     pub(crate) vc: CudaSlice<bf16>,
 }
 
-/// A step's L2 prefetches ([`L2Ahead`]) and where they go: on a side stream forked before
-/// each layer's attention (joined at the step's end), or `inline` before the attention on the
-/// step's stream (as the runtime issues them). `--prefetch o+gu25+last+in` names one.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct Ahead {
-    pub(crate) l2: L2Ahead,
-    pub(crate) inline: bool,
-}
-
-impl Ahead {
-    pub(crate) fn parse(spec: &str) -> std::result::Result<Self, String> {
-        let inline = spec.split('+').any(|t| t == "in");
-        let rest: Vec<&str> = spec.split('+').filter(|t| *t != "in").collect();
-        let l2 = L2Ahead::parse(&rest.join("+"))?
-            .ok_or_else(|| format!("--prefetch {spec}: a variant prefetches something"))?;
-        Ok(Ahead { l2, inline })
-    }
-}
-
 pub(crate) struct Model {
     pub(crate) d: Dims,
     pub(crate) batch: usize,
@@ -76,10 +57,6 @@ pub(crate) struct Model {
     /// runs them) instead of the q|k|v GEMM and `rope_kv_append_bf16`.
     pub(crate) qkv_rope: bool,
     pub(crate) gplan: GroupedDecodePlan,
-    /// What each layer asks L2 to fetch ahead while its attention runs (none: nothing).
-    pub(crate) ahead: Option<Ahead>,
-    /// The stream the prefetches go on (joined back at the step's end).
-    pub(crate) side: Arc<CudaStream>,
 }
 
 /// How [`Model::qkv_rope_by`] makes a layer's rotated q|k|v and appends k / v: cuBLASLt's, the
@@ -230,8 +207,6 @@ pub(crate) fn build(
         grouped: false,
         qkv_rope: true,
         gplan,
-        ahead: None,
-        side: g.stream(0)?,
         layers,
     })
 }
@@ -461,9 +436,6 @@ impl Model {
                 kv_append_bf16(g, s, &mut ly.kc, &ks, slots, b, kvw, qkvw, kvw)?;
                 kv_append_bf16(g, s, &mut ly.vc, &vs, slots, b, kvw, qkvw, kvw)?;
             }
-            if let Some(a) = self.ahead {
-                self.fetch_ahead(g, s, l, a)?;
-            }
             self.attention(g, s, l)?;
             self.o_gemm(g, s, l)?;
             let ly = &self.layers[l];
@@ -509,36 +481,8 @@ impl Model {
                 rmsnorm_fwd_bf16(g, s, &mut self.x, None, &self.h, next_norm, b, d.h, eps)?;
             }
         }
-        if self.ahead.is_some_and(|a| !a.inline) {
-            let ev = g.event()?;
-            ev.record(&self.side)?;
-            s.wait(&ev)?;
-        }
         self.head_gemm(g, s)?;
         self.sample(g, s)
-    }
-
-    /// Layer `l`'s prefetches ([`Ahead`]), ordered after what the step launched so far.
-    fn fetch_ahead(&self, g: &Gpu, s: &Arc<CudaStream>, l: usize, a: Ahead) -> Res<()> {
-        let on = if a.inline {
-            s
-        } else {
-            let ev = g.event()?;
-            ev.record(s)?;
-            self.side.wait(&ev)?;
-            &self.side
-        };
-        let ly = &self.layers[l];
-        let w = LayerWeights {
-            o: &ly.wo,
-            gate_up: &ly.wgu,
-            down: &ly.wd,
-            hidden: self.d.h,
-            ffn: self.d.f,
-            next_qkv: self.layers.get(l + 1).map(|n| &n.wqkv),
-        };
-        a.l2.fetch(g, on, &w)?;
-        Ok(())
     }
 
     /// The step's draw (T = 1) from the logits: each row split over several blocks with the

@@ -18,7 +18,6 @@ use cudarc::driver::{
 
 use super::gemm::LtState;
 use super::nvrtc::{self, KernelModule};
-use super::pointwise::L2Ahead;
 use super::{cuda_available, CudaError, Result};
 
 type ModuleKey = (&'static str, Vec<(&'static str, u32)>);
@@ -36,21 +35,8 @@ pub struct Gpu {
     /// Launch the kernels that wait for their predecessor themselves with programmatic stream
     /// serialization ([`Gpu::set_pdl`]).
     pdl: AtomicBool,
-    /// What each decode layer asks L2 to fetch during its attention ([`Gpu::l2_ahead`]).
-    l2_ahead: Mutex<Option<L2Ahead>>,
     #[cfg(feature = "bench")]
     blas: Mutex<HashMap<usize, CudaBlas>>,
-}
-
-/// `ROLLPLEX_L2_AHEAD`'s [`L2Ahead`] (unset: none).
-fn l2_ahead_from_env() -> Result<Option<L2Ahead>> {
-    match std::env::var("ROLLPLEX_L2_AHEAD") {
-        Ok(spec) => L2Ahead::parse(&spec).map_err(|what| CudaError::Shape {
-            op: "ROLLPLEX_L2_AHEAD",
-            what,
-        }),
-        Err(_) => Ok(None),
-    }
 }
 
 impl Drop for Gpu {
@@ -94,7 +80,6 @@ impl Gpu {
             compile_logs: Mutex::new(Vec::new()),
             lt: Mutex::new(lt),
             pdl: AtomicBool::new(major >= 9 && std::env::var("ROLLPLEX_PDL").as_deref() != Ok("0")),
-            l2_ahead: Mutex::new(l2_ahead_from_env()?),
             #[cfg(feature = "bench")]
             blas: Mutex::new(HashMap::new()),
         })
@@ -126,18 +111,6 @@ impl Gpu {
     /// way (each such kernel waits for its predecessor's writes before its first access).
     pub fn pdl(&self) -> bool {
         self.pdl.load(Ordering::Relaxed)
-    }
-
-    /// What each decode layer asks L2 to fetch while its attention runs ([`L2Ahead`]): none by
-    /// default; `ROLLPLEX_L2_AHEAD=SPEC` (e.g. `o+gu25+last`) sets it. Results are the same
-    /// either way.
-    pub fn l2_ahead(&self) -> Option<L2Ahead> {
-        *self.l2_ahead.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Sets [`Gpu::l2_ahead`] for later launches and graph captures.
-    pub fn set_l2_ahead(&self, a: Option<L2Ahead>) {
-        *self.l2_ahead.lock().unwrap_or_else(|e| e.into_inner()) = a;
     }
 
     /// Turns programmatic dependent launch on or off for later launches (and graph captures;

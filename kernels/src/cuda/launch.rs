@@ -71,7 +71,6 @@ pub(crate) const PDL_KERNELS: &[&str] = &[
     "logprobs_fwd_bf16",
     "decode_advance",
     "decode_gather_rows",
-    "l2_prefetch_rows",
 ];
 
 /// Launches kernel `func` of `module` (compiled with `defines` on first use) on `stream` over

@@ -86,8 +86,7 @@ pub use logprobs::logprobs_fwd_bf16;
 pub use norm::{add_rmsnorm_fwd_bf16, rmsnorm_fwd_bf16};
 pub use pointwise::{
     add_fwd_bf16, add_fwd_bf16_inplace, embedding_fwd_bf16, gelu_fwd_bf16, kv_append_bf16,
-    l2_prefetch_rows, rope_fwd_bf16, rope_kv_append_bf16, swiglu_fwd_bf16, swiglu_gate_up_fwd_bf16,
-    L2Ahead, LayerWeights, PrefetchRows,
+    rope_fwd_bf16, rope_kv_append_bf16, swiglu_fwd_bf16, swiglu_gate_up_fwd_bf16,
 };
 pub use policy_loss::{
     policy_loss_f32, policy_loss_seq_ratio_f64, KlKind, LossAggKind, PolicyLossAcc,

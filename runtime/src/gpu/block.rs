@@ -12,7 +12,7 @@ use half::bf16;
 use rollplex_kernels::cpu::AttnDims;
 use rollplex_kernels::cuda::{
     add_fwd_bf16_inplace, add_rmsnorm_fwd_bf16, gate_up_swiglu_bf16, linear_fwd_bf16,
-    rmsnorm_fwd_bf16, swiglu_gate_up_fwd_bf16, CudaSlice, CudaStream, Gpu, LayerWeights,
+    rmsnorm_fwd_bf16, swiglu_gate_up_fwd_bf16, CudaSlice, CudaStream, Gpu,
 };
 
 use super::arena::DevBuf;
@@ -47,12 +47,6 @@ pub(crate) trait AttnStep {
         qkv: &mut CudaSlice<bf16>,
         out: &mut CudaSlice<bf16>,
     ) -> Result<()>;
-
-    /// Whether the block's GEMMs stream their weights (decode: a few rows each), so that the
-    /// GPU's L2 prefetch ([`Gpu::l2_ahead`]) pays while the attention runs.
-    fn streams_weights(&self) -> bool {
-        false
-    }
 }
 
 /// `y[rows, l.out] = x l.w^T + l.b`.
@@ -178,8 +172,6 @@ pub(crate) fn run_blocks_keeping(
         act,
         ..
     } = b;
-    // the decode layers' L2 prefetches, looked up once for the pass
-    let ahead = gpu.l2_ahead().filter(|_| attn.streams_weights());
     for (l, blk) in blocks.iter().enumerate() {
         if l == 0 {
             rmsnorm_fwd_bf16(gpu, stream, xn, None, x, &blk.norm1, rows, hidden, eps)?;
@@ -194,17 +186,6 @@ pub(crate) fn run_blocks_keeping(
             stream.memcpy_dtod(&x.slice(..rows * hidden), &mut k[l])?;
         }
         attn.project(gpu, stream, l, qkv, xn, &blk.qkv, rows)?;
-        if let Some(a) = ahead {
-            let w = LayerWeights {
-                o: &blk.o.w,
-                gate_up: &blk.gate_up.w,
-                down: &blk.down.w,
-                hidden: blk.gate_up.inp,
-                ffn,
-                next_qkv: blocks.get(l + 1).map(|n| &n.qkv.w),
-            };
-            a.fetch(gpu, stream, &w)?;
-        }
         attn.attend(gpu, stream, l, qkv, att)?;
         linear(gpu, stream, delta, att, &blk.o, rows)?;
         add_rmsnorm_fwd_bf16(

@@ -1,9 +1,8 @@
 //! The device decode loop on a tiny model: a graph replay gives bitwise what the same steps
 //! launched eagerly give, through compactions and across iterations (graphs reused, the key
-//! read from the device), and with the L2 prefetches; the bucket sizes, the compactions and the
-//! group tables.
+//! read from the device); the bucket sizes, the compactions and the group tables.
 
-use rollplex_kernels::cuda::{test_gpu, L2Ahead};
+use rollplex_kernels::cuda::test_gpu;
 use rollplex_plan::models::TestModel;
 
 use super::super::generate::sample_params;
@@ -195,14 +194,6 @@ fn graph_replay_is_bitwise_the_eager_steps() {
         .flat_map(|&(rows, steps)| std::iter::repeat_n(rows, steps))
         .collect();
     assert_eq!(graph.3, want);
-    // the L2 prefetches during each layer's attention are hints: the same bits with them
-    let was = gpu.l2_ahead();
-    gpu.set_l2_ahead(L2Ahead::parse("o+gu50+q+last").unwrap());
-    let mut ahead = DeviceDecode::new(&gm, &gpu, &s, 12, 4, 40, max_prefix).unwrap();
-    let fetched = run(&mut ahead, a, &gm, &gpu, &s, &states, 1, false, 1.0);
-    gpu.set_l2_ahead(was);
-    assert_eq!(fetched.0, graph.0, "tokens with the L2 prefetches");
-    assert_eq!(fetched.1, graph.1, "log-probs with the L2 prefetches");
     // the next iteration replays the same graphs with its own key
     let graphs = dd.graphs.len();
     let before: Vec<_> = dd

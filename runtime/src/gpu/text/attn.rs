@@ -249,10 +249,6 @@ impl AttnStep for DecodeAttn<'_> {
         Ok(())
     }
 
-    fn streams_weights(&self) -> bool {
-        true
-    }
-
     /// Attends the rows `project` rotated and appended.
     fn attend(
         &mut self,
