@@ -660,3 +660,63 @@ fn adamw_is_bitwise_the_cpu_rule() {
     assert_eq!(down(&s, &dout), want_bf, "bf16 copy differs");
     println!("adamw_step_f32: 3 steps over {n} elements bitwise equal to the CPU rule");
 }
+
+#[test]
+fn kernel_timing_counts_eager_launches_and_not_captured_ones() {
+    let _ = gpu_or_skip!();
+    // a device handle of its own: the timer and its scope are per handle, and the shared one's
+    // launches from tests running beside this one must not count here
+    let g = &Gpu::new(0).unwrap();
+    let s = g.stream(0).unwrap();
+    let (m, k, n) = (64, 256, 128);
+    let (x, _) = rand_bf(m * k, 1.0);
+    let (w, _) = rand_bf(k * n, 1.0);
+    let (dx, dw) = (up(&s, &x), up(&s, &w));
+    let run = |y: &mut CudaSlice<bf16>, c: &mut CudaSlice<bf16>| {
+        for _ in 0..3 {
+            add_fwd_bf16_inplace(g, &s, y, &dx, m * k).unwrap();
+        }
+        matmul_bf16(g, &s, c, &dx, &dw, Gemm::nn(m, k, n)).unwrap();
+    };
+    let (mut y0, mut c0) = (up(&s, &x), poison_bf(&s, m * n));
+    run(&mut y0, &mut c0);
+    let plain_gemm = down(&s, &c0);
+    g.set_kernel_times(true);
+    assert_eq!(g.set_kernel_scope(Some("probe")), None);
+    let (mut y1, mut c1) = (up(&s, &x), poison_bf(&s, m * n));
+    run(&mut y1, &mut c1);
+    // launches while the stream captures are not timed; the replay is, where asked
+    s.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
+    add_fwd_bf16_inplace(g, &s, &mut y1, &dx, m * k).unwrap();
+    let graph = s
+        .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("a graph");
+    g.timed(&s, "the graph", 0.0, || Ok(graph.launch()?))
+        .unwrap();
+    assert_eq!(g.set_kernel_scope(None).as_deref(), Some("probe"));
+    let times = g.take_kernel_times().unwrap();
+    assert_eq!(down(&s, &c1), plain_gemm, "a timed GEMM gives other bits");
+    let find = |name: &str| {
+        times
+            .iter()
+            .find(|t| t.name == name)
+            .unwrap_or_else(|| panic!("no {name} in {times:?}"))
+    };
+    let add = find("add_fwd_bf16");
+    assert_eq!((add.scope.as_str(), add.calls), ("probe", 3), "{times:?}");
+    let gemm = find("cublasLt gemm");
+    assert_eq!(gemm.calls, 1);
+    assert_eq!(gemm.flops, 2.0 * (m * k * n) as f64);
+    let replay = find("the graph");
+    assert_eq!(replay.calls, 1);
+    assert_eq!(times.len(), 3, "{times:?}");
+    assert!(times.iter().all(|t| t.ms > 0.0 && t.ms < 1e3), "{times:?}");
+    // the graph ran a fourth add into y1, as a fourth eager (untimed) one does into y0
+    g.set_kernel_times(false);
+    add_fwd_bf16_inplace(g, &s, &mut y0, &dx, m * k).unwrap();
+    assert_eq!(down(&s, &y1), down(&s, &y0), "the replayed add differs");
+    assert!(g.take_kernel_times().unwrap().is_empty());
+    println!("kernel timing: {times:?}");
+}

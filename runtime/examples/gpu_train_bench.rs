@@ -59,8 +59,8 @@ use cudarc::driver::{CudaSlice, DevicePtrMut};
 use rollplex_kernels::cpu::{AttnDims, AttnMask, AttnSeq, Gemm};
 use rollplex_kernels::cuda::attention::RowStrides;
 use rollplex_kernels::cuda::{
-    adamw_step_f32, attention_bwd_bf16, attention_fwd_bf16, bf16, matmul_bf16, AdamWScalars,
-    AttnSeqGpu, BwdGrads, BwdInputs, CudaStream, FwdInputs, Gpu,
+    adamw_step_f32, attention_bwd_bf16, attention_fwd_bf16, bf16, kernel_times_table, matmul_bf16,
+    AdamWScalars, AttnSeqGpu, BwdGrads, BwdInputs, CudaStream, FwdInputs, Gpu,
 };
 use rollplex_plan::spec::{AdamWSpec, KlEstimator, LossAgg, LrSchedule};
 use rollplex_runtime::gpu::train::{
@@ -540,7 +540,14 @@ fn main() -> Result<()> {
         };
         per(false)?;
         per(true)?;
+        // ROLLPLEX_KERNEL_TIMES=1: the warm micro-batches below, kernel by kernel
+        gpu.take_kernel_times()?;
         let (w1, q1, w2, q2) = (per(false)?, per(true)?, per(false)?, per(true)?);
+        if gpu.kernel_times() {
+            println!("kernel times (ROLLPLEX_KERNEL_TIMES=1), per micro-batch over kept prompts:");
+            let times = gpu.take_kernel_times()?;
+            print!("{}", kernel_times_table(&times, 4 * n as u32, 0.002));
+        }
         println!(
             "micro-batches over kept prompts, {n} a run, wall time each: one at a time {w1:.3} / {w2:.3} ms, queued back to back {q1:.3} / {q2:.3} ms ({:.3}x)",
             (w1 + w2) / (q1 + q2)

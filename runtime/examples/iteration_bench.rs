@@ -34,15 +34,20 @@
 //! CUDA graphs (`rollplex-run --eager-decode`: the same bits). With `--task-log` each task and
 //! each decode window's host split (launching steps and side pieces, waiting; the window's
 //! device time and longest gap between steps) go to stderr as `rollplex-run --task-log` prints
-//! them.
+//! them. With `--kernel-times` every launch made eagerly (and each decode step's graph replay) is
+//! timed on the device (`Gpu::set_kernel_times`, `ROLLPLEX_KERNEL_TIMES=1` in `rollplex-run`)
+//! and each plan's warm iterations get a table per (task kind, kernel): milliseconds an
+//! iteration, calls, and the GEMMs' rates (the timing's events sit between kernels: the
+//! iteration itself runs a little slower).
 //!
 //! Usage: iteration_bench PLAN.bin... [--iterations 2] [--rounds 2] [--trace-dir DIR]
-//! [--profile-dir DIR] [--placed] [--eager-decode] [--task-log]
+//! [--profile-dir DIR] [--placed] [--eager-decode] [--task-log] [--kernel-times]
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use rollplex_kernels::cuda::{kernel_times_table, merge_kernel_times, KernelTime};
 use rollplex_plan::plan::{Plan, Task};
 use rollplex_plan::spec::{DatasetSpec, Mode};
 use rollplex_runtime::exec::gpu::{
@@ -70,6 +75,8 @@ struct Run {
     /// A serial plan's free bound of overlap, from its run's profile (`--profile-dir`; the last
     /// round's).
     bound: Option<rollplex_cost::bound::FreeBound>,
+    /// `--kernel-times`: the warm iterations' timed launches, per (task kind, kernel).
+    kernels: Vec<KernelTime>,
 }
 
 struct Observer<'a> {
@@ -77,6 +84,8 @@ struct Observer<'a> {
     phase_s: [f64; 4],
     trace: Option<PlanTrace>,
     profile: Option<ProfileRecorder>,
+    /// `--kernel-times`: each iteration's timed launches taken at its end (the warm-up's dropped).
+    kernel_times: bool,
 }
 
 impl LoopObserver for Observer<'_> {
@@ -107,10 +116,19 @@ impl LoopObserver for Observer<'_> {
         &mut self,
         it: u32,
         r: &IterationResult,
-        _: LoopModels<'_>,
+        models: LoopModels<'_>,
         start: Instant,
         wall: Duration,
     ) -> Result<(), ExecError> {
+        if let (true, LoopModels::Gpu(m)) = (self.kernel_times, models) {
+            let times = m
+                .gpu
+                .take_kernel_times()
+                .map_err(|e| ExecError::Gpu(e.into()))?;
+            if it > 0 {
+                merge_kernel_times(&mut self.run.kernels, times);
+            }
+        }
         if let Some(t) = &mut self.trace {
             t.iteration(it, start, start + wall);
         }
@@ -243,13 +261,14 @@ fn main() -> Result<()> {
         None => false,
     };
     let placed = flag("--placed");
+    let kernel_times = flag("--kernel-times");
     let options = GpuExecOptions {
         eager_decode: flag("--eager-decode"),
         task_log: flag("--task-log"),
         ..GpuExecOptions::default()
     };
     if args.is_empty() || iterations < 2 {
-        bail!("usage: iteration_bench PLAN.bin... [--iterations N >= 2] [--rounds R] [--trace-dir DIR] [--profile-dir DIR] [--placed] [--eager-decode] [--task-log]");
+        bail!("usage: iteration_bench PLAN.bin... [--iterations N >= 2] [--rounds R] [--trace-dir DIR] [--profile-dir DIR] [--placed] [--eager-decode] [--task-log] [--kernel-times]");
     }
     if let Some(dir) = &profile_dir {
         std::fs::create_dir_all(dir)
@@ -286,6 +305,9 @@ fn main() -> Result<()> {
     }
     .context("building the models")?;
     let models_gpu_name = models.gpu.name().to_string();
+    if kernel_times {
+        models.gpu.set_kernel_times(true);
+    }
     let mut slot = Some(models);
     println!(
         "device {}; models built in {:.1} s ({}); {} plans x {rounds} rounds x {iterations} iterations (the first of each run is warm-up)",
@@ -346,6 +368,7 @@ fn main() -> Result<()> {
                 phase_s: [0.0; 4],
                 trace: trace_dir.as_ref().map(|_| PlanTrace::new(plan, "cuda")),
                 profile,
+                kernel_times,
             };
             run_gpu_loop_with(
                 plan,
@@ -418,6 +441,19 @@ fn main() -> Result<()> {
         );
     }
     println!("(vs first: the first plan's median iteration time / this plan's; above 1 is faster)");
+    if kernel_times {
+        for ((name, _), r) in plans.iter().zip(&runs) {
+            println!();
+            println!(
+                "kernel times, {} (warm iterations; per task kind, eager launches and decode graph replays):",
+                file_name(name)
+            );
+            print!(
+                "{}",
+                kernel_times_table(&r.kernels, r.wall.len() as u32, 0.005)
+            );
+        }
+    }
     // decode against the copy rate: the steps' device time, the least bytes they moved
     let copy = rollplex_plan::roofline::roofline(&plans[0].1)
         .ceilings

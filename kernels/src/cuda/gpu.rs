@@ -17,6 +17,7 @@ use cudarc::driver::{
 };
 
 use super::gemm::LtState;
+use super::kernel_times::{KernelTime, KernelTimer, TimerSlot};
 use super::nvrtc::{self, KernelModule};
 use super::{cuda_available, CudaError, Result};
 
@@ -35,6 +36,10 @@ pub struct Gpu {
     /// Launch the kernels that wait for their predecessor themselves with programmatic stream
     /// serialization ([`Gpu::set_pdl`]).
     pdl: AtomicBool,
+    /// Kernel timing ([`Gpu::set_kernel_times`]): the switch read on every launch, and the
+    /// timer behind it.
+    timing: AtomicBool,
+    timer: TimerSlot,
     #[cfg(feature = "bench")]
     blas: Mutex<HashMap<usize, CudaBlas>>,
 }
@@ -65,6 +70,16 @@ impl Gpu {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
             as u32;
         let lt = LtState::new()?;
+        let timing = match std::env::var("ROLLPLEX_KERNEL_TIMES").as_deref() {
+            Err(_) | Ok("") | Ok("0") => false,
+            Ok("1") => true,
+            Ok(other) => {
+                return Err(super::shape(
+                    "ROLLPLEX_KERNEL_TIMES",
+                    format!("{other} is not 0 or 1 (1 times every eager launch, per kernel)"),
+                ))
+            }
+        };
         Ok(Gpu {
             // sm_90 devices compile for sm_90a: the same code plus the warpgroup MMAs
             arch: if (major, minor) == (9, 0) {
@@ -80,6 +95,8 @@ impl Gpu {
             compile_logs: Mutex::new(Vec::new()),
             lt: Mutex::new(lt),
             pdl: AtomicBool::new(major >= 9 && std::env::var("ROLLPLEX_PDL").as_deref() != Ok("0")),
+            timing: AtomicBool::new(timing),
+            timer: Mutex::new(timing.then(KernelTimer::default)),
             #[cfg(feature = "bench")]
             blas: Mutex::new(HashMap::new()),
         })
@@ -118,6 +135,100 @@ impl Gpu {
     pub fn set_pdl(&self, on: bool) {
         let hopper = self.arch.starts_with("sm_9") || self.arch.starts_with("sm_1");
         self.pdl.store(on && hopper, Ordering::Relaxed);
+    }
+
+    /// Whether launches are timed ([`super::kernel_times`]).
+    pub fn kernel_times(&self) -> bool {
+        self.timing.load(Ordering::Relaxed)
+    }
+
+    /// Turns kernel timing on or off (`ROLLPLEX_KERNEL_TIMES=1` turns it on when the device
+    /// opens). Turning it off drops what was not taken.
+    pub fn set_kernel_times(&self, on: bool) {
+        let mut t = self.timer.lock().unwrap_or_else(|e| e.into_inner());
+        match (on, t.is_some()) {
+            (true, false) => *t = Some(KernelTimer::default()),
+            (false, true) => *t = None,
+            _ => {}
+        }
+        self.timing.store(on, Ordering::Relaxed);
+    }
+
+    /// Names what the launches from here on belong to (a task kind, a phase), `None` for
+    /// nothing: the timing table's first column. Returns the scope before (to restore it).
+    pub fn set_kernel_scope(&self, scope: Option<&str>) -> Option<String> {
+        self.timer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+            .and_then(|t| t.set_scope(scope))
+    }
+
+    /// The timed launches since the last take (or since timing was turned on), per (scope,
+    /// kernel), longest first; waits for the last of them to finish. Empty while timing is off.
+    pub fn take_kernel_times(&self) -> Result<Vec<KernelTime>> {
+        match self
+            .timer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+        {
+            Some(t) => t.take(),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// Runs `f`, which launches work on `stream` that no launcher of this crate times itself (a
+    /// graph replay), timed as one launch of `name` doing `flops` while timing is on.
+    pub fn timed<T>(
+        &self,
+        stream: &CudaStream,
+        name: &'static str,
+        flops: f64,
+        f: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        let start = self.time_start(stream)?;
+        let out = f()?;
+        self.time_end(stream, start, name, flops)?;
+        Ok(out)
+    }
+
+    /// The start of a timed launch on `stream` (none while timing is off or the stream captures).
+    pub(crate) fn time_start(&self, stream: &CudaStream) -> Result<Option<CudaEvent>> {
+        if !self.kernel_times() {
+            return Ok(None);
+        }
+        match self
+            .timer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+        {
+            Some(t) => t.start(stream),
+            None => Ok(None),
+        }
+    }
+
+    /// The end of the launch [`Gpu::time_start`] opened.
+    pub(crate) fn time_end(
+        &self,
+        stream: &CudaStream,
+        start: Option<CudaEvent>,
+        name: &'static str,
+        flops: f64,
+    ) -> Result<()> {
+        let Some(start) = start else {
+            return Ok(());
+        };
+        match self
+            .timer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+        {
+            Some(t) => t.end(stream, start, name, flops),
+            None => Ok(()),
+        }
     }
 
     /// A new non-blocking stream. `priority`: lower is more urgent; clamped to the device's range.

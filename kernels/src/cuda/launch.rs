@@ -102,9 +102,11 @@ pub(crate) unsafe fn launch(
         }
         .result()?;
     }
+    let timed = gpu.time_start(stream)?;
     if gpu.pdl() && PDL_KERNELS.contains(&func) {
         // SAFETY: the caller's (see above).
-        return unsafe { launch_programmatic(stream, &f, g, args) };
+        unsafe { launch_programmatic(stream, &f, g, args) }?;
+        return gpu.time_end(stream, timed, func, 0.0);
     }
     let mut b = stream.launch_builder(&f);
     for a in args {
@@ -117,7 +119,7 @@ pub(crate) unsafe fn launch(
     };
     // SAFETY: the caller's (see above).
     unsafe { b.launch(cfg) }?;
-    Ok(())
+    gpu.time_end(stream, timed, func, 0.0)
 }
 
 /// `cuLaunchKernelEx` with programmatic stream serialization allowed (see [`PDL_KERNELS`]).

@@ -31,7 +31,8 @@
 //! - Launchers check buffer lengths, strides and alignment and return [`CudaError::Shape`]; a
 //!   launch that passes the checks reads and writes only inside the buffers it was given.
 //! - Every kernel starts through one helper (`launch::launch`: the function compiled on first
-//!   use, its grid, block and dynamic shared memory, the arguments in order, the stream).
+//!   use, its grid, block and dynamic shared memory, the arguments in order, the stream); it
+//!   and the cuBLASLt call are where kernel timing ([`kernel_times`]) brackets launches.
 
 pub mod adamw;
 pub mod attention;
@@ -44,6 +45,7 @@ pub mod gemm;
 mod gpu;
 pub mod grad;
 pub mod green;
+pub mod kernel_times;
 mod launch;
 pub mod logprobs;
 pub mod norm;
@@ -82,6 +84,7 @@ pub use grad::{
     RowGather, RowGatherDev, SUMSQ_BLOCKS,
 };
 pub use green::{StreamOptions, StreamSet};
+pub use kernel_times::{kernel_times_table, merge_kernel_times, KernelTime};
 pub use logprobs::logprobs_fwd_bf16;
 pub use norm::{add_rmsnorm_fwd_bf16, rmsnorm_fwd_bf16};
 pub use pointwise::{

@@ -119,6 +119,13 @@ pub(super) fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
         validation,
         held_out: held_out.clone(),
     };
+    if models.gpu.kernel_times() {
+        // the table counts the iterations only
+        models
+            .gpu
+            .take_kernel_times()
+            .map_err(|e| ExecError::Gpu(e.into()))?;
+    }
     let result = exec::gpu::run_gpu_loop_with(
         plan,
         &mut models,
@@ -143,5 +150,20 @@ pub(super) fn run_cuda(plan: &Plan, args: &RunArgs) -> Result<(), ExecError> {
         }
     }
     run.write_profile(plan)?;
+    if models.gpu.kernel_times() {
+        // ROLLPLEX_KERNEL_TIMES=1: where the device time went, every iteration of the run
+        let times = models
+            .gpu
+            .take_kernel_times()
+            .map_err(|e| ExecError::Gpu(e.into()))?;
+        eprintln!(
+            "kernel times (ROLLPLEX_KERNEL_TIMES=1; {} iterations, per task kind; eager launches and decode graph replays):",
+            args.iterations - first
+        );
+        eprint!(
+            "{}",
+            rollplex_kernels::cuda::kernel_times_table(&times, args.iterations - first, 0.005)
+        );
+    }
     eval(&models, "after")
 }

@@ -46,6 +46,9 @@ pub const LAG: u32 = 8;
 /// `done_step` of a sample still decoding.
 pub const NOT_DONE: u32 = u32::MAX;
 
+/// A decode step's graph replay in the kernel timing table (`Gpu::set_kernel_times`).
+const DECODE_GRAPH: &str = "decode step (graph replay)";
+
 /// Key-split bound granularity: the bound (which fixes the attention's split, so the bits) is
 /// rounded up to it, so that iterations with slightly different prompt lengths share graphs.
 const MAX_KV_ROUND: usize = 512;
@@ -608,7 +611,7 @@ impl DeviceDecode {
         let key = (self.batch.len(), sk);
         let steady = self.eager || self.no_graph.contains(&sk);
         let how = if let Some(g) = self.graphs.get(&key).filter(|_| !steady) {
-            g.launch()?;
+            gpu.timed(stream, DECODE_GRAPH, 0.0, || Ok(g.launch()?))?;
             StepLaunch::Replay
         } else if steady {
             self.launch_step(model, gpu, stream, arena)?;
@@ -624,7 +627,7 @@ impl DeviceDecode {
             // each shorter than the two steps the device has queued)
             match self.capture(model, gpu, stream, arena) {
                 Ok(g) => {
-                    g.launch()?;
+                    gpu.timed(stream, DECODE_GRAPH, 0.0, || Ok(g.launch()?))?;
                     self.graphs.insert(key, g);
                     StepLaunch::Burst { captured: true }
                 }

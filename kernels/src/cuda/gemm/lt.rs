@@ -307,6 +307,7 @@ fn lt_matmul(
     }
     let alpha = 1.0f32;
     let beta = if g.accumulate { 1.0f32 } else { 0.0 };
+    let timed = gpu.time_start(stream)?;
     // SAFETY: shapes were checked against the buffers (check_gemm); the layouts describe exactly
     // those shapes; the workspace belongs to this stream; operands are device addresses.
     unsafe {
@@ -329,7 +330,13 @@ fn lt_matmul(
             stream.cu_stream() as *mut _,
         )
     }?;
-    Ok(())
+    drop(st);
+    let name = match (out_f32, bias.is_some()) {
+        (true, _) => "cublasLt gemm, fp32 out",
+        (false, true) => "cublasLt gemm, bias",
+        (false, false) => "cublasLt gemm",
+    };
+    gpu.time_end(stream, timed, name, 2.0 * (g.m * g.n * g.k) as f64)
 }
 
 /// `c[m, n] (= or +=) op(a) op(b)` in bf16 with fp32 accumulation, as [`crate::cpu::matmul()`].

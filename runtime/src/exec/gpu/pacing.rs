@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use rollplex_cost::defaults::kind_name;
 use rollplex_kernels::cuda::CudaStream;
 use rollplex_plan::plan::{Op, Task};
 use rollplex_plan::TaskId;
@@ -142,11 +143,15 @@ impl GpuIteration<'_, '_> {
                 e.record(&s)?;
                 self.deferred_start[x.task.index()] = Some(e);
             }
+            // its launches count as its kind's in the kernel timing table, not the window's
+            let kind = self.plan.tasks[x.task.index()].kind;
+            let outer = (self.models.gpu).set_kernel_scope(Some(kind_name(kind)));
             match &x.piece {
                 Some(Piece::Group(op, g)) => self.run_group_piece(&s, op, *g)?,
                 Some(Piece::Whole(op)) => self.run_op(&s, op)?,
                 None => {}
             }
+            self.models.gpu.set_kernel_scope(outer.as_deref());
             let done = self.models.gpu.event()?;
             done.record(&s)?;
             self.inflight.push_back(done);

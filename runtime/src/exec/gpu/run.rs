@@ -267,7 +267,11 @@ impl TaskRunner for Started<'_, '_, '_> {
     fn run(&mut self, task: &Task) -> Result<(), ExecError> {
         self.observer.task_started(self.iteration, task);
         let t0 = Instant::now();
+        // kernel timing's scope: the task's kind (side pieces set their own)
+        let gpu = &self.inner.models.gpu;
+        gpu.set_kernel_scope(Some(rollplex_cost::defaults::kind_name(task.kind)));
         self.inner.run(task)?;
+        self.inner.models.gpu.set_kernel_scope(None);
         if let Some(start) = self.log {
             // host times: when the launches of `task` began and how long the host spent in them;
             // the memory pool's bytes in use once they are queued (stream-ordered allocations
