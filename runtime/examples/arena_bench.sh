@@ -27,7 +27,9 @@
 # instead compiles the same pipeline a second time with `memory = SIZE`, and bench runs this
 # tree's binaries over those plans and the shipped ones, alternating: a planner decision that
 # memory buys (kept activations, residency) measured against the plan without the memory for
-# it.
+# it. VARIANT=SED does the same with the sed expression SED applied to the pipeline instead
+# (e.g. VARIANT='s/micro_batch = G /micro_batch = 4 * G /': another setting of the same job on
+# the same binaries, alternating with the shipped one).
 set -euo pipefail
 MODE=${1:-}
 DIR=${DIR:-.gpu-pack/arena}
@@ -36,6 +38,7 @@ PROMPTS=${PROMPTS:-}
 PRESET=${PRESET:-H200}
 BEFORE=${BEFORE:-}
 BUDGET=${BUDGET:-}
+VARIANT=${VARIANT:-}
 T=${CARGO_TARGET_DIR:-$PWD/target}/release
 
 die() { echo "arena_bench: $*" >&2; exit 1; }
@@ -89,7 +92,9 @@ build_before() {
 build() {
   mkdir -p "$DIR"
   rm -rf "$DIR/before"
-  [ -z "$BEFORE" ] || [ -z "$BUDGET" ] || die "BEFORE and BUDGET are two different comparisons: one at a time"
+  local knobs=0
+  for k in "$BEFORE" "$BUDGET" "$VARIANT"; do [ -z "$k" ] || knobs=$((knobs + 1)); done
+  [ $knobs -le 1 ] || die "BEFORE, BUDGET and VARIANT are different comparisons: one at a time"
   [ -z "$BEFORE" ] || build_before
   cargo build --release -p rollplex-compiler --bin rollplexc
   cargo build --release -p rollplex-runtime --example iteration_bench --bin rollplex-run
@@ -104,6 +109,17 @@ build() {
     pipeline examples/h200-3b-video.rpx "$DIR/before/pipeline.rpx" "$BUDGET"
     plans "$T/rollplexc" "$PROFILE" "$DIR/before/pipeline.rpx" "$DIR/before" "$DIR/before/plans.txt"
     echo "memory = $BUDGET" > "$DIR/before/rev"
+  fi
+  if [ -n "$VARIANT" ]; then
+    # the "before" side of bench: this tree's binaries over the pipeline with VARIANT applied
+    mkdir -p "$DIR/before"
+    : > "$DIR/before/plans.txt"
+    pipeline examples/h200-3b-video.rpx "$DIR/before/shipped.rpx"
+    sed -e "$VARIANT" "$DIR/before/shipped.rpx" > "$DIR/before/pipeline.rpx"
+    ! cmp -s "$DIR/before/shipped.rpx" "$DIR/before/pipeline.rpx" ||
+      die "VARIANT '$VARIANT' changes nothing in the pipeline"
+    plans "$T/rollplexc" "$PROFILE" "$DIR/before/pipeline.rpx" "$DIR/before" "$DIR/before/plans.txt"
+    echo "variant: $VARIANT" > "$DIR/before/rev"
   fi
   "$T/rollplexc" examples/tiny-h200.rpx -o "$DIR/tiny-h200.plan.bin"
   local loop resume lib
