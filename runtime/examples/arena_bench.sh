@@ -102,24 +102,19 @@ build() {
   git rev-parse --short HEAD > "$DIR/rev"
   pipeline examples/h200-3b-video.rpx "$DIR/pipeline.rpx"
   plans "$T/rollplexc" "$PROFILE" "$DIR/pipeline.rpx" "$DIR" "$DIR/plans.txt"
-  if [ -n "$BUDGET" ]; then
-    # the "before" side of bench: this tree's binaries over the same pipeline at BUDGET
-    mkdir -p "$DIR/before"
-    : > "$DIR/before/plans.txt"
-    pipeline examples/h200-3b-video.rpx "$DIR/before/pipeline.rpx" "$BUDGET"
-    plans "$T/rollplexc" "$PROFILE" "$DIR/before/pipeline.rpx" "$DIR/before" "$DIR/before/plans.txt"
-    echo "memory = $BUDGET" > "$DIR/before/rev"
-  fi
-  if [ -n "$VARIANT" ]; then
-    # the "before" side of bench: this tree's binaries over the pipeline with VARIANT applied
-    mkdir -p "$DIR/before"
-    : > "$DIR/before/plans.txt"
-    pipeline examples/h200-3b-video.rpx "$DIR/before/shipped.rpx"
-    sed -e "$VARIANT" "$DIR/before/shipped.rpx" > "$DIR/before/pipeline.rpx"
-    ! cmp -s "$DIR/before/shipped.rpx" "$DIR/before/pipeline.rpx" ||
-      die "VARIANT '$VARIANT' changes nothing in the pipeline"
-    plans "$T/rollplexc" "$PROFILE" "$DIR/before/pipeline.rpx" "$DIR/before" "$DIR/before/plans.txt"
-    echo "variant: $VARIANT" > "$DIR/before/rev"
+  if [ -n "$BUDGET$VARIANT" ]; then
+    # the "before" side of bench: this tree's binaries over the pipeline at BUDGET or with
+    # VARIANT applied
+    local b=$DIR/before
+    mkdir -p "$b"
+    : > "$b/plans.txt"
+    pipeline examples/h200-3b-video.rpx "$b/pipeline.rpx" "$BUDGET"
+    if [ -n "$VARIANT" ]; then
+      sed -i -e "$VARIANT" "$b/pipeline.rpx"
+      ! cmp -s "$DIR/pipeline.rpx" "$b/pipeline.rpx" || die "VARIANT '$VARIANT' changes nothing in the pipeline"
+    fi
+    plans "$T/rollplexc" "$PROFILE" "$b/pipeline.rpx" "$b" "$b/plans.txt"
+    echo "${BUDGET:+memory = $BUDGET}${VARIANT:+variant: $VARIANT}" > "$b/rev"
   fi
   "$T/rollplexc" examples/tiny-h200.rpx -o "$DIR/tiny-h200.plan.bin"
   local loop resume lib
@@ -181,8 +176,8 @@ bench() {
 }
 
 # BEFORE's iteration_bench and this tree's over their own plans of the same pipeline, placed,
-# alternating (before, after, before, after), each one process of 3 iterations. With BUDGET
-# the "before" side is this tree's binaries over the plans compiled at that budget.
+# alternating (before, after, before, after), each one process of 3 iterations. With BUDGET or
+# VARIANT the "before" side is this tree's binaries over the plans of that setting.
 before_after() {
   local bin=$1 out=$2 old=/tmp/arena-before rev
   if [ -f "$DIR/before/bin.tar.xz" ]; then

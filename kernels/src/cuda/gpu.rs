@@ -157,25 +157,23 @@ impl Gpu {
     /// Names what the launches from here on belong to (a task kind, a phase), `None` for
     /// nothing: the timing table's first column. Returns the scope before (to restore it).
     pub fn set_kernel_scope(&self, scope: Option<&str>) -> Option<String> {
-        self.timer
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_mut()
-            .and_then(|t| t.set_scope(scope))
+        self.with_timer(|t| t.set_scope(scope)).flatten()
     }
 
     /// The timed launches since the last take (or since timing was turned on), per (scope,
     /// kernel), longest first; waits for the last of them to finish. Empty while timing is off.
     pub fn take_kernel_times(&self) -> Result<Vec<KernelTime>> {
-        match self
-            .timer
+        self.with_timer(KernelTimer::take)
+            .unwrap_or_else(|| Ok(Vec::new()))
+    }
+
+    /// `f` on the timer, `None` while timing is off.
+    fn with_timer<R>(&self, f: impl FnOnce(&mut KernelTimer) -> R) -> Option<R> {
+        self.timer
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .as_mut()
-        {
-            Some(t) => t.take(),
-            None => Ok(Vec::new()),
-        }
+            .map(f)
     }
 
     /// Runs `f`, which launches work on `stream` that no launcher of this crate times itself (a
@@ -198,15 +196,7 @@ impl Gpu {
         if !self.kernel_times() {
             return Ok(None);
         }
-        match self
-            .timer
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_mut()
-        {
-            Some(t) => t.start(stream),
-            None => Ok(None),
-        }
+        self.with_timer(|t| t.start(stream)).unwrap_or(Ok(None))
     }
 
     /// The end of the launch [`Gpu::time_start`] opened.
@@ -220,15 +210,8 @@ impl Gpu {
         let Some(start) = start else {
             return Ok(());
         };
-        match self
-            .timer
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_mut()
-        {
-            Some(t) => t.end(stream, start, name, flops),
-            None => Ok(()),
-        }
+        self.with_timer(|t| t.end(stream, start, name, flops))
+            .unwrap_or(Ok(()))
     }
 
     /// A new non-blocking stream. `priority`: lower is more urgent; clamped to the device's range.

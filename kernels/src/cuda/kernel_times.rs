@@ -34,6 +34,15 @@ pub struct KernelTime {
     pub flops: f64,
 }
 
+impl KernelTime {
+    /// Adds `calls` launches of `ms` milliseconds and `flops` in all.
+    fn add(&mut self, calls: u64, ms: f64, flops: f64) {
+        self.calls += calls;
+        self.ms += ms;
+        self.flops += flops;
+    }
+}
+
 struct Pending {
     scope: Arc<str>,
     name: &'static str,
@@ -124,9 +133,7 @@ impl KernelTimer {
                     name: p.name.to_string(),
                     ..KernelTime::default()
                 });
-            t.calls += 1;
-            t.ms += ms;
-            t.flops += p.flops;
+            t.add(1, ms, p.flops);
             self.free.push(p.start);
             self.free.push(p.end);
         }
@@ -151,11 +158,7 @@ pub fn merge_kernel_times(into: &mut Vec<KernelTime>, more: Vec<KernelTime>) {
             .iter_mut()
             .find(|x| x.scope == t.scope && x.name == t.name)
         {
-            Some(x) => {
-                x.calls += t.calls;
-                x.ms += t.ms;
-                x.flops += t.flops;
-            }
+            Some(x) => x.add(t.calls, t.ms, t.flops),
             None => into.push(t),
         }
     }

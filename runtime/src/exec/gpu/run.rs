@@ -268,8 +268,8 @@ impl TaskRunner for Started<'_, '_, '_> {
         self.observer.task_started(self.iteration, task);
         let t0 = Instant::now();
         // kernel timing's scope: the task's kind (side pieces set their own)
-        let gpu = &self.inner.models.gpu;
-        gpu.set_kernel_scope(Some(rollplex_cost::defaults::kind_name(task.kind)));
+        (self.inner.models.gpu)
+            .set_kernel_scope(Some(rollplex_cost::defaults::kind_name(task.kind)));
         self.inner.run(task)?;
         self.inner.models.gpu.set_kernel_scope(None);
         if let Some(start) = self.log {
