@@ -6,15 +6,18 @@
 //! relative difference ‖tc − simt‖ / ‖simt‖ of dq, dk, dv.
 //!
 //! `prefix`: the shared-prefix keys' gradients alone (`attention_bwd_dprefix_bf16`) at the 3B
-//! shape of a GRPO group: a 1226-row prompt prefix, 8 responses of 120..512 rows (mean 290)
-//! attending to it; SIMT (`attention_bwd_dprefix_f32`) beside the tensor cores
-//! (`attention_bwd_tc_dprefix_f32`, D prep and chunk reduce included) at the automatic split and
-//! at fixed ones. FLOPs counted: 4 matmuls (S, dP, dV, dK) = 8 * hd * heads per (query, prefix
-//! key) pair. Also the whole tensor-core backward of the same batch, and ‖tc − simt‖ / ‖simt‖.
+//! shape of a training micro-batch of G GRPO groups: one prefix buffer holding each group's
+//! 1226-row prompt in turn, and per group 8 responses of 120..512 rows (mean 290) attending to
+//! their group's prompt, packed one after another; SIMT (`attention_bwd_dprefix_f32`, one group
+//! only: it is slow) beside the tensor cores (`attention_bwd_tc_dprefix_f32`, D prep and chunk
+//! reduce included) at the automatic split and at fixed ones. FLOPs counted: 4 matmuls (S, dP,
+//! dV, dK) = 8 * hd * heads per (query, prefix key) pair. Also the whole tensor-core backward of
+//! the same batch, and the relative difference of each variant from the first. With G > 1 also
+//! the same groups with each prompt starting a 64-row tile of the buffer (1280 rows apart).
 //!
-//! Run: `cargo run --release -p rollplex-kernels --example bench_attn_bwd [full|prefix]` (needs
-//! a GPU; no argument: both). Random data; warm-up first; each number is the median of timed
-//! repeats (CUDA events).
+//! Run: `cargo run --release -p rollplex-kernels --example bench_attn_bwd [full|prefix [G,..]]`
+//! (needs a GPU; no argument: both, prefix at G = 1). Random data; warm-up first; each number is
+//! the median of timed repeats (CUDA events).
 
 use std::sync::Arc;
 
@@ -209,8 +212,10 @@ fn bench(g: &Gpu, s: &Arc<CudaStream>, n_seqs: u32, len: u32) -> Res<()> {
     Ok(())
 }
 
-/// The prefix part alone at the 3B GRPO shape (see the module doc).
-fn bench_prefix(g: &Gpu, s: &Arc<CudaStream>) -> Res<()> {
+/// The prefix part alone at the 3B GRPO shape, `groups` groups in one call (see the module doc),
+/// each group's prompt `stride` rows after the one before in the prefix buffer (the prompt's
+/// 1226 rows: packed, as the trainer lays them; 1280: each prompt starting a 64-row tile).
+fn bench_prefix(g: &Gpu, s: &Arc<CudaStream>, groups: usize, stride: u32) -> Res<()> {
     let dims = AttnDims {
         num_heads: 16,
         num_kv_heads: 2,
@@ -218,15 +223,16 @@ fn bench_prefix(g: &Gpu, s: &Arc<CudaStream>) -> Res<()> {
     };
     let (qw, kvw) = (dims.q_width(), dims.kv_width());
     let p_len: u32 = 1226;
-    let lens: [u32; 8] = [120, 512, 200, 350, 160, 420, 240, 318]; // 2320 rows, mean 290
+    let group_lens: [u32; 8] = [120, 512, 200, 350, 160, 420, 240, 318]; // 2320 rows, mean 290
+    let lens: Vec<u32> = (0..groups).flat_map(|_| group_lens).collect();
     let t: usize = lens.iter().map(|&l| l as usize).sum();
     let mut seqs = Vec::new();
     let mut at = 0;
-    for &l in &lens {
+    for (i, &l) in lens.iter().enumerate() {
         seqs.push(AttnSeqGpu::from_fwd(&AttnSeq {
             start: at,
             len: l,
-            prefix_start: 0,
+            prefix_start: (i / group_lens.len()) as u32 * stride,
             prefix_len: p_len,
         }));
         at += l;
@@ -234,7 +240,7 @@ fn bench_prefix(g: &Gpu, s: &Arc<CudaStream>) -> Res<()> {
     let n = seqs.len();
     let max_len = *lens.iter().max().unwrap_or(&1) as usize;
     let gs = s.clone_htod(&seqs)?;
-    let pr = p_len as usize;
+    let pr = (groups - 1) * stride as usize + p_len as usize;
     let (q, k, v, dout, pk, pv) = (
         s.clone_htod(&rand_bf(t * qw, 18, 1.0))?,
         s.clone_htod(&rand_bf(t * kvw, 19, 1.0))?,
@@ -273,24 +279,25 @@ fn bench_prefix(g: &Gpu, s: &Arc<CudaStream>) -> Res<()> {
     let pairs: f64 = lens.iter().map(|&l| l as f64 * p_len as f64).sum();
     let flops = 8.0 * pairs * 128.0 * 16.0;
     println!(
-        "dprefix {n} x (120..512, {t} rows) over a {p_len}-row prefix, 16/2 heads, hd 128: {:.1} \
-         GFLOP (4 matmuls); automatic split {}",
+        "dprefix {groups} group(s) of 8 (120..512, {t} rows in all), each over its {p_len}-row \
+         prefix (prompts {stride} rows apart), 16/2 heads, hd 128: {:.1} GFLOP (4 matmuls); \
+         automatic split {}",
         flops / 1e9,
         attention_bwd_dprefix::tc_dprefix_split(&dims, t, pr)
     );
     let mut rows = Vec::new();
-    let variants: Vec<(String, DprefixKernel, usize)> =
-        [("simt".to_string(), DprefixKernel::Simt, 5)]
-            .into_iter()
-            .chain([0usize, 1, 2, 4, 6, 8, 12, 16].into_iter().map(|split| {
-                let name = if split == 0 {
-                    "tc auto".to_string()
-                } else {
-                    format!("tc split {split}")
-                };
-                (name, DprefixKernel::TensorCores { split }, 20)
-            }))
-            .collect();
+    let simt = (groups == 1).then(|| ("simt".to_string(), DprefixKernel::Simt, 5));
+    let variants: Vec<(String, DprefixKernel, usize)> = simt
+        .into_iter()
+        .chain([0usize, 1, 2, 3, 4, 6, 8, 12, 16].into_iter().map(|split| {
+            let name = if split == 0 {
+                "tc auto".to_string()
+            } else {
+                format!("tc split {split}")
+            };
+            (name, DprefixKernel::TensorCores { split }, 20)
+        }))
+        .collect();
     for (name, kernel, reps) in variants {
         let (mut dpk, mut dpv) = (
             s.clone_htod(&vec![0f32; pr * kvw])?,
@@ -348,23 +355,17 @@ fn bench_prefix(g: &Gpu, s: &Arc<CudaStream>) -> Res<()> {
         )?;
         rows.push((name, ms, reps, s.clone_dtoh(&ck)?, s.clone_dtoh(&cv)?));
     }
-    let simt_ms = rows[0].1;
+    let (first, first_ms) = (&rows[0].0, rows[0].1);
     for (name, ms, reps, ck, cv) in &rows {
         println!(
-            "  dprefix {name:>11}: {ms:8.3} ms (median of {reps}), {:6.1} TFLOP/s, simt / this = \
-             {:6.2}x; rel diff vs simt: dpk {:.2e}, dpv {:.2e}",
+            "  dprefix {name:>11}: {ms:8.3} ms (median of {reps}), {:6.1} TFLOP/s, {first} / this = \
+             {:6.2}x; rel diff vs {first}: dpk {:.2e}, dpv {:.2e}",
             flops / (ms * 1e-3) / 1e12,
-            simt_ms / ms,
+            first_ms / ms,
             rel_diff_f32(ck, &rows[0].3),
             rel_diff_f32(cv, &rows[0].4)
         );
     }
-    let tc_ms = rows[1].1;
-    println!(
-        "  dprefix tc auto / simt time = {:.4} ({:.1}x faster)",
-        tc_ms / simt_ms,
-        simt_ms / tc_ms
-    );
     // the whole tensor-core backward of this batch (its prefix part on the tensor cores)
     let (mut dq, mut dk, mut dv) = (
         g.alloc::<bf16>(s, t * qw)?,
@@ -417,6 +418,18 @@ fn main() -> Res<()> {
     if !["", "full", "prefix"].contains(&which.as_str()) {
         return Err(format!("unknown case {which:?}: full, prefix or nothing (both)").into());
     }
+    let groups: Vec<usize> = match std::env::args().nth(2) {
+        None => vec![1],
+        Some(list) => list
+            .split(',')
+            .map(|g| match g.parse::<usize>() {
+                Ok(g) if g > 0 => Ok(g),
+                _ => Err(format!(
+                    "groups: {g:?} is not a positive count (e.g. 1,2,4)"
+                )),
+            })
+            .collect::<std::result::Result<_, _>>()?,
+    };
     let g = Gpu::new(0)?;
     let s = g.stream(0)?;
     println!("device: {} ({}, {} SMs)", g.name(), g.arch(), g.sm_count());
@@ -426,7 +439,12 @@ fn main() -> Res<()> {
         }
     }
     if which != "full" {
-        bench_prefix(&g, &s)?;
+        for &n in &groups {
+            bench_prefix(&g, &s, n, 1226)?;
+            if n > 1 {
+                bench_prefix(&g, &s, n, 1280)?;
+            }
+        }
     }
     Ok(())
 }

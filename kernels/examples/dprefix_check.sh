@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The tensor-core prefix gradients (attention_bwd_tc_dprefix_f32) on a GPU host, in one run: the
 # attention backward tests (each test its own process, so that a faulting kernel cannot poison
-# the others), the prefix tests under compute-sanitizer (memcheck, racecheck), and the workbench (bench_attn_bwd prefix, and full:
-# the whole attention backward timed the same way). Logs under $OUT. Entry point:
+# the others), the prefix tests under compute-sanitizer (memcheck, racecheck), and the workbench
+# (bench_attn_bwd prefix over micro-batches of DPREFIX_GROUPS GRPO groups, default 1,2,4, and
+# full: the whole attention backward timed the same way). Logs under $OUT. Entry point:
 # scripts/gpu-bench.sh build|run dprefix.
 #
 # build (on a machine with the Rust toolchain) packs the binaries: release builds of the
@@ -57,7 +58,7 @@ for st in $steps; do
       sanitize memcheck attention_bwd_tc_shared_prefix_cases_match_cpu_and_simt ;;
     racecheck)
       sanitize racecheck attention_bwd_dprefix_tc_splits_match_cpu_and_add ;;
-    bench) timeout 300 "$B/bench_attn_bwd" prefix 2>&1 | tee "$OUT/bench_prefix.log" ;;
+    bench) timeout 300 "$B/bench_attn_bwd" prefix "${DPREFIX_GROUPS:-1,2,4}" 2>&1 | tee "$OUT/bench_prefix.log" ;;
     bench-full) timeout 300 "$B/bench_attn_bwd" full 2>&1 | tee "$OUT/bench_full.log" ;;
     *) echo "unknown step $st (tests sanitize racecheck bench bench-full, or build)" ;;
   esac
