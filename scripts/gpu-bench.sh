@@ -16,7 +16,7 @@
 #                                                                   (tests simt-env sanitize bench)
 #   vision-bwd              runtime/examples/vision_bwd_check.sh    kernel vision forward sanitize (all four)
 #   arena                   runtime/examples/arena_bench.sh         tests bench (both)
-#   train                   runtime/examples/train_bench.sh         bench kernels (bench)
+#   train                   runtime/examples/train_bench.sh         bench groups kernels (bench)
 #   tower                   runtime/examples/tower_bench.sh         -
 #   offload                 runtime/examples/offload_bench.sh       serial overlap stream host big host-3b
 #                                                                   (serial overlap)

@@ -3,19 +3,24 @@
 # gpu_train_bench with 8 layers of the 3B widths and one GRPO group of 8 (prompt 1,226 tokens,
 # responses 271: the 3B video job's micro-batch), then where its time goes, kernel by kernel.
 #
-# Entry point: scripts/gpu-bench.sh build train, then scripts/gpu-bench.sh run train [bench|kernels].
+# Entry point: scripts/gpu-bench.sh build train, then scripts/gpu-bench.sh run train
+# [bench|groups|kernels].
 #   1. build (on a machine with the Rust toolchain, no GPU needed) packs the stripped
 #      gpu_train_bench into $DIR (default .gpu-pack/train, the packed binaries, ignored by git):
 #        bash runtime/examples/train_bench.sh build
 #   2. on the GPU host (repository root, $DIR beside it):
 #        bash runtime/examples/train_bench.sh bench     # the step's times and parts, PyTorch's beside it
+#        bash runtime/examples/train_bench.sh groups    # micro-batches of GROUPS GRPO groups (default
+#                                                       # 1 2 4), --step-only, each with its kernel
+#                                                       # times (ROLLPLEX_KERNEL_TIMES=1), two rounds
 #        bash runtime/examples/train_bench.sh kernels   # Nsight Compute: one micro-batch's kernels,
 #                                                       # microseconds each (--step-only: 3 equal calls)
 #      Logs under $RESULTS_DIR/train (packed as $OUT/train.tgz when OUT is set).
-# Knobs: LAYERS (8), ITERS (5), PEER (1; 0: `bench` skips PyTorch's step). BEFORE=REV (build)
-# also packs REV's gpu_train_bench (built from a temporary git worktree) into $DIR/before;
-# `bench` then runs REV's step and this tree's one after the other, twice, alternating, and
-# `kernels` profiles both: a change and its predecessor side by side in one run.
+# Knobs: LAYERS (8), ITERS (5), PEER (1; 0: `bench` skips PyTorch's step), MB_GROUPS (1 2 4).
+# BEFORE=REV (build) also packs REV's gpu_train_bench (built from a temporary git worktree) into
+# $DIR/before; `bench` and `groups` then run REV's step and this tree's one after the other,
+# twice, alternating, and `kernels` profiles both: a change and its predecessor side by side in
+# one run.
 set -euo pipefail
 MODE=${1:-}
 DIR=${DIR:-.gpu-pack/train}
@@ -28,7 +33,9 @@ T=${CARGO_TARGET_DIR:-$PWD/target}/release
 die() { echo "train_bench: $*" >&2; exit 1; }
 . "$(dirname "$0")/common/gpu_pack.sh"
 
-SHAPE=(--layers "$LAYERS" --seqs 8 --seq-len 1496 --prompt-len 1226 --group 8)
+MB_GROUPS=${MB_GROUPS:-1 2 4}
+LOOP_SHAPE=(--seq-len 1496 --prompt-len 1226 --group 8)
+SHAPE=(--layers "$LAYERS" --seqs 8 "${LOOP_SHAPE[@]}")
 
 build() {
   cargo build --release -p rollplex-runtime --example gpu_train_bench
@@ -82,6 +89,25 @@ bench() {
   pack_results train
 }
 
+# groups: the loop's micro-batch with 1, 2, 4 (MB_GROUPS) GRPO groups of 8, --step-only, each
+# process's kernel times beside its wall times; two rounds, the groups (and builds) alternating.
+groups() {
+  local out=$RESULTS_DIR/train who round g
+  mkdir -p "$out"
+  unpack
+  for round in 1 2; do
+    for g in $MB_GROUPS; do
+      for who in $(whos); do
+        echo "== round $round: $g group(s) a micro-batch, $who ($(rev "$who"))"
+        ROLLPLEX_KERNEL_TIMES=1 "/tmp/train-$who/gpu_train_bench" --layers "$LAYERS" \
+          --seqs $((8 * g)) "${LOOP_SHAPE[@]}" --iters 3 --step-only 2>&1 |
+          tee "$out/groups-$g-$who-$round.log"
+      done
+    done
+  done
+  pack_results train
+}
+
 kernels() {
   local out=$RESULTS_DIR/train who
   mkdir -p "$out"
@@ -99,6 +125,7 @@ kernels() {
 case "$MODE" in
   build) build ;;
   bench) bench ;;
+  groups) groups ;;
   kernels) kernels ;;
-  *) die "usage: $0 build|bench|kernels" ;;
+  *) die "usage: $0 build|bench|groups|kernels" ;;
 esac
