@@ -146,12 +146,13 @@ impl GpuIteration<'_, '_> {
             // its launches count as its kind's in the kernel timing table, not the window's
             let kind = self.plan.tasks[x.task.index()].kind;
             let outer = (self.models.gpu).set_kernel_scope(Some(kind_name(kind)));
-            match &x.piece {
-                Some(Piece::Group(op, g)) => self.run_group_piece(&s, op, *g)?,
-                Some(Piece::Whole(op)) => self.run_op(&s, op)?,
-                None => {}
-            }
+            let ran = match &x.piece {
+                Some(Piece::Group(op, g)) => self.run_group_piece(&s, op, *g),
+                Some(Piece::Whole(op)) => self.run_op(&s, op),
+                None => Ok(()),
+            };
             self.models.gpu.set_kernel_scope(outer.as_deref());
+            ran?;
             let done = self.models.gpu.event()?;
             done.record(&s)?;
             self.inflight.push_back(done);

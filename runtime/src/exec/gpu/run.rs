@@ -270,8 +270,10 @@ impl TaskRunner for Started<'_, '_, '_> {
         // kernel timing's scope: the task's kind (side pieces set their own)
         (self.inner.models.gpu)
             .set_kernel_scope(Some(rollplex_cost::defaults::kind_name(task.kind)));
-        self.inner.run(task)?;
+        let ran = self.inner.run(task);
+        // cleared whether or not the task ran: launches after a failed task are not its own
         self.inner.models.gpu.set_kernel_scope(None);
+        ran?;
         if let Some(start) = self.log {
             // host times: when the launches of `task` began and how long the host spent in them;
             // the memory pool's bytes in use once they are queued (stream-ordered allocations
