@@ -627,8 +627,11 @@ pub fn lower(spec: &JobSpec, topo: Topology, kept: KeptLayers) -> Result<PhaseGr
             let fwd = b.wl.suffix(batch.micro as f64, ttp);
             let mut work = add_work(&fwd, &b.wl.backward_of(&fwd, recomputed(kept.suffix)));
             if !prefix_bwd.is_empty() {
-                let pf =
+                let mut pf =
                     b.wl.prefix(prefix_bwd.len() as f64 * copies as f64, ttp, 0.0);
+                // the trainers run each group's prompt rows as a call of their own (a group's
+                // bits never depend on how many share its micro-batch): a layer pass per group
+                pf.steps *= prefix_bwd.len();
                 // the prompt rows' layers past the kept ones keep their inputs only (the
                 // runtimes recompute them)
                 work = add_work(&work, &b.wl.backward_of(&pf, recomputed(kept.prompt)));
@@ -762,4 +765,39 @@ pub fn embed_gather_bytes(
 /// set (frozen parts never change and are not sent).
 pub fn disaggregated_sync_bytes(shapes: &Shapes, rtp: u32) -> u64 {
     shapes.trainable_params * shapes.dtype_bytes / rtp.max(1) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use rollplex_plan::spec::Mode;
+    use rollplex_plan::work::WorkKind;
+
+    use crate::fixtures::job;
+
+    /// A micro-batch's layer passes: the response rows' forward and backward once, and each of
+    /// its groups' prompt rows as a call of their own (as the trainers run them), so a
+    /// micro-batch of four groups counts three more groups' prompt passes than one of one group.
+    #[test]
+    fn micro_batch_passes_count_each_groups_prompt_rows() {
+        let passes = |groups: u32| {
+            let spec = job(|s| s.train.micro_batch = groups * s.rollout.group_size);
+            let topo = crate::topology::colocated(&spec, Mode::Serial).unwrap();
+            let pg = super::lower(&spec, topo, Default::default()).unwrap();
+            let layers = pg.spec.actor.text.num_layers;
+            let steps: Vec<u32> = pg
+                .graph
+                .node_weights()
+                .filter(|n| n.kind == WorkKind::ActorBwd)
+                .map(|n| n.work.steps)
+                .collect();
+            (steps, layers)
+        };
+        let (one, layers) = passes(1);
+        let (four, _) = passes(4);
+        assert_eq!(one.len(), 4 * four.len());
+        // forward + backward of the response rows: 3 passes a layer; each group's prompt rows
+        // (recomputed and backward): 2
+        assert!(one.iter().all(|&s| s == layers * (3 + 2)), "{one:?}");
+        assert!(four.iter().all(|&s| s == layers * (3 + 4 * 2)), "{four:?}");
+    }
 }
