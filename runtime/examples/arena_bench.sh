@@ -29,7 +29,9 @@
 # memory buys (kept activations, residency) measured against the plan without the memory for
 # it. VARIANT=SED does the same with the sed expression SED applied to the pipeline instead
 # (e.g. VARIANT='s/micro_batch = G /micro_batch = 4 * G /': another setting of the same job on
-# the same binaries, alternating with the shipped one).
+# the same binaries, alternating with the shipped one). Each of these processes also writes its
+# plans' task profiles under prof-WHO-ROUND of the results, for `rollplexc merge-profiles`: a
+# VARIANT with another micro-batch size gives a refit the sizes the shipped plans never run.
 set -euo pipefail
 MODE=${1:-}
 DIR=${DIR:-.gpu-pack/arena}
@@ -192,6 +194,7 @@ before_after() {
       [ $who = after ] || { b=$old; list=$DIR/before/plans.txt; }
       # shellcheck disable=SC2046
       timeout "${LIMIT:-270}" "$b/iteration_bench" $(cat "$list") --iterations 3 --rounds 1 --placed \
+        --profile-dir "$out/prof-$who-$round" \
         > "$out/$who-$round.log" 2>&1 || echo "iteration_bench ($who, round $round) exit $?"
       echo "== round $round: $who ($([ $who = before ] && echo "$rev" || cat "$DIR/rev"))"
       grep -v "^round" "$out/$who-$round.log" | tail -16
