@@ -52,7 +52,7 @@ build() {
     git rev-parse --short "$BEFORE" > "$DIR/before/rev"
   fi
   du -h "$DIR"/bin.tar.xz "$DIR"/before/bin.tar.xz 2> /dev/null || true
-  echo "on the GPU host, with $DIR copied: scripts/gpu-bench.sh run train [bench|kernels]"
+  echo "on the GPU host, with $DIR copied: scripts/gpu-bench.sh run train [bench|groups|kernels]"
 }
 
 # whos: "after" (this tree's binaries), and "before" first when $DIR/before holds REV's.
