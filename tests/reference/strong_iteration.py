@@ -55,7 +55,9 @@ What is tuned, phase by phase:
   pass like the reference one with OLD_PASS=1 / --old-pass (veRL's default);
 - training: micro-batches of one group (MB = 8 samples), each group's prompt run once with the
   8 responses attending to it and its gradient summed over them, activations kept (no
-  recomputation);
+  recomputation; RECOMPUTE=1 / --recompute recomputes each decoder layer in backward from its
+  kept input, what a user turns on when the step does not fit, as on an 80 GB card at 8
+  prompts);
 - compilation: the pieces between attention calls (RMSNorm + q|k|v + rotary; o projection +
   residual + RMSNorm + SwiGLU + residual), the lm head + log-softmax, the sampler and the
   decode attention's suffix and merge are `torch.compile`d (dynamic shapes; every phase uses
@@ -84,7 +86,8 @@ iteration under `iterations`.
 
 Knobs: the job's (iteration_common.py: PROMPTS or --prompts N, G, MAX_NEW, MB, SEED,
 ITERATION, MEDIAN, SIGMA), ITERS / --iters (timed iterations, 2), OLD_PASS=1 / --old-pass,
-COMPILE=0 / --no-compile, GRAPHS=0 / --no-graphs (decode steps launched eagerly), BUCKETS
+COMPILE=0 / --no-compile, GRAPHS=0 / --no-graphs (decode steps launched eagerly), RECOMPUTE=1 /
+--recompute (training activations recomputed per layer), BUCKETS
 (group counts of the decode batch buckets), LEN_BUCKET (64), DEVICE (cuda if present),
 RESULTS_DIR (.). `--tiny`: a toy model (2 text layers, narrow widths, a 2 x 16 x 16 video grid),
 2 prompts, responses of median 12 capped at 24: a dry run on the CPU (no graphs; no compile
@@ -111,6 +114,8 @@ ap.add_argument("--old-pass", action="store_true", default=ENV.get("OLD_PASS") =
                 help="score old log-probs with an actor pass instead of taking the sampler's")
 ap.add_argument("--no-compile", action="store_true", default=ENV.get("COMPILE") == "0")
 ap.add_argument("--no-graphs", action="store_true", default=ENV.get("GRAPHS") == "0")
+ap.add_argument("--recompute", action="store_true", default=ENV.get("RECOMPUTE") == "1",
+                help="training recomputes each decoder layer in backward (activation checkpointing)")
 ap.add_argument("--check-hf", action="store_true",
                 help="check the compact model against transformers' Qwen2.5-VL (toy sizes, fp32) and exit")
 ap.add_argument("--lengths", type=int, default=None, help="print the forced lengths of samples 0..N and exit")
@@ -124,6 +129,7 @@ JOB.handle_length_cli(sys.argv, "tests/reference/strong_iteration.py")
 # ---------------------------------------------------------------------------------------------
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import torch.utils.checkpoint  # noqa: E402
 from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
 DEV = torch.device(ENV.get("DEVICE", "cuda" if torch.cuda.is_available() else "cpu"))
@@ -158,6 +164,7 @@ res = {"baseline": "pytorch, tuned", "peer": "tests/reference/strong_iteration.p
        "prompt_len": P, "max_new_tokens": MAX_NEW, "micro_batch": MB, "seed": JOB.seed, "iteration": JOB.iteration,
        "gen_batch": N, "response_len": JOB.response_len_text(), "cuda_graphs": USE_GRAPHS, "torch_compile": USE_COMPILE,
        "old_logprobs": "actor pass" if ARGS.old_pass else "sampler", "buckets_groups": BUCKETS,
+       "training_activations": "recomputed per layer" if ARGS.recompute else "kept",
        "len_bucket": LEN_BUCKET, "precision": "bf16 compute, fp32 masters + moments + gradient sums"}
 if CUDA:
     res["gpu"] = torch.cuda.get_device_name()
@@ -576,7 +583,8 @@ def group_logp(w, ids, feats, resp):
     x = torch.cat([xp, F.embedding(resp[:, :rin], w.embed).reshape(g_ * rin, H)])
     cos = torch.cat([COS_P, COS_R[:rin].repeat(g_, 1, 1)])
     sin = torch.cat([SIN_P, SIN_R[:rin].repeat(g_, 1, 1)])
-    for lw in w.layers:
+
+    def layer(x, lw):
         q, k, v = PRE(x, lw["n1"], lw["wqkv"], lw["bqkv"], cos, sin)
         qp, kp, vp = (t[:P].transpose(0, 1)[None] for t in (q, k, v))
         a = [ATT_PREFIX(qp, kp, vp)[0].transpose(0, 1).reshape(P, NQ * HD)]
@@ -585,7 +593,12 @@ def group_logp(w, ids, feats, resp):
             kc = torch.cat([kp.expand(g_, -1, -1, -1), ks], 2)
             vc = torch.cat([vp.expand(g_, -1, -1, -1), vs], 2)
             a.append(ATT_SUFFIX(qs, kc, vc).transpose(1, 2).reshape(g_ * rin, NQ * HD))
-        x = POST(x, torch.cat(a) if rin > 0 else a[0], lw["wo"], lw["n2"], lw["wgu"], lw["wd"])
+        return POST(x, torch.cat(a) if rin > 0 else a[0], lw["wo"], lw["n2"], lw["wgu"], lw["wd"])
+
+    recompute = ARGS.recompute and torch.is_grad_enabled()
+    for lw in w.layers:
+        # --recompute: only each layer's input is kept; backward runs the layer again
+        x = torch.utils.checkpoint.checkpoint(layer, x, lw, use_reentrant=False) if recompute else layer(x, lw)
     hs = torch.cat([x[P - 1:P].expand(g_, H)[:, None], x[P:].view(g_, rin, H)], 1)
     return HEAD_LOGP(hs, w.norm, w.embed, resp)
 
