@@ -627,11 +627,7 @@ pub fn lower(spec: &JobSpec, topo: Topology, kept: KeptLayers) -> Result<PhaseGr
             let fwd = b.wl.suffix(batch.micro as f64, ttp);
             let mut work = add_work(&fwd, &b.wl.backward_of(&fwd, recomputed(kept.suffix)));
             if !prefix_bwd.is_empty() {
-                let mut pf =
-                    b.wl.prefix(prefix_bwd.len() as f64 * copies as f64, ttp, 0.0);
-                // the trainers run each group's prompt rows as a call of their own (a group's
-                // bits never depend on how many share its micro-batch): a layer pass per group
-                pf.steps *= prefix_bwd.len();
+                let pf = b.wl.micro_batch_prompts(prefix_bwd.len(), copies, ttp);
                 // the prompt rows' layers past the kept ones keep their inputs only (the
                 // runtimes recompute them)
                 work = add_work(&work, &b.wl.backward_of(&pf, recomputed(kept.prompt)));

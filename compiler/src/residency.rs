@@ -222,11 +222,11 @@ fn prompt_layers(
             ..
         } = pg.node(i).op
         {
-            let groups = prefix_bwd_slots.len() as f64;
+            let groups = prefix_bwd_slots.len();
             if let Some(r) = rows.get_mut(step as usize) {
-                *r += (groups * copies) as u64 * pg.shapes.prompt_tokens;
+                *r += (groups as f64 * copies) as u64 * pg.shapes.prompt_tokens;
             }
-            let fwd = wl.prefix(groups * copies, ttp, 0.0);
+            let fwd = wl.micro_batch_prompts(groups, pg.copies, ttp);
             fwd_s += cost.time(WorkKind::ActorBwd, &fwd, sms);
         }
     }

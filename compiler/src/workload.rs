@@ -171,6 +171,16 @@ impl Workload<'_> {
         }
     }
 
+    /// The prompt rows of a training micro-batch's `groups` groups (`copies` prompt forwards a
+    /// group), as its backward recomputes them: [`Workload::prefix`]'s work, one layer pass per
+    /// group, since the trainers run each group's prompt rows as a call of their own (a group's
+    /// bits never depend on how many share its micro-batch).
+    pub fn micro_batch_prompts(&self, groups: u32, copies: u32, tp: u32) -> Work {
+        let mut w = self.prefix(groups as f64 * copies as f64, tp, 0.0);
+        w.steps *= groups;
+        w
+    }
+
     /// Text forward over the responses of `samples` samples attending to a kept prefix of
     /// `prefix_tokens` (per sample), with logits for every response token.
     pub fn suffix(&self, samples: f64, tp: u32) -> Work {
