@@ -10,7 +10,7 @@
 #        bash runtime/examples/train_bench.sh build
 #   2. on the GPU host (repository root, $DIR beside it):
 #        bash runtime/examples/train_bench.sh bench     # the step's times and parts, PyTorch's beside it
-#        bash runtime/examples/train_bench.sh groups    # micro-batches of GROUPS GRPO groups (default
+#        bash runtime/examples/train_bench.sh groups    # micro-batches of MB_GROUPS GRPO groups (default
 #                                                       # 1 2 4), --step-only, each with its kernel
 #                                                       # times (ROLLPLEX_KERNEL_TIMES=1), two rounds
 #        bash runtime/examples/train_bench.sh kernels   # Nsight Compute: one micro-batch's kernels,
